@@ -1,0 +1,19 @@
+"""graphcap: CUDA graphs for LLM prefill and any launch-bound PyTorch forward.
+
+Public names only; see docs/architecture.md for the layout.
+"""
+
+from graphcap import errors
+from graphcap.core.graphs import GraphPool, new_pool
+from graphcap.errors import CaptureError, GraphcapError, UnsupportedStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CaptureError",
+    "GraphPool",
+    "GraphcapError",
+    "UnsupportedStrategy",
+    "errors",
+    "new_pool",
+]

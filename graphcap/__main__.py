@@ -1,0 +1,3 @@
+from graphcap.cli import main
+
+raise SystemExit(main())

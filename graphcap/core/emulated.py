@@ -1,0 +1,247 @@
+"""A CPU emulator of CUDA graphs: record the aten ops of a region, replay them.
+
+Capture runs the region once under a ``TorchDispatchMode`` that records every op with the
+very tensor objects it touched. Replay walks the record without running any Python of the
+region, with CUDA-graph semantics:
+
+- tensors are the recorded objects (static addresses): new contents copied into a captured
+  input are read, a new tensor object passed later is not;
+- Python scalars and control flow are baked at capture;
+- view ops are not re-run (a view stays a view of the same storage);
+- in-place and ``out=`` ops re-run on the recorded tensors;
+- functional ops re-run and their results are copied into the recorded outputs, so outputs
+  are the same objects every replay and are overwritten by the next one;
+- random ops draw fresh values on each replay (CUDA graphs advance the Philox offset);
+- ``empty``-style allocations launch nothing and are not re-run.
+
+Two details make capture itself behave as on CUDA, where capture launches nothing:
+memory the region mutated that existed before capture is restored when capture ends, and
+floating-point memory allocated during capture is filled with NaN, since on CUDA it holds
+garbage until the first replay. Host synchronisations raise ``CaptureError``
+(:mod:`graphcap.core.hostsync`).
+
+Differences from CUDA that stay: memory freed inside the region is not handed to later
+captures on the same pool (the emulator never reuses a block), and a custom op's Python
+implementation runs again on every replay (CUDA replays only the kernels it launched).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from graphcap.core import hostsync
+from graphcap.core.graph_base import Graph
+
+aten = torch.ops.aten
+
+_NO_KERNEL = {
+    aten.empty.memory_format,
+    aten.empty_strided.default,
+    aten.empty_like.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+}
+
+
+def _kind(func) -> str:
+    """How an op replays: 'mutate' (re-run), 'view'/'alloc' (skip), 'functional' (re-run, copy)."""
+    schema = func._schema
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return "mutate"
+    if any(r.alias_info is not None for r in schema.returns):
+        return "view"
+    if func in _NO_KERNEL:
+        return "alloc"
+    return "functional"
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an op declares it writes (``Tensor(a!)`` arguments)."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        out += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    return out
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _is_builtin(func) -> bool:
+    return func.namespace in ("aten", "prims")
+
+
+@dataclass
+class _Step:
+    func: Any
+    args: tuple
+    kwargs: dict
+    kind: str
+    outs: list[torch.Tensor] = field(default_factory=list)
+
+
+class _HostSyncGuard(TorchDispatchMode):
+    """Rejects host syncs without recording (inside custom ops, whose kernels replay whole)."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        hostsync.check_op(func, args, kwargs, self.device)
+        return func(*args, **kwargs)
+
+
+class _HostMethodGuard(TorchFunctionMode):
+    """Rejects Tensor methods that read device memory without dispatching an aten op."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        hostsync.check_method(func, args, kwargs, self.device)
+        return func(*args, **kwargs)
+
+
+class _Recorder(TorchDispatchMode):
+    """Runs each op once and appends it to the graph's steps."""
+
+    def __init__(self, graph: EmulatedGraph):
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        graph = self.graph
+        hostsync.check_op(func, args, kwargs, graph.device)
+        kind = _kind(func)
+        if kind == "mutate":
+            for t in _written(func, args, kwargs):
+                graph._snapshot(t)
+        if _is_builtin(func):
+            out = func(*args, **kwargs)
+        else:
+            with _HostSyncGuard(graph.device):
+                out = func(*args, **kwargs)
+        step = _Step(func, args, kwargs, kind)
+        if kind in ("functional", "alloc"):
+            step.outs = _tensors(out)
+            for t in step.outs:
+                graph._allocated(t)
+        graph._steps.append(step)
+        return out
+
+
+class EmulatedGraph(Graph):
+    """A graph recorded by dispatch mode and replayed op by op (see the module docstring)."""
+
+    emulated = True
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.device = pool.device
+        self._steps: list[_Step] = []
+        self._modes: list = []
+        self._snapshots: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+        self._internal: dict[int, tuple[torch.UntypedStorage, bool]] = {}
+        self._bytes = 0
+        self._segments = 0
+
+    # -- capture -------------------------------------------------------------------
+    @property
+    def capturing(self) -> bool:
+        return bool(self._modes)
+
+    def begin(self) -> None:
+        """Start recording. Several begin/end pairs append segments to one graph."""
+        if self._modes:
+            raise hostsync.CaptureError("begin() called twice: end() the current capture first")
+        self._modes = [_HostMethodGuard(self.device), _Recorder(self)]
+        for mode in self._modes:
+            mode.__enter__()
+
+    def end(self) -> None:
+        """Stop recording; undo capture-time writes to older memory, poison new memory."""
+        self._exit_modes()
+        for storage, saved in self._snapshots.values():
+            storage.copy_(saved)
+        self._snapshots.clear()
+        for storage, floating in self._internal.values():
+            if floating:
+                storage.fill_(0xFF)  # NaN in every floating dtype: garbage until replay
+        self._segments += 1
+
+    def abort(self, exc: BaseException) -> BaseException:
+        """End a capture that raised: restore memory, drop the record, return the error."""
+        self._exit_modes()
+        for storage, saved in self._snapshots.values():
+            storage.copy_(saved)
+        self.reset()
+        return exc
+
+    def _exit_modes(self) -> None:
+        modes, self._modes = self._modes, []
+        for mode in reversed(modes):
+            mode.__exit__(None, None, None)
+
+    def _snapshot(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if storage.nbytes() and key not in self._internal and key not in self._snapshots:
+            self._snapshots[key] = (storage, storage.clone())
+
+    def _allocated(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if storage.nbytes() and key not in self._internal and key not in self._snapshots:
+            self._internal[key] = (storage, t.is_floating_point() or t.is_complex())
+            self._bytes += storage.nbytes()
+
+    # -- replay --------------------------------------------------------------------
+    def replay(self) -> None:
+        """Re-run the recorded device work on the recorded tensors; no region Python runs."""
+        if self._modes:
+            raise hostsync.CaptureError("replay() during capture: end() the capture first")
+        if not self._segments:
+            raise hostsync.CaptureError("replay() before any capture: capture a region first")
+        with torch.inference_mode():
+            for step in self._steps:
+                if step.kind == "mutate":
+                    step.func(*step.args, **step.kwargs)
+                elif step.kind == "functional":
+                    fresh = _tensors(step.func(*step.args, **step.kwargs))
+                    for out, new in zip(step.outs, fresh):
+                        out.copy_(new)
+
+    def reset(self) -> None:
+        """Forget the record and release the memory it held."""
+        self._steps.clear()
+        self._snapshots.clear()
+        self._internal.clear()
+        self._bytes = 0
+        self._segments = 0
+
+    @property
+    def captured(self) -> bool:
+        return self._segments > 0
+
+    @property
+    def bytes_held(self) -> int:
+        """Bytes of the memory first allocated inside this graph's captures."""
+        return self._bytes
+
+    @property
+    def num_ops(self) -> int:
+        return sum(step.kind in ("mutate", "functional") for step in self._steps)

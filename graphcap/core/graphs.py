@@ -1,0 +1,240 @@
+"""The graph primitive every strategy builds on: real CUDA graphs, or the CPU emulator.
+
+A :class:`GraphPool` is one generation of graphs: a shared memory pool and one capture
+stream. ``pool.graph()`` makes a graph of the pool's kind; ``graph.capture(fn, *args)``
+records ``fn`` and returns its outputs; ``graph.replay()`` runs the recorded device work
+again. ``begin()``/``end()`` capture a segment around arbitrary code (breakable capture
+uses them to close and reopen segments around eager breaks).
+
+Contract, the same for both kinds (``tests/test_graph_semantics.py`` pins it):
+
+- replay reads the tensors the region read at capture: copy new contents into them
+  (static inputs); a tensor object created later is never seen;
+- the outputs are the tensors returned at capture, overwritten by every replay, and
+  hold garbage until the first replay;
+- Python in the region (side effects, scalars, control flow) runs at capture only;
+- every tensor a graph uses must stay alive as long as the graph (the graph holds them);
+- random ops draw fresh values on each replay;
+- host synchronisations in the region raise :class:`graphcap.errors.CaptureError`,
+  and leave the tensors and the model as they were before the capture.
+
+Example::
+
+    pool = new_pool(x.device)
+    graph = pool.graph()
+    with pool.warmup():
+        model(x)                      # lazy init and autotuning happen outside capture
+    y = graph.capture(model, x)       # x is now a static input
+    x.copy_(next_x); graph.replay()   # y holds model(next_x)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import weakref
+
+import torch
+
+from graphcap.core import hostsync
+from graphcap.core.emulated import EmulatedGraph
+from graphcap.core.graph_base import Graph
+from graphcap.errors import CaptureError, UnsupportedStrategy
+
+_KINDS = ("cuda", "emulated")
+
+
+def graph_kind(device: torch.device | str) -> str:
+    """'cuda' for CUDA tensors, else 'emulated'; ``GRAPHCAP_GRAPH`` overrides."""
+    device = torch.device(device)
+    forced = os.environ.get("GRAPHCAP_GRAPH", "").strip().lower()
+    if forced and forced not in _KINDS:
+        raise UnsupportedStrategy(
+            f"GRAPHCAP_GRAPH={forced!r} is not a graph kind: use one of {_KINDS} or unset it")
+    if forced == "cuda" and device.type != "cuda":
+        raise UnsupportedStrategy(
+            f"GRAPHCAP_GRAPH=cuda needs CUDA tensors, got device {device}: unset it to "
+            "use the emulator")
+    if forced:
+        return forced
+    return "cuda" if device.type == "cuda" else "emulated"
+
+
+class _FrozenGC:
+    """gc frozen and disabled during capture: a collection mid-capture can unload a
+    Triton module a captured kernel still uses."""
+
+    def __enter__(self):
+        self.was_enabled = gc.isenabled()
+        gc.freeze()
+        gc.disable()
+
+    def __exit__(self, *exc):
+        gc.unfreeze()
+        if self.was_enabled:
+            gc.enable()
+
+
+class CudaGraph(Graph):
+    """``torch.cuda.CUDAGraph`` driven with ``capture_begin``/``capture_end`` directly.
+
+    ``torch.cuda.graph`` synchronises and empties the allocator cache on every enter;
+    graphcap captures many segments and shapes, so it calls the primitives itself.
+    """
+
+    emulated = False
+
+    def __init__(self, pool: GraphPool):
+        self.pool = pool
+        self.device = pool.device
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._stack: contextlib.ExitStack | None = None
+        self._bytes = 0
+        self._reserved_before = 0
+        self._segments = 0
+
+    @property
+    def capturing(self) -> bool:
+        return self._stack is not None
+
+    def begin(self) -> None:
+        """Begin capture on the pool's stream and memory pool."""
+        if self._stack is not None:
+            raise CaptureError("begin() called twice: end() the current capture first")
+        if self._graph is not None:
+            raise CaptureError("this graph is captured already: reset() it or make a new one")
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.device))
+        self.pool.stream.wait_stream(torch.cuda.current_stream(self.device))
+        stack.enter_context(torch.cuda.stream(self.pool.stream))
+        stack.enter_context(_FrozenGC())
+        self._reserved_before = torch.cuda.memory_reserved(self.device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            graph.capture_begin(pool=self.pool.handle, capture_error_mode="thread_local")
+        except BaseException:
+            stack.close()
+            raise
+        self._graph, self._stack = graph, stack
+
+    def end(self) -> None:
+        """End capture; the graph is ready to replay."""
+        stack, self._stack = self._stack, None
+        if stack is None:
+            raise CaptureError("end() without begin()")
+        try:
+            self._graph.capture_end()
+        except RuntimeError as exc:
+            self._graph = None
+            raise hostsync.translate_cuda_failure(exc) from exc
+        finally:
+            stack.close()
+        torch.cuda.current_stream(self.device).wait_stream(self.pool.stream)
+        self._bytes = torch.cuda.memory_reserved(self.device) - self._reserved_before
+        self._segments = 1
+
+    def abort(self, exc: BaseException) -> BaseException:
+        """End a capture whose region raised; return the error to raise (translated
+        when CUDA refused an operation, as-is otherwise)."""
+        stack, self._stack = self._stack, None
+        invalidated = False
+        try:
+            if self._graph is not None and stack is not None:
+                self._graph.capture_end()
+        except RuntimeError:
+            invalidated = True
+        finally:
+            self._graph = None
+            if stack is not None:
+                stack.close()
+        if isinstance(exc, CaptureError):
+            return exc
+        if invalidated or hostsync.is_capture_failure(exc):
+            err = hostsync.translate_cuda_failure(exc)
+            err.__cause__ = exc
+            return err
+        return exc
+
+    def replay(self) -> None:
+        if self._graph is None or self._stack is not None:
+            raise CaptureError("replay() needs a finished capture: capture a region first")
+        self._graph.replay()
+
+    def reset(self) -> None:
+        if self._graph is not None:
+            self._graph.reset()
+        self._graph = None
+        self._bytes = 0
+        self._segments = 0
+
+    @property
+    def captured(self) -> bool:
+        return self._segments > 0
+
+    @property
+    def bytes_held(self) -> int:
+        """Device memory the pool reserved while capturing this graph."""
+        return self._bytes
+
+
+
+
+class GraphPool:
+    """One memory pool and one capture stream shared by a generation of graphs.
+
+    Graphs of one pool may share memory (on CUDA, blocks a capture freed are reused by
+    later captures of the pool): replay them one at a time, and keep alive any tensor
+    you read after another graph's replay.
+    """
+
+    def __init__(self, device: torch.device | str | None = None, kind: str | None = None):
+        device = torch.device(device if device is not None else "cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.kind = kind or graph_kind(device)
+        if self.kind not in _KINDS:
+            raise UnsupportedStrategy(f"graph kind {self.kind!r}: use one of {_KINDS}")
+        if self.kind == "cuda" and device.type != "cuda":
+            raise UnsupportedStrategy(f"CUDA graphs need a CUDA device, got {device}")
+        self._graphs: weakref.WeakSet = weakref.WeakSet()
+        self.handle = torch.cuda.graph_pool_handle() if self.kind == "cuda" else None
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @property
+    def emulated(self) -> bool:
+        return self.kind == "emulated"
+
+    def graph(self) -> Graph:
+        """A new, empty graph of this pool's kind."""
+        graph = CudaGraph(self) if self.kind == "cuda" else EmulatedGraph(self)
+        self._graphs.add(graph)
+        return graph
+
+    @contextlib.contextmanager
+    def warmup(self):
+        """Run eager warm-up on the capture stream (lazy init, autotuning, JIT)."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def bytes(self) -> int:
+        """Memory held by this pool's graphs (CUDA: the pool's segments)."""
+        if self.kind == "cuda":
+            pool_id = tuple(self.handle)
+            return sum(
+                seg["total_size"]
+                for seg in torch.cuda.memory.memory_snapshot()
+                if tuple(seg.get("segment_pool_id", ())) == pool_id
+            )
+        return sum(g.bytes_held for g in self._graphs)
+
+
+def new_pool(device: torch.device | str | None = None, kind: str | None = None) -> GraphPool:
+    """A pool for graphs of tensors on ``device`` (kind from the device and GRAPHCAP_GRAPH)."""
+    return GraphPool(device, kind)

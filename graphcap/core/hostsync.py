@@ -1,0 +1,157 @@
+"""Host synchronisations: what a graph cannot capture, and how to say so.
+
+A CUDA graph records device work only. Anything that makes the host wait for the device
+(``Tensor.item``, ``.cpu()``, ``nonzero`` and other ops whose output size depends on the
+data) or that feeds host data into device memory from a Python object fails CUDA stream
+capture. The emulator applies the same rules by name (``check_op``, ``check_method``);
+the CUDA graph translates the driver's failure (``translate_cuda_failure``). Both raise
+:class:`graphcap.errors.CaptureError` naming the operation and the user's source line.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Iterable
+
+import torch
+
+from graphcap.errors import CaptureError
+
+aten = torch.ops.aten
+
+# Ops that return a host value computed from device data.
+_SCALAR_READS = {
+    aten._local_scalar_dense.default: "Tensor.item() (also float(t), int(t), bool(t), if t:)",
+    aten.equal.default: "torch.equal",
+    aten.is_nonzero.default: "Tensor.is_nonzero / bool(t)",
+}
+# Ops whose output shape depends on the data: the host must read the device to size it.
+_DATA_DEPENDENT = {
+    aten.nonzero.default: "torch.nonzero (also torch.where(cond), argwhere)",
+    aten.masked_select.default: "torch.masked_select",
+    aten._unique.default: "torch.unique",
+    aten._unique2.default: "torch.unique",
+    aten.unique_dim.default: "torch.unique(dim=...)",
+    aten.unique_consecutive.default: "torch.unique_consecutive",
+    aten.bincount.default: "torch.bincount",
+}
+# Ops that turn a host Python object into a tensor on the capture device.
+_HOST_DATA = {
+    aten.lift_fresh.default: "torch.tensor(python_data)",
+    aten.lift_fresh_copy.default: "torch.tensor(python_data)",
+}
+# Tensor methods that read device memory from the host without any aten op.
+HOST_METHODS = {
+    torch.Tensor.cpu: ("Tensor.cpu", "Tensor.cpu()"),
+    torch.Tensor.numpy: ("Tensor.numpy", "Tensor.numpy()"),
+    torch.Tensor.tolist: ("Tensor.tolist", "Tensor.tolist()"),
+    torch.Tensor.item: ("Tensor.item", "Tensor.item()"),
+    torch.Tensor.__repr__: ("Tensor.__repr__", "printing a tensor"),
+    torch.Tensor.__str__: ("Tensor.__str__", "printing a tensor"),
+    torch.Tensor.__format__: ("Tensor.__format__", "formatting a tensor"),
+}
+
+_ADVICE = (
+    "Move it out of the captured region (compute it before capture, or keep it on the "
+    "device), or run that function eagerly between graph segments."
+)
+
+_HERE = os.path.dirname(os.path.abspath(__file__))  # graphcap/core: the capture machinery
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def user_site(frames: Iterable[traceback.FrameSummary]) -> str | None:
+    """The innermost frame outside torch and graphcap's own capture machinery."""
+    site = None
+    for frame in frames:
+        path = os.path.abspath(frame.filename)
+        if path.startswith(_TORCH) or path.startswith(_HERE) or "/contextlib.py" in path:
+            continue
+        site = f"{os.path.basename(path)}:{frame.lineno} `{(frame.line or '').strip()}`"
+    return site
+
+
+def _raise(op: str, what: str, why: str) -> None:
+    site = user_site(traceback.extract_stack())
+    where = f", at {site}" if site else ""
+    raise CaptureError(
+        f"host synchronisation in a captured region: {what} ({op}{where}) {why}, which "
+        f"a graph cannot capture. {_ADVICE}",
+        op=op,
+        site=site,
+    )
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    flat, _ = torch.utils._pytree.tree_flatten(values)
+    return [v for v in flat if isinstance(v, torch.Tensor)]
+
+
+def _moves_to_host(func, args, kwargs, device: torch.device) -> bool:
+    """A device-to-host copy, or a copy into the device from pageable host memory."""
+    if device.type == "cpu":
+        return False
+    if func is aten._to_copy.default:
+        target = kwargs.get("device")
+        return target is not None and torch.device(target).type == "cpu" and args[0].device == device
+    if func is aten.copy_.default:
+        dst, src = args[0], args[1]
+        if dst.device.type == "cpu" and src.device == device:
+            return True
+        return dst.device == device and src.device.type == "cpu" and not src.is_pinned()
+    return False
+
+
+def _bool_index(func, args) -> bool:
+    if func not in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default):
+        return False
+    return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+
+
+def check_op(func, args, kwargs, device: torch.device) -> None:
+    """Raise CaptureError if the aten op ``func`` would synchronise with the host."""
+    if func in _SCALAR_READS:
+        _raise(str(func.overloadpacket), _SCALAR_READS[func], "reads a device value on the host")
+    if func in _DATA_DEPENDENT or _bool_index(func, args):
+        what = _DATA_DEPENDENT.get(func, "indexing with a boolean mask")
+        _raise(str(func.overloadpacket), what, "has an output size that depends on the data")
+    if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+        _raise("aten.repeat_interleave", "torch.repeat_interleave without output_size",
+               "has an output size that depends on the data")
+    if func in _HOST_DATA and any(t.device == device for t in _tensors(args)):
+        _raise(str(func.overloadpacket), _HOST_DATA[func], "copies host data into the graph")
+    if _moves_to_host(func, args, kwargs, device):
+        _raise(str(func.overloadpacket), "a copy between host and device",
+               "synchronises the host with the device")
+
+
+def check_method(func, args, kwargs, device: torch.device) -> None:
+    """Raise CaptureError for Tensor methods that read device memory from the host."""
+    named = HOST_METHODS.get(func)
+    if named is None and func is torch.Tensor.to:
+        target = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
+        if target is not None and target.type == "cpu":
+            named = ("Tensor.to", "Tensor.to('cpu')")
+    if named is not None and any(t.device == device for t in _tensors(args[:1])):
+        _raise(named[0], named[1], "reads device memory on the host")
+
+
+def is_capture_failure(exc: BaseException) -> bool:
+    """True when ``exc`` is CUDA refusing an operation during stream capture."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("captur" in text or "cudaerrorstream" in text)
+
+
+def translate_cuda_failure(exc: BaseException) -> CaptureError:
+    """Turn CUDA's capture failure into a CaptureError naming the user's line."""
+    site = user_site(traceback.extract_tb(exc.__traceback__))
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    where = site or "an operation in the captured region"
+    return CaptureError(
+        f"CUDA graph capture failed at {where}: {first}. This is usually a host "
+        f"synchronisation (.item(), .cpu(), .tolist(), nonzero, printing a tensor, "
+        f"torch.tensor(data, device=...)). {_ADVICE}",
+        op=None,
+        site=site,
+    )

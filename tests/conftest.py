@@ -1,0 +1,53 @@
+"""Shared fixtures: graph pools of every kind this machine can run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("gpu", max_examples=10, deadline=None)
+settings.register_profile("dev", max_examples=100, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--graph-standin", choices=["rerun"], default=None,
+        help="replace the CPU graph with a stand-in (proves the semantics suite can fail)")
+
+
+def _pool(kind: str, request):
+    from graphcap.core import new_pool
+
+    standin = request.config.getoption("--graph-standin")
+    if standin:
+        if kind != "emulated-cpu":
+            pytest.skip("stand-ins replace the CPU emulator only")
+        from tests.standins import RerunPool
+
+        return RerunPool("cpu")
+    if kind == "emulated-cpu":
+        return new_pool("cpu", kind="emulated")
+    if kind == "emulated-cuda":
+        return new_pool("cuda", kind="emulated")
+    return new_pool("cuda", kind="cuda")
+
+
+@pytest.fixture(
+    params=[
+        "emulated-cpu",
+        pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda]),
+        pytest.param("emulated-cuda", marks=[pytest.mark.gpu, requires_cuda]),
+    ]
+)
+def pool(request):
+    """A graph pool: the CPU emulator everywhere, real CUDA graphs and the emulator on
+    CUDA tensors where a GPU is present."""
+    return _pool(request.param, request)

@@ -1,0 +1,81 @@
+"""Choosing the graph kind, and misuse of the graph primitive."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphcap.core import CudaGraph, EmulatedGraph, graph_kind, new_pool
+from graphcap.errors import CaptureError, UnsupportedStrategy
+from tests.conftest import requires_cuda
+
+
+def test_cpu_tensors_get_the_emulator(monkeypatch):
+    monkeypatch.delenv("GRAPHCAP_GRAPH", raising=False)
+    assert graph_kind("cpu") == "emulated"
+    assert isinstance(new_pool("cpu").graph(), EmulatedGraph)
+
+
+def test_an_unknown_graphcap_graph_value_is_rejected_by_name(monkeypatch):
+    monkeypatch.setenv("GRAPHCAP_GRAPH", "cudagraphs")
+    with pytest.raises(UnsupportedStrategy, match="GRAPHCAP_GRAPH='cudagraphs'"):
+        graph_kind("cpu")
+
+
+def test_forcing_cuda_graphs_without_cuda_tensors_is_rejected(monkeypatch):
+    monkeypatch.setenv("GRAPHCAP_GRAPH", "cuda")
+    with pytest.raises(UnsupportedStrategy, match="needs CUDA tensors"):
+        new_pool("cpu")
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_tensors_get_cuda_graphs_unless_the_emulator_is_forced(monkeypatch):
+    monkeypatch.delenv("GRAPHCAP_GRAPH", raising=False)
+    assert isinstance(new_pool("cuda").graph(), CudaGraph)
+    monkeypatch.setenv("GRAPHCAP_GRAPH", "emulated")
+    assert isinstance(new_pool("cuda").graph(), EmulatedGraph)
+
+
+def test_replay_before_capture_is_an_error():
+    with pytest.raises(CaptureError, match="capture"):
+        new_pool("cpu").graph().replay()
+
+
+def test_beginning_a_capture_twice_is_an_error():
+    graph = new_pool("cpu").graph()
+    graph.begin()
+    with pytest.raises(CaptureError, match="begin"):
+        graph.begin()
+    graph.end()
+
+
+def test_emulated_outputs_hold_garbage_until_the_first_replay_as_on_cuda():
+    x = torch.ones(4)
+    graph = new_pool("cpu").graph()
+    y = graph.capture(lambda t: t * 2, x)
+    assert torch.isnan(y).all()
+    graph.replay()
+    assert torch.equal(y, torch.full((4,), 2.0))
+
+
+def test_segments_captured_with_begin_and_end_replay_in_order():
+    x = torch.ones(4)
+    graph = new_pool("cpu").graph()
+    graph.begin()
+    y = x + 1
+    graph.end()
+    graph.begin()
+    z = y * 10
+    graph.end()
+    x.fill_(2.0)
+    graph.replay()
+    assert torch.equal(z, torch.full((4,), 30.0))
+
+
+def test_reset_releases_the_record():
+    graph = new_pool("cpu").graph()
+    graph.capture(lambda: torch.zeros(1024) + 1)
+    assert graph.bytes_held >= 4096
+    graph.reset()
+    assert graph.bytes_held == 0 and not graph.captured

@@ -1,0 +1,238 @@
+"""The graph contract, pinned on every graph kind present (see graphcap/core/graphs.py).
+
+Each test runs on the CPU emulator, and with ``-m gpu`` on real CUDA graphs and on the
+emulator over CUDA tensors. Every test also fails on a graph that merely re-runs the
+function (tests/test_semantics_suite_can_fail.py proves it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphcap.errors import CaptureError
+from tests import custom_ops  # noqa: F401  (registers graphcap_test::*)
+
+
+class Region:
+    """A captured function that counts how often its Python body runs."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+def full(pool, n, value, dtype=torch.float32):
+    return torch.full((n,), float(value), device=pool.device, dtype=dtype)
+
+
+def test_replay_reads_new_contents_of_captured_inputs_but_not_new_tensor_objects(pool):
+    x = full(pool, 8, 1.0)
+    inputs = {"x": x}
+    region = Region(lambda: inputs["x"] * 2 + 1)
+    graph = pool.graph()
+    y = graph.capture(region)
+
+    x.copy_(full(pool, 8, 5.0))
+    graph.replay()
+    assert torch.equal(y, full(pool, 8, 11.0))
+
+    inputs["x"] = full(pool, 8, 100.0)  # a new object: the graph never sees it
+    graph.replay()
+    assert torch.equal(y, full(pool, 8, 11.0))
+    assert region.calls == 1
+
+
+def test_outputs_are_the_same_objects_every_replay_and_overwritten_by_the_next(pool):
+    x = full(pool, 16, 1.0)
+    region = Region(lambda t: (t * 3, (t + 1)[::2]))
+    graph = pool.graph()
+    y, z = graph.capture(region, x)
+    ptrs = (y.data_ptr(), z.data_ptr())
+
+    graph.replay()
+    held_y, held_z = y, z
+    assert torch.equal(held_y, full(pool, 16, 3.0)) and torch.equal(held_z, full(pool, 8, 2.0))
+
+    x.fill_(2.0)
+    graph.replay()
+    assert held_y is y and (y.data_ptr(), z.data_ptr()) == ptrs
+    assert torch.equal(held_y, full(pool, 16, 6.0)) and torch.equal(held_z, full(pool, 8, 3.0))
+    assert region.calls == 1
+
+
+def test_python_side_effects_scalars_and_branches_are_fixed_at_capture(pool):
+    x = full(pool, 4, 2.0)
+    log, cfg = [], {"scale": 3.0, "relu": True}
+
+    def body(t):
+        log.append("ran")
+        out = t * cfg["scale"]
+        return out.neg().relu() if cfg["relu"] else out
+
+    graph = pool.graph()
+    y = graph.capture(body, x)
+    cfg.update(scale=5.0, relu=False)
+    x.fill_(-1.0)
+    for _ in range(3):
+        graph.replay()
+    assert log == ["ran"]
+    assert torch.equal(y, full(pool, 4, 3.0))  # relu(-(-1 * 3)), not -1 * 5
+
+
+def test_in_place_ops_and_views_of_captured_tensors_replay(pool):
+    buf = torch.arange(8, device=pool.device, dtype=torch.float32)
+    x = full(pool, 8, 1.0)
+    region = Region(lambda: (buf.add_(x), buf[2:6].mul_(2), buf.view(2, 4))[-1])
+    graph = pool.graph()
+    matrix = graph.capture(region)
+
+    # Capture launches nothing: the buffer is as it was.
+    assert torch.equal(buf, torch.arange(8, device=pool.device, dtype=torch.float32))
+    graph.replay()
+    expect = torch.arange(8, device=pool.device, dtype=torch.float32) + 1
+    expect[2:6] *= 2
+    assert torch.equal(buf, expect) and torch.equal(matrix, expect.view(2, 4))
+    assert matrix.data_ptr() == buf.data_ptr()
+
+    x.fill_(10.0)
+    graph.replay()
+    expect += 10
+    expect[2:6] *= 2
+    assert torch.equal(buf, expect) and torch.equal(matrix, expect.view(2, 4))
+    assert region.calls == 1
+
+
+def test_out_variant_ops_write_their_given_buffers_on_replay(pool):
+    x = full(pool, 6, 1.0)
+    given = torch.zeros(6, device=pool.device)
+
+    def body(t):
+        torch.add(t, 1, out=given)
+        inner = torch.empty_like(t)
+        torch.mul(given, 2, out=inner)
+        return inner
+
+    region = Region(body)
+    graph = pool.graph()
+    inner = graph.capture(region, x)
+    assert torch.equal(given, torch.zeros(6, device=pool.device))  # untouched by capture
+
+    x.fill_(4.0)
+    graph.replay()
+    assert torch.equal(given, full(pool, 6, 5.0)) and torch.equal(inner, full(pool, 6, 10.0))
+    assert region.calls == 1
+
+
+def test_two_graphs_on_one_pool_replay_independently_in_any_order(pool):
+    xa, xb = full(pool, 32, 1.0), full(pool, 32, 1.0)
+    ra = Region(lambda t: torch.sin(t) * 2)
+    rb = Region(lambda t: torch.cos(t) + 1)
+    ga, gb = pool.graph(), pool.graph()
+    ya = ga.capture(ra, xa)
+    yb = gb.capture(rb, xb)
+
+    for step, order in enumerate(["ab", "ba", "bb", "aa", "ab"]):
+        va, vb = float(step), float(-step - 1)
+        xa.fill_(va)
+        xb.fill_(vb)
+        for which in order:
+            (ga if which == "a" else gb).replay()
+        if "a" in order:
+            assert torch.allclose(ya, torch.sin(full(pool, 32, va)) * 2)
+        if "b" in order:
+            assert torch.allclose(yb, torch.cos(full(pool, 32, vb)) + 1)
+    assert (ra.calls, rb.calls) == (1, 1)
+
+
+def test_torch_library_custom_ops_replay_inside_the_region(pool):
+    x, y = full(pool, 10, 1.0), full(pool, 10, 2.0)
+    out = torch.zeros(10, device=pool.device)
+    factor = {"a": 3.0}
+
+    def body():
+        torch.ops.graphcap_test.axpy_out(x, y, factor["a"], out)
+        return torch.ops.graphcap_test.axpy(x, out, 0.5)
+
+    region = Region(body)
+    graph = pool.graph()
+    z = graph.capture(region)
+    factor["a"] = 100.0  # baked at capture
+    x.fill_(2.0)
+    y.fill_(1.0)
+    graph.replay()
+    assert torch.equal(out, full(pool, 10, 7.0))  # 3 * 2 + 1
+    assert torch.equal(z, full(pool, 10, 8.0))  # 0.5 * 2 + 7
+    assert region.calls == 1
+
+
+HOST_SYNCS = {
+    "item": ("item", lambda t: t.sum().item()),
+    "tolist": ("tolist", lambda t: t.tolist()),
+    "cpu": (".cpu()", lambda t: t.cpu()),
+    "nonzero": ("nonzero", lambda t: torch.nonzero(t > 2)),
+    "tensor_from_list": ("torch.tensor", lambda t: t + torch.tensor([1.0] * 8, device=t.device)),
+    "print": ("print", lambda t: print(t)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOST_SYNCS))
+def test_host_syncs_raise_capture_error_naming_the_op_and_leave_state_usable(pool, case):
+    needle, sync = HOST_SYNCS[case]
+    x = torch.arange(8, device=pool.device, dtype=torch.float32)
+    buf = torch.zeros(8, device=pool.device)
+
+    def body(t):
+        buf.add_(t)
+        return sync(t)
+
+    graph = pool.graph()
+    with pytest.raises(CaptureError) as info:
+        graph.capture(body, x)
+    assert needle in str(info.value), str(info.value)
+    assert torch.equal(buf, torch.zeros(8, device=pool.device))  # nothing of it happened
+
+    # The model and the pool stay usable: eager code, then a fresh capture.
+    assert torch.equal(x * 2, torch.arange(8, device=pool.device, dtype=torch.float32) * 2)
+    again = pool.graph()
+    y = again.capture(lambda t: t + buf, x)
+    again.replay()
+    assert torch.equal(y, x)
+
+
+def test_random_ops_draw_fresh_values_on_every_replay(pool):
+    region = Region(lambda: (torch.rand(4096, device=pool.device),
+                             torch.randn(4096, device=pool.device)))
+    graph = pool.graph()
+    u, n = graph.capture(region)
+    seen = []
+    for _ in range(3):
+        graph.replay()
+        assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+        assert abs(float(n.mean())) < 0.1
+        seen.append(u.clone())
+    assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])
+    assert region.calls == 1
+
+
+def test_a_captured_mlp_matches_eager_on_new_inputs(pool):
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)).to(pool.device)
+    x = torch.randn(8, 32, device=pool.device)
+    region = Region(mlp)
+    with torch.inference_mode():
+        with pool.warmup():  # lazy init (cuBLAS handles) outside capture
+            mlp(x)
+        graph = pool.graph()
+        y = graph.capture(region, x)
+        for _ in range(3):
+            fresh = torch.randn(8, 32, device=pool.device)
+            x.copy_(fresh)
+            graph.replay()
+            torch.testing.assert_close(y, mlp(fresh))
+    assert region.calls == 1
+    assert graph.bytes_held > 0 and pool.bytes() >= graph.bytes_held
