@@ -79,3 +79,22 @@ def test_reset_releases_the_record():
     assert graph.bytes_held >= 4096
     graph.reset()
     assert graph.bytes_held == 0 and not graph.captured
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_a_sync_cuda_refuses_is_translated_into_a_capture_error_naming_the_line():
+    pool = new_pool("cuda", kind="cuda")
+    x = torch.ones(8, device="cuda")
+
+    def body(t):
+        y = t * 2
+        torch.cuda.synchronize()
+        return y
+
+    with pytest.raises(CaptureError, match="torch.cuda.synchronize"):
+        pool.graph().capture(body, x)
+    graph = pool.graph()
+    y = graph.capture(lambda t: t * 3, x)
+    graph.replay()
+    assert torch.equal(y, torch.full((8,), 3.0, device="cuda"))

@@ -17,3 +17,26 @@ HAS_TRITON_OP = hasattr(torch.library, "triton_op")
 def cuda_available() -> bool:
     """True when a CUDA device is usable (not merely compiled in)."""
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def new_mempool(device: torch.device):
+    """A CUDA memory pool object that owns its pool (``torch.cuda.MemPool``), or a bare
+    graph pool handle on a torch without it."""
+    mempool = getattr(torch.cuda, "MemPool", None)
+    if mempool is None:
+        return torch.cuda.graph_pool_handle()
+    with torch.cuda.device(device):
+        return mempool()
+
+
+def mempool_id(pool) -> tuple[int, int]:
+    return tuple(pool.id) if hasattr(pool, "id") else tuple(pool)
+
+
+def end_allocate_to_pool(device: torch.device, pool_id) -> None:
+    """Stop routing allocations to ``pool_id`` (after a capture CUDA refused); a no-op
+    when the allocator had stopped already."""
+    try:
+        torch._C._cuda_endAllocateToPool(device.index, pool_id)
+    except RuntimeError:
+        pass

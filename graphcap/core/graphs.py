@@ -37,6 +37,7 @@ import weakref
 
 import torch
 
+from graphcap import compat
 from graphcap.core import hostsync
 from graphcap.core.emulated import EmulatedGraph
 from graphcap.core.graph_base import Graph
@@ -120,16 +121,15 @@ class CudaGraph(Graph):
 
     def end(self) -> None:
         """End capture; the graph is ready to replay."""
-        stack, self._stack = self._stack, None
-        if stack is None:
+        if self._stack is None:
             raise CaptureError("end() without begin()")
         try:
             self._graph.capture_end()
         except RuntimeError as exc:
-            self._graph = None
+            self._close_failed_capture()
             raise hostsync.translate_cuda_failure(exc) from exc
-        finally:
-            stack.close()
+        self._stack.close()
+        self._stack = None
         torch.cuda.current_stream(self.device).wait_stream(self.pool.stream)
         self._bytes = torch.cuda.memory_reserved(self.device) - self._reserved_before
         self._segments = 1
@@ -137,24 +137,35 @@ class CudaGraph(Graph):
     def abort(self, exc: BaseException) -> BaseException:
         """End a capture whose region raised; return the error to raise (translated
         when CUDA refused an operation, as-is otherwise)."""
-        stack, self._stack = self._stack, None
-        invalidated = False
+        if self._stack is None:
+            return exc
         try:
-            if self._graph is not None and stack is not None:
-                self._graph.capture_end()
+            self._graph.capture_end()
+            invalidated = False
         except RuntimeError:
             invalidated = True
-        finally:
+        if invalidated:
+            self._close_failed_capture()
+        else:
+            self._stack.close()
+            self._stack = None
             self._graph = None
-            if stack is not None:
-                stack.close()
-        if isinstance(exc, CaptureError):
-            return exc
-        if invalidated or hostsync.is_capture_failure(exc):
+        if not isinstance(exc, CaptureError) and (
+                invalidated or hostsync.is_capture_failure(exc)):
             err = hostsync.translate_cuda_failure(exc)
             err.__cause__ = exc
             return err
         return exc
+
+    def _close_failed_capture(self) -> None:
+        # A refused capture_end returns before the allocator stops routing allocations
+        # to the pool; stop it. torch 2.11 still refuses later captures on that pool id
+        # ("already recording to mempool_id"), so the pool moves on to a fresh one.
+        compat.end_allocate_to_pool(self.device, self.pool.handle)
+        self.pool._renew_after_failed_capture()
+        self._graph = None
+        self._stack.close()
+        self._stack = None
 
     def replay(self) -> None:
         if self._graph is None or self._stack is not None:
@@ -199,12 +210,19 @@ class GraphPool:
         if self.kind == "cuda" and device.type != "cuda":
             raise UnsupportedStrategy(f"CUDA graphs need a CUDA device, got {device}")
         self._graphs: weakref.WeakSet = weakref.WeakSet()
-        self.handle = torch.cuda.graph_pool_handle() if self.kind == "cuda" else None
+        # The pool object keeps the allocator's pool alive between graphs: a bare
+        # graph_pool_handle() is released with the last graph that used it.
+        self._mempools = [compat.new_mempool(device)] if self.kind == "cuda" else []
+        self.handle = compat.mempool_id(self._mempools[-1]) if self._mempools else None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @property
     def emulated(self) -> bool:
         return self.kind == "emulated"
+
+    def _renew_after_failed_capture(self) -> None:
+        self._mempools.append(compat.new_mempool(self.device))
+        self.handle = compat.mempool_id(self._mempools[-1])
 
     def graph(self) -> Graph:
         """A new, empty graph of this pool's kind."""
@@ -226,11 +244,11 @@ class GraphPool:
     def bytes(self) -> int:
         """Memory held by this pool's graphs (CUDA: the pool's segments)."""
         if self.kind == "cuda":
-            pool_id = tuple(self.handle)
+            ids = {compat.mempool_id(p) for p in self._mempools}
             return sum(
                 seg["total_size"]
                 for seg in torch.cuda.memory.memory_snapshot()
-                if tuple(seg.get("segment_pool_id", ())) == pool_id
+                if tuple(seg.get("segment_pool_id", ())) in ids
             )
         return sum(g.bytes_held for g in self._graphs)
 
