@@ -115,6 +115,9 @@ class CudaGraph(Graph):
         try:
             graph.capture_begin(pool=self.pool.handle, capture_error_mode="thread_local")
         except BaseException:
+            # capture_begin can fail after routing allocations to the pool: undo that.
+            compat.end_allocate_to_pool(self.device, self.pool.handle)
+            self.pool._renew_after_failed_capture()
             stack.close()
             raise
         self._graph, self._stack = graph, stack
@@ -144,12 +147,7 @@ class CudaGraph(Graph):
             invalidated = False
         except RuntimeError:
             invalidated = True
-        if invalidated:
-            self._close_failed_capture()
-        else:
-            self._stack.close()
-            self._stack = None
-            self._graph = None
+        self._close_failed_capture()
         if not isinstance(exc, CaptureError) and (
                 invalidated or hostsync.is_capture_failure(exc)):
             err = hostsync.translate_cuda_failure(exc)
@@ -159,8 +157,9 @@ class CudaGraph(Graph):
 
     def _close_failed_capture(self) -> None:
         # A refused capture_end returns before the allocator stops routing allocations
-        # to the pool; stop it. torch 2.11 still refuses later captures on that pool id
-        # ("already recording to mempool_id"), so the pool moves on to a fresh one.
+        # to the pool: stop it (a no-op when capture_end got that far). torch 2.11's
+        # host allocator still refuses later captures on that pool id ("already
+        # recording", "use_count > 0"), so the pool moves on to a fresh id.
         compat.end_allocate_to_pool(self.device, self.pool.handle)
         self.pool._renew_after_failed_capture()
         self._graph = None

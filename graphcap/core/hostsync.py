@@ -68,7 +68,8 @@ def user_site(frames: Iterable[traceback.FrameSummary]) -> str | None:
         path = os.path.abspath(frame.filename)
         if path.startswith(_TORCH) or path.startswith(_HERE) or "/contextlib.py" in path:
             continue
-        site = f"{os.path.basename(path)}:{frame.lineno} `{(frame.line or '').strip()}`"
+        code = (frame.line or "").strip()
+        site = f"{os.path.basename(path)}:{frame.lineno}" + (f" `{code}`" if code else "")
     return site
 
 
