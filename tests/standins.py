@@ -37,7 +37,7 @@ class RerunGraph(Graph):
     def replay(self):
         fn, args, kwargs = self._call
         fresh = tree_flatten(fn(*args, **kwargs))[0]
-        for out, new in zip(tree_flatten(self._outs)[0], fresh):
+        for out, new in zip(tree_flatten(self._outs)[0], fresh, strict=True):
             if isinstance(out, torch.Tensor):
                 out.copy_(new)
 

@@ -222,7 +222,7 @@ class EmulatedGraph(Graph):
                     step.func(*step.args, **step.kwargs)
                 elif step.kind == "functional":
                     fresh = _tensors(step.func(*step.args, **step.kwargs))
-                    for out, new in zip(step.outs, fresh):
+                    for out, new in zip(step.outs, fresh, strict=True):
                         out.copy_(new)
 
     def reset(self) -> None:

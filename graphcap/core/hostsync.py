@@ -95,7 +95,8 @@ def _moves_to_host(func, args, kwargs, device: torch.device) -> bool:
         return False
     if func is aten._to_copy.default:
         target = kwargs.get("device")
-        return target is not None and torch.device(target).type == "cpu" and args[0].device == device
+        to_host = target is not None and torch.device(target).type == "cpu"
+        return to_host and args[0].device == device
     if func is aten.copy_.default:
         dst, src = args[0], args[1]
         if dst.device.type == "cpu" and src.device == device:
