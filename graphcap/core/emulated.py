@@ -234,14 +234,5 @@ class EmulatedGraph(Graph):
         self._segments = 0
 
     @property
-    def captured(self) -> bool:
-        return self._segments > 0
-
-    @property
-    def bytes_held(self) -> int:
-        """Bytes of the memory first allocated inside this graph's captures."""
-        return self._bytes
-
-    @property
     def num_ops(self) -> int:
         return sum(step.kind in ("mutate", "functional") for step in self._steps)

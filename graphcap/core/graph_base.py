@@ -31,15 +31,18 @@ class Graph(abc.ABC):
     def reset(self) -> None:
         """Drop the capture and the memory it held."""
 
-    @property
-    @abc.abstractmethod
-    def captured(self) -> bool:
-        """True once a capture has ended."""
+    _segments = 0  # captures ended since the last reset
+    _bytes = 0  # CUDA: memory the pool reserved during capture; emulator: new storages
 
     @property
-    @abc.abstractmethod
+    def captured(self) -> bool:
+        """True once a capture has ended."""
+        return self._segments > 0
+
+    @property
     def bytes_held(self) -> int:
         """Memory this graph's capture added to its pool."""
+        return self._bytes
 
     def capture(self, fn, *args, **kwargs):
         """Capture ``fn(*args, **kwargs)`` as this graph and return its outputs.

@@ -178,15 +178,6 @@ class CudaGraph(Graph):
         self._bytes = 0
         self._segments = 0
 
-    @property
-    def captured(self) -> bool:
-        return self._segments > 0
-
-    @property
-    def bytes_held(self) -> int:
-        """Device memory the pool reserved while capturing this graph."""
-        return self._bytes
-
 
 
 
