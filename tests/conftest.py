@@ -8,6 +8,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+# Without a GPU, Triton kernels run in Triton's interpreter (numpy on the CPU). It is read
+# when a kernel is defined, so it must be set before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 settings.register_profile(
     "ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("gpu", max_examples=10, deadline=None)

@@ -1,0 +1,105 @@
+"""Torch reference implementations of every opsdb op: the specification kernels are
+tested against. Plain, readable, computed in float32 and cast back to the input dtype.
+
+Shapes: T tokens, H hidden, Hq / Hk query / key-value heads, D head dim, R requests,
+E experts, I expert intermediate size, k experts per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim. x [T, H], weight [H]."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> None:
+    """In place: ``residual <- x + residual``; ``x <- rms_norm(residual)``."""
+    total = x.float() + residual.float()
+    residual.copy_(total.to(residual.dtype))
+    x.copy_(rms_norm(total, weight, eps).to(x.dtype))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2*I] -> silu(x[:, :I]) * x[:, I:], shape [T, I]."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, head_size: int) -> None:
+    """Neox-style rotary embedding, in place on ``query`` [T, Hq*D] and ``key`` [T, Hk*D].
+
+    ``cos_sin_cache`` [max_position, rot_dim] holds cos in its first half and sin in its
+    second; the first ``rot_dim`` (<= head_size) dims of each head rotate, pairing dim i
+    with dim i + rot_dim/2.
+    """
+    rot = cos_sin_cache.shape[-1]
+    cos, sin = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)  # [T, rot/2]
+    for t in (query, key):
+        heads = t.view(t.shape[0], -1, head_size)
+        x = heads[..., :rot].float()
+        x1, x2 = x.chunk(2, dim=-1)
+        c, s = cos[:, None, :], sin[:, None, :]
+        rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        heads[..., :rot] = rotated.to(t.dtype)
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens: torch.Tensor, scale: float, causal: bool = True
+                     ) -> torch.Tensor:
+    """Prefill attention over requests packed along dim 0 (no KV cache).
+
+    q [T, Hq, D], k and v [T, Hk, D] with Hq a multiple of Hk (GQA); ``cu_seqlens``
+    [R + 1] int32 offsets of each request (zero-length requests allowed). Rows past
+    ``cu_seqlens[-1]`` (padding) come out zero.
+    """
+    out = torch.zeros_like(q)
+    group = q.shape[1] // k.shape[1]
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        if end <= start:
+            continue
+        qs = q[start:end].float().transpose(0, 1)  # [Hq, L, D]
+        ks = k[start:end].float().transpose(0, 1).repeat_interleave(group, dim=0)
+        vs = v[start:end].float().transpose(0, 1).repeat_interleave(group, dim=0)
+        scores = qs @ ks.transpose(1, 2) * scale
+        if causal:
+            n = end - start
+            mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill(mask, float("-inf"))
+        out[start:end] = (scores.softmax(-1) @ vs).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts, then the top-k: weights [T, k] float32, ids [T, k] int32."""
+    probs = router_logits.float().softmax(dim=-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Grouped SwiGLU experts. x [T, H]; w13 [E, 2*I, H] (gate rows, then up rows);
+    w2 [E, H, I]; out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    x32 = x.float()
+    for e in range(w13.shape[0]):
+        rows, slot = (topk_ids == e).nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            continue
+        h = x32[rows] @ w13[e].float().t()
+        h = silu_and_mul(h)
+        y = h @ w2[e].float().t()
+        out.index_add_(0, rows, y * topk_weights[rows, slot].float()[:, None])
+    return out.to(x.dtype)
