@@ -43,7 +43,7 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     rot = cos_sin_cache.shape[-1]
     cos, sin = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)  # [T, rot/2]
     for t in (query, key):
-        heads = t.view(t.shape[0], -1, head_size)
+        heads = t.view(t.shape[0], t.shape[1] // head_size, head_size)
         x = heads[..., :rot].float()
         x1, x2 = x.chunk(2, dim=-1)
         c, s = cos[:, None, :], sin[:, None, :]

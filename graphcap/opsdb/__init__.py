@@ -1,0 +1,26 @@
+"""opsdb: the registry of custom ops graphcap's models and strategies are built from.
+
+Importing it registers the built-in ops under the ``graphcap`` namespace
+(``torch.ops.graphcap.rms_norm`` ...). See docs/ops.md to add your own.
+"""
+
+from graphcap.opsdb import activation, moe, norm, rotary  # noqa: F401  (registers ops)
+from graphcap.opsdb.spec import (
+    REGISTRY,
+    BackendUnavailable,
+    Kernel,
+    OpInputError,
+    OpSpec,
+    get_op,
+    register_op,
+)
+
+__all__ = [
+    "REGISTRY",
+    "BackendUnavailable",
+    "Kernel",
+    "OpInputError",
+    "OpSpec",
+    "get_op",
+    "register_op",
+]

@@ -1,0 +1,36 @@
+"""Input checks shared by opsdb ops: cheap, host-only, run before any kernel launch."""
+
+from __future__ import annotations
+
+import torch
+
+from graphcap.opsdb.spec import OpInputError
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def tensor(op: str, name: str, t, *, ndim: int | None = None, dtypes=FLOATS,
+           device: torch.device | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise OpInputError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise OpInputError(
+            f"{op}: {name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise OpInputError(f"{op}: {name} has dtype {t.dtype}; supported: {names}")
+    if device is not None and t.device != device:
+        raise OpInputError(
+            f"{op}: {name} is on {t.device} but the other inputs are on {device}; "
+            "move them to one device")
+
+
+def same(op: str, what: str, a, b, name_a: str, name_b: str) -> None:
+    if a != b:
+        raise OpInputError(f"{op}: {what} of {name_a} ({a}) and {name_b} ({b}) must match")
+
+
+def last_dim_contiguous(op: str, name: str, t: torch.Tensor) -> None:
+    if t.numel() and t.stride(-1) != 1:
+        raise OpInputError(f"{op}: {name} must be contiguous in its last dim; "
+                           "call .contiguous() first")

@@ -1,0 +1,26 @@
+"""FlashInfer kernels behind opsdb's signatures (imported only when selected)."""
+
+from __future__ import annotations
+
+import flashinfer
+import torch
+
+
+def rms_norm(x, weight, eps):
+    return flashinfer.norm.rmsnorm(x, weight, eps)
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    flashinfer.norm.fused_add_rmsnorm(x, residual, weight, eps)
+
+
+def silu_and_mul(x):
+    return flashinfer.activation.silu_and_mul(x)
+
+
+def rotary_embedding(positions, query, key, cos_sin_cache, head_size):
+    # FlashInfer reads a float32 cache; keep it float32 to avoid a cast per call.
+    if cos_sin_cache.dtype != torch.float32:
+        cos_sin_cache = cos_sin_cache.float()
+    flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(
+        positions, query, key, head_size, cos_sin_cache, is_neox=True)

@@ -1,0 +1,91 @@
+"""Mixture-of-experts ops: top-k softmax routing and grouped SwiGLU experts."""
+
+from __future__ import annotations
+
+import torch
+
+from graphcap.opsdb import checks, reference
+from graphcap.opsdb.spec import Kernel, register_op
+
+
+def check_topk(router_logits, top_k, renormalize):
+    checks.tensor("moe_topk_softmax", "router_logits", router_logits, ndim=2)
+    if not 1 <= top_k <= router_logits.shape[1]:
+        raise checks.OpInputError(
+            f"moe_topk_softmax: top_k={top_k} must be in 1..{router_logits.shape[1]} "
+            "(the number of experts)")
+
+
+def check_experts(x, w13, w2, topk_weights, topk_ids):
+    op = "moe_experts"
+    checks.tensor(op, "x", x, ndim=2)
+    checks.tensor(op, "w13", w13, ndim=3, dtypes=(x.dtype,), device=x.device)
+    checks.tensor(op, "w2", w2, ndim=3, dtypes=(x.dtype,), device=x.device)
+    checks.tensor(op, "topk_weights", topk_weights, ndim=2, device=x.device)
+    checks.tensor(op, "topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64),
+                  device=x.device)
+    e, two_i, h = w13.shape
+    checks.same(op, "the hidden size", h, x.shape[1], "w13", "x")
+    checks.same(op, "the expert shape", (e, h, two_i // 2), tuple(w2.shape), "w13", "w2")
+    checks.same(op, "the shape", tuple(topk_weights.shape), tuple(topk_ids.shape),
+                "topk_weights", "topk_ids")
+    checks.same(op, "the token count", topk_ids.shape[0], x.shape[0], "topk_ids", "x")
+
+
+def topk_inputs(device, dtype, max_tokens: int = 48):
+    from hypothesis import strategies as st
+
+    from graphcap.opsdb.inputs import tensors
+
+    @st.composite
+    def draw(d):
+        t, e = d(st.integers(0, max_tokens)), d(st.sampled_from([4, 8, 16]))
+        (logits,) = tensors(d, device, dtype, (t, e), scale=3.0)
+        return logits, d(st.integers(1, min(e, 4))), d(st.booleans())
+
+    return draw()
+
+
+def experts_inputs(device, dtype, max_tokens: int = 24):
+    from hypothesis import strategies as st
+
+    from graphcap.opsdb.inputs import tensors
+
+    @st.composite
+    def draw(d):
+        t, e, k = d(st.integers(0, max_tokens)), d(st.sampled_from([4, 8])), d(
+            st.integers(1, 2))
+        h, i = d(st.sampled_from([32, 64])), d(st.sampled_from([32, 64]))
+        x, w13, w2 = tensors(d, device, dtype, (t, h), (e, 2 * i, h), (e, h, i), scale=0.3)
+        gen = torch.Generator().manual_seed(d(st.integers(0, 2**31 - 1)))
+        logits = torch.randn(t, e, generator=gen)
+        weights, ids = reference.moe_topk_softmax(logits, k, True)
+        return x, w13, w2, weights.to(device), ids.to(device)
+
+    return draw()
+
+
+MOE_TOPK_SOFTMAX = register_op(
+    "graphcap::moe_topk_softmax",
+    "(Tensor router_logits, int top_k, bool renormalize) -> (Tensor, Tensor)",
+    reference=reference.moe_topk_softmax,
+    kernels={"triton": Kernel("graphcap.opsdb.triton.moe:moe_topk_softmax",
+                              requires=("triton",))},
+    check=check_topk, inputs=topk_inputs,
+    doc="softmax over experts, top-k: weights [T, k] fp32, ids [T, k] int32",
+)
+
+
+def _experts_fake(x, w13, w2, topk_weights, topk_ids):
+    return torch.empty_like(x)
+
+
+MOE_EXPERTS = register_op(
+    "graphcap::moe_experts",
+    "(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids) -> Tensor",
+    reference=reference.moe_experts,
+    kernels={"triton": Kernel("graphcap.opsdb.triton.moe:moe_experts", requires=("triton",))},
+    fake=_experts_fake,  # the reference groups tokens with nonzero: data-dependent
+    check=check_experts, inputs=experts_inputs,
+    doc="grouped SwiGLU experts weighted by the routing",
+)

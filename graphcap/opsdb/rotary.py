@@ -1,0 +1,70 @@
+"""Rotary position embedding (neox style, cos/sin cache), in place on query and key."""
+
+from __future__ import annotations
+
+import torch
+
+from graphcap.opsdb import checks, reference
+from graphcap.opsdb.spec import Kernel, register_op
+
+OP = "rotary_embedding"
+
+
+def check_rotary(positions, query, key, cos_sin_cache, head_size):
+    checks.tensor(OP, "positions", positions, ndim=1, dtypes=(torch.int32, torch.int64))
+    device = positions.device
+    checks.tensor(OP, "query", query, ndim=2, device=device)
+    checks.tensor(OP, "key", key, ndim=2, device=device)
+    checks.tensor(OP, "cos_sin_cache", cos_sin_cache, ndim=2, device=device)
+    checks.same(OP, "the token count", query.shape[0], positions.shape[0], "query",
+                "positions")
+    checks.same(OP, "the token count", key.shape[0], positions.shape[0], "key", "positions")
+    for name, t in (("query", query), ("key", key)):
+        checks.last_dim_contiguous(OP, name, t)
+        if head_size <= 0 or t.shape[1] % head_size:
+            raise checks.OpInputError(
+                f"{OP}: {name} width {t.shape[1]} is not a multiple of head_size {head_size}")
+    rot = cos_sin_cache.shape[1]
+    if rot % 2 or rot > head_size:
+        raise checks.OpInputError(
+            f"{OP}: cos_sin_cache width {rot} must be even and at most head_size {head_size}")
+
+
+def rotary_inputs(device, dtype, max_tokens: int = 64):
+    from hypothesis import strategies as st
+
+    from graphcap.opsdb.inputs import tensors
+
+    @st.composite
+    def draw(d):
+        t = d(st.integers(0, max_tokens))
+        head = d(st.sampled_from([16, 32, 64]))
+        rot = d(st.sampled_from([head, head // 2]))
+        hk = d(st.sampled_from([1, 2]))
+        hq = hk * d(st.sampled_from([1, 2, 4]))
+        max_pos = 128
+        q, k = tensors(d, device, dtype, (t, hq * head), (t, hk * head))
+        gen = torch.Generator().manual_seed(d(st.integers(0, 2**31 - 1)))
+        positions = torch.randint(0, max_pos, (t,), generator=gen).to(device)
+        inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+        freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None, :]
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+        return positions, q, k, cache, head
+
+    return draw()
+
+
+ROTARY_EMBEDDING = register_op(
+    f"graphcap::{OP}",
+    "(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache, "
+    "int head_size) -> ()",
+    reference=reference.rotary_embedding,
+    kernels={
+        "triton": Kernel("graphcap.opsdb.triton.rotary:rotary_embedding",
+                         requires=("triton",)),
+        "flashinfer": Kernel("graphcap.opsdb.flashinfer:rotary_embedding",
+                             requires=("flashinfer",)),
+    },
+    check=check_rotary, inputs=rotary_inputs,
+    doc="neox rotary embedding with a cos/sin cache, in place on query and key",
+)

@@ -1,0 +1,197 @@
+"""OpSpec and the op registry: one entry per custom op, with its kernels by backend.
+
+An op is defined once through torch.library (so torch.compile sees it) and dispatches to
+a kernel: the explicit ``backend=`` of ``spec(..., backend=...)``, else the environment
+variable ``GRAPHCAP_<OP>_BACKEND``, else the first available backend of the spec's
+preference order. Optional libraries import lazily: a kernel names its module as a
+string, so ``import graphcap`` never needs Triton, FlashInfer or FlashAttention, and an
+unavailable backend says why.
+
+Example, a user's op with a derived fake::
+
+    import graphcap, torch
+
+    def ref(x: torch.Tensor, alpha: float) -> torch.Tensor:
+        return x * alpha
+
+    scale = graphcap.register_op("myproj::scale", "(Tensor x, float alpha) -> Tensor",
+                                 reference=ref)
+    torch.ops.myproj.scale(torch.ones(3), 2.0)
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from graphcap.compat.library import define_op, split_qualname
+from graphcap.errors import GraphcapError
+
+
+class OpInputError(GraphcapError, ValueError):
+    """Bad input to an op, caught before any kernel launch."""
+
+
+class BackendUnavailable(GraphcapError, RuntimeError):
+    """A requested kernel backend cannot run here; the message says why."""
+
+
+@dataclass
+class Kernel:
+    """One implementation of an op. ``fn`` is a callable or ``"module:function"``
+    (imported on first use); ``requires`` names modules that must be importable;
+    ``devices`` the device types it runs on."""
+
+    fn: Callable | str
+    devices: tuple[str, ...] = ("cuda",)
+    requires: tuple[str, ...] = ()
+    _resolved: Callable | None = field(default=None, repr=False)
+
+    def unavailable(self, device: torch.device) -> str | None:
+        """Why this kernel cannot run on ``device``, or None when it can."""
+        device_ok = device.type in self.devices or (
+            device.type == "cpu" and "triton" in self.requires
+            and os.environ.get("TRITON_INTERPRET") == "1")
+        if not device_ok:
+            return f"runs on {'/'.join(self.devices)} tensors, not {device.type}"
+        for module in self.requires:
+            if importlib.util.find_spec(module) is None:
+                return f"needs the Python package {module!r}, which is not installed"
+        return None
+
+    def resolve(self) -> Callable:
+        if self._resolved is None:
+            if callable(self.fn):
+                self._resolved = self.fn
+            else:
+                module, _, attr = self.fn.partition(":")
+                self._resolved = getattr(importlib.import_module(module), attr)
+        return self._resolved
+
+
+@dataclass
+class OpSpec:
+    """Everything graphcap knows about one custom op."""
+
+    qualname: str
+    schema: str
+    reference: Callable
+    kernels: dict[str, Kernel] = field(default_factory=dict)
+    fake: Callable | None = None
+    capturable: bool = True
+    split: bool = False
+    check: Callable[..., None] | None = None
+    inputs: Callable[..., Any] | None = None
+    doc: str = ""
+    fake_derived: bool = field(default=False, init=False)
+    op: Any = field(default=None, init=False, repr=False)
+
+    @property
+    def name(self) -> str:
+        return split_qualname(self.qualname)[1]
+
+    @property
+    def env_var(self) -> str:
+        return f"GRAPHCAP_{self.name.upper()}_BACKEND"
+
+    def backends(self, device: torch.device | str) -> dict[str, str | None]:
+        """Every backend with None when it runs on ``device``, else the reason it can't."""
+        device = torch.device(device)
+        return {name: k.unavailable(device) for name, k in self.kernels.items()}
+
+    def select(self, device: torch.device | str, backend: str | None = None) -> str:
+        """The backend a call on ``device`` uses (explicit, then env var, then best)."""
+        device = torch.device(device)
+        wanted = backend or os.environ.get(self.env_var) or None
+        if wanted is not None:
+            if wanted not in self.kernels:
+                source = "backend=" if backend else self.env_var
+                raise BackendUnavailable(
+                    f"{self.qualname}: {source}{wanted!r} is not a backend of this op; "
+                    f"choose one of {sorted(self.kernels)}")
+            why = self.kernels[wanted].unavailable(device)
+            if why:
+                raise BackendUnavailable(f"{self.qualname}: backend {wanted!r} {why}")
+            return wanted
+        for name, kernel in self.kernels.items():
+            if kernel.unavailable(device) is None:
+                return name
+        raise BackendUnavailable(f"{self.qualname}: no backend runs on {device}")
+
+    def kernel(self, device: torch.device | str, backend: str | None = None) -> Callable:
+        return self.kernels[self.select(device, backend)].resolve()
+
+    def __call__(self, *args, backend: str | None = None):
+        """Call one backend directly (eager only; torch.compile sees ``spec.op``)."""
+        if backend is None:
+            return self.op(*args)
+        if self.check is not None:
+            self.check(*args)
+        return self.kernel(_device_of(args), backend)(*args)
+
+
+def _device_of(args) -> torch.device:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return torch.device("cpu")
+
+
+REGISTRY: dict[str, OpSpec] = {}
+
+
+def register_op(qualname: str, schema: str, *, reference: Callable,
+                kernels: dict[str, Kernel | Callable | str] | None = None,
+                fake: Callable | None = None, capturable: bool = True, split: bool = False,
+                check: Callable[..., None] | None = None, inputs: Callable | None = None,
+                doc: str = "") -> OpSpec:
+    """Register a custom op: define it in torch.library and add it to the registry.
+
+    ``schema`` is the signature without the name, e.g. ``"(Tensor x, float eps) -> Tensor"``;
+    arguments an op writes are marked ``Tensor(a!)``. ``reference`` is the plain torch
+    implementation, always available as backend ``"torch"``. ``kernels`` maps further
+    backends, in preference order, to a :class:`Kernel` (or a callable / ``"module:fn"``
+    string for a CUDA kernel). ``fake`` computes output metadata for torch.compile; when
+    omitted the reference itself runs on fake tensors, which works for any reference
+    without data-dependent Python (no ``.item()``, ``.tolist()``, ``nonzero``).
+    ``capturable=False`` marks an op unsafe inside a CUDA graph; ``split=True`` makes it
+    a split point (tc_piecewise) and an eager break (breakable). ``check(*args)`` raises
+    :class:`OpInputError` on bad input before any launch. ``inputs(device, dtype)``
+    returns a hypothesis strategy of valid argument tuples.
+    """
+    if qualname in REGISTRY:
+        raise GraphcapError(
+            f"op {qualname!r} is registered already; pick another name or reuse "
+            f"graphcap.opsdb.get_op({qualname!r})")
+    table: dict[str, Kernel] = {}
+    for name, kernel in (kernels or {}).items():
+        table[name] = kernel if isinstance(kernel, Kernel) else Kernel(kernel)
+    table["torch"] = Kernel(reference, devices=("cpu", "cuda"))
+    spec = OpSpec(qualname, schema, reference, table, fake, capturable, split, check,
+                  inputs, doc)
+    spec.fake_derived = fake is None
+
+    def impl(*args):
+        if spec.check is not None:
+            spec.check(*args)
+        return spec.kernel(_device_of(args))(*args)
+
+    tags = (torch.Tag.cudagraph_unsafe,) if (
+        not capturable and hasattr(torch.Tag, "cudagraph_unsafe")) else ()
+    spec.op = define_op(qualname, schema, impl, fake or reference, tags)
+    REGISTRY[qualname] = spec
+    return spec
+
+
+def get_op(name: str) -> OpSpec:
+    """The spec of ``name`` (``"rms_norm"`` or ``"graphcap::rms_norm"``)."""
+    qualname = name if "::" in name else f"graphcap::{name}"
+    if qualname not in REGISTRY:
+        raise KeyError(f"no op {name!r} in opsdb; registered: {sorted(REGISTRY)}")
+    return REGISTRY[qualname]

@@ -1,0 +1,105 @@
+"""opsdb: registration, torch.library conformance, kernels against references, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphcap.opsdb as opsdb
+from graphcap.opsdb import OpInputError, get_op
+from graphcap.testing import check_op
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BUILTIN = sorted(opsdb.REGISTRY)
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_every_builtin_op_passes_opcheck_and_its_reference_matches_itself(name):
+    # opcheck: schema (declared mutations), fake tensors, autograd registration, and
+    # aot_dispatch with dynamic shapes, on generated float32 inputs.
+    errors = check_op(name, backend="torch", device="cpu", dtypes=(torch.float32,),
+                      examples=4)
+    assert errors == {"torch": 0.0}
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_every_available_kernel_matches_the_reference(name):
+    spec = get_op(name)
+    available = [b for b, why in spec.backends(DEVICE).items() if why is None and b != "torch"]
+    if not available:
+        pytest.skip(f"no kernel besides the reference runs on {DEVICE}: "
+                    f"{spec.backends(DEVICE)}")
+    check_op(name, device=DEVICE, examples=6, opcheck=False)
+
+
+def test_backend_choice_is_explicit_then_environment_then_best(monkeypatch):
+    spec = get_op("rms_norm")
+    monkeypatch.delenv("GRAPHCAP_RMS_NORM_BACKEND", raising=False)
+    best = next(b for b, why in spec.backends("cpu").items() if why is None)
+    assert spec.select("cpu") == best  # triton under TRITON_INTERPRET=1, else torch
+    monkeypatch.setenv("GRAPHCAP_RMS_NORM_BACKEND", "torch")
+    assert spec.select("cpu") == "torch"
+    monkeypatch.setenv("GRAPHCAP_RMS_NORM_BACKEND", "cublas")
+    with pytest.raises(opsdb.BackendUnavailable, match="GRAPHCAP_RMS_NORM_BACKEND"):
+        spec.select("cpu")
+    assert spec.select("cpu", backend="torch") == "torch"
+
+
+def test_an_unavailable_backend_says_why():
+    spec = get_op("rms_norm")
+    why = spec.backends("cpu")["flashinfer"]
+    assert why and ("cuda" in why or "flashinfer" in why)
+    with pytest.raises(opsdb.BackendUnavailable, match="flashinfer"):
+        spec.select("cpu", backend="flashinfer")
+
+
+BAD_CALLS = {
+    "wrong dtype": (lambda: torch.ops.graphcap.rms_norm(
+        torch.ones(2, 8, dtype=torch.int32), torch.ones(8), 1e-6), "dtype"),
+    "wrong rank": (lambda: torch.ops.graphcap.silu_and_mul(torch.ones(8)), "2 dims"),
+    "hidden size mismatch": (lambda: torch.ops.graphcap.rms_norm(
+        torch.ones(2, 8), torch.ones(4), 1e-6), "hidden size"),
+    "odd gate width": (lambda: torch.ops.graphcap.silu_and_mul(torch.ones(2, 7)), "even"),
+    "heads do not divide": (lambda: torch.ops.graphcap.rotary_embedding(
+        torch.zeros(2, dtype=torch.long), torch.ones(2, 60), torch.ones(2, 64),
+        torch.ones(16, 32), 64), "not a multiple of head_size"),
+    "token counts differ": (lambda: torch.ops.graphcap.fused_add_rms_norm(
+        torch.ones(2, 8), torch.ones(3, 8), torch.ones(8), 1e-6), "shape"),
+    "top_k above experts": (lambda: torch.ops.graphcap.moe_topk_softmax(
+        torch.ones(2, 4), 5, True), "top_k=5"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CALLS))
+def test_bad_input_is_rejected_with_a_clear_error_before_any_launch(case):
+    call, needle = BAD_CALLS[case]
+    with pytest.raises(OpInputError, match=needle):
+        call()
+
+
+def test_an_op_registered_without_a_fake_works_under_fullgraph_compile():
+    def reference(x: torch.Tensor, alpha: float) -> torch.Tensor:
+        return torch.nn.functional.gelu(x) * alpha
+
+    spec = opsdb.register_op("graphcap_test::gelu_scale",
+                             "(Tensor x, float alpha) -> Tensor", reference=reference)
+    assert spec.fake_derived
+
+    @torch.compile(fullgraph=True, backend="aot_eager", dynamic=True)
+    def f(x):
+        return torch.ops.graphcap_test.gelu_scale(x + 1, 2.0) * 3
+
+    for n in (3, 5):
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(f(x), reference(x + 1, 2.0) * 3)
+
+
+def test_registering_a_name_twice_is_an_error():
+    with pytest.raises(opsdb.spec.GraphcapError, match="registered already"):
+        opsdb.register_op("graphcap::rms_norm", "(Tensor x) -> Tensor",
+                          reference=lambda x: x)
+
+
+def test_op_names_must_be_qualified():
+    with pytest.raises(ValueError, match="namespace::op_name"):
+        opsdb.register_op("no_namespace", "(Tensor x) -> Tensor", reference=lambda x: x)
