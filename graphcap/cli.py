@@ -12,6 +12,17 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(device=args.device, steps=args.steps)
 
 
+def _ops(args: argparse.Namespace) -> int:
+    import torch
+
+    import graphcap.opsdb  # noqa: F401  (registers the built-in ops)
+    from graphcap.opsdb.listing import render
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    print(render(device, as_json=args.json))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="graphcap", description="CUDA graphs for LLM prefill and launch-bound forwards.")
@@ -20,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     demo.add_argument("--steps", type=int, default=5, help="replays with fresh inputs")
     demo.set_defaults(func=_demo)
+    ops = sub.add_parser("ops", help="the op registry: backends, fakes, capturability")
+    ops.add_argument("--device", default=None, help="device to check backends for")
+    ops.add_argument("--json", action="store_true", help="machine-readable output")
+    ops.set_defaults(func=_ops)
     return parser
 
 
