@@ -22,11 +22,14 @@ garbage until the first replay. Host synchronisations raise ``CaptureError``
 
 Differences from CUDA that stay: memory freed inside the region is not handed to later
 captures on the same pool (the emulator never reuses a block), and a custom op's Python
-implementation runs again on every replay (CUDA replays only the kernels it launched).
+implementation runs again on every replay (CUDA replays only the kernels it launched),
+inside the ``contextvars`` context of its capture (so it sees the forward context it saw
+then, whose buffers hold the current batch).
 """
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +90,12 @@ class _Step:
     kwargs: dict
     kind: str
     outs: list[torch.Tensor] = field(default_factory=list)
+    context: contextvars.Context | None = None  # custom ops replay in their capture context
+
+    def run(self):
+        if self.context is not None:
+            return self.context.run(self.func, *self.args, **self.kwargs)
+        return self.func(*self.args, **self.kwargs)
 
 
 class _HostSyncGuard(TorchDispatchMode):
@@ -135,7 +144,8 @@ class _Recorder(TorchDispatchMode):
         else:
             with _HostSyncGuard(graph.device):
                 out = func(*args, **kwargs)
-        step = _Step(func, args, kwargs, kind)
+        step = _Step(func, args, kwargs, kind,
+                     context=None if _is_builtin(func) else contextvars.copy_context())
         if kind in ("functional", "alloc"):
             step.outs = _tensors(out)
             for t in step.outs:
@@ -219,9 +229,9 @@ class EmulatedGraph(Graph):
         with torch.inference_mode():
             for step in self._steps:
                 if step.kind == "mutate":
-                    step.func(*step.args, **step.kwargs)
+                    step.run()
                 elif step.kind == "functional":
-                    fresh = _tensors(step.func(*step.args, **step.kwargs))
+                    fresh = _tensors(step.run())
                     for out, new in zip(step.outs, fresh, strict=True):
                         out.copy_(new)
 

@@ -35,12 +35,14 @@ def check_experts(x, w13, w2, topk_weights, topk_ids):
 def topk_inputs(device, dtype, max_tokens: int = 48):
     from hypothesis import strategies as st
 
-    from graphcap.opsdb.inputs import tensors
-
     @st.composite
     def draw(d):
         t, e = d(st.integers(0, max_tokens)), d(st.sampled_from([4, 8, 16]))
-        (logits,) = tensors(d, device, dtype, (t, e), scale=3.0)
+        # Distinct logits, exact in every dtype: top-k has no ties to break.
+        gen = torch.Generator().manual_seed(d(st.integers(0, 2**31 - 1)))
+        ranks = torch.stack([torch.randperm(e, generator=gen) for _ in range(t)]) if t else (
+            torch.zeros(0, e, dtype=torch.long))
+        logits = ((ranks - e / 2) * 0.25).to(device=device, dtype=dtype)
         return logits, d(st.integers(1, min(e, 4))), d(st.booleans())
 
     return draw()

@@ -150,7 +150,7 @@ def register_op(qualname: str, schema: str, *, reference: Callable,
                 kernels: dict[str, Kernel | Callable | str] | None = None,
                 fake: Callable | None = None, capturable: bool = True, split: bool = False,
                 check: Callable[..., None] | None = None, inputs: Callable | None = None,
-                doc: str = "") -> OpSpec:
+                doc: str = "", dispatch: Callable | None = None) -> OpSpec:
     """Register a custom op: define it in torch.library and add it to the registry.
 
     ``schema`` is the signature without the name, e.g. ``"(Tensor x, float eps) -> Tensor"``;
@@ -163,7 +163,9 @@ def register_op(qualname: str, schema: str, *, reference: Callable,
     ``capturable=False`` marks an op unsafe inside a CUDA graph; ``split=True`` makes it
     a split point (tc_piecewise) and an eager break (breakable). ``check(*args)`` raises
     :class:`OpInputError` on bad input before any launch. ``inputs(device, dtype)``
-    returns a hypothesis strategy of valid argument tuples.
+    returns a hypothesis strategy of valid argument tuples. ``dispatch`` replaces the
+    per-call kernel choice for ops whose kernel follows from other state (attention: the
+    backend that prepared the forward's metadata).
     """
     if qualname in REGISTRY:
         raise GraphcapError(
@@ -180,6 +182,8 @@ def register_op(qualname: str, schema: str, *, reference: Callable,
     def impl(*args):
         if spec.check is not None:
             spec.check(*args)
+        if dispatch is not None:
+            return dispatch(*args)
         return spec.kernel(_device_of(args))(*args)
 
     tags = (torch.Tag.cudagraph_unsafe,) if (

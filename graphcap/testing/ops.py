@@ -60,8 +60,6 @@ def check_op(op: str | OpSpec, backend: str | None = None, *, device="cpu",
     against its reference over ``examples`` hypothesis examples per dtype. Returns the
     max error per backend; raises with hypothesis's shrunk failing input on a mismatch.
     ``opcheck=True`` also runs ``torch.library.opcheck`` on the first example."""
-    from hypothesis import HealthCheck, given, settings
-
     spec = op if isinstance(op, OpSpec) else get_op(op)
     if spec.inputs is None:
         raise ValueError(f"{spec.qualname} has no input strategy: pass inputs= when "
@@ -73,18 +71,24 @@ def check_op(op: str | OpSpec, backend: str | None = None, *, device="cpu",
     for dtype in dtypes:
         tol_a = atol if atol is not None else default_tolerance(dtype)
         tol_r = rtol if rtol is not None else default_tolerance(dtype)
-        checked = []
-
-        @settings(max_examples=examples, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck))
-        @given(spec.inputs(device, dtype))
-        def run(args):
-            if opcheck and not checked:
-                torch.library.opcheck(spec.op.default, _clone(args))
-                checked.append(True)
-            for name in names:
-                err = compare(spec, name, args, tol_a, tol_r)
-                worst[name] = max(worst.get(name, 0.0), err)
-
-        run()
+        _check_dtype(spec, names, device, dtype, examples, tol_a, tol_r, opcheck, worst)
     return worst
+
+
+def _check_dtype(spec, names, device, dtype, examples, atol, rtol, opcheck, worst):
+    from hypothesis import HealthCheck, given, settings
+
+    checked = []
+
+    @settings(max_examples=examples, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(spec.inputs(device, dtype))
+    def run(args):
+        if opcheck and not checked:
+            torch.library.opcheck(spec.op.default, _clone(args))
+            checked.append(True)
+        for name in names:
+            err = compare(spec, name, args, atol, rtol)
+            worst[name] = max(worst.get(name, 0.0), err)
+
+    run()

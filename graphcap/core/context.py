@@ -1,0 +1,49 @@
+"""The forward context: per-forward state that ops read instead of taking it as arguments.
+
+A captured forward cannot take host metadata as arguments (it would be baked), and split
+ops run eagerly between graph pieces, so per-batch state such as attention metadata is set
+here around each forward (eager, capture or replay) by whoever runs the model.
+
+    with forward_context(attention=meta):
+        model(input_ids, positions)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Any
+
+from graphcap.errors import GraphcapError
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    attention: Any = None  # an AttentionMetadata prepared outside any graph
+
+
+_CURRENT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
+    "graphcap_forward_context", default=None)
+
+
+@contextlib.contextmanager
+def forward_context(**fields):
+    """Set the forward context for the duration of the block (nests; restores on exit)."""
+    token = _CURRENT.set(ForwardContext(**fields))
+    try:
+        yield _CURRENT.get()
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_attention():
+    """The attention metadata of the running forward, with a clear error when unset."""
+    ctx = _CURRENT.get()
+    if ctx is None or ctx.attention is None:
+        raise GraphcapError(
+            "graphcap::attention needs attention metadata for this forward: prepare it "
+            "with backend.metadata(...).update(seq_lens) and run the model inside "
+            "graphcap.core.context.forward_context(attention=meta) (graphcap.capture's "
+            "runner does this for you)")
+    return ctx.attention

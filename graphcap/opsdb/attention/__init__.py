@@ -1,0 +1,105 @@
+"""Prefill attention: the ``graphcap::attention`` split op and its backends.
+
+| backend        | device | full | breakable | tc_piecewise |
+|----------------|--------|------|-----------|--------------|
+| torch_varlen   | any    | no   | yes       | yes          |
+| torch_masked   | any    | yes  | yes       | yes          |
+| triton         | cuda   | yes  | yes       | yes          |
+| flashinfer     | cuda   | yes  | yes       | yes          |
+| flash_attn     | cuda   | yes  | yes       | yes          |
+
+The op takes a caller-allocated ``out`` and writes it (a split op's contract); the batch's
+metadata comes from the forward context, prepared by the backend outside any graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphcap.core.context import current_attention
+from graphcap.opsdb import checks
+from graphcap.opsdb.attention.base import (
+    STRATEGIES,
+    AttentionBackend,
+    AttentionMetadata,
+    validate_seq_lens,
+)
+from graphcap.opsdb.attention.flash_attn_backend import FlashAttention
+from graphcap.opsdb.attention.flashinfer_backend import FlashInferAttention
+from graphcap.opsdb.attention.torch_backends import TorchMasked, TorchVarlen
+from graphcap.opsdb.attention.triton_backend import TritonAttention
+from graphcap.opsdb.spec import BackendUnavailable, register_op
+
+BACKENDS: dict[str, type[AttentionBackend]] = {
+    cls.name: cls
+    for cls in (FlashAttention, FlashInferAttention, TritonAttention, TorchMasked, TorchVarlen)
+}
+
+
+def get_backend(name: str | None = None, device="cpu", strategy: str | None = None
+                ) -> AttentionBackend:
+    """An attention backend by name, or the best available on ``device`` for ``strategy``."""
+    device = torch.device(device)
+    if name is not None:
+        if name not in BACKENDS:
+            raise BackendUnavailable(
+                f"no attention backend {name!r}; choose one of {sorted(BACKENDS)}")
+        backend = BACKENDS[name]()
+        why = backend.unavailable(device)
+        if why:
+            raise BackendUnavailable(f"attention backend {name!r} {why}")
+        if strategy:
+            backend.check_strategy(strategy)
+        return backend
+    for cls in BACKENDS.values():
+        backend = cls()
+        if backend.unavailable(device) is None and (strategy or "eager") in backend.strategies:
+            return backend
+    raise BackendUnavailable(f"no attention backend runs on {device} under {strategy}")
+
+
+def check_attention(q, k, v, out, scale):
+    op = "attention"
+    checks.tensor(op, "q", q, ndim=3)
+    for name, t in (("k", k), ("v", v), ("out", out)):
+        checks.tensor(op, name, t, ndim=3, dtypes=(q.dtype,), device=q.device)
+    checks.same(op, "the shape", tuple(k.shape), tuple(v.shape), "k", "v")
+    checks.same(op, "the shape", tuple(out.shape), tuple(q.shape), "out", "q")
+    checks.same(op, "the token count", k.shape[0], q.shape[0], "k", "q")
+    checks.same(op, "the head dim", k.shape[2], q.shape[2], "k", "q")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise checks.OpInputError(
+            f"attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} "
+            "key/value heads (GQA needs Hq % Hk == 0)")
+
+
+def _attention(q, k, v, out, scale):
+    meta = current_attention()
+    if q.shape[0] != meta.num_tokens:
+        raise checks.OpInputError(
+            f"attention: q has {q.shape[0]} tokens but the metadata was prepared for "
+            f"{meta.num_tokens}; prepare metadata for this token count")
+    meta.backend.forward(q, k, v, out, meta, scale)
+
+
+def _reference(q, k, v, out, scale):
+    from graphcap.opsdb.reference import attention_varlen
+
+    meta = current_attention()
+    out.copy_(attention_varlen(q, k, v, meta.cu_seqlens_host, scale))
+
+
+def _fake(q, k, v, out, scale):
+    return None
+
+
+ATTENTION = register_op(
+    "graphcap::attention",
+    "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, float scale) -> ()",
+    reference=_reference, fake=_fake, split=True, check=check_attention,
+    dispatch=_attention,
+    doc="causal prefill attention over packed requests; metadata from the forward context",
+)
+
+__all__ = ["ATTENTION", "BACKENDS", "STRATEGIES", "AttentionBackend", "AttentionMetadata",
+           "get_backend", "validate_seq_lens"]

@@ -1,0 +1,116 @@
+"""Attention backends: per-batch metadata prepared outside any graph, a forward inside it.
+
+A backend's ``metadata(num_tokens, num_slots, device)`` allocates the static buffers of one
+shape (a token bucket T and R request slots) once; ``meta.update(seq_lens)`` rewrites them
+for the next batch on the host side, before capture or replay: request offsets with unused
+slots as zero-length sentinels parked at the real token count, a validity mask of real
+rows, and whatever the backend plans (FlashInfer's ``plan()``). ``forward(q, k, v, out,
+meta, scale)`` reads only those buffers, so it can be captured once and replayed for
+every batch that fits the shape. Rows past the real tokens (padding) come out zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from graphcap.errors import UnsupportedStrategy
+from graphcap.opsdb.spec import OpInputError
+
+STRATEGIES = ("eager", "breakable", "tc_piecewise", "full")
+
+
+class AttentionMetadata:
+    """Static buffers for one (tokens, slots) shape, rewritten by ``update``."""
+
+    def __init__(self, backend: AttentionBackend, num_tokens: int, num_slots: int,
+                 device: torch.device | str):
+        if num_tokens < 1 or num_slots < 1:
+            raise OpInputError(f"attention metadata needs num_tokens >= 1 and num_slots >= 1, "
+                               f"got {num_tokens} and {num_slots}")
+        self.backend = backend
+        self.num_tokens, self.num_slots = num_tokens, num_slots
+        self.device = torch.device(device)
+        pin = self.device.type == "cuda"
+        self.cu_seqlens = torch.zeros(num_slots + 1, dtype=torch.int32, device=self.device)
+        self.cu_seqlens_host = torch.zeros(num_slots + 1, dtype=torch.int32, pin_memory=pin)
+        self.valid = torch.zeros(num_tokens, dtype=torch.bool, device=self.device)
+        self._rows = torch.arange(num_tokens, device=self.device)
+        self.seq_lens: list[int] = []
+        self.num_real_tokens = 0
+
+    def update(self, seq_lens: Sequence[int] | torch.Tensor) -> AttentionMetadata:
+        """Fill the buffers for a batch of requests with these lengths (host values)."""
+        lens = validate_seq_lens(seq_lens, self.num_tokens, self.num_slots)
+        total = sum(lens)
+        offsets = [0]
+        for n in lens + [0] * (self.num_slots - len(lens)):  # sentinels: length 0
+            offsets.append(offsets[-1] + n)
+        self.cu_seqlens_host.copy_(torch.tensor(offsets, dtype=torch.int32))
+        self.cu_seqlens.copy_(self.cu_seqlens_host, non_blocking=True)
+        torch.lt(self._rows, total, out=self.valid)
+        self.seq_lens, self.num_real_tokens = lens, total
+        self.backend.plan(self)
+        return self
+
+
+def validate_seq_lens(seq_lens, num_tokens: int, num_slots: int) -> list[int]:
+    if isinstance(seq_lens, torch.Tensor):
+        if seq_lens.device.type != "cpu":
+            raise OpInputError("seq_lens must be on the host (a list or CPU tensor): reading "
+                               "them from the device would synchronise")
+        seq_lens = seq_lens.tolist()
+    lens = [int(n) for n in seq_lens]
+    if not lens:
+        raise OpInputError("seq_lens is empty: a batch needs at least one request")
+    if any(n < 0 for n in lens):
+        raise OpInputError(f"seq_lens must be non-negative, got {lens}")
+    if len(lens) > num_slots:
+        raise OpInputError(f"{len(lens)} requests do not fit {num_slots} request slots")
+    if sum(lens) > num_tokens:
+        raise OpInputError(f"seq_lens sum to {sum(lens)} tokens, more than the "
+                           f"{num_tokens} rows of q/k/v")
+    return lens
+
+
+class AttentionBackend:
+    """One way to run prefill attention; subclasses set the class attributes."""
+
+    name = "base"
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    requires: tuple[str, ...] = ()
+    strategies: tuple[str, ...] = STRATEGIES
+
+    def unavailable(self, device: torch.device | str) -> str | None:
+        from graphcap.opsdb.spec import Kernel
+
+        return Kernel(lambda: None, self.devices, self.requires).unavailable(
+            torch.device(device))
+
+    def check_strategy(self, strategy: str) -> None:
+        if strategy not in self.strategies:
+            raise UnsupportedStrategy(
+                f"attention backend {self.name!r} cannot run under strategy {strategy!r}; "
+                f"it supports {', '.join(self.strategies)}. Pick one of those strategies, "
+                "or an attention backend that supports it (see graphcap ops)")
+
+    def metadata(self, num_tokens: int, num_slots: int, device) -> AttentionMetadata:
+        return AttentionMetadata(self, num_tokens, num_slots, device)
+
+    def prepare(self, seq_lens, device, num_tokens: int | None = None) -> AttentionMetadata:
+        """Metadata for one eager batch: T = sum(seq_lens) unless given, R = requests."""
+        lens = validate_seq_lens(seq_lens, 1 << 62, 1 << 62)
+        meta = self.metadata(num_tokens or max(sum(lens), 1), len(lens), device)
+        return meta.update(lens)
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Backend-specific host planning after the common buffers are written."""
+
+    def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float) -> None:
+        raise NotImplementedError
+
+
+def zero_padding_rows(out: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Graph-safe: rows past the real tokens become zero (never NaN or stale)."""
+    out.masked_fill_(~meta.valid[:, None, None], 0)

@@ -1,0 +1,39 @@
+"""FlashAttention as an attention backend: FA4 (``flash_attn.cute``) when importable,
+else FA2/FA3's ``flash_attn_varlen_func``.
+
+The max lengths are the bucket size, host ints baked into the graph (never 1: a
+one-token fast path breaks mixed batches); rows past the real tokens are zeroed after.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from graphcap.opsdb.attention.base import AttentionBackend, AttentionMetadata, zero_padding_rows
+
+
+def _varlen_func():
+    if importlib.util.find_spec("flash_attn.cute") is not None:
+        from flash_attn.cute import flash_attn_varlen_func
+
+        return flash_attn_varlen_func, True
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func, False
+
+
+class FlashAttention(AttentionBackend):
+    name = "flash_attn"
+    devices = ("cuda",)
+    requires = ("flash_attn",)
+
+    def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float) -> None:
+        fn, is_fa4 = _varlen_func()
+        cu, n = meta.cu_seqlens, meta.num_tokens
+        kwargs = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, softmax_scale=scale)
+        if is_fa4:
+            result = fn(q, k, v, max_seqlen_q=n, max_seqlen_k=n, num_splits=1, **kwargs)
+        else:
+            result = fn(q, k, v, max_seqlen_q=n, max_seqlen_k=n, **kwargs)
+        out.copy_(result[0] if isinstance(result, tuple) else result)
+        zero_padding_rows(out, meta)

@@ -1,0 +1,65 @@
+"""FlashInfer's ragged prefill wrapper as an attention backend.
+
+``plan()`` runs on the host in ``update`` with CPU int32 indptrs, into a wrapper made with
+``use_cuda_graph=True`` over static indptr buffers; ``run()`` is what the graph captures.
+``run()`` insists that q holds exactly ``qo_indptr[-1]`` rows, so a synthetic last request
+absorbs the padding rows (its output is zeroed afterwards), and the request capacity is
+the slot count plus that one. Re-planning before the previous plan's asynchronous copy
+has run corrupts the metadata, so ``update`` waits on an event recorded after each plan.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphcap.opsdb.attention.base import AttentionBackend, AttentionMetadata, zero_padding_rows
+
+WORKSPACE_BYTES = 256 << 20  # graph mode can exceed the usual 128 MiB at large buckets
+
+
+class FlashInferAttention(AttentionBackend):
+    name = "flashinfer"
+    devices = ("cuda",)
+    requires = ("flashinfer",)
+
+    def __init__(self, heads: tuple[int, int, int] | None = None, dtype=None,
+                 fa_backend: str = "fa3"):
+        self.heads, self.dtype, self.fa_backend = heads, dtype, fa_backend
+
+    def metadata(self, num_tokens, num_slots, device):
+        import flashinfer
+
+        meta = super().metadata(num_tokens, num_slots, device)
+        meta.indptr = torch.zeros(num_slots + 2, dtype=torch.int32, device=device)
+        meta.indptr_host = torch.zeros(num_slots + 2, dtype=torch.int32)
+        meta.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        meta.wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+            meta.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=meta.indptr,
+            kv_indptr_buf=meta.indptr, backend=self.fa_backend)
+        meta.planned = None
+        meta.plan_done = torch.cuda.Event()
+        return meta
+
+    def configure(self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype) -> None:
+        """Head layout and dtype, needed by plan(); set before the first update."""
+        self.heads, self.dtype = (num_q_heads, num_kv_heads, head_dim), dtype
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        if self.heads is None:
+            return  # planned lazily on the first forward, outside any graph
+        hq, hk, d = self.heads
+        ind = meta.indptr_host
+        ind[: meta.num_slots + 1] = meta.cu_seqlens_host
+        ind[meta.num_slots + 1] = meta.num_tokens  # the padding request
+        meta.plan_done.synchronize()
+        meta.wrapper.plan(ind, ind, hq, hk, d, causal=True, q_data_type=self.dtype,
+                          kv_data_type=self.dtype)
+        meta.plan_done.record()
+        meta.planned = (hq, hk, d, self.dtype)
+
+    def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float) -> None:
+        if meta.planned is None:
+            self.configure(q.shape[1], k.shape[1], q.shape[2], q.dtype)
+            self.plan(meta)
+        meta.wrapper.run(q, k, v, out=out)
+        zero_padding_rows(out, meta)

@@ -1,0 +1,64 @@
+"""Attention in plain torch: ``torch_varlen`` (a host loop over requests, eager only) and
+``torch_masked`` (one SDPA call under a block-diagonal causal mask built on the device)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from graphcap.opsdb.attention.base import AttentionBackend, AttentionMetadata, zero_padding_rows
+
+
+def _sdpa(q, k, v, scale, mask=None, causal=False):
+    """q [L, Hq, D], k/v [L, Hk, D] -> [L, Hq, D], GQA by repeating kv heads."""
+    group = q.shape[1] // k.shape[1]
+    qh, kh, vh = (t.transpose(0, 1) for t in (q, k, v))
+    if group > 1:
+        kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
+    return F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale).transpose(0, 1)
+
+
+class TorchVarlen(AttentionBackend):
+    """Loops over the requests with their host lengths: exact and simple, but the loop
+    is Python on the host, so it runs as a break (breakable) or split op (tc_piecewise)."""
+
+    name = "torch_varlen"
+    strategies = ("eager", "breakable", "tc_piecewise")
+
+    def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float) -> None:
+        out.zero_()
+        start = 0
+        for n in meta.seq_lens:
+            if n:
+                end = start + n
+                out[start:end] = _sdpa(q[start:end], k[start:end], v[start:end], scale,
+                                       causal=True)
+                start = end
+
+
+class TorchMasked(AttentionBackend):
+    """One SDPA over the whole bucket with a block-diagonal causal mask computed on the
+    device from per-token request ids: no host lengths inside, so it captures."""
+
+    name = "torch_masked"
+
+    def metadata(self, num_tokens, num_slots, device):
+        meta = super().metadata(num_tokens, num_slots, device)
+        meta.request_ids = torch.full((num_tokens,), -1, dtype=torch.int32, device=device)
+        return meta
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        ids = [i for i, n in enumerate(meta.seq_lens) for _ in range(n)]
+        ids += [-1] * (meta.num_tokens - len(ids))  # padding rows: their own request
+        meta.request_ids.copy_(torch.tensor(ids, dtype=torch.int32), non_blocking=True)
+
+    def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float) -> None:
+        rid = meta.request_ids
+        rows = torch.arange(rid.shape[0], device=rid.device)
+        mask = (rid[:, None] == rid[None, :]) & (rows[None, :] <= rows[:, None])
+        # A masked-out NaN still poisons the product (0 * NaN): clear padded k/v rows.
+        pad = ~meta.valid[:, None, None]
+        k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
+        out.copy_(_sdpa(q, k, v, scale, mask=mask))
+        zero_padding_rows(out, meta)

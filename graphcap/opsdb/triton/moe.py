@@ -1,0 +1,402 @@
+"""Mixture-of-experts kernels: top-k softmax routing and grouped SwiGLU experts.
+
+Specification: :func:`graphcap.opsdb.reference.moe_topk_softmax` and
+:func:`graphcap.opsdb.reference.moe_experts`.
+
+Algorithm
+---------
+``moe_topk_softmax`` runs one program per token: softmax over the E router logits in
+float32 registers, then k rounds of arg-max (ties go to the lowest expert id).
+
+``moe_experts`` handles N = T * k (token, slot) pairs; pair ``p`` is token ``p // k``,
+slot ``p % k``, expert ``topk_ids.flatten()[p]``.
+
+1. Align (a few static-shaped torch ops, :func:`_align`): per-expert counts by
+   ``scatter_add_``; each expert's count is rounded up to BLOCK_M and prefix-summed into
+   ``cum_padded`` [E] (expert e owns rows ``[cum_padded[e-1], cum_padded[e])`` of the
+   padded order); a stable ``torch.sort`` of the expert ids gives each pair its row, and
+   ``sorted_pairs`` [T*k + E*(BLOCK_M-1)] holds the pair ids in that order with padding
+   rows set to N. Every BLOCK_M-row tile belongs to one expert.
+2. ``_moe_gate_up_kernel``: grid (max tiles, I / BLOCK_N). A tile finds its expert by
+   counting the ``cum_padded`` entries at or below its first row, exits early when it
+   starts at or past ``cum_padded[E-1]`` (read from device memory), gathers its tokens'
+   rows of x, computes gate and up with two ``tl.dot`` accumulators in float32, applies
+   ``silu(gate) * up`` in registers and stores the rows into the workspace
+   ``inter`` [T*k, I] at their pair ids.
+3. ``_moe_down_kernel``: the same tiling over ``inter`` with w2 (grid (max tiles,
+   H / BLOCK_N)); it scales each row by its routing weight and stores ``pairs``
+   [T*k, H] at the pair ids (no atomics: deterministic).
+4. ``_moe_sum_kernel``: out[t] = sum over the k slots of ``pairs``, in float32, cast to
+   x.dtype.
+
+Capture contract
+----------------
+The launchers synchronise nothing with the host: no ``.item()``, ``.tolist()``,
+``nonzero`` or data-dependent shapes. Every buffer size and every grid follows from host
+shapes (T, k, E, H, I and the block sizes chosen from them), and the routing is read by
+the kernels from device memory, so a CUDA graph captured once replays correctly for any
+new router logits / routing copied into the captured tensors. Temporaries are allocated
+inside the launcher (from the graph's pool during capture). T == 0 returns an empty
+result without launching anything.
+
+Compilation: H, I, k, BLOCK_M (picked from T*k/E) and the dtypes are compile-time
+constants, so warm up each shape bucket outside capture (the first launch JITs). Under
+``TRITON_INTERPRET=1`` the dot products run in float32 (the interpreter mis-multiplies
+bfloat16) and the K loops have constant bounds (it cannot take tensor bounds in range()).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["moe_topk_softmax", "moe_experts"]
+
+
+# --------------------------------------------------------------------------- routing
+
+
+@triton.jit
+def _topk_softmax_kernel(
+    logits_ptr, weights_ptr, ids_ptr,
+    num_experts, stride_lt, stride_le,
+    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E)
+    emask = offs_e < num_experts
+    x = tl.load(logits_ptr + t * stride_lt + offs_e * stride_le, mask=emask,
+                other=-float("inf")).to(tl.float32)
+    m = tl.max(x, axis=0)
+    p = tl.exp(x - m)
+    p = tl.where(emask, p, 0.0)
+    probs = p / tl.sum(p, axis=0)
+    # Padding lanes must never win a round: -1 is below any probability.
+    probs = tl.where(emask, probs, -1.0)
+
+    offs_k = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    top_i = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=0)
+        # lowest expert id among the maxima
+        idx = tl.min(tl.where(probs == best, offs_e, BLOCK_E), axis=0)
+        top_w = tl.where(offs_k == j, best, top_w)
+        top_i = tl.where(offs_k == j, idx, top_i)
+        probs = tl.where(offs_e == idx, -2.0, probs)
+    kmask = offs_k < TOP_K
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(tl.where(kmask, top_w, 0.0), axis=0)
+    tl.store(weights_ptr + t * TOP_K + offs_k, top_w, mask=kmask)
+    tl.store(ids_ptr + t * TOP_K + offs_k, top_i, mask=kmask)
+
+
+def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts, then the top-k, per token (one Triton program per token).
+
+    router_logits [T, E] (any float dtype, E <= 256 recommended; computed in float32).
+    Returns ``(weights [T, top_k] float32, ids [T, top_k] int32)``, ordered by decreasing
+    probability (ties: lowest expert id first). With ``renormalize`` the k weights of a
+    token sum to 1. No host synchronisation: safe to capture in a CUDA graph.
+    """
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
+    num_tokens, num_experts = router_logits.shape
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be in [1, E={num_experts}]")
+    device = router_logits.device
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
+    if num_tokens == 0:
+        return weights, ids
+    block_e = triton.next_power_of_2(num_experts)
+    _topk_softmax_kernel[(num_tokens,)](
+        router_logits, weights, ids,
+        num_experts, router_logits.stride(0), router_logits.stride(1),
+        TOP_K=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+        RENORMALIZE=bool(renormalize),
+        num_warps=4 if block_e >= 512 else (2 if block_e >= 128 else 1),
+    )
+    return weights, ids
+
+
+# --------------------------------------------------------------------------- experts
+
+
+@triton.jit
+def _tile_expert(cum_padded_ptr, num_experts, row0, BLOCK_E: tl.constexpr):
+    """(expert of the tile starting at padded row ``row0``, rows used in total)."""
+    offs_e = tl.arange(0, BLOCK_E)
+    ends = tl.load(cum_padded_ptr + offs_e, mask=offs_e < num_experts, other=0x7FFFFFFF)
+    expert = tl.sum((ends <= row0).to(tl.int32), axis=0)
+    total = tl.load(cum_padded_ptr + num_experts - 1)
+    return expert, total
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc + a @ b in float32. float32 inputs use IEEE products, not TF32. The interpreter
+    mis-multiplies bfloat16 (it sees the raw bits), so there both sides go to float32."""
+    if INTERPRET:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr, w13_ptr, inter_ptr, sorted_pairs_ptr, cum_padded_ptr,
+    num_pairs, num_experts,
+    stride_xt, stride_xh,
+    stride_we, stride_wn, stride_wk,
+    stride_it, stride_ii,
+    H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    row0 = pid_m * BLOCK_M
+    expert, total = _tile_expert(cum_padded_ptr, num_experts, row0, BLOCK_E)
+    if row0 >= total:
+        return
+
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pairs_ptr + offs_m)
+    valid = pair < num_pairs
+    token = (pair // TOP_K).to(tl.int64)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < INTER
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    w_base = w13_ptr + expert.to(tl.int64) * stride_we
+    g_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+    u_ptrs = g_ptrs + INTER * stride_wn
+
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:  # no mask along the contiguous K dim: vectorised loads
+            b_g = tl.load(g_ptrs, mask=nmask[None, :], other=0.0)
+            b_u = tl.load(u_ptrs, mask=nmask[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+        else:
+            kmask = offs_k < H - k0
+            b_g = tl.load(g_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            b_u = tl.load(u_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
+        a = a.to(b_g.dtype)
+        acc_g = _dot(a, b_g, acc_g, IEEE, INTERPRET)
+        acc_u = _dot(a, b_u, acc_u, IEEE, INTERPRET)
+        a_ptrs += BLOCK_K * stride_xh
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    out_ptrs = (inter_ptr + pair[:, None].to(tl.int64) * stride_it
+                + offs_n[None, :] * stride_ii)
+    tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    inter_ptr, w2_ptr, pairs_ptr, sorted_pairs_ptr, cum_padded_ptr, topk_weights_ptr,
+    num_pairs, num_experts,
+    stride_it, stride_ii,
+    stride_we, stride_wn, stride_wk,
+    stride_pt, stride_ph,
+    H: tl.constexpr, INTER: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    row0 = pid_m * BLOCK_M
+    expert, total = _tile_expert(cum_padded_ptr, num_experts, row0, BLOCK_E)
+    if row0 >= total:
+        return
+
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pairs_ptr + offs_m)
+    valid = pair < num_pairs
+    pair64 = pair.to(tl.int64)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = inter_ptr + pair64[:, None] * stride_it + offs_k[None, :] * stride_ii
+    b_ptrs = (w2_ptr + expert.to(tl.int64) * stride_we
+              + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        if EVEN_K:
+            b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+        else:
+            kmask = offs_k < INTER - k0
+            b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
+        a = a.to(b.dtype)
+        acc = _dot(a, b, acc, IEEE, INTERPRET)
+        a_ptrs += BLOCK_K * stride_ii
+        b_ptrs += BLOCK_K * stride_wk
+
+    w = tl.load(topk_weights_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * w[:, None]
+    out_ptrs = pairs_ptr + pair64[:, None] * stride_pt + offs_n[None, :] * stride_ph
+    tl.store(out_ptrs, acc.to(pairs_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(
+    pairs_ptr, out_ptr, H,
+    stride_pt, stride_ph, stride_ot, stride_oh,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(pairs_ptr + (t * TOP_K + j) * stride_pt + offs * stride_ph,
+                       mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + offs * stride_oh,
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per tile, from host shapes only: small tiles waste less padding when few
+    pairs land on each expert (tl.dot needs at least 16 rows)."""
+    per_expert = num_pairs / num_experts
+    if per_expert <= 16:
+        return 16
+    if per_expert <= 64:
+        return 32
+    return 64
+
+
+def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the (token, slot) pairs by expert, each expert padded to ``block_m`` rows.
+
+    Returns ``sorted_pairs`` [N + E*(block_m-1)] int32 (pair ids in expert order, N in
+    padding rows) and ``cum_padded`` [E] int32 (end row of each expert's padded group;
+    the last entry is the number of rows in use). Static shapes, no host sync.
+    """
+    device = topk_ids.device
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    n = ids.numel()
+    capacity = n + num_experts * (block_m - 1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, ids, torch.ones_like(ids))
+    padded = (counts + (block_m - 1)) // block_m * block_m
+    cum_padded = padded.cumsum(0)
+    # shift from a pair's rank in the unpadded sorted order to its padded row
+    shift = (cum_padded - padded) - (counts.cumsum(0) - counts)
+    sorted_ids, order = torch.sort(ids, stable=True)
+    rows = torch.arange(n, device=device, dtype=torch.int64) + shift.index_select(0, sorted_ids)
+    sorted_pairs = torch.full((capacity,), n, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, rows, order.to(torch.int32))
+    return sorted_pairs, cum_padded.to(torch.int32)
+
+
+def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Grouped SwiGLU experts with routing weights, summed over the k slots.
+
+    x [T, H]; w13 [E, 2*I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights
+    [T, k] (float32 or any float); topk_ids [T, k] int32/int64 in [0, E).
+    ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(gate) * up)`` with
+    ``e = topk_ids[t, j]`` and gate / up the halves of ``w13[e] @ x[t]``. Products
+    accumulate in float32; the SwiGLU intermediate and the per-slot rows are kept in
+    x.dtype (float32 inputs use IEEE, not TF32, dot products). Writes ``out`` [T, H] (x.dtype)
+    if given, else a new tensor, and returns it.
+
+    No host synchronisation: the routing is read on the device, buffers and grids
+    depend only on shapes, so the call can be captured in a CUDA graph and replayed with
+    new routing copied into ``topk_weights`` / ``topk_ids``.
+    """
+    num_tokens, hidden = x.shape
+    num_experts, two_i, hidden_w = w13.shape
+    inter_size = two_i // 2
+    if hidden_w != hidden or two_i != 2 * inter_size:
+        raise ValueError(f"w13 {tuple(w13.shape)} does not match x {tuple(x.shape)}")
+    if tuple(w2.shape) != (num_experts, hidden, inter_size):
+        raise ValueError(f"w2 {tuple(w2.shape)}: expected {(num_experts, hidden, inter_size)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / topk_weights "
+                         f"{tuple(topk_weights.shape)} must both be [T={num_tokens}, k]")
+    top_k = topk_ids.shape[1]
+    if out is None:
+        out = torch.empty_like(x)
+    elif out.shape != x.shape or out.dtype != x.dtype:
+        raise ValueError(f"out must be {tuple(x.shape)} {x.dtype}, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    if num_tokens == 0 or hidden == 0:
+        return out
+    if inter_size == 0 or top_k == 0:
+        return out.zero_()
+
+    device = x.device
+    num_pairs = num_tokens * top_k
+    block_m = _block_m(num_pairs, num_experts)
+    sorted_pairs, cum_padded = _align(topk_ids, num_experts, block_m)
+    max_tiles = triton.cdiv(sorted_pairs.numel(), block_m)
+    block_e = triton.next_power_of_2(num_experts)
+    weights = topk_weights.reshape(-1)
+    if not weights.is_contiguous():
+        weights = weights.contiguous()
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    ieee = x.dtype == torch.float32 or w13.dtype == torch.float32
+    # Smaller tiles for 4-byte inputs keep the pipelined shared memory in budget.
+    wide = w13.element_size() <= 2
+    block_k = 64 if wide else 32
+    stages = 3 if wide else 2
+    warps = 4 if block_m <= 32 else 8
+
+    inter = torch.empty((num_pairs, inter_size), dtype=w2.dtype, device=device)
+    block_n1 = 64
+    _moe_gate_up_kernel[(max_tiles, triton.cdiv(inter_size, block_n1))](
+        x, w13, inter, sorted_pairs, cum_padded,
+        num_pairs, num_experts,
+        x.stride(0), x.stride(1),
+        w13.stride(0), w13.stride(1), w13.stride(2),
+        inter.stride(0), inter.stride(1),
+        H=hidden, INTER=inter_size, TOP_K=top_k, BLOCK_E=block_e,
+        BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
+        IEEE=ieee, INTERPRET=interpret,
+        num_warps=warps, num_stages=stages,
+    )
+
+    pairs = torch.empty((num_pairs, hidden), dtype=x.dtype, device=device)
+    block_n2 = 128 if wide and block_m >= 64 else 64
+    _moe_down_kernel[(max_tiles, triton.cdiv(hidden, block_n2))](
+        inter, w2, pairs, sorted_pairs, cum_padded, weights,
+        num_pairs, num_experts,
+        inter.stride(0), inter.stride(1),
+        w2.stride(0), w2.stride(1), w2.stride(2),
+        pairs.stride(0), pairs.stride(1),
+        H=hidden, INTER=inter_size, BLOCK_E=block_e,
+        BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k, EVEN_K=inter_size % block_k == 0,
+        IEEE=ieee, INTERPRET=interpret,
+        num_warps=warps, num_stages=stages,
+    )
+
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        pairs, out, hidden,
+        pairs.stride(0), pairs.stride(1), out.stride(0), out.stride(1),
+        TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+    )
+    return out

@@ -1,0 +1,267 @@
+"""Triton MoE kernels (graphcap.opsdb.triton.moe) against the torch reference.
+
+On CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET),
+so the property tests keep shapes small; the ``gpu`` tests capture both launchers in a
+CUDA graph and replay them with new routing, and run a model-sized shape.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphcap.opsdb import reference
+from graphcap.opsdb.triton import moe
+from tests.conftest import requires_cuda
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
+ROUTINGS = ["random", "one_expert", "two_experts", "all_same"]
+
+SMALL = settings(max_examples=12, deadline=None)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _distinct_logits(num_tokens: int, num_experts: int, spacing: float, gen) -> torch.Tensor:
+    """Router logits with no ties in any dtype: a permutation of a grid per token."""
+    perms = torch.stack([torch.randperm(num_experts, generator=gen)
+                         for _ in range(num_tokens)]) if num_tokens else \
+        torch.empty((0, num_experts), dtype=torch.int64)
+    return (perms.float() - num_experts / 2) * spacing
+
+
+def _routing(kind: str, num_tokens: int, num_experts: int, top_k: int, gen):
+    """(topk_weights float32, topk_ids int32) of a routing pattern, on ``device``."""
+    if kind == "random":  # distinct experts per token, spread over all experts
+        ids = torch.rand(num_tokens, num_experts, generator=gen).argsort(dim=1)[:, :top_k]
+    elif kind == "one_expert":  # slot 0 of every token on one expert, the rest empty
+        hot = int(torch.randint(num_experts, (1,), generator=gen))
+        others = (hot + 1 + torch.randint(num_experts - 1, (num_tokens, top_k), generator=gen)
+                  ) % num_experts
+        ids = torch.cat([torch.full((num_tokens, 1), hot), others[:, 1:]], dim=1)
+    elif kind == "two_experts":  # only experts 1 and 2 get tokens
+        first = torch.randint(2, (num_tokens, 1), generator=gen) + 1
+        ids = torch.cat([first, 3 - first], dim=1)[:, :top_k]
+    elif kind == "all_same":  # every (token, slot) pair on one expert, duplicates too
+        ids = torch.full((num_tokens, top_k), num_experts - 1)
+    else:
+        raise ValueError(kind)
+    weights = torch.rand(num_tokens, top_k, generator=gen) + 0.05
+    return weights.to(device), ids.to(torch.int32).to(device)
+
+
+def _problem(num_tokens, num_experts, hidden, inter, dtype, seed):
+    gen = _gen(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
+    return [t.to(dtype).to(device) for t in (x, w13, w2)]
+
+
+def _assert_close_to_scale(actual, expected, tol):
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    if expected.numel() == 0:
+        return
+    diff = (actual.float() - expected.float()).abs().max().item()
+    scale = expected.float().abs().max().item() + 1e-6
+    assert diff <= tol * scale, f"max abs diff {diff:.3g} > {tol} * scale {scale:.3g}"
+
+
+# ------------------------------------------------------------------------- topk_softmax
+
+
+@SMALL
+@given(
+    num_tokens=st.integers(0, 33),
+    num_experts=st.sampled_from([4, 8]),
+    top_k=st.sampled_from([1, 2]),
+    renormalize=st.booleans(),
+    dtype=st.sampled_from(DTYPES),
+    spacing=st.sampled_from([0.25, 0.5, 1.0, 2.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_topk_softmax_matches_reference(num_tokens, num_experts, top_k, renormalize,
+                                        dtype, spacing, seed):
+    logits = _distinct_logits(num_tokens, num_experts, spacing, _gen(seed))
+    logits = logits.to(dtype).to(device)
+    weights, ids = moe.moe_topk_softmax(logits, top_k, renormalize)
+    ref_w, ref_ids = reference.moe_topk_softmax(logits, top_k, renormalize)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert weights.shape == ids.shape == (num_tokens, top_k)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_experts,top_k", [(256, 8), (60, 4), (3, 3)])
+def test_topk_softmax_wide_and_odd_expert_counts(num_experts, top_k):
+    gen = _gen(num_experts)
+    logits = (torch.randn(7, num_experts, generator=gen) * 3).to(device)
+    weights, ids = moe.moe_topk_softmax(logits, top_k, renormalize=True)
+    ref_w, ref_ids = reference.moe_topk_softmax(logits, top_k, renormalize=True)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(7, device=device))
+
+
+def test_topk_softmax_reads_strided_logits():
+    logits = torch.randn(9, 16, generator=_gen(3)).to(device)[:, ::2]
+    weights, ids = moe.moe_topk_softmax(logits, 2, renormalize=False)
+    ref_w, ref_ids = reference.moe_topk_softmax(logits, 2, renormalize=False)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------ experts
+
+
+@SMALL
+@given(
+    num_tokens=st.integers(0, 33),
+    num_experts=st.sampled_from([4, 8]),
+    top_k=st.sampled_from([1, 2]),
+    hidden=st.sampled_from([32, 64]),
+    inter=st.sampled_from([32, 64]),
+    dtype=st.sampled_from(DTYPES),
+    routing=st.sampled_from(ROUTINGS),
+    seed=st.integers(0, 2**16),
+)
+def test_experts_match_reference(num_tokens, num_experts, top_k, hidden, inter, dtype,
+                                 routing, seed):
+    x, w13, w2 = _problem(num_tokens, num_experts, hidden, inter, dtype, seed)
+    weights, ids = _routing(routing, num_tokens, num_experts, top_k, _gen(seed + 1))
+    out = moe.moe_experts(x, w13, w2, weights, ids)
+    expected = reference.moe_experts(x, w13, w2, weights, ids)
+    _assert_close_to_scale(out, expected, TOL[dtype])
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+@pytest.mark.parametrize("routing", ["random", "one_expert"])
+def test_experts_every_tile_size(monkeypatch, block_m, routing):
+    """Each BLOCK_M the shape heuristic can pick, with odd H and I (masked edges)."""
+    monkeypatch.setattr(moe, "_block_m", lambda n, e: block_m)
+    x, w13, w2 = _problem(37, 8, 48, 80, torch.float32, seed=block_m)
+    weights, ids = _routing(routing, 37, 8, 2, _gen(block_m))
+    out = moe.moe_experts(x, w13, w2, weights, ids)
+    _assert_close_to_scale(out, reference.moe_experts(x, w13, w2, weights, ids), 1e-4)
+
+
+def test_experts_many_experts_mostly_empty():
+    x, w13, w2 = _problem(20, 64, 32, 32, torch.bfloat16, seed=5)
+    weights, ids = _routing("random", 20, 64, 2, _gen(6))
+    out = moe.moe_experts(x, w13, w2, weights, ids)
+    _assert_close_to_scale(out, reference.moe_experts(x, w13, w2, weights, ids), 3e-2)
+
+
+def test_experts_write_into_out_and_accept_int64_ids():
+    x, w13, w2 = _problem(11, 4, 32, 32, torch.float16, seed=9)
+    weights, ids = _routing("random", 11, 4, 2, _gen(10))
+    out = torch.full_like(x, float("nan"))
+    got = moe.moe_experts(x, w13, w2, weights, ids.long(), out=out)
+    assert got is out
+    _assert_close_to_scale(out, reference.moe_experts(x, w13, w2, weights, ids), 2e-2)
+
+
+def test_experts_zero_tokens():
+    x, w13, w2 = _problem(0, 4, 32, 32, torch.float32, seed=0)
+    weights, ids = _routing("random", 0, 4, 2, _gen(0))
+    out = moe.moe_experts(x, w13, w2, weights, ids)
+    assert out.shape == (0, 32) and out.dtype == torch.float32
+
+
+@SMALL
+@given(num_tokens=st.integers(0, 40), num_experts=st.sampled_from([1, 4, 8, 64]),
+       top_k=st.sampled_from([1, 2, 4]), block_m=st.sampled_from([16, 32, 64]),
+       seed=st.integers(0, 2**16))
+def test_align_groups_every_pair_once_by_expert(num_tokens, num_experts, top_k, block_m,
+                                                seed):
+    gen = _gen(seed)
+    ids = torch.randint(num_experts, (num_tokens, top_k), generator=gen, dtype=torch.int32)
+    sorted_pairs, cum_padded = moe._align(ids.to(device), num_experts, block_m)
+    sorted_pairs, cum_padded = sorted_pairs.cpu(), cum_padded.cpu().long()
+    n = num_tokens * top_k
+    assert sorted_pairs.shape == (n + num_experts * (block_m - 1),)
+    counts = torch.bincount(ids.flatten().long(), minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    assert torch.equal(cum_padded, padded.cumsum(0))
+    real = sorted_pairs[sorted_pairs < n]
+    assert torch.equal(real.sort().values, torch.arange(n, dtype=torch.int32))
+    assert (sorted_pairs <= n).all() and (sorted_pairs[int(cum_padded[-1]):] == n).all()
+    flat = ids.flatten()
+    start = 0
+    for e in range(num_experts):
+        group = sorted_pairs[start:int(cum_padded[e])]
+        members = group[group < n].long()
+        assert (flat[members] == e).all()
+        assert torch.equal(members, members.sort().values)  # stable: pair order kept
+        start = int(cum_padded[e])
+
+
+# ------------------------------------------------------------------------------ CUDA
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_tokens", [96, 4100])  # T*k past 4096: torch.sort's radix path
+def test_topk_and_experts_replay_in_a_cuda_graph_with_new_routing(num_tokens):
+    from graphcap.core import new_pool
+
+    num_experts, top_k, hidden, inter = 8, 2, 256, 128
+    dtype = torch.bfloat16
+    x, w13, w2 = _problem(num_tokens, num_experts, hidden, inter, dtype, seed=1)
+    logits = torch.randn(num_tokens, num_experts, device="cuda")
+
+    def fn():
+        weights, ids = moe.moe_topk_softmax(logits, top_k, True)
+        return moe.moe_experts(x, w13, w2, weights, ids), weights, ids
+
+    pool = new_pool("cuda")
+    graph = pool.graph()
+    with pool.warmup():
+        fn()
+    out, weights, ids = graph.capture(fn)
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cases = {
+        "random": torch.randn(num_tokens, num_experts, device="cuda", generator=gen),
+        "one_expert_gets_all": torch.randn(num_tokens, num_experts, device="cuda",
+                                           generator=gen) + 30 * (torch.arange(
+                                               num_experts, device="cuda") == 3),
+        "two_experts_only": torch.randn(num_tokens, num_experts, device="cuda",
+                                        generator=gen) + 30 * (torch.arange(
+                                            num_experts, device="cuda") >= 6),
+        "random_again": torch.randn(num_tokens, num_experts, device="cuda", generator=gen),
+    }
+    for name, new_logits in cases.items():
+        logits.copy_(new_logits)
+        x.copy_(torch.randn(num_tokens, hidden, device="cuda", generator=gen).to(dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_w, ref_ids = reference.moe_topk_softmax(logits, top_k, True)
+        assert torch.equal(ids, ref_ids), name
+        torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
+        expected = reference.moe_experts(x, w13, w2, ref_w, ref_ids)
+        _assert_close_to_scale(out, expected, TOL[dtype])
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_experts", [8, 64])
+def test_experts_model_sized_bf16(num_experts):
+    num_tokens, top_k, hidden, inter = 512, 2, 1024, 768
+    x, w13, w2 = _problem(num_tokens, num_experts, hidden, inter, torch.bfloat16, seed=7)
+    logits = torch.randn(num_tokens, num_experts, device="cuda")
+    weights, ids = moe.moe_topk_softmax(logits, top_k, True)
+    out = moe.moe_experts(x, w13, w2, weights, ids)
+    expected = reference.moe_experts(x, w13, w2, weights, ids)
+    _assert_close_to_scale(out, expected, TOL[torch.bfloat16])
+    x32, w13_32, w2_32 = (t.float() for t in (x, w13, w2))
+    out32 = moe.moe_experts(x32, w13_32, w2_32, weights, ids)
+    _assert_close_to_scale(out32, reference.moe_experts(x32, w13_32, w2_32, weights, ids),
+                           1e-4)

@@ -1,0 +1,169 @@
+"""Attention backends: metadata outside the graph, replay with different sentinel batches."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphcap.core.context import forward_context
+from graphcap.errors import GraphcapError, UnsupportedStrategy
+from graphcap.opsdb import OpInputError
+from graphcap.opsdb.attention import BACKENDS, get_backend
+from graphcap.opsdb.reference import attention_varlen
+from graphcap.testing import default_tolerance
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CAPTURABLE = [n for n, cls in BACKENDS.items() if "full" in cls.strategies]
+
+
+def available(device, names=tuple(BACKENDS)):
+    return [n for n in names if BACKENDS[n]().unavailable(device) is None]
+
+
+def qkv(lens_total, tokens, hq, hk, d, dtype, device, seed=0, poison=True):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(tokens, h, d, generator=gen).to(device, dtype)
+               for h in (hq, hk, hk))
+    if poison and tokens > lens_total:  # padding rows must not leak into real rows
+        for t in (q, k, v):
+            t[lens_total:] = float("nan")
+    return q, k, v
+
+
+def run_attention(meta, q, k, v, scale):
+    out = torch.full_like(q, float("nan"))
+    with forward_context(attention=meta):
+        torch.ops.graphcap.attention(q, k, v, out, scale)
+    return out
+
+
+def expect(q, k, v, meta, scale):
+    return attention_varlen(torch.nan_to_num(q), torch.nan_to_num(k), torch.nan_to_num(v),
+                            meta.cu_seqlens_host, scale)
+
+
+batches = st.lists(st.integers(0, 24), min_size=1, max_size=4)
+
+
+@pytest.mark.parametrize("name", available(DEVICE))
+@settings(max_examples=12, deadline=None)
+@given(lens=batches, pad=st.integers(0, 5), group=st.sampled_from([1, 2, 8]),
+       d=st.sampled_from([64, 128]),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+def test_each_backend_matches_the_reference_with_sentinels_and_padding(name, lens, pad, group,
+                                                                       d, dtype):
+    tokens = max(sum(lens) + pad, 1)
+    meta = get_backend(name, DEVICE).metadata(tokens, 4, DEVICE).update(lens)
+    q, k, v = qkv(sum(lens), tokens, group, 1, d, dtype, DEVICE, seed=len(lens) + pad)
+    scale = 1 / math.sqrt(d)
+    out = run_attention(meta, q, k, v, scale)
+    tol = 2 * default_tolerance(dtype)
+    torch.testing.assert_close(out, expect(q, k, v, meta, scale), atol=tol, rtol=tol)
+    assert not out[sum(lens):].any()
+
+
+def _capturable_on(pool):
+    names = [n for n in available(pool.device, CAPTURABLE)]
+    return names or pytest.skip(f"no capturable attention backend on {pool.device}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_capturable_backends_replay_batches_with_different_sentinel_slots(pool, dtype):
+    for name in _capturable_on(pool):
+        _replay_sentinel_batches(pool, name, dtype)
+
+
+def _replay_sentinel_batches(pool, name, dtype):
+    tokens, slots, hq, hk, d = 64, 4, 4, 2, 64
+    scale = 1 / math.sqrt(d)
+    backend = get_backend(name, pool.device, strategy="full")
+    meta = backend.metadata(tokens, slots, pool.device).update([tokens])
+    q, k, v = qkv(tokens, tokens, hq, hk, d, dtype, pool.device)
+    out = torch.zeros_like(q)
+
+    def forward():
+        with forward_context(attention=meta):
+            torch.ops.graphcap.attention(q, k, v, out, scale)
+        return out
+
+    with pool.warmup():
+        forward()
+    graph = pool.graph()
+    graph.capture(forward)
+    for seed, lens in enumerate([[30, 0, 17, 0], [1, 1, 1, 1], [0, 0, 5, 0], [64], [20, 3]]):
+        meta.update(lens)
+        fresh = qkv(sum(lens), tokens, hq, hk, d, dtype, pool.device, seed=seed)
+        for static, new in zip((q, k, v), fresh, strict=True):
+            static.copy_(new)
+        graph.replay()
+        tol = 2 * default_tolerance(dtype)
+        torch.testing.assert_close(out, expect(q, k, v, meta, scale), atol=tol, rtol=tol,
+                                   msg=lambda m, b=lens: f"{name} {b}: {m}")
+        assert not out[sum(lens):].any(), f"{name}: padding rows not zero for {lens}"
+
+
+def test_torch_varlen_refuses_full_capture_and_says_what_to_use():
+    with pytest.raises(UnsupportedStrategy, match="torch_varlen.*full.*breakable"):
+        get_backend("torch_varlen", "cpu", strategy="full")
+
+
+def test_the_best_backend_for_full_capture_is_a_capturable_one():
+    assert "full" in get_backend(None, DEVICE, strategy="full").strategies
+
+
+def test_an_unknown_or_unavailable_backend_says_why():
+    with pytest.raises(GraphcapError, match="no attention backend 'sdpa'"):
+        get_backend("sdpa")
+    with pytest.raises(GraphcapError, match="flashinfer"):
+        get_backend("flashinfer", "cpu")
+
+
+BAD_LENS = {
+    "negative": ([3, -1], "non-negative"),
+    "too many requests": ([1, 1, 1, 1, 1], "5 requests do not fit 4"),
+    "more tokens than rows": ([10, 10], "sum to 20"),
+    "empty": ([], "empty"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_LENS))
+def test_bad_lengths_are_rejected_and_the_metadata_stays_usable(case):
+    lens, needle = BAD_LENS[case]
+    meta = get_backend("torch_masked").metadata(16, 4, "cpu").update([16])
+    with pytest.raises(OpInputError, match=needle):
+        meta.update(lens)
+    assert meta.seq_lens == [16]
+    meta.update([4, 4])
+    assert meta.cu_seqlens.tolist() == [0, 4, 8, 8, 8]
+
+
+def test_a_token_count_other_than_the_metadata_is_rejected():
+    meta = get_backend("torch_masked").metadata(16, 2, "cpu").update([8])
+    q = torch.randn(8, 2, 16)
+    with pytest.raises(OpInputError, match="prepared for 16"):
+        run_attention(meta, q, q, q, 0.25)
+
+
+def test_heads_that_do_not_divide_are_rejected():
+    meta = get_backend("torch_masked").metadata(8, 1, "cpu").update([8])
+    q, kv = torch.randn(8, 3, 16), torch.randn(8, 2, 16)
+    with pytest.raises(OpInputError, match="not a multiple"):
+        run_attention(meta, q, kv, kv, 0.25)
+
+
+def test_attention_outside_a_forward_context_explains_what_to_do():
+    q = torch.randn(4, 2, 16)
+    with pytest.raises(GraphcapError, match="forward_context"):
+        torch.ops.graphcap.attention(q, q, q, torch.empty_like(q), 0.25)
+
+
+def test_the_attention_op_passes_opcheck_inside_a_forward_context():
+    meta = get_backend("torch_masked").metadata(12, 3, "cpu").update([5, 0, 6])
+    q, k, v = qkv(11, 12, 4, 2, 16, torch.float32, "cpu", poison=False)
+    with forward_context(attention=meta):
+        torch.library.opcheck(torch.ops.graphcap.attention.default,
+                              (q, k, v, torch.zeros_like(q), 0.25))
