@@ -23,6 +23,19 @@ def _ops(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("graphcap bench needs a CUDA GPU (benchmarks time real kernels)", file=sys.stderr)
+        return 2
+    if args.suite == "ops":
+        from graphcap.bench.ops import run
+
+        run(args.out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="graphcap", description="CUDA graphs for LLM prefill and launch-bound forwards.")
@@ -35,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--device", default=None, help="device to check backends for")
     ops.add_argument("--json", action="store_true", help="machine-readable output")
     ops.set_defaults(func=_ops)
+    bench = sub.add_parser("bench", help="GPU benchmarks, written as JSON")
+    bench.add_argument("suite", choices=["ops"], help="what to benchmark")
+    bench.add_argument("--out", default=None, help="JSON file to write")
+    bench.set_defaults(func=_bench)
     return parser
 
 

@@ -98,3 +98,16 @@ def test_a_sync_cuda_refuses_is_translated_into_a_capture_error_naming_the_line(
     y = graph.capture(lambda t: t * 3, x)
     graph.replay()
     assert torch.equal(y, torch.full((8,), 3.0, device="cuda"))
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_a_pool_captures_again_after_all_its_graphs_died():
+    pool = new_pool("cuda", kind="cuda")
+    x = torch.ones(8, device="cuda")
+    for factor in (2.0, 3.0, 4.0):
+        graph = pool.graph()
+        y = graph.capture(lambda t, f=factor: t * f, x)
+        graph.replay()
+        assert torch.equal(y, torch.full((8,), factor, device="cuda"))
+        del graph, y

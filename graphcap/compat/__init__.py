@@ -40,3 +40,21 @@ def end_allocate_to_pool(device: torch.device, pool_id) -> None:
         torch._C._cuda_endAllocateToPool(device.index, pool_id)
     except RuntimeError:
         pass
+
+
+def anchor_graph(device: torch.device, pool_id, stream) -> tuple:
+    """A one-kernel graph captured on ``pool_id`` and kept alive by the caller.
+
+    torch 2.11's host allocator forgets nothing about a graph pool whose last graph
+    died yet asserts on the next capture into it ("use_count > 0"); a graph that lives
+    as long as the pool keeps that count above zero.
+    """
+    buf = torch.zeros(1, device=device)
+    graph = torch.cuda.CUDAGraph()
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool_id, capture_error_mode="thread_local")
+        buf.add_(1)
+        graph.capture_end()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return graph, buf

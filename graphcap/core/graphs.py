@@ -200,19 +200,27 @@ class GraphPool:
         if self.kind == "cuda" and device.type != "cuda":
             raise UnsupportedStrategy(f"CUDA graphs need a CUDA device, got {device}")
         self._graphs: weakref.WeakSet = weakref.WeakSet()
-        # The pool object keeps the allocator's pool alive between graphs: a bare
-        # graph_pool_handle() is released with the last graph that used it.
-        self._mempools = [compat.new_mempool(device)] if self.kind == "cuda" else []
-        self.handle = compat.mempool_id(self._mempools[-1]) if self._mempools else None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._mempools: list = []
+        self._anchors: list = []
+        self.handle = None
+        if self.kind == "cuda":
+            self._new_cuda_pool()
 
     @property
     def emulated(self) -> bool:
         return self.kind == "emulated"
 
-    def _renew_after_failed_capture(self) -> None:
+    def _new_cuda_pool(self) -> None:
+        # The MemPool keeps the device allocator's pool alive between graphs; the anchor
+        # graph does the same for the host allocator's record of it (torch 2.11 asserts
+        # on a capture into a pool all of whose graphs have died).
         self._mempools.append(compat.new_mempool(self.device))
         self.handle = compat.mempool_id(self._mempools[-1])
+        self._anchors.append(compat.anchor_graph(self.device, self.handle, self.stream))
+
+    def _renew_after_failed_capture(self) -> None:
+        self._new_cuda_pool()
 
     def graph(self) -> Graph:
         """A new, empty graph of this pool's kind."""

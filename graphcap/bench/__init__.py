@@ -1,0 +1,1 @@
+"""GPU benchmarks: ``graphcap bench ops`` (kernels against FlashInfer and FlashAttention)."""
