@@ -41,7 +41,7 @@ def _elementwise_cases(dev):
             for op, args in (("rms_norm", (x, w, 1e-6)), ("silu_and_mul", (gate,))):
                 spec = get_op(op)
                 ok = [b for b, why in spec.backends(dev).items() if why is None]
-                arms = {b: (lambda b=b, a=args: spec(*a, backend=b)) for b in ok}
+                arms = {b: (lambda b=b, a=args, s=spec: s(*a, backend=b)) for b in ok}
                 times = _interleaved(arms)
                 rows.append({"op": op, "tokens": tokens, "hidden": hidden, "ms": times})
     return rows
