@@ -21,3 +21,21 @@ def median_ms(fn, *, warmup: int = 10, reps: int = 50) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def graphed_ms(fn, *, calls: int = 20, warmup: int = 5, reps: int = 20) -> float:
+    """Device time of one ``fn()``: ``calls`` back-to-back calls captured in one CUDA graph,
+    replayed; launch overhead and Python stay out of the figure."""
+    from graphcap.core.graphs import new_pool
+
+    pool = new_pool("cuda")
+    with pool.warmup():
+        fn()
+
+    def many():
+        for _ in range(calls):
+            fn()
+
+    graph = pool.graph()
+    graph.capture(many)
+    return median_ms(graph.replay, warmup=warmup, reps=reps) / calls
