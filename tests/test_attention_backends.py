@@ -24,6 +24,12 @@ def available(device, names=tuple(BACKENDS)):
     return [n for n in names if BACKENDS[n]().unavailable(device) is None]
 
 
+def params(names):
+    """On a GPU machine these run under -m gpu; on CPU, in the default run."""
+    marks = [pytest.mark.gpu] if DEVICE == "cuda" else []
+    return [pytest.param(n, marks=marks) for n in names]
+
+
 def qkv(lens_total, tokens, hq, hk, d, dtype, device, seed=0, poison=True):
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(tokens, h, d, generator=gen).to(device, dtype)
@@ -49,7 +55,7 @@ def expect(q, k, v, meta, scale):
 batches = st.lists(st.integers(0, 24), min_size=1, max_size=4)
 
 
-@pytest.mark.parametrize("name", available(DEVICE))
+@pytest.mark.parametrize("name", params(available(DEVICE)))
 @settings(max_examples=12, deadline=None)
 @given(lens=batches, pad=st.integers(0, 5), group=st.sampled_from([1, 2, 8]),
        d=st.sampled_from([64, 128]),
@@ -57,6 +63,8 @@ batches = st.lists(st.integers(0, 24), min_size=1, max_size=4)
 def test_each_backend_matches_the_reference_with_sentinels_and_padding(name, lens, pad, group,
                                                                        d, dtype):
     tokens = max(sum(lens) + pad, 1)
+    if dtype not in BACKENDS[name].dtypes:
+        return
     meta = get_backend(name, DEVICE).metadata(tokens, 4, DEVICE).update(lens)
     q, k, v = qkv(sum(lens), tokens, group, 1, d, dtype, DEVICE, seed=len(lens) + pad)
     scale = 1 / math.sqrt(d)
@@ -66,18 +74,12 @@ def test_each_backend_matches_the_reference_with_sentinels_and_padding(name, len
     assert not out[sum(lens):].any()
 
 
-def _capturable_on(pool):
-    names = [n for n in available(pool.device, CAPTURABLE)]
-    return names or pytest.skip(f"no capturable attention backend on {pool.device}")
-
-
+@pytest.mark.parametrize("name", CAPTURABLE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_capturable_backends_replay_batches_with_different_sentinel_slots(pool, dtype):
-    for name in _capturable_on(pool):
-        _replay_sentinel_batches(pool, name, dtype)
-
-
-def _replay_sentinel_batches(pool, name, dtype):
+def test_capturable_backends_replay_batches_with_different_sentinel_slots(pool, name, dtype):
+    why = BACKENDS[name]().unavailable(pool.device)
+    if why or dtype not in BACKENDS[name].dtypes:
+        pytest.skip(why or f"{name} does not run {dtype}")
     tokens, slots, hq, hk, d = 64, 4, 4, 2, 64
     scale = 1 / math.sqrt(d)
     backend = get_backend(name, pool.device, strategy="full")
@@ -167,3 +169,11 @@ def test_the_attention_op_passes_opcheck_inside_a_forward_context():
     with forward_context(attention=meta):
         torch.library.opcheck(torch.ops.graphcap.attention.default,
                               (q, k, v, torch.zeros_like(q), 0.25))
+
+
+def test_a_backend_refuses_a_dtype_it_cannot_run():
+    meta = get_backend("torch_masked").metadata(8, 1, "cpu").update([8])
+    meta.backend.dtypes = (torch.bfloat16,)
+    q = torch.randn(8, 2, 16)
+    with pytest.raises(OpInputError, match="runs on bfloat16, not float32"):
+        run_attention(meta, q, q, q, 0.25)

@@ -79,6 +79,7 @@ def _attention(q, k, v, out, scale):
         raise checks.OpInputError(
             f"attention: q has {q.shape[0]} tokens but the metadata was prepared for "
             f"{meta.num_tokens}; prepare metadata for this token count")
+    meta.backend.check_dtype(q.dtype)
     meta.backend.forward(q, k, v, out, meta, scale)
 
 

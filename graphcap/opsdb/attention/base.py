@@ -81,6 +81,13 @@ class AttentionBackend:
     devices: tuple[str, ...] = ("cpu", "cuda")
     requires: tuple[str, ...] = ()
     strategies: tuple[str, ...] = STRATEGIES
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        if dtype not in self.dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            raise OpInputError(f"attention backend {self.name!r} runs on {names}, not "
+                               f"{str(dtype).removeprefix('torch.')}; pick another backend")
 
     def unavailable(self, device: torch.device | str) -> str | None:
         from graphcap.opsdb.spec import Kernel

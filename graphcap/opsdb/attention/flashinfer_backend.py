@@ -21,6 +21,7 @@ class FlashInferAttention(AttentionBackend):
     name = "flashinfer"
     devices = ("cuda",)
     requires = ("flashinfer",)
+    dtypes = (torch.float16, torch.bfloat16)
 
     def __init__(self, heads: tuple[int, int, int] | None = None, dtype=None,
                  fa_backend: str = "fa3"):
