@@ -106,3 +106,10 @@ def test_registering_a_name_twice_is_an_error():
 def test_op_names_must_be_qualified():
     with pytest.raises(ValueError, match="namespace::op_name"):
         opsdb.register_op("no_namespace", "(Tensor x) -> Tensor", reference=lambda x: x)
+
+
+def test_a_kernel_that_declares_dtypes_is_skipped_for_others():
+    spec = get_op("silu_and_mul")
+    kernel = spec.kernels["flashinfer"]
+    assert "takes float16, bfloat16, not float32" in kernel.unavailable(
+        torch.device("cuda"), torch.float32)

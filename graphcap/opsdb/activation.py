@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from graphcap.opsdb import checks, reference
-from graphcap.opsdb.spec import Kernel, register_op
+from graphcap.opsdb.spec import HALF, Kernel, register_op
 
 
 def check_silu_and_mul(x):
@@ -36,7 +36,7 @@ SILU_AND_MUL = register_op(
         "triton": Kernel("graphcap.opsdb.triton.activation:silu_and_mul",
                          requires=("triton",)),
         "flashinfer": Kernel("graphcap.opsdb.flashinfer:silu_and_mul",
-                             requires=("flashinfer",)),
+                             requires=("flashinfer",), dtypes=HALF),
     },
     check=check_silu_and_mul, inputs=silu_and_mul_inputs,
     doc="x [T, 2I] -> silu(x[:, :I]) * x[:, I:]",

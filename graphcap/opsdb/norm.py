@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from graphcap.opsdb import checks, reference
-from graphcap.opsdb.spec import Kernel, register_op
+from graphcap.opsdb.spec import HALF, Kernel, register_op
 
 TRITON = ("triton",)
 
@@ -64,7 +64,8 @@ RMS_NORM = register_op(
     reference=reference.rms_norm,
     kernels={
         "triton": Kernel("graphcap.opsdb.triton.norm:rms_norm", requires=TRITON),
-        "flashinfer": Kernel("graphcap.opsdb.flashinfer:rms_norm", requires=("flashinfer",)),
+        "flashinfer": Kernel("graphcap.opsdb.flashinfer:rms_norm", requires=("flashinfer",),
+                             dtypes=HALF),
     },
     check=check_rms_norm, inputs=rms_norm_inputs,
     doc="x / sqrt(mean(x^2) + eps) * weight over the last dim",
@@ -77,7 +78,7 @@ FUSED_ADD_RMS_NORM = register_op(
     kernels={
         "triton": Kernel("graphcap.opsdb.triton.norm:fused_add_rms_norm", requires=TRITON),
         "flashinfer": Kernel("graphcap.opsdb.flashinfer:fused_add_rms_norm",
-                             requires=("flashinfer",)),
+                             requires=("flashinfer",), dtypes=HALF),
     },
     check=check_fused_add_rms_norm, inputs=fused_add_rms_norm_inputs,
     doc="in place: residual <- x + residual; x <- rms_norm(residual)",

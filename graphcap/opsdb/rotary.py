@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from graphcap.opsdb import checks, reference
-from graphcap.opsdb.spec import Kernel, register_op
+from graphcap.opsdb.spec import HALF, Kernel, register_op
 
 OP = "rotary_embedding"
 
@@ -63,7 +63,7 @@ ROTARY_EMBEDDING = register_op(
         "triton": Kernel("graphcap.opsdb.triton.rotary:rotary_embedding",
                          requires=("triton",)),
         "flashinfer": Kernel("graphcap.opsdb.flashinfer:rotary_embedding",
-                             requires=("flashinfer",)),
+                             requires=("flashinfer",), dtypes=HALF),
     },
     check=check_rotary, inputs=rotary_inputs,
     doc="neox rotary embedding with a cos/sin cache, in place on query and key",

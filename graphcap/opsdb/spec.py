@@ -33,6 +33,8 @@ import torch
 from graphcap.compat.library import define_op, split_qualname
 from graphcap.errors import GraphcapError
 
+HALF = (torch.float16, torch.bfloat16)  # what most vendor kernels (FlashInfer) accept
+
 
 class OpInputError(GraphcapError, ValueError):
     """Bad input to an op, caught before any kernel launch."""
@@ -46,15 +48,20 @@ class BackendUnavailable(GraphcapError, RuntimeError):
 class Kernel:
     """One implementation of an op. ``fn`` is a callable or ``"module:function"``
     (imported on first use); ``requires`` names modules that must be importable;
-    ``devices`` the device types it runs on."""
+    ``devices`` the device types it runs on; ``dtypes`` (None: any) the floating dtypes
+    it accepts."""
 
     fn: Callable | str
     devices: tuple[str, ...] = ("cuda",)
     requires: tuple[str, ...] = ()
+    dtypes: tuple[torch.dtype, ...] | None = None
     _resolved: Callable | None = field(default=None, repr=False)
 
-    def unavailable(self, device: torch.device) -> str | None:
-        """Why this kernel cannot run on ``device``, or None when it can."""
+    def unavailable(self, device: torch.device, dtype: torch.dtype | None = None) -> str | None:
+        """Why this kernel cannot run on ``device`` (for ``dtype``), or None when it can."""
+        if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            return f"takes {names}, not {str(dtype).removeprefix('torch.')}"
         device_ok = device.type in self.devices or (
             device.type == "cpu" and "triton" in self.requires
             and os.environ.get("TRITON_INTERPRET") == "1")
@@ -100,12 +107,14 @@ class OpSpec:
     def env_var(self) -> str:
         return f"GRAPHCAP_{self.name.upper()}_BACKEND"
 
-    def backends(self, device: torch.device | str) -> dict[str, str | None]:
-        """Every backend with None when it runs on ``device``, else the reason it can't."""
+    def backends(self, device: torch.device | str, dtype: torch.dtype | None = None
+                 ) -> dict[str, str | None]:
+        """Every backend with None when it runs on ``device`` (and ``dtype``), else why not."""
         device = torch.device(device)
-        return {name: k.unavailable(device) for name, k in self.kernels.items()}
+        return {name: k.unavailable(device, dtype) for name, k in self.kernels.items()}
 
-    def select(self, device: torch.device | str, backend: str | None = None) -> str:
+    def select(self, device: torch.device | str, backend: str | None = None,
+               dtype: torch.dtype | None = None) -> str:
         """The backend a call on ``device`` uses (explicit, then env var, then best)."""
         device = torch.device(device)
         wanted = backend or os.environ.get(self.env_var) or None
@@ -115,17 +124,18 @@ class OpSpec:
                 raise BackendUnavailable(
                     f"{self.qualname}: {source}{wanted!r} is not a backend of this op; "
                     f"choose one of {sorted(self.kernels)}")
-            why = self.kernels[wanted].unavailable(device)
+            why = self.kernels[wanted].unavailable(device, dtype)
             if why:
                 raise BackendUnavailable(f"{self.qualname}: backend {wanted!r} {why}")
             return wanted
         for name, kernel in self.kernels.items():
-            if kernel.unavailable(device) is None:
+            if kernel.unavailable(device, dtype) is None:
                 return name
         raise BackendUnavailable(f"{self.qualname}: no backend runs on {device}")
 
-    def kernel(self, device: torch.device | str, backend: str | None = None) -> Callable:
-        return self.kernels[self.select(device, backend)].resolve()
+    def kernel(self, device: torch.device | str, backend: str | None = None,
+               dtype: torch.dtype | None = None) -> Callable:
+        return self.kernels[self.select(device, backend, dtype)].resolve()
 
     def __call__(self, *args, backend: str | None = None):
         """Call one backend directly (eager only; torch.compile sees ``spec.op``)."""
@@ -133,7 +143,7 @@ class OpSpec:
             return self.op(*args)
         if self.check is not None:
             self.check(*args)
-        return self.kernel(_device_of(args), backend)(*args)
+        return self.kernel(_device_of(args), backend, _dtype_of(args))(*args)
 
 
 def _device_of(args) -> torch.device:
@@ -141,6 +151,14 @@ def _device_of(args) -> torch.device:
         if isinstance(a, torch.Tensor):
             return a.device
     return torch.device("cpu")
+
+
+def _dtype_of(args) -> torch.dtype | None:
+    """The dtype that picks a kernel: the first floating-point tensor argument's."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return a.dtype
+    return None
 
 
 REGISTRY: dict[str, OpSpec] = {}
@@ -184,7 +202,7 @@ def register_op(qualname: str, schema: str, *, reference: Callable,
             spec.check(*args)
         if dispatch is not None:
             return dispatch(*args)
-        return spec.kernel(_device_of(args))(*args)
+        return spec.kernel(_device_of(args), dtype=_dtype_of(args))(*args)
 
     tags = (torch.Tag.cudagraph_unsafe,) if (
         not capturable and hasattr(torch.Tag, "cudagraph_unsafe")) else ()

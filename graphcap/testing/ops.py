@@ -34,7 +34,7 @@ def _results(spec: OpSpec, fn, args):
 def compare(spec: OpSpec, backend: str, args, atol: float, rtol: float) -> float:
     """Run ``backend`` and the reference on copies of ``args``; assert close; max error."""
     want = _results(spec, spec.reference, args)
-    got = _results(spec, spec.kernel(_device(args), backend), args)
+    got = _results(spec, spec.kernels[backend].resolve(), args)
     assert len(got) == len(want), f"{spec.qualname}[{backend}]: {len(got)} results"
     worst = 0.0
     for g, w in zip(got, want, strict=True):
@@ -65,10 +65,10 @@ def check_op(op: str | OpSpec, backend: str | None = None, *, device="cpu",
         raise ValueError(f"{spec.qualname} has no input strategy: pass inputs= when "
                          "registering it")
     device = torch.device(device)
-    names = [backend] if backend else [b for b, why in spec.backends(device).items()
-                                      if why is None and b != "torch"]
     worst: dict[str, float] = {}
     for dtype in dtypes:
+        names = [backend] if backend else [
+            b for b, why in spec.backends(device, dtype).items() if why is None and b != "torch"]
         tol_a = atol if atol is not None else default_tolerance(dtype)
         tol_r = rtol if rtol is not None else default_tolerance(dtype)
         _check_dtype(spec, names, device, dtype, examples, tol_a, tol_r, opcheck, worst)

@@ -121,3 +121,11 @@ class AttentionBackend:
 def zero_padding_rows(out: torch.Tensor, meta: AttentionMetadata) -> None:
     """Graph-safe: rows past the real tokens become zero (never NaN or stale)."""
     out.masked_fill_(~meta.valid[:, None, None], 0)
+
+
+def clear_padded_kv(k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
+    """Copies of k and v with padding rows zeroed. Kernels that load whole K/V tiles past
+    a request's end mask the scores, but a masked-out NaN still poisons P @ V (0 * NaN):
+    seen on the H200 with FlashAttention-4 and FlashInfer when padding held NaN."""
+    pad = ~meta.valid[:, None, None]
+    return k.masked_fill(pad, 0), v.masked_fill(pad, 0)

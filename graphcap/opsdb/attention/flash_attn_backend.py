@@ -3,9 +3,8 @@ else FA2/FA3's ``flash_attn_varlen_func``.
 
 The max lengths are the bucket size, host ints baked into the graph (never 1: a
 one-token fast path breaks mixed batches); rows past the real tokens are zeroed after.
-Its TMA loads read whole K/V tiles past a request's end, and a masked-out NaN still
-poisons P @ V (0 * NaN), so padded K/V rows are cleared first (seen on the H200: NaN
-padding reached real rows without it).
+Its TMA loads read whole K/V tiles past a request's end, so padded K/V rows are cleared
+first (``clear_padded_kv``).
 """
 
 from __future__ import annotations
@@ -14,7 +13,12 @@ import importlib.util
 
 import torch
 
-from graphcap.opsdb.attention.base import AttentionBackend, AttentionMetadata, zero_padding_rows
+from graphcap.opsdb.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    clear_padded_kv,
+    zero_padding_rows,
+)
 
 
 def _varlen_func():
@@ -35,8 +39,7 @@ class FlashAttention(AttentionBackend):
 
     def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float) -> None:
         fn, is_fa4 = _varlen_func()
-        pad = ~meta.valid[:, None, None]
-        k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
+        k, v = clear_padded_kv(k, v, meta)
         cu, n = meta.cu_seqlens, meta.num_tokens
         kwargs = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, softmax_scale=scale)
         if is_fa4:

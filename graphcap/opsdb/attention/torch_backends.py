@@ -6,7 +6,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graphcap.opsdb.attention.base import AttentionBackend, AttentionMetadata, zero_padding_rows
+from graphcap.opsdb.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    clear_padded_kv,
+    zero_padding_rows,
+)
 
 
 def _sdpa(q, k, v, scale, mask=None, causal=False):
@@ -57,8 +62,6 @@ class TorchMasked(AttentionBackend):
         rid = meta.request_ids
         rows = torch.arange(rid.shape[0], device=rid.device)
         mask = (rid[:, None] == rid[None, :]) & (rows[None, :] <= rows[:, None])
-        # A masked-out NaN still poisons the product (0 * NaN): clear padded k/v rows.
-        pad = ~meta.valid[:, None, None]
-        k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
+        k, v = clear_padded_kv(k, v, meta)
         out.copy_(_sdpa(q, k, v, scale, mask=mask))
         zero_padding_rows(out, meta)
