@@ -3,9 +3,10 @@
 Public names only; see docs/architecture.md for the layout.
 """
 
-from graphcap import errors
+from graphcap import errors, opsdb
 from graphcap.core.graphs import GraphPool, new_pool
 from graphcap.errors import CaptureError, GraphcapError, UnsupportedStrategy
+from graphcap.opsdb import register_op
 
 __version__ = "0.1.0"
 
@@ -16,4 +17,6 @@ __all__ = [
     "UnsupportedStrategy",
     "errors",
     "new_pool",
+    "opsdb",
+    "register_op",
 ]
