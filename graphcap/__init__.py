@@ -4,6 +4,8 @@ Public names only; see docs/architecture.md for the layout.
 """
 
 from graphcap import errors, opsdb
+from graphcap.api import capture
+from graphcap.breakable import eager_on_graph
 from graphcap.core.graphs import GraphPool, new_pool
 from graphcap.errors import CaptureError, GraphcapError, UnsupportedStrategy
 from graphcap.opsdb import register_op
@@ -15,6 +17,8 @@ __all__ = [
     "GraphPool",
     "GraphcapError",
     "UnsupportedStrategy",
+    "capture",
+    "eager_on_graph",
     "errors",
     "new_pool",
     "opsdb",

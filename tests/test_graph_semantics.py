@@ -106,6 +106,21 @@ def test_in_place_ops_and_views_of_captured_tensors_replay(pool):
     assert region.calls == 1
 
 
+def test_ops_that_copy_or_alias_by_layout_replay_with_new_inputs(pool):
+    x = torch.arange(12, device=pool.device, dtype=torch.float32).view(3, 4)
+    region = Region(lambda t: (t.t().contiguous() * 1, t.t().reshape(12) + 0,
+                               t.contiguous().sum(0)))
+    graph = pool.graph()
+    outs = graph.capture(region, x)
+    fresh = torch.randn(3, 4, device=pool.device)
+    x.copy_(fresh)
+    graph.replay()
+    for got, want in zip(outs, (fresh.t().contiguous(), fresh.t().reshape(12),
+                                fresh.sum(0)), strict=True):
+        torch.testing.assert_close(got, want)
+    assert region.calls == 1
+
+
 def test_out_variant_ops_write_their_given_buffers_on_replay(pool):
     x = full(pool, 6, 1.0)
     given = torch.zeros(6, device=pool.device)

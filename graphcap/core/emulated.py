@@ -7,7 +7,8 @@ region, with CUDA-graph semantics:
 - tensors are the recorded objects (static addresses): new contents copied into a captured
   input are read, a new tensor object passed later is not;
 - Python scalars and control flow are baked at capture;
-- view ops are not re-run (a view stays a view of the same storage);
+- view ops are not re-run (a view stays a view of the same storage); ops that may alias
+  or copy (``contiguous``, ``reshape``) re-run when they copied;
 - in-place and ``out=`` ops re-run on the recorded tensors;
 - functional ops re-run and their results are copied into the recorded outputs, so outputs
   are the same objects every replay and are overwritten by the next one;
@@ -79,6 +80,11 @@ def _tensors(value) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
+def _aliases_an_input(out, args, kwargs) -> bool:
+    inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+    return all(t.untyped_storage().data_ptr() in inputs for t in _tensors(out))
+
+
 def _is_builtin(func) -> bool:
     return func.namespace in ("aten", "prims")
 
@@ -144,6 +150,8 @@ class _Recorder(TorchDispatchMode):
         else:
             with _HostSyncGuard(graph.device):
                 out = func(*args, **kwargs)
+        if kind == "view" and not _aliases_an_input(out, args, kwargs):
+            kind = "functional"  # contiguous/reshape/to: an alias by schema, here a copy
         step = _Step(func, args, kwargs, kind,
                      context=None if _is_builtin(func) else contextvars.copy_context())
         if kind in ("functional", "alloc"):

@@ -54,7 +54,8 @@ HOST_METHODS = {
 
 _ADVICE = (
     "Move it out of the captured region (compute it before capture, or keep it on the "
-    "device), or run that function eagerly between graph segments."
+    "device), or mark the function that does it with @graphcap.eager_on_graph and use "
+    "strategy='breakable', which runs it eagerly between graph segments."
 )
 
 _HERE = os.path.dirname(os.path.abspath(__file__))  # graphcap/core: the capture machinery

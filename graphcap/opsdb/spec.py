@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from graphcap.compat.library import define_op, split_qualname
+from graphcap.core.breaks import run_maybe_as_break
 from graphcap.errors import GraphcapError
 
 HALF = (torch.float16, torch.bfloat16)  # what most vendor kernels (FlashInfer) accept
@@ -138,8 +139,11 @@ class OpSpec:
         return self.kernels[self.select(device, backend, dtype)].resolve()
 
     def __call__(self, *args, backend: str | None = None):
-        """Call one backend directly (eager only; torch.compile sees ``spec.op``)."""
+        """Call the op (models built from opsdb call this). A split op becomes an eager
+        break under breakable capture. ``backend=`` calls one kernel directly (eager)."""
         if backend is None:
+            if self.split:
+                return run_maybe_as_break(self.op, args, {})
             return self.op(*args)
         if self.check is not None:
             self.check(*args)

@@ -1,0 +1,86 @@
+"""``graphcap.capture``: one entry point for every strategy."""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+
+from graphcap.breakable import BreakableBackend, DebugBackend
+from graphcap.core.backend import EagerBackend
+from graphcap.core.buckets import check_ladder, prefill_ladder
+from graphcap.core.runner import Runner, RunnerConfig
+from graphcap.errors import UnsupportedStrategy
+from graphcap.full import FullBackend
+
+BACKENDS = {"eager": EagerBackend, "breakable": BreakableBackend, "full": FullBackend}
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    for t in list(model.parameters()) + list(model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _kind(model: torch.nn.Module) -> str:
+    params = list(inspect.signature(model.forward).parameters)
+    return "prefill" if params[:2] == ["input_ids", "positions"] else "generic"
+
+
+def capture(model: torch.nn.Module, strategy: str = "breakable", *,
+            max_tokens: int | None = None,
+            buckets=None, max_requests: int | None = None, attention: str | None = None,
+            debug: bool = False, fallback: bool = True, copy_outputs: bool = True,
+            example_inputs: tuple | None = None) -> Runner:
+    """Capture ``model`` under ``strategy`` and return a runner callable like the model.
+
+    ``strategy``: ``"eager"`` (no graphs), ``"breakable"`` (graph segments, eager breaks at
+    ``@eager_on_graph`` functions and split ops), ``"full"`` (one graph per shape).
+    ``max_tokens``: the largest bucket, the chunked-prefill size (default 2048);
+    ``buckets`` overrides the default ladder (42 shapes for 2048). ``max_requests``: request slots per batch (default
+    ``max(max_tokens // 512, 1)``; more requests run eagerly). ``attention``: the
+    attention backend of prefill models (default: the best one for the strategy).
+    ``debug`` (or ``GRAPHCAP_DEBUG_CUDA_GRAPH=1``): breakable with the whole forward as
+    one eager break. ``fallback=False`` makes batches that fit no graph an error.
+    ``copy_outputs=False`` returns views of the runner's buffers, overwritten by the next
+    call. Prefill models, ``forward(input_ids, positions)``, are called as
+    ``runner(input_ids, positions, seq_lens=[...])``; any other module as
+    ``runner(*tensors)`` with the tokens along dim 0, captured on its first call (or now,
+    from ``example_inputs``).
+
+        runner = graphcap.capture(model, strategy="full", max_tokens=512, max_requests=4)
+        logits = runner(input_ids, positions, seq_lens=[100, 23])
+        print(runner.report())
+    """
+    if strategy not in BACKENDS:
+        raise UnsupportedStrategy(
+            f"unknown strategy {strategy!r}: choose one of {sorted(BACKENDS)}"
+            + (" (tc_piecewise arrives with the sgl_piecewise backend)"
+               if strategy == "tc_piecewise" else ""))
+    if os.environ.get("GRAPHCAP_DEBUG_CUDA_GRAPH") == "1":
+        debug = True
+    if debug and strategy != "breakable":
+        raise UnsupportedStrategy("debug=True is a mode of strategy='breakable'")
+    if buckets is None:
+        ladder = prefill_ladder(max_tokens if max_tokens is not None else 2048)
+    else:
+        ladder = check_ladder(buckets)
+        if max_tokens is not None and max_tokens != ladder[-1]:
+            raise ValueError(f"max_tokens={max_tokens} differs from the largest bucket "
+                             f"{ladder[-1]}: give one of them, or make them agree")
+    requests = max_requests if max_requests is not None else max(ladder[-1] // 512, 1)
+    if requests < 1:
+        raise ValueError(f"max_requests must be >= 1, got {requests}")
+    device, kind = _device_of(model), _kind(model)
+    attn = None
+    if kind == "prefill":
+        from graphcap.opsdb.attention import get_backend
+
+        attn = get_backend(attention, device, strategy=strategy)
+    backend = DebugBackend() if debug else BACKENDS[strategy]()
+    config = RunnerConfig(ladder, requests, attn, fallback, copy_outputs)
+    runner = Runner(model, backend, config, device, kind)
+    if backend.captures and (kind == "prefill" or example_inputs is not None):
+        runner.capture_all(example_inputs)
+    return runner

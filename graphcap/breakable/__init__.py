@@ -1,0 +1,34 @@
+"""The breakable strategy: graph segments with eager breaks (``@eager_on_graph``)."""
+
+from __future__ import annotations
+
+import functools
+
+from graphcap.breakable.graph import BreakableBackend, BreakableCapture, DebugBackend
+from graphcap.core.breaks import run_maybe_as_break
+
+
+def eager_on_graph(fn):
+    """Mark ``fn`` to run eagerly between graph segments under ``strategy="breakable"``.
+
+    Outside a breakable capture it is a plain call. During capture it closes the current
+    segment, runs ``fn`` once, and opens a new one; every replay calls ``fn`` again on the
+    same argument tensors and copies its result into the tensors it returned at capture.
+    So ``fn`` must return tensors of the same shapes each time (or write into an ``out``
+    it is given and return it), and may do anything a graph cannot: host syncs, Python
+    control flow on data, host-side libraries.
+
+        @graphcap.eager_on_graph
+        def route(logits):
+            return logits.argmax(-1).cpu().cuda()   # a host round trip, fine here
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return run_maybe_as_break(fn, args, kwargs)
+
+    wrapper.__graphcap_eager_on_graph__ = True
+    return wrapper
+
+
+__all__ = ["BreakableBackend", "BreakableCapture", "DebugBackend", "eager_on_graph"]

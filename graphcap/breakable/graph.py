@@ -1,0 +1,116 @@
+"""Breakable CUDA graph: capture op by op, close the segment at each eager break.
+
+During capture a break handler is installed (``graphcap.core.breaks``). Each call of an
+``@eager_on_graph`` function, or of a split op such as attention, ends the current graph
+segment, runs the function once eagerly, records it, and begins a new segment on the same
+pool and stream. Replay walks the record: segment, break, segment, ...
+
+A break replays by calling its function again on the very argument objects of capture
+(held strongly here: a weak reference let later captures reuse their memory and gave
+silent wrong output in the field) and copying the fresh result into the output retained
+at capture, so the next segment reads it at the address it captured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from graphcap.core.backend import Captured, CaptureBackend
+from graphcap.core.breaks import break_handler
+from graphcap.core.graphs import GraphPool
+
+
+@dataclass
+class Break:
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    output: Any
+
+    def replay(self) -> None:
+        fresh = self.fn(*self.args, **self.kwargs)
+        for kept, new in zip(_tensors(self.output), _tensors(fresh), strict=True):
+            kept.copy_(new)
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+class BreakableCapture:
+    """The segments and breaks of one shape, captured by running ``fn`` once."""
+
+    def __init__(self, pool: GraphPool):
+        self.pool = pool
+        self.items: list = []  # Graph segments and Breaks, in replay order
+        self._segment = None
+
+    def _open(self) -> None:
+        self._segment = self.pool.graph()
+        self._segment.begin()
+
+    def _close(self) -> None:
+        segment, self._segment = self._segment, None
+        segment.end()
+        self.items.append(segment)
+
+    def _on_break(self, fn, args, kwargs):
+        self._close()
+        with self.pool.warmup():  # the capture stream, outside any capture
+            output = fn(*args, **kwargs)
+        self.items.append(Break(fn, args, kwargs, output))
+        self._open()
+        return output
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        self._open()
+        try:
+            with break_handler(self._on_break):
+                out = fn()
+        except BaseException as exc:
+            if self._segment is not None:
+                err = self._segment.abort(exc)
+                self._segment = None
+                if err is not exc:
+                    raise err from exc
+            raise
+        self._close()
+        return out
+
+    def replay(self) -> None:
+        for item in self.items:
+            item.replay()
+
+    @property
+    def graphs(self) -> list:
+        return [i for i in self.items if not isinstance(i, Break)]
+
+
+class BreakableBackend(CaptureBackend):
+    """``strategy="breakable"``: segments between eager breaks, no compiler involved."""
+
+    strategy = "breakable"
+
+    def capture(self, fn, key, pool: GraphPool) -> Captured:
+        bcg = BreakableCapture(pool)
+        out = bcg.run(fn)
+        graphs = bcg.graphs
+        return Captured(key, out, bcg.replay, segments=len(graphs),
+                        breaks=len(bcg.items) - len(graphs), graphs=graphs)
+
+
+class DebugBackend(CaptureBackend):
+    """``debug=True`` / ``GRAPHCAP_DEBUG_CUDA_GRAPH=1``: the whole forward is one eager
+    break, through the same runner path (padding, metadata, slicing) as a capture."""
+
+    strategy = "breakable"
+
+    def capture(self, fn, key, pool: GraphPool) -> Captured:
+        out = fn()
+        brk = Break(fn, (), {}, out)
+        return Captured(key, out, brk.replay, segments=0, breaks=1)

@@ -1,0 +1,33 @@
+"""Where eager breaks hook in: the breakable strategy installs a handler during capture;
+``@eager_on_graph`` functions and split ops (attention) call through it.
+
+Kept in core so that opsdb (split ops) and user code (``@eager_on_graph``) reach the
+breakable strategy without importing it. Outside a breakable capture, calls run plainly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable
+
+_HANDLER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "graphcap_break_handler", default=None)
+
+
+def run_maybe_as_break(fn: Callable, args: tuple, kwargs: dict):
+    """Call ``fn`` as an eager break when a breakable capture is running, else plainly."""
+    handler = _HANDLER.get()
+    if handler is None:
+        return fn(*args, **kwargs)
+    return handler(fn, args, kwargs)
+
+
+@contextlib.contextmanager
+def break_handler(handler: Callable):
+    """Install ``handler(fn, args, kwargs)`` for the duration of a capture."""
+    token = _HANDLER.set(handler)
+    try:
+        yield
+    finally:
+        _HANDLER.reset(token)

@@ -1,0 +1,44 @@
+"""Capture shapes: the prefill token ladder and the choice of a bucket for a batch."""
+
+from __future__ import annotations
+
+# (start, stop, step) rungs of SGLang's prefill ladder; past 4096 the step is 512.
+_RUNGS = ((4, 32, 4), (48, 256, 16), (288, 512, 32), (576, 1024, 64), (1280, 4096, 256))
+
+
+def prefill_ladder(max_tokens: int) -> list[int]:
+    """Token buckets up to ``max_tokens`` (which is always the last one), ascending.
+
+    4..32 step 4, 48..256 step 16, 288..512 step 32, 576..1024 step 64, 1280..4096 step
+    256, then step 512: 42 shapes for 2048.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    sizes = [n for start, stop, step in _RUNGS for n in range(start, stop + 1, step)]
+    sizes += list(range(4096 + 512, max_tokens + 1, 512))
+    ladder = [n for n in sizes if n < max_tokens]
+    return ladder + [max_tokens]
+
+
+def check_ladder(buckets) -> list[int]:
+    """Validate user buckets: positive ints, returned sorted without duplicates."""
+    try:
+        ladder = sorted({int(b) for b in buckets})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"buckets must be positive integers, got {buckets!r}") from exc
+    if not ladder or ladder[0] < 1:
+        raise ValueError(f"buckets must be a non-empty list of positive integers, got {buckets!r}")
+    return ladder
+
+
+def pick_bucket(num_tokens: int, ladder: list[int], max_pad_ratio: float = 2.0
+                ) -> tuple[int | None, str | None]:
+    """The smallest bucket holding ``num_tokens``, or (None, reason) to run eagerly:
+    'too_many_tokens' past the largest bucket, 'padding' when the bucket is more than
+    ``max_pad_ratio`` times the tokens."""
+    for bucket in ladder:
+        if bucket >= num_tokens:
+            if bucket > max_pad_ratio * num_tokens:
+                return None, "padding"
+            return bucket, None
+    return None, "too_many_tokens"

@@ -1,0 +1,184 @@
+"""The runner: one class for every strategy. It owns the capture shapes, the static input
+and output buffers, the attention metadata, padding a live batch into its bucket, slicing
+outputs, eager fallback and its counters; a backend decides how each shape is captured.
+
+Two kinds of model:
+
+- ``prefill``: ``model(input_ids, positions)`` over requests packed along dim 0, called
+  through the runner as ``runner(input_ids, positions, seq_lens=[...])``; attention reads
+  the metadata the runner prepares (``graphcap.core.context``).
+- ``generic``: any module whose tensor arguments share dim 0 (the token dim), e.g. an MLP.
+  Shapes are captured on the first call (or from ``example_inputs``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from graphcap.core import batch as batching
+from graphcap.core.backend import Captured, CaptureBackend
+from graphcap.core.buckets import pick_bucket
+from graphcap.core.context import forward_context
+from graphcap.core.graphs import new_pool
+
+
+@dataclass
+class RunnerConfig:
+    buckets: list[int]
+    max_requests: int
+    attention: object | None = None  # an AttentionBackend (prefill models)
+    fallback: bool = True
+    copy_outputs: bool = True
+    max_pad_ratio: float = 2.0
+
+
+@dataclass
+class Stats:
+    calls: int = 0
+    replays: Counter = field(default_factory=Counter)
+    fallbacks: Counter = field(default_factory=Counter)
+    warmup_s: float = 0.0
+    capture_s: float = 0.0
+
+
+class Runner:
+    """Callable like the model: pads to a bucket, replays (or runs eagerly), slices."""
+
+    def __init__(self, model: torch.nn.Module, backend: CaptureBackend, config: RunnerConfig,
+                 device: torch.device, kind: str):
+        self.model, self.backend, self.config = model, backend, config
+        self.device, self.kind = device, kind
+        self.pool = new_pool(device)
+        self.stats = Stats()
+        self.entries: dict[int, Captured] = {}
+        self.metadata: dict[int, object] = {}
+        self._inputs: list[torch.Tensor] = []  # max-size static inputs, sliced per bucket
+        self._specs: list[tuple[torch.dtype, tuple[int, ...]]] = []
+        self._out_spec = None
+        self._outputs: list[torch.Tensor] = []  # max-size static outputs, shared by shapes
+
+    # -- capture -------------------------------------------------------------------
+    @property
+    def max_tokens(self) -> int:
+        return self.config.buckets[-1]
+
+    def capture_all(self, example_args: tuple | None = None) -> None:
+        """Capture every bucket, largest first (its memory is then reused by the rest)."""
+        if self.kind == "prefill":
+            ids = torch.zeros(self.max_tokens, dtype=torch.long, device=self.device)
+            self._inputs = [ids, torch.zeros_like(ids)]
+        else:
+            self._specs = [(a.dtype, tuple(a.shape[1:])) for a in example_args]
+            self._inputs = [torch.zeros((self.max_tokens, *tail), dtype=dtype,
+                                        device=self.device) for dtype, tail in self._specs]
+        with torch.inference_mode():
+            for tokens in reversed(self.config.buckets):
+                self._capture_one(tokens)
+
+    def _forward(self, tokens: int):
+        args = [buf[:tokens] for buf in self._inputs]
+        if self.kind == "prefill":
+            with forward_context(attention=self.metadata[tokens]):
+                return self.model(*args)
+        return self.model(*args)
+
+    def _captured_fn(self, tokens: int):
+        def fn():
+            flat, spec = tree_flatten(self._forward(tokens))
+            self._out_spec = spec
+            for buf, out in zip(self._outputs, flat, strict=True):
+                buf[:tokens].copy_(out)
+            return [buf[:tokens] for buf in self._outputs]
+        return fn
+
+    def _capture_one(self, tokens: int) -> None:
+        if self.kind == "prefill":
+            meta = self.config.attention.metadata(tokens, self.config.max_requests,
+                                                  self.device)
+            self.metadata[tokens] = meta.update([tokens])
+        start = time.perf_counter()
+        with self.pool.warmup():
+            flat, _ = tree_flatten(self._forward(tokens))
+        if not self._outputs:
+            self._outputs = [torch.empty((self.max_tokens, *o.shape[1:]), dtype=o.dtype,
+                                         device=o.device) for o in flat]
+        self.stats.warmup_s += time.perf_counter() - start
+        start = time.perf_counter()
+        self.entries[tokens] = self.backend.capture(self._captured_fn(tokens), tokens,
+                                                    self.pool)
+        self.stats.capture_s += time.perf_counter() - start
+
+    # -- calls ---------------------------------------------------------------------
+    def __call__(self, *args, seq_lens=None):
+        if self.kind == "prefill":
+            lens = batching.check_prefill(*args, seq_lens, self.device)
+            tokens = args[0].shape[0]
+        else:
+            if not self._inputs:
+                batching.check_tensors(args, [(a.dtype, tuple(a.shape[1:])) for a in args
+                                              if isinstance(a, torch.Tensor)], self.device)
+                self.capture_all(tuple(args))
+            tokens = batching.check_tensors(args, self._specs, self.device)
+            lens = None
+        self.stats.calls += 1
+        bucket, reason = pick_bucket(tokens, self.config.buckets, self.config.max_pad_ratio)
+        if bucket is not None and lens is not None and len(lens) > self.config.max_requests:
+            bucket, reason = None, "too_many_requests"
+        if bucket is None or not self.backend.captures:
+            return self._eager(args, lens, reason or "eager")
+        return self._replay(bucket, args, lens, tokens)
+
+    def _eager(self, args, lens, reason: str):
+        if reason != "eager" and not self.config.fallback:
+            raise batching.BadBatch(
+                f"this batch cannot replay a graph ({reason.replace('_', ' ')}: "
+                f"buckets up to {self.max_tokens} tokens, {self.config.max_requests} "
+                "request slots) and fallback=False; enlarge max_tokens/max_requests or "
+                "allow the eager fallback")
+        self.stats.fallbacks[reason] += 1
+        with torch.inference_mode():
+            if self.kind == "prefill":
+                meta = self.config.attention.prepare(lens, self.device)
+                with forward_context(attention=meta):
+                    return self.model(*args)
+            return self.model(*args)
+
+    @torch.inference_mode()
+    def _replay(self, bucket: int, args, lens, tokens: int):
+        for buf, a in zip(self._inputs, args, strict=True):
+            buf[:tokens].copy_(a)
+            buf[tokens:bucket].zero_()  # padding rows: finite, and never stale
+        if lens is not None:
+            self.metadata[bucket].update(lens)
+        if self.kind == "prefill":
+            with forward_context(attention=self.metadata[bucket]):
+                self.entries[bucket].replay()
+        else:
+            self.entries[bucket].replay()
+        self.stats.replays[bucket] += 1
+        outs = [buf[:tokens].clone() if self.config.copy_outputs else buf[:tokens]
+                for buf in self._outputs]
+        return tree_unflatten(outs, self._out_spec)
+
+    # -- report --------------------------------------------------------------------
+    def report(self) -> dict:
+        """Shapes, segments and breaks per shape, graph memory, build seconds, counters."""
+        return {
+            "strategy": self.backend.strategy,
+            "device": str(self.device),
+            "graph_kind": self.pool.kind,
+            "shapes": sorted(self.entries),
+            "segments": {k: e.segments for k, e in sorted(self.entries.items())},
+            "breaks": {k: e.breaks for k, e in sorted(self.entries.items())},
+            "graph_pool_bytes": self.pool.bytes(),
+            "build_s": {"warmup": round(self.stats.warmup_s, 4),
+                        "capture": round(self.stats.capture_s, 4)},
+            "calls": self.stats.calls,
+            "replays": dict(self.stats.replays),
+            "fallbacks": dict(self.stats.fallbacks),
+        }

@@ -1,0 +1,126 @@
+"""Reference models built from opsdb ops, written as plainly as the papers.
+
+``Decoder`` is a Llama/Qwen-style decoder for prefill: ``forward(input_ids, positions)``
+over requests packed along dim 0; attention reads its metadata from the forward context
+(the runner prepares it), or, called eagerly with ``seq_lens=[...]``, prepares its own.
+``MLP`` is a plain per-token network: the generic kind of model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from graphcap.core.context import forward_context
+from graphcap.opsdb.activation import SILU_AND_MUL
+from graphcap.opsdb.attention import ATTENTION, get_backend
+from graphcap.opsdb.norm import FUSED_ADD_RMS_NORM, RMS_NORM
+from graphcap.opsdb.rotary import ROTARY_EMBEDDING
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int = 256
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    intermediate: int = 128
+    eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position: int = 4096
+
+
+def rope_cache(head_dim: int, max_position: int, theta: float) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.a = a
+        self.qkv = nn.Linear(a.hidden, (a.heads + 2 * a.kv_heads) * a.head_dim, bias=False)
+        self.o = nn.Linear(a.heads * a.head_dim, a.hidden, bias=False)
+        self.register_buffer("cos_sin", rope_cache(a.head_dim, a.max_position, a.rope_theta),
+                             persistent=False)
+
+    def forward(self, x, positions):
+        a, t = self.a, x.shape[0]
+        q, k, v = self.qkv(x).split(
+            [a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim], -1)
+        q, k = q.contiguous(), k.contiguous()
+        ROTARY_EMBEDDING(positions, q, k, self.cos_sin, a.head_dim)
+        out = torch.empty(t, a.heads, a.head_dim, dtype=x.dtype, device=x.device)
+        ATTENTION(q.view(t, a.heads, a.head_dim), k.view(t, a.kv_heads, a.head_dim),
+                  v.contiguous().view(t, a.kv_heads, a.head_dim), out,
+                  1.0 / math.sqrt(a.head_dim))
+        return self.o(out.view(t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.gate_up = nn.Linear(a.hidden, 2 * a.intermediate, bias=False)
+        self.down = nn.Linear(a.intermediate, a.hidden, bias=False)
+
+    def forward(self, x):
+        return self.down(SILU_AND_MUL(self.gate_up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.eps = a.eps
+        self.attn_norm = nn.Parameter(torch.ones(a.hidden))
+        self.mlp_norm = nn.Parameter(torch.ones(a.hidden))
+        self.attn, self.mlp = Attention(a), FeedForward(a)
+
+    def forward(self, x, residual, positions):
+        FUSED_ADD_RMS_NORM(x, residual, self.attn_norm, self.eps)  # residual += x; x = norm
+        x = self.attn(x, positions)
+        FUSED_ADD_RMS_NORM(x, residual, self.mlp_norm, self.eps)
+        return self.mlp(x)
+
+
+class Decoder(nn.Module):
+    """Token ids [T] and positions [T] of packed requests -> logits [T, vocab]."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.args = a
+        self.embed = nn.Embedding(a.vocab_size, a.hidden)
+        self.blocks = nn.ModuleList(Block(a) for _ in range(a.layers))
+        self.norm = nn.Parameter(torch.ones(a.hidden))
+        self.lm_head = nn.Linear(a.hidden, a.vocab_size, bias=False)
+
+    def forward(self, input_ids, positions, seq_lens=None):
+        if seq_lens is not None:  # eager use: prepare this batch's attention metadata
+            meta = get_backend(None, input_ids.device).prepare(seq_lens, input_ids.device)
+            with forward_context(attention=meta):
+                return self.forward(input_ids, positions)
+        x = self.embed(input_ids)
+        residual = torch.zeros_like(x)
+        for block in self.blocks:
+            x = block(x, residual, positions)
+        FUSED_ADD_RMS_NORM(x, residual, self.norm, self.args.eps)
+        return self.lm_head(x)
+
+
+class MLP(nn.Module):
+    """A per-token MLP: rows never mix, the simplest generic model."""
+
+    def __init__(self, width: int = 64, depth: int = 3):
+        super().__init__()
+        layers = []
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.SiLU()]
+        self.net = nn.Sequential(*layers, nn.Linear(width, width))
+
+    def forward(self, x):
+        return self.net(x)
