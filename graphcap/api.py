@@ -38,8 +38,9 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
     ``strategy``: ``"eager"`` (no graphs), ``"breakable"`` (graph segments, eager breaks at
     ``@eager_on_graph`` functions and split ops), ``"full"`` (one graph per shape).
     ``max_tokens``: the largest bucket, the chunked-prefill size (default 2048);
-    ``buckets`` overrides the default ladder (42 shapes for 2048). ``max_requests``: request slots per batch (default
-    ``max(max_tokens // 512, 1)``; more requests run eagerly). ``attention``: the
+    ``buckets`` overrides the default ladder (42 shapes for 2048). ``max_requests``:
+    request slots per batch (default ``max(max_tokens // 512, 1)``; more requests run
+    eagerly). ``attention``: the
     attention backend of prefill models (default: the best one for the strategy).
     ``debug`` (or ``GRAPHCAP_DEBUG_CUDA_GRAPH=1``): breakable with the whole forward as
     one eager break. ``fallback=False`` makes batches that fit no graph an error.

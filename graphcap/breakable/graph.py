@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from graphcap.core.backend import Captured, CaptureBackend
+from graphcap.core.backend import CaptureBackend, Captured
 from graphcap.core.breaks import break_handler
 from graphcap.core.graphs import GraphPool
 

@@ -21,7 +21,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphcap.core import batch as batching
-from graphcap.core.backend import Captured, CaptureBackend
+from graphcap.core.backend import CaptureBackend, Captured
 from graphcap.core.buckets import pick_bucket
 from graphcap.core.context import forward_context
 from graphcap.core.graphs import new_pool

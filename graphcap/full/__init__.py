@@ -4,7 +4,7 @@ metadata, rebuilt outside the graph before every replay)."""
 
 from __future__ import annotations
 
-from graphcap.core.backend import Captured, CaptureBackend
+from graphcap.core.backend import CaptureBackend, Captured
 from graphcap.core.graphs import GraphPool
 
 

@@ -17,7 +17,7 @@ from torch import nn
 from graphcap.core.context import forward_context
 from graphcap.opsdb.activation import SILU_AND_MUL
 from graphcap.opsdb.attention import ATTENTION, get_backend
-from graphcap.opsdb.norm import FUSED_ADD_RMS_NORM, RMS_NORM
+from graphcap.opsdb.norm import FUSED_ADD_RMS_NORM
 from graphcap.opsdb.rotary import ROTARY_EMBEDDING
 
 
