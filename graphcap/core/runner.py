@@ -126,9 +126,11 @@ class Runner:
             tokens = batching.check_tensors(args, self._specs, self.device)
             lens = None
         self.stats.calls += 1
-        bucket, reason = pick_bucket(tokens, self.config.buckets, self.config.max_pad_ratio)
-        if bucket is not None and lens is not None and len(lens) > self.config.max_requests:
+        if lens is not None and len(lens) > self.config.max_requests:
             bucket, reason = None, "too_many_requests"
+        else:
+            bucket, reason = pick_bucket(tokens, self.config.buckets,
+                                         self.config.max_pad_ratio)
         if bucket is None or not self.backend.captures:
             return self._eager(args, lens, reason or "eager")
         return self._replay(bucket, args, lens, tokens)

@@ -58,13 +58,16 @@ class Kernel:
     dtypes: tuple[torch.dtype, ...] | None = None
     _resolved: Callable | None = field(default=None, repr=False)
 
-    def unavailable(self, device: torch.device, dtype: torch.dtype | None = None) -> str | None:
-        """Why this kernel cannot run on ``device`` (for ``dtype``), or None when it can."""
+    def unavailable(self, device: torch.device, dtype: torch.dtype | None = None,
+                    interpreted: bool = True) -> str | None:
+        """Why this kernel cannot run on ``device`` (for ``dtype``), or None when it can.
+        A Triton kernel runs on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``)
+        unless ``interpreted=False``: automatic selection never picks the interpreter."""
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
             return f"takes {names}, not {str(dtype).removeprefix('torch.')}"
         device_ok = device.type in self.devices or (
-            device.type == "cpu" and "triton" in self.requires
+            interpreted and device.type == "cpu" and "triton" in self.requires
             and os.environ.get("TRITON_INTERPRET") == "1")
         if not device_ok:
             return f"runs on {'/'.join(self.devices)} tensors, not {device.type}"
@@ -130,7 +133,7 @@ class OpSpec:
                 raise BackendUnavailable(f"{self.qualname}: backend {wanted!r} {why}")
             return wanted
         for name, kernel in self.kernels.items():
-            if kernel.unavailable(device, dtype) is None:
+            if kernel.unavailable(device, dtype, interpreted=False) is None:
                 return name
         raise BackendUnavailable(f"{self.qualname}: no backend runs on {device}")
 

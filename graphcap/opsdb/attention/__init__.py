@@ -53,7 +53,8 @@ def get_backend(name: str | None = None, device="cpu", strategy: str | None = No
         return backend
     for cls in BACKENDS.values():
         backend = cls()
-        if backend.unavailable(device) is None and (strategy or "eager") in backend.strategies:
+        if (backend.unavailable(device, interpreted=False) is None
+                and (strategy or "eager") in backend.strategies):
             return backend
     raise BackendUnavailable(f"no attention backend runs on {device} under {strategy}")
 

@@ -89,11 +89,11 @@ class AttentionBackend:
             raise OpInputError(f"attention backend {self.name!r} runs on {names}, not "
                                f"{str(dtype).removeprefix('torch.')}; pick another backend")
 
-    def unavailable(self, device: torch.device | str) -> str | None:
+    def unavailable(self, device: torch.device | str, interpreted: bool = True) -> str | None:
         from graphcap.opsdb.spec import Kernel
 
         return Kernel(lambda: None, self.devices, self.requires).unavailable(
-            torch.device(device))
+            torch.device(device), interpreted=interpreted)
 
     def check_strategy(self, strategy: str) -> None:
         if strategy not in self.strategies:

@@ -1,0 +1,58 @@
+"""Shared pieces of the runner tests: the tiny decoder, batches, and the eager truth."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import graphcap
+from graphcap.models import build_model
+from graphcap.opsdb.attention import BACKENDS
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BUCKETS = [4, 8, 16, 32, 64]
+SLOTS = 4
+GPU_ONLY = {"triton", "flashinfer", "flash_attn"}
+
+
+def combos():
+    """(strategy, attention backend) pairs that may run here, as pytest params."""
+    out = []
+    for strategy in ("breakable", "full"):
+        for name, cls in BACKENDS.items():
+            if strategy not in cls.strategies or cls().unavailable(DEVICE):
+                continue
+            if DEVICE == "cpu" and name in GPU_ONLY:
+                continue  # the Triton interpreter is too slow for whole models
+            marks = [pytest.mark.gpu] if DEVICE == "cuda" else []
+            out.append(pytest.param(strategy, name, marks=marks, id=f"{strategy}-{name}"))
+    return out
+
+
+@functools.cache
+def model():
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    return build_model("tiny", device=DEVICE, dtype=dtype)
+
+
+@functools.cache
+def runner(strategy: str, attention: str, buckets=tuple(BUCKETS)):
+    return graphcap.capture(model(), strategy, buckets=list(buckets), max_requests=SLOTS,
+                            attention=attention)
+
+
+def batch(lens, seed=0, low=1):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(low, model().args.vocab_size, (sum(lens),), generator=gen)
+    pos = torch.cat([torch.arange(n) for n in lens]) if lens else torch.zeros(0)
+    return ids.to(DEVICE), pos.long().to(DEVICE)
+
+
+def eager(attention: str, ids, pos, lens):
+    return runner("eager", attention)(ids, pos, seq_lens=lens)
+
+
+def tolerance():
+    return (3e-2, 3e-2) if DEVICE == "cuda" else (1e-5, 1e-5)

@@ -1,0 +1,37 @@
+"""The prefill ladder and the choice of a bucket."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphcap.core.buckets import check_ladder, pick_bucket, prefill_ladder
+
+
+def test_the_default_ladder_has_42_shapes_up_to_2048():
+    ladder = prefill_ladder(2048)
+    assert len(ladder) == 42
+    assert ladder[:8] == [4, 8, 12, 16, 20, 24, 28, 32]
+    assert ladder[8:10] == [48, 64] and ladder[-5:] == [1024, 1280, 1536, 1792, 2048]
+
+
+def test_the_ladder_ends_at_max_tokens_and_steps_by_512_past_4096():
+    assert prefill_ladder(100)[-2:] == [96, 100]
+    assert prefill_ladder(6000)[-4:] == [4608, 5120, 5632, 6000]
+
+
+def test_a_batch_takes_the_smallest_bucket_that_holds_it():
+    assert pick_bucket(5, [4, 8, 16]) == (8, None)
+    assert pick_bucket(16, [4, 8, 16]) == (16, None)
+
+
+def test_batches_past_the_largest_bucket_or_padded_over_twice_run_eagerly():
+    assert pick_bucket(17, [4, 8, 16]) == (None, "too_many_tokens")
+    assert pick_bucket(3, [8, 16]) == (None, "padding")
+
+
+def test_user_buckets_are_checked():
+    assert check_ladder([16, 4, 8, 8]) == [4, 8, 16]
+    with pytest.raises(ValueError, match="positive"):
+        check_ladder([0, 4])
+    with pytest.raises(ValueError, match="positive integers"):
+        check_ladder(["a"])

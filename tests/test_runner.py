@@ -1,0 +1,146 @@
+"""The runner's contract: bad calls are rejected before any replay and leave it usable;
+host syncs fail capture with advice; eager breaks; debug mode; outputs and reports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphcap
+from graphcap.core.batch import BadBatch
+from graphcap.errors import CaptureError, UnsupportedStrategy
+from graphcap.models import MLP
+from tests.runner_helpers import batch, eager, model, runner
+
+STRATEGY, ATTN = "full", "torch_masked"
+
+
+def good_call(r):
+    lens = [5, 3]
+    ids, pos = batch(lens)
+    torch.testing.assert_close(r(ids, pos, seq_lens=lens), eager(ATTN, ids, pos, lens))
+
+
+BAD = {
+    "float ids": (lambda ids, pos: (ids.float(), pos, [5, 3]), "dtype"),
+    "ids on another device": (lambda ids, pos: (ids.to("meta"), pos, [5, 3]), "meta"),
+    "empty batch": (lambda ids, pos: (ids[:0], pos[:0], [0]), "empty"),
+    "lengths do not sum": (lambda ids, pos: (ids, pos, [5, 2]), "sum to 7 but there are 8"),
+    "negative length": (lambda ids, pos: (ids, pos, [9, -1]), "non-negative"),
+    "no seq_lens": (lambda ids, pos: (ids, pos, None), "seq_lens"),
+    "lengths on the device": (lambda ids, pos: (ids, pos, torch.tensor([5, 3]).to("meta")),
+                              "host"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_calls_are_rejected_before_any_replay_and_the_runner_stays_usable(case):
+    r = runner(STRATEGY, ATTN)
+    make, needle = BAD[case]
+    replays = dict(r.stats.replays)
+    ids, pos = batch([5, 3])
+    a, b, lens = make(ids, pos)
+    with pytest.raises(BadBatch, match=needle):
+        r(a, b, seq_lens=lens)
+    assert dict(r.stats.replays) == replays
+    good_call(r)
+
+
+def test_too_many_tokens_without_fallback_is_an_error_naming_the_limits():
+    r = graphcap.capture(model(), STRATEGY, buckets=[8, 16], max_requests=2,
+                         attention=ATTN, fallback=False)
+    ids, pos = batch([20])
+    with pytest.raises(BadBatch, match="too many tokens.*16 tokens"):
+        r(ids, pos, seq_lens=[20])
+    ids, pos = batch([6])
+    torch.testing.assert_close(r(ids, pos, seq_lens=[6]), eager(ATTN, ids, pos, [6]))
+
+
+def test_outputs_are_fresh_tensors_unless_zero_copy_is_asked_for():
+    ids, pos = batch([6])
+    first = runner(STRATEGY, ATTN)(ids, pos, seq_lens=[6])
+    kept = first.clone()
+    ids2, pos2 = batch([6], seed=1)
+    runner(STRATEGY, ATTN)(ids2, pos2, seq_lens=[6])
+    assert torch.equal(first, kept)
+
+    r = graphcap.capture(model(), STRATEGY, buckets=[8], max_requests=1, attention=ATTN,
+                         copy_outputs=False)
+    view = r(ids, pos, seq_lens=[6])
+    r(ids2, pos2, seq_lens=[6])
+    assert not torch.equal(view, kept)  # overwritten by the next call, as documented
+
+
+def test_report_lists_shapes_segments_memory_and_build_time():
+    rep = runner("breakable", ATTN).report()
+    assert rep["strategy"] == "breakable" and rep["shapes"] == [4, 8, 16, 32, 64]
+    layers = model().args.layers
+    assert rep["breaks"][64] == layers  # attention: one eager break per layer
+    assert rep["segments"][64] == layers + 1
+    assert rep["graph_pool_bytes"] > 0 and rep["build_s"]["capture"] > 0
+
+
+class Syncing(torch.nn.Module):
+    def __init__(self, marked: bool):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.scale = graphcap.eager_on_graph(self._scale) if marked else self._scale
+
+    @staticmethod
+    def _scale(h):
+        return h * (h.abs().max().item() + 1.0)  # a host sync: reads a device value
+
+    def forward(self, x):
+        return self.lin(self.scale(self.lin(x)))
+
+
+def test_a_host_sync_in_an_unmarked_function_fails_capture_suggesting_eager_on_graph():
+    m = Syncing(marked=False)
+    x = torch.randn(8, 8)
+    with pytest.raises(CaptureError, match="eager_on_graph") as info:
+        graphcap.capture(m, "breakable", buckets=[8], example_inputs=(x,))
+    assert "item" in str(info.value)
+    with torch.no_grad():
+        assert m(x).shape == (8, 8)  # the model still runs eagerly
+
+
+def test_a_function_marked_eager_on_graph_runs_as_a_break_on_every_replay():
+    m = Syncing(marked=True)
+    r = graphcap.capture(m, "breakable", buckets=[4, 8])
+    for seed in range(3):
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            torch.testing.assert_close(r(x), m(x))
+    assert r.report()["breaks"] == {4: 1, 8: 1}
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_debug_mode_runs_the_whole_forward_as_one_eager_break(how, monkeypatch):
+    if how == "environment":
+        monkeypatch.setenv("GRAPHCAP_DEBUG_CUDA_GRAPH", "1")
+    r = graphcap.capture(model(), "breakable", buckets=[8, 16], max_requests=2,
+                         attention=ATTN, debug=how == "argument")
+    rep = r.report()
+    assert rep["segments"] == {8: 0, 16: 0} and rep["breaks"] == {8: 1, 16: 1}
+    ids, pos = batch([7, 5])
+    torch.testing.assert_close(r(ids, pos, seq_lens=[7, 5]), eager(ATTN, ids, pos, [7, 5]))
+
+
+def test_a_generic_model_is_captured_on_its_first_call_and_padded_rows_stay_out():
+    torch.manual_seed(0)
+    mlp = MLP()
+    r = graphcap.capture(mlp, "full", buckets=[4, 8, 16])
+    for n in (3, 8, 13, 16, 20):
+        x = torch.randn(n, 64)
+        with torch.no_grad():
+            torch.testing.assert_close(r(x), mlp(x))
+    assert r.stats.fallbacks["too_many_tokens"] == 1
+    with pytest.raises(BadBatch, match="shape"):
+        r(torch.randn(4, 32))
+
+
+def test_unknown_strategies_and_backends_are_named_in_the_error():
+    with pytest.raises(UnsupportedStrategy, match="choose one of"):
+        graphcap.capture(model(), "cudagraph")
+    with pytest.raises(UnsupportedStrategy, match="torch_varlen.*full"):
+        graphcap.capture(model(), "full", buckets=[8], attention="torch_varlen")
