@@ -14,7 +14,8 @@ from graphcap.core.runner import Runner, RunnerConfig
 from graphcap.errors import UnsupportedStrategy
 from graphcap.full import FullBackend
 
-BACKENDS = {"eager": EagerBackend, "breakable": BreakableBackend, "full": FullBackend}
+BACKENDS = {"eager": EagerBackend, "breakable": BreakableBackend, "full": FullBackend,
+            "tc_piecewise": None}
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -32,11 +33,12 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
             max_tokens: int | None = None,
             buckets=None, max_requests: int | None = None, attention: str | None = None,
             debug: bool = False, fallback: bool = True, copy_outputs: bool = True,
-            example_inputs: tuple | None = None) -> Runner:
+            example_inputs: tuple | None = None, compiler: str = "eager") -> Runner:
     """Capture ``model`` under ``strategy`` and return a runner callable like the model.
 
     ``strategy``: ``"eager"`` (no graphs), ``"breakable"`` (graph segments, eager breaks at
-    ``@eager_on_graph`` functions and split ops), ``"full"`` (one graph per shape).
+    ``@eager_on_graph`` functions and split ops), ``"full"`` (one graph per shape),
+    ``"tc_piecewise"`` (torch.compile pieces between split ops, captured per shape).
     ``max_tokens``: the largest bucket, the chunked-prefill size (default 2048);
     ``buckets`` overrides the default ladder (42 shapes for 2048). ``max_requests``:
     request slots per batch (default ``max(max_tokens // 512, 1)``; more requests run
@@ -45,7 +47,7 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
     ``debug`` (or ``GRAPHCAP_DEBUG_CUDA_GRAPH=1``): breakable with the whole forward as
     one eager break. ``fallback=False`` makes batches that fit no graph an error.
     ``copy_outputs=False`` returns views of the runner's buffers, overwritten by the next
-    call. Prefill models, ``forward(input_ids, positions)``, are called as
+    call. ``compiler`` (tc_piecewise): ``"eager"`` or ``"inductor"`` pieces. Prefill models, ``forward(input_ids, positions)``, are called as
     ``runner(input_ids, positions, seq_lens=[...])``; any other module as
     ``runner(*tensors)`` with the tokens along dim 0, captured on its first call (or now,
     from ``example_inputs``).
@@ -54,11 +56,10 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
         logits = runner(input_ids, positions, seq_lens=[100, 23])
         print(runner.report())
     """
+    compiler_name = compiler
     if strategy not in BACKENDS:
         raise UnsupportedStrategy(
-            f"unknown strategy {strategy!r}: choose one of {sorted(BACKENDS)}"
-            + (" (tc_piecewise arrives with the sgl_piecewise backend)"
-               if strategy == "tc_piecewise" else ""))
+            f"unknown strategy {strategy!r}: choose one of {sorted(BACKENDS)}")
     if os.environ.get("GRAPHCAP_DEBUG_CUDA_GRAPH") == "1":
         debug = True
     if debug and strategy != "breakable":
@@ -79,9 +80,18 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
         from graphcap.opsdb.attention import get_backend
 
         attn = get_backend(attention, device, strategy=strategy)
-    backend = DebugBackend() if debug else BACKENDS[strategy]()
     config = RunnerConfig(ladder, requests, attn, fallback, copy_outputs)
-    runner = Runner(model, backend, config, device, kind)
-    if backend.captures and (kind == "prefill" or example_inputs is not None):
+    if strategy == "tc_piecewise":
+        from graphcap.piecewise import CompiledForward, PiecewiseBackend, PiecewiseCompiler
+
+        compiler = PiecewiseCompiler({"capture_sizes": ladder, "compiler": compiler_name,
+                                      "copy_outputs": False})
+        runner = Runner(CompiledForward(model, compiler), PiecewiseBackend(compiler), config,
+                        device, kind)
+        compiler.pool = runner.pool
+    else:
+        backend = DebugBackend() if debug else BACKENDS[strategy]()
+        runner = Runner(model, backend, config, device, kind)
+    if runner.backend.captures and (kind == "prefill" or example_inputs is not None):
         runner.capture_all(example_inputs)
     return runner

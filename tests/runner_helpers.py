@@ -20,7 +20,7 @@ GPU_ONLY = {"triton", "flashinfer", "flash_attn"}
 def combos():
     """(strategy, attention backend) pairs that may run here, as pytest params."""
     out = []
-    for strategy in ("breakable", "full"):
+    for strategy in ("breakable", "full", "tc_piecewise"):
         for name, cls in BACKENDS.items():
             if strategy not in cls.strategies or cls().unavailable(DEVICE):
                 continue

@@ -145,7 +145,7 @@ class OpSpec:
         """Call the op (models built from opsdb call this). A split op becomes an eager
         break under breakable capture. ``backend=`` calls one kernel directly (eager)."""
         if backend is None:
-            if self.split:
+            if self.split and not torch.compiler.is_compiling():
                 return run_maybe_as_break(self.op, args, {})
             return self.op(*args)
         if self.check is not None:

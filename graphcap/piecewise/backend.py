@@ -1,0 +1,184 @@
+"""The ``sgl_piecewise`` torch.compile backend: split at split ops, compile each piece once,
+capture it per token count.
+
+Dynamo traces the forward once (``fullgraph=True``, dim 0 of the token inputs dynamic).
+The FX graph is split so that each split op (attention, and any op named in
+``split_ops``) sits alone in its piece, original order kept. Every other piece is
+compiled once for the symbolic token count (``compiler="eager"``: the FX code as traced;
+``"inductor"``: Inductor's fused kernels) and wrapped in a :class:`PieceRunner`, which
+for each capture size runs the piece eagerly once (warm-up), then captures it on the
+backend's one graph pool, then replays it. Split ops run eagerly between pieces. Token
+counts outside the capture sizes run the pieces eagerly (counted).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from graphcap.core.buckets import prefill_ladder
+from graphcap.core.graphs import GraphPool, new_pool
+from graphcap.errors import GraphcapError
+from graphcap.piecewise.split import split_graph, split_op_names
+
+OPTIONS = ("capture_sizes", "max_tokens", "compiler", "split_ops", "copy_outputs", "pool")
+COMPILERS = ("eager", "inductor")
+
+
+def mutated_inputs(module: torch.nn.Module) -> set[int]:
+    """Indices of the placeholders a piece writes in place (``Tensor(a!)`` arguments of
+    the ops it calls, and in-place methods)."""
+    graph = getattr(module, "graph", None)
+    if graph is None:
+        return set()
+    slots = {n: i for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder")}
+    written = set()
+    for node in graph.nodes:
+        targets = []
+        if node.op == "call_method" and node.target.endswith("_") and node.args:
+            targets = [node.args[0]]
+        elif node.op == "call_function":
+            op = node.target
+            if isinstance(op, torch._ops.OpOverloadPacket):
+                op = op.default
+            if isinstance(op, torch._ops.OpOverload):
+                for i, arg in enumerate(op._schema.arguments):
+                    if arg.alias_info is not None and arg.alias_info.is_write:
+                        value = node.args[i] if i < len(node.args) else node.kwargs.get(
+                            arg.name)
+                        targets.append(value)
+            elif getattr(op, "__name__", "").endswith("_") and node.args:
+                targets = [node.args[0]]
+        written |= {slots[t] for t in targets if t in slots}
+    return written
+
+
+class PieceRunner(torch.nn.Module):
+    """One non-split piece: eager warm-up, then one graph per capture size, replayed.
+
+    Captured inputs: parameters and the static outputs of earlier captured pieces are
+    used as they are (their addresses never change); any other tensor (the caller's
+    inputs, buffers) gets a static copy, refreshed before each replay and, when the piece
+    writes it, copied back after."""
+
+    def __init__(self, owner: PiecewiseCompiler, fn, module: torch.nn.Module):
+        super().__init__()
+        self.owner, self.fn = owner, fn
+        self.writes = mutated_inputs(module)
+        self.seen: set[int] = set()
+        self.entries: dict[int, tuple] = {}
+
+    def forward(self, *args):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        size = tensors[0].shape[0] if tensors and tensors[0].dim() else None
+        owner = self.owner
+        if size not in owner.capture_sizes:
+            owner.stats["eager_runs"] += 1
+            return self.fn(*args)
+        entry = self.entries.get(size)
+        if entry is None:
+            if size not in self.seen:  # warm-up: lazy init and JIT outside any capture
+                self.seen.add(size)
+                return self.fn(*args)
+            return self._capture(size, args)
+        graph, static, outputs = entry
+        copied = []
+        for i, (buf, a) in enumerate(zip(static, args, strict=True)):
+            if isinstance(buf, torch.Tensor):
+                if buf is not a and buf.data_ptr() != a.data_ptr():
+                    buf.copy_(a)
+                    copied.append(i)
+            elif buf != a:  # a baked host value changed: this replay would be wrong
+                owner.stats["eager_runs"] += 1
+                return self.fn(*args)
+        graph.replay()
+        for i in copied:
+            if i in self.writes:
+                args[i].copy_(static[i])
+        return outputs
+
+    def _static(self, a):
+        if not isinstance(a, torch.Tensor):
+            return a
+        if isinstance(a, torch.nn.Parameter) or a.data_ptr() in self.owner.static_ptrs:
+            return a
+        return a.clone()
+
+    def _capture(self, size: int, args):
+        pool = self.owner.pool_for(args)
+        static = [self._static(a) for a in args]
+        graph = pool.graph()
+        outputs = graph.capture(self.fn, *static)
+        self.entries[size] = (graph, static, outputs)
+        self.owner.stats["captures"] += 1
+        flat = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        self.owner.static_ptrs |= {o.data_ptr() for o in flat if isinstance(o, torch.Tensor)}
+        self.entries[size] = (graph, static, outputs)
+        return self.forward(*args)
+
+
+class PiecewiseCompiler:
+    """A Dynamo backend instance; ``torch.compile(m, backend="sgl_piecewise")`` makes one
+    per compile, with ``options=`` as its keyword arguments."""
+
+    def __init__(self, options: dict | None = None):
+        opts = dict(options or {})
+        unknown = set(opts) - set(OPTIONS)
+        if unknown:
+            raise GraphcapError(f"sgl_piecewise: unknown options {sorted(unknown)}; "
+                                f"known: {list(OPTIONS)}")
+        sizes = opts.get("capture_sizes")
+        self.capture_sizes = set(sizes) if sizes else set(
+            prefill_ladder(int(opts.get("max_tokens", 2048))))
+        self.compiler = opts.get("compiler", "eager")
+        if self.compiler not in COMPILERS:
+            raise GraphcapError(f"sgl_piecewise: compiler={self.compiler!r}; use one of "
+                                f"{COMPILERS}")
+        self.split_names = split_op_names(opts.get("split_ops", ()))
+        self.copy_outputs = bool(opts.get("copy_outputs", True))
+        self.pool: GraphPool | None = opts.get("pool")
+        self.stats: Counter = Counter()
+        self.static_ptrs: set[int] = set()  # outputs of captured pieces: fixed addresses
+
+    def pool_for(self, args) -> GraphPool:
+        if self.pool is None:
+            device = next(a.device for a in args if isinstance(a, torch.Tensor))
+            self.pool = new_pool(device)
+        return self.pool
+
+    def _compile_piece(self, module: torch.nn.Module):
+        if self.compiler == "inductor":
+            # A plain GraphModule: Dynamo refuses to trace split_module's lazy ones.
+            plain = torch.fx.GraphModule(module, module.graph)
+            return torch.compile(plain, backend="inductor", dynamic=True, fullgraph=True)
+        return module
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        self.stats["graphs"] += 1
+        split, pieces = split_graph(gm, self.split_names)
+        for piece in pieces:
+            self.stats["pieces"] += 1
+            if piece.is_split:
+                self.stats["split_pieces"] += 1
+                continue
+            self.stats["captured_pieces"] += 1
+            runner = PieceRunner(self, self._compile_piece(piece.module), piece.module)
+            setattr(split, piece.name, runner)
+        if not self.copy_outputs:
+            return split
+
+        def forward(*args):
+            out = split(*args)
+            # The last piece's outputs are static and overwritten by the next call.
+            return type(out)(o.clone() if isinstance(o, torch.Tensor) else o for o in out) \
+                if isinstance(out, (tuple, list)) else out
+
+        return forward
+
+
+def sgl_piecewise(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
+    """The Dynamo backend registered as ``sgl_piecewise`` (entry point
+    ``torch_dynamo_backends``): ``torch.compile(model, backend="sgl_piecewise",
+    options={"capture_sizes": [...], "compiler": "inductor"})``."""
+    return PiecewiseCompiler(options)(gm, example_inputs)
