@@ -47,7 +47,8 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
     ``debug`` (or ``GRAPHCAP_DEBUG_CUDA_GRAPH=1``): breakable with the whole forward as
     one eager break. ``fallback=False`` makes batches that fit no graph an error.
     ``copy_outputs=False`` returns views of the runner's buffers, overwritten by the next
-    call. ``compiler`` (tc_piecewise): ``"eager"`` or ``"inductor"`` pieces. Prefill models, ``forward(input_ids, positions)``, are called as
+    call. ``compiler`` (tc_piecewise): ``"eager"`` or ``"inductor"`` pieces. Prefill
+    models, ``forward(input_ids, positions)``, are called as
     ``runner(input_ids, positions, seq_lens=[...])``; any other module as
     ``runner(*tensors)`` with the tokens along dim 0, captured on its first call (or now,
     from ``example_inputs``).

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from graphcap.core.backend import Captured, CaptureBackend
+from graphcap.core.backend import CaptureBackend, Captured
 from graphcap.errors import CaptureError
-from graphcap.piecewise.backend import PiecewiseCompiler, PieceRunner, sgl_piecewise
+from graphcap.piecewise.backend import PieceRunner, PiecewiseCompiler, sgl_piecewise
 
 
 class CompiledForward:
