@@ -22,3 +22,15 @@ class CaptureError(GraphcapError):
 
 class UnsupportedStrategy(GraphcapError):
     """A strategy, backend or device combination that graphcap cannot run."""
+
+
+class BadBatch(GraphcapError, ValueError):
+    """A runner call rejected before any replay; the runner stays usable."""
+
+
+class OpInputError(GraphcapError, ValueError):
+    """Bad input to an op, caught before any kernel launch."""
+
+
+class BackendUnavailable(GraphcapError, RuntimeError):
+    """A requested kernel or attention backend cannot run here; the message says why."""

@@ -19,3 +19,14 @@ def _(x, y, a):
 def axpy_out(x: torch.Tensor, y: torch.Tensor, a: float, out: torch.Tensor) -> None:
     torch.mul(x, a, out=out)
     out.add_(y)
+
+
+@torch.library.custom_op("graphcap_test::double_and_accumulate", mutates_args=["acc"])
+def double_and_accumulate(x: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    acc.add_(x)
+    return x * 2
+
+
+@double_and_accumulate.register_fake
+def _(x, acc):
+    return torch.empty_like(x)

@@ -59,18 +59,19 @@ def test_emulated_outputs_hold_garbage_until_the_first_replay_as_on_cuda():
     assert torch.equal(y, torch.full((4,), 2.0))
 
 
-def test_segments_captured_with_begin_and_end_replay_in_order():
+def test_begin_and_end_capture_the_code_between_once_as_on_cuda():
     x = torch.ones(4)
     graph = new_pool("cpu").graph()
     graph.begin()
-    y = x + 1
-    graph.end()
-    graph.begin()
-    z = y * 10
+    z = (x + 1) * 10
     graph.end()
     x.fill_(2.0)
     graph.replay()
     assert torch.equal(z, torch.full((4,), 30.0))
+    with pytest.raises(CaptureError, match="captured already"):
+        graph.begin()
+    with pytest.raises(CaptureError, match="end\\(\\) without begin"):
+        new_pool("cpu").graph().end()
 
 
 def test_reset_releases_the_record():

@@ -184,6 +184,18 @@ def test_torch_library_custom_ops_replay_inside_the_region(pool):
     assert region.calls == 1
 
 
+def test_an_op_that_writes_an_argument_and_returns_a_new_tensor_replays_both(pool):
+    x = full(pool, 4, 1.0)
+    acc = torch.zeros(4, device=pool.device)
+    region = Region(lambda: torch.ops.graphcap_test.double_and_accumulate(x, acc))
+    graph = pool.graph()
+    y = graph.capture(region)
+    x.fill_(5.0)
+    graph.replay()
+    assert torch.equal(y, full(pool, 4, 10.0)) and torch.equal(acc, full(pool, 4, 5.0))
+    assert region.calls == 1
+
+
 HOST_SYNCS = {
     "item": ("item", lambda t: t.sum().item()),
     "tolist": ("tolist", lambda t: t.tolist()),

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 from graphcap.core.backend import CaptureBackend, Captured
 from graphcap.core.breaks import break_handler
 from graphcap.core.graphs import GraphPool
+from graphcap.errors import CaptureError
 
 
 @dataclass
@@ -61,8 +62,16 @@ class BreakableCapture:
 
     def _on_break(self, fn, args, kwargs):
         self._close()
-        with self.pool.warmup():  # the capture stream, outside any capture
+        # No handler inside a break: a break calling another marked function just runs it.
+        with self.pool.warmup(), break_handler(None):  # the capture stream, no capture
             output = fn(*args, **kwargs)
+        leaves = tree_flatten(output)[0]
+        if any(not isinstance(x, torch.Tensor) and x is not None for x in leaves):
+            name = getattr(fn, "__qualname__", repr(fn))
+            raise CaptureError(
+                f"eager break {name} returned a host value ({[type(x).__name__ for x in leaves]}"
+                "): replay could only reuse the value of capture. Return tensors (e.g. "
+                "torch.tensor on the device, or write into an out= tensor) instead")
         self.items.append(Break(fn, args, kwargs, output))
         self._open()
         return output

@@ -6,11 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
-from graphcap.errors import GraphcapError
+from graphcap.errors import BadBatch
 
-
-class BadBatch(GraphcapError, ValueError):
-    """A call the runner rejects; nothing was replayed and the runner stays usable."""
+__all__ = ["BadBatch", "check_prefill", "check_tensors"]
 
 
 _INT_DTYPES = (torch.int32, torch.int64)

@@ -23,9 +23,14 @@ def run_maybe_as_break(fn: Callable, args: tuple, kwargs: dict):
     return handler(fn, args, kwargs)
 
 
+def clear_handler() -> None:
+    """Remove the handler from the current context (for contexts copied to replay later)."""
+    _HANDLER.set(None)
+
+
 @contextlib.contextmanager
-def break_handler(handler: Callable):
-    """Install ``handler(fn, args, kwargs)`` for the duration of a capture."""
+def break_handler(handler: Callable | None):
+    """Install ``handler(fn, args, kwargs)`` (None: none) for the duration of a block."""
     token = _HANDLER.set(handler)
     try:
         yield

@@ -17,8 +17,8 @@ region, with CUDA-graph semantics:
 
 Two details make capture itself behave as on CUDA, where capture launches nothing:
 memory the region mutated that existed before capture is restored when capture ends, and
-floating-point memory allocated during capture is filled with NaN, since on CUDA it holds
-garbage until the first replay. Host synchronisations raise ``CaptureError``
+memory allocated during capture is filled with 0xFF bytes (NaN in floats, -1 in ints),
+since on CUDA it holds garbage until the first replay. Host synchronisations raise ``CaptureError``
 (:mod:`graphcap.core.hostsync`).
 
 Differences from CUDA that stay: memory freed inside the region is not handed to later
@@ -83,6 +83,16 @@ def _tensors(value) -> list[torch.Tensor]:
 def _aliases_an_input(out, args, kwargs) -> bool:
     inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
     return all(t.untyped_storage().data_ptr() in inputs for t in _tensors(out))
+
+
+def _replay_context() -> contextvars.Context:
+    """The context a custom op replays in: the capture's, without a break handler (that
+    capture is over by replay time)."""
+    from graphcap.core.breaks import clear_handler
+
+    ctx = contextvars.copy_context()
+    ctx.run(clear_handler)
+    return ctx
 
 
 def _is_builtin(func) -> bool:
@@ -153,9 +163,15 @@ class _Recorder(TorchDispatchMode):
         if kind == "view" and not _aliases_an_input(out, args, kwargs):
             kind = "functional"  # contiguous/reshape/to: an alias by schema, here a copy
         step = _Step(func, args, kwargs, kind,
-                     context=None if _is_builtin(func) else contextvars.copy_context())
+                     context=None if _is_builtin(func) else _replay_context())
         if kind in ("functional", "alloc"):
             step.outs = _tensors(out)
+            for t in step.outs:
+                graph._allocated(t)
+        elif kind == "mutate":  # and what it returns beside the written arguments
+            written = {t.untyped_storage().data_ptr() for t in _written(func, args, kwargs)}
+            step.outs = [t for t in _tensors(out)
+                         if t.untyped_storage().data_ptr() not in written]
             for t in step.outs:
                 graph._allocated(t)
         graph._steps.append(step)
@@ -183,22 +199,27 @@ class EmulatedGraph(Graph):
         return bool(self._modes)
 
     def begin(self) -> None:
-        """Start recording. Several begin/end pairs append segments to one graph."""
+        """Start recording (one capture per graph, as on CUDA)."""
         if self._modes:
             raise hostsync.CaptureError("begin() called twice: end() the current capture first")
+        if self._segments:
+            raise hostsync.CaptureError(
+                "this graph is captured already: reset() it or make a new one")
         self._modes = [_HostMethodGuard(self.device), _Recorder(self)]
         for mode in self._modes:
             mode.__enter__()
 
     def end(self) -> None:
         """Stop recording; undo capture-time writes to older memory, poison new memory."""
+        if not self._modes:
+            raise hostsync.CaptureError("end() without begin()")
         self._exit_modes()
         for storage, saved in self._snapshots.values():
             storage.copy_(saved)
         self._snapshots.clear()
-        for storage, floating in self._internal.values():
-            if floating:
-                storage.fill_(0xFF)  # NaN in every floating dtype: garbage until replay
+        for storage, is_bool in self._internal.values():
+            if not is_bool:  # NaN in every float dtype, -1 in ints: garbage until replay
+                storage.fill_(0xFF)
         self._segments += 1
 
     def abort(self, exc: BaseException) -> BaseException:
@@ -224,7 +245,7 @@ class EmulatedGraph(Graph):
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if storage.nbytes() and key not in self._internal and key not in self._snapshots:
-            self._internal[key] = (storage, t.is_floating_point() or t.is_complex())
+            self._internal[key] = (storage, t.dtype == torch.bool)
             self._bytes += storage.nbytes()
 
     # -- replay --------------------------------------------------------------------
@@ -236,9 +257,9 @@ class EmulatedGraph(Graph):
             raise hostsync.CaptureError("replay() before any capture: capture a region first")
         with torch.inference_mode():
             for step in self._steps:
-                if step.kind == "mutate":
+                if step.kind == "mutate" and not step.outs:
                     step.run()
-                elif step.kind == "functional":
+                elif step.kind in ("mutate", "functional"):
                     fresh = _tensors(step.run())
                     for out, new in zip(step.outs, fresh, strict=True):
                         out.copy_(new)

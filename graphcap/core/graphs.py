@@ -68,11 +68,15 @@ class _FrozenGC:
 
     def __enter__(self):
         self.was_enabled = gc.isenabled()
-        gc.freeze()
+        # Freeze only if the application has not: unfreeze() would undo its own freeze.
+        self.froze = gc.get_freeze_count() == 0
+        if self.froze:
+            gc.freeze()
         gc.disable()
 
     def __exit__(self, *exc):
-        gc.unfreeze()
+        if self.froze:
+            gc.unfreeze()
         if self.was_enabled:
             gc.enable()
 

@@ -25,6 +25,7 @@ from graphcap.core.backend import CaptureBackend, Captured
 from graphcap.core.buckets import pick_bucket
 from graphcap.core.context import forward_context
 from graphcap.core.graphs import new_pool
+from graphcap.errors import UnsupportedStrategy
 
 
 @dataclass
@@ -76,9 +77,16 @@ class Runner:
             self._specs = [(a.dtype, tuple(a.shape[1:])) for a in example_args]
             self._inputs = [torch.zeros((self.max_tokens, *tail), dtype=dtype,
                                         device=self.device) for dtype, tail in self._specs]
-        with torch.inference_mode():
-            for tokens in reversed(self.config.buckets):
-                self._capture_one(tokens)
+        try:
+            with torch.inference_mode():
+                for tokens in reversed(self.config.buckets):
+                    self._capture_one(tokens)
+        except BaseException:
+            # Leave no half-built state: a later call captures again from scratch.
+            self._inputs, self._specs, self._outputs = [], [], []
+            self.entries.clear()
+            self.metadata.clear()
+            raise
 
     def _forward(self, tokens: int):
         args = [buf[:tokens] for buf in self._inputs]
@@ -104,6 +112,13 @@ class Runner:
         start = time.perf_counter()
         with self.pool.warmup():
             flat, _ = tree_flatten(self._forward(tokens))
+        bad = [tuple(o.shape) for o in flat if not isinstance(o, torch.Tensor)
+               or o.dim() == 0 or o.shape[0] != tokens]
+        if bad:
+            raise UnsupportedStrategy(
+                f"the model returned {bad} for {tokens} tokens: a captured model must "
+                "return tensors with one row per token along dim 0 (rows are padded and "
+                "sliced), each row depending only on its own request's tokens")
         if not self._outputs:
             self._outputs = [torch.empty((self.max_tokens, *o.shape[1:]), dtype=o.dtype,
                                          device=o.device) for o in flat]
@@ -118,6 +133,8 @@ class Runner:
         if self.kind == "prefill":
             lens = batching.check_prefill(*args, seq_lens, self.device)
             tokens = args[0].shape[0]
+        elif not self.backend.captures:
+            lens = None
         else:
             if not self._inputs:
                 batching.check_tensors(args, [(a.dtype, tuple(a.shape[1:])) for a in args
@@ -126,43 +143,48 @@ class Runner:
             tokens = batching.check_tensors(args, self._specs, self.device)
             lens = None
         self.stats.calls += 1
+        if not self.backend.captures:
+            return self._eager(args, lens, "eager")
         if lens is not None and len(lens) > self.config.max_requests:
             bucket, reason = None, "too_many_requests"
         else:
             bucket, reason = pick_bucket(tokens, self.config.buckets,
                                          self.config.max_pad_ratio)
-        if bucket is None or not self.backend.captures:
-            return self._eager(args, lens, reason or "eager")
+        if bucket is None:
+            return self._eager(args, lens, reason)
         return self._replay(bucket, args, lens, tokens)
 
     def _eager(self, args, lens, reason: str):
+        """Run the model without graphs: the eager strategy, or a counted fallback."""
         if reason != "eager" and not self.config.fallback:
             raise batching.BadBatch(
                 f"this batch cannot replay a graph ({reason.replace('_', ' ')}: "
                 f"buckets up to {self.max_tokens} tokens, {self.config.max_requests} "
                 "request slots) and fallback=False; enlarge max_tokens/max_requests or "
                 "allow the eager fallback")
-        self.stats.fallbacks[reason] += 1
-        with torch.inference_mode():
+        if reason != "eager":
+            self.stats.fallbacks[reason] += 1
+        with torch.no_grad():
             if self.kind == "prefill":
                 meta = self.config.attention.prepare(lens, self.device)
                 with forward_context(attention=meta):
                     return self.model(*args)
             return self.model(*args)
 
-    @torch.inference_mode()
     def _replay(self, bucket: int, args, lens, tokens: int):
-        for buf, a in zip(self._inputs, args, strict=True):
-            buf[:tokens].copy_(a)
-            buf[tokens:bucket].zero_()  # padding rows: finite, and never stale
-        if lens is not None:
-            self.metadata[bucket].update(lens)
-        if self.kind == "prefill":
-            with forward_context(attention=self.metadata[bucket]):
+        with torch.inference_mode():
+            for buf, a in zip(self._inputs, args, strict=True):
+                buf[:tokens].copy_(a)
+                buf[tokens:bucket].zero_()  # padding rows: finite, and never stale
+            if lens is not None:
+                self.metadata[bucket].update(lens)
+            if self.kind == "prefill":
+                with forward_context(attention=self.metadata[bucket]):
+                    self.entries[bucket].replay()
+            else:
                 self.entries[bucket].replay()
-        else:
-            self.entries[bucket].replay()
         self.stats.replays[bucket] += 1
+        # Cloned outside inference mode: callers get ordinary tensors, as from the model.
         outs = [buf[:tokens].clone() if self.config.copy_outputs else buf[:tokens]
                 for buf in self._outputs]
         return tree_unflatten(outs, self._out_spec)

@@ -87,7 +87,7 @@ MOE_EXPERTS = register_op(
     "(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids) -> Tensor",
     reference=reference.moe_experts,
     kernels={"triton": Kernel("graphcap.opsdb.triton.moe:moe_experts", requires=("triton",))},
-    fake=_experts_fake,  # the reference groups tokens with nonzero: data-dependent
+    fake=_experts_fake,
     check=check_experts, inputs=experts_inputs,
     doc="grouped SwiGLU experts weighted by the routing",
 )

@@ -91,15 +91,14 @@ def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """Grouped SwiGLU experts. x [T, H]; w13 [E, 2*I, H] (gate rows, then up rows);
-    w2 [E, H, I]; out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])."""
+    w2 [E, H, I]; out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
+
+    Dense over experts (every expert sees every token, weighted 0 where not routed):
+    slow but free of data-dependent shapes, so the reference itself can be captured."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     x32 = x.float()
     for e in range(w13.shape[0]):
-        rows, slot = (topk_ids == e).nonzero(as_tuple=True)
-        if rows.numel() == 0:
-            continue
-        h = x32[rows] @ w13[e].float().t()
-        h = silu_and_mul(h)
-        y = h @ w2[e].float().t()
-        out.index_add_(0, rows, y * topk_weights[rows, slot].float()[:, None])
+        weight = (topk_weights.float() * (topk_ids == e)).sum(dim=-1, keepdim=True)  # [T, 1]
+        h = silu_and_mul(x32 @ w13[e].float().t())
+        out += weight * (h @ w2[e].float().t())
     return out.to(x.dtype)

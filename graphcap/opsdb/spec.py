@@ -32,17 +32,11 @@ import torch
 
 from graphcap.compat.library import define_op, split_qualname
 from graphcap.core.breaks import run_maybe_as_break
-from graphcap.errors import GraphcapError
+from graphcap.errors import BackendUnavailable, GraphcapError, OpInputError  # noqa: F401
 
 HALF = (torch.float16, torch.bfloat16)  # what most vendor kernels (FlashInfer) accept
 
 
-class OpInputError(GraphcapError, ValueError):
-    """Bad input to an op, caught before any kernel launch."""
-
-
-class BackendUnavailable(GraphcapError, RuntimeError):
-    """A requested kernel backend cannot run here; the message says why."""
 
 
 @dataclass

@@ -36,6 +36,9 @@ class AttentionMetadata:
         self.cu_seqlens = torch.zeros(num_slots + 1, dtype=torch.int32, device=self.device)
         self.cu_seqlens_host = torch.zeros(num_slots + 1, dtype=torch.int32, pin_memory=pin)
         self.valid = torch.zeros(num_tokens, dtype=torch.bool, device=self.device)
+        # The host buffer feeds an asynchronous copy: rewriting it before that copy ran
+        # would hand the previous replay the next batch's offsets.
+        self._copied = torch.cuda.Event() if pin else None
         self._rows = torch.arange(num_tokens, device=self.device)
         self.seq_lens: list[int] = []
         self.num_real_tokens = 0
@@ -47,8 +50,12 @@ class AttentionMetadata:
         offsets = [0]
         for n in lens + [0] * (self.num_slots - len(lens)):  # sentinels: length 0
             offsets.append(offsets[-1] + n)
+        if self._copied is not None:
+            self._copied.synchronize()
         self.cu_seqlens_host.copy_(torch.tensor(offsets, dtype=torch.int32))
         self.cu_seqlens.copy_(self.cu_seqlens_host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         torch.lt(self._rows, total, out=self.valid)
         self.seq_lens, self.num_real_tokens = lens, total
         self.backend.plan(self)
