@@ -145,3 +145,30 @@ def test_unknown_strategies_and_backends_are_named_in_the_error():
         graphcap.capture(model(), "cudagraph")
     with pytest.raises(UnsupportedStrategy, match="torch_varlen.*full"):
         graphcap.capture(model(), "full", buckets=[8], attention="torch_varlen")
+
+
+def test_a_break_holds_its_arguments_and_output_strongly():
+    # Weak references here gave silent wrong output once later captures reused the
+    # memory (the field's breakable bug); strong ones keep every break input alive.
+    from graphcap.breakable import BreakableCapture
+    from graphcap.breakable.graph import Break
+    from graphcap.core import new_pool
+
+    double = graphcap.eager_on_graph(lambda h: h * 2)
+    x = torch.randn(4)
+    bcg = BreakableCapture(new_pool("cpu"))
+    bcg.run(lambda: double(x + 1) - 1)
+    (brk,) = [i for i in bcg.items if isinstance(i, Break)]
+    assert all(type(a) is torch.Tensor for a in brk.args) and type(brk.output) is torch.Tensor
+
+
+def test_a_break_that_returns_a_host_value_is_refused_at_capture():
+    peak = graphcap.eager_on_graph(lambda h: float(h.abs().max()))
+
+    class Normalised(torch.nn.Module):
+        def forward(self, x):
+            return x / peak(x)
+
+    with pytest.raises(CaptureError, match="returned a host value"):
+        graphcap.capture(Normalised(), "breakable", buckets=[4],
+                         example_inputs=(torch.randn(4, 2),))
