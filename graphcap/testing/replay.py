@@ -1,0 +1,90 @@
+"""``assert_replay_equivalent``: captured output equals eager, for every generated batch and
+for sequences of calls, under each strategy."""
+
+from __future__ import annotations
+
+import torch
+
+import graphcap
+from graphcap.testing.strategies import prefill_batches
+
+STRATEGIES = ("breakable", "full", "tc_piecewise")
+
+
+def _default_tolerance(dtype: torch.dtype) -> float:
+    return {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 3e-2}.get(dtype, 0.0)
+
+
+def _close(got, want, label: str, atol: float) -> None:
+    torch.testing.assert_close(got, want, atol=atol, rtol=atol,
+                               msg=lambda m: f"{label}: captured output differs: {m}")
+
+
+def assert_replay_equivalent(model_or_factory, strategies=STRATEGIES, batches=None, *,
+                             max_tokens: int = 64, max_requests: int = 4,
+                             buckets=None, attention: str | None = None,
+                             vocab: int | None = None, examples: int = 20,
+                             sequences: int = 5, atol: float | None = None) -> dict:
+    """Check a prefill model (``forward(input_ids, positions)``) under each strategy:
+    every generated batch, and every call of random call sequences (fallbacks included),
+    equals the same model run eagerly with the same attention backend. Returns the
+    runners' reports by strategy; raises AssertionError with the shrunk failing batch.
+
+    ``batches``: a hypothesis strategy of ``(input_ids, positions, seq_lens)`` (default
+    :func:`prefill_batches`). ``attention``: the backend (default: the best one allowed
+    under every strategy asked for)."""
+    model = model_or_factory() if not isinstance(model_or_factory, torch.nn.Module) \
+        else model_or_factory
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    tol = atol if atol is not None else _default_tolerance(dtype)
+    if attention is None:
+        from graphcap.opsdb.attention import get_backend
+
+        attention = get_backend(None, device, strategy="full").name
+    vocab = vocab or getattr(getattr(model, "args", None), "vocab_size", None) or 2
+    top = buckets[-1] if buckets else max_tokens
+    # Sequences also draw batches past the largest bucket and the slots: fallbacks.
+    wide = prefill_batches(2 * top, max_requests + 2, vocab, device=device)
+    batches = batches or prefill_batches(top, max_requests, vocab, device=device)
+    kwargs = dict(buckets=buckets, max_tokens=None if buckets else max_tokens,
+                  max_requests=max_requests, attention=attention)
+    truth = graphcap.capture(model, "eager", **kwargs)
+    reports = {}
+    for strategy in strategies:
+        reports[strategy] = _check_strategy(model, strategy, kwargs, truth, batches, wide,
+                                            tol, examples, sequences, attention)
+    return reports
+
+
+def _check_strategy(model, strategy, kwargs, truth, batches, wide, tol, examples,
+                    sequences, attention) -> dict:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    runner = graphcap.capture(model, strategy, **kwargs)
+    label = f"{strategy}/{attention}"
+    quiet = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
+
+    @settings(max_examples=examples, **quiet)
+    @given(batch=batches)
+    def one_batch(batch):
+        ids, pos, lens = batch
+        _close(runner(ids, pos, seq_lens=lens), truth(ids, pos, seq_lens=lens),
+               f"{label} {lens}", tol)
+
+    @settings(max_examples=sequences, **quiet)
+    @given(calls=st.lists(st.one_of(batches, wide), min_size=2, max_size=6))
+    def call_sequence(calls):
+        # A fresh runner per sequence: a failure depends on this sequence alone.
+        fresh = graphcap.capture(model, strategy, **kwargs)
+        for i, (ids, pos, lens) in enumerate(calls):
+            _close(fresh(ids, pos, seq_lens=lens), truth(ids, pos, seq_lens=lens),
+                   f"{label} call {i} of {[c[2] for c in calls]}", tol)
+        stats = fresh.stats
+        assert stats.calls == sum(stats.replays.values()) + sum(
+            stats.fallbacks.values()), f"{label}: a call neither replayed nor fell back"
+
+    one_batch()
+    call_sequence()
+    return runner.report()

@@ -1,0 +1,46 @@
+"""Hypothesis strategies for users' tests: op inputs and prefill batches."""
+
+from __future__ import annotations
+
+import torch
+
+from graphcap.opsdb import get_op
+from graphcap.opsdb.spec import OpSpec
+
+
+def op_inputs(op: str | OpSpec, *, device="cpu", dtype=torch.float32, **constraints):
+    """The hypothesis strategy of valid argument tuples of a registered op, from its
+    ``OpSpec``; ``constraints`` narrow it (e.g. ``max_tokens=16``)."""
+    spec = op if isinstance(op, OpSpec) else get_op(op)
+    if spec.inputs is None:
+        raise ValueError(f"{spec.qualname} has no input strategy: pass inputs= when "
+                         "registering it")
+    return spec.inputs(torch.device(device), dtype, **constraints)
+
+
+def prefill_batches(max_tokens: int, max_requests: int, vocab: int, *, device="cpu",
+                    min_token_id: int = 1):
+    """Batches of packed prefill requests: ``(input_ids, positions, seq_lens)`` with 1 to
+    ``max_requests`` requests, lengths from 0 (sentinel-like) up to ``max_tokens`` in all,
+    edge lengths (1, powers of two and their neighbours, ``max_tokens``) favoured."""
+    from hypothesis import strategies as st
+
+    edges = sorted({0, 1, 2, 3, 4, 7, 8, 15, 16, 31, 32, max_tokens} & set(
+        range(max_tokens + 1)))
+
+    @st.composite
+    def draw(d):
+        n = d(st.integers(1, max_requests))
+        lens = [d(st.one_of(st.sampled_from(edges), st.integers(0, max_tokens)))
+                for _ in range(n)]
+        while sum(lens) > max_tokens:
+            lens[lens.index(max(lens))] //= 2
+        if sum(lens) == 0:
+            lens[0] = 1
+        seed = d(st.integers(0, 2**31 - 1))
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(min_token_id, vocab, (sum(lens),), generator=gen)
+        pos = torch.cat([torch.arange(n) for n in lens])
+        return ids.to(device), pos.to(device), lens
+
+    return draw()
