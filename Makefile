@@ -31,7 +31,7 @@ test: $(STAMP)
 	exit $$rc
 
 lint: $(STAMP)
-	$(PY) -m ruff check graphcap tests
+	$(PY) -m ruff check graphcap tests examples
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache *.egg-info

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from graphcap.testing import op_inputs, prefill_batches
+from graphcap.testing import assert_replay_equivalent, check_op, op_inputs, prefill_batches
 
 
 @settings(max_examples=10, deadline=None)
@@ -40,3 +40,59 @@ def test_an_op_without_an_input_strategy_says_how_to_add_one():
 
 def test_the_plugin_gives_the_device_to_test_on(graphcap_device):
     assert graphcap_device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _buggy_double(x):
+    out = x * 2
+    if x.shape[0] % 16:  # the planted bug: wrong whenever T is not a multiple of 16
+        out[-1] += 1
+    return out
+
+
+def test_check_op_finds_and_shrinks_a_kernel_wrong_off_multiples_of_16():
+    import graphcap.opsdb as opsdb
+    from graphcap.opsdb import Kernel
+
+    def inputs(device, dtype, max_tokens=64):
+        from hypothesis import strategies as st
+
+        return st.integers(0, max_tokens).map(
+            lambda t: (torch.ones(t, 8, device=device, dtype=dtype),))
+
+    name = "graphcap_test::buggy_double"
+    if name not in opsdb.REGISTRY:
+        opsdb.register_op(name, "(Tensor x) -> Tensor", reference=lambda x: x * 2,
+                          kernels={"buggy": Kernel(_buggy_double, devices=("cpu", "cuda"))},
+                          inputs=inputs)
+    with pytest.raises(AssertionError) as info:
+        check_op(name, backend="buggy", dtypes=(torch.float32,), examples=50,
+                 opcheck=False)
+    text = str(info.value)
+    assert "graphcap_test::buggy_double[buggy]" in text
+    # hypothesis shrinks to the smallest failing token count: one row
+    assert "inputs (Tensor(float32, (1, 8)))" in text and "max error 1" in text, text
+
+
+class LeakyDecoder(torch.nn.Module):
+    """A planted bug: every row gets the mean over all rows, padding rows included."""
+
+    def __init__(self):
+        super().__init__()
+        from graphcap.models import build_model
+
+        self.inner = build_model("tiny")
+        self.args = self.inner.args
+
+    def forward(self, input_ids, positions):
+        logits = self.inner(input_ids, positions)
+        return logits + logits.mean(dim=0, keepdim=True)
+
+
+def test_assert_replay_equivalent_finds_padding_rows_leaking_into_real_rows():
+    with pytest.raises(AssertionError) as info:
+        assert_replay_equivalent(LeakyDecoder(), ("full",), buckets=[4, 8, 16],
+                                 max_requests=2, attention="torch_masked", examples=30,
+                                 sequences=1)
+    # The message names the strategy and the shrunk batch (its request lengths).
+    text = str(info.value)
+    assert "full/torch_masked [" in text and "captured output differs" in text, text

@@ -31,6 +31,17 @@ def _results(spec: OpSpec, fn, args):
         args[i] for i in written]
 
 
+def describe(args) -> str:
+    """A short, readable account of an op's arguments (shapes, dtypes, host values)."""
+    parts = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            parts.append(f"Tensor({str(a.dtype).removeprefix('torch.')}, {tuple(a.shape)})")
+        else:
+            parts.append(repr(a))
+    return "(" + ", ".join(parts) + ")"
+
+
 def compare(spec: OpSpec, backend: str, args, atol: float, rtol: float) -> float:
     """Run ``backend`` and the reference on copies of ``args``; assert close; max error."""
     want = _results(spec, spec.reference, args)
@@ -41,10 +52,12 @@ def compare(spec: OpSpec, backend: str, args, atol: float, rtol: float) -> float
         assert g.shape == w.shape and g.dtype == w.dtype, (
             f"{spec.qualname}[{backend}]: got {g.dtype}{tuple(g.shape)}, "
             f"want {w.dtype}{tuple(w.shape)}")
-        if g.numel():
-            worst = max(worst, (g.double() - w.double()).abs().max().item())
-        torch.testing.assert_close(g, w, atol=atol, rtol=rtol,
-                                   msg=lambda m: f"{spec.qualname}[{backend}]: {m}")
+        err = (g.double() - w.double()).abs().max().item() if g.numel() else 0.0
+        worst = max(worst, err)
+        torch.testing.assert_close(
+            g, w, atol=atol, rtol=rtol,
+            msg=lambda m, e=err: f"{spec.qualname}[{backend}] on inputs {describe(args)}: "
+                                 f"max error {e:.3g}. {m}")
     return worst
 
 

@@ -1,0 +1,9 @@
+import os
+
+import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter; it is read at kernel
+# definition, so set it before the examples import Triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+torch._dynamo.config.recompile_limit = 64
