@@ -36,6 +36,18 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    from graphcap.check import run_check
+    from graphcap.errors import GraphcapError
+
+    try:
+        return run_check(args.factory, args.strategies, args.examples, args.sequences,
+                         args.max_tokens, args.max_requests, args.attention)
+    except GraphcapError as exc:
+        print(f"graphcap check: {exc}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="graphcap", description="CUDA graphs for LLM prefill and launch-bound forwards.")
@@ -48,6 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--device", default=None, help="device to check backends for")
     ops.add_argument("--json", action="store_true", help="machine-readable output")
     ops.set_defaults(func=_ops)
+    check = sub.add_parser("check", help="replay equivalence of your model under every "
+                           "strategy")
+    check.add_argument("factory", help="MODULE:FUNCTION returning the model")
+    check.add_argument("--strategies", nargs="+", default=["breakable", "full",
+                                                           "tc_piecewise"])
+    check.add_argument("--examples", type=int, default=10, help="batches per strategy")
+    check.add_argument("--sequences", type=int, default=3, help="call sequences")
+    check.add_argument("--max-tokens", type=int, default=64)
+    check.add_argument("--max-requests", type=int, default=4)
+    check.add_argument("--attention", default=None, help="attention backend")
+    check.set_defaults(func=_check)
     bench = sub.add_parser("bench", help="GPU benchmarks, written as JSON")
     bench.add_argument("suite", choices=["ops"], help="what to benchmark")
     bench.add_argument("--out", default=None, help="JSON file to write")

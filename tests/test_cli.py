@@ -33,3 +33,23 @@ def test_demo_replays_match_eager_and_print_a_table():
     proc = run("demo", "--device", "cpu", "--steps", "2")
     assert proc.returncode == 0, proc.stderr
     assert "replay matches eager" in proc.stdout and "max |replay - eager|" in proc.stdout
+
+
+def test_check_passes_a_good_model_with_a_table_row_per_strategy():
+    proc = run("check", "tests.check_models:good", "--examples", "3", "--sequences", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for strategy in ("breakable", "full", "tc_piecewise"):
+        assert any(line.split()[:3] == [strategy, "torch_masked", "pass"]
+                   for line in proc.stdout.splitlines()), proc.stdout
+
+
+def test_check_flags_a_python_side_effect_that_capture_freezes():
+    proc = run("check", "tests.check_models:counting", "--examples", "3", "--sequences",
+               "1", "--strategies", "full")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAIL" in proc.stdout and "frozen" in proc.stdout
+
+
+def test_check_names_a_factory_it_cannot_import():
+    proc = run("check", "no_such_module:build")
+    assert proc.returncode == 2 and "cannot import 'no_such_module'" in proc.stderr

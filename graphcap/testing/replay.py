@@ -3,6 +3,8 @@ for sequences of calls, under each strategy."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 import graphcap
@@ -15,7 +17,9 @@ def _default_tolerance(dtype: torch.dtype) -> float:
     return {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 3e-2}.get(dtype, 0.0)
 
 
-def _close(got, want, label: str, atol: float) -> None:
+def _close(got, want, label: str, atol: float, worst: list) -> None:
+    if got.numel():
+        worst[0] = max(worst[0], (got.double() - want.double()).abs().max().item())
     torch.testing.assert_close(got, want, atol=atol, rtol=atol,
                                msg=lambda m: f"{label}: captured output differs: {m}")
 
@@ -27,8 +31,9 @@ def assert_replay_equivalent(model_or_factory, strategies=STRATEGIES, batches=No
                              sequences: int = 5, atol: float | None = None) -> dict:
     """Check a prefill model (``forward(input_ids, positions)``) under each strategy:
     every generated batch, and every call of random call sequences (fallbacks included),
-    equals the same model run eagerly with the same attention backend. Returns the
-    runners' reports by strategy; raises AssertionError with the shrunk failing batch.
+    equals the same model run eagerly with the same attention backend. Returns by
+    strategy the runner's report plus ``attention``, ``max_error`` and ``build_wall_s``;
+    raises AssertionError with the shrunk failing batch.
 
     ``batches``: a hypothesis strategy of ``(input_ids, positions, seq_lens)`` (default
     :func:`prefill_batches`). ``attention``: the backend (default: the best one allowed
@@ -62,8 +67,11 @@ def _check_strategy(model, strategy, kwargs, truth, batches, wide, tol, examples
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
+    start = time.perf_counter()
     runner = graphcap.capture(model, strategy, **kwargs)
+    build_s = time.perf_counter() - start
     label = f"{strategy}/{attention}"
+    worst = [0.0]
     quiet = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
     @settings(max_examples=examples, **quiet)
@@ -71,7 +79,7 @@ def _check_strategy(model, strategy, kwargs, truth, batches, wide, tol, examples
     def one_batch(batch):
         ids, pos, lens = batch
         _close(runner(ids, pos, seq_lens=lens), truth(ids, pos, seq_lens=lens),
-               f"{label} {lens}", tol)
+               f"{label} {lens}", tol, worst)
 
     @settings(max_examples=sequences, **quiet)
     @given(calls=st.lists(st.one_of(batches, wide), min_size=2, max_size=6))
@@ -80,11 +88,12 @@ def _check_strategy(model, strategy, kwargs, truth, batches, wide, tol, examples
         fresh = graphcap.capture(model, strategy, **kwargs)
         for i, (ids, pos, lens) in enumerate(calls):
             _close(fresh(ids, pos, seq_lens=lens), truth(ids, pos, seq_lens=lens),
-                   f"{label} call {i} of {[c[2] for c in calls]}", tol)
+                   f"{label} call {i} of {[c[2] for c in calls]}", tol, worst)
         stats = fresh.stats
         assert stats.calls == sum(stats.replays.values()) + sum(
             stats.fallbacks.values()), f"{label}: a call neither replayed nor fell back"
 
     one_batch()
     call_sequence()
-    return runner.report()
+    return {**runner.report(), "attention": attention, "max_error": worst[0],
+            "build_wall_s": round(build_s, 3)}

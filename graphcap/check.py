@@ -1,0 +1,68 @@
+"""``graphcap check MODULE:FACTORY``: a user's model under every strategy against eager."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+
+from graphcap.errors import GraphcapError
+
+STRATEGIES = ("breakable", "full", "tc_piecewise")
+
+
+def load_factory(spec: str):
+    """``"package.module:function"`` -> the callable, with clear errors."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise GraphcapError(f"{spec!r}: give the factory as MODULE:FUNCTION, e.g. "
+                            "mypkg.models:build")
+    sys.path.insert(0, ".")  # a module in the working directory, like python -m
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise GraphcapError(f"cannot import {module_name!r} (from {spec!r}): {exc}") from exc
+    finally:
+        sys.path.remove(".")
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise GraphcapError(f"{module_name!r} has no callable {attr!r} (from {spec!r})")
+    return factory
+
+
+def run_check(spec: str, strategies=STRATEGIES, examples: int = 10, sequences: int = 3,
+              max_tokens: int = 64, max_requests: int = 4, attention: str | None = None
+              ) -> int:
+    """Print one row per strategy; 0 when every strategy matches eager, else 1."""
+    from graphcap.testing import assert_replay_equivalent
+
+    factory = load_factory(spec)
+    model = factory()
+    print(f"graphcap check {spec}: {type(model).__name__}, {examples} batches and "
+          f"{sequences} call sequences per strategy, buckets to {max_tokens} tokens\n")
+    print(f"{'strategy':>12}  {'attention':>12}  {'result':>6}  {'max err':>9}  "
+          f"{'fallbacks':>9}  {'build s':>7}")
+    failed = []
+    for strategy in strategies:
+        start = time.perf_counter()
+        try:
+            report = assert_replay_equivalent(
+                model, (strategy,), max_tokens=max_tokens, max_requests=max_requests,
+                attention=attention, examples=examples, sequences=sequences)[strategy]
+        except (AssertionError, GraphcapError) as exc:
+            failed.append((strategy, exc))
+            print(f"{strategy:>12}  {attention or '-':>12}  {'FAIL':>6}  {'-':>9}  {'-':>9}  "
+                  f"{time.perf_counter() - start:>7.2f}")
+            continue
+        print(f"{strategy:>12}  {report['attention']:>12}  {'pass':>6}  "
+              f"{report['max_error']:>9.2e}  {sum(report['fallbacks'].values()):>9}  "
+              f"{report['build_wall_s']:>7.2f}")
+    for strategy, exc in failed:
+        first = str(exc).strip().splitlines()[0]
+        print(f"\n{strategy}: {first}")
+    if any(isinstance(exc, AssertionError) for _, exc in failed):
+        print("\nReplays differ from eager: Python in forward (a side effect, a counter, a "
+              "host value read from a tensor) runs only at capture and is frozen there. "
+              "Move it out of forward, or mark the function @graphcap.eager_on_graph and "
+              "use strategy='breakable'.")
+    return 1 if failed else 0
