@@ -17,7 +17,8 @@ from torch import nn
 from graphcap.core.context import forward_context
 from graphcap.opsdb.activation import SILU_AND_MUL
 from graphcap.opsdb.attention import ATTENTION, get_backend
-from graphcap.opsdb.norm import FUSED_ADD_RMS_NORM
+from graphcap.opsdb.moe import MOE_EXPERTS, MOE_TOPK_SOFTMAX
+from graphcap.opsdb.norm import FUSED_ADD_RMS_NORM, RMS_NORM
 from graphcap.opsdb.rotary import ROTARY_EMBEDDING
 
 
@@ -33,6 +34,11 @@ class ModelArgs:
     eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position: int = 4096
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rotary
+    tie_embeddings: bool = False  # the LM head reuses the embedding matrix
+    experts: int = 0  # > 0: mixture-of-experts feed-forward (Qwen3-MoE style)
+    top_k: int = 0
+    moe_intermediate: int = 0
 
 
 def rope_cache(head_dim: int, max_position: int, theta: float) -> torch.Tensor:
@@ -47,15 +53,19 @@ class Attention(nn.Module):
         self.a = a
         self.qkv = nn.Linear(a.hidden, (a.heads + 2 * a.kv_heads) * a.head_dim, bias=False)
         self.o = nn.Linear(a.heads * a.head_dim, a.hidden, bias=False)
-        self.register_buffer("cos_sin", rope_cache(a.head_dim, a.max_position, a.rope_theta),
-                             persistent=False)
+        if a.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(a.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(a.head_dim))
 
-    def forward(self, x, positions):
+    def forward(self, x, positions, cos_sin):
         a, t = self.a, x.shape[0]
         q, k, v = self.qkv(x).split(
             [a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim], -1)
+        if a.qk_norm:
+            q = RMS_NORM(q.reshape(-1, a.head_dim), self.q_norm, a.eps).view(t, -1)
+            k = RMS_NORM(k.reshape(-1, a.head_dim), self.k_norm, a.eps).view(t, -1)
         q, k = q.contiguous(), k.contiguous()
-        ROTARY_EMBEDDING(positions, q, k, self.cos_sin, a.head_dim)
+        ROTARY_EMBEDDING(positions, q, k, cos_sin, a.head_dim)
         out = torch.empty(t, a.heads, a.head_dim, dtype=x.dtype, device=x.device)
         ATTENTION(q.view(t, a.heads, a.head_dim), k.view(t, a.kv_heads, a.head_dim),
                   v.contiguous().view(t, a.kv_heads, a.head_dim), out,
@@ -73,17 +83,36 @@ class FeedForward(nn.Module):
         return self.down(SILU_AND_MUL(self.gate_up(x)))
 
 
+class MoE(nn.Module):
+    """Top-k softmax routing over ``experts`` SwiGLU experts (Qwen3-MoE style)."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.top_k = a.top_k
+        self.router = nn.Linear(a.hidden, a.experts, bias=False)
+        scale = a.hidden ** -0.5
+        self.w13 = nn.Parameter(torch.randn(a.experts, 2 * a.moe_intermediate, a.hidden)
+                                * scale)
+        self.w2 = nn.Parameter(torch.randn(a.experts, a.hidden, a.moe_intermediate)
+                               * a.moe_intermediate ** -0.5)
+
+    def forward(self, x):
+        weights, ids = MOE_TOPK_SOFTMAX(self.router(x), self.top_k, True)
+        return MOE_EXPERTS(x, self.w13, self.w2, weights, ids)
+
+
 class Block(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.eps = a.eps
         self.attn_norm = nn.Parameter(torch.ones(a.hidden))
         self.mlp_norm = nn.Parameter(torch.ones(a.hidden))
-        self.attn, self.mlp = Attention(a), FeedForward(a)
+        self.attn = Attention(a)
+        self.mlp = MoE(a) if a.experts else FeedForward(a)
 
-    def forward(self, x, residual, positions):
+    def forward(self, x, residual, positions, cos_sin):
         FUSED_ADD_RMS_NORM(x, residual, self.attn_norm, self.eps)  # residual += x; x = norm
-        x = self.attn(x, positions)
+        x = self.attn(x, positions, cos_sin)
         FUSED_ADD_RMS_NORM(x, residual, self.mlp_norm, self.eps)
         return self.mlp(x)
 
@@ -98,6 +127,10 @@ class Decoder(nn.Module):
         self.blocks = nn.ModuleList(Block(a) for _ in range(a.layers))
         self.norm = nn.Parameter(torch.ones(a.hidden))
         self.lm_head = nn.Linear(a.hidden, a.vocab_size, bias=False)
+        if a.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("cos_sin", rope_cache(a.head_dim, a.max_position, a.rope_theta),
+                             persistent=False)
 
     def forward(self, input_ids, positions, seq_lens=None):
         if seq_lens is not None:  # eager use: prepare this batch's attention metadata
@@ -107,7 +140,7 @@ class Decoder(nn.Module):
         x = self.embed(input_ids)
         residual = torch.zeros_like(x)
         for block in self.blocks:
-            x = block(x, residual, positions)
+            x = block(x, residual, positions, self.cos_sin)
         FUSED_ADD_RMS_NORM(x, residual, self.norm, self.args.eps)
         return self.lm_head(x)
 
