@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphcap.models.tiny import Block, ModelArgs
+from graphcap.models.tiny import Block, ModelArgs, rope_cache
 from graphcap.opsdb.norm import RMS_NORM
 from graphcap.testing import assert_replay_equivalent
 
@@ -22,11 +22,13 @@ class TinyTagger(nn.Module):
         self.block = Block(args)
         self.norm = nn.Parameter(torch.ones(args.hidden))
         self.head = nn.Linear(args.hidden, tags)
+        self.register_buffer("cos_sin", rope_cache(args.head_dim, args.max_position,
+                                                   args.rope_theta), persistent=False)
 
     def forward(self, input_ids, positions):
         x = self.embed(input_ids)
         residual = torch.zeros_like(x)
-        x = self.block(x, residual, positions)
+        x = self.block(x, residual, positions, self.cos_sin)
         return self.head(RMS_NORM(x + residual, self.norm, self.args.eps))
 
 
