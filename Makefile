@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	else \
 		$(PY) -m pip install -q "$(CPU_TORCH)"; \
 	fi
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,hf]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from graphcap.models.loading import CheckpointError, load_checkpoint
 from graphcap.models.tiny import MLP, Decoder, ModelArgs
 
 # Presets as data. The large ones have the shapes of the public models (random weights).
@@ -36,4 +37,5 @@ def build_model(name: str, device="cpu", dtype=torch.float32, seed: int = 0) -> 
     return model.to(dtype=dtype).eval()
 
 
-__all__ = ["MLP", "PRESETS", "Decoder", "ModelArgs", "build_model"]
+__all__ = ["MLP", "PRESETS", "CheckpointError", "Decoder", "ModelArgs", "build_model",
+           "load_checkpoint"]

@@ -39,6 +39,8 @@ class ModelArgs:
     experts: int = 0  # > 0: mixture-of-experts feed-forward (Qwen3-MoE style)
     top_k: int = 0
     moe_intermediate: int = 0
+    norm_topk: bool = True  # renormalise the top-k routing weights
+    qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections
 
 
 def rope_cache(head_dim: int, max_position: int, theta: float) -> torch.Tensor:
@@ -51,7 +53,8 @@ class Attention(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.a = a
-        self.qkv = nn.Linear(a.hidden, (a.heads + 2 * a.kv_heads) * a.head_dim, bias=False)
+        self.qkv = nn.Linear(a.hidden, (a.heads + 2 * a.kv_heads) * a.head_dim,
+                             bias=a.qkv_bias)
         self.o = nn.Linear(a.heads * a.head_dim, a.hidden, bias=False)
         if a.qk_norm:
             self.q_norm = nn.Parameter(torch.ones(a.head_dim))
@@ -88,7 +91,7 @@ class MoE(nn.Module):
 
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.top_k = a.top_k
+        self.top_k, self.norm_topk = a.top_k, a.norm_topk
         self.router = nn.Linear(a.hidden, a.experts, bias=False)
         scale = a.hidden ** -0.5
         self.w13 = nn.Parameter(torch.randn(a.experts, 2 * a.moe_intermediate, a.hidden)
@@ -97,7 +100,7 @@ class MoE(nn.Module):
                                * a.moe_intermediate ** -0.5)
 
     def forward(self, x):
-        weights, ids = MOE_TOPK_SOFTMAX(self.router(x), self.top_k, True)
+        weights, ids = MOE_TOPK_SOFTMAX(self.router(x), self.top_k, self.norm_topk)
         return MOE_EXPERTS(x, self.w13, self.w2, weights, ids)
 
 
@@ -131,6 +134,11 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.register_buffer("cos_sin", rope_cache(a.head_dim, a.max_position, a.rope_theta),
                              persistent=False)
+
+    def reset_rope(self, device) -> None:
+        """Recompute the rotary cache (after building on the meta device)."""
+        a = self.args
+        self.cos_sin = rope_cache(a.head_dim, a.max_position, a.rope_theta).to(device)
 
     def forward(self, input_ids, positions, seq_lens=None):
         if seq_lens is not None:  # eager use: prepare this batch's attention metadata

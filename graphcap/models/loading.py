@@ -1,0 +1,147 @@
+"""Hugging Face checkpoints into graphcap's reference decoders.
+
+A checkpoint is a folder with ``config.json`` and ``*.safetensors`` (one file, or shards
+listed by ``model.safetensors.index.json``), with Hugging Face parameter names. Supported
+families: Llama, Qwen2, Qwen3, Qwen3-MoE. Every expected tensor must be present with the
+expected shape; anything else is an error naming the file and key.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from graphcap.errors import GraphcapError
+from graphcap.models.tiny import Decoder, ModelArgs
+
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+
+class CheckpointError(GraphcapError, ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and key."""
+
+
+def args_from_config(config: dict, source: str = "config.json") -> ModelArgs:
+    family = config.get("model_type")
+    if family not in FAMILIES:
+        raise CheckpointError(f"{source}: model_type {family!r} is not supported; "
+                              f"supported: {', '.join(FAMILIES)}")
+    if family == "qwen3_moe" and (config.get("mlp_only_layers") or
+                                  config.get("decoder_sparse_step", 1) != 1):
+        raise CheckpointError(f"{source}: dense layers among MoE layers (mlp_only_layers, "
+                              "decoder_sparse_step) are not supported")
+    try:
+        heads = config["num_attention_heads"]
+        hidden = config["hidden_size"]
+        rope = config.get("rope_parameters") or {}
+        return ModelArgs(
+            vocab_size=config["vocab_size"], hidden=hidden,
+            layers=config["num_hidden_layers"], heads=heads,
+            kv_heads=config.get("num_key_value_heads", heads),
+            head_dim=config.get("head_dim") or hidden // heads,
+            intermediate=config.get("intermediate_size", 0),
+            eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=config.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            max_position=config.get("max_position_embeddings", 4096),
+            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            experts=(config.get("num_experts") or config.get("num_local_experts", 0))
+            if family == "qwen3_moe" else 0,
+            top_k=config.get("num_experts_per_tok", 0) if family == "qwen3_moe" else 0,
+            moe_intermediate=config.get("moe_intermediate_size", 0),
+            norm_topk=bool(config.get("norm_topk_prob", True)),
+        )
+    except KeyError as exc:
+        raise CheckpointError(f"{source}: missing key {exc.args[0]!r}") from exc
+
+
+def _tensors(folder: Path) -> dict[str, tuple[str, object]]:
+    """Every tensor name -> (file, safe_open handle) of the checkpoint."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) \
+        if index.exists() else sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no *.safetensors files")
+    table = {}
+    for name in files:
+        path = folder / name
+        if not path.exists():
+            raise CheckpointError(f"{index}: lists {name}, which is missing")
+        handle = safe_open(str(path), framework="pt")
+        for key in handle.keys():
+            table[key] = (name, handle)
+    return table
+
+
+def _hf_names(a: ModelArgs, i: int) -> dict[str, list[str]]:
+    """Our parameter name -> the HF tensors it is made of (concatenated along dim 0)."""
+    p, ours = f"model.layers.{i}.", f"blocks.{i}."
+    att = p + "self_attn."
+    names = {
+        ours + "attn_norm": [p + "input_layernorm.weight"],
+        ours + "mlp_norm": [p + "post_attention_layernorm.weight"],
+        ours + "attn.qkv.weight": [att + f"{x}_proj.weight" for x in "qkv"],
+        ours + "attn.o.weight": [att + "o_proj.weight"],
+    }
+    if a.qkv_bias:
+        names[ours + "attn.qkv.bias"] = [att + f"{x}_proj.bias" for x in "qkv"]
+    if a.qk_norm:
+        names[ours + "attn.q_norm"] = [att + "q_norm.weight"]
+        names[ours + "attn.k_norm"] = [att + "k_norm.weight"]
+    if a.experts:
+        names[ours + "mlp.router.weight"] = [p + "mlp.gate.weight"]
+    else:
+        names[ours + "mlp.gate_up.weight"] = [p + "mlp.gate_proj.weight",
+                                              p + "mlp.up_proj.weight"]
+        names[ours + "mlp.down.weight"] = [p + "mlp.down_proj.weight"]
+    return names
+
+
+def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32) -> Decoder:
+    """A reference decoder with the weights of a Hugging Face checkpoint folder."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise CheckpointError(f"{folder}: no config.json")
+    args = args_from_config(json.loads(config_path.read_text()), str(config_path))
+    table = _tensors(folder)
+
+    def get(key: str) -> torch.Tensor:
+        if key not in table:
+            raise CheckpointError(f"{folder}: tensor {key!r} is missing from the checkpoint")
+        return table[key][1].get_tensor(key)
+
+    with torch.device("meta"):
+        model = Decoder(args)
+    names = {"embed.weight": ["model.embed_tokens.weight"], "norm": ["model.norm.weight"]}
+    if not args.tie_embeddings:
+        names["lm_head.weight"] = ["lm_head.weight"]
+    for i in range(args.layers):
+        names.update(_hf_names(args, i))
+    state = {ours: torch.cat([get(k) for k in keys]) for ours, keys in names.items()}
+    for i in range(args.layers):
+        if args.experts:
+            e = f"model.layers.{i}.mlp.experts."
+            state[f"blocks.{i}.mlp.w13"] = torch.stack([torch.cat(
+                [get(f"{e}{j}.gate_proj.weight"), get(f"{e}{j}.up_proj.weight")])
+                for j in range(args.experts)])
+            state[f"blocks.{i}.mlp.w2"] = torch.stack(
+                [get(f"{e}{j}.down_proj.weight") for j in range(args.experts)])
+    expected = dict(model.named_parameters())
+    for name, tensor in state.items():
+        want = tuple(expected[name].shape)
+        if tuple(tensor.shape) != want:
+            sources = names.get(name, [name])
+            raise CheckpointError(f"{folder}: {', '.join(sources)} has shape "
+                                  f"{tuple(tensor.shape)}, expected {want} for {name}")
+    model = model.to_empty(device=device)
+    model.load_state_dict(state, strict=False, assign=True)
+    model.reset_rope(device)
+    if args.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model.to(dtype=dtype).eval()

@@ -1,0 +1,89 @@
+"""Hugging Face checkpoints (safetensors, sharded or not) into the reference decoders:
+logits match transformers' own model; bad checkpoints fail naming the file and key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from graphcap.models.loading import CheckpointError, load_checkpoint
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=16),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **COMMON, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True),
+}
+
+
+def saved(tmp_path, family, **save_kwargs):
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
+    hf.save_pretrained(tmp_path, **save_kwargs)
+    return hf
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_logits_match_transformers_with_identical_weights(tmp_path, family):
+    hf = saved(tmp_path, family)
+    ours = load_checkpoint(tmp_path)
+    ids = torch.randint(0, 128, (1, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits[0]
+        got = ours(ids[0], torch.arange(17), seq_lens=[17])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_sharded_checkpoint_loads_through_its_index(tmp_path):
+    hf = saved(tmp_path, "qwen3", max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    ours = load_checkpoint(tmp_path)
+    ids = torch.randint(0, 128, (1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids[0], torch.arange(5), seq_lens=[5]),
+                                   hf(ids).logits[0], atol=1e-5, rtol=1e-5)
+
+
+def _rewrite(tmp_path, edit):
+    path = next(tmp_path.glob("*.safetensors"))
+    tensors = safetensors_torch.load_file(str(path))
+    edit(tensors)
+    safetensors_torch.save_file(tensors, str(path))
+
+
+def test_a_missing_tensor_is_named(tmp_path):
+    saved(tmp_path, "llama")
+    _rewrite(tmp_path, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    with pytest.raises(CheckpointError, match="model.layers.1.self_attn.k_proj.weight"):
+        load_checkpoint(tmp_path)
+
+
+def test_a_misshapen_tensor_is_named_with_both_shapes(tmp_path):
+    saved(tmp_path, "llama")
+    _rewrite(tmp_path, lambda t: t.update({"model.norm.weight": torch.ones(63)}))
+    with pytest.raises(CheckpointError, match=r"model.norm.weight has shape \(63,\), "
+                                              r"expected \(64,\)"):
+        load_checkpoint(tmp_path)
+
+
+def test_an_unsupported_family_names_its_model_type(tmp_path):
+    saved(tmp_path, "llama")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["model_type"] = "mamba"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="config.json: model_type 'mamba'"):
+        load_checkpoint(tmp_path)
+
+
+def test_a_folder_without_config_says_so(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_checkpoint(tmp_path)
