@@ -6,4 +6,3 @@ import torch
 # definition, so set it before the examples import Triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-torch._dynamo.config.recompile_limit = 64

@@ -19,11 +19,6 @@ settings.register_profile("gpu", max_examples=10, deadline=None)
 settings.register_profile("dev", max_examples=100, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-# Each tc_piecewise runner compiles the model's forward again; Dynamo counts those
-# against one per-code-object limit (8), which a test suite building many runners of one
-# model class passes quickly.
-torch._dynamo.config.recompile_limit = 256
-
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

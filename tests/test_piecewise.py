@@ -153,3 +153,15 @@ def test_the_backend_name_works_in_a_fresh_process_that_never_imports_graphcap()
     proc = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_many_runners_of_one_model_do_not_exhaust_dynamos_recompile_limit():
+    m = decoder(1)
+    ids, pos = torch.randint(1, 256, (6,)), torch.arange(6)
+    with torch.inference_mode():
+        want = m(ids, pos, seq_lens=[6])
+    with torch._dynamo.config.patch(recompile_limit=8):
+        for _ in range(10):
+            r = graphcap.capture(m, "tc_piecewise", buckets=[8], max_requests=1,
+                                 attention="torch_masked")
+            torch.testing.assert_close(r(ids, pos, seq_lens=[6]), want)

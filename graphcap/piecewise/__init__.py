@@ -3,11 +3,25 @@ under ``graphcap.capture(model, strategy="tc_piecewise")``."""
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 from graphcap.core.backend import CaptureBackend, Captured
 from graphcap.errors import CaptureError
 from graphcap.piecewise.backend import PieceRunner, PiecewiseCompiler, sgl_piecewise
+
+
+def _entry(model, *args):
+    return model(*args)
+
+
+def _fresh_entry():
+    """A function of its own code object: Dynamo keeps its compiled code per code object
+    and counts every runner's compile (each with its own backend) against one limit;
+    a code object per runner keeps runners of one model from sharing that budget."""
+    code = _entry.__code__.replace()
+    return types.FunctionType(code, _entry.__globals__, "graphcap_tc_piecewise_forward")
 
 
 class CompiledForward:
@@ -16,14 +30,14 @@ class CompiledForward:
 
     def __init__(self, model: torch.nn.Module, compiler: PiecewiseCompiler):
         self.model, self.compiler = model, compiler
-        self.compiled = torch.compile(model, backend=compiler, fullgraph=True)
+        self.compiled = torch.compile(_fresh_entry(), backend=compiler, fullgraph=True)
 
     def __call__(self, *args):
         for a in args:
             if isinstance(a, torch.Tensor) and a.dim():
                 torch._dynamo.mark_dynamic(a, 0)
         try:
-            return self.compiled(*args)
+            return self.compiled(self.model, *args)
         except torch._dynamo.exc.TorchDynamoException as exc:
             cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc)
             raise CaptureError(
