@@ -14,8 +14,8 @@ from graphcap.core.runner import Runner, RunnerConfig
 from graphcap.errors import UnsupportedStrategy
 from graphcap.full import FullBackend
 
-BACKENDS = {"eager": EagerBackend, "breakable": BreakableBackend, "full": FullBackend,
-            "tc_piecewise": None}
+BACKENDS = {"eager": EagerBackend, "breakable": BreakableBackend, "full": FullBackend}
+STRATEGIES = (*BACKENDS, "tc_piecewise")  # tc_piecewise's backend needs the compiled model
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -42,8 +42,8 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
     ``max_tokens``: the largest bucket, the chunked-prefill size (default 2048);
     ``buckets`` overrides the default ladder (42 shapes for 2048). ``max_requests``:
     request slots per batch (default ``max(max_tokens // 512, 1)``; more requests run
-    eagerly). ``attention``: the
-    attention backend of prefill models (default: the best one for the strategy).
+    eagerly). ``attention``: the attention backend of prefill models (default: the best
+    one for the strategy).
     ``debug`` (or ``GRAPHCAP_DEBUG_CUDA_GRAPH=1``): breakable with the whole forward as
     one eager break. ``fallback=False`` makes batches that fit no graph an error.
     ``copy_outputs=False`` returns views of the runner's buffers, overwritten by the next
@@ -57,10 +57,9 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
         logits = runner(input_ids, positions, seq_lens=[100, 23])
         print(runner.report())
     """
-    compiler_name = compiler
-    if strategy not in BACKENDS:
+    if strategy not in STRATEGIES:
         raise UnsupportedStrategy(
-            f"unknown strategy {strategy!r}: choose one of {sorted(BACKENDS)}")
+            f"unknown strategy {strategy!r}: choose one of {sorted(STRATEGIES)}")
     if os.environ.get("GRAPHCAP_DEBUG_CUDA_GRAPH") == "1":
         debug = True
     if debug and strategy != "breakable":
@@ -85,11 +84,11 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
     if strategy == "tc_piecewise":
         from graphcap.piecewise import CompiledForward, PiecewiseBackend, PiecewiseCompiler
 
-        compiler = PiecewiseCompiler({"capture_sizes": ladder, "compiler": compiler_name,
-                                      "copy_outputs": False})
-        runner = Runner(CompiledForward(model, compiler), PiecewiseBackend(compiler), config,
+        pieces = PiecewiseCompiler({"capture_sizes": ladder, "compiler": compiler,
+                                    "copy_outputs": False})
+        runner = Runner(CompiledForward(model, pieces), PiecewiseBackend(pieces), config,
                         device, kind)
-        compiler.pool = runner.pool
+        pieces.pool = runner.pool
     else:
         backend = DebugBackend() if debug else BACKENDS[strategy]()
         runner = Runner(model, backend, config, device, kind)

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 from graphcap.core.backend import CaptureBackend, Captured
 from graphcap.core.breaks import break_handler
 from graphcap.core.graphs import GraphPool
+from graphcap.core.trees import tensor_leaves
 from graphcap.errors import CaptureError
 
 
@@ -35,12 +36,8 @@ class Break:
 
     def replay(self) -> None:
         fresh = self.fn(*self.args, **self.kwargs)
-        for kept, new in zip(_tensors(self.output), _tensors(fresh), strict=True):
+        for kept, new in zip(tensor_leaves(self.output), tensor_leaves(fresh), strict=True):
             kept.copy_(new)
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
 class BreakableCapture:

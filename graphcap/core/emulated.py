@@ -37,10 +37,10 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from graphcap.core import hostsync
 from graphcap.core.graph_base import Graph
+from graphcap.core.trees import tensor_leaves
 
 aten = torch.ops.aten
 
@@ -72,17 +72,13 @@ def _written(func, args, kwargs) -> list[torch.Tensor]:
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
         value = args[i] if i < len(args) else kwargs.get(arg.name)
-        out += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+        out += tensor_leaves(value)
     return out
 
 
-def _tensors(value) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
-
-
 def _aliases_an_input(out, args, kwargs) -> bool:
-    inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
-    return all(t.untyped_storage().data_ptr() in inputs for t in _tensors(out))
+    inputs = {t.untyped_storage().data_ptr() for t in tensor_leaves((args, kwargs))}
+    return all(t.untyped_storage().data_ptr() in inputs for t in tensor_leaves(out))
 
 
 def _replay_context() -> contextvars.Context:
@@ -106,6 +102,7 @@ class _Step:
     kwargs: dict
     kind: str
     outs: list[torch.Tensor] = field(default_factory=list)
+    keep: list[int] | None = None  # which returned tensors go to outs (None: all)
     context: contextvars.Context | None = None  # custom ops replay in their capture context
 
     def run(self):
@@ -165,13 +162,15 @@ class _Recorder(TorchDispatchMode):
         step = _Step(func, args, kwargs, kind,
                      context=None if _is_builtin(func) else _replay_context())
         if kind in ("functional", "alloc"):
-            step.outs = _tensors(out)
+            step.outs = tensor_leaves(out)
             for t in step.outs:
                 graph._allocated(t)
         elif kind == "mutate":  # and what it returns beside the written arguments
             written = {t.untyped_storage().data_ptr() for t in _written(func, args, kwargs)}
-            step.outs = [t for t in _tensors(out)
+            returned = tensor_leaves(out)
+            step.keep = [i for i, t in enumerate(returned)
                          if t.untyped_storage().data_ptr() not in written]
+            step.outs = [returned[i] for i in step.keep]
             for t in step.outs:
                 graph._allocated(t)
         graph._steps.append(step)
@@ -214,9 +213,7 @@ class EmulatedGraph(Graph):
         if not self._modes:
             raise hostsync.CaptureError("end() without begin()")
         self._exit_modes()
-        for storage, saved in self._snapshots.values():
-            storage.copy_(saved)
-        self._snapshots.clear()
+        self._restore_snapshots()
         for storage, is_bool in self._internal.values():
             if not is_bool:  # NaN in every float dtype, -1 in ints: garbage until replay
                 storage.fill_(0xFF)
@@ -225,10 +222,15 @@ class EmulatedGraph(Graph):
     def abort(self, exc: BaseException) -> BaseException:
         """End a capture that raised: restore memory, drop the record, return the error."""
         self._exit_modes()
-        for storage, saved in self._snapshots.values():
-            storage.copy_(saved)
+        self._restore_snapshots()
         self.reset()
         return exc
+
+    def _restore_snapshots(self) -> None:
+        """Put back memory older than the capture that the region wrote."""
+        for storage, saved in self._snapshots.values():
+            storage.copy_(saved)
+        self._snapshots.clear()
 
     def _exit_modes(self) -> None:
         modes, self._modes = self._modes, []
@@ -260,7 +262,9 @@ class EmulatedGraph(Graph):
                 if step.kind == "mutate" and not step.outs:
                     step.run()
                 elif step.kind in ("mutate", "functional"):
-                    fresh = _tensors(step.run())
+                    fresh = tensor_leaves(step.run())
+                    if step.keep is not None:
+                        fresh = [fresh[i] for i in step.keep]
                     for out, new in zip(step.outs, fresh, strict=True):
                         out.copy_(new)
 

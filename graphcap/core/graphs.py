@@ -120,9 +120,8 @@ class CudaGraph(Graph):
             graph.capture_begin(pool=self.pool.handle, capture_error_mode="thread_local")
         except BaseException:
             # capture_begin can fail after routing allocations to the pool: undo that.
-            compat.end_allocate_to_pool(self.device, self.pool.handle)
-            self.pool._renew_after_failed_capture()
-            stack.close()
+            self._stack = stack
+            self._close_failed_capture()
             raise
         self._graph, self._stack = graph, stack
 
@@ -165,7 +164,7 @@ class CudaGraph(Graph):
         # host allocator still refuses later captures on that pool id ("already
         # recording", "use_count > 0"), so the pool moves on to a fresh id.
         compat.end_allocate_to_pool(self.device, self.pool.handle)
-        self.pool._renew_after_failed_capture()
+        self.pool._new_cuda_pool()
         self._graph = None
         self._stack.close()
         self._stack = None
@@ -222,9 +221,6 @@ class GraphPool:
         self._mempools.append(compat.new_mempool(self.device))
         self.handle = compat.mempool_id(self._mempools[-1])
         self._anchors.append(compat.anchor_graph(self.device, self.handle, self.stream))
-
-    def _renew_after_failed_capture(self) -> None:
-        self._new_cuda_pool()
 
     def graph(self) -> Graph:
         """A new, empty graph of this pool's kind."""

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
+from graphcap.core.trees import tensor_leaves
 from graphcap.errors import CaptureError
 
 aten = torch.ops.aten
@@ -85,11 +86,6 @@ def _raise(op: str, what: str, why: str) -> None:
     )
 
 
-def _tensors(values) -> list[torch.Tensor]:
-    flat, _ = torch.utils._pytree.tree_flatten(values)
-    return [v for v in flat if isinstance(v, torch.Tensor)]
-
-
 def _moves_to_host(func, args, kwargs, device: torch.device) -> bool:
     """A device-to-host copy, or a copy into the device from pageable host memory."""
     if device.type == "cpu":
@@ -122,7 +118,7 @@ def check_op(func, args, kwargs, device: torch.device) -> None:
     if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
         _raise("aten.repeat_interleave", "torch.repeat_interleave without output_size",
                "has an output size that depends on the data")
-    if func in _HOST_DATA and any(t.device == device for t in _tensors(args)):
+    if func in _HOST_DATA and any(t.device == device for t in tensor_leaves(args)):
         _raise(str(func.overloadpacket), _HOST_DATA[func], "copies host data into the graph")
     if _moves_to_host(func, args, kwargs, device):
         _raise(str(func.overloadpacket), "a copy between host and device",
@@ -136,7 +132,7 @@ def check_method(func, args, kwargs, device: torch.device) -> None:
         target = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
         if target is not None and target.type == "cpu":
             named = ("Tensor.to", "Tensor.to('cpu')")
-    if named is not None and any(t.device == device for t in _tensors(args[:1])):
+    if named is not None and any(t.device == device for t in tensor_leaves(args[:1])):
         _raise(named[0], named[1], "reads device memory on the host")
 
 

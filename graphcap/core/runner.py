@@ -112,7 +112,8 @@ class Runner:
         start = time.perf_counter()
         with self.pool.warmup():
             flat, _ = tree_flatten(self._forward(tokens))
-        bad = [tuple(o.shape) for o in flat if not isinstance(o, torch.Tensor)
+        bad = [tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__
+               for o in flat if not isinstance(o, torch.Tensor)
                or o.dim() == 0 or o.shape[0] != tokens]
         if bad:
             raise UnsupportedStrategy(

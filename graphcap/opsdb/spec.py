@@ -144,17 +144,17 @@ class OpSpec:
             return self.op(*args)
         if self.check is not None:
             self.check(*args)
-        return self.kernel(_device_of(args), backend, _dtype_of(args))(*args)
+        return self.kernel(device_of(args), backend, dtype_of(args))(*args)
 
 
-def _device_of(args) -> torch.device:
+def device_of(args) -> torch.device:
     for a in args:
         if isinstance(a, torch.Tensor):
             return a.device
     return torch.device("cpu")
 
 
-def _dtype_of(args) -> torch.dtype | None:
+def dtype_of(args) -> torch.dtype | None:
     """The dtype that picks a kernel: the first floating-point tensor argument's."""
     for a in args:
         if isinstance(a, torch.Tensor) and a.is_floating_point():
@@ -203,7 +203,7 @@ def register_op(qualname: str, schema: str, *, reference: Callable,
             spec.check(*args)
         if dispatch is not None:
             return dispatch(*args)
-        return spec.kernel(_device_of(args), dtype=_dtype_of(args))(*args)
+        return spec.kernel(device_of(args), dtype=dtype_of(args))(*args)
 
     tags = (torch.Tag.cudagraph_unsafe,) if (
         not capturable and hasattr(torch.Tag, "cudagraph_unsafe")) else ()

@@ -4,8 +4,9 @@ examples of the op's own input strategy, plus ``torch.library.opcheck``."""
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
+from graphcap.core.trees import tensor_leaves
 from graphcap.opsdb import get_op
 from graphcap.opsdb.spec import OpSpec
 
@@ -27,8 +28,7 @@ def _results(spec: OpSpec, fn, args):
     out = fn(*args)
     written = [i for i, a in enumerate(spec.op.default._schema.arguments)
                if a.alias_info is not None and a.alias_info.is_write]
-    return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)] + [
-        args[i] for i in written]
+    return tensor_leaves(out) + [args[i] for i in written]
 
 
 def describe(args) -> str:
@@ -59,10 +59,6 @@ def compare(spec: OpSpec, backend: str, args, atol: float, rtol: float) -> float
             msg=lambda m, e=err: f"{spec.qualname}[{backend}] on inputs {describe(args)}: "
                                  f"max error {e:.3g}. {m}")
     return worst
-
-
-def _device(args) -> torch.device:
-    return next(a.device for a in args if isinstance(a, torch.Tensor))
 
 
 def check_op(op: str | OpSpec, backend: str | None = None, *, device="cpu",
