@@ -114,3 +114,38 @@ def test_a_kernel_that_declares_dtypes_is_skipped_for_others():
     kernel = spec.kernels["flashinfer"]
     assert "takes float16, bfloat16, not float32" in kernel.unavailable(
         torch.device("cuda"), torch.float32)
+
+
+def test_a_kernel_that_declines_a_shape_is_passed_over_and_never_called_with_it():
+    calls = []
+
+    def wide_only(x):  # a stand-in for a vendor kernel with variants for wide rows only
+        calls.append(x.shape[1])
+        return x * 2
+
+    spec = opsdb.register_op(
+        "graphcap_test::double_wide", "(Tensor x) -> Tensor", reference=lambda x: x * 2,
+        kernels={"wide": opsdb.Kernel(wide_only, devices=("cpu", "cuda"), accepts=lambda x: (
+            None if x.shape[1] % 64 == 0 else f"rows of {x.shape[1]}, not a multiple of 64"))})
+    narrow, wide = torch.ones(3, 8, device=DEVICE), torch.ones(3, 64, device=DEVICE)
+    assert spec.select(DEVICE, args=(narrow,)) == "torch"
+    assert spec.select(DEVICE, args=(wide,)) == "wide"
+    torch.testing.assert_close(spec(narrow), narrow * 2)
+    torch.testing.assert_close(spec(wide), wide * 2)
+    assert calls == [64]
+    with pytest.raises(OpInputError, match="backend 'wide' cannot take these inputs: rows "
+                                           "of 8, not a multiple of 64"):
+        spec(narrow, backend="wide")
+    assert calls == [64]
+
+
+def test_flashinfer_rope_is_never_given_a_shape_it_would_misread():
+    spec = get_op("rotary_embedding")
+    pos = torch.zeros(4, dtype=torch.long)
+
+    def args(head, rot):
+        return pos, torch.zeros(4, head), torch.zeros(4, head), torch.zeros(8, rot), head
+
+    declines = spec.kernels["flashinfer"].declines
+    assert "not head size 16 with 8 rotary dims" in declines(args(16, 8))
+    assert declines(args(64, 32)) is None and declines(args(128, 128)) is None

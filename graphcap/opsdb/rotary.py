@@ -30,6 +30,18 @@ def check_rotary(positions, query, key, cos_sin_cache, head_size):
             f"{OP}: cos_sin_cache width {rot} must be even and at most head_size {head_size}")
 
 
+def flashinfer_accepts(positions, query, key, cos_sin_cache, head_size):
+    """FlashInfer's rope moves 16-byte vectors through each half of the rotary dims and
+    has fast variants for head sizes 64 to 512 only; other shapes read misaligned
+    addresses (seen on the H200 at head size 16 with 8 rotary dims), which poisons the
+    CUDA context, so they must never reach it."""
+    rot = cos_sin_cache.shape[-1]
+    if head_size not in (64, 128, 256, 512) or rot % 32:
+        return (f"FlashInfer's rope takes head sizes 64/128/256/512 with rotary dims a "
+                f"multiple of 32, not head size {head_size} with {rot} rotary dims")
+    return None
+
+
 def rotary_inputs(device, dtype, max_tokens: int = 64):
     from hypothesis import strategies as st
 
@@ -38,7 +50,7 @@ def rotary_inputs(device, dtype, max_tokens: int = 64):
     @st.composite
     def draw(d):
         t = d(st.integers(0, max_tokens))
-        head = d(st.sampled_from([16, 32, 64]))
+        head = d(st.sampled_from([16, 32, 64, 128]))
         rot = d(st.sampled_from([head, head // 2]))
         hk = d(st.sampled_from([1, 2]))
         hq = hk * d(st.sampled_from([1, 2, 4]))
@@ -63,7 +75,8 @@ ROTARY_EMBEDDING = register_op(
         "triton": Kernel("graphcap.opsdb.triton.rotary:rotary_embedding",
                          requires=("triton",)),
         "flashinfer": Kernel("graphcap.opsdb.flashinfer:rotary_embedding",
-                             requires=("flashinfer",), dtypes=HALF),
+                             requires=("flashinfer",), dtypes=HALF,
+                             accepts=flashinfer_accepts),
     },
     check=check_rotary, inputs=rotary_inputs,
     doc="neox rotary embedding with a cos/sin cache, in place on query and key",

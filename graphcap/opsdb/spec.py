@@ -32,7 +32,7 @@ import torch
 
 from graphcap.compat.library import define_op, split_qualname
 from graphcap.core.breaks import run_maybe_as_break
-from graphcap.errors import BackendUnavailable, GraphcapError, OpInputError  # noqa: F401
+from graphcap.errors import BackendUnavailable, GraphcapError, OpInputError
 
 HALF = (torch.float16, torch.bfloat16)  # what most vendor kernels (FlashInfer) accept
 
@@ -44,12 +44,15 @@ class Kernel:
     """One implementation of an op. ``fn`` is a callable or ``"module:function"``
     (imported on first use); ``requires`` names modules that must be importable;
     ``devices`` the device types it runs on; ``dtypes`` (None: any) the floating dtypes
-    it accepts."""
+    it accepts; ``accepts(*args)`` (optional) returns why it cannot take these arguments
+    (a shape it has no variant for, say), or None: automatic selection then passes over
+    it for that call."""
 
     fn: Callable | str
     devices: tuple[str, ...] = ("cuda",)
     requires: tuple[str, ...] = ()
     dtypes: tuple[torch.dtype, ...] | None = None
+    accepts: Callable[..., str | None] | None = None
     _resolved: Callable | None = field(default=None, repr=False)
 
     def unavailable(self, device: torch.device, dtype: torch.dtype | None = None,
@@ -69,6 +72,10 @@ class Kernel:
             if importlib.util.find_spec(module) is None:
                 return f"needs the Python package {module!r}, which is not installed"
         return None
+
+    def declines(self, args) -> str | None:
+        """Why this kernel cannot take ``args`` (host-side shape checks), or None."""
+        return None if self.accepts is None else self.accepts(*args)
 
     def resolve(self) -> Callable:
         if self._resolved is None:
@@ -112,8 +119,9 @@ class OpSpec:
         return {name: k.unavailable(device, dtype) for name, k in self.kernels.items()}
 
     def select(self, device: torch.device | str, backend: str | None = None,
-               dtype: torch.dtype | None = None) -> str:
-        """The backend a call on ``device`` uses (explicit, then env var, then best)."""
+               dtype: torch.dtype | None = None, args: tuple | None = None) -> str:
+        """The backend a call on ``device`` uses (explicit, then env var, then the best
+        one that takes ``args``, when given)."""
         device = torch.device(device)
         wanted = backend or os.environ.get(self.env_var) or None
         if wanted is not None:
@@ -125,15 +133,20 @@ class OpSpec:
             why = self.kernels[wanted].unavailable(device, dtype)
             if why:
                 raise BackendUnavailable(f"{self.qualname}: backend {wanted!r} {why}")
+            why = self.kernels[wanted].declines(args) if args is not None else None
+            if why:
+                raise OpInputError(f"{self.qualname}: backend {wanted!r} cannot take these "
+                                   f"inputs: {why}. Choose another backend for them.")
             return wanted
         for name, kernel in self.kernels.items():
-            if kernel.unavailable(device, dtype, interpreted=False) is None:
+            if kernel.unavailable(device, dtype, interpreted=False) is None and (
+                    args is None or kernel.declines(args) is None):
                 return name
         raise BackendUnavailable(f"{self.qualname}: no backend runs on {device}")
 
     def kernel(self, device: torch.device | str, backend: str | None = None,
-               dtype: torch.dtype | None = None) -> Callable:
-        return self.kernels[self.select(device, backend, dtype)].resolve()
+               dtype: torch.dtype | None = None, args: tuple | None = None) -> Callable:
+        return self.kernels[self.select(device, backend, dtype, args)].resolve()
 
     def __call__(self, *args, backend: str | None = None):
         """Call the op (models built from opsdb call this). A split op becomes an eager
@@ -144,7 +157,7 @@ class OpSpec:
             return self.op(*args)
         if self.check is not None:
             self.check(*args)
-        return self.kernel(device_of(args), backend, dtype_of(args))(*args)
+        return self.kernel(device_of(args), backend, dtype_of(args), args)(*args)
 
 
 def device_of(args) -> torch.device:
@@ -203,7 +216,7 @@ def register_op(qualname: str, schema: str, *, reference: Callable,
             spec.check(*args)
         if dispatch is not None:
             return dispatch(*args)
-        return spec.kernel(device_of(args), dtype=dtype_of(args))(*args)
+        return spec.kernel(device_of(args), dtype=dtype_of(args), args=args)(*args)
 
     tags = (torch.Tag.cudagraph_unsafe,) if (
         not capturable and hasattr(torch.Tag, "cudagraph_unsafe")) else ()

@@ -97,6 +97,8 @@ def _check_dtype(spec, names, device, dtype, examples, atol, rtol, opcheck, wors
             torch.library.opcheck(spec.op.default, _clone(args))
             checked.append(True)
         for name in names:
+            if spec.kernels[name].declines(args):
+                continue  # a shape this kernel has no variant for: dispatch passes it over
             err = compare(spec, name, args, atol, rtol)
             worst[name] = max(worst.get(name, 0.0), err)
 
