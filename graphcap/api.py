@@ -51,7 +51,8 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
     models, ``forward(input_ids, positions)``, are called as
     ``runner(input_ids, positions, seq_lens=[...])``; any other module as
     ``runner(*tensors)`` with the tokens along dim 0, captured on its first call (or now,
-    from ``example_inputs``).
+    from ``example_inputs``). A prefill model whose ``output_rows`` attribute is
+    ``"requests"`` returns one row per request (last-token logits) instead of per token.
 
         runner = graphcap.capture(model, strategy="full", max_tokens=512, max_requests=4)
         logits = runner(input_ids, positions, seq_lens=[100, 23])
@@ -80,7 +81,13 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
         from graphcap.opsdb.attention import get_backend
 
         attn = get_backend(attention, device, strategy=strategy)
-    config = RunnerConfig(ladder, requests, attn, fallback, copy_outputs)
+    rows = getattr(model, "output_rows", "tokens")
+    if rows not in ("tokens", "requests") or (rows == "requests" and kind != "prefill"):
+        raise UnsupportedStrategy(
+            f"{type(model).__name__}.output_rows is {rows!r}: use 'tokens' (a row per token) "
+            "or, for prefill models only, 'requests' (a row per request, e.g. last-token "
+            "logits)")
+    config = RunnerConfig(ladder, requests, attn, fallback, copy_outputs, output_rows=rows)
     if strategy == "tc_piecewise":
         from graphcap.piecewise import CompiledForward, PiecewiseBackend, PiecewiseCompiler
 

@@ -33,3 +33,38 @@ def test_the_moe_decoder_with_qk_norm_replays_like_eager_under_every_strategy():
 def test_tied_embeddings_share_one_matrix():
     model = build_model("qwen3-0.6b", device="meta")
     assert model.lm_head.weight is model.embed.weight
+
+
+def test_last_token_logits_are_the_last_rows_of_the_full_logits_under_every_strategy():
+    import torch
+
+    import graphcap
+
+    last, every = build_model("tiny", logits="last"), build_model("tiny")
+    lens = [5, 1, 9]
+    ids = torch.randint(1, 256, (sum(lens),), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(n) for n in lens])
+    want = every(ids, pos, seq_lens=lens)[torch.tensor([4, 5, 14])]
+    for strategy in ("eager", "breakable", "full", "tc_piecewise"):
+        runner = graphcap.capture(last, strategy, buckets=[8, 16, 32], max_requests=4,
+                                  attention="torch_masked")
+        for n_req in (3, 1):  # three requests, then one: the rest are sentinel slots
+            got = runner(ids[: sum(lens[:n_req])], pos[: sum(lens[:n_req])],
+                         seq_lens=lens[:n_req])
+            torch.testing.assert_close(got, want[:n_req], atol=1e-5, rtol=1e-5)
+    reports = assert_replay_equivalent(last, ("breakable", "full", "tc_piecewise"),
+                                       buckets=[8, 16, 32], max_requests=3,
+                                       attention="torch_masked", examples=6, sequences=2)
+    assert all(r["max_error"] < 1e-4 for r in reports.values())
+
+
+def test_a_bad_logits_choice_and_per_request_rows_on_a_generic_model_are_refused():
+    import graphcap
+    from graphcap.models import MLP
+
+    with pytest.raises(ValueError, match="choose 'all'"):
+        build_model("tiny", logits="first")
+    mlp = MLP()
+    mlp.output_rows = "requests"
+    with pytest.raises(graphcap.errors.UnsupportedStrategy, match="prefill models only"):
+        graphcap.capture(mlp, "full")

@@ -36,6 +36,9 @@ class RunnerConfig:
     fallback: bool = True
     copy_outputs: bool = True
     max_pad_ratio: float = 2.0
+    # "tokens": outputs have a row per token; "requests" (prefill models that return one
+    # row per request, e.g. last-token logits): a row per request slot.
+    output_rows: str = "tokens"
 
 
 @dataclass
@@ -95,13 +98,19 @@ class Runner:
                 return self.model(*args)
         return self.model(*args)
 
+    def _rows(self, tokens: int) -> int:
+        """Output rows of a shape: its tokens, or its request slots."""
+        return self.config.max_requests if self.config.output_rows == "requests" else tokens
+
     def _captured_fn(self, tokens: int):
+        rows = self._rows(tokens)
+
         def fn():
             flat, spec = tree_flatten(self._forward(tokens))
             self._out_spec = spec
             for buf, out in zip(self._outputs, flat, strict=True):
-                buf[:tokens].copy_(out)
-            return [buf[:tokens] for buf in self._outputs]
+                buf[:rows].copy_(out)
+            return [buf[:rows] for buf in self._outputs]
         return fn
 
     def _capture_one(self, tokens: int) -> None:
@@ -112,17 +121,20 @@ class Runner:
         start = time.perf_counter()
         with self.pool.warmup():
             flat, _ = tree_flatten(self._forward(tokens))
+        rows = self._rows(tokens)
         bad = [tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__
                for o in flat if not isinstance(o, torch.Tensor)
-               or o.dim() == 0 or o.shape[0] != tokens]
+               or o.dim() == 0 or o.shape[0] != rows]
         if bad:
+            what = ("one row per request slot (output_rows='requests')"
+                    if self.config.output_rows == "requests" else "one row per token")
             raise UnsupportedStrategy(
                 f"the model returned {bad} for {tokens} tokens: a captured model must "
-                "return tensors with one row per token along dim 0 (rows are padded and "
+                f"return tensors with {what} along dim 0 ({rows} here; rows are padded and "
                 "sliced), each row depending only on its own request's tokens")
         if not self._outputs:
-            self._outputs = [torch.empty((self.max_tokens, *o.shape[1:]), dtype=o.dtype,
-                                         device=o.device) for o in flat]
+            self._outputs = [torch.empty((self._rows(self.max_tokens), *o.shape[1:]),
+                                         dtype=o.dtype, device=o.device) for o in flat]
         self.stats.warmup_s += time.perf_counter() - start
         start = time.perf_counter()
         self.entries[tokens] = self.backend.capture(self._captured_fn(tokens), tokens,
@@ -185,8 +197,9 @@ class Runner:
             else:
                 self.entries[bucket].replay()
         self.stats.replays[bucket] += 1
+        rows = len(lens) if self.config.output_rows == "requests" else tokens
         # Cloned outside inference mode: callers get ordinary tensors, as from the model.
-        outs = [buf[:tokens].clone() if self.config.copy_outputs else buf[:tokens]
+        outs = [buf[:rows].clone() if self.config.copy_outputs else buf[:rows]
                 for buf in self._outputs]
         return tree_unflatten(outs, self._out_spec)
 

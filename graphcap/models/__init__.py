@@ -26,14 +26,16 @@ PRESETS = {
 }
 
 
-def build_model(name: str, device="cpu", dtype=torch.float32, seed: int = 0) -> Decoder:
+def build_model(name: str, device="cpu", dtype=torch.float32, seed: int = 0,
+                logits: str = "all") -> Decoder:
     """A randomly initialised reference decoder from a preset name (built directly on
-    ``device``; ``"meta"`` gives shapes without memory)."""
+    ``device``; ``"meta"`` gives shapes without memory). ``logits="last"``: logits of
+    each request's last token only (prefill producing one token)."""
     if name not in PRESETS:
         raise KeyError(f"no model preset {name!r}; choose one of {sorted(PRESETS)}")
     torch.manual_seed(seed)
     with torch.device(device):
-        model = Decoder(PRESETS[name])
+        model = Decoder(PRESETS[name], logits=logits)
     return model.to(dtype=dtype).eval()
 
 

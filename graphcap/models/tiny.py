@@ -16,7 +16,7 @@ from torch import nn
 
 from graphcap.core.context import forward_context
 from graphcap.opsdb.activation import SILU_AND_MUL
-from graphcap.opsdb.attention import ATTENTION, get_backend
+from graphcap.opsdb.attention import ATTENTION, LAST_TOKEN_ROWS, get_backend
 from graphcap.opsdb.moe import MOE_EXPERTS, MOE_TOPK_SOFTMAX
 from graphcap.opsdb.norm import FUSED_ADD_RMS_NORM, RMS_NORM
 from graphcap.opsdb.rotary import ROTARY_EMBEDDING
@@ -121,11 +121,17 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Token ids [T] and positions [T] of packed requests -> logits [T, vocab]."""
+    """Token ids [T] and positions [T] of packed requests -> logits [T, vocab], or with
+    ``logits="last"`` (prefill producing one token) logits [requests, vocab] of each
+    request's last token."""
 
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, logits: str = "all"):
         super().__init__()
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits={logits!r}: choose 'all' (every token) or 'last' "
+                             "(each request's last token)")
         self.args = a
+        self.output_rows = "tokens" if logits == "all" else "requests"
         self.embed = nn.Embedding(a.vocab_size, a.hidden)
         self.blocks = nn.ModuleList(Block(a) for _ in range(a.layers))
         self.norm = nn.Parameter(torch.ones(a.hidden))
@@ -149,6 +155,9 @@ class Decoder(nn.Module):
         residual = torch.zeros_like(x)
         for block in self.blocks:
             x = block(x, residual, positions, self.cos_sin)
+        if self.output_rows == "requests":  # only the last token of each request
+            rows = LAST_TOKEN_ROWS(x)
+            x, residual = x[rows], residual[rows]
         FUSED_ADD_RMS_NORM(x, residual, self.norm, self.args.eps)
         return self.lm_head(x)
 
