@@ -177,12 +177,3 @@ def test_a_backend_refuses_a_dtype_it_cannot_run():
     q = torch.randn(8, 2, 16)
     with pytest.raises(OpInputError, match="runs on bfloat16, not float32"):
         run_attention(meta, q, q, q, 0.25)
-
-
-def test_last_token_rows_point_at_each_requests_last_row_and_pass_opcheck():
-    meta = get_backend("torch_masked").metadata(12, 4, "cpu").update([5, 0, 6])
-    hidden = torch.randn(12, 8)
-    with forward_context(attention=meta):
-        # slot 1 and the unused slot 3 are sentinels: they point at a real row
-        assert torch.ops.graphcap.last_token_rows(hidden).tolist() == [4, 4, 10, 10]
-        torch.library.opcheck(torch.ops.graphcap.last_token_rows.default, (hidden,))

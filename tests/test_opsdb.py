@@ -10,11 +10,9 @@ from graphcap.opsdb import OpInputError, get_op
 from graphcap.testing import check_op
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# Ops that read the forward's attention metadata (the split op attention, last_token_rows)
-# are tested inside a forward context: see tests/test_attention_backends.py.
-CONTEXT_OPS = {"graphcap::last_token_rows"}
-BUILTIN = sorted(name for name, spec in opsdb.REGISTRY.items()
-                 if not spec.split and name not in CONTEXT_OPS)
+# Split ops (attention) read their metadata from the forward context: see
+# tests/test_attention_backends.py.
+BUILTIN = sorted(name for name, spec in opsdb.REGISTRY.items() if not spec.split)
 
 
 @pytest.mark.parametrize("name", BUILTIN)
