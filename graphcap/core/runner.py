@@ -6,7 +6,9 @@ Two kinds of model:
 
 - ``prefill``: ``model(input_ids, positions)`` over requests packed along dim 0, called
   through the runner as ``runner(input_ids, positions, seq_lens=[...])``; attention reads
-  the metadata the runner prepares (``graphcap.core.context``).
+  the metadata the runner prepares (``graphcap.core.context``). A prefill model whose
+  ``output_rows`` is ``"requests"`` (last-token logits) is called
+  ``model(input_ids, positions, last_rows)`` and returns one row per request slot.
 - ``generic``: any module whose tensor arguments share dim 0 (the token dim), e.g. an MLP.
   Shapes are captured on the first call (or from ``example_inputs``).
 """
@@ -65,6 +67,7 @@ class Runner:
         self._specs: list[tuple[torch.dtype, tuple[int, ...]]] = []
         self._out_spec = None
         self._outputs: list[torch.Tensor] = []  # max-size static outputs, shared by shapes
+        self._last_rows: torch.Tensor | None = None  # output_rows="requests": [slots]
 
     # -- capture -------------------------------------------------------------------
     @property
@@ -76,6 +79,9 @@ class Runner:
         if self.kind == "prefill":
             ids = torch.zeros(self.max_tokens, dtype=torch.long, device=self.device)
             self._inputs = [ids, torch.zeros_like(ids)]
+            if self.config.output_rows == "requests":
+                self._last_rows = torch.zeros(self.config.max_requests, dtype=torch.long,
+                                              device=self.device)
         else:
             self._specs = [(a.dtype, tuple(a.shape[1:])) for a in example_args]
             self._inputs = [torch.zeros((self.max_tokens, *tail), dtype=dtype,
@@ -87,12 +93,15 @@ class Runner:
         except BaseException:
             # Leave no half-built state: a later call captures again from scratch.
             self._inputs, self._specs, self._outputs = [], [], []
+            self._last_rows = None
             self.entries.clear()
             self.metadata.clear()
             raise
 
     def _forward(self, tokens: int):
         args = [buf[:tokens] for buf in self._inputs]
+        if self._last_rows is not None:
+            args.append(self._last_rows)
         if self.kind == "prefill":
             with forward_context(attention=self.metadata[tokens]):
                 return self.model(*args)
@@ -118,6 +127,9 @@ class Runner:
             meta = self.config.attention.metadata(tokens, self.config.max_requests,
                                                   self.device)
             self.metadata[tokens] = meta.update([tokens])
+            if self._last_rows is not None:
+                self._last_rows.copy_(batching.last_token_rows([tokens], self.device,
+                                                               self.config.max_requests))
         start = time.perf_counter()
         with self.pool.warmup():
             flat, _ = tree_flatten(self._forward(tokens))
@@ -180,6 +192,8 @@ class Runner:
         with torch.no_grad():
             if self.kind == "prefill":
                 meta = self.config.attention.prepare(lens, self.device)
+                if self.config.output_rows == "requests":
+                    args = (*args, batching.last_token_rows(lens, self.device))
                 with forward_context(attention=meta):
                     return self.model(*args)
             return self.model(*args)
@@ -191,6 +205,9 @@ class Runner:
                 buf[tokens:bucket].zero_()  # padding rows: finite, and never stale
             if lens is not None:
                 self.metadata[bucket].update(lens)
+            if self._last_rows is not None:
+                self._last_rows.copy_(batching.last_token_rows(lens, "cpu",
+                                                               self.config.max_requests))
             if self.kind == "prefill":
                 with forward_context(attention=self.metadata[bucket]):
                     self.entries[bucket].replay()

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from graphcap.core.batch import last_token_rows
 from graphcap.core.context import forward_context
 from graphcap.opsdb.activation import SILU_AND_MUL
-from graphcap.opsdb.attention import ATTENTION, LAST_TOKEN_ROWS, get_backend
+from graphcap.opsdb.attention import ATTENTION, get_backend
 from graphcap.opsdb.moe import MOE_EXPERTS, MOE_TOPK_SOFTMAX
 from graphcap.opsdb.norm import FUSED_ADD_RMS_NORM, RMS_NORM
 from graphcap.opsdb.rotary import ROTARY_EMBEDDING
@@ -146,18 +147,24 @@ class Decoder(nn.Module):
         a = self.args
         self.cos_sin = rope_cache(a.head_dim, a.max_position, a.rope_theta).to(device)
 
-    def forward(self, input_ids, positions, seq_lens=None):
+    def forward(self, input_ids, positions, last_rows=None, seq_lens=None):
+        """``last_rows`` [requests] (``logits="last"``): the row of each request's last
+        token; the runner passes it, an eager call with ``seq_lens`` derives it."""
         if seq_lens is not None:  # eager use: prepare this batch's attention metadata
             meta = get_backend(None, input_ids.device).prepare(seq_lens, input_ids.device)
+            if self.output_rows == "requests":
+                last_rows = last_token_rows(seq_lens, input_ids.device)
             with forward_context(attention=meta):
-                return self.forward(input_ids, positions)
+                return self.forward(input_ids, positions, last_rows)
         x = self.embed(input_ids)
         residual = torch.zeros_like(x)
         for block in self.blocks:
             x = block(x, residual, positions, self.cos_sin)
         if self.output_rows == "requests":  # only the last token of each request
-            rows = LAST_TOKEN_ROWS(x)
-            x, residual = x[rows], residual[rows]
+            if last_rows is None:
+                raise ValueError("a Decoder built with logits='last' needs last_rows (or "
+                                 "seq_lens=[...] in an eager call)")
+            x, residual = x[last_rows], residual[last_rows]
         FUSED_ADD_RMS_NORM(x, residual, self.norm, self.args.eps)
         return self.lm_head(x)
 

@@ -103,24 +103,5 @@ ATTENTION = register_op(
     doc="causal prefill attention over packed requests; metadata from the forward context",
 )
 
-def _last_token_rows(hidden):
-    meta = current_attention()
-    return (meta.cu_seqlens[1:] - 1).clamp(min=0).long()
-
-
-def _last_token_rows_fake(hidden):
-    # One row per request slot: a count torch.compile must not specialise on (the runner
-    # captures R slots, an eager call has as many as it has requests).
-    return hidden.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.long)
-
-
-LAST_TOKEN_ROWS = register_op(
-    "graphcap::last_token_rows", "(Tensor hidden) -> Tensor",
-    reference=_last_token_rows, fake=_last_token_rows_fake,
-    doc="row index of each request slot's last token (from the forward's attention "
-        "metadata; a zero-length sentinel slot points at a real row); `hidden` only ties "
-        "the call to the forward's device",
-)
-
-__all__ = ["ATTENTION", "BACKENDS", "LAST_TOKEN_ROWS", "STRATEGIES", "AttentionBackend",
-           "AttentionMetadata", "get_backend", "validate_seq_lens"]
+__all__ = ["ATTENTION", "BACKENDS", "STRATEGIES", "AttentionBackend", "AttentionMetadata",
+           "get_backend", "validate_seq_lens"]
