@@ -33,7 +33,10 @@ def _bench(args: argparse.Namespace) -> int:
         from graphcap.bench.ops import run
 
         run(args.out)
-    return 0
+        return 0
+    from graphcap.bench.suites import run_suite
+
+    return run_suite(args)
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -72,8 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--attention", default=None, help="attention backend")
     check.set_defaults(func=_check)
     bench = sub.add_parser("bench", help="GPU benchmarks, written as JSON")
-    bench.add_argument("suite", choices=["ops"], help="what to benchmark")
-    bench.add_argument("--out", default=None, help="JSON file to write")
+    bench.add_argument("suite", choices=["ops", "prefill", "build", "memory"],
+                       help="ops: kernels; prefill: speed per prompt length and arm; build: "
+                            "capture time of the 42-shape ladder; memory: graph memory")
+    bench.add_argument("--out", default=None, help="JSON file to write (a PNG plot of "
+                       "prefill goes beside it)")
+    bench.add_argument("--models", default=None,
+                       help="comma-separated presets (prefill default: qwen3-0.6b,llama3-8b,"
+                            "qwen3-30b-a3b-4l; build/memory: qwen3-0.6b)")
+    bench.add_argument("--arms", default=None, help="comma-separated arms (default: all)")
+    bench.add_argument("--lengths", default=None,
+                       help="comma-separated prompt lengths (default 16..2048)")
+    bench.add_argument("--reps", type=int, default=30, help="timed calls per arm and length")
     bench.set_defaults(func=_bench)
     return parser
 

@@ -1,0 +1,104 @@
+"""What every benchmark shares: the run's environment, interleaved CUDA-event timing, and
+writing the result.
+
+Timings are wall times of whole calls measured with CUDA events around them: a prefill
+call is launch-bound, so the host's time to launch is part of what is measured. Arms of
+one case run interleaved (round-robin, several rounds), so the drift of a noisy machine
+hits them alike; the figure is the median over every repetition.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _commit() -> str:
+    if os.environ.get("GRAPHCAP_COMMIT"):
+        return os.environ["GRAPHCAP_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (set GRAPHCAP_COMMIT)"
+
+
+def environment() -> dict:
+    """Commit, date, device, library versions and the command line of this run."""
+    return {
+        "commit": _commit(),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "flashinfer": _version("flashinfer-python"),
+        "flash_attn_4": _version("flash-attn-4"),
+        "command": "graphcap " + " ".join(sys.argv[1:]) if sys.argv else "graphcap",
+    }
+
+
+def _stats(samples: list[float]) -> dict:
+    qs = (statistics.quantiles(samples, n=10, method="inclusive") if len(samples) > 1
+          else samples * 9)
+    return {"median_ms": round(statistics.median(samples), 4), "p10_ms": round(qs[0], 4),
+            "p90_ms": round(qs[-1], 4), "n": len(samples)}
+
+
+def time_interleaved(arms: dict[str, Callable[[], object]], *, reps: int = 30,
+                     rounds: int = 5, warmup: int = 3, timer=None) -> dict[str, dict]:
+    """Median (and p10/p90) milliseconds of one call of each arm: ``warmup`` untimed calls
+    each, then ``rounds`` rounds in which every arm runs ``reps // rounds`` timed calls."""
+    timer = timer or cuda_event_ms
+    for fn in arms.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in arms}
+    per_round = max(reps // rounds, 1)
+    for _ in range(rounds):
+        for name, fn in arms.items():
+            samples[name] += [timer(fn) for _ in range(per_round)]
+    return {name: _stats(s) for name, s in samples.items()}
+
+
+def cuda_event_ms(fn: Callable[[], object]) -> float:
+    """Milliseconds from before ``fn``'s first launch to after its last kernel."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def write_result(record: dict, out: str | None, default: str) -> Path:
+    """Write ``record`` as JSON to ``out`` (default: ``default`` in the working directory)
+    and return the path; never overwrites an existing file silently."""
+    path = Path(out or default)
+    if path.exists() and out is None:
+        stem, n = path.stem, 2
+        while path.exists():
+            path = path.with_name(f"{stem}-{n}{path.suffix}")
+            n += 1
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+def today() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")

@@ -1,0 +1,113 @@
+"""``graphcap bench build`` and ``graphcap bench memory``: the default 42-shape prefill
+ladder (to 2048 tokens) captured under each strategy.
+
+build: wall seconds to capture every shape, split into compile-and-warm-up seconds (the
+first forward of each shape, where tc_piecewise compiles its pieces) and capture seconds.
+memory: graph pool bytes of the 42 shapes; the transient activation peak of the largest
+prefill with and without graphs; the total peak against the no-graph baseline.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+
+import graphcap
+from graphcap.bench.arms import default_attention, prompts
+from graphcap.bench.common import environment
+from graphcap.bench.targets import build_targets, memory_targets
+from graphcap.core.buckets import prefill_ladder
+from graphcap.models import build_model
+
+BUILD_ARMS = ("breakable", "full", "tc_piecewise-eager", "tc_piecewise-inductor")
+MEMORY_ARMS = ("breakable", "full", "tc_piecewise-eager")
+
+
+def _capture(model, arm: str, max_tokens: int, attention: str):
+    strategy, _, compiler = arm.partition("-")
+    kwargs = {"compiler": compiler} if compiler else {}
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    runner = graphcap.capture(model, strategy, max_tokens=max_tokens, attention=attention,
+                              **kwargs)
+    torch.cuda.synchronize()
+    return runner, time.perf_counter() - start
+
+
+def _release(runner) -> None:
+    del runner
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def build(model_name: str = "qwen3-0.6b", arms=BUILD_ARMS, max_tokens: int = 2048,
+          progress=None) -> dict:
+    model = build_model(model_name, device="cuda", dtype=torch.bfloat16, logits="last")
+    attention = default_attention("cuda")
+    out = {}
+    for arm in arms:
+        runner, total = _capture(model, arm, max_tokens, attention)
+        report = runner.report()
+        out[arm] = {"total_s": round(total, 3), "shapes": len(report["shapes"]),
+                    "compile_and_warmup_s": report["build_s"]["warmup"],
+                    "capture_s": report["build_s"]["capture"],
+                    "segments_at_max": report["segments"][max_tokens],
+                    "graph_pool_bytes": report["graph_pool_bytes"]}
+        _release(runner)
+        if progress is not None:
+            progress(arm)
+    return {"what": f"graphcap bench build: the {len(prefill_ladder(max_tokens))}-shape "
+                    f"prefill ladder to {max_tokens} tokens, {model_name}, bf16",
+            **environment(), "model": model_name, "attention": attention,
+            "ladder": prefill_ladder(max_tokens), "arms": out, "targets": build_targets(out)}
+
+
+def _largest_prefill(call, n: int) -> tuple[int, int]:
+    """(transient bytes above what was allocated before, allocated after) of one call."""
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = call(n)
+    torch.cuda.synchronize()
+    transient = torch.cuda.max_memory_allocated() - before
+    del out
+    return transient, torch.cuda.memory_allocated()
+
+
+def memory(model_name: str = "qwen3-0.6b", arms=MEMORY_ARMS, max_tokens: int = 2048,
+           progress=None) -> dict:
+    model = build_model(model_name, device="cuda", dtype=torch.bfloat16, logits="last")
+    attention = default_attention("cuda")
+    inputs = prompts([max_tokens], model.args.vocab_size, "cuda")
+    weights = torch.cuda.memory_allocated()
+    eager = graphcap.capture(model, "eager", attention=attention)
+
+    def call_of(runner):
+        return lambda n: runner(*inputs[n], seq_lens=[n])
+
+    call_of(eager)(max_tokens)  # first-use allocations (workspaces) out of the figure
+    transient, _ = _largest_prefill(call_of(eager), max_tokens)
+    result = {"eager": {"transient_bytes": transient, "peak_bytes": weights + transient}}
+    out = {}
+    for arm in arms:
+        gc.collect()
+        torch.cuda.reset_peak_memory_stats()
+        runner, _ = _capture(model, arm, max_tokens, attention)
+        call_of(runner)(max_tokens)
+        build_peak = torch.cuda.max_memory_allocated()
+        arm_transient, _ = _largest_prefill(call_of(runner), max_tokens)
+        out[arm] = {"graph_pool_bytes": runner.report()["graph_pool_bytes"],
+                    "transient_bytes": arm_transient,
+                    "peak_bytes": max(build_peak, torch.cuda.max_memory_allocated())}
+        _release(runner)
+        if progress is not None:
+            progress(arm)
+    result["arms"] = out
+    return {"what": f"graphcap bench memory: {model_name}, bf16, the default ladder to "
+                    f"{max_tokens} tokens; bytes from torch.cuda's allocator statistics",
+            **environment(), "model": model_name, "attention": attention,
+            "weights_bytes": weights, **result, "targets": memory_targets(result)}

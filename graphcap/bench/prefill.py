@@ -1,0 +1,91 @@
+"""``graphcap bench prefill``: one request, prefill only (the last token's logits), prompt
+lengths 16 to 2048, every arm of ``graphcap.bench.arms`` on each model preset, interleaved
+in one run. Speed-ups are ratios measured in that run (the machine's eager times drift).
+
+Also measured, on the full arm: the runner's own overhead (padding, metadata, dispatch)
+against the bare graph replay, and the GPU's idle share of a replay (kernel time from
+torch.profiler against wall time).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphcap.bench.arms import ARMS, build_arms
+from graphcap.bench.common import cuda_event_ms, environment, time_interleaved
+from graphcap.bench.targets import prefill_targets
+from graphcap.models import build_model
+
+LENGTHS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+MODELS = ("qwen3-0.6b", "llama3-8b", "qwen3-30b-a3b-4l")
+
+
+def _full_arm(arms):
+    full = {n: a for n, a in arms.items() if n.startswith("full-")}
+    return full, min(full) if full else None
+
+
+def runner_overhead(arm, length: int, reps: int = 50) -> dict:
+    """The full arm's call against replaying its graph alone, at ``length`` tokens."""
+    runner = arm.runner
+    bucket = min(b for b in runner.config.buckets if b >= length)
+    entry = runner.entries[bucket]
+    times = time_interleaved({"call": lambda: arm.call(length), "replay": entry.replay},
+                             reps=reps)
+    call, replay = times["call"]["median_ms"], times["replay"]["median_ms"]
+    return {"tokens": length, "call_ms": call, "replay_ms": replay,
+            "overhead_share": round((call - replay) / replay, 4)}
+
+
+def idle_share(arm, length: int, reps: int = 20) -> dict:
+    """GPU idle share of back-to-back replays: 1 - kernel time / wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    entry = arm.runner.entries[min(b for b in arm.runner.config.buckets if b >= length)]
+    for _ in range(3):
+        entry.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        wall = sum(cuda_event_ms(entry.replay) for _ in range(reps))
+    kernel_us = sum(e.device_time_total for e in prof.key_averages()
+                    if e.device_type == torch.autograd.DeviceType.CUDA and e.count)
+    kernel_ms = kernel_us / 1000
+    return {"tokens": length, "wall_ms": round(wall / reps, 4),
+            "kernel_ms": round(kernel_ms / reps, 4),
+            "idle_share": round(max(0.0, 1 - kernel_ms / wall), 4)}
+
+
+def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None) -> dict:
+    model = build_model(name, device="cuda", dtype=torch.bfloat16, logits="last")
+    arms, skipped = build_arms(model, arms_wanted, lengths, max_requests=1,
+                               on_arm=progress)
+    rows = []
+    for n in lengths:
+        times = time_interleaved({a: (lambda arm=arm, n=n: arm.call(n))
+                                  for a, arm in arms.items()}, reps=reps)
+        rows.append({"tokens": n, "ms": {a: t["median_ms"] for a, t in times.items()},
+                     "spread": {a: [t["p10_ms"], t["p90_ms"]] for a, t in times.items()}})
+        if progress is not None:
+            progress(f"{name} {n}")
+    full, first = _full_arm(arms)
+    extra = {}
+    if first is not None:
+        small = min(lengths)
+        extra["runner_overhead"] = runner_overhead(arms[first], small)
+        extra["idle"] = [idle_share(arms[first], n) for n in (small, max(lengths))]
+    result = {"model": name, "params_billions": round(
+                  sum(p.numel() for p in model.parameters()) / 1e9, 3),
+              "rows": rows, "skipped": skipped,
+              "build": {a: {"build_s": round(arm.build_s, 3), **arm.detail}
+                        for a, arm in arms.items()}, **extra}
+    result["targets"] = prefill_targets(result)
+    del arms, model
+    torch.cuda.empty_cache()
+    return result
+
+
+def run(models=MODELS, arms=ARMS, lengths=LENGTHS, reps: int = 30, progress=None) -> dict:
+    return {"what": "graphcap bench prefill: one request, prefill only (last-token logits), "
+                    "bf16, CUDA-event wall time per call, median of interleaved repetitions",
+            **environment(), "lengths": list(lengths), "arms": list(arms),
+            "models": [bench_model(m, arms, lengths, reps, progress) for m in models]}

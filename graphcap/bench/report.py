@@ -1,0 +1,114 @@
+"""Showing benchmark results: a rich table (plain text without rich), a progress bar, and
+PNG plots (with matplotlib, the ``bench`` extra)."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def progress(total: int, what: str):
+    """A progress bar; yields ``step(label)`` to call once per unit of work."""
+    try:
+        from rich.progress import Progress
+    except ImportError:
+        done = [0]
+
+        def step(label=""):
+            done[0] += 1
+            print(f"[{done[0]}/{total}] {what} {label}", flush=True)
+
+        yield step
+        return
+    with Progress(transient=False) as bar:
+        task = bar.add_task(what, total=total)
+
+        def step(label=""):
+            bar.update(task, advance=1, description=f"{what} {label}")
+
+        yield step
+
+
+def _print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title)
+        for line in [header, *rows]:
+            print("  ".join(f"{c:>12}" for c in line))
+        return
+    table = Table(title=title)
+    for h in header:
+        table.add_column(h, justify="right")
+    for r in rows:
+        table.add_row(*r)
+    Console().print(table)
+
+
+def show_targets(targets: list[dict]) -> None:
+    _print_table("targets", ["target", "measured", "limit", "met"],
+                 [[t["target"], str(t["measured"]), t["limit"], "yes" if t["met"] else "MISS"]
+                  for t in targets])
+
+
+def show_prefill(result: dict) -> None:
+    for model in result["models"]:
+        arms = [a for a in result["arms"] if a in model["rows"][0]["ms"]]
+        rows = []
+        for row in model["rows"]:
+            eager = row["ms"].get("eager")
+            cells = [str(row["tokens"])]
+            for a in arms:
+                ms = row["ms"][a]
+                cells.append(f"{ms:.3f}" + (f" ({eager / ms:.1f}x)" if eager else ""))
+            rows.append(cells)
+        _print_table(f"{model['model']}: ms per prefill (speed-up over eager)",
+                     ["tokens", *arms], rows)
+        if model["skipped"]:
+            for arm, why in model["skipped"].items():
+                print(f"  not run: {arm}: {why}")
+        show_targets(model["targets"])
+
+
+def show_ladder(result: dict) -> None:
+    first = next(iter(result["arms"].values()))
+    keys = [k for k, v in first.items() if not isinstance(v, list | dict)]
+    _print_table(result["what"], ["arm", *keys],
+                 [[arm, *(str(v[k]) for k in keys)] for arm, v in result["arms"].items()])
+    show_targets(result["targets"])
+
+
+def plot_prefill(result: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'torch-graphcap[bench]'): no plot")
+        return None
+    models = result["models"]
+    fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 8), squeeze=False)
+    for col, model in enumerate(models):
+        lengths = [r["tokens"] for r in model["rows"]]
+        arms = list(model["rows"][0]["ms"])
+        for arm in arms:
+            ms = [r["ms"][arm] for r in model["rows"]]
+            axes[0][col].plot(lengths, ms, marker="o", label=arm)
+            if arm != "eager" and "eager" in arms:
+                axes[1][col].plot(lengths, [r["ms"]["eager"] / r["ms"][arm]
+                                            for r in model["rows"]], marker="o", label=arm)
+        for ax, ylabel in ((axes[0][col], "ms per prefill"), (axes[1][col], "x over eager")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("prompt tokens")
+            ax.set_ylabel(ylabel)
+            ax.grid(True, alpha=0.3)
+        axes[0][col].set_yscale("log")
+        axes[0][col].set_title(model["model"])
+        axes[0][col].legend(fontsize=7)
+    fig.suptitle(f"prefill, one request, {result['device']}, commit {result['commit']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path

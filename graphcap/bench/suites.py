@@ -1,0 +1,45 @@
+"""``graphcap bench prefill|build|memory`` from the command line: run, show, write."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def _csv(text: str | None, default, convert=str) -> tuple:
+    return tuple(convert(x) for x in text.split(",")) if text else tuple(default)
+
+
+def run_suite(args: argparse.Namespace) -> int:
+    from graphcap.bench import ladder, prefill
+    from graphcap.bench.arms import ARMS
+    from graphcap.bench.common import today, write_result
+    from graphcap.bench.report import plot_prefill, progress, show_ladder, show_prefill
+
+    if args.suite == "prefill":
+        models = _csv(args.models, prefill.MODELS)
+        arms = _csv(args.arms, ARMS)
+        lengths = _csv(args.lengths, prefill.LENGTHS, int)
+        with progress(len(models) * (len(arms) + len(lengths)), "prefill") as step:
+            result = prefill.run(models, arms, lengths, args.reps, progress=step)
+        show_prefill(result)
+        path = write_result(result, args.out, f"{today()}-bench-prefill.json")
+        plot = plot_prefill(result, Path(path).with_suffix(".png"))
+    else:
+        model = _csv(args.models, ["qwen3-0.6b"])[0]
+        suite = ladder.build if args.suite == "build" else ladder.memory
+        default = ladder.BUILD_ARMS if args.suite == "build" else ladder.MEMORY_ARMS
+        arms = _csv(args.arms, default)
+        with progress(len(arms), args.suite) as step:
+            result = suite(model, arms, progress=step)
+        show_ladder(result)
+        path = write_result(result, args.out, f"{today()}-bench-{args.suite}.json")
+        plot = None
+    print(f"wrote {path}" + (f" and {plot}" if plot else ""))
+    return 0 if all(t["met"] for t in _targets(result)) else 1
+
+
+def _targets(result: dict) -> list[dict]:
+    if "models" in result:
+        return [t for m in result["models"] for t in m["targets"]]
+    return result["targets"]

@@ -1,0 +1,87 @@
+"""The performance targets, evaluated on a benchmark's own figures. Each verdict says what
+was measured, the limit, and whether it held, so a miss reads with its size.
+
+Prefill (qwen3-0.6b, 16 to 512 tokens): full at least 5x over eager; breakable at least
+0.93 and tc_piecewise with inductor pieces at least 0.9 of full's speed-up; the fastest
+graphcap arm at least 10% faster than torch.compile reduce-overhead at every length, and
+at most 1.0 ms at 16 tokens; runner overhead at most 10% of the replay at 16 tokens; GPU
+idle at most 10% of a full replay. Build (42 shapes): breakable at least 5.2x faster than
+tc_piecewise with inductor pieces and under 10 s. Memory: the 42 shapes hold at most
+1 GiB of graph pool; the transient peak of the largest prefill cut by at least 95%; total
+peak below the no-graph baseline.
+"""
+
+from __future__ import annotations
+
+SMALL = (16, 32, 64, 128, 256, 512)
+GRAPHCAP = ("tc_piecewise-eager", "tc_piecewise-inductor", "breakable", "full-triton",
+            "full-flashinfer", "full-flash_attn")
+
+
+def verdict(what: str, measured: float, limit: float, *, at_least: bool) -> dict:
+    met = measured >= limit if at_least else measured <= limit
+    return {"target": what, "measured": round(measured, 4),
+            "limit": f"{'>=' if at_least else '<='} {limit}", "met": bool(met)}
+
+
+def _best(ms: dict, names) -> tuple[str, float] | None:
+    have = [(ms[n], n) for n in names if n in ms]
+    return (min(have)[1], min(have)[0]) if have else None
+
+
+def prefill_targets(result: dict) -> list[dict]:
+    out = []
+    full_names = [n for n in GRAPHCAP if n.startswith("full-")]
+    for row in result["rows"]:
+        n, ms = row["tokens"], row["ms"]
+        best_full = _best(ms, full_names)
+        fastest = _best(ms, GRAPHCAP)
+        if n in SMALL and best_full and "eager" in ms:
+            full_x = ms["eager"] / best_full[1]
+            out.append(verdict(f"{n} tokens: full ({best_full[0]}) speed-up over eager",
+                               full_x, 5.0, at_least=True))
+            for arm, share in (("breakable", 0.93), ("tc_piecewise-inductor", 0.9)):
+                if arm in ms:
+                    out.append(verdict(f"{n} tokens: {arm} speed-up / full's",
+                                       ms["eager"] / ms[arm] / full_x, share, at_least=True))
+        if fastest and "compile-reduce-overhead" in ms:
+            out.append(verdict(f"{n} tokens: reduce-overhead ms / fastest graphcap arm "
+                               f"({fastest[0]}) ms", ms["compile-reduce-overhead"] / fastest[1],
+                               1.1, at_least=True))
+        if n == 16 and fastest:
+            out.append(verdict(f"16 tokens: fastest arm ({fastest[0]}) ms", fastest[1], 1.0,
+                               at_least=False))
+    if "runner_overhead" in result:
+        o = result["runner_overhead"]
+        out.append(verdict(f"{o['tokens']} tokens: runner overhead / replay",
+                           o["overhead_share"], 0.10, at_least=False))
+    for idle in result.get("idle", []):
+        out.append(verdict(f"{idle['tokens']} tokens: GPU idle share of a full replay",
+                           idle["idle_share"], 0.10, at_least=False))
+    return out
+
+
+def build_targets(arms: dict) -> list[dict]:
+    out = []
+    if "breakable" in arms:
+        out.append(verdict("breakable: 42-shape build seconds", arms["breakable"]["total_s"],
+                           10.0, at_least=False))
+        if "tc_piecewise-inductor" in arms:
+            out.append(verdict("tc_piecewise-inductor build s / breakable build s",
+                               arms["tc_piecewise-inductor"]["total_s"]
+                               / arms["breakable"]["total_s"], 5.2, at_least=True))
+    return out
+
+
+def memory_targets(result: dict) -> list[dict]:
+    out = []
+    for arm, m in result["arms"].items():
+        out.append(verdict(f"{arm}: graph pool GiB of the 42 shapes",
+                           m["graph_pool_bytes"] / 2**30, 1.0, at_least=False))
+        out.append(verdict(f"{arm}: transient peak of the largest prefill cut vs eager",
+                           1 - m["transient_bytes"] / max(result["eager"]["transient_bytes"], 1),
+                           0.95, at_least=True))
+        out.append(verdict(f"{arm}: total peak GiB / no-graph baseline peak GiB",
+                           m["peak_bytes"] / result["eager"]["peak_bytes"], 1.0,
+                           at_least=False))
+    return out

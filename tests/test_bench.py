@@ -1,0 +1,93 @@
+"""Benchmarks: the arms compute the same thing, timing interleaves, targets judge right.
+(The timings themselves are taken on the H200: `graphcap bench`, docs/results/.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphcap.bench.arms import build_arms, prompts
+from graphcap.bench.common import time_interleaved, write_result
+from graphcap.bench.targets import build_targets, memory_targets, prefill_targets
+from graphcap.models import build_model
+
+
+def test_every_arm_returns_the_eager_last_token_logits_for_every_length():
+    model = build_model("tiny", logits="last")
+    lengths = [4, 16, 32]
+    names = ["eager", "breakable", "tc_piecewise-eager", "full-triton"]
+    arms, skipped = build_arms(model, names, lengths)
+    assert "full-triton" in skipped and "cuda" in skipped["full-triton"]
+    assert set(arms) == {"eager", "breakable", "tc_piecewise-eager"}
+    every = build_model("tiny")  # the same weights, logits of every token
+    inputs = prompts(lengths, model.args.vocab_size, "cpu")
+    for n in lengths:
+        want = every(*inputs[n], seq_lens=[n])[-1:]
+        for name, arm in arms.items():
+            torch.testing.assert_close(arm.call(n), want, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+    assert arms["breakable"].runner.report()["replays"] == {4: 1, 16: 1, 32: 1}
+
+
+def test_an_unknown_arm_is_named_with_the_known_ones():
+    with pytest.raises(ValueError, match="compile-reduce-overhead"):
+        build_arms(build_model("tiny", logits="last"), ["fast"], [4])
+
+
+def test_timing_interleaves_arms_round_by_round_and_takes_medians():
+    order = []
+    arms = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    fake = iter(range(1000))
+
+    def timer(fn):
+        fn()
+        return float(next(fake))
+
+    times = time_interleaved(arms, reps=4, rounds=2, warmup=1, timer=timer)
+    assert order == ["a", "b", "a", "a", "b", "b", "a", "a", "b", "b"]
+    # timed calls: a a b b a a b b -> a got 0, 1, 4, 5 and b 2, 3, 6, 7
+    assert times["a"] == {"median_ms": 2.5, "p10_ms": 0.3, "p90_ms": 4.7, "n": 4}
+    assert times["b"]["median_ms"] == 4.5
+
+
+def _row(n, **ms):
+    return {"tokens": n, "ms": ms}
+
+
+def test_prefill_targets_judge_ratios_within_one_run():
+    result = {"rows": [
+        _row(16, eager=10.0, **{"full-triton": 1.0, "breakable": 1.05,
+                                "tc_piecewise-inductor": 1.2, "compile-reduce-overhead": 1.5}),
+        _row(2048, eager=20.0, **{"full-triton": 10.0, "compile-reduce-overhead": 10.5})],
+        "runner_overhead": {"tokens": 16, "overhead_share": 0.12},
+        "idle": [{"tokens": 16, "idle_share": 0.05}]}
+    got = {t["target"]: t for t in prefill_targets(result)}
+    assert got["16 tokens: full (full-triton) speed-up over eager"]["met"]
+    assert got["16 tokens: breakable speed-up / full's"]["met"]  # 10/1.05/10 = 0.952
+    assert not got["16 tokens: tc_piecewise-inductor speed-up / full's"]["met"]  # 0.833
+    assert got["16 tokens: reduce-overhead ms / fastest graphcap arm (full-triton) ms"]["met"]
+    assert not got["2048 tokens: reduce-overhead ms / fastest graphcap arm (full-triton) ms"][
+        "met"]  # 1.05 < 1.1
+    assert not any(k.startswith("2048 tokens: full") for k in got)  # 5x is for 16..512
+    assert got["16 tokens: fastest arm (full-triton) ms"]["met"]
+    assert not got["16 tokens: runner overhead / replay"]["met"]
+    assert got["16 tokens: GPU idle share of a full replay"]["met"]
+
+
+def test_build_and_memory_targets():
+    build = {t["target"]: t["met"] for t in build_targets(
+        {"breakable": {"total_s": 4.0}, "tc_piecewise-inductor": {"total_s": 20.0}})}
+    assert build == {"breakable: 42-shape build seconds": True,
+                     "tc_piecewise-inductor build s / breakable build s": False}
+    mem = memory_targets({"eager": {"transient_bytes": 1000, "peak_bytes": 5000},
+                          "arms": {"full": {"graph_pool_bytes": 2**29, "transient_bytes": 40,
+                                            "peak_bytes": 4900}}})
+    assert [t["met"] for t in mem] == [True, True, True]
+
+
+def test_results_are_never_overwritten_silently(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first = write_result({"a": 1}, None, "r.json")
+    second = write_result({"a": 2}, None, "r.json")
+    assert first.name == "r.json" and second.name == "r-2.json"
+    assert first.read_text().strip().endswith("}")
