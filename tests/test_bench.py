@@ -15,10 +15,10 @@ from graphcap.models import build_model
 def test_every_arm_returns_the_eager_last_token_logits_for_every_length():
     model = build_model("tiny", logits="last")
     lengths = [4, 16, 32]
-    names = ["eager", "breakable", "tc_piecewise-eager", "full-triton"]
+    names = ["eager", "breakable", "tc_piecewise-eager", "full-triton", "compile-default"]
     arms, skipped = build_arms(model, names, lengths)
     assert "full-triton" in skipped and "cuda" in skipped["full-triton"]
-    assert set(arms) == {"eager", "breakable", "tc_piecewise-eager"}
+    assert set(arms) == {"eager", "breakable", "tc_piecewise-eager", "compile-default"}
     every = build_model("tiny")  # the same weights, logits of every token
     inputs = prompts(lengths, model.args.vocab_size, "cpu")
     for n in lengths:

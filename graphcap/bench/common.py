@@ -64,7 +64,7 @@ def time_interleaved(arms: dict[str, Callable[[], object]], *, reps: int = 30,
                      rounds: int = 5, warmup: int = 3, timer=None) -> dict[str, dict]:
     """Median (and p10/p90) milliseconds of one call of each arm: ``warmup`` untimed calls
     each, then ``rounds`` rounds in which every arm runs ``reps // rounds`` timed calls."""
-    timer = timer or cuda_event_ms
+    timer = timer or (cuda_event_ms if torch.cuda.is_available() else wall_ms)
     for fn in arms.values():
         for _ in range(warmup):
             fn()
@@ -74,6 +74,15 @@ def time_interleaved(arms: dict[str, Callable[[], object]], *, reps: int = 30,
         for name, fn in arms.items():
             samples[name] += [timer(fn) for _ in range(per_round)]
     return {name: _stats(s) for name, s in samples.items()}
+
+
+def wall_ms(fn: Callable[[], object]) -> float:
+    """Host wall milliseconds of ``fn`` (machines without CUDA: smoke runs only)."""
+    import time
+
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1000
 
 
 def cuda_event_ms(fn: Callable[[], object]) -> float:

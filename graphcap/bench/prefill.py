@@ -55,8 +55,10 @@ def idle_share(arm, length: int, reps: int = 20) -> dict:
             "idle_share": round(max(0.0, 1 - kernel_ms / wall), 4)}
 
 
-def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None) -> dict:
-    model = build_model(name, device="cuda", dtype=torch.bfloat16, logits="last")
+def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,
+                device: str = "cuda") -> dict:
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = build_model(name, device=device, dtype=dtype, logits="last")
     arms, skipped = build_arms(model, arms_wanted, lengths, max_requests=1,
                                on_arm=progress)
     rows = []
@@ -69,7 +71,7 @@ def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None) -> di
             progress(f"{name} {n}")
     full, first = _full_arm(arms)
     extra = {}
-    if first is not None:
+    if first is not None and device == "cuda":
         small = min(lengths)
         extra["runner_overhead"] = runner_overhead(arms[first], small)
         extra["idle"] = [idle_share(arms[first], n) for n in (small, max(lengths))]
@@ -80,7 +82,8 @@ def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None) -> di
                         for a, arm in arms.items()}, **extra}
     result["targets"] = prefill_targets(result)
     del arms, model
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return result
 
 
