@@ -130,7 +130,9 @@ def check_method(func, args, kwargs, device: torch.device) -> None:
     named = HOST_METHODS.get(func)
     if named is None and func is torch.Tensor.to:
         target = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
-        if target is not None and target.type == "cpu":
+        # On the CPU emulator .to("cpu") is .to(x.device), a no-op that device-agnostic
+        # code runs every forward (transformers' rotary); _moves_to_host agrees.
+        if target is not None and target.type == "cpu" and device.type != "cpu":
             named = ("Tensor.to", "Tensor.to('cpu')")
     if named is not None and any(t.device == device for t in tensor_leaves(args[:1])):
         _raise(named[0], named[1], "reads device memory on the host")

@@ -1,0 +1,132 @@
+"""``PrefillLM``: a stock transformers causal LM as a graphcap prefill model."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from graphcap.core.context import forward_context
+from graphcap.errors import BadBatch
+from graphcap.hf.attention import NAME, UnsupportedModel
+from graphcap.opsdb.attention import get_backend
+
+# Expert implementations of transformers' MoE layers that read no tensor on the host
+# ("eager" loops over the experts hit, found with nonzero: a host sync).
+CAPTURABLE_EXPERTS = ("grouped_mm", "batched_mm")
+# Rotary scalings recomputed from max(position_ids) of the whole (packed) batch.
+DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+def _check_causal_lm(model) -> None:
+    kind = type(model).__name__
+    if not isinstance(model, PreTrainedModel):
+        raise UnsupportedModel(
+            f"{kind} is not a transformers PreTrainedModel; graphcap.hf.PrefillLM wraps "
+            "a causal LM such as AutoModelForCausalLM.from_config(...) or "
+            ".from_pretrained(...). Capture other modules with graphcap.capture directly")
+    if getattr(model.config, "is_encoder_decoder", False) or model.get_output_embeddings() \
+            is None:
+        raise UnsupportedModel(
+            f"{kind} is not a decoder-only causal LM (it has no LM head, or it is an "
+            "encoder-decoder); load the model with AutoModelForCausalLM")
+
+
+def _check_attention_features(model) -> None:
+    """Refuse what graphcap::attention cannot express, before anything is switched."""
+    kind, config = type(model).__name__, model.config
+    if not getattr(config, "is_causal", True):
+        raise UnsupportedModel(f"{kind}: config.is_causal=False (bidirectional); "
+                               "graphcap prefill attention is causal")
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"} or getattr(config, "use_sliding_window", False):
+        raise UnsupportedModel(
+            f"{kind} has layer types {sorted(kinds)}: only full causal attention layers "
+            "are supported (no sliding-window, linear or chunked attention); turn them off "
+            "in the config (e.g. use_sliding_window=False) or use another model")
+    rope = getattr(config, "rope_parameters", None) or {}
+    per_layer_type = [v for v in rope.values() if isinstance(v, dict)]
+    dynamic = {p.get("rope_type") for p in per_layer_type or [rope]} & set(DYNAMIC_ROPE)
+    if dynamic:
+        raise UnsupportedModel(
+            f"{kind} uses rope_type {sorted(dynamic)[0]!r}, which rescales the rotary "
+            "frequencies from the largest position in the batch: packed requests would "
+            "change each other (and the check reads the device on the host); use a static "
+            "rope type (default, linear, llama3, yarn)")
+
+
+def _switch_attention(model: PreTrainedModel) -> None:
+    kind = type(model).__name__
+    try:
+        model.set_attn_implementation(NAME)
+    except (ValueError, ImportError) as exc:
+        raise UnsupportedModel(
+            f"{kind} refused attn_implementation={NAME!r}: {exc}") from exc
+    # transformers only logs a warning for models whose attention does not go through
+    # its AttentionInterface; such a model would silently keep its own attention.
+    if model.config._attn_implementation != NAME:
+        raise UnsupportedModel(
+            f"{kind} cannot switch its attention implementation (it is "
+            f"{model.config._attn_implementation!r}): its attention modules do not call "
+            "transformers' AttentionInterface, so graphcap attention cannot be plugged in")
+
+
+def _experts_for(model: PreTrainedModel, experts: str | None) -> str | None:
+    """The capturable experts implementation to use, or None for a dense model."""
+    if not any(hasattr(m, "experts") for m in model.modules()):
+        return None
+    if experts is None:  # grouped_mm falls back to a host loop off CUDA bf16 when compiled
+        p = next(model.parameters())
+        cuda_bf16 = p.device.type == "cuda" and p.dtype == torch.bfloat16
+        experts = "grouped_mm" if cuda_bf16 else "batched_mm"
+    if experts not in CAPTURABLE_EXPERTS:
+        raise UnsupportedModel(
+            f"experts={experts!r} cannot be captured (the eager experts loop finds the "
+            f"experts hit with nonzero, a host sync); choose one of {CAPTURABLE_EXPERTS}")
+    return experts
+
+
+class PrefillLM(nn.Module):
+    """A transformers causal LM as a graphcap prefill model: ``forward(input_ids[T],
+    positions[T]) -> logits[T, vocab]`` over requests packed along dim 0.
+
+    Construction switches the wrapped model to ``attn_implementation="graphcap"`` (and MoE
+    experts to a capturable implementation, ``experts`` or by device: ``grouped_mm`` on
+    CUDA bf16, else ``batched_mm``) and puts it in eval mode; the model's code and weights
+    are untouched and shared, so the same ``hf_model`` now needs graphcap's forward
+    context (``hf_model.set_attn_implementation("sdpa")`` switches it back).
+    ``positions`` are per request (0..len-1) and drive the model's rotary embedding; no KV
+    cache is kept. Called eagerly, give ``seq_lens=[...]``; through a runner, the runner
+    prepares the metadata. Put the model on its device and dtype before wrapping it (the
+    experts default depends on them).
+
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+        runner = graphcap.capture(PrefillLM(hf), "full", max_tokens=2048, max_requests=8)
+        logits = runner(input_ids, positions, seq_lens=[700, 300])
+    """
+
+    def __init__(self, hf_model: nn.Module, *, experts: str | None = None):
+        super().__init__()
+        _check_causal_lm(hf_model)
+        _check_attention_features(hf_model)
+        experts = _experts_for(hf_model, experts)  # checked before anything is switched
+        _switch_attention(hf_model)
+        if experts is not None:
+            hf_model.set_experts_implementation(experts)
+        self.hf_model = hf_model.eval()
+        self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens=None):
+        if seq_lens is not None:  # eager use: prepare this batch's attention metadata
+            device = input_ids.device
+            meta = get_backend(None, device).prepare(seq_lens, device)
+            with forward_context(attention=meta):
+                return self.forward(input_ids, positions)
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise BadBatch(
+                f"PrefillLM takes input_ids [T] and positions [T] of packed requests, got "
+                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
+        out = self.hf_model(input_ids=input_ids[None], position_ids=positions[None],
+                            use_cache=False)
+        return out.logits[0]
+
