@@ -33,7 +33,8 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
             max_tokens: int | None = None,
             buckets=None, max_requests: int | None = None, attention: str | None = None,
             debug: bool = False, fallback: bool = True, copy_outputs: bool = True,
-            example_inputs: tuple | None = None, compiler: str = "eager") -> Runner:
+            example_inputs: tuple | None = None, compiler: str = "eager",
+            progress=None) -> Runner:
     """Capture ``model`` under ``strategy`` and return a runner callable like the model.
 
     ``strategy``: ``"eager"`` (no graphs), ``"breakable"`` (graph segments, eager breaks at
@@ -47,7 +48,8 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
     ``debug`` (or ``GRAPHCAP_DEBUG_CUDA_GRAPH=1``): breakable with the whole forward as
     one eager break. ``fallback=False`` makes batches that fit no graph an error.
     ``copy_outputs=False`` returns views of the runner's buffers, overwritten by the next
-    call. ``compiler`` (tc_piecewise): ``"eager"`` or ``"inductor"`` pieces. Prefill
+    call. ``compiler`` (tc_piecewise): ``"eager"`` or ``"inductor"`` pieces.
+    ``progress(done, total)`` is called after each captured shape (a progress bar). Prefill
     models, ``forward(input_ids, positions)``, are called as
     ``runner(input_ids, positions, seq_lens=[...])``; any other module as
     ``runner(*tensors)`` with the tokens along dim 0, captured on its first call (or now,
@@ -100,5 +102,5 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
         backend = DebugBackend() if debug else BACKENDS[strategy]()
         runner = Runner(model, backend, config, device, kind)
     if runner.backend.captures and (kind == "prefill" or example_inputs is not None):
-        runner.capture_all(example_inputs)
+        runner.capture_all(example_inputs, progress)
     return runner

@@ -30,7 +30,7 @@ def progress(total: int, what: str):
         yield step
 
 
-def _print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     try:
         from rich.console import Console
         from rich.table import Table
@@ -44,11 +44,13 @@ def _print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
         table.add_column(h, justify="right")
     for r in rows:
         table.add_row(*r)
-    Console().print(table)
+    import sys
+
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
 
 
 def show_targets(targets: list[dict]) -> None:
-    _print_table("targets", ["target", "measured", "limit", "met"],
+    print_table("targets", ["target", "measured", "limit", "met"],
                  [[t["target"], str(t["measured"]), t["limit"], "yes" if t["met"] else "MISS"]
                   for t in targets])
 
@@ -64,7 +66,7 @@ def show_prefill(result: dict) -> None:
                 ms = row["ms"][a]
                 cells.append(f"{ms:.3f}" + (f" ({eager / ms:.1f}x)" if eager else ""))
             rows.append(cells)
-        _print_table(f"{model['model']}: ms per prefill (speed-up over eager)",
+        print_table(f"{model['model']}: ms per prefill (speed-up over eager)",
                      ["tokens", *arms], rows)
         if model["skipped"]:
             for arm, why in model["skipped"].items():
@@ -75,7 +77,7 @@ def show_prefill(result: dict) -> None:
 def show_ladder(result: dict) -> None:
     first = next(iter(result["arms"].values()))
     keys = [k for k, v in first.items() if not isinstance(v, list | dict)]
-    _print_table(result["what"], ["arm", *keys],
+    print_table(result["what"], ["arm", *keys],
                  [[arm, *(str(v[k]) for k in keys)] for arm, v in result["arms"].items()])
     show_targets(result["targets"])
 

@@ -74,8 +74,9 @@ class Runner:
     def max_tokens(self) -> int:
         return self.config.buckets[-1]
 
-    def capture_all(self, example_args: tuple | None = None) -> None:
-        """Capture every bucket, largest first (its memory is then reused by the rest)."""
+    def capture_all(self, example_args: tuple | None = None, progress=None) -> None:
+        """Capture every bucket, largest first (its memory is then reused by the rest);
+        ``progress(done, total)`` is called after each one."""
         if self.kind == "prefill":
             ids = torch.zeros(self.max_tokens, dtype=torch.long, device=self.device)
             self._inputs = [ids, torch.zeros_like(ids)]
@@ -88,8 +89,10 @@ class Runner:
                                         device=self.device) for dtype, tail in self._specs]
         try:
             with torch.inference_mode():
-                for tokens in reversed(self.config.buckets):
+                for done, tokens in enumerate(reversed(self.config.buckets), 1):
                     self._capture_one(tokens)
+                    if progress is not None:
+                        progress(done, len(self.config.buckets))
         except BaseException:
             # Leave no half-built state: a later call captures again from scratch.
             self._inputs, self._specs, self._outputs = [], [], []
