@@ -3,6 +3,7 @@ per shape), on its own and under graphcap.capture."""
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import subprocess
 import sys
@@ -11,12 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphcap
 from graphcap.errors import CaptureError
 from graphcap.models import Decoder, ModelArgs
 from graphcap.piecewise import PiecewiseCompiler
+from graphcap.piecewise import backend as piecewise_backend
+from graphcap.piecewise.inductor import compile_piece
 from graphcap.piecewise.split import split_graph, split_op_names
+from graphcap.testing.strategies import prefill_batches
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = [8, 16, 32]
@@ -122,17 +128,63 @@ def test_a_user_op_traces_under_fullgraph_with_a_given_or_derived_fake(fake):
         torch.testing.assert_close(r(x), m(x))
 
 
-@pytest.mark.xfail(strict=True, raises=CaptureError, reason=(
-    "Inductor (torch 2.13, CPU) fails with KeyError 'buf1' compiling a piece in which an "
-    "opsdb op (fused_add_rms_norm) writes intermediates in place; eager pieces work"))
-def test_inductor_pieces_match_eager():
-    m = decoder(1)
-    r = graphcap.capture(m, "tc_piecewise", buckets=[8, 16], max_requests=2,
-                         attention="torch_masked", compiler="inductor")
-    ids, pos = torch.randint(1, 256, (11,)), torch.cat([torch.arange(6), torch.arange(5)])
+@functools.cache
+def inductor_runner():
+    """A 2-layer decoder and its runner with Inductor pieces (compiled once per session)."""
+    m = decoder(2)
+    return m, graphcap.capture(m, "tc_piecewise", buckets=[4, 8, 16], max_requests=3,
+                               attention="torch_masked", compiler="inductor")
+
+
+@settings(max_examples=12, deadline=None)
+@given(batch=prefill_batches(24, 3, vocab=256))  # up to 24 tokens: past the top bucket too
+def test_inductor_pieces_match_eager(batch):
+    # Replays (fused_add_rms_norm and rotary write intermediates and the residual in
+    # place), padded replays, and eager runs of the compiled pieces past the top bucket.
+    m, r = inductor_runner()
+    ids, pos, lens = batch
     with torch.inference_mode():
-        want = m(ids, pos, seq_lens=[6, 5])
-    torch.testing.assert_close(r(ids, pos, seq_lens=[6, 5]), want, atol=1e-4, rtol=1e-4)
+        want = m(ids, pos, seq_lens=lens)
+    torch.testing.assert_close(r(ids, pos, seq_lens=lens), want, atol=1e-4, rtol=1e-4)
+
+
+def test_inductor_pieces_run_fused_kernels_not_the_traced_ops(monkeypatch):
+    # The ops a piece dispatches when it runs: Inductor fuses the ReLU into its own kernel;
+    # a piece left uncompiled (or compiled as the frames it calls) would dispatch it.
+    dispatched = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            dispatched.add(func.overloadpacket)
+            return func(*args, **(kwargs or {}))
+
+    def recording(module):
+        fn = compile_piece(module)
+
+        def run(*args):
+            with Record():
+                return fn(*args)
+        return run
+
+    monkeypatch.setattr(piecewise_backend, "compile_piece", recording)
+    compiler = PiecewiseCompiler({"capture_sizes": [8], "compiler": "inductor"})
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    compiled = torch.compile(mlp, backend=compiler, fullgraph=True, dynamic=True)
+    x = torch.randn(5, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(x), mlp(x))
+    assert dispatched and torch.ops.aten.relu not in dispatched
+
+
+def test_a_piece_that_fails_to_compile_raises_capture_error_naming_compiler_and_cause(
+        monkeypatch):
+    def failing(module):
+        raise KeyError("buf1")
+
+    monkeypatch.setattr(piecewise_backend, "compile_piece", failing)
+    with pytest.raises(CaptureError, match=r"compiler='inductor': KeyError: 'buf1'"):
+        graphcap.capture(decoder(1), "tc_piecewise", buckets=[8], max_requests=1,
+                         attention="torch_masked", compiler="inductor")
 
 
 def test_the_backend_name_works_in_a_fresh_process_that_never_imports_graphcap():

@@ -39,6 +39,12 @@ class CompiledForward:
         try:
             return self.compiled(self.model, *args)
         except torch._dynamo.exc.TorchDynamoException as exc:
+            if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed):
+                inner = getattr(exc, "inner_exception", exc)
+                raise CaptureError(
+                    f"strategy='tc_piecewise' traced the forward but could not compile its "
+                    f"pieces with compiler={self.compiler.compiler!r}: "
+                    f"{type(inner).__name__}: {inner}") from exc
             cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc)
             raise CaptureError(
                 f"strategy='tc_piecewise' needs torch.compile to trace the whole forward "

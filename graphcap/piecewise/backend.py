@@ -4,8 +4,9 @@ capture it per token count.
 Dynamo traces the forward once (``fullgraph=True``, dim 0 of the token inputs dynamic).
 The FX graph is split so that each split op (attention, and any op named in
 ``split_ops``) sits alone in its piece, original order kept. Every other piece is
-compiled once for the symbolic token count (``compiler="eager"``: the FX code as traced;
-``"inductor"``: Inductor's fused kernels) and wrapped in a :class:`PieceRunner`, which
+compiled once, in the backend call, for the symbolic token count (``compiler="eager"``:
+the FX code as traced; ``"inductor"``: Inductor's fused kernels, see
+:mod:`graphcap.piecewise.inductor`) and wrapped in a :class:`PieceRunner`, which
 for each capture size runs the piece eagerly once (warm-up), then captures it on the
 backend's one graph pool, then replays it. Split ops run eagerly between pieces. Token
 counts outside the capture sizes run the pieces eagerly (counted).
@@ -14,12 +15,16 @@ counts outside the capture sizes run the pieces eagerly (counted).
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from graphcap.core.buckets import prefill_ladder
+from graphcap.core.graph_base import Graph
 from graphcap.core.graphs import GraphPool, new_pool
 from graphcap.errors import GraphcapError
+from graphcap.piecewise.inductor import OneOpPiece, compile_piece
 from graphcap.piecewise.split import split_graph, split_op_names
 
 OPTIONS = ("capture_sizes", "max_tokens", "compiler", "split_ops", "copy_outputs", "pool")
@@ -54,20 +59,35 @@ def mutated_inputs(module: torch.nn.Module) -> set[int]:
     return written
 
 
+@dataclass
+class Entry:
+    """One capture of a piece: its graph, the static inputs and outputs it reads and
+    writes, and what it captured (the piece, or the piece as one op, kept alive here)."""
+
+    graph: Graph
+    static: list
+    outputs: Any
+    captured: Any
+
+
 class PieceRunner(torch.nn.Module):
     """One non-split piece: eager warm-up, then one graph per capture size, replayed.
 
     Captured inputs: parameters and the static outputs of earlier captured pieces are
     used as they are (their addresses never change); any other tensor (the caller's
     inputs, buffers) gets a static copy, refreshed before each replay and, when the piece
-    writes it, copied back after."""
+    writes it, copied back after.
 
-    def __init__(self, owner: PiecewiseCompiler, fn, module: torch.nn.Module):
+    ``opaque``: ``fn`` runs kernels the dispatcher never sees (Inductor's), so an emulated
+    graph captures it as one op (:class:`~graphcap.piecewise.inductor.OneOpPiece`)."""
+
+    def __init__(self, owner: PiecewiseCompiler, fn, module: torch.nn.Module,
+                 opaque: bool = False):
         super().__init__()
-        self.owner, self.fn = owner, fn
+        self.owner, self.fn, self.opaque = owner, fn, opaque
         self.writes = mutated_inputs(module)
         self.seen: set[int] = set()
-        self.entries: dict[int, tuple] = {}
+        self.entries: dict[int, Entry] = {}
 
     def forward(self, *args):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -82,9 +102,8 @@ class PieceRunner(torch.nn.Module):
                 self.seen.add(size)
                 return self.fn(*args)
             return self._capture(size, args)
-        graph, static, outputs = entry
         copied = []
-        for i, (buf, a) in enumerate(zip(static, args, strict=True)):
+        for i, (buf, a) in enumerate(zip(entry.static, args, strict=True)):
             if isinstance(buf, torch.Tensor):
                 if buf is not a and buf.data_ptr() != a.data_ptr():
                     buf.copy_(a)
@@ -92,11 +111,11 @@ class PieceRunner(torch.nn.Module):
             elif buf != a:  # a baked host value changed: this replay would be wrong
                 owner.stats["eager_runs"] += 1
                 return self.fn(*args)
-        graph.replay()
+        entry.graph.replay()
         for i in copied:
             if i in self.writes:
-                args[i].copy_(static[i])
-        return outputs
+                args[i].copy_(entry.static[i])
+        return entry.outputs
 
     def _static(self, a):
         if not isinstance(a, torch.Tensor):
@@ -109,11 +128,13 @@ class PieceRunner(torch.nn.Module):
         pool = self.owner.pool_for(args)
         static = [self._static(a) for a in args]
         graph = pool.graph()
-        outputs = graph.capture(self.fn, *static)
+        captured = OneOpPiece(self.fn, self.writes) if self.opaque and graph.emulated \
+            else self.fn
+        outputs = graph.capture(captured, *static)
         self.owner.stats["captures"] += 1
         flat = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
         self.owner.static_ptrs |= {o.data_ptr() for o in flat if isinstance(o, torch.Tensor)}
-        self.entries[size] = (graph, static, outputs)
+        self.entries[size] = Entry(graph, static, outputs, captured)
         return self.forward(*args)
 
 
@@ -146,13 +167,6 @@ class PiecewiseCompiler:
             self.pool = new_pool(device)
         return self.pool
 
-    def _compile_piece(self, module: torch.nn.Module):
-        if self.compiler == "inductor":
-            # A plain GraphModule: Dynamo refuses to trace split_module's lazy ones.
-            plain = torch.fx.GraphModule(module, module.graph)
-            return torch.compile(plain, backend="inductor", dynamic=True, fullgraph=True)
-        return module
-
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         self.stats["graphs"] += 1
         split, pieces = split_graph(gm, self.split_names)
@@ -162,7 +176,11 @@ class PiecewiseCompiler:
                 self.stats["split_pieces"] += 1
                 continue
             self.stats["captured_pieces"] += 1
-            runner = PieceRunner(self, self._compile_piece(piece.module), piece.module)
+            if self.compiler == "inductor":
+                runner = PieceRunner(self, compile_piece(piece.module), piece.module,
+                                     opaque=True)
+            else:
+                runner = PieceRunner(self, piece.module, piece.module)
             setattr(split, piece.name, runner)
         if not self.copy_outputs:
             return split
