@@ -36,8 +36,8 @@ def _capture(model, arm: str, max_tokens: int, attention: str):
     return runner, time.perf_counter() - start
 
 
-def _release(runner) -> None:
-    del runner
+def _collect() -> None:
+    """Free what the last arm held (its pool) before the next is measured."""
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -56,7 +56,8 @@ def build(model_name: str = "qwen3-0.6b", arms=BUILD_ARMS, max_tokens: int = 204
                     "capture_s": report["build_s"]["capture"],
                     "segments_at_max": report["segments"][max_tokens],
                     "graph_pool_bytes": report["graph_pool_bytes"]}
-        _release(runner)
+        del runner
+        _collect()
         if progress is not None:
             progress(arm)
     return {"what": f"graphcap bench build: the {len(prefill_ladder(max_tokens))}-shape "
@@ -103,7 +104,8 @@ def memory(model_name: str = "qwen3-0.6b", arms=MEMORY_ARMS, max_tokens: int = 2
         out[arm] = {"graph_pool_bytes": runner.report()["graph_pool_bytes"],
                     "transient_bytes": arm_transient,
                     "peak_bytes": max(build_peak, torch.cuda.max_memory_allocated())}
-        _release(runner)
+        del runner
+        _collect()
         if progress is not None:
             progress(arm)
     result["arms"] = out
