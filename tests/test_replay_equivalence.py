@@ -8,7 +8,17 @@ import torch
 
 import graphcap
 from graphcap.testing import assert_replay_equivalent
-from tests.runner_helpers import BUCKETS, SLOTS, batch, combos, eager, model, runner, tolerance
+from tests.runner_helpers import (
+    BUCKETS,
+    DEVICE,
+    SLOTS,
+    batch,
+    combos,
+    eager,
+    model,
+    runner,
+    tolerance,
+)
 
 
 @pytest.mark.parametrize(("strategy", "attention"), combos())
@@ -17,6 +27,16 @@ def test_replay_equals_eager_for_random_batches_and_call_sequences(strategy, att
     # calls with fallbacks (past the largest bucket, more requests than slots, padding).
     assert_replay_equivalent(model(), [strategy], buckets=BUCKETS, max_requests=SLOTS,
                              attention=attention, examples=15, sequences=8)
+
+
+@pytest.mark.parametrize(("strategy", "attention"), [
+    c for c in combos() if c.values[0] == "tc_piecewise"
+    and (DEVICE == "cuda" or c.values[1] == "torch_masked")])
+def test_inductor_pieces_replay_equal_eager_for_random_batches_and_call_sequences(strategy,
+                                                                                  attention):
+    assert_replay_equivalent(model(), [strategy], buckets=BUCKETS, max_requests=SLOTS,
+                             attention=attention, examples=10, sequences=5,
+                             compiler="inductor")
 
 
 def assert_matches(strategy, attention, lens, seed):

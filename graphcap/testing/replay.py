@@ -28,7 +28,8 @@ def assert_replay_equivalent(model_or_factory, strategies=STRATEGIES, batches=No
                              max_tokens: int = 64, max_requests: int = 4,
                              buckets=None, attention: str | None = None,
                              vocab: int | None = None, examples: int = 20,
-                             sequences: int = 5, atol: float | None = None) -> dict:
+                             sequences: int = 5, atol: float | None = None,
+                             compiler: str = "eager") -> dict:
     """Check a prefill model (``forward(input_ids, positions)``) under each strategy:
     every generated batch, and every call of random call sequences (fallbacks included),
     equals the same model run eagerly with the same attention backend. Returns by
@@ -37,7 +38,8 @@ def assert_replay_equivalent(model_or_factory, strategies=STRATEGIES, batches=No
 
     ``batches``: a hypothesis strategy of ``(input_ids, positions, seq_lens)`` (default
     :func:`prefill_batches`). ``attention``: the backend (default: the best one allowed
-    under every strategy asked for)."""
+    under every strategy asked for). ``compiler``: tc_piecewise's piece compiler
+    (``"eager"`` or ``"inductor"``)."""
     model = model_or_factory() if not isinstance(model_or_factory, torch.nn.Module) \
         else model_or_factory
     device = next(model.parameters()).device
@@ -57,7 +59,8 @@ def assert_replay_equivalent(model_or_factory, strategies=STRATEGIES, batches=No
     truth = graphcap.capture(model, "eager", **kwargs)
     reports = {}
     for strategy in strategies:
-        reports[strategy] = _check_strategy(model, strategy, kwargs, truth, batches, wide,
+        opts = dict(kwargs, compiler=compiler) if strategy == "tc_piecewise" else kwargs
+        reports[strategy] = _check_strategy(model, strategy, opts, truth, batches, wide,
                                             tol, examples, sequences, attention)
     return reports
 
