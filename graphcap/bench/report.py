@@ -96,12 +96,13 @@ def plot_prefill(result: dict, path: Path) -> Path | None:
     for col, model in enumerate(models):
         lengths = [r["tokens"] for r in model["rows"]]
         arms = list(model["rows"][0]["ms"])
-        for arm in arms:
+        for i, arm in enumerate(arms):  # one colour per arm in both panels
             ms = [r["ms"][arm] for r in model["rows"]]
-            axes[0][col].plot(lengths, ms, marker="o", label=arm)
+            axes[0][col].plot(lengths, ms, marker="o", label=arm, color=f"C{i}")
             if arm != "eager" and "eager" in arms:
                 axes[1][col].plot(lengths, [r["ms"]["eager"] / r["ms"][arm]
-                                            for r in model["rows"]], marker="o", label=arm)
+                                            for r in model["rows"]], marker="o", label=arm,
+                                  color=f"C{i}")
         for ax, ylabel in ((axes[0][col], "ms per prefill"), (axes[1][col], "x over eager")):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("prompt tokens")
@@ -110,6 +111,7 @@ def plot_prefill(result: dict, path: Path) -> Path | None:
         axes[0][col].set_yscale("log")
         axes[0][col].set_title(model["model"])
         axes[0][col].legend(fontsize=7)
+        axes[1][col].legend(fontsize=7)
     fig.suptitle(f"prefill, one request, {result['device']}, commit {result['commit']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

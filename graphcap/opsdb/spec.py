@@ -21,6 +21,7 @@ Example, a user's op with a derived fake::
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -37,6 +38,13 @@ from graphcap.errors import BackendUnavailable, GraphcapError, OpInputError
 HALF = (torch.float16, torch.bfloat16)  # what most vendor kernels (FlashInfer) accept
 
 
+
+
+@functools.cache
+def _importable(module: str) -> bool:
+    """Whether ``module`` can be imported (asked on every op call: cached, since a
+    package's presence does not change while the process runs)."""
+    return importlib.util.find_spec(module) is not None
 
 
 @dataclass
@@ -69,7 +77,7 @@ class Kernel:
         if not device_ok:
             return f"runs on {'/'.join(self.devices)} tensors, not {device.type}"
         for module in self.requires:
-            if importlib.util.find_spec(module) is None:
+            if not _importable(module):
                 return f"needs the Python package {module!r}, which is not installed"
         return None
 
@@ -102,6 +110,7 @@ class OpSpec:
     inputs: Callable[..., Any] | None = None
     doc: str = ""
     fake_derived: bool = field(default=False, init=False)
+    _runnable_cache: dict = field(default_factory=dict, init=False, repr=False)
     op: Any = field(default=None, init=False, repr=False)
 
     @property
@@ -138,11 +147,22 @@ class OpSpec:
                 raise OpInputError(f"{self.qualname}: backend {wanted!r} cannot take these "
                                    f"inputs: {why}. Choose another backend for them.")
             return wanted
-        for name, kernel in self.kernels.items():
-            if kernel.unavailable(device, dtype, interpreted=False) is None and (
-                    args is None or kernel.declines(args) is None):
+        for name in self._runnable(device.type, dtype):
+            if args is None or self.kernels[name].declines(args) is None:
                 return name
         raise BackendUnavailable(f"{self.qualname}: no backend runs on {device}")
+
+    def _runnable(self, device_type: str, dtype: torch.dtype | None) -> tuple[str, ...]:
+        """Backends that run on this device type and dtype, best first. Cached: models call
+        ops thousands of times per second, and eager breaks pay this on the host."""
+        key = (device_type, dtype, tuple(self.kernels))
+        names = self._runnable_cache.get(key)
+        if names is None:
+            device = torch.device(device_type)
+            names = tuple(n for n, k in self.kernels.items()
+                          if k.unavailable(device, dtype, interpreted=False) is None)
+            self._runnable_cache[key] = names
+        return names
 
     def kernel(self, device: torch.device | str, backend: str | None = None,
                dtype: torch.dtype | None = None, args: tuple | None = None) -> Callable:
