@@ -65,6 +65,10 @@ def test_each_backend_matches_the_reference_with_sentinels_and_padding(name, len
     tokens = max(sum(lens) + pad, 1)
     if dtype not in BACKENDS[name].dtypes:
         return
+    if name == "flashinfer" and dtype != torch.bfloat16:
+        # Each FlashInfer dtype x head dim is its own JIT build, 80-95 s on the GPU
+        # machine: bf16 (what the models and benchmarks run) at both head dims only.
+        return
     meta = get_backend(name, DEVICE).metadata(tokens, 4, DEVICE).update(lens)
     q, k, v = qkv(sum(lens), tokens, group, 1, d, dtype, DEVICE, seed=len(lens) + pad)
     scale = 1 / math.sqrt(d)
