@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--lengths", default=None,
                        help="comma-separated prompt lengths (default 16..2048)")
     bench.add_argument("--reps", type=int, default=30, help="timed calls per arm and length")
+    bench.add_argument("--attention", default=None,
+                       help="attention backend of the arms that do not name one (eager, "
+                            "breakable, tc_piecewise, the peers; default: the best for full)")
     bench.set_defaults(func=_bench)
     return parser
 

@@ -44,9 +44,9 @@ def _collect() -> None:
 
 
 def build(model_name: str = "qwen3-0.6b", arms=BUILD_ARMS, max_tokens: int = 2048,
-          progress=None) -> dict:
+          progress=None, attention: str | None = None) -> dict:
     model = build_model(model_name, device="cuda", dtype=torch.bfloat16, logits="last")
-    attention = default_attention("cuda")
+    attention = attention or default_attention("cuda")
     out = {}
     for arm in arms:
         runner, total = _capture(model, arm, max_tokens, attention)
@@ -80,9 +80,9 @@ def _largest_prefill(call, n: int) -> tuple[int, int]:
 
 
 def memory(model_name: str = "qwen3-0.6b", arms=MEMORY_ARMS, max_tokens: int = 2048,
-           progress=None) -> dict:
+           progress=None, attention: str | None = None) -> dict:
     model = build_model(model_name, device="cuda", dtype=torch.bfloat16, logits="last")
-    attention = default_attention("cuda")
+    attention = attention or default_attention("cuda")
     inputs = prompts([max_tokens], model.args.vocab_size, "cuda")
     weights = torch.cuda.memory_allocated()
     eager = graphcap.capture(model, "eager", attention=attention)

@@ -56,11 +56,11 @@ def idle_share(arm, length: int, reps: int = 20) -> dict:
 
 
 def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,
-                device: str = "cuda") -> dict:
+                device: str = "cuda", attention: str | None = None) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build_model(name, device=device, dtype=dtype, logits="last")
     arms, skipped = build_arms(model, arms_wanted, lengths, max_requests=1,
-                               on_arm=progress)
+                               attention=attention, on_arm=progress)
     rows = []
     for n in lengths:
         times = time_interleaved({a: (lambda arm=arm, n=n: arm.call(n))
@@ -87,8 +87,11 @@ def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,
     return result
 
 
-def run(models=MODELS, arms=ARMS, lengths=LENGTHS, reps: int = 30, progress=None) -> dict:
+def run(models=MODELS, arms=ARMS, lengths=LENGTHS, reps: int = 30, progress=None,
+        attention: str | None = None) -> dict:
     return {"what": "graphcap bench prefill: one request, prefill only (last-token logits), "
                     "bf16, CUDA-event wall time per call, median of interleaved repetitions",
             **environment(), "lengths": list(lengths), "arms": list(arms),
-            "models": [bench_model(m, arms, lengths, reps, progress) for m in models]}
+            "attention": attention or "default (the best for full capture)",
+            "models": [bench_model(m, arms, lengths, reps, progress, attention=attention)
+                       for m in models]}

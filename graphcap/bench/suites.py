@@ -21,7 +21,8 @@ def run_suite(args: argparse.Namespace) -> int:
         arms = _csv(args.arms, ARMS)
         lengths = _csv(args.lengths, prefill.LENGTHS, int)
         with progress(len(models) * (len(arms) + len(lengths)), "prefill") as step:
-            result = prefill.run(models, arms, lengths, args.reps, progress=step)
+            result = prefill.run(models, arms, lengths, args.reps, progress=step,
+                                 attention=args.attention)
         show_prefill(result)
         path = write_result(result, args.out, f"{today()}-bench-prefill.json")
         plot = plot_prefill(result, Path(path).with_suffix(".png"))
@@ -31,7 +32,7 @@ def run_suite(args: argparse.Namespace) -> int:
         default = ladder.BUILD_ARMS if args.suite == "build" else ladder.MEMORY_ARMS
         arms = _csv(args.arms, default)
         with progress(len(arms), args.suite) as step:
-            result = suite(model, arms, progress=step)
+            result = suite(model, arms, progress=step, attention=args.attention)
         show_ladder(result)
         path = write_result(result, args.out, f"{today()}-bench-{args.suite}.json")
         plot = None
