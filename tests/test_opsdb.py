@@ -71,6 +71,12 @@ BAD_CALLS = {
         torch.ones(2, 8), torch.ones(3, 8), torch.ones(8), 1e-6), "shape"),
     "top_k above experts": (lambda: torch.ops.graphcap.moe_topk_softmax(
         torch.ones(2, 4), 5, True), "top_k=5"),
+    "qkv width not (H + 2 Hk) * D": (lambda: torch.ops.graphcap.qkv_norm_rope(
+        torch.ones(2, 60), torch.zeros(2, dtype=torch.long), None, None, torch.ones(8, 16),
+        2, 1, 16, 1e-6), r"\(heads \+ 2 kv heads\) \* head_size = 64"),
+    "only one qk-norm weight": (lambda: torch.ops.graphcap.qkv_norm_rope(
+        torch.ones(2, 64), torch.zeros(2, dtype=torch.long), torch.ones(16), None,
+        torch.ones(8, 16), 2, 1, 16, 1e-6), "both q_weight and k_weight"),
 }
 
 

@@ -19,8 +19,8 @@ from graphcap.core.context import forward_context
 from graphcap.opsdb.activation import SILU_AND_MUL
 from graphcap.opsdb.attention import ATTENTION, get_backend
 from graphcap.opsdb.moe import MOE_EXPERTS, MOE_TOPK_SOFTMAX
-from graphcap.opsdb.norm import FUSED_ADD_RMS_NORM, RMS_NORM
-from graphcap.opsdb.rotary import ROTARY_EMBEDDING
+from graphcap.opsdb.norm import FUSED_ADD_RMS_NORM
+from graphcap.opsdb.qkv import QKV_NORM_ROPE
 
 
 @dataclass(frozen=True)
@@ -63,18 +63,13 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, cos_sin):
         a, t = self.a, x.shape[0]
-        q, k, v = self.qkv(x).split(
-            [a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim], -1)
-        if a.qk_norm:
-            q = RMS_NORM(q.reshape(-1, a.head_dim), self.q_norm, a.eps).view(t, -1)
-            k = RMS_NORM(k.reshape(-1, a.head_dim), self.k_norm, a.eps).view(t, -1)
-        q, k = q.contiguous(), k.contiguous()
-        ROTARY_EMBEDDING(positions, q, k, cos_sin, a.head_dim)
+        # Split q/k/v, RMSNorm each head of q and k (Qwen3), rotate: one kernel.
+        norms = (self.q_norm, self.k_norm) if a.qk_norm else (None, None)
+        q, k, v = QKV_NORM_ROPE(self.qkv(x), positions, *norms, cos_sin, a.heads,
+                                a.kv_heads, a.head_dim, a.eps)
         out = torch.empty(t, a.heads, a.head_dim, dtype=x.dtype, device=x.device)
-        ATTENTION(q.view(t, a.heads, a.head_dim), k.view(t, a.kv_heads, a.head_dim),
-                  v.contiguous().view(t, a.kv_heads, a.head_dim), out,
-                  1.0 / math.sqrt(a.head_dim))
-        return self.o(out.view(t, -1))
+        ATTENTION(q, k, v, out, 1.0 / math.sqrt(a.head_dim))
+        return self.o(out.view(t, a.heads * a.head_dim))
 
 
 class FeedForward(nn.Module):

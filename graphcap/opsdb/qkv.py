@@ -1,0 +1,102 @@
+"""From the fused QKV projection to attention's inputs in one op: split q, k, v; RMSNorm
+each head of q and k (Qwen3's qk-norm; skipped when the weights are None); neox rotary on
+q and k; contiguous outputs. The same maths as ``rms_norm`` + ``rotary_embedding`` + two
+copies, in one kernel."""
+
+from __future__ import annotations
+
+import torch
+
+from graphcap.opsdb import checks, reference
+from graphcap.opsdb.spec import Kernel, register_op
+
+OP = "qkv_norm_rope"
+
+
+def qkv_reference(qkv, positions, q_weight, k_weight, cos_sin_cache, num_heads: int,
+                  num_kv_heads: int, head_size: int, eps: float):
+    """qkv [T, (H + 2 Hk) * D] -> q [T, H, D], k [T, Hk, D], v [T, Hk, D], new tensors."""
+    T, D = qkv.shape[0], head_size
+    q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
+    if q_weight is not None:
+        q = reference.rms_norm(q.reshape(T * num_heads, D), q_weight, eps)
+        k = reference.rms_norm(k.reshape(T * num_kv_heads, D), k_weight, eps)
+        q, k = q.view(T, num_heads * D), k.view(T, num_kv_heads * D)
+    # Fresh storage: the op never writes (or returns a view of) its input.
+    q, k = (t.clone(memory_format=torch.contiguous_format) for t in (q, k))
+    reference.rotary_embedding(positions, q, k, cos_sin_cache, D)
+    return (q.view(T, num_heads, D), k.view(T, num_kv_heads, D),
+            v.clone(memory_format=torch.contiguous_format).view(T, num_kv_heads, D))
+
+
+def check_qkv(qkv, positions, q_weight, k_weight, cos_sin_cache, num_heads, num_kv_heads,
+              head_size, eps):
+    checks.tensor(OP, "qkv", qkv, ndim=2)
+    device = qkv.device
+    checks.tensor(OP, "positions", positions, ndim=1, dtypes=(torch.int32, torch.int64),
+                  device=device)
+    checks.tensor(OP, "cos_sin_cache", cos_sin_cache, ndim=2, device=device)
+    checks.last_dim_contiguous(OP, "qkv", qkv)
+    checks.same(OP, "the token count", qkv.shape[0], positions.shape[0], "qkv", "positions")
+    if min(num_heads, num_kv_heads, head_size) < 1:
+        raise checks.OpInputError(f"{OP}: heads, kv heads and head_size must be >= 1, got "
+                                  f"{num_heads}, {num_kv_heads}, {head_size}")
+    width = (num_heads + 2 * num_kv_heads) * head_size
+    checks.same(OP, "the width", qkv.shape[1], width, "qkv",
+                f"(heads + 2 kv heads) * head_size = {width}")
+    if (q_weight is None) != (k_weight is None):
+        raise checks.OpInputError(f"{OP}: give both q_weight and k_weight (qk-norm) or "
+                                  "neither")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w is not None:
+            checks.tensor(OP, name, w, ndim=1, device=device)
+            checks.same(OP, "the size", w.shape[0], head_size, name, "head_size")
+    if q_weight is not None:
+        checks.same(OP, "the dtype", k_weight.dtype, q_weight.dtype, "k_weight", "q_weight")
+    rot = cos_sin_cache.shape[1]
+    if rot % 2 or rot > head_size or cos_sin_cache.stride(1) != 1:
+        raise checks.OpInputError(
+            f"{OP}: cos_sin_cache width {rot} must be even, at most head_size {head_size}, "
+            "with a contiguous last dim")
+
+
+def qkv_inputs(device, dtype, max_tokens: int = 48):
+    from hypothesis import strategies as st
+
+    from graphcap.opsdb.inputs import tensors
+
+    @st.composite
+    def draw(d):
+        t = d(st.integers(0, max_tokens))
+        head = d(st.sampled_from([16, 32, 64, 128]))
+        rot = d(st.sampled_from([head, head // 2]))
+        hk = d(st.sampled_from([1, 2]))
+        hq = hk * d(st.sampled_from([1, 2, 4]))
+        pad = d(st.sampled_from([0, 8]))  # rows wider than qkv: a strided view
+        (wide,) = tensors(d, device, dtype, (t, (hq + 2 * hk) * head + pad))
+        qkv = wide[:, : (hq + 2 * hk) * head]
+        norm = d(st.booleans())
+        qw, kw = tensors(d, device, dtype, (head,), (head,), scale=0.5) if norm else (None,
+                                                                                       None)
+        gen = torch.Generator().manual_seed(d(st.integers(0, 2**31 - 1)))
+        positions = torch.randint(0, 128, (t,), generator=gen).to(device)
+        inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+        freqs = torch.arange(128, dtype=torch.float32)[:, None] * inv[None, :]
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+        return qkv, positions, qw, kw, cache, hq, hk, head, 1e-6
+
+    return draw()
+
+
+QKV_NORM_ROPE = register_op(
+    f"graphcap::{OP}",
+    "(Tensor qkv, Tensor positions, Tensor? q_weight, Tensor? k_weight, "
+    "Tensor cos_sin_cache, int num_heads, int num_kv_heads, int head_size, float eps) "
+    "-> (Tensor, Tensor, Tensor)",
+    reference=qkv_reference,
+    kernels={"triton": Kernel("graphcap.opsdb.triton.qkv:qkv_norm_rope",
+                              requires=("triton",))},
+    check=check_qkv, inputs=qkv_inputs,
+    doc="split a fused QKV projection, RMSNorm q/k per head (optional), neox rotary, "
+        "contiguous q, k, v: one kernel instead of six",
+)
