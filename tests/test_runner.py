@@ -80,6 +80,26 @@ def test_report_lists_shapes_segments_memory_and_build_time():
     assert rep["graph_pool_bytes"] > 0 and rep["build_s"]["capture"] > 0
 
 
+@pytest.mark.parametrize(("attention", "graph_breaks"), [("torch_masked", True),
+                                                       ("torch_varlen", False)])
+def test_attention_breaks_replay_as_graphs_when_the_backend_has_static_metadata(
+        attention, graph_breaks):
+    # torch_masked runs under full capture (static metadata): each attention break is
+    # captured as its own graph; torch_varlen reads host lengths: its breaks stay eager.
+    from graphcap.breakable.graph import Break, GraphBreak
+
+    r = graphcap.capture(model(), "breakable", buckets=[8, 16], max_requests=4,
+                         attention=attention)
+    layers = model().args.layers
+    entry = r.entries[16]
+    assert (entry.segments, entry.breaks) == (layers + 1, layers)
+    kinds = {type(i) for i in entry.replay.__self__.items} - {type(entry.graphs[0])}
+    assert kinds == ({GraphBreak} if graph_breaks else {Break})
+    ids, pos = batch([5, 7])
+    torch.testing.assert_close(r(ids, pos, seq_lens=[5, 7]),
+                               eager(attention, ids, pos, [5, 7]), atol=1e-5, rtol=1e-5)
+
+
 class Syncing(torch.nn.Module):
     def __init__(self, marked: bool):
         super().__init__()

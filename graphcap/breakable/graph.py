@@ -9,6 +9,13 @@ A break replays by calling its function again on the very argument objects of ca
 (held strongly here: a weak reference let later captures reuse their memory and gave
 silent wrong output in the field) and copying the fresh result into the output retained
 at capture, so the next segment reads it at the address it captured.
+
+A break whose function is *graphable* (a split op whose per-batch state lives in static
+buffers: attention under a backend that runs with the runner's prepared metadata) is
+captured into its own small graph instead, between the segments, and replayed as that
+graph: one graph launch instead of the function's Python and kernel launches. It stays a
+break (the segments around it, its count in the report); its arguments and output are
+held as strongly as an eager break's.
 """
 
 from __future__ import annotations
@@ -40,6 +47,17 @@ class Break:
             kept.copy_(new)
 
 
+@dataclass
+class GraphBreak:
+    """A graphable break: its function captured alone, replayed as a graph."""
+
+    graph: Any
+    held: tuple  # the arguments and output it reads and writes, kept alive
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
 class BreakableCapture:
     """The segments and breaks of one shape, captured by running ``fn`` once."""
 
@@ -57,8 +75,15 @@ class BreakableCapture:
         segment.end()
         self.items.append(segment)
 
-    def _on_break(self, fn, args, kwargs):
+    def _on_break(self, fn, args, kwargs, graphable: bool = False):
         self._close()
+        if graphable:
+            graph = self.pool.graph()
+            with break_handler(None):
+                output = graph.capture(lambda: fn(*args, **kwargs))
+            self.items.append(GraphBreak(graph, (args, kwargs, output)))
+            self._open()
+            return output
         # No handler inside a break: a break calling another marked function just runs it.
         with self.pool.warmup(), break_handler(None):  # the capture stream, no capture
             output = fn(*args, **kwargs)
@@ -94,7 +119,8 @@ class BreakableCapture:
 
     @property
     def graphs(self) -> list:
-        return [i for i in self.items if not isinstance(i, Break)]
+        """The segments (graphs of graphable breaks are counted as breaks)."""
+        return [i for i in self.items if not isinstance(i, Break | GraphBreak)]
 
 
 class BreakableBackend(CaptureBackend):
@@ -106,8 +132,9 @@ class BreakableBackend(CaptureBackend):
         bcg = BreakableCapture(pool)
         out = bcg.run(fn)
         graphs = bcg.graphs
+        in_breaks = [i.graph for i in bcg.items if isinstance(i, GraphBreak)]
         return Captured(key, out, bcg.replay, segments=len(graphs),
-                        breaks=len(bcg.items) - len(graphs), graphs=graphs)
+                        breaks=len(bcg.items) - len(graphs), graphs=graphs + in_breaks)
 
 
 class DebugBackend(CaptureBackend):

@@ -15,12 +15,16 @@ _HANDLER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
     "graphcap_break_handler", default=None)
 
 
-def run_maybe_as_break(fn: Callable, args: tuple, kwargs: dict):
-    """Call ``fn`` as an eager break when a breakable capture is running, else plainly."""
+def run_maybe_as_break(fn: Callable, args: tuple, kwargs: dict, graphable: bool = False):
+    """Call ``fn`` as a break when a breakable capture is running, else plainly.
+
+    ``graphable``: ``fn`` reads no host state that changes between replays (a split op
+    whose per-batch state lives in static buffers, such as attention with the runner's
+    metadata), so its break may be replayed as its own small graph instead of eagerly."""
     handler = _HANDLER.get()
     if handler is None:
         return fn(*args, **kwargs)
-    return handler(fn, args, kwargs)
+    return handler(fn, args, kwargs, graphable)
 
 
 def clear_handler() -> None:
@@ -30,7 +34,7 @@ def clear_handler() -> None:
 
 @contextlib.contextmanager
 def break_handler(handler: Callable | None):
-    """Install ``handler(fn, args, kwargs)`` (None: none) for the duration of a block."""
+    """Install ``handler(fn, args, kwargs, graphable)`` (None: none) for a block."""
     token = _HANDLER.set(handler)
     try:
         yield

@@ -109,6 +109,7 @@ class OpSpec:
     check: Callable[..., None] | None = None
     inputs: Callable[..., Any] | None = None
     doc: str = ""
+    graphable: Callable[[], bool] | None = None  # split op: may its break be a graph now?
     fake_derived: bool = field(default=False, init=False)
     _runnable_cache: dict = field(default_factory=dict, init=False, repr=False)
     op: Any = field(default=None, init=False, repr=False)
@@ -169,11 +170,14 @@ class OpSpec:
         return self.kernels[self.select(device, backend, dtype, args)].resolve()
 
     def __call__(self, *args, backend: str | None = None):
-        """Call the op (models built from opsdb call this). A split op becomes an eager
-        break under breakable capture. ``backend=`` calls one kernel directly (eager)."""
+        """Call the op (models built from opsdb call this). A split op becomes a break
+        under breakable capture (replayed as its own graph when ``graphable()`` says its
+        state is static, else eagerly). ``backend=`` calls one kernel directly (eager)."""
         if backend is None:
             if self.split and not torch.compiler.is_compiling():
-                return run_maybe_as_break(self.op, args, {})
+                graphable = self.capturable and self.graphable is not None and \
+                    self.graphable()
+                return run_maybe_as_break(self.op, args, {}, graphable)
             return self.op(*args)
         if self.check is not None:
             self.check(*args)
@@ -202,7 +206,8 @@ def register_op(qualname: str, schema: str, *, reference: Callable,
                 kernels: dict[str, Kernel | Callable | str] | None = None,
                 fake: Callable | None = None, capturable: bool = True, split: bool = False,
                 check: Callable[..., None] | None = None, inputs: Callable | None = None,
-                doc: str = "", dispatch: Callable | None = None) -> OpSpec:
+                doc: str = "", dispatch: Callable | None = None,
+                graphable: Callable[[], bool] | None = None) -> OpSpec:
     """Register a custom op: define it in torch.library and add it to the registry.
 
     ``schema`` is the signature without the name, e.g. ``"(Tensor x, float eps) -> Tensor"``;
@@ -217,7 +222,9 @@ def register_op(qualname: str, schema: str, *, reference: Callable,
     :class:`OpInputError` on bad input before any launch. ``inputs(device, dtype)``
     returns a hypothesis strategy of valid argument tuples. ``dispatch`` replaces the
     per-call kernel choice for ops whose kernel follows from other state (attention: the
-    backend that prepared the forward's metadata).
+    backend that prepared the forward's metadata). ``graphable()`` (split ops) says, at
+    capture, whether the op's break may be captured as its own graph (its per-batch state
+    lives in static buffers) rather than replayed eagerly.
     """
     if qualname in REGISTRY:
         raise GraphcapError(
@@ -228,7 +235,7 @@ def register_op(qualname: str, schema: str, *, reference: Callable,
         table[name] = kernel if isinstance(kernel, Kernel) else Kernel(kernel)
     table["torch"] = Kernel(reference, devices=("cpu", "cuda"))
     spec = OpSpec(qualname, schema, reference, table, fake, capturable, split, check,
-                  inputs, doc)
+                  inputs, doc, graphable)
     spec.fake_derived = fake is None
 
     def impl(*args):

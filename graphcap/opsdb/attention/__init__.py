@@ -99,7 +99,7 @@ ATTENTION = register_op(
     "graphcap::attention",
     "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, float scale) -> ()",
     reference=_reference, fake=_fake, split=True, check=check_attention,
-    dispatch=_attention,
+    dispatch=_attention, graphable=lambda: "full" in current_attention().backend.strategies,
     doc="causal prefill attention over packed requests; metadata from the forward context",
 )
 
