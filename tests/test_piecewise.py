@@ -53,6 +53,8 @@ def test_counters_one_graph_2l_plus_1_pieces_l_plus_1_captured_no_recompile(laye
     assert stats["pieces"] == 2 * layers + 1 and stats["split_pieces"] == layers
     assert stats["captured_pieces"] == layers + 1
     assert stats["captures"] == len(SIZES) * (layers + 1)
+    # torch_masked attention runs on static metadata: each split op is a graph too.
+    assert stats["split_captures"] == len(SIZES) * layers
     for lens in ([5, 3], [16], [20, 9, 3]):  # new sizes and batches: no recompilation
         ids = torch.randint(1, 256, (sum(lens),))
         pos = torch.cat([torch.arange(n) for n in lens])
@@ -217,3 +219,29 @@ def test_many_runners_of_one_model_do_not_exhaust_dynamos_recompile_limit():
             r = graphcap.capture(m, "tc_piecewise", buckets=[8], max_requests=1,
                                  attention="torch_masked")
             torch.testing.assert_close(r(ids, pos, seq_lens=[6]), want)
+
+
+@pytest.mark.parametrize("attention", ["torch_masked", "torch_varlen"])
+def test_split_ops_replay_as_graphs_only_while_their_captured_metadata_is_current(attention):
+    # A user's own loop: torch.compile with sgl_piecewise, new metadata every call. A split
+    # op captured as a graph reads the buffers of the metadata it was captured with, so a
+    # call under another metadata object must run it eagerly (torch_varlen: always eager).
+    from graphcap.core.context import forward_context
+    from graphcap.opsdb.attention import get_backend
+
+    m = decoder(2)
+    compiler = PiecewiseCompiler({"capture_sizes": [16]})
+    compiled = torch.compile(m, backend=compiler, fullgraph=True)
+    backend = get_backend(attention, "cpu")
+    for lens in ([16], [16], [9, 7], [1, 15], [16]):  # warm-up, capture, then new batches
+        ids = torch.randint(1, 256, (16,), generator=torch.Generator().manual_seed(len(lens)))
+        pos = torch.cat([torch.arange(n) for n in lens])
+        meta = backend.prepare(lens, "cpu", num_tokens=16)
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(pos, 0)
+        with torch.inference_mode(), forward_context(attention=meta):
+            got = compiled(ids, pos)
+            want = m(ids, pos, seq_lens=lens)
+        torch.testing.assert_close(got, want, msg=lambda msg, b=lens: f"{b}: {msg}")
+    graphs = 2 if attention == "torch_masked" else 0
+    assert compiler.stats["split_captures"] == graphs

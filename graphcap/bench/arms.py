@@ -89,7 +89,12 @@ def _peer_arm(name, model, lengths, attention, inputs) -> Arm:
     backend = get_backend(attention, device, strategy="full")
     metas = {n: backend.metadata(n, 1, device).update([n]) for n in lengths}
     rows = {n: last_token_rows([n], device) for n in lengths}
-    compiled = torch.compile(model, mode=mode, dynamic=True, fullgraph=True)
+    # The token dim dynamic, as tc_piecewise compiles it (dynamic=True would also turn
+    # the model's float attributes into tensors read with .item() in the graph).
+    compiled = torch.compile(model, mode=mode, fullgraph=True)
+    for ids, pos in inputs.values():
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(pos, 0)
 
     def call(n):
         ids, pos = inputs[n]
@@ -103,7 +108,8 @@ def _peer_arm(name, model, lengths, attention, inputs) -> Arm:
     if device.type == "cuda":
         torch.cuda.synchronize()
     return Arm(name, call, time.perf_counter() - start,
-               {"attention": backend.name, "mode": mode or "default", "dynamic": True})
+               {"attention": backend.name, "mode": mode or "default",
+                "dynamic": "token dim (mark_dynamic)"})
 
 
 def build_arms(model: torch.nn.Module, names, lengths, max_requests: int = 1,

@@ -48,14 +48,19 @@ class Break:
 
 
 @dataclass
-class GraphBreak:
-    """A graphable break: its function captured alone, replayed as a graph."""
+class GraphBreak(Break):
+    """A graphable break: its function captured alone, replayed as a graph while the
+    state object it read at capture is still the current one (else eagerly, as a Break)."""
 
-    graph: Any
-    held: tuple  # the arguments and output it reads and writes, kept alive
+    graph: Any = None
+    graphable: Callable[[], object] | None = None
+    state: object = None
 
     def replay(self) -> None:
-        self.graph.replay()
+        if self.graphable() is self.state:
+            self.graph.replay()
+        else:  # another state object: the graph would read the captured one's buffers
+            super().replay()
 
 
 class BreakableCapture:
@@ -75,13 +80,14 @@ class BreakableCapture:
         segment.end()
         self.items.append(segment)
 
-    def _on_break(self, fn, args, kwargs, graphable: bool = False):
+    def _on_break(self, fn, args, kwargs, graphable=None):
         self._close()
-        if graphable:
+        state = graphable() if graphable is not None else None
+        if state is not None:
             graph = self.pool.graph()
             with break_handler(None):
                 output = graph.capture(lambda: fn(*args, **kwargs))
-            self.items.append(GraphBreak(graph, (args, kwargs, output)))
+            self.items.append(GraphBreak(fn, args, kwargs, output, graph, graphable, state))
             self._open()
             return output
         # No handler inside a break: a break calling another marked function just runs it.

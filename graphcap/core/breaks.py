@@ -15,12 +15,14 @@ _HANDLER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
     "graphcap_break_handler", default=None)
 
 
-def run_maybe_as_break(fn: Callable, args: tuple, kwargs: dict, graphable: bool = False):
+def run_maybe_as_break(fn: Callable, args: tuple, kwargs: dict,
+                       graphable: Callable[[], object] | None = None):
     """Call ``fn`` as a break when a breakable capture is running, else plainly.
 
-    ``graphable``: ``fn`` reads no host state that changes between replays (a split op
-    whose per-batch state lives in static buffers, such as attention with the runner's
-    metadata), so its break may be replayed as its own small graph instead of eagerly."""
+    ``graphable()`` (split ops) returns the object holding the static per-batch state
+    ``fn`` reads now (attention: the runner's prepared metadata), or None when there is
+    none: then the break may be captured as its own small graph, replayed while the same
+    state object is current, instead of running eagerly."""
     handler = _HANDLER.get()
     if handler is None:
         return fn(*args, **kwargs)

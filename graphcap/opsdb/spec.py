@@ -109,7 +109,7 @@ class OpSpec:
     check: Callable[..., None] | None = None
     inputs: Callable[..., Any] | None = None
     doc: str = ""
-    graphable: Callable[[], bool] | None = None  # split op: may its break be a graph now?
+    graphable: Callable[[], object] | None = None  # split op: its static state now, or None
     fake_derived: bool = field(default=False, init=False)
     _runnable_cache: dict = field(default_factory=dict, init=False, repr=False)
     op: Any = field(default=None, init=False, repr=False)
@@ -175,8 +175,7 @@ class OpSpec:
         state is static, else eagerly). ``backend=`` calls one kernel directly (eager)."""
         if backend is None:
             if self.split and not torch.compiler.is_compiling():
-                graphable = self.capturable and self.graphable is not None and \
-                    self.graphable()
+                graphable = self.graphable if self.capturable else None
                 return run_maybe_as_break(self.op, args, {}, graphable)
             return self.op(*args)
         if self.check is not None:
@@ -207,7 +206,7 @@ def register_op(qualname: str, schema: str, *, reference: Callable,
                 fake: Callable | None = None, capturable: bool = True, split: bool = False,
                 check: Callable[..., None] | None = None, inputs: Callable | None = None,
                 doc: str = "", dispatch: Callable | None = None,
-                graphable: Callable[[], bool] | None = None) -> OpSpec:
+                graphable: Callable[[], object] | None = None) -> OpSpec:
     """Register a custom op: define it in torch.library and add it to the registry.
 
     ``schema`` is the signature without the name, e.g. ``"(Tensor x, float eps) -> Tensor"``;
@@ -222,9 +221,10 @@ def register_op(qualname: str, schema: str, *, reference: Callable,
     :class:`OpInputError` on bad input before any launch. ``inputs(device, dtype)``
     returns a hypothesis strategy of valid argument tuples. ``dispatch`` replaces the
     per-call kernel choice for ops whose kernel follows from other state (attention: the
-    backend that prepared the forward's metadata). ``graphable()`` (split ops) says, at
-    capture, whether the op's break may be captured as its own graph (its per-batch state
-    lives in static buffers) rather than replayed eagerly.
+    backend that prepared the forward's metadata). ``graphable()`` (split ops) returns the
+    object holding the op's per-batch state when that state lives in static buffers (or
+    None): the op's break or piece is then captured as its own graph and replayed while
+    that object stays current, rather than run eagerly.
     """
     if qualname in REGISTRY:
         raise GraphcapError(

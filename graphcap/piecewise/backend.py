@@ -25,7 +25,7 @@ from graphcap.core.graph_base import Graph
 from graphcap.core.graphs import GraphPool, new_pool
 from graphcap.errors import GraphcapError
 from graphcap.piecewise.inductor import OneOpPiece, compile_piece
-from graphcap.piecewise.split import split_graph, split_op_names
+from graphcap.piecewise.split import graphable, split_graph, split_op_names
 
 OPTIONS = ("capture_sizes", "max_tokens", "compiler", "split_ops", "copy_outputs", "pool")
 COMPILERS = ("eager", "inductor")
@@ -68,10 +68,11 @@ class Entry:
     static: list
     outputs: Any
     captured: Any
+    state: object = None  # split pieces: the static state object read at capture
 
 
 class PieceRunner(torch.nn.Module):
-    """One non-split piece: eager warm-up, then one graph per capture size, replayed.
+    """One piece: eager warm-up, then one graph per capture size, replayed.
 
     Captured inputs: parameters and the static outputs of earlier captured pieces are
     used as they are (their addresses never change); any other tensor (the caller's
@@ -79,29 +80,42 @@ class PieceRunner(torch.nn.Module):
     writes it, copied back after.
 
     ``opaque``: ``fn`` runs kernels the dispatcher never sees (Inductor's), so an emulated
-    graph captures it as one op (:class:`~graphcap.piecewise.inductor.OneOpPiece`)."""
+    graph captures it as one op (:class:`~graphcap.piecewise.inductor.OneOpPiece`).
+
+    ``graphable`` (split pieces): returns the static state object the split op reads now
+    (attention: the runner's prepared metadata), or None. A size whose capture finds one
+    is captured and replayed as a graph while that object stays current; otherwise (no
+    static state, or another object since) the split op runs eagerly."""
 
     def __init__(self, owner: PiecewiseCompiler, fn, module: torch.nn.Module,
-                 opaque: bool = False):
+                 opaque: bool = False, graphable=None):
         super().__init__()
         self.owner, self.fn, self.opaque = owner, fn, opaque
+        self.graphable = graphable
         self.writes = mutated_inputs(module)
         self.seen: set[int] = set()
+        self.eager_sizes: set[int] = set()  # split pieces whose state was not static
         self.entries: dict[int, Entry] = {}
 
     def forward(self, *args):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         size = tensors[0].shape[0] if tensors and tensors[0].dim() else None
         owner = self.owner
-        if size not in owner.capture_sizes:
-            owner.stats["eager_runs"] += 1
+        if size not in owner.capture_sizes or size in self.eager_sizes:
+            if self.graphable is None:  # split ops run eagerly by design: not counted
+                owner.stats["eager_runs"] += 1
             return self.fn(*args)
         entry = self.entries.get(size)
         if entry is None:
             if size not in self.seen:  # warm-up: lazy init and JIT outside any capture
                 self.seen.add(size)
                 return self.fn(*args)
+            if self.graphable is not None and self.graphable() is None:
+                self.eager_sizes.add(size)
+                return self.fn(*args)
             return self._capture(size, args)
+        if self.graphable is not None and self.graphable() is not entry.state:
+            return self.fn(*args)  # the graph would read the captured state's buffers
         copied = []
         for i, (buf, a) in enumerate(zip(entry.static, args, strict=True)):
             if isinstance(buf, torch.Tensor):
@@ -131,10 +145,11 @@ class PieceRunner(torch.nn.Module):
         captured = OneOpPiece(self.fn, self.writes) if self.opaque and graph.emulated \
             else self.fn
         outputs = graph.capture(captured, *static)
-        self.owner.stats["captures"] += 1
+        self.owner.stats["split_captures" if self.graphable else "captures"] += 1
         flat = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
         self.owner.static_ptrs |= {o.data_ptr() for o in flat if isinstance(o, torch.Tensor)}
-        self.entries[size] = Entry(graph, static, outputs, captured)
+        state = self.graphable() if self.graphable is not None else None
+        self.entries[size] = Entry(graph, static, outputs, captured, state)
         return self.forward(*args)
 
 
@@ -174,6 +189,10 @@ class PiecewiseCompiler:
             self.stats["pieces"] += 1
             if piece.is_split:
                 self.stats["split_pieces"] += 1
+                check = graphable(piece.module, self.split_names)
+                if check is not None:  # replayed as a graph while its state is static
+                    setattr(split, piece.name, PieceRunner(self, piece.module, piece.module,
+                                                           graphable=check))
                 continue
             self.stats["captured_pieces"] += 1
             if self.compiler == "inductor":

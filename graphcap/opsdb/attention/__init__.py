@@ -84,6 +84,13 @@ def _attention(q, k, v, out, scale):
     meta.backend.forward(q, k, v, out, meta, scale)
 
 
+def _static_metadata():
+    """The forward's metadata when its backend runs on it from static buffers (the
+    backends full capture allows), else None."""
+    meta = current_attention()
+    return meta if "full" in meta.backend.strategies else None
+
+
 def _reference(q, k, v, out, scale):
     from graphcap.opsdb.reference import attention_varlen
 
@@ -99,7 +106,7 @@ ATTENTION = register_op(
     "graphcap::attention",
     "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, float scale) -> ()",
     reference=_reference, fake=_fake, split=True, check=check_attention,
-    dispatch=_attention, graphable=lambda: "full" in current_attention().backend.strategies,
+    dispatch=_attention, graphable=_static_metadata,
     doc="causal prefill attention over packed requests; metadata from the forward context",
 )
 
