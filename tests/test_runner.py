@@ -100,6 +100,19 @@ def test_attention_breaks_replay_as_graphs_when_the_backend_has_static_metadata(
                                eager(attention, ids, pos, [5, 7]), atol=1e-5, rtol=1e-5)
 
 
+def test_a_graph_break_runs_eagerly_under_metadata_other_than_its_captured_one():
+    r = graphcap.capture(model(), "breakable", buckets=[16], max_requests=4,
+                         attention="torch_masked")
+    ids, pos = batch([16])
+    r(ids, pos, seq_lens=[16])
+    # New metadata buffers for the bucket: the attention graphs read the old ones.
+    r.metadata[16] = r.config.attention.metadata(16, 4, "cpu")
+    for lens in ([9, 7], [1, 2, 13]):
+        ids, pos = batch(lens)
+        torch.testing.assert_close(r(ids, pos, seq_lens=lens),
+                                   eager("torch_masked", ids, pos, lens), atol=1e-5, rtol=1e-5)
+
+
 class Syncing(torch.nn.Module):
     def __init__(self, marked: bool):
         super().__init__()
