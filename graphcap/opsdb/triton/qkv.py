@@ -39,9 +39,11 @@ def _qkv_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cache_ptr, q_ptr, k_ptr, v_ptr
     row = qkv_ptr + t * qkv_stride + h * head_size
     d = tl.arange(0, BLOCK_D)
     dmask = d < head_size
+    # Variables assigned in both branches of a runtime `if` must keep one type: the value
+    # branch's names are its own.
     if h >= n_q + n_k:  # a value head: copied as it is
-        x = tl.load(row + d, mask=dmask, other=0.0)
-        tl.store(v_ptr + (t * n_k + h - n_q - n_k) * head_size + d, x, mask=dmask)
+        vals = tl.load(row + d, mask=dmask, other=0.0)
+        tl.store(v_ptr + (t * n_k + h - n_q - n_k) * head_size + d, vals, mask=dmask)
     else:
         if h < n_q:
             w_ptr = qw_ptr
@@ -51,8 +53,8 @@ def _qkv_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cache_ptr, q_ptr, k_ptr, v_ptr
             dst = k_ptr + (t * n_k + h - n_q) * head_size
         rstd = 1.0
         if HAS_NORM:
-            x = tl.load(row + d, mask=dmask, other=0.0).to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / head_size + eps)
+            raw = tl.load(row + d, mask=dmask, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(raw * raw, axis=0) / head_size + eps)
         rot = 2 * half
         first = d < half
         rotated = d < rot
