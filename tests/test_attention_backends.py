@@ -181,3 +181,11 @@ def test_a_backend_refuses_a_dtype_it_cannot_run():
     q = torch.randn(8, 2, 16)
     with pytest.raises(OpInputError, match="runs on bfloat16, not float32"):
         run_attention(meta, q, q, q, 0.25)
+
+
+def test_last_token_rows_come_from_the_static_offsets_sentinels_included():
+    meta = get_backend("torch_masked").metadata(12, 4, "cpu").update([5, 0, 6])
+    out = torch.full((4,), -1, dtype=torch.long)
+    meta.last_token_rows(out=out)
+    # slot 1 (empty) and the unused slot 3 point at real rows, never out of range
+    assert out.tolist() == [4, 4, 10, 10] == meta.last_token_rows().tolist()

@@ -68,3 +68,26 @@ def test_a_bad_logits_choice_and_per_request_rows_on_a_generic_model_are_refused
     mlp.output_rows = "requests"
     with pytest.raises(graphcap.errors.UnsupportedStrategy, match="prefill models only"):
         graphcap.capture(mlp, "full")
+
+
+def test_per_request_outputs_refuse_empty_requests_and_fall_back_without_recapturing():
+    import torch
+
+    import graphcap
+    from graphcap.errors import BadBatch
+
+    last, every = build_model("tiny", logits="last"), build_model("tiny")
+    r = graphcap.capture(last, "tc_piecewise", buckets=[4, 8, 16], max_requests=2,
+                         attention="torch_masked")
+    with pytest.raises(BadBatch, match="zero-length request, which has no last token"):
+        r(torch.ones(3, dtype=torch.long), torch.arange(3), seq_lens=[3, 0])
+    # More requests than slots at a bucket's token count: eager fallbacks, every time
+    # with the right rows (these once recompiled and captured inside the fallback).
+    for lens in ([3, 3, 2], [3, 3, 2], [3, 3, 2], [1] * 8, [2] * 4):
+        ids = torch.randint(1, 256, (8,), generator=torch.Generator().manual_seed(len(lens)))
+        pos = torch.cat([torch.arange(n) for n in lens])
+        ends = torch.tensor(lens).cumsum(0) - 1
+        torch.testing.assert_close(r(ids, pos, seq_lens=lens),
+                                   every(ids, pos, seq_lens=lens)[ends])
+    assert r.report()["fallbacks"] == {"too_many_requests": 5}
+    assert r.model.compiler.stats["graphs"] == 1  # no recompilation for the fallbacks

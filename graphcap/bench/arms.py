@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import torch
 
 import graphcap
-from graphcap.core.batch import last_token_rows
 from graphcap.core.context import forward_context
 from graphcap.errors import GraphcapError
 from graphcap.opsdb.attention import BACKENDS, get_backend
@@ -88,7 +87,7 @@ def _peer_arm(name, model, lengths, attention, inputs) -> Arm:
     device = next(model.parameters()).device
     backend = get_backend(attention, device, strategy="full")
     metas = {n: backend.metadata(n, 1, device).update([n]) for n in lengths}
-    rows = {n: last_token_rows([n], device) for n in lengths}
+    rows = {n: metas[n].last_token_rows() for n in lengths}
     # The token dim dynamic, as tc_piecewise compiles it (dynamic=True would also turn
     # the model's float attributes into tensors read with .item() in the graph).
     compiled = torch.compile(model, mode=mode, fullgraph=True)

@@ -71,15 +71,3 @@ def check_prefill(input_ids, positions, seq_lens, device: torch.device) -> list[
                        "tokens: they must match")
     return lens
 
-
-def last_token_rows(seq_lens, device, slots: int | None = None) -> torch.Tensor:
-    """The row of each request's last token in a packed batch, padded to ``slots`` with
-    zero-length requests. A zero-length request points at a real row (row 0 at worst):
-    its output is meaningless and sliced away, but never read out of range."""
-    lens = [int(n) for n in seq_lens]
-    lens += [0] * ((slots or len(lens)) - len(lens))
-    rows, end = [], 0
-    for n in lens:
-        end += n
-        rows.append(max(end - 1, 0))
-    return torch.tensor(rows, dtype=torch.long).to(device)

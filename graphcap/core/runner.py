@@ -131,8 +131,7 @@ class Runner:
                                                   self.device)
             self.metadata[tokens] = meta.update([tokens])
             if self._last_rows is not None:
-                self._last_rows.copy_(batching.last_token_rows([tokens], self.device,
-                                                               self.config.max_requests))
+                meta.last_token_rows(out=self._last_rows)
         start = time.perf_counter()
         with self.pool.warmup():
             flat, _ = tree_flatten(self._forward(tokens))
@@ -160,6 +159,10 @@ class Runner:
     def __call__(self, *args, seq_lens=None):
         if self.kind == "prefill":
             lens = batching.check_prefill(*args, seq_lens, self.device)
+            if self.config.output_rows == "requests" and 0 in lens:
+                raise batching.BadBatch(
+                    f"seq_lens {lens} has a zero-length request, which has no last token: "
+                    "this model returns one row per request; drop empty requests")
             tokens = args[0].shape[0]
         elif not self.backend.captures:
             lens = None
@@ -190,15 +193,28 @@ class Runner:
                 f"buckets up to {self.max_tokens} tokens, {self.config.max_requests} "
                 "request slots) and fallback=False; enlarge max_tokens/max_requests or "
                 "allow the eager fallback")
-        if reason != "eager":
-            self.stats.fallbacks[reason] += 1
-        with torch.no_grad():
-            if self.kind == "prefill":
-                meta = self.config.attention.prepare(lens, self.device)
-                if self.config.output_rows == "requests":
-                    args = (*args, batching.last_token_rows(lens, self.device))
-                with forward_context(attention=meta):
-                    return self.model(*args)
+        meta = None
+        if self.kind == "prefill":  # host work, outside any mode (so are the inputs)
+            meta = self.config.attention.prepare(lens, self.device)
+            if self.config.output_rows == "requests":
+                args = (*args, meta.last_token_rows())
+        if reason == "eager":
+            with torch.no_grad():
+                return self._run_model(args, meta)
+        self.stats.fallbacks[reason] += 1
+        # A fallback runs in inference mode, as capture did: a compiled forward
+        # (tc_piecewise) traced in it would otherwise recompile under no_grad, and its new
+        # pieces capture graphs inside fallbacks. Outputs are cloned outside it, as replays.
+        with torch.inference_mode():
+            out = self._run_model(args, meta)
+        flat, spec = tree_flatten(out)
+        return tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t
+                               for t in flat], spec)
+
+    def _run_model(self, args, meta):
+        if meta is None:
+            return self.model(*args)
+        with forward_context(attention=meta):
             return self.model(*args)
 
     def _replay(self, bucket: int, args, lens, tokens: int):
@@ -209,8 +225,7 @@ class Runner:
             if lens is not None:
                 self.metadata[bucket].update(lens)
             if self._last_rows is not None:
-                self._last_rows.copy_(batching.last_token_rows(lens, "cpu",
-                                                               self.config.max_requests))
+                self.metadata[bucket].last_token_rows(out=self._last_rows)
             if self.kind == "prefill":
                 with forward_context(attention=self.metadata[bucket]):
                     self.entries[bucket].replay()

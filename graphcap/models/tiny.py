@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from graphcap.core.batch import last_token_rows
 from graphcap.core.context import forward_context
 from graphcap.opsdb.activation import SILU_AND_MUL
 from graphcap.opsdb.attention import ATTENTION, get_backend
@@ -148,7 +147,7 @@ class Decoder(nn.Module):
         if seq_lens is not None:  # eager use: prepare this batch's attention metadata
             meta = get_backend(None, input_ids.device).prepare(seq_lens, input_ids.device)
             if self.output_rows == "requests":
-                last_rows = last_token_rows(seq_lens, input_ids.device)
+                last_rows = meta.last_token_rows()
             with forward_context(attention=meta):
                 return self.forward(input_ids, positions, last_rows)
         x = self.embed(input_ids)

@@ -33,6 +33,9 @@ class CompiledForward:
         self.compiled = torch.compile(_fresh_entry(), backend=compiler, fullgraph=True)
 
     def __call__(self, *args):
+        # Aliases without a view base: Dynamo guards a view on its base's size, which a
+        # caller's own tensors (the runner's fallbacks) lack, and would recompile for them.
+        args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         for a in args:
             if isinstance(a, torch.Tensor) and a.dim():
                 torch._dynamo.mark_dynamic(a, 0)

@@ -14,6 +14,7 @@ counts outside the capture sizes run the pieces eagerly (counted).
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -68,7 +69,7 @@ class Entry:
     static: list
     outputs: Any
     captured: Any
-    state: object = None  # split pieces: the static state object read at capture
+    state: Any = None  # split pieces: a weak reference to the state read at capture
 
 
 class PieceRunner(torch.nn.Module):
@@ -114,11 +115,14 @@ class PieceRunner(torch.nn.Module):
                 self.eager_sizes.add(size)
                 return self.fn(*args)
             return self._capture(size, args)
-        if self.graphable is not None and self.graphable() is not entry.state:
+        if self.graphable is not None and self.graphable() is not entry.state():
             return self.fn(*args)  # the graph would read the captured state's buffers
         copied = []
         for i, (buf, a) in enumerate(zip(entry.static, args, strict=True)):
             if isinstance(buf, torch.Tensor):
+                if buf.shape != a.shape:  # e.g. more requests than captured: no replay
+                    owner.stats["eager_runs"] += 1
+                    return self.fn(*args)
                 if buf is not a and buf.data_ptr() != a.data_ptr():
                     buf.copy_(a)
                     copied.append(i)
@@ -148,7 +152,9 @@ class PieceRunner(torch.nn.Module):
         self.owner.stats["split_captures" if self.graphable else "captures"] += 1
         flat = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
         self.owner.static_ptrs |= {o.data_ptr() for o in flat if isinstance(o, torch.Tensor)}
-        state = self.graphable() if self.graphable is not None else None
+        # Weakly: a user's loop preparing new metadata per call must not keep the first
+        # one (and its workspace) alive; once it is gone the split runs eagerly.
+        state = weakref.ref(self.graphable()) if self.graphable is not None else None
         self.entries[size] = Entry(graph, static, outputs, captured, state)
         return self.forward(*args)
 

@@ -52,8 +52,11 @@ def assert_replay_equivalent(model_or_factory, strategies=STRATEGIES, batches=No
     vocab = vocab or getattr(getattr(model, "args", None), "vocab_size", None) or 2
     top = buckets[-1] if buckets else max_tokens
     # Sequences also draw batches past the largest bucket and the slots: fallbacks.
-    wide = prefill_batches(2 * top, max_requests + 2, vocab, device=device)
-    batches = batches or prefill_batches(top, max_requests, vocab, device=device)
+    # A model with a row per request (last-token logits) takes no empty requests.
+    min_len = 1 if getattr(model, "output_rows", "tokens") == "requests" else 0
+    wide = prefill_batches(2 * top, max_requests + 2, vocab, device=device, min_len=min_len)
+    batches = batches or prefill_batches(top, max_requests, vocab, device=device,
+                                         min_len=min_len)
     kwargs = dict(buckets=buckets, max_tokens=None if buckets else max_tokens,
                   max_requests=max_requests, attention=attention)
     truth = graphcap.capture(model, "eager", **kwargs)

@@ -19,22 +19,24 @@ def op_inputs(op: str | OpSpec, *, device="cpu", dtype=torch.float32, **constrai
 
 
 def prefill_batches(max_tokens: int, max_requests: int, vocab: int, *, device="cpu",
-                    min_token_id: int = 1):
+                    min_token_id: int = 1, min_len: int = 0):
     """Batches of packed prefill requests: ``(input_ids, positions, seq_lens)`` with 1 to
-    ``max_requests`` requests, lengths from 0 (sentinel-like) up to ``max_tokens`` in all,
-    edge lengths (1, powers of two and their neighbours, ``max_tokens``) favoured."""
+    ``max_requests`` requests, lengths from ``min_len`` (default 0, sentinel-like) up to
+    ``max_tokens`` in all, edge lengths (1, powers of two and their neighbours,
+    ``max_tokens``) favoured. ``min_len=1`` for models that return a row per request."""
     from hypothesis import strategies as st
 
     edges = sorted({0, 1, 2, 3, 4, 7, 8, 15, 16, 31, 32, max_tokens} & set(
-        range(max_tokens + 1)))
+        range(min_len, max_tokens + 1)))
 
     @st.composite
     def draw(d):
         n = d(st.integers(1, max_requests))
-        lens = [d(st.one_of(st.sampled_from(edges), st.integers(0, max_tokens)))
+        lens = [d(st.one_of(st.sampled_from(edges), st.integers(min_len, max_tokens)))
                 for _ in range(n)]
         while sum(lens) > max_tokens:
-            lens[lens.index(max(lens))] //= 2
+            i = lens.index(max(lens))
+            lens[i] = max(lens[i] // 2, min_len)
         if sum(lens) == 0:
             lens[0] = 1
         seed = d(st.integers(0, 2**31 - 1))

@@ -62,6 +62,17 @@ class AttentionMetadata:
         return self
 
 
+    def last_token_rows(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The row of each slot's last token, computed on the device from the static
+        offsets (no host copy, so no synchronisation): ``cu_seqlens[1:] - 1``, a
+        zero-length slot pointing at a real row (row 0 at worst). int64 [num_slots];
+        written into ``out`` when given (a static buffer the runner owns)."""
+        rows = (self.cu_seqlens[1:] - 1).clamp_(min=0)
+        if out is None:
+            return rows.long()
+        return out.copy_(rows)
+
+
 def validate_seq_lens(seq_lens, num_tokens: int, num_slots: int) -> list[int]:
     if isinstance(seq_lens, torch.Tensor):
         if seq_lens.device.type != "cpu":
