@@ -29,7 +29,8 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _commit() -> str:
+def commit() -> str:
+    """The commit being measured: ``GRAPHCAP_COMMIT`` (machines without git), else git's."""
     if os.environ.get("GRAPHCAP_COMMIT"):
         return os.environ["GRAPHCAP_COMMIT"]
     try:
@@ -42,7 +43,7 @@ def _commit() -> str:
 def environment() -> dict:
     """Commit, date, device, library versions and the command line of this run."""
     return {
-        "commit": _commit(),
+        "commit": commit(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,

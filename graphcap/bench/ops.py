@@ -11,12 +11,11 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import os
-import subprocess
 
 import torch
 
 import graphcap.opsdb  # noqa: F401  (registers the ops)
+from graphcap.bench.common import commit
 from graphcap.bench.timing import graphed_ms
 from graphcap.core.context import forward_context
 from graphcap.opsdb import get_op
@@ -98,15 +97,9 @@ def _verdicts(rows):
 def run(out_path: str | None = None) -> dict:
     dev = torch.device("cuda")
     rows = _elementwise_cases(dev) + _attention_cases(dev)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip() or None
-    except OSError:
-        commit = None
-    commit = commit or os.environ.get("GRAPHCAP_COMMIT")
     result = {
         "what": "graphcap bench ops", "date": datetime.date.today().isoformat(),
-        "commit": commit, "device": torch.cuda.get_device_name(dev),
+        "commit": commit(), "device": torch.cuda.get_device_name(dev),
         "torch": torch.__version__, "dtype": str(DTYPE), "cases": rows,
         "targets": _verdicts(rows),
     }

@@ -14,6 +14,7 @@ import torch
 from graphcap.bench.arms import ARMS, build_arms
 from graphcap.bench.common import cuda_event_ms, environment, time_interleaved
 from graphcap.bench.targets import prefill_targets
+from graphcap.core.buckets import pick_bucket
 from graphcap.models import build_model
 
 LENGTHS = (16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -21,15 +22,18 @@ MODELS = ("qwen3-0.6b", "llama3-8b", "qwen3-30b-a3b-4l")
 
 
 def _full_arm(arms):
-    full = {n: a for n, a in arms.items() if n.startswith("full-")}
-    return full, min(full) if full else None
+    return min((n for n in arms if n.startswith("full-")), default=None)
+
+
+def _entry(arm, length: int):
+    """The capture an arm's runner replays for ``length`` tokens."""
+    config = arm.runner.config
+    return arm.runner.entries[pick_bucket(length, config.buckets, config.max_pad_ratio)[0]]
 
 
 def runner_overhead(arm, length: int, reps: int = 50) -> dict:
     """The full arm's call against replaying its graph alone, at ``length`` tokens."""
-    runner = arm.runner
-    bucket = min(b for b in runner.config.buckets if b >= length)
-    entry = runner.entries[bucket]
+    entry = _entry(arm, length)
     times = time_interleaved({"call": lambda: arm.call(length), "replay": entry.replay},
                              reps=reps)
     call, replay = times["call"]["median_ms"], times["replay"]["median_ms"]
@@ -43,7 +47,7 @@ def idle_share(arm, length: int, reps: int = 20) -> dict:
     comes from a second, profiled pass (tracing slows the launches it watches)."""
     from torch.profiler import ProfilerActivity, profile
 
-    entry = arm.runner.entries[min(b for b in arm.runner.config.buckets if b >= length)]
+    entry = _entry(arm, length)
     for _ in range(3):
         entry.replay()
     torch.cuda.synchronize()
@@ -74,7 +78,7 @@ def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,
                      "spread": {a: [t["p10_ms"], t["p90_ms"]] for a, t in times.items()}})
         if progress is not None:
             progress(f"{name} {n}")
-    full, first = _full_arm(arms)
+    first = _full_arm(arms)
     extra = {}
     if first is not None and device == "cuda":
         small = min(lengths)

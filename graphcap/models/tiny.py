@@ -20,6 +20,7 @@ from graphcap.opsdb.attention import ATTENTION, get_backend
 from graphcap.opsdb.moe import MOE_EXPERTS, MOE_TOPK_SOFTMAX
 from graphcap.opsdb.norm import FUSED_ADD_RMS_NORM
 from graphcap.opsdb.qkv import QKV_NORM_ROPE
+from graphcap.opsdb.reference import rope_cache
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,6 @@ class ModelArgs:
     moe_intermediate: int = 0
     norm_topk: bool = True  # renormalise the top-k routing weights
     qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections
-
-
-def rope_cache(head_dim: int, max_position: int, theta: float) -> torch.Tensor:
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
 class Attention(nn.Module):

@@ -15,3 +15,15 @@ def tensors(draw, device, dtype, *shapes, scale: float = 1.0):
     return tuple(
         (torch.randn(shape, generator=gen) * scale).to(device=device, dtype=dtype)
         for shape in shapes)
+
+
+def positions_and_rope_cache(draw, device, tokens: int, rot_dim: int, max_pos: int = 128):
+    """Random positions [tokens] below ``max_pos`` (from a drawn seed) and the neox cos/sin
+    cache [max_pos, rot_dim] they index, for the rotary ops' input strategies."""
+    from hypothesis import strategies as st
+
+    from graphcap.opsdb.reference import rope_cache
+
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(device)
+    return positions, rope_cache(rot_dim, max_pos, 10000.0).to(device)

@@ -63,7 +63,7 @@ def check_qkv(qkv, positions, q_weight, k_weight, cos_sin_cache, num_heads, num_
 def qkv_inputs(device, dtype, max_tokens: int = 48):
     from hypothesis import strategies as st
 
-    from graphcap.opsdb.inputs import tensors
+    from graphcap.opsdb.inputs import positions_and_rope_cache, tensors
 
     @st.composite
     def draw(d):
@@ -78,11 +78,7 @@ def qkv_inputs(device, dtype, max_tokens: int = 48):
         norm = d(st.booleans())
         qw, kw = tensors(d, device, dtype, (head,), (head,), scale=0.5) if norm else (None,
                                                                                        None)
-        gen = torch.Generator().manual_seed(d(st.integers(0, 2**31 - 1)))
-        positions = torch.randint(0, 128, (t,), generator=gen).to(device)
-        inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
-        freqs = torch.arange(128, dtype=torch.float32)[:, None] * inv[None, :]
-        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+        positions, cache = positions_and_rope_cache(d, device, t, rot)
         return qkv, positions, qw, kw, cache, hq, hk, head, 1e-6
 
     return draw()

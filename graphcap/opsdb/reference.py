@@ -32,6 +32,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate) * up).to(x.dtype)
 
 
+def rope_cache(rot_dim: int, max_position: int, theta: float) -> torch.Tensor:
+    """The neox cos/sin cache [max_position, rot_dim]: cos in the first half, sin in the
+    second, frequencies ``theta ** (-2i / rot_dim)``, float32."""
+    inv = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
+    freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                      cos_sin_cache: torch.Tensor, head_size: int) -> None:
     """Neox-style rotary embedding, in place on ``query`` [T, Hq*D] and ``key`` [T, Hk*D].

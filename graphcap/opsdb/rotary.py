@@ -45,7 +45,7 @@ def flashinfer_accepts(positions, query, key, cos_sin_cache, head_size):
 def rotary_inputs(device, dtype, max_tokens: int = 64):
     from hypothesis import strategies as st
 
-    from graphcap.opsdb.inputs import tensors
+    from graphcap.opsdb.inputs import positions_and_rope_cache, tensors
 
     @st.composite
     def draw(d):
@@ -54,13 +54,8 @@ def rotary_inputs(device, dtype, max_tokens: int = 64):
         rot = d(st.sampled_from([head, head // 2]))
         hk = d(st.sampled_from([1, 2]))
         hq = hk * d(st.sampled_from([1, 2, 4]))
-        max_pos = 128
         q, k = tensors(d, device, dtype, (t, hq * head), (t, hk * head))
-        gen = torch.Generator().manual_seed(d(st.integers(0, 2**31 - 1)))
-        positions = torch.randint(0, max_pos, (t,), generator=gen).to(device)
-        inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
-        freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None, :]
-        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+        positions, cache = positions_and_rope_cache(d, device, t, rot)
         return positions, q, k, cache, head
 
     return draw()

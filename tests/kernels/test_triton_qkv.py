@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from graphcap.opsdb.qkv import qkv_reference
+from graphcap.opsdb.reference import rope_cache
 from tests.conftest import requires_cuda
 
 
@@ -18,9 +19,7 @@ def inputs(T, hq, hk, d, dtype, seed, norm):
     w = [torch.rand(d, generator=g).to("cuda", dtype) + 0.5 for _ in range(2)] if norm \
         else [None, None]
     positions = torch.randint(0, 4096, (T,), generator=g).to("cuda")
-    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    freqs = torch.arange(4096, dtype=torch.float32)[:, None] * inv[None, :]
-    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to("cuda")
+    cache = rope_cache(d, 4096, 1e6).to("cuda")
     return qkv, positions, w, cache
 
 
