@@ -263,3 +263,35 @@ def test_a_captured_mlp_matches_eager_on_new_inputs(pool):
             torch.testing.assert_close(y, mlp(fresh))
     assert region.calls == 1
     assert graph.bytes_held > 0 and pool.bytes() >= graph.bytes_held
+
+
+def test_a_captured_matmul_survives_others_clearing_cublas_workspaces(pool):
+    """torch.compile's reduce-overhead clears cuBLAS's workspaces on every recording;
+    a graph captured earlier must not depend on the workspace it freed."""
+    from graphcap import compat
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256))
+    mlp = mlp.to(pool.device)
+    x = torch.randn(64, 256, device=pool.device)
+    with torch.inference_mode():
+        with pool.warmup():
+            mlp(x)
+        graph = pool.graph()
+        y = graph.capture(Region(mlp), x)
+        if pool.device.type == "cuda":
+            peer = torch.compile(torch.nn.Linear(256, 256).to(pool.device),
+                                 mode="reduce-overhead")
+            for _ in range(3):
+                peer(x)
+        compat.clear_cublas_workspaces()
+        if pool.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        clutter = torch.full((64 << 20,), float("nan"), device=pool.device)
+        for _ in range(2):
+            fresh = torch.randn(64, 256, device=pool.device)
+            x.copy_(fresh)
+            graph.replay()
+            torch.testing.assert_close(y, mlp(fresh))
+        del clutter

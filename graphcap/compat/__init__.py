@@ -33,6 +33,14 @@ def mempool_id(pool) -> tuple[int, int]:
     return tuple(pool.id) if hasattr(pool, "id") else tuple(pool)
 
 
+def clear_cublas_workspaces() -> None:
+    """Drop cuBLAS's cached per-stream workspaces, so the next matmul on a stream
+    allocates a new one (inside the graph pool, when that matmul is being captured)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None and torch.cuda.is_initialized():
+        clear()
+
+
 def end_allocate_to_pool(device: torch.device, pool_id) -> None:
     """Stop routing allocations to ``pool_id`` (after a capture CUDA refused); a no-op
     when the allocator had stopped already."""

@@ -114,6 +114,7 @@ class CudaGraph(Graph):
         self.pool.stream.wait_stream(torch.cuda.current_stream(self.device))
         stack.enter_context(torch.cuda.stream(self.pool.stream))
         stack.enter_context(_FrozenGC())
+        self.pool.own_cublas_workspace()
         self._reserved_before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
         try:
@@ -207,6 +208,7 @@ class GraphPool:
         self._mempools: list = []
         self._anchors: list = []
         self.handle = None
+        self._workspace_pool = None
         if self.kind == "cuda":
             self._new_cuda_pool()
 
@@ -221,6 +223,23 @@ class GraphPool:
         self._mempools.append(compat.new_mempool(self.device))
         self.handle = compat.mempool_id(self._mempools[-1])
         self._anchors.append(compat.anchor_graph(self.device, self.handle, self.stream))
+
+    def own_cublas_workspace(self) -> None:
+        """Before the first capture into a memory pool: make cuBLAS allocate the
+        workspace its captured matmuls use inside that pool.
+
+        cuBLAS keeps one workspace per stream and a captured matmul bakes in its
+        address. Left to itself, the workspace of the capture stream is born in eager
+        warm-up, outside the pool, and anyone who clears cuBLAS's workspaces later frees
+        it under the graphs. torch.compile's ``mode="reduce-overhead"`` does so on
+        every warm-up and recording, and the next replay read freed memory (an illegal
+        memory access on the H200). Cleared here, once per pool (again would free the
+        workspace the pool's earlier graphs use into blocks its later captures may
+        take), the workspace lives in the pool, which outlives its graphs.
+        """
+        if self._workspace_pool != self.handle:
+            compat.clear_cublas_workspaces()
+            self._workspace_pool = self.handle
 
     def graph(self) -> Graph:
         """A new, empty graph of this pool's kind."""
