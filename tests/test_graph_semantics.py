@@ -271,11 +271,13 @@ def test_a_captured_matmul_survives_others_clearing_cublas_workspaces(pool):
     from graphcap import compat
 
     torch.manual_seed(0)
-    mlp = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256))
+    # No bias: addmm with a bias goes through cuBLASLt and its own workspace.
+    mlp = torch.nn.Sequential(torch.nn.Linear(256, 1024, bias=False),
+                              torch.nn.Linear(1024, 256, bias=False))
     mlp = mlp.to(pool.device)
     x = torch.randn(64, 256, device=pool.device)
     with torch.inference_mode():
-        with pool.warmup():
+        with pool.warmup():  # on a CUDA pool: cuBLAS makes the capture stream's workspace
             mlp(x)
         graph = pool.graph()
         y = graph.capture(Region(mlp), x)
