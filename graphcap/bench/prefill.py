@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from graphcap.bench.arms import ARMS, build_arms
+from graphcap.bench.arms import ARMS, build_arms, default_attention
 from graphcap.bench.common import cuda_event_ms, environment, time_interleaved
 from graphcap.bench.targets import prefill_targets
 from graphcap.core.buckets import pick_bucket
@@ -68,6 +68,7 @@ def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,
                 device: str = "cuda", attention: str | None = None) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build_model(name, device=device, dtype=dtype, logits="last")
+    attention = attention or default_attention(device)
     arms, skipped = build_arms(model, arms_wanted, lengths, max_requests=1,
                                attention=attention, on_arm=progress)
     rows = []
@@ -84,7 +85,7 @@ def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,
         small = min(lengths)
         extra["runner_overhead"] = runner_overhead(arms[first], small)
         extra["idle"] = [idle_share(arms[first], n) for n in (small, max(lengths))]
-    result = {"model": name, "params_billions": round(
+    result = {"model": name, "attention": attention, "params_billions": round(
                   sum(p.numel() for p in model.parameters()) / 1e9, 3),
               "rows": rows, "skipped": skipped,
               "build": {a: {"build_s": round(arm.build_s, 3), **arm.detail}

@@ -79,6 +79,9 @@ def show_ladder(result: dict) -> None:
     keys = [k for k, v in first.items() if not isinstance(v, list | dict)]
     print_table(result["what"], ["arm", *keys],
                  [[arm, *(str(v[k]) for k in keys)] for arm, v in result["arms"].items()])
+    if "kernel_warmup_s" in result:
+        print(f"kernels JIT-compiled before the arms (one eager forward per shape, "
+              f"no arm charged): {result['kernel_warmup_s']} s")
     show_targets(result["targets"])
 
 
