@@ -279,8 +279,8 @@ def test_a_captured_matmul_survives_others_clearing_cublas_workspaces(pool):
     with torch.inference_mode():
         with pool.warmup():  # on a CUDA pool: cuBLAS makes the capture stream's workspace
             mlp(x)
-        graph = pool.graph()
-        y = graph.capture(Region(mlp), x)
+        graph, region = pool.graph(), Region(mlp)
+        y = graph.capture(region, x)
         if pool.device.type == "cuda":
             peer = torch.compile(torch.nn.Linear(256, 256).to(pool.device),
                                  mode="reduce-overhead")
@@ -297,3 +297,4 @@ def test_a_captured_matmul_survives_others_clearing_cublas_workspaces(pool):
             graph.replay()
             torch.testing.assert_close(y, mlp(fresh))
         del clutter
+    assert region.calls == 1
