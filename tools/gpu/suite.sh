@@ -6,7 +6,8 @@
 # .gpu/p4 with `bash tools/gpu/suite.sh [pytest args]`. FlashInfer JIT-builds each prefill
 # variant on first use (80-95 s each: the suite builds bf16 at head dims 64 and 128), so
 # keep the machine warm for the benchmarks that follow (tools/gpu/bench.sh).
-# The log lands in $OUT/gpu-suite.log; record the run in docs/results/.
+# Logs land in $OUT/gpu-examples.log (examples/, unfiltered) and $OUT/gpu-suite.log
+# (the gpu-marked tests); record the run in docs/results/.
 set -o pipefail
 if [ -d .gpu/p4 ] && [ ! -f /tmp/site/env.sh ]; then bash .gpu/p4/unpack.sh || exit 1; fi
 [ -f /tmp/site/env.sh ] && source /tmp/site/env.sh
