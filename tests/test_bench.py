@@ -84,6 +84,24 @@ def test_strategies_are_judged_against_full_with_the_attention_they_ran():
     assert got["16 tokens: fastest arm (full-triton) ms"]["measured"] == 1.0
 
 
+def test_top_kernels_rank_device_time_per_replay():
+    from types import SimpleNamespace
+
+    from graphcap.bench.prefill import top_kernels
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(key, device, count, us):
+        return SimpleNamespace(key=key, device_type=device, count=count,
+                               device_time_total=us)
+
+    events = [event("gemm", cuda, 40, 300.0), event("rms_norm", cuda, 60, 100.0),
+              event("aten::mm", cpu, 40, 0.0), event("unused", cuda, 0, 0.0)]
+    got = top_kernels(events, reps=20, top=2)
+    assert got == [{"kernel": "gemm", "launches": 2.0, "us": 15.0, "share": 0.75},
+                   {"kernel": "rms_norm", "launches": 3.0, "us": 5.0, "share": 0.25}]
+
+
 def test_build_and_memory_targets():
     build = {t["target"]: t["met"] for t in build_targets(
         {"breakable": {"total_s": 4.0}, "tc_piecewise-inductor": {"total_s": 20.0}})}

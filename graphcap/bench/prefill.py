@@ -41,10 +41,24 @@ def runner_overhead(arm, length: int, reps: int = 50) -> dict:
             "overhead_share": round((call - replay) / replay, 4)}
 
 
+def top_kernels(events, reps: int, top: int = 12) -> list[dict]:
+    """The kernels that take the most device time in ``reps`` replays, from
+    ``torch.profiler``'s ``key_averages()``: name, launches and microseconds per replay,
+    and share of all kernel time."""
+    kernels = [e for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.count]
+    total = sum(e.device_time_total for e in kernels) or 1.0
+    ranked = sorted(kernels, key=lambda e: e.device_time_total, reverse=True)[:top]
+    return [{"kernel": e.key[:90], "launches": round(e.count / reps, 2),
+             "us": round(e.device_time_total / reps, 2),
+             "share": round(e.device_time_total / total, 4)} for e in ranked]
+
+
 def idle_share(arm, length: int, reps: int = 20) -> dict:
     """GPU idle share of back-to-back replays: 1 - kernel time / wall time. Wall time is
     ``reps`` replays between two events with one synchronisation, unprofiled; kernel time
-    comes from a second, profiled pass (tracing slows the launches it watches)."""
+    comes from a second, profiled pass (tracing slows the launches it watches), which
+    also names the kernels that take the most of it."""
     from torch.profiler import ProfilerActivity, profile
 
     entry = _entry(arm, length)
@@ -56,12 +70,14 @@ def idle_share(arm, length: int, reps: int = 20) -> dict:
         for _ in range(reps):
             entry.replay()
         torch.cuda.synchronize()
-    kernel_us = sum(e.device_time_total for e in prof.key_averages()
+    events = prof.key_averages()
+    kernel_us = sum(e.device_time_total for e in events
                     if e.device_type == torch.autograd.DeviceType.CUDA and e.count)
     kernel_ms = kernel_us / 1000
     return {"tokens": length, "wall_ms": round(wall / reps, 4),
             "kernel_ms": round(kernel_ms / reps, 4),
-            "idle_share": round(max(0.0, 1 - kernel_ms / wall), 4)}
+            "idle_share": round(max(0.0, 1 - kernel_ms / wall), 4),
+            "top_kernels": top_kernels(events, reps)}
 
 
 def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,

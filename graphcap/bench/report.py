@@ -71,6 +71,14 @@ def show_prefill(result: dict) -> None:
         if model["skipped"]:
             for arm, why in model["skipped"].items():
                 print(f"  not run: {arm}: {why}")
+        for idle in model.get("idle", []):
+            if idle.get("top_kernels"):
+                print_table(f"{model['model']}: kernels of one full replay at "
+                            f"{idle['tokens']} tokens ({idle['kernel_ms']} ms of kernels, "
+                            f"{idle['wall_ms']} ms wall)",
+                            ["kernel", "launches", "us", "share"],
+                            [[k["kernel"][:60], str(k["launches"]), str(k["us"]),
+                              f"{k['share']:.1%}"] for k in idle["top_kernels"]])
         show_targets(model["targets"])
 
 
