@@ -59,8 +59,8 @@ def test_prefill_targets_judge_ratios_within_one_run():
         _row(16, eager=10.0, **{"full-triton": 1.0, "breakable": 1.05,
                                 "tc_piecewise-inductor": 1.2, "compile-reduce-overhead": 1.5}),
         _row(2048, eager=20.0, **{"full-triton": 10.0, "compile-reduce-overhead": 10.5})],
-        "runner_overhead": {"tokens": 16, "overhead_share": 0.12},
-        "idle": [{"tokens": 16, "idle_share": 0.05}]}
+        "runner_overhead": {"arm": "full-triton", "tokens": 16, "overhead_share": 0.12},
+        "idle": [{"arm": "full-triton", "tokens": 16, "idle_share": 0.05}]}
     got = {t["target"]: t for t in prefill_targets(result)}
     assert got["16 tokens: full (full-triton) speed-up over eager"]["met"]
     assert got["16 tokens: breakable speed-up / full-triton's"]["met"]  # 10/1.05/10 = 0.952
@@ -70,8 +70,8 @@ def test_prefill_targets_judge_ratios_within_one_run():
         "met"]  # 1.05 < 1.1
     assert not any(k.startswith("2048 tokens: full") for k in got)  # 5x is for 16..512
     assert got["16 tokens: fastest arm (full-triton) ms"]["met"]
-    assert not got["16 tokens: runner overhead / replay"]["met"]
-    assert got["16 tokens: GPU idle share of a full replay"]["met"]
+    assert not got["16 tokens: runner overhead / replay (full-triton)"]["met"]
+    assert got["16 tokens: GPU idle share of a full-triton replay"]["met"]
 
 
 def test_strategies_are_judged_against_full_with_the_attention_they_ran():

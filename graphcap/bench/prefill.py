@@ -21,7 +21,11 @@ LENGTHS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 MODELS = ("qwen3-0.6b", "llama3-8b", "qwen3-30b-a3b-4l")
 
 
-def _full_arm(arms):
+def _full_arm(arms, attention: str):
+    """The full arm whose replay is profiled: the one with the attention backend the
+    other arms share (the same kernels as eager), else the first by name."""
+    if f"full-{attention}" in arms:
+        return f"full-{attention}"
     return min((n for n in arms if n.startswith("full-")), default=None)
 
 
@@ -95,12 +99,13 @@ def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,
                      "spread": {a: [t["p10_ms"], t["p90_ms"]] for a, t in times.items()}})
         if progress is not None:
             progress(f"{name} {n}")
-    first = _full_arm(arms)
+    first = _full_arm(arms, attention)
     extra = {}
     if first is not None and device == "cuda":
         small = min(lengths)
-        extra["runner_overhead"] = runner_overhead(arms[first], small)
-        extra["idle"] = [idle_share(arms[first], n) for n in (small, max(lengths))]
+        extra["runner_overhead"] = {"arm": first, **runner_overhead(arms[first], small)}
+        extra["idle"] = [{"arm": first, **idle_share(arms[first], n)}
+                         for n in (small, max(lengths))]
     result = {"model": name, "attention": attention, "params_billions": round(
                   sum(p.numel() for p in model.parameters()) / 1e9, 3),
               "rows": rows, "skipped": skipped,

@@ -73,7 +73,7 @@ def show_prefill(result: dict) -> None:
                 print(f"  not run: {arm}: {why}")
         for idle in model.get("idle", []):
             if idle.get("top_kernels"):
-                print_table(f"{model['model']}: kernels of one full replay at "
+                print_table(f"{model['model']}: kernels of one {idle.get('arm', 'full')} replay at "
                             f"{idle['tokens']} tokens ({idle['kernel_ms']} ms of kernels, "
                             f"{idle['wall_ms']} ms wall)",
                             ["kernel", "launches", "us", "share"],

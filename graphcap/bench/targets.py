@@ -61,10 +61,12 @@ def prefill_targets(result: dict) -> list[dict]:
                                at_least=False))
     if "runner_overhead" in result:
         o = result["runner_overhead"]
-        out.append(verdict(f"{o['tokens']} tokens: runner overhead / replay",
+        out.append(verdict(f"{o['tokens']} tokens: runner overhead / replay "
+                           f"({o.get('arm', 'full')})",
                            o["overhead_share"], 0.10, at_least=False))
     for idle in result.get("idle", []):
-        out.append(verdict(f"{idle['tokens']} tokens: GPU idle share of a full replay",
+        out.append(verdict(f"{idle['tokens']} tokens: GPU idle share of a "
+                           f"{idle.get('arm', 'full')} replay",
                            idle["idle_share"], 0.10, at_least=False))
     return out
 
