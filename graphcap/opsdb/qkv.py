@@ -63,15 +63,12 @@ def check_qkv(qkv, positions, q_weight, k_weight, cos_sin_cache, num_heads, num_
 def qkv_inputs(device, dtype, max_tokens: int = 48):
     from hypothesis import strategies as st
 
-    from graphcap.opsdb.inputs import positions_and_rope_cache, tensors
+    from graphcap.opsdb.inputs import positions_and_rope_cache, rope_heads, tensors
 
     @st.composite
     def draw(d):
         t = d(st.integers(0, max_tokens))
-        head = d(st.sampled_from([16, 32, 64, 128]))
-        rot = d(st.sampled_from([head, head // 2]))
-        hk = d(st.sampled_from([1, 2]))
-        hq = hk * d(st.sampled_from([1, 2, 4]))
+        head, rot, hk, hq = rope_heads(d)
         pad = d(st.sampled_from([0, 8]))  # rows wider than qkv: a strided view
         (wide,) = tensors(d, device, dtype, (t, (hq + 2 * hk) * head + pad))
         qkv = wide[:, : (hq + 2 * hk) * head]

@@ -45,15 +45,12 @@ def flashinfer_accepts(positions, query, key, cos_sin_cache, head_size):
 def rotary_inputs(device, dtype, max_tokens: int = 64):
     from hypothesis import strategies as st
 
-    from graphcap.opsdb.inputs import positions_and_rope_cache, tensors
+    from graphcap.opsdb.inputs import positions_and_rope_cache, rope_heads, tensors
 
     @st.composite
     def draw(d):
         t = d(st.integers(0, max_tokens))
-        head = d(st.sampled_from([16, 32, 64, 128]))
-        rot = d(st.sampled_from([head, head // 2]))
-        hk = d(st.sampled_from([1, 2]))
-        hq = hk * d(st.sampled_from([1, 2, 4]))
+        head, rot, hk, hq = rope_heads(d)
         q, k = tensors(d, device, dtype, (t, hq * head), (t, hk * head))
         positions, cache = positions_and_rope_cache(d, device, t, rot)
         return positions, q, k, cache, head
