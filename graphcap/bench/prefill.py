@@ -13,7 +13,7 @@ import torch
 
 from graphcap.bench.arms import ARMS, build_arms, default_attention
 from graphcap.bench.common import cuda_event_ms, environment, time_interleaved
-from graphcap.bench.targets import prefill_targets
+from graphcap.bench.targets import prefill_targets, same_kernels_full
 from graphcap.core.buckets import pick_bucket
 from graphcap.models import build_model
 
@@ -24,9 +24,8 @@ MODELS = ("qwen3-0.6b", "llama3-8b", "qwen3-30b-a3b-4l")
 def _full_arm(arms, attention: str):
     """The full arm whose replay is profiled: the one with the attention backend the
     other arms share (the same kernels as eager), else the first by name."""
-    if f"full-{attention}" in arms:
-        return f"full-{attention}"
-    return min((n for n in arms if n.startswith("full-")), default=None)
+    return same_kernels_full(arms, attention) or min(
+        (n for n in arms if n.startswith("full-")), default=None)
 
 
 def _entry(arm, length: int):

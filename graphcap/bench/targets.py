@@ -30,11 +30,11 @@ def _best(ms: dict, names) -> tuple[str, float] | None:
     return (min(have)[1], min(have)[0]) if have else None
 
 
-def _same_kernels_full(ms: dict, attention: str | None, full_names) -> tuple[str, float] | None:
-    """The full arm with the attention backend the other arms share (the same kernels as
-    eager); the fastest full arm when that one is absent."""
+def same_kernels_full(arms, attention: str | None) -> str | None:
+    """The name of the full arm among ``arms`` that runs the attention backend the other
+    arms share (the same kernels as eager), or None when it did not run."""
     name = f"full-{attention}"
-    return (name, ms[name]) if name in ms else _best(ms, full_names)
+    return name if name in arms else None
 
 
 def prefill_targets(result: dict) -> list[dict]:
@@ -42,7 +42,8 @@ def prefill_targets(result: dict) -> list[dict]:
     full_names = [n for n in GRAPHCAP if n.startswith("full-")]
     for row in result["rows"]:
         n, ms = row["tokens"], row["ms"]
-        full = _same_kernels_full(ms, result.get("attention"), full_names)
+        name = same_kernels_full(ms, result.get("attention"))
+        full = (name, ms[name]) if name else _best(ms, full_names)
         fastest = _best(ms, GRAPHCAP)
         if n in SMALL and full and "eager" in ms:
             full_x = ms["eager"] / full[1]
