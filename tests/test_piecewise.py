@@ -43,25 +43,59 @@ def decoder(layers: int):
     return Decoder(ModelArgs(layers=layers)).eval()
 
 
-@pytest.mark.parametrize("layers", [1, 3])
-def test_counters_one_graph_2l_plus_1_pieces_l_plus_1_captured_no_recompile(layers):
-    m = decoder(layers)
-    r = graphcap.capture(m, "tc_piecewise", buckets=SIZES, max_requests=4,
-                         attention="torch_masked")
-    stats = r.model.compiler.stats
-    assert stats["graphs"] == 1
-    assert stats["pieces"] == 2 * layers + 1 and stats["split_pieces"] == layers
-    assert stats["captured_pieces"] == layers + 1
-    assert stats["captures"] == len(SIZES) * (layers + 1)
-    # torch_masked attention runs on static metadata: each split op is a graph too.
-    assert stats["split_captures"] == len(SIZES) * layers
-    for lens in ([5, 3], [16], [20, 9, 3]):  # new sizes and batches: no recompilation
+def _check_batches(m, r, batches=([5, 3], [16], [20, 9, 3])):
+    for lens in batches:  # new sizes and batches: no recompilation
         ids = torch.randint(1, 256, (sum(lens),))
         pos = torch.cat([torch.arange(n) for n in lens])
         with torch.inference_mode():
             want = m(ids, pos, seq_lens=lens)
         torch.testing.assert_close(r(ids, pos, seq_lens=lens), want)
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_counters_one_graph_2l_plus_1_pieces_l_plus_1_captured_no_recompile(layers):
+    # torch_varlen attention reads host lengths: its split ops run eagerly between the
+    # pieces, so every shape is captured piece by piece.
+    m = decoder(layers)
+    r = graphcap.capture(m, "tc_piecewise", buckets=SIZES, max_requests=4,
+                         attention="torch_varlen")
+    stats = r.model.compiler.stats
     assert stats["graphs"] == 1
+    assert stats["pieces"] == 2 * layers + 1 and stats["split_pieces"] == layers
+    assert stats["captured_pieces"] == layers + 1
+    assert stats["captures"] == len(SIZES) * (layers + 1)
+    assert stats["split_captures"] == 0 and stats["whole_captures"] == 0
+    assert r.report()["segments"] == {n: layers + 1 for n in SIZES}
+    _check_batches(m, r)
+    assert stats["graphs"] == 1
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_forward_whose_split_ops_read_static_metadata_is_one_graph_per_shape(layers):
+    m = decoder(layers)
+    r = graphcap.capture(m, "tc_piecewise", buckets=SIZES, max_requests=4,
+                         attention="torch_masked")
+    stats = r.model.compiler.stats
+    assert stats["graphs"] == 1 and stats["captured_pieces"] == layers + 1  # compiled once
+    assert stats["whole_captures"] == len(SIZES)
+    assert stats["captures"] == 0 and stats["split_captures"] == 0  # no graph per piece
+    rep = r.report()
+    assert rep["segments"] == {n: 1 for n in SIZES} and rep["breaks"] == {n: 0 for n in SIZES}
+    assert rep["splits_in_graph"] == {n: layers for n in SIZES}
+    _check_batches(m, r)
+    assert stats["graphs"] == 1 and r.report()["eager_replays"] == {}
+    assert sum(r.stats.replays.values()) == 3
+
+
+def test_a_shape_captured_whole_runs_eagerly_under_metadata_other_than_its_captured_one():
+    m = decoder(2)
+    r = graphcap.capture(m, "tc_piecewise", buckets=[16], max_requests=4,
+                         attention="torch_masked")
+    r.metadata[16] = r.config.attention.metadata(16, 4, "cpu")  # the graph reads the old
+    _check_batches(m, r, batches=([9, 7], [1, 2, 13]))
+    assert r.report()["eager_replays"] == {16: 2} and not r.stats.replays
+    stats = r.model.compiler.stats
+    assert stats["graphs"] == 1 and stats["captures"] == 0  # eager runs capture nothing
 
 
 def test_split_ops_are_matched_as_packet_and_overload_and_sit_alone_in_order():

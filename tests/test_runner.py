@@ -72,45 +72,65 @@ def test_outputs_are_fresh_tensors_unless_zero_copy_is_asked_for():
 
 
 def test_report_lists_shapes_segments_memory_and_build_time():
-    rep = runner("breakable", ATTN).report()
+    rep = runner("breakable", "torch_varlen").report()
     assert rep["strategy"] == "breakable" and rep["shapes"] == [4, 8, 16, 32, 64]
     layers = model().args.layers
-    assert rep["breaks"][64] == layers  # attention: one eager break per layer
-    assert rep["segments"][64] == layers + 1
+    assert rep["breaks"][64] == layers  # attention on host lengths: one eager break a layer
+    assert rep["segments"][64] == layers + 1 and rep["splits_in_graph"][64] == 0
     assert rep["graph_pool_bytes"] > 0 and rep["build_s"]["capture"] > 0
+    assert rep["eager_replays"] == {}
 
 
-@pytest.mark.parametrize(("attention", "graph_breaks"), [("torch_masked", True),
-                                                       ("torch_varlen", False)])
-def test_attention_breaks_replay_as_graphs_when_the_backend_has_static_metadata(
-        attention, graph_breaks):
-    # torch_masked runs under full capture (static metadata): each attention break is
-    # captured as its own graph; torch_varlen reads host lengths: its breaks stay eager.
-    from graphcap.breakable.graph import Break, GraphBreak
-
+def test_a_breakable_forward_whose_breaks_all_have_static_metadata_is_one_graph_per_shape():
+    # torch_masked runs on the runner's prepared metadata (static buffers): attention is
+    # captured inside the graph, so nothing breaks it.
     r = graphcap.capture(model(), "breakable", buckets=[8, 16], max_requests=4,
-                         attention=attention)
+                         attention="torch_masked")
     layers = model().args.layers
-    entry = r.entries[16]
-    assert (entry.segments, entry.breaks) == (layers + 1, layers)
-    kinds = {type(i) for i in entry.replay.__self__.items} - {type(entry.graphs[0])}
-    assert kinds == ({GraphBreak} if graph_breaks else {Break})
-    ids, pos = batch([5, 7])
-    torch.testing.assert_close(r(ids, pos, seq_lens=[5, 7]),
-                               eager(attention, ids, pos, [5, 7]), atol=1e-5, rtol=1e-5)
+    rep = r.report()
+    assert rep["segments"] == {8: 1, 16: 1} and rep["breaks"] == {8: 0, 16: 0}
+    assert rep["splits_in_graph"] == {8: layers, 16: layers}
+    assert [meta for _, meta in r.entries[16].states] == [r.metadata[16]]
+    for lens in ([5, 7], [16], [3, 0, 2]):
+        ids, pos = batch(lens)
+        torch.testing.assert_close(r(ids, pos, seq_lens=lens),
+                                   eager("torch_masked", ids, pos, lens), atol=1e-5, rtol=1e-5)
+    assert sum(r.stats.replays.values()) == 3 and r.report()["eager_replays"] == {}
 
 
-def test_a_graph_break_runs_eagerly_under_metadata_other_than_its_captured_one():
+def test_an_eager_on_graph_function_still_breaks_a_forward_whose_attention_is_in_graph():
+    class Marked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.decoder = model()
+            self.double = graphcap.eager_on_graph(lambda h: (h.cpu() * 2).to(h.device))
+
+        def forward(self, input_ids, positions):
+            return self.double(self.decoder(input_ids, positions))
+
+    r = graphcap.capture(Marked(), "breakable", buckets=[8], max_requests=2,
+                         attention="torch_masked")
+    rep = r.report()
+    assert (rep["segments"][8], rep["breaks"][8]) == (2, 1)
+    assert rep["splits_in_graph"][8] == model().args.layers
+    ids, pos = batch([5, 3])
+    torch.testing.assert_close(r(ids, pos, seq_lens=[5, 3]),
+                               eager("torch_masked", ids, pos, [5, 3]) * 2,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_a_captured_attention_runs_eagerly_under_metadata_other_than_its_captured_one():
     r = graphcap.capture(model(), "breakable", buckets=[16], max_requests=4,
                          attention="torch_masked")
     ids, pos = batch([16])
     r(ids, pos, seq_lens=[16])
-    # New metadata buffers for the bucket: the attention graphs read the old ones.
+    # New metadata buffers for the bucket: the graph reads the old ones.
     r.metadata[16] = r.config.attention.metadata(16, 4, "cpu")
     for lens in ([9, 7], [1, 2, 13]):
         ids, pos = batch(lens)
         torch.testing.assert_close(r(ids, pos, seq_lens=lens),
                                    eager("torch_masked", ids, pos, lens), atol=1e-5, rtol=1e-5)
+    assert r.report()["eager_replays"] == {16: 2} and r.stats.replays[16] == 1
 
 
 class Syncing(torch.nn.Module):

@@ -11,11 +11,12 @@ silent wrong output in the field) and copying the fresh result into the output r
 at capture, so the next segment reads it at the address it captured.
 
 A break whose function is *graphable* (a split op whose per-batch state lives in static
-buffers: attention under a backend that runs with the runner's prepared metadata) is
-captured into its own small graph instead, between the segments, and replayed as that
-graph: one graph launch instead of the function's Python and kernel launches. It stays a
-break (the segments around it, its count in the report); its arguments and output are
-held as strongly as an eager break's.
+buffers: attention under a backend that runs with the runner's prepared metadata) does not
+break at all: it runs inside the open segment and is captured with it, so a forward whose
+every break is graphable is one graph per shape, as under full capture. The segment then
+reads the state object the split op read at capture (the prepared metadata): the capture
+lists each such object (``Captured.states``), and the runner replays the graphs only while
+every one is still the current one (else it runs the forward eagerly).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from graphcap.core.backend import CaptureBackend, Captured
+from graphcap.core.backend import CaptureBackend, Captured, note_state
 from graphcap.core.breaks import break_handler
 from graphcap.core.graphs import GraphPool
 from graphcap.core.trees import tensor_leaves
@@ -47,28 +48,14 @@ class Break:
             kept.copy_(new)
 
 
-@dataclass
-class GraphBreak(Break):
-    """A graphable break: its function captured alone, replayed as a graph while the
-    state object it read at capture is still the current one (else eagerly, as a Break)."""
-
-    graph: Any = None
-    graphable: Callable[[], object] | None = None
-    state: object = None
-
-    def replay(self) -> None:
-        if self.graphable() is self.state:
-            self.graph.replay()
-        else:  # another state object: the graph would read the captured one's buffers
-            super().replay()
-
-
 class BreakableCapture:
     """The segments and breaks of one shape, captured by running ``fn`` once."""
 
     def __init__(self, pool: GraphPool):
         self.pool = pool
         self.items: list = []  # Graph segments and Breaks, in replay order
+        self.states: list[tuple[Callable[[], object], object]] = []  # (graphable, its state)
+        self.in_graph = 0  # graphable split ops captured inside a segment
         self._segment = None
 
     def _open(self) -> None:
@@ -81,15 +68,13 @@ class BreakableCapture:
         self.items.append(segment)
 
     def _on_break(self, fn, args, kwargs, graphable=None):
-        self._close()
         state = graphable() if graphable is not None else None
-        if state is not None:
-            graph = self.pool.graph()
+        if state is not None:  # static state: captured inside the open segment
+            self.in_graph += 1
+            note_state(self.states, graphable, state)
             with break_handler(None):
-                output = graph.capture(lambda: fn(*args, **kwargs))
-            self.items.append(GraphBreak(fn, args, kwargs, output, graph, graphable, state))
-            self._open()
-            return output
+                return fn(*args, **kwargs)
+        self._close()
         # No handler inside a break: a break calling another marked function just runs it.
         with self.pool.warmup(), break_handler(None):  # the capture stream, no capture
             output = fn(*args, **kwargs)
@@ -125,8 +110,8 @@ class BreakableCapture:
 
     @property
     def graphs(self) -> list:
-        """The segments (graphs of graphable breaks are counted as breaks)."""
-        return [i for i in self.items if not isinstance(i, Break | GraphBreak)]
+        """The segments."""
+        return [i for i in self.items if not isinstance(i, Break)]
 
 
 class BreakableBackend(CaptureBackend):
@@ -138,9 +123,9 @@ class BreakableBackend(CaptureBackend):
         bcg = BreakableCapture(pool)
         out = bcg.run(fn)
         graphs = bcg.graphs
-        in_breaks = [i.graph for i in bcg.items if isinstance(i, GraphBreak)]
         return Captured(key, out, bcg.replay, segments=len(graphs),
-                        breaks=len(bcg.items) - len(graphs), graphs=graphs + in_breaks)
+                        breaks=len(bcg.items) - len(graphs), graphs=graphs,
+                        states=bcg.states, splits_in_graph=bcg.in_graph)
 
 
 class DebugBackend(CaptureBackend):

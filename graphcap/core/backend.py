@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +13,13 @@ from graphcap.core.graphs import GraphPool
 @dataclass
 class Captured:
     """One shape's capture: ``replay()`` reruns it; ``outputs`` are what the captured
-    function returned (rewritten by every replay)."""
+    function returned (rewritten by every replay).
+
+    ``segments``: graphs replayed per call; ``breaks``: functions run eagerly between
+    them; ``splits_in_graph``: split ops (attention) captured inside a graph. Those read
+    per-batch state from static buffers: ``states`` lists ``(graphable, state)``, the
+    state object each returned at capture, and the capture is valid only while every one
+    is still current (:meth:`current`); else the caller runs the forward eagerly."""
 
     key: Any
     outputs: Any
@@ -20,10 +27,23 @@ class Captured:
     segments: int = 1
     breaks: int = 0
     graphs: list = field(default_factory=list)
+    states: list = field(default_factory=list)
+    splits_in_graph: int = 0
+
+    def current(self) -> bool:
+        """True while every static state the graphs read is the one they captured."""
+        return all(graphable() is state for graphable, state in self.states)
 
     @property
     def bytes_held(self) -> int:
         return sum(g.bytes_held for g in self.graphs)
+
+
+def note_state(states: list, graphable: Callable[[], object], state: object) -> None:
+    """Add ``(graphable, state)`` to a capture's ``states`` unless it is there already
+    (every attention layer of a forward reads the same metadata object)."""
+    if not any(g is graphable and s is state for g, s in states):
+        states.append((graphable, state))
 
 
 class CaptureBackend:
@@ -32,6 +52,11 @@ class CaptureBackend:
 
     strategy = "base"
     captures = True
+
+    def watch(self, key: Any):
+        """A context around the runner's warm-up forward of shape ``key``, the call just
+        before ``capture``: a backend may observe it (default: nothing)."""
+        return contextlib.nullcontext()
 
     def capture(self, fn: Callable[[], Any], key: Any, pool: GraphPool) -> Captured:
         raise NotImplementedError

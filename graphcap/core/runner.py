@@ -48,6 +48,7 @@ class Stats:
     calls: int = 0
     replays: Counter = field(default_factory=Counter)
     fallbacks: Counter = field(default_factory=Counter)
+    eager_replays: Counter = field(default_factory=Counter)  # captured state not current
     warmup_s: float = 0.0
     capture_s: float = 0.0
 
@@ -133,7 +134,7 @@ class Runner:
             if self._last_rows is not None:
                 meta.last_token_rows(out=self._last_rows)
         start = time.perf_counter()
-        with self.pool.warmup():
+        with self.pool.warmup(), self.backend.watch(tokens):
             flat, _ = tree_flatten(self._forward(tokens))
         rows = self._rows(tokens)
         bad = [tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__
@@ -228,19 +229,30 @@ class Runner:
                 self.metadata[bucket].last_token_rows(out=self._last_rows)
             if self.kind == "prefill":
                 with forward_context(attention=self.metadata[bucket]):
-                    self.entries[bucket].replay()
+                    self._replay_entry(bucket)
             else:
-                self.entries[bucket].replay()
-        self.stats.replays[bucket] += 1
+                self._replay_entry(bucket)
         rows = len(lens) if self.config.output_rows == "requests" else tokens
         # Cloned outside inference mode: callers get ordinary tensors, as from the model.
         outs = [buf[:rows].clone() if self.config.copy_outputs else buf[:rows]
                 for buf in self._outputs]
         return tree_unflatten(outs, self._out_spec)
 
+    def _replay_entry(self, bucket: int) -> None:
+        entry = self.entries[bucket]
+        if entry.current():
+            entry.replay()
+            self.stats.replays[bucket] += 1
+        else:  # the graphs would read another state object's buffers: run eagerly
+            self._captured_fn(bucket)()  # into the captured outputs, as a replay would
+            self.stats.eager_replays[bucket] += 1
+
     # -- report --------------------------------------------------------------------
     def report(self) -> dict:
-        """Shapes, segments and breaks per shape, graph memory, build seconds, counters."""
+        """Shapes; per shape the graphs replayed (``segments``), the functions run eagerly
+        between them (``breaks``) and the split ops captured inside a graph
+        (``splits_in_graph``); graph memory, build seconds, counters (``eager_replays``:
+        calls that ran eagerly because a captured state object was no longer current)."""
         return {
             "strategy": self.backend.strategy,
             "device": str(self.device),
@@ -248,10 +260,12 @@ class Runner:
             "shapes": sorted(self.entries),
             "segments": {k: e.segments for k, e in sorted(self.entries.items())},
             "breaks": {k: e.breaks for k, e in sorted(self.entries.items())},
+            "splits_in_graph": {k: e.splits_in_graph for k, e in sorted(self.entries.items())},
             "graph_pool_bytes": self.pool.bytes(),
             "build_s": {"warmup": round(self.stats.warmup_s, 4),
                         "capture": round(self.stats.capture_s, 4)},
             "calls": self.stats.calls,
             "replays": dict(self.stats.replays),
             "fallbacks": dict(self.stats.fallbacks),
+            "eager_replays": dict(self.stats.eager_replays),
         }

@@ -3,6 +3,7 @@ under ``graphcap.capture(model, strategy="tc_piecewise")``."""
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from graphcap.core.backend import CaptureBackend, Captured
 from graphcap.errors import CaptureError
 from graphcap.piecewise.backend import PieceRunner, PiecewiseCompiler, sgl_piecewise
+from graphcap.piecewise.whole import WholeCapture
 
 
 def _entry(model, *args):
@@ -33,6 +35,9 @@ class CompiledForward:
         self.compiled = torch.compile(_fresh_entry(), backend=compiler, fullgraph=True)
 
     def __call__(self, *args):
+        whole = self.compiler.whole
+        if whole is not None:  # captured as one graph: the compiled graph, directly
+            return whole.call.direct()
         # Aliases without a view base: Dynamo guards a view on its base's size, which a
         # caller's own tensors (the runner's fallbacks) lack, and would recompile for them.
         args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
@@ -40,7 +45,7 @@ class CompiledForward:
             if isinstance(a, torch.Tensor) and a.dim():
                 torch._dynamo.mark_dynamic(a, 0)
         try:
-            return self.compiled(self.model, *args)
+            out = self.compiled(self.model, *args)
         except torch._dynamo.exc.TorchDynamoException as exc:
             if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed):
                 inner = getattr(exc, "inner_exception", exc)
@@ -54,23 +59,55 @@ class CompiledForward:
                 f"(fullgraph=True), and it could not: {cause}. Data-dependent Python "
                 "control flow and graph breaks cannot be compiled whole: use "
                 "strategy='breakable', which needs no compiler.") from exc
+        call = self.compiler.last_call
+        if call is not None and call.returns is None and args and \
+                isinstance(args[0], torch.Tensor) and args[0].dim():
+            call.learn_returns(out, tokens=args[0].shape[0])
+        return out
 
 
 class PiecewiseBackend(CaptureBackend):
-    """The runner's view: the compiled forward captures its pieces on its second call at
-    a capture size (the runner's warm-up is the first); replay calls it again."""
+    """The runner's view. The backend watches the runner's warm-up call of each shape;
+    when its split ops all read static state the shape is captured as one graph
+    (:mod:`graphcap.piecewise.whole`), else piece by piece: the compiled forward captures
+    its pieces on its second call at a capture size, and replay calls it again."""
 
     strategy = "tc_piecewise"
 
     def __init__(self, compiler: PiecewiseCompiler):
         self.compiler = compiler
 
+    @contextlib.contextmanager
+    def watch(self, key):
+        self.compiler.last_call, self.compiler.watching = None, True
+        try:
+            yield
+        finally:
+            self.compiler.watching = False
+
     def capture(self, fn, key, pool) -> Captured:
-        before = self.compiler.stats["captures"]
+        compiler = self.compiler
+        call, compiler.last_call = compiler.last_call, None
+        compiler.whole_sizes.discard(key)
+        if call is not None and call.replayable(key):
+            return self._capture_whole(fn, key, pool, call)
+        before = compiler.stats["captures"]
         out = fn()
-        pieces = self.compiler.stats["captures"] - before
-        return Captured(key, out, fn, segments=pieces,
-                        breaks=self.compiler.stats["split_pieces"])
+        pieces = compiler.stats["captures"] - before
+        return Captured(key, out, fn, segments=pieces, breaks=compiler.stats["split_pieces"])
+
+    def _capture_whole(self, fn, key, pool, call) -> Captured:
+        graph = pool.graph()
+        whole = WholeCapture(call, graph.emulated, graph=graph)
+        self.compiler.whole = whole
+        try:
+            out = graph.capture(fn)
+        finally:
+            self.compiler.whole = None
+        self.compiler.whole_sizes.add(key)
+        self.compiler.stats["whole_captures"] += 1
+        return Captured(key, out, whole.replay, segments=1, graphs=[graph],
+                        states=whole.states, splits_in_graph=whole.splits)
 
 
 __all__ = ["CompiledForward", "PiecewiseBackend", "PiecewiseCompiler", "PieceRunner",

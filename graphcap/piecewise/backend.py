@@ -27,6 +27,7 @@ from graphcap.core.graphs import GraphPool, new_pool
 from graphcap.errors import GraphcapError
 from graphcap.piecewise.inductor import OneOpPiece, compile_piece
 from graphcap.piecewise.split import graphable, split_graph, split_op_names
+from graphcap.piecewise.whole import Call, WholeCapture
 
 OPTIONS = ("capture_sizes", "max_tokens", "compiler", "split_ops", "copy_outputs", "pool")
 COMPILERS = ("eager", "inductor")
@@ -99,9 +100,16 @@ class PieceRunner(torch.nn.Module):
         self.entries: dict[int, Entry] = {}
 
     def forward(self, *args):
+        owner = self.owner
+        if owner.whole is not None:  # the forward is being captured as one graph
+            return owner.whole.run(self, args)
+        if self.graphable is not None and owner.calling is not None \
+                and self.graphable() is None:
+            owner.calling.static = False  # this call cannot be captured whole
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         size = tensors[0].shape[0] if tensors and tensors[0].dim() else None
-        owner = self.owner
+        if size in owner.whole_sizes:  # captured whole: outside that graph, eager
+            return self.fn(*args)
         if size not in owner.capture_sizes or size in self.eager_sizes:
             if self.graphable is None:  # split ops run eagerly by design: not counted
                 owner.stats["eager_runs"] += 1
@@ -181,6 +189,14 @@ class PiecewiseCompiler:
         self.pool: GraphPool | None = opts.get("pool")
         self.stats: Counter = Counter()
         self.static_ptrs: set[int] = set()  # outputs of captured pieces: fixed addresses
+        # One graph per shape (graphcap.capture's runner, graphcap.piecewise.whole): the
+        # call being watched, the last one watched, the capture in progress, and the sizes
+        # captured whole (their pieces run eagerly outside that graph).
+        self.watching = False
+        self.calling: Call | None = None
+        self.last_call: Call | None = None
+        self.whole: WholeCapture | None = None
+        self.whole_sizes: set[int] = set()
 
     def pool_for(self, args) -> GraphPool:
         if self.pool is None:
@@ -191,6 +207,7 @@ class PiecewiseCompiler:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         self.stats["graphs"] += 1
         split, pieces = split_graph(gm, self.split_names)
+        eager_splits = False  # a split op that never runs in a graph
         for piece in pieces:
             self.stats["pieces"] += 1
             if piece.is_split:
@@ -199,6 +216,7 @@ class PiecewiseCompiler:
                 if check is not None:  # replayed as a graph while its state is static
                     setattr(split, piece.name, PieceRunner(self, piece.module, piece.module,
                                                            graphable=check))
+                eager_splits |= check is None
                 continue
             self.stats["captured_pieces"] += 1
             if self.compiler == "inductor":
@@ -207,11 +225,18 @@ class PiecewiseCompiler:
             else:
                 runner = PieceRunner(self, piece.module, piece.module)
             setattr(split, piece.name, runner)
-        if not self.copy_outputs:
-            return split
 
         def forward(*args):
-            out = split(*args)
+            if self.watching:
+                self.calling = Call(split, args, static=not eager_splits)
+            try:
+                out = split(*args)
+            finally:
+                call, self.calling = self.calling, None
+            if call is not None:
+                call.outputs, self.last_call = out, call
+            if not self.copy_outputs:
+                return out
             # The last piece's outputs are static and overwritten by the next call.
             return type(out)(o.clone() if isinstance(o, torch.Tensor) else o for o in out) \
                 if isinstance(out, (tuple, list)) else out
