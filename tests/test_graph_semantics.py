@@ -298,3 +298,28 @@ def test_a_captured_matmul_survives_others_clearing_cublas_workspaces(pool):
             torch.testing.assert_close(y, mlp(fresh))
         del clutter
     assert region.calls == 1
+
+
+def test_a_warmup_allocates_from_the_pool_so_the_capture_reuses_its_blocks(pool):
+    """On CUDA graphs a warm-up forward draws on the graph pool: its freed blocks are
+    the capture's, and the capture stream keeps no second cache outside the pool."""
+    if pool.kind != "cuda":
+        pytest.skip("the emulator has no memory pool")
+    x = torch.randn(1024, 1024, device=pool.device)
+
+    def region():
+        return (x @ x).relu().sum(0)  # 4 MiB intermediates
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    outside = torch.cuda.memory_reserved(pool.device) - pool.bytes()
+    with pool.warmup():
+        want = region()
+    inside = pool.bytes()
+    y = pool.graph().capture(region)
+    torch.cuda.synchronize()
+    assert inside > 4 << 20  # the warm-up's intermediates (and cuBLAS's workspace)
+    assert torch.cuda.memory_reserved(pool.device) - pool.bytes() == outside
+    pool_after = pool.bytes()
+    assert pool_after <= inside + (2 << 20)  # the capture reused the warm-up's blocks
+    assert y.shape == want.shape

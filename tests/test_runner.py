@@ -125,7 +125,7 @@ def test_a_captured_attention_runs_eagerly_under_metadata_other_than_its_capture
     ids, pos = batch([16])
     r(ids, pos, seq_lens=[16])
     # New metadata buffers for the bucket: the graph reads the old ones.
-    r.metadata[16] = r.config.attention.metadata(16, 4, "cpu")
+    r.metadata[16] = r.config.attention.metadata(16, 4, r.device)
     for lens in ([9, 7], [1, 2, 13]):
         ids, pos = batch(lens)
         torch.testing.assert_close(r(ids, pos, seq_lens=lens),

@@ -20,6 +20,7 @@ import time
 import torch
 
 import graphcap
+from graphcap import compat
 from graphcap.bench.arms import default_attention, prompts
 from graphcap.bench.common import environment
 from graphcap.bench.targets import build_targets, memory_targets
@@ -41,10 +42,15 @@ def _capture(model, arm: str, max_tokens: int, attention: str):
     return runner, time.perf_counter() - start
 
 
-def _collect() -> None:
-    """Free what the last arm held (its pool) before the next is measured."""
+def _collect(workspaces: bool = True) -> None:
+    """Free what the last arm held (its pool and, with ``workspaces``, cuBLAS's
+    per-stream workspaces, which each arm makes again for the streams it uses) before the
+    next is measured. Only between arms: no runner's graphs may be alive (they use their
+    workspace)."""
     gc.collect()
     torch.cuda.synchronize()
+    if workspaces:
+        compat.clear_cublas_workspaces()
     torch.cuda.empty_cache()
 
 
@@ -72,6 +78,7 @@ def build(model_name: str = "qwen3-0.6b", arms=BUILD_ARMS, max_tokens: int = 204
         out[arm] = {"total_s": round(total, 3), "shapes": len(report["shapes"]),
                     "compile_and_warmup_s": report["build_s"]["warmup"],
                     "capture_s": report["build_s"]["capture"],
+                    "first_shape_s": report["build_s"]["first_shape"],
                     "segments_at_max": report["segments"][max_tokens],
                     "graph_pool_bytes": report["graph_pool_bytes"]}
         del runner
@@ -110,13 +117,19 @@ def memory(model_name: str = "qwen3-0.6b", arms=MEMORY_ARMS, max_tokens: int = 2
     def call_of(runner):
         return lambda n: runner(*inputs[n], seq_lens=[n])
 
-    call_of(eager)(max_tokens)  # first-use allocations (workspaces) out of the figure
-    _collect()
+    call_of(eager)(max_tokens)  # first-use allocations (workspaces) out of the transient
+    _collect(workspaces=False)
     transient, _ = _largest_prefill(call_of(eager), max_tokens)
     # Peaks are reserved bytes (what the process holds from the device: graph pools
-    # included, allocator caching and rounding too), from an emptied cache.
+    # included, allocator caching and rounding too), from an emptied cache and no cuBLAS
+    # workspace, so each arm's peak counts the workspaces it makes itself.
+    _collect()
+    torch.cuda.reset_peak_memory_stats()
+    call_of(eager)(max_tokens)
+    torch.cuda.synchronize()
     result = {"eager": {"transient_bytes": transient,
-                        "peak_bytes": torch.cuda.max_memory_reserved()}}
+                        "peak_bytes": torch.cuda.max_memory_reserved(),
+                        "reserved_bytes": torch.cuda.memory_reserved()}}
     out = {}
     for arm in arms:
         _collect()
@@ -124,9 +137,10 @@ def memory(model_name: str = "qwen3-0.6b", arms=MEMORY_ARMS, max_tokens: int = 2
         runner, _ = _capture(model, arm, max_tokens, attention)
         call_of(runner)(max_tokens)
         arm_transient, _ = _largest_prefill(call_of(runner), max_tokens)
-        out[arm] = {"graph_pool_bytes": runner.report()["graph_pool_bytes"],
-                    "transient_bytes": arm_transient,
-                    "peak_bytes": torch.cuda.max_memory_reserved()}
+        pool = runner.report()["graph_pool_bytes"]
+        out[arm] = {"graph_pool_bytes": pool, "transient_bytes": arm_transient,
+                    "peak_bytes": torch.cuda.max_memory_reserved(),
+                    "reserved_outside_pool_bytes": torch.cuda.memory_reserved() - pool}
         del runner
         _collect()
         if progress is not None:

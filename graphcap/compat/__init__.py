@@ -6,6 +6,8 @@ works the same.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -27,6 +29,16 @@ def new_mempool(device: torch.device):
         return torch.cuda.graph_pool_handle()
     with torch.cuda.device(device):
         return mempool()
+
+
+def allocate_to(pool, device: torch.device):
+    """A context routing this thread's allocations to ``pool`` (a ``torch.cuda.MemPool``),
+    or nothing where torch lacks ``use_mem_pool`` or ``pool`` is a bare handle."""
+    use = getattr(torch.cuda, "use_mem_pool", None)
+    mempool = getattr(torch.cuda, "MemPool", None)
+    if use is None or mempool is None or not isinstance(pool, mempool):
+        return contextlib.nullcontext()
+    return use(pool, device)
 
 
 def mempool_id(pool) -> tuple[int, int]:

@@ -249,12 +249,19 @@ class GraphPool:
 
     @contextlib.contextmanager
     def warmup(self):
-        """Run eager warm-up on the capture stream (lazy init, autotuning, JIT)."""
+        """Run eager warm-up on the capture stream (lazy init, autotuning, JIT).
+
+        On CUDA graphs its allocations come from the pool too: the blocks a warm-up
+        forward frees are the ones the capture that follows takes, instead of a second
+        cache of the same size held for the capture stream outside the pool. Tensors a
+        warm-up keeps (an eager break's output) live in the pool, which outlives them."""
         if self.stream is None:
             yield
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        into = compat.allocate_to(self._mempools[-1], self.device) if self._mempools \
+            else contextlib.nullcontext()
+        with torch.cuda.stream(self.stream), into:
             yield
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
 

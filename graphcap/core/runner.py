@@ -51,6 +51,7 @@ class Stats:
     eager_replays: Counter = field(default_factory=Counter)  # captured state not current
     warmup_s: float = 0.0
     capture_s: float = 0.0
+    first_shape_s: float | None = None  # warm-up and capture of the first (largest) shape
 
 
 class Runner:
@@ -119,6 +120,11 @@ class Runner:
         rows = self._rows(tokens)
 
         def fn():
+            if self.kind == "prefill":  # per-batch buffers derived on the device, in-graph
+                meta = self.metadata[tokens]
+                meta.derive()
+                if self._last_rows is not None:
+                    meta.last_token_rows(out=self._last_rows)
             flat, spec = tree_flatten(self._forward(tokens))
             self._out_spec = spec
             for buf, out in zip(self._outputs, flat, strict=True):
@@ -155,6 +161,8 @@ class Runner:
         self.entries[tokens] = self.backend.capture(self._captured_fn(tokens), tokens,
                                                     self.pool)
         self.stats.capture_s += time.perf_counter() - start
+        if self.stats.first_shape_s is None:
+            self.stats.first_shape_s = self.stats.warmup_s + self.stats.capture_s
 
     # -- calls ---------------------------------------------------------------------
     def __call__(self, *args, seq_lens=None):
@@ -219,14 +227,16 @@ class Runner:
             return self.model(*args)
 
     def _replay(self, bucket: int, args, lens, tokens: int):
+        # Each torch op here costs host time before the replay can start (the GPU waits):
+        # one copy for all inputs, one host-to-device copy of the offsets; the rest of the
+        # metadata (valid rows, last-token rows) is derived inside the graph.
         with torch.inference_mode():
-            for buf, a in zip(self._inputs, args, strict=True):
-                buf[:tokens].copy_(a)
-                buf[tokens:bucket].zero_()  # padding rows: finite, and never stale
+            torch._foreach_copy_([buf[:tokens] for buf in self._inputs], list(args))
+            if tokens < bucket:
+                for buf in self._inputs:
+                    buf[tokens:bucket].zero_()  # padding rows: finite, and never stale
             if lens is not None:
-                self.metadata[bucket].update(lens)
-            if self._last_rows is not None:
-                self.metadata[bucket].last_token_rows(out=self._last_rows)
+                self.metadata[bucket].update(lens, derive=False)
             if self.kind == "prefill":
                 with forward_context(attention=self.metadata[bucket]):
                     self._replay_entry(bucket)
@@ -263,7 +273,8 @@ class Runner:
             "splits_in_graph": {k: e.splits_in_graph for k, e in sorted(self.entries.items())},
             "graph_pool_bytes": self.pool.bytes(),
             "build_s": {"warmup": round(self.stats.warmup_s, 4),
-                        "capture": round(self.stats.capture_s, 4)},
+                        "capture": round(self.stats.capture_s, 4),
+                        "first_shape": round(self.stats.first_shape_s or 0.0, 4)},
             "calls": self.stats.calls,
             "replays": dict(self.stats.replays),
             "fallbacks": dict(self.stats.fallbacks),

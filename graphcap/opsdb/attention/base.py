@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from graphcap.errors import UnsupportedStrategy
@@ -35,6 +36,7 @@ class AttentionMetadata:
         pin = self.device.type == "cuda"
         self.cu_seqlens = torch.zeros(num_slots + 1, dtype=torch.int32, device=self.device)
         self.cu_seqlens_host = torch.zeros(num_slots + 1, dtype=torch.int32, pin_memory=pin)
+        self._offsets_host = self.cu_seqlens_host.numpy()  # written in place, no torch op
         self.valid = torch.zeros(num_tokens, dtype=torch.bool, device=self.device)
         # The host buffer feeds an asynchronous copy: rewriting it before that copy ran
         # would hand the previous replay the next batch's offsets.
@@ -43,24 +45,34 @@ class AttentionMetadata:
         self.seq_lens: list[int] = []
         self.num_real_tokens = 0
 
-    def update(self, seq_lens: Sequence[int] | torch.Tensor) -> AttentionMetadata:
-        """Fill the buffers for a batch of requests with these lengths (host values)."""
+    def update(self, seq_lens: Sequence[int] | torch.Tensor, derive: bool = True
+               ) -> AttentionMetadata:
+        """Fill the buffers for a batch of requests with these lengths (host values).
+
+        The host side writes the offsets and copies them to the device (one copy) and
+        runs the backend's ``plan``; ``derive=False`` leaves the buffers computed from the
+        offsets on the device (:meth:`derive`) to the caller, e.g. to a captured graph
+        that derives them itself before attention, so a replay pays no launch for them."""
         lens = validate_seq_lens(seq_lens, self.num_tokens, self.num_slots)
-        total = sum(lens)
-        offsets = [0]
-        for n in lens + [0] * (self.num_slots - len(lens)):  # sentinels: length 0
-            offsets.append(offsets[-1] + n)
         if self._copied is not None:
             self._copied.synchronize()
-        self.cu_seqlens_host.copy_(torch.tensor(offsets, dtype=torch.int32))
+        offsets = self._offsets_host
+        offsets[1:len(lens) + 1] = lens
+        offsets[len(lens) + 1:] = 0  # sentinels: length 0, parked at the real token count
+        np.cumsum(offsets, out=offsets)
         self.cu_seqlens.copy_(self.cu_seqlens_host, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        torch.lt(self._rows, total, out=self.valid)
-        self.seq_lens, self.num_real_tokens = lens, total
+        self.seq_lens, self.num_real_tokens = lens, int(offsets[-1])
+        if derive:
+            self.derive()
         self.backend.plan(self)
         return self
 
+    def derive(self) -> None:
+        """Device side, graph-safe: the buffers computed from the device offsets (the
+        validity of each row: ``row < cu_seqlens[-1]``)."""
+        torch.lt(self._rows, self.cu_seqlens[-1:], out=self.valid)
 
     def last_token_rows(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The row of each slot's last token, computed on the device from the static
