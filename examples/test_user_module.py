@@ -26,10 +26,8 @@ class TinyTagger(nn.Module):
                                                    args.rope_theta), persistent=False)
 
     def forward(self, input_ids, positions):
-        x = self.embed(input_ids)
-        residual = torch.zeros_like(x)
-        x = self.block(x, residual, positions, self.cos_sin)
-        return self.head(RMS_NORM(x + residual, self.norm, self.args.eps))
+        h = self.block(self.embed(input_ids), positions, self.cos_sin)  # h + attn, + mlp
+        return self.head(RMS_NORM(h, self.norm, self.args.eps))
 
 
 def test_my_module_replays_like_eager_under_every_strategy(graphcap_device):

@@ -4,7 +4,7 @@ Importing it registers the built-in ops under the ``graphcap`` namespace
 (``torch.ops.graphcap.rms_norm`` ...). See docs/ops.md to add your own.
 """
 
-from graphcap.opsdb import activation, attention, moe, norm, qkv, rotary  # noqa: F401
+from graphcap.opsdb import activation, attention, linear, moe, norm, qkv, rotary  # noqa: F401
 from graphcap.opsdb.spec import (
     REGISTRY,
     BackendUnavailable,

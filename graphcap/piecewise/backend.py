@@ -61,6 +61,22 @@ def mutated_inputs(module: torch.nn.Module) -> set[int]:
     return written
 
 
+def token_arg(gm: torch.fx.GraphModule) -> int | None:
+    """Which argument of Dynamo's graph gives the token count: the first placeholder that
+    is a dynamic size (a SymInt) or a tensor whose dim 0 is one (the token inputs are
+    marked dynamic in dim 0). Pieces take it from the call, not from their own first
+    tensor, which may be a weight or the request rows of last-token logits."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.SymInt):
+            return i
+        if isinstance(value, torch.Tensor) and value.dim() and isinstance(value.shape[0],
+                                                                         torch.SymInt):
+            return i
+    return None
+
+
 @dataclass
 class Entry:
     """One capture of a piece: its graph, the static inputs and outputs it reads and
@@ -106,8 +122,10 @@ class PieceRunner(torch.nn.Module):
         if self.graphable is not None and owner.calling is not None \
                 and self.graphable() is None:
             owner.calling.static = False  # this call cannot be captured whole
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        size = tensors[0].shape[0] if tensors and tensors[0].dim() else None
+        size = owner.size
+        if size is None:  # a graph without a dynamic size: its first tensor's rows
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            size = tensors[0].shape[0] if tensors and tensors[0].dim() else None
         if size in owner.whole_sizes:  # captured whole: outside that graph, eager
             return self.fn(*args)
         if size not in owner.capture_sizes or size in self.eager_sizes:
@@ -192,6 +210,7 @@ class PiecewiseCompiler:
         # One graph per shape (graphcap.capture's runner, graphcap.piecewise.whole): the
         # call being watched, the last one watched, the capture in progress, and the sizes
         # captured whole (their pieces run eagerly outside that graph).
+        self.size: int | None = None  # the token count of the call running now
         self.watching = False
         self.calling: Call | None = None
         self.last_call: Call | None = None
@@ -206,6 +225,7 @@ class PiecewiseCompiler:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         self.stats["graphs"] += 1
+        token = token_arg(gm)
         split, pieces = split_graph(gm, self.split_names)
         eager_splits = False  # a split op that never runs in a graph
         for piece in pieces:
@@ -227,6 +247,8 @@ class PiecewiseCompiler:
             setattr(split, piece.name, runner)
 
         def forward(*args):
+            self.size = None if token is None else (
+                args[token] if isinstance(args[token], int) else args[token].shape[0])
             if self.watching:
                 self.calling = Call(split, args, static=not eager_splits)
             try:

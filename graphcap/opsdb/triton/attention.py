@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphcap.opsdb.triton.common import num_sms
+
 _LOG2E = 1.4426950408889634
 
 
@@ -215,18 +217,6 @@ def _config(head_dim: int, dtype: torch.dtype, programs_at_128: int, num_sms: in
     return (128, 64, 4, 3) if head_dim <= 64 else (128, 64, 8, 3)
 
 
-_NUM_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _NUM_SMS[index]
-
-
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                      cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
                      causal: bool = True) -> torch.Tensor:
@@ -272,7 +262,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     max_seqlen = max(int(max_seqlen), 1)
     programs_at_128 = triton.cdiv(max_seqlen, 128) * num_req * Hq
     block_m, block_n, num_warps, num_stages = _config(
-        D, q.dtype, programs_at_128, _num_sms(q.device), interpret)
+        D, q.dtype, programs_at_128, num_sms(q.device), interpret)
     num_m = triton.cdiv(max_seqlen, block_m)
     grid = (Hq, num_m, num_req + 1)
     _attn_varlen_fwd[grid](

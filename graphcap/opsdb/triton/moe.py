@@ -53,6 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphcap.opsdb.triton.common import dot
+
 __all__ = ["moe_topk_softmax", "moe_experts"]
 
 
@@ -139,19 +141,6 @@ def _tile_expert(cum_padded_ptr, num_experts, row0, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc + a @ b in float32. float32 inputs use IEEE products, not TF32. The interpreter
-    mis-multiplies bfloat16 (it sees the raw bits), so there both sides go to float32."""
-    if INTERPRET:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    elif IEEE:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
 def _moe_gate_up_kernel(
     x_ptr, w13_ptr, inter_ptr, sorted_pairs_ptr, cum_padded_ptr,
     num_pairs, num_experts,
@@ -195,8 +184,8 @@ def _moe_gate_up_kernel(
             b_u = tl.load(u_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
             a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
         a = a.to(b_g.dtype)
-        acc_g = _dot(a, b_g, acc_g, IEEE, INTERPRET)
-        acc_u = _dot(a, b_u, acc_u, IEEE, INTERPRET)
+        acc_g = dot(a, b_g, acc_g, IEEE, INTERPRET)
+        acc_u = dot(a, b_u, acc_u, IEEE, INTERPRET)
         a_ptrs += BLOCK_K * stride_xh
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
@@ -247,7 +236,7 @@ def _moe_down_kernel(
             b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
             a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
         a = a.to(b.dtype)
-        acc = _dot(a, b, acc, IEEE, INTERPRET)
+        acc = dot(a, b, acc, IEEE, INTERPRET)
         a_ptrs += BLOCK_K * stride_ii
         b_ptrs += BLOCK_K * stride_wk
 
