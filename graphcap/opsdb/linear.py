@@ -7,10 +7,11 @@
 - ``linear_residual(x, weight, residual)``: ``residual + linear(x)`` (the attention
   output and MLP down projections, closing a residual branch).
 
-Backends, best first: ``triton``, one kernel per op for up to
-:data:`graphcap.opsdb.triton.linear.MAX_ROWS` rows (:mod:`graphcap.opsdb.triton.linear`);
-``composite``, the unfused ops (the ``rms_norm`` and ``silu_and_mul`` kernels around a
-cuBLAS matmul), for more rows, where cuBLAS's tiles win; ``torch``, the reference.
+Backends, best first: ``triton``, one kernel per op for few rows (16 with the norm, up to
+64 for the residual linears; :func:`graphcap.opsdb.triton.linear.fused_rows` says where
+it stops paying, as measured on the H200); ``composite``, the unfused ops (the
+``rms_norm`` and ``silu_and_mul`` kernels around a cuBLAS matmul), for more rows, where
+cuBLAS's tiles win; ``torch``, the reference.
 Intermediates are rounded to the model dtype where the unfused ops store them.
 """
 
@@ -57,17 +58,23 @@ def _linear_residual_composite(x, weight, residual):
     return residual + F.linear(x, weight)
 
 
-def _few_rows(x, *args) -> str | None:
-    from graphcap.opsdb.triton.linear import MAX_ROWS
+def _fits(norm: bool):
+    """The fused kernel's row limit for an op (``accepts``: why not, or None)."""
+    def accepts(x, *args) -> str | None:
+        from graphcap.opsdb.triton.linear import fused_rows
 
-    if x.shape[0] > MAX_ROWS:
-        return f"{x.shape[0]} rows: the fused kernel takes at most {MAX_ROWS}"
-    return None
+        weight = args[2] if norm else args[0]
+        limit = fused_rows(weight, norm)
+        if x.shape[0] > limit:
+            return (f"{x.shape[0]} rows of {str(weight.dtype).removeprefix('torch.')}: the "
+                    f"fused kernel takes at most {limit} here (the unfused ops win past it)")
+        return None
+    return accepts
 
 
-def _kernels(name: str, composite) -> dict[str, Kernel]:
+def _kernels(name: str, composite, norm: bool) -> dict[str, Kernel]:
     return {"triton": Kernel(f"graphcap.opsdb.triton.linear:{name}", requires=TRITON,
-                             accepts=_few_rows),
+                             accepts=_fits(norm)),
             "composite": Kernel(composite, requires=TRITON)}
 
 
@@ -145,7 +152,7 @@ RMS_NORM_LINEAR = register_op(
     "graphcap::rms_norm_linear",
     "(Tensor x, Tensor norm_weight, float eps, Tensor weight, Tensor? bias) -> Tensor",
     reference=rms_norm_linear_reference,
-    kernels=_kernels("rms_norm_linear", _rms_norm_linear_composite),
+    kernels=_kernels("rms_norm_linear", _rms_norm_linear_composite, norm=True),
     check=check_rms_norm_linear,
     inputs=lambda device, dtype: _inputs(device, dtype, "plain"),
     doc="linear(rms_norm(x)): RMSNorm fused into the matmul for few rows",
@@ -155,7 +162,7 @@ RMS_NORM_SWIGLU = register_op(
     "graphcap::rms_norm_swiglu",
     "(Tensor x, Tensor norm_weight, float eps, Tensor weight) -> Tensor",
     reference=rms_norm_swiglu_reference,
-    kernels=_kernels("rms_norm_swiglu", _rms_norm_swiglu_composite),
+    kernels=_kernels("rms_norm_swiglu", _rms_norm_swiglu_composite, norm=True),
     check=check_rms_norm_swiglu,
     inputs=lambda device, dtype: _inputs(device, dtype, "swiglu"),
     doc="silu_and_mul(linear(rms_norm(x))): one kernel for the gate/up projection",
@@ -165,7 +172,7 @@ LINEAR_RESIDUAL = register_op(
     "graphcap::linear_residual",
     "(Tensor x, Tensor weight, Tensor residual) -> Tensor",
     reference=linear_residual_reference,
-    kernels=_kernels("linear_residual", _linear_residual_composite),
+    kernels=_kernels("linear_residual", _linear_residual_composite, norm=False),
     check=check_linear_residual,
     inputs=lambda device, dtype: _inputs(device, dtype, "residual"),
     doc="residual + linear(x): the residual add fused into the matmul for few rows",

@@ -97,7 +97,8 @@ def _check_strategy(model, strategy, kwargs, truth, batches, wide, tol, examples
                    f"{label} call {i} of {[c[2] for c in calls]}", tol, worst)
         stats = fresh.stats
         assert stats.calls == sum(stats.replays.values()) + sum(
-            stats.fallbacks.values()), f"{label}: a call neither replayed nor fell back"
+            stats.fallbacks.values()) + sum(stats.eager_replays.values()), (
+            f"{label}: a call neither replayed, fell back nor ran its shape eagerly")
 
     one_batch()
     call_sequence()

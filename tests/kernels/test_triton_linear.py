@@ -48,6 +48,11 @@ def case(mode, m, n, k, dtype, seed):
 MODES = ["plain", "norm", "bias", "swiglu", "residual"]
 
 
+def config(mode, m, n, k, sms=1):
+    return kernel.config(m, n, k, norm=mode in ("norm", "bias", "swiglu"),
+                         swiglu=mode == "swiglu", sms=sms)
+
+
 @settings(max_examples=25, deadline=None)
 @given(mode=st.sampled_from(MODES), m=st.sampled_from([1, 5, 16, 33]),
        nk=st.sampled_from([(48, 320), (200, 96), (16, 16)]), split=st.sampled_from([1, 2, 3]),
@@ -55,15 +60,16 @@ MODES = ["plain", "norm", "bias", "swiglu", "residual"]
 def test_every_mode_and_k_split_matches_the_reference(mode, m, nk, split, dtype, seed):
     n, k = nk
     args, want, x = case(mode, m, n, k, dtype, seed)
-    tiles = dict(kernel.config(m, n, k, mode == "swiglu", 1), SPLIT_K=split, BLOCK_K=32)
+    normed = "norm_weight" in args
+    tiles = dict(config(mode, m, n, k), BLOCK_K=32, SPLIT_K=1 if normed else split)
     got = kernel.skinny_linear(x, tiles=tiles, **args)
     torch.testing.assert_close(got, want(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 def test_split_k_counters_reset_so_the_next_launch_reduces_again():
     for seed in range(3):
-        args, want, x = case("swiglu", 7, 48, 320, torch.float32, seed)
-        tiles = dict(kernel.config(7, 48, 320, True, 1), SPLIT_K=4, BLOCK_K=32)
+        args, want, x = case("residual", 7, 48, 320, torch.float32, seed)
+        tiles = dict(config("residual", 7, 48, 320), SPLIT_K=4, BLOCK_K=32)
         torch.testing.assert_close(kernel.skinny_linear(x, tiles=tiles, **args), want(),
                                    atol=1e-4, rtol=1e-4)
     assert not any(c.any() for c in kernel._COUNTERS.values())
@@ -71,11 +77,34 @@ def test_split_k_counters_reset_so_the_next_launch_reduces_again():
 
 def test_the_split_covers_the_sms_and_keeps_two_slices_per_program():
     # qwen3-0.6b's projections at 16 tokens on 132 SMs.
-    assert kernel.config(16, 1024, 2048, False, 132)["SPLIT_K"] == 4  # o: 32 blocks
-    assert kernel.config(16, 1024, 3072, False, 132)["SPLIT_K"] == 4  # down
-    assert kernel.config(16, 3072, 1024, True, 132)["SPLIT_K"] == 2  # gate/up
-    assert kernel.config(1, 151936, 1024, False, 132)["SPLIT_K"] == 1  # LM head
-    assert kernel.config(16, 1024, 64, False, 132)["SPLIT_K"] == 1  # too short to split
+    assert config("residual", 16, 1024, 2048, 132)["SPLIT_K"] == 4  # o: 32 column blocks
+    assert config("residual", 16, 1024, 3072, 132)["SPLIT_K"] == 4  # down
+    assert config("residual", 16, 1024, 64, 132)["SPLIT_K"] == 1  # too short to split
+    # The norm needs all of K in one program: the normed projections never split.
+    assert config("norm", 16, 4096, 1024, 132)["SPLIT_K"] == 1  # q/k/v
+    assert config("swiglu", 16, 3072, 1024, 132)["SPLIT_K"] == 1  # gate/up
+    assert config("norm", 1, 151936, 1024, 132)["BLOCK_N"] == 64  # the LM head: wide tiles
+
+
+def test_a_norm_with_a_k_split_is_refused():
+    args, _, x = case("norm", 4, 48, 320, torch.float32, 0)
+    with pytest.raises(ValueError, match="SPLIT_K=1"):
+        kernel.skinny_linear(x, tiles=dict(config("norm", 4, 48, 320), SPLIT_K=2), **args)
+
+
+def test_the_ops_take_the_fused_kernel_only_where_it_was_measured_to_win():
+    def rows(op, args):
+        spec = getattr(ops, op)
+        return [m for m in (1, 16, 17, 64, 65) if spec.kernels["triton"].declines(
+            (torch.empty(m, 1024, dtype=args[0].dtype), *args)) is None]
+
+    small = torch.empty(1024, 2048, dtype=torch.bfloat16)  # 4 MiB
+    large = torch.empty(4096, 4096, dtype=torch.bfloat16)  # 32 MiB
+    g = torch.empty(1024, dtype=torch.bfloat16)
+    assert rows("LINEAR_RESIDUAL", (small, None)) == [1, 16, 17, 64]
+    assert rows("LINEAR_RESIDUAL", (large, None)) == [1, 16]
+    assert rows("RMS_NORM_LINEAR", (g, 1e-6, small, None)) == [1, 16]
+    assert rows("RMS_NORM_LINEAR", (g.half(), 1e-6, small.half(), None)) == []  # overflow
 
 
 def test_more_rows_than_the_kernel_takes_are_refused_and_the_op_falls_back():
@@ -83,8 +112,7 @@ def test_more_rows_than_the_kernel_takes_are_refused_and_the_op_falls_back():
     w = randn(8, 16, dtype=torch.float32, seed=1)
     with pytest.raises(ValueError, match="at most 64 rows"):
         kernel.skinny_linear(x, w)
-    spec = ops.RMS_NORM_LINEAR
-    assert spec.kernels["triton"].declines((x,))
+    assert ops.LINEAR_RESIDUAL.kernels["triton"].declines((x, w, None))
 
 
 @pytest.mark.gpu
