@@ -4,12 +4,15 @@ ladder (to 2048 tokens) captured under each strategy.
 build: wall seconds to capture every shape, split into compile-and-warm-up seconds (the
 first forward of each shape, where tc_piecewise compiles its pieces) and capture seconds.
 Before any arm, one eager forward per shape JIT-compiles the kernels (Triton, FA4's CuTe
-DSL) that every arm, eager included, would otherwise build on first use: its seconds are
-reported apart, so no arm is charged for them by running first.
+DSL) that every arm, eager included, would otherwise build on first use, and one capture
+of the smallest shape pays the process's first CUDA graph: their seconds are reported
+apart (``kernel_warmup_s``), so no arm is charged for them by running first; each arm's
+first shape is reported too (``first_shape_s``).
 memory: graph pool bytes of the 42 shapes; the transient activation peak (allocated bytes
 above what was allocated before the call) of the largest prefill with and without graphs;
 the total peak (reserved bytes: what the process holds from the device) against the
-no-graph baseline.
+no-graph baseline, each from an emptied cache with no cuBLAS workspace left by an
+earlier arm, so each counts the workspaces it makes itself.
 """
 
 from __future__ import annotations
@@ -55,15 +58,20 @@ def _collect(workspaces: bool = True) -> None:
 
 
 def warm_kernels(model, ladder, attention: str) -> float:
-    """Seconds of one eager forward per shape of ``ladder``: the kernels' first-use JIT."""
+    """Seconds of one eager forward per shape of ``ladder`` (the kernels' first-use JIT)
+    and of one full capture of the smallest shape (the process's first CUDA graph: its
+    capture stream, cuBLAS's handle and workspace for it), charged to no arm."""
     eager = graphcap.capture(model, "eager", attention=attention)
     inputs = prompts(ladder, model.args.vocab_size, "cuda")
     torch.cuda.synchronize()
     start = time.perf_counter()
     for n in ladder:
         eager(*inputs[n], seq_lens=[n])
+    graphcap.capture(model, "full", buckets=ladder[:1], attention=attention)
     torch.cuda.synchronize()
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    _collect()
+    return seconds
 
 
 def build(model_name: str = "qwen3-0.6b", arms=BUILD_ARMS, max_tokens: int = 2048,

@@ -16,8 +16,9 @@ nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 start=$(date +%s)
 # examples/ are not marked gpu (CI runs them on CPU): run them whole, on the GPU here.
+# graphcap is not installed here, so its pytest plugin (graphcap_device) is loaded by name.
 timeout "${SUITE_TIMEOUT:-560}" python3 -m pytest -q -rA -p no:cacheprovider \
-  examples/ 2>&1 | tee "$OUT/gpu-examples.log" | grep -v "^PASSED" | tail -20
+  -p graphcap.testing.pytest_plugin examples/ 2>&1 | tee "$OUT/gpu-examples.log" | grep -v "^PASSED" | tail -20
 timeout "${SUITE_TIMEOUT:-560}" python3 -m pytest -m gpu -q -rA -p no:cacheprovider "$@" \
   tests/ 2>&1 | tee "$OUT/gpu-suite.log" | grep -v "^PASSED" | tail -80
 echo "suite wall s: $(( $(date +%s) - start ))"
