@@ -163,9 +163,13 @@ def test_a_qwen3_0_6b_shaped_model_replays_like_eager_on_cuda_graphs():
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     lm = PrefillLM(model)
+    # 28 bf16 layers: a padded bucket's matmuls round differently from eager's unpadded
+    # ones. On the H200 batch [31, 42] (bucket 128) differed from eager by 0.0625 in its
+    # logits under all three strategies alike, each bit for bit equal to the others.
     reports = assert_replay_equivalent(lm, ("breakable", "full", "tc_piecewise"),
                                        buckets=[64, 128, 256], max_requests=4,
-                                       vocab=config.vocab_size, examples=4, sequences=1)
+                                       vocab=config.vocab_size, examples=4, sequences=1,
+                                       atol=0.1)
     for strategy, report in reports.items():
         assert report["graph_kind"] == "cuda", strategy
         assert report["shapes"] == [64, 128, 256], strategy

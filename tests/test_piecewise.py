@@ -279,3 +279,14 @@ def test_split_ops_replay_as_graphs_only_while_their_captured_metadata_is_curren
         torch.testing.assert_close(got, want, msg=lambda msg, b=lens: f"{b}: {msg}")
     graphs = 2 if attention == "torch_masked" else 0
     assert compiler.stats["split_captures"] == graphs
+
+
+def test_models_with_different_float_attributes_compile_in_one_process():
+    # One shared code name let Dynamo's automatic-dynamic record turn the second model's
+    # norm eps into a dynamic value, which the ops' float arguments refuse.
+    for eps in (1e-5, 1e-6, 1e-4):
+        torch.manual_seed(0)
+        m = Decoder(ModelArgs(layers=1, eps=eps)).eval()
+        r = graphcap.capture(m, "tc_piecewise", buckets=[8], max_requests=1,
+                             attention="torch_masked")
+        _check_batches(m, r, batches=([8], [5]))

@@ -7,11 +7,11 @@
 - ``linear_residual(x, weight, residual)``: ``residual + linear(x)`` (the attention
   output and MLP down projections, closing a residual branch).
 
-Backends, best first: ``triton``, one kernel per op for few rows (16 with the norm, up to
-64 for the residual linears; :func:`graphcap.opsdb.triton.linear.fused_rows` says where
-it stops paying, as measured on the H200); ``composite``, the unfused ops (the
-``rms_norm`` and ``silu_and_mul`` kernels around a cuBLAS matmul), for more rows, where
-cuBLAS's tiles win; ``torch``, the reference.
+Backends, best first: ``triton``, one kernel per op for few rows and weights of up to
+16 MB (:func:`graphcap.opsdb.triton.linear.fused_rows` says where it stopped paying in the
+H200 sweep); ``composite``, the unfused ops (the ``rms_norm`` and ``silu_and_mul`` kernels
+around a cuBLAS matmul), for more rows and larger weights, where cuBLAS wins; ``torch``,
+the reference.
 Intermediates are rounded to the model dtype where the unfused ops store them.
 """
 

@@ -4,6 +4,7 @@ under ``graphcap.capture(model, strategy="tc_piecewise")``."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import types
 
 import torch
@@ -18,12 +19,20 @@ def _entry(model, *args):
     return model(*args)
 
 
+_RUNNERS = itertools.count()
+
+
 def _fresh_entry():
-    """A function of its own code object: Dynamo keeps its compiled code per code object
-    and counts every runner's compile (each with its own backend) against one limit;
-    a code object per runner keeps runners of one model from sharing that budget."""
-    code = _entry.__code__.replace()
-    return types.FunctionType(code, _entry.__globals__, "graphcap_tc_piecewise_forward")
+    """A function of its own code object and name: Dynamo keeps its compiled code per code
+    object and counts every runner's compile (each with its own backend) against one
+    limit, and keeps its automatic-dynamic record per code *name*: one shared name let a
+    second model's different float attribute (its norm eps) turn the eps of every later
+    compile into a dynamic value, which a custom op's float argument refuses (SymFloat on
+    torch 2.11, a tensor read with .item() on 2.13). A fresh name per runner keeps each
+    compile to its own model."""
+    name = f"graphcap_tc_piecewise_forward_{next(_RUNNERS)}"
+    code = _entry.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, _entry.__globals__, name)
 
 
 class CompiledForward:

@@ -60,19 +60,20 @@ def config(mode, m, n, k, sms=1):
 def test_every_mode_and_k_split_matches_the_reference(mode, m, nk, split, dtype, seed):
     n, k = nk
     args, want, x = case(mode, m, n, k, dtype, seed)
-    normed = "norm_weight" in args
-    tiles = dict(config(mode, m, n, k), BLOCK_K=32, SPLIT_K=1 if normed else split)
+    tiles = dict(config(mode, m, n, k), BLOCK_K=32, SPLIT_K=split)
     got = kernel.skinny_linear(x, tiles=tiles, **args)
     torch.testing.assert_close(got, want(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_split_k_counters_reset_so_the_next_launch_reduces_again():
+def test_a_split_k_launch_keeps_no_state_between_calls():
+    # Counters are per call: nothing lives on in a graph pool (torch.compile's
+    # reduce-overhead refused a persistent one, a live tensor no output tracked).
     for seed in range(3):
-        args, want, x = case("residual", 7, 48, 320, torch.float32, seed)
-        tiles = dict(config("residual", 7, 48, 320), SPLIT_K=4, BLOCK_K=32)
+        args, want, x = case("swiglu", 7, 48, 320, torch.float32, seed)
+        tiles = dict(config("swiglu", 7, 48, 320), SPLIT_K=4, BLOCK_K=32)
         torch.testing.assert_close(kernel.skinny_linear(x, tiles=tiles, **args), want(),
                                    atol=1e-4, rtol=1e-4)
-    assert not any(c.any() for c in kernel._COUNTERS.values())
+    assert not [n for n in vars(kernel) if "COUNTER" in n.upper()]
 
 
 def test_the_split_covers_the_sms_and_keeps_two_slices_per_program():
@@ -84,12 +85,6 @@ def test_the_split_covers_the_sms_and_keeps_two_slices_per_program():
     assert config("norm", 16, 4096, 1024, 132)["SPLIT_K"] == 1  # q/k/v
     assert config("swiglu", 16, 3072, 1024, 132)["SPLIT_K"] == 1  # gate/up
     assert config("norm", 1, 151936, 1024, 132)["BLOCK_N"] == 64  # the LM head: wide tiles
-
-
-def test_a_norm_with_a_k_split_is_refused():
-    args, _, x = case("norm", 4, 48, 320, torch.float32, 0)
-    with pytest.raises(ValueError, match="SPLIT_K=1"):
-        kernel.skinny_linear(x, tiles=dict(config("norm", 4, 48, 320), SPLIT_K=2), **args)
 
 
 def test_the_ops_take_the_fused_kernel_only_where_it_was_measured_to_win():
@@ -104,7 +99,7 @@ def test_the_ops_take_the_fused_kernel_only_where_it_was_measured_to_win():
     assert rows("LINEAR_RESIDUAL", (small, None)) == [1, 16, 17, 64]
     assert rows("LINEAR_RESIDUAL", (large, None)) == [1, 16]
     assert rows("RMS_NORM_LINEAR", (g, 1e-6, small, None)) == [1, 16]
-    assert rows("RMS_NORM_LINEAR", (g.half(), 1e-6, small.half(), None)) == []  # overflow
+    assert rows("RMS_NORM_LINEAR", (g, 1e-6, large, None)) == []  # cuBLAS streams it faster
 
 
 def test_more_rows_than_the_kernel_takes_are_refused_and_the_op_falls_back():

@@ -9,11 +9,9 @@ add around them were kernels of their own. Here one kernel does
 
     y = epilogue(prologue(x) @ W^T)      x [M, K], W [N, K] (or [2N, K] for SwiGLU)
 
-- ``NORM``: RMSNorm of each row of x, as ``rstd * ((x * g) @ W^T)``: each x slice is
-  scaled by the norm weight g (rounded to x's dtype for the tensor cores) and its squares
-  summed on the way, and the per-row factor rstd is applied to the float32 accumulator
-  at the end, so no pass over x precedes the matmul (such a pass cost the LM head a
-  third of its time);
+- prologue ``NORM``: RMSNorm of each row of x (a first pass over the row for its sum of
+  squares; each tile is then scaled and rounded to x's dtype, as a separate norm kernel
+  stores it);
 - epilogue ``SWIGLU``: W holds gate rows then up rows; y = silu(gate) * up, each rounded
   to the output dtype first, as the unfused linear stores them;
 - epilogue ``RESIDUAL``: y = residual + (x @ W^T rounded), added in float32;
@@ -22,9 +20,10 @@ add around them were kernels of their own. Here one kernel does
 All M rows sit in one tile (``BLOCK_M`` up to 64); the grid covers N in ``BLOCK_N``
 columns and, when that leaves SMs idle, splits K over ``SPLIT_K`` programs. Split
 programs store float32 partial tiles; the last one to finish a column block (an atomic
-counter) sums them and runs the epilogue, then resets the counter, so no second kernel
-and no zeroing launch is needed and a CUDA graph replays it as it is. The counters are a
-persistent per-device, per-stream buffer; the partials are allocated per call. No host
+counter) sums them and runs the epilogue, so no second kernel is needed. Partials and
+counters are allocated per call (the counters zeroed: one memset): a persistent counter
+buffer would live in whichever graph pool first used it, and torch.compile's
+reduce-overhead refuses a live tensor in its pool that no output tracks. No host
 synchronisation: safe to capture.
 """
 
@@ -37,33 +36,41 @@ import triton.language as tl
 from graphcap.opsdb.triton.common import cast, dot, interpreting, num_sms
 
 MAX_ROWS = 64  # the fused kernel's row limit: beyond it cuBLAS's tiles win
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-_COUNTER_SLOTS = 1 << 16  # column blocks of one launch, at most
 _SMEM_BUDGET = 160 * 1024
 
 
 @triton.jit
-def _k_step(acc, acc_up, squares, k0, x_rows, w_cols, NORM_W, row_ok, col_ok, K, N,
+def _row_rstd(x_rows, row_ok, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of each row, in float32, over all K columns."""
+    offs = tl.arange(0, BLOCK_K)
+    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :],
+                    other=0.0).to(tl.float32)
+        squares += tl.sum(x * x, axis=1)
+    return tl.rsqrt(squares / K + eps)
+
+
+@triton.jit
+def _k_step(acc, acc_up, k0, x_rows, w_cols, NORM_W, rstd, row_ok, col_ok, K, N,
             stride_wn, BLOCK_K: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
             IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-    """One BLOCK_K slice of the product (and of the up half's, for SwiGLU). With NORM the
-    slice is scaled by the norm weight and its squares summed: RMSNorm's per-row factor
-    is applied to the accumulators at the end, so no pass over x precedes the loop."""
+    """One BLOCK_K slice of the product (and of the up half's, for SwiGLU)."""
     ks = k0 + tl.arange(0, BLOCK_K)
     k_ok = ks < K
     x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
     if NORM:
-        x32 = x.to(tl.float32)
-        squares += tl.sum(x32 * x32, axis=1)
         g = tl.load(NORM_W + ks, mask=k_ok, other=0.0).to(tl.float32)
-        x = cast(x32 * g[None, :], x_rows.dtype.element_ty, INTERPRET)
+        x = cast(x.to(tl.float32) * rstd[:, None] * g[None, :], x_rows.dtype.element_ty,
+                 INTERPRET)
     w_mask = col_ok[None, :] & k_ok[:, None]
     w = tl.load(w_cols + ks[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
     acc = dot(x, w, acc, IEEE, INTERPRET)
     if SWIGLU:
         w_up = tl.load(w_cols + N * stride_wn + ks[:, None], mask=w_mask, other=0.0)
         acc_up = dot(x, w_up, acc_up, IEEE, INTERPRET)
-    return acc, acc_up, squares
+    return acc, acc_up
 
 
 @triton.jit
@@ -104,8 +111,10 @@ def _skinny_linear_kernel(
     col_ok = cols < N
     x_rows = X + rows[:, None] * stride_xm
     w_cols = W + cols[None, :].to(tl.int64) * stride_wn
-    tl.static_assert(not NORM or SPLIT_K == 1, "RMSNorm needs every K slice in one program")
-    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:
+        rstd = _row_rstd(x_rows, row_ok, K, eps, BLOCK_M, BLOCK_K)
+    else:
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
 
     per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_lo = pid_k * per_split
@@ -115,20 +124,15 @@ def _skinny_linear_kernel(
     if INTERPRET:  # the interpreter takes no tensor bounds in range()
         k0 = k_lo
         while k0 < k_hi:
-            acc, acc_up, squares = _k_step(acc, acc_up, squares, k0, x_rows, w_cols, NORM_W,
-                                           row_ok, col_ok, K, N, stride_wn, BLOCK_K, NORM,
-                                           SWIGLU, IEEE, INTERPRET)
+            acc, acc_up = _k_step(acc, acc_up, k0, x_rows, w_cols, NORM_W, rstd, row_ok,
+                                  col_ok, K, N, stride_wn, BLOCK_K, NORM, SWIGLU, IEEE,
+                                  INTERPRET)
             k0 += BLOCK_K
     else:  # a for loop, so that Triton pipelines the weight loads (num_stages)
         for k0 in tl.range(k_lo, k_hi, BLOCK_K):
-            acc, acc_up, squares = _k_step(acc, acc_up, squares, k0, x_rows, w_cols, NORM_W,
-                                           row_ok, col_ok, K, N, stride_wn, BLOCK_K, NORM,
-                                           SWIGLU, IEEE, INTERPRET)
-
-    if NORM:  # rms_norm(x) @ W^T == rstd * ((x * g) @ W^T), row by row
-        rstd = tl.rsqrt(squares / K + eps)
-        acc = acc * rstd[:, None]
-        acc_up = acc_up * rstd[:, None]
+            acc, acc_up = _k_step(acc, acc_up, k0, x_rows, w_cols, NORM_W, rstd, row_ok,
+                                  col_ok, K, N, stride_wn, BLOCK_K, NORM, SWIGLU, IEEE,
+                                  INTERPRET)
 
     if SPLIT_K == 1:
         _epilogue(acc, acc_up, rows, cols, row_ok, col_ok, Y, RES, BIAS, stride_ym,
@@ -155,17 +159,15 @@ def _skinny_linear_kernel(
                                         other=0.0, cache_modifier=".cg")
             _epilogue(total, total_up, rows, cols, row_ok, col_ok, Y, RES, BIAS, stride_ym,
                       stride_rm, SWIGLU, RESIDUAL, HAS_BIAS, INTERPRET)
-            tl.atomic_xchg(COUNTS + pid_n, 0)  # ready for the next launch or replay
 
 
 def config(m: int, n: int, k: int, *, norm: bool, swiglu: bool, sms: int) -> dict:
     """Tiles for ``m`` rows, ``n`` output columns, ``k`` inputs: all rows in one tile and
-    as many pipeline stages as fit. Measured on the H200 (qwen3-0.6b and llama3-8b
-    projections, weights cycled through more memory than L2 holds): 32 columns a
-    program, 64 for very wide outputs (LM heads, llama's gate/up); K split until the grid
-    covers the SMs, each split keeping two BLOCK_K slices or more, only without the norm
-    (it needs all of K in one program; the normed projections are wide anyway: splitting
-    them was slower)."""
+    as many pipeline stages as fit. From the H200 sweep (qwen3-0.6b and llama3-8b
+    projections at 16 and 64 rows, weights cycled through more memory than L2 holds): 32
+    columns a program, 64 for very wide outputs (LM heads); K split until the grid covers
+    the SMs, each split keeping two BLOCK_K slices or more, only without the norm (the
+    normed projections are wide: split, their gate/up took 13.4 us against 8.5)."""
     block_m = max(16, triton.next_power_of_2(m))
     block_k = 256 if k >= 512 else max(16, min(128, triton.next_power_of_2(k)))
     block_n = 64 if n >= 8192 else 32
@@ -181,24 +183,15 @@ def config(m: int, n: int, k: int, *, norm: bool, swiglu: bool, sms: int) -> dic
 
 
 def fused_rows(weight: torch.Tensor, norm: bool) -> int:
-    """Up to how many rows the fused kernel beats the unfused ops around cuBLAS, as
-    measured on the H200 (bf16): 16 with the norm fused in, 64 for a residual linear of
-    up to 16 MB of weights (qwen3-0.6b's), 16 for larger ones (llama3-8b's, where cuBLAS
-    catches up at 64 rows). 0 for a norm in float16: the normed product is formed before
-    the per-row factor is applied, and x * weight could overflow float16."""
+    """Up to how many rows the fused kernel beat the unfused ops around cuBLAS in the H200
+    sweep (bf16): with the norm, 16 for weights of up to 16 MB (qwen3-0.6b's q/k/v 7.0 us
+    against 7.1, gate/up 8.5 against 9.7) and none past that (llama3-8b's, the LM heads:
+    cuBLAS streams them faster); a residual linear, 64 rows up to 16 MB and 16 past it
+    (llama3-8b's o and down at 16 rows, where cuBLAS catches up by 64)."""
+    small = weight.numel() * weight.element_size() <= 16 << 20
     if norm:
-        return 0 if weight.dtype == torch.float16 else 16
-    return MAX_ROWS if weight.numel() * weight.element_size() <= 16 << 20 else 16
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    counts = _COUNTERS.get(key)
-    if counts is None:
-        counts = _COUNTERS[key] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32,
-                                              device=device)
-    return counts
+        return 16 if small else 0
+    return MAX_ROWS if small else 16
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
@@ -213,8 +206,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")
-    if norm_weight is not None and tiles is not None and tiles["SPLIT_K"] != 1:
-        raise ValueError("a fused RMSNorm needs SPLIT_K=1 (every K slice in one program)")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and weight need a contiguous last dim")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -224,12 +215,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
                                sms=num_sms(x.device)))
     split = cfg["SPLIT_K"]
     blocks = triton.cdiv(n, cfg["BLOCK_N"])
-    if blocks > _COUNTER_SLOTS:
-        raise ValueError(f"{n} columns need {blocks} column blocks, more than "
-                         f"{_COUNTER_SLOTS}: use a wider BLOCK_N")
     partial = (torch.empty((2 if swiglu else 1) * split * cfg["BLOCK_M"] * n,
                            dtype=torch.float32, device=x.device) if split > 1 else y)
-    counts = _counters(x.device) if split > 1 else y
+    counts = (torch.zeros(blocks, dtype=torch.int32, device=x.device) if split > 1
+              else y)
     res = residual if residual is not None else y
     _skinny_linear_kernel[(blocks, split)](
         x, weight, y, norm_weight if norm_weight is not None else x, res,
