@@ -52,14 +52,18 @@ def _check_batches(m, r, batches=([5, 3], [16], [20, 9, 3])):
         torch.testing.assert_close(r(ids, pos, seq_lens=lens), want)
 
 
+def _captured(layers: int, attention: str):
+    m = decoder(layers)
+    r = graphcap.capture(m, "tc_piecewise", buckets=SIZES, max_requests=4,
+                         attention=attention)
+    return m, r, r.model.compiler.stats
+
+
 @pytest.mark.parametrize("layers", [1, 3])
 def test_counters_one_graph_2l_plus_1_pieces_l_plus_1_captured_no_recompile(layers):
     # torch_varlen attention reads host lengths: its split ops run eagerly between the
     # pieces, so every shape is captured piece by piece.
-    m = decoder(layers)
-    r = graphcap.capture(m, "tc_piecewise", buckets=SIZES, max_requests=4,
-                         attention="torch_varlen")
-    stats = r.model.compiler.stats
+    m, r, stats = _captured(layers, "torch_varlen")
     assert stats["graphs"] == 1
     assert stats["pieces"] == 2 * layers + 1 and stats["split_pieces"] == layers
     assert stats["captured_pieces"] == layers + 1
@@ -72,10 +76,7 @@ def test_counters_one_graph_2l_plus_1_pieces_l_plus_1_captured_no_recompile(laye
 
 @pytest.mark.parametrize("layers", [1, 3])
 def test_a_forward_whose_split_ops_read_static_metadata_is_one_graph_per_shape(layers):
-    m = decoder(layers)
-    r = graphcap.capture(m, "tc_piecewise", buckets=SIZES, max_requests=4,
-                         attention="torch_masked")
-    stats = r.model.compiler.stats
+    m, r, stats = _captured(layers, "torch_masked")
     assert stats["graphs"] == 1 and stats["captured_pieces"] == layers + 1  # compiled once
     assert stats["whole_captures"] == len(SIZES)
     assert stats["captures"] == 0 and stats["split_captures"] == 0  # no graph per piece

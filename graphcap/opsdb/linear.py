@@ -148,34 +148,30 @@ def _inputs(device, dtype, kind: str, max_rows: int = 80):
     return draw()
 
 
-RMS_NORM_LINEAR = register_op(
-    "graphcap::rms_norm_linear",
+def _register(name: str, schema: str, reference, composite, check, *, norm: bool,
+              kind: str, doc: str):
+    return register_op(f"graphcap::{name}", schema, reference=reference,
+                       kernels=_kernels(name, composite, norm), check=check,
+                       inputs=lambda device, dtype: _inputs(device, dtype, kind), doc=doc)
+
+
+RMS_NORM_LINEAR = _register(
+    "rms_norm_linear",
     "(Tensor x, Tensor norm_weight, float eps, Tensor weight, Tensor? bias) -> Tensor",
-    reference=rms_norm_linear_reference,
-    kernels=_kernels("rms_norm_linear", _rms_norm_linear_composite, norm=True),
-    check=check_rms_norm_linear,
-    inputs=lambda device, dtype: _inputs(device, dtype, "plain"),
-    doc="linear(rms_norm(x)): RMSNorm fused into the matmul for few rows",
-)
+    rms_norm_linear_reference, _rms_norm_linear_composite, check_rms_norm_linear,
+    norm=True, kind="plain",
+    doc="linear(rms_norm(x)): RMSNorm fused into the matmul for few rows")
 
-RMS_NORM_SWIGLU = register_op(
-    "graphcap::rms_norm_swiglu",
-    "(Tensor x, Tensor norm_weight, float eps, Tensor weight) -> Tensor",
-    reference=rms_norm_swiglu_reference,
-    kernels=_kernels("rms_norm_swiglu", _rms_norm_swiglu_composite, norm=True),
-    check=check_rms_norm_swiglu,
-    inputs=lambda device, dtype: _inputs(device, dtype, "swiglu"),
-    doc="silu_and_mul(linear(rms_norm(x))): one kernel for the gate/up projection",
-)
+RMS_NORM_SWIGLU = _register(
+    "rms_norm_swiglu", "(Tensor x, Tensor norm_weight, float eps, Tensor weight) -> Tensor",
+    rms_norm_swiglu_reference, _rms_norm_swiglu_composite, check_rms_norm_swiglu,
+    norm=True, kind="swiglu",
+    doc="silu_and_mul(linear(rms_norm(x))): one kernel for the gate/up projection")
 
-LINEAR_RESIDUAL = register_op(
-    "graphcap::linear_residual",
-    "(Tensor x, Tensor weight, Tensor residual) -> Tensor",
-    reference=linear_residual_reference,
-    kernels=_kernels("linear_residual", _linear_residual_composite, norm=False),
-    check=check_linear_residual,
-    inputs=lambda device, dtype: _inputs(device, dtype, "residual"),
-    doc="residual + linear(x): the residual add fused into the matmul for few rows",
-)
+LINEAR_RESIDUAL = _register(
+    "linear_residual", "(Tensor x, Tensor weight, Tensor residual) -> Tensor",
+    linear_residual_reference, _linear_residual_composite, check_linear_residual,
+    norm=False, kind="residual",
+    doc="residual + linear(x): the residual add fused into the matmul for few rows")
 
 __all__ = ["LINEAR_RESIDUAL", "RMS_NORM_LINEAR", "RMS_NORM_SWIGLU"]

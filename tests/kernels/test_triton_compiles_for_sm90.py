@@ -36,11 +36,16 @@ COMPILE_QKV = textwrap.dedent('''
 ''')
 
 
-def test_the_fused_qkv_kernel_compiles_for_sm90_in_every_dtype():
+def compiles(code: str) -> None:
+    """Run ``code`` in a fresh process outside the interpreter; it prints 'compiled'."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", COMPILE_QKV], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def test_the_fused_qkv_kernel_compiles_for_sm90_in_every_dtype():
+    compiles(COMPILE_QKV)
 
 
 COMPILE_LINEAR = textwrap.dedent('''
@@ -73,7 +78,4 @@ COMPILE_LINEAR = textwrap.dedent('''
 
 
 def test_the_fused_linear_kernel_compiles_for_sm90_in_every_mode():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", COMPILE_LINEAR], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    compiles(COMPILE_LINEAR)
