@@ -302,8 +302,9 @@ def test_a_captured_matmul_survives_others_clearing_cublas_workspaces(pool):
 
 
 def test_a_warmup_allocates_from_the_pool_so_the_capture_reuses_its_blocks(pool):
-    """On CUDA graphs a warm-up forward draws on the graph pool: its freed blocks are
-    the capture's, and the capture stream keeps no second cache outside the pool."""
+    """On CUDA graphs the warm-up before a pool's first capture draws on the pool: its
+    freed blocks are the capture's, and the capture stream keeps no second cache outside
+    the pool. Later warm-ups do not (what they keep could sit in a graph's scratch)."""
     if pool.kind != "cuda":
         pytest.skip("the emulator has no memory pool")
     x = torch.randn(1024, 1024, device=pool.device)
@@ -324,3 +325,7 @@ def test_a_warmup_allocates_from_the_pool_so_the_capture_reuses_its_blocks(pool)
     pool_after = pool.bytes()
     assert pool_after <= inside + (2 << 20)  # the capture reused the warm-up's blocks
     assert y.shape == want.shape
+    with pool.warmup():
+        kept = torch.empty(4 << 20, dtype=torch.uint8, device=pool.device)
+    assert pool.bytes() == pool_after  # after a capture, warm-ups allocate outside
+    del kept

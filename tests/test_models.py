@@ -91,3 +91,19 @@ def test_per_request_outputs_refuse_empty_requests_and_fall_back_without_recaptu
                                    every(ids, pos, seq_lens=lens)[ends])
     assert r.report()["fallbacks"] == {"too_many_requests": 5}
     assert r.model.compiler.stats["graphs"] == 1  # no recompilation for the fallbacks
+
+
+@pytest.mark.parametrize("grad", ["inference_mode", "no_grad"])
+def test_a_compiled_decoder_preparing_its_own_metadata_matches_eager(grad):
+    # Dynamo traces AttentionMetadata.update here: the offsets must reach the device
+    # through ops it sees (a numpy view of the host buffer was taken for another tensor).
+    import torch
+
+    m = build_model("tiny")
+    ids, pos = torch.randint(1, 200, (16,)), torch.cat([torch.arange(9), torch.arange(7)])
+    with torch.no_grad():
+        want = m(ids, pos, seq_lens=[9, 7])
+    torch._dynamo.reset()
+    with getattr(torch, grad)():
+        got = torch.compile(m, backend="aot_eager")(ids, pos, seq_lens=[9, 7])
+    torch.testing.assert_close(got, want)

@@ -74,6 +74,13 @@ BAD_CALLS = {
     "qkv width not (H + 2 Hk) * D": (lambda: torch.ops.graphcap.qkv_norm_rope(
         torch.ones(2, 60), torch.zeros(2, dtype=torch.long), None, None, torch.ones(8, 16),
         2, 1, 16, 1e-6), r"\(heads \+ 2 kv heads\) \* head_size = 64"),
+    "strided norm weight": (lambda: torch.ops.graphcap.rms_norm_linear(
+        torch.ones(2, 8), torch.ones(16)[::2], 1e-6, torch.ones(4, 8), None),
+        "norm_weight must be contiguous"),
+    "swiglu weight with odd rows": (lambda: torch.ops.graphcap.rms_norm_swiglu(
+        torch.ones(2, 8), torch.ones(8), 1e-6, torch.ones(5, 8)), "even count"),
+    "residual of another shape": (lambda: torch.ops.graphcap.linear_residual(
+        torch.ones(2, 8), torch.ones(4, 8), torch.ones(3, 4)), "shape of residual"),
     "only one qk-norm weight": (lambda: torch.ops.graphcap.qkv_norm_rope(
         torch.ones(2, 64), torch.zeros(2, dtype=torch.long), torch.ones(16), None,
         torch.ones(8, 16), 2, 1, 16, 1e-6), "both q_weight and k_weight"),

@@ -291,3 +291,13 @@ def test_models_with_different_float_attributes_compile_in_one_process():
         r = graphcap.capture(m, "tc_piecewise", buckets=[8], max_requests=1,
                              attention="torch_masked")
         _check_batches(m, r, batches=([8], [5]))
+
+
+def test_a_shape_captured_whole_keeps_none_of_its_warmup_outputs():
+    # Only where the outputs go is kept: a warm-up's logits for every token of every
+    # shape would otherwise live as long as the runner.
+    _, r, _ = _captured(1, "torch_masked")
+    for entry in r.entries.values():
+        call = entry.replay.__self__.call
+        assert call.outputs is None
+        assert not any(isinstance(c, torch.Tensor) for c in call.returns[1])

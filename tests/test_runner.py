@@ -225,3 +225,28 @@ def test_a_break_that_returns_a_host_value_is_refused_at_capture():
     with pytest.raises(CaptureError, match="returned a host value"):
         graphcap.capture(Normalised(), "breakable", buckets=[4],
                          example_inputs=(torch.randn(4, 2),))
+
+
+def test_a_breakable_capture_used_directly_runs_eagerly_under_other_metadata():
+    # Without the runner: the capture itself checks the state its segments read.
+    from graphcap.breakable import BreakableCapture
+    from graphcap.core import new_pool
+    from graphcap.core.context import forward_context
+
+    m, backend = model(), graphcap.opsdb.attention.get_backend("torch_masked")
+    ids, pos = batch([16])
+    meta = backend.metadata(16, 2, ids.device).update([16])
+
+    def forward():
+        with forward_context(attention=meta):
+            return m(ids, pos)
+
+    bcg = BreakableCapture(new_pool(ids.device))
+    with torch.inference_mode():
+        out = bcg.run(forward)
+        meta = backend.metadata(16, 2, ids.device).update([9, 7])  # another object
+        with forward_context(attention=meta):  # replayed where the state is current
+            assert not bcg.current()
+            bcg.replay()
+    torch.testing.assert_close(out, eager("torch_masked", ids, pos, [9, 7]),
+                               atol=1e-5, rtol=1e-5)

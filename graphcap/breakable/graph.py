@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from graphcap.core.backend import CaptureBackend, Captured, note_state
+from graphcap.core.backend import CaptureBackend, Captured, note_state, states_current
 from graphcap.core.breaks import break_handler
 from graphcap.core.graphs import GraphPool
 from graphcap.core.trees import tensor_leaves
@@ -57,6 +57,8 @@ class BreakableCapture:
         self.states: list[tuple[Callable[[], object], object]] = []  # (graphable, its state)
         self.in_graph = 0  # graphable split ops captured inside a segment
         self._segment = None
+        self._fn: Callable[[], Any] | None = None
+        self._outputs: Any = None
 
     def _open(self) -> None:
         self._segment = self.pool.graph()
@@ -90,6 +92,7 @@ class BreakableCapture:
         return output
 
     def run(self, fn: Callable[[], Any]) -> Any:
+        self._fn = fn
         self._open()
         try:
             with break_handler(self._on_break):
@@ -102,9 +105,23 @@ class BreakableCapture:
                     raise err from exc
             raise
         self._close()
+        self._outputs = out
         return out
 
+    def current(self) -> bool:
+        """True while every static state the segments read is the one they captured."""
+        return states_current(self.states)
+
     def replay(self) -> None:
+        """Segment, break, segment, ...; under another state object than the captured
+        one (the segments would read its buffers) the function runs eagerly instead and
+        its results are copied into the captured outputs."""
+        if not self.current():
+            fresh = self._fn()
+            for kept, new in zip(tensor_leaves(self._outputs), tensor_leaves(fresh),
+                                 strict=True):
+                kept.copy_(new)
+            return
         for item in self.items:
             item.replay()
 

@@ -32,11 +32,16 @@ class Captured:
 
     def current(self) -> bool:
         """True while every static state the graphs read is the one they captured."""
-        return all(graphable() is state for graphable, state in self.states)
+        return states_current(self.states)
 
     @property
     def bytes_held(self) -> int:
         return sum(g.bytes_held for g in self.graphs)
+
+
+def states_current(states: list) -> bool:
+    """True while each ``(graphable, state)`` pair's graphable still returns its state."""
+    return all(graphable() is state for graphable, state in states)
 
 
 def note_state(states: list, graphable: Callable[[], object], state: object) -> None:

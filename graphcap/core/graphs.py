@@ -115,6 +115,7 @@ class CudaGraph(Graph):
         stack.enter_context(torch.cuda.stream(self.pool.stream))
         stack.enter_context(_FrozenGC())
         self.pool.own_cublas_workspace()
+        self.pool._captured_into = True
         self._reserved_before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
         try:
@@ -207,6 +208,7 @@ class GraphPool:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._mempools: list = []
         self._anchors: list = []
+        self._captured_into = False
         self.handle = None
         self._workspace_pool = None
         if self.kind == "cuda":
@@ -223,6 +225,7 @@ class GraphPool:
         self._mempools.append(compat.new_mempool(self.device))
         self.handle = compat.mempool_id(self._mempools[-1])
         self._anchors.append(compat.anchor_graph(self.device, self.handle, self.stream))
+        self._captured_into = False  # no graph of ours has captured into this pool yet
 
     def own_cublas_workspace(self) -> None:
         """Before the first capture into a memory pool: make cuBLAS allocate the
@@ -251,16 +254,18 @@ class GraphPool:
     def warmup(self):
         """Run eager warm-up on the capture stream (lazy init, autotuning, JIT).
 
-        On CUDA graphs its allocations come from the pool too: the blocks a warm-up
-        forward frees are the ones the capture that follows takes, instead of a second
-        cache of the same size held for the capture stream outside the pool. Tensors a
-        warm-up keeps (an eager break's output) live in the pool, which outlives them."""
+        On CUDA graphs, until the pool's first capture, its allocations come from the
+        pool too: the blocks the first (largest) warm-up frees are the ones the capture
+        that follows takes, instead of a second cache of that size held for the capture
+        stream outside the pool. Not after: a tensor a later warm-up keeps (a library's
+        lazily made buffer, an eager break's output) could sit in blocks an earlier graph
+        uses as scratch and be overwritten by its replay."""
         if self.stream is None:
             yield
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        into = compat.allocate_to(self._mempools[-1], self.device) if self._mempools \
-            else contextlib.nullcontext()
+        into = compat.allocate_to(self._mempools[-1], self.device) \
+            if self._mempools and not self._captured_into else contextlib.nullcontext()
         with torch.cuda.stream(self.stream), into:
             yield
         torch.cuda.current_stream(self.device).wait_stream(self.stream)

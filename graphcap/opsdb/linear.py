@@ -89,6 +89,7 @@ def _check_x_weight(op, x, weight):
 
 def _check_norm(op, x, norm_weight, eps):
     checks.tensor(op, "norm_weight", norm_weight, ndim=1, device=x.device)
+    checks.last_dim_contiguous(op, "norm_weight", norm_weight)
     checks.same(op, "the hidden size", x.shape[1], norm_weight.shape[0], "x", "norm_weight")
     if not eps > 0:
         raise checks.OpInputError(f"{op}: eps must be > 0, got {eps}")
@@ -100,6 +101,7 @@ def check_rms_norm_linear(x, norm_weight, eps, weight, bias=None):
     _check_norm(op, x, norm_weight, eps)
     if bias is not None:
         checks.tensor(op, "bias", bias, ndim=1, dtypes=(x.dtype,), device=x.device)
+        checks.last_dim_contiguous(op, "bias", bias)
         checks.same(op, "the output size", bias.shape[0], weight.shape[0], "bias", "weight")
 
 

@@ -64,8 +64,9 @@ def mutated_inputs(module: torch.nn.Module) -> set[int]:
 def token_arg(gm: torch.fx.GraphModule) -> int | None:
     """Which argument of Dynamo's graph gives the token count: the first placeholder that
     is a dynamic size (a SymInt) or a tensor whose dim 0 is one (the token inputs are
-    marked dynamic in dim 0). Pieces take it from the call, not from their own first
-    tensor, which may be a weight or the request rows of last-token logits."""
+    marked dynamic in dim 0), else the first tensor input that is no parameter or buffer.
+    Pieces take it from the call, not from their own first tensor, which may be a weight
+    or the request rows of last-token logits."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, node in enumerate(placeholders):
         value = node.meta.get("example_value")
@@ -73,6 +74,13 @@ def token_arg(gm: torch.fx.GraphModule) -> int | None:
             return i
         if isinstance(value, torch.Tensor) and value.dim() and isinstance(value.shape[0],
                                                                          torch.SymInt):
+            return i
+    # A graph of static shapes: the first input that is not a module's parameter or
+    # buffer (Dynamo names those after their attribute path).
+    for i, node in enumerate(placeholders):
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor) and value.dim() and not any(
+                part in node.name for part in ("_parameters_", "_buffers_")):
             return i
     return None
 

@@ -43,8 +43,11 @@ class Call:
 
     def learn_returns(self, value, tokens: int) -> None:
         """Map the model's return value onto the graph's outputs, by identity; a tensor
-        the compiled code made outside the graph leaves the call unreplayable."""
+        the compiled code made outside the graph leaves the call unreplayable. The
+        warm-up's outputs are dropped either way: only where they go is kept (a shape's
+        logits for every token would otherwise live as long as the runner)."""
         outs = self.outputs if isinstance(self.outputs, tuple | list) else (self.outputs,)
+        self.outputs = None
         leaves, spec = tree_flatten(value)
         where = []
         for leaf in leaves:
@@ -53,7 +56,9 @@ class Call:
                 return
             where.append(i)
         self.tokens = tokens
-        self.returns = (where, leaves, spec)
+        constants = [None if i is not None else leaf for i, leaf in zip(where, leaves,
+                                                                         strict=True)]
+        self.returns = (where, constants, spec)
 
     def replayable(self, tokens: int) -> bool:
         return self.static and self.returns is not None and self.tokens == tokens

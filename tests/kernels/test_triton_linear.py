@@ -65,6 +65,19 @@ def test_every_mode_and_k_split_matches_the_reference(mode, m, nk, split, dtype,
     torch.testing.assert_close(got, want(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("mode", ["norm", "swiglu", "residual"])
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_every_tile_choice_fits_the_shared_memory_in_each_dtype(m, mode, element_size):
+    # float32 halves what fits: 16-row SwiGLU tiles of bf16's size asked 259 KiB.
+    for n, k in ((1024, 3072), (3072, 1024), (14336, 4096), (151936, 1024)):
+        t = kernel.config(m, n, k, norm=mode != "residual", swiglu=mode == "swiglu",
+                          sms=132, element_size=element_size)
+        tiles = 2 if mode == "swiglu" else 1
+        stage = element_size * t["BLOCK_K"] * (t["BLOCK_M"] + t["BLOCK_N"] * tiles)
+        assert t["num_stages"] >= 2 and t["num_stages"] * stage <= kernel._SMEM_BUDGET
+
+
 def test_a_split_k_launch_keeps_no_state_between_calls():
     # Counters are per call: nothing lives on in a graph pool (torch.compile's
     # reduce-overhead refused a persistent one, a live tensor no output tracked).

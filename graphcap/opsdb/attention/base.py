@@ -11,6 +11,7 @@ every batch that fits the shape. Rows past the real tokens (padding) come out ze
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -56,14 +57,22 @@ class AttentionMetadata:
         lens = validate_seq_lens(seq_lens, self.num_tokens, self.num_slots)
         if self._copied is not None:
             self._copied.synchronize()
-        offsets = self._offsets_host
-        offsets[1:len(lens) + 1] = lens
-        offsets[len(lens) + 1:] = 0  # sentinels: length 0, parked at the real token count
-        np.cumsum(offsets, out=offsets)
+        total = sum(lens)
+        if torch.compiler.is_compiling():
+            # Traced (a compiled model preparing its own metadata): Dynamo takes a numpy
+            # view for a tensor of its own and would drop writes through it.
+            padded = lens + [0] * (self.num_slots - len(lens))
+            self.cu_seqlens_host.copy_(torch.tensor(
+                [0, *itertools.accumulate(padded)], dtype=torch.int32))
+        else:  # a write into the pinned buffer, no torch op on the replay path
+            offsets = self._offsets_host
+            offsets[1:len(lens) + 1] = lens
+            offsets[len(lens) + 1:] = 0  # sentinels: length 0, parked at the real count
+            np.cumsum(offsets, out=offsets)
         self.cu_seqlens.copy_(self.cu_seqlens_host, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        self.seq_lens, self.num_real_tokens = lens, int(offsets[-1])
+        self.seq_lens, self.num_real_tokens = lens, total
         if derive:
             self.derive()
         self.backend.plan(self)

@@ -161,23 +161,31 @@ def _skinny_linear_kernel(
                       stride_rm, SWIGLU, RESIDUAL, HAS_BIAS, INTERPRET)
 
 
-def config(m: int, n: int, k: int, *, norm: bool, swiglu: bool, sms: int) -> dict:
-    """Tiles for ``m`` rows, ``n`` output columns, ``k`` inputs: all rows in one tile and
-    as many pipeline stages as fit. From the H200 sweep (qwen3-0.6b and llama3-8b
-    projections at 16 and 64 rows, weights cycled through more memory than L2 holds): 32
-    columns a program, 64 for very wide outputs (LM heads); K split until the grid covers
-    the SMs, each split keeping two BLOCK_K slices or more, only without the norm (the
-    normed projections are wide: split, their gate/up took 13.4 us against 8.5)."""
+def config(m: int, n: int, k: int, *, norm: bool, swiglu: bool, sms: int,
+           element_size: int = 2) -> dict:
+    """Tiles for ``m`` rows, ``n`` output columns, ``k`` inputs of ``element_size``
+    bytes: all rows in one tile and as many pipeline stages as fit the shared memory
+    (at least two; BLOCK_K shrinks until two do, for float32). From the H200 sweep
+    (qwen3-0.6b and llama3-8b projections at 16 and 64 rows, bf16, weights cycled through
+    more memory than L2 holds): 32 columns a program, 64 for very wide outputs (LM
+    heads); K split until the grid covers the SMs, each split keeping two BLOCK_K slices
+    or more, only without the norm (the normed projections are wide: split, their
+    gate/up took 13.4 us against 8.5)."""
     block_m = max(16, triton.next_power_of_2(m))
     block_k = 256 if k >= 512 else max(16, min(128, triton.next_power_of_2(k)))
     block_n = 64 if n >= 8192 else 32
+
+    def per_stage(bk: int) -> int:  # the x tile and the weight tile(s) of one stage
+        return element_size * bk * (block_m + block_n * (2 if swiglu else 1))
+
+    while block_k > 32 and 2 * per_stage(block_k) > _SMEM_BUDGET:
+        block_k //= 2
     blocks = triton.cdiv(n, block_n)
     slices = triton.cdiv(k, block_k)
     split = 1
     while not norm and blocks * split < sms and slices >= 4 * split and split < 8:
         split *= 2
-    per_stage = 2 * block_k * (block_m + block_n * (2 if swiglu else 1))
-    stages = max(2, min(4, _SMEM_BUDGET // per_stage))
+    stages = max(2, min(4, _SMEM_BUDGET // per_stage(block_k)))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split,
             "num_warps": 4, "num_stages": stages}
 
@@ -212,7 +220,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
     if m == 0 or n == 0:
         return y
     cfg = dict(tiles or config(m, n, k, norm=norm_weight is not None, swiglu=swiglu,
-                               sms=num_sms(x.device)))
+                               sms=num_sms(x.device), element_size=x.element_size()))
     split = cfg["SPLIT_K"]
     blocks = triton.cdiv(n, cfg["BLOCK_N"])
     partial = (torch.empty((2 if swiglu else 1) * split * cfg["BLOCK_M"] * n,
