@@ -119,3 +119,25 @@ def test_results_are_never_overwritten_silently(tmp_path, monkeypatch):
     second = write_result({"a": 2}, None, "r.json")
     assert first.name == "r.json" and second.name == "r-2.json"
     assert first.read_text().strip().endswith("}")
+
+
+def test_the_linear_cases_time_both_kernels_and_judge_only_where_dispatch_fuses(
+        monkeypatch):
+    # Shapes shrunk for the interpreter; the timer runs each call once.
+    from graphcap.bench import ops as bench_ops
+
+    calls = []
+    monkeypatch.setattr(bench_ops, "DTYPE", torch.float32)
+    monkeypatch.setattr(bench_ops, "LINEAR_SHAPES", [("rms_norm_swiglu", 48, 64),
+                                                      ("linear_residual", 32, 96)])
+    monkeypatch.setattr(bench_ops, "cycled_ms",
+                        lambda fns: calls.append([f() for f in fns]) or 1.0)
+    rows = bench_ops._linear_cases("cpu", rows=(4, 40), cycle_bytes=1 << 14)
+    assert [(r["op"], r["tokens"], r["takes_fused"]) for r in rows] == [
+        ("rms_norm_swiglu", 4, True), ("rms_norm_swiglu", 40, False),
+        ("linear_residual", 4, True), ("linear_residual", 40, True)]
+    assert len(calls) == 8 and all(out.shape[0] in (4, 40) for c in calls for out in c)
+    verdicts = bench_ops._verdicts(rows)
+    assert [(v["op"], v["tokens"]) for v in verdicts] == [
+        ("rms_norm_swiglu", 4), ("linear_residual", 4), ("linear_residual", 40)]
+    assert all(v["met"] and v["vs"] == "composite" for v in verdicts)

@@ -39,3 +39,18 @@ def graphed_ms(fn, *, calls: int = 20, warmup: int = 5, reps: int = 20) -> float
     graph = pool.graph()
     graph.capture(many)
     return median_ms(graph.replay, warmup=warmup, reps=reps) / calls
+
+
+def cycled_ms(calls, *, warmup: int = 3, reps: int = 20) -> float:
+    """Device time of one call among ``calls`` (callables over distinct weights, as many
+    as it takes to exceed the L2 cache), captured in one CUDA graph and replayed: each
+    call reads its weights from memory, as a model's layers do."""
+    from graphcap.core.graphs import new_pool
+
+    pool = new_pool("cuda")
+    with pool.warmup():
+        for call in calls:
+            call()
+    graph = pool.graph()
+    graph.capture(lambda: [call() for call in calls])
+    return median_ms(graph.replay, warmup=warmup, reps=reps) / len(calls)
