@@ -28,13 +28,11 @@ load is masked to the request's own rows, so NaN or Inf in padding cannot leak.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from graphcap.opsdb.triton.common import num_sms
+from graphcap.opsdb.triton.common import interpreting, num_sms
 
 _LOG2E = 1.4426950408889634
 
@@ -268,7 +266,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     if T == 0 or Hq == 0:
         return out
 
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = interpreting()
     max_seqlen = max(int(max_seqlen), 1)
     programs_at_128 = triton.cdiv(max_seqlen, 128) * num_req * Hq
     block_m, block_n, num_warps, num_stages = _config(

@@ -47,13 +47,11 @@ bfloat16) and the K loops have constant bounds (it cannot take tensor bounds in 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from graphcap.opsdb.triton.common import dot
+from graphcap.opsdb.triton.common import dot, interpreting
 
 __all__ = ["moe_topk_softmax", "moe_experts"]
 
@@ -346,7 +344,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     weights = topk_weights.reshape(-1)
     if not weights.is_contiguous():
         weights = weights.contiguous()
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = interpreting()
     ieee = x.dtype == torch.float32 or w13.dtype == torch.float32
     # Smaller tiles for 4-byte inputs keep the pipelined shared memory in budget.
     wide = w13.element_size() <= 2
