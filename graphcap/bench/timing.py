@@ -26,19 +26,7 @@ def median_ms(fn, *, warmup: int = 10, reps: int = 50) -> float:
 def graphed_ms(fn, *, calls: int = 20, warmup: int = 5, reps: int = 20) -> float:
     """Device time of one ``fn()``: ``calls`` back-to-back calls captured in one CUDA graph,
     replayed; launch overhead and Python stay out of the figure."""
-    from graphcap.core.graphs import new_pool
-
-    pool = new_pool("cuda")
-    with pool.warmup():
-        fn()
-
-    def many():
-        for _ in range(calls):
-            fn()
-
-    graph = pool.graph()
-    graph.capture(many)
-    return median_ms(graph.replay, warmup=warmup, reps=reps) / calls
+    return cycled_ms([fn] * calls, warmup=warmup, reps=reps)
 
 
 def cycled_ms(calls, *, warmup: int = 3, reps: int = 20) -> float:
@@ -49,7 +37,7 @@ def cycled_ms(calls, *, warmup: int = 3, reps: int = 20) -> float:
 
     pool = new_pool("cuda")
     with pool.warmup():
-        for call in calls:
+        for call in dict.fromkeys(calls):  # each distinct callable once
             call()
     graph = pool.graph()
     graph.capture(lambda: [call() for call in calls])
