@@ -34,7 +34,7 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
             buckets=None, max_requests: int | None = None, attention: str | None = None,
             debug: bool = False, fallback: bool = True, copy_outputs: bool = True,
             example_inputs: tuple | None = None, compiler: str = "eager",
-            progress=None) -> Runner:
+            warmup: str = "first", progress=None) -> Runner:
     """Capture ``model`` under ``strategy`` and return a runner callable like the model.
 
     ``strategy``: ``"eager"`` (no graphs), ``"breakable"`` (graph segments, eager breaks at
@@ -49,6 +49,11 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
     one eager break. ``fallback=False`` makes batches that fit no graph an error.
     ``copy_outputs=False`` returns views of the runner's buffers, overwritten by the next
     call. ``compiler`` (tc_piecewise): ``"eager"`` or ``"inductor"`` pieces.
+    ``warmup``: ``"first"`` runs one eager warm-up forward, before the first (largest)
+    shape's capture, and captures the others directly; a shape whose direct capture fails
+    (a kernel compiling on its first launch, a library's lazy set-up) is warmed up and
+    captured again, counted in ``report()["warmup_retries"]``. ``"every"`` warms up every
+    shape first. tc_piecewise warms every shape (its warm-ups compile).
     ``progress(done, total)`` is called after each captured shape (a progress bar). Prefill
     models, ``forward(input_ids, positions)``, are called as
     ``runner(input_ids, positions, seq_lens=[...])``; any other module as
@@ -74,6 +79,9 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
         if max_tokens is not None and max_tokens != ladder[-1]:
             raise ValueError(f"max_tokens={max_tokens} differs from the largest bucket "
                              f"{ladder[-1]}: give one of them, or make them agree")
+    if warmup not in ("first", "every"):
+        raise ValueError(f"warmup={warmup!r}: use 'first' (warm up the first shape, "
+                         "capture the rest directly) or 'every' (warm up every shape)")
     requests = max_requests if max_requests is not None else max(ladder[-1] // 512, 1)
     if requests < 1:
         raise ValueError(f"max_requests must be >= 1, got {requests}")
@@ -89,7 +97,8 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
             f"{type(model).__name__}.output_rows is {rows!r}: use 'tokens' (a row per token) "
             "or, for prefill models only, 'requests' (a row per request, e.g. last-token "
             "logits)")
-    config = RunnerConfig(ladder, requests, attn, fallback, copy_outputs, output_rows=rows)
+    config = RunnerConfig(ladder, requests, attn, fallback, copy_outputs, output_rows=rows,
+                          warmup=warmup)
     if strategy == "tc_piecewise":
         from graphcap.piecewise import CompiledForward, PiecewiseBackend, PiecewiseCompiler
 

@@ -2,7 +2,8 @@
 ladder (to 2048 tokens) captured under each strategy.
 
 build: wall seconds to capture every shape, split into compile-and-warm-up seconds (the
-first forward of each shape, where tc_piecewise compiles its pieces) and capture seconds.
+eager warm-up forwards: tc_piecewise's of every shape, where it compiles its pieces, the
+other strategies' of the first shape only, unless ``-warm-every``) and capture seconds.
 Before any arm, one eager forward per shape JIT-compiles the kernels (Triton, FA4's CuTe
 DSL) that every arm, eager included, would otherwise build on first use, and one capture
 of the smallest shape pays the process's first CUDA graph: their seconds are reported
@@ -30,13 +31,17 @@ from graphcap.bench.targets import build_targets, memory_targets
 from graphcap.core.buckets import prefill_ladder
 from graphcap.models import build_model
 
-BUILD_ARMS = ("breakable", "full", "tc_piecewise-eager", "tc_piecewise-inductor")
+# breakable-warm-every: breakable warming up every shape before its capture, the way it
+# built before warm-ups were limited to the first shape (the comparison in one run).
+BUILD_ARMS = ("breakable", "breakable-warm-every", "full", "tc_piecewise-eager",
+              "tc_piecewise-inductor")
 MEMORY_ARMS = ("breakable", "full", "tc_piecewise-eager")
 
 
 def _capture(model, arm: str, max_tokens: int, attention: str):
-    strategy, _, compiler = arm.partition("-")
-    kwargs = {"compiler": compiler} if compiler else {}
+    strategy, _, variant = arm.partition("-")
+    kwargs = ({"warmup": "every"} if variant == "warm-every"
+              else {"compiler": variant} if variant else {})
     torch.cuda.synchronize()
     start = time.perf_counter()
     runner = graphcap.capture(model, strategy, max_tokens=max_tokens, attention=attention,
@@ -87,6 +92,7 @@ def build(model_name: str = "qwen3-0.6b", arms=BUILD_ARMS, max_tokens: int = 204
                     "compile_and_warmup_s": report["build_s"]["warmup"],
                     "capture_s": report["build_s"]["capture"],
                     "first_shape_s": report["build_s"]["first_shape"],
+                    "warmups": report["warmups"], "warmup_retries": report["warmup_retries"],
                     "segments_at_max": report["segments"][max_tokens],
                     "graph_pool_bytes": report["graph_pool_bytes"]}
         del runner
@@ -146,9 +152,12 @@ def memory(model_name: str = "qwen3-0.6b", arms=MEMORY_ARMS, max_tokens: int = 2
         call_of(runner)(max_tokens)
         arm_transient, _ = _largest_prefill(call_of(runner), max_tokens)
         pool = runner.report()["graph_pool_bytes"]
+        parts = runner.pool.breakdown()
         out[arm] = {"graph_pool_bytes": pool, "transient_bytes": arm_transient,
                     "peak_bytes": torch.cuda.max_memory_reserved(),
-                    "reserved_outside_pool_bytes": torch.cuda.memory_reserved() - pool}
+                    "reserved_outside_pool_bytes": torch.cuda.memory_reserved() - pool,
+                    "pool_live_bytes": parts["live"], "pool_segments": parts["segments"],
+                    "pool_largest_segment_bytes": parts["largest_segment"]}
         del runner
         _collect()
         if progress is not None:

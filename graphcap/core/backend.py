@@ -57,6 +57,9 @@ class CaptureBackend:
 
     strategy = "base"
     captures = True
+    # True when ``watch`` needs the runner's warm-up forward of every shape (the runner
+    # then warms each one); otherwise only the first shape is warmed up.
+    watches_warmup = False
 
     def watch(self, key: Any):
         """A context around the runner's warm-up forward of shape ``key``, the call just

@@ -270,16 +270,28 @@ class GraphPool:
             yield
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
+    def _segments(self) -> list[dict]:
+        ids = {compat.mempool_id(p) for p in self._mempools}
+        return [seg for seg in torch.cuda.memory.memory_snapshot()
+                if tuple(seg.get("segment_pool_id", ())) in ids]
+
     def bytes(self) -> int:
         """Memory held by this pool's graphs (CUDA: the pool's segments)."""
         if self.kind == "cuda":
-            ids = {compat.mempool_id(p) for p in self._mempools}
-            return sum(
-                seg["total_size"]
-                for seg in torch.cuda.memory.memory_snapshot()
-                if tuple(seg.get("segment_pool_id", ())) in ids
-            )
+            return sum(seg["total_size"] for seg in self._segments())
         return sum(g.bytes_held for g in self._graphs)
+
+    def breakdown(self) -> dict:
+        """CUDA: where the pool's bytes are: ``segments`` (count), ``reserved`` (their
+        bytes), ``live`` (bytes of blocks a tensor still holds, e.g. a workspace or a
+        buffer a graph keeps; the rest is graph scratch), ``largest_segment``."""
+        if self.kind != "cuda":
+            return {"reserved": self.bytes()}
+        segs = self._segments()
+        return {"segments": len(segs), "reserved": sum(s["total_size"] for s in segs),
+                "live": sum(b["size"] for s in segs for b in s["blocks"]
+                            if b["state"].startswith("active")),
+                "largest_segment": max((s["total_size"] for s in segs), default=0)}
 
 
 def new_pool(device: torch.device | str | None = None, kind: str | None = None) -> GraphPool:

@@ -27,7 +27,7 @@ from graphcap.core.backend import CaptureBackend, Captured
 from graphcap.core.buckets import pick_bucket
 from graphcap.core.context import forward_context
 from graphcap.core.graphs import new_pool
-from graphcap.errors import UnsupportedStrategy
+from graphcap.errors import CaptureError, UnsupportedStrategy
 
 
 @dataclass
@@ -41,6 +41,11 @@ class RunnerConfig:
     # "tokens": outputs have a row per token; "requests" (prefill models that return one
     # row per request, e.g. last-token logits): a row per request slot.
     output_rows: str = "tokens"
+    # "first": an eager warm-up forward before the first (largest) shape's capture only;
+    # later shapes are captured directly, and one whose capture fails is warmed up and
+    # captured again. "every": a warm-up before every capture. A backend that watches
+    # warm-ups (tc_piecewise compiles in them) warms every shape either way.
+    warmup: str = "first"
 
 
 @dataclass
@@ -51,6 +56,8 @@ class Stats:
     eager_replays: Counter = field(default_factory=Counter)  # captured state not current
     warmup_s: float = 0.0
     capture_s: float = 0.0
+    warmups: int = 0  # eager warm-up forwards run before a capture
+    warmup_retries: int = 0  # shapes whose direct capture failed, then warmed and captured
     first_shape_s: float | None = None  # warm-up and capture of the first (largest) shape
 
 
@@ -126,6 +133,7 @@ class Runner:
                 if self._last_rows is not None:
                     meta.last_token_rows(out=self._last_rows)
             flat, spec = tree_flatten(self._forward(tokens))
+            self._check_outputs(flat, tokens)
             self._out_spec = spec
             for buf, out in zip(self._outputs, flat, strict=True):
                 buf[:rows].copy_(out)
@@ -139,30 +147,57 @@ class Runner:
             self.metadata[tokens] = meta.update([tokens])
             if self._last_rows is not None:
                 meta.last_token_rows(out=self._last_rows)
+        if not self._warms(tokens):
+            try:
+                self._capture_timed(tokens)
+                return
+            except CaptureError:
+                # Something this shape runs for the first time cannot run under capture
+                # (a kernel's JIT loads a module, a library's lazy set-up synchronises):
+                # warm it up eagerly, as the first shape was, and capture again.
+                self.stats.warmup_retries += 1
+        self._warm_up(tokens)
+        self._capture_timed(tokens)
+
+    def _warms(self, tokens: int) -> bool:
+        """Whether shape ``tokens`` gets an eager warm-up forward before its capture."""
+        return (not self._outputs or self.config.warmup == "every"
+                or self.backend.watches_warmup)
+
+    def _warm_up(self, tokens: int) -> None:
         start = time.perf_counter()
         with self.pool.warmup(), self.backend.watch(tokens):
             flat, _ = tree_flatten(self._forward(tokens))
+        self._check_outputs(flat, tokens)
+        if not self._outputs:
+            self._outputs = [torch.empty((self._rows(self.max_tokens), *o.shape[1:]),
+                                         dtype=o.dtype, device=o.device) for o in flat]
+        self.stats.warmups += 1
+        self.stats.warmup_s += time.perf_counter() - start
+
+    def _capture_timed(self, tokens: int) -> None:
+        start = time.perf_counter()
+        try:
+            self.entries[tokens] = self.backend.capture(self._captured_fn(tokens), tokens,
+                                                        self.pool)
+        finally:
+            self.stats.capture_s += time.perf_counter() - start
+        if self.stats.first_shape_s is None:
+            self.stats.first_shape_s = self.stats.warmup_s + self.stats.capture_s
+
+    def _check_outputs(self, flat: list, tokens: int) -> None:
         rows = self._rows(tokens)
         bad = [tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__
                for o in flat if not isinstance(o, torch.Tensor)
                or o.dim() == 0 or o.shape[0] != rows]
-        if bad:
+        if bad or (self._outputs and len(flat) != len(self._outputs)):
             what = ("one row per request slot (output_rows='requests')"
                     if self.config.output_rows == "requests" else "one row per token")
             raise UnsupportedStrategy(
-                f"the model returned {bad} for {tokens} tokens: a captured model must "
-                f"return tensors with {what} along dim 0 ({rows} here; rows are padded and "
-                "sliced), each row depending only on its own request's tokens")
-        if not self._outputs:
-            self._outputs = [torch.empty((self._rows(self.max_tokens), *o.shape[1:]),
-                                         dtype=o.dtype, device=o.device) for o in flat]
-        self.stats.warmup_s += time.perf_counter() - start
-        start = time.perf_counter()
-        self.entries[tokens] = self.backend.capture(self._captured_fn(tokens), tokens,
-                                                    self.pool)
-        self.stats.capture_s += time.perf_counter() - start
-        if self.stats.first_shape_s is None:
-            self.stats.first_shape_s = self.stats.warmup_s + self.stats.capture_s
+                f"the model returned {bad or f'{len(flat)} outputs'} for {tokens} tokens: "
+                f"a captured model must return tensors with {what} along dim 0 ({rows} "
+                "here; rows are padded and sliced), each row depending only on its own "
+                "request's tokens, and the same outputs for every shape")
 
     # -- calls ---------------------------------------------------------------------
     def __call__(self, *args, seq_lens=None):
@@ -262,7 +297,9 @@ class Runner:
         """Shapes; per shape the graphs replayed (``segments``), the functions run eagerly
         between them (``breaks``) and the split ops captured inside a graph
         (``splits_in_graph``); graph memory, build seconds, counters (``eager_replays``:
-        calls that ran eagerly because a captured state object was no longer current)."""
+        calls that ran eagerly because a captured state object was no longer current);
+        ``warmups``: eager warm-up forwards before captures, ``warmup_retries``: shapes
+        whose direct capture failed and were warmed up and captured again."""
         return {
             "strategy": self.backend.strategy,
             "device": str(self.device),
@@ -275,6 +312,8 @@ class Runner:
             "build_s": {"warmup": round(self.stats.warmup_s, 4),
                         "capture": round(self.stats.capture_s, 4),
                         "first_shape": round(self.stats.first_shape_s or 0.0, 4)},
+            "warmups": self.stats.warmups,
+            "warmup_retries": self.stats.warmup_retries,
             "calls": self.stats.calls,
             "replays": dict(self.stats.replays),
             "fallbacks": dict(self.stats.fallbacks),

@@ -82,6 +82,7 @@ class PiecewiseBackend(CaptureBackend):
     its pieces on its second call at a capture size, and replay calls it again."""
 
     strategy = "tc_piecewise"
+    watches_warmup = True  # each shape's warm-up compiles (or re-guards) the forward
 
     def __init__(self, compiler: PiecewiseCompiler):
         self.compiler = compiler

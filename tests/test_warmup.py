@@ -1,0 +1,113 @@
+"""Warm-up before capture: by default only the first (largest) shape runs an eager warm-up
+forward; the others are captured directly, and a shape whose direct capture fails (its
+first launch does something a capture refuses) is warmed up and captured again.
+
+Each test runs on the CPU emulator, and with ``-m gpu`` on real CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphcap
+from graphcap.errors import UnsupportedStrategy
+from graphcap.models import MLP
+from tests.conftest import requires_cuda
+
+BUCKETS = [4, 8, 16]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda])]
+
+
+class LazyPerShape(torch.nn.Module):
+    """An MLP that, the first time it sees a row count, sets up a per-shape constant by
+    reading a device value on the host, as a library's lazy set-up or a kernel's first
+    launch might: a capture refuses that, a warm-up does not mind."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.mlp = MLP(width, depth=2)
+        self.scales: dict[int, torch.Tensor] = {}
+
+    def forward(self, x):
+        n = x.shape[0]
+        if n not in self.scales:
+            norm = float(self.mlp.net[0].weight.norm().item())  # a host read: not in a graph
+            self.scales[n] = torch.full((1,), 1.0 + norm / 10, device=x.device)
+        return self.mlp(x) * self.scales[n]
+
+
+def check_every_bucket(r, model, width, device):
+    for rows in (3, 4, 7, 8, 16):
+        x = torch.randn(rows, width, device=device)
+        with torch.no_grad():
+            torch.testing.assert_close(r(x), model(x), atol=1e-5, rtol=1e-5)
+    assert sum(r.stats.replays.values()) == 5 and r.stats.fallbacks == {}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("strategy", ["full", "breakable"])
+def test_only_the_first_shape_is_warmed_up_and_every_shape_replays_like_eager(strategy, device):
+    torch.manual_seed(0)
+    m = MLP(16, depth=2).to(device)
+    r = graphcap.capture(m, strategy, buckets=BUCKETS, example_inputs=(torch.randn(4, 16,
+                         device=device),))
+    rep = r.report()
+    assert rep["shapes"] == BUCKETS
+    assert (rep["warmups"], rep["warmup_retries"]) == (1, 0)
+    check_every_bucket(r, m, 16, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("strategy", ["full", "breakable"])
+def test_a_shape_whose_direct_capture_fails_is_warmed_up_and_captured_again(strategy, device):
+    torch.manual_seed(0)
+    m = LazyPerShape().to(device)
+    r = graphcap.capture(m, strategy, buckets=BUCKETS, example_inputs=(torch.randn(4, 16,
+                         device=device),))
+    rep = r.report()
+    # 16 is warmed first; 8 and 4 fail their direct capture on the host read, then warm up.
+    assert (rep["warmups"], rep["warmup_retries"]) == (3, 2)
+    assert sorted(m.scales) == BUCKETS
+    check_every_bucket(r, m, 16, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_warmup_every_warms_each_shape(device):
+    m = MLP(16, depth=2).to(device)
+    r = graphcap.capture(m, "full", buckets=BUCKETS, warmup="every",
+                         example_inputs=(torch.randn(4, 16, device=device),))
+    assert (r.report()["warmups"], r.report()["warmup_retries"]) == (3, 0)
+    check_every_bucket(r, m, 16, device)
+
+
+def test_tc_piecewise_warms_every_shape_since_its_warm_ups_compile():
+    m = MLP(8, depth=1)
+    r = graphcap.capture(m, "tc_piecewise", buckets=[4, 8],
+                         example_inputs=(torch.randn(8, 8),))
+    assert r.report()["warmups"] == 2
+
+
+def test_an_unknown_warmup_mode_is_an_error_naming_the_modes():
+    with pytest.raises(ValueError, match="warmup='some'.*'first'.*'every'"):
+        graphcap.capture(MLP(8, depth=1), "full", buckets=[4], warmup="some",
+                         example_inputs=(torch.randn(4, 8),))
+
+
+class RowsDropAtFour(torch.nn.Module):
+    """Returns a row per token except at 4 rows, where it drops one: wrong for a graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP(8, depth=1)
+
+    def forward(self, x):
+        out = self.mlp(x)
+        return out[:3] if x.shape[0] == 4 else out
+
+
+def test_wrong_outputs_of_a_directly_captured_shape_are_an_error_naming_the_shape():
+    # 8 rows are warmed up and fine; 4 is captured directly, and its outputs are checked
+    # inside the capture as the warm-up's are.
+    with pytest.raises(UnsupportedStrategy, match=r"\[\(3, 8\)\] for 4 tokens.*row per token"):
+        graphcap.capture(RowsDropAtFour(), "full", buckets=[4, 8],
+                         example_inputs=(torch.randn(8, 8),))
