@@ -9,6 +9,9 @@ torch.profiler against wall time).
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
 from graphcap.bench.arms import ARMS, build_arms, default_attention
@@ -34,14 +37,30 @@ def _entry(arm, length: int):
     return arm.runner.entries[pick_bucket(length, config.buckets, config.max_pad_ratio)[0]]
 
 
+def host_us(fn, reps: int = 50) -> float:
+    """Median host microseconds of ``fn()`` from an idle GPU: the Python and launch calls
+    until it returns (its device work is only enqueued)."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return round(statistics.median(times) * 1e6, 1)
+
+
 def runner_overhead(arm, length: int, reps: int = 50) -> dict:
-    """The full arm's call against replaying its graph alone, at ``length`` tokens."""
+    """The full arm's call against replaying its graph alone, at ``length`` tokens, on
+    the device (CUDA events) and on the host (until each returns)."""
     entry = _entry(arm, length)
     times = time_interleaved({"call": lambda: arm.call(length), "replay": entry.replay},
                              reps=reps)
     call, replay = times["call"]["median_ms"], times["replay"]["median_ms"]
     return {"tokens": length, "call_ms": call, "replay_ms": replay,
-            "overhead_share": round((call - replay) / replay, 4)}
+            "overhead_share": round((call - replay) / replay, 4),
+            "host_call_us": host_us(lambda: arm.call(length), reps),
+            "host_replay_us": host_us(entry.replay, reps)}
 
 
 def top_kernels(events, reps: int, top: int = 12) -> list[dict]:
@@ -103,6 +122,11 @@ def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,
     if first is not None and device == "cuda":
         small = min(lengths)
         extra["runner_overhead"] = {"arm": first, **runner_overhead(arms[first], small)}
+        at_small = next(r["ms"] for r in rows if r["tokens"] == small)
+        fastest = min((a for a in arms if a.startswith("full-")), key=at_small.get)
+        if fastest != first:
+            extra["runner_overhead_fastest"] = {"arm": fastest,
+                                                **runner_overhead(arms[fastest], small)}
         extra["idle"] = [{"arm": first, **idle_share(arms[first], n)}
                          for n in (small, max(lengths))]
     result = {"model": name, "attention": attention, "params_billions": round(
