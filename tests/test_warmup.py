@@ -111,3 +111,33 @@ def test_wrong_outputs_of_a_directly_captured_shape_are_an_error_naming_the_shap
     with pytest.raises(UnsupportedStrategy, match=r"\[\(3, 8\)\] for 4 tokens.*row per token"):
         graphcap.capture(RowsDropAtFour(), "full", buckets=[4, 8],
                          example_inputs=(torch.randn(8, 8),))
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_a_triton_kernel_compiling_on_its_first_launch_is_retried_after_a_warm_up():
+    """On CUDA a kernel's first launch loads its module, which a capture refuses: each
+    shape below compiles a kernel variant of its own (its block size is a constant)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scale_kernel(x, out, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out + offs, tl.load(x + offs, mask=offs < n) * 3.0, mask=offs < n)
+
+    class TritonScale(torch.nn.Module):
+        def forward(self, x):
+            out = torch.empty_like(x)
+            block = triton.next_power_of_2(x.numel()) * 2  # a fresh variant per shape
+            scale_kernel[(1,)](x, out, x.numel(), BLOCK=block)
+            return out
+
+    m = TritonScale()
+    r = graphcap.capture(m, "full", buckets=[8, 16, 32],
+                         example_inputs=(torch.randn(8, 16, device="cuda"),))
+    rep = r.report()
+    assert (rep["warmups"], rep["warmup_retries"]) == (3, 2)
+    for rows in (5, 8, 16, 32):
+        x = torch.randn(rows, 16, device="cuda")
+        torch.testing.assert_close(r(x), x * 3.0)
