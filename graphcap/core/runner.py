@@ -27,7 +27,7 @@ from graphcap.core.backend import CaptureBackend, Captured
 from graphcap.core.buckets import pick_bucket
 from graphcap.core.context import forward_context
 from graphcap.core.graphs import new_pool
-from graphcap.errors import CaptureError, UnsupportedStrategy
+from graphcap.errors import UnsupportedStrategy
 
 
 @dataclass
@@ -151,10 +151,12 @@ class Runner:
             try:
                 self._capture_timed(tokens)
                 return
-            except CaptureError:
+            except Exception:  # noqa: BLE001 - retried below; a real error recurs there
                 # Something this shape runs for the first time cannot run under capture
-                # (a kernel's JIT loads a module, a library's lazy set-up synchronises):
-                # warm it up eagerly, as the first shape was, and capture again.
+                # (a Triton kernel's first launch, which CUDA refuses in ways Triton
+                # reports as a bad pointer; a library's lazy set-up synchronising): warm
+                # it up eagerly, as the first shape was, and capture again. An error of
+                # the model itself is raised by that warm-up or capture.
                 self.stats.warmup_retries += 1
         self._warm_up(tokens)
         self._capture_timed(tokens)
