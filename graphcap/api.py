@@ -51,9 +51,9 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
     call. ``compiler`` (tc_piecewise): ``"eager"`` or ``"inductor"`` pieces.
     ``warmup``: ``"first"`` runs one eager warm-up forward, before the first (largest)
     shape's capture, and captures the others directly; a shape whose direct capture fails
-    (a kernel compiling on its first launch, a library's lazy set-up) is warmed up and
-    captured again, counted in ``report()["warmup_retries"]``. ``"every"`` warms up every
-    shape first. tc_piecewise warms every shape (its warm-ups compile).
+    (a library's lazy set-up, a driver refusing a kernel's module load under capture) is
+    warmed up and captured again, counted in ``report()["warmup_retries"]``. ``"every"``
+    warms up every shape first. tc_piecewise warms every shape (its warm-ups compile).
     ``progress(done, total)`` is called after each captured shape (a progress bar). Prefill
     models, ``forward(input_ids, positions)``, are called as
     ``runner(input_ids, positions, seq_lens=[...])``; any other module as

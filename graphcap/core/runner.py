@@ -153,10 +153,10 @@ class Runner:
                 return
             except Exception:  # noqa: BLE001 - retried below; a real error recurs there
                 # Something this shape runs for the first time cannot run under capture
-                # (a Triton kernel's first launch, which CUDA refuses in ways Triton
-                # reports as a bad pointer; a library's lazy set-up synchronising): warm
-                # it up eagerly, as the first shape was, and capture again. An error of
-                # the model itself is raised by that warm-up or capture.
+                # (a library's lazy set-up reading the device on the host; a kernel's
+                # module load, on drivers that refuse it during capture), however the
+                # library reports it: warm it up eagerly, as the first shape was, and
+                # capture again. An error of the model itself recurs there and is raised.
                 self.stats.warmup_retries += 1
         self._warm_up(tokens)
         self._capture_timed(tokens)
