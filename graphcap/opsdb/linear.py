@@ -8,10 +8,11 @@
   output and MLP down projections, closing a residual branch).
 
 Backends, best first: ``triton``, one kernel per op for few rows and weights of up to
-16 MB (:func:`graphcap.opsdb.triton.linear.fused_rows` says where it stopped paying in the
-H200 sweep); ``composite``, the unfused ops (the ``rms_norm`` and ``silu_and_mul`` kernels
-around a cuBLAS matmul), for more rows and larger weights, where cuBLAS wins; ``torch``,
-the reference.
+16 MB (:func:`graphcap.opsdb.triton.linear.fused_rows` says where it pays on the H200:
+``rms_norm_swiglu`` and ``linear_residual``; ``rms_norm_linear`` measured slower than the
+unfused ops at every size, so dispatch leaves it to them); ``composite``, the unfused
+ops (the ``rms_norm`` and ``silu_and_mul`` kernels around a cuBLAS matmul), for more
+rows and larger weights, where cuBLAS wins; ``torch``, the reference.
 Intermediates are rounded to the model dtype where the unfused ops store them.
 """
 
@@ -58,13 +59,13 @@ def _linear_residual_composite(x, weight, residual):
     return residual + F.linear(x, weight)
 
 
-def _fits(norm: bool):
+def _fits(kind: str):
     """The fused kernel's row limit for an op (``accepts``: why not, or None)."""
     def accepts(x, *args) -> str | None:
         from graphcap.opsdb.triton.linear import fused_rows
 
-        weight = args[2] if norm else args[0]
-        limit = fused_rows(weight, norm)
+        weight = args[0] if kind == "residual" else args[2]
+        limit = fused_rows(weight, kind)
         if x.shape[0] > limit:
             return (f"{x.shape[0]} rows of {str(weight.dtype).removeprefix('torch.')}: the "
                     f"fused kernel takes at most {limit} here (the unfused ops win past it)")
@@ -72,9 +73,9 @@ def _fits(norm: bool):
     return accepts
 
 
-def _kernels(name: str, composite, norm: bool) -> dict[str, Kernel]:
+def _kernels(name: str, composite, kind: str) -> dict[str, Kernel]:
     return {"triton": Kernel(f"graphcap.opsdb.triton.linear:{name}", requires=TRITON,
-                             accepts=_fits(norm)),
+                             accepts=_fits(kind)),
             "composite": Kernel(composite, requires=TRITON)}
 
 
@@ -150,10 +151,9 @@ def _inputs(device, dtype, kind: str, max_rows: int = 80):
     return draw()
 
 
-def _register(name: str, schema: str, reference, composite, check, *, norm: bool,
-              kind: str, doc: str):
+def _register(name: str, schema: str, reference, composite, check, *, kind: str, doc: str):
     return register_op(f"graphcap::{name}", schema, reference=reference,
-                       kernels=_kernels(name, composite, norm), check=check,
+                       kernels=_kernels(name, composite, kind), check=check,
                        inputs=lambda device, dtype: _inputs(device, dtype, kind), doc=doc)
 
 
@@ -161,19 +161,20 @@ RMS_NORM_LINEAR = _register(
     "rms_norm_linear",
     "(Tensor x, Tensor norm_weight, float eps, Tensor weight, Tensor? bias) -> Tensor",
     rms_norm_linear_reference, _rms_norm_linear_composite, check_rms_norm_linear,
-    norm=True, kind="plain",
-    doc="linear(rms_norm(x)): RMSNorm fused into the matmul for few rows")
+    kind="plain",
+    doc="linear(rms_norm(x)): the RMSNorm prologue kernel, or the norm and cuBLAS apart "
+        "(faster on the H200 at every measured size)")
 
 RMS_NORM_SWIGLU = _register(
     "rms_norm_swiglu", "(Tensor x, Tensor norm_weight, float eps, Tensor weight) -> Tensor",
     rms_norm_swiglu_reference, _rms_norm_swiglu_composite, check_rms_norm_swiglu,
-    norm=True, kind="swiglu",
+    kind="swiglu",
     doc="silu_and_mul(linear(rms_norm(x))): one kernel for the gate/up projection")
 
 LINEAR_RESIDUAL = _register(
     "linear_residual", "(Tensor x, Tensor weight, Tensor residual) -> Tensor",
     linear_residual_reference, _linear_residual_composite, check_linear_residual,
-    norm=False, kind="residual",
+    kind="residual",
     doc="residual + linear(x): the residual add fused into the matmul for few rows")
 
 __all__ = ["LINEAR_RESIDUAL", "RMS_NORM_LINEAR", "RMS_NORM_SWIGLU"]

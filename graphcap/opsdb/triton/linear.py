@@ -190,14 +190,24 @@ def config(m: int, n: int, k: int, *, norm: bool, swiglu: bool, sms: int,
             "num_warps": 4, "num_stages": stages}
 
 
-def fused_rows(weight: torch.Tensor, norm: bool) -> int:
-    """Up to how many rows the fused kernel beat the unfused ops around cuBLAS in the H200
-    sweep (bf16): with the norm, 16 for weights of up to 16 MB (qwen3-0.6b's q/k/v 7.0 us
-    against 7.1, gate/up 8.5 against 9.7) and none past that (llama3-8b's, the LM heads:
-    cuBLAS streams them faster); a residual linear, 64 rows up to 16 MB and 16 past it
-    (llama3-8b's o and down at 16 rows, where cuBLAS catches up by 64)."""
+def fused_rows(weight: torch.Tensor, kind: str) -> int:
+    """Up to how many rows the fused kernel beat the unfused ops around cuBLAS on the H200
+    (bf16, weights cycled past L2; ``docs/results/2026-12-01-bench-ops-linear-*``), for
+    ``kind`` "plain" (``rms_norm_linear``), "swiglu" or "residual":
+
+    - plain: none. The norm prologue saves the ``rms_norm`` launch but slows the matmul:
+      qwen3-0.6b's q/k/v at 16 rows 7.9 us against 7.3 unfused, llama3-8b's 28.9 against
+      21.6, so the norm and cuBLAS run apart;
+    - swiglu: 16 rows for weights of up to 16 MB (qwen3-0.6b's gate/up 8.6 us against
+      10.0, a norm and an activation launch saved), none past that (llama3-8b's: cuBLAS
+      streams them faster);
+    - residual: 64 rows up to 16 MB (qwen3-0.6b's o 7.3 against 7.7 at 64 rows, down 8.1
+      against 9.9) and 16 past it (llama3-8b's o and down at 16 rows, where cuBLAS
+      catches up by 64)."""
     small = weight.numel() * weight.element_size() <= 16 << 20
-    if norm:
+    if kind == "plain":
+        return 0
+    if kind == "swiglu":
         return 16 if small else 0
     return MAX_ROWS if small else 16
 
