@@ -1,0 +1,56 @@
+"""The graph pool's segments and blocks for qwen3-0.6b (full, triton attention), the largest
+shape alone and the 42-shape ladder, warm-up of the first shape and of every shape, against
+eager's transient (device side): PYTHONPATH=. python3 tools/gpu/pool_segments.py; JSON in
+$OUT."""
+
+import gc
+import json
+import os
+
+import torch
+
+import graphcap
+from graphcap import compat
+from graphcap.bench.arms import prompts
+from graphcap.models import build_model
+
+model = build_model("qwen3-0.6b", device="cuda", dtype=torch.bfloat16, logits="last")
+inputs = prompts([2048], model.args.vocab_size, "cuda")
+
+
+def clean():
+    gc.collect()
+    torch.cuda.synchronize()
+    compat.clear_cublas_workspaces()
+    torch.cuda.empty_cache()
+
+
+def segments(runner):
+    return [{"size_mb": round(s["total_size"] / 2**20, 2),
+             "blocks": [(round(b["size"] / 2**20, 2), b["state"]) for b in s["blocks"]]}
+            for s in runner.pool._segments()]
+
+
+result = {}
+for name, buckets in (("largest-only", [2048]), ("ladder", None)):
+    for warmup in ("first", "every"):
+        clean()
+        kwargs = {"buckets": buckets} if buckets else {"max_tokens": 2048}
+        runner = graphcap.capture(model, "full", attention="triton", warmup=warmup, **kwargs)
+        result[f"{name}-{warmup}"] = {"pool_mb": round(runner.pool.bytes() / 2**20, 2),
+                                      "segments": segments(runner)}
+        del runner
+clean()
+eager = graphcap.capture(model, "eager", attention="triton")
+eager(*inputs[2048], seq_lens=[2048])  # first-use allocations out of the figure
+clean()
+torch.cuda.reset_peak_memory_stats()
+allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+eager(*inputs[2048], seq_lens=[2048])
+torch.cuda.synchronize()
+result["eager"] = {
+    "alloc_peak_mb": round((torch.cuda.max_memory_allocated() - allocated) / 2**20, 2),
+    "reserved_peak_above_mb": round((torch.cuda.max_memory_reserved() - reserved) / 2**20, 2)}
+print(json.dumps(result, indent=0))
+with open(os.path.join(os.environ.get("OUT", "/tmp"), "mem-diag.json"), "w") as f:
+    json.dump(result, f, indent=1)
