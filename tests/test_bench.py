@@ -50,6 +50,36 @@ def test_timing_interleaves_arms_round_by_round_and_takes_medians():
     assert times["b"]["median_ms"] == 4.5
 
 
+def test_settling_runs_an_arm_untimed_until_the_time_passed_before_its_timed_calls(
+        monkeypatch):
+    import time
+
+    now = [0.0]
+    order, syncs = [], []
+
+    def arm(name, ms):
+        def call():
+            order.append(name)
+            now[0] += ms / 1000  # each call takes ``ms`` of wall time
+        return call
+
+    def timer(fn):
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    arms = {"eager": arm("eager", 30), "graph": arm("graph", 7)}
+    time_interleaved(arms, reps=2, rounds=2, warmup=0, settle_ms=20, timer=timer,
+                     sync=lambda: syncs.append(1))
+    # Per round: eager settles in one call (30 ms), the graph arm in three (7, 14, 21 ms),
+    # each waited for, then one timed call each.
+    assert order == ["eager", "eager", "graph", "graph", "graph", "graph"] * 2
+    assert len(syncs) == 2 * (1 + 3)
+    order.clear()
+    time_interleaved(arms, reps=2, rounds=2, warmup=0, timer=timer, sync=syncs.append)
+    assert order == ["eager", "graph"] * 2  # no settling unless asked for
+
+
 def _row(n, **ms):
     return {"tokens": n, "ms": ms}
 

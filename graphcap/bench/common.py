@@ -62,10 +62,19 @@ def _stats(samples: list[float]) -> dict:
 
 
 def time_interleaved(arms: dict[str, Callable[[], object]], *, reps: int = 30,
-                     rounds: int = 5, warmup: int = 3, timer=None) -> dict[str, dict]:
+                     rounds: int = 5, warmup: int = 3, settle_ms: float = 0.0,
+                     timer=None, sync=None) -> dict[str, dict]:
     """Median (and p10/p90) milliseconds of one call of each arm: ``warmup`` untimed calls
-    each, then ``rounds`` rounds in which every arm runs ``reps // rounds`` timed calls."""
-    timer = timer or (cuda_event_ms if torch.cuda.is_available() else wall_ms)
+    each, then ``rounds`` rounds in which every arm runs ``reps // rounds`` timed calls.
+
+    ``settle_ms``: in each round, before its timed calls, an arm runs untimed calls, each
+    waited for (``sync``), until that many milliseconds have passed (one call at least):
+    a fast graph arm is then timed on a device busy with its own work, not on one the
+    previous arm left idle for tens of milliseconds (an eager forward is mostly host
+    time), so its figure does not depend on which arms ran beside it."""
+    cuda = torch.cuda.is_available()
+    timer = timer or (cuda_event_ms if cuda else wall_ms)
+    sync = sync or (torch.cuda.synchronize if cuda else (lambda: None))
     for fn in arms.values():
         for _ in range(warmup):
             fn()
@@ -73,8 +82,21 @@ def time_interleaved(arms: dict[str, Callable[[], object]], *, reps: int = 30,
     per_round = max(reps // rounds, 1)
     for _ in range(rounds):
         for name, fn in arms.items():
+            if settle_ms > 0:
+                _settle(fn, settle_ms, sync)
             samples[name] += [timer(fn) for _ in range(per_round)]
     return {name: _stats(s) for name, s in samples.items()}
+
+
+def _settle(fn: Callable[[], object], ms: float, sync: Callable[[], object]) -> None:
+    import time
+
+    start = time.perf_counter()
+    while True:
+        fn()
+        sync()
+        if (time.perf_counter() - start) * 1000 >= ms:
+            return
 
 
 def wall_ms(fn: Callable[[], object]) -> float:
