@@ -52,8 +52,12 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
     ``warmup``: ``"first"`` runs one eager warm-up forward, before the first (largest)
     shape's capture, and captures the others directly; a shape whose direct capture fails
     (a library's lazy set-up, a driver refusing a kernel's module load under capture) is
-    warmed up and captured again, counted in ``report()["warmup_retries"]``. ``"every"``
-    warms up every shape first. tc_piecewise warms every shape (its warm-ups compile).
+    warmed up and captured again, counted in ``report()["warmup_retries"]`` (its
+    ``@eager_on_graph`` functions then run once more). A model that builds state lazily
+    per shape (a tensor made on first sight of a size and kept) builds it inside that
+    shape's graph, where it holds real values only once the shape has replayed: use
+    ``"every"``, which warms up every shape first, so such state is built eagerly.
+    tc_piecewise warms every shape (its warm-ups compile).
     ``progress(done, total)`` is called after each captured shape (a progress bar). Prefill
     models, ``forward(input_ids, positions)``, are called as
     ``runner(input_ids, positions, seq_lens=[...])``; any other module as

@@ -93,24 +93,67 @@ def test_an_unknown_warmup_mode_is_an_error_naming_the_modes():
                          example_inputs=(torch.randn(4, 8),))
 
 
-class RowsDropAtFour(torch.nn.Module):
-    """Returns a row per token except at 4 rows, where it drops one: wrong for a graph."""
+class ChangesAtFour(torch.nn.Module):
+    """Fine at 8 rows; at 4 rows drops a row (``rows``) or returns float64 (``dtype``)."""
 
-    def __init__(self):
+    def __init__(self, how: str):
         super().__init__()
-        self.mlp = MLP(8, depth=1)
+        self.mlp, self.how = MLP(8, depth=1), how
 
     def forward(self, x):
         out = self.mlp(x)
-        return out[:3] if x.shape[0] == 4 else out
+        if x.shape[0] != 4:
+            return out
+        return out[:3] if self.how == "rows" else out.double()
 
 
-def test_wrong_outputs_of_a_directly_captured_shape_are_an_error_naming_the_shape():
+@pytest.mark.parametrize("how, needle", [
+    ("rows", r"\[\(3, 8\)\] for 4 tokens.*row per token"),
+    ("dtype", r"torch.float64.*for 4 tokens.*torch.float32.*first shape"),
+])
+def test_wrong_outputs_of_a_directly_captured_shape_are_an_error_without_a_retry(how,
+                                                                                 needle):
     # 8 rows are warmed up and fine; 4 is captured directly, and its outputs are checked
-    # inside the capture as the warm-up's are.
-    with pytest.raises(UnsupportedStrategy, match=r"\[\(3, 8\)\] for 4 tokens.*row per token"):
-        graphcap.capture(RowsDropAtFour(), "full", buckets=[4, 8],
-                         example_inputs=(torch.randn(8, 8),))
+    # inside that capture: no warm-up can fix them, so nothing is retried.
+    r = graphcap.capture(ChangesAtFour(how), "full", buckets=[4, 8])
+    with pytest.raises(UnsupportedStrategy, match=needle):
+        r(torch.randn(8, 8))
+    assert (r.stats.warmups, r.stats.warmup_retries) == (1, 0)
+    assert r.entries == {}  # nothing half-built is kept
+
+
+def test_capturing_again_starts_over_with_the_first_shape_warmed_up():
+    m = MLP(16, depth=2)
+    r = graphcap.capture(m, "full", buckets=BUCKETS, example_inputs=(torch.randn(4, 16),))
+    r.capture_all((torch.randn(4, 16),))
+    assert (r.report()["warmups"], r.report()["warmup_retries"]) == (2, 0)
+    check_every_bucket(r, m, 16, "cpu")
+
+
+class LazyConstant(torch.nn.Module):
+    """Builds a per-shape constant on first sight of each row count, without reading the
+    device: under a direct capture it is made inside the graph (its contents exist only
+    once that shape has replayed); a warm-up makes it eagerly."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP(16, depth=1)
+        self.scales: dict[int, torch.Tensor] = {}
+
+    def forward(self, x):
+        n = x.shape[0]
+        if n not in self.scales:
+            self.scales[n] = torch.full((1,), 2.0, device=x.device)
+        return self.mlp(x) * self.scales[n]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_warmup_every_builds_lazy_per_shape_state_before_any_replay(device):
+    m = LazyConstant().to(device)
+    r = graphcap.capture(m, "full", buckets=BUCKETS, warmup="every",
+                         example_inputs=(torch.randn(4, 16, device=device),))
+    assert {n: float(t) for n, t in m.scales.items()} == {n: 2.0 for n in BUCKETS}
+    check_every_bucket(r, m, 16, device)
 
 
 @pytest.mark.gpu
@@ -143,7 +186,6 @@ def test_a_triton_kernel_first_launched_in_a_direct_capture_replays_correctly():
                          example_inputs=(torch.randn(8, 16, device="cuda"),))
     rep = r.report()
     assert rep["shapes"] == [8, 16, 32] and rep["graph_kind"] == "cuda"
-    assert rep["warmups"] == 1 + rep["warmup_retries"]
     for rows in (5, 8, 16, 32):
         x = torch.randn(rows, 16, device="cuda")
         torch.testing.assert_close(r(x), x * 3.0)

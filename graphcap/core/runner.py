@@ -85,7 +85,11 @@ class Runner:
 
     def capture_all(self, example_args: tuple | None = None, progress=None) -> None:
         """Capture every bucket, largest first (its memory is then reused by the rest);
-        ``progress(done, total)`` is called after each one."""
+        ``progress(done, total)`` is called after each one. Called again, it captures
+        every shape again from scratch (new buffers, the first shape warmed up again)."""
+        self._outputs, self._out_spec = [], None
+        self.entries.clear()
+        self.metadata.clear()
         if self.kind == "prefill":
             ids = torch.zeros(self.max_tokens, dtype=torch.long, device=self.device)
             self._inputs = [ids, torch.zeros_like(ids)]
@@ -99,7 +103,7 @@ class Runner:
         try:
             with torch.inference_mode():
                 for done, tokens in enumerate(reversed(self.config.buckets), 1):
-                    self._capture_one(tokens)
+                    self._capture_one(tokens, first=done == 1)
                     if progress is not None:
                         progress(done, len(self.config.buckets))
         except BaseException:
@@ -140,31 +144,41 @@ class Runner:
             return [buf[:rows] for buf in self._outputs]
         return fn
 
-    def _capture_one(self, tokens: int) -> None:
+    def _capture_one(self, tokens: int, first: bool) -> None:
         if self.kind == "prefill":
             meta = self.config.attention.metadata(tokens, self.config.max_requests,
                                                   self.device)
             self.metadata[tokens] = meta.update([tokens])
             if self._last_rows is not None:
                 meta.last_token_rows(out=self._last_rows)
-        if not self._warms(tokens):
+        direct_failure = None
+        if not self._warms(first):
             try:
                 self._capture_timed(tokens)
                 return
-            except Exception:  # noqa: BLE001 - retried below; a real error recurs there
+            except UnsupportedStrategy:
+                raise  # the model's outputs do not fit a graph: no warm-up changes that
+            except Exception as exc:
                 # Something this shape runs for the first time cannot run under capture
                 # (a library's lazy set-up reading the device on the host; a kernel's
                 # module load, on drivers that refuse it during capture), however the
                 # library reports it: warm it up eagerly, as the first shape was, and
                 # capture again. An error of the model itself recurs there and is raised.
                 self.stats.warmup_retries += 1
-        self._warm_up(tokens)
-        self._capture_timed(tokens)
+                direct_failure = exc
+        try:
+            self._warm_up(tokens)
+            self._capture_timed(tokens)
+        except Exception as exc:
+            if direct_failure is not None:
+                exc.add_note(f"graphcap: the direct capture of {tokens} tokens before this "
+                             f"warm-up had failed with {type(direct_failure).__name__}: "
+                             f"{direct_failure}")
+            raise
 
-    def _warms(self, tokens: int) -> bool:
-        """Whether shape ``tokens`` gets an eager warm-up forward before its capture."""
-        return (not self._outputs or self.config.warmup == "every"
-                or self.backend.watches_warmup)
+    def _warms(self, first: bool) -> bool:
+        """Whether a shape gets an eager warm-up forward before its capture."""
+        return first or self.config.warmup == "every" or self.backend.watches_warmup
 
     def _warm_up(self, tokens: int) -> None:
         start = time.perf_counter()
@@ -188,18 +202,29 @@ class Runner:
             self.stats.first_shape_s = self.stats.warmup_s + self.stats.capture_s
 
     def _check_outputs(self, flat: list, tokens: int) -> None:
+        """Outputs a graph can return for shape ``tokens``: tensors with its rows along dim
+        0 and, after the first shape, the same count, dtypes and trailing sizes as the
+        first shape's (the static output buffers)."""
         rows = self._rows(tokens)
         bad = [tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__
                for o in flat if not isinstance(o, torch.Tensor)
                or o.dim() == 0 or o.shape[0] != rows]
-        if bad or (self._outputs and len(flat) != len(self._outputs)):
-            what = ("one row per request slot (output_rows='requests')"
-                    if self.config.output_rows == "requests" else "one row per token")
+        what = ("one row per request slot (output_rows='requests')"
+                if self.config.output_rows == "requests" else "one row per token")
+        if bad:
             raise UnsupportedStrategy(
-                f"the model returned {bad or f'{len(flat)} outputs'} for {tokens} tokens: "
-                f"a captured model must return tensors with {what} along dim 0 ({rows} "
-                "here; rows are padded and sliced), each row depending only on its own "
-                "request's tokens, and the same outputs for every shape")
+                f"the model returned {bad} for {tokens} tokens: a captured model must "
+                f"return tensors with {what} along dim 0 ({rows} here; rows are padded and "
+                "sliced), each row depending only on its own request's tokens")
+        if not self._outputs:
+            return
+        got = [(o.dtype, tuple(o.shape[1:])) for o in flat]
+        want = [(b.dtype, tuple(b.shape[1:])) for b in self._outputs]
+        if got != want:
+            raise UnsupportedStrategy(
+                f"the model returned outputs of (dtype, trailing sizes) {got} for {tokens} "
+                f"tokens but {want} for the first shape: a captured model must return the "
+                "same outputs for every shape, only their rows differing")
 
     # -- calls ---------------------------------------------------------------------
     def __call__(self, *args, seq_lens=None):

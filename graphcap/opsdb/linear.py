@@ -66,7 +66,7 @@ def _fits(kind: str):
 
         weight = args[0] if kind == "residual" else args[2]
         limit = fused_rows(weight, kind)
-        if x.shape[0] > limit:
+        if x.shape[0] > limit or not limit:
             return (f"{x.shape[0]} rows of {str(weight.dtype).removeprefix('torch.')}: the "
                     f"fused kernel takes at most {limit} here (the unfused ops win past it)")
         return None

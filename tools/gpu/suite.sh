@@ -9,8 +9,9 @@
 #
 # The gpu-marked tests run as three pytest processes side by side (the tests are bound by
 # the host's Python, the machine has 16 cores and one GPU with room for all three):
-# replay equivalence; kernels, attention backends and transformers models; the rest.
-# examples/ (not marked gpu: CI runs them on CPU) run whole, before the rest.
+# replay equivalence and kernels, attention backends and transformers models in the
+# background; examples/ (not marked gpu: CI runs them on CPU), then the rest, in front.
+# Each process has SUITE_TIMEOUT seconds; the script exits non-zero if any failed.
 # Logs land in $OUT/gpu-examples.log and $OUT/gpu-suite-{1,2,3}.log; record the run in
 # docs/results/.
 set -o pipefail
@@ -32,14 +33,23 @@ g2=(tests/kernels tests/test_attention_backends.py tests/test_hf.py)
 ignore=()
 for path in "${g1[@]}" "${g2[@]}"; do ignore+=(--ignore="$path"); done
 pytest_gpu gpu-suite-1.log "${g1[@]}" "$@" &
+p1=$!
 pytest_gpu gpu-suite-2.log "${g2[@]}" "$@" &
+p2=$!
 # graphcap is not installed here, so its pytest plugin (graphcap_device) is loaded by name.
 timeout "$limit" python3 -m pytest -q -rA -p no:cacheprovider \
   -p graphcap.testing.pytest_plugin examples/ > "$OUT/gpu-examples.log" 2>&1
+rc_examples=$?
 pytest_gpu gpu-suite-3.log tests/ "${ignore[@]}" "$@"
-wait
+rc3=$?
+wait "$p1"
+rc1=$?
+wait "$p2"
+rc2=$?
 for log in gpu-examples.log gpu-suite-1.log gpu-suite-2.log gpu-suite-3.log; do
   echo "== $log"
   grep -v "^PASSED" "$OUT/$log" | grep -v "Warning\|warn(" | tail -25
 done
 echo "suite wall s: $(( $(date +%s) - start ))"
+echo "exit codes: examples $rc_examples, group 1 $rc1, group 2 $rc2, group 3 $rc3"
+[ "$rc_examples" -eq 0 ] && [ "$rc1" -eq 0 ] && [ "$rc2" -eq 0 ] && [ "$rc3" -eq 0 ]

@@ -204,6 +204,8 @@ def fused_rows(weight: torch.Tensor, kind: str) -> int:
     - residual: 64 rows up to 16 MB (qwen3-0.6b's o 7.3 against 7.7 at 64 rows, down 8.1
       against 9.9) and 16 past it (llama3-8b's o and down at 16 rows, where cuBLAS
       catches up by 64)."""
+    if kind not in ("plain", "swiglu", "residual"):
+        raise ValueError(f"fused_rows: kind {kind!r} is not 'plain', 'swiglu' or 'residual'")
     small = weight.numel() * weight.element_size() <= 16 << 20
     if kind == "plain":
         return 0
