@@ -87,9 +87,7 @@ class Runner:
         """Capture every bucket, largest first (its memory is then reused by the rest);
         ``progress(done, total)`` is called after each one. Called again, it captures
         every shape again from scratch (new buffers, the first shape warmed up again)."""
-        self._outputs, self._out_spec = [], None
-        self.entries.clear()
-        self.metadata.clear()
+        self._reset()
         if self.kind == "prefill":
             ids = torch.zeros(self.max_tokens, dtype=torch.long, device=self.device)
             self._inputs = [ids, torch.zeros_like(ids)]
@@ -107,12 +105,15 @@ class Runner:
                     if progress is not None:
                         progress(done, len(self.config.buckets))
         except BaseException:
-            # Leave no half-built state: a later call captures again from scratch.
-            self._inputs, self._specs, self._outputs = [], [], []
-            self._last_rows = None
-            self.entries.clear()
-            self.metadata.clear()
+            self._reset()  # leave no half-built state: a later call captures from scratch
             raise
+
+    def _reset(self) -> None:
+        """No captured shape, no static buffers."""
+        self._inputs, self._specs, self._outputs, self._out_spec = [], [], [], None
+        self._last_rows = None
+        self.entries.clear()
+        self.metadata.clear()
 
     def _forward(self, tokens: int):
         args = [buf[:tokens] for buf in self._inputs]
