@@ -21,17 +21,21 @@ COMPILE_QKV = textwrap.dedent('''
     from triton.compiler import ASTSource
     from graphcap.opsdb.triton.qkv import _qkv_kernel
 
-    for dt in ("bf16", "fp16", "fp32"):
+    for dt, pdl in (("bf16", True), ("bf16", False), ("fp16", True), ("fp32", True)):
         for norm in (True, False):
             ptrs = {name: f"*{dt}" for name in ("qkv_ptr", "qw_ptr", "kw_ptr", "q_ptr",
                                                 "k_ptr", "v_ptr")}
             ints = {name: "i32" for name in ("qkv_stride", "pos_stride", "cache_stride",
                                              "n_q", "n_k", "head_size", "half")}
             sig = {**ptrs, **ints, "pos_ptr": "*i64", "cache_ptr": "*fp32", "eps": "fp32",
-                   "HAS_NORM": "constexpr", "BLOCK_D": "constexpr"}
+                   "HAS_NORM": "constexpr", "BLOCK_D": "constexpr", "PDL": "constexpr"}
             sig = {name: sig[name] for name in _qkv_kernel.arg_names}
-            src = ASTSource(_qkv_kernel, sig, constexprs={"HAS_NORM": norm, "BLOCK_D": 128})
-            assert "cubin" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm
+            src = ASTSource(_qkv_kernel, sig,
+                            constexprs={"HAS_NORM": norm, "BLOCK_D": 128, "PDL": pdl})
+            out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                 options={"launch_pdl": pdl})
+            assert "cubin" in out.asm
+            assert ("griddepcontrol.wait" in out.asm["ptx"]) == pdl
     print("compiled")
 ''')
 
@@ -58,7 +62,7 @@ COMPILE_LINEAR = textwrap.dedent('''
     modes = [(True, False, False, False, 1), (True, False, False, True, 1),
              (True, True, False, False, 1), (False, False, True, False, 1),
              (False, False, True, False, 4), (False, False, False, False, 2)]
-    for dt in ("bf16", "fp32"):
+    for dt, pdl in (("bf16", True), ("bf16", False), ("fp32", True), ("fp32", False)):
         for norm, swiglu, residual, bias, split in modes:
             sig = {**{n: f"*{dt}" for n in ("X", "W", "Y", "NORM_W", "RES", "BIAS")},
                    "PARTIAL": "*fp32", "COUNTS": "*i32", "eps": "fp32",
@@ -66,16 +70,68 @@ COMPILE_LINEAR = textwrap.dedent('''
                                           "stride_ym", "stride_rm")}}
             consts = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": split,
                       "NORM": norm, "SWIGLU": swiglu, "RESIDUAL": residual,
-                      "HAS_BIAS": bias, "IEEE": dt == "fp32", "INTERPRET": False}
+                      "HAS_BIAS": bias, "IEEE": dt == "fp32", "INTERPRET": False,
+                      "PDL": pdl, "LINE": 64 if dt == "bf16" else 32}
             sig.update({n: "constexpr" for n in consts})
             sig = {name: sig[name] for name in kernel.arg_names}
             src = ASTSource(kernel, sig, constexprs=consts)
             out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                 options={"num_warps": 4, "num_stages": 3})
+                                 options={"num_warps": 4, "num_stages": 3,
+                                          "launch_pdl": pdl})
             assert "cubin" in out.asm
+            ptx = out.asm["ptx"]
+            # Under PDL: the next kernel released at once, the weights asked of L2, and
+            # the wait for the previous kernel before x is read.
+            assert ("griddepcontrol.launch_dependents" in ptx) == pdl
+            assert ("prefetch.global.L2" in ptx) == pdl
+            if pdl:
+                assert ptx.index("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
     print("compiled")
 ''')
 
 
 def test_the_fused_linear_kernel_compiles_for_sm90_in_every_mode():
     compiles(COMPILE_LINEAR)
+
+
+COMPILE_PDL_KERNELS = textwrap.dedent('''
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from graphcap.opsdb.triton.attention import _attn_varlen_fwd
+    from graphcap.opsdb.triton.linear import _zero_kernel
+    from graphcap.opsdb.triton.norm import _fused_add_rms_norm_kernel, _rms_norm_kernel
+
+    def build(kernel, types, consts):
+        sig = {**types, **{n: "constexpr" for n in consts}}
+        sig = {name: sig[name] for name in kernel.arg_names}
+        out = triton.compile(ASTSource(kernel, sig, constexprs=consts),
+                             target=GPUTarget("cuda", 90, 32),
+                             options={"launch_pdl": consts["PDL"]})
+        ptx = out.asm["ptx"]
+        assert ("griddepcontrol.wait" in ptx) == consts["PDL"], kernel
+        assert ("griddepcontrol.launch_dependents" in ptx) == consts["PDL"], kernel
+
+    norm = {"BLOCK_H": 1024, "SINGLE_PASS": True, "N_CHUNKS": 1}
+    ints = {n: "i32" for n in ("x_stride", "out_stride", "res_stride", "H")}
+    for pdl in (True, False):
+        build(_zero_kernel, {"C": "*i32", "n": "i32"}, {"BLOCK": 1024, "PDL": pdl})
+        build(_rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+                                 "eps": "fp32", **ints}, {**norm, "PDL": pdl})
+        build(_fused_add_rms_norm_kernel, {"x_ptr": "*bf16", "res_ptr": "*bf16",
+                                           "w_ptr": "*bf16", "eps": "fp32", **ints},
+              {**norm, "PDL": pdl})
+        strides = {f"stride_{t}{d}": "i32" for t in "qkvo" for d in "th"}
+        build(_attn_varlen_fwd, {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16",
+                                 "CU": "*i32", "T": "i32", "qk_scale": "fp32",
+                                 "NUM_REQ": "i32", **strides},
+              {"GROUP": 2, "HEAD_DIM": 128, "BLOCK_M": 16, "BLOCK_N": 16, "CAUSAL": True,
+               "DOT_PRECISION": "tf32", "INTERPRET": False, "PDL": pdl})
+    print("compiled")
+''')
+
+
+def test_the_kernels_on_the_pdl_path_compile_with_and_without_it():
+    """Each kernel a PDL launch may follow or precede: launched with it, it releases its
+    successor and waits for its predecessor; launched without, it does neither."""
+    compiles(COMPILE_PDL_KERNELS)

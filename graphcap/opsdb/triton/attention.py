@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphcap.opsdb.triton.common import interpreting, num_sms
+from graphcap.opsdb.triton.common import interpreting, num_sms, pdl_args, pdl_start
 
 _LOG2E = 1.4426950408889634
 
@@ -120,8 +120,9 @@ def _attn_varlen_fwd(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     NUM_REQ, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     head = tl.program_id(0)
     num_m = tl.num_programs(1)
     m_block = num_m - 1 - tl.program_id(1)  # heaviest causal blocks first
@@ -281,6 +282,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET=interpret, num_warps=num_warps, num_stages=num_stages,
+        **pdl_args(q.device),
     )
     return out
 

@@ -50,3 +50,99 @@ def cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+# -- programmatic dependent launch (PDL) ------------------------------------------------
+# On sm90+ a kernel launched with ``launch_pdl=True`` may start while the kernel before it
+# in the stream still runs, once every program of that one has called
+# ``gdc_launch_dependents`` (or exited). It must then call ``gdc_wait`` before it reads
+# anything an earlier kernel wrote and before it stores anything (the allocator may have
+# handed it memory an earlier kernel still reads); ``gdc_wait`` returns once the earlier
+# kernel has completed and its memory is visible. Work that touches only memory nothing
+# in the stream writes (a layer's weights) can go before the wait. Captured in a CUDA
+# graph, the launch becomes a programmatic edge between the two kernel nodes. A kernel
+# before it that never calls ``gdc_launch_dependents`` (cuBLAS, PyTorch's) simply
+# completes first. Every kernel launched this way waits unconditionally in every program,
+# so a chain stays ordered: a kernel completes only after the one before it did.
+
+_PDL_OFF_ENV = "GRAPHCAP_PDL"
+_pdl_override: list[bool] = []  # innermost programmatic_launch(...) setting last
+
+
+def _pdl_probe() -> bool:
+    extra = getattr(getattr(tl, "extra", None), "cuda", None)
+    return hasattr(extra, "gdc_wait") and hasattr(extra, "gdc_launch_dependents")
+
+
+_PDL_IN_TRITON = _pdl_probe()
+_SM90: dict[int, bool] = {}
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether this project's Triton kernels launch on ``device`` with programmatic
+    dependent launch: CUDA sm90 or newer, a Triton that has ``gdc_wait``, not the
+    interpreter, and not switched off (``GRAPHCAP_PDL=0`` or :func:`programmatic_launch`)."""
+    if _pdl_override:
+        if not _pdl_override[-1]:
+            return False
+    elif os.environ.get(_PDL_OFF_ENV, "1") == "0":
+        return False
+    if device.type != "cuda" or interpreting() or not _PDL_IN_TRITON:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM90:
+        _SM90[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _SM90[index]
+
+
+class programmatic_launch:
+    """``with programmatic_launch(False):`` launches (or captures) the project's Triton
+    kernels without PDL, e.g. to compare; ``True`` restores the default where PDL is
+    available. The setting applies to launches made inside the block: a graph captured
+    there keeps it when replayed outside."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = bool(enabled)
+
+    def __enter__(self):
+        _pdl_override.append(self.enabled)
+        return self
+
+    def __exit__(self, *exc):
+        _pdl_override.pop()
+        return False
+
+
+def pdl_args(device: torch.device) -> dict:
+    """Keyword arguments for a launch of a kernel with a ``PDL`` constexpr."""
+    return {"PDL": True, "launch_pdl": True} if pdl(device) else {"PDL": False}
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """First statement of a kernel launched with :func:`pdl_args`: lets the next kernel
+    launch now and waits for the previous one. For kernels that have nothing to do before
+    their inputs are ready."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_launch_dependents(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte line of each pointer; no value comes back, nothing waits.
+    Pass one pointer per line."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)

@@ -33,7 +33,17 @@ import torch
 import triton
 import triton.language as tl
 
-from graphcap.opsdb.triton.common import cast, dot, interpreting, num_sms
+from graphcap.opsdb.triton.common import (
+    cast,
+    dot,
+    interpreting,
+    num_sms,
+    pdl_args,
+    pdl_launch_dependents,
+    pdl_start,
+    pdl_wait,
+    prefetch_l2,
+)
 
 MAX_ROWS = 64  # the fused kernel's row limit: beyond it cuBLAS's tiles win
 _SMEM_BUDGET = 160 * 1024
@@ -74,6 +84,29 @@ def _k_step(acc, acc_up, k0, x_rows, w_cols, NORM_W, rstd, row_ok, col_ok, K, N,
 
 
 @triton.jit
+def _prefetch_weights(W, w_cols, col_ok, k_lo, k_hi, N, stride_wn, BLOCK_K: tl.constexpr,
+                      SWIGLU: tl.constexpr, LINE: tl.constexpr):
+    """An L2 prefetch of every 128-byte line (``LINE`` elements) of the weight columns
+    ``w_cols`` over K in [k_lo, k_hi), and of the up half's for SwiGLU."""
+    lines = tl.arange(0, BLOCK_K // LINE) * LINE
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + lines
+        ok = col_ok[None, :] & (ks < k_hi)[:, None]
+        prefetch_l2(tl.where(ok, w_cols + ks[:, None], W))
+        if SWIGLU:
+            prefetch_l2(tl.where(ok, w_cols + N * stride_wn + ks[:, None], W))
+
+
+@triton.jit
+def _zero_kernel(C, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """C[:n] = 0: the split-K counters of a PDL launch (a memset node between two kernels
+    would end their programmatic edge)."""
+    pdl_start(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(C + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=offs < n)
+
+
+@triton.jit
 def _epilogue(acc, acc_up, rows, cols, row_ok, col_ok, Y, RES, BIAS, stride_ym, stride_rm,
               SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
               INTERPRET: tl.constexpr):
@@ -101,24 +134,31 @@ def _skinny_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pdl_launch_dependents(PDL)
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     x_rows = X + rows[:, None] * stride_xm
     w_cols = W + cols[None, :].to(tl.int64) * stride_wn
+    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = pid_k * per_split
+    k_hi = tl.minimum(k_lo + per_split, K)
+    if PDL:
+        # The weights are no earlier kernel's output: while that kernel finishes, ask L2
+        # for this program's slice of them, then wait for x.
+        _prefetch_weights(W, w_cols, col_ok, k_lo, k_hi, N, stride_wn, BLOCK_K, SWIGLU,
+                          LINE)
+        pdl_wait(PDL)
     if NORM:
         rstd = _row_rstd(x_rows, row_ok, K, eps, BLOCK_M, BLOCK_K)
     else:
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    k_lo = pid_k * per_split
-    k_hi = tl.minimum(k_lo + per_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if INTERPRET:  # the interpreter takes no tensor bounds in range()
@@ -237,8 +277,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
     blocks = triton.cdiv(n, cfg["BLOCK_N"])
     partial = (torch.empty((2 if swiglu else 1) * split * cfg["BLOCK_M"] * n,
                            dtype=torch.float32, device=x.device) if split > 1 else y)
-    counts = (torch.zeros(blocks, dtype=torch.int32, device=x.device) if split > 1
-              else y)
+    launch = pdl_args(x.device)
+    if split == 1:
+        counts = y
+    elif launch["PDL"]:
+        counts = torch.empty(blocks, dtype=torch.int32, device=x.device)
+        _zero_kernel[(triton.cdiv(blocks, 1024),)](counts, blocks, BLOCK=1024, **launch)
+    else:
+        counts = torch.zeros(blocks, dtype=torch.int32, device=x.device)
     res = residual if residual is not None else y
     _skinny_linear_kernel[(blocks, split)](
         x, weight, y, norm_weight if norm_weight is not None else x, res,
@@ -246,7 +292,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
         m, n, k, float(eps), x.stride(0), weight.stride(0), y.stride(0), res.stride(0),
         NORM=norm_weight is not None, SWIGLU=swiglu, RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        INTERPRET=interpreting(), **cfg)
+        INTERPRET=interpreting(), LINE=min(128 // weight.element_size(), cfg["BLOCK_K"]),
+        **launch, **cfg)
     return y
 
 

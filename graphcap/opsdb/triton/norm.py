@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphcap.opsdb.triton.common import pdl_args, pdl_start
+
 # Rows up to this many elements are normalised from registers in a single pass.
 _MAX_FUSED_H = 8192
 # Chunk width when a row is longer than that.
@@ -24,7 +26,8 @@ _LOOP_BLOCK_H = 4096
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, x_stride, out_stride, H, eps,
                      BLOCK_H: tl.constexpr, SINGLE_PASS: tl.constexpr,
-                     N_CHUNKS: tl.constexpr):
+                     N_CHUNKS: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
     out_row = out_ptr + row * out_stride
@@ -56,7 +59,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, x_stride, out_stride, H, eps,
 @triton.jit
 def _fused_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, x_stride, res_stride, H, eps,
                                BLOCK_H: tl.constexpr, SINGLE_PASS: tl.constexpr,
-                               N_CHUNKS: tl.constexpr):
+                               N_CHUNKS: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
     res_row = res_ptr + row * res_stride
@@ -141,7 +145,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     block, single, chunks, num_warps = _config(H)
     _rms_norm_kernel[(T,)](
         x, weight, out, x.stride(0), out.stride(0), H, eps,
-        BLOCK_H=block, SINGLE_PASS=single, N_CHUNKS=chunks, num_warps=num_warps)
+        BLOCK_H=block, SINGLE_PASS=single, N_CHUNKS=chunks, num_warps=num_warps,
+        **pdl_args(x.device))
     return out
 
 
@@ -165,4 +170,5 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     block, single, chunks, num_warps = _config(H)
     _fused_add_rms_norm_kernel[(T,)](
         x, residual, weight, x.stride(0), residual.stride(0), H, eps,
-        BLOCK_H=block, SINGLE_PASS=single, N_CHUNKS=chunks, num_warps=num_warps)
+        BLOCK_H=block, SINGLE_PASS=single, N_CHUNKS=chunks, num_warps=num_warps,
+        **pdl_args(x.device))

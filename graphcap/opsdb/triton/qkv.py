@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphcap.opsdb.triton.common import pdl_args, pdl_start
+
 
 @triton.jit
 def _normed(row_ptr, w_ptr, d, mask, rstd, HAS_NORM: tl.constexpr):
@@ -33,7 +35,8 @@ def _normed(row_ptr, w_ptr, d, mask, rstd, HAS_NORM: tl.constexpr):
 @triton.jit
 def _qkv_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cache_ptr, q_ptr, k_ptr, v_ptr,
                 qkv_stride, pos_stride, cache_stride, n_q, n_k, head_size, half, eps,
-                HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+                HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row = qkv_ptr + t * qkv_stride + h * head_size
@@ -85,5 +88,6 @@ def qkv_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Te
         qkv, positions, q_weight if has_norm else qkv, k_weight if has_norm else qkv,
         cos_sin_cache, q, k, v, qkv.stride(0), positions.stride(0), cos_sin_cache.stride(0),
         num_heads, num_kv_heads, head_size, cos_sin_cache.shape[-1] // 2, eps,
-        HAS_NORM=has_norm, BLOCK_D=block_d, num_warps=1 if block_d <= 128 else 2)
+        HAS_NORM=has_norm, BLOCK_D=block_d, num_warps=1 if block_d <= 128 else 2,
+        **pdl_args(qkv.device))
     return q, k, v

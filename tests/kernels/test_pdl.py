@@ -1,0 +1,143 @@
+"""Programmatic dependent launch (PDL): where the project's Triton kernels use it, how it
+is switched off, and, on the GPU, that kernels launched with it give the same bits as
+without it, eagerly and replayed from a CUDA graph, in a chain where each kernel reads
+the one before it (a kernel that skipped its wait would read stale or half-written
+rows). That the kernels carry the wait and the release in their code is checked on the
+CPU by compiling them for sm_90 (test_triton_compiles_for_sm90.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphcap
+from graphcap.models import build_model
+from graphcap.opsdb.triton import attention, common, linear, norm, qkv
+from tests.conftest import requires_cuda
+
+
+def test_no_pdl_off_cuda_or_under_the_interpreter(monkeypatch):
+    assert not common.pdl(torch.device("cpu"))
+    assert common.pdl_args(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not common.pdl(torch.device("cuda", 0))  # decided before any device query
+
+
+def test_switched_off_by_the_environment_or_a_block(monkeypatch):
+    monkeypatch.setattr(common, "_PDL_IN_TRITON", True)
+    monkeypatch.setattr(common, "_SM90", {0: True})
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cuda = torch.device("cuda", 0)
+    assert common.pdl(cuda)
+    with common.programmatic_launch(False):
+        assert not common.pdl(cuda)
+        with common.programmatic_launch(True):
+            assert common.pdl(cuda)
+        assert not common.pdl(cuda)
+    assert common.pdl(cuda)
+    monkeypatch.setenv("GRAPHCAP_PDL", "0")
+    assert not common.pdl(cuda)
+    with common.programmatic_launch(True):  # a block outranks the environment
+        assert common.pdl(cuda)
+    monkeypatch.setattr(common, "_SM90", {0: False})  # sm80: never
+    with common.programmatic_launch(True):
+        assert not common.pdl(cuda)
+
+
+def _chain(x, positions, w):
+    """A decoder layer's kernels in order, each reading the last one's output: norm,
+    q/k/v (plain fused linear), q/k norm and rotary, attention, o (split K, residual),
+    norm, gate/up with SwiGLU, down (split K, residual)."""
+    T = x.shape[0]
+    h = norm.rms_norm(x, w["n1"], 1e-6)
+    proj = linear.skinny_linear(h, w["qkv"])
+    q, k, v = qkv.qkv_norm_rope(proj, positions, w["qn"], w["kn"], w["cache"], 4, 2, 64,
+                                1e-6)
+    out = torch.empty_like(q)
+    cu = torch.tensor([0, T], dtype=torch.int32, device=x.device)
+    attention.attention_varlen(q, k, v, out, cu, T, 64 ** -0.5)
+    x = linear.skinny_linear(out.view(T, -1), w["o"], residual=x)
+    h = norm.rms_norm(x, w["n2"], 1e-6)
+    act = linear.skinny_linear(h, w["gate_up"], swiglu=True)
+    return linear.skinny_linear(act, w["down"], residual=x)
+
+
+def _weights(device, hidden=512, inter=1536):
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16).to(device)
+
+    angles = torch.arange(4096)[:, None] * torch.pow(1e4, -torch.arange(32) / 32)
+    return {"n1": rnd(hidden) + 1, "n2": rnd(hidden) + 1, "qn": rnd(64) + 1,
+            "kn": rnd(64) + 1, "qkv": rnd(512, hidden, scale=hidden ** -0.5),
+            "o": rnd(hidden, 256, scale=256 ** -0.5),
+            "gate_up": rnd(2 * inter, hidden, scale=hidden ** -0.5),
+            "down": rnd(hidden, inter, scale=inter ** -0.5),
+            "cache": torch.cat([angles.cos(), angles.sin()], -1).to(device)}
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 7, 16, 64])
+def test_a_kernel_chain_gives_the_same_bits_with_and_without_pdl(rows):
+    from graphcap.core import new_pool
+
+    device = torch.device("cuda")
+    if not common.pdl(device):
+        pytest.skip("no PDL on this GPU or Triton")
+    w = _weights(device)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, 512, generator=g).to(torch.bfloat16).to(device)
+    pos = torch.arange(rows, device=device) + 5
+
+    def layers():  # four layers deep, so that every kernel follows a PDL kernel
+        y = x
+        for _ in range(4):
+            y = _chain(y, pos, w)
+        return y
+
+    with common.programmatic_launch(False):
+        want = layers()
+    torch.testing.assert_close(layers(), want, atol=0, rtol=0)
+    graphs = {}
+    for enabled in (True, False):
+        pool = new_pool("cuda")
+        with common.programmatic_launch(enabled):
+            with pool.warmup():
+                layers()
+            graphs[enabled] = pool.graph()
+            outs = graphs[enabled].capture(layers)
+        graphs[enabled] = (graphs[enabled], outs)
+    for _ in range(3):  # new inputs into the same buffers, replayed outside the blocks
+        x.copy_(torch.randn(rows, 512, generator=g).to(torch.bfloat16))
+        with common.programmatic_launch(False):
+            want = layers()
+        for enabled, (graph, out) in graphs.items():
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out, want, atol=0, rtol=0,
+                                       msg=lambda m, e=enabled: f"pdl={e}: {m}")
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_a_full_capture_of_a_decoder_replays_the_same_logits_with_and_without_pdl():
+    device = torch.device("cuda")
+    if not common.pdl(device):
+        pytest.skip("no PDL on this GPU or Triton")
+    model = build_model("qwen3-0.6b", device="cuda", dtype=torch.bfloat16, logits="last")
+    runners = {}
+    for enabled in (True, False):
+        with common.programmatic_launch(enabled):
+            runners[enabled] = graphcap.capture(model, "full", buckets=[16, 64, 256],
+                                                max_requests=2, attention="triton")
+    g = torch.Generator().manual_seed(0)
+    for lens in ([16], [9, 7], [40, 24], [200, 3], [1]):
+        n = sum(lens)
+        ids = torch.randint(1, 1000, (n,), generator=g).to(device)
+        pos = torch.cat([torch.arange(k) for k in lens]).to(device)
+        on, off = (runners[e](ids, pos, seq_lens=lens) for e in (True, False))
+        torch.testing.assert_close(on, off, atol=0, rtol=0, msg=lambda m, s=lens: f"{s}: {m}")
+    for runner in runners.values():
+        assert sum(runner.report()["replays"].values()) == 5
