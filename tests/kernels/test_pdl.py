@@ -18,7 +18,7 @@ from tests.conftest import requires_cuda
 
 def test_no_pdl_off_cuda_or_under_the_interpreter(monkeypatch):
     assert not common.pdl(torch.device("cpu"))
-    assert common.pdl_args(torch.device("cpu")) == {"PDL": False}
+    assert common.pdl_args(torch.device("cpu"), 16) == {"PDL": False}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not common.pdl(torch.device("cuda", 0))  # decided before any device query
 
@@ -35,6 +35,9 @@ def test_switched_off_by_the_environment_or_a_block(monkeypatch):
             assert common.pdl(cuda)
         assert not common.pdl(cuda)
     assert common.pdl(cuda)
+    # Only launches over few rows: past them it was measured slower.
+    assert common.pdl_args(cuda, common.PDL_MAX_ROWS) == {"PDL": True, "launch_pdl": True}
+    assert common.pdl_args(cuda, common.PDL_MAX_ROWS + 1) == {"PDL": False}
     monkeypatch.setenv("GRAPHCAP_PDL", "0")
     assert not common.pdl(cuda)
     with common.programmatic_launch(True):  # a block outranks the environment
@@ -44,7 +47,7 @@ def test_switched_off_by_the_environment_or_a_block(monkeypatch):
         assert not common.pdl(cuda)
 
 
-def _chain(x, positions, w):
+def _chain(x, positions, cu, w):
     """A decoder layer's kernels in order, each reading the last one's output: norm,
     q/k/v (plain fused linear), q/k norm and rotary, attention, o (split K, residual),
     norm, gate/up with SwiGLU, down (split K, residual)."""
@@ -54,7 +57,6 @@ def _chain(x, positions, w):
     q, k, v = qkv.qkv_norm_rope(proj, positions, w["qn"], w["kn"], w["cache"], 4, 2, 64,
                                 1e-6)
     out = torch.empty_like(q)
-    cu = torch.tensor([0, T], dtype=torch.int32, device=x.device)
     attention.attention_varlen(q, k, v, out, cu, T, 64 ** -0.5)
     x = linear.skinny_linear(out.view(T, -1), w["o"], residual=x)
     h = norm.rms_norm(x, w["n2"], 1e-6)
@@ -90,11 +92,12 @@ def test_a_kernel_chain_gives_the_same_bits_with_and_without_pdl(rows):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(rows, 512, generator=g).to(torch.bfloat16).to(device)
     pos = torch.arange(rows, device=device) + 5
+    cu = torch.tensor([0, rows], dtype=torch.int32, device=device)
 
     def layers():  # four layers deep, so that every kernel follows a PDL kernel
         y = x
         for _ in range(4):
-            y = _chain(y, pos, w)
+            y = _chain(y, pos, cu, w)
         return y
 
     with common.programmatic_launch(False):
@@ -133,7 +136,7 @@ def test_a_full_capture_of_a_decoder_replays_the_same_logits_with_and_without_pd
             runners[enabled] = graphcap.capture(model, "full", buckets=[16, 64, 256],
                                                 max_requests=2, attention="triton")
     g = torch.Generator().manual_seed(0)
-    for lens in ([16], [9, 7], [40, 24], [200, 3], [1]):
+    for lens in ([16], [9, 7], [40, 24], [200, 3], [12]):
         n = sum(lens)
         ids = torch.randint(1, 1000, (n,), generator=g).to(device)
         pos = torch.cat([torch.arange(k) for k in lens]).to(device)

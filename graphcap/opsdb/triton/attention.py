@@ -282,7 +282,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET=interpret, num_warps=num_warps, num_stages=num_stages,
-        **pdl_args(q.device),
+        **pdl_args(q.device, T),
     )
     return out
 

@@ -113,9 +113,20 @@ class programmatic_launch:
         return False
 
 
-def pdl_args(device: torch.device) -> dict:
-    """Keyword arguments for a launch of a kernel with a ``PDL`` constexpr."""
-    return {"PDL": True, "launch_pdl": True} if pdl(device) else {"PDL": False}
+# Launches over more rows than this run without PDL. qwen3-0.6b's full-triton replay on
+# the H200 (tools/gpu/pdl_probe.py, 2026-12-01): with PDL on every launch, 16 tokens
+# 1.024 -> 0.908 ms and 64 tokens 1.198 -> 1.119, but 256 tokens 1.599 -> 1.756 and 512
+# 2.057 -> 2.353. Past 64 rows the matmuls are cuBLAS's and the kernels long enough that
+# launch gaps matter little.
+PDL_MAX_ROWS = 64
+
+
+def pdl_args(device: torch.device, rows: int) -> dict:
+    """Keyword arguments for a launch over ``rows`` rows (tokens) of a kernel with a
+    ``PDL`` constexpr: PDL where :func:`pdl` allows it and ``rows <= PDL_MAX_ROWS``."""
+    if rows <= PDL_MAX_ROWS and pdl(device):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
 
 
 @triton.jit

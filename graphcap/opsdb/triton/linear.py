@@ -277,7 +277,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
     blocks = triton.cdiv(n, cfg["BLOCK_N"])
     partial = (torch.empty((2 if swiglu else 1) * split * cfg["BLOCK_M"] * n,
                            dtype=torch.float32, device=x.device) if split > 1 else y)
-    launch = pdl_args(x.device)
+    launch = pdl_args(x.device, m)
     if split == 1:
         counts = y
     elif launch["PDL"]:

@@ -146,7 +146,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rms_norm_kernel[(T,)](
         x, weight, out, x.stride(0), out.stride(0), H, eps,
         BLOCK_H=block, SINGLE_PASS=single, N_CHUNKS=chunks, num_warps=num_warps,
-        **pdl_args(x.device))
+        **pdl_args(x.device, T))
     return out
 
 
@@ -171,4 +171,4 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     _fused_add_rms_norm_kernel[(T,)](
         x, residual, weight, x.stride(0), residual.stride(0), H, eps,
         BLOCK_H=block, SINGLE_PASS=single, N_CHUNKS=chunks, num_warps=num_warps,
-        **pdl_args(x.device))
+        **pdl_args(x.device, T))
