@@ -20,7 +20,7 @@ from graphcap.core.batch import check_prefill
 from graphcap.models import build_model
 from graphcap.opsdb.triton.common import pdl, programmatic_launch
 
-LENGTHS = [16, 64, 256, 512]
+LENGTHS = [16, 64, 256]
 model = build_model("qwen3-0.6b", device="cuda", dtype=torch.bfloat16, logits="last")
 inputs = prompts(LENGTHS, model.args.vocab_size, "cuda")
 result = {**environment(), "pdl_available": pdl(torch.device("cuda")), "lengths": LENGTHS}
@@ -32,10 +32,32 @@ for enabled in (True, False):
             model, "full", buckets=LENGTHS, max_requests=1, attention="triton")
         result[f"build_s_pdl_{'on' if enabled else 'off'}"] = time.perf_counter() - start
 
+# A third runner: PDL, and q/k/v through the fused norm-and-linear kernel at up to 16
+# rows (dispatch leaves rms_norm_linear to the norm and cuBLAS, measured without PDL).
+from graphcap.opsdb.triton import linear  # noqa: E402
+
+unfused_rows = linear.fused_rows
+
+
+def fused_qkv_rows(weight, kind):
+    if kind == "plain" and weight.numel() * weight.element_size() <= 16 << 20:
+        return 16
+    return unfused_rows(weight, kind)
+
+
+linear.fused_rows = fused_qkv_rows
+start = time.perf_counter()
+runners["pdl-on-fused-qkv"] = graphcap.capture(model, "full", buckets=LENGTHS,
+                                               max_requests=1, attention="triton")
+result["build_s_pdl_on_fused_qkv"] = time.perf_counter() - start
+linear.fused_rows = unfused_rows
+
 result["same_logits"] = {}
 for n in LENGTHS:
-    on, off = (r(*inputs[n], seq_lens=[n]) for r in runners.values())
-    result["same_logits"][n] = bool(torch.equal(on, off))
+    on, off, fused = (r(*inputs[n], seq_lens=[n]) for r in runners.values())
+    result["same_logits"][n] = {"on_off": bool(torch.equal(on, off)),
+                                "fused_qkv_max_abs": float((fused - off).abs().max()),
+                                "logits_abs_max": float(off.abs().max())}
 
 result["timings"] = {}
 for n in LENGTHS:
