@@ -132,8 +132,9 @@ class Runner:
         rows = self._rows(tokens)
 
         def fn():
-            if self.kind == "prefill":  # per-batch buffers derived on the device, in-graph
+            if self.kind == "prefill":  # per-batch buffers copied and derived in-graph
                 meta = self.metadata[tokens]
+                meta.upload()
                 meta.derive()
                 if self._last_rows is not None:
                     meta.last_token_rows(out=self._last_rows)
@@ -291,28 +292,39 @@ class Runner:
 
     def _replay(self, bucket: int, args, lens, tokens: int):
         # Each torch op here costs host time before the replay can start (the GPU waits):
-        # one copy for all inputs, one host-to-device copy of the offsets; the rest of the
-        # metadata (valid rows, last-token rows) is derived inside the graph.
+        # one copy for all inputs; the offsets are written into pinned memory, which the
+        # graph copies itself, and the rest of the metadata (valid rows, last-token rows)
+        # is derived inside the graph.
         with torch.inference_mode():
             torch._foreach_copy_([buf[:tokens] for buf in self._inputs], list(args))
             if tokens < bucket:
                 for buf in self._inputs:
                     buf[tokens:bucket].zero_()  # padding rows: finite, and never stale
-            if lens is not None:
-                self.metadata[bucket].update(lens, derive=False)
-            if self.kind == "prefill":
-                with forward_context(attention=self.metadata[bucket]):
-                    self._replay_entry(bucket)
-            else:
+            if lens is None:
                 self._replay_entry(bucket)
+            else:
+                meta = self.metadata[bucket]
+                meta.update(lens, derive=False, upload=False)
+                self._replay_entry(bucket, meta)
+                meta.uploaded()
         rows = len(lens) if self.config.output_rows == "requests" else tokens
         # Cloned outside inference mode: callers get ordinary tensors, as from the model.
         outs = [buf[:rows].clone() if self.config.copy_outputs else buf[:rows]
                 for buf in self._outputs]
         return tree_unflatten(outs, self._out_spec)
 
-    def _replay_entry(self, bucket: int) -> None:
+    def _replay_entry(self, bucket: int, meta=None) -> None:
+        """Replay a shape. ``meta``, its attention metadata, is the forward context of
+        what a replay runs eagerly and of the check that its captured states are current;
+        a replay that is graphs only and holds no state runs without a context."""
         entry = self.entries[bucket]
+        if meta is None or not (entry.breaks or entry.states):
+            self._replay_or_run(bucket, entry)
+        else:
+            with forward_context(attention=meta):
+                self._replay_or_run(bucket, entry)
+
+    def _replay_or_run(self, bucket: int, entry: Captured) -> None:
         if entry.current():
             entry.replay()
             self.stats.replays[bucket] += 1

@@ -144,3 +144,9 @@ def test_a_full_capture_of_a_decoder_replays_the_same_logits_with_and_without_pd
         torch.testing.assert_close(on, off, atol=0, rtol=0, msg=lambda m, s=lens: f"{s}: {m}")
     for runner in runners.values():
         assert sum(runner.report()["replays"].values()) == 5
+
+
+def test_only_weights_that_fit_l2_are_prefetched():
+    # llama3-8b's o and down projections ran slower with their whole weight prefetched.
+    assert linear._prefetches(torch.empty(2 * 3072, 1024, dtype=torch.bfloat16))  # 12 MiB
+    assert not linear._prefetches(torch.empty(4096, 4096, dtype=torch.bfloat16))  # 32 MiB

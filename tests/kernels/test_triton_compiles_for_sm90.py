@@ -62,7 +62,10 @@ COMPILE_LINEAR = textwrap.dedent('''
     modes = [(True, False, False, False, 1), (True, False, False, True, 1),
              (True, True, False, False, 1), (False, False, True, False, 1),
              (False, False, True, False, 4), (False, False, False, False, 2)]
-    for dt, pdl in (("bf16", True), ("bf16", False), ("fp32", True), ("fp32", False)):
+    # (dtype, PDL, PREFETCH): weights past PREFETCH_BYTES launch with PDL, unprefetched.
+    for dt, pdl, prefetch in (("bf16", True, True), ("bf16", True, False),
+                              ("bf16", False, False), ("fp32", True, True),
+                              ("fp32", False, False)):
         for norm, swiglu, residual, bias, split in modes:
             sig = {**{n: f"*{dt}" for n in ("X", "W", "Y", "NORM_W", "RES", "BIAS")},
                    "PARTIAL": "*fp32", "COUNTS": "*i32", "eps": "fp32",
@@ -71,7 +74,7 @@ COMPILE_LINEAR = textwrap.dedent('''
             consts = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": split,
                       "NORM": norm, "SWIGLU": swiglu, "RESIDUAL": residual,
                       "HAS_BIAS": bias, "IEEE": dt == "fp32", "INTERPRET": False,
-                      "PDL": pdl, "LINE": 64 if dt == "bf16" else 32}
+                      "PDL": pdl, "PREFETCH": prefetch, "LINE": 64 if dt == "bf16" else 32}
             sig.update({n: "constexpr" for n in consts})
             sig = {name: sig[name] for name in kernel.arg_names}
             src = ASTSource(kernel, sig, constexprs=consts)
@@ -83,8 +86,8 @@ COMPILE_LINEAR = textwrap.dedent('''
             # Under PDL: the next kernel released at once, the weights asked of L2, and
             # the wait for the previous kernel before x is read.
             assert ("griddepcontrol.launch_dependents" in ptx) == pdl
-            assert ("prefetch.global.L2" in ptx) == pdl
-            if pdl:
+            assert ("prefetch.global.L2" in ptx) == prefetch
+            if prefetch:
                 assert ptx.index("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
     print("compiled")
 ''')

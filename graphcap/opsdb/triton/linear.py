@@ -134,7 +134,8 @@ def _skinny_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr,
+    INTERPRET: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    LINE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -148,12 +149,12 @@ def _skinny_linear_kernel(
     per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_lo = pid_k * per_split
     k_hi = tl.minimum(k_lo + per_split, K)
-    if PDL:
+    if PREFETCH:
         # The weights are no earlier kernel's output: while that kernel finishes, ask L2
         # for this program's slice of them, then wait for x.
         _prefetch_weights(W, w_cols, col_ok, k_lo, k_hi, N, stride_wn, BLOCK_K, SWIGLU,
                           LINE)
-        pdl_wait(PDL)
+    pdl_wait(PDL)
     if NORM:
         rstd = _row_rstd(x_rows, row_ok, K, eps, BLOCK_M, BLOCK_K)
     else:
@@ -230,6 +231,16 @@ def config(m: int, n: int, k: int, *, norm: bool, swiglu: bool, sms: int,
             "num_warps": 4, "num_stages": stages}
 
 
+# Weights up to this size are asked of L2 whole before a PDL launch's wait. llama3-8b's
+# o (32 MiB) and down (112 MiB) projections ran 1.11x and 1.26x slower with the whole
+# weight prefetched (bench ops, H200, 2026-12-01): lines evicted before their use.
+PREFETCH_BYTES = 16 << 20
+
+
+def _prefetches(weight: torch.Tensor) -> bool:
+    return weight.numel() * weight.element_size() <= PREFETCH_BYTES
+
+
 def fused_rows(weight: torch.Tensor, kind: str) -> int:
     """Up to how many rows the fused kernel beat the unfused ops around cuBLAS on the H200
     (bf16, weights cycled past L2; ``docs/results/2026-12-01-bench-ops-linear-*``), for
@@ -293,7 +304,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
         NORM=norm_weight is not None, SWIGLU=swiglu, RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
         INTERPRET=interpreting(), LINE=min(128 // weight.element_size(), cfg["BLOCK_K"]),
-        **launch, **cfg)
+        PREFETCH=launch["PDL"] and _prefetches(weight), **launch, **cfg)
     return y
 
 
