@@ -171,3 +171,13 @@ def test_the_linear_cases_time_both_kernels_and_judge_only_where_dispatch_fuses(
     assert [(v["op"], v["tokens"]) for v in verdicts] == [
         ("rms_norm_swiglu", 4), ("linear_residual", 4), ("linear_residual", 40)]
     assert all(v["met"] and v["vs"] == "composite" for v in verdicts)
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    from graphcap.bench.prefill import busy_us
+
+    # Two kernels overlapping (a PDL launch waiting on its predecessor), a gap, a third.
+    assert busy_us([(0, 10), (4, 12), (20, 25)]) == 17
+    assert busy_us([(20, 25), (0, 10), (2, 3)]) == 15  # order and nesting do not matter
+    assert busy_us([(0, 5), (5, 9)]) == 9  # back to back: no gap, no double count
+    assert busy_us([]) == 0

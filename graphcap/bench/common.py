@@ -51,7 +51,20 @@ def environment() -> dict:
         "flashinfer": _version("flashinfer-python"),
         "flash_attn_4": _version("flash-attn-4"),
         "command": "graphcap " + " ".join(sys.argv[1:]) if sys.argv else "graphcap",
+        "pdl": _pdl(),
     }
+
+
+def _pdl() -> bool:
+    """Whether the project's Triton kernels launch with PDL here (``GRAPHCAP_PDL=0``
+    switches it off, e.g. to compare)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from graphcap.opsdb.triton.common import pdl
+    except ImportError:  # no Triton
+        return False
+    return pdl(torch.device("cuda"))
 
 
 def _stats(samples: list[float]) -> dict:

@@ -75,6 +75,7 @@ def show_prefill(result: dict) -> None:
             if idle.get("top_kernels"):
                 print_table(f"{model['model']}: kernels of one {idle.get('arm', 'full')} replay at "
                             f"{idle['tokens']} tokens ({idle['kernel_ms']} ms of kernels, "
+                            f"{idle.get('busy_ms', idle['kernel_ms'])} ms busy, "
                             f"{idle['wall_ms']} ms wall)",
                             ["kernel", "launches", "us", "share"],
                             [[k["kernel"][:60], str(k["launches"]), str(k["us"]),
