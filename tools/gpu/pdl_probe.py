@@ -53,7 +53,7 @@ def host_steps(r, ids, pos) -> dict:
     steps = {
         "check_prefill": lambda: check_prefill(ids, pos, [n0], r.device),
         "foreach_copy": lambda: torch._foreach_copy_([b[:n0] for b in r._inputs], [ids, pos]),
-        "metadata_update": lambda: r.metadata[n0].update([n0], derive=False, upload=False),
+        "metadata_update": lambda: r.metadata[n0].update([n0], derive=False),
         "replay": r.entries[n0].replay,
         "clone_logits": lambda: r._outputs[0][:1].clone(),
     }

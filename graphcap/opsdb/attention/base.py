@@ -46,18 +46,14 @@ class AttentionMetadata:
         self.seq_lens: list[int] = []
         self.num_real_tokens = 0
 
-    def update(self, seq_lens: Sequence[int] | torch.Tensor, derive: bool = True,
-               upload: bool = True) -> AttentionMetadata:
+    def update(self, seq_lens: Sequence[int] | torch.Tensor, derive: bool = True
+               ) -> AttentionMetadata:
         """Fill the buffers for a batch of requests with these lengths (host values).
 
         The host side writes the offsets and copies them to the device (one copy) and
         runs the backend's ``plan``; ``derive=False`` leaves the buffers computed from the
         offsets on the device (:meth:`derive`) to the caller, e.g. to a captured graph
-        that derives them itself before attention, so a replay pays no launch for them.
-        ``upload=False`` leaves the copy to the caller too: a graph that captured
-        :meth:`upload` copies the offsets when it runs; the caller then calls
-        :meth:`uploaded` right after launching it, so that the next update waits for that
-        copy before it rewrites the host buffer."""
+        that derives them itself before attention, so a replay pays no launch for them."""
         lens = validate_seq_lens(seq_lens, self.num_tokens, self.num_slots)
         if self._copied is not None:
             self._copied.synchronize()
@@ -73,25 +69,14 @@ class AttentionMetadata:
             offsets[1:len(lens) + 1] = lens
             offsets[len(lens) + 1:] = 0  # sentinels: length 0, parked at the real count
             np.cumsum(offsets, out=offsets)
-        if upload:
-            self.upload()
-            self.uploaded()
+        self.cu_seqlens.copy_(self.cu_seqlens_host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         self.seq_lens, self.num_real_tokens = lens, total
         if derive:
             self.derive()
         self.backend.plan(self)
         return self
-
-    def upload(self) -> None:
-        """Graph-safe: the host offsets to the device, one asynchronous copy from the
-        pinned buffer. Captured, it is a copy node that reads that buffer at each replay."""
-        self.cu_seqlens.copy_(self.cu_seqlens_host, non_blocking=True)
-
-    def uploaded(self) -> None:
-        """Outside any capture, after launching the work that copies the host offsets:
-        the next :meth:`update` waits for that work before rewriting them."""
-        if self._copied is not None:
-            self._copied.record()
 
     def derive(self) -> None:
         """Device side, graph-safe: the buffers computed from the device offsets (the
