@@ -115,21 +115,34 @@ def test_strategies_are_judged_against_full_with_the_attention_they_ran():
 
 
 def test_top_kernels_rank_device_time_per_replay():
+    from graphcap.bench.prefill import top_kernels
+
+    # Two replays: a gemm, then a norm launched with PDL that started 2 us before the
+    # gemm ended (its wait is the gemm's time, not its own), then a gap.
+    spans = [(0, 10, "gemm"), (8, 13, "rms_norm"), (20, 30, "gemm"), (28, 33, "rms_norm")]
+    got = top_kernels(spans, reps=2, top=2)
+    assert got == [{"kernel": "gemm", "launches": 1.0, "us": 10.0, "share": 0.7692},
+                   {"kernel": "rms_norm", "launches": 1.0, "us": 3.0, "share": 0.2308}]
+    assert top_kernels(spans, reps=2, top=1) == got[:1]
+
+
+def test_kernel_spans_are_device_kernels_only():
     from types import SimpleNamespace
 
-    from graphcap.bench.prefill import top_kernels
+    from graphcap.bench.prefill import busy_us, kernel_spans
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
-    def event(key, device, count, us):
-        return SimpleNamespace(key=key, device_type=device, count=count,
-                               device_time_total=us)
+    def event(name, device, start, end, **flags):
+        return SimpleNamespace(name=name, device_type=device,
+                               time_range=SimpleNamespace(start=start, end=end), **flags)
 
-    events = [event("gemm", cuda, 40, 300.0), event("rms_norm", cuda, 60, 100.0),
-              event("aten::mm", cpu, 40, 0.0), event("unused", cuda, 0, 0.0)]
-    got = top_kernels(events, reps=20, top=2)
-    assert got == [{"kernel": "gemm", "launches": 2.0, "us": 15.0, "share": 0.75},
-                   {"kernel": "rms_norm", "launches": 3.0, "us": 5.0, "share": 0.25}]
+    events = [event("gemm", cuda, 0, 10), event("aten::mm", cpu, 0, 50),
+              event("replay", cuda, 0, 100, is_user_annotation=True),
+              event("range", cuda, 0, 100, is_async=True), event("norm", cuda, 20, 25)]
+    spans = kernel_spans(events)
+    assert spans == [(0, 10, "gemm"), (20, 25, "norm")]
+    assert busy_us(spans) == 15  # an annotation over every kernel would have read 100
 
 
 def test_build_and_memory_targets():
@@ -177,7 +190,7 @@ def test_busy_time_counts_overlapping_kernels_once():
     from graphcap.bench.prefill import busy_us
 
     # Two kernels overlapping (a PDL launch waiting on its predecessor), a gap, a third.
-    assert busy_us([(0, 10), (4, 12), (20, 25)]) == 17
-    assert busy_us([(20, 25), (0, 10), (2, 3)]) == 15  # order and nesting do not matter
-    assert busy_us([(0, 5), (5, 9)]) == 9  # back to back: no gap, no double count
+    assert busy_us([(0, 10, "a"), (4, 12, "b"), (20, 25, "a")]) == 17
+    assert busy_us([(20, 25, "a"), (0, 10, "b"), (2, 3, "c")]) == 15  # order, nesting
+    assert busy_us([(0, 5, "a"), (5, 9, "b")]) == 9  # back to back: no gap, no double count
     assert busy_us([]) == 0

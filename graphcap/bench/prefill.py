@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 
 import torch
 
@@ -67,27 +68,44 @@ def runner_overhead(arm, length: int, reps: int = 50) -> dict:
             "host_replay_us": host_us(entry.replay, reps)}
 
 
-def top_kernels(events, reps: int, top: int = 12) -> list[dict]:
-    """The kernels that take the most device time in ``reps`` replays, from
-    ``torch.profiler``'s ``key_averages()``: name, launches and microseconds per replay,
-    and share of all kernel time."""
-    kernels = [e for e in events
-               if e.device_type == torch.autograd.DeviceType.CUDA and e.count]
-    total = sum(e.device_time_total for e in kernels) or 1.0
-    ranked = sorted(kernels, key=lambda e: e.device_time_total, reverse=True)[:top]
-    return [{"kernel": e.key[:90], "launches": round(e.count / reps, 2),
-             "us": round(e.device_time_total / reps, 2),
-             "share": round(e.device_time_total / total, 4)} for e in ranked]
+def kernel_spans(events) -> list[tuple[float, float, str]]:
+    """``(start_us, end_us, name)`` of each kernel (and device copy or memset) in a
+    ``torch.profiler`` event list (``prof.events()``): device events only, without async
+    ranges or user annotations, which span many kernels."""
+    cuda = torch.autograd.DeviceType.CUDA
+    return [(e.time_range.start, e.time_range.end, e.name) for e in events
+            if e.device_type == cuda and not getattr(e, "is_async", False)
+            and not getattr(e, "is_user_annotation", False)]
 
 
-def busy_us(intervals) -> float:
-    """Microseconds covered by at least one of the ``(start, end)`` intervals."""
-    busy, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            busy += end - max(start, reach)
-            reach = end
-    return busy
+def charged_us(spans) -> Counter:
+    """Busy microseconds charged to each name: spans taken in start order, each charged
+    the time it adds to their union. Where two overlap, the earlier one keeps the
+    overlap: a kernel launched with PDL, started early and waiting on its predecessor,
+    is charged only from that one's end."""
+    charged, reach = Counter(), float("-inf")
+    for start, end, name in sorted(spans):
+        charged[name] += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return charged
+
+
+def busy_us(spans) -> float:
+    """Microseconds in which at least one of the spans runs."""
+    return sum(charged_us(spans).values())
+
+
+def top_kernels(spans, reps: int, top: int = 12) -> list[dict]:
+    """The kernels that take the most device time in ``reps`` replays: name, launches and
+    microseconds per replay (charged as :func:`charged_us` does, so a PDL kernel's wait
+    counts once, for its predecessor), and share of the busy time."""
+    charged = charged_us(spans)
+    launches = Counter(name for _, _, name in spans)
+    total = sum(charged.values()) or 1.0
+    ranked = sorted(charged, key=lambda name: charged[name], reverse=True)[:top]
+    return [{"kernel": name[:90], "launches": round(launches[name] / reps, 2),
+             "us": round(charged[name] / reps, 2),
+             "share": round(charged[name] / total, 4)} for name in ranked]
 
 
 def idle_share(arm, length: int, reps: int = 20) -> dict:
@@ -95,8 +113,8 @@ def idle_share(arm, length: int, reps: int = 20) -> dict:
     when at least one kernel runs. Wall time is ``reps`` replays between two events with
     one synchronisation, unprofiled; busy time comes from a second, profiled pass
     (tracing slows the launches it watches), which also names the kernels that take the
-    most time. Kernels launched with PDL start before their predecessor ends and wait
-    for it: their summed time (``kernel_ms``) then exceeds the wall time, while their
+    most of it. Kernels launched with PDL start before their predecessor ends and wait
+    for it: their summed time (``kernel_ms``) then exceeds the wall time, while the
     union (``busy_ms``) counts each moment once."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -104,24 +122,19 @@ def idle_share(arm, length: int, reps: int = 20) -> dict:
     for _ in range(3):
         entry.replay()
     torch.cuda.synchronize()
-    wall = cuda_event_ms(lambda: [entry.replay() for _ in range(reps)])
+    wall = cuda_event_ms(lambda: [entry.replay() for _ in range(reps)]) / reps
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             entry.replay()
         torch.cuda.synchronize()
-    cuda = torch.autograd.DeviceType.CUDA
-    events = prof.key_averages()
-    kernel_us = sum(e.device_time_total for e in events if e.device_type == cuda and e.count)
-    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
-             if e.device_type == cuda]
-    busy_ms = busy_us(spans) / 1000 / reps if spans else kernel_us / 1000 / reps
+    spans = kernel_spans(prof.events())
+    summed = sum(end - start for start, end, _ in spans) / 1000 / reps
+    busy = busy_us(spans) / 1000 / reps
     # Busy time from the profiled pass against the unprofiled wall time: tracing
     # lengthens the gaps between kernels, not the kernels, so the share is clamped at 0.
-    return {"tokens": length, "wall_ms": round(wall / reps, 4),
-            "kernel_ms": round(kernel_us / 1000 / reps, 4),
-            "busy_ms": round(busy_ms, 4),
-            "idle_share": round(max(0.0, 1 - busy_ms / (wall / reps)), 4),
-            "top_kernels": top_kernels(events, reps)}
+    return {"tokens": length, "wall_ms": round(wall, 4), "kernel_ms": round(summed, 4),
+            "busy_ms": round(busy, 4), "idle_share": round(max(0.0, 1 - busy / wall), 4),
+            "top_kernels": top_kernels(spans, reps)}
 
 
 def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,

@@ -17,6 +17,7 @@ from tests.conftest import requires_cuda
 
 
 def test_no_pdl_off_cuda_or_under_the_interpreter(monkeypatch):
+    monkeypatch.delenv("GRAPHCAP_PDL", raising=False)  # off for the right reason
     assert not common.pdl(torch.device("cpu"))
     assert common.pdl_args(torch.device("cpu"), 16) == {"PDL": False}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -27,6 +28,7 @@ def test_switched_off_by_the_environment_or_a_block(monkeypatch):
     monkeypatch.setattr(common, "_PDL_IN_TRITON", True)
     monkeypatch.setattr(common, "_SM90", {0: True})
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("GRAPHCAP_PDL", raising=False)
     cuda = torch.device("cuda", 0)
     assert common.pdl(cuda)
     with common.programmatic_launch(False):
@@ -38,8 +40,9 @@ def test_switched_off_by_the_environment_or_a_block(monkeypatch):
     # Only launches over few rows: past them it was measured slower.
     assert common.pdl_args(cuda, common.PDL_MAX_ROWS) == {"PDL": True, "launch_pdl": True}
     assert common.pdl_args(cuda, common.PDL_MAX_ROWS + 1) == {"PDL": False}
-    monkeypatch.setenv("GRAPHCAP_PDL", "0")
-    assert not common.pdl(cuda)
+    for off in ("0", "false", "OFF", "no"):
+        monkeypatch.setenv("GRAPHCAP_PDL", off)
+        assert not common.pdl(cuda)
     with common.programmatic_launch(True):  # a block outranks the environment
         assert common.pdl(cuda)
     monkeypatch.setattr(common, "_SM90", {0: False})  # sm80: never
@@ -49,8 +52,8 @@ def test_switched_off_by_the_environment_or_a_block(monkeypatch):
 
 def _chain(x, positions, cu, w):
     """A decoder layer's kernels in order, each reading the last one's output: norm,
-    q/k/v (plain fused linear), q/k norm and rotary, attention, o (split K, residual),
-    norm, gate/up with SwiGLU, down (split K, residual)."""
+    q/k/v (plain fused linear), q/k norm and rotary, attention, o (residual), norm,
+    gate/up with SwiGLU, down (split K, residual: its counters zeroed by a kernel)."""
     T = x.shape[0]
     h = norm.rms_norm(x, w["n1"], 1e-6)
     proj = linear.skinny_linear(h, w["qkv"])
@@ -150,3 +153,15 @@ def test_only_weights_that_fit_l2_are_prefetched():
     # llama3-8b's o and down projections ran slower with their whole weight prefetched.
     assert linear._prefetches(torch.empty(2 * 3072, 1024, dtype=torch.bfloat16))  # 12 MiB
     assert not linear._prefetches(torch.empty(4096, 4096, dtype=torch.bfloat16))  # 32 MiB
+
+
+def test_the_setting_is_per_thread():
+    import threading
+
+    seen = []
+    with common.programmatic_launch(False):
+        worker = threading.Thread(target=lambda: seen.append(common._pdl_override.get()))
+        worker.start()
+        worker.join()
+        assert common._pdl_override.get() is False
+    assert seen == [None] and common._pdl_override.get() is None

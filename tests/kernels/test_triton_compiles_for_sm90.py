@@ -89,6 +89,10 @@ COMPILE_LINEAR = textwrap.dedent('''
             assert ("prefetch.global.L2" in ptx) == prefetch
             if prefetch:
                 assert ptx.index("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
+            if pdl:  # nothing read, written or counted before the first wait
+                early = ptx[:ptx.index("griddepcontrol.wait")]
+                assert not any(op in early for op in ("ld.global", "st.global", "atom.",
+                                                       "red.", "cp.async")), early[-2000:]
     print("compiled")
 ''')
 
@@ -113,6 +117,10 @@ COMPILE_PDL_KERNELS = textwrap.dedent('''
                              options={"launch_pdl": consts["PDL"]})
         ptx = out.asm["ptx"]
         assert ("griddepcontrol.wait" in ptx) == consts["PDL"], kernel
+        if consts["PDL"]:
+            early = ptx[:ptx.index("griddepcontrol.wait")]
+            assert not any(op in early for op in ("ld.global", "st.global", "atom.",
+                                                   "red.", "cp.async")), kernel
         assert ("griddepcontrol.launch_dependents" in ptx) == consts["PDL"], kernel
 
     norm = {"BLOCK_H": 1024, "SINGLE_PASS": True, "N_CHUNKS": 1}

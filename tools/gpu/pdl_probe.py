@@ -8,7 +8,8 @@ and bare replays are timed interleaved (as `graphcap bench prefill` times arms),
 logits compared bit for bit, the host path of a 16-token call split into its steps (from
 an idle GPU, before any profiling: a profiler leaves launches slower), and their replays
 profiled at the shortest length. Under PDL a kernel starts before the previous one ends,
-so profiled kernel time counts its wait and exceeds the wall time."""
+so its summed kernel time counts its wait and exceeds the wall time; busy time and the
+per-kernel figures count each moment once."""
 
 import json
 import os
@@ -20,7 +21,7 @@ import torch
 import graphcap
 from graphcap.bench.arms import prompts
 from graphcap.bench.common import environment, time_interleaved
-from graphcap.bench.prefill import SETTLE_MS, host_us, top_kernels
+from graphcap.bench.prefill import SETTLE_MS, busy_us, host_us, kernel_spans, top_kernels
 from graphcap.core.batch import check_prefill
 from graphcap.models import build_model
 from graphcap.opsdb.triton.common import pdl, programmatic_launch
@@ -96,13 +97,12 @@ for name, r in runners.items():
         for _ in range(reps):
             entry.replay()
         torch.cuda.synchronize()
-    events = prof.key_averages()
-    kernel_us = sum(e.device_time_total for e in events
-                    if e.device_type == torch.autograd.DeviceType.CUDA and e.count)
+    spans = kernel_spans(prof.events())
     result[f"profile_{n0}"][name] = {
         "wall_ms": round(start_ev.elapsed_time(end_ev) / reps, 4),
-        "kernel_ms": round(kernel_us / 1e3 / reps, 4),
-        "top_kernels": top_kernels(events, reps, top=16)}
+        "kernel_ms": round(sum(e - s for s, e, _ in spans) / 1e3 / reps, 4),
+        "busy_ms": round(busy_us(spans) / 1e3 / reps, 4),
+        "top_kernels": top_kernels(spans, reps, top=16)}
 print(json.dumps(result["same_logits"]), flush=True)
 with open(os.path.join(os.environ.get("OUT", "/tmp"), f"pdl-probe-{PRESET}.json"), "w") as f:
     json.dump(result, f, indent=1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import os
 
 import torch
@@ -65,8 +66,11 @@ def cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 # completes first. Every kernel launched this way waits unconditionally in every program,
 # so a chain stays ordered: a kernel completes only after the one before it did.
 
-_PDL_OFF_ENV = "GRAPHCAP_PDL"
-_pdl_override: list[bool] = []  # innermost programmatic_launch(...) setting last
+_PDL_ENV = "GRAPHCAP_PDL"
+_PDL_OFF = ("0", "false", "off", "no")
+# The innermost programmatic_launch(...) setting of this thread (or task), or None.
+_pdl_override: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "graphcap_pdl", default=None)
 
 
 def _pdl_probe() -> bool:
@@ -81,11 +85,13 @@ _SM90: dict[int, bool] = {}
 def pdl(device: torch.device) -> bool:
     """Whether this project's Triton kernels launch on ``device`` with programmatic
     dependent launch: CUDA sm90 or newer, a Triton that has ``gdc_wait``, not the
-    interpreter, and not switched off (``GRAPHCAP_PDL=0`` or :func:`programmatic_launch`)."""
-    if _pdl_override:
-        if not _pdl_override[-1]:
+    interpreter, and not switched off (``GRAPHCAP_PDL=0``, or ``false``/``off``/``no``, or
+    :func:`programmatic_launch`)."""
+    override = _pdl_override.get()
+    if override is not None:
+        if not override:
             return False
-    elif os.environ.get(_PDL_OFF_ENV, "1") == "0":
+    elif os.environ.get(_PDL_ENV, "1").strip().lower() in _PDL_OFF:
         return False
     if device.type != "cuda" or interpreting() or not _PDL_IN_TRITON:
         return False
@@ -98,26 +104,29 @@ def pdl(device: torch.device) -> bool:
 class programmatic_launch:
     """``with programmatic_launch(False):`` launches (or captures) the project's Triton
     kernels without PDL, e.g. to compare; ``True`` restores the default where PDL is
-    available. The setting applies to launches made inside the block: a graph captured
-    there keeps it when replayed outside."""
+    available. It applies to the launches made inside the block, in this thread: a CUDA
+    graph captured there replays its kernels as captured, while whatever a replay runs
+    eagerly (a breakable forward's breaks, tc_piecewise's split ops) launches by the
+    setting at replay time."""
 
     def __init__(self, enabled: bool):
         self.enabled = bool(enabled)
+        self._tokens: list[contextvars.Token] = []
 
     def __enter__(self):
-        _pdl_override.append(self.enabled)
+        self._tokens.append(_pdl_override.set(self.enabled))
         return self
 
     def __exit__(self, *exc):
-        _pdl_override.pop()
+        _pdl_override.reset(self._tokens.pop())
         return False
 
 
 # Launches over more rows than this run without PDL. qwen3-0.6b's full-triton replay on
 # the H200 (tools/gpu/pdl_probe.py, 2026-12-01): with PDL on every launch, 16 tokens
 # 1.024 -> 0.908 ms and 64 tokens 1.198 -> 1.119, but 256 tokens 1.599 -> 1.756 and 512
-# 2.057 -> 2.353. Past 64 rows the matmuls are cuBLAS's and the kernels long enough that
-# launch gaps matter little.
+# 2.057 -> 2.353. Per kernel (tools/gpu/pdl_long.py) the loss is qkv_norm_rope's, a grid
+# of one-warp programs per (token, head): +8% of the replay at 256 tokens, +13% at 512.
 PDL_MAX_ROWS = 64
 
 
