@@ -21,10 +21,15 @@ All M rows sit in one tile (``BLOCK_M`` up to 64); the grid covers N in ``BLOCK_
 columns and, when that leaves SMs idle, splits K over ``SPLIT_K`` programs. Split
 programs store float32 partial tiles; the last one to finish a column block (an atomic
 counter) sums them and runs the epilogue, so no second kernel is needed. Partials and
-counters are allocated per call (the counters zeroed: one memset): a persistent counter
-buffer would live in whichever graph pool first used it, and torch.compile's
-reduce-overhead refuses a live tensor in its pool that no output tracks. No host
-synchronisation: safe to capture.
+counters are allocated per call (the counters zeroed by one fill, a small kernel of ours
+under PDL): a persistent counter buffer would live in whichever graph pool first used
+it, and torch.compile's reduce-overhead refuses a live tensor in its pool that no output
+tracks. No host synchronisation: safe to capture.
+
+Under programmatic dependent launch (sm90+, few rows: :mod:`graphcap.opsdb.triton.common`)
+a program releases the next kernel at once, asks L2 for its weight slice (weights of up
+to :data:`PREFETCH_BYTES`) while the previous kernel finishes, and waits for that kernel
+before it reads x.
 """
 
 from __future__ import annotations
