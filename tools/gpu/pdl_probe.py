@@ -15,13 +15,14 @@ import json
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
 import graphcap
 from graphcap.bench.arms import prompts
 from graphcap.bench.common import environment, time_interleaved
-from graphcap.bench.prefill import SETTLE_MS, busy_us, host_us, kernel_spans, top_kernels
+from graphcap.bench.prefill import SETTLE_MS, host_us, idle_share
 from graphcap.core.batch import check_prefill
 from graphcap.models import build_model
 from graphcap.opsdb.triton.common import pdl, programmatic_launch
@@ -78,31 +79,10 @@ for n in LENGTHS:
     result["timings"][n] = time_interleaved(arms, reps=60, settle_ms=SETTLE_MS)
     print(n, {k: v["median_ms"] for k, v in result["timings"][n].items()}, flush=True)
 
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-result[f"profile_{n0}"] = {}
-for name, r in runners.items():
-    entry = r.entries[n0]
-    for _ in range(5):
-        entry.replay()
-    torch.cuda.synchronize()
-    reps = 20
-    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start_ev.record()
-    for _ in range(reps):
-        entry.replay()
-    end_ev.record()
-    end_ev.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            entry.replay()
-        torch.cuda.synchronize()
-    spans = kernel_spans(prof.events())
-    result[f"profile_{n0}"][name] = {
-        "wall_ms": round(start_ev.elapsed_time(end_ev) / reps, 4),
-        "kernel_ms": round(sum(e - s for s, e, _ in spans) / 1e3 / reps, 4),
-        "busy_ms": round(busy_us(spans) / 1e3 / reps, 4),
-        "top_kernels": top_kernels(spans, reps, top=16)}
+# The bench's idle measurement of each runner's replay: wall, summed and busy kernel
+# time, the top kernels.
+result[f"profile_{n0}"] = {name: idle_share(SimpleNamespace(runner=r), n0)
+                           for name, r in runners.items()}
 print(json.dumps(result["same_logits"]), flush=True)
 with open(os.path.join(os.environ.get("OUT", "/tmp"), f"pdl-probe-{PRESET}.json"), "w") as f:
     json.dump(result, f, indent=1)
