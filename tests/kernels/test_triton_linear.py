@@ -78,15 +78,32 @@ def test_every_tile_choice_fits_the_shared_memory_in_each_dtype(m, mode, element
         assert t["num_stages"] >= 2 and t["num_stages"] * stage <= kernel._SMEM_BUDGET
 
 
-def test_a_split_k_launch_keeps_no_state_between_calls():
-    # Counters are per call: nothing lives on in a graph pool (torch.compile's
-    # reduce-overhead refused a persistent one, a live tensor no output tracked).
+def test_a_split_k_launch_leaves_its_counters_zero_for_the_next():
+    # One persistent counter buffer per stream: each launch's last program of a column
+    # block sets its counter back to zero, so launch after launch needs no zeroing.
+    from graphcap.opsdb.triton import counters
+
+    buffers = set()
     for seed in range(3):
         args, want, x = case("swiglu", 7, 48, 320, torch.float32, seed)
         tiles = dict(config("swiglu", 7, 48, 320), SPLIT_K=4, BLOCK_K=32)
         torch.testing.assert_close(kernel.skinny_linear(x, tiles=tiles, **args), want(),
                                    atol=1e-4, rtol=1e-4)
-    assert not [n for n in vars(kernel) if "COUNTER" in n.upper()]
+        assert counters.check_zero() == []
+        buffers.add(counters.persistent(x.device, 2).data_ptr())
+    assert len(buffers) == 1
+
+
+def test_counters_beyond_the_capacity_are_the_launchs_own():
+    from graphcap.opsdb.triton import counters
+
+    assert counters.persistent(torch.device("cpu"), counters.CAPACITY + 1) is None
+    args, want, x = case("residual", 3, 16 * (counters.CAPACITY + 1), 64, torch.float32, 0)
+    tiles = dict(config("residual", 3, 16 * (counters.CAPACITY + 1), 64), BLOCK_N=16,
+                 BLOCK_K=16, SPLIT_K=2)
+    torch.testing.assert_close(kernel.skinny_linear(x, tiles=tiles, **args), want(),
+                               atol=1e-4, rtol=1e-4)
+    assert counters.check_zero() == []
 
 
 def test_the_split_covers_the_sms_and_keeps_two_slices_per_program():
@@ -151,3 +168,52 @@ def test_model_sized_projections_replay_in_a_cuda_graph(m):
             torch.cuda.synchronize()
             torch.testing.assert_close(y, want(), atol=2e-2, rtol=2e-2,
                                        msg=lambda msg, s=(mode, n, k): f"{s}: {msg}")
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_counters_are_made_outside_the_pool_a_warm_up_allocates_to():
+    from graphcap.core import new_pool
+    from graphcap.opsdb.triton import counters
+
+    pool = new_pool("cuda")
+    with pool.warmup():  # before the pool's first capture: routed to the pool
+        stream_key = torch.cuda.current_stream().cuda_stream
+        buffer = counters.persistent(torch.device("cuda"), 32)
+        inside = torch.empty(1 << 20, device="cuda")  # this one is the pool's
+    in_pool = [(s["address"], s["address"] + s["total_size"]) for s in pool._segments()]
+    assert any(lo <= inside.data_ptr() < hi for lo, hi in in_pool)
+    assert not any(lo <= buffer.data_ptr() < hi for lo, hi in in_pool)
+    assert counters._BUFFERS[(torch.cuda.current_device(), stream_key)] is buffer
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_a_capture_on_a_stream_without_counters_brings_its_own_and_replays_right():
+    from graphcap.core import new_pool
+    from graphcap.opsdb.triton import counters
+
+    args, want, x = case("residual", 16, 1024, 2048, torch.bfloat16, 0)
+    pool = new_pool("cuda")
+    key = (torch.cuda.current_device(), pool.stream.cuda_stream)
+    counters._BUFFERS.pop(key, None)  # as if no warm-up had run on the capture stream
+    graph = pool.graph()
+    y = graph.capture(lambda: kernel.skinny_linear(x, **args))
+    assert key not in counters._BUFFERS  # none made inside the capture
+    for seed in (1, 2, 3):
+        x.copy_(randn(16, 2048, dtype=torch.bfloat16, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(y, want(), atol=2e-2, rtol=2e-2)
+    with pool.warmup():  # now the stream gets its buffer; later captures use it
+        kernel.skinny_linear(x, **args)
+    assert key in counters._BUFFERS
+    second = pool.graph()
+    y2 = second.capture(lambda: kernel.skinny_linear(x, **args))
+    for _ in range(3):
+        second.replay()
+        graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y2, want(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(y, want(), atol=2e-2, rtol=2e-2)
+    assert counters.check_zero() == []

@@ -20,11 +20,10 @@ add around them were kernels of their own. Here one kernel does
 All M rows sit in one tile (``BLOCK_M`` up to 64); the grid covers N in ``BLOCK_N``
 columns and, when that leaves SMs idle, splits K over ``SPLIT_K`` programs. Split
 programs store float32 partial tiles; the last one to finish a column block (an atomic
-counter) sums them and runs the epilogue, so no second kernel is needed. Partials and
-counters are allocated per call (the counters zeroed by one fill, a small kernel of ours
-under PDL): a persistent counter buffer would live in whichever graph pool first used
-it, and torch.compile's reduce-overhead refuses a live tensor in its pool that no output
-tracks. No host synchronisation: safe to capture.
+counter) sums them, runs the epilogue and sets the counter back to zero, so no second
+kernel is needed and the counters, one buffer per stream made outside every graph pool
+(:mod:`graphcap.opsdb.triton.counters`), need no zeroing kernel before a launch. The
+partials are allocated per call. No host synchronisation: safe to capture.
 
 Under programmatic dependent launch (sm90+, few rows: :mod:`graphcap.opsdb.triton.common`)
 a program releases the next kernel at once, asks L2 for its weight slice (weights of up
@@ -38,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphcap.opsdb.triton import counters
 from graphcap.opsdb.triton.common import (
     cast,
     dot,
@@ -194,6 +194,8 @@ def _skinny_linear_kernel(
         tl.debug_barrier()  # every thread's partial is stored before the count says so
         arrived = tl.atomic_add(COUNTS + pid_n, 1)  # acq_rel, GPU scope
         if arrived == SPLIT_K - 1:  # the last program of this column block sums
+            # Every program of the block has counted: back to zero for the next launch.
+            tl.atomic_xchg(COUNTS + pid_n, 0)
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             total_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
@@ -270,6 +272,35 @@ def fused_rows(weight: torch.Tensor, kind: str) -> int:
     return MAX_ROWS if small else 16
 
 
+def _counts(device: torch.device, blocks: int, launch: dict) -> torch.Tensor:
+    """Zeroed split-K counters for ``blocks`` column blocks: the stream's persistent ones,
+    else (a capture's first split launch on its stream, or very many blocks) counters of
+    this launch's own, zeroed before it (by a PDL kernel under PDL: a memset node between
+    two kernels would end their programmatic edge)."""
+    counts = counters.persistent(device, blocks)
+    if counts is not None:
+        return counts
+    if launch["PDL"]:
+        counts = torch.empty(blocks, dtype=torch.int32, device=device)
+        _zero_kernel[(triton.cdiv(blocks, 1024),)](counts, blocks, BLOCK=1024, **launch)
+        return counts
+    return torch.zeros(blocks, dtype=torch.int32, device=device)
+
+
+# Rows up to which a normed projection (``rms_norm_linear``'s unfused path) runs its matmul
+# in the plain kernel after the norm kernel, for weights of up to 16 MB, where PDL is on:
+# the chain norm -> matmul -> next kernel then stays programmatic (cuBLAS's kernels take
+# no PDL edge, so each costs two). 0: cuBLAS always.
+PLAIN_ROWS = 0
+
+
+def plain_rows(weight: torch.Tensor) -> int:
+    """Up to how many rows the unfused ``rms_norm_linear`` runs its matmul here rather
+    than in cuBLAS (:data:`PLAIN_ROWS` for weights of up to 16 MB, else 0); the caller
+    also needs PDL on for the launch (:func:`graphcap.opsdb.triton.common.pdl_args`)."""
+    return PLAIN_ROWS if weight.numel() * weight.element_size() <= 16 << 20 else 0
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
                   eps: float = 1e-6, residual=None, bias=None, swiglu: bool = False,
                   tiles: dict | None = None) -> torch.Tensor:
@@ -294,13 +325,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
     partial = (torch.empty((2 if swiglu else 1) * split * cfg["BLOCK_M"] * n,
                            dtype=torch.float32, device=x.device) if split > 1 else y)
     launch = pdl_args(x.device, m)
-    if split == 1:
-        counts = y
-    elif launch["PDL"]:
-        counts = torch.empty(blocks, dtype=torch.int32, device=x.device)
-        _zero_kernel[(triton.cdiv(blocks, 1024),)](counts, blocks, BLOCK=1024, **launch)
-    else:
-        counts = torch.zeros(blocks, dtype=torch.int32, device=x.device)
+    counts = y if split == 1 else _counts(x.device, blocks, launch)
     res = residual if residual is not None else y
     _skinny_linear_kernel[(blocks, split)](
         x, weight, y, norm_weight if norm_weight is not None else x, res,
@@ -325,5 +350,5 @@ def linear_residual(x, weight, residual):
     return skinny_linear(x, weight, residual=residual)
 
 
-__all__ = ["MAX_ROWS", "config", "fused_rows", "linear_residual", "rms_norm_linear",
-           "rms_norm_swiglu", "skinny_linear"]
+__all__ = ["MAX_ROWS", "PLAIN_ROWS", "config", "fused_rows", "linear_residual",
+           "plain_rows", "rms_norm_linear", "rms_norm_swiglu", "skinny_linear"]

@@ -1,0 +1,85 @@
+"""Split-K arrival counters that outlive a launch: zero between launches, so that a split
+linear needs no zeroing kernel before it.
+
+A split launch's programs count their arrivals per column block; the last to arrive sums
+the partials and sets its block's counter back to zero. One int32 buffer per (device,
+stream) serves every launch on that stream, one after another, as cuBLAS's workspace
+does. A graph captured on a stream keeps that stream's buffer, so graphs captured on one
+stream must not replay concurrently on two (graphs sharing a pool must not either).
+
+Where the buffer lives matters. Made inside a graph pool (a capture, a warm-up routed to
+the pool, torch.compile's cudagraph trees), it would be scratch of earlier graphs of that
+pool or a live block the pool's owner does not know of (cudagraph trees refuse those).
+So it is made once, zeroed, on a helper thread's default stream: pools route only the
+capturing stream's or the routing thread's allocations, never those of another thread.
+During a capture that finds no buffer for its stream the caller falls back to counters
+of its own, zeroed in the graph.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+CAPACITY = 1024  # column blocks a launch may count: split launches have fewer than the SMs
+
+_BUFFERS: dict[tuple, torch.Tensor] = {}
+_LOCK = threading.Lock()
+
+
+def _where(device: torch.device) -> tuple[torch.device, tuple]:
+    """``device`` with its index, and the key of its current stream's buffer."""
+    if device.type != "cuda":
+        return device, (device.type, device.index)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.device("cuda", index), (index, torch.cuda.current_stream(index).cuda_stream)
+
+
+def _made_elsewhere(device: torch.device) -> torch.Tensor:
+    """A zeroed buffer allocated on a fresh thread (outside every pool of this one)."""
+    made: list = []
+
+    def make() -> None:
+        try:
+            buffer = torch.zeros(CAPACITY, dtype=torch.int32, device=device)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
+            made.append(buffer)
+        except BaseException as error:  # re-raised on the calling thread
+            made.append(error)
+
+    worker = threading.Thread(target=make, name="graphcap-counters")
+    worker.start()
+    worker.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    return made[0]
+
+
+def persistent(device: torch.device, blocks: int) -> torch.Tensor | None:
+    """The current stream's zeroed counters for a launch of ``blocks`` column blocks, or
+    None where the caller must bring its own: more blocks than :data:`CAPACITY`, or a
+    capture in progress on a stream that has none yet (making them there would put them
+    in the capture's pool)."""
+    if blocks > CAPACITY:
+        return None
+    device, key = _where(device)
+    buffer = _BUFFERS.get(key)
+    if buffer is not None:
+        return buffer
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    with _LOCK:
+        if key not in _BUFFERS:
+            _BUFFERS[key] = _made_elsewhere(device)
+    return _BUFFERS[key]
+
+
+def check_zero() -> list[str]:
+    """The buffers holding a non-zero counter (a launch that did not finish, or a misuse):
+    for tests, never on a hot path (it reads the device)."""
+    return [str(key) for key, buffer in _BUFFERS.items() if bool(buffer.any())]
+
+
+__all__ = ["CAPACITY", "check_zero", "persistent"]

@@ -1,0 +1,81 @@
+"""Why the fastest arm's call reads slower among every arm (device side):
+
+    PYTHONPATH=. python3 tools/gpu/host_probe.py [lengths...]
+
+JSON in $OUT/host-probe.json. Builds every arm of ``graphcap bench prefill`` for
+qwen3-0.6b (as the bench does, over ``lengths``), then times them interleaved at the
+shortest length, as the bench does, three times: with the garbage collector as the
+process left it, after ``gc.freeze()`` (what the arms' objects leave to scan moves to a
+permanent generation), and with the collector disabled. For full-triton each phase also
+records the host time of every timed call (from before the first launch to the call's
+return) and how many collections of each generation ran during the phase."""
+
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from graphcap.bench.arms import ARMS, build_arms
+from graphcap.bench.common import cuda_event_ms, environment, time_interleaved
+from graphcap.bench.prefill import SETTLE_MS, host_us
+from graphcap.models import build_model
+
+LENGTHS = [int(n) for n in sys.argv[1:]] or [16, 512]
+n0 = LENGTHS[0]
+model = build_model("qwen3-0.6b", device="cuda", dtype=torch.bfloat16, logits="last")
+arms, skipped = build_arms(model, ARMS, LENGTHS, max_requests=1)
+result = {**environment(), "lengths": LENGTHS, "arms": list(arms), "skipped": skipped,
+          "gc_objects_after_build": len(gc.get_objects()),
+          "gc_thresholds": gc.get_threshold()}
+print("built", list(arms), result["gc_objects_after_build"], flush=True)
+host: list[float] = []
+
+
+def timer(fn):
+    """CUDA-event milliseconds of ``fn`` (the bench's timer), and its host time."""
+    start = time.perf_counter()
+
+    def timed():
+        fn()
+        host.append((time.perf_counter() - start) * 1e6)
+    return cuda_event_ms(timed)
+
+
+def phase(name: str) -> None:
+    fast = "full-triton"
+    calls = {a: (lambda arm=arm: arm.call(n0)) for a, arm in arms.items()}
+    before = [s["collections"] for s in gc.get_stats()]
+    host.clear()
+    own: dict[str, list[float]] = {}
+
+    def arm_timer(fn):
+        ms = timer(fn)
+        own.setdefault(id(fn), []).append(host[-1])
+        return ms
+
+    times = time_interleaved(calls, reps=30, settle_ms=SETTLE_MS, timer=arm_timer)
+    after = [s["collections"] for s in gc.get_stats()]
+    fast_host = own.get(id(calls[fast]), [])
+    result[name] = {
+        "ms": {a: t["median_ms"] for a, t in times.items()},
+        "full_triton_host_us_median": round(statistics.median(fast_host), 1),
+        "full_triton_host_us_p90": round(sorted(fast_host)[int(0.9 * len(fast_host))], 1),
+        "collections_by_generation": [a - b for a, b in zip(after, before, strict=True)],
+        "full_triton_host_us_idle": host_us(calls[fast], 100),
+    }
+    print(name, result[name], flush=True)
+
+
+phase("gc_as_left")
+gc.collect()
+gc.freeze()
+phase("gc_frozen")
+gc.disable()
+phase("gc_disabled")
+gc.enable()
+with open(os.path.join(os.environ.get("OUT", "/tmp"), "host-probe.json"), "w") as f:
+    json.dump(result, f, indent=1)

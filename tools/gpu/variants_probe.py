@@ -1,0 +1,94 @@
+"""Kernel-path variants of a preset's full-triton runner, in one process (device side):
+
+    PYTHONPATH=. python3 tools/gpu/variants_probe.py [preset] [lengths...]
+
+JSON in $OUT/variants-probe-<preset>.json. Each variant is a runner captured under one
+setting of the linear kernels' module switches:
+
+- ``default``: the code as it stands;
+- ``zeroing``: split-K counters of each launch's own, zeroed by a kernel before it (the
+  behaviour before persistent, self-resetting counters);
+- ``plain-qkv``: the normed q/k/v projection's matmul in the plain Triton kernel after
+  the norm kernel (``linear.PLAIN_ROWS = 64``), so that the PDL chain is not broken by
+  cuBLAS.
+
+Calls and bare replays are timed interleaved, logits compared with ``default``'s, and
+each replay profiled at the shortest length (the bench's idle_share)."""
+
+import json
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+import graphcap
+from graphcap.bench.arms import prompts
+from graphcap.bench.common import environment, time_interleaved
+from graphcap.bench.prefill import SETTLE_MS, idle_share
+from graphcap.models import build_model
+from graphcap.opsdb.triton import counters
+from graphcap.opsdb.triton import linear as kernel
+
+PRESET = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b"
+LENGTHS = [int(n) for n in sys.argv[2:]] or [16, 32, 64]
+model = build_model(PRESET, device="cuda", dtype=torch.bfloat16, logits="last")
+inputs = prompts(LENGTHS, model.args.vocab_size, "cuda")
+result = {**environment(), "preset": PRESET, "lengths": LENGTHS}
+
+persistent = counters.persistent
+
+
+def variant(name: str):
+    """Set the module switches for ``name``; returns a function that restores them."""
+    plain = kernel.PLAIN_ROWS
+    if name == "zeroing":
+        counters.persistent = lambda device, blocks: None
+    if name == "plain-qkv":
+        kernel.PLAIN_ROWS = 64
+
+    def restore():
+        counters.persistent = persistent
+        kernel.PLAIN_ROWS = plain
+    return restore
+
+
+runners = {}
+for name in ("default", "zeroing", "plain-qkv"):
+    restore = variant(name)
+    try:
+        start = time.perf_counter()
+        runners[name] = graphcap.capture(model, "full", buckets=LENGTHS, max_requests=1,
+                                         attention="triton")
+        result[f"build_s_{name}"] = round(time.perf_counter() - start, 3)
+    finally:
+        restore()
+
+result["max_abs_diff_vs_default"] = {}
+for n in LENGTHS:
+    base = runners["default"](*inputs[n], seq_lens=[n]).float()
+    result["max_abs_diff_vs_default"][n] = {
+        name: float((r(*inputs[n], seq_lens=[n]).float() - base).abs().max())
+        for name, r in runners.items() if name != "default"}
+print(json.dumps(result["max_abs_diff_vs_default"]), flush=True)
+result["counters_zero_after"] = counters.check_zero() == []
+
+result["timings"] = {}
+for n in LENGTHS:
+    arms = {}
+    for name, r in runners.items():
+        arms[f"{name}-call"] = lambda r=r, n=n: r(*inputs[n], seq_lens=[n])
+        arms[f"{name}-replay"] = r.entries[n].replay
+    result["timings"][n] = time_interleaved(arms, reps=60, settle_ms=SETTLE_MS)
+    print(n, {k: v["median_ms"] for k, v in result["timings"][n].items()}, flush=True)
+
+n0 = LENGTHS[0]
+result[f"profile_{n0}"] = {name: idle_share(SimpleNamespace(runner=r), n0)
+                           for name, r in runners.items()}
+for name, p in result[f"profile_{n0}"].items():
+    print(name, p["wall_ms"], p["busy_ms"], [(k["kernel"][:30], k["us"])
+                                             for k in p["top_kernels"][:6]], flush=True)
+with open(os.path.join(os.environ.get("OUT", "/tmp"), f"variants-probe-{PRESET}.json"),
+          "w") as f:
+    json.dump(result, f, indent=1)
