@@ -329,3 +329,42 @@ def test_a_warmup_allocates_from_the_pool_so_the_capture_reuses_its_blocks(pool)
         kept = torch.empty(4 << 20, dtype=torch.uint8, device=pool.device)
     assert pool.bytes() == pool_after  # after a capture, warm-ups allocate outside
     del kept
+
+
+def test_the_first_warm_up_sizes_the_pool_to_its_peak(pool):
+    """A sizing warm-up (the runner's first, largest shape) runs outside the pool, then
+    gives the pool one free block of its transient peak of large allocations plus the
+    capture stream's cuBLAS workspace: the capture splits that block instead of growing
+    the allocator's eager layout of segments, and no cache of the warm-up's stays
+    outside the pool."""
+    if pool.kind != "cuda":
+        pytest.skip("the emulator has no memory pool")
+    x = torch.randn(2048, 1024, device=pool.device)
+    w1 = torch.randn(1024, 3000, device=pool.device)
+    w2 = torch.randn(3000, 1024, device=pool.device)
+
+    def region():  # intermediates of 24 MiB, 12 MiB and 8 MiB, freed as it goes
+        h = torch.relu(x @ w1)
+        return (h * 2) @ w2
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    outside = torch.cuda.memory_reserved(pool.device)
+    with pool.warmup(sizes=True):
+        want = region()
+    assert pool.sized_bytes >= 2 * 2048 * 3000 * 4  # h and h * 2 live together
+
+    def large():
+        return [s["total_size"] for s in pool._segments() if s["segment_type"] == "large"]
+
+    assert len(large()) == 1 and large()[0] - pool.sized_bytes < 2 << 20  # the block
+    graph = pool.graph()
+    y = graph.capture(region)
+    assert len(large()) == 1, large()  # the capture fitted in it
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, want)
+    # Outside the pool: what was there and the warm-up's output (a 20 MiB segment), no
+    # cache of the warm-up's intermediates.
+    extra = torch.cuda.memory_reserved(pool.device) - pool.bytes() - outside
+    assert extra <= 20 << 20

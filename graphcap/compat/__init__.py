@@ -41,6 +41,13 @@ def allocate_to(pool, device: torch.device):
     return use(pool, device)
 
 
+def routes_to(pool) -> bool:
+    """Whether :func:`allocate_to` can route allocations to ``pool`` on this torch."""
+    mempool = getattr(torch.cuda, "MemPool", None)
+    return (getattr(torch.cuda, "use_mem_pool", None) is not None and mempool is not None
+            and isinstance(pool, mempool))
+
+
 def mempool_id(pool) -> tuple[int, int]:
     return tuple(pool.id) if hasattr(pool, "id") else tuple(pool)
 

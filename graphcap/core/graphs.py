@@ -211,6 +211,7 @@ class GraphPool:
         self._captured_into = False
         self.handle = None
         self._workspace_pool = None
+        self.sized_bytes = 0  # the block the first warm-up gave the pool (_size_from)
         if self.kind == "cuda":
             self._new_cuda_pool()
 
@@ -251,7 +252,7 @@ class GraphPool:
         return graph
 
     @contextlib.contextmanager
-    def warmup(self):
+    def warmup(self, sizes: bool = False):
         """Run eager warm-up on the capture stream (lazy init, autotuning, JIT).
 
         On CUDA graphs, until the pool's first capture, its allocations come from the
@@ -259,16 +260,70 @@ class GraphPool:
         that follows takes, instead of a second cache of that size held for the capture
         stream outside the pool. Not after: a tensor a later warm-up keeps (a library's
         lazily made buffer, an eager break's output) could sit in blocks an earlier graph
-        uses as scratch and be overwritten by its replay."""
+        uses as scratch and be overwritten by its replay.
+
+        ``sizes=True`` (the warm-up of the first, largest shape, before the pool's first
+        capture): the warm-up runs outside the pool instead, and sizes it
+        (:meth:`_size_from`)."""
         if self.stream is None:
             yield
             return
+        sizes = (sizes and self.kind == "cuda" and not self._captured_into
+                 and compat.routes_to(self._mempools[-1]))
+        before = self._before_sizing() if sizes else None
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         into = compat.allocate_to(self._mempools[-1], self.device) \
-            if self._mempools and not self._captured_into else contextlib.nullcontext()
+            if self._mempools and not self._captured_into and not sizes \
+            else contextlib.nullcontext()
         with torch.cuda.stream(self.stream), into:
             yield
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        if sizes:
+            self._size_from(before)
+
+    _LARGE = "allocated_bytes.large_pool."
+
+    def _before_sizing(self) -> dict:
+        """The allocator's large-block figures before a sizing warm-up, and the bytes of
+        the capture stream's cuBLAS workspace (made here by a tiny matmul if the stream
+        has none yet: the capture makes it again, inside the pool)."""
+        stats = torch.cuda.memory_stats(self.device)
+        with torch.cuda.stream(self.stream):
+            for dtype in (torch.float32, torch.bfloat16):  # cuBLAS's and cuBLASLt's paths
+                probe = torch.ones(16, 16, dtype=dtype, device=self.device)
+                torch.mm(probe, probe)
+        made = torch.cuda.memory_stats(self.device)[self._LARGE + "current"]
+        return {"peak": stats[self._LARGE + "peak"],
+                "workspace": made - stats[self._LARGE + "current"]}
+
+    def _size_from(self, before: dict) -> None:
+        """After the first warm-up: empty the allocator cache the warm-up left, then give
+        the pool one free block of the warm-up's transient peak of large allocations
+        (over 1 MiB: what the pool serves from large segments) plus the capture
+        stream's cuBLAS workspace. The captures split it (best fit), so the pool holds
+        about the peak its graphs need, not the allocator's eager layout of segments
+        (each a request's size, or 20 MiB for requests of 1-10 MiB), which held 80 MiB
+        for qwen3-0.6b's 60 MiB at 2048 tokens. When an earlier, higher peak hides the
+        warm-up's, the pool is left to grow as the captures ask.
+
+        cuBLAS's workspaces are dropped here (once per pool, as
+        :meth:`own_cublas_workspace` would at the first capture), so that the capture's
+        first matmul makes the stream's anew, inside the pool."""
+        stats = torch.cuda.memory_stats(self.device)
+        transient = stats[self._LARGE + "peak"] - stats[self._LARGE + "current"]
+        measured = stats[self._LARGE + "peak"] > before["peak"]
+        compat.clear_cublas_workspaces()
+        self._workspace_pool = self.handle
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        nbytes = transient + before["workspace"]
+        if not measured or nbytes <= 0:
+            return
+        with torch.cuda.stream(self.stream), \
+                compat.allocate_to(self._mempools[-1], self.device):
+            block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        del block  # a free block of the pool, on the capture stream
+        self.sized_bytes = nbytes
 
     def _segments(self) -> list[dict]:
         ids = {compat.mempool_id(p) for p in self._mempools}

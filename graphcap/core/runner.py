@@ -168,7 +168,9 @@ class Runner:
                 self.stats.warmup_retries += 1
                 direct_failure = exc
         try:
-            self._warm_up(tokens)
+            # The first warm-up sizes the pool, except where warm-ups compile (their
+            # peak is the compiler's, not the graphs').
+            self._warm_up(tokens, sizes=first and not self.backend.watches_warmup)
             self._capture_timed(tokens)
         except Exception as exc:
             if direct_failure is not None:
@@ -181,9 +183,9 @@ class Runner:
         """Whether a shape gets an eager warm-up forward before its capture."""
         return first or self.config.warmup == "every" or self.backend.watches_warmup
 
-    def _warm_up(self, tokens: int) -> None:
+    def _warm_up(self, tokens: int, sizes: bool = False) -> None:
         start = time.perf_counter()
-        with self.pool.warmup(), self.backend.watch(tokens):
+        with self.pool.warmup(sizes=sizes), self.backend.watch(tokens):
             flat, _ = tree_flatten(self._forward(tokens))
         self._check_outputs(flat, tokens)
         if not self._outputs:
