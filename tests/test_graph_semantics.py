@@ -349,6 +349,7 @@ def test_the_first_warm_up_sizes_the_pool_to_its_peak(pool):
 
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(pool.device)  # earlier tests' peaks hide the warm-up's
     outside = torch.cuda.memory_reserved(pool.device)
     with pool.warmup(sizes=True):
         want = region()
@@ -368,3 +369,20 @@ def test_the_first_warm_up_sizes_the_pool_to_its_peak(pool):
     # cache of the warm-up's intermediates.
     extra = torch.cuda.memory_reserved(pool.device) - pool.bytes() - outside
     assert extra <= 20 << 20
+
+
+def test_a_warm_up_whose_peak_an_earlier_one_hides_leaves_the_pool_to_grow(pool):
+    if pool.kind != "cuda":
+        pytest.skip("the emulator has no memory pool")
+    x = torch.randn(1024, 1024, device=pool.device)
+    torch.cuda.reset_peak_memory_stats(pool.device)
+    high = torch.empty(256 << 20, dtype=torch.uint8, device=pool.device)  # a higher peak
+    del high
+    with pool.warmup(sizes=True):
+        want = (x @ x).relu()
+    assert pool.sized_bytes == 0  # nothing measured, nothing reserved
+    graph = pool.graph()
+    y = graph.capture(lambda: (x @ x).relu())
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, want)

@@ -227,6 +227,7 @@ class GraphPool:
         self.handle = compat.mempool_id(self._mempools[-1])
         self._anchors.append(compat.anchor_graph(self.device, self.handle, self.stream))
         self._captured_into = False  # no graph of ours has captured into this pool yet
+        self.sized_bytes = 0
 
     def own_cublas_workspace(self) -> None:
         """Before the first capture into a memory pool: make cuBLAS allocate the
@@ -264,7 +265,10 @@ class GraphPool:
 
         ``sizes=True`` (the warm-up of the first, largest shape, before the pool's first
         capture): the warm-up runs outside the pool instead, and sizes it
-        (:meth:`_size_from`)."""
+        (:meth:`_size_from`). The peak is read from the allocator's statistics, so the
+        pool is sized only when the warm-up's peak is the process's highest since its
+        last ``torch.cuda.reset_peak_memory_stats()``; otherwise ``sized_bytes`` stays 0
+        and the pool grows as its captures ask."""
         if self.stream is None:
             yield
             return

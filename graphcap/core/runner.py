@@ -349,6 +349,9 @@ class Runner:
             "breaks": {k: e.breaks for k, e in sorted(self.entries.items())},
             "splits_in_graph": {k: e.splits_in_graph for k, e in sorted(self.entries.items())},
             "graph_pool_bytes": self.pool.bytes(),
+            # The block the first warm-up sized the pool with (0: not sized, e.g. an
+            # earlier, higher peak of the process hid the warm-up's; see GraphPool.warmup).
+            "pool_sized_bytes": self.pool.sized_bytes,
             "build_s": {"warmup": round(self.stats.warmup_s, 4),
                         "capture": round(self.stats.capture_s, 4),
                         "first_shape": round(self.stats.first_shape_s or 0.0, 4)},
