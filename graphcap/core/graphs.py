@@ -308,7 +308,8 @@ class GraphPool:
         about the peak its graphs need, not the allocator's eager layout of segments
         (each a request's size, or 20 MiB for requests of 1-10 MiB), which held 80 MiB
         for qwen3-0.6b's 60 MiB at 2048 tokens. When an earlier, higher peak hides the
-        warm-up's, the pool is left to grow as the captures ask.
+        warm-up's, the pool is left to grow as the captures ask; so it does for what a
+        capture keeps that its warm-up did not free (large outputs it returns).
 
         cuBLAS's workspaces are dropped here (once per pool, as
         :meth:`own_cublas_workspace` would at the first capture), so that the capture's
