@@ -48,21 +48,7 @@ def linear_residual_reference(x, weight, residual):
 
 # -- composite: the unfused opsdb kernels around cuBLAS (CUDA, many rows) ---------------
 def _rms_norm_linear_composite(x, norm_weight, eps, weight, bias=None):
-    normed = RMS_NORM(x, norm_weight, eps)
-    if x.is_cuda and 0 < x.shape[0] <= _plain_rows(x, weight):
-        from graphcap.opsdb.triton.linear import skinny_linear
-
-        return skinny_linear(normed, weight, bias=bias)
-    return F.linear(normed, weight, bias)
-
-
-def _plain_rows(x, weight) -> int:
-    """Rows up to which the norm's matmul runs in the plain Triton kernel, under PDL."""
-    from graphcap.opsdb.triton.common import pdl_args
-    from graphcap.opsdb.triton.linear import plain_rows
-
-    limit = plain_rows(weight)
-    return limit if limit and pdl_args(x.device, x.shape[0])["PDL"] else 0
+    return F.linear(RMS_NORM(x, norm_weight, eps), weight, bias)
 
 
 def _rms_norm_swiglu_composite(x, norm_weight, eps, weight):

@@ -1,14 +1,14 @@
 """Why the fastest arm's call reads slower among every arm (device side):
 
-    PYTHONPATH=. python3 tools/gpu/host_probe.py [lengths...]
+    PYTHONPATH=. python3 tools/gpu/host_probe.py [gc|arms] [lengths...]
 
-JSON in $OUT/host-probe.json. Builds every arm of ``graphcap bench prefill`` for
+JSON in $OUT/host-probe-<mode>.json. Builds every arm of ``graphcap bench prefill`` for
 qwen3-0.6b (as the bench does, over ``lengths``), then times them interleaved at the
-shortest length, as the bench does, three times: with the garbage collector as the
-process left it, after ``gc.freeze()`` (what the arms' objects leave to scan moves to a
-permanent generation), and with the collector disabled. For full-triton each phase also
-records the host time of every timed call (from before the first launch to the call's
-return) and how many collections of each generation ran during the phase."""
+shortest length, as the bench does, in phases. ``gc``: with the garbage collector as the
+process left it, after ``gc.freeze()``, and disabled. ``arms``: every arm, then without
+full-flashinfer, without full-flash_attn, and without both. For full-triton each phase
+also records the host time of every timed call (from before the first launch to the
+call's return) and how many collections of each generation ran during the phase."""
 
 import gc
 import json
@@ -24,7 +24,8 @@ from graphcap.bench.common import cuda_event_ms, environment, time_interleaved
 from graphcap.bench.prefill import SETTLE_MS, host_us
 from graphcap.models import build_model
 
-LENGTHS = [int(n) for n in sys.argv[1:]] or [16, 512]
+MODE = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].isdigit() else "gc"
+LENGTHS = [int(n) for n in sys.argv[1:] if n.isdigit()] or [16, 512]
 n0 = LENGTHS[0]
 model = build_model("qwen3-0.6b", device="cuda", dtype=torch.bfloat16, logits="last")
 arms, skipped = build_arms(model, ARMS, LENGTHS, max_requests=1)
@@ -45,9 +46,9 @@ def timer(fn):
     return cuda_event_ms(timed)
 
 
-def phase(name: str) -> None:
+def phase(name: str, without=()) -> None:
     fast = "full-triton"
-    calls = {a: (lambda arm=arm: arm.call(n0)) for a, arm in arms.items()}
+    calls = {a: (lambda arm=arm: arm.call(n0)) for a, arm in arms.items() if a not in without}
     before = [s["collections"] for s in gc.get_stats()]
     host.clear()
     own: dict[str, list[float]] = {}
@@ -70,12 +71,19 @@ def phase(name: str) -> None:
     print(name, result[name], flush=True)
 
 
-phase("gc_as_left")
-gc.collect()
-gc.freeze()
-phase("gc_frozen")
-gc.disable()
-phase("gc_disabled")
-gc.enable()
-with open(os.path.join(os.environ.get("OUT", "/tmp"), "host-probe.json"), "w") as f:
+if MODE == "gc":
+    phase("gc_as_left")
+    gc.collect()
+    gc.freeze()
+    phase("gc_frozen")
+    gc.disable()
+    phase("gc_disabled")
+    gc.enable()
+else:
+    phase("every_arm")
+    phase("without_full_flashinfer", ("full-flashinfer",))
+    phase("without_full_flash_attn", ("full-flash_attn",))
+    phase("without_both", ("full-flashinfer", "full-flash_attn"))
+    phase("every_arm_again")
+with open(os.path.join(os.environ.get("OUT", "/tmp"), f"host-probe-{MODE}.json"), "w") as f:
     json.dump(result, f, indent=1)

@@ -8,9 +8,10 @@ setting of the linear kernels' module switches:
 - ``default``: the code as it stands;
 - ``zeroing``: split-K counters of each launch's own, zeroed by a kernel before it (the
   behaviour before persistent, self-resetting counters);
-- ``plain-qkv``: the normed q/k/v projection's matmul in the plain Triton kernel after
-  the norm kernel (``linear.PLAIN_ROWS = 64``), so that the PDL chain is not broken by
-  cuBLAS.
+
+(At 44bf2d9 a third variant, the q/k/v matmul in the plain Triton kernel after the norm,
+ran through a switch since removed: 1.017 against 0.940 ms at 16 tokens,
+docs/results/2026-12-01-variants-probe-44bf2d9-h200.json.)
 
 Calls and bare replays are timed interleaved, logits compared with ``default``'s, and
 each replay profiled at the shortest length (the bench's idle_share)."""
@@ -29,7 +30,6 @@ from graphcap.bench.common import environment, time_interleaved
 from graphcap.bench.prefill import SETTLE_MS, idle_share
 from graphcap.models import build_model
 from graphcap.opsdb.triton import counters
-from graphcap.opsdb.triton import linear as kernel
 
 PRESET = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b"
 LENGTHS = [int(n) for n in sys.argv[2:]] or [16, 32, 64]
@@ -42,20 +42,16 @@ persistent = counters.persistent
 
 def variant(name: str):
     """Set the module switches for ``name``; returns a function that restores them."""
-    plain = kernel.PLAIN_ROWS
     if name == "zeroing":
         counters.persistent = lambda device, blocks: None
-    if name == "plain-qkv":
-        kernel.PLAIN_ROWS = 64
 
     def restore():
         counters.persistent = persistent
-        kernel.PLAIN_ROWS = plain
     return restore
 
 
 runners = {}
-for name in ("default", "zeroing", "plain-qkv"):
+for name in ("default", "zeroing"):
     restore = variant(name)
     try:
         start = time.perf_counter()

@@ -291,20 +291,6 @@ def _counts(device: torch.device, blocks: int, launch: dict) -> torch.Tensor:
     return torch.zeros(blocks, dtype=torch.int32, device=device)
 
 
-# Rows up to which a normed projection (``rms_norm_linear``'s unfused path) runs its matmul
-# in the plain kernel after the norm kernel, for weights of up to 16 MB, where PDL is on:
-# the chain norm -> matmul -> next kernel then stays programmatic (cuBLAS's kernels take
-# no PDL edge, so each costs two). 0: cuBLAS always.
-PLAIN_ROWS = 0
-
-
-def plain_rows(weight: torch.Tensor) -> int:
-    """Up to how many rows the unfused ``rms_norm_linear`` runs its matmul here rather
-    than in cuBLAS (:data:`PLAIN_ROWS` for weights of up to 16 MB, else 0); the caller
-    also needs PDL on for the launch (:func:`graphcap.opsdb.triton.common.pdl_args`)."""
-    return PLAIN_ROWS if weight.numel() * weight.element_size() <= 16 << 20 else 0
-
-
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
                   eps: float = 1e-6, residual=None, bias=None, swiglu: bool = False,
                   tiles: dict | None = None) -> torch.Tensor:
@@ -354,5 +340,5 @@ def linear_residual(x, weight, residual):
     return skinny_linear(x, weight, residual=residual)
 
 
-__all__ = ["MAX_ROWS", "PLAIN_ROWS", "config", "fused_rows", "linear_residual",
-           "plain_rows", "rms_norm_linear", "rms_norm_swiglu", "skinny_linear"]
+__all__ = ["MAX_ROWS", "config", "fused_rows", "linear_residual", "rms_norm_linear",
+           "rms_norm_swiglu", "skinny_linear"]
