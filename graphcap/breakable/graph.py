@@ -150,6 +150,7 @@ class DebugBackend(CaptureBackend):
     break, through the same runner path (padding, metadata, slicing) as a capture."""
 
     strategy = "breakable"
+    captures_into_pool = False
 
     def capture(self, fn, key, pool: GraphPool) -> Captured:
         out = fn()

@@ -60,6 +60,9 @@ class CaptureBackend:
     # True when ``watch`` needs the runner's warm-up forward of every shape (the runner
     # then warms each one); otherwise only the first shape is warmed up.
     watches_warmup = False
+    # False when ``capture`` records no CUDA graph into the pool (debug runs the capture
+    # function eagerly): the runner then does not size the pool.
+    captures_into_pool = True
 
     def watch(self, key: Any):
         """A context around the runner's warm-up forward of shape ``key``, the call just

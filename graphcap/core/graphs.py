@@ -186,6 +186,18 @@ class CudaGraph(Graph):
 
 
 
+def _one_block_splits() -> bool:
+    """Whether the allocator splits one large free block among smaller requests: not
+    with ``max_split_size_mb`` (it gives no block past that size to a smaller request)
+    nor ``expandable_segments`` (segments grow in place) in PYTORCH_CUDA_ALLOC_CONF."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get(
+        "PYTORCH_ALLOC_CONF", "")
+    settings = dict(part.split(":", 1) for part in conf.replace(" ", "").split(",")
+                    if ":" in part)
+    return ("max_split_size_mb" not in settings
+            and settings.get("expandable_segments", "False").lower() != "true")
+
+
 class GraphPool:
     """One memory pool and one capture stream shared by a generation of graphs.
 
@@ -273,7 +285,7 @@ class GraphPool:
             yield
             return
         sizes = (sizes and self.kind == "cuda" and not self._captured_into
-                 and compat.routes_to(self._mempools[-1]))
+                 and compat.routes_to(self._mempools[-1]) and _one_block_splits())
         before = self._before_sizing() if sizes else None
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         into = compat.allocate_to(self._mempools[-1], self.device) \

@@ -170,7 +170,7 @@ class Runner:
         try:
             # The first warm-up sizes the pool, except where warm-ups compile (their
             # peak is the compiler's, not the graphs').
-            self._warm_up(tokens, sizes=first and not self.backend.watches_warmup)
+            self._warm_up(tokens, sizes=first and self._sizes_pool())
             self._capture_timed(tokens)
         except Exception as exc:
             if direct_failure is not None:
@@ -178,6 +178,11 @@ class Runner:
                              f"warm-up had failed with {type(direct_failure).__name__}: "
                              f"{direct_failure}")
             raise
+
+    def _sizes_pool(self) -> bool:
+        """Whether the first warm-up sizes the pool: for backends that capture into it
+        and whose warm-ups do not compile (a compiler's peak is not the graphs')."""
+        return self.backend.captures_into_pool and not self.backend.watches_warmup
 
     def _warms(self, first: bool) -> bool:
         """Whether a shape gets an eager warm-up forward before its capture."""
@@ -187,10 +192,14 @@ class Runner:
         start = time.perf_counter()
         with self.pool.warmup(sizes=sizes), self.backend.watch(tokens):
             flat, _ = tree_flatten(self._forward(tokens))
-        self._check_outputs(flat, tokens)
+            self._check_outputs(flat, tokens)
+            outs = [(o.shape[1:], o.dtype, o.device) for o in flat]
+            # Freed before the warm-up ends: a sizing warm-up counts them as transient,
+            # as the capture, which copies them into the static outputs, frees them.
+            del flat
         if not self._outputs:
-            self._outputs = [torch.empty((self._rows(self.max_tokens), *o.shape[1:]),
-                                         dtype=o.dtype, device=o.device) for o in flat]
+            self._outputs = [torch.empty((self._rows(self.max_tokens), *tail), dtype=dtype,
+                                         device=device) for tail, dtype, device in outs]
         self.stats.warmups += 1
         self.stats.warmup_s += time.perf_counter() - start
 

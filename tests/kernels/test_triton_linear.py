@@ -94,16 +94,19 @@ def test_a_split_k_launch_leaves_its_counters_zero_for_the_next():
     assert len(buffers) == 1
 
 
-def test_counters_beyond_the_capacity_are_the_launchs_own():
+def test_counters_beyond_the_capacity_are_the_launchs_own(monkeypatch):
     from graphcap.opsdb.triton import counters
 
-    assert counters.persistent(torch.device("cpu"), counters.CAPACITY + 1) is None
-    args, want, x = case("residual", 3, 16 * (counters.CAPACITY + 1), 64, torch.float32, 0)
-    tiles = dict(config("residual", 3, 16 * (counters.CAPACITY + 1), 64), BLOCK_N=16,
-                 BLOCK_K=16, SPLIT_K=2)
+    blocks = counters.CAPACITY + 1
+    assert counters.persistent(torch.device("cpu"), blocks) is None
+    used, counts = [], kernel._counts
+    monkeypatch.setattr(kernel, "_counts", lambda *a: used.append(counts(*a)) or used[-1])
+    args, want, x = case("residual", 3, 16 * blocks, 64, torch.float32, 0)
+    tiles = dict(config("residual", 3, 16 * blocks, 64), BLOCK_N=16, BLOCK_K=16, SPLIT_K=2)
     torch.testing.assert_close(kernel.skinny_linear(x, tiles=tiles, **args), want(),
                                atol=1e-4, rtol=1e-4)
-    assert counters.check_zero() == []
+    assert len(used) == 1 and used[0].numel() == blocks  # a buffer of this launch's own
+    assert all(used[0] is not b for b in counters._BUFFERS.values())
 
 
 def test_the_split_covers_the_sms_and_keeps_two_slices_per_program_one_at_16_rows():
@@ -174,10 +177,11 @@ def test_model_sized_projections_replay_in_a_cuda_graph(m):
 
 @pytest.mark.gpu
 @requires_cuda
-def test_counters_are_made_outside_the_pool_a_warm_up_allocates_to():
+def test_counters_are_made_outside_the_pool_a_warm_up_allocates_to(monkeypatch):
     from graphcap.core import new_pool
     from graphcap.opsdb.triton import counters
 
+    monkeypatch.setattr(counters, "_BUFFERS", {})  # none yet (earlier graphs keep theirs)
     pool = new_pool("cuda")
     with pool.warmup():  # before the pool's first capture: routed to the pool
         stream_key = torch.cuda.current_stream().cuda_stream
@@ -191,14 +195,16 @@ def test_counters_are_made_outside_the_pool_a_warm_up_allocates_to():
 
 @pytest.mark.gpu
 @requires_cuda
-def test_a_capture_on_a_stream_without_counters_brings_its_own_and_replays_right():
+def test_a_capture_on_a_stream_without_counters_brings_its_own_and_replays_right(
+        monkeypatch):
     from graphcap.core import new_pool
     from graphcap.opsdb.triton import counters
 
     args, want, x = case("residual", 16, 1024, 2048, torch.bfloat16, 0)
     pool = new_pool("cuda")
     key = (torch.cuda.current_device(), pool.stream.cuda_stream)
-    counters._BUFFERS.pop(key, None)  # as if no warm-up had run on the capture stream
+    # As if no warm-up had run on the capture stream (earlier graphs keep their buffers).
+    monkeypatch.setattr(counters, "_BUFFERS", {})
     graph = pool.graph()
     y = graph.capture(lambda: kernel.skinny_linear(x, **args))
     assert key not in counters._BUFFERS  # none made inside the capture

@@ -5,7 +5,10 @@ A split launch's programs count their arrivals per column block; the last to arr
 the partials and sets its block's counter back to zero. One int32 buffer per (device,
 stream) serves every launch on that stream, one after another, as cuBLAS's workspace
 does. A graph captured on a stream keeps that stream's buffer, so graphs captured on one
-stream must not replay concurrently on two (graphs sharing a pool must not either).
+stream must not replay concurrently on two (graphs sharing a pool must not either). torch
+hands out its side streams from a small pool, so two graph pools may capture on one
+stream: replaying graphs of different runners concurrently on two streams is then unsafe,
+as it is for cuBLAS's per-stream workspace.
 
 Where the buffer lives matters. Made inside a graph pool (a capture, a warm-up routed to
 the pool, torch.compile's cudagraph trees), it would be scratch of earlier graphs of that
@@ -68,8 +71,10 @@ def persistent(device: torch.device, blocks: int) -> torch.Tensor | None:
     buffer = _BUFFERS.get(key)
     if buffer is not None:
         return buffer
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            if torch.cuda.is_current_stream_capturing():
+                return None
     with _LOCK:
         if key not in _BUFFERS:
             _BUFFERS[key] = _made_elsewhere(device)
