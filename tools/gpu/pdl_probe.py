@@ -18,11 +18,12 @@ import time
 from types import SimpleNamespace
 
 import torch
+from probe_common import calls_and_replays
 
 import graphcap
 from graphcap.bench.arms import prompts
-from graphcap.bench.common import environment, time_interleaved
-from graphcap.bench.prefill import SETTLE_MS, host_us, idle_share
+from graphcap.bench.common import environment
+from graphcap.bench.prefill import host_us, idle_share
 from graphcap.core.batch import check_prefill
 from graphcap.models import build_model
 from graphcap.opsdb.triton.common import pdl, programmatic_launch
@@ -70,14 +71,7 @@ for name, r in runners.items():
     result[f"host_us_{n0}"][name] = host_steps(r, *inputs[n0])
     print(name, result[f"host_us_{n0}"][name], flush=True)
 
-result["timings"] = {}
-for n in LENGTHS:
-    arms = {}
-    for name, r in runners.items():
-        arms[f"{name}-call"] = lambda r=r, n=n: r(*inputs[n], seq_lens=[n])
-        arms[f"{name}-replay"] = r.entries[n].replay
-    result["timings"][n] = time_interleaved(arms, reps=60, settle_ms=SETTLE_MS)
-    print(n, {k: v["median_ms"] for k, v in result["timings"][n].items()}, flush=True)
+result["timings"] = calls_and_replays(runners, inputs, LENGTHS)
 
 # The bench's idle measurement of each runner's replay: wall, summed and busy kernel
 # time, the top kernels.

@@ -23,6 +23,7 @@ import os
 import sys
 
 import torch
+from probe_common import diffs_vs
 
 import graphcap
 from graphcap.bench.arms import prompts
@@ -71,12 +72,7 @@ for name, change in VARIANTS.items():
     finally:
         kernel.config, kernel._prefetches = config, prefetches
 
-result["max_abs_diff_vs_default"] = {}
-for n in LENGTHS:
-    base = runners["default"](*inputs[n], seq_lens=[n]).float()
-    result["max_abs_diff_vs_default"][n] = {
-        name: float((r(*inputs[n], seq_lens=[n]).float() - base).abs().max())
-        for name, r in runners.items() if name != "default"}
+result["max_abs_diff_vs_default"] = diffs_vs(runners, inputs, LENGTHS)
 result["timings"] = {}
 for n in LENGTHS:
     arms = {name: r.entries[n].replay for name, r in runners.items()}

@@ -23,11 +23,12 @@ import time
 from types import SimpleNamespace
 
 import torch
+from probe_common import calls_and_replays, diffs_vs
 
 import graphcap
 from graphcap.bench.arms import prompts
-from graphcap.bench.common import environment, time_interleaved
-from graphcap.bench.prefill import SETTLE_MS, idle_share
+from graphcap.bench.common import environment
+from graphcap.bench.prefill import idle_share
 from graphcap.models import build_model
 from graphcap.opsdb.triton import counters
 
@@ -61,23 +62,11 @@ for name in ("default", "zeroing"):
     finally:
         restore()
 
-result["max_abs_diff_vs_default"] = {}
-for n in LENGTHS:
-    base = runners["default"](*inputs[n], seq_lens=[n]).float()
-    result["max_abs_diff_vs_default"][n] = {
-        name: float((r(*inputs[n], seq_lens=[n]).float() - base).abs().max())
-        for name, r in runners.items() if name != "default"}
+result["max_abs_diff_vs_default"] = diffs_vs(runners, inputs, LENGTHS)
 print(json.dumps(result["max_abs_diff_vs_default"]), flush=True)
 result["counters_zero_after"] = counters.check_zero() == []
 
-result["timings"] = {}
-for n in LENGTHS:
-    arms = {}
-    for name, r in runners.items():
-        arms[f"{name}-call"] = lambda r=r, n=n: r(*inputs[n], seq_lens=[n])
-        arms[f"{name}-replay"] = r.entries[n].replay
-    result["timings"][n] = time_interleaved(arms, reps=60, settle_ms=SETTLE_MS)
-    print(n, {k: v["median_ms"] for k, v in result["timings"][n].items()}, flush=True)
+result["timings"] = calls_and_replays(runners, inputs, LENGTHS)
 
 n0 = LENGTHS[0]
 result[f"profile_{n0}"] = {name: idle_share(SimpleNamespace(runner=r), n0)
