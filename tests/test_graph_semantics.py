@@ -387,15 +387,3 @@ def test_a_warm_up_whose_peak_an_earlier_one_hides_leaves_the_pool_to_grow(pool)
     torch.cuda.synchronize()
     torch.testing.assert_close(y, want)
 
-
-@pytest.mark.parametrize("conf, splits", [
-    ("", True), ("garbage_collection_threshold:0.8", True),
-    ("max_split_size_mb:128", False), ("expandable_segments:True", False),
-    ("expandable_segments:False,roundup_power2_divisions:4", True)])
-def test_pool_sizing_stands_aside_where_the_allocator_would_not_split_one_block(
-        monkeypatch, conf, splits):
-    from graphcap.core.graphs import _one_block_splits
-
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    assert _one_block_splits() is splits

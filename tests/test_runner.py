@@ -250,3 +250,16 @@ def test_a_breakable_capture_used_directly_runs_eagerly_under_other_metadata():
             bcg.replay()
     torch.testing.assert_close(out, eager("torch_masked", ids, pos, [9, 7]),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("conf, splits", [
+    ("", True), ("garbage_collection_threshold:0.8", True),
+    ("max_split_size_mb:128", False), ("expandable_segments:True", False),
+    ("expandable_segments:False,roundup_power2_divisions:4", True)])
+def test_pool_sizing_stands_aside_where_the_allocator_would_not_split_one_block(
+        monkeypatch, conf, splits):
+    from graphcap.core.graphs import _one_block_splits
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert _one_block_splits() is splits
