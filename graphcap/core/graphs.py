@@ -329,8 +329,7 @@ class GraphPool:
         stats = torch.cuda.memory_stats(self.device)
         transient = stats[self._LARGE + "peak"] - stats[self._LARGE + "current"]
         measured = stats[self._LARGE + "peak"] > before["peak"]
-        compat.clear_cublas_workspaces()
-        self._workspace_pool = self.handle
+        self.own_cublas_workspace()  # the first capture then clears them no more
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         nbytes = transient + before["workspace"]
