@@ -34,11 +34,9 @@ def new_mempool(device: torch.device):
 def allocate_to(pool, device: torch.device):
     """A context routing this thread's allocations to ``pool`` (a ``torch.cuda.MemPool``),
     or nothing where torch lacks ``use_mem_pool`` or ``pool`` is a bare handle."""
-    use = getattr(torch.cuda, "use_mem_pool", None)
-    mempool = getattr(torch.cuda, "MemPool", None)
-    if use is None or mempool is None or not isinstance(pool, mempool):
+    if not routes_to(pool):
         return contextlib.nullcontext()
-    return use(pool, device)
+    return torch.cuda.use_mem_pool(pool, device)
 
 
 def routes_to(pool) -> bool:
