@@ -47,12 +47,25 @@ def linear_residual_reference(x, weight, residual):
 
 
 # -- composite: the unfused opsdb kernels around cuBLAS (CUDA, many rows) ---------------
+def _norm_before(x, norm_weight, eps, weight):
+    """``RMS_NORM(x)`` ahead of a cuBLAS matmul over ``weight``. Where the op picks its
+    Triton kernel, that kernel is given the weight to ask L2 for while it waits for the
+    kernel before it (under PDL: :func:`graphcap.opsdb.triton.norm.rms_norm`); cuBLAS,
+    which cannot start early, then reads it from L2."""
+    args = (x, norm_weight, eps)
+    if RMS_NORM.select(x.device, dtype=x.dtype, args=args) != "triton":
+        return RMS_NORM(*args)
+    from graphcap.opsdb.triton.norm import rms_norm
+
+    return rms_norm(x, norm_weight, eps, prefetch=weight)
+
+
 def _rms_norm_linear_composite(x, norm_weight, eps, weight, bias=None):
-    return F.linear(RMS_NORM(x, norm_weight, eps), weight, bias)
+    return F.linear(_norm_before(x, norm_weight, eps, weight), weight, bias)
 
 
 def _rms_norm_swiglu_composite(x, norm_weight, eps, weight):
-    return SILU_AND_MUL(F.linear(RMS_NORM(x, norm_weight, eps), weight))
+    return SILU_AND_MUL(F.linear(_norm_before(x, norm_weight, eps, weight), weight))
 
 
 def _linear_residual_composite(x, weight, residual):

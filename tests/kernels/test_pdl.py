@@ -51,11 +51,12 @@ def test_switched_off_by_the_environment_or_a_block(monkeypatch):
 
 
 def _chain(x, positions, cu, w):
-    """A decoder layer's kernels in order, each reading the last one's output: norm,
-    q/k/v (plain fused linear), q/k norm and rotary, attention, o (residual), norm,
-    gate/up with SwiGLU, down (split K, residual: its counters zeroed by a kernel)."""
+    """A decoder layer's kernels in order, each reading the last one's output: norm
+    (asking L2 for the next weight while it waits, under PDL), q/k/v (plain fused
+    linear), q/k norm and rotary, attention, o (residual), norm, gate/up with SwiGLU,
+    down (split K, residual)."""
     T = x.shape[0]
-    h = norm.rms_norm(x, w["n1"], 1e-6)
+    h = norm.rms_norm(x, w["n1"], 1e-6, prefetch=w["qkv"])
     proj = linear.skinny_linear(h, w["qkv"])
     q, k, v = qkv.qkv_norm_rope(proj, positions, w["qn"], w["kn"], w["cache"], 4, 2, 64,
                                 1e-6)

@@ -122,13 +122,21 @@ COMPILE_PDL_KERNELS = textwrap.dedent('''
             assert not any(op in early for op in ("ld.global", "st.global", "atom.",
                                                    "red.", "cp.async")), kernel
         assert ("griddepcontrol.launch_dependents" in ptx) == consts["PDL"], kernel
+        return ptx
 
     norm = {"BLOCK_H": 1024, "SINGLE_PASS": True, "N_CHUNKS": 1}
     ints = {n: "i32" for n in ("x_stride", "out_stride", "res_stride", "H")}
     for pdl in (True, False):
         build(_zero_kernel, {"C": "*i32", "n": "i32"}, {"BLOCK": 1024, "PDL": pdl})
-        build(_rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
-                                 "eps": "fp32", **ints}, {**norm, "PDL": pdl})
+        for ahead in (True, False) if pdl else (False,):
+            ptx = build(_rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16",
+                                           "out_ptr": "*bf16", "ahead_ptr": "*bf16",
+                                           "ahead_lines": "i32", "eps": "fp32", **ints},
+                        {**norm, "PDL": pdl, "AHEAD": ahead, "LINE": 64})
+            # The next matmul's weight is asked of L2 before the wait, not after it.
+            assert ("prefetch.global.L2" in ptx) == ahead
+            if ahead:
+                assert ptx.index("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
         build(_fused_add_rms_norm_kernel, {"x_ptr": "*bf16", "res_ptr": "*bf16",
                                            "w_ptr": "*bf16", "eps": "fp32", **ints},
               {**norm, "PDL": pdl})

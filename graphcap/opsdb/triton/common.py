@@ -166,3 +166,33 @@ def prefetch_l2(ptrs):
     Pass one pointer per line."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs],
                               dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_share_l2(ptr, n_lines, LINE: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's share (the grid's first axis splits them) of an L2 prefetch of
+    ``n_lines`` lines of ``LINE`` elements (128 bytes) from ``ptr``, ``BLOCK`` a time."""
+    per = tl.cdiv(n_lines, tl.num_programs(0))
+    lo = tl.program_id(0) * per
+    hi = tl.minimum(lo + per, n_lines)
+    offs = tl.arange(0, BLOCK)
+    for start in range(lo, hi, BLOCK):
+        lines = start + offs
+        prefetch_l2(tl.where(lines < hi, ptr + lines.to(tl.int64) * LINE, ptr))
+
+
+# Tensors up to this size are asked of L2 whole before a PDL launch's wait (a matmul's
+# weight, by the matmul or by the norm before it). llama3-8b's o (32 MiB) and down
+# (112 MiB) projections ran 1.11x and 1.26x slower with the whole weight prefetched
+# (bench ops, H200, 2026-12-01): lines evicted before their use.
+PREFETCH_BYTES = 16 << 20
+
+
+def prefetches(t: torch.Tensor) -> bool:
+    """Whether ``t`` is small enough to be asked of L2 whole (:data:`PREFETCH_BYTES`)."""
+    return t.numel() * t.element_size() <= PREFETCH_BYTES
+
+
+def line_elements(t: torch.Tensor) -> int:
+    """Elements of ``t``'s dtype in one 128-byte cache line."""
+    return max(128 // t.element_size(), 1)

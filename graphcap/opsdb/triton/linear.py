@@ -27,8 +27,9 @@ partials are allocated per call. No host synchronisation: safe to capture.
 
 Under programmatic dependent launch (sm90+, few rows: :mod:`graphcap.opsdb.triton.common`)
 a program releases the next kernel at once, asks L2 for its weight slice (weights of up
-to :data:`PREFETCH_BYTES`) while the previous kernel finishes, and waits for that kernel
-before it reads x.
+to ``common.PREFETCH_BYTES``) while the previous kernel finishes, and waits for that
+kernel before it reads x. Where cuBLAS runs the matmul (the unfused ops), the RMSNorm
+kernel before it asks L2 for the weight instead (:func:`graphcap.opsdb.triton.norm.rms_norm`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from graphcap.opsdb.triton.common import (
     pdl_start,
     pdl_wait,
     prefetch_l2,
+    prefetches,
 )
 
 MAX_ROWS = 64  # the fused kernel's row limit: beyond it cuBLAS's tiles win
@@ -242,14 +244,10 @@ def config(m: int, n: int, k: int, *, norm: bool, swiglu: bool, sms: int,
             "num_warps": 4, "num_stages": stages}
 
 
-# Weights up to this size are asked of L2 whole before a PDL launch's wait. llama3-8b's
-# o (32 MiB) and down (112 MiB) projections ran 1.11x and 1.26x slower with the whole
-# weight prefetched (bench ops, H200, 2026-12-01): lines evicted before their use.
-PREFETCH_BYTES = 16 << 20
-
-
 def _prefetches(weight: torch.Tensor) -> bool:
-    return weight.numel() * weight.element_size() <= PREFETCH_BYTES
+    """Whether a PDL launch asks L2 for the whole weight (common.PREFETCH_BYTES); a
+    module-level name, so probes can switch it."""
+    return prefetches(weight)
 
 
 def fused_rows(weight: torch.Tensor, kind: str) -> int:

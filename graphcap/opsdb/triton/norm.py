@@ -7,6 +7,12 @@ dtype. One program handles one row: the whole row sits in registers for ``H <= 8
 longer rows are streamed in ``BLOCK_H`` chunks (two passes). Launchers never synchronise
 with the host and size their grids from host shapes only, so they can be captured in a
 CUDA graph; ``T == 0`` launches nothing.
+
+``rms_norm(..., prefetch=weight)``: launched with PDL (few rows, sm90+), the kernel starts
+while the kernel before it still runs; before it waits for that one, its programs ask L2
+for ``weight`` (a tensor of up to ``common.PREFETCH_BYTES`` that no kernel of the stream
+writes: the weight of the matmul after the norm). A cuBLAS matmul, which cannot start
+early, then reads its weight from L2, not from memory.
 """
 
 from __future__ import annotations
@@ -15,7 +21,15 @@ import torch
 import triton
 import triton.language as tl
 
-from graphcap.opsdb.triton.common import pdl_args, pdl_start
+from graphcap.opsdb.triton.common import (
+    line_elements,
+    pdl_args,
+    pdl_launch_dependents,
+    pdl_start,
+    pdl_wait,
+    prefetch_share_l2,
+    prefetches,
+)
 
 # Rows up to this many elements are normalised from registers in a single pass.
 _MAX_FUSED_H = 8192
@@ -24,10 +38,14 @@ _LOOP_BLOCK_H = 4096
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, x_stride, out_stride, H, eps,
-                     BLOCK_H: tl.constexpr, SINGLE_PASS: tl.constexpr,
-                     N_CHUNKS: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, ahead_ptr, x_stride, out_stride, H, eps,
+                     ahead_lines, BLOCK_H: tl.constexpr, SINGLE_PASS: tl.constexpr,
+                     N_CHUNKS: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr,
+                     LINE: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    if AHEAD:  # the next matmul's weight, asked of L2 while the previous kernel runs
+        prefetch_share_l2(ahead_ptr, ahead_lines, LINE, 1024)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
     out_row = out_ptr + row * out_stride
@@ -125,11 +143,16 @@ def _check_weight(weight: torch.Tensor, H: int) -> None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, prefetch: torch.Tensor | None = None
+             ) -> torch.Tensor:
     """``x / sqrt(mean(x^2) + eps) * weight`` per row, computed in float32.
 
     x [T, H] (contiguous last dim, any row stride), weight [H]; writes ``out`` [T, H]
     (allocated with ``torch.empty_like(x)`` when None, cast to its dtype) and returns it.
+    ``prefetch``: a contiguous tensor on x's device that the next kernel reads and no
+    kernel writes (the weight of the matmul after the norm), asked of L2 while the
+    kernel waits for the previous one; only when launched with PDL and up to
+    ``common.PREFETCH_BYTES``, else ignored. The result is the same either way.
     """
     H = x.shape[-1]
     _check_rows("x", x, H)
@@ -143,10 +166,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if T == 0 or H == 0:
         return out
     block, single, chunks, num_warps = _config(H)
+    launch = pdl_args(x.device, T)
+    ahead = (launch["PDL"] and prefetch is not None and prefetch.device == x.device
+             and prefetch.is_contiguous() and prefetches(prefetch))
+    line = line_elements(prefetch) if ahead else 1
     _rms_norm_kernel[(T,)](
-        x, weight, out, x.stride(0), out.stride(0), H, eps,
+        x, weight, out, prefetch if ahead else x, x.stride(0), out.stride(0), H, eps,
+        triton.cdiv(prefetch.numel(), line) if ahead else 0,
         BLOCK_H=block, SINGLE_PASS=single, N_CHUNKS=chunks, num_warps=num_warps,
-        **pdl_args(x.device, T))
+        AHEAD=ahead, LINE=line, **launch)
     return out
 
 
