@@ -194,3 +194,24 @@ def test_busy_time_counts_overlapping_kernels_once():
     assert busy_us([(20, 25, "a"), (0, 10, "b"), (2, 3, "c")]) == 15  # order, nesting
     assert busy_us([(0, 5, "a"), (5, 9, "b")]) == 9  # back to back: no gap, no double count
     assert busy_us([]) == 0
+
+
+def test_prefill_interleaves_every_length_and_arm_in_one_timing(monkeypatch):
+    # Lengths are interleaved as arms are: none is timed only in one stretch of the run.
+    from graphcap.bench import prefill
+
+    timed = []
+    real = prefill.time_interleaved
+
+    def recording(cases, **kwargs):
+        timed.append(list(cases))
+        return real(cases, timer=lambda fn: (fn(), 1.0)[1], **kwargs)
+
+    monkeypatch.setattr(prefill, "time_interleaved", recording)
+    rounds = []
+    result = prefill.bench_model("tiny", ["eager", "breakable"], [4, 8], reps=2,
+                                 device="cpu", progress=rounds.append)
+    assert timed == [[(4, "eager"), (4, "breakable"), (8, "eager"), (8, "breakable")]]
+    assert [r["tokens"] for r in result["rows"]] == [4, 8]
+    assert result["rows"][1]["ms"] == {"eager": 1.0, "breakable": 1.0}
+    assert rounds[-prefill.ROUNDS:] == [f"tiny {i}" for i in range(1, prefill.ROUNDS + 1)]

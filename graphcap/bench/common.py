@@ -74,11 +74,12 @@ def _stats(samples: list[float]) -> dict:
             "p90_ms": round(qs[-1], 4), "n": len(samples)}
 
 
-def time_interleaved(arms: dict[str, Callable[[], object]], *, reps: int = 30,
+def time_interleaved(arms: dict[object, Callable[[], object]], *, reps: int = 30,
                      rounds: int = 5, warmup: int = 3, settle_ms: float = 0.0,
-                     timer=None, sync=None) -> dict[str, dict]:
+                     timer=None, sync=None, on_round=None) -> dict[object, dict]:
     """Median (and p10/p90) milliseconds of one call of each arm: ``warmup`` untimed calls
-    each, then ``rounds`` rounds in which every arm runs ``reps // rounds`` timed calls.
+    each, then ``rounds`` rounds in which every arm runs ``reps // rounds`` timed calls;
+    ``on_round(done)`` after each round (a progress bar).
 
     ``settle_ms``: in each round, before its timed calls, an arm runs untimed calls, each
     waited for (``sync``), until that many milliseconds have passed (one call at least):
@@ -93,11 +94,13 @@ def time_interleaved(arms: dict[str, Callable[[], object]], *, reps: int = 30,
             fn()
     samples: dict[str, list[float]] = {name: [] for name in arms}
     per_round = max(reps // rounds, 1)
-    for _ in range(rounds):
+    for done in range(1, rounds + 1):
         for name, fn in arms.items():
             if settle_ms > 0:
                 _settle(fn, settle_ms, sync)
             samples[name] += [timer(fn) for _ in range(per_round)]
+        if on_round is not None:
+            on_round(done)
     return {name: _stats(s) for name, s in samples.items()}
 
 

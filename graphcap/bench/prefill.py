@@ -26,6 +26,12 @@ LENGTHS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 # 2026-12-01 full-triton read 1.27 ms at 16 tokens interleaved with eager alone and
 # 1.11 ms among every arm, against 1.095 ms alternating with its bare replay.
 SETTLE_MS = 20.0
+# Rounds of the interleaved timing: every (length, arm) case once a round, lengths and
+# arms alike interleaved, so that no length is timed only in one stretch of the run. At
+# 2026-12-01 (tools/gpu/host_probe.py arms) the first tens of seconds after building
+# every arm ran the host path slower (136 against 100-104 us a call), and 16 tokens,
+# then timed first and alone, read 1.043 ms against 1.014 later in the same process.
+ROUNDS = 5
 MODELS = ("qwen3-0.6b", "llama3-8b", "qwen3-30b-a3b-4l")
 
 
@@ -144,14 +150,14 @@ def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,
     attention = attention or default_attention(device)
     arms, skipped = build_arms(model, arms_wanted, lengths, max_requests=1,
                                attention=attention, on_arm=progress)
-    rows = []
-    for n in lengths:
-        times = time_interleaved({a: (lambda arm=arm, n=n: arm.call(n))
-                                  for a, arm in arms.items()}, reps=reps, settle_ms=SETTLE_MS)
-        rows.append({"tokens": n, "ms": {a: t["median_ms"] for a, t in times.items()},
-                     "spread": {a: [t["p10_ms"], t["p90_ms"]] for a, t in times.items()}})
-        if progress is not None:
-            progress(f"{name} {n}")
+    cases = {(n, a): (lambda arm=arm, n=n: arm.call(n)) for n in lengths
+             for a, arm in arms.items()}
+    times = time_interleaved(
+        cases, reps=reps, rounds=ROUNDS, settle_ms=SETTLE_MS,
+        on_round=None if progress is None else (lambda done: progress(f"{name} {done}")))
+    rows = [{"tokens": n, "ms": {a: times[n, a]["median_ms"] for a in arms},
+             "spread": {a: [times[n, a]["p10_ms"], times[n, a]["p90_ms"]] for a in arms}}
+            for n in lengths]
     first = _full_arm(arms, attention)
     extra = {}
     if first is not None and device == "cuda":
@@ -179,7 +185,8 @@ def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,
 def run(models=MODELS, arms=ARMS, lengths=LENGTHS, reps: int = 30, progress=None,
         attention: str | None = None) -> dict:
     return {"what": "graphcap bench prefill: one request, prefill only (last-token logits), "
-                    "bf16, CUDA-event wall time per call, median of interleaved repetitions",
+                    "bf16, CUDA-event wall time per call, median of repetitions interleaved "
+                    f"over every length and arm ({ROUNDS} rounds)",
             **environment(), "lengths": list(lengths), "arms": list(arms),
             "attention": attention or "default (the best for full capture)",
             "models": [bench_model(m, arms, lengths, reps, progress, attention=attention)

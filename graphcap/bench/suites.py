@@ -20,7 +20,7 @@ def run_suite(args: argparse.Namespace) -> int:
         models = _csv(args.models, prefill.MODELS)
         arms = _csv(args.arms, ARMS)
         lengths = _csv(args.lengths, prefill.LENGTHS, int)
-        with progress(len(models) * (len(arms) + len(lengths)), "prefill") as step:
+        with progress(len(models) * (len(arms) + prefill.ROUNDS), "prefill") as step:
             result = prefill.run(models, arms, lengths, args.reps, progress=step,
                                  attention=args.attention)
         show_prefill(result)

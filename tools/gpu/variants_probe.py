@@ -6,12 +6,15 @@ JSON in $OUT/variants-probe-<preset>.json. Each variant is a runner captured und
 setting of the linear kernels' module switches:
 
 - ``default``: the code as it stands;
-- ``zeroing``: split-K counters of each launch's own, zeroed by a kernel before it (the
-  behaviour before persistent, self-resetting counters);
+- ``no-ahead``: the RMSNorm kernel before a cuBLAS matmul does not ask L2 for that
+  matmul's weight while it waits (the behaviour before the prefetch-ahead);
 
-(At 44bf2d9 a third variant, the q/k/v matmul in the plain Triton kernel after the norm,
-ran through a switch since removed: 1.017 against 0.940 ms at 16 tokens,
+(At 44bf2d9 the variants were the split-K counters persistent or zeroed by a kernel
+before each launch, and the q/k/v matmul in the plain Triton kernel after the norm:
 docs/results/2026-12-01-variants-probe-44bf2d9-h200.json.)
+
+Also timed, on the host: the runner's copy of the inputs as one ``_foreach_copy_`` or
+one ``copy_`` per input.
 
 Calls and bare replays are timed interleaved, logits compared with ``default``'s, and
 each replay profiled at the shortest length (the bench's idle_share)."""
@@ -28,9 +31,9 @@ from probe_common import calls_and_replays, diffs_vs
 import graphcap
 from graphcap.bench.arms import prompts
 from graphcap.bench.common import environment
-from graphcap.bench.prefill import idle_share
+from graphcap.bench.prefill import host_us, idle_share
 from graphcap.models import build_model
-from graphcap.opsdb.triton import counters
+from graphcap.opsdb.triton import counters, norm
 
 PRESET = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b"
 LENGTHS = [int(n) for n in sys.argv[2:]] or [16, 32, 64]
@@ -38,21 +41,22 @@ model = build_model(PRESET, device="cuda", dtype=torch.bfloat16, logits="last")
 inputs = prompts(LENGTHS, model.args.vocab_size, "cuda")
 result = {**environment(), "preset": PRESET, "lengths": LENGTHS}
 
-persistent = counters.persistent
+prefetches = norm.prefetches
+VARIANTS = ("default", "no-ahead")
 
 
 def variant(name: str):
     """Set the module switches for ``name``; returns a function that restores them."""
-    if name == "zeroing":
-        counters.persistent = lambda device, blocks: None
+    if name == "no-ahead":
+        norm.prefetches = lambda t: False
 
     def restore():
-        counters.persistent = persistent
+        norm.prefetches = prefetches
     return restore
 
 
 runners = {}
-for name in ("default", "zeroing"):
+for name in VARIANTS:
     restore = variant(name)
     try:
         start = time.perf_counter()
@@ -74,6 +78,16 @@ result[f"profile_{n0}"] = {name: idle_share(SimpleNamespace(runner=r), n0)
 for name, p in result[f"profile_{n0}"].items():
     print(name, p["wall_ms"], p["busy_ms"], [(k["kernel"][:30], k["us"])
                                              for k in p["top_kernels"][:6]], flush=True)
+ids, pos = inputs[LENGTHS[0]]
+bufs = [torch.zeros(4096, dtype=torch.long, device="cuda") for _ in range(2)]
+with torch.inference_mode():
+    views = [b[:ids.shape[0]] for b in bufs]
+    result["host_us_input_copy"] = {
+        "foreach_copy": host_us(lambda: torch._foreach_copy_(views, [ids, pos]), 200),
+        "two_copies": host_us(lambda: (views[0].copy_(ids), views[1].copy_(pos)), 200),
+        "foreach_with_slicing": host_us(lambda: torch._foreach_copy_(
+            [b[:ids.shape[0]] for b in bufs], [ids, pos]), 200)}
+print(result["host_us_input_copy"], flush=True)
 with open(os.path.join(os.environ.get("OUT", "/tmp"), f"variants-probe-{PRESET}.json"),
           "w") as f:
     json.dump(result, f, indent=1)
