@@ -77,6 +77,9 @@ class Runner:
         self._out_spec = None
         self._outputs: list[torch.Tensor] = []  # max-size static outputs, shared by shapes
         self._last_rows: torch.Tensor | None = None  # output_rows="requests": [slots]
+        # Per (live token count, bucket): the input buffers' rows it fills and its padding
+        # rows (slicing a tensor costs host microseconds, which the GPU waits for).
+        self._rows_of: dict[tuple[int, int], tuple[list, list]] = {}
 
     # -- capture -------------------------------------------------------------------
     @property
@@ -112,6 +115,7 @@ class Runner:
         """No captured shape, no static buffers."""
         self._inputs, self._specs, self._outputs, self._out_spec = [], [], [], None
         self._last_rows = None
+        self._rows_of.clear()
         self.entries.clear()
         self.metadata.clear()
 
@@ -307,10 +311,10 @@ class Runner:
         # copy as a node of the graph saved no measurable time, and made the next batch's
         # update wait for the whole previous replay instead of its copy.)
         with torch.inference_mode():
-            torch._foreach_copy_([buf[:tokens] for buf in self._inputs], list(args))
-            if tokens < bucket:
-                for buf in self._inputs:
-                    buf[tokens:bucket].zero_()  # padding rows: finite, and never stale
+            rows, padding = self._input_rows(tokens, bucket)
+            torch._foreach_copy_(rows, list(args))
+            for buf in padding:
+                buf.zero_()  # padding rows: finite, and never stale
             if lens is None:
                 self._replay_entry(bucket)
             else:
@@ -321,6 +325,16 @@ class Runner:
         outs = [buf[:rows].clone() if self.config.copy_outputs else buf[:rows]
                 for buf in self._outputs]
         return tree_unflatten(outs, self._out_spec)
+
+    def _input_rows(self, tokens: int, bucket: int):
+        """The input buffers' first ``tokens`` rows and their padding rows up to
+        ``bucket``, sliced once per token count."""
+        cached = self._rows_of.get((tokens, bucket))
+        if cached is None:
+            cached = ([buf[:tokens] for buf in self._inputs],
+                      [buf[tokens:bucket] for buf in self._inputs] if tokens < bucket else [])
+            self._rows_of[tokens, bucket] = cached
+        return cached
 
     def _replay_entry(self, bucket: int, meta=None) -> None:
         """Replay a shape. ``meta``, its attention metadata, is the forward context of

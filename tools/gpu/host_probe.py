@@ -1,6 +1,6 @@
 """Why the fastest arm's call reads slower among every arm (device side):
 
-    PYTHONPATH=. python3 tools/gpu/host_probe.py [gc|arms] [lengths...]
+    PYTHONPATH=. python3 tools/gpu/host_probe.py [gc|arms|stages] [lengths...]
 
 JSON in $OUT/host-probe-<mode>.json. Builds every arm of ``graphcap bench prefill`` for
 qwen3-0.6b (as the bench does, over ``lengths``), then times them interleaved at the
@@ -8,7 +8,11 @@ shortest length, as the bench does, in phases. ``gc``: with the garbage collecto
 process left it, after ``gc.freeze()``, and disabled. ``arms``: every arm, then without
 full-flashinfer, without full-flash_attn, and without both. For full-triton each phase
 also records the host time of every timed call (from before the first launch to the
-call's return) and how many collections of each generation ran during the phase."""
+call's return) and how many collections of each generation ran during the phase.
+``stages``: full-triton built first and alone, then its call's and bare replay's host
+time after each further step (eager built and called, breakable built, every case timed
+interleaved as the bench does), with the process state that could slow Python down
+(threads, torch function/dispatch modes, trace and profile hooks)."""
 
 import gc
 import json
@@ -28,6 +32,51 @@ MODE = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].isdigit() else "gc"
 LENGTHS = [int(n) for n in sys.argv[1:] if n.isdigit()] or [16, 512]
 n0 = LENGTHS[0]
 model = build_model("qwen3-0.6b", device="cuda", dtype=torch.bfloat16, logits="last")
+
+
+def state() -> dict:
+    """What in the process could make every Python-level torch call slower."""
+    import threading
+
+    return {"threads": sorted(t.name for t in threading.enumerate()),
+            "torch_function_modes": torch._C._len_torch_function_stack(),
+            "torch_dispatch_modes": torch._C._len_torch_dispatch_stack(),
+            "trace": repr(sys.gettrace()), "profile": repr(sys.getprofile()),
+            "gc_objects": len(gc.get_objects())}
+
+
+if MODE == "stages":
+    from graphcap.bench.prefill import _entry
+
+    built: dict = {}
+    stages: dict = {}
+
+    def stage(name: str) -> None:
+        fast = built["full-triton"]
+        stages[name] = {"host_call_us": host_us(lambda: fast.call(n0), 200),
+                        "host_replay_us": host_us(_entry(fast, n0).replay, 200),
+                        "call_ms": round(statistics.median(
+                            cuda_event_ms(lambda: fast.call(n0)) for _ in range(50)), 4),
+                        **state()}
+        print(name, stages[name], flush=True)
+
+    for names, label in ((["full-triton"], "full_triton_alone"),
+                         (["eager"], "eager_built"), (["breakable"], "breakable_built")):
+        arms, _ = build_arms(model, names, LENGTHS, max_requests=1, attention="triton")
+        built.update(arms)
+        if "eager" in arms:
+            for n in LENGTHS:
+                arms["eager"].call(n)
+        torch.cuda.synchronize()
+        stage(label)
+    cases = {(n, a): (lambda arm=arm, n=n: arm.call(n)) for n in LENGTHS
+             for a, arm in built.items()}
+    time_interleaved(cases, reps=30, settle_ms=SETTLE_MS)
+    stage("after_interleaved_timing")
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), "host-probe-stages.json"),
+              "w") as f:
+        json.dump({**environment(), "lengths": LENGTHS, "stages": stages}, f, indent=1)
+    sys.exit(0)
 arms, skipped = build_arms(model, ARMS, LENGTHS, max_requests=1)
 result = {**environment(), "lengths": LENGTHS, "arms": list(arms), "skipped": skipped,
           "gc_objects_after_build": len(gc.get_objects()),
