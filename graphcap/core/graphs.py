@@ -43,6 +43,20 @@ from graphcap.core.emulated import EmulatedGraph
 from graphcap.core.graph_base import Graph
 from graphcap.errors import CaptureError, UnsupportedStrategy
 
+# Per-stream state that captured kernels bake in, as cuBLAS's workspace: functions of the
+# device, run on the capture stream before each capture begins (outside the pool, so
+# whatever they allocate is no scratch of the pool). The project's split-K counters
+# (graphcap.opsdb.triton.counters) register here: a capture that found none for its
+# stream would bring counters of its own and zero them inside every replay.
+_STREAM_STATE: list = []
+
+
+def before_capture(make) -> None:
+    """Register ``make(device)``, called on the capture stream before every capture of
+    a CUDA graph begins; it must be cheap when its state exists already."""
+    if make not in _STREAM_STATE:
+        _STREAM_STATE.append(make)
+
 _KINDS = ("cuda", "emulated")
 
 
@@ -115,6 +129,8 @@ class CudaGraph(Graph):
         stack.enter_context(torch.cuda.stream(self.pool.stream))
         stack.enter_context(_FrozenGC())
         self.pool.own_cublas_workspace()
+        for make in _STREAM_STATE:
+            make(self.device)
         self.pool._captured_into = True
         self._reserved_before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()

@@ -195,32 +195,47 @@ def test_counters_are_made_outside_the_pool_a_warm_up_allocates_to(monkeypatch):
 
 @pytest.mark.gpu
 @requires_cuda
-def test_a_capture_on_a_stream_without_counters_brings_its_own_and_replays_right(
-        monkeypatch):
+def test_a_capture_makes_its_streams_counters_before_it_begins(monkeypatch):
+    # Even when no split launch ran on the capture stream before (a runner whose largest
+    # shape has too many rows for the fused kernel): made outside the pool, shared by
+    # the pool's graphs, never zeroed inside a replay.
     from graphcap.core import new_pool
     from graphcap.opsdb.triton import counters
 
     args, want, x = case("residual", 16, 1024, 2048, torch.bfloat16, 0)
+    kernel.skinny_linear(x, **args)  # compiled, on another stream
     pool = new_pool("cuda")
     key = (torch.cuda.current_device(), pool.stream.cuda_stream)
-    # As if no warm-up had run on the capture stream (earlier graphs keep their buffers).
-    monkeypatch.setattr(counters, "_BUFFERS", {})
-    graph = pool.graph()
-    y = graph.capture(lambda: kernel.skinny_linear(x, **args))
-    assert key not in counters._BUFFERS  # none made inside the capture
+    monkeypatch.setattr(counters, "_BUFFERS", {})  # none yet (earlier graphs keep theirs)
+    graphs = [pool.graph(), pool.graph()]
+    outs = [g.capture(lambda: kernel.skinny_linear(x, **args)) for g in graphs]
+    buffer = counters._BUFFERS[key]
+    in_pool = [(s["address"], s["address"] + s["total_size"]) for s in pool._segments()]
+    assert not any(lo <= buffer.data_ptr() < hi for lo, hi in in_pool)
     for seed in (1, 2, 3):
         x.copy_(randn(16, 2048, dtype=torch.bfloat16, seed=seed))
-        graph.replay()
-        torch.cuda.synchronize()
-        torch.testing.assert_close(y, want(), atol=2e-2, rtol=2e-2)
-    with pool.warmup():  # now the stream gets its buffer; later captures use it
-        kernel.skinny_linear(x, **args)
-    assert key in counters._BUFFERS
-    second = pool.graph()
-    y2 = second.capture(lambda: kernel.skinny_linear(x, **args))
-    for _ in range(3):  # each output read before the other graph's replay: they share a pool
-        for g, out in ((second, y2), (graph, y)):
+        for g, out in zip(graphs, outs, strict=True):  # each read before the other's replay
             g.replay()
             torch.cuda.synchronize()
             torch.testing.assert_close(out, want(), atol=2e-2, rtol=2e-2)
     assert counters.check_zero() == []
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_a_capture_by_other_means_on_a_stream_without_counters_brings_its_own(monkeypatch):
+    from graphcap.opsdb.triton import counters
+
+    args, want, x = case("residual", 16, 1024, 2048, torch.bfloat16, 0)
+    kernel.skinny_linear(x, **args)  # compiled, on another stream
+    monkeypatch.setattr(counters, "_BUFFERS", {})
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        y = kernel.skinny_linear(x, **args)
+    assert (torch.cuda.current_device(), stream.cuda_stream) not in counters._BUFFERS
+    for seed in (1, 2, 3):  # its own counters, zeroed inside each replay
+        x.copy_(randn(16, 2048, dtype=torch.bfloat16, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(y, want(), atol=2e-2, rtol=2e-2)

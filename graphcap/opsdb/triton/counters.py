@@ -15,8 +15,10 @@ the pool, torch.compile's cudagraph trees), it would be scratch of earlier graph
 pool or a live block the pool's owner does not know of (cudagraph trees refuse those).
 So it is made once, zeroed, on a helper thread's default stream: pools route only the
 capturing stream's or the routing thread's allocations, never those of another thread.
-During a capture that finds no buffer for its stream the caller falls back to counters
-of its own, zeroed in the graph.
+graphcap's captures make their stream's buffer before they begin
+(:func:`graphcap.core.graphs.before_capture`), whatever shapes ran before; a capture by
+other means (``torch.cuda.graph``, cudagraph trees) on a stream that has no buffer yet
+makes the caller fall back to counters of its own, zeroed in the graph.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from __future__ import annotations
 import threading
 
 import torch
+
+from graphcap.core import graphs
 
 CAPACITY = 1024  # column blocks a launch may count: split launches have fewer than the SMs
 
@@ -86,5 +90,14 @@ def check_zero() -> list[str]:
     for tests, never on a hot path (it reads the device)."""
     return [str(key) for key, buffer in _BUFFERS.items() if bool(buffer.any())]
 
+
+def _for_capture(device: torch.device) -> None:
+    """Before a graphcap capture on the current stream: its buffer, made now, outside
+    the capture. Without it a capture whose first shape ran no split launch (a largest
+    shape with too many rows for the fused kernel) zeroed counters in every replay."""
+    persistent(device, 1)
+
+
+graphs.before_capture(_for_capture)
 
 __all__ = ["CAPACITY", "check_zero", "persistent"]
