@@ -1,6 +1,6 @@
 """Why the fastest arm's call reads slower among every arm (device side):
 
-    PYTHONPATH=. python3 tools/gpu/host_probe.py [gc|arms|stages] [lengths...]
+    PYTHONPATH=. python3 tools/gpu/host_probe.py [gc|arms|stages|path] [lengths...]
 
 JSON in $OUT/host-probe-<mode>.json. Builds every arm of ``graphcap bench prefill`` for
 qwen3-0.6b (as the bench does, over ``lengths``), then times them interleaved at the
@@ -12,7 +12,10 @@ call's return) and how many collections of each generation ran during the phase.
 ``stages``: full-triton built first and alone, then its call's and bare replay's host
 time after each further step (eager built and called, breakable built, every case timed
 interleaved as the bench does), with the process state that could slow Python down
-(threads, torch function/dispatch modes, trace and profile hooks)."""
+(threads, torch function/dispatch modes, trace and profile hooks). ``path``: a
+full-triton runner's call against its replay preceded by each part of the call's host
+path alone (the inputs' copy, the offsets' host-to-device copy, both), timed interleaved
+with CUDA events: what each part costs the call while the GPU waits for it."""
 
 import gc
 import json
@@ -45,6 +48,39 @@ def state() -> dict:
             "gc_objects": len(gc.get_objects())}
 
 
+if MODE == "path":
+    import graphcap
+    from graphcap.bench.arms import prompts
+
+    runner = graphcap.capture(model, "full", buckets=LENGTHS, max_requests=1,
+                              attention="triton")
+    inputs = prompts(LENGTHS, model.args.vocab_size, "cuda")
+    ids, pos = inputs[n0]
+    entry, meta = runner.entries[n0], runner.metadata[n0]
+    rows, _ = runner._input_rows(n0, n0)
+
+    def copy_inputs():
+        with torch.inference_mode():
+            torch._foreach_copy_(rows, [ids, pos])
+
+    def copy_offsets():
+        with torch.inference_mode():
+            meta.update([n0], derive=False)
+
+    parts = {"call": lambda: runner(ids, pos, seq_lens=[n0]), "replay": entry.replay,
+             "inputs+replay": lambda: (copy_inputs(), entry.replay()),
+             "offsets+replay": lambda: (copy_offsets(), entry.replay()),
+             "both+replay": lambda: (copy_inputs(), copy_offsets(), entry.replay())}
+    times = time_interleaved(parts, reps=100, settle_ms=SETTLE_MS)
+    out = {"ms": {k: v["median_ms"] for k, v in times.items()},
+           "host_us": {k: host_us(fn, 200) for k, fn in parts.items()},
+           "host_us_parts": {"copy_inputs": host_us(copy_inputs, 200),
+                             "copy_offsets": host_us(copy_offsets, 200)}}
+    print(out, flush=True)
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), "host-probe-path.json"),
+              "w") as f:
+        json.dump({**environment(), "lengths": LENGTHS, **out}, f, indent=1)
+    sys.exit(0)
 if MODE == "stages":
     from graphcap.bench.prefill import _entry
 
