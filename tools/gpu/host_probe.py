@@ -1,6 +1,6 @@
 """Why the fastest arm's call reads slower among every arm (device side):
 
-    PYTHONPATH=. python3 tools/gpu/host_probe.py [gc|arms|stages|path] [lengths...]
+    PYTHONPATH=. python3 tools/gpu/host_probe.py [gc|arms|stages|path|update] [lengths...]
 
 JSON in $OUT/host-probe-<mode>.json. Builds every arm of ``graphcap bench prefill`` for
 qwen3-0.6b (as the bench does, over ``lengths``), then times them interleaved at the
@@ -15,7 +15,9 @@ interleaved as the bench does), with the process state that could slow Python do
 (threads, torch function/dispatch modes, trace and profile hooks). ``path``: a
 full-triton runner's call against its replay preceded by each part of the call's host
 path alone (the inputs' copy, the offsets' host-to-device copy, both), timed interleaved
-with CUDA events: what each part costs the call while the GPU waits for it."""
+with CUDA events: what each part costs the call while the GPU waits for it.
+``update``: the host microseconds of each step of the attention metadata's update (the
+offsets' write and host-to-device copy) alone, and of alternatives to the copy."""
 
 import gc
 import json
@@ -48,6 +50,41 @@ def state() -> dict:
             "gc_objects": len(gc.get_objects())}
 
 
+if MODE == "update":
+    import numpy as np
+
+    from graphcap.opsdb.attention import get_backend
+    from graphcap.opsdb.attention.base import validate_seq_lens
+
+    meta = get_backend("triton", "cuda").metadata(n0, 1, torch.device("cuda"))
+    host, dev, off = meta.cu_seqlens_host, meta.cu_seqlens, meta._offsets_host
+    event = torch.cuda.Event()
+    plain = torch.zeros(2, dtype=torch.int32)  # pageable
+
+    def numpy_writes():
+        off[1:2] = [n0]
+        off[2:] = 0
+        np.cumsum(off, out=off)
+
+    steps = {
+        "update": lambda: meta.update([n0], derive=False),
+        "validate": lambda: validate_seq_lens([n0], n0, 1),
+        "event_sync": event.synchronize, "event_record": event.record,
+        "is_compiling": torch.compiler.is_compiling, "numpy_writes": numpy_writes,
+        "copy_pinned_non_blocking": lambda: dev.copy_(host, non_blocking=True),
+        "copy_pageable": lambda: dev.copy_(plain),
+        "fill_scalar": lambda: dev[1:].fill_(n0),
+        "torch_tensor_to_device": lambda: torch.tensor([0, n0], dtype=torch.int32).to(
+            "cuda", non_blocking=True),
+        "plan": lambda: meta.backend.plan(meta),
+    }
+    with torch.inference_mode():
+        out = {k: host_us(fn, 500) for k, fn in steps.items()}
+    print(out, flush=True)
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), "host-probe-update.json"),
+              "w") as f:
+        json.dump({**environment(), "lengths": LENGTHS, "host_us": out}, f, indent=1)
+    sys.exit(0)
 if MODE == "path":
     import graphcap
     from graphcap.bench.arms import prompts
