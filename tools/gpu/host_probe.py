@@ -1,6 +1,6 @@
 """Why the fastest arm's call reads slower among every arm (device side):
 
-    PYTHONPATH=. python3 tools/gpu/host_probe.py [gc|arms|stages|path|update] [lengths...]
+    PYTHONPATH=. python3 tools/gpu/host_probe.py [gc|arms|stages|path|update|mix] [lengths]
 
 JSON in $OUT/host-probe-<mode>.json. Builds every arm of ``graphcap bench prefill`` for
 qwen3-0.6b (as the bench does, over ``lengths``), then times them interleaved at the
@@ -17,7 +17,11 @@ full-triton runner's call against its replay preceded by each part of the call's
 path alone (the inputs' copy, the offsets' host-to-device copy, both), timed interleaved
 with CUDA events: what each part costs the call while the GPU waits for it.
 ``update``: the host microseconds of each step of the attention metadata's update (the
-offsets' write and host-to-device copy) alone, and of alternatives to the copy."""
+offsets' write and host-to-device copy) alone, and of alternatives to the copy.
+``mix``: full-triton's call and bare replay timed interleaved (as the bench does) beside
+nothing, beside eager, beside 25 ms of sleep (the GPU idle, the host idle) and beside 25
+ms of pure Python (the GPU idle, the host busy): whether what slows the call among heavy
+arms is on the host or on the device."""
 
 import gc
 import json
@@ -50,6 +54,31 @@ def state() -> dict:
             "gc_objects": len(gc.get_objects())}
 
 
+if MODE == "mix":
+    arms, _ = build_arms(model, ["eager", "full-triton"], LENGTHS, max_requests=1,
+                         attention="triton")
+    fast = arms["full-triton"]
+    entry = fast.runner.entries[n0]
+
+    def burn():
+        end = time.perf_counter() + 0.025
+        while time.perf_counter() < end:
+            pass
+
+    base = {"call": lambda: fast.call(n0), "replay": entry.replay}
+    phases = {"alone": {}, "eager": {"eager": lambda: arms["eager"].call(n0)},
+              "sleep": {"sleep": lambda: time.sleep(0.025)}, "burn": {"burn": burn},
+              "alone_again": {}}
+    out = {}
+    for name, extra in phases.items():
+        times = time_interleaved({**extra, **base}, reps=60, settle_ms=SETTLE_MS)
+        out[name] = {k: [v["median_ms"], v["p10_ms"], v["p90_ms"]] for k, v in times.items()}
+        print(name, out[name], flush=True)
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), "host-probe-mix.json"),
+              "w") as f:
+        json.dump({**environment(), "lengths": LENGTHS,
+                   "ms_median_p10_p90": out}, f, indent=1)
+    sys.exit(0)
 if MODE == "update":
     import numpy as np
 
