@@ -80,6 +80,29 @@ def test_settling_runs_an_arm_untimed_until_the_time_passed_before_its_timed_cal
     assert order == ["eager", "graph"] * 2  # no settling unless asked for
 
 
+def test_a_warm_up_in_seconds_runs_untimed_passes_over_every_arm_first(monkeypatch):
+    import time
+
+    now = [0.0]
+    order = []
+
+    def arm(name):
+        def call():
+            order.append(name)
+            now[0] += 0.4  # each call takes 0.4 s of wall time
+        return call
+
+    def timer(fn):
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    time_interleaved({"a": arm("a"), "b": arm("b")}, reps=1, rounds=1, warmup=1,
+                     warmup_s=2.0, timer=timer, sync=lambda: None)
+    # One warm-up call each (0.8 s), untimed passes until 2 s (two more), one timed each.
+    assert order == ["a", "b"] * 3 + ["a", "b"]
+
+
 def _row(n, **ms):
     return {"tokens": n, "ms": ms}
 

@@ -76,10 +76,15 @@ def _stats(samples: list[float]) -> dict:
 
 def time_interleaved(arms: dict[object, Callable[[], object]], *, reps: int = 30,
                      rounds: int = 5, warmup: int = 3, settle_ms: float = 0.0,
-                     timer=None, sync=None, on_round=None) -> dict[object, dict]:
+                     warmup_s: float = 0.0, timer=None, sync=None,
+                     on_round=None) -> dict[object, dict]:
     """Median (and p10/p90) milliseconds of one call of each arm: ``warmup`` untimed calls
     each, then ``rounds`` rounds in which every arm runs ``reps // rounds`` timed calls;
     ``on_round(done)`` after each round (a progress bar).
+
+    ``warmup_s``: after the warm-up calls, untimed passes over every arm, each call
+    waited for, until that many seconds have passed since the warm-up began: the timing
+    starts from the steady state, not from a process fresh from building its arms.
 
     ``settle_ms``: in each round, before its timed calls, an arm runs untimed calls, each
     waited for (``sync``), until that many milliseconds have passed (one call at least):
@@ -89,9 +94,16 @@ def time_interleaved(arms: dict[object, Callable[[], object]], *, reps: int = 30
     cuda = torch.cuda.is_available()
     timer = timer or (cuda_event_ms if cuda else wall_ms)
     sync = sync or (torch.cuda.synchronize if cuda else (lambda: None))
+    import time
+
+    start = time.perf_counter()
     for fn in arms.values():
         for _ in range(warmup):
             fn()
+    while time.perf_counter() - start < warmup_s:
+        for fn in arms.values():
+            fn()
+            sync()
     samples: dict[str, list[float]] = {name: [] for name in arms}
     per_round = max(reps // rounds, 1)
     for done in range(1, rounds + 1):

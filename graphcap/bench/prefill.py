@@ -32,6 +32,12 @@ SETTLE_MS = 20.0
 # every arm ran the host path slower (136 against 100-104 us a call), and 16 tokens,
 # then timed first and alone, read 1.043 ms against 1.014 later in the same process.
 ROUNDS = 5
+# Seconds of untimed passes over every case before the timed rounds. A process fresh
+# from building its arms runs its host path slower for its first seconds: full-triton's
+# 16-token call read 1.078 ms in the first second after the build, 0.990-0.994 from
+# the third on, its bare replay 0.915-0.921 throughout (tools/gpu/host_probe.py mix,
+# 2026-12-01); a server runs in the steady state.
+WARMUP_S = 5.0
 MODELS = ("qwen3-0.6b", "llama3-8b", "qwen3-30b-a3b-4l")
 
 
@@ -154,6 +160,7 @@ def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,
              for a, arm in arms.items()}
     times = time_interleaved(
         cases, reps=reps, rounds=ROUNDS, settle_ms=SETTLE_MS,
+        warmup_s=WARMUP_S if device == "cuda" else 0.0,
         on_round=None if progress is None else (lambda done: progress(f"{name} {done}")))
     rows = [{"tokens": n, "ms": {a: times[n, a]["median_ms"] for a in arms},
              "spread": {a: [times[n, a]["p10_ms"], times[n, a]["p90_ms"]] for a in arms}}
