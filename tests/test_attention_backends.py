@@ -189,3 +189,23 @@ def test_last_token_rows_come_from_the_static_offsets_sentinels_included():
     meta.last_token_rows(out=out)
     # slot 1 (empty) and the unused slot 3 point at real rows, never out of range
     assert out.tolist() == [4, 4, 10, 10] == meta.last_token_rows().tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+def test_updates_far_ahead_of_the_device_never_rewrite_offsets_before_their_copy():
+    # The host writes each update into the next of a round of pinned buffers and waits
+    # once a round: with the stream held back, every copy still delivers its own batch.
+    from graphcap.opsdb.attention.base import HOST_BUFFERS
+
+    meta = get_backend("triton", "cuda").metadata(64, 3, torch.device("cuda"))
+    batches = [[n % 7, (3 * n) % 11, n % 5] for n in range(3 * HOST_BUFFERS + 2)]
+    seen = []
+    torch.cuda._sleep(50_000_000)  # tens of ms: the updates below run far ahead
+    for lens in batches:
+        meta.update(lens, derive=False)
+        seen.append(meta.cu_seqlens.clone())  # in stream order, after this copy
+    torch.cuda.synchronize()
+    for lens, got in zip(batches, seen, strict=True):
+        want = [0, lens[0], lens[0] + lens[1], sum(lens)]
+        assert got.tolist() == want, lens

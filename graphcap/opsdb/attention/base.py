@@ -21,6 +21,13 @@ from graphcap.errors import UnsupportedStrategy
 from graphcap.opsdb.spec import OpInputError
 
 STRATEGIES = ("eager", "breakable", "tc_piecewise", "full")
+# Host buffers of a CUDA shape's offsets, written in turn. Each feeds an asynchronous copy,
+# so it may be rewritten only once that copy ran: one event a round of them, recorded
+# after the round's last copy and waited for before the next round begins, instead of a
+# record and a wait on every update (the record alone took 5.3 us of host time on the
+# H200's host, tools/gpu/host_probe.py update; the GPU waits for that time at 16 tokens).
+# The updates of one shape are issued on one stream, as its graphs replay on one.
+HOST_BUFFERS = 8
 
 
 class AttentionMetadata:
@@ -36,11 +43,15 @@ class AttentionMetadata:
         self.device = torch.device(device)
         pin = self.device.type == "cuda"
         self.cu_seqlens = torch.zeros(num_slots + 1, dtype=torch.int32, device=self.device)
-        self.cu_seqlens_host = torch.zeros(num_slots + 1, dtype=torch.int32, pin_memory=pin)
-        self._offsets_host = self.cu_seqlens_host.numpy()  # written in place, no torch op
+        host = torch.zeros(HOST_BUFFERS if pin else 1, num_slots + 1, dtype=torch.int32,
+                           pin_memory=pin)
+        self._host_buffers = list(host)
+        self._host_arrays = list(host.numpy())  # written in place, no torch op
+        self._turn = 0  # the host buffer the next update writes
+        self.cu_seqlens_host = self._host_buffers[0]  # the last update's offsets
         self.valid = torch.zeros(num_tokens, dtype=torch.bool, device=self.device)
-        # The host buffer feeds an asynchronous copy: rewriting it before that copy ran
-        # would hand the previous replay the next batch's offsets.
+        # Recorded after the last copy of each round of host buffers: rewriting a buffer
+        # before its copy ran would hand the previous replay the next batch's offsets.
         self._copied = torch.cuda.Event() if pin else None
         self._rows = torch.arange(num_tokens, device=self.device)
         self.seq_lens: list[int] = []
@@ -55,28 +66,45 @@ class AttentionMetadata:
         offsets on the device (:meth:`derive`) to the caller, e.g. to a captured graph
         that derives them itself before attention, so a replay pays no launch for them."""
         lens = validate_seq_lens(seq_lens, self.num_tokens, self.num_slots)
-        if self._copied is not None:
-            self._copied.synchronize()
         total = sum(lens)
         if torch.compiler.is_compiling():
             # Traced (a compiled model preparing its own metadata): Dynamo takes a numpy
-            # view for a tensor of its own and would drop writes through it.
+            # view for a tensor of its own and would drop writes through it. The current
+            # buffer, waited for and marked on its own.
+            if self._copied is not None:
+                self._copied.synchronize()
             padded = lens + [0] * (self.num_slots - len(lens))
             self.cu_seqlens_host.copy_(torch.tensor(
                 [0, *itertools.accumulate(padded)], dtype=torch.int32))
-        else:  # a write into the pinned buffer, no torch op on the replay path
-            offsets = self._offsets_host
-            offsets[1:len(lens) + 1] = lens
-            offsets[len(lens) + 1:] = 0  # sentinels: length 0, parked at the real count
-            np.cumsum(offsets, out=offsets)
-        self.cu_seqlens.copy_(self.cu_seqlens_host, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+            self.cu_seqlens.copy_(self.cu_seqlens_host, non_blocking=True)
+            if self._copied is not None:
+                self._copied.record()
+        else:  # a write into the next pinned buffer, no torch op but the copy
+            self._write_offsets(lens)
         self.seq_lens, self.num_real_tokens = lens, total
         if derive:
             self.derive()
         self.backend.plan(self)
         return self
+
+    def _write_offsets(self, lens: list[int]) -> None:
+        """The offsets into the next host buffer, copied to the device. A round's first
+        buffer waits for the copies of the round before (one event a round)."""
+        turn = self._turn
+        if turn == 0 and self._copied is not None:
+            self._copied.synchronize()
+        offsets = self._host_arrays[turn]
+        offsets[1:len(lens) + 1] = lens
+        offsets[len(lens) + 1:] = 0  # sentinels: length 0, parked at the real count
+        np.cumsum(offsets, out=offsets)
+        self.cu_seqlens_host = self._host_buffers[turn]
+        self.cu_seqlens.copy_(self.cu_seqlens_host, non_blocking=True)
+        turn += 1
+        if turn == len(self._host_buffers):
+            turn = 0
+            if self._copied is not None:
+                self._copied.record()
+        self._turn = turn
 
     def derive(self) -> None:
         """Device side, graph-safe: the buffers computed from the device offsets (the
