@@ -190,3 +190,35 @@ def test_a_triton_kernel_first_launched_in_a_direct_capture_replays_correctly():
         x = torch.randn(rows, 16, device="cuda")
         torch.testing.assert_close(r(x), x * 3.0)
     assert sum(r.stats.replays.values()) == 4
+
+
+class BigTransient(torch.nn.Module):
+    """An MLP whose forward also makes a large temporary: what a warm-up outside the
+    pool leaves in the allocator's cache once it is freed."""
+
+    def __init__(self, width: int = 16, temp_mib: int = 64):
+        super().__init__()
+        self.mlp = MLP(width, depth=2)
+        self.temp_bytes = temp_mib << 20
+
+    def forward(self, x):
+        temp = torch.ones(self.temp_bytes // 4, device=x.device)
+        return self.mlp(x) + temp[: x.shape[1]]
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_the_cache_later_warm_ups_leave_outside_the_pool_is_released_after_the_build():
+    # warmup="every" warms each shape, the later ones after the pool's first capture,
+    # outside the pool: their freed temporaries would stay cached for the capture stream.
+    model = BigTransient().cuda()
+    x = torch.randn(16, 16, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    r = graphcap.capture(model, "full", buckets=BUCKETS, warmup="every",
+                         example_inputs=(x,))
+    outside = torch.cuda.memory_reserved() - r.pool.bytes() - before
+    assert outside < 64 << 20, outside  # not one 64 MiB temporary kept outside the pool
+    with torch.no_grad():
+        torch.testing.assert_close(r(x), model(x))  # the pool's graphs are intact

@@ -107,6 +107,7 @@ class Runner:
                     self._capture_one(tokens, first=done == 1)
                     if progress is not None:
                         progress(done, len(self.config.buckets))
+            self.pool.release_cache()  # what later warm-ups left outside the pool
         except BaseException:
             self._reset()  # leave no half-built state: a later call captures from scratch
             raise
