@@ -16,6 +16,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -94,8 +95,6 @@ def time_interleaved(arms: dict[object, Callable[[], object]], *, reps: int = 30
     cuda = torch.cuda.is_available()
     timer = timer or (cuda_event_ms if cuda else wall_ms)
     sync = sync or (torch.cuda.synchronize if cuda else (lambda: None))
-    import time
-
     start = time.perf_counter()
     for fn in arms.values():
         for _ in range(warmup):
@@ -117,8 +116,6 @@ def time_interleaved(arms: dict[object, Callable[[], object]], *, reps: int = 30
 
 
 def _settle(fn: Callable[[], object], ms: float, sync: Callable[[], object]) -> None:
-    import time
-
     start = time.perf_counter()
     while True:
         fn()
@@ -129,8 +126,6 @@ def _settle(fn: Callable[[], object], ms: float, sync: Callable[[], object]) -> 
 
 def wall_ms(fn: Callable[[], object]) -> float:
     """Host wall milliseconds of ``fn`` (machines without CUDA: smoke runs only)."""
-    import time
-
     start = time.perf_counter()
     fn()
     return (time.perf_counter() - start) * 1000

@@ -43,6 +43,7 @@ from graphcap.opsdb.triton.common import (
     cast,
     dot,
     interpreting,
+    line_elements,
     num_sms,
     pdl_args,
     pdl_launch_dependents,
@@ -321,7 +322,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
         m, n, k, float(eps), x.stride(0), weight.stride(0), y.stride(0), res.stride(0),
         NORM=norm_weight is not None, SWIGLU=swiglu, RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        INTERPRET=interpreting(), LINE=min(128 // weight.element_size(), cfg["BLOCK_K"]),
+        INTERPRET=interpreting(), LINE=min(line_elements(weight), cfg["BLOCK_K"]),
         PREFETCH=launch["PDL"] and _prefetches(weight), **launch, **cfg)
     return y
 
