@@ -76,6 +76,7 @@ def check_attention(q, k, v, out, scale):
 
 def _attention(q, k, v, out, scale):
     meta = current_attention()
+    meta.attended = True
     if q.shape[0] != meta.num_tokens:
         raise checks.OpInputError(
             f"attention: q has {q.shape[0]} tokens but the metadata was prepared for "
@@ -95,6 +96,7 @@ def _reference(q, k, v, out, scale):
     from graphcap.opsdb.reference import attention_varlen
 
     meta = current_attention()
+    meta.attended = True
     out.copy_(attention_varlen(q, k, v, meta.cu_seqlens_host, scale))
 
 

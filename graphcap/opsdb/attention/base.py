@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from graphcap.core.batch import host_lengths
 from graphcap.errors import UnsupportedStrategy
 from graphcap.opsdb.spec import OpInputError
 
@@ -56,6 +57,7 @@ class AttentionMetadata:
         self._rows = torch.arange(num_tokens, device=self.device)
         self.seq_lens: list[int] = []
         self.num_real_tokens = 0
+        self.attended = False  # graphcap::attention ran on this metadata (eager or capture)
 
     def update(self, seq_lens: Sequence[int] | torch.Tensor, derive: bool = True
                ) -> AttentionMetadata:
@@ -123,16 +125,9 @@ class AttentionMetadata:
 
 
 def validate_seq_lens(seq_lens, num_tokens: int, num_slots: int) -> list[int]:
-    if isinstance(seq_lens, torch.Tensor):
-        if seq_lens.device.type != "cpu":
-            raise OpInputError("seq_lens must be on the host (a list or CPU tensor): reading "
-                               "them from the device would synchronise")
-        seq_lens = seq_lens.tolist()
-    lens = [int(n) for n in seq_lens]
+    lens = host_lengths(seq_lens, error=OpInputError)
     if not lens:
         raise OpInputError("seq_lens is empty: a batch needs at least one request")
-    if any(n < 0 for n in lens):
-        raise OpInputError(f"seq_lens must be non-negative, got {lens}")
     if len(lens) > num_slots:
         raise OpInputError(f"{len(lens)} requests do not fit {num_slots} request slots")
     if sum(lens) > num_tokens:
@@ -190,9 +185,32 @@ def zero_padding_rows(out: torch.Tensor, meta: AttentionMetadata) -> None:
     out.masked_fill_(~meta.valid[:, None, None], 0)
 
 
-def clear_padded_kv(k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
-    """Copies of k and v with padding rows zeroed. Kernels that load whole K/V tiles past
-    a request's end mask the scores, but a masked-out NaN still poisons P @ V (0 * NaN):
-    seen on the H200 with FlashAttention-4 and FlashInfer when padding held NaN."""
-    pad = ~meta.valid[:, None, None]
-    return k.masked_fill(pad, 0), v.masked_fill(pad, 0)
+def guard_kv_reference(k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of k and v ``[T, Hk, D]`` in which padding rows (``valid`` false) are zero
+    and a real value vector holding a NaN or an infinity is zeroed, its key set to NaN
+    instead (see :func:`guard_kv`)."""
+    pad = ~valid[:, None, None]
+    bad = ~v.isfinite().all(dim=-1, keepdim=True) & ~pad
+    k = k.masked_fill(pad, 0).masked_fill(bad, float("nan"))
+    return k, v.masked_fill(pad | bad, 0)
+
+
+def guard_kv(k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v as attention kernels that read whole tiles must get them, so that no
+    request sees another's values (nor padding's). Such kernels (FlashAttention-4,
+    FlashInfer's fa3 path) load the K/V tile that holds a request's last rows whole, the
+    next request's first rows with it, and mask those keys' scores to -inf: an assignment,
+    so a NaN key is masked away, but the masked probability 0 still multiplies the loaded
+    value, and 0 * NaN = NaN. So padding rows become zero, and a value vector that is not
+    finite becomes zero while its key becomes NaN: the rows that may attend to it (its own
+    request's) still come out NaN, the others never see it. One Triton kernel on CUDA."""
+    if k.is_cuda:
+        try:
+            from graphcap.opsdb.triton.guard import guard_kv as kernel
+        except ImportError:
+            pass
+        else:
+            return kernel(k, v, meta.valid)
+    return guard_kv_reference(k, v, meta.valid)

@@ -3,8 +3,8 @@ else FA2/FA3's ``flash_attn_varlen_func``.
 
 The max lengths are the bucket size, host ints baked into the graph (never 1: a
 one-token fast path breaks mixed batches); rows past the real tokens are zeroed after.
-Its TMA loads read whole K/V tiles past a request's end, so padded K/V rows are cleared
-first (``clear_padded_kv``).
+Its TMA loads read whole K/V tiles past a request's end (the next request's rows, or
+padding), so k and v pass through ``guard_kv`` first: no request sees another's values.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from graphcap.opsdb.attention.base import (
     AttentionBackend,
     AttentionMetadata,
-    clear_padded_kv,
+    guard_kv,
     zero_padding_rows,
 )
 
@@ -39,7 +39,7 @@ class FlashAttention(AttentionBackend):
 
     def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float) -> None:
         fn, is_fa4 = _varlen_func()
-        k, v = clear_padded_kv(k, v, meta)
+        k, v = guard_kv(k, v, meta)
         cu, n = meta.cu_seqlens, meta.num_tokens
         kwargs = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, softmax_scale=scale)
         if is_fa4:

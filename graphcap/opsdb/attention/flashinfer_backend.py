@@ -3,8 +3,9 @@
 ``plan()`` runs on the host in ``update`` with CPU int32 indptrs, into a wrapper made with
 ``use_cuda_graph=True`` over static indptr buffers; ``run()`` is what the graph captures.
 ``run()`` insists that q holds exactly ``qo_indptr[-1]`` rows, so a synthetic last request
-absorbs the padding rows (its output is zeroed afterwards; padded K/V rows are cleared
-first, since its tiles read past a request's end), and the request capacity is
+absorbs the padding rows (its output is zeroed afterwards), k and v pass through
+``guard_kv`` first (its fa3 kernels read whole tiles past a request's end: the next
+request's rows, or padding), and the request capacity is
 the slot count plus that one. Re-planning before the previous plan's asynchronous copy
 has run corrupts the metadata, so ``update`` waits on an event recorded after each plan.
 """
@@ -16,7 +17,7 @@ import torch
 from graphcap.opsdb.attention.base import (
     AttentionBackend,
     AttentionMetadata,
-    clear_padded_kv,
+    guard_kv,
     zero_padding_rows,
 )
 
@@ -68,6 +69,6 @@ class FlashInferAttention(AttentionBackend):
         if meta.planned is None:
             self.configure(q.shape[1], k.shape[1], q.shape[2], q.dtype)
             self.plan(meta)
-        k, v = clear_padded_kv(k, v, meta)
+        k, v = guard_kv(k, v, meta)
         meta.wrapper.run(q, k, v, out=out)
         zero_padding_rows(out, meta)

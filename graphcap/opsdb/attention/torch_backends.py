@@ -1,5 +1,5 @@
 """Attention in plain torch: ``torch_varlen`` (a host loop over requests, eager only) and
-``torch_masked`` (one SDPA call under a block-diagonal causal mask built on the device)."""
+``torch_masked`` (one attention under a block-diagonal causal mask built on the device)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from graphcap.opsdb.attention.base import (
     AttentionBackend,
     AttentionMetadata,
-    clear_padded_kv,
+    guard_kv,
     zero_padding_rows,
 )
 
@@ -43,8 +43,11 @@ class TorchVarlen(AttentionBackend):
 
 
 class TorchMasked(AttentionBackend):
-    """One SDPA over the whole bucket with a block-diagonal causal mask computed on the
-    device from per-token request ids: no host lengths inside, so it captures."""
+    """One attention over the whole bucket with a block-diagonal causal mask computed on
+    the device from per-token request ids: no host lengths inside, so it captures. The
+    mask is applied by assignment (``masked_fill``), and k and v pass through ``guard_kv``,
+    so a NaN or an infinity in one request never reaches another's rows (SDPA adds a
+    boolean mask as ``-inf``, and NaN + -inf is NaN)."""
 
     name = "torch_masked"
 
@@ -61,7 +64,12 @@ class TorchMasked(AttentionBackend):
     def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float) -> None:
         rid = meta.request_ids
         rows = torch.arange(rid.shape[0], device=rid.device)
-        mask = (rid[:, None] == rid[None, :]) & (rows[None, :] <= rows[:, None])
-        k, v = clear_padded_kv(k, v, meta)
-        out.copy_(_sdpa(q, k, v, scale, mask=mask))
+        allowed = (rid[:, None] == rid[None, :]) & (rows[None, :] <= rows[:, None])
+        k, v = guard_kv(k, v, meta)
+        group = q.shape[1] // k.shape[1]
+        qh, kh, vh = (t.transpose(0, 1).float() for t in (q, k, v))  # [H, T, D]
+        if group > 1:
+            kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
+        scores = (qh @ kh.transpose(1, 2)).mul_(scale).masked_fill_(~allowed, float("-inf"))
+        out.copy_((scores.softmax(-1) @ vh).transpose(0, 1))
         zero_padding_rows(out, meta)
