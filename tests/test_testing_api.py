@@ -96,3 +96,72 @@ def test_assert_replay_equivalent_finds_padding_rows_leaking_into_real_rows():
     # The message names the strategy and the shrunk batch (its request lengths).
     text = str(info.value)
     assert "full/torch_masked [" in text and "captured output differs" in text, text
+
+
+def _register_once(name, schema, **kw):
+    import graphcap.opsdb as opsdb
+
+    if name not in opsdb.REGISTRY:
+        opsdb.register_op(name, schema, **kw)
+    return name
+
+
+def _rows(device, dtype, max_tokens=16):
+    from hypothesis import strategies as st
+
+    @st.composite
+    def draw(d):
+        t, h = d(st.integers(0, max_tokens)), d(st.sampled_from([1, 3, 8]))
+        gen = torch.Generator().manual_seed(d(st.integers(0, 2**31 - 1)))
+        return (torch.randn(t, h, generator=gen).to(device, dtype),)
+
+    return draw()
+
+
+def test_check_op_fails_on_a_fake_that_returns_the_wrong_shape():
+    # Right on the minimal example (a 1 x 1 or empty input), wrong on any other.
+    name = _register_once("graphcap_test::bad_fake", "(Tensor x) -> Tensor",
+                          reference=lambda x: x * 2, fake=lambda x: x.new_empty(x.shape[::-1]),
+                          inputs=_rows)
+    with pytest.raises(AssertionError, match="its fake returns"):
+        check_op(name, dtypes=(torch.float32,), examples=10, opcheck=False)
+
+
+def _scales_in_place(x):
+    x.mul_(3)  # writes its input, which the schema below does not declare
+    return x * 2
+
+
+def test_check_op_fails_on_a_kernel_that_writes_an_undeclared_argument():
+    from graphcap.opsdb import Kernel
+
+    name = _register_once(
+        "graphcap_test::sneaky", "(Tensor x) -> Tensor", reference=lambda x: x * 6,
+        kernels={"sneaky": Kernel(_scales_in_place, devices=("cpu", "cuda"))}, inputs=_rows)
+    with pytest.raises(AssertionError, match="does not declare written"):
+        check_op(name, backend="sneaky", dtypes=(torch.float32,), examples=10, opcheck=False)
+
+
+def test_opcheck_runs_on_several_non_degenerate_examples():
+    calls = []
+    import graphcap.testing.ops as ops
+
+    real = torch.library.opcheck
+    try:
+        torch.library.opcheck = lambda op, args, **kw: calls.append(args) or real(op, args, **kw)
+        report = ops.check_op("rms_norm", backend="torch", dtypes=(torch.float32,),
+                              examples=12)
+    finally:
+        torch.library.opcheck = real
+    assert report.opchecked == 3 == len(calls)
+    assert all(min(args[0].shape) >= 2 for args in calls)
+
+
+def test_check_op_says_which_kernels_it_compared_and_which_it_skipped_and_why():
+    report = check_op("rms_norm", device="cpu", dtypes=(torch.float16,), examples=3,
+                      opcheck=False)
+    assert "flashinfer" in report.skipped and "cuda" in report.skipped["flashinfer"]
+    text = str(report)
+    assert "skipped flashinfer" in text and "3 examples" in text
+    if report.get("triton") is not None:  # the interpreter (TRITON_INTERPRET=1)
+        assert "compared triton" in text

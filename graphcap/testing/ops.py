@@ -1,9 +1,12 @@
 """``check_op``: every available kernel of an op against its reference, over hypothesis
-examples of the op's own input strategy, plus ``torch.library.opcheck``."""
+examples of the op's own input strategy; on every example the op's fake against the
+reference and the kernels' writes against the schema, and ``torch.library.opcheck`` on
+several non-degenerate examples."""
 
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from graphcap.core.trees import tensor_leaves
@@ -18,16 +21,56 @@ def default_tolerance(dtype: torch.dtype) -> float:
     return _TOLERANCE.get(dtype, 0.0)
 
 
+class CheckReport(dict):
+    """What :func:`check_op` did: the max error of each kernel it compared (the mapping
+    itself), ``skipped`` (a kernel it did not compare, and why), ``declined`` (examples a
+    compared kernel passed over, by kernel) and ``opchecked`` (examples opcheck ran on).
+    ``str(report)`` says it in a few lines."""
+
+    def __init__(self, qualname: str):
+        super().__init__()
+        self.qualname = qualname
+        self.skipped: dict[str, str] = {}
+        self.declined: dict[str, int] = {}
+        self.examples = 0
+        self.opchecked = 0
+
+    def __str__(self) -> str:
+        lines = [f"check_op {self.qualname}: {self.examples} examples, opcheck on "
+                 f"{self.opchecked}"]
+        lines += [f"  compared {name}: max error {err:.3g}"
+                  + (f" ({self.declined[name]} examples declined)"
+                     if self.declined.get(name) else "") for name, err in self.items()]
+        lines += [f"  skipped {name}: {why}" for name, why in self.skipped.items()]
+        return "\n".join(lines)
+
+
 def _clone(args):
     return tree_map(lambda a: a.clone() if isinstance(a, torch.Tensor) else a, args)
 
 
-def _results(spec: OpSpec, fn, args):
-    """What a call produces: its return value, plus every argument it may write."""
+def _written(spec: OpSpec) -> list[int]:
+    return [i for i, a in enumerate(spec.op.default._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _results(spec: OpSpec, name: str, fn, args):
+    """What a call produces: its return value, plus every argument it may write. A
+    tensor argument the schema does not declare written (``Tensor(a!)``) must come back
+    unchanged, bit for bit."""
     args = _clone(args)
+    before = _clone(args)
     out = fn(*args)
-    written = [i for i, a in enumerate(spec.op.default._schema.arguments)
-               if a.alias_info is not None and a.alias_info.is_write]
+    written = _written(spec)
+    for i, (now, then) in enumerate(zip(args, before, strict=True)):
+        if i in written or not isinstance(now, torch.Tensor):
+            continue
+        same = now.shape == then.shape and torch.equal(
+            now.isnan(), then.isnan()) and torch.equal(now.nan_to_num(), then.nan_to_num())
+        assert same, (f"{spec.qualname}[{name}] wrote its argument {i} "
+                      f"({spec.op.default._schema.arguments[i].name}), which the schema "
+                      f"{spec.schema} does not declare written: mark it Tensor(a!), or "
+                      f"write into a copy on inputs {describe(args)}")
     return tensor_leaves(out) + [args[i] for i in written]
 
 
@@ -42,10 +85,24 @@ def describe(args) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
+def _check_fake(spec: OpSpec, args, want: list[torch.Tensor]) -> None:
+    """The op's fake (given or derived) must give the reference's output metadata."""
+    mode = FakeTensorMode()
+    fakes = tree_map(lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a, args)
+    with mode:
+        out = tensor_leaves(spec.op.default(*fakes))
+    real = want[:len(want) - len(_written(spec))]
+    got = [(tuple(t.shape), t.dtype, t.device.type) for t in out]
+    expected = [(tuple(t.shape), t.dtype, t.device.type) for t in real]
+    assert got == expected, (
+        f"{spec.qualname}: its fake returns {got} but the op returns {expected} on inputs "
+        f"{describe(args)}: fix the fake (torch.compile and the graphs trust it)")
+
+
 def compare(spec: OpSpec, backend: str, args, atol: float, rtol: float) -> float:
     """Run ``backend`` and the reference on copies of ``args``; assert close; max error."""
-    want = _results(spec, spec.reference, args)
-    got = _results(spec, spec.kernels[backend].resolve(), args)
+    want = _results(spec, "torch", spec.reference, args)
+    got = _results(spec, backend, spec.kernels[backend].resolve(), args)
     assert len(got) == len(want), f"{spec.qualname}[{backend}]: {len(got)} results"
     worst = 0.0
     for g, w in zip(got, want, strict=True):
@@ -61,45 +118,89 @@ def compare(spec: OpSpec, backend: str, args, atol: float, rtol: float) -> float
     return worst
 
 
+def _richness(args) -> tuple[bool, int]:
+    """How well an example exercises opcheck: every tensor with two or more elements
+    along each dim and values that are not all equal (a mutation of a constant or empty
+    tensor can leave it as it was), then its size."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+
+    def rich(t: torch.Tensor) -> bool:
+        if t.dim() == 0:
+            return True
+        return min(t.shape) >= 2 and bool((t != t.flatten()[0]).any())
+
+    return bool(tensors) and all(map(rich, tensors)), sum(t.numel() for t in tensors)
+
+
 def check_op(op: str | OpSpec, backend: str | None = None, *, device="cpu",
              dtypes=(torch.float32, torch.float16, torch.bfloat16), examples: int = 20,
              atol: float | None = None, rtol: float | None = None,
-             opcheck: bool = True) -> dict[str, float]:
+             opcheck: bool = True, opchecks: int = 3) -> CheckReport:
     """Check ``backend`` (default: every backend available on ``device``) of ``op``
-    against its reference over ``examples`` hypothesis examples per dtype. Returns the
-    max error per backend; raises with hypothesis's shrunk failing input on a mismatch.
-    ``opcheck=True`` also runs ``torch.library.opcheck`` on the first example."""
+    against its reference over ``examples`` hypothesis examples per dtype. On every
+    example the op's fake must give the reference's output shapes and dtypes, and no
+    kernel may write an argument the schema does not declare written; with ``opcheck``,
+    ``torch.library.opcheck`` (schema, fake tensors, autograd registration, aot dispatch)
+    runs on the ``opchecks`` richest examples of each dtype (tensors of two or more
+    elements along each dim, not constant), not only hypothesis's minimal one.
+
+    Returns a :class:`CheckReport`: the max error per compared kernel, and the kernels it
+    skipped with the reason (not runnable here, or declining every example). Raises with
+    hypothesis's shrunk failing input on a mismatch."""
     spec = op if isinstance(op, OpSpec) else get_op(op)
     if spec.inputs is None:
         raise ValueError(f"{spec.qualname} has no input strategy: pass inputs= when "
                          "registering it")
+    if backend is not None and backend not in spec.kernels:
+        raise ValueError(f"{spec.qualname} has no kernel {backend!r}; it has "
+                         f"{sorted(spec.kernels)}")
     device = torch.device(device)
-    worst: dict[str, float] = {}
+    report = CheckReport(spec.qualname)
     for dtype in dtypes:
-        names = [backend] if backend else [
-            b for b, why in spec.backends(device, dtype).items() if why is None and b != "torch"]
+        names = []
+        for name, why in spec.backends(device, dtype).items():
+            if backend is not None and name != backend or backend is None and name == "torch":
+                continue
+            if why is None:
+                names.append(name)
+            else:
+                report.skipped.setdefault(name, why)
         tol_a = atol if atol is not None else default_tolerance(dtype)
         tol_r = rtol if rtol is not None else default_tolerance(dtype)
-        _check_dtype(spec, names, device, dtype, examples, tol_a, tol_r, opcheck, worst)
-    return worst
+        _check_dtype(spec, names, device, dtype, examples, tol_a, tol_r,
+                     opchecks if opcheck else 0, report)
+    for name in list(report.skipped):
+        if name in report:  # runnable for another dtype
+            del report.skipped[name]
+    for name, count in report.declined.items():
+        if name not in report and count:
+            report.skipped[name] = f"declined all {count} examples it was offered"
+    return report
 
 
-def _check_dtype(spec, names, device, dtype, examples, atol, rtol, opcheck, worst):
+def _check_dtype(spec, names, device, dtype, examples, atol, rtol, opchecks, report):
     from hypothesis import HealthCheck, given, settings
 
-    checked = []
+    candidates: list[tuple[tuple[bool, int], tuple]] = []
 
     @settings(max_examples=examples, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
     @given(spec.inputs(device, dtype))
     def run(args):
-        if opcheck and not checked:
-            torch.library.opcheck(spec.op.default, _clone(args))
-            checked.append(True)
+        report.examples += 1
+        _check_fake(spec, args, _results(spec, "torch", spec.reference, args))
+        if opchecks:
+            candidates.append((_richness(args), _clone(args)))
+            candidates.sort(key=lambda c: c[0], reverse=True)
+            del candidates[opchecks:]
         for name in names:
             if spec.kernels[name].declines(args):
+                report.declined[name] = report.declined.get(name, 0) + 1
                 continue  # a shape this kernel has no variant for: dispatch passes it over
             err = compare(spec, name, args, atol, rtol)
-            worst[name] = max(worst.get(name, 0.0), err)
+            report[name] = max(report.get(name, 0.0), err)
 
     run()
+    for _, args in candidates:
+        torch.library.opcheck(spec.op.default, _clone(args))
+        report.opchecked += 1
