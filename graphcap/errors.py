@@ -34,3 +34,25 @@ class OpInputError(GraphcapError, ValueError):
 
 class BackendUnavailable(GraphcapError, RuntimeError):
     """A requested kernel or attention backend cannot run here; the message says why."""
+
+
+class UnsupportedModel(GraphcapError, ValueError):
+    """A model (or a feature of it) that graphcap cannot run as written: the message says
+    what to change in the model."""
+
+
+class ModelChanged(GraphcapError, RuntimeError):
+    """The model is not the one the runner captured (a parameter or buffer replaced,
+    moved or converted, a submodule swapped): its graphs would read memory the model no
+    longer uses. ``changes`` lists what differs. Capture again (``runner.recapture()``)
+    or update weights in place, which replays see."""
+
+    def __init__(self, message: str, changes: list[str]):
+        super().__init__(message)
+        self.changes = changes
+
+
+class ReplayError(GraphcapError, RuntimeError):
+    """A replay could not reproduce its capture (an eager break returned tensors of other
+    shapes or dtypes than at capture); nothing was written past the failing step, and the
+    runner stays usable for calls that fit."""

@@ -33,5 +33,6 @@ def test_user_buckets_are_checked():
     assert check_ladder([16, 4, 8, 8]) == [4, 8, 16]
     with pytest.raises(ValueError, match="positive"):
         check_ladder([0, 4])
-    with pytest.raises(ValueError, match="positive integers"):
-        check_ladder(["a"])
+    for bad in (["a"], [4.7, 8], [8.0], [True, 4], "48", 16):
+        with pytest.raises(ValueError, match="integer"):  # never rounded, never parsed
+            check_ladder(bad)

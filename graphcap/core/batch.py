@@ -2,16 +2,50 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
 
 from graphcap.errors import BadBatch
 
-__all__ = ["BadBatch", "check_prefill", "check_tensors"]
+__all__ = ["BadBatch", "as_int", "check_prefill", "check_tensors", "host_lengths"]
 
 
 _INT_DTYPES = (torch.int32, torch.int64)
+
+
+def as_int(value, what: str, error: type[Exception] = ValueError) -> int:
+    """``value`` as an int when it is an integer (a Python or numpy integer, or a 0-d
+    integer tensor); anything else (a float, even 7.0, a string, a bool) raises ``error``
+    naming ``what``: a length or size is never rounded."""
+    if not isinstance(value, bool) and not (isinstance(value, torch.Tensor)
+                                            and value.is_floating_point()):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise error(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
+
+
+def host_lengths(seq_lens, what: str = "seq_lens", error: type[Exception] = BadBatch
+                 ) -> list[int]:
+    """Request lengths given on the host (a list, tuple or CPU integer tensor) as ints,
+    each an integer >= 0; ``error`` names ``what`` otherwise."""
+    if isinstance(seq_lens, torch.Tensor):
+        if seq_lens.device.type != "cpu":
+            raise error(f"{what} must be host values (a list or CPU tensor): reading them "
+                        "from the device would synchronise")
+        if seq_lens.dtype not in _INT_DTYPES + (torch.int16, torch.int8, torch.uint8):
+            raise error(f"{what} is a tensor of {seq_lens.dtype}; lengths are integers")
+        seq_lens = seq_lens.tolist()
+    if isinstance(seq_lens, (str, bytes)) or not isinstance(seq_lens, Sequence):
+        raise error(f"{what} must be a list of request lengths, got "
+                    f"{type(seq_lens).__name__}")
+    lens = [as_int(n, f"every entry of {what}", error) for n in seq_lens]
+    if any(n < 0 for n in lens):
+        raise error(f"{what} must be non-negative, got {lens}")
+    return lens
 
 
 def check_tensors(args: Sequence, specs: Sequence[tuple[torch.dtype, tuple[int, ...]]],
@@ -57,17 +91,27 @@ def check_prefill(input_ids, positions, seq_lens, device: torch.device) -> list[
                        f"{tuple(positions.shape)} must have the same length")
     if seq_lens is None:
         raise BadBatch("a prefill call needs seq_lens=[...] (tokens of each request)")
-    if isinstance(seq_lens, torch.Tensor):
-        if seq_lens.device.type != "cpu":
-            raise BadBatch("seq_lens must be host values (a list or CPU tensor)")
-        seq_lens = seq_lens.tolist()
-    lens = [int(n) for n in seq_lens]
+    lens = host_lengths(seq_lens)
     if not lens or input_ids.shape[0] == 0:
         raise BadBatch("empty batch: at least one request with one token is needed")
-    if any(n < 0 for n in lens):
-        raise BadBatch(f"seq_lens must be non-negative, got {lens}")
     if sum(lens) != input_ids.shape[0]:
         raise BadBatch(f"seq_lens sum to {sum(lens)} but there are {input_ids.shape[0]} "
                        "tokens: they must match")
     return lens
 
+
+
+def check_ranges(input_ids, positions, vocab_size: int, max_position: int | None) -> None:
+    """The opt-in input check (``graphcap.capture(..., check_inputs=True)``): token ids in
+    ``[0, vocab_size)`` and positions in ``[0, max_position)``. It reads the extremes on
+    the host: one synchronisation per call. Without it an id out of range is not caught:
+    a negative one wraps around the embedding table, a large one faults on the device."""
+    lo_id, hi_id = torch.aminmax(input_ids)
+    lo_pos, hi_pos = torch.aminmax(positions)
+    lo_id, hi_id, lo_pos, hi_pos = torch.stack([lo_id, hi_id, lo_pos, hi_pos]).tolist()
+    if lo_id < 0 or hi_id >= vocab_size:
+        raise BadBatch(f"input_ids range over [{lo_id}, {hi_id}], outside the vocabulary "
+                       f"[0, {vocab_size})")
+    if lo_pos < 0 or (max_position is not None and hi_pos >= max_position):
+        bound = f"[0, {max_position})" if max_position is not None else "[0, ...)"
+        raise BadBatch(f"positions range over [{lo_pos}, {hi_pos}], outside {bound}")

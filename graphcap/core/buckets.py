@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from graphcap.core.batch import as_int
+
 # (start, stop, step) rungs of SGLang's prefill ladder; past 4096 the step is 512.
 _RUNGS = ((4, 32, 4), (48, 256, 16), (288, 512, 32), (576, 1024, 64), (1280, 4096, 256))
 
@@ -12,6 +14,7 @@ def prefill_ladder(max_tokens: int) -> list[int]:
     4..32 step 4, 48..256 step 16, 288..512 step 32, 576..1024 step 64, 1280..4096 step
     256, then step 512: 42 shapes for 2048.
     """
+    max_tokens = as_int(max_tokens, "max_tokens")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     sizes = [n for start, stop, step in _RUNGS for n in range(start, stop + 1, step)]
@@ -21,11 +24,11 @@ def prefill_ladder(max_tokens: int) -> list[int]:
 
 
 def check_ladder(buckets) -> list[int]:
-    """Validate user buckets: positive ints, returned sorted without duplicates."""
-    try:
-        ladder = sorted({int(b) for b in buckets})
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"buckets must be positive integers, got {buckets!r}") from exc
+    """Validate user buckets: positive integers (no float is rounded), returned sorted
+    without duplicates."""
+    if isinstance(buckets, (str, bytes)) or not hasattr(buckets, "__iter__"):
+        raise ValueError(f"buckets must be a list of positive integers, got {buckets!r}")
+    ladder = sorted({as_int(b, "every bucket") for b in buckets})
     if not ladder or ladder[0] < 1:
         raise ValueError(f"buckets must be a non-empty list of positive integers, got {buckets!r}")
     return ladder
