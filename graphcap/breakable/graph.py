@@ -7,8 +7,15 @@ pool and stream. Replay walks the record: segment, break, segment, ...
 
 A break replays by calling its function again on the very argument objects of capture
 (held strongly here: a weak reference let later captures reuse their memory and gave
-silent wrong output in the field) and copying the fresh result into the output retained
-at capture, so the next segment reads it at the address it captured.
+silent wrong output in the field) and copying the fresh result into the buffers the
+capture gave the next segment: copies, made at capture, of what the function returned
+then, so a replay writes only memory graphcap allocated (never a tensor the function
+returned that belongs to the model or the caller). A fresh result of another structure,
+shape, dtype or device than at capture raises :class:`~graphcap.errors.ReplayError`.
+
+At capture each break runs on real values: the segment before it is replayed once as soon
+as it is captured (a captured segment has run nothing yet), so the break sees what an
+eager forward of the capture's batch would give it.
 
 A break whose function is *graphable* (a split op whose per-batch state lives in static
 buffers: attention under a backend that runs with the runner's prepared metadata) does not
@@ -26,13 +33,27 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphcap.core.backend import CaptureBackend, Captured, note_state, states_current
 from graphcap.core.breaks import break_handler
 from graphcap.core.graphs import GraphPool
 from graphcap.core.trees import tensor_leaves
-from graphcap.errors import CaptureError
+from graphcap.errors import CaptureError, ReplayError
+
+
+def _layout(value) -> tuple:
+    """A value's pytree structure and, per tensor leaf, its shape, dtype and device."""
+    leaves, spec = tree_flatten(value)
+    return spec, [(tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor)
+                  else type(t) for t in leaves]
+
+
+def _own(value):
+    """``value`` with every tensor leaf copied into a new tensor (of its strides)."""
+    leaves, spec = tree_flatten(value)
+    return tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t for t in leaves],
+                          spec)
 
 
 @dataclass
@@ -40,10 +61,18 @@ class Break:
     fn: Callable
     args: tuple
     kwargs: dict
-    output: Any
+    output: Any  # the buffers the next segment reads: graphcap's own
+    layout: tuple | None = None  # _layout(output)
 
     def replay(self) -> None:
         fresh = self.fn(*self.args, **self.kwargs)
+        if self.layout is not None and _layout(fresh) != self.layout:
+            name = getattr(self.fn, "__qualname__", repr(self.fn))
+            raise ReplayError(
+                f"eager break {name} returned {_layout(fresh)[1]} at replay but "
+                f"{self.layout[1]} at capture: the graph after it reads buffers of the "
+                "capture's shapes and dtypes. Return tensors of the same shapes, dtypes and "
+                "devices on every call (or write into an out= tensor you are given)")
         for kept, new in zip(tensor_leaves(self.output), tensor_leaves(fresh), strict=True):
             kept.copy_(new)
 
@@ -79,7 +108,8 @@ class BreakableCapture:
         self._close()
         # No handler inside a break: a break calling another marked function just runs it.
         with self.pool.warmup(), break_handler(None):  # the capture stream, no capture
-            output = fn(*args, **kwargs)
+            self.items[-1].replay()  # the break's inputs: real values, not capture garbage
+            output = _own(fn(*args, **kwargs))
         leaves = tree_flatten(output)[0]
         if any(not isinstance(x, torch.Tensor) and x is not None for x in leaves):
             name = getattr(fn, "__qualname__", repr(fn))
@@ -87,7 +117,7 @@ class BreakableCapture:
                 f"eager break {name} returned a host value ({[type(x).__name__ for x in leaves]}"
                 "): replay could only reuse the value of capture. Return tensors (e.g. "
                 "torch.tensor on the device, or write into an out= tensor) instead")
-        self.items.append(Break(fn, args, kwargs, output))
+        self.items.append(Break(fn, args, kwargs, output, _layout(output)))
         self._open()
         return output
 
