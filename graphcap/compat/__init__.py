@@ -7,6 +7,7 @@ works the same.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -83,3 +84,35 @@ def anchor_graph(device: torch.device, pool_id, stream) -> tuple:
         graph.capture_end()
     torch.cuda.current_stream(device).wait_stream(stream)
     return graph, buf
+
+
+def release_compiled(fn, backend) -> None:
+    """When the caller of ``torch.compile(fn, backend=backend)`` dies: drop what Dynamo
+    keeps of that compile beyond it, so the backend (and the graphs it holds) can be
+    freed. Dynamo keeps the code it compiled for ``fn`` in ``fn.__code__``'s cache entries
+    (which also hold the backend, and a module global that reaches it), and every backend
+    it compiled with in ``eval_frame.cached_backends`` until ``torch._dynamo.reset()``. A
+    finalizer holding neither the caller nor the backend strongly does it: registered
+    here, it runs when ``fn`` dies (``fn`` must belong to the caller alone)."""
+    from torch._dynamo import eval_frame
+
+    reset_code = getattr(eval_frame, "reset_code", None) or getattr(
+        torch._C._dynamo.eval_frame, "reset_code", None)
+    cached = getattr(eval_frame, "cached_backends", None)
+    key = None
+    if cached is not None:
+        key = next((k for k, b in cached.items()
+                    if b is backend or getattr(b, "compiler_fn", None) is backend), None)
+    ref = weakref.ref(cached[key]) if key is not None else None
+    weakref.finalize(fn, _release_compiled, fn.__code__, reset_code, key, ref).atexit = False
+
+
+def _release_compiled(code, reset_code, key, ref) -> None:
+    if reset_code is not None:
+        reset_code(code)
+    from torch._dynamo import eval_frame
+
+    cached = getattr(eval_frame, "cached_backends", None)
+    if cached is not None and ref is not None and ref() is not None \
+            and cached.get(key) is ref():
+        del cached[key]

@@ -9,9 +9,10 @@ import types
 
 import torch
 
+from graphcap import compat
 from graphcap.core.backend import CaptureBackend, Captured
 from graphcap.errors import CaptureError
-from graphcap.piecewise.backend import PieceRunner, PiecewiseCompiler, sgl_piecewise
+from graphcap.piecewise.backend import PieceRunner, PiecewiseCompiler, counters, sgl_piecewise
 from graphcap.piecewise.whole import WholeCapture
 
 
@@ -41,7 +42,10 @@ class CompiledForward:
 
     def __init__(self, model: torch.nn.Module, compiler: PiecewiseCompiler):
         self.model, self.compiler = model, compiler
-        self.compiled = torch.compile(_fresh_entry(), backend=compiler, fullgraph=True)
+        entry = _fresh_entry()
+        self.compiled = torch.compile(entry, backend=compiler, fullgraph=True)
+        # Dynamo would keep the compiler, and its graph pool, for the process's life.
+        compat.release_compiled(entry, compiler)
 
     def __call__(self, *args):
         whole = self.compiler.whole
@@ -62,6 +66,7 @@ class CompiledForward:
                     f"strategy='tc_piecewise' traced the forward but could not compile its "
                     f"pieces with compiler={self.compiler.compiler!r}: "
                     f"{type(inner).__name__}: {inner}") from exc
+            self._raise_the_models_own_error(args, exc)
             cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc)
             raise CaptureError(
                 f"strategy='tc_piecewise' needs torch.compile to trace the whole forward "
@@ -73,6 +78,17 @@ class CompiledForward:
                 isinstance(args[0], torch.Tensor) and args[0].dim():
             call.learn_returns(out, tokens=args[0].shape[0])
         return out
+
+
+    def _raise_the_models_own_error(self, args, exc: BaseException) -> None:
+        """Dynamo reports an exception the forward raises itself as a failure to trace:
+        run the forward eagerly, and raise what it raises (the model's own error)."""
+        try:
+            self.model(*args)
+        except Exception as own:
+            own.add_note("graphcap: raised by the model's forward, run eagerly after "
+                         f"torch.compile failed on it ({type(exc).__name__})")
+            raise own from None
 
 
 class PiecewiseBackend(CaptureBackend):
@@ -121,4 +137,4 @@ class PiecewiseBackend(CaptureBackend):
 
 
 __all__ = ["CompiledForward", "PiecewiseBackend", "PiecewiseCompiler", "PieceRunner",
-           "sgl_piecewise"]
+           "counters", "sgl_piecewise"]

@@ -14,16 +14,19 @@ counts outside the capture sizes run the pieces eagerly (counted).
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
-from graphcap.core.buckets import prefill_ladder
+from graphcap.core.buckets import check_ladder, prefill_ladder
 from graphcap.core.graph_base import Graph
 from graphcap.core.graphs import GraphPool, new_pool
+from graphcap.core.serial import Serial
 from graphcap.errors import GraphcapError
 from graphcap.piecewise.inductor import OneOpPiece, compile_piece
 from graphcap.piecewise.split import graphable, split_graph, split_op_names
@@ -31,6 +34,8 @@ from graphcap.piecewise.whole import Call, WholeCapture
 
 OPTIONS = ("capture_sizes", "max_tokens", "compiler", "split_ops", "copy_outputs", "pool")
 COMPILERS = ("eager", "inductor")
+log = logging.getLogger("graphcap")
+_COMPILERS: weakref.WeakSet = weakref.WeakSet()  # every live compile, for counters()
 
 
 def mutated_inputs(module: torch.nn.Module) -> set[int]:
@@ -59,6 +64,46 @@ def mutated_inputs(module: torch.nn.Module) -> set[int]:
                 targets = [node.args[0]]
         written |= {slots[t] for t in targets if t in slots}
     return written
+
+
+def _device_of(args) -> torch.device:
+    """The device a call's graphs run on: its tensors' (a CUDA one over a host scalar)."""
+    devices = [a.device for a in args if isinstance(a, torch.Tensor)]
+    return next((d for d in devices if d.type != "cpu"), devices[0] if devices else
+                torch.device("cpu"))
+
+
+def builds_autograd_graph(gm: torch.fx.GraphModule) -> bool:
+    """Whether the traced forward records autograd history: an op whose traced output
+    requires grad (grad enabled, and an input or parameter that requires grad, as the
+    trace saw them, ``no_grad`` and ``enable_grad`` blocks inside the forward included)."""
+    return any(isinstance(v, torch.Tensor) and v.requires_grad
+               for n in gm.graph.nodes if n.op not in ("placeholder", "output")
+               for v in tree_leaves(n.meta.get("example_value")))
+
+
+def host_scalars(gm: torch.fx.GraphModule) -> set[int]:
+    """Rewrite ``gm`` to take, as plain Python numbers, the inputs Dynamo passes as 0-d
+    host tensors and reads back with ``.item()`` (a model's float attribute under
+    ``dynamic=True``, e.g. ``nn.Embedding.norm_type``); return their indices. Inside a
+    captured piece that read would be baked at capture, and the emulator refuses it as a
+    host sync; as an argument, the value is compared on every replay instead (a piece
+    runs eagerly when it changed)."""
+    found = set()
+    for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        arg, users = node.meta.get("grapharg"), list(node.users)
+        if arg is None or not getattr(arg, "pass_arg_as_tensor", False) or arg.is_tensor:
+            continue
+        if not users or any(u.op != "call_method" or u.target != "item" for u in users):
+            continue
+        for user in users:
+            user.replace_all_uses_with(node)
+            node.meta["example_value"] = user.meta.get("example_value")
+            gm.graph.erase_node(user)
+        found.add(i)
+    if found:
+        gm.recompile()
+    return found
 
 
 def token_arg(gm: torch.fx.GraphModule) -> int | None:
@@ -94,6 +139,7 @@ class Entry:
     static: list
     outputs: Any
     captured: Any
+    owned: set[int]  # indices of the arguments read from static copies (the rest in place)
     state: Any = None  # split pieces: a weak reference to the state read at capture
 
 
@@ -101,9 +147,11 @@ class PieceRunner(torch.nn.Module):
     """One piece: eager warm-up, then one graph per capture size, replayed.
 
     Captured inputs: parameters and the static outputs of earlier captured pieces are
-    used as they are (their addresses never change); any other tensor (the caller's
-    inputs, buffers) gets a static copy, refreshed before each replay and, when the piece
-    writes it, copied back after.
+    read in place; any other tensor (the caller's inputs, buffers) gets a static copy,
+    refreshed before each replay and, when the piece writes it, copied back after. A
+    replay never writes a tensor it did not allocate: where a tensor read in place at
+    capture is another one now (a weight reassigned after capture, another Parameter
+    passed in), the size is captured again (``recaptures``), never copied into the old one.
 
     ``opaque``: ``fn`` runs kernels the dispatcher never sees (Inductor's), so an emulated
     graph captures it as one op (:class:`~graphcap.piecewise.inductor.OneOpPiece`).
@@ -157,9 +205,12 @@ class PieceRunner(torch.nn.Module):
                 if buf.shape != a.shape:  # e.g. more requests than captured: no replay
                     owner.stats["eager_runs"] += 1
                     return self.fn(*args)
-                if buf is not a and buf.data_ptr() != a.data_ptr():
-                    buf.copy_(a)
-                    copied.append(i)
+                if buf is a or buf.data_ptr() == a.data_ptr():
+                    continue
+                if i not in entry.owned:  # read in place at capture, another tensor now
+                    return self._recapture(size, args)
+                buf.copy_(a)
+                copied.append(i)
             elif buf != a:  # a baked host value changed: this replay would be wrong
                 owner.stats["eager_runs"] += 1
                 return self.fn(*args)
@@ -169,16 +220,23 @@ class PieceRunner(torch.nn.Module):
                 args[i].copy_(entry.static[i])
         return entry.outputs
 
-    def _static(self, a):
-        if not isinstance(a, torch.Tensor):
-            return a
-        if isinstance(a, torch.nn.Parameter) or a.data_ptr() in self.owner.static_ptrs:
-            return a
-        return a.clone()
+    def _in_place(self, a) -> bool:
+        """Whether a capture reads ``a`` where it is (a parameter, or an earlier piece's
+        output) rather than from a static copy of its own."""
+        return isinstance(a, torch.nn.Parameter) or a.data_ptr() in self.owner.static_ptrs
+
+    def _recapture(self, size: int, args):
+        entry = self.entries.pop(size)
+        flat = entry.outputs if isinstance(entry.outputs, (tuple, list)) else (entry.outputs,)
+        self.owner.static_ptrs -= {o.data_ptr() for o in flat if isinstance(o, torch.Tensor)}
+        self.owner.stats["recaptures"] += 1
+        return self._capture(size, args)
 
     def _capture(self, size: int, args):
         pool = self.owner.pool_for(args)
-        static = [self._static(a) for a in args]
+        owned = {i for i, a in enumerate(args)
+                 if isinstance(a, torch.Tensor) and not self._in_place(a)}
+        static = [a.clone() if i in owned else a for i, a in enumerate(args)]
         graph = pool.graph()
         captured = OneOpPiece(self.fn, self.writes) if self.opaque and graph.emulated \
             else self.fn
@@ -189,7 +247,7 @@ class PieceRunner(torch.nn.Module):
         # Weakly: a user's loop preparing new metadata per call must not keep the first
         # one (and its workspace) alive; once it is gone the split runs eagerly.
         state = weakref.ref(self.graphable()) if self.graphable is not None else None
-        self.entries[size] = Entry(graph, static, outputs, captured, state)
+        self.entries[size] = Entry(graph, static, outputs, captured, owned, state)
         return self.forward(*args)
 
 
@@ -204,8 +262,8 @@ class PiecewiseCompiler:
             raise GraphcapError(f"sgl_piecewise: unknown options {sorted(unknown)}; "
                                 f"known: {list(OPTIONS)}")
         sizes = opts.get("capture_sizes")
-        self.capture_sizes = set(sizes) if sizes else set(
-            prefill_ladder(int(opts.get("max_tokens", 2048))))
+        self.capture_sizes = set(check_ladder(sizes)) if sizes else set(
+            prefill_ladder(opts.get("max_tokens", 2048)))
         self.compiler = opts.get("compiler", "eager")
         if self.compiler not in COMPILERS:
             raise GraphcapError(f"sgl_piecewise: compiler={self.compiler!r}; use one of "
@@ -213,7 +271,9 @@ class PiecewiseCompiler:
         self.split_names = split_op_names(opts.get("split_ops", ()))
         self.copy_outputs = bool(opts.get("copy_outputs", True))
         self.pool: GraphPool | None = opts.get("pool")
-        self.stats: Counter = Counter()
+        self.stats: Counter = Counter()  # see counters()
+        self.serial: Serial | None = None  # one call at a time: the pieces' static buffers
+        _COMPILERS.add(self)
         self.static_ptrs: set[int] = set()  # outputs of captured pieces: fixed addresses
         # One graph per shape (graphcap.capture's runner, graphcap.piecewise.whole): the
         # call being watched, the last one watched, the capture in progress, and the sizes
@@ -227,12 +287,16 @@ class PiecewiseCompiler:
 
     def pool_for(self, args) -> GraphPool:
         if self.pool is None:
-            device = next(a.device for a in args if isinstance(a, torch.Tensor))
-            self.pool = new_pool(device)
+            self.pool = new_pool(_device_of(args))
         return self.pool
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         self.stats["graphs"] += 1
+        if builds_autograd_graph(gm):
+            return self._eager_for_autograd(gm)
+        if self.serial is None:
+            self.serial = Serial(_device_of(example_inputs))
+        scalars = host_scalars(gm)
         token = token_arg(gm)
         split, pieces = split_graph(gm, self.split_names)
         eager_splits = False  # a split op that never runs in a graph
@@ -255,6 +319,12 @@ class PiecewiseCompiler:
             setattr(split, piece.name, runner)
 
         def forward(*args):
+            if scalars:  # host values, read outside any graph
+                args = tuple(a.item() if i in scalars else a for i, a in enumerate(args))
+            with self.serial:
+                return run(*args)
+
+        def run(*args):
             self.size = None if token is None else (
                 args[token] if isinstance(args[token], int) else args[token].shape[0])
             if self.watching:
@@ -272,6 +342,46 @@ class PiecewiseCompiler:
                 if isinstance(out, (tuple, list)) else out
 
         return forward
+
+    def _eager_for_autograd(self, gm: torch.fx.GraphModule):
+        """A forward traced with grad enabled and inputs that require grad: graphs would
+        return outputs tied to the autograd graph of their capture, so it runs eagerly
+        (Dynamo guards on grad mode and requires_grad: calls under inference_mode or
+        no_grad get a compile of their own, with graphs)."""
+        self.stats["grad_graphs"] += 1
+        log.warning("sgl_piecewise: the model was called with grad enabled and inputs or "
+                    "parameters that require grad, so it runs eagerly, without graphs (an "
+                    "output of a replay cannot carry autograd history); call it under "
+                    "torch.inference_mode() or torch.no_grad() for graphs")
+
+        def forward(*args):
+            self.stats["grad_runs"] += 1
+            return gm(*args)
+
+        return forward
+
+
+def counters() -> Counter:
+    """The counters of every live ``sgl_piecewise`` compile, summed:
+
+    - ``graphs``: FX graphs Dynamo handed the backend (one per compile or recompile);
+    - ``pieces``, ``split_pieces``, ``captured_pieces``: the pieces they were split into,
+      those holding a split op, and those captured per size;
+    - ``captures``: graphs captured of pieces (one per piece and capture size);
+    - ``split_captures``: split ops captured as graphs of their own (static metadata);
+    - ``whole_captures``: shapes captured as one graph (under ``graphcap.capture``);
+    - ``eager_runs``: pieces run eagerly at a size outside the capture sizes (or on
+      inputs the capture cannot take);
+    - ``recaptures``: pieces captured again because a tensor they read in place (a
+      weight) is another one now;
+    - ``grad_graphs``, ``grad_runs``: compiles traced with grad enabled and inputs that
+      require grad, and their calls, which run eagerly (no graphs).
+
+    Compare two readings around a call to see what it did."""
+    total: Counter = Counter()
+    for compiler in list(_COMPILERS):
+        total.update(compiler.stats)
+    return total
 
 
 def sgl_piecewise(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
