@@ -4,10 +4,17 @@ Public names only; see docs/architecture.md for the layout.
 """
 
 from graphcap import errors, opsdb
-from graphcap.api import capture
+from graphcap.api import capture, packed
 from graphcap.breakable import eager_on_graph
 from graphcap.core.graphs import GraphPool, new_pool
-from graphcap.errors import CaptureError, GraphcapError, UnsupportedStrategy
+from graphcap.errors import (
+    CaptureError,
+    GraphcapError,
+    ModelChanged,
+    ReplayError,
+    UnsupportedModel,
+    UnsupportedStrategy,
+)
 from graphcap.opsdb import register_op
 
 __version__ = "0.1.0"
@@ -16,11 +23,15 @@ __all__ = [
     "CaptureError",
     "GraphPool",
     "GraphcapError",
+    "ModelChanged",
+    "ReplayError",
+    "UnsupportedModel",
     "UnsupportedStrategy",
     "capture",
     "eager_on_graph",
     "errors",
     "new_pool",
     "opsdb",
+    "packed",
     "register_op",
 ]

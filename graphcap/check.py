@@ -54,7 +54,7 @@ def run_check(spec: str, strategies=STRATEGIES, examples: int = 10, sequences: i
             print(f"{strategy:>12}  {attention or '-':>12}  {'FAIL':>6}  {'-':>9}  {'-':>9}  "
                   f"{time.perf_counter() - start:>7.2f}")
             continue
-        print(f"{strategy:>12}  {report['attention']:>12}  {'pass':>6}  "
+        print(f"{strategy:>12}  {report['attention'] or 'none':>12}  {'pass':>6}  "
               f"{report['max_error']:>9.2e}  {sum(report['fallbacks'].values()):>9}  "
               f"{report['build_wall_s']:>7.2f}")
     for strategy, exc in failed:

@@ -31,9 +31,10 @@ def mlp(width: int = 256, depth: int = 6) -> torch.nn.Sequential:
 def strategies_table(device: torch.device, steps: int) -> bool:
     """The tiny reference decoder under every strategy, against eager; True if all match."""
     import graphcap
-    from graphcap.bench.report import print_table, progress
+    from graphcap.bench.report import print_table
     from graphcap.core.buckets import prefill_ladder
     from graphcap.models import build_model
+    from graphcap.progress import progress
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model("tiny", device=device, dtype=dtype)

@@ -1,33 +1,9 @@
-"""Showing benchmark results: a rich table (plain text without rich), a progress bar, and
-PNG plots (with matplotlib, the ``bench`` extra)."""
+"""Showing benchmark results: a rich table (plain text without rich) and PNG plots (with
+matplotlib, the ``bench`` extra)."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-
-
-@contextlib.contextmanager
-def progress(total: int, what: str):
-    """A progress bar; yields ``step(label)`` to call once per unit of work."""
-    try:
-        from rich.progress import Progress
-    except ImportError:
-        done = [0]
-
-        def step(label=""):
-            done[0] += 1
-            print(f"[{done[0]}/{total}] {what} {label}", flush=True)
-
-        yield step
-        return
-    with Progress(transient=False) as bar:
-        task = bar.add_task(what, total=total)
-
-        def step(label=""):
-            bar.update(task, advance=1, description=f"{what} {label}")
-
-        yield step
 
 
 def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:

@@ -14,7 +14,8 @@ def run_suite(args: argparse.Namespace) -> int:
     from graphcap.bench import ladder, prefill
     from graphcap.bench.arms import ARMS
     from graphcap.bench.common import today, write_result
-    from graphcap.bench.report import plot_prefill, progress, show_ladder, show_prefill
+    from graphcap.bench.report import plot_prefill, show_ladder, show_prefill
+    from graphcap.progress import progress
 
     if args.suite == "prefill":
         models = _csv(args.models, prefill.MODELS)

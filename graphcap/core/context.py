@@ -42,8 +42,9 @@ def current_attention():
     ctx = _CURRENT.get()
     if ctx is None or ctx.attention is None:
         raise GraphcapError(
-            "graphcap::attention needs attention metadata for this forward: prepare it "
-            "with backend.metadata(...).update(seq_lens) and run the model inside "
-            "graphcap.core.context.forward_context(attention=meta) (graphcap.capture's "
-            "runner does this for you)")
+            "graphcap::attention needs the attention metadata of this forward's packed "
+            "requests, and none was prepared: call the model through a prefill runner, "
+            "runner(input_ids, positions, seq_lens=[...]) (declare a model of packed "
+            "requests with graphcap.capture(model, inputs='prefill')), or eagerly inside "
+            "graphcap.packed(seq_lens, device)")
     return ctx.attention

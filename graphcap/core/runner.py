@@ -2,20 +2,25 @@
 and output buffers, the attention metadata, padding a live batch into its bucket, slicing
 outputs, eager fallback and its counters; a backend decides how each shape is captured.
 
-Two kinds of model:
+Two kinds of input, as the model declares them (``graphcap.capture(..., inputs=)``):
 
 - ``prefill``: ``model(input_ids, positions)`` over requests packed along dim 0, called
   through the runner as ``runner(input_ids, positions, seq_lens=[...])``; attention reads
   the metadata the runner prepares (``graphcap.core.context``). A prefill model whose
   ``output_rows`` is ``"requests"`` (last-token logits) is called
   ``model(input_ids, positions, last_rows)`` and returns one row per request slot.
-- ``generic``: any module whose tensor arguments share dim 0 (the token dim), e.g. an MLP.
-  Shapes are captured on the first call (or from ``example_inputs``).
+- ``tensors``: any module whose tensor arguments share dim 0 (the token dim), e.g. an
+  MLP. Shapes are captured on the first call (or from ``example_inputs``).
+
+A runner serves one call at a time (calls from several threads are serialised), and
+checks on every call that the model is the one it captured (:mod:`graphcap.core.snapshot`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -27,7 +32,11 @@ from graphcap.core.backend import CaptureBackend, Captured
 from graphcap.core.buckets import pick_bucket
 from graphcap.core.context import forward_context
 from graphcap.core.graphs import new_pool
-from graphcap.errors import UnsupportedStrategy
+from graphcap.core.serial import Serial
+from graphcap.core.snapshot import ModelSnapshot
+from graphcap.errors import ModelChanged, UnsupportedModel, UnsupportedStrategy
+
+log = logging.getLogger("graphcap")
 
 
 @dataclass
@@ -46,6 +55,11 @@ class RunnerConfig:
     # captured again. "every": a warm-up before every capture. A backend that watches
     # warm-ups (tc_piecewise compiles in them) warms every shape either way.
     warmup: str = "first"
+    # A model changed since capture: "recapture" (every shape, at that call) or "error".
+    on_change: str = "recapture"
+    # Prefill: (vocab size, max positions) to check token ids and positions against on
+    # every call (one host sync), or None.
+    input_bounds: tuple[int, int | None] | None = None
 
 
 @dataclass
@@ -54,6 +68,8 @@ class Stats:
     replays: Counter = field(default_factory=Counter)
     fallbacks: Counter = field(default_factory=Counter)
     eager_replays: Counter = field(default_factory=Counter)  # captured state not current
+    failed: int = 0  # calls that raised after their batch was accepted
+    recaptures: int = 0  # captures of every shape again, after the model changed
     warmup_s: float = 0.0
     capture_s: float = 0.0
     warmups: int = 0  # eager warm-up forwards run before a capture
@@ -61,13 +77,35 @@ class Stats:
     first_shape_s: float | None = None  # warm-up and capture of the first (largest) shape
 
 
+class _CountFailures:
+    """Counts a call that raises after it was accepted (``report()["failed"]``), so that
+    every call is a replay, a fallback, an eager replay or a failure."""
+
+    def __init__(self, stats: Stats):
+        self.stats = stats
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if kind is not None:
+            self.stats.failed += 1
+
+
 class Runner:
     """Callable like the model: pads to a bucket, replays (or runs eagerly), slices."""
 
     def __init__(self, model: torch.nn.Module, backend: CaptureBackend, config: RunnerConfig,
-                 device: torch.device, kind: str):
+                 device: torch.device, kind: str, source: torch.nn.Module | None = None):
         self.model, self.backend, self.config = model, backend, config
         self.device, self.kind = device, kind
+        # The module whose parameters and buffers the graphs read (``model`` unless that
+        # is a compiled wrapper of it).
+        self.source = source if source is not None else model
+        self._serial = Serial(device)
+        self._snapshot: ModelSnapshot | None = None
+        self._devices: set[torch.device] = set()
+        self._attends = False  # graphcap attention ran in the captured forward (prefill)
         self.pool = new_pool(device)
         self.stats = Stats()
         self.entries: dict[int, Captured] = {}
@@ -90,7 +128,24 @@ class Runner:
         """Capture every bucket, largest first (its memory is then reused by the rest);
         ``progress(done, total)`` is called after each one. Called again, it captures
         every shape again from scratch (new buffers, the first shape warmed up again)."""
+        with self._serial:
+            self._capture_all(example_args, progress)
+
+    def recapture(self) -> None:
+        """Capture every shape again from the model as it is now: after a change the
+        runner cannot see (a Python attribute its forward reads), or to pick up a changed
+        one before the next call does. A tensors runner not yet called has nothing to do."""
+        with self._serial:
+            if self.kind == "prefill":
+                self._capture_all(None, None)
+            elif self._specs:
+                self._capture_all(tuple(torch.zeros((1, *tail), dtype=dtype)
+                                        for dtype, tail in self._specs), None)
+
+    def _capture_all(self, example_args, progress) -> None:
         self._reset()
+        self._snapshot = ModelSnapshot(self.source)
+        self._devices = self._snapshot.devices()
         if self.kind == "prefill":
             ids = torch.zeros(self.max_tokens, dtype=torch.long, device=self.device)
             self._inputs = [ids, torch.zeros_like(ids)]
@@ -111,6 +166,7 @@ class Runner:
         except BaseException:
             self._reset()  # leave no half-built state: a later call captures from scratch
             raise
+        self._attends = any(meta.attended for meta in self.metadata.values())
 
     def _reset(self) -> None:
         """No captured shape, no static buffers."""
@@ -119,6 +175,7 @@ class Runner:
         self._rows_of.clear()
         self.entries.clear()
         self.metadata.clear()
+        self._snapshot, self._attends = None, False
 
     def _forward(self, tokens: int):
         args = [buf[:tokens] for buf in self._inputs]
@@ -135,8 +192,12 @@ class Runner:
 
     def _captured_fn(self, tokens: int):
         rows = self._rows(tokens)
+        # The capture keeps fn (an eager re-run, a debug break): weakly, or the runner and
+        # its captures would form a cycle that only a gc pass frees, graphs and pool with it.
+        runner = weakref.ref(self)
 
         def fn():
+            self = runner()
             if self.kind == "prefill":  # per-batch buffers derived on the device, in-graph
                 meta = self.metadata[tokens]
                 meta.derive()
@@ -245,33 +306,85 @@ class Runner:
 
     # -- calls ---------------------------------------------------------------------
     def __call__(self, *args, seq_lens=None):
+        with self._serial:
+            return self._call(args, seq_lens)
+
+    def _call(self, args, seq_lens):
         if self.kind == "prefill":
             lens = batching.check_prefill(*args, seq_lens, self.device)
             if self.config.output_rows == "requests" and 0 in lens:
                 raise batching.BadBatch(
                     f"seq_lens {lens} has a zero-length request, which has no last token: "
                     "this model returns one row per request; drop empty requests")
+            if self.config.input_bounds is not None:
+                batching.check_ranges(*args, *self.config.input_bounds)
             tokens = args[0].shape[0]
-        elif not self.backend.captures:
-            lens = None
         else:
-            if not self._inputs:
-                batching.check_tensors(args, [(a.dtype, tuple(a.shape[1:])) for a in args
-                                              if isinstance(a, torch.Tensor)], self.device)
-                self.capture_all(tuple(args))
-            tokens = batching.check_tensors(args, self._specs, self.device)
+            if seq_lens is not None:
+                raise batching.BadBatch(
+                    f"seq_lens given, but this runner captured {type(self.source).__name__} "
+                    "as a model of tensors along dim 0: declare a model of packed requests "
+                    "with graphcap.capture(model, inputs='prefill') (or graphcap_inputs = "
+                    "'prefill' on its class) and call runner(input_ids, positions, "
+                    "seq_lens=[...])")
             lens = None
+            if self.backend.captures:
+                specs = self._specs if self._inputs else [
+                    (a.dtype, tuple(a.shape[1:])) for a in args if isinstance(a, torch.Tensor)]
+                tokens = batching.check_tensors(args, specs, self.device)
         self.stats.calls += 1
-        if not self.backend.captures:
-            return self._eager(args, lens, "eager")
-        if lens is not None and len(lens) > self.config.max_requests:
-            bucket, reason = None, "too_many_requests"
-        else:
-            bucket, reason = pick_bucket(tokens, self.config.buckets,
-                                         self.config.max_pad_ratio)
-        if bucket is None:
-            return self._eager(args, lens, reason)
-        return self._replay(bucket, args, lens, tokens)
+        with _CountFailures(self.stats):
+            if not self.backend.captures:
+                return self._eager(args, lens, "eager")
+            if not self._inputs:  # a tensors model: captured on its first call
+                self._capture_all(tuple(args), None)
+            self._check_model()
+            if lens is not None and len(lens) > self.config.max_requests:
+                bucket, reason = None, "too_many_requests"
+            else:
+                bucket, reason = pick_bucket(tokens, self.config.buckets,
+                                             self.config.max_pad_ratio)
+            if lens is not None and not self._attends:
+                self._check_packing(lens, self.config.attention.name)
+            if bucket is None:
+                return self._eager(args, lens, reason)
+            return self._replay(bucket, args, lens, tokens)
+
+    def _check_model(self) -> None:
+        """The model must be the one captured: recapture it, or refuse, when not."""
+        if self._snapshot is None or self._snapshot.current():
+            return
+        changes = self._snapshot.changes()
+        name = type(self.source).__name__
+        what = "; ".join(changes)
+        devices = self._snapshot.devices()
+        if devices != self._devices:
+            raise ModelChanged(
+                f"{name} moved from {sorted(map(str, self._devices))} to "
+                f"{sorted(map(str, devices))} since capture ({what}): a runner's buffers and "
+                "graphs live on one device; capture the model again there with "
+                "graphcap.capture", changes)
+        if self.config.on_change == "error":
+            raise ModelChanged(
+                f"{name} changed since capture ({what}), and its graphs read the tensors of "
+                "capture: call runner.recapture() to capture the model as it is now, or "
+                "update weights in place (with torch.no_grad(): p.copy_(new)), which replays "
+                "see (or capture with on_change='recapture')", changes)
+        log.warning("graphcap: %s changed since capture (%s); capturing its %d shapes again",
+                    name, what, len(self.config.buckets))
+        self.recapture()
+        self.stats.recaptures += 1
+
+    def _check_packing(self, lens: list[int], backend: str) -> None:
+        """Packed requests need graphcap attention, which alone sees their boundaries."""
+        if sum(n > 0 for n in lens) > 1:
+            raise UnsupportedModel(
+                f"{type(self.source).__name__} ran no graphcap attention "
+                f"(graphcap::attention, backend {backend!r}) in its forward, so its "
+                f"attention cannot see where the {len(lens)} packed requests {lens} begin "
+                "and end, and they would attend to each other. Route its attention "
+                "through graphcap.opsdb.attention.ATTENTION (docs/models.md, 'Bring your own "
+                "model'), or call it with one request per call")
 
     def _eager(self, args, lens, reason: str):
         """Run the model without graphs: the eager strategy, or a counted fallback."""
@@ -288,7 +401,10 @@ class Runner:
                 args = (*args, meta.last_token_rows())
         if reason == "eager":
             with torch.no_grad():
-                return self._run_model(args, meta)
+                out = self._run_model(args, meta)
+            if meta is not None and not meta.attended:
+                self._check_packing(lens, meta.backend.name)
+            return out
         self.stats.fallbacks[reason] += 1
         # A fallback runs in inference mode, as capture did: a compiled forward
         # (tc_piecewise) traced in it would otherwise recompile under no_grad, and its new
@@ -385,4 +501,9 @@ class Runner:
             "replays": dict(self.stats.replays),
             "fallbacks": dict(self.stats.fallbacks),
             "eager_replays": dict(self.stats.eager_replays),
+            "failed": self.stats.failed,
+            "recaptures": self.stats.recaptures,
+            # The attention backend the captured forward called (None: it called none).
+            "attention": (self.config.attention.name
+                          if self.kind == "prefill" and self._attends else None),
         }

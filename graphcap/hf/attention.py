@@ -18,14 +18,10 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 
-from graphcap.errors import GraphcapError
+from graphcap.errors import UnsupportedModel
 from graphcap.opsdb.attention import ATTENTION
 
 NAME = "graphcap"
-
-
-class UnsupportedModel(GraphcapError, ValueError):
-    """A transformers model (or a feature of it) that ``graphcap.hf`` cannot run."""
 
 
 def graphcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

@@ -6,10 +6,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from graphcap.core.context import forward_context
+from graphcap.api import packed
 from graphcap.errors import BadBatch
 from graphcap.hf.attention import NAME, UnsupportedModel
-from graphcap.opsdb.attention import get_backend
 
 # Expert implementations of transformers' MoE layers that read no tensor on the host
 # ("eager" loops over the experts hit, found with nonzero: a host sync).
@@ -116,11 +115,15 @@ class PrefillLM(nn.Module):
         self.hf_model = hf_model.eval()
         self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
 
+    graphcap_inputs = "prefill"
+
+    @property
+    def max_position(self) -> int | None:
+        return getattr(self.hf_model.config, "max_position_embeddings", None)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens=None):
         if seq_lens is not None:  # eager use: prepare this batch's attention metadata
-            device = input_ids.device
-            meta = get_backend(None, device).prepare(seq_lens, device)
-            with forward_context(attention=meta):
+            with packed(seq_lens, input_ids.device):
                 return self.forward(input_ids, positions)
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise BadBatch(

@@ -3,7 +3,7 @@
 ``Decoder`` is a Llama/Qwen-style decoder for prefill: ``forward(input_ids, positions)``
 over requests packed along dim 0; attention reads its metadata from the forward context
 (the runner prepares it), or, called eagerly with ``seq_lens=[...]``, prepares its own.
-``MLP`` is a plain per-token network: the generic kind of model.
+``MLP`` is a plain per-token network: a model of tensors along dim 0.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from graphcap.core.context import forward_context
-from graphcap.opsdb.attention import ATTENTION, get_backend
+from graphcap.api import packed
+from graphcap.opsdb.attention import ATTENTION
 from graphcap.opsdb.linear import LINEAR_RESIDUAL, RMS_NORM_LINEAR, RMS_NORM_SWIGLU
 from graphcap.opsdb.moe import MOE_EXPERTS, MOE_TOPK_SOFTMAX
 from graphcap.opsdb.norm import RMS_NORM
@@ -143,14 +143,23 @@ class Decoder(nn.Module):
         a = self.args
         self.cos_sin = rope_cache(a.head_dim, a.max_position, a.rope_theta).to(device)
 
+    graphcap_inputs = "prefill"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.args.vocab_size
+
+    @property
+    def max_position(self) -> int:
+        return self.args.max_position
+
     def forward(self, input_ids, positions, last_rows=None, seq_lens=None):
         """``last_rows`` [requests] (``logits="last"``): the row of each request's last
         token; the runner passes it, an eager call with ``seq_lens`` derives it."""
         if seq_lens is not None:  # eager use: prepare this batch's attention metadata
-            meta = get_backend(None, input_ids.device).prepare(seq_lens, input_ids.device)
-            if self.output_rows == "requests":
-                last_rows = meta.last_token_rows()
-            with forward_context(attention=meta):
+            with packed(seq_lens, input_ids.device) as meta:
+                if self.output_rows == "requests":
+                    last_rows = meta.last_token_rows()
                 return self.forward(input_ids, positions, last_rows)
         # Indexing, not F.embedding: its index_select kernel took 13 us for 16 rows of
         # the 151936-row table on the H200, several times a gather.
@@ -166,7 +175,7 @@ class Decoder(nn.Module):
 
 
 class MLP(nn.Module):
-    """A per-token MLP: rows never mix, the simplest generic model."""
+    """A per-token MLP: rows never mix, the simplest model of tensors along dim 0."""
 
     def __init__(self, width: int = 64, depth: int = 3):
         super().__init__()

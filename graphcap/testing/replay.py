@@ -33,8 +33,9 @@ def assert_replay_equivalent(model_or_factory, strategies=STRATEGIES, batches=No
     """Check a prefill model (``forward(input_ids, positions)``) under each strategy:
     every generated batch, and every call of random call sequences (fallbacks included),
     equals the same model run eagerly with the same attention backend. Returns by
-    strategy the runner's report plus ``attention``, ``max_error`` and ``build_wall_s``;
-    raises AssertionError with the shrunk failing batch.
+    strategy the runner's report (its ``attention``: the backend the model's forward
+    called, None if none) plus ``max_error`` and ``build_wall_s``; raises AssertionError
+    with the shrunk failing batch.
 
     ``batches``: a hypothesis strategy of ``(input_ids, positions, seq_lens)`` (default
     :func:`prefill_batches`). ``attention``: the backend (default: the best one allowed
@@ -97,10 +98,10 @@ def _check_strategy(model, strategy, kwargs, truth, batches, wide, tol, examples
                    f"{label} call {i} of {[c[2] for c in calls]}", tol, worst)
         stats = fresh.stats
         assert stats.calls == sum(stats.replays.values()) + sum(
-            stats.fallbacks.values()) + sum(stats.eager_replays.values()), (
-            f"{label}: a call neither replayed, fell back nor ran its shape eagerly")
+            stats.fallbacks.values()) + sum(stats.eager_replays.values()) + stats.failed, (
+            f"{label}: a call neither replayed, fell back, ran its shape eagerly nor failed")
 
     one_batch()
     call_sequence()
-    return {**runner.report(), "attention": attention, "max_error": worst[0],
-            "build_wall_s": round(build_s, 3)}
+    # "attention": the backend the model's forward called (None: it called none).
+    return {**runner.report(), "max_error": worst[0], "build_wall_s": round(build_s, 3)}

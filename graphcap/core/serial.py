@@ -1,0 +1,43 @@
+"""One call at a time: what a runner's static buffers need when several threads call it.
+
+A captured shape has one set of input, metadata and output buffers, so two calls must not
+interleave: :class:`Serial` is a re-entrant lock around a call, and on CUDA it also orders
+the devices' work. A call issued on another stream than the previous one waits for the
+work that call left on its stream, so its copies into the static buffers cannot overtake
+that replay (the lock alone orders the host, not the device).
+
+    serial = Serial(device)
+    with serial:
+        ...   # copy inputs in, replay, copy outputs out
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class Serial:
+    """A re-entrant lock that, on CUDA, also orders consecutive holders' streams."""
+
+    def __init__(self, device: torch.device):
+        self._lock = threading.RLock()
+        self._device = device if device.type == "cuda" else None
+        self._stream: torch.cuda.Stream | None = None  # where the last holder issued work
+
+    def __enter__(self):
+        self._lock.acquire()
+        if self._device is not None:
+            try:
+                stream = torch.cuda.current_stream(self._device)
+                if self._stream is not None and stream != self._stream:
+                    stream.wait_stream(self._stream)
+                self._stream = stream
+            except BaseException:
+                self._lock.release()
+                raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
