@@ -23,3 +23,26 @@ class Counting(torch.nn.Module):
 
 def counting():
     return Counting()
+
+
+class SdpaDecoder(torch.nn.Module):
+    """A decoder of packed requests whose attention is its own SDPA: blind to where the
+    requests begin and end."""
+
+    graphcap_inputs = "prefill"
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, 32)
+        self.qkv = torch.nn.Linear(32, 96)
+        self.head = torch.nn.Linear(32, 256)
+
+    def forward(self, input_ids, positions):
+        q, k, v = self.qkv(self.embed(input_ids)).chunk(3, -1)
+        out = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None],
+                                                               is_causal=True)
+        return self.head(out[0])
+
+
+def sdpa():
+    return SdpaDecoder()

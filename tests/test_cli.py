@@ -53,3 +53,10 @@ def test_check_flags_a_python_side_effect_that_capture_freezes():
 def test_check_names_a_factory_it_cannot_import():
     proc = run("check", "no_such_module:build")
     assert proc.returncode == 2 and "cannot import 'no_such_module'" in proc.stderr
+
+
+def test_check_fails_a_model_whose_attention_cannot_see_the_packed_requests():
+    proc = run("check", "tests.check_models:sdpa", "--examples", "3", "--sequences", "1",
+               "--strategies", "breakable")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "ran no graphcap attention" in proc.stdout and "Bring your own model" in proc.stdout
