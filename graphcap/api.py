@@ -30,6 +30,11 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _dtype_of(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype of the model's first floating-point parameter (its activations')."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
 def inputs_of(model: torch.nn.Module, inputs: str | None = None) -> str:
     """What a model takes: ``"prefill"`` (``forward(input_ids, positions)`` over packed
     requests, called with ``seq_lens``) or ``"tensors"`` (tensors along dim 0).
@@ -132,7 +137,7 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
     if kind == "prefill":
         from graphcap.opsdb.attention import get_backend
 
-        attn = get_backend(attention, device, strategy=strategy)
+        attn = get_backend(attention, device, strategy=strategy, dtype=_dtype_of(model))
     rows = getattr(model, "output_rows", "tokens")
     if rows not in ("tokens", "requests") or (rows == "requests" and kind != "prefill"):
         raise UnsupportedStrategy(
@@ -165,10 +170,11 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
 
 
 @contextlib.contextmanager
-def packed(seq_lens, device, attention: str | None = None):
+def packed(seq_lens, device, attention: str | None = None, dtype: torch.dtype | None = None):
     """Call a model of packed requests eagerly, outside a runner: prepares the attention
     metadata of requests of these lengths (host values) and makes it the forward context,
-    which ``graphcap::attention`` reads. Yields the metadata (``meta.last_token_rows()``:
+    which ``graphcap::attention`` reads. ``attention``: the backend (default: the best on
+    ``device`` for q/k/v of ``dtype``). Yields the metadata (``meta.last_token_rows()``:
     the row of each request's last token). Leaving the block, a call of several requests
     whose forward ran no graphcap attention raises :class:`~graphcap.errors.
     UnsupportedModel`: its attention could not see where the requests begin and end.
@@ -180,7 +186,7 @@ def packed(seq_lens, device, attention: str | None = None):
 
     device = torch.device(device)
     lens = host_lengths(seq_lens)
-    meta = get_backend(attention, device).prepare(lens, device)
+    meta = get_backend(attention, device, dtype=dtype).prepare(lens, device)
     with forward_context(attention=meta):
         yield meta
     if sum(n > 0 for n in lens) > 1 and not meta.attended:

@@ -44,6 +44,8 @@ def _hammer(call, jobs, threads: int = 4):
                 with lock:
                     failures.append(f"{job}: {type(exc).__name__}: {exc}")
 
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()  # the inputs and truths, made on the default stream
     pool = [threading.Thread(target=work, args=(jobs[i::threads],)) for i in range(threads)]
     for t in pool:
         t.start()

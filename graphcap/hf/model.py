@@ -123,7 +123,8 @@ class PrefillLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens=None):
         if seq_lens is not None:  # eager use: prepare this batch's attention metadata
-            with packed(seq_lens, input_ids.device):
+            dtype = self.hf_model.get_output_embeddings().weight.dtype
+            with packed(seq_lens, input_ids.device, dtype=dtype):
                 return self.forward(input_ids, positions)
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise BadBatch(

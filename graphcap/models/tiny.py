@@ -157,7 +157,7 @@ class Decoder(nn.Module):
         """``last_rows`` [requests] (``logits="last"``): the row of each request's last
         token; the runner passes it, an eager call with ``seq_lens`` derives it."""
         if seq_lens is not None:  # eager use: prepare this batch's attention metadata
-            with packed(seq_lens, input_ids.device) as meta:
+            with packed(seq_lens, input_ids.device, dtype=self.norm.dtype) as meta:
                 if self.output_rows == "requests":
                     last_rows = meta.last_token_rows()
                 return self.forward(input_ids, positions, last_rows)

@@ -49,7 +49,7 @@ def assert_replay_equivalent(model_or_factory, strategies=STRATEGIES, batches=No
     if attention is None:
         from graphcap.opsdb.attention import get_backend
 
-        attention = get_backend(None, device, strategy="full").name
+        attention = get_backend(None, device, strategy="full", dtype=dtype).name
     vocab = vocab or getattr(getattr(model, "args", None), "vocab_size", None) or 2
     top = buckets[-1] if buckets else max_tokens
     # Sequences also draw batches past the largest bucket and the slots: fallbacks.

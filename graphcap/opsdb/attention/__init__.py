@@ -36,9 +36,10 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
 }
 
 
-def get_backend(name: str | None = None, device="cpu", strategy: str | None = None
-                ) -> AttentionBackend:
-    """An attention backend by name, or the best available on ``device`` for ``strategy``."""
+def get_backend(name: str | None = None, device="cpu", strategy: str | None = None,
+                dtype: torch.dtype | None = None) -> AttentionBackend:
+    """An attention backend by name, or the best available on ``device`` for ``strategy``
+    (and for q/k/v of ``dtype``, when given)."""
     device = torch.device(device)
     if name is not None:
         if name not in BACKENDS:
@@ -54,9 +55,11 @@ def get_backend(name: str | None = None, device="cpu", strategy: str | None = No
     for cls in BACKENDS.values():
         backend = cls()
         if (backend.unavailable(device, interpreted=False) is None
-                and (strategy or "eager") in backend.strategies):
+                and (strategy or "eager") in backend.strategies
+                and (dtype is None or dtype in backend.dtypes)):
             return backend
-    raise BackendUnavailable(f"no attention backend runs on {device} under {strategy}")
+    raise BackendUnavailable(f"no attention backend runs on {device} under {strategy}"
+                             + (f" for {dtype}" if dtype is not None else ""))
 
 
 def check_attention(q, k, v, out, scale):
