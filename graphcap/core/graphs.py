@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import threading
 import weakref
 
 import torch
@@ -74,6 +75,23 @@ def graph_kind(device: torch.device | str) -> str:
     if forced:
         return forced
     return "cuda" if device.type == "cuda" else "emulated"
+
+
+_THREAD = threading.local()
+
+
+def _blas_handles(device: torch.device) -> None:
+    """Make this thread's cuBLAS and cuBLASLt handles for ``device`` (one tiny matmul of
+    each path, on the current stream, once per thread): torch makes them per thread, on
+    a thread's first matmul, and creating one inside a capture fails
+    (CUBLAS_STATUS_NOT_INITIALIZED), as when another thread did the warm-up."""
+    ready = _THREAD.__dict__.setdefault("blas", set())
+    if device.index in ready:
+        return
+    for dtype in (torch.float32, torch.bfloat16):  # cuBLAS's and cuBLASLt's paths
+        probe = torch.ones(16, 16, dtype=dtype, device=device)
+        torch.mm(probe, probe)
+    ready.add(device.index)
 
 
 class _FrozenGC:
@@ -125,6 +143,7 @@ class CudaGraph(Graph):
             raise CaptureError("this graph is captured already: reset() it or make a new one")
         stack = contextlib.ExitStack()
         stack.enter_context(torch.cuda.device(self.device))
+        _blas_handles(self.device)
         self.pool.stream.wait_stream(torch.cuda.current_stream(self.device))
         stack.enter_context(torch.cuda.stream(self.pool.stream))
         stack.enter_context(_FrozenGC())
