@@ -116,3 +116,30 @@ def _release_compiled(code, reset_code, key, ref) -> None:
     if cached is not None and ref is not None and ref() is not None \
             and cached.get(key) is ref():
         del cached[key]
+
+
+# cudagraph trees' C++ check of static inputs' addresses (CUDA builds of torch).
+_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+def data_ptrs_equal(tensors: list, ptrs: list[int], indices: list[int]) -> bool:
+    """Whether ``tensors[i].data_ptr() == ptrs[i]`` for every i of ``indices`` (all of
+    them): one C++ call where torch has it, a map of ``data_ptr`` calls elsewhere."""
+    if _PTRS_EQUAL is not None:
+        return _PTRS_EQUAL(tensors, ptrs, indices)
+    return list(map(torch.Tensor.data_ptr, tensors)) == ptrs
+
+
+def current_stream_key(index: int) -> tuple:
+    """The current CUDA stream of device ``index`` as torch's (id, device, type) tuple,
+    without making a ``torch.cuda.Stream`` object (microseconds on a slow host)."""
+    get = getattr(torch._C, "_cuda_getCurrentStream", None)
+    if get is None:
+        stream = torch.cuda.current_stream(index)
+        return (stream.stream_id, stream.device_index, stream.device_type)
+    return tuple(get(index))
+
+
+def stream_of(key: tuple) -> torch.cuda.Stream:
+    """The ``torch.cuda.Stream`` of a :func:`current_stream_key`."""
+    return torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])

@@ -17,22 +17,27 @@ import threading
 
 import torch
 
+from graphcap import compat
+
 
 class Serial:
     """A re-entrant lock that, on CUDA, also orders consecutive holders' streams."""
 
     def __init__(self, device: torch.device):
         self._lock = threading.RLock()
-        self._device = device if device.type == "cuda" else None
-        self._stream: torch.cuda.Stream | None = None  # where the last holder issued work
+        self._index = None
+        if device.type == "cuda":
+            self._index = device.index if device.index is not None else \
+                torch.cuda.current_device()
+        self._stream: tuple | None = None  # where the last holder issued its work
 
     def __enter__(self):
         self._lock.acquire()
-        if self._device is not None:
+        if self._index is not None:
             try:
-                stream = torch.cuda.current_stream(self._device)
+                stream = compat.current_stream_key(self._index)
                 if self._stream is not None and stream != self._stream:
-                    stream.wait_stream(self._stream)
+                    compat.stream_of(stream).wait_stream(compat.stream_of(self._stream))
                 self._stream = stream
             except BaseException:
                 self._lock.release()

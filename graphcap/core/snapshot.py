@@ -6,7 +6,8 @@ assign=True)``), nor a tensor whose storage moved (``m.to(dtype)``, ``p.data = .
 and the memory it reads may have been freed. :class:`ModelSnapshot` records, at capture,
 every submodule, parameter and buffer slot of the model with the tensor and data pointer
 it held; :meth:`~ModelSnapshot.current` compares them with the model as it is now, on the
-host, in a few microseconds (C-level ``map`` over the slots, no Python loop). In-place
+host, in a few microseconds (C-level ``map`` over the slots and one C++ comparison of the
+addresses, no Python loop). In-place
 updates (``p.copy_(new)``, ``load_state_dict`` without ``assign``) keep every slot, so
 replays see them, as eager does.
 
@@ -21,6 +22,8 @@ import operator
 
 import torch
 from torch import nn
+
+from graphcap import compat
 
 _PTR = torch.Tensor.data_ptr
 
@@ -62,6 +65,12 @@ class ModelSnapshot:
         self._names = [n for _, _, n in tensors]
         self._tensors = [d[k] for d, k, _ in tensors]
         self._ptrs = [self._ptr(t) for t in self._tensors]
+        # Followed by address too: every tensor with storage (a subclass without one, by
+        # identity alone).
+        stored = [i for i, p in enumerate(self._ptrs) if p >= 0]
+        self._stored = [self._tensors[i] for i in stored]
+        self._stored_ptrs = [self._ptrs[i] for i in stored]
+        self._stored_indices = list(range(len(stored)))
         self.model = model
 
     @staticmethod
@@ -77,13 +86,11 @@ class ModelSnapshot:
         modules = map(dict.get, self._module_dicts, self._module_keys)
         if not all(map(operator.is_, modules, self._modules)):
             return False
-        # Another tensor at the same address (an alias) is read correctly by the graphs.
         now = map(dict.get, self._dicts, self._keys)
-        try:
-            return list(map(_PTR, now)) == self._ptrs
-        except (RuntimeError, TypeError):  # a slot emptied, or a tensor without storage
-            now = map(dict.get, self._dicts, self._keys)
-            return [None if t is None else self._ptr(t) for t in now] == self._ptrs
+        if not all(map(operator.is_, now, self._tensors)):
+            return False
+        # The same tensors, at the same addresses still (no .data = ..., no .to()).
+        return compat.data_ptrs_equal(self._stored, self._stored_ptrs, self._stored_indices)
 
     def changes(self, limit: int = 5) -> list[str]:
         """What differs from capture, one line per slot (at most ``limit`` of them)."""
@@ -98,12 +105,10 @@ class ModelSnapshot:
             now = d.get(k)
             if now is None:
                 out.append(f"{name}: removed")
-            elif self._ptr(now) == ptr:
-                continue
             elif now is not held:
                 out.append(f"{name}: another tensor ({_describe(now)}; was "
                            f"{_describe(held)})")
-            else:
+            elif self._ptr(now) != ptr:
                 out.append(f"{name}: its storage moved (now {_describe(now)}; the graphs "
                            "read the memory of capture)")
         more = len(out) - limit
