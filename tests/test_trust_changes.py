@@ -130,6 +130,16 @@ def test_a_replaced_weight_keeps_the_old_tensor_untouched(strategy):
     assert torch.equal(old, kept)  # the caller's tensor: never written
 
 
+def test_modules_built_elsewhere_after_capture_change_nothing():
+    # Registrations anywhere in the process make the runner look at every slot again.
+    m = fresh_model()
+    r = capture(m, "full")
+    assert_matches_eager(r, m)
+    fresh_model(seed=1)  # another model: thousands of registrations
+    assert_matches_eager(r, m, seed=1)
+    assert r.report()["recaptures"] == 0
+
+
 def test_a_model_moved_to_another_device_is_refused():
     m = fresh_model()
     r = capture(m, "full")

@@ -143,3 +143,20 @@ def current_stream_key(index: int) -> tuple:
 def stream_of(key: tuple) -> torch.cuda.Stream:
     """The ``torch.cuda.Stream`` of a :func:`current_stream_key`."""
     return torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+
+
+def on_module_registrations(hook) -> bool:
+    """Call ``hook(module, name, value)`` on every registration of a submodule, parameter
+    or buffer by any ``nn.Module`` (``setattr``, ``register_*``), through torch's global
+    registration hooks; True when torch has all three."""
+    from torch.nn.modules import module
+
+    names = ("register_module_module_registration_hook",
+             "register_module_parameter_registration_hook",
+             "register_module_buffer_registration_hook")
+    registers = [getattr(module, name, None) for name in names]
+    if any(r is None for r in registers):
+        return False
+    for register in registers:
+        register(hook)
+    return True

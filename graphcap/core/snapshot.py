@@ -4,12 +4,16 @@ A graph reads the model's parameters and buffers where they were at capture: it 
 see a tensor assigned later (``m.w = Parameter(...)``, ``load_state_dict(...,
 assign=True)``), nor a tensor whose storage moved (``m.to(dtype)``, ``p.data = ...``),
 and the memory it reads may have been freed. :class:`ModelSnapshot` records, at capture,
-every submodule, parameter and buffer slot of the model with the tensor and data pointer
-it held; :meth:`~ModelSnapshot.current` compares them with the model as it is now, on the
-host, in a few microseconds (C-level ``map`` over the slots and one C++ comparison of the
-addresses, no Python loop). In-place
-updates (``p.copy_(new)``, ``load_state_dict`` without ``assign``) keep every slot, so
-replays see them, as eager does.
+every submodule, parameter and buffer slot of the model with the tensor it held and that
+tensor's address; :meth:`~ModelSnapshot.current` says on the host whether they still
+hold. Per call it compares the addresses (one C++ call where torch has it) and the
+buffers' slots (``Module._apply`` replaces buffers in their dicts); the other slots
+change only through ``nn.Module``'s registration (``setattr``, ``register_parameter``,
+``load_state_dict(assign=True)``, a replaced submodule), whose global hooks count every
+registration in the process, so they are compared again only after one. A slot written
+directly (``module._parameters[name] = ...``, ``del module.weight``) bypasses those hooks
+and is not seen. In-place updates (``p.copy_(new)``, ``load_state_dict`` without
+``assign``) keep every slot and address, so replays see them, as eager does.
 
 Python attributes (an ``eps``, a flag, ``training``) are not part of the snapshot: they
 are baked into the graphs at capture, as in any CUDA graph; capture again after changing
@@ -26,26 +30,53 @@ from torch import nn
 from graphcap import compat
 
 _PTR = torch.Tensor.data_ptr
+_REGISTRATIONS = [0]  # registrations of a module, parameter or buffer anywhere, so far
+
+
+def _count_registration(*_) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+_HOOKED = compat.on_module_registrations(_count_registration)
 
 
 def _slots(model: nn.Module):
     """(dict, key, qualified name) of every submodule, parameter and buffer slot."""
-    modules, tensors = [], []
+    modules, params, buffers = [], [], []
     for prefix, module in model.named_modules(remove_duplicate=True):
         dot = prefix + "." if prefix else ""
-        for name in module._modules:
-            modules.append((module._modules, name, dot + name))
-        for table in (module._parameters, module._buffers):
-            for name, t in table.items():
-                if t is not None:
-                    tensors.append((table, name, dot + name))
-    return modules, tensors
+        modules += [(module._modules, name, dot + name) for name in module._modules]
+        params += [(module._parameters, name, dot + name)
+                   for name, t in module._parameters.items() if t is not None]
+        buffers += [(module._buffers, name, dot + name)
+                    for name, t in module._buffers.items() if t is not None]
+    return modules, params, buffers
 
 
 def _describe(t) -> str:
     if t is None:
         return "removed"
     return f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)} on {t.device}"
+
+
+def _ptr(t) -> int:
+    try:
+        return _PTR(t)
+    except (RuntimeError, TypeError):  # a tensor subclass without storage: by identity
+        return -1
+
+
+class _Slots:
+    """Slots (a dict and a key each) and what each held at capture."""
+
+    def __init__(self, slots):
+        self.dicts = [d for d, _, _ in slots]
+        self.keys = [k for _, k, _ in slots]
+        self.names = [n for _, _, n in slots]
+        self.held = [d[k] for d, k, _ in slots]
+
+    def same(self) -> bool:
+        return all(map(operator.is_, map(dict.get, self.dicts, self.keys), self.held))
 
 
 class ModelSnapshot:
@@ -55,66 +86,54 @@ class ModelSnapshot:
     this snapshot (at its next capture), so its graphs never read freed memory."""
 
     def __init__(self, model: nn.Module):
-        modules, tensors = _slots(model)
-        self._module_dicts = [d for d, _, _ in modules]
-        self._module_keys = [k for _, k, _ in modules]
-        self._modules = [d[k] for d, k, _ in modules]
-        self._module_names = [n for _, _, n in modules]
-        self._dicts = [d for d, _, _ in tensors]
-        self._keys = [k for _, k, _ in tensors]
-        self._names = [n for _, _, n in tensors]
-        self._tensors = [d[k] for d, k, _ in tensors]
-        self._ptrs = [self._ptr(t) for t in self._tensors]
-        # Followed by address too: every tensor with storage (a subclass without one, by
-        # identity alone).
-        stored = [i for i, p in enumerate(self._ptrs) if p >= 0]
-        self._stored = [self._tensors[i] for i in stored]
-        self._stored_ptrs = [self._ptrs[i] for i in stored]
-        self._stored_indices = list(range(len(stored)))
+        modules, params, buffers = _slots(model)
+        self._modules, self._params, self._buffers = (
+            _Slots(modules), _Slots(params), _Slots(buffers))
+        tensors = self._params.held + self._buffers.held
+        ptrs = [_ptr(t) for t in tensors]
+        self._ptr_at_capture = {id(t): p for t, p in zip(tensors, ptrs, strict=True)}
+        self._stored = [t for t, p in zip(tensors, ptrs, strict=True) if p >= 0]
+        self._stored_ptrs = [p for p in ptrs if p >= 0]
+        self._stored_indices = list(range(len(self._stored)))
+        self._registrations = _REGISTRATIONS[0]
         self.model = model
-
-    @staticmethod
-    def _ptr(t) -> int:
-        try:
-            return _PTR(t)
-        except (RuntimeError, TypeError):  # a tensor subclass without storage: by identity
-            return -id(t)
 
     def current(self) -> bool:
         """Whether every slot holds the tensor (or module) it held at capture, at the same
         address. Cheap enough for every call."""
-        modules = map(dict.get, self._module_dicts, self._module_keys)
-        if not all(map(operator.is_, modules, self._modules)):
-            return False
-        now = map(dict.get, self._dicts, self._keys)
-        if not all(map(operator.is_, now, self._tensors)):
-            return False
-        # The same tensors, at the same addresses still (no .data = ..., no .to()).
-        return compat.data_ptrs_equal(self._stored, self._stored_ptrs, self._stored_indices)
+        if self._registrations != _REGISTRATIONS[0] or not _HOOKED:
+            if not (self._modules.same() and self._params.same()):
+                return False
+            self._registrations = _REGISTRATIONS[0]  # a registration elsewhere
+        return self._buffers.same() and compat.data_ptrs_equal(
+            self._stored, self._stored_ptrs, self._stored_indices)
 
     def changes(self, limit: int = 5) -> list[str]:
         """What differs from capture, one line per slot (at most ``limit`` of them)."""
         out = []
-        for d, k, name, held in zip(self._module_dicts, self._module_keys,
-                                    self._module_names, self._modules, strict=True):
-            if d.get(k) is not held:
-                out.append(f"{name}: " + ("removed" if d.get(k) is None else
-                                          f"another module ({type(d.get(k)).__name__})"))
-        for d, k, name, held, ptr in zip(self._dicts, self._keys, self._names,
-                                         self._tensors, self._ptrs, strict=True):
+        for d, k, name, held in zip(self._modules.dicts, self._modules.keys,
+                                    self._modules.names, self._modules.held, strict=True):
             now = d.get(k)
-            if now is None:
-                out.append(f"{name}: removed")
-            elif now is not held:
-                out.append(f"{name}: another tensor ({_describe(now)}; was "
-                           f"{_describe(held)})")
-            elif self._ptr(now) != ptr:
-                out.append(f"{name}: its storage moved (now {_describe(now)}; the graphs "
-                           "read the memory of capture)")
+            if now is not held:
+                out.append(f"{name}: " + ("removed" if now is None else
+                                          f"another module ({type(now).__name__})"))
+        for slots in (self._params, self._buffers):
+            for d, k, name, held in zip(slots.dicts, slots.keys, slots.names, slots.held,
+                                        strict=True):
+                now = d.get(k)
+                if now is None:
+                    out.append(f"{name}: removed")
+                elif now is not held:
+                    out.append(f"{name}: another tensor ({_describe(now)}; was "
+                               f"{_describe(held)})")
+                elif _ptr(held) != self._ptr_at_capture[id(held)]:
+                    out.append(f"{name}: its storage moved (now {_describe(now)}; the "
+                               "graphs read the memory of capture)")
         more = len(out) - limit
         return out[:limit] + ([f"... and {more} more"] if more > 0 else [])
 
     def devices(self) -> set[torch.device]:
         """The devices the model's tensors are on now."""
-        now = (d.get(k) for d, k in zip(self._dicts, self._keys, strict=True))
+        now = [d.get(k) for slots in (self._params, self._buffers)
+               for d, k in zip(slots.dicts, slots.keys, strict=True)]
         return {t.device for t in now if t is not None}
