@@ -118,18 +118,6 @@ def _release_compiled(code, reset_code, key, ref) -> None:
         del cached[key]
 
 
-# cudagraph trees' C++ check of static inputs' addresses (CUDA builds of torch).
-_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-
-
-def data_ptrs_equal(tensors: list, ptrs: list[int], indices: list[int]) -> bool:
-    """Whether ``tensors[i].data_ptr() == ptrs[i]`` for every i of ``indices`` (all of
-    them): one C++ call where torch has it, a map of ``data_ptr`` calls elsewhere."""
-    if _PTRS_EQUAL is not None:
-        return _PTRS_EQUAL(tensors, ptrs, indices)
-    return list(map(torch.Tensor.data_ptr, tensors)) == ptrs
-
-
 def current_stream_key(index: int) -> tuple:
     """The current CUDA stream of device ``index`` as torch's (id, device, type) tuple,
     without making a ``torch.cuda.Stream`` object (microseconds on a slow host)."""
