@@ -9,10 +9,10 @@ import threading
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 import graphcap
 from graphcap.errors import BadBatch, ReplayError, UnsupportedModel
+from tests.check_models import SdpaDecoder  # its attention blind to request boundaries
 from tests.runner_helpers import DEVICE, batch, eager, model, runner, tolerance
 
 STRATEGIES = ("breakable", "full", "tc_piecewise")
@@ -190,23 +190,6 @@ def test_the_opt_in_input_check_refuses_ids_and_positions_out_of_range():
 
 
 # -- models of packed requests ----------------------------------------------------------
-class SdpaDecoder(torch.nn.Module):
-    """A user's decoder with its own SDPA attention: blind to request boundaries."""
-
-    graphcap_inputs = "prefill"
-
-    def __init__(self):
-        super().__init__()
-        self.embed = torch.nn.Embedding(64, 32)
-        self.qkv = torch.nn.Linear(32, 96)
-        self.head = torch.nn.Linear(32, 64)
-
-    def forward(self, ids, pos):
-        q, k, v = self.qkv(self.embed(ids)).chunk(3, -1)
-        return self.head(F.scaled_dot_product_attention(q[None], k[None], v[None],
-                                                        is_causal=True)[0])
-
-
 @pytest.mark.parametrize("strategy", ("eager", *STRATEGIES))
 def test_packed_requests_into_a_model_without_graphcap_attention_are_refused(strategy):
     m = SdpaDecoder().to(DEVICE)

@@ -79,7 +79,6 @@ class CompiledForward:
             call.learn_returns(out, tokens=args[0].shape[0])
         return out
 
-
     def _raise_the_models_own_error(self, args, exc: BaseException) -> None:
         """Dynamo reports an exception the forward raises itself as a failure to trace:
         run the forward eagerly, and raise what it raises (the model's own error)."""

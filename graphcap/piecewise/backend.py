@@ -139,7 +139,7 @@ class Entry:
     static: list
     outputs: Any
     captured: Any
-    owned: set[int]  # indices of the arguments read from static copies (the rest in place)
+    foreign: set[int]  # arguments read in place that graphcap does not own (parameters)
     state: Any = None  # split pieces: a weak reference to the state read at capture
 
 
@@ -149,8 +149,8 @@ class PieceRunner(torch.nn.Module):
     Captured inputs: parameters and the static outputs of earlier captured pieces are
     read in place; any other tensor (the caller's inputs, buffers) gets a static copy,
     refreshed before each replay and, when the piece writes it, copied back after. A
-    replay never writes a tensor it did not allocate: where a tensor read in place at
-    capture is another one now (a weight reassigned after capture, another Parameter
+    replay never writes a tensor it did not allocate: where a parameter read in place at
+    capture is another tensor now (a weight reassigned after capture, another Parameter
     passed in), the size is captured again (``recaptures``), never copied into the old one.
 
     ``opaque``: ``fn`` runs kernels the dispatcher never sees (Inductor's), so an emulated
@@ -207,7 +207,7 @@ class PieceRunner(torch.nn.Module):
                     return self.fn(*args)
                 if buf is a or buf.data_ptr() == a.data_ptr():
                     continue
-                if i not in entry.owned:  # read in place at capture, another tensor now
+                if i in entry.foreign:  # the caller's, read in place: never written
                     return self._recapture(size, args)
                 buf.copy_(a)
                 copied.append(i)
@@ -220,11 +220,6 @@ class PieceRunner(torch.nn.Module):
                 args[i].copy_(entry.static[i])
         return entry.outputs
 
-    def _in_place(self, a) -> bool:
-        """Whether a capture reads ``a`` where it is (a parameter, or an earlier piece's
-        output) rather than from a static copy of its own."""
-        return isinstance(a, torch.nn.Parameter) or a.data_ptr() in self.owner.static_ptrs
-
     def _recapture(self, size: int, args):
         entry = self.entries.pop(size)
         flat = entry.outputs if isinstance(entry.outputs, (tuple, list)) else (entry.outputs,)
@@ -234,9 +229,12 @@ class PieceRunner(torch.nn.Module):
 
     def _capture(self, size: int, args):
         pool = self.owner.pool_for(args)
-        owned = {i for i, a in enumerate(args)
-                 if isinstance(a, torch.Tensor) and not self._in_place(a)}
-        static = [a.clone() if i in owned else a for i, a in enumerate(args)]
+        # Read in place: parameters (the caller's) and earlier pieces' static outputs
+        # (graphcap's); any other tensor from a static copy of its own.
+        foreign = {i for i, a in enumerate(args) if isinstance(a, torch.nn.Parameter)}
+        static = [a if i in foreign or not isinstance(a, torch.Tensor)
+                  or a.data_ptr() in self.owner.static_ptrs else a.clone()
+                  for i, a in enumerate(args)]
         graph = pool.graph()
         captured = OneOpPiece(self.fn, self.writes) if self.opaque and graph.emulated \
             else self.fn
@@ -247,7 +245,7 @@ class PieceRunner(torch.nn.Module):
         # Weakly: a user's loop preparing new metadata per call must not keep the first
         # one (and its workspace) alive; once it is gone the split runs eagerly.
         state = weakref.ref(self.graphable()) if self.graphable is not None else None
-        self.entries[size] = Entry(graph, static, outputs, captured, owned, state)
+        self.entries[size] = Entry(graph, static, outputs, captured, foreign, state)
         return self.forward(*args)
 
 
