@@ -238,3 +238,27 @@ def test_prefill_interleaves_every_length_and_arm_in_one_timing(monkeypatch):
     assert [r["tokens"] for r in result["rows"]] == [4, 8]
     assert result["rows"][1]["ms"] == {"eager": 1.0, "breakable": 1.0}
     assert rounds[-prefill.ROUNDS:] == [f"tiny {i}" for i in range(1, prefill.ROUNDS + 1)]
+
+
+def test_a_copy_of_the_tree_inside_another_repository_does_not_record_its_head(tmp_path,
+                                                                              monkeypatch):
+    import shutil
+    import subprocess
+
+    from graphcap.bench import common
+
+    monkeypatch.delenv("GRAPHCAP_COMMIT", raising=False)
+    outer = tmp_path / "outer"
+    (outer / "copy").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(outer)], check=True)
+    (outer / "README").write_text("another project\n")
+    subprocess.run(["git", "-C", str(outer), "add", "README"], check=True)
+    subprocess.run(["git", "-C", str(outer), "-c", "user.name=x", "-c", "user.email=x@x",
+                    "commit", "-qm", "outer"], check=True)
+    shutil.copytree(common.ROOT / "graphcap", outer / "copy" / "graphcap")
+    assert common.commit(outer / "copy").startswith("unknown")
+    assert common.commit().split("-")[0] == subprocess.run(
+        ["git", "-C", str(common.ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+        text=True).stdout.strip()
+    monkeypatch.setenv("GRAPHCAP_COMMIT", "abc1234")
+    assert common.commit(outer / "copy") == "abc1234"

@@ -30,15 +30,29 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def commit() -> str:
-    """The commit being measured: ``GRAPHCAP_COMMIT`` (machines without git), else git's."""
+ROOT = Path(__file__).resolve().parents[2]  # the project: graphcap/bench/common.py
+
+
+def commit(root: Path = ROOT) -> str:
+    """The commit being measured: ``GRAPHCAP_COMMIT``, else the HEAD of the git checkout
+    the project runs from (``-dirty`` with uncommitted changes). A copy of the tree that
+    is no checkout of its own (inside another repository, or none) has no commit to read:
+    the enclosing repository's HEAD is not the project's."""
     if os.environ.get("GRAPHCAP_COMMIT"):
         return os.environ["GRAPHCAP_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+
+    def git(*args) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True,
                               text=True, check=True).stdout.strip()
+
+    try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root.resolve():
+            raise subprocess.CalledProcessError(1, "git")
+        head = git("rev-parse", "--short", "HEAD")
+        return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no")
+                       else "")
     except (OSError, subprocess.CalledProcessError):
-        return "unknown (set GRAPHCAP_COMMIT)"
+        return "unknown (not a git checkout of graphcap: set GRAPHCAP_COMMIT)"
 
 
 def environment() -> dict:
