@@ -22,21 +22,16 @@ from graphcap.core.buckets import pick_bucket
 from graphcap.models import build_model
 
 LENGTHS = (16, 32, 64, 128, 256, 512, 1024, 2048)
-# Untimed calls of an arm before its timed calls in each round (time_interleaved): at
-# 2026-12-01 full-triton read 1.27 ms at 16 tokens interleaved with eager alone and
-# 1.11 ms among every arm, against 1.095 ms alternating with its bare replay.
+# Untimed calls of an arm before its timed calls in each round (time_interleaved): an
+# arm's time depended on the arm before it (performance-history item 26).
 SETTLE_MS = 20.0
 # Rounds of the interleaved timing: every (length, arm) case once a round, lengths and
-# arms alike interleaved, so that no length is timed only in one stretch of the run. At
-# 2026-12-01 (tools/gpu/host_probe.py arms) the first tens of seconds after building
-# every arm ran the host path slower (136 against 100-104 us a call), and 16 tokens,
-# then timed first and alone, read 1.043 ms against 1.014 later in the same process.
+# arms alike interleaved, so that no length is timed only in one stretch of the run
+# (performance-history item 35).
 ROUNDS = 5
-# Seconds of untimed passes over every case before the timed rounds. A process fresh
-# from building its arms runs its host path slower for its first seconds: full-triton's
-# 16-token call read 1.078 ms in the first second after the build, 0.990-0.994 from
-# the third on, its bare replay 0.915-0.921 throughout (tools/gpu/host_probe.py mix,
-# 2026-12-01); a server runs in the steady state.
+# Seconds of untimed passes over every case before the timed rounds: a process fresh
+# from building its arms runs its host path slower for its first seconds, and a server
+# runs in the steady state (performance-history item 35).
 WARMUP_S = 5.0
 MODELS = ("qwen3-0.6b", "llama3-8b", "qwen3-30b-a3b-4l")
 

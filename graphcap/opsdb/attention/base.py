@@ -22,11 +22,9 @@ from graphcap.errors import UnsupportedStrategy
 from graphcap.opsdb.spec import OpInputError
 
 STRATEGIES = ("eager", "breakable", "tc_piecewise", "full")
-# Host buffers of a CUDA shape's offsets, written in turn. Each feeds an asynchronous copy,
-# so it may be rewritten only once that copy ran: one event a round of them, recorded
-# after the round's last copy and waited for before the next round begins, instead of a
-# record and a wait on every update (the record alone took 5.3 us of host time on the
-# H200's host, tools/gpu/host_probe.py update; the GPU waits for that time at 16 tokens).
+# Host buffers of a CUDA shape's offsets, written in turn: each feeds an asynchronous copy
+# and may be rewritten only once it ran, so a round of them shares one event (an event
+# per update cost more host time than the replay it fed: performance-history item 34).
 # The updates of one shape are issued on one stream, as its graphs replay on one.
 HOST_BUFFERS = 8
 

@@ -122,11 +122,8 @@ class programmatic_launch:
         return False
 
 
-# Launches over more rows than this run without PDL. qwen3-0.6b's full-triton replay on
-# the H200 (tools/gpu/pdl_probe.py, 2026-12-01): with PDL on every launch, 16 tokens
-# 1.024 -> 0.908 ms and 64 tokens 1.198 -> 1.119, but 256 tokens 1.599 -> 1.756 and 512
-# 2.057 -> 2.353. Per kernel (tools/gpu/pdl_long.py) the loss is qkv_norm_rope's, a grid
-# of one-warp programs per (token, head): +8% of the replay at 256 tokens, +13% at 512.
+# Launches over more rows than this run without PDL: it won at 16 and 64 tokens and lost
+# from 256, in qkv_norm_rope's grid of one-warp programs (performance-history item 22).
 PDL_MAX_ROWS = 64
 
 
@@ -182,9 +179,8 @@ def prefetch_share_l2(ptr, n_lines, LINE: tl.constexpr, BLOCK: tl.constexpr):
 
 
 # Tensors up to this size are asked of L2 whole before a PDL launch's wait (a matmul's
-# weight, by the matmul or by the norm before it). llama3-8b's o (32 MiB) and down
-# (112 MiB) projections ran 1.11x and 1.26x slower with the whole weight prefetched
-# (bench ops, H200, 2026-12-01): lines evicted before their use.
+# weight, by the matmul or by the norm before it); larger ones lost to eviction
+# (performance-history item 23).
 PREFETCH_BYTES = 16 << 20
 
 

@@ -233,9 +233,8 @@ def config(m: int, n: int, k: int, *, norm: bool, swiglu: bool, sms: int,
         block_k //= 2
     blocks = triton.cdiv(n, block_n)
     slices = triton.cdiv(k, block_k)
-    # Slices a split keeps at least: two, one at up to 16 rows (qwen3-0.6b's whole replay
-    # on the H200, tools/gpu/tiles_probe.py: o and down split 8 ways, not 4, took it from
-    # 0.939 to 0.927 ms at 16 tokens and from 1.098 to 1.272 at 64).
+    # Slices a split keeps at least: two, one at up to 16 rows, where more splits won
+    # (performance-history item 29).
     least = 1 if block_m <= 16 else 2
     split = 1
     while not norm and blocks * split < sms and slices >= 2 * least * split and split < 8:
