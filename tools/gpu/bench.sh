@@ -5,8 +5,11 @@
 # bench-<suite>; the table goes to stdout and /tmp/<name>.log. Several suites may run in
 # one command (each a file or two: $OUT returns at most 8). Copy the JSON to docs/results/
 # under a dated name.
-[ -f /tmp/site/env.sh ] && source /tmp/site/env.sh
-export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+site=${GRAPHCAP_GPU_SITE:-/tmp/site}  # where ../shared/gpu/unpack.sh installed the wheels
+[ -f "$site/env.sh" ] && source "$site/env.sh"
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fiws}
+[ -n "${GRAPHCAP_COMMIT:-}" ] || echo "bench.sh: GRAPHCAP_COMMIT is unset; a copy of the tree has no commit of its own to record" >&2
 suite=$1
 shift
 name=${BENCH_NAME:-bench-$suite}

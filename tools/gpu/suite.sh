@@ -15,9 +15,14 @@
 # Logs land in $OUT/gpu-examples.log and $OUT/gpu-suite-{1,2,3}.log; record the run in
 # docs/results/.
 set -o pipefail
-if [ -d .gpu/p4 ] && [ ! -f /tmp/site/env.sh ]; then bash .gpu/p4/unpack.sh || exit 1; fi
-[ -f /tmp/site/env.sh ] && source /tmp/site/env.sh
-export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+# Where the wheel parts arrive, where unpack.sh installs them, FlashInfer's JIT cache.
+parts=${GRAPHCAP_GPU_PARTS:-.gpu}
+site=${GRAPHCAP_GPU_SITE:-/tmp/site}
+last=$(ls -d "$parts"/p* 2>/dev/null | sort -V | tail -n 1)
+if [ -n "$last" ] && [ ! -f "$site/env.sh" ]; then bash "$last/unpack.sh" || exit 1; fi
+[ -f "$site/env.sh" ] && source "$site/env.sh"
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fiws}
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 start=$(date +%s)
