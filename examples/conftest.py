@@ -6,3 +6,6 @@ import torch
 # definition, so set it before the examples import Triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    import graphcap.env  # graphcap reads its environment at import: read it again
+
+    graphcap.env.reload()

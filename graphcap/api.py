@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 
 import torch
 
+from graphcap import env
 from graphcap.breakable import BreakableBackend, DebugBackend
 from graphcap.core.backend import EagerBackend
 from graphcap.core.batch import as_int, host_lengths
@@ -111,7 +111,7 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
     if strategy not in STRATEGIES:
         raise UnsupportedStrategy(
             f"unknown strategy {strategy!r}: choose one of {sorted(STRATEGIES)}")
-    if os.environ.get("GRAPHCAP_DEBUG_CUDA_GRAPH") == "1":
+    if env.settings().debug_cuda_graph:
         debug = True
     if debug and strategy != "breakable":
         raise UnsupportedStrategy("debug=True is a mode of strategy='breakable'")

@@ -12,6 +12,9 @@ from hypothesis import HealthCheck, settings
 # when a kernel is defined, so it must be set before any kernel module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    import graphcap.env  # read at import, perhaps before this line (the pytest plugin)
+
+    graphcap.env.reload()
 
 settings.register_profile(
     "ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -56,3 +59,24 @@ def pool(request):
     """A graph pool: the CPU emulator everywhere, real CUDA graphs and the emulator on
     CUDA tensors where a GPU is present."""
     return _pool(request.param, request)
+
+
+@pytest.fixture
+def environ(monkeypatch):
+    """``set(name, value)`` and ``unset(name)`` of environment variables, graphcap's
+    settings read again after each change and after the test (graphcap reads them once,
+    at import)."""
+    import graphcap.env
+
+    class Environ:
+        def set(self, name: str, value: str) -> None:
+            monkeypatch.setenv(name, value)
+            graphcap.env.reload()
+
+        def unset(self, name: str) -> None:
+            monkeypatch.delenv(name, raising=False)
+            graphcap.env.reload()
+
+    yield Environ()
+    monkeypatch.undo()
+    graphcap.env.reload()

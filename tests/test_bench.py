@@ -241,13 +241,13 @@ def test_prefill_interleaves_every_length_and_arm_in_one_timing(monkeypatch):
 
 
 def test_a_copy_of_the_tree_inside_another_repository_does_not_record_its_head(tmp_path,
-                                                                              monkeypatch):
+                                                                              environ):
     import shutil
     import subprocess
 
     from graphcap.bench import common
 
-    monkeypatch.delenv("GRAPHCAP_COMMIT", raising=False)
+    environ.unset("GRAPHCAP_COMMIT")
     outer = tmp_path / "outer"
     (outer / "copy").mkdir(parents=True)
     subprocess.run(["git", "init", "-q", str(outer)], check=True)
@@ -260,5 +260,5 @@ def test_a_copy_of_the_tree_inside_another_repository_does_not_record_its_head(t
     assert common.commit().split("-")[0] == subprocess.run(
         ["git", "-C", str(common.ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
         text=True).stdout.strip()
-    monkeypatch.setenv("GRAPHCAP_COMMIT", "abc1234")
+    environ.set("GRAPHCAP_COMMIT", "abc1234")
     assert common.commit(outer / "copy") == "abc1234"

@@ -23,8 +23,8 @@ def test_ops_lists_every_op_with_backends_fake_and_tags_as_json():
             "graphcap::fused_add_rms_norm", "graphcap::moe_topk_softmax",
             "graphcap::moe_experts"} <= set(ops)
     norm = ops["graphcap::rms_norm"]
-    assert norm["backends"]["torch"] == "available"
-    assert norm["backends"]["flashinfer"] != "available"  # says why instead
+    assert norm["kernels"]["torch"] == "available"
+    assert norm["kernels"]["flashinfer"] != "available"  # says why instead
     assert norm["fake"] == "derived" and ops["graphcap::moe_experts"]["fake"] == "given"
     assert norm["capturable"] is True and norm["split"] is False
 

@@ -10,30 +10,30 @@ from graphcap.errors import CaptureError, UnsupportedStrategy
 from tests.conftest import requires_cuda
 
 
-def test_cpu_tensors_get_the_emulator(monkeypatch):
-    monkeypatch.delenv("GRAPHCAP_GRAPH", raising=False)
+def test_cpu_tensors_get_the_emulator(environ):
+    environ.unset("GRAPHCAP_GRAPH")
     assert graph_kind("cpu") == "emulated"
     assert isinstance(new_pool("cpu").graph(), EmulatedGraph)
 
 
-def test_an_unknown_graphcap_graph_value_is_rejected_by_name(monkeypatch):
-    monkeypatch.setenv("GRAPHCAP_GRAPH", "cudagraphs")
+def test_an_unknown_graphcap_graph_value_is_rejected_by_name(environ):
+    environ.set("GRAPHCAP_GRAPH", "cudagraphs")
     with pytest.raises(UnsupportedStrategy, match="GRAPHCAP_GRAPH='cudagraphs'"):
         graph_kind("cpu")
 
 
-def test_forcing_cuda_graphs_without_cuda_tensors_is_rejected(monkeypatch):
-    monkeypatch.setenv("GRAPHCAP_GRAPH", "cuda")
+def test_forcing_cuda_graphs_without_cuda_tensors_is_rejected(environ):
+    environ.set("GRAPHCAP_GRAPH", "cuda")
     with pytest.raises(UnsupportedStrategy, match="needs CUDA tensors"):
         new_pool("cpu")
 
 
 @pytest.mark.gpu
 @requires_cuda
-def test_cuda_tensors_get_cuda_graphs_unless_the_emulator_is_forced(monkeypatch):
-    monkeypatch.delenv("GRAPHCAP_GRAPH", raising=False)
+def test_cuda_tensors_get_cuda_graphs_unless_the_emulator_is_forced(environ):
+    environ.unset("GRAPHCAP_GRAPH")
     assert isinstance(new_pool("cuda").graph(), CudaGraph)
-    monkeypatch.setenv("GRAPHCAP_GRAPH", "emulated")
+    environ.set("GRAPHCAP_GRAPH", "emulated")
     assert isinstance(new_pool("cuda").graph(), EmulatedGraph)
 
 

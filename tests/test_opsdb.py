@@ -19,7 +19,7 @@ BUILTIN = sorted(name for name, spec in opsdb.REGISTRY.items() if not spec.split
 def test_every_builtin_op_passes_opcheck_and_its_reference_matches_itself(name):
     # opcheck: schema (declared mutations), fake tensors, autograd registration, and
     # aot_dispatch with dynamic shapes, on generated float32 inputs.
-    errors = check_op(name, backend="torch", device="cpu", dtypes=(torch.float32,),
+    errors = check_op(name, kernel="torch", device="cpu", dtypes=(torch.float32,),
                       examples=4)
     assert errors == {"torch": 0.0}
 
@@ -28,33 +28,33 @@ def test_every_builtin_op_passes_opcheck_and_its_reference_matches_itself(name):
     pytest.param(n, marks=[pytest.mark.gpu] if DEVICE == "cuda" else []) for n in BUILTIN])
 def test_every_available_kernel_matches_the_reference(name):
     spec = get_op(name)
-    available = [b for b, why in spec.backends(DEVICE).items() if why is None and b != "torch"]
+    available = [b for b, why in spec.available(DEVICE).items() if why is None and b != "torch"]
     if not available:
         pytest.skip(f"no kernel besides the reference runs on {DEVICE}: "
-                    f"{spec.backends(DEVICE)}")
+                    f"{spec.available(DEVICE)}")
     check_op(name, device=DEVICE, examples=6, opcheck=False)
 
 
-def test_backend_choice_is_explicit_then_environment_then_best(monkeypatch):
+def test_kernel_choice_is_explicit_then_environment_then_best(environ):
     spec = get_op("rms_norm")
-    monkeypatch.delenv("GRAPHCAP_RMS_NORM_BACKEND", raising=False)
+    environ.unset("GRAPHCAP_RMS_NORM_KERNEL")
     assert spec.select("cpu") == "torch"  # never the Triton interpreter unless asked
-    if spec.backends("cpu")["triton"] is None:  # TRITON_INTERPRET=1: on explicit request
-        assert spec.select("cpu", backend="triton") == "triton"
-    monkeypatch.setenv("GRAPHCAP_RMS_NORM_BACKEND", "torch")
+    if spec.available("cpu")["triton"] is None:  # TRITON_INTERPRET=1: on explicit request
+        assert spec.select("cpu", kernel="triton") == "triton"
+    environ.set("GRAPHCAP_RMS_NORM_KERNEL", "torch")
     assert spec.select("cpu") == "torch"
-    monkeypatch.setenv("GRAPHCAP_RMS_NORM_BACKEND", "cublas")
-    with pytest.raises(opsdb.BackendUnavailable, match="GRAPHCAP_RMS_NORM_BACKEND"):
+    environ.set("GRAPHCAP_RMS_NORM_KERNEL", "cublas")
+    with pytest.raises(opsdb.BackendUnavailable, match="GRAPHCAP_RMS_NORM_KERNEL"):
         spec.select("cpu")
-    assert spec.select("cpu", backend="torch") == "torch"
+    assert spec.select("cpu", kernel="torch") == "torch"
 
 
-def test_an_unavailable_backend_says_why():
+def test_an_unavailable_kernel_says_why():
     spec = get_op("rms_norm")
-    why = spec.backends("cpu")["flashinfer"]
+    why = spec.available("cpu")["flashinfer"]
     assert why and ("cuda" in why or "flashinfer" in why)
     with pytest.raises(opsdb.BackendUnavailable, match="flashinfer"):
-        spec.select("cpu", backend="flashinfer")
+        spec.select("cpu", kernel="flashinfer")
 
 
 BAD_CALLS = {
@@ -146,9 +146,9 @@ def test_a_kernel_that_declines_a_shape_is_passed_over_and_never_called_with_it(
     torch.testing.assert_close(spec(narrow), narrow * 2)
     torch.testing.assert_close(spec(wide), wide * 2)
     assert calls == [64]
-    with pytest.raises(OpInputError, match="backend 'wide' cannot take these inputs: rows "
+    with pytest.raises(OpInputError, match="kernel 'wide' cannot take these inputs: rows "
                                            "of 8, not a multiple of 64"):
-        spec(narrow, backend="wide")
+        spec(narrow, kernel="wide")
     assert calls == [64]
 
 

@@ -169,9 +169,9 @@ def test_a_function_marked_eager_on_graph_runs_as_a_break_on_every_replay():
 
 
 @pytest.mark.parametrize("how", ["argument", "environment"])
-def test_debug_mode_runs_the_whole_forward_as_one_eager_break(how, monkeypatch):
+def test_debug_mode_runs_the_whole_forward_as_one_eager_break(how, environ):
     if how == "environment":
-        monkeypatch.setenv("GRAPHCAP_DEBUG_CUDA_GRAPH", "1")
+        environ.set("GRAPHCAP_DEBUG_CUDA_GRAPH", "1")
     r = graphcap.capture(model(), "breakable", buckets=[8, 16], max_requests=2,
                          attention=ATTN, debug=how == "argument")
     rep = r.report()
@@ -257,9 +257,9 @@ def test_a_breakable_capture_used_directly_runs_eagerly_under_other_metadata():
     ("max_split_size_mb:128", False), ("expandable_segments:True", False),
     ("expandable_segments:False,roundup_power2_divisions:4", True)])
 def test_pool_sizing_stands_aside_where_the_allocator_would_not_split_one_block(
-        monkeypatch, conf, splits):
+        conf, splits, environ):
     from graphcap.core.graphs import _one_block_splits
 
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    environ.set("PYTORCH_CUDA_ALLOC_CONF", conf)
+    environ.unset("PYTORCH_ALLOC_CONF")
     assert _one_block_splits() is splits

@@ -65,7 +65,7 @@ def test_check_op_finds_and_shrinks_a_kernel_wrong_off_multiples_of_16():
                           kernels={"buggy": Kernel(_buggy_double, devices=("cpu", "cuda"))},
                           inputs=inputs)
     with pytest.raises(AssertionError) as info:
-        check_op(name, backend="buggy", dtypes=(torch.float32,), examples=50,
+        check_op(name, kernel="buggy", dtypes=(torch.float32,), examples=50,
                  opcheck=False)
     text = str(info.value)
     assert "graphcap_test::buggy_double[buggy]" in text
@@ -139,7 +139,7 @@ def test_check_op_fails_on_a_kernel_that_writes_an_undeclared_argument():
         "graphcap_test::sneaky", "(Tensor x) -> Tensor", reference=lambda x: x * 6,
         kernels={"sneaky": Kernel(_scales_in_place, devices=("cpu", "cuda"))}, inputs=_rows)
     with pytest.raises(AssertionError, match="does not declare written"):
-        check_op(name, backend="sneaky", dtypes=(torch.float32,), examples=10, opcheck=False)
+        check_op(name, kernel="sneaky", dtypes=(torch.float32,), examples=10, opcheck=False)
 
 
 def test_opcheck_runs_on_several_non_degenerate_examples():
@@ -149,7 +149,7 @@ def test_opcheck_runs_on_several_non_degenerate_examples():
     real = torch.library.opcheck
     try:
         torch.library.opcheck = lambda op, args, **kw: calls.append(args) or real(op, args, **kw)
-        report = ops.check_op("rms_norm", backend="torch", dtypes=(torch.float32,),
+        report = ops.check_op("rms_norm", kernel="torch", dtypes=(torch.float32,),
                               examples=12)
     finally:
         torch.library.opcheck = real

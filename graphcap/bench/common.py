@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -21,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from graphcap import env
 
 
 def _version(dist: str) -> str | None:
@@ -38,8 +39,8 @@ def commit(root: Path = ROOT) -> str:
     the project runs from (``-dirty`` with uncommitted changes). A copy of the tree that
     is no checkout of its own (inside another repository, or none) has no commit to read:
     the enclosing repository's HEAD is not the project's."""
-    if os.environ.get("GRAPHCAP_COMMIT"):
-        return os.environ["GRAPHCAP_COMMIT"]
+    if env.settings().commit:
+        return env.settings().commit
 
     def git(*args) -> str:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True,

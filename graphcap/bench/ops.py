@@ -46,8 +46,8 @@ def _elementwise_cases(dev):
             gate = torch.randn(tokens, 2 * hidden, device=dev, dtype=DTYPE)
             for op, args in (("rms_norm", (x, w, 1e-6)), ("silu_and_mul", (gate,))):
                 spec = get_op(op)
-                ok = [b for b, why in spec.backends(dev).items() if why is None]
-                arms = {b: (lambda b=b, a=args, s=spec: s(*a, backend=b)) for b in ok}
+                ok = [b for b, why in spec.available(dev).items() if why is None]
+                arms = {b: (lambda b=b, a=args, s=spec: s(*a, kernel=b)) for b in ok}
                 times = _interleaved(arms)
                 rows.append({"op": op, "tokens": tokens, "hidden": hidden, "ms": times})
     return rows

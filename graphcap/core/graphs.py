@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import threading
 import weakref
 
 import torch
 
-from graphcap import compat
+from graphcap import compat, env
 from graphcap.core import hostsync
 from graphcap.core.emulated import EmulatedGraph
 from graphcap.core.graph_base import Graph
@@ -64,7 +63,7 @@ _KINDS = ("cuda", "emulated")
 def graph_kind(device: torch.device | str) -> str:
     """'cuda' for CUDA tensors, else 'emulated'; ``GRAPHCAP_GRAPH`` overrides."""
     device = torch.device(device)
-    forced = os.environ.get("GRAPHCAP_GRAPH", "").strip().lower()
+    forced = env.settings().graph
     if forced and forced not in _KINDS:
         raise UnsupportedStrategy(
             f"GRAPHCAP_GRAPH={forced!r} is not a graph kind: use one of {_KINDS} or unset it")
@@ -225,8 +224,7 @@ def _one_block_splits() -> bool:
     """Whether the allocator splits one large free block among smaller requests: not
     with ``max_split_size_mb`` (it gives no block past that size to a smaller request)
     nor ``expandable_segments`` (segments grow in place) in PYTORCH_CUDA_ALLOC_CONF."""
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get(
-        "PYTORCH_ALLOC_CONF", "")
+    conf = env.settings().alloc_conf
     settings = dict(part.split(":", 1) for part in conf.replace(" ", "").split(",")
                     if ":" in part)
     return ("max_split_size_mb" not in settings

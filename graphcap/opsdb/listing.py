@@ -1,4 +1,4 @@
-"""What ``graphcap ops`` prints: every op, its backends (available or why not), its fake
+"""What ``graphcap ops`` prints: every op, its kernels (available or why not), its fake
 (given or derived), and whether it is capturable and a split point."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ def describe(device: torch.device | str) -> list[dict]:
         rows.append({
             "op": qualname,
             "schema": spec.schema,
-            "backends": {b: ("available" if why is None else why)
-                         for b, why in spec.backends(device).items()},
+            "kernels": {b: ("available" if why is None else why)
+                        for b, why in spec.available(device).items()},
             "fake": "derived" if spec.fake_derived else "given",
             "capturable": spec.capturable,
             "split": spec.split,
@@ -33,12 +33,12 @@ def render(device: torch.device | str, as_json: bool = False) -> str:
         return json.dumps({"device": str(device), "ops": rows}, indent=2)
     lines = [f"opsdb on {device}: {len(rows)} ops", ""]
     for row in rows:
-        ok = [b for b, s in row["backends"].items() if s == "available"]
+        ok = [b for b, s in row["kernels"].items() if s == "available"]
         lines.append(f"{row['op']}  fake={row['fake']}  capturable={row['capturable']}  "
                      f"split={row['split']}")
         lines.append(f"    {row['doc']}")
         lines.append(f"    available: {', '.join(ok) or 'none'}")
-        for b, s in row["backends"].items():
+        for b, s in row["kernels"].items():
             if s != "available":
                 lines.append(f"    {b}: {s}")
     return "\n".join(lines)

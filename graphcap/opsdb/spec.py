@@ -1,11 +1,11 @@
-"""OpSpec and the op registry: one entry per custom op, with its kernels by backend.
+"""OpSpec and the op registry: one entry per custom op, with its kernels by name.
 
 An op is defined once through torch.library (so torch.compile sees it) and dispatches to
-a kernel: the explicit ``backend=`` of ``spec(..., backend=...)``, else the environment
-variable ``GRAPHCAP_<OP>_BACKEND``, else the first available backend of the spec's
+a kernel: the explicit ``kernel=`` of ``spec(..., kernel=...)``, else the environment
+variable ``GRAPHCAP_<OP>_KERNEL``, else the first available kernel of the spec's
 preference order. Optional libraries import lazily: a kernel names its module as a
 string, so ``import graphcap`` never needs Triton, FlashInfer or FlashAttention, and an
-unavailable backend says why.
+unavailable kernel says why.
 
 Example, a user's op with a derived fake::
 
@@ -24,13 +24,13 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from graphcap import env
 from graphcap.compat.library import define_op, split_qualname
 from graphcap.core.breaks import run_maybe_as_break
 from graphcap.errors import BackendUnavailable, GraphcapError, OpInputError
@@ -73,7 +73,7 @@ class Kernel:
             return f"takes {names}, not {str(dtype).removeprefix('torch.')}"
         device_ok = device.type in self.devices or (
             interpreted and device.type == "cpu" and "triton" in self.requires
-            and os.environ.get("TRITON_INTERPRET") == "1")
+            and env.settings().triton_interpret)
         if not device_ok:
             return f"runs on {'/'.join(self.devices)} tensors, not {device.type}"
         for module in self.requires:
@@ -120,41 +120,42 @@ class OpSpec:
 
     @property
     def env_var(self) -> str:
-        return f"GRAPHCAP_{self.name.upper()}_BACKEND"
+        """The variable that picks this op's kernel (``GRAPHCAP_RMS_NORM_KERNEL``)."""
+        return env.kernel_variable(self.name)
 
-    def backends(self, device: torch.device | str, dtype: torch.dtype | None = None
-                 ) -> dict[str, str | None]:
-        """Every backend with None when it runs on ``device`` (and ``dtype``), else why not."""
+    def available(self, device: torch.device | str, dtype: torch.dtype | None = None
+                  ) -> dict[str, str | None]:
+        """Every kernel with None when it runs on ``device`` (and ``dtype``), else why not."""
         device = torch.device(device)
         return {name: k.unavailable(device, dtype) for name, k in self.kernels.items()}
 
-    def select(self, device: torch.device | str, backend: str | None = None,
+    def select(self, device: torch.device | str, kernel: str | None = None,
                dtype: torch.dtype | None = None, args: tuple | None = None) -> str:
-        """The backend a call on ``device`` uses (explicit, then env var, then the best
-        one that takes ``args``, when given)."""
+        """The kernel a call on ``device`` runs: ``kernel``, else the one its environment
+        variable names, else the best that runs here (and takes ``args``, when given)."""
         device = torch.device(device)
-        wanted = backend or os.environ.get(self.env_var) or None
+        wanted = kernel or env.settings().kernels.get(self.name)
         if wanted is not None:
             if wanted not in self.kernels:
-                source = "backend=" if backend else self.env_var
+                source = "kernel=" if kernel else f"{self.env_var}="
                 raise BackendUnavailable(
-                    f"{self.qualname}: {source}{wanted!r} is not a backend of this op; "
+                    f"{self.qualname}: {source}{wanted!r} is not a kernel of this op; "
                     f"choose one of {sorted(self.kernels)}")
             why = self.kernels[wanted].unavailable(device, dtype)
             if why:
-                raise BackendUnavailable(f"{self.qualname}: backend {wanted!r} {why}")
+                raise BackendUnavailable(f"{self.qualname}: kernel {wanted!r} {why}")
             why = self.kernels[wanted].declines(args) if args is not None else None
             if why:
-                raise OpInputError(f"{self.qualname}: backend {wanted!r} cannot take these "
-                                   f"inputs: {why}. Choose another backend for them.")
+                raise OpInputError(f"{self.qualname}: kernel {wanted!r} cannot take these "
+                                   f"inputs: {why}. Choose another kernel for them.")
             return wanted
         for name in self._runnable(device.type, dtype):
             if args is None or self.kernels[name].declines(args) is None:
                 return name
-        raise BackendUnavailable(f"{self.qualname}: no backend runs on {device}")
+        raise BackendUnavailable(f"{self.qualname}: no kernel runs on {device}")
 
     def _runnable(self, device_type: str, dtype: torch.dtype | None) -> tuple[str, ...]:
-        """Backends that run on this device type and dtype, best first. Cached: models call
+        """Kernels that run on this device type and dtype, best first. Cached: models call
         ops thousands of times per second, and eager breaks pay this on the host."""
         key = (device_type, dtype, tuple(self.kernels))
         names = self._runnable_cache.get(key)
@@ -165,22 +166,23 @@ class OpSpec:
             self._runnable_cache[key] = names
         return names
 
-    def kernel(self, device: torch.device | str, backend: str | None = None,
-               dtype: torch.dtype | None = None, args: tuple | None = None) -> Callable:
-        return self.kernels[self.select(device, backend, dtype, args)].resolve()
+    def kernel_for(self, device: torch.device | str, kernel: str | None = None,
+                   dtype: torch.dtype | None = None, args: tuple | None = None) -> Callable:
+        """The callable of :meth:`select`'s kernel."""
+        return self.kernels[self.select(device, kernel, dtype, args)].resolve()
 
-    def __call__(self, *args, backend: str | None = None):
+    def __call__(self, *args, kernel: str | None = None):
         """Call the op (models built from opsdb call this). A split op becomes a break
         under breakable capture (replayed as its own graph when ``graphable()`` says its
-        state is static, else eagerly). ``backend=`` calls one kernel directly (eager)."""
-        if backend is None:
+        state is static, else eagerly). ``kernel=`` calls one kernel directly (eager)."""
+        if kernel is None:
             if self.split and not torch.compiler.is_compiling():
                 graphable = self.graphable if self.capturable else None
                 return run_maybe_as_break(self.op, args, {}, graphable)
             return self.op(*args)
         if self.check is not None:
             self.check(*args)
-        return self.kernel(device_of(args), backend, dtype_of(args), args)(*args)
+        return self.kernel_for(device_of(args), kernel, dtype_of(args), args)(*args)
 
 
 def device_of(args) -> torch.device:
@@ -211,8 +213,8 @@ def register_op(qualname: str, schema: str, *, reference: Callable,
 
     ``schema`` is the signature without the name, e.g. ``"(Tensor x, float eps) -> Tensor"``;
     arguments an op writes are marked ``Tensor(a!)``. ``reference`` is the plain torch
-    implementation, always available as backend ``"torch"``. ``kernels`` maps further
-    backends, in preference order, to a :class:`Kernel` (or a callable / ``"module:fn"``
+    implementation, always available as kernel ``"torch"``. ``kernels`` maps further
+    kernel names, in preference order, to a :class:`Kernel` (or a callable / ``"module:fn"``
     string for a CUDA kernel). ``fake`` computes output metadata for torch.compile; when
     omitted the reference itself runs on fake tensors, which works for any reference
     without data-dependent Python (no ``.item()``, ``.tolist()``, ``nonzero``).
@@ -243,7 +245,7 @@ def register_op(qualname: str, schema: str, *, reference: Callable,
             spec.check(*args)
         if dispatch is not None:
             return dispatch(*args)
-        return spec.kernel(device_of(args), dtype=dtype_of(args), args=args)(*args)
+        return spec.kernel_for(device_of(args), dtype=dtype_of(args), args=args)(*args)
 
     tags = (torch.Tag.cudagraph_unsafe,) if (
         not capturable and hasattr(torch.Tag, "cudagraph_unsafe")) else ()

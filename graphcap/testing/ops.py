@@ -99,21 +99,21 @@ def _check_fake(spec: OpSpec, args, want: list[torch.Tensor]) -> None:
         f"{describe(args)}: fix the fake (torch.compile and the graphs trust it)")
 
 
-def compare(spec: OpSpec, backend: str, args, atol: float, rtol: float) -> float:
-    """Run ``backend`` and the reference on copies of ``args``; assert close; max error."""
+def compare(spec: OpSpec, kernel: str, args, atol: float, rtol: float) -> float:
+    """Run ``kernel`` and the reference on copies of ``args``; assert close; max error."""
     want = _results(spec, "torch", spec.reference, args)
-    got = _results(spec, backend, spec.kernels[backend].resolve(), args)
-    assert len(got) == len(want), f"{spec.qualname}[{backend}]: {len(got)} results"
+    got = _results(spec, kernel, spec.kernels[kernel].resolve(), args)
+    assert len(got) == len(want), f"{spec.qualname}[{kernel}]: {len(got)} results"
     worst = 0.0
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and g.dtype == w.dtype, (
-            f"{spec.qualname}[{backend}]: got {g.dtype}{tuple(g.shape)}, "
+            f"{spec.qualname}[{kernel}]: got {g.dtype}{tuple(g.shape)}, "
             f"want {w.dtype}{tuple(w.shape)}")
         err = (g.double() - w.double()).abs().max().item() if g.numel() else 0.0
         worst = max(worst, err)
         torch.testing.assert_close(
             g, w, atol=atol, rtol=rtol,
-            msg=lambda m, e=err: f"{spec.qualname}[{backend}] on inputs {describe(args)}: "
+            msg=lambda m, e=err: f"{spec.qualname}[{kernel}] on inputs {describe(args)}: "
                                  f"max error {e:.3g}. {m}")
     return worst
 
@@ -132,11 +132,11 @@ def _richness(args) -> tuple[bool, int]:
     return bool(tensors) and all(map(rich, tensors)), sum(t.numel() for t in tensors)
 
 
-def check_op(op: str | OpSpec, backend: str | None = None, *, device="cpu",
+def check_op(op: str | OpSpec, kernel: str | None = None, *, device="cpu",
              dtypes=(torch.float32, torch.float16, torch.bfloat16), examples: int = 20,
              atol: float | None = None, rtol: float | None = None,
              opcheck: bool = True, opchecks: int = 3) -> CheckReport:
-    """Check ``backend`` (default: every backend available on ``device``) of ``op``
+    """Check ``kernel`` (default: every kernel available on ``device``) of ``op``
     against its reference over ``examples`` hypothesis examples per dtype. On every
     example the op's fake must give the reference's output shapes and dtypes, and no
     kernel may write an argument the schema does not declare written; with ``opcheck``,
@@ -151,15 +151,15 @@ def check_op(op: str | OpSpec, backend: str | None = None, *, device="cpu",
     if spec.inputs is None:
         raise ValueError(f"{spec.qualname} has no input strategy: pass inputs= when "
                          "registering it")
-    if backend is not None and backend not in spec.kernels:
-        raise ValueError(f"{spec.qualname} has no kernel {backend!r}; it has "
+    if kernel is not None and kernel not in spec.kernels:
+        raise ValueError(f"{spec.qualname} has no kernel {kernel!r}; it has "
                          f"{sorted(spec.kernels)}")
     device = torch.device(device)
     report = CheckReport(spec.qualname)
     for dtype in dtypes:
         names = []
-        for name, why in spec.backends(device, dtype).items():
-            if backend is not None and name != backend or backend is None and name == "torch":
+        for name, why in spec.available(device, dtype).items():
+            if kernel is not None and name != kernel or kernel is None and name == "torch":
                 continue
             if why is None:
                 names.append(name)

@@ -16,19 +16,19 @@ from graphcap.opsdb.triton import attention, common, linear, norm, qkv
 from tests.conftest import requires_cuda
 
 
-def test_no_pdl_off_cuda_or_under_the_interpreter(monkeypatch):
-    monkeypatch.delenv("GRAPHCAP_PDL", raising=False)  # off for the right reason
+def test_no_pdl_off_cuda_or_under_the_interpreter(environ):
+    environ.unset("GRAPHCAP_PDL")  # off for the right reason
     assert not common.pdl(torch.device("cpu"))
     assert common.pdl_args(torch.device("cpu"), 16) == {"PDL": False}
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    environ.set("TRITON_INTERPRET", "1")
     assert not common.pdl(torch.device("cuda", 0))  # decided before any device query
 
 
-def test_switched_off_by_the_environment_or_a_block(monkeypatch):
+def test_switched_off_by_the_environment_or_a_block(monkeypatch, environ):
     monkeypatch.setattr(common, "_PDL_IN_TRITON", True)
     monkeypatch.setattr(common, "_SM90", {0: True})
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv("GRAPHCAP_PDL", raising=False)
+    environ.unset("TRITON_INTERPRET")
+    environ.unset("GRAPHCAP_PDL")
     cuda = torch.device("cuda", 0)
     assert common.pdl(cuda)
     with common.programmatic_launch(False):
@@ -41,7 +41,7 @@ def test_switched_off_by_the_environment_or_a_block(monkeypatch):
     assert common.pdl_args(cuda, common.PDL_MAX_ROWS) == {"PDL": True, "launch_pdl": True}
     assert common.pdl_args(cuda, common.PDL_MAX_ROWS + 1) == {"PDL": False}
     for off in ("0", "false", "OFF", "no"):
-        monkeypatch.setenv("GRAPHCAP_PDL", off)
+        environ.set("GRAPHCAP_PDL", off)
         assert not common.pdl(cuda)
     with common.programmatic_launch(True):  # a block outranks the environment
         assert common.pdl(cuda)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextvars
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from graphcap import env
 
 
 @triton.jit
@@ -25,7 +26,7 @@ def dot(a, b, acc, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
 
 def interpreting() -> bool:
     """True under Triton's interpreter (``TRITON_INTERPRET=1``, the CPU test runs)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return env.settings().triton_interpret
 
 
 _NUM_SMS: dict[int, int] = {}
@@ -66,8 +67,6 @@ def cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 # completes first. Every kernel launched this way waits unconditionally in every program,
 # so a chain stays ordered: a kernel completes only after the one before it did.
 
-_PDL_ENV = "GRAPHCAP_PDL"
-_PDL_OFF = ("0", "false", "off", "no")
 # The innermost programmatic_launch(...) setting of this thread (or task), or None.
 _pdl_override: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
     "graphcap_pdl", default=None)
@@ -91,7 +90,7 @@ def pdl(device: torch.device) -> bool:
     if override is not None:
         if not override:
             return False
-    elif os.environ.get(_PDL_ENV, "1").strip().lower() in _PDL_OFF:
+    elif not env.settings().pdl:
         return False
     if device.type != "cuda" or interpreting() or not _PDL_IN_TRITON:
         return False

@@ -1,0 +1,74 @@
+"""Every environment variable graphcap reads, read here, once.
+
+- ``GRAPHCAP_GRAPH``: ``emulated`` forces the CPU emulator on CUDA tensors (debugging),
+  ``cuda`` insists on CUDA graphs.
+- ``GRAPHCAP_DEBUG_CUDA_GRAPH=1``: ``capture(..., strategy="breakable")`` runs the whole
+  forward as one eager break.
+- ``GRAPHCAP_PDL=0`` (or ``false``, ``off``, ``no``): the project's Triton kernels launch
+  without programmatic dependent launch.
+- ``GRAPHCAP_<OP>_KERNEL``: the kernel an op runs unless a call names one
+  (``GRAPHCAP_RMS_NORM_KERNEL=flashinfer``).
+- ``GRAPHCAP_COMMIT``: the commit ``graphcap bench`` records where the tree is no git
+  checkout of its own.
+- ``TRITON_INTERPRET=1`` (Triton's): Triton kernels run in its interpreter, on CPU
+  tensors too.
+- ``PYTORCH_CUDA_ALLOC_CONF`` (torch's): whether one free block of a graph pool splits.
+
+They are read when graphcap is imported, so that no op call reads the environment: after
+changing ``os.environ`` in a running process, call :func:`reload`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+_OFF = ("0", "false", "off", "no")
+_KERNEL = ("GRAPHCAP_", "_KERNEL")
+
+
+@dataclass(frozen=True)
+class Settings:
+    graph: str = ""  # GRAPHCAP_GRAPH, lower-cased ("" unset)
+    debug_cuda_graph: bool = False
+    pdl: bool = True
+    triton_interpret: bool = False
+    commit: str = ""
+    alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF, joined
+    kernels: dict[str, str] = field(default_factory=dict)  # op name -> kernel
+
+
+def _read() -> Settings:
+    env = os.environ
+    kernels = {name[len(_KERNEL[0]):-len(_KERNEL[1])].lower(): value
+               for name, value in env.items()
+               if name.startswith(_KERNEL[0]) and name.endswith(_KERNEL[1]) and value}
+    return Settings(
+        graph=env.get("GRAPHCAP_GRAPH", "").strip().lower(),
+        debug_cuda_graph=env.get("GRAPHCAP_DEBUG_CUDA_GRAPH") == "1",
+        pdl=env.get("GRAPHCAP_PDL", "1").strip().lower() not in _OFF,
+        triton_interpret=env.get("TRITON_INTERPRET") == "1",
+        commit=env.get("GRAPHCAP_COMMIT", ""),
+        alloc_conf=env.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + env.get(
+            "PYTORCH_ALLOC_CONF", ""),
+        kernels=kernels)
+
+
+_SETTINGS = _read()
+
+
+def settings() -> Settings:
+    """The settings read at import (or at the last :func:`reload`)."""
+    return _SETTINGS
+
+
+def reload() -> Settings:
+    """Read the environment again (after ``os.environ`` changed in this process)."""
+    global _SETTINGS
+    _SETTINGS = _read()
+    return _SETTINGS
+
+
+def kernel_variable(op_name: str) -> str:
+    """The variable that picks ``op_name``'s kernel: ``GRAPHCAP_<OP>_KERNEL``."""
+    return f"{_KERNEL[0]}{op_name.upper()}{_KERNEL[1]}"
