@@ -9,19 +9,40 @@ import inspect
 import torch
 
 from graphcap import env
-from graphcap.breakable import BreakableBackend, DebugBackend
-from graphcap.core.backend import EagerBackend
+from graphcap.breakable import BreakableStrategy, DebugStrategy
 from graphcap.core.batch import as_int, host_lengths
 from graphcap.core.buckets import check_ladder, prefill_ladder
 from graphcap.core.context import forward_context
+from graphcap.core.inputs import Inputs, PrefillInputs, TensorInputs
 from graphcap.core.runner import Runner, RunnerConfig
+from graphcap.core.strategy import EagerStrategy
 from graphcap.errors import UnsupportedModel, UnsupportedStrategy
-from graphcap.full import FullBackend
+from graphcap.full import FullStrategy
 
-BACKENDS = {"eager": EagerBackend, "breakable": BreakableBackend, "full": FullBackend}
-STRATEGIES = (*BACKENDS, "tc_piecewise")  # tc_piecewise's backend needs the compiled model
+
+def _tc_piecewise(model, ladder: list[int], options: dict):
+    from graphcap.piecewise import CompiledForward, PiecewiseCompiler, PiecewiseStrategy
+
+    pieces = PiecewiseCompiler({"capture_sizes": ladder, "compiler": options["compiler"],
+                                "copy_outputs": False})
+    return PiecewiseStrategy(pieces), CompiledForward(model, pieces)
+
+
+# Every strategy: (model, ladder, options) -> (the strategy, what the runner calls).
+STRATEGIES = {
+    "eager": lambda model, ladder, options: (EagerStrategy(), model),
+    "breakable": lambda model, ladder, options: (
+        DebugStrategy() if options["debug"] else BreakableStrategy(), model),
+    "full": lambda model, ladder, options: (FullStrategy(), model),
+    "tc_piecewise": _tc_piecewise,
+}
+GRAPHED = tuple(s for s in STRATEGIES if s != "eager")  # the strategies that capture
 INPUTS = ("prefill", "tensors")
 ON_CHANGE = ("recapture", "error")
+# Options that only one strategy, or one kind of input, takes: given elsewhere, an error.
+_ONLY = {"debug": ("strategy", "breakable"), "compiler": ("strategy", "tc_piecewise"),
+         "example_inputs": ("inputs", "tensors"), "attention": ("inputs", "prefill"),
+         "max_requests": ("inputs", "prefill"), "check_inputs": ("inputs", "prefill")}
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -72,37 +93,23 @@ def _input_bounds(model: torch.nn.Module) -> tuple[int, int | None]:
 
 
 def capture(model: torch.nn.Module, strategy: str = "breakable", *,
-            max_tokens: int | None = None,
-            buckets=None, max_requests: int | None = None, attention: str | None = None,
-            debug: bool = False, fallback: bool = True, copy_outputs: bool = True,
-            example_inputs: tuple | None = None, compiler: str = "eager",
-            warmup: str = "first", progress=None, inputs: str | None = None,
-            on_change: str = "recapture", check_inputs: bool = False) -> Runner:
-    """Capture ``model`` under ``strategy`` and return a runner callable like the model.
+            max_tokens: int | None = None, buckets=None, max_requests: int | None = None,
+            attention: str | None = None, debug: bool = False, fallback: bool = True,
+            copy_outputs: bool = True, example_inputs: tuple | None = None,
+            compiler: str | None = None, warmup: str = "first", progress=None,
+            inputs: str | Inputs | None = None, on_change: str = "recapture",
+            check_inputs: bool = False) -> Runner:
+    """Capture ``model`` under ``strategy`` (one of :data:`STRATEGIES`) and return a runner
+    callable like the model: a prefill model as ``runner(input_ids, positions,
+    seq_lens=[...])``, a model of tensors as ``runner(*tensors)``.
 
-    ``strategy``: ``"eager"`` (no graphs), ``"breakable"`` (graph segments, eager breaks at
-    ``@eager_on_graph`` functions and split ops), ``"full"`` (one graph per shape),
-    ``"tc_piecewise"`` (torch.compile pieces between split ops, captured per shape).
-    ``inputs``: ``"prefill"`` (packed requests, ``runner(input_ids, positions,
-    seq_lens=[...])``) or ``"tensors"`` (``runner(*tensors)``, tokens along dim 0,
-    captured on the first call or now from ``example_inputs``); default: the model's
-    declaration (:func:`inputs_of`). ``max_tokens``: the largest bucket (default 2048);
-    ``buckets`` overrides the default ladder (42 shapes for 2048). ``max_requests``:
-    request slots per batch (default ``max(max_tokens // 512, 1)``; more requests run
-    eagerly). ``attention``: the prefill attention backend (default: the best one for the
-    strategy). ``debug`` (or ``GRAPHCAP_DEBUG_CUDA_GRAPH=1``): breakable with the whole
-    forward as one eager break. ``fallback=False`` makes batches that fit no graph an
-    error. ``copy_outputs=False`` returns views of the runner's buffers, overwritten by
-    the next call. ``compiler`` (tc_piecewise): ``"eager"`` or ``"inductor"`` pieces.
-    ``warmup``: ``"first"`` (one eager warm-up, of the largest shape) or ``"every"`` (every
-    shape; for models that build state lazily per shape); see docs/strategies.md.
-    ``on_change``: what a call does when the model changed since capture (a parameter or
-    buffer replaced, moved or converted): ``"recapture"`` every shape, or ``"error"``
-    (:class:`~graphcap.errors.ModelChanged`). ``check_inputs=True`` checks token ids and
-    positions against the model's ``vocab_size`` and ``max_position`` on every call (one
-    host sync each). ``progress``: ``True`` for a progress bar, or ``progress(done,
-    total)`` called after each captured shape. A prefill model whose ``output_rows`` is
-    ``"requests"`` returns one row per request (last-token logits) instead of per token.
+    Shapes: ``buckets`` (default the ladder to ``max_tokens``, 2048). Prefill models:
+    ``max_requests`` slots (default ``max_tokens // 512``), ``attention`` backend,
+    ``check_inputs`` (token ids and positions checked on every call). ``inputs``: what the
+    model takes (default: its declaration, :func:`inputs_of`). ``debug`` (breakable): the
+    forward as one eager break; ``compiler`` (tc_piecewise): ``"eager"`` or ``"inductor"``
+    pieces. ``fallback``, ``copy_outputs``, ``warmup``, ``on_change``, ``progress``:
+    docs/strategies.md. An option the strategy or the model does not take is an error.
 
         runner = graphcap.capture(model, strategy="full", max_tokens=512, max_requests=4)
         logits = runner(input_ids, positions, seq_lens=[100, 23])
@@ -111,54 +118,35 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
     if strategy not in STRATEGIES:
         raise UnsupportedStrategy(
             f"unknown strategy {strategy!r}: choose one of {sorted(STRATEGIES)}")
-    if env.settings().debug_cuda_graph:
-        debug = True
-    if debug and strategy != "breakable":
-        raise UnsupportedStrategy("debug=True is a mode of strategy='breakable'")
-    if buckets is None:
-        ladder = prefill_ladder(max_tokens if max_tokens is not None else 2048)
-    else:
-        ladder = check_ladder(buckets)
-        if max_tokens is not None and as_int(max_tokens, "max_tokens") != ladder[-1]:
-            raise ValueError(f"max_tokens={max_tokens} differs from the largest bucket "
-                             f"{ladder[-1]}: give one of them, or make them agree")
+    debug = debug or (env.settings().debug_cuda_graph and strategy == "breakable")
+    kind = inputs.kind if isinstance(inputs, Inputs) else inputs_of(model, inputs)
+    given = {"debug": debug, "compiler": compiler is not None,
+             "example_inputs": example_inputs is not None, "attention": attention is not None,
+             "max_requests": max_requests is not None, "check_inputs": check_inputs}
+    for option, (what, only) in _ONLY.items():
+        if given[option] and (strategy if what == "strategy" else kind) != only:
+            raise UnsupportedStrategy(
+                f"{option}= is an option of {what} {only!r} only, and this capture's "
+                f"{what} is {strategy if what == 'strategy' else kind!r}: leave it out")
+    ladder = _ladder(max_tokens, buckets)
     if warmup not in ("first", "every"):
         raise ValueError(f"warmup={warmup!r}: use 'first' (warm up the first shape, "
                          "capture the rest directly) or 'every' (warm up every shape)")
     if on_change not in ON_CHANGE:
         raise ValueError(f"on_change={on_change!r}: use 'recapture' (capture every shape "
                          "again when the model changed) or 'error' (raise ModelChanged)")
-    requests = (as_int(max_requests, "max_requests") if max_requests is not None
-                else max(ladder[-1] // 512, 1))
-    if requests < 1:
-        raise ValueError(f"max_requests must be >= 1, got {requests}")
-    device, kind = _device_of(model), inputs_of(model, inputs)
-    attn = None
-    if kind == "prefill":
-        from graphcap.opsdb.attention import get_backend
-
-        attn = get_backend(attention, device, strategy=strategy, dtype=_dtype_of(model))
-    rows = getattr(model, "output_rows", "tokens")
-    if rows not in ("tokens", "requests") or (rows == "requests" and kind != "prefill"):
-        raise UnsupportedStrategy(
-            f"{type(model).__name__}.output_rows is {rows!r}: use 'tokens' (a row per token) "
-            "or, for prefill models only, 'requests' (a row per request, e.g. last-token "
-            "logits)")
-    bounds = _input_bounds(model) if check_inputs and kind == "prefill" else None
-    config = RunnerConfig(ladder, requests, attn, fallback, copy_outputs, output_rows=rows,
-                          warmup=warmup, on_change=on_change, input_bounds=bounds)
-    if strategy == "tc_piecewise":
-        from graphcap.piecewise import CompiledForward, PiecewiseBackend, PiecewiseCompiler
-
-        pieces = PiecewiseCompiler({"capture_sizes": ladder, "compiler": compiler,
-                                    "copy_outputs": False})
-        runner = Runner(CompiledForward(model, pieces), PiecewiseBackend(pieces), config,
-                        device, kind, source=model)
-        pieces.pool = runner.pool
-    else:
-        backend = DebugBackend() if debug else BACKENDS[strategy]()
-        runner = Runner(model, backend, config, device, kind)
-    if runner.backend.captures and (kind == "prefill" or example_inputs is not None):
+    slots = (as_int(max_requests, "max_requests") if max_requests is not None
+             else max(ladder[-1] // 512, 1))
+    if slots < 1:
+        raise ValueError(f"max_requests must be >= 1, got {slots}")
+    if not isinstance(inputs, Inputs):
+        inputs = _inputs(model, kind, strategy, attention, slots, check_inputs)
+    config = RunnerConfig(ladder, slots, fallback, copy_outputs, warmup=warmup,
+                          on_change=on_change)
+    how, called = STRATEGIES[strategy](model, ladder, {"debug": debug,
+                                                       "compiler": compiler or "eager"})
+    runner = Runner(called, how, config, inputs, source=model)
+    if how.captures and (not inputs.needs_batch or example_inputs is not None):
         if progress is True:
             from graphcap.progress import progress as bar
 
@@ -167,6 +155,33 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
         else:
             runner.capture_all(example_inputs, progress)
     return runner
+
+
+def _ladder(max_tokens, buckets) -> list[int]:
+    if buckets is None:
+        return prefill_ladder(max_tokens if max_tokens is not None else 2048)
+    ladder = check_ladder(buckets)
+    if max_tokens is not None and as_int(max_tokens, "max_tokens") != ladder[-1]:
+        raise ValueError(f"max_tokens={max_tokens} differs from the largest bucket "
+                         f"{ladder[-1]}: give one of them, or make them agree")
+    return ladder
+
+
+def _inputs(model, kind: str, strategy: str, attention, slots: int, check: bool) -> Inputs:
+    device = _device_of(model)
+    rows = getattr(model, "output_rows", "tokens")
+    if rows not in ("tokens", "requests") or (rows == "requests" and kind != "prefill"):
+        raise UnsupportedStrategy(
+            f"{type(model).__name__}.output_rows is {rows!r}: use 'tokens' (a row per token) "
+            "or, for prefill models only, 'requests' (a row per request, e.g. last-token "
+            "logits)")
+    if kind == "tensors":
+        return TensorInputs(device)
+    from graphcap.opsdb.attention import get_backend
+
+    backend = get_backend(attention, device, strategy=strategy, dtype=_dtype_of(model))
+    return PrefillInputs(device, backend, slots, rows, _input_bounds(model) if check else None,
+                         name=type(model).__name__)
 
 
 @contextlib.contextmanager

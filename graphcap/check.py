@@ -6,9 +6,8 @@ import importlib
 import sys
 import time
 
+from graphcap.api import GRAPHED
 from graphcap.errors import GraphcapError
-
-STRATEGIES = ("breakable", "full", "tc_piecewise")
 
 
 def load_factory(spec: str):
@@ -30,7 +29,7 @@ def load_factory(spec: str):
     return factory
 
 
-def run_check(spec: str, strategies=STRATEGIES, examples: int = 10, sequences: int = 3,
+def run_check(spec: str, strategies=GRAPHED, examples: int = 10, sequences: int = 3,
               max_tokens: int = 64, max_requests: int = 4, attention: str | None = None
               ) -> int:
     """Print one row per strategy; 0 when every strategy matches eager, else 1."""

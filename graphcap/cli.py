@@ -52,6 +52,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from graphcap.api import GRAPHED
     parser = argparse.ArgumentParser(
         prog="graphcap", description="CUDA graphs for LLM prefill and launch-bound forwards.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -66,8 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="replay equivalence of your model under every "
                            "strategy")
     check.add_argument("factory", help="MODULE:FUNCTION returning the model")
-    check.add_argument("--strategies", nargs="+", default=["breakable", "full",
-                                                           "tc_piecewise"])
+    check.add_argument("--strategies", nargs="+", default=list(GRAPHED), choices=GRAPHED)
     check.add_argument("--examples", type=int, default=10, help="batches per strategy")
     check.add_argument("--sequences", type=int, default=3, help="call sequences")
     check.add_argument("--max-tokens", type=int, default=64)

@@ -31,6 +31,7 @@ def mlp(width: int = 256, depth: int = 6) -> torch.nn.Sequential:
 def strategies_table(device: torch.device, steps: int) -> bool:
     """The tiny reference decoder under every strategy, against eager; True if all match."""
     import graphcap
+    from graphcap.api import GRAPHED
     from graphcap.bench.report import print_table
     from graphcap.core.buckets import prefill_ladder
     from graphcap.models import build_model
@@ -49,8 +50,8 @@ def strategies_table(device: torch.device, steps: int) -> bool:
     eager_ms = _ms(lambda: truth(ids64, pos64, seq_lens=[64]), device, 5)
     print(f"eager: {eager_ms:.2f} ms for a 64-token prompt")
     rows, ok = [], True
-    with progress(3 * len(prefill_ladder(256)), "capturing") as step:
-        for strategy in ("breakable", "full", "tc_piecewise"):
+    with progress(len(GRAPHED) * len(prefill_ladder(256)), "capturing") as step:
+        for strategy in GRAPHED:
             start = time.perf_counter()
             runner = graphcap.capture(model, strategy, max_tokens=256, max_requests=4,
                                       attention="torch_masked",

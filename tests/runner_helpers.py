@@ -23,7 +23,7 @@ def combos():
     out = []
     for strategy in ("breakable", "full", "tc_piecewise"):
         for name, cls in BACKENDS.items():
-            if strategy not in cls.strategies or cls().unavailable(DEVICE):
+            if not cls().runs_under(strategy) or cls().unavailable(DEVICE):
                 continue
             if DEVICE == "cpu" and name in GPU_ONLY:
                 continue  # the Triton interpreter is too slow for whole models

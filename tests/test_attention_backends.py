@@ -17,7 +17,7 @@ from graphcap.opsdb.reference import attention_varlen
 from graphcap.testing import default_tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-CAPTURABLE = [n for n, cls in BACKENDS.items() if "full" in cls.strategies]
+CAPTURABLE = [n for n, cls in BACKENDS.items() if cls.static_metadata]
 
 
 def available(device, names=tuple(BACKENDS)):
@@ -118,7 +118,7 @@ def test_torch_varlen_refuses_full_capture_and_says_what_to_use():
 
 
 def test_the_best_backend_for_full_capture_is_a_capturable_one():
-    assert "full" in get_backend(None, DEVICE, strategy="full").strategies
+    assert get_backend(None, DEVICE, strategy="full").static_metadata
 
 
 def test_an_unknown_or_unavailable_backend_says_why():

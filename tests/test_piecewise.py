@@ -19,7 +19,7 @@ import graphcap
 from graphcap.errors import CaptureError
 from graphcap.models import Decoder, ModelArgs
 from graphcap.piecewise import PiecewiseCompiler
-from graphcap.piecewise import backend as piecewise_backend
+from graphcap.piecewise import compiler as piecewise_compiler
 from graphcap.piecewise.inductor import compile_piece
 from graphcap.piecewise.split import split_graph, split_op_names
 from graphcap.testing.strategies import prefill_batches
@@ -84,17 +84,16 @@ def test_a_forward_whose_split_ops_read_static_metadata_is_one_graph_per_shape(l
     assert rep["segments"] == {n: 1 for n in SIZES} and rep["breaks"] == {n: 0 for n in SIZES}
     assert rep["splits_in_graph"] == {n: layers for n in SIZES}
     _check_batches(m, r)
-    assert stats["graphs"] == 1 and r.report()["eager_replays"] == {}
+    assert stats["graphs"] == 1
     assert sum(r.stats.replays.values()) == 3
 
 
-def test_a_shape_captured_whole_runs_eagerly_under_metadata_other_than_its_captured_one():
+def test_a_fallback_at_a_size_captured_whole_runs_the_pieces_eagerly_and_captures_nothing():
     m = decoder(2)
-    r = graphcap.capture(m, "tc_piecewise", buckets=[16], max_requests=4,
+    r = graphcap.capture(m, "tc_piecewise", buckets=[16], max_requests=2,
                          attention="torch_masked")
-    r.metadata[16] = r.config.attention.metadata(16, 4, "cpu")  # the graph reads the old
-    _check_batches(m, r, batches=([9, 7], [1, 2, 13]))
-    assert r.report()["eager_replays"] == {16: 2} and not r.stats.replays
+    _check_batches(m, r, batches=([9, 7], [1, 2, 13]))  # the second: more requests
+    assert r.report()["fallbacks"] == {"too_many_requests": 1} and r.stats.replays[16] == 1
     stats = r.model.compiler.stats
     assert stats["graphs"] == 1 and stats["captures"] == 0  # eager runs capture nothing
 
@@ -203,7 +202,7 @@ def test_inductor_pieces_run_fused_kernels_not_the_traced_ops(monkeypatch):
                 return fn(*args)
         return run
 
-    monkeypatch.setattr(piecewise_backend, "compile_piece", recording)
+    monkeypatch.setattr(piecewise_compiler, "compile_piece", recording)
     compiler = PiecewiseCompiler({"capture_sizes": [8], "compiler": "inductor"})
     mlp = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
     compiled = torch.compile(mlp, backend=compiler, fullgraph=True, dynamic=True)
@@ -218,7 +217,7 @@ def test_a_piece_that_fails_to_compile_raises_capture_error_naming_compiler_and_
     def failing(module):
         raise KeyError("buf1")
 
-    monkeypatch.setattr(piecewise_backend, "compile_piece", failing)
+    monkeypatch.setattr(piecewise_compiler, "compile_piece", failing)
     with pytest.raises(CaptureError, match=r"compiler='inductor': KeyError: 'buf1'"):
         graphcap.capture(decoder(1), "tc_piecewise", buckets=[8], max_requests=1,
                          attention="torch_masked", compiler="inductor")

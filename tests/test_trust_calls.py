@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import graphcap
+from graphcap.api import GRAPHED
 from graphcap.errors import BadBatch, ReplayError, UnsupportedModel
 from tests.check_models import SdpaDecoder  # its attention blind to request boundaries
 from tests.runner_helpers import DEVICE, batch, eager, model, runner, tolerance
 
-STRATEGIES = ("breakable", "full", "tc_piecewise")
 ATTN = "torch_masked"
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
@@ -54,7 +54,7 @@ def _hammer(call, jobs, threads: int = 4):
     return failures
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", GRAPHED)
 def test_one_runner_called_from_several_threads_gives_every_caller_eager_results(strategy):
     r = runner(strategy, ATTN)
     cases = [[(n % 13) + 1, (n * 7) % 11] for n in range(48)]
@@ -190,7 +190,7 @@ def test_the_opt_in_input_check_refuses_ids_and_positions_out_of_range():
 
 
 # -- models of packed requests ----------------------------------------------------------
-@pytest.mark.parametrize("strategy", ("eager", *STRATEGIES))
+@pytest.mark.parametrize("strategy", ("eager", *GRAPHED))
 def test_packed_requests_into_a_model_without_graphcap_attention_are_refused(strategy):
     m = SdpaDecoder().to(DEVICE)
     r = graphcap.capture(m, strategy, buckets=[8, 16], max_requests=2, attention=ATTN)
@@ -253,7 +253,7 @@ def test_a_break_that_raises_at_replay_leaves_the_runner_usable_and_is_counted()
     assert r.report()["failed"] == 1 and r.stats.replays[4] == 1
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", GRAPHED)
 def test_every_accepted_call_is_a_replay_a_fallback_or_a_failure(strategy):
     m = graphcap.models.build_model("tiny", device=DEVICE)
     r = graphcap.capture(m, strategy, buckets=[8], max_requests=2, attention=ATTN,
@@ -270,4 +270,4 @@ def test_every_accepted_call_is_a_replay_a_fallback_or_a_failure(strategy):
     rep = r.report()
     assert rep["calls"] == 4 and rep["failed"] == 1
     assert rep["calls"] == sum(rep["replays"].values()) + sum(rep["fallbacks"].values()) \
-        + sum(rep["eager_replays"].values()) + rep["failed"]
+        + rep["failed"]

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import graphcap
+from graphcap.api import GRAPHED
 from graphcap.errors import ModelChanged
 from graphcap.models import PRESETS, Decoder
 from tests.runner_helpers import DEVICE, batch, tolerance
 
-STRATEGIES = ("breakable", "full", "tc_piecewise")
 ATTN = "torch_masked"
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
@@ -75,7 +75,7 @@ CHANGES = {"reassigned parameter": (reassign, "lm_head.weight: another tensor"),
            "replaced submodule": (replace_block, "blocks.1: another module")}
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", GRAPHED)
 @pytest.mark.parametrize("change", sorted(CHANGES))
 def test_a_model_changed_after_capture_is_recaptured_at_the_next_call(strategy, change):
     m = fresh_model()
@@ -87,7 +87,7 @@ def test_a_model_changed_after_capture_is_recaptured_at_the_next_call(strategy, 
     assert r.report()["recaptures"] == 1 and sum(r.stats.replays.values()) == 3
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", GRAPHED)
 @pytest.mark.parametrize("change", sorted(CHANGES))
 def test_on_change_error_names_what_changed_and_recapture_clears_it(strategy, change):
     m = fresh_model()
@@ -103,7 +103,7 @@ def test_on_change_error_names_what_changed_and_recapture_clears_it(strategy, ch
     assert_matches_eager(r, m, seed=3)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", GRAPHED)
 def test_weights_updated_in_place_are_seen_by_replays_without_a_recapture(strategy):
     m = fresh_model()
     r = capture(m, strategy)
@@ -118,7 +118,7 @@ def test_weights_updated_in_place_are_seen_by_replays_without_a_recapture(strate
     assert r.report()["recaptures"] == 0
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", GRAPHED)
 def test_a_replaced_weight_keeps_the_old_tensor_untouched(strategy):
     m = fresh_model()
     r = capture(m, strategy)

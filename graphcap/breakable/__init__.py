@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from graphcap.breakable.graph import BreakableBackend, BreakableCapture, DebugBackend
+from graphcap.breakable.graph import BreakableCapture, BreakableStrategy, DebugStrategy
 from graphcap.core.breaks import run_maybe_as_break
 
 
@@ -31,4 +31,4 @@ def eager_on_graph(fn):
     return wrapper
 
 
-__all__ = ["BreakableBackend", "BreakableCapture", "DebugBackend", "eager_on_graph"]
+__all__ = ["BreakableCapture", "BreakableStrategy", "DebugStrategy", "eager_on_graph"]

@@ -21,9 +21,8 @@ A break whose function is *graphable* (a split op whose per-batch state lives in
 buffers: attention under a backend that runs with the runner's prepared metadata) does not
 break at all: it runs inside the open segment and is captured with it, so a forward whose
 every break is graphable is one graph per shape, as under full capture. The segment then
-reads the state object the split op read at capture (the prepared metadata): the capture
-lists each such object (``Captured.states``), and the runner replays the graphs only while
-every one is still the current one (else it runs the forward eagerly).
+reads the state object the split op read at capture (the prepared metadata), listed in
+``BreakableCapture.states``: see :class:`BreakableCapture` for who keeps it current.
 """
 
 from __future__ import annotations
@@ -35,9 +34,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graphcap.core.backend import CaptureBackend, Captured, note_state, states_current
 from graphcap.core.breaks import break_handler
 from graphcap.core.graphs import GraphPool
+from graphcap.core.strategy import Captured, Strategy, note_state, states_current
 from graphcap.core.trees import tensor_leaves
 from graphcap.errors import CaptureError, ReplayError
 
@@ -78,10 +77,18 @@ class Break:
 
 
 class BreakableCapture:
-    """The segments and breaks of one shape, captured by running ``fn`` once."""
+    """The segments and breaks of one shape, captured by running ``fn`` once.
 
-    def __init__(self, pool: GraphPool):
+    Its segments read the state objects listed in ``states`` (attention metadata whose
+    buffers a split op captured inside a segment). A caller that keeps them current, as
+    a runner does (it owns each shape's metadata and only ever rewrites its buffers),
+    passes ``trusted_states=True`` and replays check nothing; otherwise every replay
+    checks them, and under another state object runs ``fn`` eagerly instead (the segments
+    would read the old object's buffers)."""
+
+    def __init__(self, pool: GraphPool, trusted_states: bool = False):
         self.pool = pool
+        self.trusted_states = trusted_states
         self.items: list = []  # Graph segments and Breaks, in replay order
         self.states: list[tuple[Callable[[], object], object]] = []  # (graphable, its state)
         self.in_graph = 0  # graphable split ops captured inside a segment
@@ -143,10 +150,10 @@ class BreakableCapture:
         return states_current(self.states)
 
     def replay(self) -> None:
-        """Segment, break, segment, ...; under another state object than the captured
-        one (the segments would read its buffers) the function runs eagerly instead and
-        its results are copied into the captured outputs."""
-        if not self.current():
+        """Segment, break, segment, ...; unless ``trusted_states``, under another state
+        object than the captured one the function runs eagerly instead and its results
+        are copied into the captured outputs."""
+        if not self.trusted_states and not self.current():
             fresh = self._fn()
             for kept, new in zip(tensor_leaves(self._outputs), tensor_leaves(fresh),
                                  strict=True):
@@ -161,28 +168,26 @@ class BreakableCapture:
         return [i for i in self.items if not isinstance(i, Break)]
 
 
-class BreakableBackend(CaptureBackend):
+class BreakableStrategy(Strategy):
     """``strategy="breakable"``: segments between eager breaks, no compiler involved."""
 
-    strategy = "breakable"
+    name = "breakable"
 
     def capture(self, fn, key, pool: GraphPool) -> Captured:
-        bcg = BreakableCapture(pool)
-        out = bcg.run(fn)
-        graphs = bcg.graphs
-        return Captured(key, out, bcg.replay, segments=len(graphs),
-                        breaks=len(bcg.items) - len(graphs), graphs=graphs,
-                        states=bcg.states, splits_in_graph=bcg.in_graph)
+        bcg = BreakableCapture(pool, trusted_states=True)  # the runner owns the metadata
+        bcg.run(fn)
+        segments = len(bcg.graphs)
+        return Captured(bcg.replay, segments=segments, breaks=len(bcg.items) - segments,
+                        splits_in_graph=bcg.in_graph)
 
 
-class DebugBackend(CaptureBackend):
+class DebugStrategy(Strategy):
     """``debug=True`` / ``GRAPHCAP_DEBUG_CUDA_GRAPH=1``: the whole forward is one eager
     break, through the same runner path (padding, metadata, slicing) as a capture."""
 
-    strategy = "breakable"
-    captures_into_pool = False
+    name = "breakable"
+    sizes_pool = False  # no graph is captured into the pool
 
     def capture(self, fn, key, pool: GraphPool) -> Captured:
-        out = fn()
-        brk = Break(fn, (), {}, out)
-        return Captured(key, out, brk.replay, segments=0, breaks=1)
+        brk = Break(fn, (), {}, fn())
+        return Captured(brk.replay, segments=0, breaks=1)

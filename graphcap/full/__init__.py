@@ -4,19 +4,19 @@ metadata, rebuilt outside the graph before every replay)."""
 
 from __future__ import annotations
 
-from graphcap.core.backend import CaptureBackend, Captured
 from graphcap.core.graphs import GraphPool
+from graphcap.core.strategy import Captured, Strategy
 
 
-class FullBackend(CaptureBackend):
+class FullStrategy(Strategy):
     """``strategy="full"``: the whole forward of one shape in one graph."""
 
-    strategy = "full"
+    name = "full"
 
     def capture(self, fn, key, pool: GraphPool) -> Captured:
         graph = pool.graph()
-        out = graph.capture(fn)
-        return Captured(key, out, graph.replay, segments=1, graphs=[graph])
+        graph.capture(fn)
+        return Captured(graph.replay)
 
 
-__all__ = ["FullBackend"]
+__all__ = ["FullStrategy"]

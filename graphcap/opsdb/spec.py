@@ -47,6 +47,22 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def unavailable(device: torch.device, devices: tuple[str, ...], requires: tuple[str, ...],
+                interpreted: bool = True) -> str | None:
+    """Why code for ``devices`` needing the modules ``requires`` cannot run on ``device``,
+    or None. Triton code runs on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``)
+    unless ``interpreted=False``: automatic selection never picks the interpreter."""
+    device_ok = device.type in devices or (
+        interpreted and device.type == "cpu" and "triton" in requires
+        and env.settings().triton_interpret)
+    if not device_ok:
+        return f"runs on {'/'.join(devices)} tensors, not {device.type}"
+    for module in requires:
+        if not _importable(module):
+            return f"needs the Python package {module!r}, which is not installed"
+    return None
+
+
 @dataclass
 class Kernel:
     """One implementation of an op. ``fn`` is a callable or ``"module:function"``
@@ -65,21 +81,12 @@ class Kernel:
 
     def unavailable(self, device: torch.device, dtype: torch.dtype | None = None,
                     interpreted: bool = True) -> str | None:
-        """Why this kernel cannot run on ``device`` (for ``dtype``), or None when it can.
-        A Triton kernel runs on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``)
-        unless ``interpreted=False``: automatic selection never picks the interpreter."""
+        """Why this kernel cannot run on ``device`` (for ``dtype``), or None when it can
+        (see :func:`unavailable`)."""
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
             return f"takes {names}, not {str(dtype).removeprefix('torch.')}"
-        device_ok = device.type in self.devices or (
-            interpreted and device.type == "cpu" and "triton" in self.requires
-            and env.settings().triton_interpret)
-        if not device_ok:
-            return f"runs on {'/'.join(self.devices)} tensors, not {device.type}"
-        for module in self.requires:
-            if not _importable(module):
-                return f"needs the Python package {module!r}, which is not installed"
-        return None
+        return unavailable(device, self.devices, self.requires, interpreted)
 
     def declines(self, args) -> str | None:
         """Why this kernel cannot take ``args`` (host-side shape checks), or None."""

@@ -1,4 +1,6 @@
-"""Splitting an FX graph at split ops: each split op alone in its piece, order kept."""
+"""The FX graph Dynamo hands the backend: split at split ops (each alone in its piece,
+order kept), and what the backend reads of it (the token argument, the inputs a piece
+writes, host scalars, whether it records autograd history)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
+from torch.utils._pytree import tree_leaves
 
 
 def split_op_names(extra=()) -> set[str]:
@@ -75,3 +78,95 @@ def split_graph(gm: torch.fx.GraphModule, names: set[str]
         nodes = [n for n in module.graph.nodes if n.op == "call_function"]
         pieces.append(Piece(name, module, any(is_split_node(n, names) for n in nodes)))
     return split, pieces
+
+
+def mutated_inputs(module: torch.nn.Module) -> set[int]:
+    """Indices of the placeholders a piece writes in place (``Tensor(a!)`` arguments of
+    the ops it calls, and in-place methods)."""
+    graph = getattr(module, "graph", None)
+    if graph is None:
+        return set()
+    slots = {n: i for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder")}
+    written = set()
+    for node in graph.nodes:
+        targets = []
+        if node.op == "call_method" and node.target.endswith("_") and node.args:
+            targets = [node.args[0]]
+        elif node.op == "call_function":
+            op = node.target
+            if isinstance(op, torch._ops.OpOverloadPacket):
+                op = op.default
+            if isinstance(op, torch._ops.OpOverload):
+                for i, arg in enumerate(op._schema.arguments):
+                    if arg.alias_info is not None and arg.alias_info.is_write:
+                        value = node.args[i] if i < len(node.args) else node.kwargs.get(
+                            arg.name)
+                        targets.append(value)
+            elif getattr(op, "__name__", "").endswith("_") and node.args:
+                targets = [node.args[0]]
+        written |= {slots[t] for t in targets if t in slots}
+    return written
+
+
+def device_of(args) -> torch.device:
+    """The device a call's graphs run on: its tensors' (a CUDA one over a host scalar)."""
+    devices = [a.device for a in args if isinstance(a, torch.Tensor)]
+    return next((d for d in devices if d.type != "cpu"), devices[0] if devices else
+                torch.device("cpu"))
+
+
+def builds_autograd_graph(gm: torch.fx.GraphModule) -> bool:
+    """Whether the traced forward records autograd history: an op whose traced output
+    requires grad (grad enabled, and an input or parameter that requires grad, as the
+    trace saw them, ``no_grad`` and ``enable_grad`` blocks inside the forward included)."""
+    return any(isinstance(v, torch.Tensor) and v.requires_grad
+               for n in gm.graph.nodes if n.op not in ("placeholder", "output")
+               for v in tree_leaves(n.meta.get("example_value")))
+
+
+def host_scalars(gm: torch.fx.GraphModule) -> set[int]:
+    """Rewrite ``gm`` to take, as plain Python numbers, the inputs Dynamo passes as 0-d
+    host tensors and reads back with ``.item()`` (a model's float attribute under
+    ``dynamic=True``, e.g. ``nn.Embedding.norm_type``); return their indices. Inside a
+    captured piece that read would be baked at capture, and the emulator refuses it as a
+    host sync; as an argument, the value is compared on every replay instead (a piece
+    runs eagerly when it changed)."""
+    found = set()
+    for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        arg, users = node.meta.get("grapharg"), list(node.users)
+        if arg is None or not getattr(arg, "pass_arg_as_tensor", False) or arg.is_tensor:
+            continue
+        if not users or any(u.op != "call_method" or u.target != "item" for u in users):
+            continue
+        for user in users:
+            user.replace_all_uses_with(node)
+            node.meta["example_value"] = user.meta.get("example_value")
+            gm.graph.erase_node(user)
+        found.add(i)
+    if found:
+        gm.recompile()
+    return found
+
+
+def token_arg(gm: torch.fx.GraphModule) -> int | None:
+    """Which argument of Dynamo's graph gives the token count: the first placeholder that
+    is a dynamic size (a SymInt) or a tensor whose dim 0 is one (the token inputs are
+    marked dynamic in dim 0), else the first tensor input that is no parameter or buffer.
+    Pieces take it from the call, not from their own first tensor, which may be a weight
+    or the request rows of last-token logits."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.SymInt):
+            return i
+        if isinstance(value, torch.Tensor) and value.dim() and isinstance(value.shape[0],
+                                                                         torch.SymInt):
+            return i
+    # A graph of static shapes: the first input that is not a module's parameter or
+    # buffer (Dynamo names those after their attribute path).
+    for i, node in enumerate(placeholders):
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor) and value.dim() and not any(
+                part in node.name for part in ("_parameters_", "_buffers_")):
+            return i
+    return None

@@ -12,7 +12,7 @@ and the CPU emulator's recording (under which Dynamo declines to run compiled co
 the pieces' own ops.
 
 Otherwise (a split op on host state, a user's split op, outputs Dynamo built anew) the
-shape is captured piece by piece (:class:`~graphcap.piecewise.backend.PieceRunner`).
+shape is captured piece by piece (:class:`~graphcap.piecewise.pieces.PieceGraphs`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graphcap.core.backend import note_state
+from graphcap.core.strategy import note_state
 from graphcap.errors import CaptureError
 from graphcap.piecewise.inductor import OneOpPiece
 
@@ -32,7 +32,7 @@ from graphcap.piecewise.inductor import OneOpPiece
 class Call:
     """One call of the graph Dynamo compiled: the split module, its arguments (the
     runner's static buffers, parameters, sizes) and what it returned. ``static``: every
-    split op of the call read static state and every split piece is a piece runner."""
+    split op of the call read static state and every split piece has graphs."""
 
     module: torch.fx.GraphModule
     args: tuple
@@ -40,6 +40,14 @@ class Call:
     outputs: Any = None
     tokens: int | None = None
     returns: tuple | None = None  # (index into outputs or None, constant, spec)
+    inputs: list | None = None  # where the caller's tensors were: address, shape, strides
+
+    @staticmethod
+    def where(args) -> list:
+        """Where the caller's tensors are: the graph, called directly on the warm-up's
+        arguments, reads them there."""
+        return [(a.data_ptr(), tuple(a.shape), a.stride(), a.dtype)
+                if isinstance(a, torch.Tensor) else a for a in args]
 
     def learn_returns(self, value, tokens: int) -> None:
         """Map the model's return value onto the graph's outputs, by identity; a tensor
@@ -63,6 +71,13 @@ class Call:
     def replayable(self, tokens: int) -> bool:
         return self.static and self.returns is not None and self.tokens == tokens
 
+    def direct_for(self, args):
+        """:meth:`direct`, for a call with these arguments: those of the warm-up, where the
+        graph reads them (views of the runner's static buffers), else :class:`Moved`."""
+        if Call.where(args) != self.inputs:
+            raise Moved
+        return self.direct()
+
     def direct(self):
         """The model's return value, from calling the compiled graph directly."""
         outs = self.module(*self.args)
@@ -72,10 +87,15 @@ class Call:
                                for i, leaf in zip(where, leaves, strict=True)], spec)
 
 
+class Moved(Exception):  # noqa: N818 - a signal between the forward and the strategy
+    """The forward passed the compiled model tensors other than its warm-up's (made anew
+    each call, not views of static buffers): the shape cannot be captured whole."""
+
+
 @dataclass
 class WholeCapture:
     """The capture of one shape as one graph: the pieces run inline, the split ops'
-    static states are listed (the runner replays while they are current)."""
+    static states are listed (the runner owns them: they stay current)."""
 
     call: Call
     emulated: bool
@@ -85,7 +105,7 @@ class WholeCapture:
     keep: list = field(default_factory=list)  # OneOpPieces the emulated graph replays
 
     def run(self, piece, args):
-        """A piece runner's forward inside the capture: the piece itself, inline."""
+        """A piece's forward inside the capture: the piece itself, inline."""
         if piece.graphable is not None:
             state = piece.graphable()
             if state is None:

@@ -1,12 +1,5 @@
-"""Prefill attention: the ``graphcap::attention`` split op and its backends.
-
-| backend        | device | full | breakable | tc_piecewise |
-|----------------|--------|------|-----------|--------------|
-| torch_varlen   | any    | no   | yes       | yes          |
-| torch_masked   | any    | yes  | yes       | yes          |
-| triton         | cuda   | yes  | yes       | yes          |
-| flashinfer     | cuda   | yes  | yes       | yes          |
-| flash_attn     | cuda   | yes  | yes       | yes          |
+"""Prefill attention: the ``graphcap::attention`` split op and its backends (each says
+where it runs, and whether its metadata is static: ``AttentionBackend.static_metadata``).
 
 The op takes a caller-allocated ``out`` and writes it (a split op's contract); the batch's
 metadata comes from the forward context, prepared by the backend outside any graph.
@@ -19,7 +12,6 @@ import torch
 from graphcap.core.context import current_attention
 from graphcap.opsdb import checks
 from graphcap.opsdb.attention.base import (
-    STRATEGIES,
     AttentionBackend,
     AttentionMetadata,
     validate_seq_lens,
@@ -55,7 +47,7 @@ def get_backend(name: str | None = None, device="cpu", strategy: str | None = No
     for cls in BACKENDS.values():
         backend = cls()
         if (backend.unavailable(device, interpreted=False) is None
-                and (strategy or "eager") in backend.strategies
+                and backend.runs_under(strategy or "eager")
                 and (dtype is None or dtype in backend.dtypes)):
             return backend
     raise BackendUnavailable(f"no attention backend runs on {device} under {strategy}"
@@ -92,7 +84,7 @@ def _static_metadata():
     """The forward's metadata when its backend runs on it from static buffers (the
     backends full capture allows), else None."""
     meta = current_attention()
-    return meta if "full" in meta.backend.strategies else None
+    return meta if meta.backend.static_metadata else None
 
 
 def _reference(q, k, v, out, scale):
@@ -115,5 +107,5 @@ ATTENTION = register_op(
     doc="causal prefill attention over packed requests; metadata from the forward context",
 )
 
-__all__ = ["ATTENTION", "BACKENDS", "STRATEGIES", "AttentionBackend", "AttentionMetadata",
+__all__ = ["ATTENTION", "BACKENDS", "AttentionBackend", "AttentionMetadata",
            "get_backend", "validate_seq_lens"]

@@ -19,9 +19,8 @@ import torch
 
 from graphcap.core.batch import host_lengths
 from graphcap.errors import UnsupportedStrategy
-from graphcap.opsdb.spec import OpInputError
+from graphcap.opsdb.spec import OpInputError, unavailable
 
-STRATEGIES = ("eager", "breakable", "tc_piecewise", "full")
 # Host buffers of a CUDA shape's offsets, written in turn: each feeds an asynchronous copy
 # and may be rewritten only once it ran, so a round of them shares one event (an event
 # per update cost more host time than the replay it fed: performance-history item 34).
@@ -140,7 +139,10 @@ class AttentionBackend:
     name = "base"
     devices: tuple[str, ...] = ("cpu", "cuda")
     requires: tuple[str, ...] = ()
-    strategies: tuple[str, ...] = STRATEGIES
+    # Its forward reads only the metadata's static buffers, so it can be captured once and
+    # replayed for every batch of a shape: under full capture, and inside breakable and
+    # tc_piecewise graphs. False: it reads host values (an eager break or split op there).
+    static_metadata = True
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
     def check_dtype(self, dtype: torch.dtype) -> None:
@@ -150,17 +152,19 @@ class AttentionBackend:
                                f"{str(dtype).removeprefix('torch.')}; pick another backend")
 
     def unavailable(self, device: torch.device | str, interpreted: bool = True) -> str | None:
-        from graphcap.opsdb.spec import Kernel
+        return unavailable(torch.device(device), self.devices, self.requires, interpreted)
 
-        return Kernel(lambda: None, self.devices, self.requires).unavailable(
-            torch.device(device), interpreted=interpreted)
+    def runs_under(self, strategy: str) -> bool:
+        """Whether it can run under ``strategy``: full capture needs static metadata."""
+        return strategy != "full" or self.static_metadata
 
     def check_strategy(self, strategy: str) -> None:
-        if strategy not in self.strategies:
+        if not self.runs_under(strategy):
             raise UnsupportedStrategy(
-                f"attention backend {self.name!r} cannot run under strategy {strategy!r}; "
-                f"it supports {', '.join(self.strategies)}. Pick one of those strategies, "
-                "or an attention backend that supports it (see graphcap ops)")
+                f"attention backend {self.name!r} cannot run under strategy {strategy!r}: "
+                "it reads host lengths, which one graph per shape cannot hold. Use "
+                "breakable or tc_piecewise (it runs there between graphs), or an attention "
+                "backend with static metadata (torch_masked, triton, flashinfer, flash_attn)")
 
     def metadata(self, num_tokens: int, num_slots: int, device) -> AttentionMetadata:
         return AttentionMetadata(self, num_tokens, num_slots, device)

@@ -29,7 +29,7 @@ class TorchVarlen(AttentionBackend):
     is Python on the host, so it runs as a break (breakable) or split op (tc_piecewise)."""
 
     name = "torch_varlen"
-    strategies = ("eager", "breakable", "tc_piecewise")
+    static_metadata = False
 
     def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float) -> None:
         out.zero_()

@@ -1,0 +1,181 @@
+"""The ``sgl_piecewise`` torch.compile backend: split at split ops, compile each piece once,
+capture it per token count.
+
+Dynamo traces the forward once (``fullgraph=True``, dim 0 of the token inputs dynamic).
+The FX graph is split so that each split op (attention, and any op named in
+``split_ops``) sits alone in its piece, original order kept. Every other piece is
+compiled once, in the backend call, for the symbolic token count (``compiler="eager"``:
+the FX code as traced; ``"inductor"``: Inductor's fused kernels, see
+:mod:`graphcap.piecewise.inductor`) and wrapped in a
+:class:`~graphcap.piecewise.pieces.PieceGraphs`, which for each capture size runs the
+piece eagerly once (warm-up), then captures it on the backend's one graph pool, then
+replays it. Split ops run eagerly between pieces. Token counts outside the capture sizes
+run the pieces eagerly (counted). Under ``graphcap.capture`` the strategy sets a phase
+around each call instead (:mod:`graphcap.piecewise.phase`).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import Counter
+
+import torch
+
+from graphcap.core.buckets import check_ladder, prefill_ladder
+from graphcap.core.graphs import GraphPool, new_pool
+from graphcap.core.serial import Serial
+from graphcap.errors import GraphcapError
+from graphcap.piecewise import phase as phases
+from graphcap.piecewise.inductor import compile_piece
+from graphcap.piecewise.phase import Phase
+from graphcap.piecewise.pieces import PieceGraphs
+from graphcap.piecewise.split import (
+    builds_autograd_graph,
+    device_of,
+    graphable,
+    host_scalars,
+    split_graph,
+    split_op_names,
+    token_arg,
+)
+from graphcap.piecewise.whole import Call
+
+OPTIONS = ("capture_sizes", "max_tokens", "compiler", "split_ops", "copy_outputs", "pool")
+COMPILERS = ("eager", "inductor")
+log = logging.getLogger("graphcap")
+_COMPILERS: weakref.WeakSet = weakref.WeakSet()  # every live compile, for counters()
+
+
+class PiecewiseCompiler:
+    """A Dynamo backend instance; ``torch.compile(m, backend="sgl_piecewise")`` makes one
+    per compile, with ``options=`` as its keyword arguments."""
+
+    def __init__(self, options: dict | None = None):
+        opts = dict(options or {})
+        unknown = set(opts) - set(OPTIONS)
+        if unknown:
+            raise GraphcapError(f"sgl_piecewise: unknown options {sorted(unknown)}; "
+                                f"known: {list(OPTIONS)}")
+        sizes = opts.get("capture_sizes")
+        self.capture_sizes = set(check_ladder(sizes)) if sizes else set(
+            prefill_ladder(opts.get("max_tokens", 2048)))
+        self.compiler = opts.get("compiler", "eager")
+        if self.compiler not in COMPILERS:
+            raise GraphcapError(f"sgl_piecewise: compiler={self.compiler!r}; use one of "
+                                f"{COMPILERS}")
+        self.split_names = split_op_names(opts.get("split_ops", ()))
+        self.copy_outputs = bool(opts.get("copy_outputs", True))
+        self.pool: GraphPool | None = opts.get("pool")
+        self.stats: Counter = Counter()  # see counters()
+        self.serial: Serial | None = None  # one call at a time: the pieces' static buffers
+        self.static_ptrs: set[int] = set()  # outputs of captured pieces: fixed addresses
+        _COMPILERS.add(self)
+
+    def pool_for(self, args) -> GraphPool:
+        if self.pool is None:
+            self.pool = new_pool(device_of(args))
+        return self.pool
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        self.stats["graphs"] += 1
+        if builds_autograd_graph(gm):
+            return self._eager_for_autograd(gm)
+        if self.serial is None:
+            self.serial = Serial(device_of(example_inputs))
+        scalars = host_scalars(gm)
+        token = token_arg(gm)
+        split, pieces = split_graph(gm, self.split_names)
+        static = True  # every split op can be captured inside a graph
+        for piece in pieces:
+            self.stats["pieces"] += 1
+            if piece.is_split:
+                self.stats["split_pieces"] += 1
+                check = graphable(piece.module, self.split_names)
+                if check is not None:  # replayed as a graph while its state is static
+                    setattr(split, piece.name, PieceGraphs(self, piece.module, piece.module,
+                                                           graphable=check))
+                static &= check is not None
+                continue
+            self.stats["captured_pieces"] += 1
+            if self.compiler == "inductor":
+                graphs = PieceGraphs(self, compile_piece(piece.module), piece.module,
+                                     opaque=True)
+            else:
+                graphs = PieceGraphs(self, piece.module, piece.module)
+            setattr(split, piece.name, graphs)
+        split.graphcap_split_pieces = sum(p.is_split for p in pieces)
+
+        def forward(*args):
+            if scalars:  # host values, read outside any graph
+                args = tuple(a.item() if i in scalars else a for i, a in enumerate(args))
+            with self.serial:
+                return run(*args)
+
+        def run(*args):
+            size = None if token is None else (
+                args[token] if isinstance(args[token], int) else args[token].shape[0])
+            now, watch = phases.current()
+            if now is Phase.WARMUP:  # recorded: may the shape be captured as one graph?
+                watch.call = Call(split, args, static=static)
+            sized = phases._SIZE.set(size)
+            try:
+                out = split(*args)
+            finally:
+                phases._SIZE.reset(sized)
+            if now is Phase.WARMUP:
+                watch.call.outputs = out
+            if not self.copy_outputs:
+                return out
+            # The last piece's outputs are static and overwritten by the next call.
+            return type(out)(o.clone() if isinstance(o, torch.Tensor) else o for o in out) \
+                if isinstance(out, (tuple, list)) else out
+
+        return forward
+
+    def _eager_for_autograd(self, gm: torch.fx.GraphModule):
+        """A forward traced with grad enabled and inputs that require grad: graphs would
+        return outputs tied to the autograd graph of their capture, so it runs eagerly
+        (Dynamo guards on grad mode and requires_grad: calls under inference_mode or
+        no_grad get a compile of their own, with graphs)."""
+        self.stats["grad_graphs"] += 1
+        log.warning("sgl_piecewise: the model was called with grad enabled and inputs or "
+                    "parameters that require grad, so it runs eagerly, without graphs (an "
+                    "output of a replay cannot carry autograd history); call it under "
+                    "torch.inference_mode() or torch.no_grad() for graphs")
+
+        def forward(*args):
+            self.stats["grad_runs"] += 1
+            return gm(*args)
+
+        return forward
+
+
+def counters() -> Counter:
+    """The counters of every live ``sgl_piecewise`` compile, summed:
+
+    - ``graphs``: FX graphs Dynamo handed the backend (one per compile or recompile);
+    - ``pieces``, ``split_pieces``, ``captured_pieces``: the pieces they were split into,
+      those holding a split op, and those captured per size;
+    - ``captures``: graphs captured of pieces (one per piece and capture size);
+    - ``split_captures``: split ops captured as graphs of their own (static metadata);
+    - ``whole_captures``: shapes captured as one graph (under ``graphcap.capture``);
+    - ``eager_runs``: pieces run eagerly at a size outside the capture sizes (or on
+      inputs the capture cannot take);
+    - ``recaptures``: pieces captured again because a tensor they read in place (a
+      weight) is another one now;
+    - ``grad_graphs``, ``grad_runs``: compiles traced with grad enabled and inputs that
+      require grad, and their calls, which run eagerly (no graphs).
+
+    Compare two readings around a call to see what it did."""
+    total: Counter = Counter()
+    for compiler in list(_COMPILERS):
+        total.update(compiler.stats)
+    return total
+
+
+def sgl_piecewise(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
+    """The Dynamo backend registered as ``sgl_piecewise`` (entry point
+    ``torch_dynamo_backends``): ``torch.compile(model, backend="sgl_piecewise",
+    options={"capture_sizes": [...], "compiler": "inductor"})``."""
+    return PiecewiseCompiler(options)(gm, example_inputs)

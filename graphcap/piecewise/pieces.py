@@ -1,0 +1,141 @@
+"""One piece of the split graph and its graphs: warmed up, captured and replayed per token
+count, and inline in a shape captured as one graph."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphcap.core.graph_base import Graph
+from graphcap.piecewise import phase as phases
+from graphcap.piecewise.inductor import OneOpPiece
+from graphcap.piecewise.phase import Phase
+from graphcap.piecewise.split import mutated_inputs
+
+
+@dataclass
+class PieceEntry:
+    """One capture of a piece: its graph, the static inputs and outputs it reads and
+    writes, and what it captured (the piece, or the piece as one op, kept alive here)."""
+
+    graph: Graph
+    static: list
+    outputs: Any
+    captured: Any
+    foreign: set[int]  # arguments read in place that graphcap does not own (parameters)
+    state: Any = None  # split pieces: a weak reference to the state read at capture
+
+
+class PieceGraphs(torch.nn.Module):
+    """One piece: eager warm-up, then one graph per capture size, replayed.
+
+    Captured inputs: parameters and the static outputs of earlier captured pieces are
+    read in place; any other tensor (the caller's inputs, buffers) gets a static copy,
+    refreshed before each replay and, when the piece writes it, copied back after. A
+    replay never writes a tensor it did not allocate: where a parameter read in place at
+    capture is another tensor now (a weight reassigned after capture, another Parameter
+    passed in), the size is captured again (``recaptures``), never copied into the old one.
+
+    ``opaque``: ``fn`` runs kernels the dispatcher never sees (Inductor's), so an emulated
+    graph captures it as one op (:class:`~graphcap.piecewise.inductor.OneOpPiece`).
+
+    ``graphable`` (split pieces): returns the static state object the split op reads now
+    (attention: the prepared metadata), or None. A size whose capture finds one is
+    captured and replayed as a graph while that object stays current (the caller of the
+    compiled model owns it, so every replay checks); otherwise the split op runs eagerly."""
+
+    def __init__(self, owner, fn, module: torch.nn.Module, opaque: bool = False,
+                 graphable=None):
+        super().__init__()
+        self.owner, self.fn, self.opaque = owner, fn, opaque
+        self.graphable = graphable
+        self.writes = mutated_inputs(module)
+        self.seen: set[int] = set()
+        self.eager_sizes: set[int] = set()  # split pieces whose state was not static
+        self.entries: dict[int, PieceEntry] = {}
+
+    def forward(self, *args):
+        now, detail = phases.current()
+        match now:
+            case Phase.CAPTURE_WHOLE:  # inline in the shape's one graph
+                return detail.run(self, args)
+            case Phase.EAGER:  # a runner's fallback
+                return self.fn(*args)
+            case Phase.WARMUP if self.graphable is not None and self.graphable() is None:
+                detail.call.static = False  # a split op on host state: no whole capture
+        return self._per_size(args)
+
+    def _per_size(self, args):
+        owner, size = self.owner, phases.current_size()
+        if size is None:  # a graph without a dynamic size: its first tensor's rows
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            size = tensors[0].shape[0] if tensors and tensors[0].dim() else None
+        if size not in owner.capture_sizes or size in self.eager_sizes:
+            if self.graphable is None:  # split ops run eagerly by design: not counted
+                owner.stats["eager_runs"] += 1
+            return self.fn(*args)
+        entry = self.entries.get(size)
+        if entry is None:
+            if size not in self.seen:  # warm-up: lazy init and JIT outside any capture
+                self.seen.add(size)
+                return self.fn(*args)
+            if self.graphable is not None and self.graphable() is None:
+                self.eager_sizes.add(size)
+                return self.fn(*args)
+            return self._capture(size, args)
+        if self.graphable is not None and self.graphable() is not entry.state():
+            return self.fn(*args)  # the graph would read the captured state's buffers
+        return self._replay(size, entry, args)
+
+    def _replay(self, size: int, entry: PieceEntry, args):
+        owner, copied = self.owner, []
+        for i, (buf, a) in enumerate(zip(entry.static, args, strict=True)):
+            if isinstance(buf, torch.Tensor):
+                if buf.shape != a.shape:  # e.g. more requests than captured: no replay
+                    owner.stats["eager_runs"] += 1
+                    return self.fn(*args)
+                if buf is a or buf.data_ptr() == a.data_ptr():
+                    continue
+                if i in entry.foreign:  # the caller's, read in place: never written
+                    return self._recapture(size, args)
+                buf.copy_(a)
+                copied.append(i)
+            elif buf != a:  # a baked host value changed: this replay would be wrong
+                owner.stats["eager_runs"] += 1
+                return self.fn(*args)
+        entry.graph.replay()
+        for i in copied:
+            if i in self.writes:
+                args[i].copy_(entry.static[i])
+        return entry.outputs
+
+    def _recapture(self, size: int, args):
+        entry = self.entries.pop(size)
+        flat = entry.outputs if isinstance(entry.outputs, (tuple, list)) else (entry.outputs,)
+        self.owner.static_ptrs -= {o.data_ptr() for o in flat if isinstance(o, torch.Tensor)}
+        self.owner.stats["recaptures"] += 1
+        return self._capture(size, args)
+
+    def _capture(self, size: int, args):
+        pool = self.owner.pool_for(args)
+        # Read in place: parameters (the caller's) and earlier pieces' static outputs
+        # (graphcap's); any other tensor from a static copy of its own.
+        foreign = {i for i, a in enumerate(args) if isinstance(a, torch.nn.Parameter)}
+        static = [a if i in foreign or not isinstance(a, torch.Tensor)
+                  or a.data_ptr() in self.owner.static_ptrs else a.clone()
+                  for i, a in enumerate(args)]
+        graph = pool.graph()
+        captured = OneOpPiece(self.fn, self.writes) if self.opaque and graph.emulated \
+            else self.fn
+        outputs = graph.capture(captured, *static)
+        self.owner.stats["split_captures" if self.graphable else "captures"] += 1
+        flat = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        self.owner.static_ptrs |= {o.data_ptr() for o in flat if isinstance(o, torch.Tensor)}
+        # Weakly: a user's loop preparing new metadata per call must not keep the first
+        # one (and its workspace) alive; once it is gone the split runs eagerly.
+        state = weakref.ref(self.graphable()) if self.graphable is not None else None
+        self.entries[size] = PieceEntry(graph, static, outputs, captured, foreign, state)
+        return self._per_size(args)

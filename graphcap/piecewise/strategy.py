@@ -1,0 +1,144 @@
+"""``strategy="tc_piecewise"``: the model compiled by the ``sgl_piecewise`` backend, each
+shape captured under the runner as one graph when it can be, else piece by piece."""
+
+from __future__ import annotations
+
+import itertools
+import types
+
+import torch
+
+from graphcap import compat
+from graphcap.core.strategy import Captured, Strategy
+from graphcap.errors import CaptureError
+from graphcap.piecewise import phase as phases
+from graphcap.piecewise.compiler import PiecewiseCompiler
+from graphcap.piecewise.phase import Phase, Watch
+from graphcap.piecewise.whole import Call, Moved, WholeCapture
+
+
+def _entry(model, *args):
+    return model(*args)
+
+
+_RUNNERS = itertools.count()
+
+
+def _fresh_entry():
+    """A function of its own code object and name: Dynamo keeps compiled code per code
+    object and counts compiles against one limit per code object, and its
+    automatic-dynamic record per code name (a second model's other norm eps turned every
+    later compile's eps dynamic: performance-history item 13)."""
+    name = f"graphcap_tc_piecewise_forward_{next(_RUNNERS)}"
+    code = _entry.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, _entry.__globals__, name)
+
+
+class CompiledForward:
+    """The model compiled once with ``fullgraph=True``, dim 0 of every tensor input
+    dynamic; a forward Dynamo cannot trace whole fails with a clear error. A call outside
+    the strategy's phases (a runner's fallback) runs every piece eagerly."""
+
+    def __init__(self, model: torch.nn.Module, compiler: PiecewiseCompiler):
+        self.model, self.compiler = model, compiler
+        entry = _fresh_entry()
+        self.compiled = torch.compile(entry, backend=compiler, fullgraph=True)
+        # Dynamo would keep the compiler, and its graph pool, for the process's life.
+        compat.release_compiled(entry, compiler)
+
+    def __call__(self, *args):
+        now, detail = phases.current()
+        if now is Phase.CAPTURE_WHOLE:  # the compiled graph itself, on the warm-up's args
+            return detail.call.direct_for(args)
+        if now is None:
+            with phases.phase(Phase.EAGER):
+                return self._compiled(args)
+        out = self._compiled(args)
+        call = detail.call if now is Phase.WARMUP else None
+        if call is not None and call.returns is None and args \
+                and isinstance(args[0], torch.Tensor) and args[0].dim():
+            call.learn_returns(out, tokens=args[0].shape[0])
+            call.inputs = Call.where(args)
+        return out
+
+    def _compiled(self, args):
+        # Aliases without a view base: Dynamo guards a view on its base's size, which a
+        # caller's own tensors (the runner's fallbacks) lack, and would recompile for them.
+        args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dim():
+                torch._dynamo.mark_dynamic(a, 0)
+        try:
+            return self.compiled(self.model, *args)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed):
+                inner = getattr(exc, "inner_exception", exc)
+                raise CaptureError(
+                    f"strategy='tc_piecewise' traced the forward but could not compile its "
+                    f"pieces with compiler={self.compiler.compiler!r}: "
+                    f"{type(inner).__name__}: {inner}") from exc
+            self._raise_the_models_own_error(args, exc)
+            cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc)
+            raise CaptureError(
+                f"strategy='tc_piecewise' needs torch.compile to trace the whole forward "
+                f"(fullgraph=True), and it could not: {cause}. Data-dependent Python "
+                "control flow and graph breaks cannot be compiled whole: use "
+                "strategy='breakable', which needs no compiler.") from exc
+
+    def _raise_the_models_own_error(self, args, exc: BaseException) -> None:
+        """Dynamo reports an exception the forward raises itself as a failure to trace:
+        run the forward eagerly, and raise what it raises (the model's own error)."""
+        try:
+            self.model(*args)
+        except Exception as own:
+            own.add_note("graphcap: raised by the model's forward, run eagerly after "
+                         f"torch.compile failed on it ({type(exc).__name__})")
+            raise own from None
+
+
+class PiecewiseStrategy(Strategy):
+    """The runner's view. It watches the runner's warm-up call of each shape; when every
+    split op in it read static state the shape is captured as one graph
+    (:mod:`graphcap.piecewise.whole`), else piece by piece: the compiled forward captures
+    its pieces on its call in the ``PIECES`` phase, and replays them in it."""
+
+    name = "tc_piecewise"
+    warms_every_shape = True  # each shape's warm-up compiles (or re-guards) the forward
+    sizes_pool = False  # a warm-up's peak is the compiler's, not the graphs'
+
+    def __init__(self, compiler: PiecewiseCompiler):
+        self.compiler = compiler
+        self._watched: dict[int, Watch] = {}
+
+    def watch(self, key):
+        self._watched[key] = watch = Watch()
+        return phases.phase(Phase.WARMUP, watch)
+
+    def capture(self, fn, key, pool) -> Captured:
+        if self.compiler.pool is None:  # the pieces' graphs go where the runner's go
+            self.compiler.pool = pool
+        watch = self._watched.pop(key, None)
+        call = watch.call if watch is not None else None
+        if call is not None and call.replayable(key):
+            graph = pool.graph()
+            whole = WholeCapture(call, graph.emulated, graph=graph)
+            try:
+                with phases.phase(Phase.CAPTURE_WHOLE, whole):
+                    graph.capture(fn)
+            except Moved:
+                pass  # its inputs are made anew each call: captured piece by piece instead
+            else:
+                self.compiler.stats["whole_captures"] += 1
+                # whole.replay: the capture keeps what its graph replays (Inductor pieces)
+                return Captured(whole.replay, segments=1, splits_in_graph=whole.splits)
+        before = self.compiler.stats["captures"]
+        with phases.phase(Phase.PIECES):
+            fn()
+
+        def replay():
+            with phases.phase(Phase.PIECES):
+                fn()
+
+        splits = getattr(call.module, "graphcap_split_pieces", 0) if call else 0
+        return Captured(replay, segments=self.compiler.stats["captures"] - before,
+                        breaks=splits)
