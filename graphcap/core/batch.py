@@ -9,7 +9,8 @@ import torch
 
 from graphcap.errors import BadBatch
 
-__all__ = ["BadBatch", "as_int", "check_prefill", "check_tensors", "host_lengths"]
+__all__ = ["BadBatch", "as_int", "check_lengths", "check_prefill", "check_tensors",
+           "host_lengths"]
 
 
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -76,6 +77,23 @@ def check_tensors(args: Sequence, specs: Sequence[tuple[torch.dtype, tuple[int, 
     return tokens
 
 
+def check_lengths(seq_lens, *, tokens: int | None = None, slots: int | None = None,
+                  exact: bool = False, error: type[Exception] = BadBatch) -> list[int]:
+    """The one check of request lengths: integers >= 0 given on the host
+    (:func:`host_lengths`), at least one request, at most ``slots`` of them, summing to at
+    most ``tokens`` (exactly, with ``exact``). Returns them as ints."""
+    lens = host_lengths(seq_lens, error=error)
+    if not lens:
+        raise error("seq_lens is empty: a batch needs at least one request")
+    if slots is not None and len(lens) > slots:
+        raise error(f"{len(lens)} requests do not fit {slots} request slots")
+    if tokens is not None and (sum(lens) != tokens if exact else sum(lens) > tokens):
+        raise error(f"seq_lens sum to {sum(lens)} but there are {tokens} tokens: they must "
+                    "match" if exact else f"seq_lens sum to {sum(lens)} tokens, more than "
+                    f"the {tokens} rows of q/k/v")
+    return lens
+
+
 def check_prefill(input_ids, positions, seq_lens, device: torch.device) -> list[int]:
     """Prefill models: ids and positions [T] integer tensors on the device; ``seq_lens``
     host lengths, non-negative, summing to T. Returns the lengths as ints."""
@@ -91,13 +109,9 @@ def check_prefill(input_ids, positions, seq_lens, device: torch.device) -> list[
                        f"{tuple(positions.shape)} must have the same length")
     if seq_lens is None:
         raise BadBatch("a prefill call needs seq_lens=[...] (tokens of each request)")
-    lens = host_lengths(seq_lens)
-    if not lens or input_ids.shape[0] == 0:
+    if input_ids.shape[0] == 0:
         raise BadBatch("empty batch: at least one request with one token is needed")
-    if sum(lens) != input_ids.shape[0]:
-        raise BadBatch(f"seq_lens sum to {sum(lens)} but there are {input_ids.shape[0]} "
-                       "tokens: they must match")
-    return lens
+    return check_lengths(seq_lens, tokens=input_ids.shape[0], exact=True)
 
 
 

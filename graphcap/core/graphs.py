@@ -31,31 +31,17 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import gc
-import threading
 import weakref
 
 import torch
 
 from graphcap import compat, env
-from graphcap.core import hostsync
+from graphcap.core.cuda_graph import CudaGraph, before_capture
 from graphcap.core.emulated import EmulatedGraph
 from graphcap.core.graph_base import Graph
-from graphcap.errors import CaptureError, UnsupportedStrategy
+from graphcap.errors import UnsupportedStrategy
 
-# Per-stream state that captured kernels bake in, as cuBLAS's workspace: functions of the
-# device, run on the capture stream before each capture begins (outside the pool, so
-# whatever they allocate is no scratch of the pool). The project's split-K counters
-# (graphcap.opsdb.triton.counters) register here: a capture that found none for its
-# stream would bring counters of its own and zero them inside every replay.
-_STREAM_STATE: list = []
-
-
-def before_capture(make) -> None:
-    """Register ``make(device)``, called on the capture stream before every capture of
-    a CUDA graph begins; it must be cheap when its state exists already."""
-    if make not in _STREAM_STATE:
-        _STREAM_STATE.append(make)
+__all__ = ["CudaGraph", "EmulatedGraph", "GraphPool", "before_capture", "graph_kind", "new_pool"]
 
 _KINDS = ("cuda", "emulated")
 
@@ -74,150 +60,6 @@ def graph_kind(device: torch.device | str) -> str:
     if forced:
         return forced
     return "cuda" if device.type == "cuda" else "emulated"
-
-
-_THREAD = threading.local()
-
-
-def _blas_handles(device: torch.device) -> None:
-    """Make this thread's cuBLAS and cuBLASLt handles for ``device`` (one tiny matmul of
-    each path, on the current stream, once per thread): torch makes them per thread, on
-    a thread's first matmul, and creating one inside a capture fails
-    (CUBLAS_STATUS_NOT_INITIALIZED), as when another thread did the warm-up."""
-    ready = _THREAD.__dict__.setdefault("blas", set())
-    if device.index in ready:
-        return
-    for dtype in (torch.float32, torch.bfloat16):  # cuBLAS's and cuBLASLt's paths
-        probe = torch.ones(16, 16, dtype=dtype, device=device)
-        torch.mm(probe, probe)
-    ready.add(device.index)
-
-
-class _FrozenGC:
-    """gc frozen and disabled during capture: a collection mid-capture can unload a
-    Triton module a captured kernel still uses."""
-
-    def __enter__(self):
-        self.was_enabled = gc.isenabled()
-        # Freeze only if the application has not: unfreeze() would undo its own freeze.
-        self.froze = gc.get_freeze_count() == 0
-        if self.froze:
-            gc.freeze()
-        gc.disable()
-
-    def __exit__(self, *exc):
-        if self.froze:
-            gc.unfreeze()
-        if self.was_enabled:
-            gc.enable()
-
-
-class CudaGraph(Graph):
-    """``torch.cuda.CUDAGraph`` driven with ``capture_begin``/``capture_end`` directly.
-
-    ``torch.cuda.graph`` synchronises and empties the allocator cache on every enter;
-    graphcap captures many segments and shapes, so it calls the primitives itself.
-    """
-
-    emulated = False
-
-    def __init__(self, pool: GraphPool):
-        self.pool = pool
-        self.device = pool.device
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._stack: contextlib.ExitStack | None = None
-        self._bytes = 0
-        self._reserved_before = 0
-        self._segments = 0
-
-    @property
-    def capturing(self) -> bool:
-        return self._stack is not None
-
-    def begin(self) -> None:
-        """Begin capture on the pool's stream and memory pool."""
-        if self._stack is not None:
-            raise CaptureError("begin() called twice: end() the current capture first")
-        if self._graph is not None:
-            raise CaptureError("this graph is captured already: reset() it or make a new one")
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(self.device))
-        _blas_handles(self.device)
-        self.pool.stream.wait_stream(torch.cuda.current_stream(self.device))
-        stack.enter_context(torch.cuda.stream(self.pool.stream))
-        stack.enter_context(_FrozenGC())
-        self.pool.own_cublas_workspace()
-        for make in _STREAM_STATE:
-            make(self.device)
-        self.pool._captured_into = True
-        self._reserved_before = torch.cuda.memory_reserved(self.device)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            graph.capture_begin(pool=self.pool.handle, capture_error_mode="thread_local")
-        except BaseException:
-            # capture_begin can fail after routing allocations to the pool: undo that.
-            self._stack = stack
-            self._close_failed_capture()
-            raise
-        self._graph, self._stack = graph, stack
-
-    def end(self) -> None:
-        """End capture; the graph is ready to replay."""
-        if self._stack is None:
-            raise CaptureError("end() without begin()")
-        try:
-            self._graph.capture_end()
-        except RuntimeError as exc:
-            self._close_failed_capture()
-            raise hostsync.translate_cuda_failure(exc) from exc
-        self._stack.close()
-        self._stack = None
-        torch.cuda.current_stream(self.device).wait_stream(self.pool.stream)
-        self._bytes = torch.cuda.memory_reserved(self.device) - self._reserved_before
-        self._segments = 1
-
-    def abort(self, exc: BaseException) -> BaseException:
-        """End a capture whose region raised; return the error to raise (translated
-        when CUDA refused an operation, as-is otherwise)."""
-        if self._stack is None:
-            return exc
-        try:
-            self._graph.capture_end()
-            invalidated = False
-        except RuntimeError:
-            invalidated = True
-        self._close_failed_capture()
-        if not isinstance(exc, CaptureError) and (
-                invalidated or hostsync.is_capture_failure(exc)):
-            err = hostsync.translate_cuda_failure(exc)
-            err.__cause__ = exc
-            return err
-        return exc
-
-    def _close_failed_capture(self) -> None:
-        # A refused capture_end returns before the allocator stops routing allocations
-        # to the pool: stop it (a no-op when capture_end got that far). torch 2.11's
-        # host allocator still refuses later captures on that pool id ("already
-        # recording", "use_count > 0"), so the pool moves on to a fresh id.
-        compat.end_allocate_to_pool(self.device, self.pool.handle)
-        self.pool._new_cuda_pool()
-        self._graph = None
-        self._stack.close()
-        self._stack = None
-
-    def replay(self) -> None:
-        if self._graph is None or self._stack is not None:
-            raise CaptureError("replay() needs a finished capture: capture a region first")
-        self._graph.replay()
-
-    def reset(self) -> None:
-        if self._graph is not None:
-            self._graph.reset()
-        self._graph = None
-        self._bytes = 0
-        self._segments = 0
-
-
 
 
 def _one_block_splits() -> bool:
@@ -275,18 +117,29 @@ class GraphPool:
         self._captured_into = False  # no graph of ours has captured into this pool yet
         self.sized_bytes = 0
 
+    def begin_capture(self) -> None:
+        """A graph of this pool begins a capture (on the pool's stream): the pool's
+        cuBLAS workspace is its own from now on, and later warm-ups allocate outside it."""
+        self.own_cublas_workspace()
+        self._captured_into = True
+
+    def capture_failed(self) -> None:
+        """A capture CUDA refused: torch 2.11's host allocator refuses later captures on
+        that pool id ("already recording", "use_count > 0"), so the pool moves on to a
+        fresh one (graphs captured before keep theirs)."""
+        self._new_cuda_pool()
+
     def own_cublas_workspace(self) -> None:
         """Before the first capture into a memory pool: make cuBLAS allocate the
         workspace its captured matmuls use inside that pool.
 
         cuBLAS keeps one workspace per stream and a captured matmul bakes in its
         address. Left to itself, the workspace of the capture stream is born in eager
-        warm-up, outside the pool, and anyone who clears cuBLAS's workspaces later frees
-        it under the graphs. torch.compile's ``mode="reduce-overhead"`` does so on
-        every warm-up and recording, and the next replay read freed memory (an illegal
-        memory access on the H200). Cleared here, once per pool (again would free the
-        workspace the pool's earlier graphs use into blocks its later captures may
-        take), the workspace lives in the pool, which outlives its graphs.
+        warm-up, outside the pool, and anyone who clears cuBLAS's workspaces later
+        (torch.compile's ``mode="reduce-overhead"``, on every recording) frees it under
+        the graphs. Cleared here, once per pool (again would free the workspace the
+        pool's earlier graphs use), the workspace lives in the pool, which outlives its
+        graphs.
         """
         if self._workspace_pool != self.handle:
             compat.clear_cublas_workspaces()
@@ -336,10 +189,9 @@ class GraphPool:
     def release_cache(self) -> None:
         """After a build: hand back to the device the blocks that warm-ups after the
         pool's first capture left cached outside it (for the capture stream, which no
-        later eager work uses). tc_piecewise warms every shape, and held 86 MB more than
-        full outside the pool at the end of its build (qwen3-0.6b, 42 shapes); so does
-        ``warmup="every"``. The pool's own blocks stay: its graphs hold them. A no-op
-        when no such warm-up ran (and on the emulator)."""
+        later eager work uses): tc_piecewise and ``warmup="every"`` warm every shape
+        (performance-history item 36). The pool's own blocks stay: its graphs hold them.
+        A no-op when no such warm-up ran (and on the emulator)."""
         if not self._left_cache:
             return
         torch.cuda.synchronize(self.device)
@@ -367,8 +219,7 @@ class GraphPool:
         (over 1 MiB: what the pool serves from large segments) plus the capture
         stream's cuBLAS workspace. The captures split it (best fit), so the pool holds
         about the peak its graphs need, not the allocator's eager layout of segments
-        (each a request's size, or 20 MiB for requests of 1-10 MiB), which held 80 MiB
-        for qwen3-0.6b's 60 MiB at 2048 tokens. When an earlier, higher peak hides the
+        (performance-history item 30). When an earlier, higher peak hides the
         warm-up's, the pool is left to grow as the captures ask; so it does for what a
         capture keeps that its warm-up did not free (large outputs it returns).
 

@@ -221,7 +221,7 @@ class PrefillInputs(Inputs):
 
     def stage(self, batch: Batch, bucket: int, meta) -> None:
         self.copy_in(batch, bucket)
-        meta.update(batch.lens, derive=False)
+        meta.update(batch.lens, derive=False, checked=True)  # routed: they fit the shape
 
     def context(self, meta):
         return forward_context(attention=meta)

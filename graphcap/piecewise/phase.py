@@ -57,12 +57,3 @@ def phase(which: Phase, detail: Any = None):
 
 def current_size() -> int | None:
     return _SIZE.get()
-
-
-@contextlib.contextmanager
-def sized(size: int | None):
-    token = _SIZE.set(size)
-    try:
-        yield
-    finally:
-        _SIZE.reset(token)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from graphcap.core.batch import host_lengths
+from graphcap.core.batch import check_lengths
 from graphcap.errors import UnsupportedStrategy
 from graphcap.opsdb.spec import OpInputError, unavailable
 
@@ -56,15 +56,18 @@ class AttentionMetadata:
         self.num_real_tokens = 0
         self.attended = False  # graphcap::attention ran on this metadata (eager or capture)
 
-    def update(self, seq_lens: Sequence[int] | torch.Tensor, derive: bool = True
-               ) -> AttentionMetadata:
+    def update(self, seq_lens: Sequence[int] | torch.Tensor, derive: bool = True,
+               checked: bool = False) -> AttentionMetadata:
         """Fill the buffers for a batch of requests with these lengths (host values).
 
         The host side writes the offsets and copies them to the device (one copy) and
         runs the backend's ``plan``; ``derive=False`` leaves the buffers computed from the
         offsets on the device (:meth:`derive`) to the caller, e.g. to a captured graph
-        that derives them itself before attention, so a replay pays no launch for them."""
-        lens = validate_seq_lens(seq_lens, self.num_tokens, self.num_slots)
+        that derives them itself before attention, so a replay pays no launch for them.
+        ``checked``: a list of ints the caller checked against this shape already (a
+        runner's batch)."""
+        lens = seq_lens if checked else validate_seq_lens(seq_lens, self.num_tokens,
+                                                           self.num_slots)
         total = sum(lens)
         if torch.compiler.is_compiling():
             # Traced (a compiled model preparing its own metadata): Dynamo takes a numpy
@@ -122,15 +125,8 @@ class AttentionMetadata:
 
 
 def validate_seq_lens(seq_lens, num_tokens: int, num_slots: int) -> list[int]:
-    lens = host_lengths(seq_lens, error=OpInputError)
-    if not lens:
-        raise OpInputError("seq_lens is empty: a batch needs at least one request")
-    if len(lens) > num_slots:
-        raise OpInputError(f"{len(lens)} requests do not fit {num_slots} request slots")
-    if sum(lens) > num_tokens:
-        raise OpInputError(f"seq_lens sum to {sum(lens)} tokens, more than the "
-                           f"{num_tokens} rows of q/k/v")
-    return lens
+    """Lengths that fit a shape of ``num_tokens`` rows and ``num_slots`` request slots."""
+    return check_lengths(seq_lens, tokens=num_tokens, slots=num_slots, error=OpInputError)
 
 
 class AttentionBackend:
@@ -171,7 +167,7 @@ class AttentionBackend:
 
     def prepare(self, seq_lens, device, num_tokens: int | None = None) -> AttentionMetadata:
         """Metadata for one eager batch: T = sum(seq_lens) unless given, R = requests."""
-        lens = validate_seq_lens(seq_lens, 1 << 62, 1 << 62)
+        lens = check_lengths(seq_lens, error=OpInputError)
         meta = self.metadata(num_tokens or max(sum(lens), 1), len(lens), device)
         return meta.update(lens)
 

@@ -1,0 +1,173 @@
+"""``CudaGraph``: a real CUDA graph of a :class:`~graphcap.core.graphs.GraphPool`, driven
+with ``capture_begin``/``capture_end`` directly (see :mod:`graphcap.core.graphs` for the
+contract both graph kinds keep)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from graphcap import compat
+from graphcap.core import hostsync
+from graphcap.core.graph_base import Graph
+from graphcap.errors import CaptureError
+
+if TYPE_CHECKING:
+    from graphcap.core.graphs import GraphPool
+
+# Per-stream state that captured kernels bake in, as cuBLAS's workspace: functions of the
+# device, run on the capture stream before each capture begins (outside the pool, so
+# whatever they allocate is no scratch of the pool). The project's split-K counters
+# (graphcap.opsdb.triton.counters) register here: a capture that found none for its
+# stream would bring counters of its own and zero them inside every replay.
+_STREAM_STATE: list = []
+
+
+def before_capture(make) -> None:
+    """Register ``make(device)``, called on the capture stream before every capture of
+    a CUDA graph begins; it must be cheap when its state exists already."""
+    if make not in _STREAM_STATE:
+        _STREAM_STATE.append(make)
+
+
+_THREAD = threading.local()
+
+
+def _blas_handles(device: torch.device) -> None:
+    """Make this thread's cuBLAS and cuBLASLt handles for ``device`` (one tiny matmul of
+    each path, on the current stream, once per thread): torch makes them per thread, on
+    a thread's first matmul, and creating one inside a capture fails
+    (CUBLAS_STATUS_NOT_INITIALIZED), as when another thread did the warm-up."""
+    ready = _THREAD.__dict__.setdefault("blas", set())
+    if device.index in ready:
+        return
+    for dtype in (torch.float32, torch.bfloat16):  # cuBLAS's and cuBLASLt's paths
+        probe = torch.ones(16, 16, dtype=dtype, device=device)
+        torch.mm(probe, probe)
+    ready.add(device.index)
+
+
+class _FrozenGC:
+    """gc frozen and disabled during capture: a collection mid-capture can unload a
+    Triton module a captured kernel still uses."""
+
+    def __enter__(self):
+        self.was_enabled = gc.isenabled()
+        # Freeze only if the application has not: unfreeze() would undo its own freeze.
+        self.froze = gc.get_freeze_count() == 0
+        if self.froze:
+            gc.freeze()
+        gc.disable()
+
+    def __exit__(self, *exc):
+        if self.froze:
+            gc.unfreeze()
+        if self.was_enabled:
+            gc.enable()
+
+
+class CudaGraph(Graph):
+    """``torch.cuda.CUDAGraph`` driven with ``capture_begin``/``capture_end`` directly.
+
+    ``torch.cuda.graph`` synchronises and empties the allocator cache on every enter;
+    graphcap captures many segments and shapes, so it calls the primitives itself.
+    """
+
+    emulated = False
+
+    def __init__(self, pool: GraphPool):
+        self.pool = pool
+        self.device = pool.device
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._stack: contextlib.ExitStack | None = None
+        self._bytes = 0
+        self._reserved_before = 0
+        self._segments = 0
+
+    @property
+    def capturing(self) -> bool:
+        return self._stack is not None
+
+    def begin(self) -> None:
+        """Begin capture on the pool's stream and memory pool."""
+        if self._stack is not None:
+            raise CaptureError("begin() called twice: end() the current capture first")
+        if self._graph is not None:
+            raise CaptureError("this graph is captured already: reset() it or make a new one")
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.device))
+        _blas_handles(self.device)
+        self.pool.stream.wait_stream(torch.cuda.current_stream(self.device))
+        stack.enter_context(torch.cuda.stream(self.pool.stream))
+        stack.enter_context(_FrozenGC())
+        self.pool.begin_capture()
+        for make in _STREAM_STATE:
+            make(self.device)
+        self._reserved_before = torch.cuda.memory_reserved(self.device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            graph.capture_begin(pool=self.pool.handle, capture_error_mode="thread_local")
+        except BaseException:
+            # capture_begin can fail after routing allocations to the pool: undo that.
+            self._stack = stack
+            self._close_failed_capture()
+            raise
+        self._graph, self._stack = graph, stack
+
+    def end(self) -> None:
+        """End capture; the graph is ready to replay."""
+        if self._stack is None:
+            raise CaptureError("end() without begin()")
+        try:
+            self._graph.capture_end()
+        except RuntimeError as exc:
+            self._close_failed_capture()
+            raise hostsync.translate_cuda_failure(exc) from exc
+        self._stack.close()
+        self._stack = None
+        torch.cuda.current_stream(self.device).wait_stream(self.pool.stream)
+        self._bytes = torch.cuda.memory_reserved(self.device) - self._reserved_before
+        self._segments = 1
+
+    def abort(self, exc: BaseException) -> BaseException:
+        """End a capture whose region raised; return the error to raise (translated
+        when CUDA refused an operation, as-is otherwise)."""
+        if self._stack is None:
+            return exc
+        try:
+            self._graph.capture_end()
+            invalidated = False
+        except RuntimeError:
+            invalidated = True
+        self._close_failed_capture()
+        if not isinstance(exc, CaptureError) and (
+                invalidated or hostsync.is_capture_failure(exc)):
+            err = hostsync.translate_cuda_failure(exc)
+            err.__cause__ = exc
+            return err
+        return exc
+
+    def _close_failed_capture(self) -> None:
+        # A refused capture_end returns before the allocator stops routing allocations
+        # to the pool: stop it (a no-op when capture_end got that far).
+        compat.end_allocate_to_pool(self.device, self.pool.handle)
+        self.pool.capture_failed()
+        self._graph = None
+        self._stack.close()
+        self._stack = None
+
+    def replay(self) -> None:
+        if self._graph is None or self._stack is not None:
+            raise CaptureError("replay() needs a finished capture: capture a region first")
+        self._graph.replay()
+
+    def reset(self) -> None:
+        if self._graph is not None:
+            self._graph.reset()
+        self._graph = None
+        self._bytes = 0
+        self._segments = 0
