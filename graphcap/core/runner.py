@@ -129,17 +129,22 @@ class Runner:
                 return self._replay(entry, batch)
 
     def _route(self, batch: Batch) -> tuple[ShapeEntry | None, str]:
-        """Replay a shape, or run eagerly, and why (one reason per branch)."""
+        """Replay a shape, run eagerly, or refuse, and why (one reason per branch)."""
         if not self.strategy.captures:
             return None, "eager"  # the eager strategy: no graphs at all
-        unfit = self.inputs.fits(batch)
-        if unfit is not None:
-            return None, unfit  # more requests than slots
-        bucket, reason = pick_bucket(batch.tokens, self.config.buckets,
-                                     self.config.max_pad_ratio)
-        if bucket is None:
-            return None, reason  # past the largest bucket, or padded more than twice over
-        return self.entries[bucket], "replay"
+        bucket, reason = None, self.inputs.fits(batch)  # more requests than slots
+        if reason is None:  # past the largest bucket, or padded more than twice over
+            bucket, reason = pick_bucket(batch.tokens, self.config.buckets,
+                                         self.config.max_pad_ratio)
+        if bucket is not None:
+            return self.entries[bucket], "replay"
+        if not self.config.fallback:
+            raise BadBatch(
+                f"this batch cannot replay a graph ({reason.replace('_', ' ')}: buckets "
+                f"up to {self.max_tokens} tokens, {self.config.max_requests} request "
+                "slots) and fallback=False; enlarge max_tokens/max_requests or allow the "
+                "eager fallback")
+        return None, reason  # a counted fallback
 
     def _replay(self, entry: ShapeEntry, batch: Batch):
         # Each torch op here costs host time before the replay can start (the GPU waits):
@@ -161,12 +166,6 @@ class Runner:
 
     def _eager(self, batch: Batch, reason: str):
         """Run the model without graphs: the eager strategy, or a counted fallback."""
-        if reason != "eager" and not self.config.fallback:
-            raise BadBatch(
-                f"this batch cannot replay a graph ({reason.replace('_', ' ')}: buckets "
-                f"up to {self.max_tokens} tokens, {self.config.max_requests} request "
-                "slots) and fallback=False; enlarge max_tokens/max_requests or allow the "
-                "eager fallback")
         run = self.inputs.eager(self.model, batch)
         if reason == "eager":
             with torch.no_grad():
