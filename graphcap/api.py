@@ -13,7 +13,7 @@ from graphcap.breakable import BreakableStrategy, DebugStrategy
 from graphcap.core.batch import as_int, host_lengths
 from graphcap.core.buckets import check_ladder, prefill_ladder
 from graphcap.core.context import forward_context
-from graphcap.core.inputs import Inputs, PrefillInputs, TensorInputs
+from graphcap.core.inputs import Inputs, PrefillInputs, TensorInputs, check_packing
 from graphcap.core.runner import Runner, RunnerConfig
 from graphcap.core.strategy import EagerStrategy
 from graphcap.errors import UnsupportedModel, UnsupportedStrategy
@@ -204,9 +204,6 @@ def packed(seq_lens, device, attention: str | None = None, dtype: torch.dtype | 
     meta = get_backend(attention, device, dtype=dtype).prepare(lens, device)
     with forward_context(attention=meta):
         yield meta
-    if sum(n > 0 for n in lens) > 1 and not meta.attended:
-        raise UnsupportedModel(
-            f"the model called under graphcap.packed({lens}) ran no graphcap attention, so "
-            "its attention could not see where the packed requests begin and end: route "
-            "it through graphcap.opsdb.attention.ATTENTION (docs/models.md, 'Bring your own "
-            "model'), or call it with one request at a time")
+    if not meta.attended:
+        check_packing(f"the model called under graphcap.packed({lens})", meta.backend.name,
+                      lens)

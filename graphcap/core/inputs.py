@@ -257,12 +257,16 @@ class PrefillInputs(Inputs):
         return {"attention": self.attention.name if self.attends else None}
 
     def check_packing(self, lens: list[int]) -> None:
-        """Packed requests need graphcap attention, which alone sees their boundaries."""
-        if sum(n > 0 for n in lens) > 1:
-            raise UnsupportedModel(
-                f"{self.name} ran no graphcap attention (graphcap::attention, backend "
-                f"{self.attention.name!r}) in its forward, so its attention cannot see "
-                f"where the {len(lens)} packed requests {lens} begin and end, and they "
-                "would attend to each other. Route its attention through "
-                "graphcap.opsdb.attention.ATTENTION (docs/models.md, 'Bring your own "
-                "model'), or call it with one request per call")
+        check_packing(self.name, self.attention.name, lens)
+
+
+def check_packing(name: str, backend: str, lens: list[int]) -> None:
+    """Packed requests need graphcap attention, which alone sees their boundaries: a call
+    of several into a forward that ran none is refused."""
+    if sum(n > 0 for n in lens) > 1:
+        raise UnsupportedModel(
+            f"{name} ran no graphcap attention (graphcap::attention, backend {backend!r}) "
+            f"in its forward, so its attention cannot see where the {len(lens)} packed "
+            f"requests {lens} begin and end, and they would attend to each other. Route its "
+            "attention through graphcap.opsdb.attention.ATTENTION (docs/models.md, 'Bring "
+            "your own model'), or call it with one request per call")
