@@ -60,3 +60,23 @@ def test_check_fails_a_model_whose_attention_cannot_see_the_packed_requests():
                "--strategies", "breakable")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "ran no graphcap attention" in proc.stdout and "Bring your own model" in proc.stdout
+
+
+def test_every_command_s_help_shows_its_defaults_and_choices():
+    for command, needles in {"check": ["(default: 10)", "{breakable,full,tc_piecewise}",
+                                       "torch_masked"],
+                             "bench": ["(default: 30)", "{ops,prefill,build,memory}"],
+                             "demo": ["(default: 5)", "{cuda,cpu}"],
+                             "ops": ["--json"]}.items():
+        proc = run(command, "--help")
+        assert proc.returncode == 0, proc.stderr
+        for needle in needles:
+            assert needle in proc.stdout, (command, needle, proc.stdout)
+
+
+def test_ops_lists_the_attention_backends_and_where_each_runs():
+    proc = run("ops", "--json", "--device", "cpu")
+    rows = {row["backend"]: row for row in json.loads(proc.stdout)["attention"]}
+    assert rows["torch_masked"]["available"] and rows["torch_masked"]["static_metadata"]
+    assert not rows["torch_varlen"]["static_metadata"]
+    assert not rows["flash_attn"]["available"] and "cuda" in rows["flash_attn"]["why_not"]

@@ -1,5 +1,6 @@
 """What ``graphcap ops`` prints: every op, its kernels (available or why not), its fake
-(given or derived), and whether it is capturable and a split point."""
+(given or derived), and whether it is capturable and a split point; and every attention
+backend, whether it runs here and under which strategies."""
 
 from __future__ import annotations
 
@@ -27,10 +28,26 @@ def describe(device: torch.device | str) -> list[dict]:
     return rows
 
 
+def attention_backends(device: torch.device | str) -> list[dict]:
+    """Every attention backend: whether it runs here (or why not), and whether its
+    metadata is static (it runs under full capture, and inside breakable and tc_piecewise
+    graphs)."""
+    from graphcap.opsdb.attention import BACKENDS
+
+    rows = []
+    for name, cls in BACKENDS.items():
+        why = cls().unavailable(device)
+        rows.append({"backend": name, "available": why is None, "why_not": why,
+                     "static_metadata": cls.static_metadata,
+                     "dtypes": [str(d).removeprefix("torch.") for d in cls.dtypes]})
+    return rows
+
+
 def render(device: torch.device | str, as_json: bool = False) -> str:
-    rows = describe(device)
+    rows, attention = describe(device), attention_backends(device)
     if as_json:
-        return json.dumps({"device": str(device), "ops": rows}, indent=2)
+        return json.dumps({"device": str(device), "ops": rows, "attention": attention},
+                          indent=2)
     lines = [f"opsdb on {device}: {len(rows)} ops", ""]
     for row in rows:
         ok = [b for b, s in row["kernels"].items() if s == "available"]
@@ -41,4 +58,10 @@ def render(device: torch.device | str, as_json: bool = False) -> str:
         for b, s in row["kernels"].items():
             if s != "available":
                 lines.append(f"    {b}: {s}")
+    lines += ["", f"attention backends on {device}:"]
+    for row in attention:
+        where = "runs here" if row["available"] else row["why_not"]
+        static = "static metadata: every strategy" if row["static_metadata"] else (
+            "host lengths: not under full")
+        lines.append(f"    {row['backend']}: {where}; {static}; {', '.join(row['dtypes'])}")
     return "\n".join(lines)
