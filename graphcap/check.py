@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 import time
+
+import torch
 
 from graphcap.api import GRAPHED
 from graphcap.errors import GraphcapError
@@ -29,6 +32,40 @@ def load_factory(spec: str):
     return factory
 
 
+def checkable(model) -> tuple:
+    """The model ``check`` runs, and how it got it: a model of packed requests as it is,
+    a stock transformers causal LM wrapped in :class:`graphcap.hf.PrefillLM`; anything
+    else is refused, saying what a checkable model is."""
+    from graphcap.api import inputs_of
+
+    if _is_causal_lm(model):
+        from graphcap.hf import PrefillLM
+
+        name = type(model).__name__
+        return PrefillLM(model), f" (a transformers {name}, wrapped in graphcap.hf.PrefillLM)"
+    if not isinstance(model, torch.nn.Module):
+        raise GraphcapError(f"the factory returned a {type(model).__name__}, not a "
+                            "torch.nn.Module")
+    if inputs_of(model) != "prefill":
+        params = list(inspect.signature(model.forward).parameters)
+        raise GraphcapError(
+            f"{type(model).__name__}.forward{tuple(params)} is no model of packed requests: "
+            "graphcap check runs forward(input_ids, positions) over requests packed along "
+            "dim 0 (declare it with graphcap_inputs = 'prefill' on the class, or name its "
+            "first parameters input_ids, positions), or a transformers causal LM, which it "
+            "wraps. A module of tensors along dim 0 is checked with graphcap.capture(model, "
+            "strategy, example_inputs=...) against its eager calls")
+    return model, ""
+
+
+def _is_causal_lm(model) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel) and model.get_output_embeddings() is not None
+
+
 def run_check(spec: str, strategies=GRAPHED, examples: int = 10, sequences: int = 3,
               max_tokens: int = 64, max_requests: int = 4, attention: str | None = None
               ) -> int:
@@ -36,8 +73,8 @@ def run_check(spec: str, strategies=GRAPHED, examples: int = 10, sequences: int 
     from graphcap.testing import assert_replay_equivalent
 
     factory = load_factory(spec)
-    model = factory()
-    print(f"graphcap check {spec}: {type(model).__name__}, {examples} batches and "
+    model, wrapped = checkable(factory())
+    print(f"graphcap check {spec}: {type(model).__name__}{wrapped}, {examples} batches and "
           f"{sequences} call sequences per strategy, buckets to {max_tokens} tokens\n")
     print(f"{'strategy':>12}  {'attention':>12}  {'result':>6}  {'max err':>9}  "
           f"{'fallbacks':>9}  {'build s':>7}")

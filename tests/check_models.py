@@ -46,3 +46,37 @@ class SdpaDecoder(torch.nn.Module):
 
 def sdpa():
     return SdpaDecoder()
+
+
+def _hf(config_class, **extra):
+    import transformers
+
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **extra)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def hf_llama():
+    """A stock transformers causal LM, returned as it is: check wraps it."""
+    return _hf("LlamaConfig")
+
+
+def hf_mistral():
+    """A family graphcap.hf names nowhere, full attention (no sliding window)."""
+    return _hf("MistralConfig", sliding_window=None)
+
+
+class TwoTensors(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, scale):
+        return self.lin(x) * scale
+
+
+def two_tensors():
+    """Neither a model of packed requests nor a causal LM."""
+    return TwoTensors()

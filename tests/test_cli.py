@@ -80,3 +80,19 @@ def test_ops_lists_the_attention_backends_and_where_each_runs():
     assert rows["torch_masked"]["available"] and rows["torch_masked"]["static_metadata"]
     assert not rows["torch_varlen"]["static_metadata"]
     assert not rows["flash_attn"]["available"] and "cuda" in rows["flash_attn"]["why_not"]
+
+
+def test_check_wraps_a_stock_transformers_causal_lm_itself_and_says_so():
+    for factory in ("hf_llama", "hf_mistral"):
+        proc = run("check", f"tests.check_models:{factory}", "--examples", "2",
+                   "--sequences", "1", "--strategies", "breakable", "full")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "wrapped in graphcap.hf.PrefillLM" in proc.stdout
+        assert proc.stdout.count(" pass ") == 2, proc.stdout
+
+
+def test_check_names_the_signature_it_expects_of_a_model_it_cannot_run():
+    proc = run("check", "tests.check_models:two_tensors")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "forward('x', 'scale') is no model of packed requests" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -49,7 +49,8 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
         from graphcap.opsdb.attention import get_backend
 
         attention = get_backend(None, device, strategy="full", dtype=dtype).name
-    vocab = vocab or getattr(getattr(model, "args", None), "vocab_size", None) or 2
+    vocab = vocab or getattr(model, "vocab_size", None) or getattr(
+        getattr(model, "args", None), "vocab_size", None) or 2
     top = buckets[-1] if buckets else max_tokens
     # Sequences also draw batches past the largest bucket and the slots: fallbacks.
     # A model with a row per request (last-token logits) takes no empty requests.
