@@ -190,3 +190,23 @@ def test_a_qwen3_moe_model_replays_its_grouped_mm_experts_like_eager_on_cuda_gra
                                        buckets=[64, 128, 256], max_requests=4,
                                        vocab=config.vocab_size, examples=4, sequences=1)
     assert all(r["graph_kind"] == "cuda" for r in reports.values())
+
+
+@pytest.mark.parametrize("strategy", ["eager", "breakable", "full", "tc_piecewise"])
+def test_last_token_logits_are_the_last_rows_of_every_token_s_logits(strategy):
+    # logits="last": one row per request through the LM head, never [T, vocab].
+    every = PrefillLM(hf_model("qwen3"))
+    last = PrefillLM(hf_model("qwen3"), logits="last")
+    r = graphcap.capture(last, strategy, buckets=BUCKETS, max_requests=SLOTS,
+                         attention="torch_masked")
+    for lens in ([5, 3], [16], [2, 9, 4], [7, 7, 7, 7]):  # the last: more than the slots
+        ids = torch.randint(1, VOCAB, (sum(lens),), generator=torch.Generator().manual_seed(1))
+        pos = torch.cat([torch.arange(n) for n in lens])
+        rows = torch.tensor(lens).cumsum(0) - 1
+        with torch.no_grad():
+            want = every(ids, pos, seq_lens=lens)[rows]
+        got = r(ids, pos, seq_lens=lens)
+        assert got.shape == (len(lens), VOCAB)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="choose 'all'"):
+        PrefillLM(hf_model("qwen3"), logits="first")

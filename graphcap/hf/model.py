@@ -104,8 +104,13 @@ class PrefillLM(nn.Module):
         logits = runner(input_ids, positions, seq_lens=[700, 300])
     """
 
-    def __init__(self, hf_model: nn.Module, *, experts: str | None = None):
+    def __init__(self, hf_model: nn.Module, *, experts: str | None = None,
+                 logits: str = "all"):
         super().__init__()
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits={logits!r}: choose 'all' (every token) or 'last' (each "
+                             "request's last token, as prefill that feeds generation needs)")
+        self.output_rows = "tokens" if logits == "all" else "requests"
         _check_causal_lm(hf_model)
         _check_attention_features(hf_model)
         experts = _experts_for(hf_model, experts)  # checked before anything is switched
@@ -121,16 +126,28 @@ class PrefillLM(nn.Module):
     def max_position(self) -> int | None:
         return getattr(self.hf_model.config, "max_position_embeddings", None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens=None):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_rows=None,
+                seq_lens=None):
+        """``last_rows`` [requests] (``logits="last"``): the row of each request's last
+        token; the runner passes it, an eager call with ``seq_lens`` derives it. Only
+        those rows go through the LM head (transformers' ``logits_to_keep``)."""
         if seq_lens is not None:  # eager use: prepare this batch's attention metadata
             dtype = self.hf_model.get_output_embeddings().weight.dtype
-            with packed(seq_lens, input_ids.device, dtype=dtype):
-                return self.forward(input_ids, positions)
+            with packed(seq_lens, input_ids.device, dtype=dtype) as meta:
+                if self.output_rows == "requests":
+                    last_rows = meta.last_token_rows()
+                return self.forward(input_ids, positions, last_rows)
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise BadBatch(
                 f"PrefillLM takes input_ids [T] and positions [T] of packed requests, got "
                 f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
+        keep = {}
+        if self.output_rows == "requests":
+            if last_rows is None:
+                raise BadBatch("a PrefillLM built with logits='last' needs last_rows (or "
+                               "seq_lens=[...] in an eager call)")
+            keep = {"logits_to_keep": last_rows}
         out = self.hf_model(input_ids=input_ids[None], position_ids=positions[None],
-                            use_cache=False)
+                            use_cache=False, **keep)
         return out.logits[0]
 
