@@ -4,7 +4,7 @@ Public names only; see docs/architecture.md for the layout.
 """
 
 from graphcap import errors, opsdb
-from graphcap.api import capture, packed
+from graphcap.api import capture
 from graphcap.breakable import eager_on_graph
 from graphcap.core.graphs import GraphPool, new_pool
 from graphcap.errors import (
@@ -16,6 +16,7 @@ from graphcap.errors import (
     UnsupportedStrategy,
 )
 from graphcap.opsdb import register_op
+from graphcap.opsdb.attention.packed import packed
 
 __version__ = "0.1.0"
 

@@ -1,19 +1,16 @@
-"""``graphcap.capture``: one entry point for every strategy; ``graphcap.packed``: a model of
-packed requests called eagerly."""
+"""``graphcap.capture``: one entry point for every strategy."""
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 import torch
 
 from graphcap import env
 from graphcap.breakable import BreakableStrategy, DebugStrategy
-from graphcap.core.batch import as_int, host_lengths
+from graphcap.core.batch import as_int
 from graphcap.core.buckets import check_ladder, prefill_ladder
-from graphcap.core.context import forward_context
-from graphcap.core.inputs import Inputs, PrefillInputs, TensorInputs, check_packing
+from graphcap.core.inputs import Inputs, PrefillInputs, TensorInputs
 from graphcap.core.runner import Runner, RunnerConfig
 from graphcap.core.strategy import EagerStrategy
 from graphcap.errors import UnsupportedModel, UnsupportedStrategy
@@ -123,6 +120,12 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
     given = {"debug": debug, "compiler": compiler is not None,
              "example_inputs": example_inputs is not None, "attention": attention is not None,
              "max_requests": max_requests is not None, "check_inputs": check_inputs}
+    if isinstance(inputs, Inputs):
+        carried = [o for o in ("attention", "max_requests", "check_inputs") if given[o]]
+        if carried:
+            raise UnsupportedStrategy(
+                f"{', '.join(o + '=' for o in carried)} beside an inputs object: what a "
+                f"kind of input takes is the inputs object's ({type(inputs).__name__})")
     for option, (what, only) in _ONLY.items():
         if given[option] and (strategy if what == "strategy" else kind) != only:
             raise UnsupportedStrategy(
@@ -141,8 +144,7 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
         raise ValueError(f"max_requests must be >= 1, got {slots}")
     if not isinstance(inputs, Inputs):
         inputs = _inputs(model, kind, strategy, attention, slots, check_inputs)
-    config = RunnerConfig(ladder, slots, fallback, copy_outputs, warmup=warmup,
-                          on_change=on_change)
+    config = RunnerConfig(ladder, fallback, copy_outputs, warmup=warmup, on_change=on_change)
     how, called = STRATEGIES[strategy](model, ladder, {"debug": debug,
                                                        "compiler": compiler or "eager"})
     runner = Runner(called, how, config, inputs, source=model)
@@ -176,34 +178,9 @@ def _inputs(model, kind: str, strategy: str, attention, slots: int, check: bool)
             "or, for prefill models only, 'requests' (a row per request, e.g. last-token "
             "logits)")
     if kind == "tensors":
-        return TensorInputs(device)
+        return TensorInputs(device, captured=strategy != "eager")
     from graphcap.opsdb.attention import get_backend
 
     backend = get_backend(attention, device, strategy=strategy, dtype=_dtype_of(model))
     return PrefillInputs(device, backend, slots, rows, _input_bounds(model) if check else None,
                          name=type(model).__name__)
-
-
-@contextlib.contextmanager
-def packed(seq_lens, device, attention: str | None = None, dtype: torch.dtype | None = None):
-    """Call a model of packed requests eagerly, outside a runner: prepares the attention
-    metadata of requests of these lengths (host values) and makes it the forward context,
-    which ``graphcap::attention`` reads. ``attention``: the backend (default: the best on
-    ``device`` for q/k/v of ``dtype``). Yields the metadata (``meta.last_token_rows()``:
-    the row of each request's last token). Leaving the block, a call of several requests
-    whose forward ran no graphcap attention raises :class:`~graphcap.errors.
-    UnsupportedModel`: its attention could not see where the requests begin and end.
-
-        with graphcap.packed([5, 3], device="cpu"):
-            logits = model(input_ids, positions)      # 8 tokens: two requests
-    """
-    from graphcap.opsdb.attention import get_backend
-
-    device = torch.device(device)
-    lens = host_lengths(seq_lens)
-    meta = get_backend(attention, device, dtype=dtype).prepare(lens, device)
-    with forward_context(attention=meta):
-        yield meta
-    if not meta.attended:
-        check_packing(f"the model called under graphcap.packed({lens})", meta.backend.name,
-                      lens)

@@ -21,6 +21,7 @@ changing ``os.environ`` in a running process, call :func:`reload`.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 
 _OFF = ("0", "false", "off", "no")
@@ -54,7 +55,16 @@ def _read() -> Settings:
         kernels=kernels)
 
 
+def _renamed(env) -> None:
+    """The variables that named an op's kernel a backend: said, not silently ignored."""
+    old = sorted(n for n in env if n.startswith("GRAPHCAP_") and n.endswith("_BACKEND"))
+    if old:
+        warnings.warn(f"{', '.join(old)}: graphcap reads GRAPHCAP_<OP>_KERNEL now (e.g. "
+                      "GRAPHCAP_RMS_NORM_KERNEL); these are ignored", stacklevel=3)
+
+
 _SETTINGS = _read()
+_renamed(os.environ)
 
 
 def settings() -> Settings:
@@ -66,6 +76,7 @@ def reload() -> Settings:
     """Read the environment again (after ``os.environ`` changed in this process)."""
     global _SETTINGS
     _SETTINGS = _read()
+    _renamed(os.environ)
     return _SETTINGS
 
 

@@ -76,6 +76,8 @@ def test_a_kind_of_input_of_ones_own_runs_under_every_strategy(strategy):
         r(torch.randn(4, 8, device=DEVICE), valid=9)
     if strategy != "eager":
         assert r.report()["replays"] and r.report()["fallbacks"] == {"too_many_tokens": 1}
+    if strategy == "tc_piecewise":  # its forward makes the mask anew: captured whole still
+        assert r.report()["segments"] == {4: 1, 8: 1}
 
 
 @pytest.mark.parametrize("strategy, kwargs, needle", [
@@ -94,3 +96,10 @@ def test_an_option_a_prefill_capture_does_not_take_is_an_error(strategy, kwargs,
 def test_an_option_of_prefill_models_given_for_a_model_of_tensors_is_an_error(kwargs, needle):
     with pytest.raises(UnsupportedStrategy, match=needle):
         graphcap.capture(MLP(), "full", buckets=[8], **kwargs)
+
+
+def test_options_an_inputs_object_carries_are_refused_beside_it():
+    inputs = Masked(torch.device(DEVICE), 8)
+    for kwargs in ({"max_requests": 8}, {"attention": "torch_varlen"}, {"check_inputs": True}):
+        with pytest.raises(UnsupportedStrategy, match="inputs object"):
+            graphcap.capture(MaskedSum(), "full", buckets=[4], inputs=inputs, **kwargs)

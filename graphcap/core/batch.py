@@ -18,10 +18,17 @@ _INT_DTYPES = (torch.int32, torch.int64)
 
 def as_int(value, what: str, error: type[Exception] = ValueError) -> int:
     """``value`` as an int when it is an integer (a Python or numpy integer, or a 0-d
-    integer tensor); anything else (a float, even 7.0, a string, a bool) raises ``error``
-    naming ``what``: a length or size is never rounded."""
-    if not isinstance(value, bool) and not (isinstance(value, torch.Tensor)
-                                            and value.is_floating_point()):
+    integer tensor on the host); anything else (a float, even 7.0, a string, a bool, a
+    tensor on the device, whose value the host would wait for) raises ``error`` naming
+    ``what``: a length or size is never rounded."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.device.type != "cpu" or value.dtype not in (
+                torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise error(f"{what} must be an integer, got a tensor of {value.dtype} and "
+                        f"shape {tuple(value.shape)} on {value.device} (a 0-d integer "
+                        "tensor on the host, or a Python int)")
+        return int(value)
+    if not isinstance(value, bool):
         try:
             return operator.index(value)
         except TypeError:

@@ -37,18 +37,26 @@ def before_capture(make) -> None:
 _THREAD = threading.local()
 
 
-def _blas_handles(device: torch.device) -> None:
-    """Make this thread's cuBLAS and cuBLASLt handles for ``device`` (one tiny matmul of
-    each path, on the current stream, once per thread): torch makes them per thread, on
-    a thread's first matmul, and creating one inside a capture fails
-    (CUBLAS_STATUS_NOT_INITIALIZED), as when another thread did the warm-up."""
-    ready = _THREAD.__dict__.setdefault("blas", set())
-    if device.index in ready:
-        return
-    for dtype in (torch.float32, torch.bfloat16):  # cuBLAS's and cuBLASLt's paths
+def touch_blas(device: torch.device) -> None:
+    """One tiny matmul of cuBLAS's path and one of cuBLASLt's on the current stream: the
+    thread's handles, and the stream's workspace, exist afterwards."""
+    dtypes = [torch.float32]
+    if torch.cuda.is_bf16_supported():
+        dtypes.append(torch.bfloat16)
+    for dtype in dtypes:
         probe = torch.ones(16, 16, dtype=dtype, device=device)
         torch.mm(probe, probe)
-    ready.add(device.index)
+
+
+def _blas_handles(device: torch.device) -> None:
+    """Make this thread's cuBLAS and cuBLASLt handles for ``device`` (once per thread, on
+    the current stream): torch makes them per thread, on a thread's first matmul, and
+    creating one inside a capture fails (CUBLAS_STATUS_NOT_INITIALIZED), as when another
+    thread did the warm-up."""
+    ready = _THREAD.__dict__.setdefault("blas", set())
+    if device.index not in ready:
+        touch_blas(device)
+        ready.add(device.index)
 
 
 class _FrozenGC:

@@ -36,7 +36,7 @@ import weakref
 import torch
 
 from graphcap import compat, env
-from graphcap.core.cuda_graph import CudaGraph, before_capture
+from graphcap.core.cuda_graph import CudaGraph, before_capture, touch_blas
 from graphcap.core.emulated import EmulatedGraph
 from graphcap.core.graph_base import Graph
 from graphcap.errors import UnsupportedStrategy
@@ -206,9 +206,7 @@ class GraphPool:
         has none yet: the capture makes it again, inside the pool)."""
         stats = torch.cuda.memory_stats(self.device)
         with torch.cuda.stream(self.stream):
-            for dtype in (torch.float32, torch.bfloat16):  # cuBLAS's and cuBLASLt's paths
-                probe = torch.ones(16, 16, dtype=dtype, device=self.device)
-                torch.mm(probe, probe)
+            touch_blas(self.device)
         made = torch.cuda.memory_stats(self.device)[self._LARGE + "current"]
         return {"peak": stats[self._LARGE + "peak"],
                 "workspace": made - stats[self._LARGE + "current"]}

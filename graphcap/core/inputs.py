@@ -24,23 +24,25 @@ methods only:
 - ``stage(batch, bucket, state)``: a call's inputs into the buffers, before a replay;
 - ``context(state)``: the forward context of what a replay runs eagerly;
 - ``rows(bucket)`` and ``out_rows(batch)``: output rows of a shape and of a call;
-- ``fits(batch)``: why a batch cannot replay a graph (or None);
+- ``fits(batch)``: why a batch cannot replay a graph (or None); ``limits()`` says what
+  bounds it, beside the buckets;
 - ``eager(model, batch) -> run``: the model on the call's own tensors, without graphs,
   prepared outside any mode (``run()`` runs it);
-- ``captured(states)``, ``report()``: what a capture showed, for ``runner.report()``.
+- ``captured(states)``, ``report()``: what a capture showed, for ``runner.report()``;
+  ``forget()``: after a capture that failed, what it took from the call it came from.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from graphcap.core import batch as batching
 from graphcap.core.context import forward_context
-from graphcap.errors import BadBatch, UnsupportedModel
+from graphcap.errors import BadBatch, CaptureError, UnsupportedModel
 
 
 @dataclass
@@ -50,6 +52,7 @@ class Batch:
     args: tuple
     tokens: int
     lens: list[int] | None = None
+    kwargs: dict = field(default_factory=dict)  # what the eager strategy passes on as is
 
 
 class Inputs:
@@ -66,14 +69,13 @@ class Inputs:
         # (slicing costs host microseconds, which the GPU waits for at small buckets).
         self._rows_of: dict[tuple[int, int], tuple[list, list]] = {}
 
-    @property
-    def allocated(self) -> bool:
-        return bool(self.buffers)
-
     def reset(self) -> None:
         """No static buffers (what the inputs learned of the model's arguments stays)."""
         self.buffers = []
         self._rows_of.clear()
+
+    def forget(self) -> None:
+        """After a capture that failed: forget what it learned of the call it came from."""
 
     def prepare(self, bucket: int) -> Any:
         return None
@@ -92,6 +94,10 @@ class Inputs:
 
     def fits(self, batch: Batch) -> str | None:
         return None
+
+    def limits(self) -> str:
+        """What, beside the buckets, bounds a batch that replays (for messages)."""
+        return ""
 
     def captured(self, states: list) -> None:
         pass
@@ -122,9 +128,12 @@ class TensorInputs(Inputs):
     kind = "tensors"
     needs_batch = True
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, captured: bool = True):
         super().__init__(device)
         self.specs: list[tuple[torch.dtype, tuple[int, ...]]] = []
+        # False (the eager strategy): nothing is captured, so a call may pass the model
+        # anything it takes.
+        self.strict = captured
 
     def check(self, args: tuple, kwargs: dict) -> Batch:
         if "seq_lens" in kwargs:
@@ -133,6 +142,8 @@ class TensorInputs(Inputs):
                 "declare a model of packed requests with graphcap.capture(model, "
                 "inputs='prefill') (or graphcap_inputs = 'prefill' on its class) and call "
                 "runner(input_ids, positions, seq_lens=[...])")
+        if not self.strict:
+            return Batch(tuple(args), 0, kwargs=kwargs)
         if kwargs:
             raise BadBatch(f"unexpected keyword arguments {sorted(kwargs)}: a model of "
                            "tensors is called as runner(*tensors)")
@@ -140,9 +151,15 @@ class TensorInputs(Inputs):
                                if isinstance(a, torch.Tensor)]
         return Batch(tuple(args), batching.check_tensors(args, specs, self.device))
 
+    def forget(self) -> None:
+        self.specs = []
+
     def allocate(self, max_tokens: int, batch: Batch | None) -> None:
         if batch is not None:
             self.specs = [(a.dtype, tuple(a.shape[1:])) for a in batch.args]
+        if not self.specs:
+            raise CaptureError("nothing to capture from: this runner takes its shapes "
+                               "from a call; call it (or capture_all(example)) first")
         self.buffers = [torch.zeros((max_tokens, *tail), dtype=dtype, device=self.device)
                         for dtype, tail in self.specs]
 
@@ -153,7 +170,7 @@ class TensorInputs(Inputs):
         self.copy_in(batch, bucket)
 
     def eager(self, model, batch: Batch):
-        return lambda: model(*batch.args)
+        return lambda: model(*batch.args, **batch.kwargs)
 
 
 class PrefillInputs(Inputs):
@@ -171,8 +188,10 @@ class PrefillInputs(Inputs):
         if self.per_request:
             self.row_unit = "one row per request slot (output_rows='requests')"
         self.last_rows: torch.Tensor | None = None  # per_request: [slots]
-        # Whether graphcap attention ran in the captured forward (None: nothing captured).
+        # Whether graphcap attention ran in the captured forward (None: nothing captured),
+        # and, with nothing captured (the eager strategy), in a call.
         self.attends: bool | None = None
+        self.called = False
 
     def check(self, args: tuple, kwargs: dict) -> Batch:
         unknown = sorted(set(kwargs) - {"seq_lens"})
@@ -235,6 +254,9 @@ class PrefillInputs(Inputs):
     def fits(self, batch: Batch) -> str | None:
         return "too_many_requests" if len(batch.lens) > self.slots else None
 
+    def limits(self) -> str:
+        return f", {self.slots} request slots"
+
     def eager(self, model, batch: Batch):
         # Host work, and tensors made outside whatever mode the call then runs in (a
         # compiled forward traced with ordinary tensors would recompile for others).
@@ -244,8 +266,10 @@ class PrefillInputs(Inputs):
         def run():
             with forward_context(attention=meta):
                 out = model(*args)
-            if self.attends is None and not meta.attended:  # nothing captured: it tells
-                self.check_packing(batch.lens)
+            if self.attends is None:  # nothing captured: this call tells
+                self.called |= meta.attended
+                if not meta.attended:
+                    self.check_packing(batch.lens)
             return out
         return run
 
@@ -254,7 +278,7 @@ class PrefillInputs(Inputs):
 
     def report(self) -> dict:
         # The attention backend the captured forward called (None: it called none).
-        return {"attention": self.attention.name if self.attends else None}
+        return {"attention": self.attention.name if self.attends or self.called else None}
 
     def check_packing(self, lens: list[int]) -> None:
         check_packing(self.name, self.attention.name, lens)

@@ -27,7 +27,7 @@ from graphcap.core.inputs import Batch, Inputs
 from graphcap.core.serial import Serial
 from graphcap.core.snapshot import ModelSnapshot
 from graphcap.core.strategy import Strategy
-from graphcap.errors import BadBatch, ModelChanged, UnsupportedStrategy
+from graphcap.errors import BadBatch, CaptureError, ModelChanged, UnsupportedStrategy
 
 log = logging.getLogger("graphcap")
 
@@ -35,7 +35,6 @@ log = logging.getLogger("graphcap")
 @dataclass
 class RunnerConfig:
     buckets: list[int]
-    max_requests: int = 1
     fallback: bool = True
     copy_outputs: bool = True
     max_pad_ratio: float = 2.0
@@ -116,13 +115,17 @@ class Runner:
     # -- calls ---------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         with self._serial:
+            stale = self.strategy.captures and self._snapshot is not None \
+                and not self._snapshot.current()
+            if stale and self.config.on_change == "recapture":
+                self.inputs.forget()  # a model of tensors that changed may take others
             batch = self.inputs.check(args, kwargs)  # BadBatch before anything runs
             self.stats.calls += 1
             with _CountFailures(self.stats):
-                if self.strategy.captures:
-                    if not self.entries:  # captured on the first call (tensors)
-                        self._capture_all(batch, None)
-                    self._check_model()
+                if stale:
+                    self._on_change(batch)
+                elif self.strategy.captures and not self.entries:
+                    self._capture_all(batch, None)  # on the first call (tensors)
                 entry, reason = self._route(batch)
                 if entry is None:
                     return self._eager(batch, reason)
@@ -141,9 +144,9 @@ class Runner:
         if not self.config.fallback:
             raise BadBatch(
                 f"this batch cannot replay a graph ({reason.replace('_', ' ')}: buckets "
-                f"up to {self.max_tokens} tokens, {self.config.max_requests} request "
-                "slots) and fallback=False; enlarge max_tokens/max_requests or allow the "
-                "eager fallback")
+                f"up to {self.max_tokens} tokens{self.inputs.limits()}) and "
+                "fallback=False; enlarge max_tokens (or max_requests) or allow the eager "
+                "fallback")
         return None, reason  # a counted fallback
 
     def _replay(self, entry: ShapeEntry, batch: Batch):
@@ -180,10 +183,9 @@ class Runner:
         return tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t
                                for t in flat], spec)
 
-    def _check_model(self) -> None:
-        """The model must be the one captured: recapture it, or refuse, when not."""
-        if self._snapshot is None or self._snapshot.current():
-            return
+    def _on_change(self, batch: Batch) -> None:
+        """The model is not the one captured: recapture it (from this call's shapes, for
+        inputs that take them from a call), or refuse."""
         changes = self._snapshot.changes()
         name, what = type(self.source).__name__, "; ".join(changes)
         devices = self._snapshot.devices()
@@ -201,7 +203,7 @@ class Runner:
                 "see (or capture with on_change='recapture')", changes)
         log.warning("graphcap: %s changed since capture (%s); capturing its %d shapes again",
                     name, what, len(self.config.buckets))
-        self._capture_all(None, None)
+        self._capture_all(batch, None)  # shapes taken from this call, where inputs take any
         self.stats.recaptures += 1
 
     # -- capture -------------------------------------------------------------------
@@ -211,22 +213,29 @@ class Runner:
         one; ``progress(done, total)`` is called after each shape. Called again, it
         captures every shape again from scratch (the first shape warmed up again)."""
         with self._serial:
+            self._captures("capture_all()")
             batch = self.inputs.check(example, {}) if example is not None else None
             self._capture_all(batch, progress)
 
     def recapture(self) -> None:
         """Capture every shape again from the model as it is now: after a change the
         runner cannot see (a Python attribute its forward reads), or to pick up a changed
-        one before the next call does. A runner whose inputs take their shapes from its
-        first call, and that has not been called, has nothing to capture yet."""
+        one before the next call does."""
         with self._serial:
-            if self.entries or not self.inputs.needs_batch:
-                self._capture_all(None, None)
+            self._captures("recapture()")
+            if not self.entries and self.inputs.needs_batch:
+                raise CaptureError(
+                    "recapture(): this runner has captured nothing yet; it captures on its "
+                    "first call, from that call's shapes")
+            self._capture_all(None, None)
+
+    def _captures(self, what: str) -> None:
+        if not self.strategy.captures:
+            raise UnsupportedStrategy(f"{what}: strategy {self.strategy.name!r} captures "
+                                      "nothing (every call runs the model eagerly)")
 
     def _capture_all(self, batch: Batch | None, progress) -> None:
         self._reset()
-        self._snapshot = ModelSnapshot(self.source)
-        self._devices = self._snapshot.devices()
         self.inputs.allocate(self.max_tokens, batch)
         try:
             with torch.inference_mode():
@@ -236,8 +245,15 @@ class Runner:
                         progress(done, len(self.config.buckets))
             self.pool.release_cache()  # what later warm-ups left outside the pool
         except BaseException:
-            self._reset()  # leave no half-built state: a later call captures from scratch
+            # Leave no half-built state, nor what the inputs took from a call that could
+            # not be captured: a later call captures from scratch, from its own shapes.
+            self._reset()
+            self.inputs.forget()
             raise
+        # The model as the graphs read it: after its warm-ups (lazy modules materialise,
+        # a forward may replace a buffer on first sight of the largest shape).
+        self._snapshot = ModelSnapshot(self.source)
+        self._devices = self._snapshot.devices()
         self.inputs.captured([e.state for e in self.entries.values()])
 
     def _reset(self) -> None:
@@ -348,6 +364,10 @@ class Runner:
         warm-up forwards before captures, ``warmup_retries``: shapes whose direct capture
         failed and were warmed up and captured again; what the inputs report (prefill:
         ``attention``, the backend the captured forward called, None if none)."""
+        with self._serial:
+            return self._report()
+
+    def _report(self) -> dict:
         entries = sorted(self.entries.items())
         return {
             "strategy": self.strategy.name,

@@ -36,7 +36,10 @@ class Serial:
         if self._index is not None:
             try:
                 stream = compat.current_stream_key(self._index)
-                if self._stream is not None and stream != self._stream:
+                if self._stream is not None and stream != self._stream and \
+                        not torch.cuda.is_current_stream_capturing():
+                    # (A capture already began after the last holder's work: its stream
+                    # waited for the caller's, and it may not wait on work outside it.)
                     compat.stream_of(stream).wait_stream(compat.stream_of(self._stream))
                 self._stream = stream
             except BaseException:

@@ -13,7 +13,8 @@ through ``nn.Module``'s registration (``setattr``, ``register_parameter``,
 ``load_state_dict(assign=True)``, a replaced submodule), whose global hooks count every
 registration in the process, so they are compared again only after one. A slot written
 directly (``module._parameters[name] = ...``, ``del module.weight``) bypasses those hooks
-and is not seen. In-place updates (``p.copy_(new)``, ``load_state_dict`` without
+and is not seen; nor is a new view of the same memory (``p.data = p.data.t()``), whose
+address is unchanged. In-place updates (``p.copy_(new)``, ``load_state_dict`` without
 ``assign``) keep every slot and address, so replays see them, as eager does.
 
 Python attributes (an ``eps``, a flag, ``training``) are not part of the snapshot: they
@@ -63,8 +64,8 @@ def _describe(t) -> str:
 def _ptr(t) -> int:
     try:
         return _PTR(t)
-    except (RuntimeError, TypeError):  # a tensor subclass without storage: by identity
-        return -1
+    except (RuntimeError, TypeError, ValueError):  # no storage (a subclass, a lazy
+        return -1  # module's uninitialised parameter): followed by identity alone
 
 
 class _Slots:

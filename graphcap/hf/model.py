@@ -6,9 +6,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from graphcap.api import packed
 from graphcap.errors import BadBatch
 from graphcap.hf.attention import NAME, UnsupportedModel
+from graphcap.opsdb.attention.packed import packed
 
 # Expert implementations of transformers' MoE layers that read no tensor on the host
 # ("eager" loops over the experts hit, found with nonzero: a host sync).

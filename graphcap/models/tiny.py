@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from graphcap.api import packed
 from graphcap.opsdb.attention import ATTENTION
+from graphcap.opsdb.attention.packed import packed
 from graphcap.opsdb.linear import LINEAR_RESIDUAL, RMS_NORM_LINEAR, RMS_NORM_SWIGLU
 from graphcap.opsdb.moe import MOE_EXPERTS, MOE_TOPK_SOFTMAX
 from graphcap.opsdb.norm import RMS_NORM

@@ -118,11 +118,11 @@ class PiecewiseCompiler:
             now, watch = phases.current()
             if now is Phase.WARMUP:  # recorded: may the shape be captured as one graph?
                 watch.call = Call(split, args, static=static)
-            sized = phases._SIZE.set(size)
+            sized = phases.enter_size(size)
             try:
                 out = split(*args)
             finally:
-                phases._SIZE.reset(sized)
+                phases.exit_size(sized)
             if now is Phase.WARMUP:
                 watch.call.outputs = out
             if not self.copy_outputs:

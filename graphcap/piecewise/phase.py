@@ -57,3 +57,13 @@ def phase(which: Phase, detail: Any = None):
 
 def current_size() -> int | None:
     return _SIZE.get()
+
+
+def enter_size(size: int | None) -> contextvars.Token:
+    """Set the token count of the compiled graph's call now running (:func:`exit_size`
+    after it): a token, not a context manager, on every call's path."""
+    return _SIZE.set(size)
+
+
+def exit_size(token: contextvars.Token) -> None:
+    _SIZE.reset(token)

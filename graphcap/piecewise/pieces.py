@@ -64,15 +64,25 @@ class PieceGraphs(torch.nn.Module):
                 return detail.run(self, args)
             case Phase.EAGER:  # a runner's fallback
                 return self.fn(*args)
-            case Phase.WARMUP if self.graphable is not None and self.graphable() is None:
-                detail.call.static = False  # a split op on host state: no whole capture
+            case Phase.WARMUP:  # the runner's warm-up of a shape: eager, the size seen
+                if self.graphable is not None and self.graphable() is None:
+                    detail.call.static = False  # a split op on host state: no whole capture
+                self.seen.add(self._size(args))
+                return self.fn(*args)
         return self._per_size(args)
 
-    def _per_size(self, args):
-        owner, size = self.owner, phases.current_size()
-        if size is None:  # a graph without a dynamic size: its first tensor's rows
+    @staticmethod
+    def _size(args) -> int | None:
+        """The token count of the compiled graph's call, else (a graph without a dynamic
+        size) its first tensor's rows."""
+        size = phases.current_size()
+        if size is None:
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             size = tensors[0].shape[0] if tensors and tensors[0].dim() else None
+        return size
+
+    def _per_size(self, args):
+        owner, size = self.owner, self._size(args)
         if size not in owner.capture_sizes or size in self.eager_sizes:
             if self.graphable is None:  # split ops run eagerly by design: not counted
                 owner.stats["eager_runs"] += 1

@@ -14,7 +14,7 @@ from graphcap.errors import CaptureError
 from graphcap.piecewise import phase as phases
 from graphcap.piecewise.compiler import PiecewiseCompiler
 from graphcap.piecewise.phase import Phase, Watch
-from graphcap.piecewise.whole import Call, Moved, WholeCapture
+from graphcap.piecewise.whole import WholeCapture
 
 
 def _entry(model, *args):
@@ -48,8 +48,8 @@ class CompiledForward:
 
     def __call__(self, *args):
         now, detail = phases.current()
-        if now is Phase.CAPTURE_WHOLE:  # the compiled graph itself, on the warm-up's args
-            return detail.call.direct_for(args)
+        if now is Phase.CAPTURE_WHOLE:  # the compiled graph itself, on this call's tensors
+            return detail.call.direct(args)
         if now is None:
             with phases.phase(Phase.EAGER):
                 return self._compiled(args)
@@ -58,7 +58,7 @@ class CompiledForward:
         if call is not None and call.returns is None and args \
                 and isinstance(args[0], torch.Tensor) and args[0].dim():
             call.learn_returns(out, tokens=args[0].shape[0])
-            call.inputs = Call.where(args)
+            call.learn_inputs(args)
         return out
 
     def _compiled(self, args):
@@ -122,15 +122,11 @@ class PiecewiseStrategy(Strategy):
         if call is not None and call.replayable(key):
             graph = pool.graph()
             whole = WholeCapture(call, graph.emulated, graph=graph)
-            try:
-                with phases.phase(Phase.CAPTURE_WHOLE, whole):
-                    graph.capture(fn)
-            except Moved:
-                pass  # its inputs are made anew each call: captured piece by piece instead
-            else:
-                self.compiler.stats["whole_captures"] += 1
-                # whole.replay: the capture keeps what its graph replays (Inductor pieces)
-                return Captured(whole.replay, segments=1, splits_in_graph=whole.splits)
+            with phases.phase(Phase.CAPTURE_WHOLE, whole):
+                graph.capture(fn)
+            self.compiler.stats["whole_captures"] += 1
+            # whole.replay: the capture keeps what its graph replays (Inductor pieces)
+            return Captured(whole.replay, segments=1, splits_in_graph=whole.splits)
         before = self.compiler.stats["captures"]
         with phases.phase(Phase.PIECES):
             fn()

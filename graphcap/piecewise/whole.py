@@ -1,7 +1,7 @@
 """One graph per shape under tc_piecewise: the compiled forward captured whole.
 
 Under ``graphcap.capture`` the runner warms each shape up with one call, then captures
-it. The backend watches that call (:class:`Call`). When every split op in it read static
+it. The strategy watches that call (:class:`Call`). When every split op in it read static
 state (attention on the runner's prepared metadata) and the model's outputs are outputs
 of the compiled graph, the shape is captured as one graph (:class:`WholeCapture`): the
 graph Dynamo compiled is called directly on the warm-up's arguments, each piece runs
@@ -23,9 +23,12 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graphcap.core.strategy import note_state
 from graphcap.errors import CaptureError
 from graphcap.piecewise.inductor import OneOpPiece
+
+
+def _where(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
 @dataclass
@@ -40,14 +43,15 @@ class Call:
     outputs: Any = None
     tokens: int | None = None
     returns: tuple | None = None  # (index into outputs or None, constant, spec)
-    inputs: list | None = None  # where the caller's tensors were: address, shape, strides
+    slots: list | None = None  # per caller tensor: the graph argument it became, or None
 
-    @staticmethod
-    def where(args) -> list:
-        """Where the caller's tensors are: the graph, called directly on the warm-up's
-        arguments, reads them there."""
-        return [(a.data_ptr(), tuple(a.shape), a.stride(), a.dtype)
-                if isinstance(a, torch.Tensor) else a for a in args]
+    def learn_inputs(self, args) -> None:
+        """Which of the graph's arguments each of the caller's tensors became (Dynamo
+        passes an alias: the same memory, shape and strides), so that a capture can pass
+        the graph the capture's own tensors (:meth:`direct`)."""
+        mine = [(i, _where(a)) for i, a in enumerate(self.args) if isinstance(a, torch.Tensor)]
+        self.slots = [next((i for i, w in mine if w == _where(a)), None)
+                      if isinstance(a, torch.Tensor) else None for a in args]
 
     def learn_returns(self, value, tokens: int) -> None:
         """Map the model's return value onto the graph's outputs, by identity; a tensor
@@ -71,35 +75,30 @@ class Call:
     def replayable(self, tokens: int) -> bool:
         return self.static and self.returns is not None and self.tokens == tokens
 
-    def direct_for(self, args):
-        """:meth:`direct`, for a call with these arguments: those of the warm-up, where the
-        graph reads them (views of the runner's static buffers), else :class:`Moved`."""
-        if Call.where(args) != self.inputs:
-            raise Moved
-        return self.direct()
-
-    def direct(self):
-        """The model's return value, from calling the compiled graph directly."""
-        outs = self.module(*self.args)
+    def direct(self, args=None):
+        """The model's return value, from calling the compiled graph directly: on the
+        warm-up's arguments, with the caller's tensors of this call, ``args``, in their
+        places (the runner's buffers, or tensors its forward made anew). Dynamo drops the
+        arguments the graph does not read, so a caller's tensor without a slot is unread."""
+        graph_args = list(self.args)
+        if args is not None:  # a tensor with no slot is one the graph never reads
+            for slot, a in zip(self.slots, args, strict=True):
+                if slot is not None:
+                    graph_args[slot] = a
+        outs = self.module(*graph_args)
         outs = outs if isinstance(outs, tuple | list) else (outs,)
         where, leaves, spec = self.returns
         return tree_unflatten([leaf if i is None else outs[i]
                                for i, leaf in zip(where, leaves, strict=True)], spec)
 
 
-class Moved(Exception):  # noqa: N818 - a signal between the forward and the strategy
-    """The forward passed the compiled model tensors other than its warm-up's (made anew
-    each call, not views of static buffers): the shape cannot be captured whole."""
-
-
 @dataclass
 class WholeCapture:
-    """The capture of one shape as one graph: the pieces run inline, the split ops'
-    static states are listed (the runner owns them: they stay current)."""
+    """The capture of one shape as one graph: the pieces run inline, and the split ops
+    with them, on the static state the runner owns (it stays current)."""
 
     call: Call
     emulated: bool
-    states: list = field(default_factory=list)
     splits: int = 0
     graph: Any = None
     keep: list = field(default_factory=list)  # OneOpPieces the emulated graph replays
@@ -113,7 +112,6 @@ class WholeCapture:
                     "tc_piecewise: a split op read static state in the warm-up forward "
                     "but not in the capture of the same shape; keep the attention "
                     "backend and metadata fixed between warm-up and capture")
-            note_state(self.states, piece.graphable, state)
             self.splits += 1
         fn = piece.fn
         if piece.opaque and self.emulated:  # kernels the emulator's recording cannot see

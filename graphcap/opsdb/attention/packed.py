@@ -1,0 +1,35 @@
+"""``graphcap.packed``: a model of packed requests called eagerly, outside a runner."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from graphcap.core.batch import host_lengths
+from graphcap.core.context import forward_context
+from graphcap.core.inputs import check_packing
+from graphcap.opsdb.attention import get_backend
+
+
+@contextlib.contextmanager
+def packed(seq_lens, device, attention: str | None = None, dtype: torch.dtype | None = None):
+    """Call a model of packed requests eagerly, outside a runner: prepares the attention
+    metadata of requests of these lengths (host values) and makes it the forward context,
+    which ``graphcap::attention`` reads. ``attention``: the backend (default: the best on
+    ``device`` for q/k/v of ``dtype``). Yields the metadata (``meta.last_token_rows()``:
+    the row of each request's last token). Leaving the block, a call of several requests
+    whose forward ran no graphcap attention raises :class:`~graphcap.errors.
+    UnsupportedModel`: its attention could not see where the requests begin and end.
+
+        with graphcap.packed([5, 3], device="cpu"):
+            logits = model(input_ids, positions)      # 8 tokens: two requests
+    """
+    device = torch.device(device)
+    lens = host_lengths(seq_lens)
+    meta = get_backend(attention, device, dtype=dtype).prepare(lens, device)
+    with forward_context(attention=meta):
+        yield meta
+    if not meta.attended:
+        check_packing(f"the model called under graphcap.packed({lens})", meta.backend.name,
+                      lens)
