@@ -108,6 +108,25 @@ def test_under_grad_mode_the_forward_runs_eagerly_and_backward_gives_eagers_grad
     assert counters()["captures"] > before["captures"]
 
 
+def test_a_parameter_an_op_returns_as_is_is_no_autograd_history_under_inference_mode():
+    class Scaled(Net):  # Gemma's RMSNorm: (1 + weight.float()), weight already float32
+        def forward(self, ids):
+            return super().forward(ids) * (1.0 + self.norm.weight.float())
+
+    torch.manual_seed(0)
+    m = Scaled().to(DEVICE)
+    c = compiled(m)
+    before = counters()
+    with torch.inference_mode():
+        warm(c)
+        got = c(ids(4, 7))
+    after = counters()
+    assert after["grad_runs"] == before["grad_runs"]
+    assert after["captures"] > before["captures"]
+    with torch.no_grad():
+        torch.testing.assert_close(got, m(ids(4, 7)))
+
+
 def test_dynamic_shapes_with_float_attributes_capture_and_see_a_changed_float():
     m = net()
     c = compiled(m, dynamic=True)

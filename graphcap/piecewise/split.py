@@ -118,8 +118,10 @@ def device_of(args) -> torch.device:
 def builds_autograd_graph(gm: torch.fx.GraphModule) -> bool:
     """Whether the traced forward records autograd history: an op whose traced output
     requires grad (grad enabled, and an input or parameter that requires grad, as the
-    trace saw them, ``no_grad`` and ``enable_grad`` blocks inside the forward included)."""
-    return any(isinstance(v, torch.Tensor) and v.requires_grad
+    trace saw them, ``no_grad`` and ``enable_grad`` blocks inside the forward included).
+    An op that returns its input itself (``weight.float()`` of a float32 parameter) keeps
+    the parameter, a leaf: no history, so under inference_mode it is no reason."""
+    return any(isinstance(v, torch.Tensor) and v.requires_grad and v.grad_fn is not None
                for n in gm.graph.nodes if n.op not in ("placeholder", "output")
                for v in tree_leaves(n.meta.get("example_value")))
 
