@@ -41,8 +41,9 @@ def checkable(model) -> tuple:
     if _is_causal_lm(model):
         from graphcap.hf import PrefillLM
 
-        name = type(model).__name__
-        return PrefillLM(model), f" (a transformers {name}, wrapped in graphcap.hf.PrefillLM)"
+        name, lm = type(model).__name__, PrefillLM(model)
+        return lm, (f" (a transformers {name}, wrapped in graphcap.hf.PrefillLM; "
+                    f"{lm.kernels.summary()})")
     if not isinstance(model, torch.nn.Module):
         raise GraphcapError(f"the factory returned a {type(model).__name__}, not a "
                             "torch.nn.Module")

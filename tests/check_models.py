@@ -63,9 +63,14 @@ def hf_llama():
     return _hf("LlamaConfig")
 
 
-def hf_mistral():
-    """A family graphcap.hf names nowhere, full attention (no sliding window)."""
-    return _hf("MistralConfig", sliding_window=None)
+def hf_stablelm():
+    """A family graphcap.hf names nowhere: LayerNorms, partial rotary, q/k/v biases."""
+    return _hf("StableLmConfig", partial_rotary_factor=0.5, use_qkv_bias=True)
+
+
+def hf_starcoder2():
+    """Another: LayerNorms, biases everywhere, a GELU MLP, no sliding window."""
+    return _hf("Starcoder2Config", sliding_window=None)
 
 
 class TwoTensors(torch.nn.Module):

@@ -19,22 +19,11 @@ from graphcap.testing import assert_replay_equivalent, prefill_batches
 
 transformers = pytest.importorskip("transformers")
 from graphcap.hf import PrefillLM, UnsupportedModel  # noqa: E402  (needs transformers)
-from tests.test_loading import CONFIGS  # noqa: E402  (tiny Llama, Qwen2, Qwen3, Qwen3-MoE)
+from tests.hf_families import FAMILIES, VOCAB, hf_model  # noqa: E402
 
-VOCAB = CONFIGS["llama"]().vocab_size
 BUCKETS = [8, 16, 32]
 SLOTS = 3
 QUICK = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
-
-
-def hf_model(family: str, **config):
-    """A random tiny model of ``family`` running transformers' own eager attention."""
-    torch.manual_seed(0)
-    cfg = CONFIGS[family]()
-    for key, value in config.items():
-        setattr(cfg, key, value)
-    return transformers.AutoModelForCausalLM.from_config(
-        cfg, attn_implementation="eager").eval()
 
 
 @functools.cache
@@ -44,7 +33,7 @@ def pair(family: str):
     return ref, PrefillLM(copy.deepcopy(ref))
 
 
-@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_packed_requests_give_the_logits_of_each_request_run_alone_in_transformers(family):
     # The semantic check: tokens of one request never see another's (transformers' own
     # eager attention, one request at a time, is the truth).
@@ -65,7 +54,7 @@ def test_packed_requests_give_the_logits_of_each_request_run_alone_in_transforme
 
 
 @pytest.mark.parametrize("strategy", ["breakable", "full", "tc_piecewise"])
-@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family_replays_like_eager_under_every_strategy(family, strategy):
     _, lm = pair(family)
     # Each tc_piecewise runner compiles the model: fewer call sequences keep it quick.
@@ -117,7 +106,7 @@ def test_a_module_that_is_not_a_transformers_model_is_rejected():
 
 
 def test_a_model_without_an_lm_head_is_rejected_naming_its_class():
-    base = transformers.AutoModel.from_config(CONFIGS["llama"]())
+    base = transformers.AutoModel.from_config(FAMILIES["llama"]())
     with pytest.raises(UnsupportedModel, match="LlamaModel is not a decoder-only causal LM"):
         PrefillLM(base)
 

@@ -236,6 +236,12 @@ class Runner:
 
     def _capture_all(self, batch: Batch | None, progress) -> None:
         self._reset()
+        # A model that derives state from its parameters (fused weights) brings it up to
+        # date here, outside any graph: graphcap.hf.PrefillLM.
+        before = getattr(self.source, "graphcap_before_capture", None)
+        if before is not None:
+            with torch.inference_mode():
+                before()
         self.inputs.allocate(self.max_tokens, batch)
         try:
             with torch.inference_mode():

@@ -22,6 +22,8 @@ from graphcap.errors import UnsupportedModel
 from graphcap.opsdb.attention import ATTENTION
 
 NAME = "graphcap"
+# While graphcap.hf probes a layer: the q, k, v each call received, [T, heads, head_dim].
+SEEN: list | None = None
 
 
 def graphcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -55,6 +57,8 @@ def graphcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
             f"{query.shape[0]}; pack the requests along the token dim and give seq_lens")
     # [1, H, T, D] -> [T, H, D]: the split op's packed layout (contiguous for the kernels).
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+    if SEEN is not None:
+        SEEN.append((q, k, v))
     out = torch.empty_like(q)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     ATTENTION(q, k, v, out, float(scale))

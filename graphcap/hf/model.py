@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
 from graphcap.errors import BadBatch
+from graphcap.hf import kernels as substitution
 from graphcap.hf.attention import NAME, UnsupportedModel
 from graphcap.opsdb.attention.packed import packed
 
 # Expert implementations of transformers' MoE layers that read no tensor on the host
 # ("eager" loops over the experts hit, found with nonzero: a host sync).
 CAPTURABLE_EXPERTS = ("grouped_mm", "batched_mm")
+KERNELS = ("graphcap", "stock")
+log = logging.getLogger("graphcap")
 # Rotary scalings recomputed from max(position_ids) of the whole (packed) batch.
 DYNAMIC_ROPE = ("dynamic", "longrope")
 
@@ -105,11 +110,14 @@ class PrefillLM(nn.Module):
     """
 
     def __init__(self, hf_model: nn.Module, *, experts: str | None = None,
-                 logits: str = "all"):
+                 logits: str = "all", kernels: str = "graphcap"):
         super().__init__()
         if logits not in ("all", "last"):
             raise ValueError(f"logits={logits!r}: choose 'all' (every token) or 'last' (each "
                              "request's last token, as prefill that feeds generation needs)")
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels={kernels!r}: choose 'graphcap' (opsdb's kernels where "
+                             "the model's modules fit them) or 'stock' (the model's own code)")
         self.output_rows = "tokens" if logits == "all" else "requests"
         _check_causal_lm(hf_model)
         _check_attention_features(hf_model)
@@ -119,6 +127,18 @@ class PrefillLM(nn.Module):
             hf_model.set_experts_implementation(experts)
         self.hf_model = hf_model.eval()
         self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
+        dtype = hf_model.get_output_embeddings().weight.dtype
+        if kernels == "graphcap":
+            self.kernels = substitution.substitute(hf_model, dtype)
+        else:
+            substitution.restore(hf_model)
+            self.kernels = substitution.Substitution(hf_model)
+        log.info("graphcap.hf: %s: %s", type(hf_model).__name__, self.kernels.summary())
+
+    def graphcap_before_capture(self) -> None:
+        """Called by a runner outside any graph before it captures: weights the kernels
+        read fused are fused again where the model's were replaced."""
+        self.kernels.ensure()
 
     graphcap_inputs = "prefill"
 
@@ -131,6 +151,8 @@ class PrefillLM(nn.Module):
         """``last_rows`` [requests] (``logits="last"``): the row of each request's last
         token; the runner passes it, an eager call with ``seq_lens`` derives it. Only
         those rows go through the LM head (transformers' ``logits_to_keep``)."""
+        if not torch.compiler.is_compiling():
+            self.kernels.ensure()
         if seq_lens is not None:  # eager use: prepare this batch's attention metadata
             dtype = self.hf_model.get_output_embeddings().weight.dtype
             with packed(seq_lens, input_ids.device, dtype=dtype) as meta:

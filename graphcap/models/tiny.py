@@ -14,12 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from graphcap.opsdb.attention import ATTENTION
+from graphcap.models.blocks import attention_half, moe_half, swiglu_half
 from graphcap.opsdb.attention.packed import packed
-from graphcap.opsdb.linear import LINEAR_RESIDUAL, RMS_NORM_LINEAR, RMS_NORM_SWIGLU
-from graphcap.opsdb.moe import MOE_EXPERTS, MOE_TOPK_SOFTMAX
-from graphcap.opsdb.norm import RMS_NORM
-from graphcap.opsdb.qkv import QKV_NORM_ROPE
+from graphcap.opsdb.linear import RMS_NORM_LINEAR
 from graphcap.opsdb.reference import rope_cache
 
 
@@ -57,15 +54,12 @@ class Attention(nn.Module):
 
     def forward(self, h, norm, positions, cos_sin):
         """h + attention(rms_norm(h))."""
-        a, t = self.a, h.shape[0]
-        qkv = RMS_NORM_LINEAR(h, norm, a.eps, self.qkv.weight, self.qkv.bias)
+        a = self.a
         # Split q/k/v, RMSNorm each head of q and k (Qwen3), rotate: one kernel.
         norms = (self.q_norm, self.k_norm) if a.qk_norm else (None, None)
-        q, k, v = QKV_NORM_ROPE(qkv, positions, *norms, cos_sin, a.heads, a.kv_heads,
-                                a.head_dim, a.eps)
-        out = torch.empty(t, a.heads, a.head_dim, dtype=h.dtype, device=h.device)
-        ATTENTION(q, k, v, out, 1.0 / math.sqrt(a.head_dim))
-        return LINEAR_RESIDUAL(out.view(t, a.heads * a.head_dim), self.o.weight, h)
+        return attention_half(h, positions, norm, a.eps, self.qkv.weight, self.qkv.bias,
+                              *norms, a.eps, cos_sin, a.heads, a.kv_heads, a.head_dim,
+                              1.0 / math.sqrt(a.head_dim), self.o.weight)
 
 
 class FeedForward(nn.Module):
@@ -77,8 +71,7 @@ class FeedForward(nn.Module):
 
     def forward(self, h, norm):
         """h + down(silu(gate) * up) of rms_norm(h)."""
-        act = RMS_NORM_SWIGLU(h, norm, self.eps, self.gate_up.weight)
-        return LINEAR_RESIDUAL(act, self.down.weight, h)
+        return swiglu_half(h, norm, self.eps, self.gate_up.weight, self.down.weight)
 
 
 class MoE(nn.Module):
@@ -96,9 +89,8 @@ class MoE(nn.Module):
 
     def forward(self, h, norm):
         """h + the routed experts of rms_norm(h)."""
-        x = RMS_NORM(h, norm, self.eps)
-        weights, ids = MOE_TOPK_SOFTMAX(self.router(x), self.top_k, self.norm_topk)
-        return h + MOE_EXPERTS(x, self.w13, self.w2, weights, ids)
+        return moe_half(h, norm, self.eps, self.router.weight, self.top_k, self.norm_topk,
+                        self.w13, self.w2)
 
 
 class Block(nn.Module):

@@ -1,0 +1,125 @@
+"""Each recognised part checked against the stock module on a probe input, when wrapping.
+
+A part runs graphcap's kernels only if, on random hidden states (and positions spread
+over the model's range), it gives what the stock module gives: within 1e-5 relative
+(Frobenius) in float32, 2e-2 in half precision, where only rounding differs. Recognition
+(:mod:`graphcap.hf.patterns`) reads structure; the probe is what proves the maths.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from graphcap.hf import attention as hf_attention
+from graphcap.hf import patterns
+from graphcap.opsdb.moe import MOE_EXPERTS, MOE_TOPK_SOFTMAX
+from graphcap.opsdb.norm import RMS_NORM
+
+TOKENS = 16
+BRANCH = 1e-2  # the residual stream's scale under a half's branch, in a probe
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2
+
+
+def error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative Frobenius error of ``got`` against ``want`` (inf on another shape/dtype)."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return float("inf")
+    want32 = want.float()
+    return float((got.float() - want32).norm() / want32.norm().clamp_min(1e-30))
+
+
+def mismatch(got, want, what: str, tol: float | None = None) -> str | None:
+    """Why ``got`` is not ``want`` within the dtype's tolerance, or None."""
+    if not isinstance(got, torch.Tensor) or not isinstance(want, torch.Tensor):
+        return f"{what}: the stock module returned {type(want).__name__}"
+    err, tol = error(got, want), tolerance(want.dtype) if tol is None else tol
+    if err <= tol:
+        return None
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"{what}: graphcap's kernels give {got.dtype} {tuple(got.shape)}, the stock " \
+               f"module {want.dtype} {tuple(want.shape)}"
+    return f"{what}: the probe differs from the stock module by {err:.2g} (tolerance {tol:g})"
+
+
+def branch(got, want, h, what: str) -> str | None:
+    """A half's output ``h + branch`` compared by its branch (in float32): the residual
+    would hide a wrong branch."""
+    if not isinstance(got, torch.Tensor) or not isinstance(want, torch.Tensor) or \
+            got.shape != want.shape or got.dtype != want.dtype:
+        return mismatch(got, want, what)
+    return mismatch(got.float() - h.float(), want.float() - h.float(), what,
+                    tol=tolerance(want.dtype))
+
+
+def attention(layer, kernels, h, pos, kwargs) -> str | None:
+    """The attention half: q, k and v against those the stock attention hands the
+    attention function (after its own projections, norms and rotary), then the branch."""
+    hf_attention.SEEN = []
+    try:
+        want = patterns.stock_attention(layer, h, kwargs)
+        seen = hf_attention.SEEN
+    finally:
+        hf_attention.SEEN = None
+    if len(seen) != 1:
+        return f"the stock attention called the attention function {len(seen)} times, not once"
+    for name, got, ref in zip("qkv", kernels.inputs(h, pos), seen[0], strict=True):
+        if why := mismatch(got, ref, f"the attention half's {name}"):
+            return why
+    return branch(kernels(h, pos), want, h, "the attention half")
+
+
+def hidden(size: int, like: torch.Tensor, seed: int, tokens: int = TOKENS) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, size, generator=gen).to(device=like.device, dtype=like.dtype)
+
+
+def positions(max_position: int, device, seed: int, tokens: int = TOKENS) -> torch.Tensor:
+    """Ascending positions over the model's whole range: the rotary cache is read far out."""
+    gen = torch.Generator().manual_seed(seed)
+    top = max(max_position, tokens)
+    return torch.randperm(top, generator=gen)[:tokens].sort().values.to(device)
+
+
+def norm(module, eps: float) -> str | None:
+    """An RMSNorm module against ``graphcap::rms_norm``."""
+    weight = module.weight
+    x = hidden(weight.shape[0], weight, seed=1)
+    return mismatch(RMS_NORM(x, weight, eps), module(x), type(module).__name__)
+
+
+def moe(layer, kernels, h: torch.Tensor) -> str | None:
+    """Routed experts: the router and the experts apart (on the stock router's choice), then
+    the whole half token by token where both routings chose the same experts (a near-tie
+    of router logits may choose otherwise in half precision; at least half must agree)."""
+    mlp = layer.mlp
+    x = layer.post_attention_layernorm(h[None])[0]
+    routed = mlp.gate(x)
+    if not isinstance(routed, tuple) or len(routed) != 3:
+        return f"{type(mlp.gate).__name__} does not return (logits, weights, indices)"
+    _, want_w, want_ids = routed
+    got_w, got_ids = MOE_TOPK_SOFTMAX(F.linear(x, mlp.gate.weight), kernels.top_k,
+                                      kernels.renormalize)
+    order, got_order = want_ids.argsort(dim=-1), got_ids.argsort(dim=-1)
+    same = (want_ids.gather(1, order) == got_ids.long().gather(1, got_order)).all(dim=-1)
+    if not same.all() and x.dtype in (torch.float32, torch.float64):
+        return "the router chose other experts than the stock router"
+    if why := mismatch(got_w.gather(1, got_order)[same].to(want_w.dtype),
+                       want_w.gather(1, order)[same], "the router's weights"):
+        return why
+    experts = MOE_EXPERTS(x, mlp.experts.gate_up_proj, mlp.experts.down_proj,
+                          want_w.float(), want_ids)
+    if why := mismatch(experts, mlp.experts(x, want_ids, want_w), "the experts"):
+        return why
+    stock = h + mlp(x[None])[0]
+    ours = kernels(h)
+    ours_ids = MOE_TOPK_SOFTMAX(F.linear(RMS_NORM(h, layer.post_attention_layernorm.weight,
+                                                  kernels.eps), mlp.gate.weight),
+                                kernels.top_k, kernels.renormalize)[1]
+    agree = (ours_ids.long().sort(dim=-1).values == want_ids.sort(dim=-1).values).all(-1)
+    if agree.sum() * 2 < agree.numel():
+        return "the MoE half routed most probe tokens otherwise than the stock module"
+    return mismatch(ours[agree], stock[agree], "the MoE half")
