@@ -102,7 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--models", default=None,
                        help="comma-separated presets (prefill default: qwen3-0.6b,llama3-8b,"
                             "qwen3-30b-a3b-4l; build/memory: qwen3-0.6b)")
-    bench.add_argument("--arms", default=None, help="comma-separated arms (default: all)")
+    bench.add_argument("--arms", default=None,
+                       help="comma-separated arms (prefill default: every arm on the "
+                            "preset; hf-eager, hf-compile-reduce-overhead and "
+                            "hf-{breakable,full,tc_piecewise}-{stock,graphcap} add the stock "
+                            "transformers model of the preset's config)")
     bench.add_argument("--lengths", default=None,
                        help="comma-separated prompt lengths (default 16..2048)")
     bench.add_argument("--reps", type=int, default=30, help="timed calls per arm and length")

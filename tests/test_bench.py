@@ -262,3 +262,44 @@ def test_a_copy_of_the_tree_inside_another_repository_does_not_record_its_head(t
         text=True).stdout.strip()
     environ.set("GRAPHCAP_COMMIT", "abc1234")
     assert common.commit(outer / "copy") == "abc1234"
+
+
+def test_the_stock_transformers_arms_return_the_last_token_logits_of_one_model():
+    pytest.importorskip("transformers")
+    from graphcap.bench.hf import HF_ARMS, build_hf_arms, hf_config, stock_model
+
+    lengths = [4, 16]
+    arms, skipped = build_hf_arms("tiny-moe", HF_ARMS, lengths, "torch_masked", "cpu",
+                                  torch.float32)
+    assert set(skipped) == {"hf-compile-reduce-overhead"}  # CUDA graphs: the GPU only
+    assert type(hf_config("tiny-moe")).__name__ == "Qwen3MoeConfig"
+    assert type(hf_config("llama3-8b")).__name__ == "LlamaConfig"
+    reference = stock_model("tiny-moe", "cpu", torch.float32)  # every arm's weights
+    inputs = prompts(lengths, 256, "cpu")
+    for n in lengths:
+        with torch.no_grad():
+            want = reference(input_ids=inputs[n][0][None]).logits[0, -1:]
+        for name, arm in arms.items():
+            torch.testing.assert_close(arm.call(n), want, atol=1e-4, rtol=1e-4,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+    assert "graphcap kernels in 2/2 attention, 2/2 mlp" in \
+        arms["hf-full-graphcap"].detail["kernels"]
+    assert "0/" not in arms["hf-full-graphcap"].detail["kernels"]
+
+
+def test_stock_transformers_targets_compare_with_the_preset_and_reduce_overhead():
+    ms = {"breakable": 1.0, "full-triton": 1.0, "hf-breakable-graphcap": 1.05,
+          "hf-full-graphcap": 1.2, "hf-compile-reduce-overhead": 2.2}
+    result = {"model": "qwen3-0.6b", "attention": "triton",
+              "rows": [{"tokens": 16, "ms": ms}, {"tokens": 64, "ms": ms}]}
+    verdicts = {t["target"]: t["met"] for t in prefill_targets(result)}
+    assert verdicts["16 tokens: hf-breakable-graphcap ms / the preset's breakable ms"]
+    assert not verdicts["16 tokens: hf-full-graphcap ms / the preset's full-triton ms"]
+    assert verdicts["16 tokens: hf-compile-reduce-overhead ms / hf-breakable-graphcap ms"]
+    assert not verdicts["16 tokens: hf-compile-reduce-overhead ms / hf-full-graphcap ms"]
+    assert not any("64 tokens: hf-compile" in t for t in verdicts)  # no qwen3 floor there
+    result["model"] = "llama3-8b"
+    assert "64 tokens: hf-compile-reduce-overhead ms / hf-full-graphcap ms" in \
+        {t["target"] for t in prefill_targets(result)}
+    assert build_targets({"breakable": {"total_s": 4.0}}, "hf:qwen3-0.6b")[0]["met"] is False
+    assert build_targets({"breakable": {"total_s": 4.0}}, "qwen3-0.6b")[0]["met"] is True

@@ -29,13 +29,32 @@ from graphcap.bench.arms import default_attention, prompts
 from graphcap.bench.common import environment
 from graphcap.bench.targets import build_targets, memory_targets
 from graphcap.core.buckets import prefill_ladder
-from graphcap.models import build_model
+from graphcap.models import PRESETS, build_model
 
 # breakable-warm-every: breakable warming up every shape before its capture, the way it
 # built before warm-ups were limited to the first shape (the comparison in one run).
 BUILD_ARMS = ("breakable", "breakable-warm-every", "full", "tc_piecewise-eager",
               "tc_piecewise-inductor")
 MEMORY_ARMS = ("breakable", "full", "tc_piecewise-eager")
+
+
+def load(model_name: str):
+    """A preset's reference decoder, or with ``hf:`` before the preset's name the stock
+    transformers model of its config under graphcap.hf (graphcap kernels; ``hf-stock:``,
+    its stock ones), last-token logits, bf16 on CUDA; and its vocabulary size."""
+    kind, _, preset = model_name.rpartition(":")
+    if kind not in ("", "hf", "hf-stock"):
+        raise SystemExit(f"graphcap bench: model {model_name!r}: a preset, hf:<preset> or "
+                         "hf-stock:<preset>")
+    if not kind:
+        return build_model(preset, device="cuda", dtype=torch.bfloat16, logits="last"), \
+            PRESETS[preset].vocab_size
+    from graphcap.bench.hf import stock_model
+    from graphcap.hf import PrefillLM
+
+    hf = stock_model(preset, "cuda", torch.bfloat16)
+    lm = PrefillLM(hf, logits="last", kernels="graphcap" if kind == "hf" else "stock")
+    return lm, PRESETS[preset].vocab_size
 
 
 def _capture(model, arm: str, max_tokens: int, attention: str):
@@ -62,12 +81,12 @@ def _collect(workspaces: bool = True) -> None:
     torch.cuda.empty_cache()
 
 
-def warm_kernels(model, ladder, attention: str) -> float:
+def warm_kernels(model, vocab: int, ladder, attention: str) -> float:
     """Seconds of one eager forward per shape of ``ladder`` (the kernels' first-use JIT)
     and of one full capture of the smallest shape (the process's first CUDA graph: its
     capture stream, cuBLAS's handle and workspace for it), charged to no arm."""
     eager = graphcap.capture(model, "eager", attention=attention)
-    inputs = prompts(ladder, model.args.vocab_size, "cuda")
+    inputs = prompts(ladder, vocab, "cuda")
     torch.cuda.synchronize()
     start = time.perf_counter()
     for n in ladder:
@@ -81,9 +100,9 @@ def warm_kernels(model, ladder, attention: str) -> float:
 
 def build(model_name: str = "qwen3-0.6b", arms=BUILD_ARMS, max_tokens: int = 2048,
           progress=None, attention: str | None = None) -> dict:
-    model = build_model(model_name, device="cuda", dtype=torch.bfloat16, logits="last")
+    model, vocab = load(model_name)
     attention = attention or default_attention("cuda")
-    kernel_warmup = warm_kernels(model, prefill_ladder(max_tokens), attention)
+    kernel_warmup = warm_kernels(model, vocab, prefill_ladder(max_tokens), attention)
     out = {}
     for arm in arms:
         runner, total = _capture(model, arm, max_tokens, attention)
@@ -104,7 +123,7 @@ def build(model_name: str = "qwen3-0.6b", arms=BUILD_ARMS, max_tokens: int = 204
             **environment(), "model": model_name, "attention": attention,
             "ladder": prefill_ladder(max_tokens),
             "kernel_warmup_s": round(kernel_warmup, 3), "arms": out,
-            "targets": build_targets(out)}
+            "targets": build_targets(out, model_name)}
 
 
 def _largest_prefill(call, n: int) -> tuple[int, int]:
@@ -122,9 +141,9 @@ def _largest_prefill(call, n: int) -> tuple[int, int]:
 
 def memory(model_name: str = "qwen3-0.6b", arms=MEMORY_ARMS, max_tokens: int = 2048,
            progress=None, attention: str | None = None) -> dict:
-    model = build_model(model_name, device="cuda", dtype=torch.bfloat16, logits="last")
+    model, vocab = load(model_name)
     attention = attention or default_attention("cuda")
-    inputs = prompts([max_tokens], model.args.vocab_size, "cuda")
+    inputs = prompts([max_tokens], vocab, "cuda")
     weights = torch.cuda.memory_allocated()
     eager = graphcap.capture(model, "eager", attention=attention)
 

@@ -1,6 +1,7 @@
 """``graphcap bench prefill``: one request, prefill only (the last token's logits), prompt
-lengths 16 to 2048, every arm of ``graphcap.bench.arms`` on each model preset, interleaved
-in one run. Speed-ups are ratios measured in that run (the machine's eager times drift).
+lengths 16 to 2048, every arm of ``graphcap.bench.arms`` on each model preset (and, asked
+for, the stock transformers arms of ``graphcap.bench.hf`` on the preset's config),
+interleaved in one run. Speed-ups are ratios measured in that run (the machine's eager times drift).
 
 Also measured, on the full arm: the runner's own overhead (padding, metadata, dispatch)
 against the bare graph replay, and the GPU's idle share of a replay (the time some
@@ -17,6 +18,7 @@ import torch
 
 from graphcap.bench.arms import ARMS, build_arms, default_attention
 from graphcap.bench.common import cuda_event_ms, environment, time_interleaved
+from graphcap.bench.hf import HF_ARMS, build_hf_arms
 from graphcap.bench.targets import prefill_targets, same_kernels_full
 from graphcap.core.buckets import pick_bucket
 from graphcap.models import build_model
@@ -149,8 +151,13 @@ def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build_model(name, device=device, dtype=dtype, logits="last")
     attention = attention or default_attention(device)
-    arms, skipped = build_arms(model, arms_wanted, lengths, max_requests=1,
-                               attention=attention, on_arm=progress)
+    stock = [a for a in arms_wanted if a in HF_ARMS]
+    arms, skipped = build_arms(model, [a for a in arms_wanted if a not in HF_ARMS], lengths,
+                               max_requests=1, attention=attention, on_arm=progress)
+    if stock:  # the stock transformers model of the preset's config, interleaved with it
+        more, why = build_hf_arms(name, stock, lengths, attention, device, dtype, progress)
+        arms.update(more)
+        skipped.update(why)
     cases = {(n, a): (lambda arm=arm, n=n: arm.call(n)) for n in lengths
              for a, arm in arms.items()}
     times = time_interleaved(

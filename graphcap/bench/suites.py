@@ -14,12 +14,17 @@ def run_suite(args: argparse.Namespace) -> int:
     from graphcap.bench import ladder, prefill
     from graphcap.bench.arms import ARMS
     from graphcap.bench.common import today, write_result
+    from graphcap.bench.hf import HF_ARMS
     from graphcap.bench.report import plot_prefill, show_ladder, show_prefill
     from graphcap.progress import progress
 
     if args.suite == "prefill":
         models = _csv(args.models, prefill.MODELS)
         arms = _csv(args.arms, ARMS)
+        for arm in arms:
+            if arm not in ARMS + HF_ARMS:
+                raise SystemExit(f"graphcap bench prefill: no arm {arm!r}; choose from "
+                                 f"{', '.join(ARMS + HF_ARMS)}")
         lengths = _csv(args.lengths, prefill.LENGTHS, int)
         with progress(len(models) * (len(arms) + prefill.ROUNDS), "prefill") as step:
             result = prefill.run(models, arms, lengths, args.reps, progress=step,

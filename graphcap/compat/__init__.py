@@ -148,3 +148,12 @@ def on_module_registrations(hook) -> bool:
     for register in registers:
         register(hook)
     return True
+
+
+def allow_recompiles(count: int) -> None:
+    """Let Dynamo keep at least ``count`` compiles of one frame (a static-shape compile per
+    prompt length): ``recompile_limit``, called ``cache_size_limit`` in older torch."""
+    import torch._dynamo.config as config
+
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), count))
