@@ -191,3 +191,36 @@ def test_a_mask_or_a_kv_cache_given_to_substituted_layers_is_refused():
                         attention_mask=torch.ones(1, 1, 4, 4, dtype=torch.bool))
         with pytest.raises(UnsupportedModel, match="KV cache"):
             lm.hf_model(input_ids=ids, use_cache=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
+def test_bf16_kernels_on_the_gpu_are_no_further_from_float32_than_stock_sdpa(family):
+    # The truth: the same weights in float32 (stock, SDPA). Stock bf16 SDPA and graphcap's
+    # bf16 kernels are each some distance from it; graphcap's must not be further.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    shape = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                 vocab_size=4096, max_position_embeddings=4096)
+    if family == "qwen3_moe":
+        shape.update(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512)
+    config = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig,
+              "qwen3_moe": transformers.Qwen3MoeConfig}[family](**shape)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        truth = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation="sdpa").eval()
+    stock = copy.deepcopy(truth).to(torch.bfloat16)
+    lm = PrefillLM(copy.deepcopy(stock))
+    assert "0/" not in lm.kernels.summary(), lm.kernels.table()
+    lens = [300, 200, 12]
+    ids = torch.randint(0, config.vocab_size, (sum(lens),), device="cuda")
+    pos = torch.cat([torch.arange(n) for n in lens]).cuda()
+    with torch.inference_mode():
+        want = torch.cat([truth(r[None]).logits[0] for r in ids.split(lens)])
+        sdpa = torch.cat([stock(r[None]).logits[0] for r in ids.split(lens)]).float()
+        ours = lm(ids, pos, seq_lens=lens).float()
+    stock_err = float((sdpa - want).norm() / want.norm())
+    ours_err = float((ours - want).norm() / want.norm())
+    assert ours_err <= stock_err * 1.05, (ours_err, stock_err)

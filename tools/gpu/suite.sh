@@ -34,7 +34,7 @@ pytest_gpu() {  # log name, then pytest arguments
     > "$OUT/$log" 2>&1
 }
 g1=(tests/test_replay_equivalence.py)
-g2=(tests/kernels tests/test_attention_backends.py tests/test_hf.py)
+g2=(tests/kernels tests/test_attention_backends.py tests/test_hf.py tests/test_hf_kernels.py)
 ignore=()
 for path in "${g1[@]}" "${g2[@]}"; do ignore+=(--ignore="$path"); done
 pytest_gpu gpu-suite-1.log "${g1[@]}" "$@" &
