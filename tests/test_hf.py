@@ -64,6 +64,18 @@ def test_every_family_replays_like_eager_under_every_strategy(family, strategy):
     assert reports[strategy]["shapes"] == BUCKETS
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_replays_like_eager_on_cuda_graphs(family):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    lm = PrefillLM(hf_model(family, dtype=torch.bfloat16).cuda())
+    reports = assert_replay_equivalent(lm, ["breakable", "full", "tc_piecewise"],
+                                       buckets=BUCKETS, max_requests=SLOTS, vocab=VOCAB,
+                                       examples=4, sequences=1)
+    assert all(r["graph_kind"] == "cuda" for r in reports.values())
+
+
 def test_positions_drive_the_rotary_embedding_as_position_ids_do_in_transformers():
     # Rotary is shift-invariant, so packing alone cannot tell positions from an arange:
     # gaps can.
