@@ -167,10 +167,13 @@ def rotary_cache(model) -> torch.Tensor | None:
     if rotary is None or not isinstance(top, int) or not hasattr(rotary, "inv_freq"):
         return None
     device = rotary.inv_freq.device
-    with torch.inference_mode(False), torch.no_grad():  # a normal tensor, used in any mode
-        x = torch.zeros(1, dtype=torch.float32, device=device)
-        cos, sin = rotary(x, torch.arange(top, device=device)[None])
-    cos, sin = cos.reshape(top, -1), sin.reshape(top, -1)
+    try:
+        with torch.inference_mode(False), torch.no_grad():  # a normal tensor, in any mode
+            x = torch.zeros(1, dtype=torch.float32, device=device)
+            cos, sin = rotary(x, torch.arange(top, device=device)[None])
+        cos, sin = cos.reshape(top, -1), sin.reshape(top, -1)
+    except (TypeError, ValueError, RuntimeError):  # another signature (per layer type, mrope)
+        return None
     half = cos.shape[-1] // 2
     if cos.shape[-1] % 2 or not torch.equal(cos[:, :half], cos[:, half:]):
         return None  # not the neox layout (cos repeated over the two halves)
