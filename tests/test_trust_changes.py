@@ -140,6 +140,39 @@ def test_modules_built_elsewhere_after_capture_change_nothing():
     assert r.report()["recaptures"] == 0
 
 
+class _Slicing(torch.nn.Module):
+    """Builds a module in its forward, as transformers' ``self.layers[:n]`` does."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers[:2]:
+            x = layer(x)
+        return x
+
+
+def test_a_users_torch_compile_is_not_recompiled_by_graphcaps_registration_hooks():
+    # The hooks counting registrations run while Dynamo traces a forward that builds a
+    # ModuleList; a count read there would be guarded on and change on every call.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(_Slicing(), backend="eager", fullgraph=True, dynamic=False)
+    x = torch.randn(3, 4)
+    with torch.inference_mode():
+        for _ in range(4):
+            compiled(x)
+    assert counters["stats"]["unique_graphs"] == 1
+    m = fresh_model()  # registrations outside compiled code are still seen
+    r = capture(m, "full")
+    m.lm_head.weight = torch.nn.Parameter(m.lm_head.weight.detach() * 2)
+    assert_matches_eager(r, m)
+    assert r.report()["recaptures"] == 1
+
+
 def test_a_model_moved_to_another_device_is_refused():
     m = fresh_model()
     r = capture(m, "full")

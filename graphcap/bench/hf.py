@@ -73,6 +73,8 @@ def _eager_arm(name, model, inputs) -> Arm:
 
 def _reduce_overhead_arm(name, model, lengths, inputs) -> Arm:
     """Static shapes: one compile (and CUDA graph) per prompt length."""
+    from torch._dynamo.utils import counters
+
     from graphcap import compat
 
     compat.allow_recompiles(len(lengths) + 8)
@@ -91,6 +93,12 @@ def _reduce_overhead_arm(name, model, lengths, inputs) -> Arm:
         compile_s[n] = round(time.perf_counter() - first, 2)
         for _ in range(2):  # reduce-overhead records its graph on a later call
             call(n)
+    graphs = counters["stats"]["unique_graphs"]
+    for n in lengths:
+        call(n)
+    if counters["stats"]["unique_graphs"] != graphs:  # it would time compiles
+        raise RuntimeError("the compiled stock model recompiles on repeated calls of one "
+                           "length (run with TORCH_LOGS=recompiles to see the guard)")
     torch.cuda.synchronize()
     return Arm(name, call, time.perf_counter() - start,
                {"attention": "sdpa", "mode": "reduce-overhead", "dynamic": False,

@@ -13,9 +13,10 @@ through ``nn.Module``'s registration (``setattr``, ``register_parameter``,
 ``load_state_dict(assign=True)``, a replaced submodule), whose global hooks count every
 registration in the process, so they are compared again only after one. A slot written
 directly (``module._parameters[name] = ...``, ``del module.weight``) bypasses those hooks
-and is not seen; nor is a new view of the same memory (``p.data = p.data.t()``), whose
-address is unchanged. In-place updates (``p.copy_(new)``, ``load_state_dict`` without
-``assign``) keep every slot and address, so replays see them, as eager does.
+and is not seen, nor is a registration made inside torch.compiled code; nor is a new view
+of the same memory (``p.data = p.data.t()``), whose address is unchanged. In-place
+updates (``p.copy_(new)``, ``load_state_dict`` without ``assign``) keep every slot and
+address, so replays see them, as eager does.
 
 Python attributes (an ``eps``, a flag, ``training``) are not part of the snapshot: they
 are baked into the graphs at capture, as in any CUDA graph; capture again after changing
@@ -36,6 +37,10 @@ _REGISTRATIONS = [0]  # registrations of a module, parameter or buffer anywhere,
 
 
 def _count_registration(*_) -> None:
+    # Not while Dynamo traces: it would guard on the count, and a forward that builds a
+    # module (transformers' ``self.layers[:n]``) would recompile on every call.
+    if torch.compiler.is_compiling():
+        return
     _REGISTRATIONS[0] += 1
 
 
