@@ -5,8 +5,9 @@ build: wall seconds to capture every shape, split into compile-and-warm-up secon
 eager warm-up forwards: tc_piecewise's of every shape, where it compiles its pieces, the
 other strategies' of the first shape only, unless ``-warm-every``) and capture seconds.
 Before any arm, one eager forward per shape JIT-compiles the kernels (Triton, FA4's CuTe
-DSL) that every arm, eager included, would otherwise build on first use, and one capture
-of the smallest shape pays the process's first CUDA graph: their seconds are reported
+DSL) that every arm, eager included, would otherwise build on first use, and one full
+capture of the ladder pays the process's first CUDA graph and builds the kernels as the
+arms launch them (with their request slots): their seconds are reported
 apart (``kernel_warmup_s``), so no arm is charged for them by running first; each arm's
 first shape is reported too (``first_shape_s``).
 memory: graph pool bytes of the 42 shapes; the transient activation peak (allocated bytes
@@ -83,15 +84,16 @@ def _collect(workspaces: bool = True) -> None:
 
 def warm_kernels(model, vocab: int, ladder, attention: str) -> float:
     """Seconds of one eager forward per shape of ``ladder`` (the kernels' first-use JIT)
-    and of one full capture of the smallest shape (the process's first CUDA graph: its
-    capture stream, cuBLAS's handle and workspace for it), charged to no arm."""
+    and of one full capture of the ladder with the arms' request slots (the process's
+    first CUDA graph, its capture stream and cuBLAS workspace, and the kernels as the arms
+    launch them: Triton specialises on the slot count), charged to no arm."""
     eager = graphcap.capture(model, "eager", attention=attention)
     inputs = prompts(ladder, vocab, "cuda")
     torch.cuda.synchronize()
     start = time.perf_counter()
     for n in ladder:
         eager(*inputs[n], seq_lens=[n])
-    graphcap.capture(model, "full", buckets=ladder[:1], attention=attention)
+    graphcap.capture(model, "full", buckets=ladder, attention=attention)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     _collect()
