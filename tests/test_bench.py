@@ -108,7 +108,7 @@ def _row(n, **ms):
 
 
 def test_prefill_targets_judge_ratios_within_one_run():
-    result = {"rows": [
+    result = {"model": "qwen3-0.6b", "rows": [
         _row(16, eager=10.0, **{"full-triton": 1.0, "breakable": 1.05,
                                 "tc_piecewise-inductor": 1.2, "compile-reduce-overhead": 1.5}),
         _row(2048, eager=20.0, **{"full-triton": 10.0, "compile-reduce-overhead": 10.5})],
@@ -125,11 +125,15 @@ def test_prefill_targets_judge_ratios_within_one_run():
     assert got["16 tokens: fastest arm (full-triton) ms"]["met"]
     assert not got["16 tokens: runner overhead / replay (full-triton)"]["met"]
     assert got["16 tokens: GPU idle share of a full-triton replay"]["met"]
+    # 1.0 ms at 16 tokens is qwen3-0.6b's target; llama3-8b is judged on its ratios
+    got = {t["target"] for t in prefill_targets({**result, "model": "llama3-8b"})}
+    assert "16 tokens: fastest arm (full-triton) ms" not in got
+    assert "16 tokens: reduce-overhead ms / fastest graphcap arm (full-triton) ms" in got
 
 
 def test_strategies_are_judged_against_full_with_the_attention_they_ran():
     ms = {"eager": 10.0, "full-triton": 1.0, "full-flash_attn": 1.2, "breakable": 1.25}
-    result = {"attention": "flash_attn", "rows": [_row(16, **ms)]}
+    result = {"model": "qwen3-0.6b", "attention": "flash_attn", "rows": [_row(16, **ms)]}
     got = {t["target"]: t for t in prefill_targets(result)}
     # 10/1.25 over 10/1.2: 0.96 of the same-kernel full arm (only 0.8 of full-triton's)
     assert got["16 tokens: breakable speed-up / full-flash_attn's"]["measured"] == 0.96

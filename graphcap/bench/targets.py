@@ -1,19 +1,18 @@
 """The performance targets, evaluated on a benchmark's own figures. Each verdict says what
-was measured, the limit, and whether it held, so a miss reads with its size.
-
-Prefill (qwen3-0.6b, 16 to 512 tokens): full at least 5x over eager; breakable at least
-0.93 and tc_piecewise with inductor pieces at least 0.9 of full's speed-up (full with the
+was measured, the limit, and whether it held, so a miss reads with its size.  Prefill
+(qwen3-0.6b, 16 to 512 tokens): full at least 5x over eager; breakable at least 0.93 and
+tc_piecewise with inductor pieces at least 0.9 of full's speed-up (full with the
 attention backend eager, breakable and tc_piecewise ran: the same kernels); the fastest
-graphcap arm at least 10% faster than torch.compile reduce-overhead at every length, and
-at most 1.0 ms at 16 tokens; runner overhead at most 10% of the replay at 16 tokens; GPU
-idle at most 10% of a full replay. Build (42 shapes): breakable at least 5.2x faster than
-tc_piecewise with inductor pieces and under 10 s. Memory: the 42 shapes hold at most
-1 GiB of graph pool; the transient peak of the largest prefill cut by at least 95%; total
-peak below the no-graph baseline. Stock transformers models (the ``hf-`` arms): with
-graphcap kernels under breakable and full, at most 1.10x the preset's time under the same
-strategy; faster than HF + reduce-overhead by 2x at 16 tokens, 1.35x at 512 and 1.2x at
-2048 (qwen3-0.6b), by 1.1x at 16 to 128 tokens and never slower (llama3-8b); the stock
-model's 42-shape build under breakable within 3 s.
+graphcap arm at least 10% faster than torch.compile reduce-overhead at every length
+(every preset), and at most 1.0 ms at 16 tokens (qwen3-0.6b); runner overhead at most 10%
+of the replay at 16 tokens; GPU idle at most 10% of a full replay. Build (42 shapes):
+breakable at least 5.2x faster than tc_piecewise with inductor pieces and under 10 s.
+Memory: the 42 shapes hold at most 1 GiB of graph pool; the transient peak of the largest
+prefill cut by at least 95%; total peak below the no-graph baseline. Stock transformers
+models (the ``hf-`` arms): with graphcap kernels under breakable and full, at most 1.10x
+the preset's time under the same strategy; faster than HF + reduce-overhead by 2x at 16
+tokens, 1.35x at 512 and 1.2x at 2048 (qwen3-0.6b), by 1.1x at 16 to 128 tokens and never
+slower (llama3-8b); the stock model's 42-shape build under breakable within 3 s.
 """
 
 from __future__ import annotations
@@ -61,7 +60,7 @@ def prefill_targets(result: dict) -> list[dict]:
             out.append(verdict(f"{n} tokens: reduce-overhead ms / fastest graphcap arm "
                                f"({fastest[0]}) ms", ms["compile-reduce-overhead"] / fastest[1],
                                1.1, at_least=True))
-        if n == 16 and fastest:
+        if n == 16 and fastest and result.get("model") == "qwen3-0.6b":  # its shape only
             out.append(verdict(f"16 tokens: fastest arm ({fastest[0]}) ms", fastest[1], 1.0,
                                at_least=False))
     for key in ("runner_overhead", "runner_overhead_fastest"):
