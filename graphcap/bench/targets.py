@@ -1,7 +1,8 @@
 """The performance targets, evaluated on a benchmark's own figures. Each verdict says what
-was measured, the limit, and whether it held, so a miss reads with its size.  Prefill
-(qwen3-0.6b, 16 to 512 tokens): full at least 5x over eager; breakable at least 0.93 and
-tc_piecewise with inductor pieces at least 0.9 of full's speed-up (full with the
+was measured, the limit, and whether it held, so a miss reads with its size.
+
+Prefill (qwen3-0.6b, 16 to 512 tokens): full at least 5x over eager; breakable at least
+0.93 and tc_piecewise with inductor pieces at least 0.9 of full's speed-up (full with the
 attention backend eager, breakable and tc_piecewise ran: the same kernels); the fastest
 graphcap arm at least 10% faster than torch.compile reduce-overhead at every length
 (every preset), and at most 1.0 ms at 16 tokens (qwen3-0.6b); runner overhead at most 10%
