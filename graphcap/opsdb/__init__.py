@@ -4,7 +4,17 @@ Importing it registers the built-in ops under the ``graphcap`` namespace
 (``torch.ops.graphcap.rms_norm`` ...). See docs/ops.md to add your own.
 """
 
-from graphcap.opsdb import activation, attention, linear, moe, norm, qkv, rotary  # noqa: F401
+from graphcap.opsdb import (  # noqa: F401
+    activation,
+    attention,
+    decode,
+    kv,
+    linear,
+    moe,
+    norm,
+    qkv,
+    rotary,
+)
 from graphcap.opsdb.spec import (
     REGISTRY,
     BackendUnavailable,

@@ -154,3 +154,47 @@ def test_the_kernels_on_the_pdl_path_compile_with_and_without_it():
     """Each kernel a PDL launch may follow or precede: launched with it, it releases its
     successor and waits for its predecessor; launched without, it does neither."""
     compiles(COMPILE_PDL_KERNELS)
+
+
+COMPILE_DECODE = textwrap.dedent('''
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from graphcap.opsdb.triton.decode import _decode_merge_kernel, _decode_split_kernel
+    from graphcap.opsdb.triton.kv import _kv_write_kernel
+
+    def build(kernel, types, consts):
+        sig = {**types, **{n: "constexpr" for n in consts}}
+        sig = {name: sig[name] for name in kernel.arg_names}
+        out = triton.compile(ASTSource(kernel, sig, constexprs=consts),
+                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert "cubin" in out.asm
+
+    for dt in ("bf16", "fp16", "fp32"):
+        build(_kv_write_kernel,
+              {"k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}",
+               "slot_ptr": "*i64", **{n: "i32" for n in (
+                   "k_stride_t", "k_stride_h", "v_stride_t", "v_stride_h", "heads",
+                   "head_dim")}},
+              {"BLOCK_H": 8, "BLOCK_D": 128})
+        for page, group, splits in ((16, 2, 8), (1, 1, 1)):
+            build(_decode_split_kernel,
+                  {"q_ptr": f"*{dt}", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}",
+                   "table_ptr": "*i32", "lens_ptr": "*i32", "mid_o_ptr": "*fp32",
+                   "mid_lse_ptr": "*fp32", "scale": "fp32", **{n: "i32" for n in (
+                       "q_stride_b", "q_stride_h", "table_stride", "width", "heads",
+                       "kv_heads", "head_dim", "split_len")}},
+                  {"PAGE": page, "GROUP": group, "SPLITS": splits, "BLOCK_N": 32,
+                   "BLOCK_D": 128})
+            build(_decode_merge_kernel,
+                  {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "out_ptr": f"*{dt}",
+                   **{n: "i32" for n in ("out_stride_b", "out_stride_h", "heads",
+                                         "head_dim")}},
+                  {"SPLITS": splits, "BLOCK_S": triton.next_power_of_2(splits),
+                   "BLOCK_D": 128})
+    print("compiled")
+''')
+
+
+def test_the_paged_cache_write_and_decode_attention_kernels_compile_for_sm90():
+    compiles(COMPILE_DECODE)

@@ -1,0 +1,116 @@
+"""Decode attention over a paged K/V cache: one query token per row attends to the first
+``seq_lens[b]`` tokens of its pages.
+
+``q`` ``[B, Hq, D]``; one layer's ``k_cache``, ``v_cache`` ``[P, S, Hk, D]`` (pages of
+``S`` slots, ``Hq % Hk == 0``); ``block_table`` ``[B, W]`` int32, row ``b``'s pages in
+order (token ``t`` of the row lives in page ``block_table[b, t // S]``, slot
+``t % S``); ``seq_lens`` ``[B]`` int32, the row's cached tokens, its own included (the
+K/V write comes first). A row attends to tokens ``0 .. min(seq_lens[b], W * S) - 1``; a
+row with ``seq_lens[b] == 0`` (a padded row) comes out zero. What the cache holds outside
+a row's tokens never reaches its output, NaN included. All metadata lives on the device:
+no host synchronisation, so the op captures, and replays with new block tables and
+lengths of the same shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphcap.opsdb import checks
+from graphcap.opsdb.spec import Kernel, register_op
+
+OP = "decode_attention"
+
+
+def decode_attention_reference(q, k_cache, v_cache, block_table, seq_lens, out,
+                               scale: float) -> None:
+    """Gathers every row's pages, masks past its length; float32 softmax."""
+    B, Hq, D = q.shape
+    _, S, Hk, _ = k_cache.shape
+    L = block_table.shape[1] * S
+    pages = block_table.long()
+    k = k_cache[pages].reshape(B, L, Hk, D)
+    v = v_cache[pages].reshape(B, L, Hk, D)
+    valid = torch.arange(L, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
+    zero = torch.zeros((), dtype=k.dtype, device=q.device)
+    k = torch.where(valid[:, :, None, None], k, zero).float()  # 0 x NaN stays out
+    v = torch.where(valid[:, :, None, None], v, zero).float()
+    qf = q.float().view(B, Hk, Hq // Hk, D)
+    scores = torch.einsum("bhgd,blhd->bhgl", qf, k) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    live = valid.any(dim=1)[:, None, None, None]
+    probs = torch.softmax(torch.where(live, scores, 0.0), dim=-1)
+    o = torch.einsum("bhgl,blhd->bhgd", probs, v) * live
+    out.copy_(o.reshape(B, Hq, D).to(out.dtype))
+
+
+def check_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, scale) -> None:
+    checks.tensor(OP, "q", q, ndim=3)
+    device = q.device
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        checks.tensor(OP, name, t, ndim=4, dtypes=(q.dtype,), device=device)
+        if not t.is_contiguous():
+            raise checks.OpInputError(f"{OP}: {name} must be contiguous (a cache layer "
+                                      "[pages, page_size, kv heads, head dim])")
+    checks.tensor(OP, "out", out, ndim=3, dtypes=(q.dtype,), device=device)
+    checks.tensor(OP, "block_table", block_table, ndim=2, dtypes=(torch.int32,),
+                  device=device)
+    checks.tensor(OP, "seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
+    checks.same(OP, "the shape", tuple(v_cache.shape), tuple(k_cache.shape), "v_cache",
+                "k_cache")
+    checks.same(OP, "the shape", tuple(out.shape), tuple(q.shape), "out", "q")
+    checks.same(OP, "the head dim", k_cache.shape[3], q.shape[2], "k_cache", "q")
+    checks.same(OP, "the row count", block_table.shape[0], q.shape[0], "block_table", "q")
+    checks.same(OP, "the row count", seq_lens.shape[0], q.shape[0], "seq_lens", "q")
+    checks.last_dim_contiguous(OP, "q", q)
+    checks.last_dim_contiguous(OP, "out", out)
+    hk = k_cache.shape[2]
+    if hk == 0 or q.shape[1] % hk:
+        raise checks.OpInputError(f"{OP}: {q.shape[1]} query heads are not a multiple of "
+                                  f"{hk} key/value heads (GQA needs Hq % Hk == 0)")
+
+
+def decode_attention_inputs(device, dtype, max_rows: int = 5):
+    """Rows of random lengths over random pages (shared pages allowed: the op only reads
+    the cache), every slot no row attends filled with NaN."""
+    from hypothesis import strategies as st
+
+    from graphcap.opsdb.inputs import tensors
+
+    @st.composite
+    def draw(d):
+        b = d(st.integers(0, max_rows))
+        page_size = d(st.sampled_from([1, 4, 16]))
+        width = d(st.integers(1, 4))
+        pages = d(st.integers(1, 8))
+        hk, head = d(st.sampled_from([1, 2])), d(st.sampled_from([16, 64, 128]))
+        hq = hk * d(st.sampled_from([1, 2, 4]))
+        q, kc, vc = tensors(d, device, dtype, (b, hq, head), (pages, page_size, hk, head),
+                            (pages, page_size, hk, head))
+        gen = torch.Generator().manual_seed(d(st.integers(0, 2**31 - 1)))
+        table = torch.randint(0, pages, (b, width), generator=gen, dtype=torch.int32)
+        lens = torch.randint(0, width * page_size + 1, (b,), generator=gen,
+                             dtype=torch.int32)
+        attended = torch.zeros(pages * page_size, dtype=torch.bool)
+        for row in range(b):
+            for t in range(int(lens[row])):
+                attended[int(table[row, t // page_size]) * page_size + t % page_size] = True
+        unread = ~attended.view(pages, page_size).to(device)
+        kc[unread], vc[unread] = float("nan"), float("nan")
+        out = torch.empty_like(q)
+        return q, kc, vc, table.to(device), lens.to(device), out, head ** -0.5
+
+    return draw()
+
+
+DECODE_ATTENTION = register_op(
+    f"graphcap::{OP}",
+    "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
+    "Tensor(a!) out, float scale) -> ()",
+    reference=decode_attention_reference,
+    kernels={"triton": Kernel("graphcap.opsdb.triton.decode:decode_attention",
+                              requires=("triton",))},
+    check=check_decode_attention, inputs=decode_attention_inputs,
+    doc="one query token per row over its pages of a paged cache (split-KV), lengths and "
+        "block table on the device",
+)

@@ -1,0 +1,45 @@
+"""The paged cache's K/V write: one program per token copies its ``[kv_heads, head_dim]``
+key and value rows to the token's slot (contract: :mod:`graphcap.opsdb.kv`). Grid from
+host shapes only, no host synchronisation, ``T == 0`` launches nothing: safe inside a
+CUDA graph."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+                     k_stride_t, k_stride_h, v_stride_t, v_stride_h, heads, head_dim,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h < heads)[:, None] & (d < head_dim)[None, :]
+    src_k = k_ptr + t.to(tl.int64) * k_stride_t + h[:, None] * k_stride_h + d[None, :]
+    src_v = v_ptr + t.to(tl.int64) * v_stride_t + h[:, None] * v_stride_h + d[None, :]
+    # A cache slot is heads * head_dim contiguous elements (the cache is contiguous).
+    dst = slot * heads * head_dim + h[:, None] * head_dim + d[None, :]
+    key = tl.load(src_k, mask=mask)
+    value = tl.load(src_v, mask=mask)
+    tl.store(kc_ptr + dst, key.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc_ptr + dst, value.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    T, heads, head_dim = k.shape
+    if T == 0:
+        return
+    block_h = triton.next_power_of_2(heads)
+    block_d = triton.next_power_of_2(head_dim)
+    _kv_write_kernel[(T,)](
+        k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        heads, head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=max(1, min(8, block_h * block_d // 256)))
+
+
+__all__ = ["kv_write"]
