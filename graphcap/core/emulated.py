@@ -177,6 +177,14 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+def recording() -> bool:
+    """Whether an emulated graph is recording on this thread (its recorder is on the
+    dispatch mode stack)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(isinstance(m, _Recorder) for m in _get_current_dispatch_mode_stack())
+
+
 class EmulatedGraph(Graph):
     """A graph recorded by dispatch mode and replayed op by op (see the module docstring)."""
 

@@ -36,6 +36,7 @@ import weakref
 import torch
 
 from graphcap import compat, env
+from graphcap.core import emulated
 from graphcap.core.cuda_graph import CudaGraph, before_capture, touch_blas
 from graphcap.core.emulated import EmulatedGraph
 from graphcap.core.graph_base import Graph
@@ -44,6 +45,14 @@ from graphcap.errors import UnsupportedStrategy
 __all__ = ["CudaGraph", "EmulatedGraph", "GraphPool", "before_capture", "graph_kind", "new_pool"]
 
 _KINDS = ("cuda", "emulated")
+
+
+def capturing() -> bool:
+    """Whether this thread is inside a graph capture: a CUDA capture on its current
+    stream, or the emulator's."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return True
+    return emulated.recording()
 
 
 def graph_kind(device: torch.device | str) -> str:

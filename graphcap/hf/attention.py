@@ -41,10 +41,15 @@ def graphcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         raise UnsupportedModel(
             f"{name}: graphcap attention got an attention mask; request boundaries come "
             "from seq_lens (the forward context), so call the model without attention_mask")
-    if sliding_window is not None or softcap is not None or kwargs.get("s_aux") is not None:
+    found = [f"{what} ({value})" for what, value in (
+        ("a sliding window", sliding_window), ("soft-capping", softcap),
+        ("attention sinks", "s_aux" if kwargs.get("s_aux") is not None else None))
+        if value is not None]
+    if found:
         raise UnsupportedModel(
-            f"{name}: sliding-window, soft-capped or sink attention is not supported by "
-            "graphcap::attention (full causal attention only); use a model without them")
+            f"{name} attends with {' and '.join(found)}, which graphcap::attention does not "
+            "support (full causal attention only); turn it off in the config if the model "
+            "allows it, or use another model")
     if dropout:
         raise UnsupportedModel(f"{name}: attention dropout {dropout} in training mode; "
                                "graphcap runs inference only, call model.eval()")

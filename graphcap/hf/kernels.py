@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import logging
 import types
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from graphcap.core.graphs import capturing
 from graphcap.errors import CaptureError, UnsupportedModel
 from graphcap.hf import patterns, probe
+from graphcap.hf.attention import NAME
 from graphcap.opsdb.attention.packed import packed
 from graphcap.opsdb.norm import RMS_NORM
 
@@ -43,11 +46,22 @@ class LayerKernels:
 
     attention: patterns.AttentionKernels | None
     mlp: patterns.SwigluKernels | patterns.MoeKernels | None
+    config: object = None  # the model's: its attention implementation, read per call
+
+    def stock(self, layer, hidden_states, args, positions) -> bool:
+        """Whether this call runs the layer as written: another attention implementation
+        (``set_attn_implementation("sdpa")``), training, gradients to compute (the kernels
+        read the fused weights detached), or a call the kernels do not take."""
+        return bool(args or layer.training or hidden_states.dim() != 3
+                    or hidden_states.shape[0] != 1
+                    or (self.attention is not None and positions is None)
+                    or getattr(self.config, "_attn_implementation", NAME) != NAME
+                    or (torch.is_grad_enabled()
+                        and any(p.requires_grad for p in layer.parameters())))
 
     def forward(self, layer, hidden_states, args, kwargs):
         positions = kwargs.get("position_ids")
-        if args or layer.training or hidden_states.dim() != 3 or hidden_states.shape[0] != 1 \
-                or (self.attention is not None and positions is None):
+        if self.stock(layer, hidden_states, args, positions):
             return type(layer).forward(layer, hidden_states, *args, **kwargs)  # as written
         if kwargs.get("attention_mask") is not None:
             raise UnsupportedModel(
@@ -77,7 +91,8 @@ def _layer_forward(self, hidden_states, *args, **kwargs):
 
 def _norm_forward(self, x):
     eps = getattr(self, _MARK)
-    if x.dtype != self.weight.dtype or x.shape[-1] != self.weight.shape[0]:
+    if x.dtype != self.weight.dtype or x.shape[-1] != self.weight.shape[0] or (
+            torch.is_grad_enabled() and self.weight.requires_grad):
         return type(self).forward(self, x)
     return RMS_NORM(x.reshape(-1, x.shape[-1]), self.weight, eps).view(x.shape)
 
@@ -103,8 +118,14 @@ class Part:
 @dataclass
 class Substitution:
     model: nn.Module
+    dtype: torch.dtype | None = None  # None: the stock kernels everywhere
     parts: list[Part] = field(default_factory=list)
     layers: list[tuple[nn.Module, LayerKernels]] = field(default_factory=list)
+    structure: tuple = ()  # the modules (and rotary buffer) recognition read
+
+    @property
+    def kernels(self) -> str:
+        return "stock" if self.dtype is None else "graphcap"
 
     def summary(self) -> str:
         """One line: of each kind of module, how many run graphcap's kernels."""
@@ -124,21 +145,43 @@ class Substitution:
                 for p in self.parts}
 
     def ensure(self) -> None:
-        """Fused weights current: a slot assigned anew or moved since (``model.to``,
+        """The kernels current with the model: a submodule replaced since (a new
+        ``nn.Linear``, an adapter's subclass, another rotary embedding) makes the model
+        recognised and probed again; a fused slot assigned anew or moved (``model.to``,
         ``load_state_dict(assign=True)``) is fused again. Host work only when nothing
-        changed; outside a capture."""
+        changed; refused inside a capture (a runner calls it before capturing)."""
+        if self.dtype is None:
+            return
+        if self.structure != structure(self.model):
+            self._outside_capture("its modules were replaced")
+            fresh = substitute(self.model, self.dtype)
+            self.parts, self.layers, self.structure = fresh.parts, fresh.layers, \
+                fresh.structure
+            log.info("graphcap.hf: modules of %s were replaced: recognised again (%s)",
+                     type(self.model).__name__, self.summary())
+            return
         stale = [f for _, lk in self.layers for f in lk.fused() if not f.intact()]
         if not stale:
             return
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise CaptureError(
-                "graphcap.hf: the model's q/k/v or gate/up weights were replaced after the "
-                "last eager forward, inside a capture; call the model once outside it (a "
-                "runner does this before capturing)")
+        self._outside_capture("its q/k/v or gate/up weights were replaced")
         for f in stale:
             f.rebuild()
         log.info("graphcap.hf: fused %d weight groups again (their tensors were replaced)",
                  len(stale))
+
+    def _outside_capture(self, what: str) -> None:
+        if capturing():
+            raise CaptureError(
+                f"graphcap.hf: {type(self.model).__name__} changed during a capture ({what});"
+                " change a model before capturing it, or call runner.recapture() after")
+
+
+def structure(model: nn.Module) -> tuple:
+    """What recognition read, by identity: every module, and the rotary embedding's
+    frequencies (the cos/sin cache is built from them)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    inv_freq = getattr(getattr(decoder, "rotary_emb", None), "inv_freq", None)
+    return (*map(id, model.modules()), id(inv_freq))
 
 
 def _patch(module: nn.Module, forward, state) -> None:
@@ -146,8 +189,39 @@ def _patch(module: nn.Module, forward, state) -> None:
     module.forward = types.MethodType(forward, module)
 
 
+def _ours(module: nn.Module) -> bool:
+    forward = module.__dict__.get("forward")
+    return _MARK in module.__dict__ and getattr(forward, "__func__", None) in (
+        _layer_forward, _norm_forward, _embedding_forward)
+
+
+def _foreign_forward(module: nn.Module) -> str | None:
+    """Why ``module`` is left alone: a forward set on the instance by someone else."""
+    if "forward" in module.__dict__ and not _ours(module):
+        return "its forward is replaced on the instance (another library's hook, such as " \
+               "accelerate's offloading): left as it is"
+    return None
+
+
+def _shared(layer: nn.Module, modules: Counter, params: Counter) -> str | None:
+    """Why ``layer`` cannot be fused on its own: a module or weight it shares with another
+    part of the model (fusing would untie it)."""
+    for name, m in layer.named_modules(remove_duplicate=False):
+        if modules[id(m)] > 1:
+            return f"{name or 'the layer'} is shared with another part of the model"
+    for name, p in layer.named_parameters(remove_duplicate=False):
+        if params[id(p)] > 1:
+            return f"{name} is tied to another parameter of the model"
+    return None
+
+
 def _unpatch(module: nn.Module) -> None:
-    module.__dict__.pop("forward", None)
+    if _ours(module):
+        module.__dict__.pop("forward", None)
+    elif _MARK in module.__dict__:
+        log.warning("graphcap.hf: %s's forward was replaced after graphcap's; it is left "
+                    "in place", type(module).__name__)
+        return
     module.__dict__.pop(_MARK, None)
 
 
@@ -186,9 +260,10 @@ def _probe_kwargs(model, h, pos):
             "position_embeddings": rotary(h[None], pos[None])}
 
 
-def _layer(model, name: str, layer, hidden: int, cos_sin, sub: Substitution):
+def _layer(model, name: str, layer, hidden: int, cos_sin, sub: Substitution, shared):
     """Recognise and probe one decoder layer; patch it if any half runs graphcap's."""
-    if why := patterns.pre_norm_layer(layer):
+    if why := _foreign_forward(layer) or _shared(layer, *shared) or \
+            patterns.pre_norm_layer(layer):
         for half, kind in (("self_attn", "attention"), ("mlp", "mlp")):
             sub.parts.append(Part(f"{name}.{half}", kind, False, why))
         return
@@ -210,7 +285,8 @@ def _layer(model, name: str, layer, hidden: int, cos_sin, sub: Substitution):
     if mlp is not None:
         mlp_why = probe.moe(layer, mlp, h) if isinstance(mlp, patterns.MoeKernels) else \
             probe.branch(mlp(small), patterns.stock_mlp(layer, small), small, "the MLP half")
-    lk = LayerKernels(None if attention_why else attention, None if mlp_why else mlp)
+    lk = LayerKernels(None if attention_why else attention, None if mlp_why else mlp,
+                      model.config)
     for half, kind, kernels, why in (("self_attn", "attention", attention, attention_why),
                                      ("mlp", "mlp", mlp, mlp_why)):
         sub.parts.append(Part(f"{name}.{half}", kind, not why, why or kernels.ops))
@@ -223,6 +299,11 @@ def _modules(model, sub: Substitution, skip: set[int]) -> None:
     """RMSNorms outside substituted halves, and embeddings."""
     for name, module in model.named_modules():
         if id(module) in skip or _MARK in module.__dict__:
+            continue
+        if _foreign_forward(module) and (type(module) is nn.Embedding
+                                         or "RMSNorm" in type(module).__name__):
+            sub.parts.append(Part(name, "norm" if "RMSNorm" in type(module).__name__
+                                  else "embedding", False, _foreign_forward(module)))
             continue
         if type(module) is nn.Embedding and module.max_norm is None:
             _patch(module, _embedding_forward, True)
@@ -244,13 +325,15 @@ def substitute(model: nn.Module, dtype: torch.dtype) -> Substitution:
     model is probed: every patched layer must take its graphcap path, and in float32 the
     logits must be the stock model's; if not, every module goes back to stock."""
     restore(model)
-    sub = Substitution(model)
+    sub = Substitution(model, dtype)
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     hidden = getattr(model.config, "hidden_size", None)
     names = {id(m): n for n, m in model.named_modules()}
     device = next(model.parameters()).device
     skip: set[int] = set()
+    shared = (Counter(id(m) for _, m in model.named_modules(remove_duplicate=False)),
+              Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False)))
     with torch.inference_mode(), packed([probe.TOKENS], device, dtype=dtype):
         ids = torch.randint(0, model.get_output_embeddings().weight.shape[0],
                             (1, probe.TOKENS), generator=torch.Generator().manual_seed(4)
@@ -259,7 +342,7 @@ def substitute(model: nn.Module, dtype: torch.dtype) -> Substitution:
         if isinstance(layers, nn.ModuleList) and isinstance(hidden, int):
             cos_sin = rotary_cache(model)
             for layer in layers:
-                _layer(model, names[id(layer)], layer, hidden, cos_sin, sub)
+                _layer(model, names[id(layer)], layer, hidden, cos_sin, sub, shared)
             for layer, lk in sub.layers:  # norms inside substituted halves never run
                 if lk.attention is not None:
                     skip.update(map(id, (layer.input_layernorm,
@@ -275,6 +358,7 @@ def substitute(model: nn.Module, dtype: torch.dtype) -> Substitution:
         log.warning("graphcap.hf: %s runs its stock kernels: %s", type(model).__name__, why)
         sub.parts = [Part(p.module, p.kind, False, why) for p in sub.parts]
         sub.layers = []
+    sub.structure = structure(model)
     return sub
 
 

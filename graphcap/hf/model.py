@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from graphcap.core import batch as batching
 from graphcap.errors import BadBatch
 from graphcap.hf import kernels as substitution
 from graphcap.hf.attention import NAME, UnsupportedModel
@@ -17,6 +18,8 @@ from graphcap.opsdb.attention.packed import packed
 # ("eager" loops over the experts hit, found with nonzero: a host sync).
 CAPTURABLE_EXPERTS = ("grouped_mm", "batched_mm")
 KERNELS = ("graphcap", "stock")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_SUBSTITUTION = "_graphcap_substitution"  # on the wrapped model: its Substitution
 log = logging.getLogger("graphcap")
 # Rotary scalings recomputed from max(position_ids) of the whole (packed) batch.
 DYNAMIC_ROPE = ("dynamic", "longrope")
@@ -121,19 +124,54 @@ class PrefillLM(nn.Module):
         self.output_rows = "tokens" if logits == "all" else "requests"
         _check_causal_lm(hf_model)
         _check_attention_features(hf_model)
-        experts = _experts_for(hf_model, experts)  # checked before anything is switched
-        _switch_attention(hf_model)
-        if experts is not None:
-            hf_model.set_experts_implementation(experts)
-        self.hf_model = hf_model.eval()
-        self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
         dtype = hf_model.get_output_embeddings().weight.dtype
-        if kernels == "graphcap":
-            self.kernels = substitution.substitute(hf_model, dtype)
-        else:
+        if dtype not in DTYPES:
+            raise UnsupportedModel(
+                f"{type(hf_model).__name__} is in {str(dtype).removeprefix('torch.')}; "
+                "graphcap.hf runs float32, float16 and bfloat16 models: convert it first "
+                "(hf_model.to(torch.float32))")
+        experts = _experts_for(hf_model, experts)  # checked before anything is switched
+        self.hf_model = hf_model
+        self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
+        previous = hf_model.config._attn_implementation
+        try:
+            _switch_attention(hf_model)
+            if experts is not None:
+                hf_model.set_experts_implementation(experts)
+            hf_model.eval()
+            self._substitute(kernels, dtype)
+        except BaseException:  # the model goes back as it came (its forwards, attention)
             substitution.restore(hf_model)
-            self.kernels = substitution.Substitution(hf_model)
+            hf_model.__dict__.pop(_SUBSTITUTION, None)
+            if previous is not None and hf_model.config._attn_implementation != previous:
+                hf_model.set_attn_implementation(previous)
+            raise
         log.info("graphcap.hf: %s: %s", type(hf_model).__name__, self.kernels.summary())
+
+    def _substitute(self, kernels: str, dtype: torch.dtype) -> None:
+        """One substitution per model, shared by every PrefillLM of it: a second wrapper
+        with the same ``kernels`` reuses it; with the other, it switches the model (and so
+        every wrapper of it)."""
+        held = self.hf_model.__dict__.get(_SUBSTITUTION)
+        if held is not None and held.kernels == kernels:
+            held.ensure()
+            return
+        if held is not None:
+            log.warning("graphcap.hf: %s was wrapped with kernels=%r; kernels=%r now "
+                        "applies to every PrefillLM of it", type(self.hf_model).__name__,
+                        held.kernels, kernels)
+        if kernels == "graphcap":
+            sub = substitution.substitute(self.hf_model, dtype)
+        else:
+            substitution.restore(self.hf_model)
+            sub = substitution.Substitution(self.hf_model)
+        self.hf_model.__dict__[_SUBSTITUTION] = sub
+
+    @property
+    def kernels(self) -> substitution.Substitution:
+        """Which modules run graphcap's kernels and which their stock code
+        (``summary()``, ``table()``): the model's, shared by its wrappers."""
+        return self.hf_model.__dict__[_SUBSTITUTION]
 
     def graphcap_before_capture(self) -> None:
         """Called by a runner outside any graph before it captures: weights the kernels
@@ -153,16 +191,21 @@ class PrefillLM(nn.Module):
         those rows go through the LM head (transformers' ``logits_to_keep``)."""
         if not torch.compiler.is_compiling():
             self.kernels.ensure()
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise BadBatch(
+                f"PrefillLM takes input_ids [T] and positions [T] of packed requests, got "
+                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
         if seq_lens is not None:  # eager use: prepare this batch's attention metadata
+            lens = batching.check_prefill(input_ids, positions, seq_lens, input_ids.device)
+            if self.output_rows == "requests" and 0 in lens:
+                raise BadBatch(f"seq_lens {lens} has a zero-length request, which has no "
+                               "last token (logits='last'); drop empty requests")
+            batching.check_ranges(input_ids, positions, self.vocab_size, self.max_position)
             dtype = self.hf_model.get_output_embeddings().weight.dtype
             with packed(seq_lens, input_ids.device, dtype=dtype) as meta:
                 if self.output_rows == "requests":
                     last_rows = meta.last_token_rows()
                 return self.forward(input_ids, positions, last_rows)
-        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
-            raise BadBatch(
-                f"PrefillLM takes input_ids [T] and positions [T] of packed requests, got "
-                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
         keep = {}
         if self.output_rows == "requests":
             if last_rows is None:
