@@ -56,3 +56,10 @@ class ReplayError(GraphcapError, RuntimeError):
     """A replay could not reproduce its capture (an eager break returned tensors of other
     shapes or dtypes than at capture); nothing was written past the failing step, and the
     runner stays usable for calls that fit."""
+
+
+class CacheFull(GraphcapError, RuntimeError):
+    """A paged K/V cache has too few free pages (or request slots) for a request: the
+    message says how many it needs and has. Release finished requests, or build the cache
+    with more pages."""
+

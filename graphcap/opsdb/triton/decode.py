@@ -62,8 +62,9 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, mid_o_ptr, 
         m_i = m_new
     row = (b.to(tl.int64) * heads + h) * SPLITS + s
     has = l_i > 0
-    tl.store(mid_o_ptr + row * BLOCK_D + d, tl.where(has, acc / l_i, 0.0))
-    tl.store(mid_lse_ptr + row, tl.where(has, m_i + tl.log(l_i), float("-inf")))
+    safe = tl.where(has, l_i, 1.0)  # an empty split: no 0/0 even where it is not kept
+    tl.store(mid_o_ptr + row * BLOCK_D + d, tl.where(has, acc / safe, 0.0))
+    tl.store(mid_lse_ptr + row, tl.where(has, m_i + tl.log(safe), float("-inf")))
 
 
 @triton.jit
@@ -77,12 +78,13 @@ def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, out_stride_b, out_stri
     row = (b.to(tl.int64) * heads + h) * SPLITS
     lse = tl.load(mid_lse_ptr + row + s, mask=s < SPLITS, other=float("-inf"))
     top = tl.max(lse, axis=0)
+    top = tl.where(top > float("-inf"), top, 0.0)  # a row with no token: every weight 0
     weight = tl.where(lse > float("-inf"), tl.exp(lse - top), 0.0)
     parts = tl.load(mid_o_ptr + (row + s)[:, None] * BLOCK_D + d[None, :],
                     mask=(s < SPLITS)[:, None], other=0.0)
     total = tl.sum(weight, axis=0)
     o = tl.sum(weight[:, None] * parts, axis=0)
-    o = tl.where(total > 0, o / total, 0.0)
+    o = tl.where(total > 0, o / tl.where(total > 0, total, 1.0), 0.0)
     tl.store(out_ptr + b.to(tl.int64) * out_stride_b + h * out_stride_h + d,
              o.to(out_ptr.dtype.element_ty), mask=d < head_dim)
 

@@ -1,0 +1,148 @@
+"""A preallocated paged K/V cache: pages of ``page_size`` token slots per layer, a block
+table on the device, and a host allocator that hands a request its pages at admission.
+
+Layout, per layer, for K and for V: ``[pages + 1, page_size, kv_heads, head_dim]``.
+**Page 0 is the null page**: no request owns it; every unused block-table entry points at
+it, and padded rows of a captured batch read and write only it, so a pad can neither
+write a real page nor read another request's tokens. The block table ``[max_requests,
+max_pages]`` int32 lives on the device (graphs read it); row ``r`` lists request slot
+``r``'s pages in order, so token ``t`` of the request is slot ``t % page_size`` of page
+``block_table[r, t // page_size]``.
+
+A request's pages are allocated once, at :meth:`PagedKVCache.admit`, for every token it
+may hold (prompt plus new tokens): the decode loop then needs no host allocation, and a
+cache too small says so at admission (:class:`~graphcap.errors.CacheFull`), not mid-loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphcap.errors import CacheFull
+
+NULL_PAGE = 0
+
+
+def _positive(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class PagedKVCache:
+    """``layers`` layers of K and V in pages; ``max_requests`` request slots of up to
+    ``max_len`` tokens each; ``pages`` real pages (default: enough for every slot at
+    ``max_len``), plus the null page.
+
+        cache = PagedKVCache(layers=28, kv_heads=8, head_dim=128, max_requests=8,
+                             max_len=4096, page_size=16, dtype=torch.bfloat16,
+                             device="cuda")
+        cache.admit(slot=0, tokens=prompt_len + max_new_tokens)
+        k, v = cache.layer(3)             # [pages + 1, page_size, kv_heads, head_dim]
+        cache.release(0)
+    """
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, *, max_requests: int,
+                 max_len: int, page_size: int = 16, pages: int | None = None,
+                 dtype: torch.dtype = torch.float32, device="cpu"):
+        self.layers = _positive(layers, "layers")
+        self.kv_heads = _positive(kv_heads, "kv_heads")
+        self.head_dim = _positive(head_dim, "head_dim")
+        self.max_requests = _positive(max_requests, "max_requests")
+        self.max_len = _positive(max_len, "max_len")
+        self.page_size = _positive(page_size, "page_size")
+        self.max_pages = -(-max_len // page_size)  # a block-table row
+        self.pages = _positive(pages if pages is not None
+                               else max_requests * self.max_pages, "pages")
+        self.device = torch.device(device)
+        self.dtype = dtype
+        shape = (layers, self.pages + 1, page_size, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.block_table = torch.full((max_requests, self.max_pages), NULL_PAGE,
+                                      dtype=torch.int32, device=self.device)
+        self._free = list(range(self.pages, NULL_PAGE, -1))  # pop() gives low pages first
+        self._owned: dict[int, list[int]] = {}
+        self._capacity: dict[int, int] = {}
+
+    # -- admission -------------------------------------------------------------------
+    def admit(self, slot: int, tokens: int) -> list[int]:
+        """Give request slot ``slot`` the pages for ``tokens`` tokens (its prompt and every
+        token it may generate) and write its block-table row; returns the pages. Raises
+        :class:`CacheFull` when the free pages do not cover it (nothing changes then)."""
+        slot = self._slot(slot)
+        if slot in self._owned:
+            raise ValueError(f"request slot {slot} holds a request already; release({slot}) "
+                             "it first")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"tokens must be a positive int (prompt plus new tokens), got "
+                             f"{tokens!r}")
+        if tokens > self.max_len:
+            raise ValueError(f"a request of {tokens} tokens exceeds the cache's max_len "
+                             f"{self.max_len}; build the cache with a larger max_len")
+        need = -(-tokens // self.page_size)
+        if need > len(self._free):
+            raise CacheFull(
+                f"a request of {tokens} tokens needs {need} pages of {self.page_size} and "
+                f"{len(self._free)} of {self.pages} are free ({len(self._owned)} requests "
+                "hold the rest): release finished requests, or build the cache with more "
+                "pages")
+        pages = [self._free.pop() for _ in range(need)]
+        row = torch.full((self.max_pages,), NULL_PAGE, dtype=torch.int32)
+        row[:need] = torch.tensor(pages, dtype=torch.int32)
+        self.block_table[slot].copy_(row)
+        self._owned[slot], self._capacity[slot] = pages, tokens
+        return pages
+
+    def release(self, slot: int) -> None:
+        """Free request slot ``slot``'s pages; its block-table row points at the null page
+        again (what its pages held stays until another request overwrites it)."""
+        slot = self._slot(slot)
+        if slot not in self._owned:
+            raise ValueError(f"request slot {slot} holds no request")
+        self._free.extend(reversed(self._owned.pop(slot)))
+        del self._capacity[slot]
+        self.block_table[slot].fill_(NULL_PAGE)
+
+    def capacity(self, slot: int) -> int:
+        """Tokens request slot ``slot`` was admitted for (0 when it is free)."""
+        return self._capacity.get(self._slot(slot), 0)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def owned(self) -> dict[int, list[int]]:
+        """Request slot -> its pages, for the slots that hold a request."""
+        return {slot: list(pages) for slot, pages in self._owned.items()}
+
+    def _slot(self, slot) -> int:
+        if isinstance(slot, bool) or not isinstance(slot, int) or \
+                not 0 <= slot < self.max_requests:
+            raise ValueError(f"request slot {slot!r} is not one of 0..{self.max_requests - 1}")
+        return slot
+
+    # -- what the kernels read -------------------------------------------------------
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``index``'s K and V: ``[pages + 1, page_size, kv_heads, head_dim]``."""
+        if not 0 <= index < self.layers:
+            raise IndexError(f"layer {index} of a cache of {self.layers} layers")
+        return self.k[index], self.v[index]
+
+    def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The cache slot of each token (``page * page_size + offset``): token ``i`` is
+        position ``positions[i]`` of the request in slot ``rows[i]``. On the device, no
+        host synchronisation (graphs compute it per replay); a row on the null page maps
+        to the null page."""
+        page = self.block_table[rows.long(), positions.long() // self.page_size]
+        return page.long() * self.page_size + positions.long() % self.page_size
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache({self.layers} layers, {self.pages} pages of {self.page_size}"
+                f" x {self.kv_heads} x {self.head_dim} {str(self.dtype).removeprefix('torch.')}"
+                f", {self.max_requests} requests of up to {self.max_len} tokens, "
+                f"{len(self._free)} pages free)")

@@ -1,0 +1,132 @@
+"""The paged K/V cache: pages handed out at admission and back at release, the null page
+never owned, clear errors when the cache is full; and, with ``kv_write`` and
+``decode_attention``, a request attends to exactly its own tokens, whatever the pages
+nobody owns hold, and writes touch no page but its own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from graphcap.cache import NULL_PAGE, PagedKVCache
+from graphcap.errors import CacheFull
+from graphcap.opsdb.decode import DECODE_ATTENTION
+from graphcap.opsdb.kv import KV_WRITE
+
+HEADS, KV_HEADS, DIM = 4, 2, 16
+
+
+def cache(**kw) -> PagedKVCache:
+    args = dict(layers=2, kv_heads=KV_HEADS, head_dim=DIM, max_requests=4, max_len=40,
+                page_size=8)
+    return PagedKVCache(**{**args, **kw})
+
+
+def test_admission_hands_out_whole_pages_and_writes_the_block_table():
+    c = cache()
+    assert c.k.shape == (2, 4 * 5 + 1, 8, KV_HEADS, DIM) and c.max_pages == 5
+    pages = c.admit(2, 17)  # 17 tokens: 3 pages of 8
+    assert len(pages) == 3 and NULL_PAGE not in pages
+    assert c.block_table[2].tolist() == [*pages, NULL_PAGE, NULL_PAGE]
+    assert c.capacity(2) == 17 and c.free_pages == 20 - 3
+    c.release(2)
+    assert c.block_table[2].tolist() == [NULL_PAGE] * 5 and c.free_pages == 20
+    assert c.capacity(2) == 0
+
+
+def test_a_full_cache_refuses_admission_and_changes_nothing():
+    c = cache(pages=4)
+    c.admit(0, 24)  # 3 of the 4 pages
+    before = c.block_table.clone()
+    with pytest.raises(CacheFull, match="needs 2 pages of 8 and 1 of 4 are free"):
+        c.admit(1, 9)
+    assert torch.equal(c.block_table, before) and c.free_pages == 1
+    c.admit(1, 8)  # one page still fits
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda c: c.admit(4, 8), "not one of 0..3"),
+    (lambda c: c.admit(0, 41), "exceeds the cache's max_len 40"),
+    (lambda c: c.admit(0, 0), "positive int"),
+    (lambda c: c.admit(0, 2.5), "positive int"),
+    (lambda c: c.release(1), "holds no request"),
+    (lambda c: (c.admit(0, 8), c.admit(0, 8)), "holds a request already"),
+])
+def test_bad_admissions_say_what_was_wrong(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(cache())
+
+
+def dense_attention(q, k, v):
+    """One query row [Hq, D] over its request's k, v [L, Hk, D] (float64)."""
+    group = q.shape[0] // k.shape[1]
+    k, v = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
+    scores = torch.einsum("hd,lhd->hl", q.double(), k) * DIM ** -0.5
+    return torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+
+
+@given(st.data())
+def test_requests_admitted_and_released_in_any_order_attend_to_their_own_tokens(data):
+    c = cache(layers=1)
+    kernel = data.draw(st.sampled_from(["torch", "triton"]), label="kernel")
+    if DECODE_ATTENTION.available("cpu")[kernel] is not None:
+        kernel = "torch"
+    live: dict[int, int] = {}
+    for _ in range(data.draw(st.integers(1, 8), label="admissions")):
+        slot = data.draw(st.sampled_from(range(4)), label="slot")
+        if slot in live:
+            c.release(slot)
+            del live[slot]
+        else:
+            length = data.draw(st.integers(1, 40), label="length")
+            try:
+                c.admit(slot, length)
+                live[slot] = length
+            except CacheFull:
+                pass
+    k_cache, v_cache = c.layer(0)
+    k_cache.fill_(float("nan"))  # what nobody's tokens hold: never read
+    v_cache.fill_(float("nan"))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    rows = torch.tensor([s for s, n in live.items() for _ in range(n)], dtype=torch.long)
+    positions = torch.cat([torch.arange(n) for n in live.values()]) if live else rows
+    k = torch.randn(len(rows), KV_HEADS, DIM, generator=gen)
+    v = torch.randn(len(rows), KV_HEADS, DIM, generator=gen)
+    owned = torch.zeros(c.pages + 1, dtype=torch.bool)
+    for pages in c.owned().values():
+        owned[pages] = True
+    KV_WRITE(k, v, k_cache, v_cache, c.slots(rows, positions), kernel=kernel)
+    assert k_cache[~owned].isnan().all() and v_cache[~owned].isnan().all()  # untouched
+    slots = sorted(live)
+    q = torch.randn(len(slots), HEADS, DIM, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    lens = torch.tensor([live[s] for s in slots], dtype=torch.int32)
+    DECODE_ATTENTION(q, k_cache, v_cache, c.block_table[slots], lens, out, DIM ** -0.5,
+                     kernel=kernel)
+    for i, s in enumerate(slots):
+        mine = rows == s
+        want = dense_attention(q[i], k[mine], v[mine])
+        torch.testing.assert_close(out[i].double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_padded_row_on_the_null_page_comes_out_zero_and_writes_only_the_null_page():
+    c = cache(layers=1)
+    c.admit(0, 5)
+    k_cache, v_cache = c.layer(0)
+    k_cache.fill_(float("nan"))
+    v_cache.fill_(float("nan"))
+    real = torch.ones(1, KV_HEADS, DIM)
+    # Row 0 is a request at position 0, row 1 a pad: its slot row is free (null page).
+    slots = c.slots(torch.tensor([0, 3]), torch.tensor([0, 0]))
+    assert slots[1] // c.page_size == NULL_PAGE
+    KV_WRITE(torch.cat([real, real * 7]), torch.cat([real, real * 7]), k_cache, v_cache,
+             slots)
+    assert k_cache[1:].isnan().sum() == k_cache[1:].numel() - KV_HEADS * DIM  # one slot
+    q = torch.ones(2, HEADS, DIM)
+    out = torch.full_like(q, float("nan"))
+    DECODE_ATTENTION(q, k_cache, v_cache, c.block_table[[0, 3]],
+                     torch.tensor([1, 0], dtype=torch.int32), out, 1.0)
+    torch.testing.assert_close(out[0], torch.ones(HEADS, DIM))
+    assert torch.equal(out[1], torch.zeros(HEADS, DIM))
