@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from graphcap.cache import NULL_PAGE, PagedKVCache
-from graphcap.errors import CacheFull
+from graphcap.errors import CacheFull, OpInputError
 from graphcap.opsdb.decode import DECODE_ATTENTION
 from graphcap.opsdb.kv import KV_WRITE
 
@@ -130,3 +130,45 @@ def test_a_padded_row_on_the_null_page_comes_out_zero_and_writes_only_the_null_p
                      torch.tensor([1, 0], dtype=torch.int32), out, 1.0)
     torch.testing.assert_close(out[0], torch.ones(HEADS, DIM))
     assert torch.equal(out[1], torch.zeros(HEADS, DIM))
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_nan_in_a_rows_own_tokens_is_that_rows_alone(kernel):
+    if DECODE_ATTENTION.available("cpu")[kernel] is not None:
+        pytest.skip(DECODE_ATTENTION.available("cpu")[kernel])
+    c = cache(layers=1)
+    c.admit(0, 40)
+    c.admit(1, 40)
+    k_cache, v_cache = (t.normal_() for t in c.layer(0))
+    k_cache[c.owned()[0][0], 3, 1] = float("nan")  # row 0's token 3, kv head 1
+    q = torch.randn(2, HEADS, DIM)
+    out = torch.empty_like(q)
+    lens = torch.tensor([40, 40], dtype=torch.int32)
+    DECODE_ATTENTION(q, k_cache, v_cache, c.block_table[:2], lens, out, DIM ** -0.5,
+                     kernel=kernel)
+    assert out[0, 2:].isnan().all() and not out[0, :2].isnan().any()  # kv head 1's group
+    assert not out[1].isnan().any()
+
+
+def test_a_token_out_of_range_maps_to_the_null_page():
+    c = cache()  # 5 pages of 8 per row
+    c.admit(1, 16)
+    rows = torch.tensor([1, 1, 1, -1, 9, 1])
+    positions = torch.tensor([9, -1, 40, 0, 0, 17])  # 17: past the request's two pages
+    pages = (c.slots(rows, positions) // c.page_size).tolist()
+    assert pages == [c.owned()[1][1], NULL_PAGE, NULL_PAGE, NULL_PAGE, NULL_PAGE,
+                     NULL_PAGE]
+
+
+def test_strided_metadata_is_refused():
+    c = cache(layers=1)
+    k_cache, v_cache = c.layer(0)
+    q = torch.randn(2, HEADS, DIM)
+    lens = torch.ones(2, 2, dtype=torch.int32)[:, 1]
+    with pytest.raises(OpInputError, match="seq_lens must be contiguous"):
+        DECODE_ATTENTION(q, k_cache, v_cache, c.block_table[:2], lens, torch.empty_like(q),
+                         1.0)
+    slots = torch.zeros(4, dtype=torch.long)[::2]
+    with pytest.raises(OpInputError, match="slots must be contiguous"):
+        KV_WRITE(torch.ones(2, KV_HEADS, DIM), torch.ones(2, KV_HEADS, DIM), k_cache,
+                 v_cache, slots)

@@ -16,6 +16,8 @@ cache too small says so at admission (:class:`~graphcap.errors.CacheFull`), not 
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from graphcap.errors import CacheFull
@@ -24,9 +26,14 @@ NULL_PAGE = 0
 
 
 def _positive(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """``value`` as an int >= 1 (any integer type, not a bool or a float)."""
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    return number
 
 
 class PagedKVCache:
@@ -54,6 +61,8 @@ class PagedKVCache:
         self.max_pages = -(-max_len // page_size)  # a block-table row
         self.pages = _positive(pages if pages is not None
                                else max_requests * self.max_pages, "pages")
+        if not dtype.is_floating_point:
+            raise ValueError(f"a K/V cache holds floating-point keys and values, not {dtype}")
         self.device = torch.device(device)
         self.dtype = dtype
         shape = (layers, self.pages + 1, page_size, kv_heads, head_dim)
@@ -74,9 +83,7 @@ class PagedKVCache:
         if slot in self._owned:
             raise ValueError(f"request slot {slot} holds a request already; release({slot}) "
                              "it first")
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-            raise ValueError(f"tokens must be a positive int (prompt plus new tokens), got "
-                             f"{tokens!r}")
+        tokens = _positive(tokens, "tokens (prompt plus new tokens)")
         if tokens > self.max_len:
             raise ValueError(f"a request of {tokens} tokens exceeds the cache's max_len "
                              f"{self.max_len}; build the cache with a larger max_len")
@@ -117,10 +124,13 @@ class PagedKVCache:
         return {slot: list(pages) for slot, pages in self._owned.items()}
 
     def _slot(self, slot) -> int:
-        if isinstance(slot, bool) or not isinstance(slot, int) or \
-                not 0 <= slot < self.max_requests:
+        try:
+            number = None if isinstance(slot, bool) else operator.index(slot)
+        except TypeError:
+            number = None
+        if number is None or not 0 <= number < self.max_requests:
             raise ValueError(f"request slot {slot!r} is not one of 0..{self.max_requests - 1}")
-        return slot
+        return number
 
     # -- what the kernels read -------------------------------------------------------
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,10 +142,17 @@ class PagedKVCache:
     def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The cache slot of each token (``page * page_size + offset``): token ``i`` is
         position ``positions[i]`` of the request in slot ``rows[i]``. On the device, no
-        host synchronisation (graphs compute it per replay); a row on the null page maps
-        to the null page."""
-        page = self.block_table[rows.long(), positions.long() // self.page_size]
-        return page.long() * self.page_size + positions.long() % self.page_size
+        host synchronisation (graphs compute it per replay). A free row, a position past
+        the request's pages, and any row or position out of range (negative included: a
+        pad) map to the null page, never to another request's."""
+        rows, positions = rows.long(), positions.long()
+        index = positions // self.page_size
+        inside = (rows >= 0) & (rows < self.max_requests) & (positions >= 0) & \
+            (index < self.max_pages)
+        page = self.block_table[rows.clamp(0, self.max_requests - 1),
+                                index.clamp(0, self.max_pages - 1)]
+        page = torch.where(inside, page.long(), NULL_PAGE)
+        return page * self.page_size + positions % self.page_size
 
     @property
     def nbytes(self) -> int:

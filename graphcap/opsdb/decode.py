@@ -47,12 +47,13 @@ def decode_attention_reference(q, k_cache, v_cache, block_table, seq_lens, out,
 def check_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, scale) -> None:
     checks.tensor(OP, "q", q, ndim=3)
     device = q.device
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        checks.tensor(OP, name, t, ndim=4 if name != "out" else 3, device=device)
+        checks.same(OP, "the dtype", t.dtype, q.dtype, name, "q")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        checks.tensor(OP, name, t, ndim=4, dtypes=(q.dtype,), device=device)
         if not t.is_contiguous():
             raise checks.OpInputError(f"{OP}: {name} must be contiguous (a cache layer "
                                       "[pages, page_size, kv heads, head dim])")
-    checks.tensor(OP, "out", out, ndim=3, dtypes=(q.dtype,), device=device)
     checks.tensor(OP, "block_table", block_table, ndim=2, dtypes=(torch.int32,),
                   device=device)
     checks.tensor(OP, "seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
@@ -62,8 +63,9 @@ def check_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, scal
     checks.same(OP, "the head dim", k_cache.shape[3], q.shape[2], "k_cache", "q")
     checks.same(OP, "the row count", block_table.shape[0], q.shape[0], "block_table", "q")
     checks.same(OP, "the row count", seq_lens.shape[0], q.shape[0], "seq_lens", "q")
-    checks.last_dim_contiguous(OP, "q", q)
-    checks.last_dim_contiguous(OP, "out", out)
+    for name, t in (("q", q), ("out", out), ("block_table", block_table),
+                    ("seq_lens", seq_lens)):
+        checks.last_dim_contiguous(OP, name, t)
     hk = k_cache.shape[2]
     if hk == 0 or q.shape[1] % hk:
         raise checks.OpInputError(f"{OP}: {q.shape[1]} query heads are not a multiple of "

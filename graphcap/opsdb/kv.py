@@ -42,7 +42,7 @@ def check_kv_write(k, v, k_cache, v_cache, slots) -> None:
     checks.same(OP, "the token count", slots.shape[0], k.shape[0], "slots", "k")
     checks.same(OP, "the [kv heads, head dim]", tuple(k_cache.shape[2:]),
                 tuple(k.shape[1:]), "k_cache", "k")
-    for name, t in (("k", k), ("v", v)):
+    for name, t in (("k", k), ("v", v), ("slots", slots)):
         checks.last_dim_contiguous(OP, name, t)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not t.is_contiguous():

@@ -176,7 +176,7 @@ COMPILE_DECODE = textwrap.dedent('''
                "slot_ptr": "*i64", **{n: "i32" for n in (
                    "k_stride_t", "k_stride_h", "v_stride_t", "v_stride_h", "heads",
                    "head_dim")}},
-              {"BLOCK_H": 8, "BLOCK_D": 128})
+              {"BLOCK_H": 8, "BLOCK_D": 128, "INTERPRET": False})
         for page, group, splits in ((16, 2, 8), (1, 1, 1)):
             build(_decode_split_kernel,
                   {"q_ptr": f"*{dt}", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}",
@@ -191,7 +191,7 @@ COMPILE_DECODE = textwrap.dedent('''
                    **{n: "i32" for n in ("out_stride_b", "out_stride_h", "heads",
                                          "head_dim")}},
                   {"SPLITS": splits, "BLOCK_S": triton.next_power_of_2(splits),
-                   "BLOCK_D": 128})
+                   "BLOCK_D": 128, "INTERPRET": False})
     print("compiled")
 ''')
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphcap.opsdb.triton.common import interpreting, num_sms
+from graphcap.opsdb.triton.common import cast, interpreting, num_sms
 
 _MAX_SPLITS = 32
 
@@ -61,7 +61,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, mid_o_ptr, 
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
     row = (b.to(tl.int64) * heads + h) * SPLITS + s
-    has = l_i > 0
+    # Empty by its token count, not by l_i: NaN in the row's own tokens stays NaN.
+    has = end > start
     safe = tl.where(has, l_i, 1.0)  # an empty split: no 0/0 even where it is not kept
     tl.store(mid_o_ptr + row * BLOCK_D + d, tl.where(has, acc / safe, 0.0))
     tl.store(mid_lse_ptr + row, tl.where(has, m_i + tl.log(safe), float("-inf")))
@@ -70,7 +71,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, mid_o_ptr, 
 @triton.jit
 def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, out_stride_b, out_stride_h,
                          heads, head_dim, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+                         BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -78,15 +79,15 @@ def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, out_stride_b, out_stri
     row = (b.to(tl.int64) * heads + h) * SPLITS
     lse = tl.load(mid_lse_ptr + row + s, mask=s < SPLITS, other=float("-inf"))
     top = tl.max(lse, axis=0)
-    top = tl.where(top > float("-inf"), top, 0.0)  # a row with no token: every weight 0
-    weight = tl.where(lse > float("-inf"), tl.exp(lse - top), 0.0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # a row with no token: every weight 0
+    weight = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - top))  # NaN passes
     parts = tl.load(mid_o_ptr + (row + s)[:, None] * BLOCK_D + d[None, :],
                     mask=(s < SPLITS)[:, None], other=0.0)
     total = tl.sum(weight, axis=0)
     o = tl.sum(weight[:, None] * parts, axis=0)
-    o = tl.where(total > 0, o / tl.where(total > 0, total, 1.0), 0.0)
+    o = tl.where(total == 0, 0.0, o / tl.where(total == 0, 1.0, total))
     tl.store(out_ptr + b.to(tl.int64) * out_stride_b + h * out_stride_h + d,
-             o.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+             cast(o, out_ptr.dtype.element_ty, INTERPRET), mask=d < head_dim)
 
 
 def splits_for(rows: int, heads: int, max_len: int, block_n: int, sms: int) -> int:
@@ -109,8 +110,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     interpret = interpreting()
     block_n = 16 if interpret else 32
     if num_splits is None:  # the interpreter: several splits, so the merge is exercised
-        num_splits = (min(triton.cdiv(max_len, block_n), 4) if interpret else
+        num_splits = (max(1, min(triton.cdiv(max_len, block_n), 4)) if interpret else
                       splits_for(B, Hq, max_len, block_n, num_sms(q.device)))
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     split_len = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
     block_d = triton.next_power_of_2(D)
     mid_o = torch.empty((B, Hq, num_splits, block_d), dtype=torch.float32, device=q.device)
@@ -122,7 +125,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_D=block_d, num_warps=4 if block_d >= 128 else 2)
     _decode_merge_kernel[(B, Hq)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1), Hq, D, SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=1)
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, INTERPRET=interpret,
+        num_warps=1)
 
 
 __all__ = ["decode_attention", "splits_for"]

@@ -9,11 +9,13 @@ import torch
 import triton
 import triton.language as tl
 
+from graphcap.opsdb.triton.common import cast, interpreting
+
 
 @triton.jit
 def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
                      k_stride_t, k_stride_h, v_stride_t, v_stride_h, heads, head_dim,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
@@ -25,8 +27,10 @@ def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
     dst = slot * heads * head_dim + h[:, None] * head_dim + d[None, :]
     key = tl.load(src_k, mask=mask)
     value = tl.load(src_v, mask=mask)
-    tl.store(kc_ptr + dst, key.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc_ptr + dst, value.to(vc_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc_ptr + dst, cast(key.to(tl.float32), kc_ptr.dtype.element_ty, INTERPRET),
+             mask=mask)
+    tl.store(vc_ptr + dst, cast(value.to(tl.float32), vc_ptr.dtype.element_ty, INTERPRET),
+             mask=mask)
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -38,7 +42,7 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     block_d = triton.next_power_of_2(head_dim)
     _kv_write_kernel[(T,)](
         k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        heads, head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
+        heads, head_dim, BLOCK_H=block_h, BLOCK_D=block_d, INTERPRET=interpreting(),
         num_warps=max(1, min(8, block_h * block_d // 256)))
 
 
