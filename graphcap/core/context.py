@@ -21,6 +21,7 @@ from graphcap.errors import GraphcapError
 @dataclass(frozen=True)
 class ForwardContext:
     attention: Any = None  # an AttentionMetadata prepared outside any graph
+    kv: Any = None  # a graphcap.cache.CacheBatch: this forward's K/V cache, or None
 
 
 _CURRENT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
@@ -48,3 +49,11 @@ def current_attention():
             "requests with graphcap.capture(model, inputs='prefill')), or eagerly inside "
             "graphcap.packed(seq_lens, device)")
     return ctx.attention
+
+
+def current_kv():
+    """The paged K/V cache state of the running forward (a ``CacheBatch``), or None when
+    the forward keeps no cache."""
+    ctx = _CURRENT.get()
+    return None if ctx is None else ctx.kv
+

@@ -42,9 +42,9 @@ class ModelArgs:
 
 
 class Attention(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, layer: int = 0):
         super().__init__()
-        self.a = a
+        self.a, self.layer = a, layer  # its layer of a K/V cache
         self.qkv = nn.Linear(a.hidden, (a.heads + 2 * a.kv_heads) * a.head_dim,
                              bias=a.qkv_bias)
         self.o = nn.Linear(a.heads * a.head_dim, a.hidden, bias=False)
@@ -59,7 +59,8 @@ class Attention(nn.Module):
         norms = (self.q_norm, self.k_norm) if a.qk_norm else (None, None)
         return attention_half(h, positions, norm, a.eps, self.qkv.weight, self.qkv.bias,
                               *norms, a.eps, cos_sin, a.heads, a.kv_heads, a.head_dim,
-                              1.0 / math.sqrt(a.head_dim), self.o.weight)
+                              1.0 / math.sqrt(a.head_dim), self.o.weight,
+                              layer=self.layer)
 
 
 class FeedForward(nn.Module):
@@ -97,11 +98,11 @@ class Block(nn.Module):
     """A pre-norm layer: h + attention(norm(h)), then h + mlp(norm(h)). Each norm is fused
     into the matmul after it and each residual add into the matmul before it."""
 
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, layer: int = 0):
         super().__init__()
         self.attn_norm = nn.Parameter(torch.ones(a.hidden))
         self.mlp_norm = nn.Parameter(torch.ones(a.hidden))
-        self.attn = Attention(a)
+        self.attn = Attention(a, layer)
         self.mlp = MoE(a) if a.experts else FeedForward(a)
 
     def forward(self, h, positions, cos_sin):
@@ -122,7 +123,7 @@ class Decoder(nn.Module):
         self.args = a
         self.output_rows = "tokens" if logits == "all" else "requests"
         self.embed = nn.Embedding(a.vocab_size, a.hidden)
-        self.blocks = nn.ModuleList(Block(a) for _ in range(a.layers))
+        self.blocks = nn.ModuleList(Block(a, i) for i in range(a.layers))
         self.norm = nn.Parameter(torch.ones(a.hidden))
         self.lm_head = nn.Linear(a.hidden, a.vocab_size, bias=False)
         if a.tie_embeddings:

@@ -13,14 +13,17 @@ from graphcap.opsdb.attention import get_backend
 
 
 @contextlib.contextmanager
-def packed(seq_lens, device, attention: str | None = None, dtype: torch.dtype | None = None):
+def packed(seq_lens, device, attention: str | None = None, dtype: torch.dtype | None = None,
+           kv=None):
     """Call a model of packed requests eagerly, outside a runner: prepares the attention
     metadata of requests of these lengths (host values) and makes it the forward context,
     which ``graphcap::attention`` reads. ``attention``: the backend (default: the best on
-    ``device`` for q/k/v of ``dtype``). Yields the metadata (``meta.last_token_rows()``:
-    the row of each request's last token). Leaving the block, a call of several requests
-    whose forward ran no graphcap attention raises :class:`~graphcap.errors.
-    UnsupportedModel`: its attention could not see where the requests begin and end.
+    ``device`` for q/k/v of ``dtype``); ``kv``: a :class:`graphcap.cache.CacheBatch` the
+    forward writes its K/V to (prefill into a paged cache). Yields the metadata
+    (``meta.last_token_rows()``: the row of each request's last token). Leaving the
+    block, a call of several requests whose forward ran no graphcap attention raises
+    :class:`~graphcap.errors.UnsupportedModel`: its attention could not see where the
+    requests begin and end.
 
         with graphcap.packed([5, 3], device="cpu"):
             logits = model(input_ids, positions)      # 8 tokens: two requests
@@ -28,7 +31,7 @@ def packed(seq_lens, device, attention: str | None = None, dtype: torch.dtype | 
     device = torch.device(device)
     lens = host_lengths(seq_lens)
     meta = get_backend(attention, device, dtype=dtype).prepare(lens, device)
-    with forward_context(attention=meta):
+    with forward_context(attention=meta, kv=kv):
         yield meta
     if not meta.attended:
         check_packing(f"the model called under graphcap.packed({lens})", meta.backend.name,
