@@ -1,0 +1,153 @@
+"""Decode steps through a runner: :class:`DecodeInputs`, the kind of input of one token per
+request over a paged cache.
+
+    runner = graphcap.capture(model, "full", buckets=[1, 2, 3, 4, 6, 8],
+                              inputs=DecodeInputs(cache))
+    logits = runner(tokens, positions=[17, 5], slots=[0, 3])   # [2, vocab]
+
+Buckets are batch sizes. Row ``b`` is token ``tokens[b]`` (a device tensor) at position
+``positions[b]`` (host ints: the request's cached tokens before it) of the request in
+slot ``slots[b]``. Each shape's graph computes, from the static buffers of tokens,
+positions and request slots, each row's cache slot, pages and length on the device
+(:class:`~graphcap.cache.CacheBatch`), writes the rows' K/V and attends over the cache;
+padded rows have no request slot (``-1``): they write only the null page and come out
+zero. A replay stages three copies of at most the bucket's rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphcap.cache.batch import CacheBatch
+from graphcap.cache.paged import PagedKVCache
+from graphcap.core.context import forward_context
+from graphcap.core.inputs import Batch, Inputs
+from graphcap.errors import BadBatch, GraphcapError, UnsupportedModel
+
+_INTS = (torch.int32, torch.int64)
+
+
+class DecodeInputs(Inputs):
+    kind = "decode"
+    row_unit = "one row per request (one token each)"
+
+    def __init__(self, cache: PagedKVCache):
+        super().__init__(cache.device)
+        self.cache = cache
+
+    # -- a call ----------------------------------------------------------------------
+    def check(self, args: tuple, kwargs: dict) -> Batch:
+        unknown = sorted(set(kwargs) - {"positions", "slots"})
+        if len(args) != 1 or unknown or "positions" not in kwargs or "slots" not in kwargs:
+            raise BadBatch("a decode step is called as runner(tokens, positions=[...], "
+                           f"slots=[...]); got {len(args)} arguments and keywords "
+                           f"{sorted(kwargs)}")
+        tokens = args[0]
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or \
+                tokens.dtype not in _INTS or tokens.device != self.device:
+            raise BadBatch(f"tokens must be a 1-D int64 (or int32) tensor on {self.device}, "
+                           "one per request")
+        rows = tokens.shape[0]
+        positions, slots = (self._host_ints(kwargs[k], k, rows) for k in ("positions",
+                                                                          "slots"))
+        if rows == 0:
+            raise BadBatch("empty step: at least one request is needed")
+        if len(set(slots)) != rows:
+            raise BadBatch(f"slots {slots} repeat a request slot: one row per request")
+        for slot, position in zip(slots, positions, strict=True):
+            if not 0 <= slot < self.cache.max_requests:
+                raise BadBatch(f"request slot {slot} is not one of 0.."
+                               f"{self.cache.max_requests - 1}")
+            if not 0 <= position < self.cache.capacity(slot):
+                raise BadBatch(
+                    f"position {position} of slot {slot} is outside the "
+                    f"{self.cache.capacity(slot)} tokens the slot was admitted for"
+                    + ("" if self.cache.capacity(slot) else " (it holds no request)")
+                    + ": admit requests for their prompt plus new tokens")
+        host = torch.tensor([positions, slots], dtype=torch.long)
+        return Batch((tokens, host[0], host[1]), rows)
+
+    @staticmethod
+    def _host_ints(values, name: str, rows: int) -> list[int]:
+        if isinstance(values, torch.Tensor):
+            if values.device.type != "cpu":
+                raise BadBatch(f"{name} must be host ints (a list or a CPU tensor): the "
+                               "runner validates them without reading the device")
+            values = values.tolist()
+        try:
+            out = [int(v) for v in values]
+        except (TypeError, ValueError):
+            raise BadBatch(f"{name} must be a list of ints, got {values!r}") from None
+        if any(isinstance(v, bool) or int(v) != v for v in values) or len(out) != rows:
+            raise BadBatch(f"{name} must be {rows} ints (one per token), got {values!r}")
+        return out
+
+    # -- static buffers and each shape's state ---------------------------------------
+    def allocate(self, max_tokens: int, batch: Batch | None) -> None:
+        tokens = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
+        rows = torch.full((max_tokens,), -1, dtype=torch.long, device=self.device)
+        self.buffers = [tokens, torch.zeros_like(tokens), rows]
+        self._last = torch.arange(max_tokens, device=self.device)
+
+    def prepare(self, bucket: int) -> CacheBatch:
+        tokens, positions, rows = (b[:bucket] for b in self.buffers)
+        return CacheBatch.decode_step(self.cache, rows, positions)
+
+    def derive(self, kv: CacheBatch) -> None:
+        """Each row's cache slot, pages and length, from the staged rows and positions,
+        into the shape's buffers (inside the graph: no host work per replay)."""
+        bucket = kv.slots.shape[0]
+        _, positions, rows = (b[:bucket] for b in self.buffers)
+        fresh = CacheBatch.decode_step(self.cache, rows, positions)
+        torch._foreach_copy_([kv.slots, kv.block_table, kv.seq_lens],
+                             [fresh.slots, fresh.block_table, fresh.seq_lens])
+
+    def forward(self, model, bucket: int, kv: CacheBatch):
+        tokens, positions, _ = (b[:bucket] for b in self.buffers)
+        kv.written.clear()
+        with forward_context(kv=kv):
+            try:
+                out = self._call(model, tokens, positions)
+            except GraphcapError as exc:  # e.g. prefill attention without its metadata:
+                if kv.written:  # a forward that never saw the cache says so
+                    raise
+                try:
+                    kv.check_written(model)
+                except UnsupportedModel as refusal:
+                    raise refusal from exc
+                raise
+        kv.check_written(model)
+        return out
+
+    def _call(self, model, tokens, positions):
+        if getattr(model, "output_rows", "tokens") == "requests":
+            return model(tokens, positions, self._last[:tokens.shape[0]])
+        return model(tokens, positions)
+
+    def stage(self, batch: Batch, bucket: int, kv: CacheBatch) -> None:
+        self.copy_in(batch, bucket)
+        if batch.tokens < bucket:
+            self.buffers[2][batch.tokens:bucket].fill_(-1)  # pads: no request slot
+
+    def context(self, kv: CacheBatch):
+        return forward_context(kv=kv)
+
+    def eager(self, model, batch: Batch):
+        tokens, positions, rows = batch.args
+        positions, rows = positions.to(self.device), rows.to(self.device)
+        kv = CacheBatch.decode_step(self.cache, rows, positions)
+        if not hasattr(self, "_last"):
+            self._last = torch.arange(self.cache.max_requests, device=self.device)
+
+        def run():
+            with forward_context(kv=kv):
+                out = self._call(model, tokens, positions)
+            kv.check_written(model)
+            return out
+        return run
+
+    def limits(self) -> str:
+        return f", {self.cache.max_requests} request slots"
+
+    def report(self) -> dict:
+        return {"cache": repr(self.cache)}

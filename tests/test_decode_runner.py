@@ -1,0 +1,111 @@
+"""Decode steps through a runner (``graphcap.cache.DecodeInputs``): under breakable and
+full, on the graph emulator here and CUDA graphs on the GPU, a greedy loop whose batch
+shrinks and grows across buckets (requests finish, others join) gives the tokens and
+logits of the eager steps, padded rows touch no request's pages, and bad steps are
+refused before anything runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphcap
+from graphcap.cache import DecodeInputs, PagedKVCache
+from graphcap.cache.steps import decode_step, prefill
+from graphcap.errors import BadBatch, UnsupportedModel
+from graphcap.models import PRESETS, Decoder
+from tests.runner_helpers import DEVICE
+
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+PROMPTS = {0: [5, 9, 2, 7, 1], 1: [3], 2: [8, 8, 4, 11, 6, 2, 9], 3: [4, 4]}
+# Which request slots step at each step: the batch moves across the buckets 1..4.
+SCHEDULE = [[0, 1, 2, 3], [0, 1, 2, 3], [0, 2, 3], [2], [2, 3], [1, 2, 3], [0, 1, 2, 3],
+            [3], [0, 3]]
+BUCKETS = [1, 2, 4]
+
+
+def setup(preset="tiny"):
+    torch.manual_seed(0)
+    m = Decoder(PRESETS[preset]).to(DEVICE).eval()
+    a = m.args
+    cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=4, max_len=32,
+                         page_size=4, device=DEVICE)
+    for slot, prompt in PROMPTS.items():
+        cache.admit(slot, len(prompt) + len(SCHEDULE) + 1)
+    return m, cache
+
+
+def run(step, m, cache):
+    """Prefill every prompt, then follow SCHEDULE greedily: tokens and logits per step."""
+    slots = sorted(PROMPTS)
+    ids = torch.tensor(sum((PROMPTS[s] for s in slots), []), device=DEVICE)
+    logits = prefill(m, cache, ids, [len(PROMPTS[s]) for s in slots], slots)
+    last = dict(zip(slots, logits.argmax(-1).tolist(), strict=True))
+    length = {s: len(PROMPTS[s]) for s in slots}
+    seen = []
+    for rows in SCHEDULE:
+        tokens = torch.tensor([last[s] for s in rows], device=DEVICE)
+        out = step(tokens, [length[s] for s in rows], rows)
+        seen.append(out.clone())
+        for s, t in zip(rows, out.argmax(-1).tolist(), strict=True):
+            last[s], length[s] = t, length[s] + 1
+    return seen
+
+
+def eager(m, cache):
+    return lambda tokens, positions, rows: decode_step(
+        m, cache, tokens, torch.tensor(positions, device=DEVICE), rows)
+
+
+@pytest.mark.parametrize("strategy", ["breakable", "full", "eager"])
+def test_a_greedy_loop_through_the_runner_replays_the_eager_steps(strategy):
+    m, cache = setup()
+    want = run(eager(m, cache), m, cache)
+    m2, cache2 = setup()
+    cache2.k.fill_(float("nan"))  # no page but a request's own is ever read
+    cache2.v.fill_(float("nan"))
+    runner = graphcap.capture(m2, strategy, buckets=BUCKETS, inputs=DecodeInputs(cache2))
+    got = run(lambda t, p, s: runner(t, positions=p, slots=s), m2, cache2)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+    report = runner.report()
+    if strategy != "eager":
+        assert sum(report["replays"].values()) == len(SCHEDULE)
+        assert not report["fallbacks"]
+
+
+def test_padded_rows_write_only_the_null_page():
+    m, cache = setup()
+    runner = graphcap.capture(m, "full", buckets=[4], inputs=DecodeInputs(cache))
+    before = cache.k.clone()
+    positions, slots = [5, 0, 6], [0, 1, 3]
+    runner(torch.tensor([1, 2, 3], device=DEVICE), positions=positions, slots=slots)
+    assert runner.report()["replays"] == {4: 1}  # one padded row
+    changed = (cache.k != before).flatten(2).any(-1)  # [layers, pages]: pages written
+    pages = {cache.owned()[s][p // cache.page_size]
+             for s, p in zip(slots, positions, strict=True)}
+    assert set(changed.nonzero()[:, 1].tolist()) <= {0} | pages
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"positions": [0], "slots": [0, 1]}, "must be 2 ints"),
+    ({"positions": [99, 0], "slots": [0, 1]}, "position 99 of slot 0 is outside"),
+    ({"positions": [0, 0], "slots": [1, 1]}, "repeat a request slot"),
+    ({"positions": [0, 0], "slots": [0, 7]}, "request slot 7 is not one of 0..3"),
+    ({"positions": [0.5, 0], "slots": [0, 1]}, "must be 2 ints"),
+    ({"slots": [0, 1]}, r"runner\(tokens, positions"),
+])
+def test_bad_steps_are_refused_and_the_runner_stays_usable(kwargs, match):
+    m, cache = setup()
+    runner = graphcap.capture(m, "full", buckets=[2], inputs=DecodeInputs(cache))
+    before = cache.k.clone()
+    with pytest.raises(BadBatch, match=match):
+        runner(torch.tensor([1, 2], device=DEVICE), **kwargs)
+    assert torch.equal(cache.k, before)
+    runner(torch.tensor([1, 2], device=DEVICE), positions=[0, 0], slots=[0, 1])
+
+
+def test_tc_piecewise_says_it_cannot_decode_yet():
+    m, cache = setup()
+    with pytest.raises(UnsupportedModel, match="torch.compiled forward"):
+        graphcap.capture(m, "tc_piecewise", buckets=[2], inputs=DecodeInputs(cache))
