@@ -6,6 +6,7 @@ Public names only; see docs/architecture.md for the layout.
 from graphcap import errors, opsdb
 from graphcap.api import capture
 from graphcap.breakable import eager_on_graph
+from graphcap.cache.generate import Generation, Sampling, generate
 from graphcap.core.graphs import GraphPool, new_pool
 from graphcap.errors import (
     CaptureError,
@@ -23,14 +24,17 @@ __version__ = "0.1.0"
 __all__ = [
     "CaptureError",
     "GraphPool",
+    "Generation",
     "GraphcapError",
     "ModelChanged",
     "ReplayError",
+    "Sampling",
     "UnsupportedModel",
     "UnsupportedStrategy",
     "capture",
     "eager_on_graph",
     "errors",
+    "generate",
     "new_pool",
     "opsdb",
     "packed",

@@ -45,3 +45,17 @@ def pick_bucket(num_tokens: int, ladder: list[int], max_pad_ratio: float = 2.0
                 return None, "padding"
             return bucket, None
     return None, "too_many_tokens"
+
+
+def decode_ladder(max_batch: int) -> list[int]:
+    """Batch buckets of decode up to ``max_batch`` (always the last), ascending: every
+    size to 4, then each about 1.5x the one before (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48,
+    64, ...), so a batch pads by at most half."""
+    max_batch = as_int(max_batch, "max_batch")
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    sizes, power = [1, 2, 3], 4
+    while power < max_batch:  # 4, 6, 8, 12, 16, 24, ...: powers of two and 1.5 times them
+        sizes += [power, power * 3 // 2]
+        power *= 2
+    return [s for s in sizes if s < max_batch] + [max_batch]

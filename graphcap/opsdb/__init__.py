@@ -14,6 +14,7 @@ from graphcap.opsdb import (  # noqa: F401
     norm,
     qkv,
     rotary,
+    sample,
 )
 from graphcap.opsdb.spec import (
     REGISTRY,

@@ -1,0 +1,185 @@
+"""``graphcap.generate``: generate tokens for a list of prompts on graphs.
+
+The decode batch is kept full: up to ``max_batch`` requests decode together, and a
+finished request's slot takes the next waiting prompt. Prompts are prefilled into the
+cache (eagerly), each decode step replays the graph of the smallest batch bucket that
+holds the live requests (:class:`~graphcap.cache.DecodeInputs`), and each token is drawn
+by ``graphcap::sample`` from per-request parameters on the device (greedy, or seeded
+temperature / top-k / top-p: the same tokens in every strategy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from graphcap.api import capture
+from graphcap.cache.inputs import DecodeInputs
+from graphcap.cache.paged import PagedKVCache
+from graphcap.cache.steps import prefill
+from graphcap.core.buckets import decode_ladder
+from graphcap.errors import UnsupportedModel
+from graphcap.opsdb.sample import SAMPLE
+from graphcap.progress import progress as progress_bar
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a request draws its tokens: ``temperature`` 0 is greedy; ``top_k`` 0 and
+    ``top_p`` 1 keep every token; ``seed`` makes the draws reproducible."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0: every token), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {self.seed}")
+
+
+@dataclass
+class Generation:
+    """The new tokens of each prompt (a stop token that ended one included), in the
+    order of the prompts, and what it took."""
+
+    tokens: list[list[int]]
+    report: dict = field(default_factory=dict)
+
+
+def _check_prompts(prompts, vocab: int) -> list[list[int]]:
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    out = []
+    for i, p in enumerate(prompts):
+        ids = p.tolist() if isinstance(p, torch.Tensor) else list(p)
+        if not ids or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+                          for t in ids):
+            raise ValueError(f"prompt {i} must be a non-empty list of token ids in "
+                             f"[0, {vocab}), got {p!r}")
+        out.append(ids)
+    return out
+
+
+def _sampling_of(sampling, count: int) -> list[Sampling]:
+    if sampling is None:
+        return [Sampling()] * count
+    if isinstance(sampling, Sampling):
+        return [sampling] * count
+    sampling = list(sampling)
+    if len(sampling) != count or not all(isinstance(s, Sampling) for s in sampling):
+        raise ValueError(f"sampling: one Sampling for every prompt, or one for all; got "
+                         f"{len(sampling)} for {count} prompts")
+    return sampling
+
+
+def _draw(logits, params: list[Sampling], counters: list[int]) -> list[int]:
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    top_k = torch.tensor([p.top_k for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    seed = torch.tensor([p.seed for p in params], device=device)
+    counter = torch.tensor(counters, device=device)
+    return SAMPLE(logits, temperature, top_k, top_p, seed, counter).tolist()
+
+
+def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
+             max_batch: int = 8, stop_tokens=(), sampling=None, page_size: int = 16,
+             progress: bool = False) -> Generation:
+    """Generate up to ``max_new_tokens`` tokens for each of ``prompts`` (lists of token
+    ids) with graphcap's reference decoder ``model`` (``graphcap.models``): ``strategy``
+    captures the decode steps (``full``, ``breakable`` or ``eager``); ``max_batch``
+    requests decode together; a request ends at one of ``stop_tokens`` or at its
+    ``max_new_tokens``; ``sampling`` is one :class:`Sampling` for all or one per prompt.
+
+        out = graphcap.generate(model, [[1, 5, 9], [1, 7]], max_new_tokens=32)
+        out.tokens            # [[...], [...]]
+        out.report            # steps, replays, fallbacks, graph pool bytes
+    """
+    args = getattr(model, "args", None)
+    if args is None:
+        raise UnsupportedModel(
+            f"graphcap.generate runs graphcap's reference decoders (graphcap.models); "
+            f"{type(model).__name__} has no .args with its layers and heads")
+    prompts = _check_prompts(prompts, args.vocab_size)
+    params = _sampling_of(sampling, len(prompts))
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or \
+            max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    stops = set(stop_tokens)
+    p = next(model.parameters())
+    longest = max(map(len, prompts)) + max_new_tokens
+    if longest > args.max_position:
+        raise ValueError(f"a prompt of {longest - max_new_tokens} tokens plus "
+                         f"{max_new_tokens} new ones passes the model's max_position "
+                         f"{args.max_position}")
+    max_batch = min(max_batch, len(prompts))
+    cache = PagedKVCache(args.layers, args.kv_heads, args.head_dim, max_requests=max_batch,
+                         max_len=longest, page_size=page_size, dtype=p.dtype,
+                         device=p.device)
+    runner = capture(model, strategy, buckets=decode_ladder(max_batch),
+                              inputs=DecodeInputs(cache))
+    waiting = deque(range(len(prompts)))
+    live: dict[int, dict] = {}  # request slot -> its request's index, tokens, length
+    out: list[list[int] | None] = [None] * len(prompts)
+    steps = prefills = 0
+    total = len(prompts) * max_new_tokens
+    bar = progress_bar(total, "generating") if progress else \
+        contextlib.nullcontext(lambda label="": None)
+
+    def emit(slot: int, token: int, step) -> None:
+        state = live[slot]
+        state["new"].append(token)
+        state["last"] = token
+        step()
+        if token in stops or len(state["new"]) == max_new_tokens:
+            out[state["index"]] = state["new"]
+            cache.release(slot)
+            del live[slot]
+
+    with bar as step:
+        while waiting or live:
+            admitted = []
+            for slot in range(max_batch):
+                if slot not in live and waiting:
+                    i = waiting.popleft()
+                    cache.admit(slot, len(prompts[i]) + max_new_tokens)
+                    live[slot] = {"index": i, "new": [], "length": len(prompts[i])}
+                    admitted.append(slot)
+            if admitted:
+                ids = torch.tensor(sum((prompts[live[s]["index"]] for s in admitted), []),
+                                   device=p.device)
+                logits = prefill(model, cache, ids, [live[s]["length"] for s in admitted],
+                                 admitted)
+                prefills += 1
+                drawn = _draw(logits, [params[live[s]["index"]] for s in admitted],
+                              [live[s]["length"] for s in admitted])
+                for slot, token in zip(admitted, drawn, strict=True):
+                    emit(slot, token, step)
+            if not live:
+                continue
+            rows = sorted(live)
+            positions = [live[s]["length"] for s in rows]
+            tokens = torch.tensor([live[s]["last"] for s in rows], device=p.device)
+            logits = runner(tokens, positions=positions, slots=rows)
+            steps += 1
+            drawn = _draw(logits, [params[live[s]["index"]] for s in rows],
+                          [n + 1 for n in positions])
+            for slot, token in zip(rows, drawn, strict=True):
+                live[slot]["length"] += 1
+                emit(slot, token, step)
+    report = runner.report()
+    return Generation(out, {"decode_steps": steps, "prefills": prefills,
+                            "replays": dict(report.get("replays", {})),
+                            "fallbacks": dict(report.get("fallbacks", {})),
+                            "graph_pool_bytes": report.get("graph_pool_bytes"),
+                            "buckets": decode_ladder(max_batch)})

@@ -1,0 +1,101 @@
+"""Token sampling from logits, seeded per request so that eager and every graph draw the
+same tokens: ``sample``.
+
+Per row ``b``: ``temperature[b] == 0`` takes the argmax (greedy); otherwise the logits
+are divided by the temperature, restricted to the ``top_k[b]`` most likely tokens (0:
+all) and to the smallest set whose probability reaches ``top_p[b]`` (1: all), and one
+token is drawn by the Gumbel-max trick with noise from a counter-based hash of
+``(seed[b], counter[b], token id)``: the same inputs give the same token on any device,
+in any strategy, with no generator state. A request's counter is its position, so each
+step draws fresh noise. Every parameter is a device tensor: they change between calls
+without a recapture, and nothing reads the device on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphcap.opsdb import checks
+from graphcap.opsdb.spec import register_op
+
+OP = "sample"
+_MASK = 0x7FFFFFFF  # 31-bit arithmetic: every product fits int64
+
+
+def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[B, vocab]`` float64 in (0, 1) from a hash of (seed, counter, token id)."""
+    ids = torch.arange(vocab, device=seed.device, dtype=torch.int64)
+    x = ((seed.long()[:, None] & _MASK) * 1000003 + (counter.long()[:, None] & _MASK)
+         * 7919 + ids[None, :] * 2654435) & _MASK
+    for _ in range(4):
+        x = (x * 1103515245 + 12345) & _MASK
+        x = x ^ (x >> 15)
+    return (x.double() + 0.5) / (_MASK + 1)
+
+
+def sample_reference(logits, temperature, top_k, top_p, seed, counter):
+    """logits [B, V] -> tokens [B] int64 (see the module docstring)."""
+    B, V = logits.shape
+    greedy = logits.argmax(dim=-1)
+    t = temperature.float().clamp_min(1e-6)[:, None]
+    scaled = logits.float() / t
+    order = scaled.argsort(dim=-1, descending=True, stable=True)
+    ranked = scaled.gather(1, order)
+    rank = torch.arange(V, device=logits.device)[None, :]
+    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    probs = torch.softmax(ranked.masked_fill(~keep, float("-inf")), dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
+    keep &= (before < top_p.float()[:, None]) | (rank == 0)
+    noise = uniform_noise(seed, counter, V).gather(1, order)
+    gumbel = -torch.log(-torch.log(noise))
+    pick = (ranked.double() + gumbel).masked_fill(~keep, float("-inf")).argmax(dim=-1)
+    drawn = order.gather(1, pick[:, None])[:, 0]
+    return torch.where(temperature > 0, drawn, greedy)
+
+
+def check_sample(logits, temperature, top_k, top_p, seed, counter) -> None:
+    checks.tensor(OP, "logits", logits, ndim=2)
+    device, rows = logits.device, logits.shape[0]
+    for name, t, dtypes in (("temperature", temperature, checks.FLOATS),
+                            ("top_k", top_k, (torch.int32, torch.int64)),
+                            ("top_p", top_p, checks.FLOATS),
+                            ("seed", seed, (torch.int32, torch.int64)),
+                            ("counter", counter, (torch.int32, torch.int64))):
+        checks.tensor(OP, name, t, ndim=1, dtypes=dtypes, device=device)
+        checks.same(OP, "the row count", t.shape[0], rows, name, "logits")
+    if logits.shape[1] == 0:
+        raise checks.OpInputError(f"{OP}: logits have no token to sample")
+
+
+def sample_inputs(device, dtype, max_rows: int = 4):
+    from hypothesis import strategies as st
+
+    from graphcap.opsdb.inputs import tensors
+
+    @st.composite
+    def draw(d):
+        b, v = d(st.integers(1, max_rows)), d(st.integers(1, 40))
+        (logits,) = tensors(d, device, dtype, (b, v), scale=3.0)
+        temperature = torch.tensor(d(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+                                              min_size=b, max_size=b)), device=device)
+        top_k = torch.tensor(d(st.lists(st.integers(0, v), min_size=b, max_size=b)),
+                             device=device)
+        top_p = torch.tensor(d(st.lists(st.sampled_from([0.1, 0.5, 0.9, 1.0]),
+                                        min_size=b, max_size=b)), device=device)
+        seed = torch.tensor(d(st.lists(st.integers(0, 2**40), min_size=b, max_size=b)),
+                            device=device)
+        counter = torch.tensor(d(st.lists(st.integers(0, 10**6), min_size=b, max_size=b)),
+                               device=device)
+        return logits, temperature, top_k, top_p, seed, counter
+
+    return draw()
+
+
+SAMPLE = register_op(
+    f"graphcap::{OP}",
+    "(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed, "
+    "Tensor counter) -> Tensor",
+    reference=sample_reference, check=check_sample, inputs=sample_inputs,
+    doc="greedy or temperature / top-k / top-p sampling per row, seeded by a counter-based "
+        "hash (the same tokens eagerly and in any graph)",
+)
