@@ -92,11 +92,41 @@ def _draw(logits, params: list[Sampling], counters: list[int]) -> list[int]:
     return SAMPLE(logits, temperature, top_k, top_p, seed, counter).tolist()
 
 
+@dataclass(frozen=True)
+class CacheShape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position: int
+
+
+def cache_shape(model) -> CacheShape:
+    """The cache a model needs: a reference decoder's ``args``, or a stock transformers
+    model's config under ``graphcap.hf.PrefillLM``."""
+    args = getattr(model, "args", None)
+    if args is not None:
+        return CacheShape(args.layers, args.kv_heads, args.head_dim, args.vocab_size,
+                          args.max_position)
+    config = getattr(getattr(model, "hf_model", None), "config", None)
+    if config is None:
+        raise UnsupportedModel(
+            f"graphcap.generate runs graphcap's reference decoders (graphcap.models) and "
+            f"stock transformers models wrapped in graphcap.hf.PrefillLM; "
+            f"{type(model).__name__} is neither")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return CacheShape(config.num_hidden_layers,
+                      getattr(config, "num_key_value_heads", None) or heads, head_dim,
+                      model.vocab_size, model.max_position or 2**31)
+
+
 def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
              max_batch: int = 8, stop_tokens=(), sampling=None, page_size: int = 16,
              progress: bool = False) -> Generation:
     """Generate up to ``max_new_tokens`` tokens for each of ``prompts`` (lists of token
-    ids) with graphcap's reference decoder ``model`` (``graphcap.models``): ``strategy``
+    ids) with ``model``, one of graphcap's reference decoders (``graphcap.models``) or a
+    stock transformers model wrapped in ``graphcap.hf.PrefillLM``: ``strategy``
     captures the decode steps (``full``, ``breakable`` or ``eager``); ``max_batch``
     requests decode together; a request ends at one of ``stop_tokens`` or at its
     ``max_new_tokens``; ``sampling`` is one :class:`Sampling` for all or one per prompt.
@@ -105,11 +135,7 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
         out.tokens            # [[...], [...]]
         out.report            # steps, replays, fallbacks, graph pool bytes
     """
-    args = getattr(model, "args", None)
-    if args is None:
-        raise UnsupportedModel(
-            f"graphcap.generate runs graphcap's reference decoders (graphcap.models); "
-            f"{type(model).__name__} has no .args with its layers and heads")
+    args = cache_shape(model)
     prompts = _check_prompts(prompts, args.vocab_size)
     params = _sampling_of(sampling, len(prompts))
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or \

@@ -18,8 +18,11 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 
+from graphcap.core.context import current_kv
 from graphcap.errors import UnsupportedModel
 from graphcap.opsdb.attention import ATTENTION
+from graphcap.opsdb.decode import DECODE_ATTENTION
+from graphcap.opsdb.kv import KV_WRITE
 
 NAME = "graphcap"
 # While graphcap.hf probes a layer: the q, k, v each call received, [T, heads, head_dim].
@@ -66,6 +69,19 @@ def graphcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         SEEN.append((q, k, v))
     out = torch.empty_like(q)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    kv = None if torch.compiler.is_compiling() else current_kv()
+    if kv is not None:  # a paged K/V cache (graphcap.cache): write this layer's, then
+        layer = getattr(module, "layer_idx", None)  # decode over it or prefill among
+        if not isinstance(layer, int):  # the new tokens
+            raise UnsupportedModel(f"{name} has no int layer_idx: graphcap cannot tell "
+                                   "which layer of the K/V cache it writes")
+        kv.written.add(layer)
+        k_cache, v_cache = kv.cache.layer(layer)
+        KV_WRITE(k, v, k_cache, v_cache, kv.slots)
+        if kv.decode:
+            DECODE_ATTENTION(q, k_cache, v_cache, kv.block_table, kv.seq_lens, out,
+                             float(scale))
+            return out.unsqueeze(0), None
     ATTENTION(q, k, v, out, float(scale))
     return out.unsqueeze(0), None
 

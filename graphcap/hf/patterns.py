@@ -111,8 +111,9 @@ class AttentionKernels:
         return attention_inputs(h, positions, *self._weights())
 
     def __call__(self, h, positions):
-        o = self.layer.self_attn.o_proj
-        return attention_half(h, positions, *self._weights(), self.scale, o.weight, o.bias)
+        attn = self.layer.self_attn
+        return attention_half(h, positions, *self._weights(), self.scale, attn.o_proj.weight,
+                              attn.o_proj.bias, layer=getattr(attn, "layer_idx", None))
 
 
 def recognise_attention(layer, hidden: int, cos_sin: torch.Tensor | None):
