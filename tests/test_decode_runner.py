@@ -109,3 +109,25 @@ def test_tc_piecewise_says_it_cannot_decode_yet():
     m, cache = setup()
     with pytest.raises(UnsupportedModel, match="torch.compiled forward"):
         graphcap.capture(m, "tc_piecewise", buckets=[2], inputs=DecodeInputs(cache))
+
+
+@pytest.mark.parametrize("strategy", ["breakable", "full"])
+def test_tokens_drawn_in_the_graph_follow_each_calls_sampling(strategy):
+    from graphcap import Sampling
+    from graphcap.cache.sampling import draw
+
+    m, cache = setup()
+    logits_of = graphcap.capture(m, "eager", buckets=BUCKETS, inputs=DecodeInputs(cache))
+    m2, cache2 = setup()
+    runner = graphcap.capture(m2, strategy, buckets=BUCKETS,
+                              inputs=DecodeInputs(cache2, sample=True))
+    tokens, positions, slots = torch.tensor([3, 5, 7], device=DEVICE), [4, 0, 6], [0, 1, 2]
+    for params in ([Sampling()] * 3,
+                   [Sampling(temperature=1.0, seed=s) for s in range(3)],
+                   [Sampling(temperature=0.5, top_k=4, seed=9), Sampling(),
+                    Sampling(temperature=2.0, top_p=0.5, seed=1)]):
+        got = runner(tokens, positions=positions, slots=slots, sampling=params)
+        logits = logits_of(tokens, positions=positions, slots=slots)
+        assert got.tolist() == draw(logits, params, [p + 1 for p in positions])
+    report = runner.report()
+    assert report["replays"] == {4: 3} and report["recaptures"] == 0

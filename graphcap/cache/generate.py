@@ -19,32 +19,11 @@ import torch
 from graphcap.api import capture
 from graphcap.cache.inputs import DecodeInputs
 from graphcap.cache.paged import PagedKVCache
+from graphcap.cache.sampling import Sampling, draw
 from graphcap.cache.steps import prefill
 from graphcap.core.buckets import decode_ladder
 from graphcap.errors import UnsupportedModel
-from graphcap.opsdb.sample import SAMPLE
 from graphcap.progress import progress as progress_bar
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How a request draws its tokens: ``temperature`` 0 is greedy; ``top_k`` 0 and
-    ``top_p`` 1 keep every token; ``seed`` makes the draws reproducible."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0: every token), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {self.seed}")
 
 
 @dataclass
@@ -80,16 +59,6 @@ def _sampling_of(sampling, count: int) -> list[Sampling]:
         raise ValueError(f"sampling: one Sampling for every prompt, or one for all; got "
                          f"{len(sampling)} for {count} prompts")
     return sampling
-
-
-def _draw(logits, params: list[Sampling], counters: list[int]) -> list[int]:
-    device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)
-    top_k = torch.tensor([p.top_k for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    seed = torch.tensor([p.seed for p in params], device=device)
-    counter = torch.tensor(counters, device=device)
-    return SAMPLE(logits, temperature, top_k, top_p, seed, counter).tolist()
 
 
 @dataclass(frozen=True)
@@ -153,7 +122,7 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
                          max_len=longest, page_size=page_size, dtype=p.dtype,
                          device=p.device)
     runner = capture(model, strategy, buckets=decode_ladder(max_batch),
-                              inputs=DecodeInputs(cache))
+                     inputs=DecodeInputs(cache, sample=True))
     waiting = deque(range(len(prompts)))
     live: dict[int, dict] = {}  # request slot -> its request's index, tokens, length
     out: list[list[int] | None] = [None] * len(prompts)
@@ -187,7 +156,7 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
                 logits = prefill(model, cache, ids, [live[s]["length"] for s in admitted],
                                  admitted)
                 prefills += 1
-                drawn = _draw(logits, [params[live[s]["index"]] for s in admitted],
+                drawn = draw(logits, [params[live[s]["index"]] for s in admitted],
                               [live[s]["length"] for s in admitted])
                 for slot, token in zip(admitted, drawn, strict=True):
                     emit(slot, token, step)
@@ -196,10 +165,9 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
             rows = sorted(live)
             positions = [live[s]["length"] for s in rows]
             tokens = torch.tensor([live[s]["last"] for s in rows], device=p.device)
-            logits = runner(tokens, positions=positions, slots=rows)
+            drawn = runner(tokens, positions=positions, slots=rows,  # drawn in the graph
+                           sampling=[params[live[s]["index"]] for s in rows]).tolist()
             steps += 1
-            drawn = _draw(logits, [params[live[s]["index"]] for s in rows],
-                          [n + 1 for n in positions])
             for slot, token in zip(rows, drawn, strict=True):
                 live[slot]["length"] += 1
                 emit(slot, token, step)

@@ -12,6 +12,11 @@ positions and request slots, each row's cache slot, pages and length on the devi
 (:class:`~graphcap.cache.CacheBatch`), writes the rows' K/V and attends over the cache;
 padded rows have no request slot (``-1``): they write only the null page and come out
 zero. A replay stages three copies of at most the bucket's rows.
+
+With ``sample=True`` the graph also draws each row's next token (``graphcap::sample``)
+from per-row parameters staged with the step, ``runner(tokens, positions=[...],
+slots=[...], sampling=[graphcap.Sampling(...), ...])`` returns the tokens ``[B]``, and
+the parameters change between calls without a recapture.
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ import torch
 
 from graphcap.cache.batch import CacheBatch
 from graphcap.cache.paged import PagedKVCache
+from graphcap.cache.sampling import Sampling
+from graphcap.cache.sampling import tensors as sampling_tensors
 from graphcap.core.context import forward_context
 from graphcap.core.inputs import Batch, Inputs
 from graphcap.errors import BadBatch, GraphcapError, UnsupportedModel
+from graphcap.opsdb.sample import SAMPLE
 
 _INTS = (torch.int32, torch.int64)
 
@@ -31,17 +39,20 @@ class DecodeInputs(Inputs):
     kind = "decode"
     row_unit = "one row per request (one token each)"
 
-    def __init__(self, cache: PagedKVCache):
+    def __init__(self, cache: PagedKVCache, sample: bool = False):
         super().__init__(cache.device)
-        self.cache = cache
+        self.cache, self.sample = cache, sample
+        if sample:
+            self.row_unit = "one token per request (drawn in the graph)"
 
     # -- a call ----------------------------------------------------------------------
     def check(self, args: tuple, kwargs: dict) -> Batch:
-        unknown = sorted(set(kwargs) - {"positions", "slots"})
+        known = {"positions", "slots"} | ({"sampling"} if self.sample else set())
+        unknown = sorted(set(kwargs) - known)
         if len(args) != 1 or unknown or "positions" not in kwargs or "slots" not in kwargs:
             raise BadBatch("a decode step is called as runner(tokens, positions=[...], "
-                           f"slots=[...]); got {len(args)} arguments and keywords "
-                           f"{sorted(kwargs)}")
+                           "slots=[...]" + (", sampling=[...]" if self.sample else "")
+                           + f"); got {len(args)} arguments and keywords {sorted(kwargs)}")
         tokens = args[0]
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or \
                 tokens.dtype not in _INTS or tokens.device != self.device:
@@ -65,7 +76,14 @@ class DecodeInputs(Inputs):
                     + ("" if self.cache.capacity(slot) else " (it holds no request)")
                     + ": admit requests for their prompt plus new tokens")
         host = torch.tensor([positions, slots], dtype=torch.long)
-        return Batch((tokens, host[0], host[1]), rows)
+        if not self.sample:
+            return Batch((tokens, host[0], host[1]), rows)
+        params = kwargs.get("sampling")
+        params = [Sampling()] * rows if params is None else list(params)
+        if len(params) != rows or not all(isinstance(p, Sampling) for p in params):
+            raise BadBatch(f"sampling must be {rows} graphcap.Sampling (one per row) or "
+                           f"None (greedy), got {kwargs.get('sampling')!r}")
+        return Batch((tokens, host[0], host[1], *sampling_tensors(params, "cpu")), rows)
 
     @staticmethod
     def _host_ints(values, name: str, rows: int) -> list[int]:
@@ -87,27 +105,31 @@ class DecodeInputs(Inputs):
         tokens = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
         rows = torch.full((max_tokens,), -1, dtype=torch.long, device=self.device)
         self.buffers = [tokens, torch.zeros_like(tokens), rows]
+        if self.sample:  # temperature, top_k, top_p, seed per row (pads: greedy)
+            self.buffers += [torch.zeros(max_tokens, dtype=dtype, device=self.device)
+                             for dtype in (torch.float32, torch.long, torch.float32,
+                                           torch.long)]
         self._last = torch.arange(max_tokens, device=self.device)
 
     def prepare(self, bucket: int) -> CacheBatch:
-        tokens, positions, rows = (b[:bucket] for b in self.buffers)
+        tokens, positions, rows = (b[:bucket] for b in self.buffers[:3])
         return CacheBatch.decode_step(self.cache, rows, positions)
 
     def derive(self, kv: CacheBatch) -> None:
         """Each row's cache slot, pages and length, from the staged rows and positions,
         into the shape's buffers (inside the graph: no host work per replay)."""
         bucket = kv.slots.shape[0]
-        _, positions, rows = (b[:bucket] for b in self.buffers)
+        _, positions, rows = (b[:bucket] for b in self.buffers[:3])
         fresh = CacheBatch.decode_step(self.cache, rows, positions)
         torch._foreach_copy_([kv.slots, kv.block_table, kv.seq_lens],
                              [fresh.slots, fresh.block_table, fresh.seq_lens])
 
     def forward(self, model, bucket: int, kv: CacheBatch):
-        tokens, positions, _ = (b[:bucket] for b in self.buffers)
+        tokens, positions, _, *params = (b[:bucket] for b in self.buffers)
         kv.written.clear()
         with forward_context(kv=kv):
             try:
-                out = self._call(model, tokens, positions)
+                out = self._call(model, tokens, positions, params)
             except GraphcapError as exc:  # e.g. prefill attention without its metadata:
                 if kv.written:  # a forward that never saw the cache says so
                     raise
@@ -119,10 +141,16 @@ class DecodeInputs(Inputs):
         kv.check_written(model)
         return out
 
-    def _call(self, model, tokens, positions):
+    def _call(self, model, tokens, positions, params):
+        """The model's logits of each row, or with ``sample`` the token drawn from them
+        (``graphcap::sample``, the counter the position the token takes)."""
         if getattr(model, "output_rows", "tokens") == "requests":
-            return model(tokens, positions, self._last[:tokens.shape[0]])
-        return model(tokens, positions)
+            logits = model(tokens, positions, self._last[:tokens.shape[0]])
+        else:
+            logits = model(tokens, positions)
+        if not self.sample:
+            return logits
+        return SAMPLE(logits, *params, positions + 1)
 
     def stage(self, batch: Batch, bucket: int, kv: CacheBatch) -> None:
         self.copy_in(batch, bucket)
@@ -133,15 +161,16 @@ class DecodeInputs(Inputs):
         return forward_context(kv=kv)
 
     def eager(self, model, batch: Batch):
-        tokens, positions, rows = batch.args
+        tokens, positions, rows, *params = batch.args
         positions, rows = positions.to(self.device), rows.to(self.device)
+        params = [t.to(self.device) for t in params]
         kv = CacheBatch.decode_step(self.cache, rows, positions)
         if not hasattr(self, "_last"):
             self._last = torch.arange(self.cache.max_requests, device=self.device)
 
         def run():
             with forward_context(kv=kv):
-                out = self._call(model, tokens, positions)
+                out = self._call(model, tokens, positions, params)
             kv.check_written(model)
             return out
         return run
