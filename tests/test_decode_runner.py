@@ -131,3 +131,39 @@ def test_tokens_drawn_in_the_graph_follow_each_calls_sampling(strategy):
         assert got.tolist() == draw(logits, params, [p + 1 for p in positions])
     report = runner.report()
     assert report["replays"] == {4: 3} and report["recaptures"] == 0
+
+
+@pytest.mark.parametrize("strategy", ["breakable", "full"])
+def test_prefill_through_a_runner_fills_the_cache_as_eager_prefill_does(strategy):
+    from graphcap.cache.prefill import CachePrefillInputs
+    from graphcap.opsdb.attention import get_backend
+
+    m, cache = setup()
+    slots = sorted(PROMPTS)
+    ids = torch.tensor(sum((PROMPTS[s] for s in slots), []), device=DEVICE)
+    lens = [len(PROMPTS[s]) for s in slots]
+    want = prefill(m, cache, ids, lens, slots)
+    m2, cache2 = setup()
+    cache2.k.fill_(float("nan"))
+    cache2.v.fill_(float("nan"))
+    backend = get_backend(None, DEVICE, strategy=strategy)
+    runner = graphcap.capture(m2, strategy, buckets=[8, 16, 32],
+                              inputs=CachePrefillInputs(cache2, backend, slots=4))
+    positions = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)
+    logits = runner(ids, positions, seq_lens=lens, slots=slots)
+    last = torch.tensor(lens).cumsum(0) - 1
+    torch.testing.assert_close(logits[last.to(DEVICE)], want, atol=1e-4, rtol=1e-4)
+    assert runner.report()["replays"] == {16: 1}  # 15 tokens, one padded
+    untouched = torch.ones(cache2.pages + 1, dtype=torch.bool)
+    untouched[0] = False  # the null page: the pad's
+    for pages in cache2.owned().values():
+        untouched[pages] = False
+    assert cache2.k[:, untouched].isnan().all()  # no page nobody owns was written
+    for slot, n in zip(slots, lens, strict=True):  # every prompt token's K/V, as eager
+        where = cache.slots(torch.full((n,), slot), torch.arange(n))
+        for a, b in ((cache.k, cache2.k), (cache.v, cache2.v)):
+            got = b.flatten(1, 2)[:, where.to(DEVICE)]
+            torch.testing.assert_close(got, a.flatten(1, 2)[:, where.to(DEVICE)],
+                                       atol=1e-5, rtol=1e-5)
+    with pytest.raises(BadBatch, match="slots are the requests' cache slots"):
+        runner(ids, positions, seq_lens=lens)

@@ -1,0 +1,109 @@
+"""Prefill into a paged cache through a runner: :class:`CachePrefillInputs`, prefill's
+kind of input whose forward also writes every token's K/V to its request's pages.
+
+    runner = graphcap.capture(model, "full", max_tokens=2048,
+                              inputs=CachePrefillInputs(cache, attention, slots=4))
+    logits = runner(input_ids, positions, seq_lens=[700, 300], slots=[2, 0])
+
+Beside prefill's token and position buffers, a buffer of each token's request slot is
+staged with the call (padded tokens: none, so they write only the null page); each
+shape's graph computes the tokens' cache slots from it on the device. Each request's
+prompt starts at position 0 and must fit what its slot was admitted for.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphcap.cache.batch import CacheBatch
+from graphcap.cache.paged import PagedKVCache
+from graphcap.core.context import forward_context
+from graphcap.core.inputs import Batch, PrefillInputs
+from graphcap.errors import BadBatch
+
+
+class CachePrefillInputs(PrefillInputs):
+    kind = "prefill"
+
+    def __init__(self, cache: PagedKVCache, attention, slots: int,
+                 output_rows: str = "tokens", name: str = "the model"):
+        super().__init__(cache.device, attention, slots, output_rows, name=name)
+        self.cache = cache
+        self._kv: dict[int, CacheBatch] = {}  # per bucket
+
+    def check(self, args: tuple, kwargs: dict) -> Batch:
+        if "slots" not in kwargs:
+            raise BadBatch("a prefill into the cache is called as runner(input_ids, "
+                           "positions, seq_lens=[...], slots=[...]): slots are the requests' "
+                           "cache slots, admitted first")
+        rest = {k: v for k, v in kwargs.items() if k != "slots"}
+        batch = super().check(args, rest)
+        slots = list(kwargs["slots"])
+        if len(slots) != len(batch.lens) or len(set(slots)) != len(slots):
+            raise BadBatch(f"give one distinct request slot per request: {len(batch.lens)} "
+                           f"requests, slots {slots}")
+        for slot, n in zip(slots, batch.lens, strict=True):
+            if isinstance(slot, bool) or not isinstance(slot, int) or \
+                    not 0 <= slot < self.cache.max_requests:
+                raise BadBatch(f"request slot {slot!r} is not one of 0.."
+                               f"{self.cache.max_requests - 1}")
+            if n > self.cache.capacity(slot):
+                raise BadBatch(f"a prompt of {n} tokens in slot {slot}, admitted for "
+                               f"{self.cache.capacity(slot)}: cache.admit(slot, prompt plus "
+                               "new tokens) first")
+        rows = torch.repeat_interleave(torch.tensor(slots, dtype=torch.long),
+                                       torch.tensor(batch.lens))
+        return Batch((*batch.args, rows), batch.tokens, batch.lens)
+
+    def allocate(self, max_tokens: int, batch: Batch | None) -> None:
+        super().allocate(max_tokens, batch)
+        self.buffers.append(torch.full((max_tokens,), -1, dtype=torch.long,
+                                       device=self.device))
+
+    def reset(self) -> None:
+        super().reset()
+        self._kv.clear()
+
+    def prepare(self, bucket: int):
+        meta = super().prepare(bucket)
+        ids, positions, rows = (b[:bucket] for b in self.buffers)
+        self._kv[bucket] = CacheBatch.prefill(self.cache, rows, positions)
+        return meta
+
+    def derive(self, meta) -> None:
+        super().derive(meta)
+        kv = self._kv[meta.num_tokens]
+        _, positions, rows = (b[:meta.num_tokens] for b in self.buffers)
+        kv.slots.copy_(self.cache.slots(rows, positions))
+
+    def forward(self, model, bucket: int, meta):
+        ids, positions, _ = (b[:bucket] for b in self.buffers)
+        args = [ids, positions] + ([self.last_rows] if self.per_request else [])
+        kv = self._kv[bucket]
+        kv.written.clear()
+        with forward_context(attention=meta, kv=kv):
+            out = model(*args)
+        kv.check_written(model)
+        return out
+
+    def stage(self, batch: Batch, bucket: int, meta) -> None:
+        super().stage(batch, bucket, meta)
+        if batch.tokens < bucket:
+            self.buffers[2][batch.tokens:bucket].fill_(-1)  # pads: no request slot
+
+    def context(self, meta):
+        return forward_context(attention=meta, kv=self._kv[meta.num_tokens])
+
+    def eager(self, model, batch: Batch):
+        ids, positions, rows = batch.args
+        meta = self.attention.prepare(batch.lens, self.device)
+        kv = CacheBatch.prefill(self.cache, rows.to(self.device), positions)
+        args = (ids, positions, meta.last_token_rows()) if self.per_request else (ids,
+                                                                                  positions)
+
+        def run():
+            with forward_context(attention=meta, kv=kv):
+                out = model(*args)
+            kv.check_written(model)
+            return out
+        return run
