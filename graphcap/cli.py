@@ -94,9 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_check)
     bench = sub.add_parser("bench", formatter_class=defaults,
                            help="GPU benchmarks, written as JSON")
-    bench.add_argument("suite", choices=["ops", "prefill", "build", "memory"],
-                       help="ops: kernels; prefill: speed per prompt length and arm; build: "
-                            "capture time of the 42-shape ladder; memory: graph memory")
+    bench.add_argument("suite", choices=["ops", "prefill", "decode", "build", "memory"],
+                       help="ops: kernels; prefill: speed per prompt length and arm; "
+                            "decode: a decode step per batch size and arm; build: capture "
+                            "time of the 42-shape ladder; memory: graph memory")
     bench.add_argument("--out", default=None, help="JSON file to write (a PNG plot of "
                        "prefill goes beside it; default: a dated name here)")
     bench.add_argument("--models", default=None,
@@ -110,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--lengths", default=None,
                        help="comma-separated prompt lengths (default 16..2048)")
     bench.add_argument("--reps", type=int, default=30, help="timed calls per arm and length")
+    bench.add_argument("--batches", default=None,
+                       help="decode: comma-separated batch sizes (default 1,8)")
+    bench.add_argument("--context", type=int, default=128,
+                       help="decode: tokens in the cache of every request")
     bench.add_argument("--attention", default=None, choices=sorted(BACKENDS),
                        help="attention backend of the arms that do not name one (eager, "
                             "breakable, tc_piecewise, the peers; default: the best for full)")

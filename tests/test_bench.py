@@ -307,3 +307,18 @@ def test_stock_transformers_targets_compare_with_the_preset_and_reduce_overhead(
         {t["target"] for t in prefill_targets(result)}
     assert build_targets({"breakable": {"total_s": 4.0}}, "hf:qwen3-0.6b")[0]["met"] is False
     assert build_targets({"breakable": {"total_s": 4.0}}, "qwen3-0.6b")[0]["met"] is True
+
+
+def test_bench_decode_times_every_arm_per_batch_and_says_what_did_not_run():
+    if torch.cuda.is_available():
+        pytest.skip("the CPU form of the suite (the GPU runs it through the CLI)")
+    from graphcap.bench import decode
+
+    result = decode.run(("tiny",), batches=(1, 2), context=8, reps=2)
+    model = result["models"][0]
+    assert [r["batch"] for r in model["rows"]] == [1, 2]
+    for row in model["rows"]:
+        assert set(row["ms"]) == {"eager", "breakable", "full"}
+        assert all(ms > 0 for ms in row["ms"].values())
+    assert "CUDA" in model["skipped"]["hf-static-compile"]
+    assert model["build"]["full"]["graph_pool_bytes"] > 0

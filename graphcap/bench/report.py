@@ -59,6 +59,21 @@ def show_prefill(result: dict) -> None:
         show_targets(model["targets"])
 
 
+def show_decode(result: dict) -> None:
+    for model in result["models"]:
+        arms = [a for a in result["arms"] if any(a in r["ms"] for r in model["rows"])]
+        rows = []
+        for row in model["rows"]:
+            eager = row["ms"].get("eager")
+            rows.append([str(row["batch"])] + [
+                (f"{row['ms'][a]:.3f}" + (f" ({eager / row['ms'][a]:.1f}x)" if eager else ""))
+                if a in row["ms"] else "-" for a in arms])
+        print_table(f"{model['model']}: ms per decode step at a {model['context']}-token "
+                    "context (speed-up over eager)", ["batch", *arms], rows)
+        for arm, why in model["skipped"].items():
+            print(f"  not run: {arm}: {why}")
+
+
 def show_ladder(result: dict) -> None:
     first = next(iter(result["arms"].values()))
     keys = [k for k, v in first.items() if not isinstance(v, list | dict)]

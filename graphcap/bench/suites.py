@@ -1,4 +1,5 @@
-"""``graphcap bench prefill|build|memory`` from the command line: run, show, write."""
+"""``graphcap bench prefill|decode|build|memory`` from the command line: run, show,
+write."""
 
 from __future__ import annotations
 
@@ -15,9 +16,24 @@ def run_suite(args: argparse.Namespace) -> int:
     from graphcap.bench.arms import ARMS
     from graphcap.bench.common import today, write_result
     from graphcap.bench.hf import HF_ARMS
-    from graphcap.bench.report import plot_prefill, show_ladder, show_prefill
+    from graphcap.bench.report import plot_prefill, show_decode, show_ladder, show_prefill
     from graphcap.progress import progress
 
+    if args.suite == "decode":
+        from graphcap.bench import decode
+
+        models = _csv(args.models, ["qwen3-0.6b"])
+        arms = _csv(args.arms, decode.ARMS)
+        for arm in arms:
+            if arm not in decode.ARMS:
+                raise SystemExit(f"graphcap bench decode: no arm {arm!r}; choose from "
+                                 f"{', '.join(decode.ARMS)}")
+        batches = _csv(args.batches, decode.BATCHES, int)
+        result = decode.run(models, arms, batches, args.context, args.reps)
+        show_decode(result)
+        path = write_result(result, args.out, f"{today()}-bench-decode.json")
+        print(f"wrote {path}")
+        return 0
     if args.suite == "prefill":
         models = _csv(args.models, prefill.MODELS)
         arms = _csv(args.arms, ARMS)
