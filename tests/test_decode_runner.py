@@ -57,14 +57,17 @@ def eager(m, cache):
         m, cache, tokens, torch.tensor(positions, device=DEVICE), rows)
 
 
-@pytest.mark.parametrize("strategy", ["breakable", "full", "eager"])
+@pytest.mark.parametrize("strategy", ["breakable", "breakable-debug", "full", "eager"])
 def test_a_greedy_loop_through_the_runner_replays_the_eager_steps(strategy):
     m, cache = setup()
     want = run(eager(m, cache), m, cache)
     m2, cache2 = setup()
     cache2.k.fill_(float("nan"))  # no page but a request's own is ever read
     cache2.v.fill_(float("nan"))
-    runner = graphcap.capture(m2, strategy, buckets=BUCKETS, inputs=DecodeInputs(cache2))
+    debug = strategy == "breakable-debug"  # the whole step as one eager break
+    runner = graphcap.capture(m2, strategy.removesuffix("-debug"), buckets=BUCKETS,
+                              inputs=DecodeInputs(cache2), **({"debug": True} if debug
+                                                              else {}))
     got = run(lambda t, p, s: runner(t, positions=p, slots=s), m2, cache2)
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=f"step {step}")
@@ -72,6 +75,9 @@ def test_a_greedy_loop_through_the_runner_replays_the_eager_steps(strategy):
     if strategy != "eager":
         assert sum(report["replays"].values()) == len(SCHEDULE)
         assert not report["fallbacks"]
+    if debug:
+        assert set(report["breaks"].values()) == {1} and set(report["segments"].values()) \
+            == {0}
 
 
 def test_padded_rows_write_only_the_null_page():
