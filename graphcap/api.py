@@ -121,6 +121,10 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
              "example_inputs": example_inputs is not None, "attention": attention is not None,
              "max_requests": max_requests is not None, "check_inputs": check_inputs}
     if isinstance(inputs, Inputs):
+        if inputs.strategies is not None and strategy not in inputs.strategies:
+            raise UnsupportedStrategy(
+                f"{type(inputs).__name__} runs under {', '.join(inputs.strategies)}, not "
+                f"{strategy}: {inputs.why_not}")
         carried = [o for o in ("attention", "max_requests", "check_inputs") if given[o]]
         if carried:
             raise UnsupportedStrategy(

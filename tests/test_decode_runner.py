@@ -12,7 +12,7 @@ import torch
 import graphcap
 from graphcap.cache import DecodeInputs, PagedKVCache
 from graphcap.cache.steps import decode_step, prefill
-from graphcap.errors import BadBatch, UnsupportedModel
+from graphcap.errors import BadBatch, UnsupportedStrategy
 from graphcap.models import PRESETS, Decoder
 from tests.runner_helpers import DEVICE
 
@@ -84,7 +84,7 @@ def test_padded_rows_write_only_the_null_page():
     m, cache = setup()
     runner = graphcap.capture(m, "full", buckets=[4], inputs=DecodeInputs(cache))
     before = cache.k.clone()
-    positions, slots = [5, 0, 6], [0, 1, 3]
+    positions, slots = [0, 0, 0], [0, 1, 3]
     runner(torch.tensor([1, 2, 3], device=DEVICE), positions=positions, slots=slots)
     assert runner.report()["replays"] == {4: 1}  # one padded row
     changed = (cache.k != before).flatten(2).any(-1)  # [layers, pages]: pages written
@@ -113,8 +113,22 @@ def test_bad_steps_are_refused_and_the_runner_stays_usable(kwargs, match):
 
 def test_tc_piecewise_says_it_cannot_decode_yet():
     m, cache = setup()
-    with pytest.raises(UnsupportedModel, match="torch.compiled forward"):
+    with pytest.raises(UnsupportedStrategy, match=r"not tc_piecewise: a torch.compiled "
+                                                  r"forward \(tc_piecewise\) does not read"):
         graphcap.capture(m, "tc_piecewise", buckets=[2], inputs=DecodeInputs(cache))
+    with pytest.raises(UnsupportedStrategy, match="tc_piecewise does not decode yet"):
+        graphcap.generate(m, [[1, 2]], 2, strategy="tc_piecewise")
+
+
+def test_a_step_past_the_tokens_written_is_refused():
+    # It would read pages never written (or a released request's leftovers).
+    m, cache = setup()
+    runner = graphcap.capture(m, "full", buckets=[2], inputs=DecodeInputs(cache))
+    with pytest.raises(BadBatch, match="position 3 of slot 1 skips past the 0 tokens"):
+        runner(torch.tensor([1, 2], device=DEVICE), positions=[0, 3], slots=[0, 1])
+    prefill(m, cache, torch.tensor([4, 5, 6], device=DEVICE), [3], [1])
+    runner(torch.tensor([1, 2], device=DEVICE), positions=[0, 3], slots=[0, 1])
+    assert cache.written(1) == 4 and cache.written(0) == 1
 
 
 @pytest.mark.parametrize("strategy", ["breakable", "full"])
@@ -127,7 +141,7 @@ def test_tokens_drawn_in_the_graph_follow_each_calls_sampling(strategy):
     m2, cache2 = setup()
     runner = graphcap.capture(m2, strategy, buckets=BUCKETS,
                               inputs=DecodeInputs(cache2, sample=True))
-    tokens, positions, slots = torch.tensor([3, 5, 7], device=DEVICE), [4, 0, 6], [0, 1, 2]
+    tokens, positions, slots = torch.tensor([3, 5, 7], device=DEVICE), [0, 0, 0], [0, 1, 2]
     for params in ([Sampling()] * 3,
                    [Sampling(temperature=1.0, seed=s) for s in range(3)],
                    [Sampling(temperature=0.5, top_k=4, seed=9), Sampling(),

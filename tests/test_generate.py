@@ -84,3 +84,32 @@ def test_bad_arguments_are_refused(kwargs, error, match):
 def test_bad_sampling_is_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         Sampling(**bad)
+
+
+def test_one_sampling_for_all_prompts_draws_each_with_its_own_seed():
+    same = [[5, 9, 2]] * 4
+    out = graphcap.generate(model(), same, NEW, sampling=Sampling(temperature=1.0, seed=7))
+    assert len({tuple(t) for t in out.tokens}) > 1  # four draws, not one draw four times
+
+
+@pytest.mark.parametrize("stops", [lambda t: torch.tensor([t]), lambda t: [torch.tensor(t)],
+                                   lambda t: t])
+def test_stop_tokens_may_be_tensors_or_one_int(stops):
+    m = model()
+    free = graphcap.generate(m, PROMPTS[:1], NEW).tokens[0]
+    cut = graphcap.generate(m, PROMPTS[:1], NEW, stop_tokens=stops(free[1])).tokens[0]
+    assert cut == free[:free.index(free[1]) + 1]
+
+
+def test_seeds_count_in_every_bit_and_a_tiny_temperature_is_greedy():
+    from graphcap.opsdb.sample import SAMPLE
+
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0))
+    ones = torch.ones(64)
+    keep = (torch.zeros(64, dtype=torch.long), torch.ones(64))
+    counter = torch.zeros(64, dtype=torch.long)
+    low = SAMPLE(logits, ones, *keep, torch.zeros(64, dtype=torch.long), counter)
+    high = SAMPLE(logits, ones, *keep, torch.full((64,), 2**31), counter)
+    assert not torch.equal(low, high)
+    tiny = SAMPLE(logits, ones * 1e-8, *keep, torch.arange(64), counter)
+    assert torch.equal(tiny, logits.argmax(-1))

@@ -11,6 +11,8 @@ temperature / top-k / top-p: the same tokens in every strategy).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -22,7 +24,7 @@ from graphcap.cache.paged import PagedKVCache
 from graphcap.cache.sampling import Sampling, draw
 from graphcap.cache.steps import prefill
 from graphcap.core.buckets import decode_ladder
-from graphcap.errors import UnsupportedModel
+from graphcap.errors import UnsupportedModel, UnsupportedStrategy
 from graphcap.progress import progress as progress_bar
 
 
@@ -49,11 +51,32 @@ def _check_prompts(prompts, vocab: int) -> list[list[int]]:
     return out
 
 
+def _stop_tokens(stop_tokens, vocab: int) -> set[int]:
+    if stop_tokens is None:
+        return set()
+    if isinstance(stop_tokens, torch.Tensor):
+        stop_tokens = stop_tokens.reshape(-1).tolist()
+    elif isinstance(stop_tokens, int):
+        stop_tokens = [stop_tokens]
+    try:
+        stops = {operator.index(t.item() if isinstance(t, torch.Tensor) else t)
+                 for t in stop_tokens}
+    except TypeError:
+        raise ValueError(f"stop_tokens must be token ids (ints), got {stop_tokens!r}") \
+            from None
+    if any(not 0 <= t < vocab for t in stops):
+        raise ValueError(f"stop_tokens {sorted(stops)} must lie in [0, {vocab})")
+    return stops
+
+
 def _sampling_of(sampling, count: int) -> list[Sampling]:
+    """One Sampling per prompt. One given for all: each prompt draws with a seed of its
+    own, derived from it and the prompt's index (the same prompt twice draws twice)."""
     if sampling is None:
         return [Sampling()] * count
     if isinstance(sampling, Sampling):
-        return [sampling] * count
+        return [dataclasses.replace(sampling, seed=(sampling.seed * 1000003 + i) % 2**63)
+                for i in range(count)]
     sampling = list(sampling)
     if len(sampling) != count or not all(isinstance(s, Sampling) for s in sampling):
         raise ValueError(f"sampling: one Sampling for every prompt, or one for all; got "
@@ -98,7 +121,8 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
     stock transformers model wrapped in ``graphcap.hf.PrefillLM``: ``strategy``
     captures the decode steps (``full``, ``breakable`` or ``eager``); ``max_batch``
     requests decode together; a request ends at one of ``stop_tokens`` or at its
-    ``max_new_tokens``; ``sampling`` is one :class:`Sampling` for all or one per prompt.
+    ``max_new_tokens``; ``sampling`` is one :class:`Sampling` per prompt, or one for all
+    (each prompt then draws with its own seed, derived from that one and its index).
 
         out = graphcap.generate(model, [[1, 5, 9], [1, 7]], max_new_tokens=32)
         out.tokens            # [[...], [...]]
@@ -110,13 +134,19 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or \
             max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    stops = set(stop_tokens)
+    stops = _stop_tokens(stop_tokens, args.vocab_size)
     p = next(model.parameters())
     longest = max(map(len, prompts)) + max_new_tokens
     if longest > args.max_position:
         raise ValueError(f"a prompt of {longest - max_new_tokens} tokens plus "
                          f"{max_new_tokens} new ones passes the model's max_position "
                          f"{args.max_position}")
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
+    if strategy not in DecodeInputs.strategies:
+        raise UnsupportedStrategy(
+            f"generate(strategy={strategy!r}): decode steps run under "
+            f"{', '.join(DecodeInputs.strategies)}; {strategy} does not decode yet")
     max_batch = min(max_batch, len(prompts))
     cache = PagedKVCache(args.layers, args.kv_heads, args.head_dim, max_requests=max_batch,
                          max_len=longest, page_size=page_size, dtype=p.dtype,

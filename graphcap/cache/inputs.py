@@ -37,6 +37,9 @@ _INTS = (torch.int32, torch.int64)
 
 class DecodeInputs(Inputs):
     kind = "decode"
+    strategies = ("eager", "breakable", "full")
+    why_not = ("a torch.compiled forward (tc_piecewise) does not read the K/V cache yet; "
+               "use full or breakable")
     row_unit = "one row per request (one token each)"
 
     def __init__(self, cache: PagedKVCache, sample: bool = False):
@@ -65,25 +68,24 @@ class DecodeInputs(Inputs):
             raise BadBatch("empty step: at least one request is needed")
         if len(set(slots)) != rows:
             raise BadBatch(f"slots {slots} repeat a request slot: one row per request")
-        for slot, position in zip(slots, positions, strict=True):
+        for slot in slots:
             if not 0 <= slot < self.cache.max_requests:
                 raise BadBatch(f"request slot {slot} is not one of 0.."
                                f"{self.cache.max_requests - 1}")
-            if not 0 <= position < self.cache.capacity(slot):
-                raise BadBatch(
-                    f"position {position} of slot {slot} is outside the "
-                    f"{self.cache.capacity(slot)} tokens the slot was admitted for"
-                    + ("" if self.cache.capacity(slot) else " (it holds no request)")
-                    + ": admit requests for their prompt plus new tokens")
+        params = self._sampling(kwargs.get("sampling"), rows) if self.sample else None
+        self.cache.check_step(slots, positions)  # last: it counts the tokens as written
         host = torch.tensor([positions, slots], dtype=torch.long)
         if not self.sample:
             return Batch((tokens, host[0], host[1]), rows)
-        params = kwargs.get("sampling")
-        params = [Sampling()] * rows if params is None else list(params)
+        return Batch((tokens, host[0], host[1], *sampling_tensors(params, "cpu")), rows)
+
+    @staticmethod
+    def _sampling(given, rows: int) -> list[Sampling]:
+        params = [Sampling()] * rows if given is None else list(given)
         if len(params) != rows or not all(isinstance(p, Sampling) for p in params):
             raise BadBatch(f"sampling must be {rows} graphcap.Sampling (one per row) or "
-                           f"None (greedy), got {kwargs.get('sampling')!r}")
-        return Batch((tokens, host[0], host[1], *sampling_tensors(params, "cpu")), rows)
+                           f"None (greedy), got {given!r}")
+        return params
 
     @staticmethod
     def _host_ints(values, name: str, rows: int) -> list[int]:
@@ -131,8 +133,8 @@ class DecodeInputs(Inputs):
             try:
                 out = self._call(model, tokens, positions, params)
             except GraphcapError as exc:  # e.g. prefill attention without its metadata:
-                if kv.written:  # a forward that never saw the cache says so
-                    raise
+                if kv.written or isinstance(exc, UnsupportedModel):  # a forward that never
+                    raise  # saw the cache says so; the model's own refusal stands
                 try:
                     kv.check_written(model)
                 except UnsupportedModel as refusal:

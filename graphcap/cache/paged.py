@@ -20,7 +20,7 @@ import operator
 
 import torch
 
-from graphcap.errors import CacheFull
+from graphcap.errors import BadBatch, CacheFull
 
 NULL_PAGE = 0
 
@@ -73,6 +73,7 @@ class PagedKVCache:
         self._free = list(range(self.pages, NULL_PAGE, -1))  # pop() gives low pages first
         self._owned: dict[int, list[int]] = {}
         self._capacity: dict[int, int] = {}
+        self._written: dict[int, int] = {}  # tokens of each slot's K/V written so far
 
     # -- admission -------------------------------------------------------------------
     def admit(self, slot: int, tokens: int) -> list[int]:
@@ -98,7 +99,7 @@ class PagedKVCache:
         row = torch.full((self.max_pages,), NULL_PAGE, dtype=torch.int32)
         row[:need] = torch.tensor(pages, dtype=torch.int32)
         self.block_table[slot].copy_(row)
-        self._owned[slot], self._capacity[slot] = pages, tokens
+        self._owned[slot], self._capacity[slot], self._written[slot] = pages, tokens, 0
         return pages
 
     def release(self, slot: int) -> None:
@@ -108,12 +109,39 @@ class PagedKVCache:
         if slot not in self._owned:
             raise ValueError(f"request slot {slot} holds no request")
         self._free.extend(reversed(self._owned.pop(slot)))
-        del self._capacity[slot]
+        del self._capacity[slot], self._written[slot]
         self.block_table[slot].fill_(NULL_PAGE)
 
     def capacity(self, slot: int) -> int:
         """Tokens request slot ``slot`` was admitted for (0 when it is free)."""
         return self._capacity.get(self._slot(slot), 0)
+
+    def written(self, slot: int) -> int:
+        """Tokens of request slot ``slot`` whose K/V are in the cache (positions 0 ..
+        written - 1): a step may write the next position or one before it, never past."""
+        return self._written.get(self._slot(slot), 0)
+
+    def check_step(self, slots, positions) -> None:
+        """Refuse (``BadBatch``) a step whose position of a slot is outside what it was
+        admitted for, or past the tokens written (it would read pages never written);
+        else count the step's tokens as written."""
+        for slot, position in zip(slots, positions, strict=True):
+            capacity, written = self.capacity(slot), self.written(slot)
+            if not 0 <= position < capacity:
+                raise BadBatch(
+                    f"position {position} of slot {slot} is outside the {capacity} tokens "
+                    "the slot was admitted for" + ("" if capacity else " (it holds no "
+                                                   "request)") + ": admit requests for "
+                    "their prompt plus new tokens")
+            if position > written:
+                raise BadBatch(f"position {position} of slot {slot} skips past the {written} "
+                               "tokens written to its pages: step each position in turn")
+        for slot, position in zip(slots, positions, strict=True):
+            self._written[slot] = max(self._written[slot], position + 1)
+
+    def wrote_prompt(self, slot: int, tokens: int) -> None:
+        """A prompt of ``tokens`` tokens was prefilled into ``slot`` from position 0."""
+        self._written[self._slot(slot)] = tokens
 
     @property
     def free_pages(self) -> int:

@@ -24,6 +24,9 @@ from graphcap.errors import BadBatch
 
 class CachePrefillInputs(PrefillInputs):
     kind = "prefill"
+    strategies = ("eager", "breakable", "full")
+    why_not = ("a torch.compiled forward (tc_piecewise) does not read the K/V cache yet; "
+               "use full or breakable")
 
     def __init__(self, cache: PagedKVCache, attention, slots: int,
                  output_rows: str = "tokens", name: str = "the model"):
@@ -51,6 +54,8 @@ class CachePrefillInputs(PrefillInputs):
                 raise BadBatch(f"a prompt of {n} tokens in slot {slot}, admitted for "
                                f"{self.cache.capacity(slot)}: cache.admit(slot, prompt plus "
                                "new tokens) first")
+        for slot, n in zip(slots, batch.lens, strict=True):
+            self.cache.wrote_prompt(slot, n)
         rows = torch.repeat_interleave(torch.tensor(slots, dtype=torch.long),
                                        torch.tensor(batch.lens))
         return Batch((*batch.args, rows), batch.tokens, batch.lens)

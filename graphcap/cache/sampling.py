@@ -12,8 +12,9 @@ from graphcap.opsdb.sample import SAMPLE
 
 @dataclass(frozen=True)
 class Sampling:
-    """How a request draws its tokens: ``temperature`` 0 is greedy; ``top_k`` 0 and
-    ``top_p`` 1 keep every token; ``seed`` makes the draws reproducible."""
+    """How a request draws its tokens: ``temperature`` 0 (or at most 1e-5) is greedy;
+    ``top_k`` 0 and ``top_p`` 1 keep every token; ``seed`` makes the draws reproducible
+    (two requests with one seed at one position draw the same noise)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -27,8 +28,9 @@ class Sampling:
             raise ValueError(f"top_k must be an int >= 0 (0: every token), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {self.seed}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or \
+                not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed}")
 
 
 def tensors(params: list[Sampling], device) -> tuple[torch.Tensor, ...]:

@@ -63,6 +63,8 @@ def prefill(model, cache: PagedKVCache, input_ids: torch.Tensor, seq_lens, slots
         else:
             out = model(input_ids, positions)[last]
     kv.check_written(model)
+    for slot, n in zip(slots, lens, strict=True):
+        cache.wrote_prompt(slot, n)
     return out
 
 
@@ -76,12 +78,7 @@ def decode_step(model, cache: PagedKVCache, input_ids: torch.Tensor,
     if positions.shape != input_ids.shape or input_ids.dim() != 1:
         raise BadBatch(f"input_ids {tuple(input_ids.shape)} and positions "
                        f"{tuple(positions.shape)} must be [B], one token per row")
-    at = positions.tolist()  # an eager step: the host may read them
-    over = [(s, p) for s, p in zip(slots, at, strict=True)
-            if not 0 <= p < cache.capacity(s)]
-    if over:
-        raise BadBatch(f"positions outside what their slots were admitted for: (slot, "
-                       f"position) {over}; admit requests for their prompt plus new tokens")
+    cache.check_step(slots, positions.tolist())  # an eager step: the host may read them
     rows = torch.tensor(slots, device=input_ids.device)
     kv = CacheBatch.decode_step(cache, rows, positions)
     with forward_context(kv=kv):

@@ -61,6 +61,8 @@ class Inputs:
     kind = "base"
     row_unit = "one row per token"
     needs_batch = False  # allocate() needs the first call's batch (its shapes)
+    strategies: tuple[str, ...] | None = None  # the strategies it runs under (None: all)
+    why_not = ""  # what the others lack, for the error
 
     def __init__(self, device: torch.device):
         self.device = device

@@ -1,7 +1,7 @@
 """Token sampling from logits, seeded per request so that eager and every graph draw the
 same tokens: ``sample``.
 
-Per row ``b``: ``temperature[b] == 0`` takes the argmax (greedy); otherwise the logits
+Per row ``b``: ``temperature[b] <= 1e-5`` takes the argmax (greedy); otherwise the logits
 are divided by the temperature, restricted to the ``top_k[b]`` most likely tokens (0:
 all) and to the smallest set whose probability reaches ``top_p[b]`` (1: all), and one
 token is drawn by the Gumbel-max trick with noise from a counter-based hash of
@@ -20,13 +20,16 @@ from graphcap.opsdb.spec import register_op
 
 OP = "sample"
 _MASK = 0x7FFFFFFF  # 31-bit arithmetic: every product fits int64
+GREEDY_BELOW = 1e-5  # a temperature at most this is greedy (dividing by it would overflow)
 
 
 def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab: int) -> torch.Tensor:
     """``[B, vocab]`` float64 in (0, 1) from a hash of (seed, counter, token id)."""
     ids = torch.arange(vocab, device=seed.device, dtype=torch.int64)
-    x = ((seed.long()[:, None] & _MASK) * 1000003 + (counter.long()[:, None] & _MASK)
-         * 7919 + ids[None, :] * 2654435) & _MASK
+    seed = seed.long()
+    seed = (seed ^ (seed >> 31) ^ (seed >> 62)) & _MASK  # every bit of the seed counts
+    x = (seed[:, None] * 1000003 + (counter.long()[:, None] & _MASK) * 7919
+         + ids[None, :] * 2654435) & _MASK
     for _ in range(4):
         x = (x * 1103515245 + 12345) & _MASK
         x = x ^ (x >> 15)
@@ -37,7 +40,7 @@ def sample_reference(logits, temperature, top_k, top_p, seed, counter):
     """logits [B, V] -> tokens [B] int64 (see the module docstring)."""
     B, V = logits.shape
     greedy = logits.argmax(dim=-1)
-    t = temperature.float().clamp_min(1e-6)[:, None]
+    t = temperature.float().clamp_min(GREEDY_BELOW)[:, None]
     scaled = logits.float() / t
     order = scaled.argsort(dim=-1, descending=True, stable=True)
     ranked = scaled.gather(1, order)
@@ -45,12 +48,12 @@ def sample_reference(logits, temperature, top_k, top_p, seed, counter):
     keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
     probs = torch.softmax(ranked.masked_fill(~keep, float("-inf")), dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
-    keep &= (before < top_p.float()[:, None]) | (rank == 0)
+    keep &= (before < top_p.float()[:, None]) | (rank == 0) | (top_p[:, None] >= 1)
     noise = uniform_noise(seed, counter, V).gather(1, order)
     gumbel = -torch.log(-torch.log(noise))
     pick = (ranked.double() + gumbel).masked_fill(~keep, float("-inf")).argmax(dim=-1)
     drawn = order.gather(1, pick[:, None])[:, 0]
-    return torch.where(temperature > 0, drawn, greedy)
+    return torch.where(temperature > GREEDY_BELOW, drawn, greedy)
 
 
 def check_sample(logits, temperature, top_k, top_p, seed, counter) -> None:
