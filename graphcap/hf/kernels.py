@@ -300,16 +300,14 @@ def _modules(model, sub: Substitution, skip: set[int]) -> None:
     for name, module in model.named_modules():
         if id(module) in skip or _MARK in module.__dict__:
             continue
-        if _foreign_forward(module) and (type(module) is nn.Embedding
-                                         or "RMSNorm" in type(module).__name__):
-            sub.parts.append(Part(name, "norm" if "RMSNorm" in type(module).__name__
-                                  else "embedding", False, _foreign_forward(module)))
+        norm = "RMSNorm" in type(module).__name__
+        if (norm or type(module) is nn.Embedding) and (why := _foreign_forward(module)):
+            sub.parts.append(Part(name, "norm" if norm else "embedding", False, why))
             continue
         if type(module) is nn.Embedding and module.max_norm is None:
             _patch(module, _embedding_forward, True)
             sub.parts.append(Part(name, "embedding", True, "a gather of rows"))
-        elif "RMSNorm" in type(module).__name__ and isinstance(
-                module._parameters.get("weight"), torch.Tensor):
+        elif norm and isinstance(module._parameters.get("weight"), torch.Tensor):
             eps, why = patterns.rms_norm_of(module, module.weight.shape[0])
             why = why or probe.norm(module, eps)
             if why:
