@@ -62,16 +62,10 @@ class DecodeInputs(Inputs):
             raise BadBatch(f"tokens must be a 1-D int64 (or int32) tensor on {self.device}, "
                            "one per request")
         rows = tokens.shape[0]
-        positions, slots = (self._host_ints(kwargs[k], k, rows) for k in ("positions",
-                                                                          "slots"))
+        positions = self._host_ints(kwargs["positions"], "positions", rows)
         if rows == 0:
             raise BadBatch("empty step: at least one request is needed")
-        if len(set(slots)) != rows:
-            raise BadBatch(f"slots {slots} repeat a request slot: one row per request")
-        for slot in slots:
-            if not 0 <= slot < self.cache.max_requests:
-                raise BadBatch(f"request slot {slot} is not one of 0.."
-                               f"{self.cache.max_requests - 1}")
+        slots = self.cache.requests(kwargs["slots"], rows)
         params = self._sampling(kwargs.get("sampling"), rows) if self.sample else None
         self.cache.check_step(slots, positions)  # last: it counts the tokens as written
         host = torch.tensor([positions, slots], dtype=torch.long)

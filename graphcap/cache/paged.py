@@ -16,10 +16,9 @@ cache too small says so at admission (:class:`~graphcap.errors.CacheFull`), not 
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
+from graphcap.core.batch import as_int
 from graphcap.errors import BadBatch, CacheFull
 
 NULL_PAGE = 0
@@ -28,10 +27,10 @@ NULL_PAGE = 0
 def _positive(value, name: str) -> int:
     """``value`` as an int >= 1 (any integer type, not a bool or a float)."""
     try:
-        number = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        number = None
-    if number is None or number < 1:
+        number = as_int(value, name)
+    except ValueError:
+        number = 0
+    if number < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return number
 
@@ -151,14 +150,31 @@ class PagedKVCache:
         """Request slot -> its pages, for the slots that hold a request."""
         return {slot: list(pages) for slot, pages in self._owned.items()}
 
-    def _slot(self, slot) -> int:
-        try:
-            number = None if isinstance(slot, bool) else operator.index(slot)
-        except TypeError:
-            number = None
-        if number is None or not 0 <= number < self.max_requests:
-            raise ValueError(f"request slot {slot!r} is not one of 0..{self.max_requests - 1}")
+    def _slot(self, slot, error: type[Exception] = ValueError) -> int:
+        number = as_int(slot, "a request slot", error)
+        if not 0 <= number < self.max_requests:
+            raise error(f"request slot {slot!r} is not one of 0..{self.max_requests - 1}")
         return number
+
+    def requests(self, slots, count: int) -> list[int]:
+        """``slots`` as ints, checked (``BadBatch``): one distinct request slot for each of
+        ``count`` requests, each holding a request."""
+        slots = [self._slot(s, BadBatch) for s in slots]
+        if len(slots) != count or len(set(slots)) != count:
+            raise BadBatch(f"slots {slots} repeat a request slot or miss one: give one "
+                           f"distinct request slot per request ({count} requests)")
+        free = [s for s in slots if s not in self._capacity]
+        if free:
+            raise BadBatch(f"request slots {free} hold no request: cache.admit(slot, "
+                           "tokens) each first")
+        return slots
+
+    def check_prompts(self, slots: list[int], lens: list[int]) -> None:
+        """Refuse (``BadBatch``) prompts longer than their slots were admitted for."""
+        over = [(s, n) for s, n in zip(slots, lens, strict=True) if n > self._capacity[s]]
+        if over:
+            raise BadBatch(f"prompts longer than their slots were admitted for: (slot, "
+                           f"tokens) {over}; admit them for their prompt plus new tokens")
 
     # -- what the kernels read -------------------------------------------------------
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:

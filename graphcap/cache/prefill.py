@@ -41,21 +41,8 @@ class CachePrefillInputs(PrefillInputs):
                            "cache slots, admitted first")
         rest = {k: v for k, v in kwargs.items() if k != "slots"}
         batch = super().check(args, rest)
-        slots = list(kwargs["slots"])
-        if len(slots) != len(batch.lens) or len(set(slots)) != len(slots):
-            raise BadBatch(f"give one distinct request slot per request: {len(batch.lens)} "
-                           f"requests, slots {slots}")
-        for slot, n in zip(slots, batch.lens, strict=True):
-            if isinstance(slot, bool) or not isinstance(slot, int) or \
-                    not 0 <= slot < self.cache.max_requests:
-                raise BadBatch(f"request slot {slot!r} is not one of 0.."
-                               f"{self.cache.max_requests - 1}")
-            if n > self.cache.capacity(slot):
-                raise BadBatch(f"a prompt of {n} tokens in slot {slot}, admitted for "
-                               f"{self.cache.capacity(slot)}: cache.admit(slot, prompt plus "
-                               "new tokens) first")
-        for slot, n in zip(slots, batch.lens, strict=True):
-            self.cache.wrote_prompt(slot, n)
+        slots = self.cache.requests(kwargs["slots"], len(batch.lens))
+        self.cache.check_prompts(slots, batch.lens)
         rows = torch.repeat_interleave(torch.tensor(slots, dtype=torch.long),
                                        torch.tensor(batch.lens))
         return Batch((*batch.args, rows), batch.tokens, batch.lens)
@@ -95,6 +82,16 @@ class CachePrefillInputs(PrefillInputs):
         super().stage(batch, bucket, meta)
         if batch.tokens < bucket:
             self.buffers[2][batch.tokens:bucket].fill_(-1)  # pads: no request slot
+        self._wrote(batch)
+
+    def _wrote(self, batch: Batch) -> None:
+        """The cache counts each request's prompt as written (its slot: the request slot
+        of its last token; an empty request writes nothing)."""
+        rows, end = batch.args[2], 0
+        for n in batch.lens:
+            end += n
+            if n:
+                self.cache.wrote_prompt(int(rows[end - 1]), n)
 
     def context(self, meta):
         return forward_context(attention=meta, kv=self._kv[meta.num_tokens])
@@ -110,5 +107,6 @@ class CachePrefillInputs(PrefillInputs):
             with forward_context(attention=meta, kv=kv):
                 out = model(*args)
             kv.check_written(model)
+            self._wrote(batch)
             return out
         return run

@@ -11,24 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from graphcap.cache.batch import CacheBatch
+from graphcap.cache.inputs import DecodeInputs
 from graphcap.cache.paged import PagedKVCache
+from graphcap.cache.prefill import CachePrefillInputs
 from graphcap.core.batch import host_lengths
-from graphcap.core.context import forward_context
 from graphcap.errors import BadBatch
-from graphcap.opsdb.attention.packed import packed
-
-
-def _slots(cache: PagedKVCache, slots, count: int) -> list[int]:
-    slots = [cache._slot(s) for s in slots]
-    if len(slots) != count or len(set(slots)) != len(slots):
-        raise BadBatch(f"give one distinct request slot per request: {count} requests, "
-                       f"slots {slots}")
-    free = [s for s in slots if cache.capacity(s) == 0]
-    if free:
-        raise BadBatch(f"request slots {free} hold no request: cache.admit(slot, tokens) "
-                       "each first")
-    return slots
+from graphcap.opsdb.attention import get_backend
 
 
 def _model_dtype(model) -> torch.dtype:
@@ -43,29 +31,20 @@ def prefill(model, cache: PagedKVCache, input_ids: torch.Tensor, seq_lens, slots
     returns each request's last-token logits ``[requests, vocab]``. Each prompt starts at
     position 0 and must fit the request's admitted tokens."""
     lens = host_lengths(seq_lens)
-    slots = _slots(cache, slots, len(lens))
+    slots = cache.requests(slots, len(lens))
     if 0 in lens or sum(lens) != input_ids.shape[0]:
         raise BadBatch(f"seq_lens {lens} must be positive and sum to the {input_ids.shape[0]}"
                        " tokens of input_ids")
-    over = [(s, n) for s, n in zip(slots, lens, strict=True) if n > cache.capacity(s)]
-    if over:
-        raise BadBatch(f"prompts longer than their slots were admitted for: (slot, tokens) "
-                       f"{over}; admit them for their prompt plus new tokens")
     device = input_ids.device
+    rows = getattr(model, "output_rows", "tokens")
+    inputs = CachePrefillInputs(cache, get_backend(attention, device, dtype=_model_dtype(model)),
+                                len(lens), rows, name=type(model).__name__)
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
-    rows = torch.repeat_interleave(torch.tensor(slots, device=device),
-                                   torch.tensor(lens, device=device))
-    kv = CacheBatch.prefill(cache, rows, positions)
-    with packed(lens, device, attention, _model_dtype(model), kv=kv) as meta:
-        last = meta.last_token_rows()
-        if getattr(model, "output_rows", "tokens") == "requests":
-            out = model(input_ids, positions, last)
-        else:
-            out = model(input_ids, positions)[last]
-    kv.check_written(model)
-    for slot, n in zip(slots, lens, strict=True):
-        cache.wrote_prompt(slot, n)
-    return out
+    out = inputs.eager(model, inputs.check((input_ids, positions),
+                                           {"seq_lens": lens, "slots": slots}))()
+    if rows == "requests":
+        return out
+    return out[torch.tensor(lens, device=device).cumsum(0) - 1]  # each last token
 
 
 @torch.inference_mode()
@@ -74,18 +53,10 @@ def decode_step(model, cache: PagedKVCache, input_ids: torch.Tensor,
     """One decode step: row ``b`` is token ``input_ids[b]`` at position ``positions[b]``
     of the request in slot ``slots[b]`` (its previous tokens in the cache). Writes the
     tokens' K/V and returns their logits ``[B, vocab]``."""
-    slots = _slots(cache, slots, input_ids.shape[0])
-    if positions.shape != input_ids.shape or input_ids.dim() != 1:
+    if positions.shape != input_ids.shape:
         raise BadBatch(f"input_ids {tuple(input_ids.shape)} and positions "
                        f"{tuple(positions.shape)} must be [B], one token per row")
-    cache.check_step(slots, positions.tolist())  # an eager step: the host may read them
-    rows = torch.tensor(slots, device=input_ids.device)
-    kv = CacheBatch.decode_step(cache, rows, positions)
-    with forward_context(kv=kv):
-        if getattr(model, "output_rows", "tokens") == "requests":
-            out = model(input_ids, positions, torch.arange(len(slots),
-                                                           device=input_ids.device))
-        else:
-            out = model(input_ids, positions)
-    kv.check_written(model)
-    return out
+    inputs = DecodeInputs(cache)
+    batch = inputs.check((input_ids,), {"positions": positions.tolist(),  # eager: the host
+                                        "slots": slots})  # may read them
+    return inputs.eager(model, batch)()
