@@ -187,3 +187,33 @@ def test_prefill_through_a_runner_fills_the_cache_as_eager_prefill_does(strategy
                                        atol=1e-5, rtol=1e-5)
     with pytest.raises(BadBatch, match="slots are the requests' cache slots"):
         runner(ids, positions, seq_lens=lens)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA's sync debug mode: a CUDA device only")
+@pytest.mark.parametrize("strategy", ["breakable", "full"])
+@pytest.mark.parametrize("sample", [False, True])
+def test_a_decode_step_makes_no_host_sync(strategy, sample):
+    """A step's staging (host positions, slots, sampling parameters into the static
+    buffers) and its replay never make the host wait for the device; CUDA's sync debug
+    mode raises on any synchronising call."""
+    m, cache = setup()
+    slots = sorted(PROMPTS)
+    ids = torch.tensor(sum((PROMPTS[s] for s in slots), []), device=DEVICE)
+    prefill(m, cache, ids, [len(PROMPTS[s]) for s in slots], slots)
+    runner = graphcap.capture(m, strategy, buckets=BUCKETS,
+                              inputs=DecodeInputs(cache, sample=sample))
+    length = {s: len(PROMPTS[s]) for s in slots}
+    extra = {"sampling": [graphcap.Sampling(temperature=0.7, top_k=5, seed=s)
+                          for s in slots]} if sample else {}
+    tokens = torch.ones(len(slots), dtype=torch.long, device=DEVICE)
+    runner(tokens, positions=[length[s] for s in slots], slots=slots, **extra)  # captures
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(1, 4):
+            out = runner(tokens, positions=[length[s] + step for s in slots], slots=slots,
+                         **extra)
+            tokens = out if sample else out.argmax(-1)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert sum(runner.report()["replays"].values()) == 4

@@ -25,8 +25,8 @@ import torch
 
 from graphcap.cache.batch import CacheBatch
 from graphcap.cache.paged import PagedKVCache
-from graphcap.cache.sampling import Sampling
-from graphcap.cache.sampling import tensors as sampling_tensors
+from graphcap.cache.sampling import Sampling, host_tensors
+from graphcap.core.batch import staged
 from graphcap.core.context import forward_context
 from graphcap.core.inputs import Batch, Inputs
 from graphcap.errors import BadBatch, GraphcapError, UnsupportedModel
@@ -68,10 +68,10 @@ class DecodeInputs(Inputs):
         slots = self.cache.requests(kwargs["slots"], rows)
         params = self._sampling(kwargs.get("sampling"), rows) if self.sample else None
         self.cache.check_step(slots, positions)  # last: it counts the tokens as written
-        host = torch.tensor([positions, slots], dtype=torch.long)
+        host = staged([positions, slots], torch.long, self.device)  # no host sync to copy
         if not self.sample:
             return Batch((tokens, host[0], host[1]), rows)
-        return Batch((tokens, host[0], host[1], *sampling_tensors(params, "cpu")), rows)
+        return Batch((tokens, host[0], host[1], *host_tensors(params, self.device)), rows)
 
     @staticmethod
     def _sampling(given, rows: int) -> list[Sampling]:
@@ -158,8 +158,8 @@ class DecodeInputs(Inputs):
 
     def eager(self, model, batch: Batch):
         tokens, positions, rows, *params = batch.args
-        positions, rows = positions.to(self.device), rows.to(self.device)
-        params = [t.to(self.device) for t in params]
+        positions, rows, *params = (t.to(self.device, non_blocking=True)
+                                    for t in (positions, rows, *params))
         kv = CacheBatch.decode_step(self.cache, rows, positions)
         if not hasattr(self, "_last"):
             self._last = torch.arange(self.cache.max_requests, device=self.device)

@@ -17,6 +17,7 @@ import torch
 
 from graphcap.cache.batch import CacheBatch
 from graphcap.cache.paged import PagedKVCache
+from graphcap.core.batch import staged
 from graphcap.core.context import forward_context
 from graphcap.core.inputs import Batch, PrefillInputs
 from graphcap.errors import BadBatch
@@ -43,8 +44,8 @@ class CachePrefillInputs(PrefillInputs):
         batch = super().check(args, rest)
         slots = self.cache.requests(kwargs["slots"], len(batch.lens))
         self.cache.check_prompts(slots, batch.lens)
-        rows = torch.repeat_interleave(torch.tensor(slots, dtype=torch.long),
-                                       torch.tensor(batch.lens))
+        per_token = [s for s, n in zip(slots, batch.lens, strict=True) for _ in range(n)]
+        rows = staged(per_token, torch.long, self.device)  # pinned: no host sync
         return Batch((*batch.args, rows), batch.tokens, batch.lens)
 
     def allocate(self, max_tokens: int, batch: Batch | None) -> None:
@@ -99,7 +100,8 @@ class CachePrefillInputs(PrefillInputs):
     def eager(self, model, batch: Batch):
         ids, positions, rows = batch.args
         meta = self.attention.prepare(batch.lens, self.device)
-        kv = CacheBatch.prefill(self.cache, rows.to(self.device), positions)
+        kv = CacheBatch.prefill(self.cache, rows.to(self.device, non_blocking=True),
+                                positions)
         args = (ids, positions, meta.last_token_rows()) if self.per_request else (ids,
                                                                                   positions)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from graphcap.core.batch import staged
 from graphcap.opsdb.sample import SAMPLE
 
 
@@ -34,12 +35,16 @@ class Sampling:
 
 
 def tensors(params: list[Sampling], device) -> tuple[torch.Tensor, ...]:
-    """temperature, top_k, top_p and seed of each row, as host or device tensors."""
-    return (torch.tensor([p.temperature for p in params], dtype=torch.float32,
-                         device=device),
-            torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            torch.tensor([p.seed for p in params], dtype=torch.long, device=device))
+    """temperature, top_k, top_p and seed of each row, as device tensors."""
+    return tuple(t.to(device, non_blocking=True) for t in host_tensors(params, device))
+
+
+def host_tensors(params: list[Sampling], device) -> tuple[torch.Tensor, ...]:
+    """The same on the host, staged for ``device`` (pinned for CUDA: no host sync)."""
+    return (staged([p.temperature for p in params], torch.float32, device),
+            staged([p.top_k for p in params], torch.long, device),
+            staged([p.top_p for p in params], torch.float32, device),
+            staged([p.seed for p in params], torch.long, device))
 
 
 def draw(logits: torch.Tensor, params: list[Sampling], counters: list[int]) -> list[int]:

@@ -10,10 +10,18 @@ import torch
 from graphcap.errors import BadBatch
 
 __all__ = ["BadBatch", "as_int", "check_lengths", "check_prefill", "check_tensors",
-           "host_lengths"]
+           "host_lengths", "staged"]
 
 
 _INT_DTYPES = (torch.int32, torch.int64)
+
+
+def staged(data, dtype: torch.dtype, device) -> torch.Tensor:
+    """Host values a call stages into a device buffer, as a host tensor the copy reads
+    without a host sync: pinned when ``device`` is CUDA (torch's caching host allocator
+    keeps a pinned block until the copies that read it have run)."""
+    pin = torch.device(device).type == "cuda"
+    return torch.tensor(data, dtype=dtype, pin_memory=pin)
 
 
 def as_int(value, what: str, error: type[Exception] = ValueError) -> int:

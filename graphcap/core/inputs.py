@@ -118,7 +118,8 @@ class Inputs:
                       if batch.tokens < bucket else [])
             self._rows_of[key] = cached
         rows, padding = cached
-        torch._foreach_copy_(rows, list(batch.args[:len(rows)]))
+        # Host tensors among the args are pinned (batching.staged): no host sync.
+        torch._foreach_copy_(rows, list(batch.args[:len(rows)]), non_blocking=True)
         for buf in padding:
             buf.zero_()
 

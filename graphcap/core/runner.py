@@ -150,9 +150,8 @@ class Runner:
         return None, reason  # a counted fallback
 
     def _replay(self, entry: ShapeEntry, batch: Batch):
-        # Each torch op here costs host time before the replay can start (the GPU waits):
-        # one copy for all inputs, and what the inputs stage (prefill: one host-to-device
-        # copy of the offsets); the rest of the metadata is derived inside the graph.
+        # Each torch op here costs host time the GPU waits for: the inputs stage one copy
+        # of the inputs and their host values; the rest is derived inside the graph.
         with torch.inference_mode():
             self.inputs.stage(batch, entry.bucket, entry.state)
             if entry.breaks:  # Python runs between graphs: in the shape's forward context
