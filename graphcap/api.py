@@ -148,6 +148,7 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
         raise ValueError(f"max_requests must be >= 1, got {slots}")
     if not isinstance(inputs, Inputs):
         inputs = _inputs(model, kind, strategy, attention, slots, check_inputs)
+    inputs.bind(model)
     config = RunnerConfig(ladder, fallback, copy_outputs, warmup=warmup, on_change=on_change)
     how, called = STRATEGIES[strategy](model, ladder, {"debug": debug,
                                                        "compiler": compiler or "eager"})

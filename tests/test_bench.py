@@ -318,7 +318,7 @@ def test_bench_decode_times_every_arm_per_batch_and_says_what_did_not_run():
     model = result["models"][0]
     assert [r["batch"] for r in model["rows"]] == [1, 2]
     for row in model["rows"]:
-        assert set(row["ms"]) == {"eager", "breakable", "full"}
+        assert set(row["ms"]) == {"eager", "breakable", "full", "tc_piecewise"}
         assert all(ms > 0 for ms in row["ms"].values())
     assert "CUDA" in model["skipped"]["hf-static-compile"]
     assert model["build"]["full"]["graph_pool_bytes"] > 0

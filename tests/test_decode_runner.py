@@ -12,7 +12,7 @@ import torch
 import graphcap
 from graphcap.cache import DecodeInputs, PagedKVCache
 from graphcap.cache.steps import decode_step, prefill
-from graphcap.errors import BadBatch, UnsupportedStrategy
+from graphcap.errors import BadBatch
 from graphcap.models import PRESETS, Decoder
 from tests.runner_helpers import DEVICE
 
@@ -57,7 +57,8 @@ def eager(m, cache):
         m, cache, tokens, torch.tensor(positions, device=DEVICE), rows)
 
 
-@pytest.mark.parametrize("strategy", ["breakable", "breakable-debug", "full", "eager"])
+@pytest.mark.parametrize("strategy", ["breakable", "breakable-debug", "full", "tc_piecewise",
+                                      "eager"])
 def test_a_greedy_loop_through_the_runner_replays_the_eager_steps(strategy):
     m, cache = setup()
     want = run(eager(m, cache), m, cache)
@@ -111,15 +112,6 @@ def test_bad_steps_are_refused_and_the_runner_stays_usable(kwargs, match):
     runner(torch.tensor([1, 2], device=DEVICE), positions=[0, 0], slots=[0, 1])
 
 
-def test_tc_piecewise_says_it_cannot_decode_yet():
-    m, cache = setup()
-    with pytest.raises(UnsupportedStrategy, match=r"not tc_piecewise: a torch.compiled "
-                                                  r"forward \(tc_piecewise\) does not read"):
-        graphcap.capture(m, "tc_piecewise", buckets=[2], inputs=DecodeInputs(cache))
-    with pytest.raises(UnsupportedStrategy, match="tc_piecewise does not decode yet"):
-        graphcap.generate(m, [[1, 2]], 2, strategy="tc_piecewise")
-
-
 def test_a_step_past_the_tokens_written_is_refused():
     # It would read pages never written (or a released request's leftovers).
     m, cache = setup()
@@ -131,7 +123,7 @@ def test_a_step_past_the_tokens_written_is_refused():
     assert cache.written(1) == 4 and cache.written(0) == 1
 
 
-@pytest.mark.parametrize("strategy", ["breakable", "full"])
+@pytest.mark.parametrize("strategy", ["breakable", "full", "tc_piecewise"])
 def test_tokens_drawn_in_the_graph_follow_each_calls_sampling(strategy):
     from graphcap import Sampling
     from graphcap.cache.sampling import draw
@@ -153,7 +145,7 @@ def test_tokens_drawn_in_the_graph_follow_each_calls_sampling(strategy):
     assert report["replays"] == {4: 3} and report["recaptures"] == 0
 
 
-@pytest.mark.parametrize("strategy", ["breakable", "full"])
+@pytest.mark.parametrize("strategy", ["breakable", "full", "tc_piecewise"])
 def test_prefill_through_a_runner_fills_the_cache_as_eager_prefill_does(strategy):
     from graphcap.cache.prefill import CachePrefillInputs
     from graphcap.opsdb.attention import get_backend
@@ -190,7 +182,7 @@ def test_prefill_through_a_runner_fills_the_cache_as_eager_prefill_does(strategy
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA's sync debug mode: a CUDA device only")
-@pytest.mark.parametrize("strategy", ["breakable", "full"])
+@pytest.mark.parametrize("strategy", ["breakable", "full", "tc_piecewise"])
 @pytest.mark.parametrize("sample", [False, True])
 def test_a_decode_step_makes_no_host_sync(strategy, sample):
     """A step's staging (host positions, slots, sampling parameters into the static

@@ -114,8 +114,22 @@ def test_a_model_that_writes_no_cache_is_refused():
     cache.admit(0, 8)
     with pytest.raises(UnsupportedModel, match=r"layers \[2\] of 3"):
         prefill(m, cache, torch.tensor([1, 2, 3]), [3], [0])
-    compiled = torch.compile(m, backend="eager", fullgraph=True)
-    cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=1, max_len=16)
-    cache.admit(0, 8)
-    with pytest.raises(UnsupportedModel, match="torch.compiled forward"):
-        prefill(compiled, cache, torch.tensor([1, 2, 3]), [3], [0])
+
+
+
+def test_a_compiled_forward_fills_the_cache_as_the_eager_one():
+    """The cache is read and written at run time inside one opaque op
+    (``graphcap::cached_attention``), so Dynamo's trace keeps it."""
+    m = model("tiny")
+    a = m.args
+    caches = []
+    for forward in (m, torch.compile(m, backend="eager", fullgraph=True)):
+        cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=1, max_len=16)
+        cache.admit(0, 8)
+        prefill(forward, cache, torch.tensor([1, 2, 3]), [3], [0])
+        step = decode_step(forward, cache, torch.tensor([4]), torch.tensor([3]), [0])
+        caches.append((cache, step))
+    (eager, want), (compiled, got) = caches
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(compiled.k, eager.k)
+    torch.testing.assert_close(compiled.v, eager.v)

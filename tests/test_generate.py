@@ -37,7 +37,7 @@ SAMPLINGS = [Sampling(), Sampling(temperature=1.0, seed=3),
              Sampling(temperature=1.0, top_k=3, top_p=0.5, seed=9)]
 
 
-@pytest.mark.parametrize("strategy", ["breakable", "full"])
+@pytest.mark.parametrize("strategy", ["breakable", "full", "tc_piecewise"])
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
 def test_every_strategy_generates_what_eager_generates(strategy, preset):
     m = model(preset)

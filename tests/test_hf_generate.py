@@ -36,7 +36,7 @@ CASES = [("llama", "graphcap"), ("qwen3", "graphcap"), ("qwen3_moe", "graphcap")
 
 
 @pytest.mark.parametrize(("family", "kernels"), CASES)
-@pytest.mark.parametrize("strategy", ["eager", "full"])
+@pytest.mark.parametrize("strategy", ["eager", "full", "tc_piecewise"])
 def test_greedy_generation_equals_transformers_generate(family, kernels, strategy):
     wide = {"initializer_range": 0.5} if family in ("gemma", "gpt2") else {}
     ref = hf_model(family, **wide)

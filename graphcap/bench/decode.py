@@ -2,7 +2,7 @@
 a context of ``context`` tokens), per batch size and arm, bf16 on CUDA:
 
 - ``eager``: graphcap's reference decoder, eager steps (``graphcap.cache.steps``);
-- ``breakable``, ``full``: the same steps replayed from a runner's graphs
+- ``breakable``, ``full``, ``tc_piecewise``: the same steps replayed from a runner's graphs
   (``DecodeInputs``, logits out; sampling is left out of every arm);
 - ``hf-static-compile`` (CUDA only): the stock transformers model of the preset's config
   with transformers' ``generate(cache_implementation="static")``, which compiles its
@@ -27,7 +27,8 @@ from graphcap.cache import DecodeInputs, PagedKVCache
 from graphcap.cache.steps import decode_step, prefill
 from graphcap.models import PRESETS, build_model
 
-ARMS = ("eager", "breakable", "full", "hf-static-compile")
+GRAPHED = ("breakable", "full", "tc_piecewise")
+ARMS = ("eager", *GRAPHED, "hf-static-compile")
 BATCHES = (1, 8)
 CONTEXT = 128
 HF_STEPS = 32
@@ -73,7 +74,7 @@ def bench_model(name: str, arms, batches, context: int, reps: int, device: str) 
     tokens = torch.randint(1, a.vocab_size, (slots,), generator=gen).to(device)
     runners, build, skipped = {}, {}, {}
     for arm in arms:
-        if arm in ("breakable", "full"):
+        if arm in GRAPHED:
             start = time.perf_counter()
             runners[arm] = graphcap.capture(model, arm, buckets=sorted(batches),
                                             inputs=DecodeInputs(cache))

@@ -36,9 +36,9 @@ class CacheBatch:
             raise UnsupportedModel(
                 f"{type(model).__name__} wrote no K/V to the cache for layers {missing} of "
                 f"{self.cache.layers}: its attention halves must go through "
-                "graphcap.models.blocks.attention_half with their layer index, in an eager "
-                "forward (a torch.compiled forward does not read the cache yet), and the "
-                "cache must have as many layers as the model")
+                "graphcap.models.blocks.attention_half (or graphcap::cached_attention) "
+                "with their layer index, and the cache must have as many layers as the "
+                "model")
 
     @property
     def decode(self) -> bool:

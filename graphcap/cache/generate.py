@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphcap.api import capture
+from graphcap.api import STRATEGIES, capture
 from graphcap.cache.inputs import DecodeInputs
 from graphcap.cache.paged import PagedKVCache
 from graphcap.cache.sampling import Sampling, draw
 from graphcap.cache.steps import prefill
 from graphcap.core.buckets import decode_ladder
-from graphcap.errors import UnsupportedModel, UnsupportedStrategy
+from graphcap.errors import UnsupportedModel
 from graphcap.progress import progress as progress_bar
 
 
@@ -143,10 +143,9 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
                          f"{args.max_position}")
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
-    if strategy not in DecodeInputs.strategies:
-        raise UnsupportedStrategy(
-            f"generate(strategy={strategy!r}): decode steps run under "
-            f"{', '.join(DecodeInputs.strategies)}; {strategy} does not decode yet")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"generate(strategy={strategy!r}): unknown strategy, choose one of "
+                         f"{sorted(STRATEGIES)}")
     max_batch = min(max_batch, len(prompts))
     cache = PagedKVCache(args.layers, args.kv_heads, args.head_dim, max_requests=max_batch,
                          max_len=longest, page_size=page_size, dtype=p.dtype,

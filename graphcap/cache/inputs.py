@@ -37,16 +37,21 @@ _INTS = (torch.int32, torch.int64)
 
 class DecodeInputs(Inputs):
     kind = "decode"
-    strategies = ("eager", "breakable", "full")
-    why_not = ("a torch.compiled forward (tc_piecewise) does not read the K/V cache yet; "
-               "use full or breakable")
     row_unit = "one row per request (one token each)"
 
     def __init__(self, cache: PagedKVCache, sample: bool = False):
         super().__init__(cache.device)
         self.cache, self.sample = cache, sample
+        self.per_request = False  # the model takes each row's output row (bind)
         if sample:
             self.row_unit = "one token per request (drawn in the graph)"
+
+    def bind(self, model) -> None:
+        rows = getattr(model, "output_rows", "tokens")
+        if rows not in ("tokens", "requests"):
+            raise UnsupportedModel(f"{type(model).__name__}.output_rows is {rows!r}: use "
+                                   "'tokens' or 'requests' (one row per request)")
+        self.per_request = rows == "requests"
 
     # -- a call ----------------------------------------------------------------------
     def check(self, args: tuple, kwargs: dict) -> Batch:
@@ -140,7 +145,7 @@ class DecodeInputs(Inputs):
     def _call(self, model, tokens, positions, params):
         """The model's logits of each row, or with ``sample`` the token drawn from them
         (``graphcap::sample``, the counter the position the token takes)."""
-        if getattr(model, "output_rows", "tokens") == "requests":
+        if self.per_request:  # one row per request: each row is its request's last token
             logits = model(tokens, positions, self._last[:tokens.shape[0]])
         else:
             logits = model(tokens, positions)

@@ -25,9 +25,6 @@ from graphcap.errors import BadBatch
 
 class CachePrefillInputs(PrefillInputs):
     kind = "prefill"
-    strategies = ("eager", "breakable", "full")
-    why_not = ("a torch.compiled forward (tc_piecewise) does not read the K/V cache yet; "
-               "use full or breakable")
 
     def __init__(self, cache: PagedKVCache, attention, slots: int,
                  output_rows: str = "tokens", name: str = "the model"):

@@ -57,6 +57,7 @@ def decode_step(model, cache: PagedKVCache, input_ids: torch.Tensor,
         raise BadBatch(f"input_ids {tuple(input_ids.shape)} and positions "
                        f"{tuple(positions.shape)} must be [B], one token per row")
     inputs = DecodeInputs(cache)
+    inputs.bind(model)
     batch = inputs.check((input_ids,), {"positions": positions.tolist(),  # eager: the host
                                         "slots": slots})  # may read them
     return inputs.eager(model, batch)()

@@ -15,6 +15,8 @@ A kind of input of one's own subclasses :class:`Inputs` and is passed as
 ``graphcap.capture(model, inputs=MyInputs(...))``; the runner calls it through these
 methods only:
 
+- ``bind(model)``: the model the runner captures, once, before anything else (what a
+  kind reads of it, e.g. its ``output_rows``);
 - ``check(args, kwargs) -> Batch``: validate a call (``BadBatch`` before anything runs);
 - ``allocate(max_tokens, batch)``: the static buffers, from the first call's batch when a
   kind needs one (``needs_batch``);
@@ -70,6 +72,9 @@ class Inputs:
         # Per (live tokens, bucket): the buffers' rows a call fills and its padding rows
         # (slicing costs host microseconds, which the GPU waits for at small buckets).
         self._rows_of: dict[tuple[int, int], tuple[list, list]] = {}
+
+    def bind(self, model) -> None:
+        pass
 
     def reset(self) -> None:
         """No static buffers (what the inputs learned of the model's arguments stays)."""

@@ -21,8 +21,7 @@ from transformers import AttentionInterface
 from graphcap.core.context import current_kv
 from graphcap.errors import UnsupportedModel
 from graphcap.opsdb.attention import ATTENTION
-from graphcap.opsdb.decode import DECODE_ATTENTION
-from graphcap.opsdb.kv import KV_WRITE
+from graphcap.opsdb.cached import CACHED_ATTENTION
 
 NAME = "graphcap"
 # While graphcap.hf probes a layer: the q, k, v each call received, [T, heads, head_dim].
@@ -69,19 +68,15 @@ def graphcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         SEEN.append((q, k, v))
     out = torch.empty_like(q)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    kv = None if torch.compiler.is_compiling() else current_kv()
-    if kv is not None:  # a paged K/V cache (graphcap.cache): write this layer's, then
-        layer = getattr(module, "layer_idx", None)  # decode over it or prefill among
-        if not isinstance(layer, int):  # the new tokens
-            raise UnsupportedModel(f"{name} has no int layer_idx: graphcap cannot tell "
-                                   "which layer of the K/V cache it writes")
-        kv.written.add(layer)
-        k_cache, v_cache = kv.cache.layer(layer)
-        KV_WRITE(k, v, k_cache, v_cache, kv.slots)
-        if kv.decode:
-            DECODE_ATTENTION(q, k_cache, v_cache, kv.block_table, kv.seq_lens, out,
-                             float(scale))
-            return out.unsqueeze(0), None
+    layer = getattr(module, "layer_idx", None)
+    if isinstance(layer, int) and not isinstance(layer, bool):  # the forward's cache, if
+        CACHED_ATTENTION(q, k, v, out, float(scale), layer)  # any, read at run time
+        return out.unsqueeze(0), None
+    # Without a layer index nothing writes the cache (a compiled forward's callers find
+    # it unwritten and say so; an eager one is told here).
+    if not torch.compiler.is_compiling() and current_kv() is not None:
+        raise UnsupportedModel(f"{name} has no int layer_idx: graphcap cannot tell "
+                               "which layer of the K/V cache it writes")
     ATTENTION(q, k, v, out, float(scale))
     return out.unsqueeze(0), None
 

@@ -12,11 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graphcap.core.context import current_kv
-from graphcap.errors import UnsupportedModel
 from graphcap.opsdb.attention import ATTENTION
-from graphcap.opsdb.decode import DECODE_ATTENTION
-from graphcap.opsdb.kv import KV_WRITE
+from graphcap.opsdb.cached import CACHED_ATTENTION
 from graphcap.opsdb.linear import LINEAR_RESIDUAL, RMS_NORM_LINEAR, RMS_NORM_SWIGLU
 from graphcap.opsdb.moe import MOE_EXPERTS, MOE_TOPK_SOFTMAX
 from graphcap.opsdb.norm import RMS_NORM
@@ -46,29 +43,18 @@ def attention_half(h, positions, norm, eps, qkv, qkv_bias, q_norm, k_norm, qk_ep
                    cos_sin, heads: int, kv_heads: int, head_dim: int, scale: float, o,
                    o_bias=None, layer: int | None = None):
     """``h + o(attention(q, k, v))`` of :func:`attention_inputs`, causal within each
-    request of the forward context's metadata. With a K/V cache in the forward context
-    (:class:`graphcap.cache.CacheBatch`), layer ``layer``'s K/V are written to it first;
-    a decode step then attends over each row's cached tokens, a prefill among its new
-    tokens (each request from position 0)."""
+    request of the forward context's metadata. With ``layer`` (the layer's index) and a
+    K/V cache in the forward context (:class:`graphcap.cache.CacheBatch`), the layer's
+    K/V are written to it first (``graphcap::cached_attention``); a decode step then
+    attends over each row's cached tokens, a prefill among its new tokens."""
     t = h.shape[0]
     q, k, v = attention_inputs(h, positions, norm, eps, qkv, qkv_bias, q_norm, k_norm,
                                qk_eps, cos_sin, heads, kv_heads, head_dim)
     out = torch.empty(t, heads, head_dim, dtype=h.dtype, device=h.device)
-    # A compiled forward reads no cache (Dynamo cannot trace the context variable): the
-    # cache's callers check that every layer wrote it.
-    kv = None if torch.compiler.is_compiling() else current_kv()
-    if kv is not None:
-        if layer is None:
-            raise UnsupportedModel(
-                "a K/V cache is set for this forward, but the attention half was called "
-                "without its layer index: pass layer= to attention_half")
-        kv.written.add(layer)
-        k_cache, v_cache = kv.cache.layer(layer)
-        KV_WRITE(k, v, k_cache, v_cache, kv.slots)
-        if kv.decode:
-            DECODE_ATTENTION(q, k_cache, v_cache, kv.block_table, kv.seq_lens, out, scale)
-            return residual_linear(out.view(t, heads * head_dim), o, h, o_bias)
-    ATTENTION(q, k, v, out, scale)
+    if layer is None:
+        ATTENTION(q, k, v, out, scale)
+    else:  # the forward context's cache, if any, read at run time (also when compiled)
+        CACHED_ATTENTION(q, k, v, out, scale, layer)
     return residual_linear(out.view(t, heads * head_dim), o, h, o_bias)
 
 

@@ -7,6 +7,7 @@ Importing it registers the built-in ops under the ``graphcap`` namespace
 from graphcap.opsdb import (  # noqa: F401
     activation,
     attention,
+    cached,
     decode,
     kv,
     linear,

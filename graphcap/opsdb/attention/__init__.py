@@ -69,7 +69,8 @@ def check_attention(q, k, v, out, scale):
             "key/value heads (GQA needs Hq % Hk == 0)")
 
 
-def _attention(q, k, v, out, scale):
+def run_attention(q, k, v, out, scale):
+    """The op's call: the kernel of the backend that prepared the forward's metadata."""
     meta = current_attention()
     meta.attended = True
     if q.shape[0] != meta.num_tokens:
@@ -80,14 +81,14 @@ def _attention(q, k, v, out, scale):
     meta.backend.forward(q, k, v, out, meta, scale)
 
 
-def _static_metadata():
+def static_metadata():
     """The forward's metadata when its backend runs on it from static buffers (the
     backends full capture allows), else None."""
     meta = current_attention()
     return meta if meta.backend.static_metadata else None
 
 
-def _reference(q, k, v, out, scale):
+def reference_attention(q, k, v, out, scale):
     from graphcap.opsdb.reference import attention_varlen
 
     meta = current_attention()
@@ -102,10 +103,11 @@ def _fake(q, k, v, out, scale):
 ATTENTION = register_op(
     "graphcap::attention",
     "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, float scale) -> ()",
-    reference=_reference, fake=_fake, split=True, check=check_attention,
-    dispatch=_attention, graphable=_static_metadata,
+    reference=reference_attention, fake=_fake, split=True, check=check_attention,
+    dispatch=run_attention, graphable=static_metadata,
     doc="causal prefill attention over packed requests; metadata from the forward context",
 )
 
 __all__ = ["ATTENTION", "BACKENDS", "AttentionBackend", "AttentionMetadata",
-           "get_backend", "validate_seq_lens"]
+           "get_backend", "reference_attention", "run_attention", "static_metadata",
+           "validate_seq_lens"]

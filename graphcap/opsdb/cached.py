@@ -1,0 +1,84 @@
+"""``graphcap::cached_attention``: attention that keeps layer ``layer``'s K/V in the
+forward's paged cache when the forward context has one (:class:`graphcap.cache.CacheBatch`).
+
+Without a cache it is ``graphcap::attention`` (prefill among the new tokens). With one,
+the tokens' K/V are written at their cache slots first (``graphcap::kv_write``); a decode
+step then attends over each row's cached tokens (``graphcap::decode_attention``), a
+prefill among its new tokens. The cache and its per-batch tensors come from the forward
+context, not the arguments, so a torch.compiled forward (tc_piecewise) sees one opaque
+split op, traced once, and the cache is read at run time, as prefill's metadata is.
+Decode's state lives on the device in the shape's static tensors: the op captures (its
+``graphable`` state is the ``CacheBatch``).
+"""
+
+from __future__ import annotations
+
+from graphcap.core.context import current_kv
+from graphcap.errors import UnsupportedModel
+from graphcap.opsdb import checks
+from graphcap.opsdb.attention import (
+    check_attention,
+    reference_attention,
+    run_attention,
+    static_metadata,
+)
+from graphcap.opsdb.decode import DECODE_ATTENTION
+from graphcap.opsdb.kv import KV_WRITE
+from graphcap.opsdb.spec import register_op
+
+OP = "cached_attention"
+
+
+def _run(q, k, v, out, scale, layer, attention, kernel=None) -> None:
+    kv = current_kv()
+    if kv is None:
+        attention(q, k, v, out, scale)
+        return
+    if not 0 <= layer < kv.cache.layers:
+        raise UnsupportedModel(
+            f"{OP}: layer {layer} of a K/V cache of {kv.cache.layers} layers; make the cache "
+            "with as many layers as the model, and pass each attention its own index")
+    kv.written.add(layer)
+    k_cache, v_cache = kv.cache.layer(layer)
+    KV_WRITE(k, v, k_cache, v_cache, kv.slots, kernel=kernel)
+    if kv.decode:
+        DECODE_ATTENTION(q, k_cache, v_cache, kv.block_table, kv.seq_lens, out, scale,
+                         kernel=kernel)
+    else:
+        attention(q, k, v, out, scale)
+
+
+def _dispatch(q, k, v, out, scale, layer):
+    _run(q, k, v, out, scale, layer, run_attention)
+
+
+def _reference_of(q, k, v, out, scale, layer):
+    _run(q, k, v, out, scale, layer, reference_attention, kernel="torch")
+
+
+def _check(q, k, v, out, scale, layer):
+    check_attention(q, k, v, out, scale)
+    if layer < 0:
+        raise checks.OpInputError(f"{OP}: layer must be >= 0, got {layer}")
+
+
+def _state():
+    """A decode step's static state (its ``CacheBatch``), else prefill attention's."""
+    kv = current_kv()
+    if kv is not None and kv.decode:
+        return kv
+    return static_metadata()
+
+
+def _fake(q, k, v, out, scale, layer):
+    return None
+
+
+CACHED_ATTENTION = register_op(
+    f"graphcap::{OP}",
+    "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, float scale, int layer) -> ()",
+    reference=_reference_of, fake=_fake, split=True, check=_check, dispatch=_dispatch,
+    graphable=_state,
+    doc="attention keeping layer's K/V in the forward context's paged cache (decode over "
+        "it, prefill among the new tokens); without a cache, graphcap::attention",
+)
