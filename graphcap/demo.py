@@ -41,10 +41,11 @@ def generation(device: torch.device) -> bool:
     want = graphcap.generate(model, prompts, 8, strategy="eager", max_batch=2,
                              sampling=sampling)
     got = graphcap.generate(model, prompts, 8, strategy="full", max_batch=2,
-                            sampling=sampling)
+                            sampling=sampling, prefill_tokens=16)
     print(f"\ngenerate: tiny decoder, {len(prompts)} prompts, 8 new tokens, 2 decoding at "
-          f"once (greedy, top-k, top-p), decode steps on graphs: "
-          f"{got.report['decode_steps']} steps, replays {got.report['replays']}")
+          f"once (greedy, top-k, top-p), prefill and decode on graphs: "
+          f"{got.report['prefills']} prefills (replays {got.report['prefill_replays']}), "
+          f"{got.report['decode_steps']} decode steps (replays {got.report['replays']})")
     for prompt, tokens in zip(prompts, got.tokens, strict=True):
         print(f"  {prompt} -> {tokens}")
     same = got.tokens == want.tokens

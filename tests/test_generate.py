@@ -44,16 +44,32 @@ def test_every_strategy_generates_what_eager_generates(strategy, preset):
     want = graphcap.generate(m, PROMPTS, NEW, strategy="eager", max_batch=3,
                              sampling=SAMPLINGS)
     got = graphcap.generate(m, PROMPTS, NEW, strategy=strategy, max_batch=3,
-                            sampling=SAMPLINGS)
+                            sampling=SAMPLINGS, prefill_tokens=16)
     assert got.tokens == want.tokens
     assert sum(got.report["replays"].values()) == got.report["decode_steps"] > 0
+    # 5 + 1 + 11 tokens admitted first: two prefill calls of at most 16 tokens; the
+    # requests end together, and the 2 + 3 tokens admitted next go in one call
+    assert sum(got.report["prefill_replays"].values()) == got.report["prefills"] == 3
+    assert not got.report["prefill_fallbacks"] and not got.report["fallbacks"]
     again = graphcap.generate(m, PROMPTS, NEW, strategy=strategy, max_batch=3,
-                              sampling=SAMPLINGS)
+                              sampling=SAMPLINGS, prefill_tokens=16)
     assert again.tokens == got.tokens  # seeded: reproducible
     other = graphcap.generate(m, PROMPTS, NEW, strategy=strategy, max_batch=3,
                               sampling=[Sampling(temperature=1.0, seed=s + 100)
-                                        for s in range(len(PROMPTS))])
+                                        for s in range(len(PROMPTS))], prefill_tokens=16)
     assert other.tokens != got.tokens
+
+
+def test_a_prompt_past_the_prefill_graphs_prefills_eagerly_and_says_so():
+    m = model()
+    want = graphcap.generate(m, PROMPTS, NEW, strategy="eager", max_batch=2)
+    got = graphcap.generate(m, PROMPTS, NEW, strategy="full", max_batch=2, prefill_tokens=8)
+    assert got.tokens == want.tokens
+    assert got.report["prefill_buckets"] == [1, 2, 3, 4, 6, 8]
+    assert sum(got.report["prefill_fallbacks"].values()) == 1  # the 11-token prompt
+    assert sum(got.report["prefill_replays"].values()) == got.report["prefills"] - 1
+    with pytest.raises(ValueError, match="prefill_tokens must be a positive int"):
+        graphcap.generate(m, PROMPTS, NEW, prefill_tokens=0)
 
 
 def test_a_stop_token_ends_its_request_and_is_kept():

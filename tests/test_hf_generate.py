@@ -44,7 +44,7 @@ def test_greedy_generation_equals_transformers_generate(family, kernels, strateg
     eos = ref.generation_config.eos_token_id
     stops = [eos] if isinstance(eos, int) else list(eos or [])
     got = graphcap.generate(lm, PROMPTS, NEW, strategy=strategy, max_batch=2,
-                            stop_tokens=stops)
+                            stop_tokens=stops, prefill_tokens=16)
     want = [transformers_greedy(ref, p) for p in PROMPTS]
     assert got.tokens == want, lm.kernels.summary()
 
@@ -53,5 +53,6 @@ def test_breakable_generates_what_eager_generates_for_a_stock_model():
     lm = PrefillLM(hf_model("qwen3"))
     sampling = [graphcap.Sampling(temperature=1.0, seed=s) for s in range(len(PROMPTS))]
     want = graphcap.generate(lm, PROMPTS, NEW, strategy="eager", sampling=sampling)
-    got = graphcap.generate(lm, PROMPTS, NEW, strategy="breakable", sampling=sampling)
+    got = graphcap.generate(lm, PROMPTS, NEW, strategy="breakable", sampling=sampling,
+                            prefill_tokens=16)
     assert got.tokens == want.tokens

@@ -58,7 +58,7 @@ def test_every_layer_of_a_substituted_family_runs_graphcap_kernels_with_stock_lo
     assert all(parts["attention"]) and all(parts["mlp"]) and len(parts["mlp"]) == 2, \
         lm.kernels.table()
     ops = ops_of(lm)
-    assert ops["rms_norm_linear"] == ops["qkv_norm_rope"] == ops["attention"] == 2
+    assert ops["rms_norm_linear"] == ops["qkv_norm_rope"] == ops["cached_attention"] == 2
     assert ops["rms_norm_swiglu"] + ops["moe_experts"] == 2
     with torch.no_grad():
         torch.testing.assert_close(lm(IDS, POS, seq_lens=LENS), stock_logits(ref),
@@ -68,11 +68,12 @@ def test_every_layer_of_a_substituted_family_runs_graphcap_kernels_with_stock_lo
 def test_stock_kernels_are_the_model_s_own_code_with_graphcap_attention_only():
     lm = PrefillLM(hf_model("qwen3"), kernels="stock")
     assert lm.kernels.parts == [] and lm.kernels.summary() == "no module on graphcap kernels"
-    assert set(ops_of(lm)) == {"attention"}
+    # graphcap::cached_attention: the attention function of every layer with a layer_idx
+    assert set(ops_of(lm)) == {"cached_attention"}
     again = PrefillLM(lm.hf_model)  # the same model on graphcap kernels, then back
     assert "rms_norm_linear" in ops_of(again)
     PrefillLM(lm.hf_model, kernels="stock")
-    assert set(ops_of(lm)) == {"attention"}
+    assert set(ops_of(lm)) == {"cached_attention"}
 
 
 def test_an_unknown_kernels_choice_is_refused_naming_both():

@@ -5,10 +5,12 @@ Every tensor here is computed on the device from the request slots and positions
 no host synchronisation, so a graph can recompute it on each replay:
 
 - ``slots`` ``[T]``: each token's cache slot, where the attention half writes its K/V;
-- for a decode step (one token per row), ``block_table`` ``[B, max_pages]`` (each row's
-  pages) and ``seq_lens`` ``[B]`` int32 (its cached tokens, the new one included), what
-  decode attention reads. A row whose request slot is out of range (a pad) gets the null
-  page everywhere and length 0: it writes only the null page and comes out zero.
+- when every token attends over its request's pages (:meth:`CacheBatch.paged`: a decode
+  step, one token per request, or an extend, a chunk of a prompt on its cached prefix),
+  ``block_table`` ``[T, max_pages]`` (each token's request's pages) and ``seq_lens``
+  ``[T]`` int32 (its position plus one: the tokens it attends to, itself included), what
+  decode attention reads. A token whose request slot is out of range (a pad) gets the
+  null page everywhere and length 0: it writes only the null page and comes out zero.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from graphcap.errors import UnsupportedModel
 class CacheBatch:
     cache: PagedKVCache
     slots: torch.Tensor
-    block_table: torch.Tensor | None = None  # decode only
-    seq_lens: torch.Tensor | None = None  # decode only
+    block_table: torch.Tensor | None = None  # paged only
+    seq_lens: torch.Tensor | None = None  # paged only
     written: set[int] = field(default_factory=set)  # the layers whose K/V the forward wrote
 
     def check_written(self, model) -> None:
@@ -41,21 +43,24 @@ class CacheBatch:
                 "model")
 
     @property
-    def decode(self) -> bool:
+    def reads_pages(self) -> bool:
+        """Attention reads the cache's pages (else only the forward's new tokens)."""
         return self.block_table is not None
 
     @classmethod
     def prefill(cls, cache: PagedKVCache, rows: torch.Tensor,
                 positions: torch.Tensor) -> CacheBatch:
-        """Packed prefill: token ``i`` is position ``positions[i]`` of the request in
-        slot ``rows[i]``; its K/V go to that request's pages."""
+        """Packed prefill from position 0: token ``i`` is position ``positions[i]`` of the
+        request in slot ``rows[i]``; its K/V go to that request's pages, and attention is
+        among the new tokens."""
         return cls(cache, cache.slots(rows, positions))
 
     @classmethod
-    def decode_step(cls, cache: PagedKVCache, rows: torch.Tensor,
-                    positions: torch.Tensor) -> CacheBatch:
-        """One new token per row: row ``b`` is position ``positions[b]`` of the request
-        in slot ``rows[b]`` (rows out of range: pads)."""
+    def paged(cls, cache: PagedKVCache, rows: torch.Tensor,
+              positions: torch.Tensor) -> CacheBatch:
+        """Token ``i`` is position ``positions[i]`` of the request in slot ``rows[i]``
+        (rows out of range: pads) and attends to that request's cached tokens up to
+        itself: a decode step, or an extend."""
         rows, positions = rows.long(), positions.long()
         live = (rows >= 0) & (rows < cache.max_requests)
         table = cache.block_table[rows.clamp(0, cache.max_requests - 1)]

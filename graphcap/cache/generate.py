@@ -1,11 +1,13 @@
 """``graphcap.generate``: generate tokens for a list of prompts on graphs.
 
 The decode batch is kept full: up to ``max_batch`` requests decode together, and a
-finished request's slot takes the next waiting prompt. Prompts are prefilled into the
-cache (eagerly), each decode step replays the graph of the smallest batch bucket that
-holds the live requests (:class:`~graphcap.cache.DecodeInputs`), and each token is drawn
-by ``graphcap::sample`` from per-request parameters on the device (greedy, or seeded
-temperature / top-k / top-p: the same tokens in every strategy).
+finished request's slot takes the next waiting prompt. The prompts admitted together are
+prefilled into the cache in calls of at most ``prefill_tokens`` tokens, each replaying a
+prefill graph (:class:`~graphcap.cache.CachePrefillInputs`); each decode step replays the
+graph of the smallest batch bucket that holds the live requests
+(:class:`~graphcap.cache.DecodeInputs`), and each token is drawn by ``graphcap::sample``
+from per-request parameters on the device (greedy, or seeded temperature / top-k /
+top-p: the same tokens in every strategy).
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import torch
 from graphcap.api import STRATEGIES, capture
 from graphcap.cache.inputs import DecodeInputs
 from graphcap.cache.paged import PagedKVCache
+from graphcap.cache.prefill import CachePrefillInputs
 from graphcap.cache.sampling import Sampling, draw
-from graphcap.cache.steps import prefill
 from graphcap.core.buckets import decode_ladder
 from graphcap.errors import UnsupportedModel
+from graphcap.opsdb.attention import get_backend
 from graphcap.progress import progress as progress_bar
 
 
@@ -113,16 +116,37 @@ def cache_shape(model) -> CacheShape:
                       model.vocab_size, model.max_position or 2**31)
 
 
+def _groups(slots: list[int], lens: list[int], budget: int) -> list[list[int]]:
+    """The slots in calls of at most ``budget`` tokens, in order (a longer prompt alone)."""
+    groups, tokens = [[]], 0
+    for slot, n in zip(slots, lens, strict=True):
+        if groups[-1] and tokens + n > budget:
+            groups.append([])
+            tokens = 0
+        groups[-1].append(slot)
+        tokens += n
+    return groups
+
+
+def prefill_buckets(prefill_tokens: int) -> list[int]:
+    """Token buckets of generate's prefill graphs: decode's dense ladder (1, 2, 3, 4, 6,
+    8, 12, ...) up to ``prefill_tokens``, so a call pads by at most half."""
+    return decode_ladder(prefill_tokens)
+
+
 def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
              max_batch: int = 8, stop_tokens=(), sampling=None, page_size: int = 16,
-             progress: bool = False) -> Generation:
+             prefill_tokens: int = 512, progress: bool = False) -> Generation:
     """Generate up to ``max_new_tokens`` tokens for each of ``prompts`` (lists of token
     ids) with ``model``, one of graphcap's reference decoders (``graphcap.models``) or a
     stock transformers model wrapped in ``graphcap.hf.PrefillLM``: ``strategy``
     captures the decode steps (``full``, ``breakable`` or ``eager``); ``max_batch``
     requests decode together; a request ends at one of ``stop_tokens`` or at its
     ``max_new_tokens``; ``sampling`` is one :class:`Sampling` per prompt, or one for all
-    (each prompt then draws with its own seed, derived from that one and its index).
+    (each prompt then draws with its own seed, derived from that one and its index);
+    ``prefill_tokens`` bounds the prefill graphs (prompts admitted together are prefilled
+    in calls of at most that many tokens; a longer prompt prefills eagerly, counted in
+    the report's ``prefill_fallbacks``).
 
         out = graphcap.generate(model, [[1, 5, 9], [1, 7]], max_new_tokens=32)
         out.tokens            # [[...], [...]]
@@ -141,8 +165,9 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
         raise ValueError(f"a prompt of {longest - max_new_tokens} tokens plus "
                          f"{max_new_tokens} new ones passes the model's max_position "
                          f"{args.max_position}")
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
+    for name, value in (("max_batch", max_batch), ("prefill_tokens", prefill_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
     if strategy not in STRATEGIES:
         raise ValueError(f"generate(strategy={strategy!r}): unknown strategy, choose one of "
                          f"{sorted(STRATEGIES)}")
@@ -152,6 +177,23 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
                          device=p.device)
     runner = capture(model, strategy, buckets=decode_ladder(max_batch),
                      inputs=DecodeInputs(cache, sample=True))
+    rows_of = getattr(model, "output_rows", "tokens")
+    backend = get_backend(None, p.device, strategy=strategy, dtype=p.dtype)
+    prefiller = capture(model, strategy, buckets=prefill_buckets(prefill_tokens),
+                        inputs=CachePrefillInputs(cache, backend, max_batch, rows_of,
+                                                  name=type(model).__name__))
+
+    def prefill(slots: list[int]) -> list[int]:
+        """The prompts of ``slots`` into the cache, on the prefill graphs; the first new
+        token of each, drawn as the decode graphs draw."""
+        lens = [live[s]["length"] for s in slots]
+        ids = torch.tensor(sum((prompts[live[s]["index"]] for s in slots), []),
+                           device=p.device)
+        positions = torch.cat([torch.arange(n, device=p.device) for n in lens])
+        logits = prefiller(ids, positions, seq_lens=lens, slots=slots)
+        if rows_of != "requests":
+            logits = logits[torch.tensor(lens, device=p.device).cumsum(0) - 1]
+        return draw(logits, [params[live[s]["index"]] for s in slots], lens)
     waiting = deque(range(len(prompts)))
     live: dict[int, dict] = {}  # request slot -> its request's index, tokens, length
     out: list[list[int] | None] = [None] * len(prompts)
@@ -179,15 +221,11 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
                     cache.admit(slot, len(prompts[i]) + max_new_tokens)
                     live[slot] = {"index": i, "new": [], "length": len(prompts[i])}
                     admitted.append(slot)
-            if admitted:
-                ids = torch.tensor(sum((prompts[live[s]["index"]] for s in admitted), []),
-                                   device=p.device)
-                logits = prefill(model, cache, ids, [live[s]["length"] for s in admitted],
-                                 admitted)
+            for group in _groups(admitted, [live[s]["length"] for s in admitted],
+                                 prefill_tokens) if admitted else []:
+                drawn = prefill(group)
                 prefills += 1
-                drawn = draw(logits, [params[live[s]["index"]] for s in admitted],
-                              [live[s]["length"] for s in admitted])
-                for slot, token in zip(admitted, drawn, strict=True):
+                for slot, token in zip(group, drawn, strict=True):
                     emit(slot, token, step)
             if not live:
                 continue
@@ -200,9 +238,13 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
             for slot, token in zip(rows, drawn, strict=True):
                 live[slot]["length"] += 1
                 emit(slot, token, step)
-    report = runner.report()
+    report, prefilled = runner.report(), prefiller.report()
     return Generation(out, {"decode_steps": steps, "prefills": prefills,
                             "replays": dict(report.get("replays", {})),
                             "fallbacks": dict(report.get("fallbacks", {})),
-                            "graph_pool_bytes": report.get("graph_pool_bytes"),
-                            "buckets": decode_ladder(max_batch)})
+                            "prefill_replays": dict(prefilled.get("replays", {})),
+                            "prefill_fallbacks": dict(prefilled.get("fallbacks", {})),
+                            "graph_pool_bytes": (report.get("graph_pool_bytes") or 0)
+                            + (prefilled.get("graph_pool_bytes") or 0),
+                            "buckets": decode_ladder(max_batch),
+                            "prefill_buckets": prefill_buckets(prefill_tokens)})

@@ -114,14 +114,14 @@ class DecodeInputs(Inputs):
 
     def prepare(self, bucket: int) -> CacheBatch:
         tokens, positions, rows = (b[:bucket] for b in self.buffers[:3])
-        return CacheBatch.decode_step(self.cache, rows, positions)
+        return CacheBatch.paged(self.cache, rows, positions)
 
     def derive(self, kv: CacheBatch) -> None:
         """Each row's cache slot, pages and length, from the staged rows and positions,
         into the shape's buffers (inside the graph: no host work per replay)."""
         bucket = kv.slots.shape[0]
         _, positions, rows = (b[:bucket] for b in self.buffers[:3])
-        fresh = CacheBatch.decode_step(self.cache, rows, positions)
+        fresh = CacheBatch.paged(self.cache, rows, positions)
         torch._foreach_copy_([kv.slots, kv.block_table, kv.seq_lens],
                              [fresh.slots, fresh.block_table, fresh.seq_lens])
 
@@ -165,7 +165,7 @@ class DecodeInputs(Inputs):
         tokens, positions, rows, *params = batch.args
         positions, rows, *params = (t.to(self.device, non_blocking=True)
                                     for t in (positions, rows, *params))
-        kv = CacheBatch.decode_step(self.cache, rows, positions)
+        kv = CacheBatch.paged(self.cache, rows, positions)
         if not hasattr(self, "_last"):
             self._last = torch.arange(self.cache.max_requests, device=self.device)
 

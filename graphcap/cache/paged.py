@@ -138,9 +138,10 @@ class PagedKVCache:
         for slot, position in zip(slots, positions, strict=True):
             self._written[slot] = max(self._written[slot], position + 1)
 
-    def wrote_prompt(self, slot: int, tokens: int) -> None:
-        """A prompt of ``tokens`` tokens was prefilled into ``slot`` from position 0."""
-        self._written[self._slot(slot)] = tokens
+    def wrote_prefill(self, slot: int, end: int) -> None:
+        """A prefill wrote ``slot``'s tokens up to position ``end - 1``: its cached
+        tokens are now ``0 .. end - 1`` (whatever its pages hold after them is stale)."""
+        self._written[self._slot(slot)] = end
 
     @property
     def free_pages(self) -> int:

@@ -14,7 +14,7 @@ import torch
 from graphcap.cache.inputs import DecodeInputs
 from graphcap.cache.paged import PagedKVCache
 from graphcap.cache.prefill import CachePrefillInputs
-from graphcap.core.batch import host_lengths
+from graphcap.core.batch import as_int, host_lengths
 from graphcap.errors import BadBatch
 from graphcap.opsdb.attention import get_backend
 
@@ -25,11 +25,12 @@ def _model_dtype(model) -> torch.dtype:
 
 @torch.inference_mode()
 def prefill(model, cache: PagedKVCache, input_ids: torch.Tensor, seq_lens, slots,
-            attention: str | None = None) -> torch.Tensor:
+            attention: str | None = None, starts=None) -> torch.Tensor:
     """Run the prompts of requests ``slots`` (admitted in ``cache``), packed in
     ``input_ids`` ``[T]`` with lengths ``seq_lens``, writing their K/V to the cache;
     returns each request's last-token logits ``[requests, vocab]``. Each prompt starts at
-    position 0 and must fit the request's admitted tokens."""
+    position 0, or with ``starts`` at ``starts[r]`` on the request's cached tokens (an
+    extend: a chunk of a long prompt), and must fit the request's admitted tokens."""
     lens = host_lengths(seq_lens)
     slots = cache.requests(slots, len(lens))
     if 0 in lens or sum(lens) != input_ids.shape[0]:
@@ -38,10 +39,17 @@ def prefill(model, cache: PagedKVCache, input_ids: torch.Tensor, seq_lens, slots
     device = input_ids.device
     rows = getattr(model, "output_rows", "tokens")
     inputs = CachePrefillInputs(cache, get_backend(attention, device, dtype=_model_dtype(model)),
-                                len(lens), rows, name=type(model).__name__)
-    positions = torch.cat([torch.arange(n, device=device) for n in lens])
+                                len(lens), rows, name=type(model).__name__,
+                                extend=starts is not None)
+    begin = [0] * len(lens) if starts is None else [as_int(b, "starts", BadBatch)
+                                                    for b in starts]
+    if len(begin) != len(lens):
+        raise BadBatch(f"starts has {len(begin)} entries for {len(lens)} requests")
+    positions = torch.cat([torch.arange(b, b + n, device=device)
+                           for b, n in zip(begin, lens, strict=True)])
+    extra = {} if starts is None else {"starts": begin}
     out = inputs.eager(model, inputs.check((input_ids, positions),
-                                           {"seq_lens": lens, "slots": slots}))()
+                                           {"seq_lens": lens, "slots": slots, **extra}))()
     if rows == "requests":
         return out
     return out[torch.tensor(lens, device=device).cumsum(0) - 1]  # each last token

@@ -51,6 +51,12 @@ def current_attention():
     return ctx.attention
 
 
+def attention_if_any():
+    """The attention metadata of the running forward, or None."""
+    ctx = _CURRENT.get()
+    return None if ctx is None else ctx.attention
+
+
 def current_kv():
     """The paged K/V cache state of the running forward (a ``CacheBatch``), or None when
     the forward keeps no cache."""

@@ -55,6 +55,7 @@ class Batch:
     tokens: int
     lens: list[int] | None = None
     kwargs: dict = field(default_factory=dict)  # what the eager strategy passes on as is
+    host: Any = None  # what a kind of input keeps of the call on the host, beside args
 
 
 class Inputs:

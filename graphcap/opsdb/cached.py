@@ -2,9 +2,10 @@
 forward's paged cache when the forward context has one (:class:`graphcap.cache.CacheBatch`).
 
 Without a cache it is ``graphcap::attention`` (prefill among the new tokens). With one,
-the tokens' K/V are written at their cache slots first (``graphcap::kv_write``); a decode
-step then attends over each row's cached tokens (``graphcap::decode_attention``), a
-prefill among its new tokens. The cache and its per-batch tensors come from the forward
+the tokens' K/V are written at their cache slots first (``graphcap::kv_write``); then a
+decode step or an extend attends over each token's cached tokens up to itself
+(``graphcap::decode_attention``, a row per token), a prefill from position 0 among its
+new tokens (``graphcap::attention``). The cache and its per-batch tensors come from the forward
 context, not the arguments, so a torch.compiled forward (tc_piecewise) sees one opaque
 split op, traced once, and the cache is read at run time, as prefill's metadata is.
 Decode's state lives on the device in the shape's static tensors: the op captures (its
@@ -13,7 +14,7 @@ Decode's state lives on the device in the shape's static tensors: the op capture
 
 from __future__ import annotations
 
-from graphcap.core.context import current_kv
+from graphcap.core.context import attention_if_any, current_kv
 from graphcap.errors import UnsupportedModel
 from graphcap.opsdb import checks
 from graphcap.opsdb.attention import (
@@ -41,7 +42,10 @@ def _run(q, k, v, out, scale, layer, attention, kernel=None) -> None:
     kv.written.add(layer)
     k_cache, v_cache = kv.cache.layer(layer)
     KV_WRITE(k, v, k_cache, v_cache, kv.slots, kernel=kernel)
-    if kv.decode:
+    if kv.reads_pages:  # each token's own request's pages: requests stay apart
+        meta = attention_if_any()
+        if meta is not None:  # an extend: packed requests, attended apart
+            meta.attended = True
         DECODE_ATTENTION(q, k_cache, v_cache, kv.block_table, kv.seq_lens, out, scale,
                          kernel=kernel)
     else:
@@ -63,9 +67,10 @@ def _check(q, k, v, out, scale, layer):
 
 
 def _state():
-    """A decode step's static state (its ``CacheBatch``), else prefill attention's."""
+    """The static state of attention over the pages (the ``CacheBatch``), else prefill
+    attention's."""
     kv = current_kv()
-    if kv is not None and kv.decode:
+    if kv is not None and kv.reads_pages:
         return kv
     return static_metadata()
 
