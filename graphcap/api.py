@@ -13,6 +13,7 @@ from graphcap.core.buckets import check_ladder, prefill_ladder
 from graphcap.core.inputs import Inputs, PrefillInputs, TensorInputs
 from graphcap.core.runner import Runner, RunnerConfig
 from graphcap.core.strategy import EagerStrategy
+from graphcap.dist.group import TPGroup
 from graphcap.errors import UnsupportedModel, UnsupportedStrategy
 from graphcap.full import FullStrategy
 
@@ -149,7 +150,12 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
     if not isinstance(inputs, Inputs):
         inputs = _inputs(model, kind, strategy, attention, slots, check_inputs)
     inputs.bind(model)
-    config = RunnerConfig(ladder, fallback, copy_outputs, warmup=warmup, on_change=on_change)
+    tp = getattr(model, "tp", None)  # a model split across a graphcap.dist.TPGroup
+    tp = tp if isinstance(tp, TPGroup) else None
+    if tp is not None:
+        tp.warm_up()  # the data group's communicator exists before any capture
+    config = RunnerConfig(ladder, fallback, copy_outputs, warmup=warmup, on_change=on_change,
+                          agree=tp.agree if tp is not None else None)
     how, called = STRATEGIES[strategy](model, ladder, {"debug": debug,
                                                        "compiler": compiler or "eager"})
     runner = Runner(called, how, config, inputs, source=model)

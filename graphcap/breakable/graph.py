@@ -38,6 +38,7 @@ from graphcap.core.breaks import break_handler
 from graphcap.core.graphs import GraphPool
 from graphcap.core.strategy import Captured, Strategy, note_state, states_current
 from graphcap.core.trees import tensor_leaves
+from graphcap.dist.group import check_finished
 from graphcap.errors import CaptureError, ReplayError
 
 
@@ -112,6 +113,7 @@ class BreakableCapture:
             note_state(self.states, graphable, state)
             with break_handler(None):
                 return fn(*args, **kwargs)
+        check_finished((args, kwargs), f"eager break {getattr(fn, '__qualname__', fn)!r}")
         self._close()
         # No handler inside a break: a break calling another marked function just runs it.
         with self.pool.warmup(), break_handler(None):  # the capture stream, no capture

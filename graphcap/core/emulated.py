@@ -95,6 +95,22 @@ def _is_builtin(func) -> bool:
     return func.namespace in ("aten", "prims")
 
 
+def _check_recordable(func, out) -> None:
+    """Outputs the emulator can keep: tensors with storage. A wrapper subclass has none;
+    the one a capture meets is an asynchronous collective's result, refused as the CUDA
+    graph's break would refuse it."""
+    from graphcap.dist.group import check_finished
+
+    for t in tensor_leaves(out):
+        try:
+            t.untyped_storage().data_ptr()
+        except RuntimeError:
+            check_finished(t, f"{func} (recorded by the graph emulator)")
+            raise hostsync.CaptureError(
+                f"the graph emulator cannot record {func}: it returned a "
+                f"{type(t).__name__}, a tensor subclass without storage of its own") from None
+
+
 @dataclass
 class _Step:
     func: Any
@@ -161,6 +177,8 @@ class _Recorder(TorchDispatchMode):
             kind = "functional"  # contiguous/reshape/to: an alias by schema, here a copy
         step = _Step(func, args, kwargs, kind,
                      context=None if _is_builtin(func) else _replay_context())
+        if kind in ("functional", "alloc", "mutate"):
+            _check_recordable(func, out)
         if kind in ("functional", "alloc"):
             step.outs = tensor_leaves(out)
             for t in step.outs:

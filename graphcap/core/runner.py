@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from graphcap.core.buckets import pick_bucket
 from graphcap.core.graphs import new_pool
 from graphcap.core.inputs import Batch, Inputs
+from graphcap.core.outputs import check_outputs
 from graphcap.core.serial import Serial
 from graphcap.core.snapshot import ModelSnapshot
 from graphcap.core.strategy import Strategy
@@ -45,6 +46,9 @@ class RunnerConfig:
     warmup: str = "first"
     # A model changed since capture: "recapture" (every shape, at that call) or "error".
     on_change: str = "recapture"
+    # A model split across ranks: agree(key, what) returns when every rank passed the same
+    # key (the shape list before a capture, each call's route before it runs), else raises.
+    agree: Callable[[str, str], None] | None = None
 
 
 @dataclass
@@ -127,6 +131,10 @@ class Runner:
                 elif self.strategy.captures and not self.entries:
                     self._capture_all(batch, None)  # on the first call (tensors)
                 entry, reason = self._route(batch)
+                if self.config.agree is not None:  # every rank replays one graph, or
+                    self.config.agree(  # runs the same batch eagerly
+                        f"replay {entry.bucket}" if entry is not None else
+                        f"eager ({reason}) {batch.tokens} tokens", "a call of the runner")
                 if entry is None:
                     return self._eager(batch, reason)
                 return self._replay(entry, batch)
@@ -242,6 +250,8 @@ class Runner:
             with torch.inference_mode():
                 before()
         self.inputs.allocate(self.max_tokens, batch)
+        if self.config.agree is not None:
+            self.config.agree(f"capture {self.config.buckets}", "a capture")
         try:
             with torch.inference_mode():
                 for done, bucket in enumerate(reversed(self.config.buckets), 1):
@@ -277,7 +287,7 @@ class Runner:
             self = runner()
             self.inputs.derive(state)
             flat, spec = tree_flatten(self.inputs.forward(self.model, bucket, state))
-            self._check_outputs(flat, bucket)
+            check_outputs(flat, bucket, self.inputs, self._outputs)
             self._out_spec = spec
             for buf, out in zip(self._outputs, flat, strict=True):
                 buf[:rows].copy_(out)
@@ -314,7 +324,7 @@ class Runner:
         start = time.perf_counter()
         with self.pool.warmup(sizes=sizes), self.strategy.watch(bucket):
             flat, _ = tree_flatten(self.inputs.forward(self.model, bucket, state))
-            self._check_outputs(flat, bucket)
+            check_outputs(flat, bucket, self.inputs, self._outputs)
             outs = [(o.shape[1:], o.dtype, o.device) for o in flat]
             # Freed before the warm-up ends: a sizing warm-up counts them as transient,
             # as the capture, which copies them into the static outputs, frees them.
@@ -336,30 +346,6 @@ class Runner:
         self.entries[bucket] = ShapeEntry(bucket, state, **vars(captured))
         if self.stats.first_shape_s is None:
             self.stats.first_shape_s = self.stats.warmup_s + self.stats.capture_s
-
-    def _check_outputs(self, flat: list, bucket: int) -> None:
-        """Outputs a graph can return for shape ``bucket``: tensors with its rows along dim
-        0 and, after the first shape, the same count, dtypes and trailing sizes as the
-        first shape's (the static output buffers)."""
-        rows = self.inputs.rows(bucket)
-        bad = [tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__
-               for o in flat if not isinstance(o, torch.Tensor)
-               or o.dim() == 0 or o.shape[0] != rows]
-        if bad:
-            raise UnsupportedStrategy(
-                f"the model returned {bad} for {bucket} tokens: a captured model must "
-                f"return tensors with {self.inputs.row_unit} along dim 0 ({rows} here; rows "
-                "are padded and sliced), each row depending only on its own request's "
-                "tokens")
-        if not self._outputs:
-            return
-        got = [(o.dtype, tuple(o.shape[1:])) for o in flat]
-        want = [(b.dtype, tuple(b.shape[1:])) for b in self._outputs]
-        if got != want:
-            raise UnsupportedStrategy(
-                f"the model returned outputs of (dtype, trailing sizes) {got} for {bucket} "
-                f"tokens but {want} for the first shape: a captured model must return the "
-                "same outputs for every shape, only their rows differing")
 
     # -- report --------------------------------------------------------------------
     def report(self) -> dict:

@@ -27,10 +27,12 @@ PRESETS = {
 
 
 def build_model(name: str, device="cpu", dtype=torch.float32, seed: int = 0,
-                logits: str = "all") -> Decoder:
+                logits: str = "all", tp=None) -> Decoder:
     """A randomly initialised reference decoder from a preset name (built directly on
     ``device``; ``"meta"`` gives shapes without memory). ``logits="last"``: logits of
-    each request's last token only (prefill producing one token)."""
+    each request's last token only (prefill producing one token). ``tp`` (a
+    :class:`graphcap.dist.TPGroup`): this rank's share of the model split across the
+    group (every rank builds the same weights from ``seed``, then keeps its share)."""
     if name not in PRESETS:
         raise KeyError(f"no model preset {name!r}; choose one of {sorted(PRESETS)}")
     torch.manual_seed(seed)
@@ -44,7 +46,12 @@ def build_model(name: str, device="cpu", dtype=torch.float32, seed: int = 0,
             model = Decoder(PRESETS[name], logits=logits)
     finally:
         torch.set_default_dtype(previous)
-    return model.to(dtype=dtype).eval()
+    model = model.to(dtype=dtype).eval()
+    if tp is None:
+        return model
+    from graphcap.dist.shard import shard_model
+
+    return shard_model(model, tp)
 
 
 __all__ = ["MLP", "PRESETS", "CheckpointError", "Decoder", "ModelArgs", "build_model",

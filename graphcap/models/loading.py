@@ -102,8 +102,11 @@ def _hf_names(a: ModelArgs, i: int) -> dict[str, list[str]]:
     return names
 
 
-def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32) -> Decoder:
-    """A reference decoder with the weights of a Hugging Face checkpoint folder."""
+def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32,
+                    tp=None) -> Decoder:
+    """A reference decoder with the weights of a Hugging Face checkpoint folder; with
+    ``tp`` (a :class:`graphcap.dist.TPGroup`) this rank's share of it (read on the host,
+    split there, and only the share moved to ``device``)."""
     folder = Path(folder)
     config_path = folder / "config.json"
     if not config_path.exists():
@@ -139,9 +142,16 @@ def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32) -> De
             sources = names.get(name, [name])
             raise CheckpointError(f"{folder}: {', '.join(sources)} has shape "
                                   f"{tuple(tensor.shape)}, expected {want} for {name}")
-    model = model.to_empty(device=device)
+    model = model.to_empty(device="cpu")
     model.load_state_dict(state, strict=False, assign=True)
-    model.reset_rope(device)
+    model.reset_rope("cpu")
     if args.tie_embeddings:
         model.lm_head.weight = model.embed.weight
-    return model.to(dtype=dtype).eval()
+    model = model.to(dtype=dtype).eval()
+    if tp is not None:
+        from graphcap.dist.shard import shard_model
+
+        model = shard_model(model, tp)
+    model = model.to(device=device)
+    model.reset_rope(device)
+    return model

@@ -16,6 +16,7 @@ from torch import nn
 
 from graphcap.models.blocks import attention_half, moe_half, swiglu_half
 from graphcap.opsdb.attention.packed import packed
+from graphcap.opsdb.collective import ALL_GATHER
 from graphcap.opsdb.linear import RMS_NORM_LINEAR
 from graphcap.opsdb.reference import rope_cache
 
@@ -42,9 +43,9 @@ class ModelArgs:
 
 
 class Attention(nn.Module):
-    def __init__(self, a: ModelArgs, layer: int = 0):
+    def __init__(self, a: ModelArgs, layer: int = 0, tp: str | None = None):
         super().__init__()
-        self.a, self.layer = a, layer  # its layer of a K/V cache
+        self.a, self.layer, self.tp = a, layer, tp  # its layer of a K/V cache; TP group
         self.qkv = nn.Linear(a.hidden, (a.heads + 2 * a.kv_heads) * a.head_dim,
                              bias=a.qkv_bias)
         self.o = nn.Linear(a.heads * a.head_dim, a.hidden, bias=False)
@@ -60,27 +61,27 @@ class Attention(nn.Module):
         return attention_half(h, positions, norm, a.eps, self.qkv.weight, self.qkv.bias,
                               *norms, a.eps, cos_sin, a.heads, a.kv_heads, a.head_dim,
                               1.0 / math.sqrt(a.head_dim), self.o.weight,
-                              layer=self.layer)
+                              layer=self.layer, tp=self.tp)
 
 
 class FeedForward(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, tp: str | None = None):
         super().__init__()
-        self.eps = a.eps
+        self.eps, self.tp = a.eps, tp
         self.gate_up = nn.Linear(a.hidden, 2 * a.intermediate, bias=False)
         self.down = nn.Linear(a.intermediate, a.hidden, bias=False)
 
     def forward(self, h, norm):
         """h + down(silu(gate) * up) of rms_norm(h)."""
-        return swiglu_half(h, norm, self.eps, self.gate_up.weight, self.down.weight)
+        return swiglu_half(h, norm, self.eps, self.gate_up.weight, self.down.weight, self.tp)
 
 
 class MoE(nn.Module):
     """Top-k softmax routing over ``experts`` SwiGLU experts (Qwen3-MoE style)."""
 
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, tp: str | None = None):
         super().__init__()
-        self.eps, self.top_k, self.norm_topk = a.eps, a.top_k, a.norm_topk
+        self.eps, self.top_k, self.norm_topk, self.tp = a.eps, a.top_k, a.norm_topk, tp
         self.router = nn.Linear(a.hidden, a.experts, bias=False)
         scale = a.hidden ** -0.5
         self.w13 = nn.Parameter(torch.randn(a.experts, 2 * a.moe_intermediate, a.hidden)
@@ -91,19 +92,19 @@ class MoE(nn.Module):
     def forward(self, h, norm):
         """h + the routed experts of rms_norm(h)."""
         return moe_half(h, norm, self.eps, self.router.weight, self.top_k, self.norm_topk,
-                        self.w13, self.w2)
+                        self.w13, self.w2, self.tp)
 
 
 class Block(nn.Module):
     """A pre-norm layer: h + attention(norm(h)), then h + mlp(norm(h)). Each norm is fused
     into the matmul after it and each residual add into the matmul before it."""
 
-    def __init__(self, a: ModelArgs, layer: int = 0):
+    def __init__(self, a: ModelArgs, layer: int = 0, tp: str | None = None):
         super().__init__()
         self.attn_norm = nn.Parameter(torch.ones(a.hidden))
         self.mlp_norm = nn.Parameter(torch.ones(a.hidden))
-        self.attn = Attention(a, layer)
-        self.mlp = MoE(a) if a.experts else FeedForward(a)
+        self.attn = Attention(a, layer, tp)
+        self.mlp = MoE(a, tp) if a.experts else FeedForward(a, tp)
 
     def forward(self, h, positions, cos_sin):
         h = self.attn(h, self.attn_norm, positions, cos_sin)
@@ -113,20 +114,30 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """Token ids [T] and positions [T] of packed requests -> logits [T, vocab], or with
     ``logits="last"`` (prefill producing one token) logits [requests, vocab] of each
-    request's last token."""
+    request's last token. With ``tp`` (a :class:`graphcap.dist.TPGroup`) it is this
+    rank's share of the model split across the group (:mod:`graphcap.dist.shard`); its
+    ``local_args`` are the shapes of its layers, ``args`` those of the whole model."""
 
-    def __init__(self, a: ModelArgs, logits: str = "all"):
+    def __init__(self, a: ModelArgs, logits: str = "all", tp=None):
         super().__init__()
         if logits not in ("all", "last"):
             raise ValueError(f"logits={logits!r}: choose 'all' (every token) or 'last' "
                              "(each request's last token)")
-        self.args = a
+        self.args, self.tp = a, tp
+        self.local_args = a
+        name = None
+        if tp is not None:
+            from graphcap.dist.shard import shard_args
+
+            self.local_args, name = shard_args(a, tp.size), tp.name
+        local = self.local_args
         self.output_rows = "tokens" if logits == "all" else "requests"
         self.embed = nn.Embedding(a.vocab_size, a.hidden)
-        self.blocks = nn.ModuleList(Block(a, i) for i in range(a.layers))
+        self.blocks = nn.ModuleList(Block(local, i, name) for i in range(a.layers))
         self.norm = nn.Parameter(torch.ones(a.hidden))
-        self.lm_head = nn.Linear(a.hidden, a.vocab_size, bias=False)
-        if a.tie_embeddings:
+        self.lm_head = nn.Linear(a.hidden, a.vocab_size // (tp.size if tp else 1),
+                                 bias=False)
+        if a.tie_embeddings and tp is None:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("cos_sin", rope_cache(a.head_dim, a.max_position, a.rope_theta),
                              persistent=False)
@@ -164,7 +175,10 @@ class Decoder(nn.Module):
                 raise ValueError("a Decoder built with logits='last' needs last_rows (or "
                                  "seq_lens=[...] in an eager call)")
             h = h[last_rows]
-        return RMS_NORM_LINEAR(h, self.norm, self.args.eps, self.lm_head.weight, None)
+        logits = RMS_NORM_LINEAR(h, self.norm, self.args.eps, self.lm_head.weight, None)
+        if self.tp is not None:  # each rank's rows of the vocabulary
+            logits = ALL_GATHER(logits, -1, self.tp.name)
+        return logits
 
 
 class MLP(nn.Module):

@@ -8,6 +8,7 @@ from graphcap.opsdb import (  # noqa: F401
     activation,
     attention,
     cached,
+    collective,
     decode,
     kv,
     linear,

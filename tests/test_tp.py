@@ -1,0 +1,182 @@
+"""Tensor parallelism on CPU: two processes over gloo, the graph emulator. The reference
+decoders split across the ranks (dense and MoE) give the unsharded model's logits eagerly
+and under every strategy, and each strategy's replays the TP model's eager logits (up
+to the rounding of a padded shape); every replay runs the model's collectives on every
+rank (the emulator re-runs them); a Hugging Face checkpoint loads as each rank's share;
+ranks that disagree on a call's shape, or a rank that does not come, make every rank
+raise ``CaptureError`` within the group's timeout, and the runner stays usable; an
+asynchronous collective waited on across an eager break is refused."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import graphcap
+from graphcap.dist import TPGroup, shard_args, shard_tensor
+from graphcap.errors import CaptureError, UnsupportedModel
+from graphcap.models import PRESETS, build_model
+
+WORLD = 2
+STRATEGIES = ("eager", "full", "breakable", "tc_piecewise")
+
+
+def spawn(fn, *args):
+    """``fn(rank, *args)`` on ``WORLD`` processes joined in one gloo world; a worker's
+    exception fails the test."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_worker, args=(f"file://{folder}/init", fn, args), nprocs=WORLD, join=True)
+
+
+def _worker(rank: int, init: str, fn, args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    try:
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def batches(vocab: int):
+    gen = torch.Generator().manual_seed(1)
+    for lens in ([5, 3], [9], [2, 2], [14, 1]):
+        n = sum(lens)
+        yield (torch.randint(0, vocab, (n,), generator=gen),
+               torch.cat([torch.arange(k) for k in lens]), lens)
+
+
+def _equivalence(rank: int) -> None:
+    tp = TPGroup()
+    for preset in ("tiny", "tiny-moe"):
+        full = build_model(preset)
+        model = build_model(preset, tp=tp)
+        layers = model.args.layers
+        with torch.no_grad():
+            for ids, pos, lens in batches(model.args.vocab_size):
+                torch.testing.assert_close(model(ids, pos, seq_lens=lens),
+                                           full(ids, pos, seq_lens=lens),
+                                           atol=1e-5, rtol=1e-5)
+        for strategy in STRATEGIES:
+            runner = graphcap.capture(model, strategy, buckets=[8, 16], max_requests=2)
+            for ids, pos, lens in batches(model.args.vocab_size):
+                before = tp.collectives.copy()
+                got = runner(ids, pos, seq_lens=lens)
+                ran = tp.collectives - before
+                assert ran == {"all_reduce": 2 * layers, "all_gather": 1}, (strategy, ran)
+                with torch.no_grad():
+                    eager = model(ids, pos, seq_lens=lens)
+                    want = full(ids, pos, seq_lens=lens)
+                # A padded bucket changes the matmuls' blocking: equal up to rounding.
+                torch.testing.assert_close(got, eager, atol=1e-6, rtol=1e-6)
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            if strategy != "eager":
+                assert sum(runner.report()["replays"].values()) == 4, strategy
+
+
+def test_the_split_model_equals_the_whole_under_every_strategy():
+    spawn(_equivalence)
+
+
+def _checkpoint(rank: int, folder: str) -> None:
+    from graphcap.models import load_checkpoint
+
+    tp = TPGroup()
+    whole, mine = load_checkpoint(folder), load_checkpoint(folder, tp=tp)
+    assert mine.local_args.heads == whole.args.heads // WORLD
+    ids, pos = torch.arange(1, 12), torch.arange(11)
+    with torch.no_grad():
+        torch.testing.assert_close(mine(ids, pos, seq_lens=[11]),
+                                   whole(ids, pos, seq_lens=[11]), atol=1e-5, rtol=1e-5)
+
+
+def test_a_hugging_face_checkpoint_loads_as_each_rank_s_share(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=256, tie_word_embeddings=True)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    spawn(_checkpoint, str(tmp_path))
+
+
+def _disagreement(rank: int) -> None:
+    tp = TPGroup(timeout_s=2.0)
+    model = build_model("tiny", tp=tp)
+    runner = graphcap.capture(model, "full", buckets=[8, 16], max_requests=2)
+    n = 5 if rank == 0 else 12  # bucket 8 on one rank, 16 on the other
+    start = time.monotonic()
+    with pytest.raises(CaptureError, match=r"disagree \(rank 0: replay 8, rank 1: replay 16"):
+        runner(torch.ones(n, dtype=torch.long), torch.arange(n), seq_lens=[n])
+    assert time.monotonic() - start < 5
+    with pytest.raises(CaptureError, match=r"rank 0: replay 8, rank 1: eager \(too_many"):
+        n = 5 if rank == 0 else 20
+        runner(torch.ones(n, dtype=torch.long), torch.arange(n), seq_lens=[n])
+    out = runner(torch.ones(6, dtype=torch.long), torch.arange(6), seq_lens=[6])  # usable
+    assert out.shape == (6, model.args.vocab_size)
+    if rank == 0:  # rank 1 does not come: rank 0 raises after the timeout
+        start = time.monotonic()
+        with pytest.raises(CaptureError, match="did not come"):
+            runner(torch.ones(6, dtype=torch.long), torch.arange(6), seq_lens=[6])
+        assert time.monotonic() - start < 5
+    dist.barrier()  # the world group: rank 1 waits here for rank 0's timeout
+
+
+def test_ranks_that_disagree_all_raise_within_the_timeout():
+    spawn(_disagreement)
+
+
+def test_a_tp_size_that_does_not_divide_the_heads_is_refused():
+    with pytest.raises(UnsupportedModel, match="does not divide kv_heads 2"):
+        shard_args(PRESETS["tiny"], 4)
+    t = torch.arange(12).reshape(6, 2)
+    assert shard_tensor(t, 0, [4, 2], 1, 2).tolist() == [[4, 5], [6, 7], [10, 11]]
+    assert shard_tensor(t, 1, [2], 0, 2).tolist() == [[0], [2], [4], [6], [8], [10]]
+
+
+def test_a_group_needs_torch_distributed_initialised():
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    with pytest.raises(graphcap.errors.GraphcapError, match="init_process_group"):
+        TPGroup()
+
+
+
+
+class _AsyncAcrossABreak(torch.nn.Module):
+    """An all-reduce launched asynchronously, its result handed to an eager break before
+    anyone waits on it."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        from torch.distributed import _functional_collectives as funcol
+
+        pending = funcol.all_reduce(self.lin(x), "sum", self.group)
+        return _eager_double(pending)
+
+
+@graphcap.eager_on_graph
+def _eager_double(x):
+    return x * 2
+
+
+def _async_break(rank: int) -> None:
+    tp = TPGroup()
+    with pytest.raises(CaptureError, match="asynchronous collective that was not waited"):
+        graphcap.capture(_AsyncAcrossABreak(tp.data), "breakable", buckets=[4],
+                         example_inputs=(torch.ones(4, 8),))
+
+
+def test_an_async_collective_waited_on_across_a_break_is_refused():
+    spawn(_async_break)
