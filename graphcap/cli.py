@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="decode: comma-separated batch sizes (default 1,8)")
     bench.add_argument("--context", type=int, default=128,
                        help="decode: tokens in the cache of every request")
+    bench.add_argument("--tp", type=int, default=1,
+                       help="prefill: split each preset across this many GPUs (one process "
+                            "each, NCCL) and time it beside the unsplit run")
     bench.add_argument("--attention", default=None, choices=sorted(BACKENDS),
                        help="attention backend of the arms that do not name one (eager, "
                             "breakable, tc_piecewise, the peers; default: the best for full)")

@@ -322,3 +322,17 @@ def test_bench_decode_times_every_arm_per_batch_and_says_what_did_not_run():
         assert all(ms > 0 for ms in row["ms"].values())
     assert "CUDA" in model["skipped"]["hf-static-compile"]
     assert model["build"]["full"]["graph_pool_bytes"] > 0
+
+
+def test_bench_prefill_tp_times_the_split_preset_beside_the_whole_in_one_job():
+    if torch.cuda.is_available():
+        pytest.skip("the CPU form (gloo, the emulator); the GPUs run it through the CLI")
+    from graphcap.bench import tp
+
+    result = tp.run(("tiny",), ("eager", "breakable"), (8,), reps=2, tp=2, device="cpu",
+                    timeout_s=20.0)
+    model = result["models"][0]
+    assert model["tp1"]["rows"][0]["tokens"] == 8 and model["tp2"]["rows"][0]["ms"]
+    assert set(model["ratios"][0]["tp_over_1"]) == {"eager", "breakable"}
+    assert len(model["tp2"]["ranks"]) == 2 and "breakable" in model["tp2"]["ranks"][1]
+    assert any("breakable rank 1: build s" in t["target"] for t in model["targets"])

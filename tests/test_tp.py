@@ -26,18 +26,21 @@ WORLD = 2
 STRATEGIES = ("eager", "full", "breakable", "tc_piecewise")
 
 
-def spawn(fn, *args):
-    """``fn(rank, *args)`` on ``WORLD`` processes joined in one gloo world; a worker's
-    exception fails the test."""
+def spawn(fn, *args, world: int = WORLD, backend: str = "gloo"):
+    """``fn(rank, *args)`` on ``world`` processes joined in one world of ``backend``
+    (NCCL: one GPU each); a worker's exception fails the test."""
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_worker, args=(f"file://{folder}/init", fn, args), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(f"file://{folder}/init", world, backend, fn, args),
+                 nprocs=world, join=True)
 
 
-def _worker(rank: int, init: str, fn, args) -> None:
+def _worker(rank: int, init: str, world: int, backend: str, fn, args) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
     try:
         fn(rank, *args)
     finally:
@@ -82,6 +85,22 @@ def _equivalence(rank: int) -> None:
 
 def test_the_split_model_equals_the_whole_under_every_strategy():
     spawn(_equivalence)
+
+
+def _generation(rank: int) -> None:
+    tp = TPGroup()
+    prompts = [[5, 9, 2, 7, 1], [3], [8, 8, 4, 11, 6, 2, 9]]
+    want = graphcap.generate(build_model("tiny"), prompts, 6, strategy="eager",
+                             max_batch=2).tokens
+    model = build_model("tiny", tp=tp)
+    for strategy in STRATEGIES:
+        got = graphcap.generate(model, prompts, 6, strategy=strategy, max_batch=2,
+                                prefill_tokens=16)
+        assert got.tokens == want, strategy  # each rank caches its own key/value heads
+
+
+def test_greedy_generation_of_the_split_model_is_the_whole_model_s():
+    spawn(_generation)
 
 
 def _checkpoint(rank: int, folder: str) -> None:

@@ -147,13 +147,20 @@ def idle_share(arm, length: int, reps: int = 20) -> dict:
 
 
 def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,
-                device: str = "cuda", attention: str | None = None) -> dict:
+                device: str = "cuda", attention: str | None = None, tp=None) -> dict:
+    """``tp`` (a :class:`graphcap.dist.TPGroup`): the preset split across its ranks
+    (every rank runs this with the same arguments: :mod:`graphcap.bench.tp`)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = build_model(name, device=device, dtype=dtype, logits="last")
+    model = build_model(name, device=device, dtype=dtype, logits="last", tp=tp)
+    device = str(next(model.parameters()).device)  # a rank's own GPU under TP
     attention = attention or default_attention(device)
     stock = [a for a in arms_wanted if a in HF_ARMS]
     arms, skipped = build_arms(model, [a for a in arms_wanted if a not in HF_ARMS], lengths,
                                max_requests=1, attention=attention, on_arm=progress)
+    if stock and tp is not None:
+        skipped.update({a: "a stock transformers model is not split across ranks"
+                        for a in stock})
+        stock = []
     if stock:  # the stock transformers model of the preset's config, interleaved with it
         more, why = build_hf_arms(name, stock, lengths, attention, device, dtype, progress)
         arms.update(more)
@@ -162,14 +169,14 @@ def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,
              for a, arm in arms.items()}
     times = time_interleaved(
         cases, reps=reps, rounds=ROUNDS, settle_ms=SETTLE_MS,
-        warmup_s=WARMUP_S if device == "cuda" else 0.0,
+        warmup_s=WARMUP_S if device.startswith("cuda") else 0.0,
         on_round=None if progress is None else (lambda done: progress(f"{name} {done}")))
     rows = [{"tokens": n, "ms": {a: times[n, a]["median_ms"] for a in arms},
              "spread": {a: [times[n, a]["p10_ms"], times[n, a]["p90_ms"]] for a in arms}}
             for n in lengths]
     first = _full_arm(arms, attention)
     extra = {}
-    if first is not None and device == "cuda":
+    if first is not None and device.startswith("cuda"):
         small = min(lengths)
         extra["runner_overhead"] = {"arm": first, **runner_overhead(arms[first], small)}
         at_small = next(r["ms"] for r in rows if r["tokens"] == small)
@@ -186,7 +193,7 @@ def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,
                         for a, arm in arms.items()}, **extra}
     result["targets"] = prefill_targets(result)
     del arms, model
-    if device == "cuda":
+    if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return result
 

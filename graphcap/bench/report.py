@@ -119,3 +119,16 @@ def plot_prefill(result: dict, path: Path) -> Path | None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
+
+
+def show_tp(result: dict) -> None:
+    tp = result["tp"]
+    for model in result["models"]:
+        arms = [a for a in result["arms"] if any(a in r["tp_over_1"] for r in model["ratios"])]
+        split = {r["tokens"]: r["ms"] for r in model[f"tp{tp}"]["rows"]}
+        rows = [[str(r["tokens"])] + [
+            f"{split[r['tokens']][a]:.3f} ({r['tp_over_1'][a]:.2f}x)" if a in r["tp_over_1"]
+            else "-" for a in arms] for r in model["ratios"]]
+        print_table(f"{model['model']}: ms per prefill at TP={tp} (its ratio to TP=1)",
+                    ["tokens", *arms], rows)
+        show_targets(model["targets"])

@@ -16,7 +16,13 @@ def run_suite(args: argparse.Namespace) -> int:
     from graphcap.bench.arms import ARMS
     from graphcap.bench.common import today, write_result
     from graphcap.bench.hf import HF_ARMS
-    from graphcap.bench.report import plot_prefill, show_decode, show_ladder, show_prefill
+    from graphcap.bench.report import (
+        plot_prefill,
+        show_decode,
+        show_ladder,
+        show_prefill,
+        show_tp,
+    )
     from graphcap.progress import progress
 
     if args.suite == "decode":
@@ -42,6 +48,14 @@ def run_suite(args: argparse.Namespace) -> int:
                 raise SystemExit(f"graphcap bench prefill: no arm {arm!r}; choose from "
                                  f"{', '.join(ARMS + HF_ARMS)}")
         lengths = _csv(args.lengths, prefill.LENGTHS, int)
+        if getattr(args, "tp", 1) > 1:
+            from graphcap.bench import tp
+
+            result = tp.run(models, arms, lengths, args.reps, args.tp, args.attention)
+            show_tp(result)
+            path = write_result(result, args.out, f"{today()}-bench-prefill-tp{args.tp}.json")
+            print(f"wrote {path}")
+            return 0 if all(t["met"] for m in result["models"] for t in m["targets"]) else 1
         with progress(len(models) * (len(arms) + prefill.ROUNDS), "prefill") as step:
             result = prefill.run(models, arms, lengths, args.reps, progress=step,
                                  attention=args.attention)

@@ -100,8 +100,9 @@ def cache_shape(model) -> CacheShape:
     """The cache a model needs: a reference decoder's ``args``, or a stock transformers
     model's config under ``graphcap.hf.PrefillLM``."""
     args = getattr(model, "args", None)
-    if args is not None:
-        return CacheShape(args.layers, args.kv_heads, args.head_dim, args.vocab_size,
+    if args is not None:  # a TP decoder caches its own key/value heads (local_args)
+        local = getattr(model, "local_args", args)
+        return CacheShape(args.layers, local.kv_heads, args.head_dim, args.vocab_size,
                           args.max_position)
     config = getattr(getattr(model, "hf_model", None), "config", None)
     if config is None:

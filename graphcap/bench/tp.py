@@ -1,0 +1,119 @@
+"""``graphcap bench prefill --tp N``: the prefill arms of each preset split across N
+ranks (one process and one GPU each, NCCL), beside the same arms unsplit (TP=1, one
+process) in the same job, so the ratios are within one run.
+
+Every rank runs the same calls in the same order (the runners agree on each call's
+route, :meth:`graphcap.dist.TPGroup.agree`); rank 0's CUDA-event times are recorded,
+and every rank's graph pool and build seconds. NVLink multicast stays off
+(``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, set for the workers
+unless the caller set them). On CPU (tests) the workers use gloo and the emulator.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from graphcap.bench.common import environment
+from graphcap.bench.targets import verdict
+
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def _worker(rank: int, size: int, init: str, job: dict, queue) -> None:
+    from graphcap.bench import prefill
+    from graphcap.dist import TPGroup
+
+    cuda = job["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank,
+                            world_size=size)
+    try:
+        tp = TPGroup(timeout_s=job["timeout_s"]) if size > 1 else None
+        results = [prefill.bench_model(m, job["arms"], job["lengths"], job["reps"],
+                                       device=job["device"], attention=job["attention"],
+                                       tp=tp) for m in job["models"]]
+        per_rank = [[{a: {k: b[k] for k in ("build_s", "graph_pool_bytes") if k in b}
+                      for a, b in r["build"].items()}] for r in results]
+        gathered: list = [None] * size
+        dist.all_gather_object(gathered, per_rank)
+        if rank == 0:
+            for i, r in enumerate(results):
+                r["ranks"] = [g[i][0] for g in gathered]
+            queue.put(results)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(size: int, job: dict) -> list[dict]:
+    for name, value in MULTICAST_OFF.items():
+        os.environ.setdefault(name, value)
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as folder:
+        mp.start_processes(_worker, args=(size, f"file://{folder}/init", job, queue),
+                           nprocs=size, join=True, start_method="spawn")
+    return queue.get()
+
+
+def run(models, arms, lengths, reps: int = 30, tp: int = 2, attention: str | None = None,
+        device: str | None = None, timeout_s: float = 60.0) -> dict:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and torch.cuda.device_count() < tp:
+        raise SystemExit(f"graphcap bench prefill --tp {tp}: {torch.cuda.device_count()} "
+                         f"GPUs here, {tp} needed (one per rank)")
+    job = {"models": list(models), "arms": list(arms), "lengths": list(lengths),
+           "reps": reps, "attention": attention, "device": device, "timeout_s": timeout_s}
+    by_size = {size: _spawn(size, job) for size in (1, tp)}
+    out = []
+    for i, name in enumerate(models):
+        one, split = by_size[1][i], by_size[tp][i]
+        ratios = [{"tokens": a["tokens"],
+                   "tp_over_1": {arm: round(b["ms"][arm] / a["ms"][arm], 4)
+                                 for arm in a["ms"] if arm in b["ms"]}}
+                  for a, b in zip(one["rows"], split["rows"], strict=True)]
+        out.append({"model": name, "tp1": one, f"tp{tp}": split, "ratios": ratios,
+                    "targets": tp_targets(one, split, tp)})
+    return {"what": f"graphcap bench prefill --tp {tp}: one request, last-token logits, "
+                    f"bf16, the preset split across {tp} ranks (one GPU each, NCCL) and "
+                    "unsplit, rank 0's CUDA-event wall time per call",
+            **environment(), "tp": tp, "device": device, "lengths": list(lengths),
+            "arms": list(arms), "models": out}
+
+
+def tp_targets(one: dict, split: dict, tp: int) -> list[dict]:
+    """Issue 22's targets where the run has their arms: the split full graph's time
+    against the unsplit one at 16 tokens (llama3-8b), breakable's share of full's
+    speed-up, and per rank the graph pool and the build against the unsplit run's."""
+    out = []
+    full = next((a for a in split["rows"][0]["ms"] if a.startswith("full-")), None)
+    rows = {r["tokens"]: r["ms"] for r in split["rows"]}
+    base = {r["tokens"]: r["ms"] for r in one["rows"]}
+    limit = {2: 0.70, 4: 0.45}.get(tp)
+    if full and 16 in rows and limit and split.get("model") == "llama3-8b":
+        out.append(verdict(f"16 tokens: {full} TP={tp} ms / TP=1 ms",
+                           rows[16][full] / base[16][full], limit, at_least=False))
+    if full and 16 in rows and {"eager", "breakable"} <= set(rows[16]):
+        speedup = rows[16]["eager"] / rows[16][full]
+        out.append(verdict(f"16 tokens, TP={tp}: breakable speed-up / {full}'s",
+                           rows[16]["eager"] / rows[16]["breakable"] / speedup, 0.93,
+                           at_least=True))
+    for arm, built in one["build"].items():
+        for rank, mine in enumerate(split.get("ranks", [])):
+            if arm not in mine:
+                continue
+            if built.get("graph_pool_bytes"):
+                out.append(verdict(
+                    f"{arm} rank {rank}: graph pool / (TP=1 pool / {tp} + 64 MiB)",
+                    mine[arm].get("graph_pool_bytes", 0)
+                    / (built["graph_pool_bytes"] / tp + 64 * 2**20), 1.0, at_least=False))
+            if built.get("build_s"):
+                out.append(verdict(f"{arm} rank {rank}: build s / TP=1 build s",
+                                   mine[arm]["build_s"] / built["build_s"], 1.15,
+                                   at_least=False))
+    return out
