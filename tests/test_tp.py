@@ -57,6 +57,13 @@ def batches(vocab: int):
 
 def _equivalence(rank: int) -> None:
     tp = TPGroup()
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank))
+    # Schema (no undeclared mutation), fake tensors, dynamic shapes: on both ranks at once.
+    torch.library.opcheck(torch.ops.graphcap.all_reduce.default, (x, tp.name))
+    torch.library.opcheck(torch.ops.graphcap.all_gather.default, (x, -1, tp.name))
+    both = [torch.randn(6, 8, generator=torch.Generator().manual_seed(r)) for r in (0, 1)]
+    torch.testing.assert_close(torch.ops.graphcap.all_reduce(x, tp.name), both[0] + both[1])
+    assert torch.equal(torch.ops.graphcap.all_gather(x, -1, tp.name), torch.cat(both, -1))
     for preset in ("tiny", "tiny-moe"):
         full = build_model(preset)
         model = build_model(preset, tp=tp)
