@@ -6,6 +6,8 @@ refused before anything runs."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -209,3 +211,49 @@ def test_a_decode_step_makes_no_host_sync(strategy, sample):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert sum(runner.report()["replays"].values()) == 4
+
+
+def test_flashinfer_decode_says_where_it_cannot_run():
+    m, cache = setup()
+    with pytest.raises(ValueError, match="attention='fast'"):
+        DecodeInputs(cache, attention="fast")
+    if DEVICE == "cpu":
+        with pytest.raises(graphcap.errors.BackendUnavailable,
+                           match="decode attention 'flashinfer' runs on cuda tensors"):
+            DecodeInputs(cache, attention="flashinfer")
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or importlib.util.find_spec("flashinfer") is None,
+                    reason="FlashInfer on a CUDA device")
+@pytest.mark.parametrize("strategy", ["breakable", "full", "tc_piecewise"])
+def test_flashinfer_decode_replays_the_eager_steps(strategy):
+    """bf16 (FlashInfer's dtypes): its plan before each replay, its kernel in the graph,
+    against graphcap's own decode attention run eagerly."""
+    def bf16():
+        m, cache = setup()
+        a = m.args
+        cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=4, max_len=32,
+                             page_size=4, device=DEVICE, dtype=torch.bfloat16)
+        for slot, prompt in PROMPTS.items():
+            cache.admit(slot, len(prompt) + len(SCHEDULE) + 1)
+        return m.to(torch.bfloat16), cache
+
+    m, cache = bf16()
+    fed = []  # the eager loop's tokens, fed to both (bf16 argmax may tie differently)
+
+    def feeding(tokens, positions, rows):
+        fed.append(tokens)
+        return decode_step(m, cache, tokens, torch.tensor(positions, device=DEVICE), rows)
+
+    want = run(feeding, m, cache)
+    m2, cache2 = bf16()
+    cache2.k.fill_(float("nan"))
+    cache2.v.fill_(float("nan"))
+    runner = graphcap.capture(m2, strategy, buckets=BUCKETS,
+                              inputs=DecodeInputs(cache2, attention="flashinfer"))
+    steps = iter(fed)
+    got = run(lambda t, p, s: runner(next(steps), positions=p, slots=s), m2, cache2)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g.float(), w.float(), atol=0.05, rtol=0.05,
+                                   msg=f"step {step}")
+    assert sum(runner.report()["replays"].values()) == len(SCHEDULE)

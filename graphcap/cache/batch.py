@@ -16,6 +16,7 @@ no host synchronisation, so a graph can recompute it on each replay:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,6 +31,7 @@ class CacheBatch:
     block_table: torch.Tensor | None = None  # paged only
     seq_lens: torch.Tensor | None = None  # paged only
     written: set[int] = field(default_factory=set)  # the layers whose K/V the forward wrote
+    plan: Any = None  # paged only: a kernel planned on the host (FlashInferDecode), or None
 
     def check_written(self, model) -> None:
         """After a forward: every layer of the cache wrote its K/V, or a clear error."""

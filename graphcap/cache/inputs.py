@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import torch
 
+from graphcap.cache import flashinfer_decode
 from graphcap.cache.batch import CacheBatch
 from graphcap.cache.paged import PagedKVCache
 from graphcap.cache.sampling import Sampling, host_tensors
 from graphcap.core.batch import staged
 from graphcap.core.context import forward_context
 from graphcap.core.inputs import Batch, Inputs
-from graphcap.errors import BadBatch, GraphcapError, UnsupportedModel
+from graphcap.errors import BackendUnavailable, BadBatch, GraphcapError, UnsupportedModel
 from graphcap.opsdb.sample import SAMPLE
 
 _INTS = (torch.int32, torch.int64)
@@ -39,9 +40,17 @@ class DecodeInputs(Inputs):
     kind = "decode"
     row_unit = "one row per request (one token each)"
 
-    def __init__(self, cache: PagedKVCache, sample: bool = False):
+    def __init__(self, cache: PagedKVCache, sample: bool = False,
+                 attention: str | None = None):
         super().__init__(cache.device)
-        self.cache, self.sample = cache, sample
+        if attention not in (None, "flashinfer"):
+            raise ValueError(f"attention={attention!r}: None (graphcap::decode_attention, "
+                             "its kernel chosen per device) or 'flashinfer'")
+        if attention == "flashinfer" and flashinfer_decode.why_not(cache):
+            raise BackendUnavailable(f"decode attention 'flashinfer' "
+                                     f"{flashinfer_decode.why_not(cache)}")
+        self.cache, self.sample, self.attention = cache, sample, attention
+        self._heads: dict = {}  # FlashInfer: the query heads and scale a run saw
         self.per_request = False  # the model takes each row's output row (bind)
         if sample:
             self.row_unit = "one token per request (drawn in the graph)"
@@ -114,7 +123,16 @@ class DecodeInputs(Inputs):
 
     def prepare(self, bucket: int) -> CacheBatch:
         tokens, positions, rows = (b[:bucket] for b in self.buffers[:3])
-        return CacheBatch.paged(self.cache, rows, positions)
+        return self._paged(rows, positions, bucket)
+
+    def _paged(self, rows, positions, count: int, host=None) -> CacheBatch:
+        """The step's cache state; with FlashInfer its plan, of ``host`` (positions and
+        slots) when given, else of pads only."""
+        kv = CacheBatch.paged(self.cache, rows, positions)
+        if self.attention == "flashinfer":
+            kv.plan = flashinfer_decode.FlashInferDecode(self.cache, count, self._heads)
+            kv.plan.plan(*(host if host is not None else ([], [])))
+        return kv
 
     def derive(self, kv: CacheBatch) -> None:
         """Each row's cache slot, pages and length, from the staged rows and positions,
@@ -157,6 +175,8 @@ class DecodeInputs(Inputs):
         self.copy_in(batch, bucket)
         if batch.tokens < bucket:
             self.buffers[2][batch.tokens:bucket].fill_(-1)  # pads: no request slot
+        if kv.plan is not None:  # outside the graph, from the host values
+            kv.plan.plan(batch.args[1].tolist(), batch.args[2].tolist())
 
     def context(self, kv: CacheBatch):
         return forward_context(kv=kv)
@@ -165,7 +185,8 @@ class DecodeInputs(Inputs):
         tokens, positions, rows, *params = batch.args
         positions, rows, *params = (t.to(self.device, non_blocking=True)
                                     for t in (positions, rows, *params))
-        kv = CacheBatch.paged(self.cache, rows, positions)
+        kv = self._paged(rows, positions, tokens.shape[0],
+                         (batch.args[1].tolist(), batch.args[2].tolist()))
         if not hasattr(self, "_last"):
             self._last = torch.arange(self.cache.max_requests, device=self.device)
 

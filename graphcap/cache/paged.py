@@ -147,6 +147,10 @@ class PagedKVCache:
     def free_pages(self) -> int:
         return len(self._free)
 
+    def pages_of(self, slot: int) -> list[int]:
+        """The pages of the request in ``slot``, in order (the list itself: read it)."""
+        return self._owned.get(slot, [])
+
     def owned(self) -> dict[int, list[int]]:
         """Request slot -> its pages, for the slots that hold a request."""
         return {slot: list(pages) for slot, pages in self._owned.items()}

@@ -46,8 +46,11 @@ def _run(q, k, v, out, scale, layer, attention, kernel=None) -> None:
         meta = attention_if_any()
         if meta is not None:  # an extend: packed requests, attended apart
             meta.attended = True
-        DECODE_ATTENTION(q, k_cache, v_cache, kv.block_table, kv.seq_lens, out, scale,
-                         kernel=kernel)
+        if kv.plan is not None:  # a kernel planned on the host before the replay
+            kv.plan.run(q, k_cache, v_cache, kv.seq_lens, out, scale)
+        else:
+            DECODE_ATTENTION(q, k_cache, v_cache, kv.block_table, kv.seq_lens, out, scale,
+                             kernel=kernel)
     else:
         attention(q, k, v, out, scale)
 

@@ -1,0 +1,94 @@
+"""FlashInfer's paged decode kernel for decode steps: :class:`FlashInferDecode`, one per
+shape (a batch bucket), chosen with ``DecodeInputs(cache, attention="flashinfer")``.
+
+FlashInfer plans a batch on the host: each row's pages (``indptr``, ``indices``) and the
+tokens of its last page. The wrapper is made with ``use_cuda_graph=True`` over static
+device buffers sized for the bucket, so ``run()`` is what a graph captures and ``plan()``
+rewrites those buffers before each replay, outside the graph, from the step's host
+positions and request slots and the cache's host page lists (no device read). Every
+layer shares the step's plan. A padded row is planned as one token on the null page and
+its output zeroed in the graph (its length is 0 on the device), so NaN there reaches no
+row. What it supports: CUDA, float16 and bfloat16, the cache's NHD layout
+``[pages, page_size, kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphcap.cache.paged import NULL_PAGE, PagedKVCache
+from graphcap.core.batch import staged
+from graphcap.errors import BackendUnavailable
+from graphcap.opsdb.spec import unavailable
+
+NAME = "flashinfer"
+DTYPES = (torch.float16, torch.bfloat16)
+WORKSPACE_BYTES = 128 << 20
+
+
+def why_not(cache: PagedKVCache) -> str | None:
+    """Why FlashInfer's decode cannot serve ``cache``, or None."""
+    why = unavailable(cache.device, ("cuda",), ("flashinfer",), interpreted=False)
+    if why is None and cache.k.dtype not in DTYPES:
+        why = f"takes float16 or bfloat16 caches, not {cache.k.dtype}"
+    return why
+
+
+class FlashInferDecode:
+    """The plan and kernel of one decode shape of ``rows`` rows over ``cache``. ``known``
+    is shared by a model's shapes: the query heads and scale the first run saw, so a
+    shape captured without a warm-up of its own never plans inside its capture."""
+
+    def __init__(self, cache: PagedKVCache, rows: int, known: dict | None = None):
+        why = why_not(cache)
+        if why:
+            raise BackendUnavailable(f"decode attention {NAME!r} {why}")
+        import flashinfer
+
+        self.cache, self.rows = cache, rows
+        device = cache.device
+        self.indptr = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+        self.indices = torch.zeros(rows * cache.block_table.shape[1], dtype=torch.int32,
+                                   device=device)
+        self.last = torch.ones(rows, dtype=torch.int32, device=device)
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=self.indptr,
+            paged_kv_indices_buffer=self.indices, paged_kv_last_page_len_buffer=self.last)
+        self.known = known if known is not None else {}
+        self.heads: tuple[int, float] | None = self.known.get("heads")  # from a run
+        self._step: tuple[list[int], list[int]] = ([], [])
+
+    def plan(self, positions: list[int], slots: list[int]) -> None:
+        """The step's rows (host ints): row ``b`` is position ``positions[b]`` of the
+        request in slot ``slots[b]``; the bucket's other rows are pads."""
+        self._step = (list(positions), list(slots))
+        if self.heads is not None:
+            self._plan()
+
+    def _plan(self) -> None:
+        cache, (positions, slots) = self.cache, self._step
+        size = cache.page_size
+        indptr, indices, last = [0], [], []
+        for position, slot in zip(positions, slots, strict=True):
+            indices += cache.pages_of(slot)[: position // size + 1]
+            indptr.append(len(indices))
+            last.append(position % size + 1)
+        for _ in range(self.rows - len(positions)):  # pads: one token of the null page
+            indices.append(NULL_PAGE)
+            indptr.append(len(indices))
+            last.append(1)
+        hq, scale = self.heads
+        self.wrapper.plan(
+            staged(indptr, torch.int32, cache.device), staged(indices, torch.int32,
+                                                              cache.device),
+            staged(last, torch.int32, cache.device), hq, cache.kv_heads, cache.head_dim,
+            size, q_data_type=cache.k.dtype, kv_data_type=cache.k.dtype, sm_scale=scale)
+
+    def run(self, q, k_cache, v_cache, seq_lens, out, scale: float) -> None:
+        """``out`` = each row's attention over its planned pages; pads (length 0) zero."""
+        if self.heads is None:  # the first run, eager (a warm-up): plan now
+            self.heads = self.known["heads"] = (q.shape[1], scale)
+            self._plan()
+        self.wrapper.run(q, (k_cache, v_cache), out=out)
+        out.copy_(torch.where((seq_lens > 0)[:, None, None], out, 0.0))
