@@ -44,6 +44,15 @@ class CacheBatch:
                 "with their layer index, and the cache must have as many layers as the "
                 "model")
 
+    def refresh(self, fresh: CacheBatch) -> None:
+        """Copy ``fresh``'s tensors (the same call's, recomputed) into these, in place:
+        what a graph does on each replay to the shape's static state."""
+        if self.reads_pages:
+            torch._foreach_copy_([self.slots, self.block_table, self.seq_lens],
+                                 [fresh.slots, fresh.block_table, fresh.seq_lens])
+        else:
+            self.slots.copy_(fresh.slots)
+
     @property
     def reads_pages(self) -> bool:
         """Attention reads the cache's pages (else only the forward's new tokens)."""

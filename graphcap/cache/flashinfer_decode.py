@@ -35,11 +35,12 @@ def why_not(cache: PagedKVCache) -> str | None:
 
 
 class FlashInferDecode:
-    """The plan and kernel of one decode shape of ``rows`` rows over ``cache``. ``known``
-    is shared by a model's shapes: the query heads and scale the first run saw, so a
-    shape captured without a warm-up of its own never plans inside its capture."""
+    """The plan and kernel of one decode shape of ``rows`` rows over ``cache``. ``shared``
+    is shared by a model's shapes: the query heads and scale the first run saw (so a
+    shape captured without a warm-up of its own never plans inside its capture) and the
+    float workspace (the kernels' scratch: replays run one at a time)."""
 
-    def __init__(self, cache: PagedKVCache, rows: int, known: dict | None = None):
+    def __init__(self, cache: PagedKVCache, rows: int, shared: dict | None = None):
         why = why_not(cache)
         if why:
             raise BackendUnavailable(f"decode attention {NAME!r} {why}")
@@ -51,18 +52,22 @@ class FlashInferDecode:
         self.indices = torch.zeros(rows * cache.block_table.shape[1], dtype=torch.int32,
                                    device=device)
         self.last = torch.ones(rows, dtype=torch.int32, device=device)
-        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.shared = shared if shared is not None else {}
+        if "workspace" not in self.shared:
+            self.shared["workspace"] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8,
+                                                   device=device)
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=self.indptr,
-            paged_kv_indices_buffer=self.indices, paged_kv_last_page_len_buffer=self.last)
-        self.known = known if known is not None else {}
-        self.heads: tuple[int, float] | None = self.known.get("heads")  # from a run
+            self.shared["workspace"], "NHD", use_cuda_graph=True,
+            paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
+            paged_kv_last_page_len_buffer=self.last)
+        self.heads: tuple[int, float] | None = self.shared.get("heads")  # from a run
         self._step: tuple[list[int], list[int]] = ([], [])
 
-    def plan(self, positions: list[int], slots: list[int]) -> None:
-        """The step's rows (host ints): row ``b`` is position ``positions[b]`` of the
-        request in slot ``slots[b]``; the bucket's other rows are pads."""
-        self._step = (list(positions), list(slots))
+    def plan(self, positions, slots) -> None:
+        """The step's rows (host ints, or host tensors of them): row ``b`` is position
+        ``positions[b]`` of the request in slot ``slots[b]``; the other rows are pads."""
+        self._step = tuple(v.tolist() if isinstance(v, torch.Tensor) else list(v)
+                           for v in (positions, slots))
         if self.heads is not None:
             self._plan()
 
@@ -88,7 +93,7 @@ class FlashInferDecode:
     def run(self, q, k_cache, v_cache, seq_lens, out, scale: float) -> None:
         """``out`` = each row's attention over its planned pages; pads (length 0) zero."""
         if self.heads is None:  # the first run, eager (a warm-up): plan now
-            self.heads = self.known["heads"] = (q.shape[1], scale)
+            self.heads = self.shared["heads"] = (q.shape[1], scale)
             self._plan()
         self.wrapper.run(q, (k_cache, v_cache), out=out)
         out.copy_(torch.where((seq_lens > 0)[:, None, None], out, 0.0))

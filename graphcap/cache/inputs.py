@@ -50,7 +50,10 @@ class DecodeInputs(Inputs):
             raise BackendUnavailable(f"decode attention 'flashinfer' "
                                      f"{flashinfer_decode.why_not(cache)}")
         self.cache, self.sample, self.attention = cache, sample, attention
-        self._heads: dict = {}  # FlashInfer: the query heads and scale a run saw
+        # FlashInfer: a plan per row count, and what they share (the query heads and
+        # scale a run saw, the workspace).
+        self._plans: dict[int, flashinfer_decode.FlashInferDecode] = {}
+        self._shared: dict = {}
         self.per_request = False  # the model takes each row's output row (bind)
         if sample:
             self.row_unit = "one token per request (drawn in the graph)"
@@ -126,11 +129,16 @@ class DecodeInputs(Inputs):
         return self._paged(rows, positions, bucket)
 
     def _paged(self, rows, positions, count: int, host=None) -> CacheBatch:
-        """The step's cache state; with FlashInfer its plan, of ``host`` (positions and
-        slots) when given, else of pads only."""
+        """The step's cache state; with FlashInfer the plan of ``count`` rows (one per
+        row count, shared by the shape of that bucket and eager calls of that many rows:
+        each replay plans again first), of ``host`` (positions and slots) when given,
+        else of pads only."""
         kv = CacheBatch.paged(self.cache, rows, positions)
         if self.attention == "flashinfer":
-            kv.plan = flashinfer_decode.FlashInferDecode(self.cache, count, self._heads)
+            kv.plan = self._plans.get(count)
+            if kv.plan is None:
+                kv.plan = self._plans[count] = flashinfer_decode.FlashInferDecode(
+                    self.cache, count, self._shared)
             kv.plan.plan(*(host if host is not None else ([], [])))
         return kv
 
@@ -139,9 +147,7 @@ class DecodeInputs(Inputs):
         into the shape's buffers (inside the graph: no host work per replay)."""
         bucket = kv.slots.shape[0]
         _, positions, rows = (b[:bucket] for b in self.buffers[:3])
-        fresh = CacheBatch.paged(self.cache, rows, positions)
-        torch._foreach_copy_([kv.slots, kv.block_table, kv.seq_lens],
-                             [fresh.slots, fresh.block_table, fresh.seq_lens])
+        kv.refresh(CacheBatch.paged(self.cache, rows, positions))
 
     def forward(self, model, bucket: int, kv: CacheBatch):
         tokens, positions, _, *params = (b[:bucket] for b in self.buffers)
@@ -176,7 +182,7 @@ class DecodeInputs(Inputs):
         if batch.tokens < bucket:
             self.buffers[2][batch.tokens:bucket].fill_(-1)  # pads: no request slot
         if kv.plan is not None:  # outside the graph, from the host values
-            kv.plan.plan(batch.args[1].tolist(), batch.args[2].tolist())
+            kv.plan.plan(batch.args[1], batch.args[2])
 
     def context(self, kv: CacheBatch):
         return forward_context(kv=kv)
@@ -185,8 +191,7 @@ class DecodeInputs(Inputs):
         tokens, positions, rows, *params = batch.args
         positions, rows, *params = (t.to(self.device, non_blocking=True)
                                     for t in (positions, rows, *params))
-        kv = self._paged(rows, positions, tokens.shape[0],
-                         (batch.args[1].tolist(), batch.args[2].tolist()))
+        kv = self._paged(rows, positions, tokens.shape[0], batch.args[1:3])
         if not hasattr(self, "_last"):
             self._last = torch.arange(self.cache.max_requests, device=self.device)
 

@@ -100,12 +100,7 @@ class CachePrefillInputs(PrefillInputs):
         super().derive(meta)
         kv = self._kv[meta.num_tokens]
         _, positions, rows = (b[:meta.num_tokens] for b in self.buffers)
-        fresh = self._cache_batch(rows, positions)
-        if self.extend:
-            torch._foreach_copy_([kv.slots, kv.block_table, kv.seq_lens],
-                                 [fresh.slots, fresh.block_table, fresh.seq_lens])
-        else:
-            kv.slots.copy_(fresh.slots)
+        kv.refresh(self._cache_batch(rows, positions))
 
     def forward(self, model, bucket: int, meta):
         ids, positions, _ = (b[:bucket] for b in self.buffers)
