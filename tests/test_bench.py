@@ -78,6 +78,10 @@ def test_settling_runs_an_arm_untimed_until_the_time_passed_before_its_timed_cal
     order.clear()
     time_interleaved(arms, reps=2, rounds=2, warmup=0, timer=timer, sync=syncs.append)
     assert order == ["eager", "graph"] * 2  # no settling unless asked for
+    order.clear()
+    time_interleaved(arms, reps=2, rounds=2, warmup=0, settle_calls=2, timer=timer,
+                     sync=lambda: None)  # by count: the same calls whatever the clock says
+    assert order == ["eager", "eager", "eager", "graph", "graph", "graph"] * 2
 
 
 def test_a_warm_up_in_seconds_runs_untimed_passes_over_every_arm_first(monkeypatch):

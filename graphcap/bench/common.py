@@ -92,7 +92,7 @@ def _stats(samples: list[float]) -> dict:
 
 def time_interleaved(arms: dict[object, Callable[[], object]], *, reps: int = 30,
                      rounds: int = 5, warmup: int = 3, settle_ms: float = 0.0,
-                     warmup_s: float = 0.0, timer=None, sync=None,
+                     settle_calls: int = 0, warmup_s: float = 0.0, timer=None, sync=None,
                      on_round=None) -> dict[object, dict]:
     """Median (and p10/p90) milliseconds of one call of each arm: ``warmup`` untimed calls
     each, then ``rounds`` rounds in which every arm runs ``reps // rounds`` timed calls;
@@ -106,7 +106,10 @@ def time_interleaved(arms: dict[object, Callable[[], object]], *, reps: int = 30
     waited for (``sync``), until that many milliseconds have passed (one call at least):
     a fast graph arm is then timed on a device busy with its own work, not on one the
     previous arm left idle for tens of milliseconds (an eager forward is mostly host
-    time), so its figure does not depend on which arms ran beside it."""
+    time), so its figure does not depend on which arms ran beside it. ``settle_calls``:
+    the same by a count of calls, for processes that must make the same calls (the ranks
+    of a TP model, where time-bound loops would make them call different numbers of
+    times)."""
     cuda = torch.cuda.is_available()
     timer = timer or (cuda_event_ms if cuda else wall_ms)
     sync = sync or (torch.cuda.synchronize if cuda else (lambda: None))
@@ -124,6 +127,9 @@ def time_interleaved(arms: dict[object, Callable[[], object]], *, reps: int = 30
         for name, fn in arms.items():
             if settle_ms > 0:
                 _settle(fn, settle_ms, sync)
+            for _ in range(settle_calls):
+                fn()
+                sync()
             samples[name] += [timer(fn) for _ in range(per_round)]
         if on_round is not None:
             on_round(done)

@@ -35,6 +35,7 @@ ROUNDS = 5
 # from building its arms runs its host path slower for its first seconds, and a server
 # runs in the steady state (performance-history item 35).
 WARMUP_S = 5.0
+SETTLE_CALLS, WARMUP_CALLS = 3, 20  # the same, by calls: the ranks of a split model
 MODELS = ("qwen3-0.6b", "llama3-8b", "qwen3-30b-a3b-4l")
 
 
@@ -167,9 +168,12 @@ def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,
         skipped.update(why)
     cases = {(n, a): (lambda arm=arm, n=n: arm.call(n)) for n in lengths
              for a, arm in arms.items()}
+    # Split across ranks, every rank makes the same calls: counts, not seconds.
+    pacing = {"settle_ms": SETTLE_MS, "warmup_s": WARMUP_S if device.startswith("cuda")
+              else 0.0} if tp is None else {"settle_calls": SETTLE_CALLS,
+                                            "warmup": WARMUP_CALLS}
     times = time_interleaved(
-        cases, reps=reps, rounds=ROUNDS, settle_ms=SETTLE_MS,
-        warmup_s=WARMUP_S if device.startswith("cuda") else 0.0,
+        cases, reps=reps, rounds=ROUNDS, **pacing,
         on_round=None if progress is None else (lambda done: progress(f"{name} {done}")))
     rows = [{"tokens": n, "ms": {a: times[n, a]["median_ms"] for a in arms},
              "spread": {a: [times[n, a]["p10_ms"], times[n, a]["p90_ms"]] for a in arms}}

@@ -38,13 +38,13 @@ def _worker(rank: int, size: int, init: str, job: dict, queue) -> None:
         results = [prefill.bench_model(m, job["arms"], job["lengths"], job["reps"],
                                        device=job["device"], attention=job["attention"],
                                        tp=tp) for m in job["models"]]
-        per_rank = [[{a: {k: b[k] for k in ("build_s", "graph_pool_bytes") if k in b}
-                      for a, b in r["build"].items()}] for r in results]
+        per_rank = [{a: {k: b[k] for k in ("build_s", "graph_pool_bytes") if k in b}
+                     for a, b in r["build"].items()} for r in results]
         gathered: list = [None] * size
         dist.all_gather_object(gathered, per_rank)
         if rank == 0:
             for i, r in enumerate(results):
-                r["ranks"] = [g[i][0] for g in gathered]
+                r["ranks"] = [g[i] for g in gathered]
             queue.put(results)
     finally:
         dist.destroy_process_group()
