@@ -25,6 +25,7 @@ from graphcap.cache.inputs import DecodeInputs
 from graphcap.cache.paged import PagedKVCache
 from graphcap.cache.prefill import CachePrefillInputs
 from graphcap.cache.sampling import Sampling, draw
+from graphcap.cache.steps import last_token_logits
 from graphcap.core.buckets import decode_ladder
 from graphcap.errors import UnsupportedModel
 from graphcap.opsdb.attention import get_backend
@@ -119,9 +120,9 @@ def cache_shape(model) -> CacheShape:
 
 def _groups(slots: list[int], lens: list[int], budget: int) -> list[list[int]]:
     """The slots in calls of at most ``budget`` tokens, in order (a longer prompt alone)."""
-    groups, tokens = [[]], 0
+    groups, tokens = [], 0
     for slot, n in zip(slots, lens, strict=True):
-        if groups[-1] and tokens + n > budget:
+        if not groups or (groups[-1] and tokens + n > budget):
             groups.append([])
             tokens = 0
         groups[-1].append(slot)
@@ -140,8 +141,8 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
              prefill_tokens: int = 512, progress: bool = False) -> Generation:
     """Generate up to ``max_new_tokens`` tokens for each of ``prompts`` (lists of token
     ids) with ``model``, one of graphcap's reference decoders (``graphcap.models``) or a
-    stock transformers model wrapped in ``graphcap.hf.PrefillLM``: ``strategy``
-    captures the decode steps (``full``, ``breakable`` or ``eager``); ``max_batch``
+    stock transformers model wrapped in ``graphcap.hf.PrefillLM``: ``strategy`` (any of
+    :data:`graphcap.api.STRATEGIES`) captures the prefill and decode calls; ``max_batch``
     requests decode together; a request ends at one of ``stop_tokens`` or at its
     ``max_new_tokens``; ``sampling`` is one :class:`Sampling` per prompt, or one for all
     (each prompt then draws with its own seed, derived from that one and its index);
@@ -191,9 +192,8 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
         ids = torch.tensor(sum((prompts[live[s]["index"]] for s in slots), []),
                            device=p.device)
         positions = torch.cat([torch.arange(n, device=p.device) for n in lens])
-        logits = prefiller(ids, positions, seq_lens=lens, slots=slots)
-        if rows_of != "requests":
-            logits = logits[torch.tensor(lens, device=p.device).cumsum(0) - 1]
+        logits = last_token_logits(prefiller(ids, positions, seq_lens=lens, slots=slots),
+                                   lens, rows_of)
         return draw(logits, [params[live[s]["index"]] for s in slots], lens)
     waiting = deque(range(len(prompts)))
     live: dict[int, dict] = {}  # request slot -> its request's index, tokens, length
@@ -223,7 +223,7 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
                     live[slot] = {"index": i, "new": [], "length": len(prompts[i])}
                     admitted.append(slot)
             for group in _groups(admitted, [live[s]["length"] for s in admitted],
-                                 prefill_tokens) if admitted else []:
+                                 prefill_tokens):
                 drawn = prefill(group)
                 prefills += 1
                 for slot, token in zip(group, drawn, strict=True):

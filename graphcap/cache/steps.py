@@ -50,9 +50,16 @@ def prefill(model, cache: PagedKVCache, input_ids: torch.Tensor, seq_lens, slots
     extra = {} if starts is None else {"starts": begin}
     out = inputs.eager(model, inputs.check((input_ids, positions),
                                            {"seq_lens": lens, "slots": slots, **extra}))()
-    if rows == "requests":
+    return last_token_logits(out, lens, rows)
+
+
+def last_token_logits(out: torch.Tensor, lens: list[int], output_rows: str) -> torch.Tensor:
+    """Each request's last-token row of a prefill's ``out``: ``out`` itself when the
+    model gives one row per request (``output_rows == "requests"``), else its rows at
+    the requests' ends."""
+    if output_rows == "requests":
         return out
-    return out[torch.tensor(lens, device=device).cumsum(0) - 1]  # each last token
+    return out[torch.tensor(lens, device=out.device).cumsum(0) - 1]
 
 
 @torch.inference_mode()
