@@ -51,14 +51,17 @@ def _worker(rank: int, size: int, init: str, job: dict, queue) -> None:
 
 
 def _spawn(size: int, job: dict) -> list[dict]:
-    for name, value in MULTICAST_OFF.items():
-        os.environ.setdefault(name, value)
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as folder:
-        mp.start_processes(_worker, args=(size, f"file://{folder}/init", job, queue),
-                           nprocs=size, join=True, start_method="spawn")
-    return queue.get()
+    unset = [name for name in MULTICAST_OFF if name not in os.environ]
+    os.environ.update({name: MULTICAST_OFF[name] for name in unset})  # the workers'
+    try:
+        queue = mp.get_context("spawn").SimpleQueue()
+        with tempfile.TemporaryDirectory() as folder:
+            mp.start_processes(_worker, args=(size, f"file://{folder}/init", job, queue),
+                               nprocs=size, join=True, start_method="spawn")
+        return queue.get()
+    finally:
+        for name in unset:  # the caller's environment as it was
+            del os.environ[name]
 
 
 def run(models, arms, lengths, reps: int = 30, tp: int = 2, attention: str | None = None,
