@@ -1,8 +1,9 @@
-"""Tensor parallelism on CUDA graphs (NCCL, one GPU per process; skipped with fewer than
-two GPUs): qwen3-0.6b and llama3-8b split across 2 and 4 GPUs under every strategy give
-the split model's eager logits, every replay runs its collectives on every rank, and
-10,000 replays across changing buckets finish under a watchdog (a hang fails, it does
-not stall the suite)."""
+"""Tensor parallelism on CUDA graphs (NCCL, one GPU per process): qwen3-0.6b and
+llama3-8b split across 2 and 4 GPUs under every strategy give the split model's eager
+logits, every replay runs its collectives on every rank, and 10,000 replays across
+changing buckets finish under a watchdog (a hang fails, it does not stall the suite);
+these skip with fewer than two GPUs. On one GPU, a one-rank group: NCCL's collectives
+captured in every strategy's graphs and counted at every replay."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import pytest
 import torch
 
 import graphcap
+from graphcap.api import STRATEGIES
 from graphcap.dist import TPGroup
 from graphcap.models import build_model
-from tests.test_tp import STRATEGIES, spawn
+from tests.test_tp import spawn
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason="needs 2 or more GPUs")]
+pytestmark = pytest.mark.gpu
+several = pytest.mark.skipif(GPUS < 2, reason="needs 2 or more GPUs")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
@@ -43,12 +46,19 @@ def _strategies(rank: int, preset: str) -> None:
         del runner
 
 
+@several
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("preset", ["qwen3-0.6b", "llama3-8b"])
 def test_every_strategy_replays_the_split_model_on_cuda_graphs(world, preset):
     if GPUS < world:
         pytest.skip(f"needs {world} GPUs")
     spawn(_strategies, preset, world=world, backend="nccl")
+
+
+def test_a_one_rank_group_captures_nccl_collectives_in_every_strategy():
+    if GPUS < 1:
+        pytest.skip("needs a GPU")
+    spawn(_strategies, "qwen3-0.6b", world=1, backend="nccl")
 
 
 def _soak(rank: int) -> None:
@@ -72,5 +82,6 @@ def _soak(rank: int) -> None:
     assert done.is_set() and sum(runner.report()["replays"].values()) == 10_000
 
 
+@several
 def test_ten_thousand_replays_across_buckets_finish_on_every_rank():
     spawn(_soak, world=2, backend="nccl")

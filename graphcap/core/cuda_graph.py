@@ -37,6 +37,18 @@ def before_capture(make) -> None:
 _THREAD = threading.local()
 
 
+def on_replay(fn) -> bool:
+    """While this thread captures a CUDA graph, run ``fn()`` on the host after every
+    replay of that graph and return True; else return False. For host-side tallies of
+    work a graph launches again on each replay (a TP group's count of collectives):
+    Python in a captured region runs at capture only."""
+    graph = getattr(_THREAD, "capturing", None)
+    if graph is None:
+        return False
+    graph._on_replay.append(fn)
+    return True
+
+
 def touch_blas(device: torch.device) -> None:
     """One tiny matmul of cuBLAS's path and one of cuBLASLt's on the current stream: the
     thread's handles, and the stream's workspace, exist afterwards."""
@@ -95,6 +107,7 @@ class CudaGraph(Graph):
         self._bytes = 0
         self._reserved_before = 0
         self._segments = 0
+        self._on_replay: list = []
 
     @property
     def capturing(self) -> bool:
@@ -125,11 +138,13 @@ class CudaGraph(Graph):
             self._close_failed_capture()
             raise
         self._graph, self._stack = graph, stack
+        _THREAD.capturing = self
 
     def end(self) -> None:
         """End capture; the graph is ready to replay."""
         if self._stack is None:
             raise CaptureError("end() without begin()")
+        _THREAD.capturing = None
         try:
             self._graph.capture_end()
         except RuntimeError as exc:
@@ -164,6 +179,8 @@ class CudaGraph(Graph):
         # to the pool: stop it (a no-op when capture_end got that far).
         compat.end_allocate_to_pool(self.device, self.pool.handle)
         self.pool.capture_failed()
+        _THREAD.capturing = None
+        self._on_replay = []
         self._graph = None
         self._stack.close()
         self._stack = None
@@ -172,10 +189,13 @@ class CudaGraph(Graph):
         if self._graph is None or self._stack is not None:
             raise CaptureError("replay() needs a finished capture: capture a region first")
         self._graph.replay()
+        for fn in self._on_replay:
+            fn()
 
     def reset(self) -> None:
         if self._graph is not None:
             self._graph.reset()
         self._graph = None
+        self._on_replay = []
         self._bytes = 0
         self._segments = 0

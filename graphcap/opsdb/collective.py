@@ -5,8 +5,9 @@ concatenated along a dim), both out of place.
 The group is an argument by name, so Dynamo sees one opaque op (tc_piecewise), a CUDA
 graph captures the collective (NCCL since 2.9; the group's ``warm_up`` first), and the
 graph emulator re-runs it on every replay. Kernel ``torch``: torch.distributed on the
-group's data backend (NCCL on GPUs, gloo on CPU). Every call counts in the group's
-``collectives``.
+group's data backend (NCCL on GPUs, gloo on CPU). Every collective run counts in the
+group's ``collectives``: eagerly, in the emulator, and in every replay of a CUDA graph
+that captured it (not at the capture, which runs nothing).
 """
 
 from __future__ import annotations
@@ -14,14 +15,20 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from graphcap.core.cuda_graph import on_replay
 from graphcap.dist.group import group_named
 from graphcap.opsdb import checks
 from graphcap.opsdb.spec import register_op
 
 
+def _count(g, op: str) -> None:
+    if not on_replay(lambda: g.collectives.update((op,))):
+        g.collectives[op] += 1
+
+
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     g = group_named(group)
-    g.collectives["all_reduce"] += 1
+    _count(g, "all_reduce")
     out = x.clone()
     dist.all_reduce(out, group=g.data)
     return out
@@ -29,7 +36,7 @@ def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
 
 def all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     g = group_named(group)
-    g.collectives["all_gather"] += 1
+    _count(g, "all_gather")
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(g.size)]
     dist.all_gather(parts, x, group=g.data)

@@ -1,0 +1,97 @@
+"""A reference decoder split Megatron-style across the ranks of a :class:`TPGroup`.
+
+- q/k/v by whole heads (``heads / tp`` query and ``kv_heads / tp`` key/value heads a
+  rank), so attention and the K/V cache stay local;
+- gate/up by columns of the intermediate (gate and up alike), MoE experts likewise;
+  the router is replicated;
+- o and down by rows of their input: partial sums, one all-reduce each;
+- the LM head by rows of the vocabulary, its logits gathered; embedding and norms
+  replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from graphcap.errors import UnsupportedModel
+
+
+def shard_args(a, size: int):
+    """The layer shapes of one rank's share of a model of ``ModelArgs`` ``a`` split
+    ``size`` ways; ``UnsupportedModel`` naming the first size ``size`` does not divide
+    (``kv_heads`` first: the tightest bound)."""
+    sizes = {"kv_heads": a.kv_heads, "heads": a.heads, "intermediate": a.intermediate,
+             "vocab_size": a.vocab_size}
+    if a.experts:
+        sizes["moe_intermediate"] = a.moe_intermediate
+    for field, value in sizes.items():
+        if value % size:
+            raise UnsupportedModel(
+                f"tensor parallelism over {size} ranks does not divide {field} {value}: "
+                f"use a TP size that divides {field} (whole heads and columns per rank)")
+    return dataclasses.replace(
+        a, heads=a.heads // size, kv_heads=a.kv_heads // size,
+        intermediate=a.intermediate // size,
+        moe_intermediate=a.moe_intermediate // size if a.experts else a.moe_intermediate)
+
+
+def shard_tensor(t: torch.Tensor, dim: int, parts: list[int], rank: int,
+                 size: int) -> torch.Tensor:
+    """Rank ``rank``'s share of ``t`` whose ``dim`` is the concatenation of ``parts``
+    (q, k and v rows; gate and up columns): the rank's ``1/size`` of each part, in
+    order, as a new contiguous tensor (the whole one can be freed)."""
+    if sum(parts) != t.shape[dim]:
+        raise ValueError(f"parts {parts} do not add up to dim {dim} of shape "
+                         f"{tuple(t.shape)}")
+    pieces = []
+    for part in t.split(parts, dim=dim):
+        step = part.shape[dim] // size
+        pieces.append(part.narrow(dim, rank * step, step))
+    return torch.cat(pieces, dim=dim).contiguous()
+
+
+def _layouts(a) -> dict[str, tuple[int, list[int]]]:
+    """Parameter name suffix -> (dim, parts) of the split ones; the rest is replicated."""
+    q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+    out = {"attn.qkv.weight": (0, [q, kv, kv]), "attn.qkv.bias": (0, [q, kv, kv]),
+           "attn.o.weight": (1, [q])}
+    if a.experts:
+        out.update({"mlp.w13": (1, [a.moe_intermediate] * 2), "mlp.w2": (2, [a.moe_intermediate])})
+    else:
+        out.update({"mlp.gate_up.weight": (0, [a.intermediate] * 2),
+                    "mlp.down.weight": (1, [a.intermediate])})
+    return out
+
+
+def shard_model(model, tp):
+    """This rank's share of the reference decoder ``model`` (a ``Decoder`` built whole,
+    on any device) across ``tp``: a new ``Decoder`` whose split weights are copies of
+    the rank's slices and whose replicated ones are ``model``'s own tensors; drop
+    ``model`` to free the rest."""
+    from graphcap.models.tiny import Decoder
+
+    if not isinstance(model, Decoder) or model.tp is not None:
+        raise UnsupportedModel(
+            f"shard_model splits a whole graphcap reference decoder (build_model or "
+            f"load_checkpoint without tp=), not a {type(model).__name__}"
+            + (" split already" if isinstance(model, Decoder) else ""))
+    a = model.args
+    shard_args(a, tp.size)  # refuse a size that does not divide the model first
+    logits = "all" if model.output_rows == "tokens" else "last"
+    with torch.device("meta"):
+        split = Decoder(a, logits=logits, tp=tp)
+    layouts = _layouts(a)
+    state = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        suffix = name.split(".", 2)[-1] if name.startswith("blocks.") else name
+        if name == "lm_head.weight":
+            tensor = shard_tensor(tensor.detach(), 0, [a.vocab_size], tp.rank, tp.size)
+        elif suffix in layouts:
+            dim, parts = layouts[suffix]
+            tensor = shard_tensor(tensor.detach(), dim, parts, tp.rank, tp.size)
+        state[name] = tensor.detach()
+    split.load_state_dict(state, strict=True, assign=True)
+    split.cos_sin = model.cos_sin
+    return split.eval()
