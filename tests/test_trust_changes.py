@@ -214,3 +214,36 @@ def test_python_attributes_are_frozen_at_capture_until_recapture():
         assert torch.allclose(r(x), m(x) * 2.0 / 3.0, atol=1e-5)
         r.recapture()
         torch.testing.assert_close(r(x), m(x))
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_a_plain_tensor_attribute_stays_as_captured_never_freed_memory(strategy):
+    # A tensor attribute that is no parameter or buffer is frozen at capture like any
+    # Python attribute: the runner keeps the captured tensor alive, so a replay after the
+    # model dropped it reads its values, not memory handed to someone else.
+    class Tabled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.table = torch.randn(8)  # a plain attribute: no parameter, no buffer
+
+        def forward(self, x):
+            return self.lin(x) * self.table
+
+    import weakref
+
+    torch.manual_seed(0)
+    m = Tabled().to(DEVICE)
+    m.table = m.table.to(DEVICE)
+    x = torch.randn(4, 8, device=DEVICE)
+    r = graphcap.capture(m, strategy, buckets=[4], example_inputs=(x,))
+    with torch.no_grad():
+        want = m(x)
+        old = weakref.ref(m.table)
+        m.table = torch.randn(8, device=DEVICE)
+        reused = [torch.full((8,), 1e4, device=DEVICE) for _ in range(8)]  # take freed blocks
+        assert old() is not None
+        torch.testing.assert_close(r(x), want)
+        del reused
+        r.recapture()
+        torch.testing.assert_close(r(x), m(x))

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import graphcap
+from graphcap.api import STRATEGIES
 from graphcap.piecewise import PiecewiseCompiler, counters
 from tests.runner_helpers import DEVICE, batch
 
@@ -64,6 +65,18 @@ def test_a_reassigned_weight_is_recaptured_and_the_old_one_never_written():
     assert torch.equal(old, kept)
     assert counters()["recaptures"] - before["recaptures"] == 1
     assert counters()["graphs"] == before["graphs"]
+
+
+def test_a_weight_given_new_storage_in_place_is_recaptured():
+    m = net()
+    c = compiled(m)
+    with torch.no_grad():
+        warm(c)
+        before = counters()
+        m.lin.weight.data = torch.randn_like(m.lin.weight)  # the same Parameter, new memory
+        torch.testing.assert_close(c(ids(4, 9)), m(ids(4, 9)))
+        torch.testing.assert_close(c(ids(4, 8)), m(ids(4, 8)))  # replays the new capture
+    assert counters()["recaptures"] - before["recaptures"] == 1
 
 
 def test_a_parameter_passed_in_is_never_overwritten_by_a_replay():
@@ -183,7 +196,7 @@ def test_an_exception_of_the_models_own_is_raised_as_it_is_not_as_a_tracing_fail
         graphcap.capture(Refuses(), "tc_piecewise", buckets=[4, 8], max_requests=2)
 
 
-@pytest.mark.parametrize("strategy", ["eager", "breakable", "full", "tc_piecewise"])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_a_dropped_runner_frees_its_graphs_and_pool(strategy):
     m = graphcap.models.build_model("tiny", device=DEVICE)
     keep = graphcap.capture(m, strategy, buckets=[4, 8], max_requests=2,

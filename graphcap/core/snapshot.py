@@ -18,9 +18,11 @@ of the same memory (``p.data = p.data.t()``), whose address is unchanged. In-pla
 updates (``p.copy_(new)``, ``load_state_dict`` without ``assign``) keep every slot and
 address, so replays see them, as eager does.
 
-Python attributes (an ``eps``, a flag, ``training``) are not part of the snapshot: they
-are baked into the graphs at capture, as in any CUDA graph; capture again after changing
-one.
+Python attributes (an ``eps``, a flag, ``training``, a plain tensor attribute that is no
+parameter or buffer) are not compared: they are baked into the graphs at capture, as in
+any CUDA graph; capture again after changing one. The plain tensor attributes the model
+held at capture are held here too, so that the graphs read them as they were, never
+freed memory.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 from graphcap import compat
 
 _PTR = torch.Tensor.data_ptr
+_MODULE_DICTS = ("_parameters", "_buffers", "_modules")  # compared slot by slot
 _REGISTRATIONS = [0]  # registrations of a module, parameter or buffer anywhere, so far
 
 
@@ -58,6 +61,19 @@ def _slots(model: nn.Module):
         buffers += [(module._buffers, name, dot + name)
                     for name, t in module._buffers.items() if t is not None]
     return modules, params, buffers
+
+
+def _plain_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Tensors a module holds as plain attributes, directly or in a list, tuple or dict."""
+    out = []
+    for module in model.modules():
+        for key, value in vars(module).items():
+            if key in _MODULE_DICTS:
+                continue
+            values = value.values() if isinstance(value, dict) else \
+                value if isinstance(value, list | tuple) else (value,)
+            out += [v for v in values if isinstance(v, torch.Tensor)]
+    return out
 
 
 def _describe(t) -> str:
@@ -102,6 +118,7 @@ class ModelSnapshot:
         self._stored = [t for t, p in zip(tensors, ptrs, strict=True) if p >= 0]
         self._stored_ptrs = [p for p in ptrs if p >= 0]
         self._registrations = _REGISTRATIONS[0]
+        self._frozen = _plain_tensors(model)  # what the graphs read, kept alive
         self.model = model
 
     def current(self) -> bool:

@@ -25,7 +25,9 @@ class PieceEntry:
     static: list
     outputs: Any
     captured: Any
-    foreign: set[int]  # arguments read in place that graphcap does not own (parameters)
+    # Arguments read in place that graphcap does not own (parameters): index -> the
+    # address the graph reads (``p.data = new`` keeps the Parameter, not the address).
+    foreign: dict[int, int]
     state: Any = None  # split pieces: a weak reference to the state read at capture
 
 
@@ -107,10 +109,12 @@ class PieceGraphs(torch.nn.Module):
                 if buf.shape != a.shape:  # e.g. more requests than captured: no replay
                     owner.stats["eager_runs"] += 1
                     return self.fn(*args)
+                if i in entry.foreign:  # the caller's, read in place: never written
+                    if a.data_ptr() != entry.foreign[i]:
+                        return self._recapture(size, args)
+                    continue
                 if buf is a or buf.data_ptr() == a.data_ptr():
                     continue
-                if i in entry.foreign:  # the caller's, read in place: never written
-                    return self._recapture(size, args)
                 buf.copy_(a)
                 copied.append(i)
             elif buf != a:  # a baked host value changed: this replay would be wrong
@@ -133,7 +137,8 @@ class PieceGraphs(torch.nn.Module):
         pool = self.owner.pool_for(args)
         # Read in place: parameters (the caller's) and earlier pieces' static outputs
         # (graphcap's); any other tensor from a static copy of its own.
-        foreign = {i for i, a in enumerate(args) if isinstance(a, torch.nn.Parameter)}
+        foreign = {i: a.data_ptr() for i, a in enumerate(args)
+                   if isinstance(a, torch.nn.Parameter)}
         static = [a if i in foreign or not isinstance(a, torch.Tensor)
                   or a.data_ptr() in self.owner.static_ptrs else a.clone()
                   for i, a in enumerate(args)]
