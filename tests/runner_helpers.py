@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import graphcap
+from graphcap.api import GRAPHED
 from graphcap.models import PRESETS, Decoder, build_model
 from graphcap.opsdb.attention import BACKENDS
 
@@ -21,7 +22,7 @@ GPU_ONLY = {"triton", "flashinfer", "flash_attn"}
 def combos():
     """(strategy, attention backend) pairs that may run here, as pytest params."""
     out = []
-    for strategy in ("breakable", "full", "tc_piecewise"):
+    for strategy in GRAPHED:
         for name, cls in BACKENDS.items():
             if not cls().runs_under(strategy) or cls().unavailable(DEVICE):
                 continue

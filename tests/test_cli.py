@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from graphcap.api import GRAPHED
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -38,7 +40,7 @@ def test_demo_replays_match_eager_and_print_a_table():
 def test_check_passes_a_good_model_with_a_table_row_per_strategy():
     proc = run("check", "tests.check_models:good", "--examples", "3", "--sequences", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for strategy in ("breakable", "full", "tc_piecewise"):
+    for strategy in GRAPHED:
         assert any(line.split()[:3] == [strategy, "torch_masked", "pass"]
                    for line in proc.stdout.splitlines()), proc.stdout
 

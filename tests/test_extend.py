@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import graphcap
+from graphcap.api import STRATEGIES
 from graphcap.cache import PagedKVCache
 from graphcap.cache.prefill import CachePrefillInputs
 from graphcap.cache.steps import decode_step, prefill
@@ -96,7 +97,7 @@ def test_a_prompt_prefilled_in_chunks_is_the_prompt_prefilled_whole():
     assert [cache2.written(s) for s in sorted(PROMPTS)] == [13, 9, 4]
 
 
-@pytest.mark.parametrize("strategy", ["eager", "breakable", "full", "tc_piecewise"])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_chunks_through_a_runner_replay_the_eager_extend(strategy):
     m, cache = setup()
     want_first, want_steps = whole(m, cache)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from graphcap.api import GRAPHED, STRATEGIES
 from graphcap.models import PRESETS, build_model
 from graphcap.testing import assert_replay_equivalent
 
@@ -24,7 +25,7 @@ def test_an_unknown_preset_lists_the_known_ones():
 def test_the_moe_decoder_with_qk_norm_replays_like_eager_under_every_strategy():
     assert PRESETS["tiny-moe"].experts and PRESETS["tiny-moe"].qk_norm
     model = build_model("tiny-moe")
-    reports = assert_replay_equivalent(model, ("breakable", "full", "tc_piecewise"),
+    reports = assert_replay_equivalent(model, GRAPHED,
                                        buckets=[8, 16, 32], max_requests=3,
                                        attention="torch_masked", examples=6, sequences=2)
     assert all(r["max_error"] < 1e-4 for r in reports.values())
@@ -45,14 +46,14 @@ def test_last_token_logits_are_the_last_rows_of_the_full_logits_under_every_stra
     ids = torch.randint(1, 256, (sum(lens),), generator=torch.Generator().manual_seed(0))
     pos = torch.cat([torch.arange(n) for n in lens])
     want = every(ids, pos, seq_lens=lens)[torch.tensor([4, 5, 14])]
-    for strategy in ("eager", "breakable", "full", "tc_piecewise"):
+    for strategy in STRATEGIES:
         runner = graphcap.capture(last, strategy, buckets=[8, 16, 32], max_requests=4,
                                   attention="torch_masked")
         for n_req in (3, 1):  # three requests, then one: the rest are sentinel slots
             got = runner(ids[: sum(lens[:n_req])], pos[: sum(lens[:n_req])],
                          seq_lens=lens[:n_req])
             torch.testing.assert_close(got, want[:n_req], atol=1e-5, rtol=1e-5)
-    reports = assert_replay_equivalent(last, ("breakable", "full", "tc_piecewise"),
+    reports = assert_replay_equivalent(last, GRAPHED,
                                        buckets=[8, 16, 32], max_requests=3,
                                        attention="torch_masked", examples=6, sequences=2)
     assert all(r["max_error"] < 1e-4 for r in reports.values())

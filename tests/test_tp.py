@@ -18,12 +18,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import graphcap
+from graphcap.api import STRATEGIES
 from graphcap.dist import TPGroup, shard_args, shard_tensor
 from graphcap.errors import CaptureError, UnsupportedModel
 from graphcap.models import PRESETS, build_model
 
 WORLD = 2
-STRATEGIES = ("eager", "full", "breakable", "tc_piecewise")
 
 
 def spawn(fn, *args, world: int = WORLD, backend: str = "gloo"):

@@ -20,13 +20,13 @@ import time
 import torch
 
 import graphcap
+from graphcap.api import GRAPHED
 from graphcap.bench.arms import Arm, prompts
 from graphcap.errors import GraphcapError
 from graphcap.models import PRESETS
 
-STRATEGIES = ("breakable", "full", "tc_piecewise")
 HF_ARMS = ("hf-eager", "hf-compile-reduce-overhead",
-           *(f"hf-{s}-{k}" for s in STRATEGIES for k in ("stock", "graphcap")))
+           *(f"hf-{s}-{k}" for s in GRAPHED for k in ("stock", "graphcap")))
 
 
 def hf_config(preset: str):

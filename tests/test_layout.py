@@ -1,0 +1,48 @@
+"""The project's shape, checked: every source file is in git (an ignore rule once hid a
+whole package from every clean clone), files stay small, the environment is read in
+one module, and the docs' measured figures point at recorded runs."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_no_source_file_is_hidden_from_git_by_an_ignore_rule():
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    ignored = subprocess.run(
+        ["git", "ls-files", "--others", "--ignored", "--exclude-standard", "--",
+         "graphcap", "tests", "examples", "docs", "tools"],
+        cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    hidden = [p for p in ignored if "__pycache__" not in p and not p.endswith(".pyc")]
+    assert not hidden, f"ignored by .gitignore, so missing from every clone: {hidden}"
+
+
+def test_no_package_file_is_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "graphcap").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, f"files with two jobs: {long}"
+
+
+def test_the_environment_is_read_in_graphcap_env_only():
+    readers = {str(p.relative_to(ROOT)) for p in (ROOT / "graphcap").rglob("*.py")
+               if re.search(r"os\.environ|getenv", p.read_text())}
+    # bench/tp.py sets NCCL's variables for its worker processes; it reads no GRAPHCAP_*.
+    assert readers <= {"graphcap/env.py", "graphcap/bench/tp.py"}, readers
+    assert "GRAPHCAP_" not in (ROOT / "graphcap/bench/tp.py").read_text()
+
+
+def test_performance_page_is_short_and_every_result_is_indexed():
+    assert len((ROOT / "docs/performance.md").read_text().splitlines()) <= 150
+    index = (ROOT / "docs/results/README.md").read_text()
+    unlisted = [p.name for p in (ROOT / "docs/results").iterdir()
+                if p.is_file() and p.name != "README.md" and p.name not in index
+                and not (p.suffix == ".png" and p.with_suffix(".json").name in index)]
+    assert not unlisted, f"docs/results/README.md does not list {unlisted}"
