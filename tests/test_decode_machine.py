@@ -1,10 +1,11 @@
 """A stateful property: requests admitted, stepped and finished in any order, the decode
 batch moving up and down the buckets and lengths crossing page boundaries; after every
 step the decode runner (full) gives the logits of eager steps on a cache of its own, and
-no two requests ever share a page."""
+no two requests ever share a page. On the emulator in CI, on CUDA graphs on the GPU."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -14,16 +15,18 @@ import graphcap
 from graphcap.cache import NULL_PAGE, DecodeInputs, PagedKVCache
 from graphcap.cache.steps import decode_step, prefill
 from graphcap.models import PRESETS, Decoder
+from tests.runner_helpers import DEVICE
 
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 SLOTS, MAX_LEN = 4, 24
 torch.manual_seed(0)
-MODEL = Decoder(PRESETS["tiny"]).eval()
+MODEL = Decoder(PRESETS["tiny"]).to(DEVICE).eval()
 
 
 def new_cache() -> PagedKVCache:
     a = MODEL.args
     return PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=SLOTS,
-                        max_len=MAX_LEN, page_size=4, pages=10)
+                        max_len=MAX_LEN, page_size=4, pages=10, device=DEVICE)
 
 
 class Decoding(RuleBasedStateMachine):
@@ -46,7 +49,7 @@ class Decoding(RuleBasedStateMachine):
             return  # CacheFull is tested elsewhere
         for cache in (self.graphed, self.eager):
             cache.admit(slot, total)
-        ids = torch.tensor(prompt)
+        ids = torch.tensor(prompt, device=DEVICE)
         got = prefill(MODEL, self.graphed, ids, [len(prompt)], [slot])
         want = prefill(MODEL, self.eager, ids, [len(prompt)], [slot])
         torch.testing.assert_close(got, want)
@@ -58,10 +61,11 @@ class Decoding(RuleBasedStateMachine):
     @rule()
     def step(self):
         rows = sorted(s for s, r in self.live.items() if r["length"] < r["capacity"])
-        tokens = torch.tensor([self.live[s]["last"] for s in rows])
+        tokens = torch.tensor([self.live[s]["last"] for s in rows], device=DEVICE)
         positions = [self.live[s]["length"] for s in rows]
         got = self.runner(tokens, positions=positions, slots=rows)
-        want = decode_step(MODEL, self.eager, tokens, torch.tensor(positions), rows)
+        want = decode_step(MODEL, self.eager, tokens, torch.tensor(positions, device=DEVICE),
+                           rows)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         for s, token in zip(rows, want.argmax(-1).tolist(), strict=True):
             self.live[s]["length"] += 1

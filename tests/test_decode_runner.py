@@ -6,12 +6,14 @@ refused before anything runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
 import torch
 
 import graphcap
+from graphcap.api import GRAPHED
 from graphcap.cache import DecodeInputs, PagedKVCache
 from graphcap.cache.steps import decode_step, prefill
 from graphcap.errors import BadBatch
@@ -26,9 +28,9 @@ SCHEDULE = [[0, 1, 2, 3], [0, 1, 2, 3], [0, 2, 3], [2], [2, 3], [1, 2, 3], [0, 1
 BUCKETS = [1, 2, 4]
 
 
-def setup(preset="tiny"):
+def setup(preset="tiny", **changes):
     torch.manual_seed(0)
-    m = Decoder(PRESETS[preset]).to(DEVICE).eval()
+    m = Decoder(dataclasses.replace(PRESETS[preset], **changes)).to(DEVICE).eval()
     a = m.args
     cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=4, max_len=32,
                          page_size=4, device=DEVICE)
@@ -59,8 +61,7 @@ def eager(m, cache):
         m, cache, tokens, torch.tensor(positions, device=DEVICE), rows)
 
 
-@pytest.mark.parametrize("strategy", ["breakable", "breakable-debug", "full", "tc_piecewise",
-                                      "eager"])
+@pytest.mark.parametrize("strategy", [*GRAPHED, "breakable-debug", "eager"])
 def test_a_greedy_loop_through_the_runner_replays_the_eager_steps(strategy):
     m, cache = setup()
     want = run(eager(m, cache), m, cache)
@@ -87,13 +88,56 @@ def test_padded_rows_write_only_the_null_page():
     m, cache = setup()
     runner = graphcap.capture(m, "full", buckets=[4], inputs=DecodeInputs(cache))
     before = cache.k.clone()
-    positions, slots = [0, 0, 0], [0, 1, 3]
+    positions, slots = [0, 0, 0], [1, 2, 3]  # slot 0's pages: no live row's
     runner(torch.tensor([1, 2, 3], device=DEVICE), positions=positions, slots=slots)
     assert runner.report()["replays"] == {4: 1}  # one padded row
-    changed = (cache.k != before).flatten(2).any(-1)  # [layers, pages]: pages written
-    pages = {cache.owned()[s][p // cache.page_size]
-             for s, p in zip(slots, positions, strict=True)}
-    assert set(changed.nonzero()[:, 1].tolist()) <= {0} | pages
+    # Token cells written, [layers, pages, page offsets]: the live rows' own cells, and
+    # nothing of any real page besides (a pad writing a live request's page shows here).
+    changed = (cache.k != before).flatten(3).any(-1)
+    allowed = torch.zeros_like(changed[0])
+    allowed[0] = True  # the null page, which no request owns
+    for s, p in zip(slots, positions, strict=True):
+        allowed[cache.owned()[s][p // cache.page_size], p % cache.page_size] = True
+    assert not (changed & ~allowed).any()
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_poison_in_padded_rows_and_buffer_tails_never_reaches_a_live_row(strategy):
+    """Before every step the static buffers' rows past the live ones hold poison: other
+    (valid) tokens and positions, NaN temperatures and top-p, absurd top-k and seeds, so
+    the padded rows of the bucket run on them; the live rows draw what eager draws."""
+    from graphcap import Sampling
+    from graphcap.cache.sampling import draw
+
+    m, cache = setup()
+    m2, cache2 = setup()
+    cache2.k.fill_(float("nan"))
+    cache2.v.fill_(float("nan"))
+    runner = graphcap.capture(m2, strategy, buckets=BUCKETS,
+                              inputs=DecodeInputs(cache2, sample=True))
+    eager_steps = eager(m, cache)
+    length = {s: len(p) for s, p in PROMPTS.items()}
+    for cache_ in (cache, cache2):
+        ids = torch.tensor(sum(PROMPTS.values(), []), device=DEVICE)
+        prefill(m if cache_ is cache else m2, cache_, ids, [len(p) for p in PROMPTS.values()],
+                list(PROMPTS))
+    tokens = {s: 1 for s in PROMPTS}
+    for step, rows in enumerate(SCHEDULE):
+        n, buffers = len(rows), runner.inputs.buffers
+        if step:  # captured on the first call
+            buffers[0][n:].fill_(m.args.vocab_size - 1)
+            buffers[1][n:].fill_(cache2.max_len - 1)
+            for b in buffers[3:]:
+                b[n:].fill_(float("nan") if b.is_floating_point() else -2**40)
+        params = [Sampling(temperature=0.8, top_k=6, seed=s) for s in rows]
+        t = torch.tensor([tokens[s] for s in rows], device=DEVICE)
+        positions = [length[s] for s in rows]
+        got = runner(t, positions=positions, slots=rows, sampling=params)
+        want = draw(eager_steps(t, positions, rows), params, [p + 1 for p in positions])
+        assert got.tolist() == want, f"step {step}"
+        for s, token in zip(rows, want, strict=True):
+            tokens[s], length[s] = token, length[s] + 1
+    assert sum(runner.report()["replays"].values()) == len(SCHEDULE)
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
@@ -125,7 +169,7 @@ def test_a_step_past_the_tokens_written_is_refused():
     assert cache.written(1) == 4 and cache.written(0) == 1
 
 
-@pytest.mark.parametrize("strategy", ["breakable", "full", "tc_piecewise"])
+@pytest.mark.parametrize("strategy", GRAPHED)
 def test_tokens_drawn_in_the_graph_follow_each_calls_sampling(strategy):
     from graphcap import Sampling
     from graphcap.cache.sampling import draw
@@ -147,7 +191,7 @@ def test_tokens_drawn_in_the_graph_follow_each_calls_sampling(strategy):
     assert report["replays"] == {4: 3} and report["recaptures"] == 0
 
 
-@pytest.mark.parametrize("strategy", ["breakable", "full", "tc_piecewise"])
+@pytest.mark.parametrize("strategy", GRAPHED)
 def test_prefill_through_a_runner_fills_the_cache_as_eager_prefill_does(strategy):
     from graphcap.cache.prefill import CachePrefillInputs
     from graphcap.opsdb.attention import get_backend
@@ -184,7 +228,7 @@ def test_prefill_through_a_runner_fills_the_cache_as_eager_prefill_does(strategy
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA's sync debug mode: a CUDA device only")
-@pytest.mark.parametrize("strategy", ["breakable", "full", "tc_piecewise"])
+@pytest.mark.parametrize("strategy", GRAPHED)
 @pytest.mark.parametrize("sample", [False, True])
 def test_a_decode_step_makes_no_host_sync(strategy, sample):
     """A step's staging (host positions, slots, sampling parameters into the static
@@ -225,12 +269,12 @@ def test_flashinfer_decode_says_where_it_cannot_run():
 
 @pytest.mark.skipif(DEVICE != "cuda" or importlib.util.find_spec("flashinfer") is None,
                     reason="FlashInfer on a CUDA device")
-@pytest.mark.parametrize("strategy", ["breakable", "full", "tc_piecewise"])
+@pytest.mark.parametrize("strategy", GRAPHED)
 def test_flashinfer_decode_replays_the_eager_steps(strategy):
     """bf16 (FlashInfer's dtypes): its plan before each replay, its kernel in the graph,
     against graphcap's own decode attention run eagerly."""
     def bf16():
-        m, cache = setup()
+        m, cache = setup(head_dim=64)  # a head dim FlashInfer's decode kernels take
         a = m.args
         cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=4, max_len=32,
                              page_size=4, device=DEVICE, dtype=torch.bfloat16)

@@ -10,6 +10,7 @@ import torch
 
 import graphcap
 from graphcap import Sampling
+from graphcap.api import GRAPHED
 from graphcap.models import PRESETS, Decoder
 from tests.runner_helpers import DEVICE
 from tests.test_decode_steps import recomputed
@@ -37,7 +38,7 @@ SAMPLINGS = [Sampling(), Sampling(temperature=1.0, seed=3),
              Sampling(temperature=1.0, top_k=3, top_p=0.5, seed=9)]
 
 
-@pytest.mark.parametrize("strategy", ["breakable", "full", "tc_piecewise"])
+@pytest.mark.parametrize("strategy", GRAPHED)
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
 def test_every_strategy_generates_what_eager_generates(strategy, preset):
     m = model(preset)
@@ -129,3 +130,14 @@ def test_seeds_count_in_every_bit_and_a_tiny_temperature_is_greedy():
     assert not torch.equal(low, high)
     tiny = SAMPLE(logits, ones * 1e-8, *keep, torch.arange(64), counter)
     assert torch.equal(tiny, logits.argmax(-1))
+
+
+def test_a_long_run_shows_its_progress_and_a_short_one_stays_quiet(capsys, monkeypatch):
+    from graphcap.cache import generate as module
+
+    model = Decoder(PRESETS["tiny"]).to(DEVICE).eval()
+    graphcap.generate(model, [[1, 2, 3]], 4, strategy="eager")
+    assert "generating" not in capsys.readouterr().out
+    monkeypatch.setattr(module, "LONG_RUN", 8)  # 2 prompts x 4 tokens: a long run
+    graphcap.generate(model, [[1, 2, 3], [4, 5]], 4, strategy="eager")
+    assert "generating" in capsys.readouterr().out

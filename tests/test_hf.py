@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 import graphcap
+from graphcap.api import GRAPHED, STRATEGIES
 from graphcap.core.context import forward_context
 from graphcap.errors import BadBatch, GraphcapError
 from graphcap.opsdb.attention import get_backend
@@ -53,7 +54,7 @@ def test_packed_requests_give_the_logits_of_each_request_run_alone_in_transforme
     check()
 
 
-@pytest.mark.parametrize("strategy", ["breakable", "full", "tc_piecewise"])
+@pytest.mark.parametrize("strategy", GRAPHED)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family_replays_like_eager_under_every_strategy(family, strategy):
     _, lm = pair(family)
@@ -70,7 +71,7 @@ def test_every_family_replays_like_eager_on_cuda_graphs(family):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     lm = PrefillLM(hf_model(family, dtype=torch.bfloat16).cuda())
-    reports = assert_replay_equivalent(lm, ["breakable", "full", "tc_piecewise"],
+    reports = assert_replay_equivalent(lm, GRAPHED,
                                        buckets=BUCKETS, max_requests=SLOTS, vocab=VOCAB,
                                        examples=4, sequences=1)
     assert all(r["graph_kind"] == "cuda" for r in reports.values())
@@ -167,7 +168,7 @@ def test_a_qwen3_0_6b_shaped_model_replays_like_eager_on_cuda_graphs():
     # 28 bf16 layers: a padded bucket's matmuls round differently from eager's unpadded
     # ones. On the H200 batch [31, 42] (bucket 128) differed from eager by 0.0625 in its
     # logits under all three strategies alike, each bit for bit equal to the others.
-    reports = assert_replay_equivalent(lm, ("breakable", "full", "tc_piecewise"),
+    reports = assert_replay_equivalent(lm, GRAPHED,
                                        buckets=[64, 128, 256], max_requests=4,
                                        vocab=config.vocab_size, examples=4, sequences=1,
                                        atol=0.1)
@@ -187,13 +188,27 @@ def test_a_qwen3_moe_model_replays_its_grouped_mm_experts_like_eager_on_cuda_gra
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     lm = PrefillLM(model)
     assert model.config._experts_implementation == "grouped_mm"
-    reports = assert_replay_equivalent(lm, ("breakable", "full", "tc_piecewise"),
+    reports = assert_replay_equivalent(lm, GRAPHED,
                                        buckets=[64, 128, 256], max_requests=4,
                                        vocab=config.vocab_size, examples=4, sequences=1)
     assert all(r["graph_kind"] == "cuda" for r in reports.values())
 
 
-@pytest.mark.parametrize("strategy", ["eager", "breakable", "full", "tc_piecewise"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_gives_last_token_logits_under_full(family):
+    every = PrefillLM(hf_model(family))
+    last = PrefillLM(hf_model(family), logits="last")
+    r = graphcap.capture(last, "full", buckets=BUCKETS, max_requests=SLOTS,
+                         attention="torch_masked")
+    lens = [5, 3, 9]
+    ids = torch.randint(1, VOCAB, (sum(lens),), generator=torch.Generator().manual_seed(2))
+    pos = torch.cat([torch.arange(n) for n in lens])
+    with torch.no_grad():
+        want = every(ids, pos, seq_lens=lens)[torch.tensor(lens).cumsum(0) - 1]
+    torch.testing.assert_close(r(ids, pos, seq_lens=lens), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_last_token_logits_are_the_last_rows_of_every_token_s_logits(strategy):
     # logits="last": one row per request through the LM head, never [T, vocab].
     every = PrefillLM(hf_model("qwen3"))

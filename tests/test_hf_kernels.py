@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphcap
+from graphcap.api import GRAPHED
 
 transformers = pytest.importorskip("transformers")
 from graphcap.hf import PrefillLM, UnsupportedModel  # noqa: E402  (needs transformers)
@@ -153,7 +154,7 @@ def test_weights_loaded_in_place_reach_the_kernels_and_the_graphs():
     assert r.report()["recaptures"] == 0
 
 
-@pytest.mark.parametrize("strategy", ["breakable", "full", "tc_piecewise"])
+@pytest.mark.parametrize("strategy", GRAPHED)
 def test_a_weight_assigned_anew_is_fused_again_and_the_runner_recaptures(strategy):
     ref = hf_model("llama")
     lm = PrefillLM(copy.deepcopy(ref))
@@ -195,7 +196,8 @@ def test_a_mask_or_a_kv_cache_given_to_substituted_layers_is_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "qwen2", "mistral",
+                                    "mixtral", "phi3"])
 def test_bf16_kernels_on_the_gpu_are_no_further_from_float32_than_stock_sdpa(family):
     # The truth: the same weights in float32 (stock, SDPA). Stock bf16 SDPA and graphcap's
     # bf16 kernels are each some distance from it; graphcap's must not be further.
@@ -206,8 +208,16 @@ def test_bf16_kernels_on_the_gpu_are_no_further_from_float32_than_stock_sdpa(fam
                  vocab_size=4096, max_position_embeddings=4096)
     if family == "qwen3_moe":
         shape.update(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512)
+    if family == "mixtral":
+        shape.update(num_local_experts=8, num_experts_per_tok=2)
+    if family in ("mistral", "mixtral", "phi3"):
+        shape.update(sliding_window=None)
+    if family == "phi3":
+        del shape["head_dim"]  # hidden / heads: 64
     config = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig,
-              "qwen3_moe": transformers.Qwen3MoeConfig}[family](**shape)
+              "qwen3_moe": transformers.Qwen3MoeConfig, "qwen2": transformers.Qwen2Config,
+              "mistral": transformers.MistralConfig, "mixtral": transformers.MixtralConfig,
+              "phi3": transformers.Phi3Config}[family](**shape)
     torch.manual_seed(0)
     with torch.device("cuda"):
         truth = transformers.AutoModelForCausalLM.from_config(

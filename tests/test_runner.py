@@ -173,6 +173,8 @@ def test_a_generic_model_is_captured_on_its_first_call_and_padded_rows_stay_out(
         with torch.no_grad():
             torch.testing.assert_close(r(x), mlp(x))
     assert r.stats.fallbacks["too_many_tokens"] == 1
+    # The host's work per replayed call: visible, and only replays are counted in it.
+    assert r.report()["host_us_per_replay"] > 0 and sum(r.stats.replays.values()) == 4
     with pytest.raises(BadBatch, match="shape"):
         r(torch.randn(4, 32))
 

@@ -8,8 +8,8 @@ rewrites those buffers before each replay, outside the graph, from the step's ho
 positions and request slots and the cache's host page lists (no device read). Every
 layer shares the step's plan. A padded row is planned as one token on the null page and
 its output zeroed in the graph (its length is 0 on the device), so NaN there reaches no
-row. What it supports: CUDA, float16 and bfloat16, the cache's NHD layout
-``[pages, page_size, kv_heads, head_dim]``.
+row. What it supports: CUDA, float16 and bfloat16, head dims 64, 128 and 256, the
+cache's NHD layout ``[pages, page_size, kv_heads, head_dim]``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from graphcap.opsdb.spec import unavailable
 
 NAME = "flashinfer"
 DTYPES = (torch.float16, torch.bfloat16)
+HEAD_DIMS = (64, 128, 256)
 WORKSPACE_BYTES = 128 << 20
 
 
@@ -31,6 +32,8 @@ def why_not(cache: PagedKVCache) -> str | None:
     why = unavailable(cache.device, ("cuda",), ("flashinfer",), interpreted=False)
     if why is None and cache.k.dtype not in DTYPES:
         why = f"takes float16 or bfloat16 caches, not {cache.k.dtype}"
+    if why is None and cache.head_dim not in HEAD_DIMS:
+        why = f"takes head dims {', '.join(map(str, HEAD_DIMS))}, not {cache.head_dim}"
     return why
 
 

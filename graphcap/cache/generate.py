@@ -136,9 +136,12 @@ def prefill_buckets(prefill_tokens: int) -> list[int]:
     return decode_ladder(prefill_tokens)
 
 
+LONG_RUN = 2048  # tokens to generate from which generate() shows a progress bar
+
+
 def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
              max_batch: int = 8, stop_tokens=(), sampling=None, page_size: int = 16,
-             prefill_tokens: int = 512, progress: bool = False) -> Generation:
+             prefill_tokens: int = 512, progress: bool | None = None) -> Generation:
     """Generate up to ``max_new_tokens`` tokens for each of ``prompts`` (lists of token
     ids) with ``model``, one of graphcap's reference decoders (``graphcap.models``) or a
     stock transformers model wrapped in ``graphcap.hf.PrefillLM``: ``strategy`` (any of
@@ -148,7 +151,8 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
     (each prompt then draws with its own seed, derived from that one and its index);
     ``prefill_tokens`` bounds the prefill graphs (prompts admitted together are prefilled
     in calls of at most that many tokens; a longer prompt prefills eagerly, counted in
-    the report's ``prefill_fallbacks``).
+    the report's ``prefill_fallbacks``). ``progress``: a bar of the tokens generated
+    (``None``: on runs of at least ``LONG_RUN`` tokens).
 
         out = graphcap.generate(model, [[1, 5, 9], [1, 7]], max_new_tokens=32)
         out.tokens            # [[...], [...]]
@@ -200,7 +204,8 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
     out: list[list[int] | None] = [None] * len(prompts)
     steps = prefills = 0
     total = len(prompts) * max_new_tokens
-    bar = progress_bar(total, "generating") if progress else \
+    show = progress if progress is not None else total >= LONG_RUN
+    bar = progress_bar(total, "generating") if show else \
         contextlib.nullcontext(lambda label="": None)
 
     def emit(slot: int, token: int, step) -> None:

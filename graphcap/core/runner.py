@@ -76,6 +76,7 @@ class Stats:
     warmups: int = 0  # eager warm-up forwards run before a capture
     warmup_retries: int = 0  # shapes whose direct capture failed, then warmed and captured
     first_shape_s: float | None = None  # warm-up and capture of the first (largest) shape
+    replay_host_s: float = 0.0  # host time of replayed calls, from the call to the launch
 
 
 class _CountFailures:
@@ -118,6 +119,7 @@ class Runner:
 
     # -- calls ---------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
         with self._serial:
             stale = self.strategy.captures and self._snapshot is not None \
                 and not self._snapshot.current()
@@ -137,7 +139,9 @@ class Runner:
                         f"eager ({reason}) {batch.tokens} tokens", "a call of the runner")
                 if entry is None:
                     return self._eager(batch, reason)
-                return self._replay(entry, batch)
+                out = self._replay(entry, batch)
+                self.stats.replay_host_s += time.perf_counter() - start
+                return out
 
     def _route(self, batch: Batch) -> tuple[ShapeEntry | None, str]:
         """Replay a shape, run eagerly, or refuse, and why (one reason per branch)."""
@@ -354,7 +358,9 @@ class Runner:
         (``splits_in_graph``); graph memory, build seconds, counters; ``warmups``: eager
         warm-up forwards before captures, ``warmup_retries``: shapes whose direct capture
         failed and were warmed up and captured again; what the inputs report (prefill:
-        ``attention``, the backend the captured forward called, None if none)."""
+        ``attention``, the backend the captured forward called, None if none);
+        ``host_us_per_replay``: the mean host time of a replayed call, from the call to
+        the graph's launch returning (checks, staging, routing; the GPU runs after)."""
         with self._serial:
             return self._report()
 
@@ -382,5 +388,7 @@ class Runner:
             "fallbacks": dict(self.stats.fallbacks),
             "failed": self.stats.failed,
             "recaptures": self.stats.recaptures,
+            "host_us_per_replay": round(1e6 * self.stats.replay_host_s
+                                        / max(sum(self.stats.replays.values()), 1), 1),
             **self.inputs.report(),
         }
