@@ -62,6 +62,7 @@ class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     from graphcap.api import GRAPHED
+    from graphcap.models import PRESETS
     from graphcap.opsdb.attention import BACKENDS
 
     defaults = _Defaults
@@ -101,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default=None, help="JSON file to write (a PNG plot of "
                        "prefill goes beside it; default: a dated name here)")
     bench.add_argument("--models", default=None,
-                       help="comma-separated presets (prefill default: qwen3-0.6b,llama3-8b,"
-                            "qwen3-30b-a3b-4l; build/memory: qwen3-0.6b)")
+                       help="comma-separated presets, of " + ", ".join(sorted(PRESETS))
+                            + " (prefill default: qwen3-0.6b,llama3-8b,qwen3-30b-a3b-4l; "
+                            "decode, build, memory: qwen3-0.6b)")
     bench.add_argument("--arms", default=None,
                        help="comma-separated arms (prefill default: every arm on the "
                             "preset; hf-eager, hf-compile-reduce-overhead and "
