@@ -67,6 +67,7 @@ class PagedKVCache:
         shape = (layers, self.pages + 1, page_size, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.device = self.k.device  # "cuda" made "cuda:0": what tensors compare against
         self.block_table = torch.full((max_requests, self.max_pages), NULL_PAGE,
                                       dtype=torch.int32, device=self.device)
         self._free = list(range(self.pages, NULL_PAGE, -1))  # pop() gives low pages first

@@ -68,6 +68,9 @@ class Inputs:
     why_not = ""  # what the others lack, for the error
 
     def __init__(self, device: torch.device):
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # as tensors name it: cuda:N
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.buffers: list[torch.Tensor] = []
         # Per (live tokens, bucket): the buffers' rows a call fills and its padding rows
