@@ -204,7 +204,7 @@ def test_prefill_through_a_runner_fills_the_cache_as_eager_prefill_does(strategy
     m2, cache2 = setup()
     cache2.k.fill_(float("nan"))
     cache2.v.fill_(float("nan"))
-    backend = get_backend(None, DEVICE, strategy=strategy)
+    backend = get_backend(None, DEVICE, strategy=strategy, dtype=torch.float32)
     runner = graphcap.capture(m2, strategy, buckets=[8, 16, 32],
                               inputs=CachePrefillInputs(cache2, backend, slots=4))
     positions = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)

@@ -102,7 +102,7 @@ def test_chunks_through_a_runner_replay_the_eager_extend(strategy):
     m, cache = setup()
     want_first, want_steps = whole(m, cache)
     m2, cache2 = setup(nan=True)
-    backend = get_backend(None, DEVICE, strategy=strategy)
+    backend = get_backend(None, DEVICE, strategy=strategy, dtype=torch.float32)
     runner = graphcap.capture(m2, strategy, buckets=[4, 8, 16],
                               inputs=CachePrefillInputs(cache2, backend, slots=3,
                                                         extend=True))
@@ -126,7 +126,7 @@ def test_chunks_through_a_runner_replay_the_eager_extend(strategy):
 
 def test_bad_starts_are_refused_and_the_runner_stays_usable():
     m, cache = setup()
-    backend = get_backend(None, DEVICE, strategy="full")
+    backend = get_backend(None, DEVICE, strategy="full", dtype=torch.float32)
     plain = graphcap.capture(m, "full", buckets=[8],
                              inputs=CachePrefillInputs(cache, backend, slots=3))
     ids, positions, lens, slots, starts = call_of(CHUNKS[0])
