@@ -107,7 +107,9 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
     model takes (default: its declaration, :func:`inputs_of`). ``debug`` (breakable): the
     forward as one eager break; ``compiler`` (tc_piecewise): ``"eager"`` or ``"inductor"``
     pieces. ``fallback``, ``copy_outputs``, ``warmup``, ``on_change``, ``progress``:
-    docs/strategies.md. An option the strategy or the model does not take is an error.
+    docs/strategies.md. An option the strategy or the model does not take is an error;
+    under ``"eager"`` (the reference, no graphs) the capture options are accepted, so one
+    set of options runs under every strategy, and change nothing.
 
         runner = graphcap.capture(model, strategy="full", max_tokens=512, max_requests=4)
         logits = runner(input_ids, positions, seq_lens=[100, 23])
@@ -159,7 +161,12 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
     how, called = STRATEGIES[strategy](model, ladder, {"debug": debug,
                                                        "compiler": compiler or "eager"})
     runner = Runner(called, how, config, inputs, source=model)
-    if how.captures and (not inputs.needs_batch or example_inputs is not None):
+    now = not inputs.needs_batch or example_inputs is not None
+    if how.captures and not now and progress not in (None, False):
+        raise UnsupportedStrategy(
+            "progress= shows a capture made by capture(), and this model of tensors is "
+            "captured at its first call: give example_inputs=(...) to capture it now")
+    if how.captures and now:
         if progress is True:
             from graphcap.progress import progress as bar
 

@@ -36,6 +36,11 @@ class BackendUnavailable(GraphcapError, RuntimeError):
     """A requested kernel or attention backend cannot run here; the message says why."""
 
 
+class KernelUnavailable(BackendUnavailable):
+    """An op's kernel (``triton``, ``composite``, ...) cannot run here, or is no kernel
+    of that op; the message names the kernels there are."""
+
+
 class UnsupportedModel(GraphcapError, ValueError):
     """A model (or a feature of it) that graphcap cannot run as written: the message says
     what to change in the model."""

@@ -98,6 +98,15 @@ def test_an_option_of_prefill_models_given_for_a_model_of_tensors_is_an_error(kw
         graphcap.capture(MLP(), "full", buckets=[8], **kwargs)
 
 
+def test_a_progress_bar_for_a_capture_made_at_the_first_call_is_refused_not_dropped():
+    with pytest.raises(UnsupportedStrategy, match="example_inputs"):
+        graphcap.capture(MLP(), "full", buckets=[8], progress=True)
+    shown = []
+    graphcap.capture(MLP(), "full", buckets=[4, 8], example_inputs=(torch.zeros(4, 64),),
+                     progress=lambda done, total: shown.append((done, total)))
+    assert shown == [(1, 2), (2, 2)]
+
+
 def test_options_an_inputs_object_carries_are_refused_beside_it():
     inputs = Masked(torch.device(DEVICE), 8)
     for kwargs in ({"max_requests": 8}, {"attention": "torch_varlen"}, {"check_inputs": True}):

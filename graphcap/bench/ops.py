@@ -112,9 +112,9 @@ def _linear_cases(dev, rows=(16, 64), cycle_bytes: int = 120 << 20):
 
             per_weight = [_linear_args(op, x, g, w, res) for w in weights]
             ms = {}
-            for backend in ("triton", "composite"):
-                kernel = spec.kernels[backend].resolve()
-                ms[backend] = cycled_ms([functools.partial(kernel, *a) for a in per_weight])
+            for name in ("triton", "composite"):
+                kernel = spec.kernels[name].resolve()
+                ms[name] = cycled_ms([functools.partial(kernel, *a) for a in per_weight])
             out.append({"op": op, "tokens": m, "n": n, "k": k, "ms": ms,
                         "takes_fused": spec.kernels["triton"].declines(per_weight[0])
                         is None})

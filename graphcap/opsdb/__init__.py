@@ -4,6 +4,7 @@ Importing it registers the built-in ops under the ``graphcap`` namespace
 (``torch.ops.graphcap.rms_norm`` ...). See docs/ops.md to add your own.
 """
 
+from graphcap.errors import BackendUnavailable, KernelUnavailable, OpInputError
 from graphcap.opsdb import (  # noqa: F401
     activation,
     attention,
@@ -18,20 +19,13 @@ from graphcap.opsdb import (  # noqa: F401
     rotary,
     sample,
 )
-from graphcap.opsdb.spec import (
-    REGISTRY,
-    BackendUnavailable,
-    Kernel,
-    OpInputError,
-    OpSpec,
-    get_op,
-    register_op,
-)
+from graphcap.opsdb.spec import REGISTRY, Kernel, OpSpec, get_op, register_op
 
 __all__ = [
     "REGISTRY",
     "BackendUnavailable",
     "Kernel",
+    "KernelUnavailable",
     "OpInputError",
     "OpSpec",
     "get_op",

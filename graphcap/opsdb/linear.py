@@ -7,7 +7,7 @@
 - ``linear_residual(x, weight, residual)``: ``residual + linear(x)`` (the attention
   output and MLP down projections, closing a residual branch).
 
-Backends, best first: ``triton``, one kernel per op for few rows and weights of up to
+Kernels, best first: ``triton``, one kernel per op for few rows and weights of up to
 16 MB (:func:`graphcap.opsdb.triton.linear.fused_rows` says where it pays on the H200:
 ``rms_norm_swiglu`` and ``linear_residual``; ``rms_norm_linear`` measured slower than the
 unfused ops at every size, so dispatch leaves it to them); ``composite``, the unfused

@@ -33,7 +33,7 @@ import torch
 from graphcap import env
 from graphcap.compat.library import define_op, split_qualname
 from graphcap.core.breaks import run_maybe_as_break
-from graphcap.errors import BackendUnavailable, GraphcapError, OpInputError
+from graphcap.errors import GraphcapError, KernelUnavailable, OpInputError
 
 HALF = (torch.float16, torch.bfloat16)  # what most vendor kernels (FlashInfer) accept
 
@@ -145,12 +145,12 @@ class OpSpec:
         if wanted is not None:
             if wanted not in self.kernels:
                 source = "kernel=" if kernel else f"{self.env_var}="
-                raise BackendUnavailable(
+                raise KernelUnavailable(
                     f"{self.qualname}: {source}{wanted!r} is not a kernel of this op; "
                     f"choose one of {sorted(self.kernels)}")
             why = self.kernels[wanted].unavailable(device, dtype)
             if why:
-                raise BackendUnavailable(f"{self.qualname}: kernel {wanted!r} {why}")
+                raise KernelUnavailable(f"{self.qualname}: kernel {wanted!r} {why}")
             why = self.kernels[wanted].declines(args) if args is not None else None
             if why:
                 raise OpInputError(f"{self.qualname}: kernel {wanted!r} cannot take these "
@@ -159,7 +159,7 @@ class OpSpec:
         for name in self._runnable(device.type, dtype):
             if args is None or self.kernels[name].declines(args) is None:
                 return name
-        raise BackendUnavailable(f"{self.qualname}: no kernel runs on {device}")
+        raise KernelUnavailable(f"{self.qualname}: no kernel runs on {device}")
 
     def _runnable(self, device_type: str, dtype: torch.dtype | None) -> tuple[str, ...]:
         """Kernels that run on this device type and dtype, best first. Cached: models call

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from graphcap.core.context import current_attention
+from graphcap.errors import BackendUnavailable
 from graphcap.opsdb import checks
 from graphcap.opsdb.attention.base import (
     AttentionBackend,
@@ -20,7 +21,7 @@ from graphcap.opsdb.attention.flash_attn_backend import FlashAttention
 from graphcap.opsdb.attention.flashinfer_backend import FlashInferAttention
 from graphcap.opsdb.attention.torch_backends import TorchMasked, TorchVarlen
 from graphcap.opsdb.attention.triton_backend import TritonAttention
-from graphcap.opsdb.spec import BackendUnavailable, register_op
+from graphcap.opsdb.spec import register_op
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
     cls.name: cls
