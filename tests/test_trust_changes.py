@@ -6,6 +6,7 @@ garbage) on the GPU."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import pytest
 import torch
@@ -229,8 +230,6 @@ def test_a_plain_tensor_attribute_stays_as_captured_never_freed_memory(strategy)
 
         def forward(self, x):
             return self.lin(x) * self.table
-
-    import weakref
 
     torch.manual_seed(0)
     m = Tabled().to(DEVICE)

@@ -76,7 +76,7 @@ class Stats:
     warmups: int = 0  # eager warm-up forwards run before a capture
     warmup_retries: int = 0  # shapes whose direct capture failed, then warmed and captured
     first_shape_s: float | None = None  # warm-up and capture of the first (largest) shape
-    replay_host_s: float = 0.0  # host time of replayed calls, from the call to the launch
+    replay_host_s: float = 0.0  # host time of replayed calls, from the lock to the launch
 
 
 class _CountFailures:
@@ -119,8 +119,8 @@ class Runner:
 
     # -- calls ---------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        start = time.perf_counter()
         with self._serial:
+            start = time.perf_counter()  # after the lock: another call's wait is not ours
             stale = self.strategy.captures and self._snapshot is not None \
                 and not self._snapshot.current()
             if stale and self.config.on_change == "recapture":
@@ -359,8 +359,9 @@ class Runner:
         warm-up forwards before captures, ``warmup_retries``: shapes whose direct capture
         failed and were warmed up and captured again; what the inputs report (prefill:
         ``attention``, the backend the captured forward called, None if none);
-        ``host_us_per_replay``: the mean host time of a replayed call, from the call to
-        the graph's launch returning (checks, staging, routing; the GPU runs after)."""
+        ``host_us_per_replay``: the mean host time of a replayed call, from taking the
+        runner's lock to the graph's launch returning (checks, routing, staging; the GPU
+        runs after; a wait for another thread's call is not counted)."""
         with self._serial:
             return self._report()
 

@@ -84,14 +84,14 @@ def shard_model(model, tp):
         split = Decoder(a, logits=logits, tp=tp)
     layouts = _layouts(a)
     state = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    for name, tensor in model.state_dict().items():  # detached, the model's own memory
         suffix = name.split(".", 2)[-1] if name.startswith("blocks.") else name
         if name == "lm_head.weight":
-            tensor = shard_tensor(tensor.detach(), 0, [a.vocab_size], tp.rank, tp.size)
+            tensor = shard_tensor(tensor, 0, [a.vocab_size], tp.rank, tp.size)
         elif suffix in layouts:
             dim, parts = layouts[suffix]
-            tensor = shard_tensor(tensor.detach(), dim, parts, tp.rank, tp.size)
-        state[name] = tensor.detach()
+            tensor = shard_tensor(tensor, dim, parts, tp.rank, tp.size)
+        state[name] = tensor
     split.load_state_dict(state, strict=True, assign=True)
     split.cos_sin = model.cos_sin
     return split.eval()
