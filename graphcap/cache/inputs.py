@@ -13,6 +13,12 @@ positions and request slots, each row's cache slot, pages and length on the devi
 padded rows have no request slot (``-1``): they write only the null page and come out
 zero. A replay stages three copies of at most the bucket's rows.
 
+The cache counts a row's token as written once the step has run (a step that raised
+counts nothing, so no later step reads a slot it did not write). With
+``check_inputs=True`` the token ids are checked against the model's ``vocab_size``
+before anything launches (one host sync a step: they live on the device); positions are
+always checked against the model's ``max_position``, where it has one.
+
 With ``sample=True`` the graph also draws each row's next token (``graphcap::sample``)
 from per-row parameters staged with the step, ``runner(tokens, positions=[...],
 slots=[...], sampling=[graphcap.Sampling(...), ...])`` returns the tokens ``[B]``, and
@@ -27,10 +33,10 @@ from graphcap.cache import flashinfer_decode
 from graphcap.cache.batch import CacheBatch
 from graphcap.cache.paged import PagedKVCache
 from graphcap.cache.sampling import Sampling, host_tensors
-from graphcap.core.batch import staged
+from graphcap.core.batch import as_int, check_token_ids, staged
 from graphcap.core.context import forward_context
 from graphcap.core.inputs import Batch, Inputs
-from graphcap.errors import BackendUnavailable, BadBatch, GraphcapError, UnsupportedModel
+from graphcap.errors import BackendUnavailable, BadBatch, UnsupportedModel
 from graphcap.opsdb.sample import SAMPLE
 
 _INTS = (torch.int32, torch.int64)
@@ -41,7 +47,7 @@ class DecodeInputs(Inputs):
     row_unit = "one row per request (one token each)"
 
     def __init__(self, cache: PagedKVCache, sample: bool = False,
-                 attention: str | None = None):
+                 attention: str | None = None, check_inputs: bool = False):
         super().__init__(cache.device)
         if attention not in (None, "flashinfer"):
             raise ValueError(f"attention={attention!r}: None (graphcap::decode_attention, "
@@ -55,6 +61,9 @@ class DecodeInputs(Inputs):
         self._plans: dict[int, flashinfer_decode.FlashInferDecode] = {}
         self._shared: dict = {}
         self.per_request = False  # the model takes each row's output row (bind)
+        self.check_inputs = check_inputs
+        self.vocab_size: int | None = None  # with check_inputs: token ids' bound (bind)
+        self.max_position: int | None = None  # positions' bound, where the model has one
         if sample:
             self.row_unit = "one token per request (drawn in the graph)"
 
@@ -64,6 +73,15 @@ class DecodeInputs(Inputs):
             raise UnsupportedModel(f"{type(model).__name__}.output_rows is {rows!r}: use "
                                    "'tokens' or 'requests' (one row per request)")
         self.per_request = rows == "requests"
+        max_position = getattr(model, "max_position", None)
+        self.max_position = as_int(max_position, "max_position") if max_position else None
+        if self.check_inputs:
+            vocab = getattr(model, "vocab_size", None)
+            if vocab is None:
+                raise UnsupportedModel(
+                    f"check_inputs=True checks token ids against the model's vocab_size, "
+                    f"which {type(model).__name__} does not have: set model.vocab_size")
+            self.vocab_size = as_int(vocab, "vocab_size")
 
     # -- a call ----------------------------------------------------------------------
     def check(self, args: tuple, kwargs: dict) -> Batch:
@@ -84,11 +102,24 @@ class DecodeInputs(Inputs):
             raise BadBatch("empty step: at least one request is needed")
         slots = self.cache.requests(kwargs["slots"], rows)
         params = self._sampling(kwargs.get("sampling"), rows) if self.sample else None
-        self.cache.check_step(slots, positions)  # last: it counts the tokens as written
+        self.cache.check_step(slots, positions)
+        if self.max_position is not None and max(positions) >= self.max_position:
+            raise BadBatch(f"positions {positions} reach past the model's max_position "
+                           f"{self.max_position}")
+        if self.check_inputs:  # one host sync: the tokens live on the device
+            check_token_ids(tokens, self.vocab_size)
         host = staged([positions, slots], torch.long, self.device)  # no host sync to copy
-        if not self.sample:
-            return Batch((tokens, host[0], host[1]), rows)
-        return Batch((tokens, host[0], host[1], *host_tensors(params, self.device)), rows)
+        ends = [(slot, position + 1) for slot, position in zip(slots, positions, strict=True)]
+        args = (tokens, host[0], host[1])
+        if self.sample:
+            args += host_tensors(params, self.device)
+        return Batch(args, rows, host=ends)
+
+    def commit(self, batch: Batch) -> None:
+        """Each row's token is cached now, at its position (the request's tokens after it
+        are stale)."""
+        self.cache.wrote(batch.host)
+
 
     @staticmethod
     def _sampling(given, rows: int) -> list[Sampling]:
@@ -153,16 +184,7 @@ class DecodeInputs(Inputs):
         tokens, positions, _, *params = (b[:bucket] for b in self.buffers)
         kv.written.clear()
         with forward_context(kv=kv):
-            try:
-                out = self._call(model, tokens, positions, params)
-            except GraphcapError as exc:  # e.g. prefill attention without its metadata:
-                if kv.written or isinstance(exc, UnsupportedModel):  # a forward that never
-                    raise  # saw the cache says so; the model's own refusal stands
-                try:
-                    kv.check_written(model)
-                except UnsupportedModel as refusal:
-                    raise refusal from exc
-                raise
+            out = self._call(model, tokens, positions, params)
         kv.check_written(model)
         return out
 

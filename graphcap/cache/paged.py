@@ -123,8 +123,9 @@ class PagedKVCache:
 
     def check_step(self, slots, positions) -> None:
         """Refuse (``BadBatch``) a step whose position of a slot is outside what it was
-        admitted for, or past the tokens written (it would read pages never written);
-        else count the step's tokens as written."""
+        admitted for, or past the tokens written (it would read pages never written, or
+        a released request's leftovers). Changes nothing: the step's tokens count as
+        written once it has run (:meth:`wrote`)."""
         for slot, position in zip(slots, positions, strict=True):
             capacity, written = self.capacity(slot), self.written(slot)
             if not 0 <= position < capacity:
@@ -136,13 +137,14 @@ class PagedKVCache:
             if position > written:
                 raise BadBatch(f"position {position} of slot {slot} skips past the {written} "
                                "tokens written to its pages: step each position in turn")
-        for slot, position in zip(slots, positions, strict=True):
-            self._written[slot] = max(self._written[slot], position + 1)
 
-    def wrote_prefill(self, slot: int, end: int) -> None:
-        """A prefill wrote ``slot``'s tokens up to position ``end - 1``: its cached
-        tokens are now ``0 .. end - 1`` (whatever its pages hold after them is stale)."""
-        self._written[self._slot(slot)] = end
+    def wrote(self, ends) -> None:
+        """A forward that ran wrote each ``(slot, end)`` of ``ends``: the request's
+        tokens ``0 .. end - 1`` are cached now (whatever its pages hold after them is
+        stale, and a later step may not read it). Called only once the forward has run:
+        a step that raised counts nothing."""
+        for slot, end in ends:
+            self._written[self._slot(slot)] = end
 
     @property
     def free_pages(self) -> int:

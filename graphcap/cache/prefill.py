@@ -116,13 +116,12 @@ class CachePrefillInputs(PrefillInputs):
         super().stage(batch, bucket, meta)
         if batch.tokens < bucket:
             self.buffers[2][batch.tokens:bucket].fill_(-1)  # pads: no request slot
-        self._wrote(batch)
 
-    def _wrote(self, batch: Batch) -> None:
+    def commit(self, batch: Batch) -> None:
         """The cache counts each request's tokens up to its last one as written (what
         follows in its pages is stale)."""
-        for slot, end in batch.host:
-            self.cache.wrote_prefill(slot, end)
+        self.cache.wrote(batch.host)
+
 
     def context(self, meta):
         return forward_context(attention=meta, kv=self._kv[meta.num_tokens])
@@ -138,6 +137,5 @@ class CachePrefillInputs(PrefillInputs):
             with forward_context(attention=meta, kv=kv):
                 out = model(*args)
             kv.check_written(model)
-            self._wrote(batch)
             return out
         return run

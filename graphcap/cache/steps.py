@@ -48,8 +48,9 @@ def prefill(model, cache: PagedKVCache, input_ids: torch.Tensor, seq_lens, slots
     positions = torch.cat([torch.arange(b, b + n, device=device)
                            for b, n in zip(begin, lens, strict=True)])
     extra = {} if starts is None else {"starts": begin}
-    out = inputs.eager(model, inputs.check((input_ids, positions),
-                                           {"seq_lens": lens, "slots": slots, **extra}))()
+    batch = inputs.check((input_ids, positions), {"seq_lens": lens, "slots": slots, **extra})
+    out = inputs.eager(model, batch)()
+    inputs.commit(batch)  # it ran: its tokens count as written
     return last_token_logits(out, lens, rows)
 
 
@@ -71,8 +72,9 @@ def decode_step(model, cache: PagedKVCache, input_ids: torch.Tensor,
     if positions.shape != input_ids.shape:
         raise BadBatch(f"input_ids {tuple(input_ids.shape)} and positions "
                        f"{tuple(positions.shape)} must be [B], one token per row")
-    inputs = DecodeInputs(cache)
+    inputs = DecodeInputs(cache, check_inputs=True)  # eager: the host may read the ids
     inputs.bind(model)
-    batch = inputs.check((input_ids,), {"positions": positions.tolist(),  # eager: the host
-                                        "slots": slots})  # may read them
-    return inputs.eager(model, batch)()
+    batch = inputs.check((input_ids,), {"positions": positions.tolist(), "slots": slots})
+    out = inputs.eager(model, batch)()
+    inputs.commit(batch)
+    return out

@@ -10,7 +10,7 @@ import torch
 from graphcap.errors import BadBatch
 
 __all__ = ["BadBatch", "as_int", "check_lengths", "check_prefill", "check_tensors",
-           "host_lengths", "staged"]
+           "check_token_ids", "host_lengths", "staged"]
 
 
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -138,9 +138,22 @@ def check_ranges(input_ids, positions, vocab_size: int, max_position: int | None
     lo_id, hi_id = torch.aminmax(input_ids)
     lo_pos, hi_pos = torch.aminmax(positions)
     lo_id, hi_id, lo_pos, hi_pos = torch.stack([lo_id, hi_id, lo_pos, hi_pos]).tolist()
-    if lo_id < 0 or hi_id >= vocab_size:
-        raise BadBatch(f"input_ids range over [{lo_id}, {hi_id}], outside the vocabulary "
-                       f"[0, {vocab_size})")
+    _check_ids(lo_id, hi_id, vocab_size, "input_ids")
     if lo_pos < 0 or (max_position is not None and hi_pos >= max_position):
         bound = f"[0, {max_position})" if max_position is not None else "[0, ...)"
         raise BadBatch(f"positions range over [{lo_pos}, {hi_pos}], outside {bound}")
+
+
+def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str = "tokens") -> None:
+    """``BadBatch`` unless every id of ``ids`` (a non-empty integer tensor) lies in
+    ``[0, vocab_size)``: one host sync. Unchecked, a negative id wraps around the
+    embedding table and a large one faults on the device (on CUDA, a device-side assert
+    that ends the process's CUDA context)."""
+    lo, hi = torch.stack(list(torch.aminmax(ids))).tolist()
+    _check_ids(lo, hi, vocab_size, what)
+
+
+def _check_ids(lo: int, hi: int, vocab_size: int, what: str) -> None:
+    if lo < 0 or hi >= vocab_size:
+        raise BadBatch(f"{what} range over [{lo}, {hi}], outside the vocabulary "
+                       f"[0, {vocab_size})")

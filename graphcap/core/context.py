@@ -15,7 +15,7 @@ import contextvars
 from dataclasses import dataclass
 from typing import Any
 
-from graphcap.errors import GraphcapError
+from graphcap.errors import GraphcapError, UnsupportedModel
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,13 @@ def forward_context(**fields):
 def current_attention():
     """The attention metadata of the running forward, with a clear error when unset."""
     ctx = _CURRENT.get()
+    if ctx is not None and ctx.attention is None and ctx.kv is not None:
+        raise UnsupportedModel(
+            "graphcap::attention (attention among a prefill's packed tokens) ran in a "
+            "forward over a paged K/V cache, which keeps no prefill metadata: a model that "
+            "decodes or prefills into the cache routes each attention half through "
+            "graphcap.models.blocks.attention_half (or graphcap::cached_attention) with its "
+            "layer index, which writes the K/V and reads the cache")
     if ctx is None or ctx.attention is None:
         raise GraphcapError(
             "graphcap::attention needs the attention metadata of this forward's packed "

@@ -30,6 +30,8 @@ methods only:
   bounds it, beside the buckets;
 - ``eager(model, batch) -> run``: the model on the call's own tensors, without graphs,
   prepared outside any mode (``run()`` runs it);
+- ``commit(batch)``: after the call's replay or eager run returned, what it wrote is
+  state now (a paged cache counts the tokens written); a call that raised commits nothing;
 - ``captured(states)``, ``report()``: what a capture showed, for ``runner.report()``;
   ``forget()``: after a capture that failed, what it took from the call it came from.
 """
@@ -105,6 +107,9 @@ class Inputs:
 
     def fits(self, batch: Batch) -> str | None:
         return None
+
+    def commit(self, batch: Batch) -> None:
+        pass
 
     def limits(self) -> str:
         """What, beside the buckets, bounds a batch that replays (for messages)."""

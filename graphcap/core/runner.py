@@ -138,9 +138,11 @@ class Runner:
                         f"replay {entry.bucket}" if entry is not None else
                         f"eager ({reason}) {batch.tokens} tokens", "a call of the runner")
                 if entry is None:
-                    return self._eager(batch, reason)
-                out = self._replay(entry, batch)
-                self.stats.replay_host_s += time.perf_counter() - start
+                    out = self._eager(batch, reason)
+                else:
+                    out = self._replay(entry, batch)
+                    self.stats.replay_host_s += time.perf_counter() - start
+                self.inputs.commit(batch)  # it ran: what it wrote counts (not if it raised)
                 return out
 
     def _route(self, batch: Batch) -> tuple[ShapeEntry | None, str]:
