@@ -157,7 +157,7 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
     if tp is not None:
         tp.warm_up()  # the data group's communicator exists before any capture
     config = RunnerConfig(ladder, fallback, copy_outputs, warmup=warmup, on_change=on_change,
-                          agree=tp.agree if tp is not None else None)
+                          ranks=tp)
     how, called = STRATEGIES[strategy](model, ladder, {"debug": debug,
                                                        "compiler": compiler or "eager"})
     runner = Runner(called, how, config, inputs, source=model)

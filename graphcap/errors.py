@@ -20,6 +20,12 @@ class CaptureError(GraphcapError):
         self.site = site
 
 
+class RankError(CaptureError):
+    """The ranks of a tensor-parallel group could not go on together: they disagreed on a
+    call or a capture (the group stays usable), or a rank raised, closed the group or did
+    not come in time (the group is closed: the message names which rank and why)."""
+
+
 class UnsupportedStrategy(GraphcapError):
     """A strategy, backend or device combination that graphcap cannot run."""
 

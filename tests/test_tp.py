@@ -2,10 +2,13 @@
 decoders split across the ranks (dense and MoE) give the unsharded model's logits eagerly
 and under every strategy, and each strategy's replays the TP model's eager logits (up
 to the rounding of a padded shape); every replay runs the model's collectives on every
-rank (the emulator re-runs them); a Hugging Face checkpoint loads as each rank's share;
-ranks that disagree on a call's shape, or a rank that does not come, make every rank
-raise ``CaptureError`` within the group's timeout, and the runner stays usable; an
-asynchronous collective waited on across an eager break is refused."""
+rank (the emulator re-runs them); a Hugging Face checkpoint loads as each rank's share.
+No rank waits for ever or goes on alone: ranks that disagree on a call (its route, token
+count or request lengths) or refuse it raise ``RankError`` on every rank at once and stay
+usable; a rank that does not come closes the group after the timeout; a rank that raises
+in a capture or a call stops the others within seconds (not at a timeout), and the closed
+group says why on every later use; an asynchronous collective waited on across an eager
+break is refused."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import torch.multiprocessing as mp
 import graphcap
 from graphcap.api import STRATEGIES
 from graphcap.dist import TPGroup, shard_args, shard_tensor
-from graphcap.errors import CaptureError, UnsupportedModel
+from graphcap.errors import CaptureError, RankError, UnsupportedModel
 from graphcap.models import PRESETS, build_model
 
 WORLD = 2
@@ -133,30 +136,127 @@ def test_a_hugging_face_checkpoint_loads_as_each_rank_s_share(tmp_path):
     spawn(_checkpoint, str(tmp_path))
 
 
+def call(runner, lens):
+    n = sum(lens)
+    return runner(torch.ones(n, dtype=torch.long), torch.cat([torch.arange(k) for k in lens]),
+                  seq_lens=lens)
+
+
 def _disagreement(rank: int) -> None:
+    tp = TPGroup(timeout_s=30.0)  # nothing here waits for a timeout
+    model = build_model("tiny", tp=tp)
+    runner = graphcap.capture(model, "full", buckets=[8, 16], max_requests=2)
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"disagree \(rank 0: replay 8: 5 tokens, requests "
+                       r"\[5\], rank 1: replay 16: 12 tokens"):
+        call(runner, [5] if rank == 0 else [12])  # bucket 8 on one rank, 16 on the other
+    assert time.monotonic() - start < 10  # at once, not after a timeout
+    with pytest.raises(RankError, match=r"rank 0: replay 8: 5 tokens.*rank 1: eager \(too_many"):
+        call(runner, [5] if rank == 0 else [20])
+    # One bucket, one route, and yet other graphs: other lengths of the same token count.
+    with pytest.raises(RankError, match=r"rank 0: replay 8: 5 tokens, requests \[5\], rank 1: "
+                       r"replay 8: 6 tokens, requests \[6\]"):
+        call(runner, [5] if rank == 0 else [6])
+    with pytest.raises(RankError, match=r"requests \[3, 2\], rank 1: replay 8: 5 tokens, "
+                       r"requests \[5\]"):
+        call(runner, [3, 2] if rank == 0 else [5])
+    # A call one rank refuses (bad input) is refused on every rank, at once.
+    with pytest.raises(RankError, match=r"rank 1: refused \(BadBatch"):
+        if rank == 0:
+            call(runner, [6])
+        else:
+            runner(torch.ones(6, dtype=torch.long), torch.arange(6), seq_lens=[5])
+    out = call(runner, [6])  # the runner and the group are still usable
+    assert out.shape == (6, model.args.vocab_size) and tp.closed is None
+    # generate() with other prompts per rank: refused on both, never other tokens.
+    prompts = [[5, 9, 2], [3]] if rank == 0 else [[5, 9, 2, 7], [3]]
+    with pytest.raises(RankError, match="disagree"):
+        graphcap.generate(model, prompts, 3, strategy="full", max_batch=2,
+                          prefill_tokens=8)
+
+
+def test_ranks_that_disagree_on_a_call_all_raise_at_once_and_stay_usable():
+    spawn(_disagreement)
+
+
+def _absence(rank: int) -> None:
     tp = TPGroup(timeout_s=2.0)
     model = build_model("tiny", tp=tp)
     runner = graphcap.capture(model, "full", buckets=[8, 16], max_requests=2)
-    n = 5 if rank == 0 else 12  # bucket 8 on one rank, 16 on the other
-    start = time.monotonic()
-    with pytest.raises(CaptureError, match=r"disagree \(rank 0: replay 8, rank 1: replay 16"):
-        runner(torch.ones(n, dtype=torch.long), torch.arange(n), seq_lens=[n])
-    assert time.monotonic() - start < 5
-    with pytest.raises(CaptureError, match=r"rank 0: replay 8, rank 1: eager \(too_many"):
-        n = 5 if rank == 0 else 20
-        runner(torch.ones(n, dtype=torch.long), torch.arange(n), seq_lens=[n])
-    out = runner(torch.ones(6, dtype=torch.long), torch.arange(6), seq_lens=[6])  # usable
-    assert out.shape == (6, model.args.vocab_size)
+    call(runner, [6])
     if rank == 0:  # rank 1 does not come: rank 0 raises after the timeout
         start = time.monotonic()
-        with pytest.raises(CaptureError, match="did not come"):
-            runner(torch.ones(6, dtype=torch.long), torch.arange(6), seq_lens=[6])
-        assert time.monotonic() - start < 5
+        with pytest.raises(RankError, match="did not come to a call of the runner within 2 s"):
+            call(runner, [6])
+        assert time.monotonic() - start < 20
     dist.barrier()  # the world group: rank 1 waits here for rank 0's timeout
+    # The group closed on rank 0; rank 1 learns why at its next call, at once.
+    start = time.monotonic()
+    with pytest.raises(RankError, match="closed.*rank 0: .*did not come"):
+        call(runner, [6])
+    assert time.monotonic() - start < 10
+    assert tp.closed is not None
 
 
-def test_ranks_that_disagree_all_raise_within_the_timeout():
-    spawn(_disagreement)
+def test_a_rank_that_does_not_come_closes_the_group_on_every_rank():
+    spawn(_absence)
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _raise_on(rank: int, module: torch.nn.Module, tokens: int, where: str):
+    """From now on, rank 1's ``module`` raises ``Boom`` on ``tokens`` tokens (rank 0's
+    goes on to its next collective, where it waits for rank 1)."""
+    def hook(mod, args):
+        if rank == 1 and args[0].shape[0] == tokens:
+            raise Boom(f"rank 1's forward fails {where}")
+    return module.register_forward_pre_hook(hook)
+
+
+def _failure_in_capture(rank: int, strategy: str) -> None:
+    tp = TPGroup(timeout_s=60.0, collective_timeout_s=120.0)  # a fail-fast never waits these
+    model = build_model("tiny", tp=tp)
+    _raise_on(rank, model.blocks[1], 8, "in the capture of 8 tokens")  # the second shape
+    start = time.monotonic()
+    if rank == 1:
+        with pytest.raises(Boom):
+            graphcap.capture(model, strategy, buckets=[8, 16], max_requests=2)
+    else:
+        with pytest.raises(RankError, match="rank 1 raised Boom in a capture: rank 1's "
+                           "forward fails in the capture of 8 tokens"):
+            graphcap.capture(model, strategy, buckets=[8, 16], max_requests=2)
+    assert time.monotonic() - start < 30
+    assert tp.closed is not None
+    with pytest.raises(RankError, match="is closed"):  # every later use says why, at once
+        graphcap.capture(model, strategy, buckets=[8], max_requests=2)
+
+
+@pytest.mark.parametrize("strategy", ["breakable", "full"])
+def test_a_rank_that_raises_during_capture_stops_every_rank_within_seconds(strategy):
+    spawn(_failure_in_capture, strategy)
+
+
+def _failure_in_a_call(rank: int) -> None:
+    tp = TPGroup(timeout_s=60.0, collective_timeout_s=120.0)
+    model = build_model("tiny", tp=tp)
+    runner = graphcap.capture(model, "full", buckets=[8], max_requests=2)
+    call(runner, [6])
+    # 12 tokens run eagerly (past the largest bucket): the hook runs in that call.
+    _raise_on(rank, model.blocks[1], 12, "in an eager call")
+    start = time.monotonic()
+    with pytest.raises(Boom if rank == 1 else RankError,
+                       match="rank 1's forward fails" if rank == 1 else
+                       "all_reduce failed on rank 0: the group was closed .rank 1 raised Boom"):
+        call(runner, [12])
+    assert time.monotonic() - start < 30
+    with pytest.raises(RankError, match="is closed"):
+        call(runner, [6])
+
+
+def test_a_rank_that_raises_during_a_call_stops_every_rank_within_seconds():
+    spawn(_failure_in_a_call)
 
 
 def test_a_tp_size_that_does_not_divide_the_heads_is_refused():

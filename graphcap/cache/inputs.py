@@ -120,6 +120,8 @@ class DecodeInputs(Inputs):
         are stale)."""
         self.cache.wrote(batch.host)
 
+    def describe(self, batch: Batch) -> str:
+        return f"{batch.tokens} requests, (slot, length) {batch.host}"
 
     @staticmethod
     def _sampling(given, rows: int) -> list[Sampling]:

@@ -122,6 +122,8 @@ class CachePrefillInputs(PrefillInputs):
         follows in its pages is stale)."""
         self.cache.wrote(batch.host)
 
+    def describe(self, batch: Batch) -> str:
+        return f"{super().describe(batch)}, (slot, length) {batch.host}"
 
     def context(self, meta):
         return forward_context(attention=meta, kv=self._kv[meta.num_tokens])

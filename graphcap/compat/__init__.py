@@ -157,3 +157,11 @@ def allow_recompiles(count: int) -> None:
 
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), count))
+
+
+def default_store():
+    """The key-value store of the world's rendezvous (``init_process_group``), which every
+    rank reaches without a collective."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()

@@ -32,6 +32,7 @@ methods only:
   prepared outside any mode (``run()`` runs it);
 - ``commit(batch)``: after the call's replay or eager run returned, what it wrote is
   state now (a paged cache counts the tokens written); a call that raised commits nothing;
+- ``describe(batch)``: what the ranks of a split model agree on before a call;
 - ``captured(states)``, ``report()``: what a capture showed, for ``runner.report()``;
   ``forget()``: after a capture that failed, what it took from the call it came from.
 """
@@ -110,6 +111,12 @@ class Inputs:
 
     def commit(self, batch: Batch) -> None:
         pass
+
+    def describe(self, batch: Batch) -> str:
+        """What of a call makes a split model's ranks run different graphs or kernels:
+        the ranks of a TP group agree on it before each call."""
+        lens = f", requests {batch.lens}" if batch.lens is not None else ""
+        return f"{batch.tokens} tokens{lens}"
 
     def limits(self) -> str:
         """What, beside the buckets, bounds a batch that replays (for messages)."""

@@ -10,6 +10,7 @@ checks on every call that the model is the one it captured (:mod:`graphcap.core.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
@@ -28,7 +29,13 @@ from graphcap.core.outputs import check_outputs
 from graphcap.core.serial import Serial
 from graphcap.core.snapshot import ModelSnapshot
 from graphcap.core.strategy import Strategy
-from graphcap.errors import BadBatch, CaptureError, ModelChanged, UnsupportedStrategy
+from graphcap.errors import (
+    BadBatch,
+    CaptureError,
+    GraphcapError,
+    ModelChanged,
+    UnsupportedStrategy,
+)
 
 log = logging.getLogger("graphcap")
 
@@ -46,9 +53,11 @@ class RunnerConfig:
     warmup: str = "first"
     # A model changed since capture: "recapture" (every shape, at that call) or "error".
     on_change: str = "recapture"
-    # A model split across ranks: agree(key, what) returns when every rank passed the same
-    # key (the shape list before a capture, each call's route before it runs), else raises.
-    agree: Callable[[str, str], None] | None = None
+    # A model split across ranks: its graphcap.dist.TPGroup. agree(key, what) returns when
+    # every rank passed the same key (a capture's shapes, a call's route and batch, a
+    # refusal), else raises on every rank; together(what) wraps the work that runs the
+    # ranks' collectives, so that a rank raising there stops the others at once.
+    ranks: Any = None
 
 
 @dataclass
@@ -125,25 +134,44 @@ class Runner:
                 and not self._snapshot.current()
             if stale and self.config.on_change == "recapture":
                 self.inputs.forget()  # a model of tensors that changed may take others
-            batch = self.inputs.check(args, kwargs)  # BadBatch before anything runs
+            batch = self._agreed(self.inputs.check, args, kwargs)  # before anything runs
             self.stats.calls += 1
             with _CountFailures(self.stats):
                 if stale:
                     self._on_change(batch)
                 elif self.strategy.captures and not self.entries:
                     self._capture_all(batch, None)  # on the first call (tensors)
-                entry, reason = self._route(batch)
-                if self.config.agree is not None:  # every rank replays one graph, or
-                    self.config.agree(  # runs the same batch eagerly
-                        f"replay {entry.bucket}" if entry is not None else
-                        f"eager ({reason}) {batch.tokens} tokens", "a call of the runner")
-                if entry is None:
-                    out = self._eager(batch, reason)
-                else:
-                    out = self._replay(entry, batch)
-                    self.stats.replay_host_s += time.perf_counter() - start
+                entry, reason = self._agreed(self._route, batch)
+                ranks = self.config.ranks
+                if ranks is not None:  # every rank replays one graph, or runs one batch
+                    route = f"replay {entry.bucket}" if entry else f"eager ({reason})"
+                    ranks.agree(f"{route}: {self.inputs.describe(batch)}",
+                                "a call of the runner")
+                with self._together("a call of the runner"):
+                    if entry is None:
+                        out = self._eager(batch, reason)
+                    else:
+                        out = self._replay(entry, batch)
+                        self.stats.replay_host_s += time.perf_counter() - start
                 self.inputs.commit(batch)  # it ran: what it wrote counts (not if it raised)
                 return out
+
+    def _agreed(self, check, *args):
+        """``check(*args)``, which may refuse the call (a ``GraphcapError``). A rank of a
+        split model that refuses tells the others, so that every rank raises (the others
+        would wait for it in vain)."""
+        try:
+            return check(*args)
+        except GraphcapError as exc:
+            if self.config.ranks is not None:
+                self.config.ranks.agree(f"refused ({type(exc).__name__}: {exc})",
+                                        "a call of the runner")
+            raise
+
+    def _together(self, what: str):
+        """Where a split model's ranks run collectives together (a no-op unsplit)."""
+        ranks = self.config.ranks
+        return ranks.together(what) if ranks is not None else contextlib.nullcontext()
 
     def _route(self, batch: Batch) -> tuple[ShapeEntry | None, str]:
         """Replay a shape, run eagerly, or refuse, and why (one reason per branch)."""
@@ -248,6 +276,10 @@ class Runner:
                                       "nothing (every call runs the model eagerly)")
 
     def _capture_all(self, batch: Batch | None, progress) -> None:
+        ranks = self.config.ranks
+        if ranks is not None:  # the same shapes, from batches of the same shapes
+            ranks.agree(f"capture {self.config.buckets}" + (
+                f": {self.inputs.describe(batch)}" if batch is not None else ""), "a capture")
         self._reset()
         # A model that derives state from its parameters (fused weights) brings it up to
         # date here, outside any graph: graphcap.hf.PrefillLM.
@@ -256,15 +288,15 @@ class Runner:
             with torch.inference_mode():
                 before()
         self.inputs.allocate(self.max_tokens, batch)
-        if self.config.agree is not None:
-            self.config.agree(f"capture {self.config.buckets}", "a capture")
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._together("a capture"):
                 for done, bucket in enumerate(reversed(self.config.buckets), 1):
                     self._capture_one(bucket, first=done == 1)
                     if progress is not None:
                         progress(done, len(self.config.buckets))
             self.pool.release_cache()  # what later warm-ups left outside the pool
+            if ranks is not None:  # a rank that failed after its last collective says so
+                ranks.agree("captured", "the end of a capture")
         except BaseException:
             # Leave no half-built state, nor what the inputs took from a call that could
             # not be captured: a later call captures from scratch, from its own shapes.
@@ -303,7 +335,10 @@ class Runner:
     def _capture_one(self, bucket: int, first: bool) -> None:
         state = self.inputs.prepare(bucket)
         direct_failure = None
-        if not (first or self.config.warmup == "every" or self.strategy.warms_every_shape):
+        # A split model warms every shape up: a direct capture that failed would be warmed
+        # and retried on that rank alone, its collectives out of step with the others'.
+        if not (first or self.config.warmup == "every" or self.strategy.warms_every_shape
+                or self.config.ranks is not None):
             try:
                 self._capture_timed(bucket, state)
                 return

@@ -2,9 +2,25 @@
 
 Two process groups over the same ranks: ``data`` carries the model's collectives on the
 world's backend (NCCL on GPUs, gloo on CPU), ``control`` (gloo, on the host) carries
-graphcap's own agreement between the ranks, so that a rank that disagrees or stays away
-ends in an error on every rank after at most ``timeout_s``, never in a collective that
-waits for ever.
+graphcap's own agreement between the ranks. No rank waits for ever, and no rank goes on
+alone:
+
+- every call and every capture of a runner of a split model starts with an agreement
+  (:meth:`TPGroup.agree`): every rank passes the same key (the route, the token count,
+  each request's length), or every rank raises :class:`~graphcap.errors.RankError` naming
+  each rank's key; a rank that refused its call (bad input) says so there, so the others
+  raise too, and the group stays usable;
+- the work between (:meth:`TPGroup.together`: warm-ups, captures, replays, eager runs)
+  runs the ranks' collectives; a rank that raises there *closes* the group: it leaves the
+  reason in the store of the world's rendezvous and drops its process groups, so a rank
+  waiting in one of their collectives fails at once (gloo: the connection closes), and
+  every later use of the group raises ``RankError`` naming the reason, on every rank;
+- every wait has a bound: an agreement ``timeout_s``, a data collective
+  ``collective_timeout_s`` (longer: ranks may compile at different speeds between two
+  agreements). A rank that did not come in time closes the group the same way.
+
+A closed group cannot be used again: restart the ranks (or make a new ``TPGroup`` on
+every rank and build and capture the model again).
 
 Example (every rank runs it, after ``torch.distributed.init_process_group``)::
 
@@ -15,6 +31,8 @@ Example (every rank runs it, after ``torch.distributed.init_process_group``)::
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import itertools
 import math
@@ -25,11 +43,19 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from graphcap.errors import CaptureError, GraphcapError
+from graphcap import compat
+from graphcap.errors import CaptureError, GraphcapError, RankError
 
 _GROUPS: dict[str, TPGroup] = {}
 _NUMBERS = itertools.count()
 _KEY_BYTES = 256  # what agree() compares: a key's UTF-8 bytes, long ones hashed
+
+
+def _seconds(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r}: give a positive number of seconds")
+    return float(value)
 
 
 class TPGroup:
@@ -39,75 +65,161 @@ class TPGroup:
     rank makes its groups in the same order, so a name means the same group on every
     rank. ``collectives`` counts the collectives this rank ran, by op name: eager calls,
     the graph emulator's replays and CUDA graph replays alike. ``timeout_s`` bounds how
-    long :meth:`agree` waits for the other ranks.
+    long :meth:`agree` waits for the other ranks, ``collective_timeout_s`` how long a
+    collective of the model waits (gloo; NCCL's watchdog takes it as its timeout).
+    ``closed``: why the group closed, or None while it is usable.
     """
 
-    def __init__(self, timeout_s: float = 5.0):
+    def __init__(self, timeout_s: float = 5.0, collective_timeout_s: float = 600.0):
         if not (dist.is_available() and dist.is_initialized()):
             raise GraphcapError(
                 "TPGroup needs torch.distributed: call torch.distributed."
                 "init_process_group(...) on every rank first (torchrun sets its "
                 "environment; one process per GPU)")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) \
-                or not math.isfinite(timeout_s) or timeout_s <= 0:
-            raise ValueError(f"timeout_s={timeout_s!r}: give a positive number of seconds")
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = _seconds(timeout_s, "timeout_s")
+        self.collective_timeout_s = _seconds(collective_timeout_s, "collective_timeout_s")
         ranks = list(range(dist.get_world_size()))
-        self.data = dist.new_group(ranks)
+        self.data = dist.new_group(ranks, timeout=timedelta(seconds=self.collective_timeout_s))
         self.control = dist.new_group(ranks, backend="gloo",
                                       timeout=timedelta(seconds=self.timeout_s))
         self.rank = dist.get_rank(self.data)
         self.size = dist.get_world_size(self.data)
         self.name = f"tp{next(_NUMBERS)}"
         self.collectives: Counter = Counter()
+        self.closed: str | None = None
+        self._store = compat.default_store()
+        self._backend = str(dist.get_backend(self.data)).lower()
         self._warm = False
         _GROUPS[self.name] = self
 
     def __repr__(self) -> str:
-        return f"TPGroup({self.name}: rank {self.rank} of {self.size})"
+        state = f", closed: {self.closed}" if self.closed else ""
+        return f"TPGroup({self.name}: rank {self.rank} of {self.size}{state})"
 
     @property
     def device(self) -> torch.device:
         """Where the data group's collectives run: this rank's GPU under NCCL, else the
         CPU."""
-        if "nccl" in str(dist.get_backend(self.data)).lower():
+        if "nccl" in self._backend:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
     def warm_up(self) -> None:
         """Run one collective on each group, once: NCCL makes a communicator on its first
-        use, which cannot happen inside a CUDA graph capture."""
+        use, which cannot happen inside a CUDA graph capture. The data collective also
+        waits for ranks still loading their model (up to ``collective_timeout_s``)."""
         if self._warm:
             return
         probe = torch.ones(1, device=self.device)
-        dist.all_reduce(probe, group=self.data)
-        if probe.is_cuda:
-            torch.cuda.synchronize(probe.device)
+        with self.together("the group's warm-up"):
+            self.collective(lambda: dist.all_reduce(probe, group=self.data), "warm-up")
+            if probe.is_cuda:
+                torch.cuda.synchronize(probe.device)
         self.agree("warm-up", "the group's warm-up")
         self._warm = True
 
+    # -- agreement -------------------------------------------------------------------
     def agree(self, key: str, what: str) -> None:
         """Return once every rank passed the same ``key`` for ``what``; else raise
-        :class:`CaptureError` on every rank naming each rank's key, or, when a rank does
-        not come within ``timeout_s``, on the ranks that came. A runner of a split model
-        calls it before a capture (the shape list) and before each call (its route)."""
+        :class:`RankError` on every rank naming each rank's key (the group stays
+        usable). A rank that does not come within ``timeout_s``, or that closed the
+        group, closes it here too, and ``RankError`` says why."""
+        self._check_open(what)
         mine = _encode(key)
         keys = [torch.empty_like(mine) for _ in range(self.size)]
         try:
-            work = dist.all_gather(keys, mine, group=self.control, async_op=True)
-            work.wait(timeout=timedelta(seconds=self.timeout_s))
-        except RuntimeError as exc:  # gloo's timeout, or a rank that went away
-            raise CaptureError(
-                f"TP group {self.name}: a rank did not come to {what} within "
-                f"{self.timeout_s:g} s (rank {self.rank} was at {key!r}): every rank must "
-                "make the same calls of a split model, in the same order. The group is out "
-                "of step now: restart the ranks") from exc
+            # Bounded by the control group's own timeout: the all-gather ends (completes or
+            # fails) before this returns, so no collective is left pending behind us.
+            dist.all_gather(keys, mine, group=self.control)
+        except RuntimeError as exc:
+            reasons = self._reasons()
+            if reasons:
+                message = (f"the group was closed ({reasons}) while rank {self.rank} was "
+                           f"at {key!r} ({what})")
+            else:
+                message = (f"a rank did not come to {what} within {self.timeout_s:g} s "
+                           f"(rank {self.rank} was at {key!r}): every rank must make the "
+                           "same calls of a split model, in the same order")
+            self._close(f"rank {self.rank}: {message}")
+            raise RankError(f"TP group {self.name}: {message}. {_CLOSED}") from exc
         if any(not torch.equal(k, mine) for k in keys):
             seen = ", ".join(f"rank {r}: {_decode(k)}" for r, k in enumerate(keys))
-            raise CaptureError(
+            raise RankError(
                 f"TP group {self.name}: the ranks disagree ({seen}) on {what}: every rank "
                 "must make the same calls with inputs of the same shapes, so that each "
                 "replays the same graph or runs the same batch eagerly")
+
+    @contextlib.contextmanager
+    def together(self, what: str):
+        """The ranks' collectives of ``what`` (a warm-up, a capture, a replay, an eager
+        run): when it raises on this rank, the group closes (see the module docstring)
+        and the error goes on, with a note of what happened to the group."""
+        self._check_open(what)
+        try:
+            yield
+        except BaseException as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            if not isinstance(exc, RankError):  # a peer's failure closed it already
+                self._close(f"rank {self.rank} raised {type(exc).__name__} in {what}"
+                            + (f": {first}" if first else ""))
+            exc.add_note(f"graphcap: TP group {self.name} is closed ({self.closed}). "
+                         f"{_CLOSED}")
+            raise
+
+    def collective(self, run, op: str):
+        """``run()``, a collective on the data group: a failure (a rank that closed the
+        group, a timeout) raises ``RankError`` naming why, and closes the group here."""
+        self._check_open(op)
+        try:
+            return run()
+        except RuntimeError as exc:
+            reasons = self._reasons()
+            why = (f"the group was closed ({reasons})" if reasons else f"a rank did not "
+                   f"come to it within {self.collective_timeout_s:g} s")
+            self._close(f"rank {self.rank}: {op} failed: {why}")
+            raise RankError(f"TP group {self.name}: {op} failed on rank {self.rank}: {why}. "
+                            f"{_CLOSED}") from exc
+
+    # -- closing ---------------------------------------------------------------------
+    def _check_open(self, what: str) -> None:
+        if self.closed is not None:
+            raise RankError(f"TP group {self.name} is closed ({self.closed}), so {what} "
+                            f"cannot run. {_CLOSED}")
+
+    def _close(self, reason: str) -> None:
+        """Leave ``reason`` for the other ranks, then drop both process groups: a rank
+        waiting in one of their gloo collectives fails at once (its peer's connection
+        closes) instead of at its timeout."""
+        if self.closed is not None:
+            return
+        self.closed = reason
+        try:
+            self._store.set(self._key(self.rank), reason)
+        except Exception:  # noqa: BLE001  the store is gone too: the groups still close
+            pass
+        groups, self.data, self.control = (self.data, self.control), None, None
+        for group in groups:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group)
+        del groups
+        gc.collect()  # the last references: the C++ groups close their connections
+
+    def _reasons(self) -> str:
+        """What the ranks that closed the group left in the store ('' if none did)."""
+        found = []
+        for rank in range(self.size):
+            key = self._key(rank)
+            with contextlib.suppress(Exception):
+                if self._store.check([key]):
+                    found.append(self._store.get(key).decode(errors="replace"))
+        return "; ".join(found)
+
+    def _key(self, rank: int) -> str:
+        return f"graphcap/{self.name}/closed/{rank}"
+
+
+_CLOSED = ("A closed group cannot be used again: restart the ranks (or make a new "
+           "TPGroup on every rank, and build and capture the model again)")
 
 
 def group_named(name: str) -> TPGroup:

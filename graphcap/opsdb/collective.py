@@ -7,7 +7,9 @@ graph captures the collective (NCCL since 2.9; the group's ``warm_up`` first), a
 graph emulator re-runs it on every replay. Kernel ``torch``: torch.distributed on the
 group's data backend (NCCL on GPUs, gloo on CPU). Every collective run counts in the
 group's ``collectives``: eagerly, in the emulator, and in every replay of a CUDA graph
-that captured it (not at the capture, which runs nothing).
+that captured it (not at the capture, which runs nothing). A collective that fails where
+the host waits for it (gloo: a rank closed the group, or did not come in time) raises
+``RankError`` (:meth:`graphcap.dist.TPGroup.collective`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     g = group_named(group)
     _count(g, "all_reduce")
     out = x.clone()
-    dist.all_reduce(out, group=g.data)
+    g.collective(lambda: dist.all_reduce(out, group=g.data), "all_reduce")
     return out
 
 
@@ -39,7 +41,7 @@ def all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     _count(g, "all_gather")
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(g.size)]
-    dist.all_gather(parts, x, group=g.data)
+    g.collective(lambda: dist.all_gather(parts, x, group=g.data), "all_gather")
     return torch.cat(parts, dim=dim)
 
 
