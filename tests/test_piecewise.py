@@ -300,3 +300,47 @@ def test_a_shape_captured_whole_keeps_none_of_its_warmup_outputs():
         call = entry.replay.__self__.call
         assert call.outputs is None
         assert not any(isinstance(c, torch.Tensor) for c in call.returns[1])
+
+
+def _compiled_tiny(**compile_kwargs):
+    """The tiny decoder compiled by the backend as torch.compile hands it ``mode=`` and
+    ``options=``, called three times at 8 tokens (warm-up, capture, replay)."""
+    model = graphcap.models.build_model("tiny")
+    compiled = torch.compile(model, backend=piecewise_compiler.sgl_piecewise, fullgraph=True,
+                             **compile_kwargs)
+    before = piecewise_compiler.counters()
+    with torch.inference_mode():
+        for seed in range(3):
+            ids = torch.randint(1, 256, (8,), generator=torch.Generator().manual_seed(seed))
+            pos = torch.arange(8)
+            with graphcap.packed([8], "cpu"):
+                got, want = compiled(ids, pos), model(ids, pos)
+            torch.testing.assert_close(got, want)
+    after = piecewise_compiler.counters()
+    return {k: after[k] - before[k] for k in ("graphs", "captures", "split_captures")}
+
+
+def test_torch_compile_mode_reduce_overhead_is_accepted_and_ignored_with_a_warning(caplog):
+    with caplog.at_level("WARNING", logger="graphcap"):
+        counts = _compiled_tiny(mode="reduce-overhead")
+    assert counts["graphs"] == 1 and counts["captures"] > 0  # the backend's own graphs
+    warned = [r.getMessage() for r in caplog.records if "ignores" in r.getMessage()]
+    assert len(warned) == 1, caplog.text
+    assert "mode='reduce-overhead'" in warned[0] and "capture_sizes" in warned[0]
+
+
+def test_inductor_option_keys_are_ignored_with_a_warning_and_the_backend_s_own_kept(caplog):
+    with caplog.at_level("WARNING", logger="graphcap"):
+        counts = _compiled_tiny(options={"capture_sizes": [4], "max_autotune": True,
+                                         "triton.cudagraphs": True})
+    assert counts["captures"] == 0 and counts["split_captures"] == 0  # 8 is not captured
+    warned = [r.getMessage() for r in caplog.records if "ignores" in r.getMessage()]
+    assert len(warned) == 1 and "'max_autotune'" in warned[0] \
+        and "'triton.cudagraphs'" in warned[0], caplog.text
+
+
+def test_an_option_neither_inductor_s_nor_the_backend_s_is_an_error_naming_both():
+    with pytest.raises(graphcap.GraphcapError, match="unknown options.*capture_size"):
+        piecewise_compiler.sgl_piecewise(None, [], options={"capture_size": [8]})
+    with pytest.raises(graphcap.GraphcapError, match="mode='fast'.*reduce-overhead"):
+        piecewise_compiler.sgl_piecewise(None, [], mode="fast")

@@ -51,12 +51,8 @@ class PiecewiseCompiler:
     """A Dynamo backend instance; ``torch.compile(m, backend="sgl_piecewise")`` makes one
     per compile, with ``options=`` as its keyword arguments."""
 
-    def __init__(self, options: dict | None = None):
-        opts = dict(options or {})
-        unknown = set(opts) - set(OPTIONS)
-        if unknown:
-            raise GraphcapError(f"sgl_piecewise: unknown options {sorted(unknown)}; "
-                                f"known: {list(OPTIONS)}")
+    def __init__(self, options: dict | None = None, mode: str | None = None):
+        opts = own_options(options, mode)
         sizes = opts.get("capture_sizes")
         self.capture_sizes = set(check_ladder(sizes)) if sizes else set(
             prefill_ladder(opts.get("max_tokens", 2048)))
@@ -151,6 +147,44 @@ class PiecewiseCompiler:
         return forward
 
 
+def own_options(options: dict | None, mode: str | None = None) -> dict:
+    """``sgl_piecewise``'s options of ``options``. What torch.compile means for Inductor
+    (``mode=``, the keys of ``torch._inductor.list_options()``) is accepted, as torch's
+    own custom backends accept it, and ignored with one warning; any other key, or a mode
+    torch.compile does not have, raises."""
+    opts = dict(options or {})
+    foreign = [key for key in opts if key not in OPTIONS]
+    inductor = _inductor_options() if foreign else set()
+    ignored = [key for key in foreign if key.replace("-", "_") in inductor]
+    unknown = sorted(set(foreign) - set(ignored))
+    if unknown:
+        raise GraphcapError(f"sgl_piecewise: unknown options {unknown}; its own: "
+                            f"{list(OPTIONS)} (Inductor's are accepted and ignored)")
+    mode = None if mode == "default" else mode
+    if mode is not None and mode not in _inductor_modes():
+        raise GraphcapError(f"sgl_piecewise: mode={mode!r} is no torch.compile mode (one of "
+                            f"{sorted(_inductor_modes())}, all ignored by sgl_piecewise)")
+    if mode is not None or ignored:
+        given = ([f"mode={mode!r}"] if mode else []) + ([f"options {ignored}"] if ignored else [])
+        log.warning("sgl_piecewise ignores Inductor's %s: it captures CUDA graphs of its own, "
+                    "piece by piece per capture size; its own options are %s "
+                    "(compiler='inductor' compiles each piece with Inductor)",
+                    " and ".join(given), ", ".join(OPTIONS))
+    return {key: value for key, value in opts.items() if key in OPTIONS}
+
+
+def _inductor_options() -> set[str]:
+    from torch._inductor import list_options
+
+    return set(list_options())
+
+
+def _inductor_modes() -> set[str]:
+    from torch._inductor import list_mode_options
+
+    return set(list_mode_options())
+
+
 def counters() -> Counter:
     """The counters of every live ``sgl_piecewise`` compile, summed:
 
@@ -174,8 +208,10 @@ def counters() -> Counter:
     return total
 
 
-def sgl_piecewise(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
+def sgl_piecewise(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
+                  options: dict | None = None):
     """The Dynamo backend registered as ``sgl_piecewise`` (entry point
     ``torch_dynamo_backends``): ``torch.compile(model, backend="sgl_piecewise",
-    options={"capture_sizes": [...], "compiler": "inductor"})``."""
-    return PiecewiseCompiler(options)(gm, example_inputs)
+    options={"capture_sizes": [...], "compiler": "inductor"})``. Inductor's ``mode=`` and
+    option keys are accepted and ignored with a warning (:func:`own_options`)."""
+    return PiecewiseCompiler(options, mode)(gm, example_inputs)
