@@ -6,6 +6,7 @@ import importlib
 import inspect
 import sys
 import time
+import traceback
 
 import torch
 
@@ -14,7 +15,8 @@ from graphcap.errors import GraphcapError
 
 
 def load_factory(spec: str):
-    """``"package.module:function"`` -> the callable, with clear errors."""
+    """``"package.module:function"`` -> the callable, with clear errors: whatever the
+    user's module raises on import (an exit too) is a :class:`GraphcapError` naming it."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise GraphcapError(f"{spec!r}: give the factory as MODULE:FUNCTION, e.g. "
@@ -24,12 +26,48 @@ def load_factory(spec: str):
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise GraphcapError(f"cannot import {module_name!r} (from {spec!r}): {exc}") from exc
+    except (Exception, SystemExit) as exc:  # the user's module failed, not graphcap
+        raise GraphcapError(f"importing {module_name!r} (from {spec!r}) {_failed(exc)}; "
+                            f"python -c 'import {module_name}' shows the traceback") from exc
     finally:
         sys.path.remove(".")
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise GraphcapError(f"{module_name!r} has no callable {attr!r} (from {spec!r})")
     return factory
+
+
+def model_from(factory, spec: str):
+    """What ``factory()`` returns. A factory that needs arguments is refused before it is
+    called; one that raises or exits is a :class:`GraphcapError` saying so and where."""
+    needed = _required_parameters(factory)
+    if needed:
+        raise GraphcapError(f"the factory {spec!r} takes arguments {needed}; graphcap check "
+                            "calls it with no arguments: give it a function of no arguments "
+                            "that returns the model")
+    try:
+        return factory()
+    except (Exception, SystemExit) as exc:  # the user's factory failed, not graphcap
+        raise GraphcapError(f"the factory {spec!r} {_failed(exc)}") from exc
+
+
+def _required_parameters(factory) -> list[str]:
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): call it and see
+        return []
+    return [p.name for p in params if p.default is p.empty
+            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _failed(exc: BaseException) -> str:
+    """What the user's code did, in one line: raised what, and the line that raised it."""
+    if isinstance(exc, SystemExit):
+        return f"exited (SystemExit({exc.code!r})) instead of returning: nothing was checked"
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    message = str(exc).strip().splitlines()
+    return f"raised {type(exc).__name__}" + (f": {message[0]}" if message else "") + where
 
 
 def checkable(model) -> tuple:
@@ -73,8 +111,7 @@ def run_check(spec: str, strategies=GRAPHED, examples: int = 10, sequences: int 
     """Print one row per strategy; 0 when every strategy matches eager, else 1."""
     from graphcap.testing import assert_replay_equivalent
 
-    factory = load_factory(spec)
-    model, wrapped = checkable(factory())
+    model, wrapped = checkable(model_from(load_factory(spec), spec))
     print(f"graphcap check {spec}: {type(model).__name__}{wrapped}, {examples} batches and "
           f"{sequences} call sequences per strategy, buckets to {max_tokens} tokens\n")
     print(f"{'strategy':>12}  {'attention':>12}  {'result':>6}  {'max err':>9}  "

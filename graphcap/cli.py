@@ -1,20 +1,33 @@
-"""The ``graphcap`` command line."""
+"""The ``graphcap`` command line.
+
+Exit status: 0 when the command did its job; 1 when a check ran and failed (demo's or
+check's replays differ from eager, a benchmark missed its targets); 2 for an error of the
+user's making (an argument, their module or factory, a device this machine lacks), told
+in one line on stderr. An unexpected exception inside graphcap keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
+
+import torch
+
+from graphcap.errors import GraphcapError
 
 
 def _demo(args: argparse.Namespace) -> int:
     from graphcap.demo import run_demo
 
+    missing = _no_cuda() if args.device == "cuda" else None
+    if missing:
+        raise GraphcapError(f"--device cuda, but {missing}: run graphcap demo --device cpu "
+                            "(or leave --device out to use what is here)")
     return run_demo(device=args.device, steps=args.steps)
 
 
 def _ops(args: argparse.Namespace) -> int:
-    import torch
-
     import graphcap.opsdb  # noqa: F401  (registers the built-in ops)
     from graphcap.opsdb.listing import render
 
@@ -24,11 +37,14 @@ def _ops(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import torch
-
-    if not torch.cuda.is_available():
-        print("graphcap bench needs a CUDA GPU (benchmarks time real kernels)", file=sys.stderr)
-        return 2
+    _check_bench_args(args)
+    missing = _no_cuda()
+    if missing:
+        raise GraphcapError(f"needs a CUDA GPU (benchmarks time real kernels), but {missing}")
+    gpus = torch.cuda.device_count()
+    if args.tp > gpus:
+        raise GraphcapError(f"--tp {args.tp}: {gpus} GPU{'s' * (gpus != 1)} here, {args.tp} "
+                            "needed (one per rank)")
     if args.suite == "ops":
         from graphcap.bench.ops import run
 
@@ -39,16 +55,95 @@ def _bench(args: argparse.Namespace) -> int:
     return run_suite(args)
 
 
+def _check_bench_args(args: argparse.Namespace) -> None:
+    """The presets, arms and --tp given are ones the suite runs (checked before anything
+    runs: a wrong name would otherwise surface after minutes of other arms, or need a GPU)."""
+    from graphcap.bench import decode, ladder
+    from graphcap.bench.arms import ARMS
+    from graphcap.bench.hf import HF_ARMS
+    from graphcap.models import PRESETS
+
+    if args.tp > 1 and args.suite != "prefill":
+        raise GraphcapError(f"--tp {args.tp}: only bench prefill splits a model across GPUs")
+    if args.suite == "ops":
+        return
+    ladders = args.suite in ("build", "memory")  # one model, perhaps a stock transformers one
+    kinds = ("", "hf", "hf-stock") if ladders else ("",)
+    models = args.models.split(",") if args.models else []
+    for name in models:
+        kind, _, preset = name.rpartition(":")
+        if kind not in kinds or preset not in PRESETS:
+            forms = ", or hf:PRESET or hf-stock:PRESET" if ladders else ""
+            raise GraphcapError(f"--models: no preset {name!r} for bench {args.suite}; choose "
+                                f"from {', '.join(sorted(PRESETS))}{forms}")
+    if ladders and len(models) > 1:
+        raise GraphcapError(f"--models: bench {args.suite} runs one model, not {len(models)}; "
+                            "run it once per model")
+    arms = {"decode": decode.ARMS, "prefill": ARMS + HF_ARMS, "build": ladder.BUILD_ARMS,
+            "memory": ladder.MEMORY_ARMS}[args.suite]
+    for arm in args.arms.split(",") if args.arms else []:
+        if arm not in arms:
+            raise GraphcapError(f"--arms: no arm {arm!r} in bench {args.suite}; choose from "
+                                f"{', '.join(arms)}")
+
+
+def _no_cuda() -> str | None:
+    """Why this process cannot use a CUDA GPU, or None."""
+    if torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} here is a build without CUDA"
+    return f"torch {torch.__version__} here sees no CUDA GPU"
+
+
 def _check(args: argparse.Namespace) -> int:
     from graphcap.check import run_check
-    from graphcap.errors import GraphcapError
 
+    return run_check(args.factory, args.strategies, args.examples, args.sequences,
+                     args.max_tokens, args.max_requests, args.attention)
+
+
+def version() -> str:
+    """``graphcap X, torch Y``: X the installed distribution's version (``torch-graphcap``),
+    or the source tree's when graphcap runs from a checkout that is not installed."""
     try:
-        return run_check(args.factory, args.strategies, args.examples, args.sequences,
-                         args.max_tokens, args.max_requests, args.attention)
-    except GraphcapError as exc:
-        print(f"graphcap check: {exc}", file=sys.stderr)
-        return 2
+        ours = importlib.metadata.version("torch-graphcap")
+    except importlib.metadata.PackageNotFoundError:
+        import graphcap
+
+        ours = f"{graphcap.__version__} (source tree, not installed)"
+    return f"graphcap {ours}, torch {torch.__version__}"
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
+def _positives(text: str) -> str:
+    """Comma-separated positive whole numbers, as the text bench's suites split."""
+    return ",".join(str(_positive(item)) for item in text.split(","))
+
+
+def _device(text: str) -> str:
+    try:
+        torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is no torch device (cpu, cuda, cuda:1, "
+                                         "...)") from None
+    return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """Tells a refused argument in one line, with where to look, and exits 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -66,19 +161,20 @@ def build_parser() -> argparse.ArgumentParser:
     from graphcap.opsdb.attention import BACKENDS
 
     defaults = _Defaults
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="graphcap", description="CUDA graphs for LLM prefill and launch-bound forwards.")
+    parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", formatter_class=defaults,
                           help="capture a small model, replay it, check it against eager")
     demo.add_argument("--device", default=None, choices=["cuda", "cpu"],
                       help="where to run (default: cuda if present)")
-    demo.add_argument("--steps", type=int, default=5, help="replays with fresh inputs")
+    demo.add_argument("--steps", type=_positive, default=5, help="replays with fresh inputs")
     demo.set_defaults(func=_demo)
     ops = sub.add_parser("ops", formatter_class=defaults,
                          help="the op registry and the attention backends: what runs here")
-    ops.add_argument("--device", default=None, help="device to check kernels for "
-                     "(default: cuda if present)")
+    ops.add_argument("--device", default=None, type=_device,
+                     help="device to check kernels for (default: cuda if present)")
     ops.add_argument("--json", action="store_true", help="machine-readable output")
     ops.set_defaults(func=_ops)
     check = sub.add_parser("check", formatter_class=defaults,
@@ -86,10 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("factory", help="MODULE:FUNCTION returning the model")
     check.add_argument("--strategies", nargs="+", default=list(GRAPHED), choices=GRAPHED,
                        help="the strategies to check")
-    check.add_argument("--examples", type=int, default=10, help="batches per strategy")
-    check.add_argument("--sequences", type=int, default=3, help="call sequences")
-    check.add_argument("--max-tokens", type=int, default=64, help="the largest bucket")
-    check.add_argument("--max-requests", type=int, default=4, help="request slots")
+    check.add_argument("--examples", type=_positive, default=10, help="batches per strategy")
+    check.add_argument("--sequences", type=_positive, default=3, help="call sequences")
+    check.add_argument("--max-tokens", type=_positive, default=64, help="the largest bucket")
+    check.add_argument("--max-requests", type=_positive, default=4, help="request slots")
     check.add_argument("--attention", default=None, choices=sorted(BACKENDS),
                        help="attention backend (default: the best for full capture here)")
     check.set_defaults(func=_check)
@@ -104,20 +200,22 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--models", default=None,
                        help="comma-separated presets, of " + ", ".join(sorted(PRESETS))
                             + " (prefill default: qwen3-0.6b,llama3-8b,qwen3-30b-a3b-4l; "
-                            "decode, build, memory: qwen3-0.6b)")
+                            "decode, build, memory: qwen3-0.6b; build and memory take one, "
+                            "or hf:PRESET, hf-stock:PRESET for the stock transformers model)")
     bench.add_argument("--arms", default=None,
                        help="comma-separated arms (prefill default: every arm on the "
                             "preset; hf-eager, hf-compile-reduce-overhead and "
                             "hf-{breakable,full,tc_piecewise}-{stock,graphcap} add the stock "
                             "transformers model of the preset's config)")
-    bench.add_argument("--lengths", default=None,
+    bench.add_argument("--lengths", default=None, type=_positives,
                        help="comma-separated prompt lengths (default 16..2048)")
-    bench.add_argument("--reps", type=int, default=30, help="timed calls per arm and length")
-    bench.add_argument("--batches", default=None,
+    bench.add_argument("--reps", type=_positive, default=30,
+                       help="timed calls per arm and length")
+    bench.add_argument("--batches", default=None, type=_positives,
                        help="decode: comma-separated batch sizes (default 1,8)")
-    bench.add_argument("--context", type=int, default=128,
+    bench.add_argument("--context", type=_positive, default=128,
                        help="decode: tokens in the cache of every request")
-    bench.add_argument("--tp", type=int, default=1,
+    bench.add_argument("--tp", type=_positive, default=1,
                        help="prefill: split each preset across this many GPUs (one process "
                             "each, NCCL) and time it beside the unsplit run")
     bench.add_argument("--attention", default=None, choices=sorted(BACKENDS),
@@ -128,8 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status (the module's docstring says which)."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except GraphcapError as exc:  # graphcap's own errors name what was wrong and what to do
+        print(f"graphcap {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import json
+import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
+import pytest
+import torch
+
+import graphcap
 from graphcap.api import GRAPHED
+from graphcap.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,9 +61,171 @@ def test_check_flags_a_python_side_effect_that_capture_freezes():
     assert "FAIL" in proc.stdout and "frozen" in proc.stdout
 
 
-def test_check_names_a_factory_it_cannot_import():
-    proc = run("check", "no_such_module:build")
-    assert proc.returncode == 2 and "cannot import 'no_such_module'" in proc.stderr
+def cli(capsys, *argv):
+    """``graphcap ARGV`` in this process: its exit status, stdout and stderr."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse's exits: --help, --version, a refused argument
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def refused(capsys, *argv) -> str:
+    """The one line ``graphcap ARGV`` writes to stderr, having exited 2."""
+    code, _, err = cli(capsys, *argv)
+    assert code == 2 and len(err.strip().splitlines()) == 1, (code, err)
+    return err
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """Writes a module of the user's in the working directory, where ``check`` finds it."""
+    monkeypatch.chdir(tmp_path)
+    names = []
+
+    def write(name: str, source: str) -> str:
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        importlib.invalidate_caches()  # the finder of "." may have listed it before
+        names.append(name)
+        return name
+
+    yield write
+    for name in names:
+        sys.modules.pop(name, None)
+
+
+def test_check_names_a_factory_it_cannot_import(capsys):
+    assert "cannot import 'no_such_module'" in refused(capsys, "check", "no_such_module:build")
+
+
+def test_check_names_a_factory_that_raises_and_where(capsys, user_module):
+    user_module("raising_factory", """
+        def build():
+            raise ValueError("no weights here")
+    """)
+    err = refused(capsys, "check", "raising_factory:build")
+    assert err.startswith("graphcap check: the factory 'raising_factory:build' raised "
+                          "ValueError: no weights here"), err
+    assert "raising_factory.py:3" in err
+
+
+@pytest.mark.parametrize("failure", ["raise RuntimeError('no GPU config')", "raise SystemExit(3)"])
+def test_check_names_a_module_that_fails_on_import(capsys, user_module, failure):
+    user_module("broken_module", f"""
+        {failure}
+        def build():
+            pass
+    """)
+    err = refused(capsys, "check", "broken_module:build")
+    assert err.startswith("graphcap check: importing 'broken_module'"), err
+    assert ("RuntimeError: no GPU config" if "Runtime" in failure else "exited") in err
+
+
+def test_a_factory_that_exits_is_an_error_not_a_check_that_passed(capsys, user_module):
+    user_module("exiting_factory", """
+        import sys
+        def build():
+            sys.exit(0)
+    """)
+    err = refused(capsys, "check", "exiting_factory:build")
+    assert "'exiting_factory:build' exited" in err and "nothing was checked" in err
+
+
+def test_check_refuses_a_factory_that_needs_arguments_naming_them(capsys, user_module):
+    user_module("argument_factory", """
+        def build(width, depth=2, *, dtype):
+            raise AssertionError("never called")
+    """)
+    err = refused(capsys, "check", "argument_factory:build")
+    assert "takes arguments ['width', 'dtype']" in err and "no arguments" in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["check", "m:f", "--max-requests", "0"], ["check", "m:f", "--max-tokens", "-4"],
+    ["check", "m:f", "--examples", "0"], ["check", "m:f", "--sequences", "ten"],
+    ["demo", "--steps", "0"], ["bench", "prefill", "--reps", "0"],
+    ["bench", "decode", "--context", "0"], ["bench", "prefill", "--tp", "0"],
+    ["bench", "prefill", "--lengths", "16,x"], ["bench", "decode", "--batches", "1,0"]])
+def test_counts_that_are_not_positive_whole_numbers_are_refused_by_the_parser(capsys, argv):
+    err = refused(capsys, *argv)
+    assert err.startswith(f"graphcap {argv[0]}: argument {argv[-2]}") and "--help" in err
+
+
+def test_demo_on_cuda_where_torch_sees_no_gpu_says_what_to_do(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = refused(capsys, "demo", "--device", "cuda")
+    assert err.startswith("graphcap demo: --device cuda") and "--device cpu" in err
+
+
+def test_ops_names_a_device_torch_does_not_know(capsys):
+    err = refused(capsys, "ops", "--device", "tpu")
+    assert "argument --device: 'tpu' is no torch device" in err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["prefill", "--models", "qwen9"], "no preset 'qwen9'"),
+    (["decode", "--models", "hf:qwen3-0.6b"], "no preset 'hf:qwen3-0.6b'"),
+    (["build", "--models", "tiny,qwen3-0.6b"], "one model"),
+    (["prefill", "--arms", "eager,fastest"], "no arm 'fastest'"),
+    (["memory", "--arms", "tc_piecewise-inductor"], "no arm 'tc_piecewise-inductor'")])
+def test_bench_refuses_a_preset_or_arm_its_suite_lacks_before_it_needs_a_gpu(
+        capsys, argv, needle):
+    err = refused(capsys, "bench", *argv)
+    assert err.startswith("graphcap bench: ") and needle in err, err
+
+
+def test_bench_without_cuda_says_it_needs_a_gpu(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "needs a CUDA GPU" in refused(capsys, "bench", "decode")
+
+
+def test_bench_split_across_more_gpus_than_there_are_says_how_many(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert "--tp 2: 1 GPU here" in refused(capsys, "bench", "prefill", "--tp", "2")
+
+
+def test_version_names_the_package_and_torch_without_a_command():
+    proc = run("--version")
+    assert proc.returncode == 0, proc.stderr
+    try:
+        ours = importlib.metadata.version("torch-graphcap")
+    except importlib.metadata.PackageNotFoundError:  # run from the tree
+        ours = graphcap.__version__
+    assert proc.stdout.startswith(f"graphcap {ours}")
+    assert proc.stdout.rstrip().endswith(f", torch {torch.__version__}")
+
+
+def test_version_falls_back_to_the_source_tree_when_the_package_is_not_installed(
+        capsys, monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    code, out, _ = cli(capsys, "--version")
+    assert code == 0 and out.startswith(f"graphcap {graphcap.__version__} (source tree")
+
+
+def test_an_error_is_one_line_and_exit_2_in_a_real_process(tmp_path):
+    (tmp_path / "user_factory.py").write_text("def build():\n    raise KeyError('gone')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "graphcap", "check", "user_factory:build"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.splitlines() == [proc.stderr.strip()] and "KeyError: 'gone'" in proc.stderr
+
+
+def test_an_unexpected_error_inside_graphcap_is_raised_not_hidden(capsys, monkeypatch):
+    import graphcap.check
+
+    def bug(model):
+        raise RuntimeError("a bug in graphcap")
+
+    monkeypatch.setattr(graphcap.check, "checkable", bug)
+    with pytest.raises(RuntimeError, match="a bug in graphcap"):
+        main(["check", "tests.check_models:good"])
 
 
 def test_check_fails_a_model_whose_attention_cannot_see_the_packed_requests():
@@ -93,8 +264,6 @@ def test_check_wraps_a_stock_transformers_causal_lm_itself_and_says_so():
         assert proc.stdout.count(" pass ") == 2, proc.stdout
 
 
-def test_check_names_the_signature_it_expects_of_a_model_it_cannot_run():
-    proc = run("check", "tests.check_models:two_tensors")
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "forward('x', 'scale') is no model of packed requests" in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_check_names_the_signature_it_expects_of_a_model_it_cannot_run(capsys):
+    err = refused(capsys, "check", "tests.check_models:two_tensors")
+    assert "forward('x', 'scale') is no model of packed requests" in err
