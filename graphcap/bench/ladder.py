@@ -30,6 +30,7 @@ from graphcap.bench.arms import default_attention, prompts
 from graphcap.bench.common import environment
 from graphcap.bench.targets import build_targets, memory_targets
 from graphcap.core.buckets import prefill_ladder
+from graphcap.errors import GraphcapError
 from graphcap.models import PRESETS, build_model
 
 # breakable-warm-every: breakable warming up every shape before its capture, the way it
@@ -45,8 +46,8 @@ def load(model_name: str):
     its stock ones), last-token logits, bf16 on CUDA; and its vocabulary size."""
     kind, _, preset = model_name.rpartition(":")
     if kind not in ("", "hf", "hf-stock"):
-        raise SystemExit(f"graphcap bench: model {model_name!r}: a preset, hf:<preset> or "
-                         "hf-stock:<preset>")
+        raise GraphcapError(f"model {model_name!r}: give a preset, hf:<preset> or "
+                            "hf-stock:<preset>")
     if not kind:
         return build_model(preset, device="cuda", dtype=torch.bfloat16, logits="last"), \
             PRESETS[preset].vocab_size

@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 
 from graphcap.bench.common import environment
 from graphcap.bench.targets import verdict
+from graphcap.errors import GraphcapError
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
@@ -68,8 +69,8 @@ def run(models, arms, lengths, reps: int = 30, tp: int = 2, attention: str | Non
         device: str | None = None, timeout_s: float = 60.0) -> dict:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and torch.cuda.device_count() < tp:
-        raise SystemExit(f"graphcap bench prefill --tp {tp}: {torch.cuda.device_count()} "
-                         f"GPUs here, {tp} needed (one per rank)")
+        raise GraphcapError(f"--tp {tp}: {torch.cuda.device_count()} GPUs here, {tp} "
+                            "needed (one per rank)")
     job = {"models": list(models), "arms": list(arms), "lengths": list(lengths),
            "reps": reps, "attention": attention, "device": device, "timeout_s": timeout_s}
     by_size = {size: _spawn(size, job) for size in (1, tp)}
