@@ -80,3 +80,9 @@ def environ(monkeypatch):
     yield Environ()
     monkeypatch.undo()
     graphcap.env.reload()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests import tp_world
+
+    tp_world.stop_all()  # the processes of the session's torch.distributed worlds

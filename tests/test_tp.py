@@ -25,15 +25,20 @@ from graphcap.api import STRATEGIES
 from graphcap.dist import TPGroup, shard_args, shard_tensor
 from graphcap.errors import CaptureError, RankError, UnsupportedModel
 from graphcap.models import PRESETS, build_model
+from tests import tp_world
 
 WORLD = 2
 
 
 def spawn(fn, *args, world: int = WORLD, backend: str = "gloo"):
     """``fn(rank, *args)`` on ``world`` processes joined in one world of ``backend``
-    (NCCL: one GPU each); a worker's exception fails the test."""
+    (NCCL: one GPU each, new processes; gloo: the test session's world, tp_world); a
+    rank's exception fails the test."""
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
+    if backend == "gloo":
+        tp_world.world(world, backend).run(fn, *args)
+        return
     with tempfile.TemporaryDirectory() as folder:
         mp.spawn(_worker, args=(f"file://{folder}/init", world, backend, fn, args),
                  nprocs=world, join=True)
