@@ -184,3 +184,55 @@ def test_positions_past_the_models_max_position_are_refused():
     runner = graphcap.capture(model, "full", buckets=[1], inputs=DecodeInputs(cache))
     with pytest.raises(BadBatch, match="past the model's max_position"):
         runner(tokens(1), positions=[a.max_position], slots=[0])
+
+
+class ReadsAHostValue(Decoder):
+    """A decoder whose forward reads a device value on the host (a graph cannot)."""
+
+    def forward(self, input_ids, positions, last_rows=None, seq_lens=None):
+        if input_ids.sum().item() < 0:
+            return None
+        return super().forward(input_ids, positions, last_rows, seq_lens)
+
+
+class RefusesEveryBatch(Decoder):
+    def forward(self, input_ids, positions, last_rows=None, seq_lens=None):
+        raise BadBatch("this model's own refusal")
+
+
+@pytest.mark.parametrize("strategy", ["breakable", "full"])
+def test_a_decode_capture_raises_the_models_own_errors(strategy):
+    # Not "wrote no K/V to the cache ... must go through attention_half": the attention
+    # is fine, the model's own line is what a graph cannot run, or what refused.
+    for kind, error, match in ((ReadsAHostValue, graphcap.errors.CaptureError,
+                                r"host synchronisation.*Tensor.item"),
+                               (RefusesEveryBatch, BadBatch, "this model's own refusal")):
+        model = kind(PRESETS["tiny"]).to(DEVICE).eval()
+        cache = used_cache(build_model("tiny", device=DEVICE), [7] * 4)
+        with pytest.raises(error, match=match):
+            graphcap.capture(model, strategy, buckets=[1], inputs=DecodeInputs(cache))
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_model_converted_under_a_live_decode_runner_raises_its_own_error(strategy):
+    model = build_model("tiny", device=DEVICE)
+    cache = used_cache(model, [7] * 4)
+    prefill(model, cache, tokens(1, 2, 3), [3], [0])
+    runner = graphcap.capture(model, strategy, buckets=[1], inputs=DecodeInputs(cache))
+    runner(tokens(4), positions=[3], slots=[0])
+    model.to(torch.float64)
+    with pytest.raises(graphcap.errors.OpInputError, match="has dtype torch.float64"):
+        runner(tokens(5), positions=[4], slots=[0])
+    assert cache.written(0) == 4
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_prefill_attention_in_a_decode_forward_says_to_go_through_the_cache(strategy):
+    model = build_model("tiny", device=DEVICE)
+    for block in model.blocks:
+        block.attn.layer = None  # graphcap::attention, which knows nothing of the cache
+    cache = used_cache(build_model("tiny", device=DEVICE), [7] * 4)
+    with pytest.raises(UnsupportedModel, match=r"graphcap::attention .* ran in a forward "
+                       r"over a paged K/V cache.*attention_half"):
+        runner = graphcap.capture(model, strategy, buckets=[1], inputs=DecodeInputs(cache))
+        runner(tokens(1), positions=[0], slots=[0])
