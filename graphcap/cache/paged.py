@@ -143,8 +143,10 @@ class PagedKVCache:
         tokens ``0 .. end - 1`` are cached now (whatever its pages hold after them is
         stale, and a later step may not read it). Called only once the forward has run:
         a step that raised counts nothing."""
-        for slot, end in ends:
-            self._written[self._slot(slot)] = end
+        for slot, end in ends:  # slots a call's check took: a dict lookup each, per step
+            if slot not in self._written:
+                raise ValueError(f"request slot {slot!r} holds no request")
+            self._written[slot] = end
 
     @property
     def free_pages(self) -> int:
