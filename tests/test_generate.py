@@ -89,6 +89,16 @@ def test_a_stop_token_ends_its_request_and_is_kept():
     ({"max_new_tokens": 0}, ValueError, "positive int"),
     ({"sampling": [Sampling()]}, ValueError, "one Sampling for every prompt"),
     ({"max_new_tokens": 5000}, ValueError, "max_position 4096"),
+    ({"prompts": [5, 6, 7]}, ValueError, r"list of token-id lists.*\[\[5, 6, 7\]\]"),
+    ({"prompts": [[5, 6], 7]}, ValueError, r"prompt 1 .*list of token ids.*got 7"),
+    ({"prompts": [torch.tensor(5)]}, ValueError, r"prompt 0 .*list of token ids"),
+    ({"stop_tokens": True}, ValueError, "stop_tokens must be token ids"),
+    ({"stop_tokens": [3, False]}, ValueError, "stop_tokens must be token ids"),
+    ({"stop_tokens": torch.tensor([True])}, ValueError, "stop_tokens must be token ids"),
+    ({"stop_tokens": 2.0}, ValueError, "stop_tokens must be token ids"),
+    ({"max_batch": True}, ValueError, "max_batch must be a positive int"),
+    ({"page_size": True}, ValueError, "page_size must be a positive int"),
+    ({"sampling": 0.5}, ValueError, "sampling must be a graphcap.Sampling"),
 ])
 def test_bad_arguments_are_refused(kwargs, error, match):
     call = {"prompts": PROMPTS, "max_new_tokens": 3, **kwargs}
@@ -101,6 +111,36 @@ def test_bad_arguments_are_refused(kwargs, error, match):
 def test_bad_sampling_is_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         Sampling(**bad)
+
+
+@pytest.mark.parametrize(("field", "value", "kind"), [
+    ("temperature", "0.5", "str"), ("temperature", None, "NoneType"),
+    ("temperature", True, "bool"), ("temperature", float("nan"), "float"),
+    ("temperature", float("inf"), "float"), ("temperature", 1e39, "float"),
+    ("top_k", "5", "str"), ("top_k", 2.0, "float"), ("top_k", True, "bool"),
+    ("top_p", "0.9", "str"), ("top_p", True, "bool"), ("top_p", float("nan"), "float"),
+    ("top_p", float("inf"), "float"),
+    ("seed", "7", "str"), ("seed", False, "bool"), ("seed", float("inf"), "float"),
+])
+def test_a_sampling_field_that_is_no_valid_number_is_refused_naming_it_and_its_type(
+        field, value, kind):
+    with pytest.raises(ValueError, match=rf"Sampling\.{field} .*got .* \({kind}\)"):
+        Sampling(**{field: value})
+
+
+def test_a_top_k_past_int64_is_refused_before_it_reaches_the_device():
+    with pytest.raises(ValueError, match=r"top_k must be an int in \[0, 2\*\*63\)"):
+        Sampling(top_k=2**70)
+    assert Sampling(top_k=2**63 - 1).top_k == 2**63 - 1  # keeps every token
+
+
+def test_sampling_numbers_of_other_numeric_types_are_taken_as_python_numbers():
+    import numpy as np
+
+    s = Sampling(temperature=np.float32(0.5), top_k=np.int64(3), top_p=1, seed=np.uint8(7))
+    assert (s.temperature, s.top_k, s.top_p, s.seed) == (0.5, 3, 1.0, 7)
+    assert [type(v) for v in (s.temperature, s.top_k, s.top_p, s.seed)] == \
+        [float, int, float, int]
 
 
 def test_one_sampling_for_all_prompts_draws_each_with_its_own_seed():

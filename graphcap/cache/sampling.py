@@ -3,6 +3,7 @@ from them (``graphcap::sample``: greedy, or seeded temperature / top-k / top-p).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -10,12 +11,35 @@ import torch
 from graphcap.core.batch import staged
 from graphcap.opsdb.sample import SAMPLE
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # temperature and top_p go as float32
+INT64_END = 2**63  # top_k and seed go as int64
+
+
+def _real(name: str, value) -> float:
+    """``value`` as a float: any real number but a bool, finite in float32."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
+            not abs(value) <= FLOAT32_MAX:  # NaN included
+        raise ValueError(f"Sampling.{name} must be a real number finite in float32, got "
+                         f"{value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def _integer(name: str, value, meaning: str) -> int:
+    """``value`` as an int in [0, 2**63): any integer but a bool."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or \
+            not 0 <= value < INT64_END:
+        raise ValueError(f"Sampling.{name} must be an int in [0, 2**63){meaning}, got "
+                         f"{value!r} ({type(value).__name__})")
+    return int(value)
+
 
 @dataclass(frozen=True)
 class Sampling:
     """How a request draws its tokens: ``temperature`` 0 (or at most 1e-5) is greedy;
     ``top_k`` 0 and ``top_p`` 1 keep every token; ``seed`` makes the draws reproducible
-    (two requests with one seed at one position draw the same noise)."""
+    (two requests with one seed at one position draw the same noise), and every one of
+    its 63 bits counts. Each field takes any real (integer) number but a bool, stored as
+    a Python float (int); anything else raises ValueError naming the field."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -23,15 +47,17 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0: every token), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or \
-                not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed}")
+        temperature = _real("temperature", self.temperature)
+        if temperature < 0:
+            raise ValueError(f"Sampling.temperature must be >= 0, got {temperature}")
+        top_p = _real("top_p", self.top_p)
+        if not 0 < top_p <= 1:
+            raise ValueError(f"Sampling.top_p must be in (0, 1], got {top_p}")
+        top_k = _integer("top_k", self.top_k, " (0: every token)")
+        seed = _integer("seed", self.seed, "")
+        for name, value in (("temperature", temperature), ("top_k", top_k),
+                            ("top_p", top_p), ("seed", seed)):
+            object.__setattr__(self, name, value)  # frozen: the checked value, plain
 
 
 def tensors(params: list[Sampling], device) -> tuple[torch.Tensor, ...]:
