@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import graphcap
 from graphcap import Sampling
@@ -170,6 +172,63 @@ def test_seeds_count_in_every_bit_and_a_tiny_temperature_is_greedy():
     assert not torch.equal(low, high)
     tiny = SAMPLE(logits, ones * 1e-8, *keep, torch.arange(64), counter)
     assert torch.equal(tiny, logits.argmax(-1))
+
+
+def test_seeds_one_and_two_to_the_31_draw_different_tokens():
+    from graphcap.cache.sampling import draw
+
+    flat = torch.zeros(32, 1000)  # every token equally likely: the noise alone picks
+    positions = list(range(32))
+    one = draw(flat, [Sampling(temperature=1.0, seed=1)] * 32, positions)
+    other = draw(flat, [Sampling(temperature=1.0, seed=2**31)] * 32, positions)
+    assert one != other
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**63 - 1), bit=st.integers(0, 62),
+       counter=st.integers(0, 2**40))
+def test_seeds_differing_in_any_single_bit_draw_different_noise_for_every_token(
+        seed, bit, counter):
+    from graphcap.opsdb.sample import uniform_noise
+
+    seeds = torch.tensor([seed, seed ^ (1 << bit)])
+    noise = uniform_noise(seeds, torch.tensor([counter, counter]), 257)
+    assert (noise[0] != noise[1]).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**63 - 1), counter=st.integers(0, 2**40), bit=st.integers(0, 62))
+def test_positions_differing_in_any_single_bit_draw_different_noise_for_every_token(
+        seed, counter, bit):
+    from graphcap.opsdb.sample import uniform_noise
+
+    counters = torch.tensor([counter, counter ^ (1 << bit)])
+    noise = uniform_noise(torch.tensor([seed, seed]), counters, 257)
+    assert (noise[0] != noise[1]).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seeds=st.lists(st.integers(0, 2**63 - 1), min_size=2, max_size=2, unique=True),
+       counter=st.integers(0, 2**40))
+def test_distinct_seeds_draw_distinct_noise(seeds, counter):
+    from graphcap.opsdb.sample import uniform_noise
+
+    noise = uniform_noise(torch.tensor(seeds), torch.tensor([counter, counter]), 64)
+    assert not torch.equal(noise[0], noise[1])
+
+
+def test_draws_follow_the_probabilities_over_positions_and_seeds():
+    from graphcap.opsdb.sample import SAMPLE
+
+    probs = torch.tensor([0.6, 0.25, 0.1, 0.05])
+    rows = 20000
+    logits = probs.log().expand(rows, 4)
+    seed = torch.arange(rows) // 100 * 2**40  # 200 seeds apart in their high bits only
+    counter = torch.arange(rows) % 100
+    tokens = SAMPLE(logits, torch.ones(rows), torch.zeros(rows, dtype=torch.long),
+                    torch.ones(rows), seed, counter)
+    seen = torch.bincount(tokens, minlength=4) / rows
+    assert (seen - probs).abs().max() < 0.02, seen  # 5 sigma of 20000 draws: 0.017
 
 
 def test_a_long_run_shows_its_progress_and_a_short_one_stays_quiet(capsys, monkeypatch):

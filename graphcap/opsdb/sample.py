@@ -19,21 +19,37 @@ from graphcap.opsdb import checks
 from graphcap.opsdb.spec import register_op
 
 OP = "sample"
-_MASK = 0x7FFFFFFF  # 31-bit arithmetic: every product fits int64
+_LANE = 0xFFFFFFFF  # 32-bit lanes in int64: a lane times a constant below 2**31 fits
+_GOLDEN = 0x61C88647  # 2**32 / golden ratio, negated: spreads consecutive token ids
 GREEDY_BELOW = 1e-5  # a temperature at most this is greedy (dividing by it would overflow)
 
 
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A bijection of 32-bit lanes that spreads every input bit over every output bit
+    (xor-shifts and odd multipliers, each invertible modulo 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _LANE
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & _LANE
+    return x ^ (x >> 16)
+
+
 def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``[B, vocab]`` float64 in (0, 1) from a hash of (seed, counter, token id)."""
+    """``[B, vocab]`` float64 in (0, 1) from a hash of (seed, counter, token id).
+
+    Every bit of the 64-bit seed and counter counts: their low and high halves key two
+    32-bit lanes, each a bijection of its half of the seed (and of the counter), and a
+    token's value is ``mix(mix(low + id * golden) ^ high)``, a bijection of each lane.
+    So two seeds (or counters) that differ only in one half draw different noise for
+    every token; two that differ in both halves, for every token but about one in 2**32
+    by chance."""
     ids = torch.arange(vocab, device=seed.device, dtype=torch.int64)
-    seed = seed.long()
-    seed = (seed ^ (seed >> 31) ^ (seed >> 62)) & _MASK  # every bit of the seed counts
-    x = (seed[:, None] * 1000003 + (counter.long()[:, None] & _MASK) * 7919
-         + ids[None, :] * 2654435) & _MASK
-    for _ in range(4):
-        x = (x * 1103515245 + 12345) & _MASK
-        x = x ^ (x >> 15)
-    return (x.double() + 0.5) / (_MASK + 1)
+    seed, counter = seed.long(), counter.long()
+    low = _mix((seed & _LANE) ^ _mix(counter & _LANE))
+    high = _mix(((seed >> 32) & _LANE) ^ _mix(((counter >> 32) & _LANE) ^ _GOLDEN))
+    x = _mix((low[:, None] + ids[None, :] * _GOLDEN) & _LANE)
+    x = _mix(x ^ high[:, None])
+    return (x.double() + 0.5) / (_LANE + 1)
 
 
 def sample_reference(logits, temperature, top_k, top_p, seed, counter):
