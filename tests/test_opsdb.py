@@ -165,3 +165,70 @@ def test_flashinfer_rope_is_never_given_a_shape_it_would_misread():
     declines = spec.kernels["flashinfer"].declines
     assert "not head size 16 with 8 rotary dims" in declines(args(16, 8))
     assert declines(args(64, 32)) is None and declines(args(128, 128)) is None
+
+
+def _ref_short(x):
+    return x
+
+
+def _ref_long(x, alpha, beta):
+    return x * alpha * beta
+
+
+def _ref_keyword_only(x, *, alpha):
+    return x * alpha
+
+
+@pytest.mark.parametrize(("name", "fn", "params"), [
+    ("short", _ref_short, "(x)"), ("long", _ref_long, "(x, alpha, beta)"),
+    ("keyword_only", _ref_keyword_only, "(x, *, alpha)")])
+def test_a_reference_that_cannot_take_the_schemas_arguments_is_refused_at_registration(
+        name, fn, params):
+    qualname = f"graphcap_test::arity_{name}"
+    with pytest.raises(opsdb.spec.GraphcapError) as info:
+        opsdb.register_op(qualname, "(Tensor x, float alpha) -> Tensor", reference=fn)
+    text = str(info.value)
+    assert "(Tensor x, float alpha)" in text and f"{fn.__name__}{params}" in text, text
+    assert "reference" in text and qualname not in opsdb.REGISTRY
+    assert not hasattr(torch.ops.graphcap_test, f"arity_{name}")  # nothing half defined
+
+
+@pytest.mark.parametrize("role", ["fake", "check", "kernels", "dispatch"])
+def test_a_fake_check_kernel_or_dispatch_of_the_wrong_arity_is_refused_too(role):
+    given = {"kernels": {"short": _ref_short}}.get(role, _ref_short)
+    with pytest.raises(opsdb.spec.GraphcapError, match=rf"{role}.*_ref_short\(x\)"):
+        opsdb.register_op(f"graphcap_test::arity_{role}", "(Tensor x, float alpha) -> Tensor",
+                          reference=lambda x, alpha: x * alpha, **{role: given})
+
+
+def test_functions_with_defaults_or_star_args_that_take_the_arguments_are_accepted():
+    spec = opsdb.register_op(
+        "graphcap_test::arity_flexible", "(Tensor x, float alpha) -> Tensor",
+        reference=lambda x, alpha, beta=1.0: x * alpha * beta,
+        kernels={"star": opsdb.Kernel(lambda *args: args[0] * args[1], devices=("cpu",))})
+    x = torch.ones(3)
+    torch.testing.assert_close(spec(x, 2.0, kernel="star"), spec(x, 2.0, kernel="torch"))
+
+
+def test_defaults_and_keyword_only_arguments_reach_the_kernels_in_schema_order():
+    seen = []
+
+    def reference(x, alpha, beta):
+        seen.append((alpha, beta))
+        return x * alpha + beta
+
+    spec = opsdb.register_op(
+        "graphcap_test::keywords", "(Tensor x, float alpha=2.0, *, float beta=1.0) -> Tensor",
+        reference=reference)
+    op, x = torch.ops.graphcap_test.keywords, torch.ones(2)
+    torch.testing.assert_close(op(x), x * 2 + 1)
+    torch.testing.assert_close(op(x, 3.0, beta=5.0), x * 3 + 5)
+    torch.testing.assert_close(op(x, beta=5.0), x * 2 + 5)
+    torch.testing.assert_close(spec(x, kernel="torch"), x * 2 + 1)
+    assert seen == [(2.0, 1.0), (3.0, 5.0), (2.0, 5.0), (2.0, 1.0)]
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(x):
+        return op(x, beta=4.0) * 3  # the derived fake: the reference on fake tensors
+
+    torch.testing.assert_close(f(x), (x * 2 + 4) * 3)

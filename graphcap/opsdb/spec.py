@@ -31,7 +31,13 @@ from typing import Any
 import torch
 
 from graphcap import env
-from graphcap.compat.library import define_op, split_qualname
+from graphcap.compat.library import (
+    complete,
+    define_op,
+    parse_schema,
+    refuses_arguments,
+    split_qualname,
+)
 from graphcap.core.breaks import run_maybe_as_break
 from graphcap.errors import GraphcapError, KernelUnavailable, OpInputError
 
@@ -118,6 +124,7 @@ class OpSpec:
     doc: str = ""
     graphable: Callable[[], object] | None = None  # split op: its static state now, or None
     fake_derived: bool = field(default=False, init=False)
+    arguments: tuple = field(default=(), init=False, repr=False)  # the schema's, parsed
     _runnable_cache: dict = field(default_factory=dict, init=False, repr=False)
     op: Any = field(default=None, init=False, repr=False)
 
@@ -187,6 +194,8 @@ class OpSpec:
                 graphable = self.graphable if self.capturable else None
                 return run_maybe_as_break(self.op, args, {}, graphable)
             return self.op(*args)
+        if len(args) != len(self.arguments):  # the rest at their schema defaults
+            args = complete(self.arguments, args, {})
         if self.check is not None:
             self.check(*args)
         return self.kernel_for(device_of(args), kernel, dtype_of(args), args)(*args)
@@ -219,7 +228,10 @@ def register_op(qualname: str, schema: str, *, reference: Callable,
     """Register a custom op: define it in torch.library and add it to the registry.
 
     ``schema`` is the signature without the name, e.g. ``"(Tensor x, float eps) -> Tensor"``;
-    arguments an op writes are marked ``Tensor(a!)``. ``reference`` is the plain torch
+    arguments an op writes are marked ``Tensor(a!)``. Every function given here but
+    ``inputs`` and ``graphable`` is called with every argument of the schema
+    positionally, in the schema's order (defaults filled in, keyword-only arguments
+    too), and one that cannot take them so is refused here. ``reference`` is the plain torch
     implementation, always available as kernel ``"torch"``. ``kernels`` maps further
     kernel names, in preference order, to a :class:`Kernel` (or a callable / ``"module:fn"``
     string for a CUDA kernel). ``fake`` computes output metadata for torch.compile; when
@@ -239,13 +251,25 @@ def register_op(qualname: str, schema: str, *, reference: Callable,
         raise GraphcapError(
             f"op {qualname!r} is registered already; pick another name or reuse "
             f"graphcap.opsdb.get_op({qualname!r})")
+    parsed = parse_schema(qualname, schema)
     table: dict[str, Kernel] = {}
     for name, kernel in (kernels or {}).items():
         table[name] = kernel if isinstance(kernel, Kernel) else Kernel(kernel)
+    roles = [("reference", reference), ("fake", fake), ("check", check),
+             ("dispatch", dispatch)] + [(f"kernels[{n!r}]", k.fn) for n, k in table.items()]
+    for role, fn in roles:
+        why = refuses_arguments(fn, parsed) if callable(fn) else None  # "module:fn": lazy
+        if why:
+            raise GraphcapError(
+                f"register_op({qualname!r}): its {role} cannot take the schema's arguments "
+                f"{schema.split('->')[0].strip()}, which opsdb passes positionally in that "
+                f"order: {why}. Give it one positional parameter per schema argument, in "
+                f"the schema's order (keyword-only arguments of the schema included).")
     table["torch"] = Kernel(reference, devices=("cpu", "cuda"))
     spec = OpSpec(qualname, schema, reference, table, fake, capturable, split, check,
                   inputs, doc, graphable)
     spec.fake_derived = fake is None
+    spec.arguments = tuple(parsed.arguments)
 
     def impl(*args):
         if spec.check is not None:
