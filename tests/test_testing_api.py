@@ -165,3 +165,85 @@ def test_check_op_says_which_kernels_it_compared_and_which_it_skipped_and_why():
     assert "skipped flashinfer" in text and "3 examples" in text
     if report.get("triton") is not None:  # the interpreter (TRITON_INTERPRET=1)
         assert "compared triton" in text
+
+
+@torch.library.custom_op("graphcap_test::shifted_square", mutates_args=())
+def shifted_square(x: torch.Tensor, shift: float) -> torch.Tensor:
+    return (x + shift) ** 2
+
+
+@shifted_square.register_fake
+def _(x, shift):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("graphcap_test::wrong_square", mutates_args=())
+def wrong_square(x: torch.Tensor, shift: float) -> torch.Tensor:
+    return (x + shift) ** 2 + (x.shape[0] > 2)  # the planted bug: off by one past 2 rows
+
+
+@wrong_square.register_fake
+def _(x, shift):
+    return torch.empty_like(x)
+
+
+def _square_reference(x, shift):
+    return (x + shift) ** 2
+
+
+def _rows_and_shift(device, dtype):
+    from hypothesis import strategies as st
+
+    return st.tuples(_rows(device, dtype), st.sampled_from([0.0, 0.5, -2.0])).map(
+        lambda both: (*both[0], both[1]))
+
+
+@pytest.mark.parametrize("form", ["CustomOpDef", "OpOverloadPacket", "OpOverload", "name"])
+def test_check_op_checks_an_op_defined_with_torch_library_custom_op(form):
+    op = {"CustomOpDef": shifted_square, "OpOverloadPacket": torch.ops.graphcap_test.shifted_square,
+          "OpOverload": torch.ops.graphcap_test.shifted_square.default,
+          "name": "graphcap_test::shifted_square"}[form]
+    report = check_op(op, reference=_square_reference, inputs=_rows_and_shift,
+                      dtypes=(torch.float32,), examples=8, opchecks=1)
+    assert report.qualname == "graphcap_test::shifted_square"
+    assert report == {"op": 0.0} and report.examples == 8 and report.opchecked == 1
+
+
+def test_check_op_finds_a_custom_op_that_differs_from_the_reference_given():
+    with pytest.raises(AssertionError) as info:
+        check_op(wrong_square, reference=_square_reference, inputs=_rows_and_shift,
+                 dtypes=(torch.float32,), examples=30, opcheck=False)
+    text = str(info.value)
+    assert "graphcap_test::wrong_square[op]" in text and "(3, " in text, text  # shrunk: 3 rows
+
+
+def test_check_op_on_an_op_outside_opsdb_says_it_needs_a_reference_and_inputs():
+    with pytest.raises(ValueError, match=r"not registered in opsdb.*reference=.*inputs="):
+        check_op(shifted_square, inputs=_rows_and_shift)
+    with pytest.raises(ValueError, match="inputs="):
+        check_op(shifted_square, reference=_square_reference)
+
+
+def test_check_op_on_a_name_no_library_defines_says_so():
+    with pytest.raises(ValueError, match="'graphcap_test::nowhere' is not in opsdb; no op "
+                                         "'graphcap_test::nowhere' in torch.ops"):
+        check_op("graphcap_test::nowhere", reference=_square_reference)
+
+
+def test_check_op_takes_an_opsdb_op_by_its_overload_with_its_registered_reference():
+    report = check_op(torch.ops.graphcap.rms_norm.default, kernel="torch",
+                      dtypes=(torch.float32,), examples=2, opcheck=False)
+    assert report.qualname == "graphcap::rms_norm" and report == {"torch": 0.0}
+    with pytest.raises(ValueError, match="registered with; reference= is for ops"):
+        check_op(torch.ops.graphcap.rms_norm, reference=lambda x, w, eps: x)
+
+
+def test_check_op_takes_inputs_for_an_opsdb_op_registered_without_them():
+    import graphcap.opsdb as opsdb
+
+    if "graphcap_test::no_inputs" not in opsdb.REGISTRY:
+        opsdb.register_op("graphcap_test::no_inputs", "(Tensor x) -> Tensor",
+                          reference=lambda x: x + 1)
+    report = check_op("graphcap_test::no_inputs", kernel="torch", inputs=_rows,
+                      dtypes=(torch.float32,), examples=3, opchecks=1)
+    assert report == {"torch": 0.0} and report.opchecked == 1

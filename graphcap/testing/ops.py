@@ -1,7 +1,8 @@
 """``check_op``: every available kernel of an op against its reference, over hypothesis
 examples of the op's own input strategy; on every example the op's fake against the
 reference and the kernels' writes against the schema, and ``torch.library.opcheck`` on
-several non-degenerate examples."""
+several non-degenerate examples. An op registered with torch outside opsdb is checked the
+same way, given its reference and input strategy."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
+from graphcap.compat.library import device_types_of, overload_of
 from graphcap.core.trees import tensor_leaves
-from graphcap.opsdb import get_op
-from graphcap.opsdb.spec import OpSpec
+from graphcap.opsdb.spec import REGISTRY, Kernel, OpSpec
 
 _TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
@@ -49,9 +50,55 @@ def _clone(args):
     return tree_map(lambda a: a.clone() if isinstance(a, torch.Tensor) else a, args)
 
 
+def _overload(spec: OpSpec) -> torch._ops.OpOverload:
+    """The overload checked: an opsdb op's default, or the one an op outside opsdb named."""
+    return spec.op if isinstance(spec.op, torch._ops.OpOverload) else spec.op.default
+
+
 def _written(spec: OpSpec) -> list[int]:
-    return [i for i, a in enumerate(spec.op.default._schema.arguments)
+    return [i for i, a in enumerate(_overload(spec)._schema.arguments)
             if a.alias_info is not None and a.alias_info.is_write]
+
+
+def spec_of(op, reference=None, inputs=None) -> OpSpec:
+    """What :func:`check_op` checks: an opsdb op's spec, or, for an op registered with
+    torch outside opsdb, a spec whose one kernel ``"op"`` is the op itself, compared with
+    ``reference`` over ``inputs``."""
+    if isinstance(op, OpSpec):
+        spec = op
+    else:
+        name = f"graphcap::{op}" if isinstance(op, str) and "::" not in op else op
+        spec = REGISTRY.get(name) if isinstance(name, str) else None
+        if spec is None:
+            try:
+                overload = overload_of(name)
+            except ValueError as e:
+                raise ValueError(f"{name!r} is not in opsdb; {e}") from None
+            spec = REGISTRY.get(overload.name())  # an opsdb op named by its overload
+            if spec is None:
+                return _outside(overload, reference, inputs)
+    if reference is not None:
+        raise ValueError(f"{spec.qualname} is an opsdb op: check_op compares its kernels "
+                         f"with the reference it was registered with; reference= is for ops "
+                         f"registered outside opsdb")
+    return spec
+
+
+def _outside(overload, reference, inputs) -> OpSpec:
+    """The spec of an op registered with torch (``torch.library.custom_op``, ``Library``)
+    but not through opsdb."""
+    qualname = overload.name()
+    if reference is None or inputs is None:
+        raise ValueError(
+            f"{qualname} is not registered in opsdb, so check_op needs what opsdb would "
+            f"know: reference= (a plain torch function of the op's arguments that computes "
+            f"what it must) and inputs= ((device, dtype) -> a hypothesis strategy of "
+            f"argument tuples); or register it with graphcap.register_op")
+    schema = str(overload._schema).removeprefix(qualname)
+    kernel = Kernel(overload, devices=device_types_of(overload))
+    spec = OpSpec(qualname, schema, reference, {"op": kernel}, inputs=inputs)
+    spec.op = overload
+    return spec
 
 
 def _results(spec: OpSpec, name: str, fn, args):
@@ -68,7 +115,7 @@ def _results(spec: OpSpec, name: str, fn, args):
         same = now.shape == then.shape and torch.equal(
             now.isnan(), then.isnan()) and torch.equal(now.nan_to_num(), then.nan_to_num())
         assert same, (f"{spec.qualname}[{name}] wrote its argument {i} "
-                      f"({spec.op.default._schema.arguments[i].name}), which the schema "
+                      f"({_overload(spec)._schema.arguments[i].name}), which the schema "
                       f"{spec.schema} does not declare written: mark it Tensor(a!), or "
                       f"write into a copy on inputs {describe(args)}")
     return tensor_leaves(out) + [args[i] for i in written]
@@ -90,7 +137,7 @@ def _check_fake(spec: OpSpec, args, want: list[torch.Tensor]) -> None:
     mode = FakeTensorMode()
     fakes = tree_map(lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a, args)
     with mode:
-        out = tensor_leaves(spec.op.default(*fakes))
+        out = tensor_leaves(_overload(spec)(*fakes))
     real = want[:len(want) - len(_written(spec))]
     got = [(tuple(t.shape), t.dtype, t.device.type) for t in out]
     expected = [(tuple(t.shape), t.dtype, t.device.type) for t in real]
@@ -132,12 +179,19 @@ def _richness(args) -> tuple[bool, int]:
     return bool(tensors) and all(map(rich, tensors)), sum(t.numel() for t in tensors)
 
 
-def check_op(op: str | OpSpec, kernel: str | None = None, *, device="cpu",
+def check_op(op, kernel: str | None = None, *, reference=None, inputs=None, device="cpu",
              dtypes=(torch.float32, torch.float16, torch.bfloat16), examples: int = 20,
              atol: float | None = None, rtol: float | None = None,
              opcheck: bool = True, opchecks: int = 3) -> CheckReport:
     """Check ``kernel`` (default: every kernel available on ``device``) of ``op``
-    against its reference over ``examples`` hypothesis examples per dtype. On every
+    against its reference over ``examples`` hypothesis examples per dtype.
+
+    ``op``: an opsdb op (its name, ``"rms_norm"`` or ``"graphcap::rms_norm"``, or spec),
+    or an op registered with torch outside opsdb (a ``torch.library.custom_op``, an
+    ``OpOverload`` or ``OpOverloadPacket``, or its qualified name): that op is then the
+    one kernel ``"op"``, compared with ``reference`` (a plain torch function of the op's
+    arguments), over ``inputs`` (``(device, dtype)`` -> a hypothesis strategy of argument
+    tuples; for an opsdb op it replaces the registered strategy). On every
     example the op's fake must give the reference's output shapes and dtypes, and no
     kernel may write an argument the schema does not declare written; with ``opcheck``,
     ``torch.library.opcheck`` (schema, fake tensors, autograd registration, aot dispatch)
@@ -147,10 +201,11 @@ def check_op(op: str | OpSpec, kernel: str | None = None, *, device="cpu",
     Returns a :class:`CheckReport`: the max error per compared kernel, and the kernels it
     skipped with the reason (not runnable here, or declining every example). Raises with
     hypothesis's shrunk failing input on a mismatch."""
-    spec = op if isinstance(op, OpSpec) else get_op(op)
-    if spec.inputs is None:
+    spec = spec_of(op, reference, inputs)
+    inputs = inputs or spec.inputs
+    if inputs is None:
         raise ValueError(f"{spec.qualname} has no input strategy: pass inputs= when "
-                         "registering it")
+                         "registering it, or to check_op")
     if kernel is not None and kernel not in spec.kernels:
         raise ValueError(f"{spec.qualname} has no kernel {kernel!r}; it has "
                          f"{sorted(spec.kernels)}")
@@ -167,7 +222,7 @@ def check_op(op: str | OpSpec, kernel: str | None = None, *, device="cpu",
                 report.skipped.setdefault(name, why)
         tol_a = atol if atol is not None else default_tolerance(dtype)
         tol_r = rtol if rtol is not None else default_tolerance(dtype)
-        _check_dtype(spec, names, device, dtype, examples, tol_a, tol_r,
+        _check_dtype(spec, inputs(device, dtype), names, examples, tol_a, tol_r,
                      opchecks if opcheck else 0, report)
     for name in list(report.skipped):
         if name in report:  # runnable for another dtype
@@ -178,14 +233,14 @@ def check_op(op: str | OpSpec, kernel: str | None = None, *, device="cpu",
     return report
 
 
-def _check_dtype(spec, names, device, dtype, examples, atol, rtol, opchecks, report):
+def _check_dtype(spec, strategy, names, examples, atol, rtol, opchecks, report):
     from hypothesis import HealthCheck, given, settings
 
     candidates: list[tuple[tuple[bool, int], tuple]] = []
 
     @settings(max_examples=examples, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
-    @given(spec.inputs(device, dtype))
+    @given(strategy)
     def run(args):
         report.examples += 1
         _check_fake(spec, args, _results(spec, "torch", spec.reference, args))
@@ -202,5 +257,5 @@ def _check_dtype(spec, names, device, dtype, examples, atol, rtol, opchecks, rep
 
     run()
     for _, args in candidates:
-        torch.library.opcheck(spec.op.default, _clone(args))
+        torch.library.opcheck(_overload(spec), _clone(args))
         report.opchecked += 1
