@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import graphcap
 from graphcap import Sampling
 from graphcap.api import GRAPHED
+from graphcap.errors import BadBatch
 from graphcap.models import PRESETS, Decoder
 from tests.runner_helpers import DEVICE
 from tests.test_decode_steps import recomputed
@@ -86,7 +87,8 @@ def test_a_stop_token_ends_its_request_and_is_kept():
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
-    ({"prompts": [[1, 999]]}, ValueError, r"token ids in \[0, 256\)"),
+    ({"prompts": [[1, 999]]}, BadBatch, r"token ids in \[0, 256\)"),
+    ({"prompts": [[1, -1]]}, BadBatch, r"token ids in \[0, 256\)"),
     ({"prompts": [[]]}, ValueError, "non-empty"),
     ({"max_new_tokens": 0}, ValueError, "positive int"),
     ({"sampling": [Sampling()]}, ValueError, "one Sampling for every prompt"),

@@ -27,7 +27,7 @@ from graphcap.cache.prefill import CachePrefillInputs
 from graphcap.cache.sampling import Sampling, draw
 from graphcap.cache.steps import last_token_logits
 from graphcap.core.buckets import decode_ladder
-from graphcap.errors import UnsupportedModel
+from graphcap.errors import BadBatch, UnsupportedModel
 from graphcap.opsdb.attention import get_backend
 from graphcap.progress import progress as progress_bar
 
@@ -55,9 +55,9 @@ def _check_prompts(prompts, vocab: int) -> list[list[int]]:
         except TypeError:  # a number, or a 0-d tensor
             ids = None
         if not ids or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
-                          for t in ids):
-            raise ValueError(f"prompt {i} must be a non-empty list of token ids in "
-                             f"[0, {vocab}), got {p!r}")
+                          for t in ids):  # before anything launches (BadBatch: a ValueError)
+            raise BadBatch(f"prompt {i} must be a non-empty list of token ids in "
+                           f"[0, {vocab}), got {p!r}")
         out.append(ids)
     return out
 
