@@ -7,6 +7,9 @@ function (tests/test_semantics_suite_can_fail.py proves it).
 
 from __future__ import annotations
 
+import math
+import operator
+
 import pytest
 import torch
 
@@ -203,11 +206,30 @@ HOST_SYNCS = {
     "nonzero": ("nonzero", lambda t: torch.nonzero(t > 2)),
     "tensor_from_list": ("torch.tensor", lambda t: t + torch.tensor([1.0] * 8, device=t.device)),
     "print": ("print", lambda t: print(t)),
+    # Python reading a tensor as a number: each is Tensor.item underneath.
+    "int": ("item", lambda t: int(t.sum())),
+    "float": ("item", lambda t: float(t.sum())),
+    "operator.index": ("item", lambda t: operator.index(t.sum().long())),
+    "range": ("item", lambda t: range(t.sum().long())),
+    "slice": ("item", lambda t: t[: t.sum().long()]),
+    "math": ("item", lambda t: math.floor(t.sum())),
+    # Ops that size their output from the data, or read it, inside their kernel.
+    "where": ("nonzero", lambda t: torch.where(t > 2)),
+    "argwhere": ("nonzero", lambda t: torch.argwhere(t > 2)),
+    "repeat_interleave": ("host synchronisation",
+                          lambda t: t.repeat_interleave(t.long().clamp(max=2))),
+    "allclose": ("host synchronisation", lambda t: torch.allclose(t, t + 1)),
+    "histc": ("host synchronisation", lambda t: torch.histc(t, bins=4)),
 }
+# The runner captures under inference_mode, where a dispatch mode sees composite ops
+# (int(t) as aten.item) whole: each sync must be refused there as under no_grad.
+GRAD_MODES = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
 
 
+@pytest.mark.parametrize("grad", sorted(GRAD_MODES))
 @pytest.mark.parametrize("case", sorted(HOST_SYNCS))
-def test_host_syncs_raise_capture_error_naming_the_op_and_leave_state_usable(pool, case):
+def test_host_syncs_raise_capture_error_naming_the_op_and_leave_state_usable(pool, case,
+                                                                              grad):
     needle, sync = HOST_SYNCS[case]
     x = torch.arange(8, device=pool.device, dtype=torch.float32)
     buf = torch.zeros(8, device=pool.device)
@@ -217,7 +239,7 @@ def test_host_syncs_raise_capture_error_naming_the_op_and_leave_state_usable(poo
         return sync(t)
 
     graph = pool.graph()
-    with pytest.raises(CaptureError) as info:
+    with pytest.raises(CaptureError) as info, GRAD_MODES[grad]():
         graph.capture(body, x)
     assert needle in str(info.value), str(info.value)
     assert torch.equal(buf, torch.zeros(8, device=pool.device))  # nothing of it happened

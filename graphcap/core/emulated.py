@@ -95,6 +95,20 @@ def _is_builtin(func) -> bool:
     return func.namespace in ("aten", "prims")
 
 
+def _decompose(mode: TorchDispatchMode, func, args, kwargs):
+    """Run a composite aten op (``CompositeImplicitAutograd``) as the ops it is made of,
+    under ``mode``; ``NotImplemented`` for any other op.
+
+    Under ``torch.inference_mode`` (the runner captures under it) a dispatch mode sees
+    composite ops whole: ``int(t)`` arrives as ``aten.item``, ``torch.where(cond)`` as
+    ``aten.nonzero_numpy``, and their host reads, made inside the composite kernel,
+    never reach the mode. Decomposed, the mode sees what it sees under ``no_grad``."""
+    if not _is_builtin(func):
+        return NotImplemented
+    with mode:
+        return func.decompose(*args, **kwargs)
+
+
 def _check_recordable(func, out) -> None:
     """Outputs the emulator can keep: tensors with storage. A wrapper subclass has none;
     the one a capture meets is an asynchronous collective's result, refused as the CUDA
@@ -136,6 +150,9 @@ class _HostSyncGuard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        out = _decompose(self, func, args, kwargs)
+        if out is not NotImplemented:
+            return out
         hostsync.check_op(func, args, kwargs, self.device)
         return func(*args, **kwargs)
 
@@ -162,6 +179,9 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        out = _decompose(self, func, args, kwargs)
+        if out is not NotImplemented:
+            return out
         graph = self.graph
         hostsync.check_op(func, args, kwargs, graph.device)
         kind = _kind(func)

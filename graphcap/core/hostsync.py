@@ -23,9 +23,12 @@ aten = torch.ops.aten
 
 # Ops that return a host value computed from device data.
 _SCALAR_READS = {
-    aten._local_scalar_dense.default: "Tensor.item() (also float(t), int(t), bool(t), if t:)",
+    aten._local_scalar_dense.default:
+        "Tensor.item() (also int(t), float(t), bool(t), if t:, operator.index(t), x[:t], "
+        "range(t), math functions of t)",
     aten.equal.default: "torch.equal",
     aten.is_nonzero.default: "Tensor.is_nonzero / bool(t)",
+    aten.allclose.default: "torch.allclose",
 }
 # Ops whose output shape depends on the data: the host must read the device to size it.
 _DATA_DEPENDENT = {
@@ -46,6 +49,7 @@ _HOST_DATA = {
 HOST_METHODS = {
     torch.Tensor.cpu: ("Tensor.cpu", "Tensor.cpu()"),
     torch.Tensor.numpy: ("Tensor.numpy", "Tensor.numpy()"),
+    torch.Tensor.__array__: ("Tensor.__array__", "numpy.asarray(t) / numpy.array(t)"),
     torch.Tensor.tolist: ("Tensor.tolist", "Tensor.tolist()"),
     torch.Tensor.item: ("Tensor.item", "Tensor.item()"),
     torch.Tensor.__repr__: ("Tensor.__repr__", "printing a tensor"),
@@ -108,6 +112,14 @@ def _bool_index(func, args) -> bool:
     return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
 
 
+def _histc_from_data(args, kwargs) -> bool:
+    """``torch.histc(t, bins, min, max)`` with ``min == max`` (the default 0, 0): its
+    range is the data's minimum and maximum, read on the host."""
+    low = args[2] if len(args) > 2 else kwargs.get("min", 0)
+    high = args[3] if len(args) > 3 else kwargs.get("max", 0)
+    return low == high
+
+
 def check_op(func, args, kwargs, device: torch.device) -> None:
     """Raise CaptureError if the aten op ``func`` would synchronise with the host."""
     if func in _SCALAR_READS:
@@ -115,6 +127,9 @@ def check_op(func, args, kwargs, device: torch.device) -> None:
     if func in _DATA_DEPENDENT or _bool_index(func, args):
         what = _DATA_DEPENDENT.get(func, "indexing with a boolean mask")
         _raise(str(func.overloadpacket), what, "has an output size that depends on the data")
+    if func is aten.histc.default and _histc_from_data(args, kwargs):
+        _raise("aten.histc", "torch.histc without min and max",
+               "reads the data's minimum and maximum on the host")
     if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
         _raise("aten.repeat_interleave", "torch.repeat_interleave without output_size",
                "has an output size that depends on the data")
@@ -136,6 +151,41 @@ def check_method(func, args, kwargs, device: torch.device) -> None:
             named = ("Tensor.to", "Tensor.to('cpu')")
     if named is not None and any(t.device == device for t in tensor_leaves(args[:1])):
         _raise(named[0], named[1], "reads device memory on the host")
+
+
+def _value_reads() -> list[str]:
+    """The tensors whose values the torch.compile trace in progress read on the host:
+    Dynamo turns ``int(t)`` of a 0-d integer tensor of the model into a number taken
+    from ``t.item()`` at trace time (a ``CallMethodItemSource``) and guards on it."""
+    from torch._dynamo.source import CallMethodItemSource
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    env = getattr(getattr(ctx, "fake_mode", None), "shape_env", None)
+    if env is None:
+        return []
+    names = []
+    for sources in env.var_to_sources.values():
+        for source in sources:
+            if isinstance(source, CallMethodItemSource):
+                name = source.name  # a property from torch 2.12, a method before
+                names.append(name() if callable(name) else name)
+    return names
+
+
+def check_value_guards(guards_checked: bool) -> None:
+    """Raise CaptureError, from a torch.compile backend, when the trace read a tensor's
+    value on the host and specialised the graph on it, unless ``guards_checked``
+    (Dynamo's guards run before every call, so a changed value compiles again). Under
+    ``graphcap.capture`` replays run no guard: they would keep the value of capture."""
+    reads = [] if guards_checked else _value_reads()
+    if reads:
+        raise CaptureError(
+            f"host synchronisation in a captured region: torch.compile read the value of "
+            f"{', '.join(reads)} on the host (int(t), float(t), if t: or operator.index(t) "
+            f"of a tensor) and specialised the forward on it, which a graph cannot capture: "
+            f"its replays would keep the value of capture. {_ADVICE}",
+            op="Tensor.item")
 
 
 def is_capture_failure(exc: BaseException) -> bool:
