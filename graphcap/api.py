@@ -8,6 +8,7 @@ import torch
 
 from graphcap import env
 from graphcap.breakable import BreakableStrategy, DebugStrategy
+from graphcap.compat import imports
 from graphcap.core.batch import as_int
 from graphcap.core.buckets import check_ladder, prefill_ladder
 from graphcap.core.inputs import Inputs, PrefillInputs, TensorInputs
@@ -118,6 +119,7 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
     if strategy not in STRATEGIES:
         raise UnsupportedStrategy(
             f"unknown strategy {strategy!r}: choose one of {sorted(STRATEGIES)}")
+    imports.complete(imports.for_capture(strategy, compiler))  # a Ctrl-C leaves none half done
     debug = debug or (env.settings().debug_cuda_graph and strategy == "breakable")
     kind = inputs.kind if isinstance(inputs, Inputs) else inputs_of(model, inputs)
     given = {"debug": debug, "compiler": compiler is not None,

@@ -38,6 +38,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphcap.compat import imports
 from graphcap.core import hostsync
 from graphcap.core.graph_base import Graph
 from graphcap.core.trees import tensor_leaves
@@ -250,6 +251,7 @@ class EmulatedGraph(Graph):
         if self._segments:
             raise hostsync.CaptureError(
                 "this graph is captured already: reset() it or make a new one")
+        imports.complete(imports.EMULATOR)  # what the modes import: whole before they run
         self._modes = [_HostMethodGuard(self.device), _Recorder(self)]
         for mode in self._modes:
             mode.__enter__()

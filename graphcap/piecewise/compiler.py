@@ -22,6 +22,7 @@ from collections import Counter
 
 import torch
 
+from graphcap.compat import imports
 from graphcap.core import hostsync
 from graphcap.core.buckets import check_ladder, prefill_ladder
 from graphcap.core.graphs import GraphPool, new_pool
@@ -76,6 +77,7 @@ class PiecewiseCompiler:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         self.stats["graphs"] += 1
+        imports.complete(imports.INDUCTOR if self.compiler == "inductor" else ())
         hostsync.check_value_guards(guards_checked=phases.current()[0] is None)
         if builds_autograd_graph(gm):
             return self._eager_for_autograd(gm)
