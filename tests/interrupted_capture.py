@@ -47,7 +47,7 @@ def handler(signum, frame):
 
 installed = handler if how == "handler" else signal.default_int_handler
 signal.signal(signal.SIGINT, installed)
-device = "cuda" if torch.cuda.is_available() else "cpu"
+device = "cpu"  # the graph emulator, whose first capture imports Dynamo and sympy
 model = build_model("tiny", device=device)
 options = {"buckets": [8], "max_requests": 1, "attention": "torch_masked"}
 interrupted = False

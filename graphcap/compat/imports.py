@@ -53,7 +53,7 @@ INDUCTOR = ("torch._inductor.compile_fx", "torch._inductor.async_compile",
 
 Step = str | Callable[[], None]  # a module to import, or a call that imports lazily
 _done: set[Step] = set()
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entered if a step reaches an emulated capture itself
 
 
 def for_capture(strategy: str, compiler: str | None = None) -> tuple[Step, ...]:

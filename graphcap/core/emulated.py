@@ -19,7 +19,9 @@ Two details make capture itself behave as on CUDA, where capture launches nothin
 memory the region mutated that existed before capture is restored when capture ends, and
 memory allocated during capture is filled with 0xFF bytes (NaN in floats, -1 in ints),
 since on CUDA it holds garbage until the first replay. Host synchronisations raise ``CaptureError``
-(:mod:`graphcap.core.hostsync`).
+(:mod:`graphcap.core.hostsync`). Composite ops are recorded as the ops they are made of,
+under ``torch.inference_mode`` as under ``no_grad`` (so ``int(t)`` is seen as the
+``Tensor.item`` it is).
 
 Differences from CUDA that stay: memory freed inside the region is not handed to later
 captures on the same pool (the emulator never reuses a block), and a custom op's Python

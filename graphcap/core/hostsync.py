@@ -113,11 +113,11 @@ def _bool_index(func, args) -> bool:
 
 
 def _histc_from_data(args, kwargs) -> bool:
-    """``torch.histc(t, bins, min, max)`` with ``min == max`` (the default 0, 0): its
-    range is the data's minimum and maximum, read on the host."""
+    """``torch.histc(t, bins, min, max)`` of a non-empty ``t`` with ``min == max`` (the
+    default 0, 0): its range is the data's minimum and maximum, read on the host."""
     low = args[2] if len(args) > 2 else kwargs.get("min", 0)
     high = args[3] if len(args) > 3 else kwargs.get("max", 0)
-    return low == high
+    return low == high and args[0].numel() > 0
 
 
 def check_op(func, args, kwargs, device: torch.device) -> None:
@@ -168,7 +168,7 @@ def _value_reads() -> list[str]:
     for sources in env.var_to_sources.values():
         for source in sources:
             if isinstance(source, CallMethodItemSource):
-                name = source.name  # a property from torch 2.12, a method before
+                name = source.name  # a property in newer torch, a method in older
                 names.append(name() if callable(name) else name)
     return names
 
