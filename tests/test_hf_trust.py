@@ -1,6 +1,7 @@
 """graphcap.hf on the paths a user takes after wrapping a stock model: shared and tied
 weights, two wrappers of one model, modules swapped in later (an adapter, another rotary
-embedding), the model switched back to its own attention, a refused model, gradients,
+embedding), the model switched back to its own attention (and its wrapper then refused),
+transformers' generate() on the wrapped model, a refused model, gradients,
 another library's forward hooks and bad eager calls. Each gives the stock model's result
 or a clear error, and leaves the model as the user's."""
 
@@ -104,6 +105,17 @@ def test_two_wrappers_of_one_model_share_its_kernels_and_see_its_updates():
     assert every.kernels.summary() == "no module on graphcap kernels"
 
 
+def test_a_second_wrapper_of_a_model_on_graphcap_kernels_generates_as_the_first():
+    # The second finds the K/V shapes the cache takes on the first's substituted layers.
+    hf = hf_model("llama")
+    first = PrefillLM(hf, logits="last")
+    second = PrefillLM(hf, logits="last")
+    assert second.kv_shapes == first.kv_shapes == {0: (2, 16), 1: (2, 16)}
+    prompts = [[5, 9, 2], [3, 4]]
+    assert graphcap.generate(second, prompts, 3, strategy="eager").tokens == \
+        graphcap.generate(first, prompts, 3, strategy="eager").tokens
+
+
 @pytest.mark.parametrize("swap", ["q_proj: a new nn.Linear", "o_proj: an adapter",
                                   "down_proj: an adapter", "another rotary embedding"])
 def test_modules_replaced_after_wrapping_are_recognised_again(swap):
@@ -145,6 +157,46 @@ def test_the_model_switched_back_to_its_own_attention_runs_as_stock():
                                    atol=1e-5, rtol=1e-5)
     assert hf.generate(ids, max_new_tokens=3, do_sample=False).tolist() == \
         ref.generate(ids, max_new_tokens=3, do_sample=False).tolist()
+
+
+@pytest.mark.parametrize("kernels", ["graphcap", "stock"])
+def test_transformers_generate_on_a_wrapped_model_says_how_to_generate(kernels):
+    # Neither call can work on graphcap attention; the error says what does.
+    hf = hf_model("llama")
+    PrefillLM(hf, kernels=kernels)
+    ids = IDS[None, :5]
+    for call in (lambda: hf.generate(ids, max_new_tokens=3, do_sample=False),
+                 lambda: hf(ids), lambda: hf(ids, use_cache=False)):
+        with pytest.raises(UnsupportedModel, match=r"graphcap\.generate\(PrefillLM\(model, "
+                           r"logits='last'\).*model\.set_attn_implementation\('sdpa'\)"):
+            call()
+
+
+@pytest.mark.parametrize("strategy", ["eager", "full", "breakable"])
+def test_a_wrapped_model_switched_to_another_attention_is_refused_naming_it(strategy):
+    ref = hf_model("llama")
+    hf = copy.deepcopy(ref)
+    lm = PrefillLM(hf)
+    hf.set_attn_implementation("sdpa")
+    with pytest.raises(UnsupportedModel, match=r"LlamaForCausalLM's attention implementation "
+                       r"is 'sdpa', not graphcap's.*set_attn_implementation\('graphcap'\)"):
+        graphcap.capture(lm, strategy, buckets=[8, 16], max_requests=2)(IDS, POS,
+                                                                        seq_lens=LENS)
+    hf.set_attn_implementation("graphcap")  # as the message says
+    runner = graphcap.capture(lm, strategy, buckets=[8, 16], max_requests=2)
+    assert_stock(runner(IDS, POS, seq_lens=LENS), ref)
+
+
+def test_a_wrapped_moe_model_switched_to_eager_experts_is_refused_at_capture():
+    ref = hf_model("qwen3_moe")
+    hf = copy.deepcopy(ref)
+    lm = PrefillLM(hf)
+    hf.set_experts_implementation("eager")
+    with torch.no_grad():  # eager calls are exact with any experts
+        assert_stock(lm(IDS, POS, seq_lens=LENS), ref)
+    with pytest.raises(UnsupportedModel, match=r"experts implementation is 'eager', not "
+                       r"'batched_mm'.*set_experts_implementation\('batched_mm'\)"):
+        graphcap.capture(lm, "full", buckets=[8, 16], max_requests=2)
 
 
 @pytest.mark.parametrize(("family", "config", "dtype", "match"), [

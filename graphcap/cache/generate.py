@@ -120,24 +120,31 @@ class CacheShape:
 
 
 def cache_shape(model) -> CacheShape:
-    """The cache a model needs: a reference decoder's ``args``, or a stock transformers
-    model's config under ``graphcap.hf.PrefillLM``."""
+    """The cache a model needs: a reference decoder's ``args``, or, for a stock
+    transformers model under ``graphcap.hf.PrefillLM``, the keys and values its attention
+    layers receive (``kv_shapes``, found when it was wrapped: MLA's keys have all query
+    heads and a head dim no config field names alone)."""
     args = getattr(model, "args", None)
     if args is not None:  # a TP decoder caches its own key/value heads (local_args)
         local = getattr(model, "local_args", args)
         return CacheShape(args.layers, local.kv_heads, args.head_dim, args.vocab_size,
                           args.max_position)
-    config = getattr(getattr(model, "hf_model", None), "config", None)
-    if config is None:
+    shapes = getattr(model, "kv_shapes", None)
+    if getattr(model, "hf_model", None) is None or shapes is None:
         raise UnsupportedModel(
             f"graphcap.generate runs graphcap's reference decoders (graphcap.models) and "
             f"stock transformers models wrapped in graphcap.hf.PrefillLM; "
             f"{type(model).__name__} is neither")
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return CacheShape(config.num_hidden_layers,
-                      getattr(config, "num_key_value_heads", None) or heads, head_dim,
-                      model.vocab_size, model.max_position or 2**31)
+    kind, found = type(model.hf_model).__name__, sorted(set(shapes.values()))
+    if len(found) != 1:
+        raise UnsupportedModel(
+            f"{kind}: graphcap's paged K/V cache holds one [kv heads, head dim] for every "
+            f"layer, and its attention layers with an int layer_idx give {found or 'none'}; "
+            "generate with transformers (its own attention: hf_model.set_attn_implementation"
+            "('sdpa'), then hf_model.generate())")
+    (heads, head_dim), = found
+    return CacheShape(max(shapes) + 1, heads, head_dim, model.vocab_size,
+                      model.max_position or 2**31)
 
 
 def _groups(slots: list[int], lens: list[int], budget: int) -> list[list[int]]:

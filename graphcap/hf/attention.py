@@ -18,14 +18,112 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 
-from graphcap.core.context import current_kv
+from graphcap.core.context import attention_if_any, current_kv
 from graphcap.errors import UnsupportedModel
 from graphcap.opsdb.attention import ATTENTION
 from graphcap.opsdb.cached import CACHED_ATTENTION
 
 NAME = "graphcap"
-# While graphcap.hf probes a layer: the q, k, v each call received, [T, heads, head_dim].
+# While graphcap.hf probes the model: (q, k, v, layer_idx) of each call, q/k/v as
+# [T, heads, head_dim].
 SEEN: list | None = None
+
+
+# Layer types whose attention a window (or chunk) bounds, and the config field of its size:
+# below it they attend as full attention does.
+WINDOWED = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
+# The head dims of DeepSeek's MLA, named when keys and values differ in theirs.
+HEAD_DIM_FIELDS = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def windows_off(config) -> str:
+    """The config change that turns a model's attention windows off: ``layer_types`` where
+    the config lists each layer's attention (Gemma 2/3, Cohere2, OLMo 3, gpt-oss, Qwen2/3,
+    Llama 4, ...: their modules read it, not ``use_sliding_window``), else
+    ``sliding_window=None`` (Mistral, Mixtral, Phi-3, Qwen3-MoE). Both are read when the
+    model is built."""
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, (list, tuple)) and any(t in WINDOWED for t in types):
+        return f"layer_types=['full_attention'] * {len(types)}"
+    return "sliding_window=None"
+
+
+def window_refusal(config, window: int | None = None) -> str:
+    """What to do about a model's attention windows (of ``window`` tokens, else the size
+    its config gives): the fields to change, and what that changes."""
+    types = list(getattr(config, "layer_types", None) or ())
+    if window is None:
+        window = next((getattr(config, WINDOWED[t], None) for t in types if t in WINDOWED),
+                      None)
+    fix = windows_off(config)
+    how = (f"load the model with them turned off, AutoModelForCausalLM.from_pretrained("
+           f"path, {fix}) (or set config.{fix.replace('=', ' = ', 1)} before from_config)")
+    if not fix.startswith("layer_types"):
+        return (f"{how}: it then attends over the whole sequence, as now for sequences up "
+                f"to the window ({window} tokens), not past it; or run it with "
+                "transformers' own attention (no PrefillLM)")
+    rope = getattr(config, "rope_parameters", None)
+    differ = sorted({t for t in types if t in WINDOWED and isinstance(rope, dict)
+                     and rope.get(t) != rope.get("full_attention")})
+    here = f": here rope_parameters[{differ[0]!r}] differs from rope_parameters" \
+        "['full_attention']" if differ else ""
+    return (f"{how}: that makes another model, whose layers attend over the whole sequence "
+            f"(past the window ({window} tokens) too), and a layer's type may also set its "
+            f"rotary embedding (it does in Gemma 3 and Cohere2{here}), so compare its outputs "
+            "with the stock model's before relying on them; or run it with transformers' "
+            "own attention (no PrefillLM)")
+
+
+def _softcap_refusal(config, softcap) -> str:
+    fields = [k for k, v in vars(config).items() if "softcap" in k and v == softcap] \
+        if config is not None else []
+    if not fields:
+        return "no config field turns soft-capping off: run the model with transformers' " \
+               "own attention (no PrefillLM)"
+    return (f"{fields[0]}=None turns it off, but changes the model's outputs (it was "
+            "trained with soft-capping): do so only if that is what you want, or run the "
+            "model with transformers' own attention (no PrefillLM)")
+
+
+def _refusals(module, sliding_window, softcap, sinks) -> str | None:
+    """What graphcap::attention cannot do that this call asks, and what to do, or None."""
+    config = getattr(module, "config", None)
+    found, fixes = [], []
+    if sliding_window is not None:
+        found.append(f"a sliding window ({sliding_window})")
+        fixes.append(window_refusal(config, sliding_window))
+    if softcap is not None:
+        found.append(f"soft-capping ({softcap})")
+        fixes.append(_softcap_refusal(config, softcap))
+    if sinks is not None:
+        found.append("attention sinks (s_aux)")
+        fixes.append("the sinks are learned weights of the model, which no config field "
+                     "turns off: run it with transformers' own attention (no PrefillLM)")
+    if not found:
+        return None
+    return (f"{type(module).__name__} attends with {' and '.join(found)}, which "
+            f"graphcap::attention does not support (full causal attention only): "
+            + "; ".join(fixes))
+
+
+def unwrapped_call(name: str) -> UnsupportedModel:
+    """The error of a model on graphcap attention called as a transformers model (its own
+    ``forward`` or ``generate()``) rather than through graphcap."""
+    return UnsupportedModel(
+        f"{name}: this model runs graphcap attention (PrefillLM set "
+        f"attn_implementation={NAME!r} on it), which takes its packed requests from "
+        "graphcap's forward context and keeps no transformers KV cache, so the model cannot "
+        "be called on its own nor generate with transformers' generate(). Generate with "
+        "graphcap.generate(PrefillLM(model, logits='last'), prompts, max_new_tokens); run "
+        "a prefill through the PrefillLM (lm(input_ids, positions, seq_lens=[...]) or its "
+        "runner); or give the model back its own attention, "
+        "model.set_attn_implementation('sdpa'), to call it or generate() as before")
+
+
+def outside_graphcap() -> bool:
+    """Whether the running forward has no graphcap forward context (a direct call)."""
+    return not torch.compiler.is_compiling() and attention_if_any() is None and \
+        current_kv() is None
 
 
 def graphcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -37,21 +135,18 @@ def graphcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
 
     Attention is causal within each request of the forward context's metadata; tokens of
     different requests never see each other. Masks, sliding windows, soft-capping,
-    attention sinks and dropout are refused, not ignored."""
+    attention sinks, dropout, keys and values of different head dims and a call outside
+    graphcap's forward context are refused (UnsupportedModel, naming what to do), not
+    ignored."""
     name = type(module).__name__
+    if outside_graphcap():
+        raise unwrapped_call(name)
     if attention_mask is not None:
         raise UnsupportedModel(
             f"{name}: graphcap attention got an attention mask; request boundaries come "
             "from seq_lens (the forward context), so call the model without attention_mask")
-    found = [f"{what} ({value})" for what, value in (
-        ("a sliding window", sliding_window), ("soft-capping", softcap),
-        ("attention sinks", "s_aux" if kwargs.get("s_aux") is not None else None))
-        if value is not None]
-    if found:
-        raise UnsupportedModel(
-            f"{name} attends with {' and '.join(found)}, which graphcap::attention does not "
-            "support (full causal attention only); turn it off in the config if the model "
-            "allows it, or use another model")
+    if why := _refusals(module, sliding_window, softcap, kwargs.get("s_aux")):
+        raise UnsupportedModel(why)
     if dropout:
         raise UnsupportedModel(f"{name}: attention dropout {dropout} in training mode; "
                                "graphcap runs inference only, call model.eval()")
@@ -62,13 +157,23 @@ def graphcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         raise UnsupportedModel(
             f"{name}: graphcap attention takes one packed row (batch size 1), got "
             f"{query.shape[0]}; pack the requests along the token dim and give seq_lens")
+    if key.shape[-1] != value.shape[-1]:
+        config = getattr(module, "config", None)
+        fields = ", ".join(f"{f}={getattr(config, f)}" for f in HEAD_DIM_FIELDS
+                           if getattr(config, f, None) is not None)
+        raise UnsupportedModel(
+            f"{name} attends with keys of head dim {key.shape[-1]} and values of head dim "
+            f"{value.shape[-1]}" + (f" (config: {fields})" if fields else "") + ": "
+            "graphcap::attention and its paged K/V cache take one head dim for both, so "
+            "graphcap.hf cannot run this model; run it with transformers' own attention "
+            "(no PrefillLM)")
     # [1, H, T, D] -> [T, H, D]: the split op's packed layout (contiguous for the kernels).
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+    layer = getattr(module, "layer_idx", None)
     if SEEN is not None:
-        SEEN.append((q, k, v))
+        SEEN.append((q, k, v, layer))
     out = torch.empty_like(q)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    layer = getattr(module, "layer_idx", None)
     if isinstance(layer, int) and not isinstance(layer, bool):  # the forward's cache, if
         CACHED_ATTENTION(q, k, v, out, float(scale), layer)  # any, read at run time
         return out.unsqueeze(0), None

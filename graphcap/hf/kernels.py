@@ -28,8 +28,9 @@ from torch import nn
 
 from graphcap.core.graphs import capturing
 from graphcap.errors import CaptureError, UnsupportedModel
+from graphcap.hf import attention as hf_attention
 from graphcap.hf import patterns, probe
-from graphcap.hf.attention import NAME
+from graphcap.hf.attention import NAME, outside_graphcap, unwrapped_call
 from graphcap.opsdb.attention.packed import packed
 from graphcap.opsdb.norm import RMS_NORM
 
@@ -51,8 +52,10 @@ class LayerKernels:
     def stock(self, layer, hidden_states, args, positions) -> bool:
         """Whether this call runs the layer as written: another attention implementation
         (``set_attn_implementation("sdpa")``), training, gradients to compute (the kernels
-        read the fused weights detached), or a call the kernels do not take."""
+        read the fused weights detached), a call the kernels do not take, or a probe of
+        what the attention function receives (``attention.SEEN``)."""
         return bool(args or layer.training or hidden_states.dim() != 3
+                    or hf_attention.SEEN is not None
                     or hidden_states.shape[0] != 1
                     or (self.attention is not None and positions is None)
                     or getattr(self.config, "_attn_implementation", NAME) != NAME
@@ -63,6 +66,8 @@ class LayerKernels:
         positions = kwargs.get("position_ids")
         if self.stock(layer, hidden_states, args, positions):
             return type(layer).forward(layer, hidden_states, *args, **kwargs)  # as written
+        if outside_graphcap():  # the model's own forward or generate(), not graphcap's
+            raise unwrapped_call(type(layer).__name__)
         if kwargs.get("attention_mask") is not None:
             raise UnsupportedModel(
                 f"{type(layer).__name__}: graphcap kernels got an attention mask; request "
@@ -70,8 +75,9 @@ class LayerKernels:
                 "without attention_mask")
         if any(kwargs.get(name) is not None for name in _CACHES):
             raise UnsupportedModel(
-                f"{type(layer).__name__}: graphcap kernels got a KV cache, and keep none "
-                "(graphcap.hf runs prefill); call the model with use_cache=False")
+                f"{type(layer).__name__}: graphcap kernels got a transformers KV cache, and "
+                "keep none (graphcap's paged cache is read from the forward context); call "
+                "the model with use_cache=False")
         if _RAN is not None:
             _RAN.append(layer)
         h = hidden_states[0]

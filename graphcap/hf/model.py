@@ -10,8 +10,9 @@ from transformers import PreTrainedModel
 
 from graphcap.core import batch as batching
 from graphcap.errors import BadBatch
+from graphcap.hf import attention as hf_attention
 from graphcap.hf import kernels as substitution
-from graphcap.hf.attention import NAME, UnsupportedModel
+from graphcap.hf.attention import NAME, WINDOWED, UnsupportedModel, window_refusal
 from graphcap.opsdb.attention.packed import packed
 
 # Expert implementations of transformers' MoE layers that read no tensor on the host
@@ -23,6 +24,7 @@ _SUBSTITUTION = "_graphcap_substitution"  # on the wrapped model: its Substituti
 log = logging.getLogger("graphcap")
 # Rotary scalings recomputed from max(position_ids) of the whole (packed) batch.
 DYNAMIC_ROPE = ("dynamic", "longrope")
+PROBE_TOKENS = 8  # of the forward that finds each layer's K/V shape
 
 
 def _check_causal_lm(model) -> None:
@@ -46,11 +48,17 @@ def _check_attention_features(model) -> None:
         raise UnsupportedModel(f"{kind}: config.is_causal=False (bidirectional); "
                                "graphcap prefill attention is causal")
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if kinds != {"full_attention"} or getattr(config, "use_sliding_window", False):
+    if windowed := sorted(kinds & set(WINDOWED)):
         raise UnsupportedModel(
-            f"{kind} has layer types {sorted(kinds)}: only full causal attention layers "
-            "are supported (no sliding-window, linear or chunked attention); turn them off "
-            "in the config (e.g. use_sliding_window=False) or use another model")
+            f"{kind} has {' and '.join(windowed)} layers (config.layer_types), which "
+            "graphcap::attention does not support (full causal attention only): "
+            f"{window_refusal(config)}")
+    if other := sorted(kinds - {"full_attention"}):
+        raise UnsupportedModel(
+            f"{kind} has layers of type {', '.join(other)} (config.layer_types): not full "
+            "causal attention, which is all graphcap::attention runs; they are the model's "
+            "architecture, which no config field turns off: run it with transformers' own "
+            "attention (no PrefillLM) or use another model")
     rope = getattr(config, "rope_parameters", None) or {}
     per_layer_type = [v for v in rope.values() if isinstance(v, dict)]
     dynamic = {p.get("rope_type") for p in per_layer_type or [rope]} & set(DYNAMIC_ROPE)
@@ -91,6 +99,27 @@ def _experts_for(model: PreTrainedModel, experts: str | None) -> str | None:
             f"experts={experts!r} cannot be captured (the eager experts loop finds the "
             f"experts hit with nonzero, a host sync); choose one of {CAPTURABLE_EXPERTS}")
     return experts
+
+
+def _kv_shapes(model: PreTrainedModel, dtype: torch.dtype) -> dict[int, tuple[int, int]]:
+    """Each attention layer's keys and values, ``layer_idx -> (heads, head dim)``, as the
+    attention function receives them on a short forward (what a K/V cache of the model
+    holds, whatever its config's fields say). What the attention function refuses on
+    any layer is refused here, naming the model."""
+    device = next(model.parameters()).device
+    pos = torch.arange(PROBE_TOKENS, device=device)
+    ids = pos % model.get_output_embeddings().weight.shape[0]
+    hf_attention.SEEN = []
+    try:
+        with torch.inference_mode(), packed([PROBE_TOKENS], device, dtype=dtype):
+            model(input_ids=ids[None], position_ids=pos[None], use_cache=False)
+        seen = hf_attention.SEEN
+    except UnsupportedModel as exc:
+        raise UnsupportedModel(f"{type(model).__name__}: {exc}") from exc
+    finally:
+        hf_attention.SEEN = None
+    return {layer: tuple(k.shape[1:]) for _, k, _, layer in seen
+            if isinstance(layer, int) and not isinstance(layer, bool)}
 
 
 class PrefillLM(nn.Module):
@@ -139,6 +168,11 @@ class PrefillLM(nn.Module):
             if experts is not None:
                 hf_model.set_experts_implementation(experts)
             hf_model.eval()
+            # What the experts run once switched (a model whose experts do not take the
+            # switch keeps its own), None for a dense model.
+            self.experts = experts and getattr(hf_model.config, "_experts_implementation",
+                                               None)
+            self.kv_shapes = _kv_shapes(hf_model, dtype)
             self._substitute(kernels, dtype)
         except BaseException:  # the model goes back as it came (its forwards, attention)
             substitution.restore(hf_model)
@@ -175,8 +209,31 @@ class PrefillLM(nn.Module):
 
     def graphcap_before_capture(self) -> None:
         """Called by a runner outside any graph before it captures: weights the kernels
-        read fused are fused again where the model's were replaced."""
+        read fused are fused again where the model's were replaced; a model switched to
+        other attention or experts since wrapping is refused."""
+        self._check_switched(capture=True)
         self.kernels.ensure()
+
+    def _check_switched(self, capture: bool = False) -> None:
+        """Refuse a model whose attention implementation (or, for a capture, whose experts
+        implementation) is no longer the one PrefillLM set."""
+        kind, config = type(self.hf_model).__name__, self.hf_model.config
+        if (now := config._attn_implementation) != NAME:
+            raise UnsupportedModel(
+                f"{kind}'s attention implementation is {now!r}, not graphcap's: it was "
+                f"switched after PrefillLM wrapped it (set_attn_implementation({now!r})), "
+                "and only graphcap attention keeps the packed requests apart (and captures "
+                "without host syncs); switch it back, hf_model.set_attn_implementation("
+                f"{NAME!r}), or wrap the model again, PrefillLM(hf_model)")
+        experts = getattr(config, "_experts_implementation", None)
+        if capture and self.experts is not None and experts != self.experts and \
+                experts not in CAPTURABLE_EXPERTS:
+            raise UnsupportedModel(
+                f"{kind}'s experts implementation is {experts!r}, not {self.experts!r}: it "
+                f"was switched after PrefillLM wrapped it, and {experts!r} cannot be "
+                "captured (it finds the experts hit with nonzero, a host sync); switch it "
+                f"back, hf_model.set_experts_implementation({self.experts!r}), or run "
+                "the model under strategy='eager'")
 
     graphcap_inputs = "prefill"
 
@@ -190,7 +247,15 @@ class PrefillLM(nn.Module):
         token; the runner passes it, an eager call with ``seq_lens`` derives it. Only
         those rows go through the LM head (transformers' ``logits_to_keep``)."""
         if not torch.compiler.is_compiling():
+            self._check_switched()
             self.kernels.ensure()
+            if seq_lens is None and hf_attention.outside_graphcap():
+                raise BadBatch(
+                    "PrefillLM was called without seq_lens outside a runner: give the packed "
+                    "requests' lengths, lm(input_ids, positions, seq_lens=[...]), or call "
+                    "it through a runner (graphcap.capture(lm, ...)); its attention reads "
+                    "where requests begin and end from graphcap's forward context "
+                    "(graphcap.packed(seq_lens, device))")
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise BadBatch(
                 f"PrefillLM takes input_ids [T] and positions [T] of packed requests, got "
