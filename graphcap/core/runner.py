@@ -14,9 +14,8 @@ import contextlib
 import logging
 import time
 import weakref
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from graphcap.core.inputs import Batch, Inputs
 from graphcap.core.outputs import check_outputs
 from graphcap.core.serial import Serial
 from graphcap.core.snapshot import ModelSnapshot
+from graphcap.core.stats import CountFailures, Stats, report_of
 from graphcap.core.strategy import Strategy
 from graphcap.errors import (
     BadBatch,
@@ -73,36 +73,6 @@ class ShapeEntry:
     splits_in_graph: int = 0
 
 
-@dataclass
-class Stats:
-    calls: int = 0
-    replays: Counter = field(default_factory=Counter)
-    fallbacks: Counter = field(default_factory=Counter)
-    failed: int = 0  # calls that raised after their batch was accepted
-    recaptures: int = 0  # captures of every shape again, after the model changed
-    warmup_s: float = 0.0
-    capture_s: float = 0.0
-    warmups: int = 0  # eager warm-up forwards run before a capture
-    warmup_retries: int = 0  # shapes whose direct capture failed, then warmed and captured
-    first_shape_s: float | None = None  # warm-up and capture of the first (largest) shape
-    replay_host_s: float = 0.0  # host time of replayed calls, from the lock to the launch
-
-
-class _CountFailures:
-    """Counts a call that raises after it was accepted (``report()["failed"]``), so that
-    every call is a replay, a fallback or a failure."""
-
-    def __init__(self, stats: Stats):
-        self.stats = stats
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, tb) -> None:
-        if kind is not None:
-            self.stats.failed += 1
-
-
 class Runner:
     """Callable like the model: pads to a bucket, replays (or runs eagerly), slices."""
 
@@ -136,7 +106,7 @@ class Runner:
                 self.inputs.forget()  # a model of tensors that changed may take others
             batch = self._agreed(self.inputs.check, args, kwargs)  # before anything runs
             self.stats.calls += 1
-            with _CountFailures(self.stats):
+            with CountFailures(self.stats):
                 if stale:
                     self._on_change(batch)
                 elif self.strategy.captures and not self.entries:
@@ -400,33 +370,4 @@ class Runner:
         runner's lock to the graph's launch returning (checks, routing, staging; the GPU
         runs after; a wait for another thread's call is not counted)."""
         with self._serial:
-            return self._report()
-
-    def _report(self) -> dict:
-        entries = sorted(self.entries.items())
-        return {
-            "strategy": self.strategy.name,
-            "device": str(self.device),
-            "graph_kind": self.pool.kind,
-            "shapes": [k for k, _ in entries],
-            "segments": {k: e.segments for k, e in entries},
-            "breaks": {k: e.breaks for k, e in entries},
-            "splits_in_graph": {k: e.splits_in_graph for k, e in entries},
-            "graph_pool_bytes": self.pool.bytes(),
-            # The block the first warm-up sized the pool with (0: not sized, e.g. an
-            # earlier, higher peak of the process hid the warm-up's; see GraphPool.warmup).
-            "pool_sized_bytes": self.pool.sized_bytes,
-            "build_s": {"warmup": round(self.stats.warmup_s, 4),
-                        "capture": round(self.stats.capture_s, 4),
-                        "first_shape": round(self.stats.first_shape_s or 0.0, 4)},
-            "warmups": self.stats.warmups,
-            "warmup_retries": self.stats.warmup_retries,
-            "calls": self.stats.calls,
-            "replays": dict(self.stats.replays),
-            "fallbacks": dict(self.stats.fallbacks),
-            "failed": self.stats.failed,
-            "recaptures": self.stats.recaptures,
-            "host_us_per_replay": round(1e6 * self.stats.replay_host_s
-                                        / max(sum(self.stats.replays.values()), 1), 1),
-            **self.inputs.report(),
-        }
+            return report_of(self)
