@@ -86,36 +86,162 @@ def anchor_graph(device: torch.device, pool_id, stream) -> tuple:
     return graph, buf
 
 
-def release_compiled(fn, backend) -> None:
-    """When the caller of ``torch.compile(fn, backend=backend)`` dies: drop what Dynamo
-    keeps of that compile beyond it, so the backend (and the graphs it holds) can be
-    freed. Dynamo keeps the code it compiled for ``fn`` in ``fn.__code__``'s cache entries
-    (which also hold the backend, and a module global that reaches it), and every backend
-    it compiled with in ``eval_frame.cached_backends`` until ``torch._dynamo.reset()``. A
-    finalizer holding neither the caller nor the backend strongly does it: registered
-    here, it runs when ``fn`` dies (``fn`` must belong to the caller alone)."""
+def forget_backend(backend) -> None:
+    """Drop ``backend`` from Dynamo's ``eval_frame.cached_backends``, where every backend
+    it compiled with stays until ``torch._dynamo.reset()`` (with all the backend holds)."""
     from torch._dynamo import eval_frame
 
-    reset_code = getattr(eval_frame, "reset_code", None) or getattr(
-        torch._C._dynamo.eval_frame, "reset_code", None)
     cached = getattr(eval_frame, "cached_backends", None)
-    key = None
-    if cached is not None:
-        key = next((k for k, b in cached.items()
-                    if b is backend or getattr(b, "compiler_fn", None) is backend), None)
-    ref = weakref.ref(cached[key]) if key is not None else None
-    weakref.finalize(fn, _release_compiled, fn.__code__, reset_code, key, ref).atexit = False
+    if cached is None or backend is None:
+        return
+    for key, held in list(cached.items()):
+        if held is backend or getattr(held, "compiler_fn", None) is backend:
+            cached.pop(key, None)
 
 
-def _release_compiled(code, reset_code, key, ref) -> None:
+def forget_code(code) -> bool:
+    """Drop what Dynamo keeps of the compiles of ``code`` once its caller is gone: the
+    cache entries on the code object (the compiled code, its guards and backend), the
+    finalizers that keep each entry's guards alive for the process's life (Dynamo registers
+    one on every object a guard matches by identity: types, modules, builtins), and the
+    automatic-dynamic record kept under the code's name. True when all three were found,
+    so that the code object may be compiled again for another caller as if new."""
+    from torch._C._dynamo import eval_frame as c_eval_frame
+
+    entries = getattr(c_eval_frame, "_debug_get_cache_entry_list", None)
+    reset_code = getattr(c_eval_frame, "reset_code", None)
+    guards = {id(g) for e in (entries(code) if entries else ())
+              for g in (getattr(e, "guard_manager", None), getattr(e, "check_fn", None))
+              if g is not None}
+    detached = _detach_guard_finalizers(guards) if entries is not None else False
     if reset_code is not None:
         reset_code(code)
-    from torch._dynamo import eval_frame
+    forgot = _forget_automatic_dynamic(code)
+    return detached and reset_code is not None and forgot
 
-    cached = getattr(eval_frame, "cached_backends", None)
-    if cached is not None and ref is not None and ref() is not None \
-            and cached.get(key) is ref():
-        del cached[key]
+
+def _detach_guard_finalizers(guards: set[int]) -> bool:
+    registry = getattr(weakref.finalize, "_registry", None)
+    if registry is None:
+        return False
+    for finalizer, info in list(registry.items()):
+        owner = getattr(getattr(info.func, "func", None), "__self__", None)
+        if id(getattr(owner, "guard_manager", None)) in guards:
+            finalizer.detach()
+    return True
+
+
+def _forget_automatic_dynamic(code) -> bool:
+    try:
+        from torch._dynamo import pgo
+    except ImportError:  # a torch before the record moved there: nothing known to drop
+        return False
+    make = getattr(getattr(pgo, "CodeId", None), "make", None)
+    if make is None or not hasattr(pgo, "_CODE_STATE"):
+        return False
+    state = pgo._CODE_STATE
+    if state is not None:
+        state.pop(make(code), None)
+    return True
+
+
+def shape_env_of(example_inputs):
+    """The ShapeEnv of the fake tensors Dynamo hands a backend, or None."""
+    import torch._guards
+
+    detect = getattr(torch._guards, "detect_fake_mode", None)
+    mode = detect(example_inputs) if detect is not None else None
+    return getattr(mode, "shape_env", None)
+
+
+def release_shape_env(shape_env) -> None:
+    """Let the garbage collector free a finished compile's ShapeEnv (call it once nothing
+    uses the compile). Its fake tensors hold their symbolic sizes in C++, and those hold the
+    ShapeEnv: a cycle through the ShapeEnv's ``tracked_fakes`` and ``fake_tensor_cache`` that
+    Python cannot see, so it is never collected; its class-level memo caches (``lru_cache``
+    on methods, keyed by the ShapeEnv) keep it alive besides."""
+    if shape_env is None:
+        return
+    if getattr(shape_env, "tracked_fakes", None) is not None:
+        shape_env.tracked_fakes = None
+    cache = getattr(shape_env, "fake_tensor_cache", None)
+    if isinstance(cache, dict):
+        cache.clear()
+    for method in vars(type(shape_env)).values():
+        clear = getattr(method, "cache_clear", None)
+        if clear is not None:  # memos only: a later call recomputes
+            clear()
+
+
+def fx_source_mark() -> int | None:
+    """FX's count of the code it generated so far (it keeps each GraphModule's code, for
+    tracebacks, under a numbered name), for :func:`fx_sources_since`; None where FX keeps
+    no such count."""
+    return getattr(getattr(torch.fx.graph_module, "_loader", None), "next_id", None)
+
+
+def fx_sources_since(mark: int | None, mentioning: str) -> list[str]:
+    """The names of the code FX generated since ``mark`` whose source mentions
+    ``mentioning``: GraphModules made and dropped within a compile (Dynamo makes one per
+    compile to insert its runtime asserts) that no object names."""
+    cache = getattr(getattr(torch.fx.graph_module, "_loader", None), "eval_cache", None)
+    if mark is None or not isinstance(cache, dict):
+        return []
+    return [name for name, source in list(cache.items())
+            if _fx_number(name) >= mark and mentioning in source]
+
+
+def _fx_number(name: str) -> int:
+    head = name.split(" ", 1)[0]  # "<eval_with_key>.12", maybe " from file:line in fn"
+    number = head.removeprefix("<eval_with_key>.")
+    return int(number) if number != head and number.isdigit() else -1
+
+
+def fx_sources(module: torch.nn.Module) -> list[str]:
+    """The names of the code of ``module``'s GraphModules (its own and its submodules'). A
+    GraphModule that generates its code lazily, on its first call, generates it now."""
+    names = []
+    for m in module.modules():
+        if isinstance(m, torch.fx.GraphModule):
+            real_recompile = getattr(m, "real_recompile", None)  # torch.fx _LazyGraphModule
+            if real_recompile is not None:
+                real_recompile()
+            forward = vars(type(m)).get("forward")  # each GraphModule has a class of its own
+            names.append(getattr(getattr(forward, "__code__", None), "co_filename", ""))
+    return [n for n in names if _fx_number(n) >= 0]
+
+
+def forget_fx_sources(names) -> None:
+    """Drop the source FX keeps of the code named ``names`` (``linecache`` and FX's loader
+    keep one entry per GraphModule ever compiled, for tracebacks); for code no live
+    GraphModule runs."""
+    import linecache
+
+    cache = getattr(getattr(torch.fx.graph_module, "_loader", None), "eval_cache", None)
+    for name in names:
+        linecache.cache.pop(name, None)
+        if isinstance(cache, dict):
+            cache.pop(name, None)
+
+
+def forget_finished_compiles() -> None:
+    """Drop the records Dynamo keeps of compiles that have ended and whose code is gone: the
+    dead weak references its trackers of compiled code keep, one per compile, and this
+    thread's list of every metric set by every compile (kept to explain a metric set twice
+    within one compile, never emptied) when no compile runs in it."""
+    from torch._dynamo import convert_frame, utils
+
+    for tracker in (getattr(convert_frame, "input_codes", None),
+                    getattr(convert_frame, "output_codes", None)):
+        seen = getattr(tracker, "seen", None)
+        if isinstance(seen, list):
+            for ref in [r for r in seen if r() is None]:
+                seen.remove(ref)  # one by one: a compile in another thread may append
+    metrics = getattr(utils, "get_metrics_context", None)
+    context = metrics() if metrics is not None else None
+    edits = getattr(context, "_edits", None)
+    if isinstance(edits, list) and not context.in_progress():
+        edits.clear()
 
 
 def current_stream_key(index: int) -> tuple:

@@ -22,6 +22,7 @@ from collections import Counter
 
 import torch
 
+from graphcap import compat
 from graphcap.compat import imports
 from graphcap.core import hostsync
 from graphcap.core.buckets import check_ladder, prefill_ladder
@@ -49,6 +50,39 @@ log = logging.getLogger("graphcap")
 _COMPILERS: weakref.WeakSet = weakref.WeakSet()  # every live compile, for counters()
 
 
+class Traces:
+    """What the compiles of one backend leave in torch's process-wide state, to drop once
+    nothing runs them (:meth:`release`): each trace's ShapeEnv, weakly, and the names under
+    which FX keeps the code it generated for each: the graphs made of the trace, and those
+    Dynamo made and dropped while tracing (named by their inputs, ``inputs_named``, which
+    :meth:`begin` sets before a call that may compile)."""
+
+    def __init__(self):
+        self.shape_envs: list[weakref.ref] = []
+        self.sources: list[str] = []
+        self.mark: int | None = None
+        self.inputs_named: str | None = None
+
+    def begin(self, inputs_named: str) -> None:
+        self.mark, self.inputs_named = compat.fx_source_mark(), inputs_named
+
+    def record(self, example_inputs, graph: torch.nn.Module) -> None:
+        """A trace Dynamo handed the backend (its fake inputs), and the graph made of it."""
+        env = compat.shape_env_of(example_inputs)
+        if env is not None:
+            self.shape_envs.append(weakref.ref(env))
+        self.sources += compat.fx_sources(graph)
+        if self.inputs_named is not None:
+            self.sources += compat.fx_sources_since(self.mark, self.inputs_named)
+            self.mark = compat.fx_source_mark()
+
+    def release(self) -> None:
+        for ref in self.shape_envs:
+            compat.release_shape_env(ref())
+        compat.forget_fx_sources(self.sources)
+        self.shape_envs, self.sources = [], []
+
+
 class PiecewiseCompiler:
     """A Dynamo backend instance; ``torch.compile(m, backend="sgl_piecewise")`` makes one
     per compile, with ``options=`` as its keyword arguments."""
@@ -68,6 +102,7 @@ class PiecewiseCompiler:
         self.stats: Counter = Counter()  # see counters()
         self.serial: Serial | None = None  # one call at a time: the pieces' static buffers
         self.static_ptrs: set[int] = set()  # outputs of captured pieces: fixed addresses
+        self.traces = Traces()
         _COMPILERS.add(self)
 
     def pool_for(self, args) -> GraphPool:
@@ -80,6 +115,7 @@ class PiecewiseCompiler:
         imports.complete(imports.INDUCTOR if self.compiler == "inductor" else ())
         hostsync.check_value_guards(guards_checked=phases.current()[0] is None)
         if builds_autograd_graph(gm):
+            self.traces.record(example_inputs, gm)
             return self._eager_for_autograd(gm)
         if self.serial is None:
             self.serial = Serial(device_of(example_inputs))
@@ -105,6 +141,7 @@ class PiecewiseCompiler:
                 graphs = PieceGraphs(self, piece.module, piece.module)
             setattr(split, piece.name, graphs)
         split.graphcap_split_pieces = sum(p.is_split for p in pieces)
+        self.traces.record(example_inputs, split)
 
         def forward(*args):
             if scalars:  # host values, read outside any graph

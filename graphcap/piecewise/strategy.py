@@ -3,8 +3,10 @@ shape captured under the runner as one graph when it can be, else piece by piece
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import types
+import weakref
 
 import torch
 
@@ -12,26 +14,50 @@ from graphcap import compat
 from graphcap.core.strategy import Captured, Strategy
 from graphcap.errors import CaptureError
 from graphcap.piecewise import phase as phases
-from graphcap.piecewise.compiler import PiecewiseCompiler
+from graphcap.piecewise.compiler import PiecewiseCompiler, Traces
 from graphcap.piecewise.phase import Phase, Watch
 from graphcap.piecewise.whole import WholeCapture
 
 
-def _entry(model, *args):
-    return model(*args)
+def _entry(graphcap_model, *graphcap_args):
+    return graphcap_model(*graphcap_args)
 
 
-_RUNNERS = itertools.count()
+# Dynamo names a graph input it reads from _entry's arguments L_<argument>_...
+INPUTS_NAMED = "L_graphcap_"
+
+
+_NAMES = itertools.count()
+# Code objects of released compiles, each free for the next runner: Dynamo keeps state per
+# code object (and memos of it) for the process's life, so they are reused, not made anew.
+_FREE: list[types.CodeType] = []
 
 
 def _fresh_entry():
-    """A function of its own code object and name: Dynamo keeps compiled code per code
-    object and counts compiles against one limit per code object, and its
+    """A function of a code object and name no live runner uses: Dynamo keeps compiled
+    code per code object and counts compiles against one limit per code object, and its
     automatic-dynamic record per code name (a second model's other norm eps turned every
-    later compile's eps dynamic: performance-history item 13)."""
-    name = f"graphcap_tc_piecewise_forward_{next(_RUNNERS)}"
-    code = _entry.__code__.replace(co_name=name, co_qualname=name)
-    return types.FunctionType(code, _entry.__globals__, name)
+    later compile's eps dynamic: performance-history item 13). A released runner's code
+    object is reused, what Dynamo kept of its compiles dropped (:func:`_release`)."""
+    try:
+        code = _FREE.pop()
+    except IndexError:
+        name = f"graphcap_tc_piecewise_forward_{next(_NAMES)}"
+        code = _entry.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, _entry.__globals__, code.co_name)
+
+
+def _release(code: types.CodeType, compiler: weakref.ref, traces: Traces) -> None:
+    """A runner's compiled forward is gone: drop what torch keeps of its compiles for the
+    process's life (the backend and everything it holds: graphs, pool, the pieces' static
+    buffers; the compiled code and guards; each trace's ShapeEnv and fake tensors; FX's
+    sources), and free its code object for the next runner."""
+    compat.forget_backend(compiler())
+    reusable = compat.forget_code(code)
+    traces.release()
+    compat.forget_finished_compiles()
+    if reusable:
+        _FREE.append(code)
 
 
 class CompiledForward:
@@ -43,8 +69,10 @@ class CompiledForward:
         self.model, self.compiler = model, compiler
         entry = _fresh_entry()
         self.compiled = torch.compile(entry, backend=compiler, fullgraph=True)
-        # Dynamo would keep the compiler, and its graph pool, for the process's life.
-        compat.release_compiled(entry, compiler)
+        # Run when the compiled function dies with this object; holds neither it nor the
+        # compiler (Dynamo holds the compiler until then).
+        weakref.finalize(entry, _release, entry.__code__, weakref.ref(compiler),
+                         compiler.traces).atexit = False
 
     def __call__(self, *args):
         now, detail = phases.current()
@@ -68,8 +96,15 @@ class CompiledForward:
         for a in args:
             if isinstance(a, torch.Tensor) and a.dim():
                 torch._dynamo.mark_dynamic(a, 0)
+        traces, graphs = self.compiler.traces, self.compiler.stats["graphs"]
+        traces.begin(INPUTS_NAMED)  # from here, what FX generates of this frame is ours
         try:
-            return self.compiled(self.model, *args)
+            # In a copy of the context: torch 2.13's config patches, a few per compile, each
+            # leave a context variable in the context they ran in, for its life.
+            out = contextvars.copy_context().run(self.compiled, self.model, *args)
+            if self.compiler.stats["graphs"] != graphs:
+                compat.forget_finished_compiles()
+            return out
         except torch._dynamo.exc.TorchDynamoException as exc:
             if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed):
                 inner = getattr(exc, "inner_exception", exc)
