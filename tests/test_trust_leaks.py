@@ -10,15 +10,17 @@ from __future__ import annotations
 import gc
 import logging
 import time
+import types
 import weakref
 
 import pytest
 import torch
 
 import graphcap
+from graphcap import compat
 from graphcap.api import STRATEGIES
-from graphcap.models import PRESETS, Decoder, build_model
-from tests.runner_helpers import DEVICE, batch
+from graphcap.models import PRESETS, Decoder, ModelArgs, build_model
+from tests.runner_helpers import DEVICE, batch, tolerance
 
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 PROMPTS = [[5, 9], [3]]  # one slot: the second prompt takes the first's when it ends
@@ -72,17 +74,61 @@ def build_call_drop(strategy: str) -> list[weakref.ref]:
     return [weakref.ref(m), weakref.ref(next(m.parameters())), weakref.ref(r)]
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_a_dropped_runner_and_its_model_leave_nothing_behind(strategy):
+def test_a_dropped_tc_piecewise_runner_and_its_model_leave_nothing_behind():
+    # (the other strategies: the generate() calls below drop two runners each)
     for _ in range(2):  # the first builds what is built once a process
-        build_call_drop(strategy)
+        build_call_drop("tc_piecewise")
     before = live()
-    refs = build_call_drop(strategy) + build_call_drop(strategy)
+    refs = build_call_drop("tc_piecewise") + build_call_drop("tc_piecewise")
     after = live()
     assert all(ref() is None for ref in refs)
     assert after[1] == before[1], "tensors left behind"
     # tc_piecewise left 4,300 objects a runner before its compile was released
     assert after[0] - before[0] <= 20, "objects left behind"
+
+
+def test_a_dropped_tc_piecewise_runners_code_serves_the_next_runner_of_another_model():
+    names = []
+    ids, pos = torch.randint(1, 256, (5,)).to(DEVICE), torch.arange(5).to(DEVICE)
+    for args in (ModelArgs(layers=1, eps=1e-5), ModelArgs(layers=1, eps=1e-6, heads=8,
+                                                           kv_heads=4, head_dim=8)):
+        torch.manual_seed(0)
+        m = Decoder(args).to(DEVICE).eval()
+        r = graphcap.capture(m, "tc_piecewise", buckets=[8], max_requests=1,
+                             attention="torch_masked")
+        with torch.inference_mode():
+            want = m(ids, pos, seq_lens=[5])
+        rtol, atol = tolerance()
+        torch.testing.assert_close(r(ids, pos, seq_lens=[5]), want, rtol=rtol, atol=atol)
+        names.append(r.model.compiled.__wrapped__.__code__.co_name)
+        del r
+        gc.collect()
+    assert names[0] == names[1]
+
+
+def test_forgetting_a_compiled_code_leaves_dynamo_nothing_of_it():
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+    from torch._dynamo import pgo
+
+    def twice(*args):  # guards match the type of args (a tuple) by identity
+        return args[0] * 2
+
+    code = twice.__code__.replace(co_name="graphcap_test_forget")
+    fn = types.FunctionType(code, globals(), code.co_name)
+    x = torch.randn(5)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch.compile(fn, backend=lambda gm, example: gm.forward, fullgraph=True)(x)
+
+    def guard_finalizers():
+        guards = {id(e.guard_manager) for e in entries(code)}
+        return [f for f, info in list(weakref.finalize._registry.items())
+                if id(getattr(getattr(getattr(info.func, "func", None), "__self__", None),
+                              "guard_manager", None)) in guards]
+
+    assert entries(code) and guard_finalizers() and pgo.CodeId.make(code) in pgo._CODE_STATE
+    assert compat.forget_code(code)
+    assert not entries(code) and not guard_finalizers()
+    assert pgo.CodeId.make(code) not in pgo._CODE_STATE
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
