@@ -107,9 +107,11 @@ def forget_code(code) -> bool:
     automatic-dynamic record kept under the code's name. True when all three were found,
     so that the code object may be compiled again for another caller as if new."""
     from torch._C._dynamo import eval_frame as c_eval_frame
+    from torch._dynamo import eval_frame
 
     entries = getattr(c_eval_frame, "_debug_get_cache_entry_list", None)
-    reset_code = getattr(c_eval_frame, "reset_code", None)
+    reset_code = getattr(eval_frame, "reset_code", None) or getattr(
+        c_eval_frame, "reset_code", None)
     guards = {id(g) for e in (entries(code) if entries else ())
               for g in (getattr(e, "guard_manager", None), getattr(e, "check_fn", None))
               if g is not None}
