@@ -46,10 +46,11 @@ def live() -> tuple[int, int]:
 
 
 def assert_flat(counts: list[tuple[int, int]]) -> None:
-    """Counts after successive calls: the same tensors after each, and never more objects
-    (fewer may be: what the first calls of a process build once may still be freed)."""
+    """Counts after successive calls: never more tensors nor objects after a call than
+    before it (fewer may be: what earlier calls, or earlier tests of the process, built
+    once may still be freed)."""
     objects, tensors = zip(*counts, strict=True)
-    assert tensors == (tensors[0],) * len(tensors), f"a call left tensors: {tensors}"
+    assert tensors == tuple(sorted(tensors, reverse=True)), f"a call left tensors: {tensors}"
     assert objects == tuple(sorted(objects, reverse=True)), f"a call left objects: {objects}"
 
 
@@ -78,13 +79,16 @@ def test_a_dropped_tc_piecewise_runner_and_its_model_leave_nothing_behind():
     # (the other strategies: the generate() calls below drop two runners each)
     for _ in range(2):  # the first builds what is built once a process
         build_call_drop("tc_piecewise")
-    before = live()
-    refs = build_call_drop("tc_piecewise") + build_call_drop("tc_piecewise")
-    after = live()
-    assert all(ref() is None for ref in refs)
-    assert after[1] == before[1], "tensors left behind"
-    # tc_piecewise left 4,300 objects a runner before its compile was released
-    assert after[0] - before[0] <= 20, "objects left behind"
+    counts = [live()]
+    for _ in range(3):
+        refs = build_call_drop("tc_piecewise") + build_call_drop("tc_piecewise")
+        counts.append(live())
+        assert all(ref() is None for ref in refs)
+    # tc_piecewise left 4,300 objects and 18 tensors a runner before its compile was
+    # released; a few objects may come and go with Dynamo's own bounded records
+    objects, tensors = zip(*counts, strict=True)
+    assert tensors == tuple(sorted(tensors, reverse=True)), f"tensors left: {tensors}"
+    assert max(objects) - objects[0] <= 20, f"objects left behind: {objects}"
 
 
 def test_a_dropped_tc_piecewise_runners_code_serves_the_next_runner_of_another_model():

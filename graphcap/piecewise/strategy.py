@@ -12,7 +12,7 @@ import torch
 
 from graphcap import compat
 from graphcap.core.strategy import Captured, Strategy
-from graphcap.errors import CaptureError
+from graphcap.errors import CaptureError, GraphcapError
 from graphcap.piecewise import phase as phases
 from graphcap.piecewise.compiler import PiecewiseCompiler, Traces
 from graphcap.piecewise.phase import Phase, Watch
@@ -108,6 +108,8 @@ class CompiledForward:
         except torch._dynamo.exc.TorchDynamoException as exc:
             if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed):
                 inner = getattr(exc, "inner_exception", exc)
+                if isinstance(inner, GraphcapError):  # the backend's own refusal, as it said
+                    raise inner from exc
                 raise CaptureError(
                     f"strategy='tc_piecewise' traced the forward but could not compile its "
                     f"pieces with compiler={self.compiler.compiler!r}: "
