@@ -31,6 +31,7 @@ Example (every rank runs it, after ``torch.distributed.init_process_group``)::
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import hashlib
@@ -197,12 +198,18 @@ class TPGroup:
             self._store.set(self._key(self.rank), reason)
         except Exception:  # noqa: BLE001  the store is gone too: the groups still close
             pass
+        self._drop()
+
+    def _drop(self) -> None:
+        """Destroy both process groups and drop this object's references to them: the
+        C++ groups close their connections and join their threads (without the GIL)."""
         groups, self.data, self.control = (self.data, self.control), None, None
         for group in groups:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(group)
+            if group is not None:
+                with contextlib.suppress(Exception):  # destroyed already, with the world
+                    dist.destroy_process_group(group)
         del groups
-        gc.collect()  # the last references: the C++ groups close their connections
+        gc.collect()  # the last references
 
     def _reasons(self) -> str:
         """What the ranks that closed the group left in the store ('' if none did)."""
@@ -216,6 +223,17 @@ class TPGroup:
 
     def _key(self, rank: int) -> str:
         return f"graphcap/{self.name}/closed/{rank}"
+
+
+@atexit.register
+def _drop_all() -> None:
+    """At exit, before the interpreter finalizes: every group's process groups go, their
+    gloo threads with them. A gloo thread that drops the last reference to a tensor of a
+    collective needs the GIL, which it cannot take once finalization began: the process
+    aborted ('terminate called without an active exception') when a group outlived
+    ``destroy_process_group()`` in this registry and died only then."""
+    for group in list(_GROUPS.values()):
+        group._drop()
 
 
 _CLOSED = ("A closed group cannot be used again: restart the ranks (or make a new "
