@@ -46,12 +46,13 @@ def live() -> tuple[int, int]:
 
 
 def assert_flat(counts: list[tuple[int, int]]) -> None:
-    """Counts after successive calls: never more tensors nor objects after a call than
-    before it (fewer may be: what earlier calls, or earlier tests of the process, built
-    once may still be freed)."""
+    """Counts after successive calls: never more tensors after a call than before it
+    (fewer may be: what earlier calls, or earlier tests of the process, built once may
+    still be freed), and objects within a few of the first count (Python and torch keep
+    small bounded records of their own: a leak was thousands of objects a call)."""
     objects, tensors = zip(*counts, strict=True)
     assert tensors == tuple(sorted(tensors, reverse=True)), f"a call left tensors: {tensors}"
-    assert objects == tuple(sorted(objects, reverse=True)), f"a call left objects: {objects}"
+    assert max(objects) - objects[0] <= 20, f"calls left objects: {objects}"
 
 
 def decoder() -> Decoder:
@@ -85,10 +86,8 @@ def test_a_dropped_tc_piecewise_runner_and_its_model_leave_nothing_behind():
         counts.append(live())
         assert all(ref() is None for ref in refs)
     # tc_piecewise left 4,300 objects and 18 tensors a runner before its compile was
-    # released; a few objects may come and go with Dynamo's own bounded records
-    objects, tensors = zip(*counts, strict=True)
-    assert tensors == tuple(sorted(tensors, reverse=True)), f"tensors left: {tensors}"
-    assert max(objects) - objects[0] <= 20, f"objects left behind: {objects}"
+    # released
+    assert_flat(counts)
 
 
 def test_a_dropped_tc_piecewise_runners_code_serves_the_next_runner_of_another_model():

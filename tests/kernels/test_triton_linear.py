@@ -97,6 +97,7 @@ def test_a_split_k_launch_leaves_its_counters_zero_for_the_next():
 def test_counters_beyond_the_capacity_are_the_launchs_own(monkeypatch):
     from graphcap.opsdb.triton import counters
 
+    monkeypatch.setattr(counters, "CAPACITY", 4)  # a small launch past it (interpreted here)
     blocks = counters.CAPACITY + 1
     assert counters.persistent(torch.device("cpu"), blocks) is None
     used, counts = [], kernel._counts
