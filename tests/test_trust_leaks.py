@@ -20,6 +20,7 @@ import graphcap
 from graphcap import compat
 from graphcap.api import STRATEGIES
 from graphcap.models import PRESETS, Decoder, ModelArgs, build_model
+from graphcap.opsdb.triton import counters
 from tests.runner_helpers import DEVICE, batch, tolerance
 
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
@@ -41,7 +42,10 @@ def live() -> tuple[int, int]:
     if clear is not None:
         clear()
     gc.collect()
-    objects = gc.get_objects()
+    # Split-K counters: one small buffer per CUDA stream, kept for the process; torch
+    # hands out side streams from a fixed pool, so they stop growing once it is seen.
+    kept = {id(t) for t in counters._BUFFERS.values()}
+    objects = [o for o in gc.get_objects() if id(o) not in kept]
     return len(objects), sum(issubclass(type(o), torch.Tensor) for o in objects)
 
 
@@ -93,8 +97,8 @@ def test_a_dropped_tc_piecewise_runner_and_its_model_leave_nothing_behind():
 def test_a_dropped_tc_piecewise_runners_code_serves_the_next_runner_of_another_model():
     names = []
     ids, pos = torch.randint(1, 256, (5,)).to(DEVICE), torch.arange(5).to(DEVICE)
-    for args in (ModelArgs(layers=1, eps=1e-5), ModelArgs(layers=1, eps=1e-6, heads=8,
-                                                           kv_heads=4, head_dim=8)):
+    for args in (ModelArgs(layers=1, eps=1e-5), ModelArgs(layers=1, eps=1e-6, heads=2,
+                                                           kv_heads=1, head_dim=32)):
         torch.manual_seed(0)
         m = Decoder(args).to(DEVICE).eval()
         r = graphcap.capture(m, "tc_piecewise", buckets=[8], max_requests=1,
@@ -150,7 +154,8 @@ def test_repeated_generate_calls_hold_no_more_objects_or_tensors(strategy):
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_fifty_generate_calls_on_cuda_hold_no_more_memory(strategy):
     """The soak the issue asks for, on CUDA graphs: 50 calls, flat after the first two in
-    live objects, tensors and ``torch.cuda.memory_allocated()`` (graph pools included)."""
+    live objects, tensors and ``torch.cuda.memory_allocated()`` (graph pools included; the
+    split-K counters, one small buffer per stream of torch's fixed pool, left out)."""
     m = decoder()
     counts, allocated = [], []
     start = time.perf_counter()
@@ -159,9 +164,32 @@ def test_fifty_generate_calls_on_cuda_hold_no_more_memory(strategy):
         if call >= 2:
             counts.append(live())
             torch.cuda.synchronize()
-            allocated.append(torch.cuda.memory_allocated())
+            kept = sum(t.numel() * t.element_size() for t in counters._BUFFERS.values())
+            allocated.append(torch.cuda.memory_allocated() - kept)
     seconds = time.perf_counter() - start
     print(f"{strategy}: 50 generate() calls in {seconds:.1f} s; live {counts[-1]}; "
           f"allocated {allocated[-1]} B")
     assert_flat(counts)
-    assert allocated == [allocated[0]] * len(allocated), allocated
+    assert max(allocated) <= allocated[0], allocated  # never more than after call 3
+
+
+def test_graphcap_leaves_other_compiles_their_diff_guards_and_its_own_none_where_cloning_leaks():
+    # torch 2.11 never frees the clone of a compile's root guards that Dynamo keeps as its
+    # "diff guards" (pytorch/pytorch#184690): graphcap's own compiles go without one there.
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+
+    from graphcap.compat import guards
+
+    def double(x):
+        return x * 2
+
+    torch.compile(double, backend="eager", fullgraph=True)(torch.ones(3))
+    assert entries(double.__code__)[0].guard_manager.diff_guard_root is not None
+    m = decoder()
+    r = graphcap.capture(m, "tc_piecewise", buckets=[4], max_requests=1,
+                         attention="torch_masked")
+    i, p = batch([3])
+    r(i, p, seq_lens=[3])
+    code = r.model.compiled.__wrapped__.__code__
+    diff = entries(code)[0].guard_manager.diff_guard_root
+    assert (diff is None) == guards.clone_leaks()

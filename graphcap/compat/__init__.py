@@ -184,13 +184,15 @@ def fx_source_mark() -> int | None:
 
 def fx_sources_since(mark: int | None, mentioning: str) -> list[str]:
     """The names of the code FX generated since ``mark`` whose source mentions
-    ``mentioning``: GraphModules made and dropped within a compile (Dynamo makes one per
-    compile to insert its runtime asserts) that no object names."""
+    ``mentioning`` (in any case): GraphModules made and dropped within a compile (Dynamo
+    makes one per compile to insert its runtime asserts), and code a GraphModule replaced
+    when it recompiled, that no object names."""
     cache = getattr(getattr(torch.fx.graph_module, "_loader", None), "eval_cache", None)
     if mark is None or not isinstance(cache, dict):
         return []
+    mentioning = mentioning.lower()
     return [name for name, source in list(cache.items())
-            if _fx_number(name) >= mark and mentioning in source]
+            if _fx_number(name) >= mark and mentioning in source.lower()]
 
 
 def _fx_number(name: str) -> int:

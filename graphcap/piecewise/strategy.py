@@ -11,6 +11,7 @@ import weakref
 import torch
 
 from graphcap import compat
+from graphcap.compat import guards
 from graphcap.core.strategy import Captured, Strategy
 from graphcap.errors import CaptureError, GraphcapError
 from graphcap.piecewise import phase as phases
@@ -23,8 +24,10 @@ def _entry(graphcap_model, *graphcap_args):
     return graphcap_model(*graphcap_args)
 
 
-# Dynamo names a graph input it reads from _entry's arguments L_<argument>_...
-INPUTS_NAMED = "L_graphcap_"
+# What the code FX generates of _entry's compile mentions: Dynamo names a graph input it
+# reads from _entry's arguments L_graphcap_..., the pieces l_graphcap_..., and the pieces
+# of graphcap's split ops call torch.ops.graphcap.
+INPUTS_NAMED = "graphcap"
 
 
 _NAMES = itertools.count()
@@ -101,7 +104,8 @@ class CompiledForward:
         try:
             # In a copy of the context: torch 2.13's config patches, a few per compile, each
             # leave a context variable in the context they ran in, for its life.
-            out = contextvars.copy_context().run(self.compiled, self.model, *args)
+            context = guards.graphcap_compile(contextvars.copy_context())
+            out = context.run(self.compiled, self.model, *args)
             if self.compiler.stats["graphs"] != graphs:
                 compat.forget_finished_compiles()
             return out

@@ -1,0 +1,80 @@
+"""Dynamo's diff guards, where cloning them leaks (torch 2.11).
+
+Every compile Dynamo finishes clones the root of its guard tree into a "diff guard"
+tree (the guards ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` still
+checks). Where ``RootGuardManager.clone_manager`` hands the clone to Python without
+ownership (fixed upstream in pytorch/pytorch#184690), the clone is never freed: about 200
+Python objects a compile (each guard's code lines, stack and lambda), for the process's
+life. graphcap compiles once per runner, so a process making runners (every
+``generate()`` call) grows without bound.
+
+:func:`graphcap_compile` marks graphcap's own compiles; where the probe finds the clone
+leaks, their guard trees get no diff tree. Under the unsafe stance such a cache entry is
+then never picked without a full guard check (C++ treats a missing diff tree as a miss,
+as for an invalidated entry): it recompiles instead of running unchecked. Other compiles
+of the process are left as they are.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import gc
+import weakref
+
+_OURS: contextvars.ContextVar[bool] = contextvars.ContextVar("graphcap_compile",
+                                                             default=False)
+
+
+@functools.cache
+def clone_leaks() -> bool:
+    """Whether a cloned root guard manager outlives its last Python reference."""
+    try:
+        from torch._C._dynamo.guards import RootGuardManager
+    except ImportError:
+        return False
+
+    class Held:
+        pass
+
+    held = Held()
+    ref = weakref.ref(held)
+    try:
+        root = RootGuardManager()
+        root.add_lambda_guard(lambda _x, held=held: True, ["graphcap probe"], None)
+        clone = root.clone_manager(lambda _node: True)
+    except (AttributeError, TypeError, RuntimeError):  # another API: nothing known to fix
+        return False
+    del root, clone, held
+    gc.collect()
+    return ref() is not None
+
+
+@functools.cache
+def _install() -> bool:
+    if not clone_leaks():
+        return False
+    from torch._dynamo.guards import GuardManagerWrapper
+
+    populate = getattr(GuardManagerWrapper, "populate_diff_guard_manager", None)
+    if populate is None:
+        return False
+
+    @functools.wraps(populate)
+    def populate_unless_ours(self) -> None:
+        if not _OURS.get():
+            return populate(self)
+        self.diff_guard_root = None
+        if self.cache_entry:  # a recompile: C++ reads the (missing) diff tree again
+            self.cache_entry.update_diff_guard_root_manager()
+
+    GuardManagerWrapper.populate_diff_guard_manager = populate_unless_ours
+    return True
+
+
+def graphcap_compile(context: contextvars.Context) -> contextvars.Context:
+    """Mark the compiles that run in ``context`` (a copy of the caller's) as graphcap's;
+    returns ``context``."""
+    _install()
+    context.run(_OURS.set, True)
+    return context
