@@ -24,9 +24,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m graphcap demo
 
-# pytest exits 5 when it collected nothing: a vanished suite must fail loudly.
+# pytest exits 5 when it collected nothing: a vanished suite must fail loudly. Two
+# workers (pytest-xdist); tests marked xdist_group share one worker (test_tp's ranks).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q; rc=$$?; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$rc
 

@@ -16,6 +16,11 @@ if not torch.cuda.is_available():
 
     graphcap.env.reload()
 
+# Under pytest-xdist the workers share the cores: one intra-op thread each, or their
+# OpenMP threads spin on each other's cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 settings.register_profile(
     "ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("gpu", max_examples=10, deadline=None)

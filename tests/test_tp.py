@@ -22,12 +22,13 @@ import torch.multiprocessing as mp
 
 import graphcap
 from graphcap.api import STRATEGIES
-from graphcap.dist import TPGroup, shard_args, shard_tensor
-from graphcap.errors import CaptureError, RankError, UnsupportedModel
+from graphcap.dist import TPGroup, group_named, release_all, shard_args, shard_tensor
+from graphcap.errors import CaptureError, GraphcapError, RankError, UnsupportedModel
 from graphcap.models import PRESETS, build_model
 from tests import tp_world
 
 WORLD = 2
+pytestmark = pytest.mark.xdist_group("tp-world")  # one worker keeps the two-rank world
 
 
 def spawn(fn, *args, world: int = WORLD, backend: str = "gloo"):
@@ -52,6 +53,7 @@ def _worker(rank: int, init: str, world: int, backend: str, fn, args) -> None:
     try:
         fn(rank, *args)
     finally:
+        release_all()  # every scenario's groups, before the world's
         dist.destroy_process_group()
 
 
@@ -205,6 +207,23 @@ def _absence(rank: int) -> None:
 
 def test_a_rank_that_does_not_come_closes_the_group_on_every_rank():
     spawn(_absence)
+
+
+def _release(rank: int) -> None:
+    tp = TPGroup(timeout_s=2.0)
+    runner = graphcap.capture(build_model("tiny", tp=tp), "full", buckets=[8],
+                              max_requests=1)
+    call(runner, [6])
+    tp.release()
+    assert tp.data is None and tp.control is None  # destroyed now, not at exit
+    with pytest.raises(RankError, match=r"closed \(released\)"):
+        call(runner, [6])
+    with pytest.raises(GraphcapError, match="no TP group named"):
+        group_named(tp.name)
+
+
+def test_a_released_group_destroys_its_process_groups_and_refuses_every_later_use():
+    spawn(_release)
 
 
 class Boom(RuntimeError):

@@ -24,6 +24,8 @@ def _serve(rank: int, size: int, init: str, backend: str, conn) -> None:
     import torch
     import torch.distributed as dist
 
+    from graphcap.dist import release_all
+
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -41,6 +43,7 @@ def _serve(rank: int, size: int, init: str, backend: str, conn) -> None:
             else:
                 conn.send(None)
     finally:
+        release_all()  # every scenario's groups, before the world's
         dist.destroy_process_group()
 
 

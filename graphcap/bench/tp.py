@@ -34,6 +34,7 @@ def _worker(rank: int, size: int, init: str, job: dict, queue) -> None:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank,
                             world_size=size)
+    tp = None
     try:
         tp = TPGroup(timeout_s=job["timeout_s"]) if size > 1 else None
         results = [prefill.bench_model(m, job["arms"], job["lengths"], job["reps"],
@@ -48,6 +49,8 @@ def _worker(rank: int, size: int, init: str, job: dict, queue) -> None:
                 r["ranks"] = [g[i] for g in gathered]
             queue.put(results)
     finally:
+        if tp is not None:
+            tp.release()
         dist.destroy_process_group()
 
 

@@ -182,6 +182,15 @@ class TPGroup:
                             f"{_CLOSED}") from exc
 
     # -- closing ---------------------------------------------------------------------
+    def release(self) -> None:
+        """Done with the group: destroy its process groups now, their gloo threads
+        joined while the interpreter is whole (call it on every rank before
+        ``torch.distributed.destroy_process_group()``). The group cannot be used after."""
+        if self.closed is None:
+            self.closed = "released"
+        self._drop()
+        _GROUPS.pop(self.name, None)
+
     def _check_open(self, what: str) -> None:
         if self.closed is not None:
             raise RankError(f"TP group {self.name} is closed ({self.closed}), so {what} "
@@ -226,14 +235,14 @@ class TPGroup:
 
 
 @atexit.register
-def _drop_all() -> None:
-    """At exit, before the interpreter finalizes: every group's process groups go, their
-    gloo threads with them. A gloo thread that drops the last reference to a tensor of a
-    collective needs the GIL, which it cannot take once finalization began: the process
-    aborted ('terminate called without an active exception') when a group outlived
-    ``destroy_process_group()`` in this registry and died only then."""
+def release_all() -> None:
+    """:meth:`TPGroup.release` every group of this process; at exit, before the
+    interpreter finalizes, for groups nobody released. A gloo thread that drops the last
+    reference to a tensor of a collective needs the GIL, which it cannot take once
+    finalization began: the process aborted ('terminate called without an active
+    exception') when a group outlived ``destroy_process_group()`` and died only then."""
     for group in list(_GROUPS.values()):
-        group._drop()
+        group.release()
 
 
 _CLOSED = ("A closed group cannot be used again: restart the ranks (or make a new "
