@@ -10,9 +10,9 @@ life. graphcap compiles once per runner, so a process making runners (every
 
 :func:`graphcap_compile` marks graphcap's own compiles; where the probe finds the clone
 leaks, their guard trees get no diff tree. Under the unsafe stance such a cache entry is
-then never picked without a full guard check (C++ treats a missing diff tree as a miss,
-as for an invalidated entry): it recompiles instead of running unchecked. Other compiles
-of the process are left as they are.
+never picked (C++ treats a missing diff tree as a miss, as for an invalidated entry), and
+Dynamo raises "Recompilation triggered with skip_guard_eval_unsafe stance": never a run
+of unchecked code. Other compiles of the process are left as they are.
 """
 
 from __future__ import annotations
