@@ -14,9 +14,9 @@ from graphcap.core.buckets import check_ladder, prefill_ladder
 from graphcap.core.inputs import Inputs, PrefillInputs, TensorInputs
 from graphcap.core.runner import Runner, RunnerConfig
 from graphcap.core.strategy import EagerStrategy
-from graphcap.dist.group import TPGroup
 from graphcap.errors import UnsupportedModel, UnsupportedStrategy
 from graphcap.full import FullStrategy
+from graphcap.tp.group import TPGroup
 
 
 def _tc_piecewise(model, ladder: list[int], options: dict):
@@ -154,7 +154,7 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
     if not isinstance(inputs, Inputs):
         inputs = _inputs(model, kind, strategy, attention, slots, check_inputs)
     inputs.bind(model)
-    tp = getattr(model, "tp", None)  # a model split across a graphcap.dist.TPGroup
+    tp = getattr(model, "tp", None)  # a model split across a graphcap.tp.TPGroup
     tp = tp if isinstance(tp, TPGroup) else None
     if tp is not None:
         tp.warm_up()  # the data group's communicator exists before any capture

@@ -46,3 +46,10 @@ def test_performance_page_is_short_and_every_result_is_indexed():
                 if p.is_file() and p.name != "README.md" and p.name not in index
                 and not (p.suffix == ".png" and p.with_suffix(".json").name in index)]
     assert not unlisted, f"docs/results/README.md does not list {unlisted}"
+
+
+def test_no_package_folder_is_named_like_build_output():
+    # Tools that measure or package a tree skip such folders (graphcap.dist once was one).
+    named = [str(p.relative_to(ROOT)) for p in (ROOT / "graphcap").rglob("*")
+             if p.is_dir() and p.name in {"dist", "build", "out", "target"}]
+    assert not named, f"rename {named}: tools treat them as build output"

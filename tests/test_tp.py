@@ -22,9 +22,9 @@ import torch.multiprocessing as mp
 
 import graphcap
 from graphcap.api import STRATEGIES
-from graphcap.dist import TPGroup, group_named, release_all, shard_args, shard_tensor
 from graphcap.errors import CaptureError, GraphcapError, RankError, UnsupportedModel
-from graphcap.models import PRESETS, build_model
+from graphcap.models import PRESETS, build_model, shard_args, shard_tensor
+from graphcap.tp import TPGroup, group_named, release_all
 from tests import tp_world
 
 WORLD = 2
@@ -330,3 +330,16 @@ def _async_break(rank: int) -> None:
 
 def test_an_async_collective_waited_on_across_a_break_is_refused():
     spawn(_async_break)
+
+
+def test_the_old_graphcap_dist_import_still_works_and_says_where_each_part_went():
+    import importlib
+    import sys
+
+    sys.modules.pop("graphcap.dist", None)
+    with pytest.warns(DeprecationWarning, match="graphcap.tp.*graphcap.models"):
+        old = importlib.import_module("graphcap.dist")
+    assert old.TPGroup is TPGroup and old.shard_args is shard_args
+    from graphcap.models import shard_model
+
+    assert old.shard_model is shard_model

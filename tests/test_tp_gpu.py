@@ -14,8 +14,8 @@ import torch
 
 import graphcap
 from graphcap.api import STRATEGIES
-from graphcap.dist import TPGroup
 from graphcap.models import build_model
+from graphcap.tp import TPGroup
 from tests.test_tp import spawn
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -24,7 +24,7 @@ def _serve(rank: int, size: int, init: str, backend: str, conn) -> None:
     import torch
     import torch.distributed as dist
 
-    from graphcap.dist import release_all
+    from graphcap.tp import release_all
 
     torch.set_num_threads(1)
     if backend == "nccl":

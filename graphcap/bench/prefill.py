@@ -149,7 +149,7 @@ def idle_share(arm, length: int, reps: int = 20) -> dict:
 
 def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,
                 device: str = "cuda", attention: str | None = None, tp=None) -> dict:
-    """``tp`` (a :class:`graphcap.dist.TPGroup`): the preset split across its ranks
+    """``tp`` (a :class:`graphcap.tp.TPGroup`): the preset split across its ranks
     (every rank runs this with the same arguments: :mod:`graphcap.bench.tp`)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build_model(name, device=device, dtype=dtype, logits="last", tp=tp)

@@ -3,7 +3,7 @@ ranks (one process and one GPU each, NCCL), beside the same arms unsplit (TP=1, 
 process) in the same job, so the ratios are within one run.
 
 Every rank runs the same calls in the same order (the runners agree on each call's
-route, :meth:`graphcap.dist.TPGroup.agree`); rank 0's CUDA-event times are recorded,
+route, :meth:`graphcap.tp.TPGroup.agree`); rank 0's CUDA-event times are recorded,
 and every rank's graph pool and build seconds. NVLink multicast stays off
 (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, set for the workers
 unless the caller set them). On CPU (tests) the workers use gloo and the emulator.
@@ -27,7 +27,7 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 
 def _worker(rank: int, size: int, init: str, job: dict, queue) -> None:
     from graphcap.bench import prefill
-    from graphcap.dist import TPGroup
+    from graphcap.tp import TPGroup
 
     cuda = job["device"] == "cuda"
     if cuda:

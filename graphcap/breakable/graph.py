@@ -38,8 +38,8 @@ from graphcap.core.breaks import break_handler
 from graphcap.core.graphs import GraphPool
 from graphcap.core.strategy import Captured, Strategy, note_state, states_current
 from graphcap.core.trees import tensor_leaves
-from graphcap.dist.group import check_finished
 from graphcap.errors import CaptureError, ReplayError
+from graphcap.tp.group import check_finished
 
 
 def _layout(value) -> tuple:

@@ -44,6 +44,7 @@ from graphcap.compat import imports
 from graphcap.core import hostsync
 from graphcap.core.graph_base import Graph
 from graphcap.core.trees import tensor_leaves
+from graphcap.tp.group import check_finished
 
 aten = torch.ops.aten
 
@@ -116,8 +117,6 @@ def _check_recordable(func, out) -> None:
     """Outputs the emulator can keep: tensors with storage. A wrapper subclass has none;
     the one a capture meets is an asynchronous collective's result, refused as the CUDA
     graph's break would refuse it."""
-    from graphcap.dist.group import check_finished
-
     for t in tensor_leaves(out):
         try:
             t.untyped_storage().data_ptr()

@@ -53,7 +53,7 @@ class RunnerConfig:
     warmup: str = "first"
     # A model changed since capture: "recapture" (every shape, at that call) or "error".
     on_change: str = "recapture"
-    # A model split across ranks: its graphcap.dist.TPGroup. agree(key, what) returns when
+    # A model split across ranks: its graphcap.tp.TPGroup. agree(key, what) returns when
     # every rank passed the same key (a capture's shapes, a call's route and batch, a
     # refusal), else raises on every rank; together(what) wraps the work that runs the
     # ranks' collectives, so that a rank raising there stops the others at once.

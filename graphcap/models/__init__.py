@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from graphcap.models.loading import CheckpointError, load_checkpoint
-from graphcap.models.tiny import MLP, Decoder, ModelArgs
+from graphcap.models.shard import shard_model, shard_tensor
+from graphcap.models.tiny import MLP, Decoder, ModelArgs, shard_args
 
 # Presets as data. The large ones have the shapes of the public models (random weights).
 PRESETS = {
@@ -31,7 +32,7 @@ def build_model(name: str, device="cpu", dtype=torch.float32, seed: int = 0,
     """A randomly initialised reference decoder from a preset name (built directly on
     ``device``; ``"meta"`` gives shapes without memory). ``logits="last"``: logits of
     each request's last token only (prefill producing one token). ``tp`` (a
-    :class:`graphcap.dist.TPGroup`): this rank's share of the model split across the
+    :class:`graphcap.tp.TPGroup`): this rank's share of the model split across the
     group (every rank builds the same weights from ``seed``, then keeps its share)."""
     if name not in PRESETS:
         raise KeyError(f"no model preset {name!r}; choose one of {sorted(PRESETS)}")
@@ -49,10 +50,8 @@ def build_model(name: str, device="cpu", dtype=torch.float32, seed: int = 0,
     model = model.to(dtype=dtype).eval()
     if tp is None:
         return model
-    from graphcap.dist.shard import shard_model
-
     return shard_model(model, tp)
 
 
 __all__ = ["MLP", "PRESETS", "CheckpointError", "Decoder", "ModelArgs", "build_model",
-           "load_checkpoint"]
+           "load_checkpoint", "shard_args", "shard_model", "shard_tensor"]

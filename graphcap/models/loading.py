@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from graphcap.errors import GraphcapError
+from graphcap.models.shard import shard_model
 from graphcap.models.tiny import Decoder, ModelArgs
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -105,7 +106,7 @@ def _hf_names(a: ModelArgs, i: int) -> dict[str, list[str]]:
 def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32,
                     tp=None) -> Decoder:
     """A reference decoder with the weights of a Hugging Face checkpoint folder; with
-    ``tp`` (a :class:`graphcap.dist.TPGroup`) this rank's share of it (read on the host,
+    ``tp`` (a :class:`graphcap.tp.TPGroup`) this rank's share of it (read on the host,
     split there, and only the share moved to ``device``)."""
     folder = Path(folder)
     config_path = folder / "config.json"
@@ -149,8 +150,6 @@ def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32,
         model.lm_head.weight = model.embed.weight
     model = model.to(dtype=dtype).eval()
     if tp is not None:
-        from graphcap.dist.shard import shard_model
-
         model = shard_model(model, tp)
     model = model.to(device=device)
     model.reset_rope(device)

@@ -8,12 +8,14 @@ over requests packed along dim 0; attention reads its metadata from the forward 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from graphcap.errors import UnsupportedModel
 from graphcap.models.blocks import attention_half, moe_half, swiglu_half
 from graphcap.opsdb.attention.packed import packed
 from graphcap.opsdb.collective import ALL_GATHER
@@ -40,6 +42,25 @@ class ModelArgs:
     moe_intermediate: int = 0
     norm_topk: bool = True  # renormalise the top-k routing weights
     qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections
+
+
+def shard_args(a: ModelArgs, size: int) -> ModelArgs:
+    """The layer shapes of one rank's share of a model of ``ModelArgs`` ``a`` split
+    ``size`` ways; ``UnsupportedModel`` naming the first size ``size`` does not divide
+    (``kv_heads`` first: the tightest bound)."""
+    sizes = {"kv_heads": a.kv_heads, "heads": a.heads, "intermediate": a.intermediate,
+             "vocab_size": a.vocab_size}
+    if a.experts:
+        sizes["moe_intermediate"] = a.moe_intermediate
+    for field, value in sizes.items():
+        if value % size:
+            raise UnsupportedModel(
+                f"tensor parallelism over {size} ranks does not divide {field} {value}: "
+                f"use a TP size that divides {field} (whole heads and columns per rank)")
+    return dataclasses.replace(
+        a, heads=a.heads // size, kv_heads=a.kv_heads // size,
+        intermediate=a.intermediate // size,
+        moe_intermediate=a.moe_intermediate // size if a.experts else a.moe_intermediate)
 
 
 class Attention(nn.Module):
@@ -114,8 +135,8 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """Token ids [T] and positions [T] of packed requests -> logits [T, vocab], or with
     ``logits="last"`` (prefill producing one token) logits [requests, vocab] of each
-    request's last token. With ``tp`` (a :class:`graphcap.dist.TPGroup`) it is this
-    rank's share of the model split across the group (:mod:`graphcap.dist.shard`); its
+    request's last token. With ``tp`` (a :class:`graphcap.tp.TPGroup`) it is this
+    rank's share of the model split across the group (:mod:`graphcap.models.shard`); its
     ``local_args`` are the shapes of its layers, ``args`` those of the whole model."""
 
     def __init__(self, a: ModelArgs, logits: str = "all", tp=None):
@@ -127,8 +148,6 @@ class Decoder(nn.Module):
         self.local_args = a
         name = None
         if tp is not None:
-            from graphcap.dist.shard import shard_args
-
             self.local_args, name = shard_args(a, tp.size), tp.name
         local = self.local_args
         self.output_rows = "tokens" if logits == "all" else "requests"

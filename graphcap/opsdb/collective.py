@@ -1,5 +1,5 @@
 """Tensor-parallel collectives as opsdb ops: ``graphcap::all_reduce`` (the sum over the
-ranks of a :class:`graphcap.dist.TPGroup`) and ``graphcap::all_gather`` (the ranks' tensors
+ranks of a :class:`graphcap.tp.TPGroup`) and ``graphcap::all_gather`` (the ranks' tensors
 concatenated along a dim), both out of place.
 
 The group is an argument by name, so Dynamo sees one opaque op (tc_piecewise), a CUDA
@@ -9,7 +9,7 @@ group's data backend (NCCL on GPUs, gloo on CPU). Every collective run counts in
 group's ``collectives``: eagerly, in the emulator, and in every replay of a CUDA graph
 that captured it (not at the capture, which runs nothing). A collective that fails where
 the host waits for it (gloo: a rank closed the group, or did not come in time) raises
-``RankError`` (:meth:`graphcap.dist.TPGroup.collective`).
+``RankError`` (:meth:`graphcap.tp.TPGroup.collective`).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from graphcap.core.cuda_graph import on_replay
-from graphcap.dist.group import group_named
 from graphcap.opsdb import checks
 from graphcap.opsdb.spec import register_op
+from graphcap.tp.group import group_named
 
 
 def _count(g, op: str) -> None:

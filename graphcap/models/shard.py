@@ -1,4 +1,5 @@
-"""A reference decoder split Megatron-style across the ranks of a :class:`TPGroup`.
+"""A reference decoder split Megatron-style across the ranks of a
+:class:`graphcap.tp.TPGroup` (the layer shapes of a share: :func:`shard_args`).
 
 - q/k/v by whole heads (``heads / tp`` query and ``kv_heads / tp`` key/value heads a
   rank), so attention and the K/V cache stay local;
@@ -11,30 +12,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from graphcap.errors import UnsupportedModel
-
-
-def shard_args(a, size: int):
-    """The layer shapes of one rank's share of a model of ``ModelArgs`` ``a`` split
-    ``size`` ways; ``UnsupportedModel`` naming the first size ``size`` does not divide
-    (``kv_heads`` first: the tightest bound)."""
-    sizes = {"kv_heads": a.kv_heads, "heads": a.heads, "intermediate": a.intermediate,
-             "vocab_size": a.vocab_size}
-    if a.experts:
-        sizes["moe_intermediate"] = a.moe_intermediate
-    for field, value in sizes.items():
-        if value % size:
-            raise UnsupportedModel(
-                f"tensor parallelism over {size} ranks does not divide {field} {value}: "
-                f"use a TP size that divides {field} (whole heads and columns per rank)")
-    return dataclasses.replace(
-        a, heads=a.heads // size, kv_heads=a.kv_heads // size,
-        intermediate=a.intermediate // size,
-        moe_intermediate=a.moe_intermediate // size if a.experts else a.moe_intermediate)
+from graphcap.models.tiny import Decoder, shard_args
 
 
 def shard_tensor(t: torch.Tensor, dim: int, parts: list[int], rank: int,
@@ -70,8 +51,6 @@ def shard_model(model, tp):
     on any device) across ``tp``: a new ``Decoder`` whose split weights are copies of
     the rank's slices and whose replicated ones are ``model``'s own tensors; drop
     ``model`` to free the rest."""
-    from graphcap.models.tiny import Decoder
-
     if not isinstance(model, Decoder) or model.tp is not None:
         raise UnsupportedModel(
             f"shard_model splits a whole graphcap reference decoder (build_model or "

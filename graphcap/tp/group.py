@@ -256,7 +256,7 @@ def group_named(name: str) -> TPGroup:
     except KeyError:
         raise GraphcapError(
             f"no TP group named {name!r} in this process (it has {sorted(_GROUPS)}): make "
-            "a graphcap.dist.TPGroup() on every rank and pass its name") from None
+            "a graphcap.tp.TPGroup() on every rank and pass its name") from None
 
 
 def check_finished(tree, where: str) -> None:
