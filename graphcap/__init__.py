@@ -6,9 +6,9 @@ Public names only; see docs/architecture.md for the layout.
 from graphcap import errors, opsdb
 from graphcap.api import capture
 from graphcap.breakable import eager_on_graph
-from graphcap.cache.generate import Generation, generate
 from graphcap.cache.sampling import Sampling
 from graphcap.core.graphs import GraphPool, new_pool
+from graphcap.engine.generation import Generation, generate
 from graphcap.errors import (
     CaptureError,
     GraphcapError,

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import graphcap
-from graphcap.cache import NULL_PAGE, DecodeInputs, PagedKVCache
-from graphcap.cache.steps import decode_step, prefill
+from graphcap.cache import DecodeInputs
+from graphcap.engine.eager import decode_step, prefill
+from graphcap.kv import NULL_PAGE, PagedKVCache
 from graphcap.models import PRESETS, Decoder
 from tests.runner_helpers import DEVICE
 

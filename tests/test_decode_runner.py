@@ -14,9 +14,10 @@ import torch
 
 import graphcap
 from graphcap.api import GRAPHED
-from graphcap.cache import DecodeInputs, PagedKVCache
-from graphcap.cache.steps import decode_step, prefill
+from graphcap.cache import DecodeInputs
+from graphcap.engine.eager import decode_step, prefill
 from graphcap.errors import BadBatch
+from graphcap.kv import PagedKVCache
 from graphcap.models import PRESETS, Decoder
 from tests.runner_helpers import DEVICE
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import graphcap
-from graphcap.cache import PagedKVCache
-from graphcap.cache.steps import decode_step, prefill
+from graphcap.engine.eager import decode_step, prefill
 from graphcap.errors import BadBatch, UnsupportedModel
+from graphcap.kv import PagedKVCache
 from graphcap.models import PRESETS, Decoder
 
 PROMPTS = [[5, 9, 2, 7, 1], [3], [8, 8, 4, 11, 6, 2, 9, 10, 13, 1, 2]]

@@ -11,10 +11,10 @@ import torch
 
 import graphcap
 from graphcap.api import STRATEGIES
-from graphcap.cache import PagedKVCache
 from graphcap.cache.prefill import CachePrefillInputs
-from graphcap.cache.steps import decode_step, prefill
+from graphcap.engine.eager import decode_step, prefill
 from graphcap.errors import BadBatch
+from graphcap.kv import PagedKVCache
 from graphcap.models import PRESETS, Decoder
 from graphcap.opsdb.attention import get_backend
 from tests.runner_helpers import DEVICE

@@ -234,7 +234,7 @@ def test_draws_follow_the_probabilities_over_positions_and_seeds():
 
 
 def test_a_long_run_shows_its_progress_and_a_short_one_stays_quiet(capsys, monkeypatch):
-    from graphcap.cache import generate as module
+    from graphcap.engine import generation as module
 
     model = Decoder(PRESETS["tiny"]).to(DEVICE).eval()
     graphcap.generate(model, [[1, 2, 3]], 4, strategy="eager")

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from graphcap.cache import NULL_PAGE, PagedKVCache
 from graphcap.errors import CacheFull, OpInputError
+from graphcap.kv import NULL_PAGE, PagedKVCache
 from graphcap.opsdb.decode import DECODE_ATTENTION
 from graphcap.opsdb.kv import KV_WRITE
 
@@ -172,3 +172,15 @@ def test_strided_metadata_is_refused():
     with pytest.raises(OpInputError, match="slots must be contiguous"):
         KV_WRITE(torch.ones(2, KV_HEADS, DIM), torch.ones(2, KV_HEADS, DIM), k_cache,
                  v_cache, slots)
+
+
+def test_the_old_graphcap_cache_steps_import_still_works_and_says_where_it_went():
+    import importlib
+    import sys
+
+    from graphcap.engine import decode_step, prefill
+
+    sys.modules.pop("graphcap.cache.steps", None)
+    with pytest.warns(DeprecationWarning, match="graphcap.engine"):
+        old = importlib.import_module("graphcap.cache.steps")
+    assert old.decode_step is decode_step and old.prefill is prefill

@@ -53,3 +53,22 @@ def test_no_package_folder_is_named_like_build_output():
     named = [str(p.relative_to(ROOT)) for p in (ROOT / "graphcap").rglob("*")
              if p.is_dir() and p.name in {"dist", "build", "out", "target"}]
     assert not named, f"rename {named}: tools treat them as build output"
+
+
+# The ground floor: what each folder may import of the package (itself included).
+GROUND = {"core": {"core", "compat", "env", "errors", "tp"},
+          "kv": {"kv", "core", "compat", "env", "errors"},
+          "tp": {"tp", "compat", "env", "errors"}}
+
+
+@pytest.mark.parametrize("folder", sorted(GROUND))
+def test_the_ground_floor_imports_nothing_above_it(folder):
+    above = {}
+    for path in (ROOT / "graphcap" / folder).rglob("*.py"):
+        text = path.read_text()
+        names = re.findall(r"^\s*(?:from|import) graphcap\.(\w+)", text, re.M)
+        for listed in re.findall(r"^\s*from graphcap import ([\w, ]+)$", text, re.M):
+            names += [n.strip() for n in listed.split(",")]
+        if wrong := set(names) - GROUND[folder]:
+            above[str(path.relative_to(ROOT))] = wrong
+    assert not above, f"graphcap/{folder} imports from floors above it: {above}"

@@ -10,9 +10,10 @@ import torch
 
 import graphcap
 from graphcap.api import STRATEGIES
-from graphcap.cache import CachePrefillInputs, DecodeInputs, PagedKVCache
-from graphcap.cache.steps import decode_step, prefill
+from graphcap.cache import CachePrefillInputs, DecodeInputs
+from graphcap.engine.eager import decode_step, prefill
 from graphcap.errors import BadBatch, UnsupportedModel
+from graphcap.kv import PagedKVCache
 from graphcap.models import PRESETS, Decoder, build_model
 from graphcap.opsdb.attention import get_backend
 from tests.runner_helpers import DEVICE

@@ -1,7 +1,7 @@
 """``graphcap bench decode``: one decode step (a token per request over the paged cache at
 a context of ``context`` tokens), per batch size and arm, bf16 on CUDA:
 
-- ``eager``: graphcap's reference decoder, eager steps (``graphcap.cache.steps``);
+- ``eager``: graphcap's reference decoder, eager steps (``graphcap.engine.eager``);
 - ``breakable``, ``full``, ``tc_piecewise``: the same steps replayed from a runner's graphs
   (``DecodeInputs``, logits out; sampling is left out of every arm);
 - ``hf-static-compile`` (CUDA only): the stock transformers model of the preset's config
@@ -24,8 +24,9 @@ import torch
 import graphcap
 from graphcap.api import GRAPHED
 from graphcap.bench.common import environment, time_interleaved
-from graphcap.cache import DecodeInputs, PagedKVCache
-from graphcap.cache.steps import decode_step, prefill
+from graphcap.cache import DecodeInputs
+from graphcap.engine.eager import decode_step, prefill
+from graphcap.kv import PagedKVCache
 from graphcap.models import PRESETS, build_model
 
 ARMS = ("eager", *GRAPHED, "hf-static-compile")

@@ -1,10 +1,10 @@
-"""K/V caches for decode: :class:`PagedKVCache`, what one forward reads of it
-(:class:`CacheBatch`), decode steps through a runner (:class:`DecodeInputs`) and prefill
-into the cache through one (:class:`CachePrefillInputs`)."""
+"""The kinds of input over the paged cache: decode steps through a runner
+(:class:`DecodeInputs`) and prefill into the cache through one
+(:class:`CachePrefillInputs`). The cache itself is :mod:`graphcap.kv` (its names are
+importable from here too)."""
 
-from graphcap.cache.batch import CacheBatch
 from graphcap.cache.inputs import DecodeInputs
-from graphcap.cache.paged import NULL_PAGE, PagedKVCache
 from graphcap.cache.prefill import CachePrefillInputs
+from graphcap.kv import NULL_PAGE, CacheBatch, PagedKVCache
 
 __all__ = ["NULL_PAGE", "CacheBatch", "CachePrefillInputs", "DecodeInputs", "PagedKVCache"]

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from graphcap.cache.paged import NULL_PAGE, PagedKVCache
 from graphcap.core.batch import staged
 from graphcap.errors import BackendUnavailable
+from graphcap.kv.paged import NULL_PAGE, PagedKVCache
 from graphcap.opsdb.spec import unavailable
 
 NAME = "flashinfer"

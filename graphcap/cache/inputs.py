@@ -30,13 +30,13 @@ from __future__ import annotations
 import torch
 
 from graphcap.cache import flashinfer_decode
-from graphcap.cache.batch import CacheBatch
-from graphcap.cache.paged import PagedKVCache
 from graphcap.cache.sampling import Sampling, host_tensors
 from graphcap.core.batch import as_int, check_token_ids, staged
 from graphcap.core.context import forward_context
 from graphcap.core.inputs import Batch, Inputs
 from graphcap.errors import BackendUnavailable, BadBatch, UnsupportedModel
+from graphcap.kv.batch import CacheBatch
+from graphcap.kv.paged import PagedKVCache
 from graphcap.opsdb.sample import SAMPLE
 
 _INTS = (torch.int32, torch.int64)

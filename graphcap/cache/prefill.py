@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from graphcap.cache.batch import CacheBatch
-from graphcap.cache.paged import PagedKVCache
 from graphcap.core.batch import as_int, staged
 from graphcap.core.context import forward_context
 from graphcap.core.inputs import Batch, PrefillInputs
 from graphcap.errors import BadBatch
+from graphcap.kv.batch import CacheBatch
+from graphcap.kv.paged import PagedKVCache
 
 
 class CachePrefillInputs(PrefillInputs):

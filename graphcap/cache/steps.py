@@ -1,80 +1,11 @@
-"""The calls an engine makes on a paged cache, eagerly: prefill requests into their slots,
-and one decode step of one token per slot. (Decode under graphs, sampling and a
-``generate()`` loop build on these.)
+"""Deprecated: the eager prefill and decode steps are :mod:`graphcap.engine.eager`
+(``from graphcap.engine import decode_step, prefill``)."""
 
-The model is one of graphcap's reference decoders or any model whose attention halves
-go through :func:`graphcap.models.blocks.attention_half` with their layer index: it
-reads the cache from the forward context.
-"""
+import warnings
 
-from __future__ import annotations
+from graphcap.engine.eager import decode_step, last_token_logits, prefill
 
-import torch
+warnings.warn("graphcap.cache.steps is deprecated: import decode_step and prefill from "
+              "graphcap.engine", DeprecationWarning, stacklevel=2)
 
-from graphcap.cache.inputs import DecodeInputs
-from graphcap.cache.paged import PagedKVCache
-from graphcap.cache.prefill import CachePrefillInputs
-from graphcap.core.batch import as_int, host_lengths
-from graphcap.errors import BadBatch
-from graphcap.opsdb.attention import get_backend
-
-
-def _model_dtype(model) -> torch.dtype:
-    return next(p.dtype for p in model.parameters() if p.is_floating_point())
-
-
-@torch.inference_mode()
-def prefill(model, cache: PagedKVCache, input_ids: torch.Tensor, seq_lens, slots,
-            attention: str | None = None, starts=None) -> torch.Tensor:
-    """Run the prompts of requests ``slots`` (admitted in ``cache``), packed in
-    ``input_ids`` ``[T]`` with lengths ``seq_lens``, writing their K/V to the cache;
-    returns each request's last-token logits ``[requests, vocab]``. Each prompt starts at
-    position 0, or with ``starts`` at ``starts[r]`` on the request's cached tokens (an
-    extend: a chunk of a long prompt), and must fit the request's admitted tokens."""
-    lens = host_lengths(seq_lens)
-    slots = cache.requests(slots, len(lens))
-    if 0 in lens or sum(lens) != input_ids.shape[0]:
-        raise BadBatch(f"seq_lens {lens} must be positive and sum to the {input_ids.shape[0]}"
-                       " tokens of input_ids")
-    device = input_ids.device
-    rows = getattr(model, "output_rows", "tokens")
-    inputs = CachePrefillInputs(cache, get_backend(attention, device, dtype=_model_dtype(model)),
-                                len(lens), rows, name=type(model).__name__,
-                                extend=starts is not None)
-    begin = [0] * len(lens) if starts is None else [as_int(b, "starts", BadBatch)
-                                                    for b in starts]
-    if len(begin) != len(lens):
-        raise BadBatch(f"starts has {len(begin)} entries for {len(lens)} requests")
-    positions = torch.cat([torch.arange(b, b + n, device=device)
-                           for b, n in zip(begin, lens, strict=True)])
-    extra = {} if starts is None else {"starts": begin}
-    batch = inputs.check((input_ids, positions), {"seq_lens": lens, "slots": slots, **extra})
-    out = inputs.eager(model, batch)()
-    inputs.commit(batch)  # it ran: its tokens count as written
-    return last_token_logits(out, lens, rows)
-
-
-def last_token_logits(out: torch.Tensor, lens: list[int], output_rows: str) -> torch.Tensor:
-    """Each request's last-token row of a prefill's ``out``: ``out`` itself when the
-    model gives one row per request (``output_rows == "requests"``), else its rows at
-    the requests' ends."""
-    if output_rows == "requests":
-        return out
-    return out[torch.tensor(lens, device=out.device).cumsum(0) - 1]
-
-
-@torch.inference_mode()
-def decode_step(model, cache: PagedKVCache, input_ids: torch.Tensor,
-                positions: torch.Tensor, slots) -> torch.Tensor:
-    """One decode step: row ``b`` is token ``input_ids[b]`` at position ``positions[b]``
-    of the request in slot ``slots[b]`` (its previous tokens in the cache). Writes the
-    tokens' K/V and returns their logits ``[B, vocab]``."""
-    if positions.shape != input_ids.shape:
-        raise BadBatch(f"input_ids {tuple(input_ids.shape)} and positions "
-                       f"{tuple(positions.shape)} must be [B], one token per row")
-    inputs = DecodeInputs(cache, check_inputs=True)  # eager: the host may read the ids
-    inputs.bind(model)
-    batch = inputs.check((input_ids,), {"positions": positions.tolist(), "slots": slots})
-    out = inputs.eager(model, batch)()
-    inputs.commit(batch)
-    return out
+__all__ = ["decode_step", "last_token_logits", "prefill"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphcap.cache import PagedKVCache
+from graphcap.kv import PagedKVCache
 from graphcap.opsdb.decode import decode_attention_reference
 from tests.conftest import requires_cuda
 

@@ -22,12 +22,12 @@ import torch
 
 from graphcap.api import STRATEGIES, capture
 from graphcap.cache.inputs import DecodeInputs
-from graphcap.cache.paged import PagedKVCache
 from graphcap.cache.prefill import CachePrefillInputs
 from graphcap.cache.sampling import Sampling, draw
-from graphcap.cache.steps import last_token_logits
 from graphcap.core.buckets import decode_ladder
+from graphcap.engine.eager import last_token_logits
 from graphcap.errors import BadBatch, UnsupportedModel
+from graphcap.kv.paged import PagedKVCache
 from graphcap.opsdb.attention import get_backend
 from graphcap.progress import progress as progress_bar
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from graphcap.cache.paged import NULL_PAGE, PagedKVCache
 from graphcap.errors import UnsupportedModel
+from graphcap.kv.paged import NULL_PAGE, PagedKVCache
 
 
 @dataclass

@@ -1,0 +1,9 @@
+"""The top floor: :func:`generate` (prompts to tokens over a paged cache, on runners
+captured for the call) and its eager twins, :func:`~graphcap.engine.eager.prefill` and
+:func:`~graphcap.engine.eager.decode_step`. Nothing in the package imports it but
+``graphcap/__init__.py``, the CLI and the benchmarks."""
+
+from graphcap.engine.eager import decode_step, prefill
+from graphcap.engine.generation import Generation, generate
+
+__all__ = ["Generation", "decode_step", "generate", "prefill"]
