@@ -4,6 +4,7 @@ per shape), on its own and under graphcap.capture."""
 from __future__ import annotations
 
 import functools
+import gc
 import importlib.metadata
 import subprocess
 import sys
@@ -344,3 +345,12 @@ def test_an_option_neither_inductor_s_nor_the_backend_s_is_an_error_naming_both(
         piecewise_compiler.sgl_piecewise(None, [], options={"capture_size": [8]})
     with pytest.raises(graphcap.GraphcapError, match="mode='fast'.*reduce-overhead"):
         piecewise_compiler.sgl_piecewise(None, [], mode="fast")
+
+
+def test_a_compile_that_is_gone_still_counts_so_two_readings_always_compare():
+    compile_ = PiecewiseCompiler()
+    before = piecewise_compiler.counters()["graphs"]
+    compile_.stats["graphs"] += 3
+    del compile_
+    gc.collect()
+    assert piecewise_compiler.counters()["graphs"] == before + 3

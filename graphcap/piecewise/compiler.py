@@ -48,6 +48,7 @@ OPTIONS = ("capture_sizes", "max_tokens", "compiler", "split_ops", "copy_outputs
 COMPILERS = ("eager", "inductor")
 log = logging.getLogger("graphcap")
 _COMPILERS: weakref.WeakSet = weakref.WeakSet()  # every live compile, for counters()
+_ENDED: Counter = Counter()  # the counts of compiles that are gone, for counters()
 
 
 class Traces:
@@ -107,6 +108,7 @@ class PiecewiseCompiler:
         self.static_ptrs: set[int] = set()  # outputs of captured pieces: fixed addresses
         self.traces = Traces()
         _COMPILERS.add(self)
+        weakref.finalize(self, _ENDED.update, self.stats).atexit = False
 
     def pool_for(self, args) -> GraphPool:
         if self.pool is None:
@@ -230,7 +232,8 @@ def _inductor_modes() -> set[str]:
 
 
 def counters() -> Counter:
-    """The counters of every live ``sgl_piecewise`` compile, summed:
+    """The counters of every ``sgl_piecewise`` compile of the process, summed (those that
+    are gone included, so a count never goes down between two readings):
 
     - ``graphs``: FX graphs Dynamo handed the backend (one per compile or recompile);
     - ``pieces``, ``split_pieces``, ``captured_pieces``: the pieces they were split into,
@@ -246,7 +249,7 @@ def counters() -> Counter:
       require grad, and their calls, which run eagerly (no graphs).
 
     Compare two readings around a call to see what it did."""
-    total: Counter = Counter()
+    total: Counter = Counter(_ENDED)
     for compiler in list(_COMPILERS):
         total.update(compiler.stats)
     return total
