@@ -6,7 +6,6 @@ Public names only; see docs/architecture.md for the layout.
 from graphcap import errors, opsdb
 from graphcap.api import capture
 from graphcap.breakable import eager_on_graph
-from graphcap.cache.sampling import Sampling
 from graphcap.core.graphs import GraphPool, new_pool
 from graphcap.engine.generation import Generation, generate
 from graphcap.errors import (
@@ -17,6 +16,7 @@ from graphcap.errors import (
     UnsupportedModel,
     UnsupportedStrategy,
 )
+from graphcap.inputs.sampling import Sampling
 from graphcap.opsdb import register_op
 from graphcap.opsdb.attention.packed import packed
 

@@ -11,11 +11,12 @@ from graphcap.breakable import BreakableStrategy, DebugStrategy
 from graphcap.compat import imports
 from graphcap.core.batch import as_int
 from graphcap.core.buckets import check_ladder, prefill_ladder
-from graphcap.core.inputs import Inputs, PrefillInputs, TensorInputs
+from graphcap.core.inputs import Inputs
 from graphcap.core.runner import Runner, RunnerConfig
 from graphcap.core.strategy import EagerStrategy
 from graphcap.errors import UnsupportedModel, UnsupportedStrategy
 from graphcap.full import FullStrategy
+from graphcap.inputs import PrefillInputs, TensorInputs
 from graphcap.tp.group import TPGroup
 
 

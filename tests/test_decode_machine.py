@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import graphcap
-from graphcap.cache import DecodeInputs
 from graphcap.engine.eager import decode_step, prefill
+from graphcap.inputs import DecodeInputs
 from graphcap.kv import NULL_PAGE, PagedKVCache
 from graphcap.models import PRESETS, Decoder
 from tests.runner_helpers import DEVICE

@@ -1,4 +1,4 @@
-"""Decode steps through a runner (``graphcap.cache.DecodeInputs``): under breakable and
+"""Decode steps through a runner (``graphcap.inputs.DecodeInputs``): under breakable and
 full, on the graph emulator here and CUDA graphs on the GPU, a greedy loop whose batch
 shrinks and grows across buckets (requests finish, others join) gives the tokens and
 logits of the eager steps, padded rows touch no request's pages, and bad steps are
@@ -14,9 +14,9 @@ import torch
 
 import graphcap
 from graphcap.api import GRAPHED
-from graphcap.cache import DecodeInputs
 from graphcap.engine.eager import decode_step, prefill
 from graphcap.errors import BadBatch
+from graphcap.inputs import DecodeInputs
 from graphcap.kv import PagedKVCache
 from graphcap.models import PRESETS, Decoder
 from tests.runner_helpers import DEVICE
@@ -108,7 +108,7 @@ def test_poison_in_padded_rows_and_buffer_tails_never_reaches_a_live_row(strateg
     (valid) tokens and positions, NaN temperatures and top-p, absurd top-k and seeds, so
     the padded rows of the bucket run on them; the live rows draw what eager draws."""
     from graphcap import Sampling
-    from graphcap.cache.sampling import draw
+    from graphcap.inputs.sampling import draw
 
     m, cache = setup()
     m2, cache2 = setup()
@@ -173,7 +173,7 @@ def test_a_step_past_the_tokens_written_is_refused():
 @pytest.mark.parametrize("strategy", GRAPHED)
 def test_tokens_drawn_in_the_graph_follow_each_calls_sampling(strategy):
     from graphcap import Sampling
-    from graphcap.cache.sampling import draw
+    from graphcap.inputs.sampling import draw
 
     m, cache = setup()
     logits_of = graphcap.capture(m, "eager", buckets=BUCKETS, inputs=DecodeInputs(cache))
@@ -194,7 +194,7 @@ def test_tokens_drawn_in_the_graph_follow_each_calls_sampling(strategy):
 
 @pytest.mark.parametrize("strategy", GRAPHED)
 def test_prefill_through_a_runner_fills_the_cache_as_eager_prefill_does(strategy):
-    from graphcap.cache.prefill import CachePrefillInputs
+    from graphcap.inputs.cache_prefill import CachePrefillInputs
     from graphcap.opsdb.attention import get_backend
 
     m, cache = setup()

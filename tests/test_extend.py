@@ -11,9 +11,9 @@ import torch
 
 import graphcap
 from graphcap.api import STRATEGIES
-from graphcap.cache.prefill import CachePrefillInputs
 from graphcap.engine.eager import decode_step, prefill
 from graphcap.errors import BadBatch
+from graphcap.inputs.cache_prefill import CachePrefillInputs
 from graphcap.kv import PagedKVCache
 from graphcap.models import PRESETS, Decoder
 from graphcap.opsdb.attention import get_backend

@@ -177,7 +177,7 @@ def test_seeds_count_in_every_bit_and_a_tiny_temperature_is_greedy():
 
 
 def test_seeds_one_and_two_to_the_31_draw_different_tokens():
-    from graphcap.cache.sampling import draw
+    from graphcap.inputs.sampling import draw
 
     flat = torch.zeros(32, 1000)  # every token equally likely: the noise alone picks
     positions = list(range(32))

@@ -181,6 +181,19 @@ def test_the_old_graphcap_cache_steps_import_still_works_and_says_where_it_went(
     from graphcap.engine import decode_step, prefill
 
     sys.modules.pop("graphcap.cache.steps", None)
+    sys.modules.pop("graphcap.cache", None)
     with pytest.warns(DeprecationWarning, match="graphcap.engine"):
         old = importlib.import_module("graphcap.cache.steps")
     assert old.decode_step is decode_step and old.prefill is prefill
+
+
+def test_the_old_graphcap_cache_import_still_works_and_says_where_each_part_went():
+    import importlib
+    import sys
+
+    from graphcap.inputs import DecodeInputs
+
+    sys.modules.pop("graphcap.cache", None)
+    with pytest.warns(DeprecationWarning, match="graphcap.kv.*graphcap.inputs"):
+        old = importlib.import_module("graphcap.cache")
+    assert old.PagedKVCache is PagedKVCache and old.DecodeInputs is DecodeInputs

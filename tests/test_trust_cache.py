@@ -10,9 +10,9 @@ import torch
 
 import graphcap
 from graphcap.api import STRATEGIES
-from graphcap.cache import CachePrefillInputs, DecodeInputs
 from graphcap.engine.eager import decode_step, prefill
 from graphcap.errors import BadBatch, UnsupportedModel
+from graphcap.inputs import CachePrefillInputs, DecodeInputs
 from graphcap.kv import PagedKVCache
 from graphcap.models import PRESETS, Decoder, build_model
 from graphcap.opsdb.attention import get_backend

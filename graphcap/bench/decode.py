@@ -24,8 +24,8 @@ import torch
 import graphcap
 from graphcap.api import GRAPHED
 from graphcap.bench.common import environment, time_interleaved
-from graphcap.cache import DecodeInputs
 from graphcap.engine.eager import decode_step, prefill
+from graphcap.inputs import DecodeInputs
 from graphcap.kv import PagedKVCache
 from graphcap.models import PRESETS, build_model
 

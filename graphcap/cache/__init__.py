@@ -1,10 +1,15 @@
-"""The kinds of input over the paged cache: decode steps through a runner
-(:class:`DecodeInputs`) and prefill into the cache through one
-(:class:`CachePrefillInputs`). The cache itself is :mod:`graphcap.kv` (its names are
-importable from here too)."""
+"""Deprecated: ``graphcap.cache`` was split by floor. The paged cache is
+:mod:`graphcap.kv` (``PagedKVCache``, ``CacheBatch``, ``NULL_PAGE``), the kinds of input
+over it :mod:`graphcap.inputs` (``DecodeInputs``, ``CachePrefillInputs``), the eager
+steps and ``generate`` :mod:`graphcap.engine`."""
 
-from graphcap.cache.inputs import DecodeInputs
-from graphcap.cache.prefill import CachePrefillInputs
+import warnings
+
+from graphcap.inputs import CachePrefillInputs, DecodeInputs
 from graphcap.kv import NULL_PAGE, CacheBatch, PagedKVCache
+
+warnings.warn("graphcap.cache is deprecated: import PagedKVCache from graphcap.kv, "
+              "DecodeInputs and CachePrefillInputs from graphcap.inputs, decode_step and "
+              "prefill from graphcap.engine", DeprecationWarning, stacklevel=2)
 
 __all__ = ["NULL_PAGE", "CacheBatch", "CachePrefillInputs", "DecodeInputs", "PagedKVCache"]

@@ -21,7 +21,7 @@ from graphcap.errors import GraphcapError, UnsupportedModel
 @dataclass(frozen=True)
 class ForwardContext:
     attention: Any = None  # an AttentionMetadata prepared outside any graph
-    kv: Any = None  # a graphcap.cache.CacheBatch: this forward's K/V cache, or None
+    kv: Any = None  # a graphcap.kv.CacheBatch: this forward's K/V cache, or None
 
 
 _CURRENT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(

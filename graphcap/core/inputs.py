@@ -1,15 +1,14 @@
-"""Kinds of input: what a runner needs to know of a model's arguments, behind one seam.
+"""The seam between the runner and what a model takes: :class:`Inputs` (and a validated
+call, :class:`Batch`).
 
 The runner captures shapes, picks a bucket, replays and slices; everything that depends
-on what the model takes lives in an :class:`Inputs` object:
-
-- :class:`PrefillInputs`: ``model(input_ids, positions)`` over requests packed along dim
-  0, called as ``runner(input_ids, positions, seq_lens=[...])``: request slots whose
-  unused ones are zero-length sentinels, per-shape attention metadata rewritten before
-  each replay, and for a model whose ``output_rows`` is ``"requests"`` the row of each
-  request's last token (``model(input_ids, positions, last_rows)``).
-- :class:`TensorInputs`: ``runner(*tensors)``, tensors sharing dim 0 (the token dim),
-  their shapes taken from the first call.
+on what the model takes lives in an :class:`Inputs` object. graphcap's own kinds are in
+:mod:`graphcap.inputs`, one file each: ``TensorInputs`` (``runner(*tensors)``, tensors
+sharing dim 0, their shapes taken from the first call), ``PrefillInputs`` (requests
+packed along dim 0, ``runner(input_ids, positions, seq_lens=[...])``, in request slots
+whose unused ones are zero-length sentinels, per-shape attention metadata rewritten
+before each replay), ``DecodeInputs`` and ``CachePrefillInputs`` (decode steps, and
+prefill or extend, over a paged cache).
 
 A kind of input of one's own subclasses :class:`Inputs` and is passed as
 ``graphcap.capture(model, inputs=MyInputs(...))``; the runner calls it through these
@@ -45,9 +44,7 @@ from typing import Any
 
 import torch
 
-from graphcap.core import batch as batching
-from graphcap.core.context import forward_context
-from graphcap.errors import BadBatch, CaptureError, UnsupportedModel
+from graphcap.errors import UnsupportedModel
 
 
 @dataclass
@@ -143,169 +140,6 @@ class Inputs:
         torch._foreach_copy_(rows, list(batch.args[:len(rows)]), non_blocking=True)
         for buf in padding:
             buf.zero_()
-
-
-class TensorInputs(Inputs):
-    """``runner(*tensors)``: tensors along dim 0, their dtypes and trailing sizes those of
-    the first call."""
-
-    kind = "tensors"
-    needs_batch = True
-
-    def __init__(self, device: torch.device, captured: bool = True):
-        super().__init__(device)
-        self.specs: list[tuple[torch.dtype, tuple[int, ...]]] = []
-        # False (the eager strategy): nothing is captured, so a call may pass the model
-        # anything it takes.
-        self.strict = captured
-
-    def check(self, args: tuple, kwargs: dict) -> Batch:
-        if "seq_lens" in kwargs:
-            raise BadBatch(
-                "seq_lens given, but this runner captured a model of tensors along dim 0: "
-                "declare a model of packed requests with graphcap.capture(model, "
-                "inputs='prefill') (or graphcap_inputs = 'prefill' on its class) and call "
-                "runner(input_ids, positions, seq_lens=[...])")
-        if not self.strict:
-            return Batch(tuple(args), 0, kwargs=kwargs)
-        if kwargs:
-            raise BadBatch(f"unexpected keyword arguments {sorted(kwargs)}: a model of "
-                           "tensors is called as runner(*tensors)")
-        specs = self.specs or [(a.dtype, tuple(a.shape[1:])) for a in args
-                               if isinstance(a, torch.Tensor)]
-        return Batch(tuple(args), batching.check_tensors(args, specs, self.device))
-
-    def forget(self) -> None:
-        self.specs = []
-
-    def allocate(self, max_tokens: int, batch: Batch | None) -> None:
-        if batch is not None:
-            self.specs = [(a.dtype, tuple(a.shape[1:])) for a in batch.args]
-        if not self.specs:
-            raise CaptureError("nothing to capture from: this runner takes its shapes "
-                               "from a call; call it (or capture_all(example)) first")
-        self.buffers = [torch.zeros((max_tokens, *tail), dtype=dtype, device=self.device)
-                        for dtype, tail in self.specs]
-
-    def forward(self, model, bucket: int, state):
-        return model(*(buf[:bucket] for buf in self.buffers))
-
-    def stage(self, batch: Batch, bucket: int, state) -> None:
-        self.copy_in(batch, bucket)
-
-    def eager(self, model, batch: Batch):
-        return lambda: model(*batch.args, **batch.kwargs)
-
-
-class PrefillInputs(Inputs):
-    """``runner(input_ids, positions, seq_lens=[...])``: requests packed along dim 0, in
-    request slots of one attention backend's per-shape metadata."""
-
-    kind = "prefill"
-
-    def __init__(self, device: torch.device, attention, slots: int,
-                 output_rows: str = "tokens", bounds: tuple[int, int | None] | None = None,
-                 name: str = "the model"):
-        super().__init__(device)
-        self.attention, self.slots, self.bounds, self.name = attention, slots, bounds, name
-        self.per_request = output_rows == "requests"
-        if self.per_request:
-            self.row_unit = "one row per request slot (output_rows='requests')"
-        self.last_rows: torch.Tensor | None = None  # per_request: [slots]
-        # Whether graphcap attention ran in the captured forward (None: nothing captured),
-        # and, with nothing captured (the eager strategy), in a call.
-        self.attends: bool | None = None
-        self.called = False
-
-    def check(self, args: tuple, kwargs: dict) -> Batch:
-        unknown = sorted(set(kwargs) - {"seq_lens"})
-        if unknown or len(args) != 2:
-            raise BadBatch("a prefill model is called as runner(input_ids, positions, "
-                           f"seq_lens=[...]); got {len(args)} arguments"
-                           + (f" and keywords {unknown}" if unknown else ""))
-        lens = batching.check_prefill(*args, kwargs.get("seq_lens"), self.device)
-        if self.per_request and 0 in lens:
-            raise BadBatch(
-                f"seq_lens {lens} has a zero-length request, which has no last token: "
-                "this model returns one row per request; drop empty requests")
-        if self.bounds is not None:
-            batching.check_ranges(*args, *self.bounds)
-        if self.attends is False:
-            self.check_packing(lens)
-        return Batch(tuple(args), args[0].shape[0], lens)
-
-    def allocate(self, max_tokens: int, batch: Batch | None) -> None:
-        ids = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
-        self.buffers = [ids, torch.zeros_like(ids)]
-        if self.per_request:
-            self.last_rows = torch.zeros(self.slots, dtype=torch.long, device=self.device)
-
-    def reset(self) -> None:
-        super().reset()
-        self.last_rows, self.attends = None, None
-
-    def prepare(self, bucket: int):
-        meta = self.attention.metadata(bucket, self.slots, self.device).update([bucket])
-        if self.per_request:
-            meta.last_token_rows(out=self.last_rows)
-        return meta
-
-    def forward(self, model, bucket: int, meta):
-        args = [buf[:bucket] for buf in self.buffers]
-        if self.per_request:
-            args.append(self.last_rows)
-        with forward_context(attention=meta):
-            return model(*args)
-
-    def derive(self, meta) -> None:
-        meta.derive()  # per-batch buffers derived on the device, in the graph
-        if self.per_request:
-            meta.last_token_rows(out=self.last_rows)
-
-    def stage(self, batch: Batch, bucket: int, meta) -> None:
-        self.copy_in(batch, bucket)
-        meta.update(batch.lens, derive=False, checked=True)  # routed: they fit the shape
-
-    def context(self, meta):
-        return forward_context(attention=meta)
-
-    def rows(self, bucket: int) -> int:
-        return self.slots if self.per_request else bucket
-
-    def out_rows(self, batch: Batch) -> int:
-        return len(batch.lens) if self.per_request else batch.tokens
-
-    def fits(self, batch: Batch) -> str | None:
-        return "too_many_requests" if len(batch.lens) > self.slots else None
-
-    def limits(self) -> str:
-        return f", {self.slots} request slots"
-
-    def eager(self, model, batch: Batch):
-        # Host work, and tensors made outside whatever mode the call then runs in (a
-        # compiled forward traced with ordinary tensors would recompile for others).
-        meta = self.attention.prepare(batch.lens, self.device)
-        args = (*batch.args, meta.last_token_rows()) if self.per_request else batch.args
-
-        def run():
-            with forward_context(attention=meta):
-                out = model(*args)
-            if self.attends is None:  # nothing captured: this call tells
-                self.called |= meta.attended
-                if not meta.attended:
-                    self.check_packing(batch.lens)
-            return out
-        return run
-
-    def captured(self, states: list) -> None:
-        self.attends = any(meta.attended for meta in states)
-
-    def report(self) -> dict:
-        # The attention backend the captured forward called (None: it called none).
-        return {"attention": self.attention.name if self.attends or self.called else None}
-
-    def check_packing(self, lens: list[int]) -> None:
-        check_packing(self.name, self.attention.name, lens)
 
 
 def check_packing(name: str, backend: str, lens: list[int]) -> None:

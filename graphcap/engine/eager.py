@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from graphcap.cache.inputs import DecodeInputs
-from graphcap.cache.prefill import CachePrefillInputs
 from graphcap.core.batch import as_int, host_lengths
 from graphcap.errors import BadBatch
+from graphcap.inputs.cache_prefill import CachePrefillInputs
+from graphcap.inputs.decode import DecodeInputs
 from graphcap.kv.paged import PagedKVCache
 from graphcap.opsdb.attention import get_backend
 

@@ -3,9 +3,9 @@
 The decode batch is kept full: up to ``max_batch`` requests decode together, and a
 finished request's slot takes the next waiting prompt. The prompts admitted together are
 prefilled into the cache in calls of at most ``prefill_tokens`` tokens, each replaying a
-prefill graph (:class:`~graphcap.cache.CachePrefillInputs`); each decode step replays the
+prefill graph (:class:`~graphcap.inputs.CachePrefillInputs`); each decode step replays the
 graph of the smallest batch bucket that holds the live requests
-(:class:`~graphcap.cache.DecodeInputs`), and each token is drawn by ``graphcap::sample``
+(:class:`~graphcap.inputs.DecodeInputs`), and each token is drawn by ``graphcap::sample``
 from per-request parameters on the device (greedy, or seeded temperature / top-k /
 top-p: the same tokens in every strategy).
 """
@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 import torch
 
 from graphcap.api import STRATEGIES, capture
-from graphcap.cache.inputs import DecodeInputs
-from graphcap.cache.prefill import CachePrefillInputs
-from graphcap.cache.sampling import Sampling, draw
 from graphcap.core.buckets import decode_ladder
 from graphcap.engine.eager import last_token_logits
 from graphcap.errors import BadBatch, UnsupportedModel
+from graphcap.inputs.cache_prefill import CachePrefillInputs
+from graphcap.inputs.decode import DecodeInputs
+from graphcap.inputs.sampling import Sampling, draw
 from graphcap.kv.paged import PagedKVCache
 from graphcap.opsdb.attention import get_backend
 from graphcap.progress import progress as progress_bar

@@ -50,7 +50,7 @@ def attention_half(h, positions, norm, eps, qkv, qkv_bias, q_norm, k_norm, qk_ep
                    o_bias=None, layer: int | None = None, tp: str | None = None):
     """``h + o(attention(q, k, v))`` of :func:`attention_inputs`, causal within each
     request of the forward context's metadata. With ``layer`` (the layer's index) and a
-    K/V cache in the forward context (:class:`graphcap.cache.CacheBatch`), the layer's
+    K/V cache in the forward context (:class:`graphcap.kv.CacheBatch`), the layer's
     K/V are written to it first (``graphcap::cached_attention``); a decode step then
     attends over each row's cached tokens, a prefill among its new tokens. ``tp``: the
     heads are this rank's of a TP group, ``o`` its rows (:func:`residual_linear`)."""

@@ -1,5 +1,5 @@
 """``graphcap::cached_attention``: attention that keeps layer ``layer``'s K/V in the
-forward's paged cache when the forward context has one (:class:`graphcap.cache.CacheBatch`).
+forward's paged cache when the forward context has one (:class:`graphcap.kv.CacheBatch`).
 
 Without a cache it is ``graphcap::attention`` (prefill among the new tokens). With one,
 the tokens' K/V are written at their cache slots first (``graphcap::kv_write``); then a

@@ -3,7 +3,7 @@ cache slot, inside the graph.
 
 A layer's cache is ``k_cache``, ``v_cache`` ``[pages, page_size, kv_heads, head_dim]``;
 slot ``s`` is row ``s % page_size`` of page ``s // page_size``
-(:class:`graphcap.cache.PagedKVCache` hands them out). Every slot must lie in the cache:
+(:class:`graphcap.kv.PagedKVCache` hands them out). Every slot must lie in the cache:
 padded rows write the null page, which no request reads (see docs/decode.md). Two tokens
 of one call never share a slot, except padded rows on the null page, where which write
 lands is unspecified.

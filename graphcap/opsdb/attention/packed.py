@@ -18,7 +18,7 @@ def packed(seq_lens, device, attention: str | None = None, dtype: torch.dtype | 
     """Call a model of packed requests eagerly, outside a runner: prepares the attention
     metadata of requests of these lengths (host values) and makes it the forward context,
     which ``graphcap::attention`` reads. ``attention``: the backend (default: the best on
-    ``device`` for q/k/v of ``dtype``); ``kv``: a :class:`graphcap.cache.CacheBatch` the
+    ``device`` for q/k/v of ``dtype``); ``kv``: a :class:`graphcap.kv.CacheBatch` the
     forward writes its K/V to (prefill into a paged cache). Yields the metadata
     (``meta.last_token_rows()``: the row of each request's last token). Leaving the
     block, a call of several requests whose forward ran no graphcap attention raises

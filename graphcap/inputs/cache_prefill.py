@@ -26,8 +26,9 @@ import torch
 
 from graphcap.core.batch import as_int, staged
 from graphcap.core.context import forward_context
-from graphcap.core.inputs import Batch, PrefillInputs
+from graphcap.core.inputs import Batch
 from graphcap.errors import BadBatch
+from graphcap.inputs.prefill import PrefillInputs
 from graphcap.kv.batch import CacheBatch
 from graphcap.kv.paged import PagedKVCache
 

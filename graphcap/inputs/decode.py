@@ -9,7 +9,7 @@ Buckets are batch sizes. Row ``b`` is token ``tokens[b]`` (a device tensor) at p
 ``positions[b]`` (host ints: the request's cached tokens before it) of the request in
 slot ``slots[b]``. Each shape's graph computes, from the static buffers of tokens,
 positions and request slots, each row's cache slot, pages and length on the device
-(:class:`~graphcap.cache.CacheBatch`), writes the rows' K/V and attends over the cache;
+(:class:`~graphcap.kv.CacheBatch`), writes the rows' K/V and attends over the cache;
 padded rows have no request slot (``-1``): they write only the null page and come out
 zero. A replay stages three copies of at most the bucket's rows.
 
@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import torch
 
-from graphcap.cache import flashinfer_decode
-from graphcap.cache.sampling import Sampling, host_tensors
 from graphcap.core.batch import as_int, check_token_ids, staged
 from graphcap.core.context import forward_context
 from graphcap.core.inputs import Batch, Inputs
 from graphcap.errors import BackendUnavailable, BadBatch, UnsupportedModel
+from graphcap.inputs.sampling import Sampling, host_tensors
 from graphcap.kv.batch import CacheBatch
 from graphcap.kv.paged import PagedKVCache
+from graphcap.opsdb.attention import flashinfer_decode
 from graphcap.opsdb.sample import SAMPLE
 
 _INTS = (torch.int32, torch.int64)

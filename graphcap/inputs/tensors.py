@@ -1,0 +1,62 @@
+"""``runner(*tensors)``: :class:`TensorInputs`, tensors sharing dim 0 (the token dim),
+their shapes taken from the first call."""
+
+from __future__ import annotations
+
+import torch
+
+from graphcap.core import batch as batching
+from graphcap.core.inputs import Batch, Inputs
+from graphcap.errors import BadBatch, CaptureError
+
+
+class TensorInputs(Inputs):
+    """``runner(*tensors)``: tensors along dim 0, their dtypes and trailing sizes those of
+    the first call."""
+
+    kind = "tensors"
+    needs_batch = True
+
+    def __init__(self, device: torch.device, captured: bool = True):
+        super().__init__(device)
+        self.specs: list[tuple[torch.dtype, tuple[int, ...]]] = []
+        # False (the eager strategy): nothing is captured, so a call may pass the model
+        # anything it takes.
+        self.strict = captured
+
+    def check(self, args: tuple, kwargs: dict) -> Batch:
+        if "seq_lens" in kwargs:
+            raise BadBatch(
+                "seq_lens given, but this runner captured a model of tensors along dim 0: "
+                "declare a model of packed requests with graphcap.capture(model, "
+                "inputs='prefill') (or graphcap_inputs = 'prefill' on its class) and call "
+                "runner(input_ids, positions, seq_lens=[...])")
+        if not self.strict:
+            return Batch(tuple(args), 0, kwargs=kwargs)
+        if kwargs:
+            raise BadBatch(f"unexpected keyword arguments {sorted(kwargs)}: a model of "
+                           "tensors is called as runner(*tensors)")
+        specs = self.specs or [(a.dtype, tuple(a.shape[1:])) for a in args
+                               if isinstance(a, torch.Tensor)]
+        return Batch(tuple(args), batching.check_tensors(args, specs, self.device))
+
+    def forget(self) -> None:
+        self.specs = []
+
+    def allocate(self, max_tokens: int, batch: Batch | None) -> None:
+        if batch is not None:
+            self.specs = [(a.dtype, tuple(a.shape[1:])) for a in batch.args]
+        if not self.specs:
+            raise CaptureError("nothing to capture from: this runner takes its shapes "
+                               "from a call; call it (or capture_all(example)) first")
+        self.buffers = [torch.zeros((max_tokens, *tail), dtype=dtype, device=self.device)
+                        for dtype, tail in self.specs]
+
+    def forward(self, model, bucket: int, state):
+        return model(*(buf[:bucket] for buf in self.buffers))
+
+    def stage(self, batch: Batch, bucket: int, state) -> None:
+        self.copy_in(batch, bucket)
+
+    def eager(self, model, batch: Batch):
+        return lambda: model(*batch.args, **batch.kwargs)
