@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphcap.models.tiny import Block, ModelArgs, rope_cache
+from graphcap.models.decoder import Block, ModelArgs, rope_cache
 from graphcap.opsdb.norm import RMS_NORM
 from graphcap.testing import assert_replay_equivalent
 

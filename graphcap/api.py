@@ -9,8 +9,8 @@ import torch
 from graphcap import env
 from graphcap.breakable import BreakableStrategy, DebugStrategy
 from graphcap.compat import imports
-from graphcap.core.batch import as_int
 from graphcap.core.buckets import check_ladder, prefill_ladder
+from graphcap.core.checks import as_int
 from graphcap.core.inputs import Inputs
 from graphcap.core.runner import Runner, RunnerConfig
 from graphcap.core.strategy import EagerStrategy

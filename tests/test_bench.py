@@ -328,6 +328,7 @@ def test_bench_decode_times_every_arm_per_batch_and_says_what_did_not_run():
     assert model["build"]["full"]["graph_pool_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_bench_prefill_tp_times_the_split_preset_beside_the_whole_in_one_job():
     if torch.cuda.is_available():
         pytest.skip("the CPU form (gloo, the emulator); the GPUs run it through the CLI")

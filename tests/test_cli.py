@@ -187,6 +187,7 @@ def test_bench_split_across_more_gpus_than_there_are_says_how_many(capsys, monke
     assert "--tp 2: 1 GPU here" in refused(capsys, "bench", "prefill", "--tp", "2")
 
 
+@pytest.mark.slow
 def test_version_names_the_package_and_torch_without_a_command():
     proc = run("--version")
     assert proc.returncode == 0, proc.stderr
@@ -208,6 +209,7 @@ def test_version_falls_back_to_the_source_tree_when_the_package_is_not_installed
     assert code == 0 and out.startswith(f"graphcap {graphcap.__version__} (source tree")
 
 
+@pytest.mark.slow
 def test_an_error_is_one_line_and_exit_2_in_a_real_process(tmp_path):
     (tmp_path / "user_factory.py").write_text("def build():\n    raise KeyError('gone')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(

@@ -9,7 +9,7 @@ import torch
 
 import graphcap
 from graphcap.api import GRAPHED
-from graphcap.core.batch import as_int
+from graphcap.core.checks import as_int
 from graphcap.core.inputs import Batch, Inputs
 from graphcap.errors import BadBatch, UnsupportedStrategy
 from graphcap.models import MLP

@@ -33,6 +33,8 @@ CASES = {
     "a capture on a worker thread": ("full", "sympy.polys", "thread"),
 }
 
+pytestmark = pytest.mark.slow  # each case starts a process of its own
+
 
 @pytest.fixture(scope="module")
 def runs():

@@ -111,3 +111,15 @@ def test_a_compiled_decoder_preparing_its_own_metadata_matches_eager(grad):
     finally:  # its graph breaks leave Decoder.forward's automatic-dynamic record behind
         torch._dynamo.reset()
     torch.testing.assert_close(got, want)
+
+
+def test_the_old_graphcap_models_tiny_import_still_works_and_says_where_it_went():
+    import importlib
+    import sys
+
+    from graphcap.models import Decoder
+
+    sys.modules.pop("graphcap.models.tiny", None)
+    with pytest.warns(DeprecationWarning, match="graphcap.models.decoder"):
+        old = importlib.import_module("graphcap.models.tiny")
+    assert old.Decoder is Decoder

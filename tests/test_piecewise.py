@@ -224,6 +224,7 @@ def test_a_piece_that_fails_to_compile_raises_capture_error_naming_compiler_and_
                          attention="torch_masked", compiler="inductor")
 
 
+@pytest.mark.slow
 def test_the_backend_name_works_in_a_fresh_process_that_never_imports_graphcap():
     eps = importlib.metadata.entry_points(group="torch_dynamo_backends")
     if "sgl_piecewise" not in {e.name for e in eps}:

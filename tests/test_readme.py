@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_the_readme_snippet_runs_as_written():
     text = (ROOT / "README.md").read_text()
     usage = text[text.index("## Use"):]

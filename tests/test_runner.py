@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import graphcap
-from graphcap.core.batch import BadBatch
+from graphcap.core.checks import BadBatch
 from graphcap.errors import CaptureError, UnsupportedStrategy
 from graphcap.models import MLP
 from tests.runner_helpers import batch, eager, model, runner

@@ -8,9 +8,12 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_every_semantics_test_fails_on_a_rerun_standin(tmp_path):
     report = tmp_path / "junit.xml"
     proc = subprocess.run(

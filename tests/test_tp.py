@@ -28,7 +28,8 @@ from graphcap.tp import TPGroup, group_named, release_all
 from tests import tp_world
 
 WORLD = 2
-pytestmark = pytest.mark.xdist_group("tp-world")  # one worker keeps the two-rank world
+# One worker keeps the two-rank world; slow: the ranks are processes of their own.
+pytestmark = [pytest.mark.xdist_group("tp-world"), pytest.mark.slow]
 
 
 def spawn(fn, *args, world: int = WORLD, backend: str = "gloo"):

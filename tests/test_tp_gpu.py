@@ -19,7 +19,7 @@ from graphcap.tp import TPGroup
 from tests.test_tp import spawn
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 several = pytest.mark.skipif(GPUS < 2, reason="needs 2 or more GPUs")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from graphcap.core.batch import as_int
+from graphcap.core.checks import as_int
 
 # (start, stop, step) rungs of SGLang's prefill ladder; past 4096 the step is 512.
 _RUNGS = ((4, 32, 4), (48, 256, 16), (288, 512, 32), (576, 1024, 64), (1280, 4096, 256))

@@ -136,7 +136,7 @@ class Inputs:
                       if batch.tokens < bucket else [])
             self._rows_of[key] = cached
         rows, padding = cached
-        # Host tensors among the args are pinned (batching.staged): no host sync.
+        # Host tensors among the args are pinned (checks.staged): no host sync.
         torch._foreach_copy_(rows, list(batch.args[:len(rows)]), non_blocking=True)
         for buf in padding:
             buf.zero_()

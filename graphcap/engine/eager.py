@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from graphcap.core.batch import as_int, host_lengths
+from graphcap.core.checks import as_int, host_lengths
 from graphcap.errors import BadBatch
 from graphcap.inputs.cache_prefill import CachePrefillInputs
 from graphcap.inputs.decode import DecodeInputs

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from graphcap.core import batch as batching
+from graphcap.core import checks
 from graphcap.errors import BadBatch
 from graphcap.hf import attention as hf_attention
 from graphcap.hf import kernels as substitution
@@ -261,11 +261,11 @@ class PrefillLM(nn.Module):
                 f"PrefillLM takes input_ids [T] and positions [T] of packed requests, got "
                 f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
         if seq_lens is not None:  # eager use: prepare this batch's attention metadata
-            lens = batching.check_prefill(input_ids, positions, seq_lens, input_ids.device)
+            lens = checks.check_prefill(input_ids, positions, seq_lens, input_ids.device)
             if self.output_rows == "requests" and 0 in lens:
                 raise BadBatch(f"seq_lens {lens} has a zero-length request, which has no "
                                "last token (logits='last'); drop empty requests")
-            batching.check_ranges(input_ids, positions, self.vocab_size, self.max_position)
+            checks.check_ranges(input_ids, positions, self.vocab_size, self.max_position)
             dtype = self.hf_model.get_output_embeddings().weight.dtype
             with packed(seq_lens, input_ids.device, dtype=dtype) as meta:
                 if self.output_rows == "requests":

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from graphcap.core.batch import as_int, staged
+from graphcap.core.checks import as_int, staged
 from graphcap.core.context import forward_context
 from graphcap.core.inputs import Batch
 from graphcap.errors import BadBatch

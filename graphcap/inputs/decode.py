@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from graphcap.core.batch import as_int, check_token_ids, staged
+from graphcap.core.checks import as_int, check_token_ids, staged
 from graphcap.core.context import forward_context
 from graphcap.core.inputs import Batch, Inputs
 from graphcap.errors import BackendUnavailable, BadBatch, UnsupportedModel

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from graphcap.core import batch as batching
+from graphcap.core import checks
 from graphcap.core.context import forward_context
 from graphcap.core.inputs import Batch, Inputs, check_packing
 from graphcap.errors import BadBatch
@@ -37,13 +37,13 @@ class PrefillInputs(Inputs):
             raise BadBatch("a prefill model is called as runner(input_ids, positions, "
                            f"seq_lens=[...]); got {len(args)} arguments"
                            + (f" and keywords {unknown}" if unknown else ""))
-        lens = batching.check_prefill(*args, kwargs.get("seq_lens"), self.device)
+        lens = checks.check_prefill(*args, kwargs.get("seq_lens"), self.device)
         if self.per_request and 0 in lens:
             raise BadBatch(
                 f"seq_lens {lens} has a zero-length request, which has no last token: "
                 "this model returns one row per request; drop empty requests")
         if self.bounds is not None:
-            batching.check_ranges(*args, *self.bounds)
+            checks.check_ranges(*args, *self.bounds)
         if self.attends is False:
             self.check_packing(lens)
         return Batch(tuple(args), args[0].shape[0], lens)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphcap.core.batch import staged
+from graphcap.core.checks import staged
 from graphcap.opsdb.sample import SAMPLE
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # temperature and top_p go as float32

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from graphcap.core import batch as batching
+from graphcap.core import checks
 from graphcap.core.inputs import Batch, Inputs
 from graphcap.errors import BadBatch, CaptureError
 
@@ -38,7 +38,7 @@ class TensorInputs(Inputs):
                            "tensors is called as runner(*tensors)")
         specs = self.specs or [(a.dtype, tuple(a.shape[1:])) for a in args
                                if isinstance(a, torch.Tensor)]
-        return Batch(tuple(args), batching.check_tensors(args, specs, self.device))
+        return Batch(tuple(args), checks.check_tensors(args, specs, self.device))
 
     def forget(self) -> None:
         self.specs = []

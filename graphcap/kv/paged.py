@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from graphcap.core.batch import as_int
+from graphcap.core.checks import as_int
 from graphcap.errors import BadBatch, CacheFull
 
 NULL_PAGE = 0

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from graphcap.models.decoder import MLP, Decoder, ModelArgs, shard_args
 from graphcap.models.loading import CheckpointError, load_checkpoint
 from graphcap.models.shard import shard_model, shard_tensor
-from graphcap.models.tiny import MLP, Decoder, ModelArgs, shard_args
 
 # Presets as data. The large ones have the shapes of the public models (random weights).
 PRESETS = {

@@ -2,7 +2,7 @@
 
 Each takes the residual stream ``h`` [T, hidden] and returns ``h + half(norm(h))``, with
 the norm fused into the matmul after it and the residual add into the matmul before it.
-graphcap's reference decoders (:mod:`graphcap.models.tiny`) and the stock transformers
+graphcap's reference decoders (:mod:`graphcap.models.decoder`) and the stock transformers
 layers graphcap substitutes (:mod:`graphcap.hf.kernels`) run these same functions, so a
 stock model on graphcap kernels launches what the reference decoder launches.
 """

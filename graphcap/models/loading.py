@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from graphcap.errors import GraphcapError
+from graphcap.models.decoder import Decoder, ModelArgs
 from graphcap.models.shard import shard_model
-from graphcap.models.tiny import Decoder, ModelArgs
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 

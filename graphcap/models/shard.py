@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from graphcap.errors import UnsupportedModel
-from graphcap.models.tiny import Decoder, shard_args
+from graphcap.models.decoder import Decoder, shard_args
 
 
 def shard_tensor(t: torch.Tensor, dim: int, parts: list[int], rank: int,

@@ -39,6 +39,8 @@ COMPILE_QKV = textwrap.dedent('''
     print("compiled")
 ''')
 
+pytestmark = pytest.mark.slow  # each compile runs in a process of its own
+
 
 def compiles(code: str) -> None:
     """Run ``code`` in a fresh process outside the interpreter; it prints 'compiled'."""

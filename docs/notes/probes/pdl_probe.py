@@ -24,7 +24,7 @@ import graphcap
 from graphcap.bench.arms import prompts
 from graphcap.bench.common import environment
 from graphcap.bench.prefill import host_us, idle_share
-from graphcap.core.batch import check_prefill
+from graphcap.core.checks import check_prefill
 from graphcap.models import build_model
 from graphcap.opsdb.triton.common import pdl, programmatic_launch
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from graphcap.core.batch import check_lengths
+from graphcap.core.checks import check_lengths
 from graphcap.errors import UnsupportedStrategy
 from graphcap.opsdb.spec import OpInputError, unavailable
 

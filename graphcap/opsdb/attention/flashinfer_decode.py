@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from graphcap.core.batch import staged
+from graphcap.core.checks import staged
 from graphcap.errors import BackendUnavailable
 from graphcap.kv.paged import NULL_PAGE, PagedKVCache
 from graphcap.opsdb.spec import unavailable

@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from graphcap.core.batch import host_lengths
+from graphcap.core.checks import host_lengths
 from graphcap.core.context import forward_context
 from graphcap.core.inputs import check_packing
 from graphcap.opsdb.attention import get_backend

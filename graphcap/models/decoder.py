@@ -1,0 +1,214 @@
+"""Reference models built from opsdb ops, written as plainly as the papers.
+
+``Decoder`` is a Llama/Qwen-style decoder for prefill: ``forward(input_ids, positions)``
+over requests packed along dim 0; attention reads its metadata from the forward context
+(the runner prepares it), or, called eagerly with ``seq_lens=[...]``, prepares its own.
+``MLP`` is a plain per-token network: a model of tensors along dim 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from graphcap.errors import UnsupportedModel
+from graphcap.models.blocks import attention_half, moe_half, swiglu_half
+from graphcap.opsdb.attention.packed import packed
+from graphcap.opsdb.collective import ALL_GATHER
+from graphcap.opsdb.linear import RMS_NORM_LINEAR
+from graphcap.opsdb.reference import rope_cache
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int = 256
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    intermediate: int = 128
+    eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position: int = 4096
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rotary
+    tie_embeddings: bool = False  # the LM head reuses the embedding matrix
+    experts: int = 0  # > 0: mixture-of-experts feed-forward (Qwen3-MoE style)
+    top_k: int = 0
+    moe_intermediate: int = 0
+    norm_topk: bool = True  # renormalise the top-k routing weights
+    qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections
+
+
+def shard_args(a: ModelArgs, size: int) -> ModelArgs:
+    """The layer shapes of one rank's share of a model of ``ModelArgs`` ``a`` split
+    ``size`` ways; ``UnsupportedModel`` naming the first size ``size`` does not divide
+    (``kv_heads`` first: the tightest bound)."""
+    sizes = {"kv_heads": a.kv_heads, "heads": a.heads, "intermediate": a.intermediate,
+             "vocab_size": a.vocab_size}
+    if a.experts:
+        sizes["moe_intermediate"] = a.moe_intermediate
+    for field, value in sizes.items():
+        if value % size:
+            raise UnsupportedModel(
+                f"tensor parallelism over {size} ranks does not divide {field} {value}: "
+                f"use a TP size that divides {field} (whole heads and columns per rank)")
+    return dataclasses.replace(
+        a, heads=a.heads // size, kv_heads=a.kv_heads // size,
+        intermediate=a.intermediate // size,
+        moe_intermediate=a.moe_intermediate // size if a.experts else a.moe_intermediate)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs, layer: int = 0, tp: str | None = None):
+        super().__init__()
+        self.a, self.layer, self.tp = a, layer, tp  # its layer of a K/V cache; TP group
+        self.qkv = nn.Linear(a.hidden, (a.heads + 2 * a.kv_heads) * a.head_dim,
+                             bias=a.qkv_bias)
+        self.o = nn.Linear(a.heads * a.head_dim, a.hidden, bias=False)
+        if a.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(a.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(a.head_dim))
+
+    def forward(self, h, norm, positions, cos_sin):
+        """h + attention(rms_norm(h))."""
+        a = self.a
+        # Split q/k/v, RMSNorm each head of q and k (Qwen3), rotate: one kernel.
+        norms = (self.q_norm, self.k_norm) if a.qk_norm else (None, None)
+        return attention_half(h, positions, norm, a.eps, self.qkv.weight, self.qkv.bias,
+                              *norms, a.eps, cos_sin, a.heads, a.kv_heads, a.head_dim,
+                              1.0 / math.sqrt(a.head_dim), self.o.weight,
+                              layer=self.layer, tp=self.tp)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, a: ModelArgs, tp: str | None = None):
+        super().__init__()
+        self.eps, self.tp = a.eps, tp
+        self.gate_up = nn.Linear(a.hidden, 2 * a.intermediate, bias=False)
+        self.down = nn.Linear(a.intermediate, a.hidden, bias=False)
+
+    def forward(self, h, norm):
+        """h + down(silu(gate) * up) of rms_norm(h)."""
+        return swiglu_half(h, norm, self.eps, self.gate_up.weight, self.down.weight, self.tp)
+
+
+class MoE(nn.Module):
+    """Top-k softmax routing over ``experts`` SwiGLU experts (Qwen3-MoE style)."""
+
+    def __init__(self, a: ModelArgs, tp: str | None = None):
+        super().__init__()
+        self.eps, self.top_k, self.norm_topk, self.tp = a.eps, a.top_k, a.norm_topk, tp
+        self.router = nn.Linear(a.hidden, a.experts, bias=False)
+        scale = a.hidden ** -0.5
+        self.w13 = nn.Parameter(torch.randn(a.experts, 2 * a.moe_intermediate, a.hidden)
+                                * scale)
+        self.w2 = nn.Parameter(torch.randn(a.experts, a.hidden, a.moe_intermediate)
+                               * a.moe_intermediate ** -0.5)
+
+    def forward(self, h, norm):
+        """h + the routed experts of rms_norm(h)."""
+        return moe_half(h, norm, self.eps, self.router.weight, self.top_k, self.norm_topk,
+                        self.w13, self.w2, self.tp)
+
+
+class Block(nn.Module):
+    """A pre-norm layer: h + attention(norm(h)), then h + mlp(norm(h)). Each norm is fused
+    into the matmul after it and each residual add into the matmul before it."""
+
+    def __init__(self, a: ModelArgs, layer: int = 0, tp: str | None = None):
+        super().__init__()
+        self.attn_norm = nn.Parameter(torch.ones(a.hidden))
+        self.mlp_norm = nn.Parameter(torch.ones(a.hidden))
+        self.attn = Attention(a, layer, tp)
+        self.mlp = MoE(a, tp) if a.experts else FeedForward(a, tp)
+
+    def forward(self, h, positions, cos_sin):
+        h = self.attn(h, self.attn_norm, positions, cos_sin)
+        return self.mlp(h, self.mlp_norm)
+
+
+class Decoder(nn.Module):
+    """Token ids [T] and positions [T] of packed requests -> logits [T, vocab], or with
+    ``logits="last"`` (prefill producing one token) logits [requests, vocab] of each
+    request's last token. With ``tp`` (a :class:`graphcap.tp.TPGroup`) it is this
+    rank's share of the model split across the group (:mod:`graphcap.models.shard`); its
+    ``local_args`` are the shapes of its layers, ``args`` those of the whole model."""
+
+    def __init__(self, a: ModelArgs, logits: str = "all", tp=None):
+        super().__init__()
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits={logits!r}: choose 'all' (every token) or 'last' "
+                             "(each request's last token)")
+        self.args, self.tp = a, tp
+        self.local_args = a
+        name = None
+        if tp is not None:
+            self.local_args, name = shard_args(a, tp.size), tp.name
+        local = self.local_args
+        self.output_rows = "tokens" if logits == "all" else "requests"
+        self.embed = nn.Embedding(a.vocab_size, a.hidden)
+        self.blocks = nn.ModuleList(Block(local, i, name) for i in range(a.layers))
+        self.norm = nn.Parameter(torch.ones(a.hidden))
+        self.lm_head = nn.Linear(a.hidden, a.vocab_size // (tp.size if tp else 1),
+                                 bias=False)
+        if a.tie_embeddings and tp is None:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("cos_sin", rope_cache(a.head_dim, a.max_position, a.rope_theta),
+                             persistent=False)
+
+    def reset_rope(self, device) -> None:
+        """Recompute the rotary cache (after building on the meta device)."""
+        a = self.args
+        self.cos_sin = rope_cache(a.head_dim, a.max_position, a.rope_theta).to(device)
+
+    graphcap_inputs = "prefill"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.args.vocab_size
+
+    @property
+    def max_position(self) -> int:
+        return self.args.max_position
+
+    def forward(self, input_ids, positions, last_rows=None, seq_lens=None):
+        """``last_rows`` [requests] (``logits="last"``): the row of each request's last
+        token; the runner passes it, an eager call with ``seq_lens`` derives it."""
+        if seq_lens is not None:  # eager use: prepare this batch's attention metadata
+            with packed(seq_lens, input_ids.device, dtype=self.norm.dtype) as meta:
+                if self.output_rows == "requests":
+                    last_rows = meta.last_token_rows()
+                return self.forward(input_ids, positions, last_rows)
+        # Indexing, not F.embedding: its index_select kernel took 13 us for 16 rows of
+        # the 151936-row table on the H200, several times a gather.
+        h = self.embed.weight[input_ids]
+        for block in self.blocks:
+            h = block(h, positions, self.cos_sin)
+        if self.output_rows == "requests":  # only the last token of each request
+            if last_rows is None:
+                raise ValueError("a Decoder built with logits='last' needs last_rows (or "
+                                 "seq_lens=[...] in an eager call)")
+            h = h[last_rows]
+        logits = RMS_NORM_LINEAR(h, self.norm, self.args.eps, self.lm_head.weight, None)
+        if self.tp is not None:  # each rank's rows of the vocabulary
+            logits = ALL_GATHER(logits, -1, self.tp.name)
+        return logits
+
+
+class MLP(nn.Module):
+    """A per-token MLP: rows never mix, the simplest model of tensors along dim 0."""
+
+    def __init__(self, width: int = 64, depth: int = 3):
+        super().__init__()
+        layers = []
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.SiLU()]
+        self.net = nn.Sequential(*layers, nn.Linear(width, width))
+
+    def forward(self, x):
+        return self.net(x)
