@@ -72,3 +72,44 @@ def test_the_ground_floor_imports_nothing_above_it(folder):
         if wrong := set(names) - GROUND[folder]:
             above[str(path.relative_to(ROOT))] = wrong
     assert not above, f"graphcap/{folder} imports from floors above it: {above}"
+
+
+def _imports() -> dict[str, set[str]]:
+    """Part of the package (a folder, or a top-level module) -> the parts it imports,
+    lazy imports included; the deprecated modules that re-export moved names (their
+    docstring says "Deprecated:") are left out: nothing imports them."""
+    edges: dict[str, set[str]] = {}
+    for path in (ROOT / "graphcap").rglob("*.py"):
+        text = path.read_text()
+        if text.lstrip('"').startswith("Deprecated:"):
+            continue
+        rel = path.relative_to(ROOT / "graphcap").parts
+        part = rel[0] if len(rel) > 1 else rel[0].removesuffix(".py")
+        names = re.findall(r"^\s*(?:from|import) graphcap\.(\w+)", text, re.M)
+        for listed in re.findall(r"^\s*from graphcap import ([\w, ]+)$", text, re.M):
+            names += [n.strip() for n in listed.split(",")]
+        edges.setdefault(part, set()).update(n for n in names if n != part)
+    return edges
+
+
+def test_no_two_parts_of_the_package_import_each_other_even_through_others():
+    edges = _imports()
+    edges.pop("__init__", None)  # the public names, on top of everything
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for n in edges.get(todo.pop(), ()):
+                if n not in seen:
+                    seen.add(n)
+                    todo.append(n)
+        return seen
+
+    loops = sorted(p for p in edges if p in reach(p))
+    assert not loops, f"parts of an import loop: {loops}"
+
+
+def test_the_engine_is_imported_only_by_the_package_s_top():
+    # engine/ is the top floor: the public names, the command line and its benchmarks
+    importers = {p for p, names in _imports().items() if "engine" in names}
+    assert importers <= {"__init__", "cli", "bench"}, importers
