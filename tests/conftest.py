@@ -43,7 +43,7 @@ def _pool(kind: str, request):
     if standin:
         if kind != "emulated-cpu":
             pytest.skip("stand-ins replace the CPU emulator only")
-        from tests.standins import RerunPool
+        from tests.support.standins import RerunPool
 
         return RerunPool("cpu")
     if kind == "emulated-cpu":
@@ -88,6 +88,6 @@ def environ(monkeypatch):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    from tests import tp_world
+    from tests.support import tp_world
 
     tp_world.stop_all()  # the processes of the session's torch.distributed worlds

@@ -47,7 +47,7 @@ def test_demo_replays_match_eager_and_print_a_table(capsys):
 
 
 def test_check_passes_a_good_model_with_a_table_row_per_strategy(capsys):
-    code, out, err = cli(capsys, "check", "tests.check_models:good", "--examples", "3",
+    code, out, err = cli(capsys, "check", "tests.support.check_models:good", "--examples", "3",
                          "--sequences", "1")
     assert code == 0, out + err
     for strategy in GRAPHED:
@@ -56,7 +56,7 @@ def test_check_passes_a_good_model_with_a_table_row_per_strategy(capsys):
 
 
 def test_check_flags_a_python_side_effect_that_capture_freezes(capsys):
-    code, out, err = cli(capsys, "check", "tests.check_models:counting", "--examples", "3",
+    code, out, err = cli(capsys, "check", "tests.support.check_models:counting", "--examples", "3",
                          "--sequences", "1", "--strategies", "full")
     assert code == 1, out + err
     assert "FAIL" in out and "frozen" in out
@@ -228,11 +228,11 @@ def test_an_unexpected_error_inside_graphcap_is_raised_not_hidden(capsys, monkey
 
     monkeypatch.setattr(graphcap.check, "checkable", bug)
     with pytest.raises(RuntimeError, match="a bug in graphcap"):
-        main(["check", "tests.check_models:good"])
+        main(["check", "tests.support.check_models:good"])
 
 
 def test_check_fails_a_model_whose_attention_cannot_see_the_packed_requests(capsys):
-    code, out, err = cli(capsys, "check", "tests.check_models:sdpa", "--examples", "3",
+    code, out, err = cli(capsys, "check", "tests.support.check_models:sdpa", "--examples", "3",
                          "--sequences", "1", "--strategies", "breakable")
     assert code == 1, out + err
     assert "ran no graphcap attention" in out and "Bring your own model" in out
@@ -260,7 +260,7 @@ def test_ops_lists_the_attention_backends_and_where_each_runs(capsys):
 
 def test_check_wraps_a_stock_transformers_causal_lm_itself_and_says_so(capsys):
     for factory in ("hf_llama", "hf_stablelm", "hf_starcoder2"):
-        code, out, err = cli(capsys, "check", f"tests.check_models:{factory}", "--examples",
+        code, out, err = cli(capsys, "check", f"tests.support.check_models:{factory}", "--examples",
                              "2", "--sequences", "1", "--strategies", "breakable", "full")
         assert code == 0, out + err
         assert "wrapped in graphcap.hf.PrefillLM; graphcap kernels in" in out
@@ -268,5 +268,5 @@ def test_check_wraps_a_stock_transformers_causal_lm_itself_and_says_so(capsys):
 
 
 def test_check_names_the_signature_it_expects_of_a_model_it_cannot_run(capsys):
-    err = refused(capsys, "check", "tests.check_models:two_tensors")
+    err = refused(capsys, "check", "tests.support.check_models:two_tensors")
     assert "forward('x', 'scale') is no model of packed requests" in err

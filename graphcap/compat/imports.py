@@ -10,7 +10,7 @@ process, with SIGINT held back on the main thread; a Ctrl-C that arrives meanwhi
 delivered the moment they are done, so it still stops the capture.
 
 What a first capture imports was measured with ``sys.modules`` before and after;
-tests/test_interrupts.py checks that after :func:`complete` a first capture under each
+tests/core/test_interrupts.py checks that after :func:`complete` a first capture under each
 strategy imports nothing more.
 """
 

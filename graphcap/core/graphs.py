@@ -6,7 +6,7 @@ records ``fn`` and returns its outputs; ``graph.replay()`` runs the recorded dev
 again. ``begin()``/``end()`` capture a segment around arbitrary code (breakable capture
 uses them to close and reopen segments around eager breaks).
 
-Contract, the same for both kinds (``tests/test_graph_semantics.py`` pins it):
+Contract, the same for both kinds (``tests/core/test_graph_semantics.py`` pins it):
 
 - replay reads the tensors the region read at capture: copy new contents into them
   (static inputs); a tensor object created later is never seen;

@@ -2,7 +2,7 @@
 graph while every request is short and replayed with other block tables and lengths up to
 the longest (the grid is fixed at capture; only the work inside it follows the lengths).
 Random shapes, dtypes and NaN in unread slots are covered against the reference by the
-opsdb property test (tests/test_opsdb.py, Triton's interpreter without a GPU)."""
+opsdb property test (tests/opsdb/test_opsdb.py, Triton's interpreter without a GPU)."""
 
 from __future__ import annotations
 

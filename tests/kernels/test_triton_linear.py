@@ -1,7 +1,7 @@
 """The fused few-row linear kernel (RMSNorm prologue, SwiGLU or residual epilogue, bias,
 split K with an in-kernel reduction) against the torch references: every mode and split
 in Triton's interpreter without a GPU, and at model size in a real CUDA graph where one
-is present. The opsdb property test (tests/test_opsdb.py) covers random shapes through
+is present. The opsdb property test (tests/opsdb/test_opsdb.py) covers random shapes through
 the ops' own input strategies."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The fused q/k/v kernel (split, qk-norm, rotary, contiguous outputs) at model size,
 captured in a real CUDA graph and replayed with new inputs. Random shapes, dtypes and
-strides are covered against the reference by the opsdb property test (tests/test_opsdb.py,
+strides are covered against the reference by the opsdb property test (tests/opsdb/test_opsdb.py,
 Triton's interpreter without a GPU)."""
 
 from __future__ import annotations

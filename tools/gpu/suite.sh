@@ -33,8 +33,8 @@ pytest_gpu() {  # log name, then pytest arguments
   timeout "$limit" python3 -m pytest -m gpu -q -rA -p no:cacheprovider "$@" \
     > "$OUT/$log" 2>&1
 }
-g1=(tests/test_replay_equivalence.py)
-g2=(tests/kernels tests/test_attention_backends.py tests/test_hf.py tests/test_hf_kernels.py)
+g1=(tests/strategies/test_replay_equivalence.py)
+g2=(tests/kernels tests/opsdb/test_attention_backends.py tests/hf/test_hf.py tests/hf/test_hf_kernels.py)
 ignore=()
 for path in "${g1[@]}" "${g2[@]}"; do ignore+=(--ignore="$path"); done
 pytest_gpu gpu-suite-1.log "${g1[@]}" "$@" &

@@ -1,0 +1,116 @@
+"""A forward that reads a device value on the host is refused at capture, under every
+strategy, in every form Python offers (``int(t)``, ``float(t)``, ``operator.index``,
+``range(t)``, ``x[:t]``, ``if t:``, math functions, numpy), wherever the tensor comes from
+(an input, a parameter, a buffer; float or integer; 0-d or one element). CUDA capture
+refuses each of them; a graph that took one would replay the branch and the value of
+capture. The forms on their own are pinned on every graph kind by
+tests/core/test_graph_semantics.py; here they go through ``graphcap.capture``, which captures
+under ``torch.inference_mode`` (and, under tc_piecewise, through Dynamo)."""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import numpy as np
+import pytest
+import torch
+
+import graphcap
+from graphcap.api import GRAPHED
+from graphcap.errors import CaptureError
+from graphcap.models import PRESETS, Decoder
+from tests.support.runner_helpers import DEVICE, batch
+
+FORMS = {
+    "int(t)": lambda t: int(t),
+    "float(t)": lambda t: float(t),
+    "operator.index(t)": lambda t: operator.index(t.long()),
+    "range(t)": lambda t: len(range(t.long())),
+    "x[:t]": lambda t: torch.ones(4, device=t.device)[: t.long()].numel(),
+    "if t:": lambda t: 1 if t else -1,
+    "math.floor(t)": lambda t: math.floor(t),
+    "numpy.asarray(t)": lambda t: np.asarray(t).item(),
+}
+
+
+class Reads(torch.nn.Module):
+    """``h * 2`` when the number read from ``source`` on the host is positive, else
+    ``h * 3``: a graph that baked the branch of capture would differ from eager."""
+
+    def __init__(self, form: str, source: str):
+        super().__init__()
+        self.form, self.source = form, source
+        self.lin = torch.nn.Linear(8, 8)
+        self.scale = torch.nn.Parameter(torch.ones(1), requires_grad=False)  # 1 element
+        self.register_buffer("count", torch.tensor(1))  # 0-d, integer
+
+    def forward(self, x):
+        t = {"input": x[0, 0], "parameter": self.scale, "buffer": self.count}[self.source]
+        h = self.lin(x)
+        return h * 2 if FORMS[self.form](t) > 0 else h * 3
+
+
+def _refused(model, strategy: str) -> CaptureError:
+    x = torch.ones(8, 8, device=DEVICE)
+    with pytest.raises(CaptureError, match="(?i)host synchronisation|data-dependent") as info:
+        graphcap.capture(model, strategy, buckets=[8], example_inputs=(x,))
+    with torch.inference_mode():  # the model still runs eagerly, its own way
+        torch.testing.assert_close(model(x), model.lin(x) * 2)
+    return info.value
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_every_python_read_of_a_buffer_is_refused_at_capture(strategy, form):
+    if form.startswith("numpy") and DEVICE != "cpu":
+        pytest.skip("numpy reads host memory only: it refuses a CUDA tensor by itself")
+    _refused(Reads(form, "buffer").to(DEVICE).eval(), strategy)
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+@pytest.mark.parametrize("source", ["input", "parameter", "buffer"])
+def test_int_of_an_input_a_parameter_or_a_buffer_is_refused_at_capture(strategy, source):
+    _refused(Reads("int(t)", source).to(DEVICE).eval(), strategy)
+
+
+def test_tc_piecewise_names_the_tensor_dynamo_read_on_the_host():
+    err = _refused(Reads("int(t)", "buffer").to(DEVICE).eval(), "tc_piecewise")
+    assert "_buffers['count'].item()" in str(err), str(err)
+    assert str(err).startswith("host synchronisation"), str(err)  # as the backend said it
+
+
+def test_sgl_piecewise_on_its_own_follows_a_value_dynamo_guards_on():
+    # Outside graphcap.capture Dynamo's guards run before every call: a changed value
+    # compiles again, so the compiled model keeps matching eager.
+    model = Reads("int(t)", "buffer").to(DEVICE).eval()
+    compiled = torch.compile(model, backend="sgl_piecewise", fullgraph=True,
+                             options={"capture_sizes": [8]})
+    x = torch.randn(8, 8, device=DEVICE)
+    with torch.inference_mode():
+        for value in (1, 1, -1, -1, 2):
+            model.count.fill_(value)
+            torch.testing.assert_close(compiled(x), model(x))
+
+
+class ReadsPositions(Decoder):
+    """The tiny decoder, doubled when the last position (read on the host) is past 4."""
+
+    graphcap_inputs = "prefill"
+
+    def forward(self, input_ids, positions):
+        logits = super().forward(input_ids, positions)
+        return logits * 2 if int(positions[-1]) > 4 else logits
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_a_prefill_forward_that_reads_a_position_on_the_host_is_refused_at_capture(strategy):
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = ReadsPositions(PRESETS["tiny"]).eval()
+    with pytest.raises(CaptureError, match="(?i)host synchronisation|data-dependent"):
+        graphcap.capture(model, strategy, buckets=[8], max_requests=2,
+                         attention="torch_masked")
+    ids, pos = batch([7])
+    with graphcap.packed([7], DEVICE), torch.inference_mode():
+        assert model(ids, pos).shape == (7, model.args.vocab_size)  # still runs eagerly

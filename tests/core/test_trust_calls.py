@@ -1,0 +1,273 @@
+"""A hostile user's calls: threads, eager breaks that change their results, odd lengths and
+sizes, models of packed requests without graphcap attention, faults mid-call. Each gives
+eager's result or a clear error, and the runner stays usable."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import graphcap
+from graphcap.api import GRAPHED
+from graphcap.errors import BadBatch, ReplayError, UnsupportedModel
+from tests.support.check_models import SdpaDecoder  # its attention blind to request boundaries
+from tests.support.runner_helpers import DEVICE, batch, eager, model, runner, tolerance
+
+ATTN = "torch_masked"
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+
+
+def close(got, want):
+    atol, rtol = tolerance()
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+# -- threads -------------------------------------------------------------------------
+def _hammer(call, jobs, threads: int = 4):
+    """Run ``call(job)`` for every job from ``threads`` threads; the failures seen."""
+    failures, lock = [], threading.Lock()
+
+    def work(mine):
+        stream = torch.cuda.Stream() if DEVICE == "cuda" else None  # each its own stream
+        for job in mine:
+            try:
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        call(job)
+                        stream.synchronize()
+                else:
+                    call(job)
+            except Exception as exc:  # noqa: BLE001 - collected, asserted below
+                with lock:
+                    failures.append(f"{job}: {type(exc).__name__}: {exc}")
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()  # the inputs and truths, made on the default stream
+    pool = [threading.Thread(target=work, args=(jobs[i::threads],)) for i in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    return failures
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_one_runner_called_from_several_threads_gives_every_caller_eager_results(strategy):
+    r = runner(strategy, ATTN)
+    cases = [[(n % 13) + 1, (n * 7) % 11] for n in range(48)]
+    truth = {}
+    for i, lens in enumerate(cases):
+        ids, pos = batch(lens, seed=i)
+        truth[i] = (ids, pos, lens, eager(ATTN, ids, pos, lens))
+
+    def call(i):
+        ids, pos, lens, want = truth[i]
+        close(r(ids, pos, seq_lens=lens), want)
+
+    assert _hammer(call, list(truth)) == []
+
+
+def test_a_tensors_runner_captures_once_when_its_first_calls_come_from_two_threads():
+    torch.manual_seed(0)
+    mlp = graphcap.models.MLP().to(DEVICE)
+    r = graphcap.capture(mlp, "full", buckets=[4, 8, 16])
+    xs = [torch.randn(3 + i % 12, 64, device=DEVICE) for i in range(24)]
+    with torch.no_grad():
+        want = [mlp(x) for x in xs]
+
+    def call(i):
+        with torch.no_grad():
+            close(r(xs[i]), want[i])
+
+    assert _hammer(call, list(range(24))) == []
+    assert r.report()["warmups"] == 1 and r.report()["shapes"] == [4, 8, 16]
+
+
+# -- eager breaks ----------------------------------------------------------------------
+class WithBreak(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.brk = graphcap.eager_on_graph(fn)
+
+    def forward(self, x):
+        return self.lin(self.brk(self.lin(x)))
+
+
+def test_a_break_returning_other_shapes_at_replay_is_an_error_and_the_runner_stays_usable():
+    width = {"w": 8}
+    m = WithBreak(lambda h: torch.cat([h[:, :width["w"]], h[:, width["w"]:]], 1)
+                  if width["w"] == 8 else h[:, :width["w"]]).to(DEVICE)
+    x = torch.randn(4, 8, device=DEVICE)
+    r = graphcap.capture(m, "breakable", buckets=[4], example_inputs=(x,))
+    width["w"] = 1  # a width-1 result would be broadcast into the kept buffer
+    with pytest.raises(ReplayError, match="at replay but"):
+        r(x)
+    width["w"] = 3  # and one that cannot broadcast
+    with pytest.raises(ReplayError, match=r"\(4, 3\)"):
+        r(x)
+    width["w"] = 8
+    with torch.no_grad():
+        close(r(x), m(x))
+    assert r.report()["failed"] == 2 and sum(r.stats.replays.values()) == 1
+
+
+def test_a_break_sees_real_values_at_capture_not_graph_garbage():
+    seen = []
+
+    def record(h):
+        seen.append(bool(torch.isfinite(h).all()))
+        return h * 2
+
+    m = WithBreak(record).to(DEVICE)
+    x = torch.randn(4, 8, device=DEVICE)
+    graphcap.capture(m, "breakable", buckets=[2, 4], example_inputs=(x,))
+    assert seen and all(seen)  # the warm-up and both captures
+
+
+def test_a_break_returning_a_model_tensor_never_has_it_written_by_replays():
+    table = torch.randn(2, 4, 8, device=DEVICE)
+    kept = table.clone()
+    pick = {"i": 0}
+
+    class Picks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.choose = graphcap.eager_on_graph(lambda h: table[pick["i"]])
+
+        def forward(self, x):
+            return self.lin(x) + self.choose(x)
+
+    m = Picks().to(DEVICE)
+    x = torch.randn(4, 8, device=DEVICE)
+    r = graphcap.capture(m, "breakable", buckets=[4], example_inputs=(x,))
+    pick["i"] = 1
+    with torch.no_grad():
+        close(r(x), m(x))
+    assert torch.equal(table, kept)  # table[0], returned at capture, was not overwritten
+
+
+# -- lengths, buckets, sizes -----------------------------------------------------------
+ODD_LENGTHS = {"floats": [5.9, 2.1], "integral floats": [5.0, 3.0], "strings": ["5", "3"],
+               "bools": [True, 7], "a float tensor": torch.tensor([5.0, 3.0]),
+               "a bare int": 8, "a string": "53"}
+
+
+@pytest.mark.parametrize("case", sorted(ODD_LENGTHS))
+def test_lengths_must_be_integers_and_are_never_rounded(case):
+    r = runner("full", ATTN)
+    ids, pos = batch([5, 3])
+    with pytest.raises(BadBatch, match="seq_lens"):
+        r(ids, pos, seq_lens=ODD_LENGTHS[case])
+    close(r(ids, pos, seq_lens=[np.int64(5), torch.tensor(3)]), eager(ATTN, ids, pos, [5, 3]))
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(buckets=[4.7, 8]), "bucket"), (dict(buckets=["8"]), "bucket"),
+    (dict(max_tokens=64.0), "max_tokens"), (dict(buckets=[8], max_requests=2.5),
+                                              "max_requests"),
+    (dict(buckets=[8], max_requests=True), "max_requests")])
+def test_sizes_must_be_integers(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        graphcap.capture(model(), "full", attention=ATTN, **kwargs)
+
+
+def test_the_opt_in_input_check_refuses_ids_and_positions_out_of_range():
+    r = graphcap.capture(model(), "full", buckets=[8], max_requests=2, attention=ATTN,
+                         check_inputs=True)
+    ids, pos = batch([5, 3])
+    vocab = model().args.vocab_size
+    for bad_ids, needle in ((ids - 300, "input_ids range"), (ids + vocab, "vocabulary")):
+        with pytest.raises(BadBatch, match=needle):
+            r(bad_ids, pos, seq_lens=[5, 3])
+    with pytest.raises(BadBatch, match="positions"):
+        r(ids, pos - 1, seq_lens=[5, 3])
+    close(r(ids, pos, seq_lens=[5, 3]), eager(ATTN, ids, pos, [5, 3]))
+
+
+# -- models of packed requests ----------------------------------------------------------
+@pytest.mark.parametrize("strategy", ("eager", *GRAPHED))
+def test_packed_requests_into_a_model_without_graphcap_attention_are_refused(strategy):
+    m = SdpaDecoder().to(DEVICE)
+    r = graphcap.capture(m, strategy, buckets=[8, 16], max_requests=2, attention=ATTN)
+    ids = torch.randint(0, 64, (8,), device=DEVICE)
+    pos = torch.cat([torch.arange(5), torch.arange(3)]).to(DEVICE)
+    with pytest.raises(UnsupportedModel, match="ran no graphcap attention.*Bring your own"):
+        r(ids, pos, seq_lens=[5, 3])
+    with torch.no_grad():  # one request at a time cannot mix
+        close(r(ids[:5], pos[:5], seq_lens=[5, 0]), m(ids[:5], pos[:5]))
+    if strategy != "eager":
+        assert r.report()["attention"] is None
+
+
+def test_graphcap_packed_refuses_a_model_without_graphcap_attention_too():
+    m = SdpaDecoder().to(DEVICE)
+    ids = torch.randint(0, 64, (8,), device=DEVICE)
+    with pytest.raises(UnsupportedModel, match="ran no graphcap attention"):
+        with graphcap.packed([5, 3], DEVICE):
+            m(ids, ids)
+
+
+def test_a_prefill_model_is_declared_not_guessed_from_its_parameter_names():
+    class Renamed(torch.nn.Module):
+        graphcap_inputs = "prefill"
+
+        def __init__(self):
+            super().__init__()
+            self.inner = model()
+
+        def forward(self, tokens, where):
+            return self.inner(tokens, where)
+
+    r = graphcap.capture(Renamed(), "full", buckets=[8], max_requests=2, attention=ATTN)
+    ids, pos = batch([5, 3])
+    close(r(ids, pos, seq_lens=[5, 3]), eager(ATTN, ids, pos, [5, 3]))
+    assert r.report()["attention"] == ATTN
+    plain = graphcap.capture(Renamed(), "full", buckets=[8], inputs="tensors")
+    with pytest.raises(BadBatch, match="inputs='prefill'"):
+        plain(ids, pos, seq_lens=[5, 3])
+
+
+# -- faults and counters ---------------------------------------------------------------
+def test_a_break_that_raises_at_replay_leaves_the_runner_usable_and_is_counted():
+    fail = {"now": False}
+
+    def maybe(h):
+        if fail["now"]:
+            raise RuntimeError("the break failed")
+        return h + 1
+
+    m = WithBreak(maybe).to(DEVICE)
+    x = torch.randn(4, 8, device=DEVICE)
+    r = graphcap.capture(m, "breakable", buckets=[4], example_inputs=(x,))
+    fail["now"] = True
+    with pytest.raises(RuntimeError, match="the break failed"):
+        r(x)
+    fail["now"] = False
+    with torch.no_grad():
+        close(r(x), m(x))
+    assert r.report()["failed"] == 1 and r.stats.replays[4] == 1
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_every_accepted_call_is_a_replay_a_fallback_or_a_failure(strategy):
+    m = graphcap.models.build_model("tiny", device=DEVICE)
+    r = graphcap.capture(m, strategy, buckets=[8], max_requests=2, attention=ATTN,
+                         on_change="error")
+    ids, pos = batch([5, 3])
+    r(ids, pos, seq_lens=[5, 3])
+    m.lm_head.weight = torch.nn.Parameter(m.lm_head.weight.detach().clone())
+    with pytest.raises(graphcap.ModelChanged):
+        r(ids, pos, seq_lens=[5, 3])
+    r.recapture()
+    r(ids, pos, seq_lens=[5, 3])
+    ids, pos = batch([12])
+    r(ids, pos, seq_lens=[12])  # a fallback
+    rep = r.report()
+    assert rep["calls"] == 4 and rep["failed"] == 1
+    assert rep["calls"] == sum(rep["replays"].values()) + sum(rep["fallbacks"].values()) \
+        + rep["failed"]

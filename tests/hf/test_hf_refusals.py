@@ -1,0 +1,169 @@
+"""Stock transformers families graphcap.hf cannot run as they are built: each is refused
+with ``UnsupportedModel`` naming the model and the config fields that switch the feature
+off (and doing as the message says makes it run exactly), or, where graphcap can run it
+exactly, it runs. Families of tests/support/hf_families.py's OTHER_FAMILIES."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import graphcap
+
+transformers = pytest.importorskip("transformers")
+from graphcap.hf import PrefillLM, UnsupportedModel  # noqa: E402  (needs transformers)
+from tests.support.hf_families import VOCAB, hf_model  # noqa: E402
+
+IDS = torch.randint(0, VOCAB, (8,), generator=torch.Generator().manual_seed(5))
+POS = torch.cat([torch.arange(5), torch.arange(3)])
+LENS = [5, 3]  # shorter than the tiny configs' windows of 8 tokens
+PROMPTS = [[5, 9, 2, 7, 1], [3, 4]]
+
+
+def stock_logits(ref, ids=IDS, lens=LENS):
+    with torch.no_grad():
+        return torch.cat([ref(r[None], use_cache=False).logits[0] for r in ids.split(lens)])
+
+
+def advised(message: str) -> dict:
+    """The keyword arguments of from_pretrained that a refusal tells the user to load with."""
+    found = re.search(r"from_pretrained\(path, (.*?)\) \(or set", message)
+    assert found, message
+    return eval(f"dict({found.group(1)})")  # noqa: S307  (our own message)
+
+
+# (family, what the refusal must name): Gemma 2/3, Cohere2, OLMo 3 and gpt-oss read
+# layer_types, not use_sliding_window; Mistral reads sliding_window at every call.
+WINDOWED = [("gemma2", "layer_types"), ("gemma3_text", "layer_types"),
+            ("cohere2", "layer_types"), ("olmo3", "layer_types"), ("gpt_oss", "layer_types"),
+            ("mistral", "sliding_window=None"), ("qwen2", "layer_types")]
+WINDOWS_ON = {"mistral": {"sliding_window": 8},
+              "qwen2": {"use_sliding_window": True, "sliding_window": 8,
+                        "layer_types": ["sliding_attention"] * 2},
+              "gemma2": {"attn_logit_softcapping": None}}  # its windows alone
+
+
+@pytest.mark.parametrize(("family", "field"), WINDOWED)
+def test_a_sliding_window_refusal_names_the_config_fields_that_turn_it_off(family, field):
+    model = hf_model(family, **WINDOWS_ON.get(family, {}))
+    with pytest.raises(UnsupportedModel) as refused:
+        PrefillLM(model)
+    message = str(refused.value)
+    assert message.startswith(type(model).__name__), message
+    assert field in message and "window (8 tokens)" in message, message
+    assert "use_sliding_window" not in message, message
+    assert model.config._attn_implementation == "eager"  # left as it came
+
+
+def load_as_advised(family: str, path) -> tuple:
+    """(the windowed model, the same weights loaded as its refusal says) of ``family``."""
+    windowed = hf_model(family, **WINDOWS_ON.get(family, {}))
+    with pytest.raises(UnsupportedModel) as refused:
+        PrefillLM(hf_model(family, **WINDOWS_ON.get(family, {})))
+    windowed.save_pretrained(path)
+    return windowed, transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", **advised(str(refused.value))).eval()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "cohere2", "olmo3", "qwen2"])
+def test_the_fields_a_window_refusal_names_turn_the_windows_off(family, tmp_path):
+    _, full = load_as_advised(family, tmp_path)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", layer_types=full.config.layer_types).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(PrefillLM(full)(IDS, POS, seq_lens=LENS),
+                                   stock_logits(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_without_its_window_mistral_gives_the_windowed_models_logits_below_the_window(
+        tmp_path):
+    # As the refusal says: below its window a windowed model attends as full attention does.
+    windowed, full = load_as_advised("mistral", tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(PrefillLM(full)(IDS, POS, seq_lens=LENS),
+                                   stock_logits(windowed), atol=1e-5, rtol=1e-5)
+
+
+def test_a_window_refusal_says_when_a_layers_type_also_sets_its_rotary_embedding():
+    # Gemma 3's sliding layers rotate with another base than its full ones.
+    with pytest.raises(UnsupportedModel, match=r"another model.*here rope_parameters\["
+                       r"'sliding_attention'\] differs"):
+        PrefillLM(hf_model("gemma3_text"))
+
+
+def test_qwen2_with_use_sliding_window_but_only_full_attention_layers_runs():
+    # max_window_layers past the last layer: every layer attends fully, whatever
+    # use_sliding_window says; the model is not refused.
+    ref = hf_model("qwen2", use_sliding_window=True, sliding_window=8)
+    assert set(ref.config.layer_types) == {"full_attention"}
+    lm = PrefillLM(hf_model("qwen2", use_sliding_window=True, sliding_window=8))
+    with torch.no_grad():
+        torch.testing.assert_close(lm(IDS, POS, seq_lens=LENS), stock_logits(ref),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_soft_capping_is_refused_naming_its_config_field_and_that_it_changes_outputs():
+    model = hf_model("gemma2", layer_types=["full_attention"] * 2)
+    with pytest.raises(UnsupportedModel, match=r"^Gemma2ForCausalLM: .*soft-capping \(50\.0\)"
+                       r".*attn_logit_softcapping=None turns it off, but changes the "
+                       r"model's outputs"):
+        PrefillLM(model)
+
+
+def test_attention_sinks_are_refused_saying_no_config_field_turns_them_off():
+    model = hf_model("gpt_oss", layer_types=["full_attention"] * 2)
+    with pytest.raises(UnsupportedModel, match=r"^GptOssForCausalLM: .*attention sinks.*no "
+                       r"config field turns off"):
+        PrefillLM(model)
+
+
+def test_layers_that_are_not_attention_are_refused_naming_their_type():
+    model = hf_model("llama", layer_types=["full_attention", "linear_attention"])
+    with pytest.raises(UnsupportedModel, match="LlamaForCausalLM has layers of type "
+                       "linear_attention .*no config field turns off"):
+        PrefillLM(model)
+
+
+@pytest.mark.parametrize("kernels", ["graphcap", "stock"])
+def test_mla_values_of_another_head_dim_than_keys_are_refused_naming_the_dims(kernels):
+    # DeepSeek-V3's checkpoints: qk_nope_head_dim + qk_rope_head_dim != v_head_dim.
+    model = hf_model("deepseek_v3")
+    with pytest.raises(UnsupportedModel, match=r"^DeepseekV3ForCausalLM: .*keys of head dim "
+                       r"16 and values of head dim 8 \(config: qk_nope_head_dim=8, "
+                       r"qk_rope_head_dim=8, v_head_dim=8\).*transformers' own attention"):
+        PrefillLM(model, kernels=kernels)
+    assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("strategy", ["eager", "full"])
+def test_mla_with_one_head_dim_generates_what_transformers_generates(strategy):
+    # Its keys have every query head and head dim qk_nope + qk_rope, which neither
+    # num_key_value_heads nor head_dim says: the cache takes what the attention receives.
+    ref = hf_model("deepseek_v3_one_head_dim")
+    lm = PrefillLM(hf_model("deepseek_v3_one_head_dim"), logits="last")
+    assert set(lm.kv_shapes.values()) == {(4, 16)}
+    got = graphcap.generate(lm, PROMPTS, 4, strategy=strategy, max_batch=2,
+                            prefill_tokens=16)
+    want = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                           do_sample=False, pad_token_id=0)
+        want.append(out[0, len(prompt):].tolist())
+    assert got.tokens == want
+
+
+@pytest.mark.parametrize("family", ["phi", "gpt_neox"])
+def test_other_families_on_transformers_attention_interface_run_exactly(family):
+    ref = hf_model(family)
+    lm = PrefillLM(hf_model(family))
+    with torch.no_grad():
+        torch.testing.assert_close(lm(IDS, POS, seq_lens=LENS), stock_logits(ref),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_falcon_whose_attention_does_not_use_the_attention_interface_is_refused():
+    with pytest.raises(UnsupportedModel, match="FalconForCausalLM cannot switch"):
+        PrefillLM(hf_model("falcon"))

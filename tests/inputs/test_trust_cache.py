@@ -1,0 +1,239 @@
+"""A step that raised counts nothing in the cache: its tokens are written only once it has
+run, so no later step reads a slot nobody wrote (the K/V a released request left in its
+pages). Token ids out of the vocabulary are refused before anything runs, with
+``check_inputs``; positions past the model's ``max_position`` always."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphcap
+from graphcap.api import STRATEGIES
+from graphcap.engine.eager import decode_step, prefill
+from graphcap.errors import BadBatch, UnsupportedModel
+from graphcap.inputs import CachePrefillInputs, DecodeInputs
+from graphcap.kv import PagedKVCache
+from graphcap.models import PRESETS, Decoder, build_model
+from graphcap.opsdb.attention import get_backend
+from tests.support.runner_helpers import DEVICE
+
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+
+
+class Interrupted(KeyboardInterrupt):
+    pass
+
+
+class InterruptOnce:
+    """A kind of input whose next call is interrupted once staged, before its replay (a
+    Ctrl-C landing there): ``arm()`` it, and the next stage raises (an eager call: before
+    it runs)."""
+
+    armed = False
+
+    def arm(self):
+        self.armed = True
+
+    def stage(self, batch, bucket, state):
+        super().stage(batch, bucket, state)
+        if self.armed:  # staged, not replayed
+            self.armed = False
+            raise Interrupted
+
+    def eager(self, model, batch):
+        run = super().eager(model, batch)
+        if not self.armed:
+            return run
+        self.armed = False
+
+        def interrupted():
+            raise Interrupted
+        return interrupted
+
+
+class InterruptedDecode(InterruptOnce, DecodeInputs):
+    pass
+
+
+class InterruptedPrefill(InterruptOnce, CachePrefillInputs):
+    pass
+
+
+def used_cache(model, leftover: list[int]) -> PagedKVCache:
+    """A cache whose slot 0 held a request of ``leftover`` tokens, released: its pages
+    keep that request's K/V, and the next request admitted to slot 0 gets them."""
+    a = model.args
+    cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=2, max_len=16,
+                         page_size=4, device=DEVICE)
+    cache.admit(0, len(leftover))
+    prefill(model, cache, torch.tensor(leftover, device=DEVICE), [len(leftover)], [0])
+    cache.release(0)
+    cache.admit(0, 12)
+    return cache
+
+
+def tokens(*ids):
+    return torch.tensor(ids, device=DEVICE)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_decode_step_that_raised_leaves_the_next_position_unreadable(strategy):
+    model = build_model("tiny", device=DEVICE)
+    logits = []
+    for leftover in ([7] * 12, [3] * 12):  # two previous owners of slot 0's pages
+        cache = used_cache(model, leftover)
+        prefill(model, cache, tokens(1, 2, 3), [3], [0])
+        inputs = InterruptedDecode(cache)
+        runner = graphcap.capture(model, strategy, buckets=[1, 2], inputs=inputs)
+        inputs.arm()
+        with pytest.raises(Interrupted):
+            runner(tokens(4), positions=[3], slots=[0])
+        assert cache.written(0) == 3
+        with pytest.raises(BadBatch, match="position 4 of slot 0 skips past the 3 tokens"):
+            runner(tokens(5), positions=[4], slots=[0])
+        runner(tokens(4), positions=[3], slots=[0])  # the retry writes position 3
+        logits.append(runner(tokens(5), positions=[4], slots=[0]))
+        assert cache.written(0) == 5
+    assert torch.equal(logits[0], logits[1])  # nothing of a previous owner was read
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_prefill_that_raised_leaves_its_tokens_unwritten(strategy):
+    model = build_model("tiny", device=DEVICE)
+    backend = get_backend(None, torch.device(DEVICE), strategy=strategy)
+    logits = []
+    for leftover in ([7] * 12, [3] * 12):
+        cache = used_cache(model, leftover)
+        inputs = InterruptedPrefill(cache, backend, slots=2, extend=True)
+        runner = graphcap.capture(model, strategy, buckets=[4, 8], inputs=inputs)
+        inputs.arm()
+        with pytest.raises(Interrupted):
+            runner(tokens(1, 2, 3), torch.arange(3, device=DEVICE), seq_lens=[3], slots=[0])
+        assert cache.written(0) == 0
+        with pytest.raises(BadBatch, match="starts at 3, but its pages hold 0 tokens"):
+            runner(tokens(4, 5), torch.arange(3, 5, device=DEVICE), seq_lens=[2],
+                   slots=[0], starts=[3])
+        runner(tokens(1, 2, 3), torch.arange(3, device=DEVICE), seq_lens=[3], slots=[0])
+        logits.append(runner(tokens(4, 5), torch.arange(3, 5, device=DEVICE), seq_lens=[2],
+                             slots=[0], starts=[3]))
+        assert cache.written(0) == 5
+    assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="an id past the vocabulary is a device-side "
+                    "assert on CUDA, which ends the process's CUDA context")
+def test_a_step_that_failed_in_the_model_counts_no_token():
+    model = build_model("tiny", device=DEVICE)
+    cache = used_cache(model, [7] * 12)
+    prefill(model, cache, tokens(1, 2, 3), [3], [0])
+    runner = graphcap.capture(model, "full", buckets=[1], inputs=DecodeInputs(cache))
+    with pytest.raises(IndexError):  # unchecked: the embedding's own error
+        runner(tokens(model.vocab_size), positions=[3], slots=[0])
+    assert cache.written(0) == 3
+    with pytest.raises(BadBatch, match="skips past the 3 tokens"):
+        runner(tokens(5), positions=[4], slots=[0])
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("bad", ["vocab", "negative"])
+def test_checked_decode_refuses_token_ids_outside_the_vocabulary_before_anything_runs(
+        strategy, bad):
+    model = build_model("tiny", device=DEVICE)
+    cache = used_cache(model, [7] * 12)
+    prefill(model, cache, tokens(1, 2, 3), [3], [0])
+    runner = graphcap.capture(model, strategy, buckets=[1, 2],
+                              inputs=DecodeInputs(cache, check_inputs=True))
+    k, v = cache.k.clone(), cache.v.clone()
+    token = model.vocab_size if bad == "vocab" else -1
+    with pytest.raises(BadBatch, match=r"tokens range over .* outside the vocabulary"):
+        runner(tokens(token), positions=[3], slots=[0])
+    assert torch.equal(cache.k, k) and torch.equal(cache.v, v)
+    assert cache.written(0) == 3
+    twin = used_cache(model, [7] * 12)
+    prefill(model, twin, tokens(1, 2, 3), [3], [0])
+    want = decode_step(model, twin, tokens(4), tokens(3), [0])
+    torch.testing.assert_close(runner(tokens(4), positions=[3], slots=[0]), want)  # usable
+
+
+def test_the_eager_decode_step_checks_its_token_ids():
+    model = build_model("tiny", device=DEVICE)
+    cache = used_cache(model, [7] * 12)
+    with pytest.raises(BadBatch, match="outside the vocabulary"):
+        decode_step(model, cache, tokens(-1), tokens(0), [0])
+    assert cache.written(0) == 0
+
+
+def test_check_inputs_needs_the_models_vocabulary():
+    class NoVocabulary(Decoder):
+        vocab_size = None
+
+    model = NoVocabulary(PRESETS["tiny"]).to(DEVICE).eval()
+    cache = used_cache(build_model("tiny", device=DEVICE), [7] * 4)
+    with pytest.raises(UnsupportedModel, match="vocab_size"):
+        graphcap.capture(model, "full", buckets=[1],
+                         inputs=DecodeInputs(cache, check_inputs=True))
+
+
+def test_positions_past_the_models_max_position_are_refused():
+    model = build_model("tiny", device=DEVICE)
+    a = model.args
+    cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=1,
+                         max_len=a.max_position + 8, page_size=4, device=DEVICE)
+    cache.admit(0, a.max_position + 8)
+    cache.wrote([(0, a.max_position)])  # as if a long prompt had been prefilled
+    runner = graphcap.capture(model, "full", buckets=[1], inputs=DecodeInputs(cache))
+    with pytest.raises(BadBatch, match="past the model's max_position"):
+        runner(tokens(1), positions=[a.max_position], slots=[0])
+
+
+class ReadsAHostValue(Decoder):
+    """A decoder whose forward reads a device value on the host (a graph cannot)."""
+
+    def forward(self, input_ids, positions, last_rows=None, seq_lens=None):
+        if input_ids.sum().item() < 0:
+            return None
+        return super().forward(input_ids, positions, last_rows, seq_lens)
+
+
+class RefusesEveryBatch(Decoder):
+    def forward(self, input_ids, positions, last_rows=None, seq_lens=None):
+        raise BadBatch("this model's own refusal")
+
+
+@pytest.mark.parametrize("strategy", ["breakable", "full"])
+def test_a_decode_capture_raises_the_models_own_errors(strategy):
+    # Not "wrote no K/V to the cache ... must go through attention_half": the attention
+    # is fine, the model's own line is what a graph cannot run, or what refused.
+    for kind, error, match in ((ReadsAHostValue, graphcap.errors.CaptureError,
+                                r"(?s)host synchronisation.*\.item|\.item.*host synchronisation"),
+                               (RefusesEveryBatch, BadBatch, "this model's own refusal")):
+        model = kind(PRESETS["tiny"]).to(DEVICE).eval()
+        cache = used_cache(build_model("tiny", device=DEVICE), [7] * 4)
+        with pytest.raises(error, match=match):
+            graphcap.capture(model, strategy, buckets=[1], inputs=DecodeInputs(cache))
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_model_converted_under_a_live_decode_runner_raises_its_own_error(strategy):
+    model = build_model("tiny", device=DEVICE)
+    cache = used_cache(model, [7] * 4)
+    prefill(model, cache, tokens(1, 2, 3), [3], [0])
+    runner = graphcap.capture(model, strategy, buckets=[1], inputs=DecodeInputs(cache))
+    runner(tokens(4), positions=[3], slots=[0])
+    model.to(torch.float64)
+    with pytest.raises(graphcap.errors.OpInputError, match="has dtype torch.float64"):
+        runner(tokens(5), positions=[4], slots=[0])
+    assert cache.written(0) == 4
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_prefill_attention_in_a_decode_forward_says_to_go_through_the_cache(strategy):
+    model = build_model("tiny", device=DEVICE)
+    for block in model.blocks:
+        block.attn.layer = None  # graphcap::attention, which knows nothing of the cache
+    cache = used_cache(build_model("tiny", device=DEVICE), [7] * 4)
+    with pytest.raises(UnsupportedModel, match=r"graphcap::attention .* ran in a forward "
+                       r"over a paged K/V cache.*attention_half"):
+        runner = graphcap.capture(model, strategy, buckets=[1], inputs=DecodeInputs(cache))
+        runner(tokens(1), positions=[0], slots=[0])

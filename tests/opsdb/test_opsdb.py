@@ -1,0 +1,234 @@
+"""opsdb: registration, torch.library conformance, kernels against references, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphcap.opsdb as opsdb
+from graphcap.opsdb import OpInputError, get_op
+from graphcap.testing import check_op
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Split ops (attention) read their metadata from the forward context: see
+# tests/opsdb/test_attention_backends.py. Collectives need a TP group of several processes:
+# tests/tp/test_tp.py runs opcheck on them there.
+COLLECTIVES = ("graphcap::all_reduce", "graphcap::all_gather")
+BUILTIN = sorted(name for name, spec in opsdb.REGISTRY.items()
+                 if not spec.split and name not in COLLECTIVES)
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_every_builtin_op_passes_opcheck_and_its_reference_matches_itself(name):
+    # opcheck: schema (declared mutations), fake tensors, autograd registration, and
+    # aot_dispatch with dynamic shapes, on generated float32 inputs.
+    errors = check_op(name, kernel="torch", device="cpu", dtypes=(torch.float32,),
+                      examples=4)
+    assert errors == {"torch": 0.0}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=[pytest.mark.gpu] if DEVICE == "cuda" else []) for n in BUILTIN])
+def test_every_available_kernel_matches_the_reference(name):
+    spec = get_op(name)
+    available = [b for b, why in spec.available(DEVICE).items() if why is None and b != "torch"]
+    if not available:
+        pytest.skip(f"no kernel besides the reference runs on {DEVICE}: "
+                    f"{spec.available(DEVICE)}")
+    check_op(name, device=DEVICE, examples=6, opcheck=False)
+
+
+def test_kernel_choice_is_explicit_then_environment_then_best(environ):
+    spec = get_op("rms_norm")
+    environ.unset("GRAPHCAP_RMS_NORM_KERNEL")
+    assert spec.select("cpu") == "torch"  # never the Triton interpreter unless asked
+    if spec.available("cpu")["triton"] is None:  # TRITON_INTERPRET=1: on explicit request
+        assert spec.select("cpu", kernel="triton") == "triton"
+    environ.set("GRAPHCAP_RMS_NORM_KERNEL", "torch")
+    assert spec.select("cpu") == "torch"
+    environ.set("GRAPHCAP_RMS_NORM_KERNEL", "cublas")
+    with pytest.raises(opsdb.KernelUnavailable, match="GRAPHCAP_RMS_NORM_KERNEL"):
+        spec.select("cpu")
+    assert spec.select("cpu", kernel="torch") == "torch"
+
+
+def test_an_unavailable_kernel_says_why():
+    spec = get_op("rms_norm")
+    why = spec.available("cpu")["flashinfer"]
+    assert why and ("cuda" in why or "flashinfer" in why)
+    with pytest.raises(opsdb.KernelUnavailable, match="flashinfer"):
+        spec.select("cpu", kernel="flashinfer")
+
+
+BAD_CALLS = {
+    "wrong dtype": (lambda: torch.ops.graphcap.rms_norm(
+        torch.ones(2, 8, dtype=torch.int32), torch.ones(8), 1e-6), "dtype"),
+    "wrong rank": (lambda: torch.ops.graphcap.silu_and_mul(torch.ones(8)), "2 dims"),
+    "hidden size mismatch": (lambda: torch.ops.graphcap.rms_norm(
+        torch.ones(2, 8), torch.ones(4), 1e-6), "hidden size"),
+    "odd gate width": (lambda: torch.ops.graphcap.silu_and_mul(torch.ones(2, 7)), "even"),
+    "heads do not divide": (lambda: torch.ops.graphcap.rotary_embedding(
+        torch.zeros(2, dtype=torch.long), torch.ones(2, 60), torch.ones(2, 64),
+        torch.ones(16, 32), 64), "not a multiple of head_size"),
+    "token counts differ": (lambda: torch.ops.graphcap.fused_add_rms_norm(
+        torch.ones(2, 8), torch.ones(3, 8), torch.ones(8), 1e-6), "shape"),
+    "top_k above experts": (lambda: torch.ops.graphcap.moe_topk_softmax(
+        torch.ones(2, 4), 5, True), "top_k=5"),
+    "qkv width not (H + 2 Hk) * D": (lambda: torch.ops.graphcap.qkv_norm_rope(
+        torch.ones(2, 60), torch.zeros(2, dtype=torch.long), None, None, torch.ones(8, 16),
+        2, 1, 16, 1e-6), r"\(heads \+ 2 kv heads\) \* head_size = 64"),
+    "strided norm weight": (lambda: torch.ops.graphcap.rms_norm_linear(
+        torch.ones(2, 8), torch.ones(16)[::2], 1e-6, torch.ones(4, 8), None),
+        "norm_weight must be contiguous"),
+    "swiglu weight with odd rows": (lambda: torch.ops.graphcap.rms_norm_swiglu(
+        torch.ones(2, 8), torch.ones(8), 1e-6, torch.ones(5, 8)), "even count"),
+    "residual of another shape": (lambda: torch.ops.graphcap.linear_residual(
+        torch.ones(2, 8), torch.ones(4, 8), torch.ones(3, 4)), "shape of residual"),
+    "only one qk-norm weight": (lambda: torch.ops.graphcap.qkv_norm_rope(
+        torch.ones(2, 64), torch.zeros(2, dtype=torch.long), torch.ones(16), None,
+        torch.ones(8, 16), 2, 1, 16, 1e-6), "both q_weight and k_weight"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CALLS))
+def test_bad_input_is_rejected_with_a_clear_error_before_any_launch(case):
+    call, needle = BAD_CALLS[case]
+    with pytest.raises(OpInputError, match=needle):
+        call()
+
+
+def test_an_op_registered_without_a_fake_works_under_fullgraph_compile():
+    def reference(x: torch.Tensor, alpha: float) -> torch.Tensor:
+        return torch.nn.functional.gelu(x) * alpha
+
+    spec = opsdb.register_op("graphcap_test::gelu_scale",
+                             "(Tensor x, float alpha) -> Tensor", reference=reference)
+    assert spec.fake_derived
+
+    @torch.compile(fullgraph=True, backend="aot_eager", dynamic=True)
+    def f(x):
+        return torch.ops.graphcap_test.gelu_scale(x + 1, 2.0) * 3
+
+    for n in (3, 5):
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(f(x), reference(x + 1, 2.0) * 3)
+
+
+def test_registering_a_name_twice_is_an_error():
+    with pytest.raises(opsdb.spec.GraphcapError, match="registered already"):
+        opsdb.register_op("graphcap::rms_norm", "(Tensor x) -> Tensor",
+                          reference=lambda x: x)
+
+
+def test_op_names_must_be_qualified():
+    with pytest.raises(ValueError, match="namespace::op_name"):
+        opsdb.register_op("no_namespace", "(Tensor x) -> Tensor", reference=lambda x: x)
+
+
+def test_a_kernel_that_declares_dtypes_is_skipped_for_others():
+    spec = get_op("silu_and_mul")
+    kernel = spec.kernels["flashinfer"]
+    assert "takes float16, bfloat16, not float32" in kernel.unavailable(
+        torch.device("cuda"), torch.float32)
+
+
+def test_a_kernel_that_declines_a_shape_is_passed_over_and_never_called_with_it():
+    calls = []
+
+    def wide_only(x):  # a stand-in for a vendor kernel with variants for wide rows only
+        calls.append(x.shape[1])
+        return x * 2
+
+    spec = opsdb.register_op(
+        "graphcap_test::double_wide", "(Tensor x) -> Tensor", reference=lambda x: x * 2,
+        kernels={"wide": opsdb.Kernel(wide_only, devices=("cpu", "cuda"), accepts=lambda x: (
+            None if x.shape[1] % 64 == 0 else f"rows of {x.shape[1]}, not a multiple of 64"))})
+    narrow, wide = torch.ones(3, 8, device=DEVICE), torch.ones(3, 64, device=DEVICE)
+    assert spec.select(DEVICE, args=(narrow,)) == "torch"
+    assert spec.select(DEVICE, args=(wide,)) == "wide"
+    torch.testing.assert_close(spec(narrow), narrow * 2)
+    torch.testing.assert_close(spec(wide), wide * 2)
+    assert calls == [64]
+    with pytest.raises(OpInputError, match="kernel 'wide' cannot take these inputs: rows "
+                                           "of 8, not a multiple of 64"):
+        spec(narrow, kernel="wide")
+    assert calls == [64]
+
+
+def test_flashinfer_rope_is_never_given_a_shape_it_would_misread():
+    spec = get_op("rotary_embedding")
+    pos = torch.zeros(4, dtype=torch.long)
+
+    def args(head, rot):
+        return pos, torch.zeros(4, head), torch.zeros(4, head), torch.zeros(8, rot), head
+
+    declines = spec.kernels["flashinfer"].declines
+    assert "not head size 16 with 8 rotary dims" in declines(args(16, 8))
+    assert declines(args(64, 32)) is None and declines(args(128, 128)) is None
+
+
+def _ref_short(x):
+    return x
+
+
+def _ref_long(x, alpha, beta):
+    return x * alpha * beta
+
+
+def _ref_keyword_only(x, *, alpha):
+    return x * alpha
+
+
+@pytest.mark.parametrize(("name", "fn", "params"), [
+    ("short", _ref_short, "(x)"), ("long", _ref_long, "(x, alpha, beta)"),
+    ("keyword_only", _ref_keyword_only, "(x, *, alpha)")])
+def test_a_reference_that_cannot_take_the_schemas_arguments_is_refused_at_registration(
+        name, fn, params):
+    qualname = f"graphcap_test::arity_{name}"
+    with pytest.raises(opsdb.spec.GraphcapError) as info:
+        opsdb.register_op(qualname, "(Tensor x, float alpha) -> Tensor", reference=fn)
+    text = str(info.value)
+    assert "(Tensor x, float alpha)" in text and f"{fn.__name__}{params}" in text, text
+    assert "reference" in text and qualname not in opsdb.REGISTRY
+    assert not hasattr(torch.ops.graphcap_test, f"arity_{name}")  # nothing half defined
+
+
+@pytest.mark.parametrize("role", ["fake", "check", "kernels", "dispatch"])
+def test_a_fake_check_kernel_or_dispatch_of_the_wrong_arity_is_refused_too(role):
+    given = {"kernels": {"short": _ref_short}}.get(role, _ref_short)
+    with pytest.raises(opsdb.spec.GraphcapError, match=rf"{role}.*_ref_short\(x\)"):
+        opsdb.register_op(f"graphcap_test::arity_{role}", "(Tensor x, float alpha) -> Tensor",
+                          reference=lambda x, alpha: x * alpha, **{role: given})
+
+
+def test_functions_with_defaults_or_star_args_that_take_the_arguments_are_accepted():
+    spec = opsdb.register_op(
+        "graphcap_test::arity_flexible", "(Tensor x, float alpha) -> Tensor",
+        reference=lambda x, alpha, beta=1.0: x * alpha * beta,
+        kernels={"star": opsdb.Kernel(lambda *args: args[0] * args[1], devices=("cpu",))})
+    x = torch.ones(3)
+    torch.testing.assert_close(spec(x, 2.0, kernel="star"), spec(x, 2.0, kernel="torch"))
+
+
+def test_defaults_and_keyword_only_arguments_reach_the_kernels_in_schema_order():
+    seen = []
+
+    def reference(x, alpha, beta):
+        seen.append((alpha, beta))
+        return x * alpha + beta
+
+    spec = opsdb.register_op(
+        "graphcap_test::keywords", "(Tensor x, float alpha=2.0, *, float beta=1.0) -> Tensor",
+        reference=reference)
+    op, x = torch.ops.graphcap_test.keywords, torch.ones(2)
+    torch.testing.assert_close(op(x), x * 2 + 1)
+    torch.testing.assert_close(op(x, 3.0, beta=5.0), x * 3 + 5)
+    torch.testing.assert_close(op(x, beta=5.0), x * 2 + 5)
+    torch.testing.assert_close(spec(x, kernel="torch"), x * 2 + 1)
+    assert seen == [(2.0, 1.0), (3.0, 5.0), (2.0, 5.0), (2.0, 1.0)]
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(x):
+        return op(x, beta=4.0) * 3  # the derived fake: the reference on fake tensors
+
+    torch.testing.assert_close(f(x), (x * 2 + 4) * 3)

@@ -1,0 +1,357 @@
+"""tc_piecewise: the sgl_piecewise torch.compile backend (split, compile once, capture
+per shape), on its own and under graphcap.capture."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import importlib.metadata
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import graphcap
+from graphcap.errors import CaptureError
+from graphcap.models import Decoder, ModelArgs
+from graphcap.piecewise import PiecewiseCompiler
+from graphcap.piecewise import compiler as piecewise_compiler
+from graphcap.piecewise.inductor import compile_piece
+from graphcap.piecewise.split import split_graph, split_op_names
+from graphcap.testing.strategies import prefill_batches
+
+ROOT = Path(__file__).resolve().parents[2]
+SIZES = [8, 16, 32]
+
+_LIB = torch.library.Library("graphcap_test", "FRAGMENT")
+_LIB.define("split_a(Tensor x, Tensor(a!) out) -> ()")
+
+
+def _split_a(x, out):
+    out.copy_(x)
+
+
+_LIB.impl("split_a", _split_a, "CompositeExplicitAutograd")
+
+
+def decoder(layers: int):
+    torch.manual_seed(0)
+    return Decoder(ModelArgs(layers=layers)).eval()
+
+
+def _check_batches(m, r, batches=([5, 3], [16], [20, 9, 3])):
+    for lens in batches:  # new sizes and batches: no recompilation
+        ids = torch.randint(1, 256, (sum(lens),))
+        pos = torch.cat([torch.arange(n) for n in lens])
+        with torch.inference_mode():
+            want = m(ids, pos, seq_lens=lens)
+        torch.testing.assert_close(r(ids, pos, seq_lens=lens), want)
+
+
+def _captured(layers: int, attention: str):
+    m = decoder(layers)
+    r = graphcap.capture(m, "tc_piecewise", buckets=SIZES, max_requests=4,
+                         attention=attention)
+    return m, r, r.model.compiler.stats
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_counters_one_graph_2l_plus_1_pieces_l_plus_1_captured_no_recompile(layers):
+    # torch_varlen attention reads host lengths: its split ops run eagerly between the
+    # pieces, so every shape is captured piece by piece.
+    m, r, stats = _captured(layers, "torch_varlen")
+    assert stats["graphs"] == 1
+    assert stats["pieces"] == 2 * layers + 1 and stats["split_pieces"] == layers
+    assert stats["captured_pieces"] == layers + 1
+    assert stats["captures"] == len(SIZES) * (layers + 1)
+    assert stats["split_captures"] == 0 and stats["whole_captures"] == 0
+    assert r.report()["segments"] == {n: layers + 1 for n in SIZES}
+    _check_batches(m, r)
+    assert stats["graphs"] == 1
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_forward_whose_split_ops_read_static_metadata_is_one_graph_per_shape(layers):
+    m, r, stats = _captured(layers, "torch_masked")
+    assert stats["graphs"] == 1 and stats["captured_pieces"] == layers + 1  # compiled once
+    assert stats["whole_captures"] == len(SIZES)
+    assert stats["captures"] == 0 and stats["split_captures"] == 0  # no graph per piece
+    rep = r.report()
+    assert rep["segments"] == {n: 1 for n in SIZES} and rep["breaks"] == {n: 0 for n in SIZES}
+    assert rep["splits_in_graph"] == {n: layers for n in SIZES}
+    _check_batches(m, r)
+    assert stats["graphs"] == 1
+    assert sum(r.stats.replays.values()) == 3
+
+
+def test_a_fallback_at_a_size_captured_whole_runs_the_pieces_eagerly_and_captures_nothing():
+    m = decoder(2)
+    r = graphcap.capture(m, "tc_piecewise", buckets=[16], max_requests=2,
+                         attention="torch_masked")
+    _check_batches(m, r, batches=([9, 7], [1, 2, 13]))  # the second: more requests
+    assert r.report()["fallbacks"] == {"too_many_requests": 1} and r.stats.replays[16] == 1
+    stats = r.model.compiler.stats
+    assert stats["graphs"] == 1 and stats["captures"] == 0  # eager runs capture nothing
+
+
+def test_split_ops_are_matched_as_packet_and_overload_and_sit_alone_in_order():
+    def f(x, out):
+        y = x * 2
+        torch.ops.graphcap_test.split_a(y, out)      # the packet
+        z = out + 1
+        torch.ops.graphcap_test.split_a.default(z, out)  # the overload
+        return out * 3
+
+    gm = torch.fx.symbolic_trace(f)
+    split, pieces = split_graph(gm, split_op_names({"graphcap_test::split_a"}))
+    assert [p.is_split for p in pieces] == [False, True, False, True, False]
+    x, out = torch.randn(4), torch.zeros(4)
+    torch.testing.assert_close(split(x, out.clone()), f(x, out.clone()))
+
+
+def test_sizes_outside_the_capture_sizes_run_the_pieces_eagerly_and_are_counted():
+    compiler = PiecewiseCompiler({"capture_sizes": [8]})
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+    compiled = torch.compile(mlp, backend=compiler, fullgraph=True, dynamic=True)
+    with torch.inference_mode():
+        for n in (8, 8, 8, 5):
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(compiled(x), mlp(x))
+    assert compiler.stats["captures"] == 1 and compiler.stats["eager_runs"] == 1
+
+
+def test_options_are_checked():
+    with pytest.raises(graphcap.GraphcapError, match="unknown options"):
+        PiecewiseCompiler({"capture_size": [8]})
+    with pytest.raises(graphcap.GraphcapError, match="compiler"):
+        PiecewiseCompiler({"compiler": "tvm"})
+
+
+def test_a_forward_dynamo_cannot_trace_whole_fails_naming_the_cause_and_breakable():
+    class DataDependent(torch.nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:  # Python control flow on data
+                return x * 2
+            return x
+
+    with pytest.raises(CaptureError, match="breakable"):
+        graphcap.capture(DataDependent(), "tc_piecewise", buckets=[8],
+                         example_inputs=(torch.randn(8, 4),))
+
+
+@pytest.mark.parametrize("fake", ["given", "derived"])
+def test_a_user_op_traces_under_fullgraph_with_a_given_or_derived_fake(fake):
+    name = f"graphcap_test::scaled_{fake}"
+    if name not in graphcap.opsdb.REGISTRY:
+        graphcap.register_op(name, "(Tensor x, float alpha) -> Tensor",
+                             reference=lambda x, alpha: x * alpha,
+                             fake=(lambda x, alpha: torch.empty_like(x)) if fake == "given"
+                             else None)
+    op = getattr(torch.ops.graphcap_test, f"scaled_{fake}")
+
+    class UsesOp(torch.nn.Module):
+        def forward(self, x):
+            return op(x + 1, 2.0) - 1
+
+    m = UsesOp()
+    r = graphcap.capture(m, "tc_piecewise", buckets=[4, 8], example_inputs=(torch.randn(8, 3),))
+    for n in (3, 8):
+        x = torch.randn(n, 3)
+        torch.testing.assert_close(r(x), m(x))
+
+
+@functools.cache
+def inductor_runner():
+    """A 2-layer decoder and its runner with Inductor pieces (compiled once per session)."""
+    m = decoder(2)
+    return m, graphcap.capture(m, "tc_piecewise", buckets=[4, 8, 16], max_requests=3,
+                               attention="torch_masked", compiler="inductor")
+
+
+@settings(max_examples=12, deadline=None)
+@given(batch=prefill_batches(24, 3, vocab=256))  # up to 24 tokens: past the top bucket too
+def test_inductor_pieces_match_eager(batch):
+    # Replays (fused_add_rms_norm and rotary write intermediates and the residual in
+    # place), padded replays, and eager runs of the compiled pieces past the top bucket.
+    m, r = inductor_runner()
+    ids, pos, lens = batch
+    with torch.inference_mode():
+        want = m(ids, pos, seq_lens=lens)
+    torch.testing.assert_close(r(ids, pos, seq_lens=lens), want, atol=1e-4, rtol=1e-4)
+
+
+def test_inductor_pieces_run_fused_kernels_not_the_traced_ops(monkeypatch):
+    # The ops a piece dispatches when it runs: Inductor fuses the ReLU into its own kernel;
+    # a piece left uncompiled (or compiled as the frames it calls) would dispatch it.
+    dispatched = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            dispatched.add(func.overloadpacket)
+            return func(*args, **(kwargs or {}))
+
+    def recording(module):
+        fn = compile_piece(module)
+
+        def run(*args):
+            with Record():
+                return fn(*args)
+        return run
+
+    monkeypatch.setattr(piecewise_compiler, "compile_piece", recording)
+    compiler = PiecewiseCompiler({"capture_sizes": [8], "compiler": "inductor"})
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    compiled = torch.compile(mlp, backend=compiler, fullgraph=True, dynamic=True)
+    x = torch.randn(5, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(x), mlp(x))
+    assert dispatched and torch.ops.aten.relu not in dispatched
+
+
+def test_a_piece_that_fails_to_compile_raises_capture_error_naming_compiler_and_cause(
+        monkeypatch):
+    def failing(module):
+        raise KeyError("buf1")
+
+    monkeypatch.setattr(piecewise_compiler, "compile_piece", failing)
+    with pytest.raises(CaptureError, match=r"compiler='inductor': KeyError: 'buf1'"):
+        graphcap.capture(decoder(1), "tc_piecewise", buckets=[8], max_requests=1,
+                         attention="torch_masked", compiler="inductor")
+
+
+@pytest.mark.slow
+def test_the_backend_name_works_in_a_fresh_process_that_never_imports_graphcap():
+    eps = importlib.metadata.entry_points(group="torch_dynamo_backends")
+    if "sgl_piecewise" not in {e.name for e in eps}:
+        pytest.skip("graphcap is not installed as a distribution here (run from the tree)")
+    code = textwrap.dedent("""
+        import sys, torch
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+        f = torch.compile(m, backend="sgl_piecewise", options={"capture_sizes": [4]})
+        with torch.inference_mode():
+            for _ in range(3):
+                x = torch.randn(4, 8)
+                torch.testing.assert_close(f(x), m(x))
+        assert "graphcap" in sys.modules  # loaded through the entry point only
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_many_runners_of_one_model_do_not_exhaust_dynamos_recompile_limit():
+    m = decoder(1)
+    ids, pos = torch.randint(1, 256, (6,)), torch.arange(6)
+    with torch.inference_mode():
+        want = m(ids, pos, seq_lens=[6])
+    with torch._dynamo.config.patch(recompile_limit=8):
+        for _ in range(10):
+            r = graphcap.capture(m, "tc_piecewise", buckets=[8], max_requests=1,
+                                 attention="torch_masked")
+            torch.testing.assert_close(r(ids, pos, seq_lens=[6]), want)
+
+
+@pytest.mark.parametrize("attention", ["torch_masked", "torch_varlen"])
+def test_split_ops_replay_as_graphs_only_while_their_captured_metadata_is_current(attention):
+    # A user's own loop: torch.compile with sgl_piecewise, new metadata every call. A split
+    # op captured as a graph reads the buffers of the metadata it was captured with, so a
+    # call under another metadata object must run it eagerly (torch_varlen: always eager).
+    from graphcap.core.context import forward_context
+    from graphcap.opsdb.attention import get_backend
+
+    m = decoder(2)
+    compiler = PiecewiseCompiler({"capture_sizes": [16]})
+    compiled = torch.compile(m, backend=compiler, fullgraph=True)
+    backend = get_backend(attention, "cpu")
+    for lens in ([16], [16], [9, 7], [1, 15], [16]):  # warm-up, capture, then new batches
+        ids = torch.randint(1, 256, (16,), generator=torch.Generator().manual_seed(len(lens)))
+        pos = torch.cat([torch.arange(n) for n in lens])
+        meta = backend.prepare(lens, "cpu", num_tokens=16)
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(pos, 0)
+        with torch.inference_mode(), forward_context(attention=meta):
+            got = compiled(ids, pos)
+            want = m(ids, pos, seq_lens=lens)
+        torch.testing.assert_close(got, want, msg=lambda msg, b=lens: f"{b}: {msg}")
+    graphs = 2 if attention == "torch_masked" else 0
+    assert compiler.stats["split_captures"] == graphs
+
+
+def test_models_with_different_float_attributes_compile_in_one_process():
+    # One shared code name let Dynamo's automatic-dynamic record turn the second model's
+    # norm eps into a dynamic value, which the ops' float arguments refuse.
+    for eps in (1e-5, 1e-6, 1e-4):
+        torch.manual_seed(0)
+        m = Decoder(ModelArgs(layers=1, eps=eps)).eval()
+        r = graphcap.capture(m, "tc_piecewise", buckets=[8], max_requests=1,
+                             attention="torch_masked")
+        _check_batches(m, r, batches=([8], [5]))
+
+
+def test_a_shape_captured_whole_keeps_none_of_its_warmup_outputs():
+    # Only where the outputs go is kept: a warm-up's logits for every token of every
+    # shape would otherwise live as long as the runner.
+    _, r, _ = _captured(1, "torch_masked")
+    for entry in r.entries.values():
+        call = entry.replay.__self__.call
+        assert call.outputs is None
+        assert not any(isinstance(c, torch.Tensor) for c in call.returns[1])
+
+
+def _compiled_tiny(**compile_kwargs):
+    """The tiny decoder compiled by the backend as torch.compile hands it ``mode=`` and
+    ``options=``, called three times at 8 tokens (warm-up, capture, replay)."""
+    model = graphcap.models.build_model("tiny")
+    compiled = torch.compile(model, backend=piecewise_compiler.sgl_piecewise, fullgraph=True,
+                             **compile_kwargs)
+    before = piecewise_compiler.counters()
+    with torch.inference_mode():
+        for seed in range(3):
+            ids = torch.randint(1, 256, (8,), generator=torch.Generator().manual_seed(seed))
+            pos = torch.arange(8)
+            with graphcap.packed([8], "cpu"):
+                got, want = compiled(ids, pos), model(ids, pos)
+            torch.testing.assert_close(got, want)
+    after = piecewise_compiler.counters()
+    return {k: after[k] - before[k] for k in ("graphs", "captures", "split_captures")}
+
+
+def test_torch_compile_mode_reduce_overhead_is_accepted_and_ignored_with_a_warning(caplog):
+    with caplog.at_level("WARNING", logger="graphcap"):
+        counts = _compiled_tiny(mode="reduce-overhead")
+    assert counts["graphs"] == 1 and counts["captures"] > 0  # the backend's own graphs
+    warned = [r.getMessage() for r in caplog.records if "ignores" in r.getMessage()]
+    assert len(warned) == 1, caplog.text
+    assert "mode='reduce-overhead'" in warned[0] and "capture_sizes" in warned[0]
+
+
+def test_inductor_option_keys_are_ignored_with_a_warning_and_the_backend_s_own_kept(caplog):
+    with caplog.at_level("WARNING", logger="graphcap"):
+        counts = _compiled_tiny(options={"capture_sizes": [4], "max_autotune": True,
+                                         "triton.cudagraphs": True})
+    assert counts["captures"] == 0 and counts["split_captures"] == 0  # 8 is not captured
+    warned = [r.getMessage() for r in caplog.records if "ignores" in r.getMessage()]
+    assert len(warned) == 1 and "'max_autotune'" in warned[0] \
+        and "'triton.cudagraphs'" in warned[0], caplog.text
+
+
+def test_an_option_neither_inductor_s_nor_the_backend_s_is_an_error_naming_both():
+    with pytest.raises(graphcap.GraphcapError, match="unknown options.*capture_size"):
+        piecewise_compiler.sgl_piecewise(None, [], options={"capture_size": [8]})
+    with pytest.raises(graphcap.GraphcapError, match="mode='fast'.*reduce-overhead"):
+        piecewise_compiler.sgl_piecewise(None, [], mode="fast")
+
+
+def test_a_compile_that_is_gone_still_counts_so_two_readings_always_compare():
+    compile_ = PiecewiseCompiler()
+    before = piecewise_compiler.counters()["graphs"]
+    compile_.stats["graphs"] += 3
+    del compile_
+    gc.collect()
+    assert piecewise_compiler.counters()["graphs"] == before + 3

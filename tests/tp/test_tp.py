@@ -1,0 +1,346 @@
+"""Tensor parallelism on CPU: two processes over gloo, the graph emulator. The reference
+decoders split across the ranks (dense and MoE) give the unsharded model's logits eagerly
+and under every strategy, and each strategy's replays the TP model's eager logits (up
+to the rounding of a padded shape); every replay runs the model's collectives on every
+rank (the emulator re-runs them); a Hugging Face checkpoint loads as each rank's share.
+No rank waits for ever or goes on alone: ranks that disagree on a call (its route, token
+count or request lengths) or refuse it raise ``RankError`` on every rank at once and stay
+usable; a rank that does not come closes the group after the timeout; a rank that raises
+in a capture or a call stops the others within seconds (not at a timeout), and the closed
+group says why on every later use; an asynchronous collective waited on across an eager
+break is refused."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import graphcap
+from graphcap.api import STRATEGIES
+from graphcap.errors import CaptureError, GraphcapError, RankError, UnsupportedModel
+from graphcap.models import PRESETS, build_model, shard_args, shard_tensor
+from graphcap.tp import TPGroup, group_named, release_all
+from tests.support import tp_world
+
+WORLD = 2
+# One worker keeps the two-rank world; slow: the ranks are processes of their own.
+pytestmark = [pytest.mark.xdist_group("tp-world"), pytest.mark.slow]
+
+
+def spawn(fn, *args, world: int = WORLD, backend: str = "gloo"):
+    """``fn(rank, *args)`` on ``world`` processes joined in one world of ``backend``
+    (NCCL: one GPU each, new processes; gloo: the test session's world, tp_world); a
+    rank's exception fails the test."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    if backend == "gloo":
+        tp_world.world(world, backend).run(fn, *args)
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_worker, args=(f"file://{folder}/init", world, backend, fn, args),
+                 nprocs=world, join=True)
+
+
+def _worker(rank: int, init: str, world: int, backend: str, fn, args) -> None:
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    try:
+        fn(rank, *args)
+    finally:
+        release_all()  # every scenario's groups, before the world's
+        dist.destroy_process_group()
+
+
+def batches(vocab: int):
+    gen = torch.Generator().manual_seed(1)
+    for lens in ([5, 3], [9], [2, 2], [14, 1]):
+        n = sum(lens)
+        yield (torch.randint(0, vocab, (n,), generator=gen),
+               torch.cat([torch.arange(k) for k in lens]), lens)
+
+
+def _equivalence(rank: int) -> None:
+    tp = TPGroup()
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank))
+    # Schema (no undeclared mutation), fake tensors, dynamic shapes: on both ranks at once.
+    torch.library.opcheck(torch.ops.graphcap.all_reduce.default, (x, tp.name))
+    torch.library.opcheck(torch.ops.graphcap.all_gather.default, (x, -1, tp.name))
+    both = [torch.randn(6, 8, generator=torch.Generator().manual_seed(r)) for r in (0, 1)]
+    torch.testing.assert_close(torch.ops.graphcap.all_reduce(x, tp.name), both[0] + both[1])
+    assert torch.equal(torch.ops.graphcap.all_gather(x, -1, tp.name), torch.cat(both, -1))
+    for preset in ("tiny", "tiny-moe"):
+        full = build_model(preset)
+        model = build_model(preset, tp=tp)
+        layers = model.args.layers
+        with torch.no_grad():
+            for ids, pos, lens in batches(model.args.vocab_size):
+                torch.testing.assert_close(model(ids, pos, seq_lens=lens),
+                                           full(ids, pos, seq_lens=lens),
+                                           atol=1e-5, rtol=1e-5)
+        for strategy in STRATEGIES:
+            runner = graphcap.capture(model, strategy, buckets=[8, 16], max_requests=2)
+            for ids, pos, lens in batches(model.args.vocab_size):
+                before = tp.collectives.copy()
+                got = runner(ids, pos, seq_lens=lens)
+                ran = tp.collectives - before
+                assert ran == {"all_reduce": 2 * layers, "all_gather": 1}, (strategy, ran)
+                with torch.no_grad():
+                    eager = model(ids, pos, seq_lens=lens)
+                    want = full(ids, pos, seq_lens=lens)
+                # A padded bucket changes the matmuls' blocking: equal up to rounding.
+                torch.testing.assert_close(got, eager, atol=1e-6, rtol=1e-6)
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            if strategy != "eager":
+                assert sum(runner.report()["replays"].values()) == 4, strategy
+
+
+def test_the_split_model_equals_the_whole_under_every_strategy():
+    spawn(_equivalence)
+
+
+def _generation(rank: int) -> None:
+    tp = TPGroup()
+    prompts = [[5, 9, 2, 7, 1], [3], [8, 8, 4, 11, 6, 2, 9]]
+    want = graphcap.generate(build_model("tiny"), prompts, 6, strategy="eager",
+                             max_batch=2).tokens
+    model = build_model("tiny", tp=tp)
+    for strategy in STRATEGIES:
+        got = graphcap.generate(model, prompts, 6, strategy=strategy, max_batch=2,
+                                prefill_tokens=16)
+        assert got.tokens == want, strategy  # each rank caches its own key/value heads
+
+
+def test_greedy_generation_of_the_split_model_is_the_whole_model_s():
+    spawn(_generation)
+
+
+def _checkpoint(rank: int, folder: str) -> None:
+    from graphcap.models import load_checkpoint
+
+    tp = TPGroup()
+    whole, mine = load_checkpoint(folder), load_checkpoint(folder, tp=tp)
+    assert mine.local_args.heads == whole.args.heads // WORLD
+    ids, pos = torch.arange(1, 12), torch.arange(11)
+    with torch.no_grad():
+        torch.testing.assert_close(mine(ids, pos, seq_lens=[11]),
+                                   whole(ids, pos, seq_lens=[11]), atol=1e-5, rtol=1e-5)
+
+
+def test_a_hugging_face_checkpoint_loads_as_each_rank_s_share(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=256, tie_word_embeddings=True)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    spawn(_checkpoint, str(tmp_path))
+
+
+def call(runner, lens):
+    n = sum(lens)
+    return runner(torch.ones(n, dtype=torch.long), torch.cat([torch.arange(k) for k in lens]),
+                  seq_lens=lens)
+
+
+def _disagreement(rank: int) -> None:
+    tp = TPGroup(timeout_s=30.0)  # nothing here waits for a timeout
+    model = build_model("tiny", tp=tp)
+    runner = graphcap.capture(model, "full", buckets=[8, 16], max_requests=2)
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"disagree \(rank 0: replay 8: 5 tokens, requests "
+                       r"\[5\], rank 1: replay 16: 12 tokens"):
+        call(runner, [5] if rank == 0 else [12])  # bucket 8 on one rank, 16 on the other
+    assert time.monotonic() - start < 10  # at once, not after a timeout
+    with pytest.raises(RankError, match=r"rank 0: replay 8: 5 tokens.*rank 1: eager \(too_many"):
+        call(runner, [5] if rank == 0 else [20])
+    # One bucket, one route, and yet other graphs: other lengths of the same token count.
+    with pytest.raises(RankError, match=r"rank 0: replay 8: 5 tokens, requests \[5\], rank 1: "
+                       r"replay 8: 6 tokens, requests \[6\]"):
+        call(runner, [5] if rank == 0 else [6])
+    with pytest.raises(RankError, match=r"requests \[3, 2\], rank 1: replay 8: 5 tokens, "
+                       r"requests \[5\]"):
+        call(runner, [3, 2] if rank == 0 else [5])
+    # A call one rank refuses (bad input) is refused on every rank, at once.
+    with pytest.raises(RankError, match=r"rank 1: refused \(BadBatch"):
+        if rank == 0:
+            call(runner, [6])
+        else:
+            runner(torch.ones(6, dtype=torch.long), torch.arange(6), seq_lens=[5])
+    out = call(runner, [6])  # the runner and the group are still usable
+    assert out.shape == (6, model.args.vocab_size) and tp.closed is None
+    # generate() with other prompts per rank: refused on both, never other tokens.
+    prompts = [[5, 9, 2], [3]] if rank == 0 else [[5, 9, 2, 7], [3]]
+    with pytest.raises(RankError, match="disagree"):
+        graphcap.generate(model, prompts, 3, strategy="full", max_batch=2,
+                          prefill_tokens=8)
+
+
+def test_ranks_that_disagree_on_a_call_all_raise_at_once_and_stay_usable():
+    spawn(_disagreement)
+
+
+def _absence(rank: int) -> None:
+    tp = TPGroup(timeout_s=2.0)
+    model = build_model("tiny", tp=tp)
+    runner = graphcap.capture(model, "full", buckets=[8, 16], max_requests=2)
+    call(runner, [6])
+    if rank == 0:  # rank 1 does not come: rank 0 raises after the timeout
+        start = time.monotonic()
+        with pytest.raises(RankError, match="did not come to a call of the runner within 2 s"):
+            call(runner, [6])
+        assert time.monotonic() - start < 20
+    dist.barrier()  # the world group: rank 1 waits here for rank 0's timeout
+    # The group closed on rank 0; rank 1 learns why at its next call, at once.
+    start = time.monotonic()
+    with pytest.raises(RankError, match="closed.*rank 0: .*did not come"):
+        call(runner, [6])
+    assert time.monotonic() - start < 10
+    assert tp.closed is not None
+
+
+def test_a_rank_that_does_not_come_closes_the_group_on_every_rank():
+    spawn(_absence)
+
+
+def _release(rank: int) -> None:
+    tp = TPGroup(timeout_s=2.0)
+    runner = graphcap.capture(build_model("tiny", tp=tp), "full", buckets=[8],
+                              max_requests=1)
+    call(runner, [6])
+    tp.release()
+    assert tp.data is None and tp.control is None  # destroyed now, not at exit
+    with pytest.raises(RankError, match=r"closed \(released\)"):
+        call(runner, [6])
+    with pytest.raises(GraphcapError, match="no TP group named"):
+        group_named(tp.name)
+
+
+def test_a_released_group_destroys_its_process_groups_and_refuses_every_later_use():
+    spawn(_release)
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _raise_on(rank: int, module: torch.nn.Module, tokens: int, where: str):
+    """From now on, rank 1's ``module`` raises ``Boom`` on ``tokens`` tokens (rank 0's
+    goes on to its next collective, where it waits for rank 1)."""
+    def hook(mod, args):
+        if rank == 1 and args[0].shape[0] == tokens:
+            raise Boom(f"rank 1's forward fails {where}")
+    return module.register_forward_pre_hook(hook)
+
+
+def _failure_in_capture(rank: int, strategy: str) -> None:
+    tp = TPGroup(timeout_s=60.0, collective_timeout_s=120.0)  # a fail-fast never waits these
+    model = build_model("tiny", tp=tp)
+    _raise_on(rank, model.blocks[1], 8, "in the capture of 8 tokens")  # the second shape
+    start = time.monotonic()
+    if rank == 1:
+        with pytest.raises(Boom):
+            graphcap.capture(model, strategy, buckets=[8, 16], max_requests=2)
+    else:
+        with pytest.raises(RankError, match="rank 1 raised Boom in a capture: rank 1's "
+                           "forward fails in the capture of 8 tokens"):
+            graphcap.capture(model, strategy, buckets=[8, 16], max_requests=2)
+    assert time.monotonic() - start < 30
+    assert tp.closed is not None
+    with pytest.raises(RankError, match="is closed"):  # every later use says why, at once
+        graphcap.capture(model, strategy, buckets=[8], max_requests=2)
+
+
+@pytest.mark.parametrize("strategy", ["breakable", "full"])
+def test_a_rank_that_raises_during_capture_stops_every_rank_within_seconds(strategy):
+    spawn(_failure_in_capture, strategy)
+
+
+def _failure_in_a_call(rank: int) -> None:
+    tp = TPGroup(timeout_s=60.0, collective_timeout_s=120.0)
+    model = build_model("tiny", tp=tp)
+    runner = graphcap.capture(model, "full", buckets=[8], max_requests=2)
+    call(runner, [6])
+    # 12 tokens run eagerly (past the largest bucket): the hook runs in that call.
+    _raise_on(rank, model.blocks[1], 12, "in an eager call")
+    start = time.monotonic()
+    with pytest.raises(Boom if rank == 1 else RankError,
+                       match="rank 1's forward fails" if rank == 1 else
+                       "all_reduce failed on rank 0: the group was closed .rank 1 raised Boom"):
+        call(runner, [12])
+    assert time.monotonic() - start < 30
+    with pytest.raises(RankError, match="is closed"):
+        call(runner, [6])
+
+
+def test_a_rank_that_raises_during_a_call_stops_every_rank_within_seconds():
+    spawn(_failure_in_a_call)
+
+
+def test_a_tp_size_that_does_not_divide_the_heads_is_refused():
+    with pytest.raises(UnsupportedModel, match="does not divide kv_heads 2"):
+        shard_args(PRESETS["tiny"], 4)
+    t = torch.arange(12).reshape(6, 2)
+    assert shard_tensor(t, 0, [4, 2], 1, 2).tolist() == [[4, 5], [6, 7], [10, 11]]
+    assert shard_tensor(t, 1, [2], 0, 2).tolist() == [[0], [2], [4], [6], [8], [10]]
+
+
+def test_a_group_needs_torch_distributed_initialised():
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    with pytest.raises(graphcap.errors.GraphcapError, match="init_process_group"):
+        TPGroup()
+
+
+
+
+class _AsyncAcrossABreak(torch.nn.Module):
+    """An all-reduce launched asynchronously, its result handed to an eager break before
+    anyone waits on it."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        from torch.distributed import _functional_collectives as funcol
+
+        pending = funcol.all_reduce(self.lin(x), "sum", self.group)
+        return _eager_double(pending)
+
+
+@graphcap.eager_on_graph
+def _eager_double(x):
+    return x * 2
+
+
+def _async_break(rank: int) -> None:
+    tp = TPGroup()
+    with pytest.raises(CaptureError, match="asynchronous collective that was not waited"):
+        graphcap.capture(_AsyncAcrossABreak(tp.data), "breakable", buckets=[4],
+                         example_inputs=(torch.ones(4, 8),))
+
+
+def test_an_async_collective_waited_on_across_a_break_is_refused():
+    spawn(_async_break)
+
+
+def test_the_old_graphcap_dist_import_still_works_and_says_where_each_part_went():
+    import importlib
+    import sys
+
+    sys.modules.pop("graphcap.dist", None)
+    with pytest.warns(DeprecationWarning, match="graphcap.tp.*graphcap.models"):
+        old = importlib.import_module("graphcap.dist")
+    assert old.TPGroup is TPGroup and old.shard_args is shard_args
+    from graphcap.models import shard_model
+
+    assert old.shard_model is shard_model
