@@ -15,8 +15,8 @@ from graphcap import Sampling
 from graphcap.api import GRAPHED
 from graphcap.errors import BadBatch
 from graphcap.models import PRESETS, Decoder
-from tests.support.runner_helpers import DEVICE
 from tests.engine.test_decode_steps import recomputed
+from tests.support.runner_helpers import DEVICE
 
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 PROMPTS = [[5, 9, 2, 7, 1], [3], [8, 8, 4, 11, 6, 2, 9, 10, 13, 1, 2], [4, 4], [7, 7, 7]]
