@@ -51,7 +51,7 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _dtype_of(model: torch.nn.Module) -> torch.dtype | None:
+def model_dtype(model: torch.nn.Module) -> torch.dtype | None:
     """The dtype of the model's first floating-point parameter (its activations')."""
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
@@ -202,6 +202,6 @@ def _inputs(model, kind: str, strategy: str, attention, slots: int, check: bool)
         return TensorInputs(device, captured=strategy != "eager")
     from graphcap.opsdb.attention import get_backend
 
-    backend = get_backend(attention, device, strategy=strategy, dtype=_dtype_of(model))
+    backend = get_backend(attention, device, strategy=strategy, dtype=model_dtype(model))
     return PrefillInputs(device, backend, slots, rows, _input_bounds(model) if check else None,
                          name=type(model).__name__)

@@ -44,6 +44,18 @@ def as_int(value, what: str, error: type[Exception] = ValueError) -> int:
     raise error(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
 
 
+def positive_int(value, what: str, error: type[Exception] = ValueError) -> int:
+    """``value`` as an int >= 1 (an integer as :func:`as_int` takes it); ``error`` naming
+    ``what`` otherwise."""
+    try:
+        number = as_int(value, what, error)
+    except error:
+        number = 0
+    if number < 1:
+        raise error(f"{what} must be a positive int, got {value!r}")
+    return number
+
+
 def host_lengths(seq_lens, what: str = "seq_lens", error: type[Exception] = BadBatch
                  ) -> list[int]:
     """Request lengths given on the host (a list, tuple or CPU integer tensor) as ints,

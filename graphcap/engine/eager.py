@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from graphcap.api import model_dtype
 from graphcap.core.checks import as_int, host_lengths
 from graphcap.errors import BadBatch
 from graphcap.inputs.cache_prefill import CachePrefillInputs
 from graphcap.inputs.decode import DecodeInputs
 from graphcap.kv.paged import PagedKVCache
 from graphcap.opsdb.attention import get_backend
-
-
-def _model_dtype(model) -> torch.dtype:
-    return next(p.dtype for p in model.parameters() if p.is_floating_point())
 
 
 @torch.inference_mode()
@@ -38,7 +35,7 @@ def prefill(model, cache: PagedKVCache, input_ids: torch.Tensor, seq_lens, slots
                        " tokens of input_ids")
     device = input_ids.device
     rows = getattr(model, "output_rows", "tokens")
-    inputs = CachePrefillInputs(cache, get_backend(attention, device, dtype=_model_dtype(model)),
+    inputs = CachePrefillInputs(cache, get_backend(attention, device, dtype=model_dtype(model)),
                                 len(lens), rows, name=type(model).__name__,
                                 extend=starts is not None)
     begin = [0] * len(lens) if starts is None else [as_int(b, "starts", BadBatch)

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphcap.api import STRATEGIES, capture
+from graphcap.api import STRATEGIES, capture, model_dtype
 from graphcap.core.buckets import decode_ladder
+from graphcap.core.checks import positive_int
 from graphcap.engine.eager import last_token_logits
 from graphcap.errors import BadBatch, UnsupportedModel
 from graphcap.inputs.cache_prefill import CachePrefillInputs
@@ -190,30 +191,27 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
     args = cache_shape(model)
     prompts = _check_prompts(prompts, args.vocab_size)
     params = _sampling_of(sampling, len(prompts))
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or \
-            max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    max_new_tokens = positive_int(max_new_tokens, "max_new_tokens")
     stops = _stop_tokens(stop_tokens, args.vocab_size)
-    p = next(model.parameters())
+    device = next(model.parameters()).device
     longest = max(map(len, prompts)) + max_new_tokens
     if longest > args.max_position:
         raise ValueError(f"a prompt of {longest - max_new_tokens} tokens plus "
                          f"{max_new_tokens} new ones passes the model's max_position "
                          f"{args.max_position}")
-    for name, value in (("max_batch", max_batch), ("prefill_tokens", prefill_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    max_batch = positive_int(max_batch, "max_batch")
+    prefill_tokens = positive_int(prefill_tokens, "prefill_tokens")
     if strategy not in STRATEGIES:
         raise ValueError(f"generate(strategy={strategy!r}): unknown strategy, choose one of "
                          f"{sorted(STRATEGIES)}")
     max_batch = min(max_batch, len(prompts))
     cache = PagedKVCache(args.layers, args.kv_heads, args.head_dim, max_requests=max_batch,
-                         max_len=longest, page_size=page_size, dtype=p.dtype,
-                         device=p.device)
+                         max_len=longest, page_size=page_size, dtype=model_dtype(model),
+                         device=device)
     runner = capture(model, strategy, buckets=decode_ladder(max_batch),
                      inputs=DecodeInputs(cache, sample=True))
     rows_of = getattr(model, "output_rows", "tokens")
-    backend = get_backend(None, p.device, strategy=strategy, dtype=p.dtype)
+    backend = get_backend(None, device, strategy=strategy, dtype=cache.dtype)
     prefiller = capture(model, strategy, buckets=prefill_buckets(prefill_tokens),
                         inputs=CachePrefillInputs(cache, backend, max_batch, rows_of,
                                                   name=type(model).__name__))
@@ -223,8 +221,8 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
         token of each, drawn as the decode graphs draw."""
         lens = [live[s]["length"] for s in slots]
         ids = torch.tensor(sum((prompts[live[s]["index"]] for s in slots), []),
-                           device=p.device)
-        positions = torch.cat([torch.arange(n, device=p.device) for n in lens])
+                           device=device)
+        positions = torch.cat([torch.arange(n, device=device) for n in lens])
         logits = last_token_logits(prefiller(ids, positions, seq_lens=lens, slots=slots),
                                    lens, rows_of)
         return draw(logits, [params[live[s]["index"]] for s in slots], lens)
@@ -266,7 +264,7 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
                 continue
             rows = sorted(live)
             positions = [live[s]["length"] for s in rows]
-            tokens = torch.tensor([live[s]["last"] for s in rows], device=p.device)
+            tokens = torch.tensor([live[s]["last"] for s in rows], device=device)
             drawn = runner(tokens, positions=positions, slots=rows,  # drawn in the graph
                            sampling=[params[live[s]["index"]] for s in rows]).tolist()
             steps += 1

@@ -18,21 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from graphcap.core.checks import as_int
+from graphcap.core.checks import as_int, positive_int
 from graphcap.errors import BadBatch, CacheFull
 
 NULL_PAGE = 0
-
-
-def _positive(value, name: str) -> int:
-    """``value`` as an int >= 1 (any integer type, not a bool or a float)."""
-    try:
-        number = as_int(value, name)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return number
 
 
 class PagedKVCache:
@@ -51,14 +40,14 @@ class PagedKVCache:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, *, max_requests: int,
                  max_len: int, page_size: int = 16, pages: int | None = None,
                  dtype: torch.dtype = torch.float32, device="cpu"):
-        self.layers = _positive(layers, "layers")
-        self.kv_heads = _positive(kv_heads, "kv_heads")
-        self.head_dim = _positive(head_dim, "head_dim")
-        self.max_requests = _positive(max_requests, "max_requests")
-        self.max_len = _positive(max_len, "max_len")
-        self.page_size = _positive(page_size, "page_size")
+        self.layers = positive_int(layers, "layers")
+        self.kv_heads = positive_int(kv_heads, "kv_heads")
+        self.head_dim = positive_int(head_dim, "head_dim")
+        self.max_requests = positive_int(max_requests, "max_requests")
+        self.max_len = positive_int(max_len, "max_len")
+        self.page_size = positive_int(page_size, "page_size")
         self.max_pages = -(-max_len // page_size)  # a block-table row
-        self.pages = _positive(pages if pages is not None
+        self.pages = positive_int(pages if pages is not None
                                else max_requests * self.max_pages, "pages")
         if not dtype.is_floating_point:
             raise ValueError(f"a K/V cache holds floating-point keys and values, not {dtype}")
@@ -84,7 +73,7 @@ class PagedKVCache:
         if slot in self._owned:
             raise ValueError(f"request slot {slot} holds a request already; release({slot}) "
                              "it first")
-        tokens = _positive(tokens, "tokens (prompt plus new tokens)")
+        tokens = positive_int(tokens, "tokens (prompt plus new tokens)")
         if tokens > self.max_len:
             raise ValueError(f"a request of {tokens} tokens exceeds the cache's max_len "
                              f"{self.max_len}; build the cache with a larger max_len")
