@@ -160,12 +160,6 @@ def _groups(slots: list[int], lens: list[int], budget: int) -> list[list[int]]:
     return groups
 
 
-def prefill_buckets(prefill_tokens: int) -> list[int]:
-    """Token buckets of generate's prefill graphs: decode's dense ladder (1, 2, 3, 4, 6,
-    8, 12, ...) up to ``prefill_tokens``, so a call pads by at most half."""
-    return decode_ladder(prefill_tokens)
-
-
 LONG_RUN = 2048  # tokens to generate from which generate() shows a progress bar
 
 
@@ -212,7 +206,7 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
                      inputs=DecodeInputs(cache, sample=True))
     rows_of = getattr(model, "output_rows", "tokens")
     backend = get_backend(None, device, strategy=strategy, dtype=cache.dtype)
-    prefiller = capture(model, strategy, buckets=prefill_buckets(prefill_tokens),
+    prefiller = capture(model, strategy, buckets=decode_ladder(prefill_tokens),
                         inputs=CachePrefillInputs(cache, backend, max_batch, rows_of,
                                                   name=type(model).__name__))
 
@@ -280,4 +274,4 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
                             "graph_pool_bytes": (report.get("graph_pool_bytes") or 0)
                             + (prefilled.get("graph_pool_bytes") or 0),
                             "buckets": decode_ladder(max_batch),
-                            "prefill_buckets": prefill_buckets(prefill_tokens)})
+                            "prefill_buckets": decode_ladder(prefill_tokens)})

@@ -64,6 +64,8 @@ class DecodeInputs(Inputs):
         self.check_inputs = check_inputs
         self.vocab_size: int | None = None  # with check_inputs: token ids' bound (bind)
         self.max_position: int | None = None  # positions' bound, where the model has one
+        # Each row's output row (a model of output_rows="requests": one row per request).
+        self._last = torch.arange(cache.max_requests, device=self.device)
         if sample:
             self.row_unit = "one token per request (drawn in the graph)"
 
@@ -216,8 +218,6 @@ class DecodeInputs(Inputs):
         positions, rows, *params = (t.to(self.device, non_blocking=True)
                                     for t in (positions, rows, *params))
         kv = self._paged(rows, positions, tokens.shape[0], batch.args[1:3])
-        if not hasattr(self, "_last"):
-            self._last = torch.arange(self.cache.max_requests, device=self.device)
 
         def run():
             with forward_context(kv=kv):

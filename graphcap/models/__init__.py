@@ -37,9 +37,8 @@ def build_model(name: str, device="cpu", dtype=torch.float32, seed: int = 0,
     if name not in PRESETS:
         raise KeyError(f"no model preset {name!r}; choose one of {sorted(PRESETS)}")
     torch.manual_seed(seed)
-    # Built in its dtype: a float32 copy converted afterwards needed twice the memory and
-    # left the freed float32 blocks interleaved with the weights (llama3-8b: 32 GB for a
-    # 16 GB model; qwen3-0.6b held 0.35 GB of such holes on the H200).
+    # Built in its dtype: a float32 copy converted afterwards needs twice the memory and
+    # leaves the freed float32 blocks interleaved with the weights.
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -184,8 +184,8 @@ class Decoder(nn.Module):
                 if self.output_rows == "requests":
                     last_rows = meta.last_token_rows()
                 return self.forward(input_ids, positions, last_rows)
-        # Indexing, not F.embedding: its index_select kernel took 13 us for 16 rows of
-        # the 151936-row table on the H200, several times a gather.
+        # Indexing, not F.embedding: for a few rows of a large table F.embedding's
+        # index_select is several times slower than a gather.
         h = self.embed.weight[input_ids]
         for block in self.blocks:
             h = block(h, positions, self.cos_sin)

@@ -39,8 +39,8 @@ _FREE: list[types.CodeType] = []
 def _fresh_entry():
     """A function of a code object and name no live runner uses: Dynamo keeps compiled
     code per code object and counts compiles against one limit per code object, and its
-    automatic-dynamic record per code name (a second model's other norm eps turned every
-    later compile's eps dynamic: performance-history item 13). A released runner's code
+    automatic-dynamic record per code name (a second model's other norm eps would turn
+    every later compile's eps dynamic). A released runner's code
     object is reused, what Dynamo kept of its compiles dropped (:func:`_release`)."""
     try:
         code = _FREE.pop()

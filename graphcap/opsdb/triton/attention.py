@@ -210,10 +210,9 @@ def _config(head_dim: int, dtype: torch.dtype, programs_at_128: int, num_sms: in
         return (64, 32, 8, 2) if head_dim <= 128 else (32, 16, 8, 2)
     if head_dim > 128:
         return 64, 64, 8, 2
-    # Short buckets: a query tile no taller than the bucket (BLOCK_N must divide BLOCK_M:
-    # the causal loop starts its unmasked blocks at the tile's first row). At 16 tokens
-    # (16, 16) took 2.7 us a layer against 4.4 for (64, 64) on the H200; (32, 32) 3.2 vs
-    # 4.5 at 32; (64, 32) 5.6 vs 5.8 at 128 (qwen3-0.6b's heads, bf16).
+    # Short buckets: a query tile no taller than the bucket, so no program computes rows
+    # that are all padding (BLOCK_N must divide BLOCK_M: the causal loop starts its
+    # unmasked blocks at the tile's first row).
     if max_seqlen <= 16:
         return 16, 16, 4, 2
     if max_seqlen <= 32:
