@@ -180,7 +180,7 @@ class DecodeInputs(Inputs):
     def derive(self, kv: CacheBatch) -> None:
         """Each row's cache slot, pages and length, from the staged rows and positions,
         into the shape's buffers (inside the graph: no host work per replay)."""
-        bucket = kv.slots.shape[0]
+        bucket = kv.cache_loc.shape[0]
         _, positions, rows = (b[:bucket] for b in self.buffers[:3])
         kv.refresh(CacheBatch.paged(self.cache, rows, positions))
 

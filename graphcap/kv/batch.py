@@ -4,7 +4,7 @@ context (``forward_context(kv=...)``) by whoever runs the model.
 Every tensor here is computed on the device from the request slots and positions, with
 no host synchronisation, so a graph can recompute it on each replay:
 
-- ``slots`` ``[T]``: each token's cache slot, where the attention half writes its K/V;
+- ``cache_loc`` ``[T]``: each token's place in the cache, where the attention half writes its K/V;
 - when every token attends over its request's pages (:meth:`CacheBatch.paged`: a decode
   step, one token per request, or an extend, a chunk of a prompt on its cached prefix),
   ``block_table`` ``[T, max_pages]`` (each token's request's pages) and ``seq_lens``
@@ -27,7 +27,7 @@ from graphcap.kv.paged import NULL_PAGE, PagedKVCache
 @dataclass
 class CacheBatch:
     cache: PagedKVCache
-    slots: torch.Tensor
+    cache_loc: torch.Tensor
     block_table: torch.Tensor | None = None  # paged only
     seq_lens: torch.Tensor | None = None  # paged only
     written: set[int] = field(default_factory=set)  # the layers whose K/V the forward wrote
@@ -48,10 +48,10 @@ class CacheBatch:
         """Copy ``fresh``'s tensors (the same call's, recomputed) into these, in place:
         what a graph does on each replay to the shape's static state."""
         if self.reads_pages:
-            torch._foreach_copy_([self.slots, self.block_table, self.seq_lens],
-                                 [fresh.slots, fresh.block_table, fresh.seq_lens])
+            torch._foreach_copy_([self.cache_loc, self.block_table, self.seq_lens],
+                                 [fresh.cache_loc, fresh.block_table, fresh.seq_lens])
         else:
-            self.slots.copy_(fresh.slots)
+            self.cache_loc.copy_(fresh.cache_loc)
 
     @property
     def reads_pages(self) -> bool:
@@ -64,7 +64,7 @@ class CacheBatch:
         """Packed prefill from position 0: token ``i`` is position ``positions[i]`` of the
         request in slot ``rows[i]``; its K/V go to that request's pages, and attention is
         among the new tokens."""
-        return cls(cache, cache.slots(rows, positions))
+        return cls(cache, cache.cache_loc(rows, positions))
 
     @classmethod
     def paged(cls, cache: PagedKVCache, rows: torch.Tensor,
@@ -77,4 +77,4 @@ class CacheBatch:
         table = cache.block_table[rows.clamp(0, cache.max_requests - 1)]
         table = torch.where(live[:, None], table, NULL_PAGE)
         lens = torch.where(live, positions + 1, 0).to(torch.int32)
-        return cls(cache, cache.slots(rows, positions), table, lens)
+        return cls(cache, cache.cache_loc(rows, positions), table, lens)

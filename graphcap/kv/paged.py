@@ -16,6 +16,8 @@ cache too small says so at admission (:class:`~graphcap.errors.CacheFull`), not 
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from graphcap.core.checks import as_int, positive_int
@@ -183,7 +185,13 @@ class PagedKVCache:
         return self.k[index], self.v[index]
 
     def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The cache slot of each token (``page * page_size + offset``): token ``i`` is
+        """Deprecated: :meth:`cache_loc` (a slot is a request slot)."""
+        warnings.warn("PagedKVCache.slots() is deprecated: call cache_loc() (each token's "
+                      "place in the cache)", DeprecationWarning, stacklevel=2)
+        return self.cache_loc(rows, positions)
+
+    def cache_loc(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The place of each token in the cache (``page * page_size + offset``): token ``i`` is
         position ``positions[i]`` of the request in slot ``rows[i]``. On the device, no
         host synchronisation (graphs compute it per replay). A free row, a position past
         the request's pages, and any row or position out of range (negative included: a

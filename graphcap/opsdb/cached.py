@@ -41,7 +41,7 @@ def _run(q, k, v, out, scale, layer, attention, kernel=None) -> None:
             "with as many layers as the model, and pass each attention its own index")
     kv.written.add(layer)
     k_cache, v_cache = kv.cache.layer(layer)
-    KV_WRITE(k, v, k_cache, v_cache, kv.slots, kernel=kernel)
+    KV_WRITE(k, v, k_cache, v_cache, kv.cache_loc, kernel=kernel)
     if kv.reads_pages:  # each token's own request's pages: requests stay apart
         meta = attention_if_any()
         if meta is not None:  # an extend: packed requests, attended apart

@@ -19,30 +19,31 @@ from graphcap.opsdb.spec import Kernel, register_op
 OP = "kv_write"
 
 
-def kv_write_reference(k, v, k_cache, v_cache, slots) -> None:
-    """k, v [T, Hk, D] -> k_cache, v_cache [P, S, Hk, D] at ``slots`` [T] (in place)."""
+def kv_write_reference(k, v, k_cache, v_cache, cache_loc) -> None:
+    """k, v [T, Hk, D] -> k_cache, v_cache [P, S, Hk, D] at ``cache_loc`` [T], each
+    token's place (``page * page_size + offset``), in place."""
     P, S, Hk, D = k_cache.shape
-    index = slots.long()
+    index = cache_loc.long()
     k_cache.view(P * S, Hk, D).index_copy_(0, index, k.to(k_cache.dtype))
     v_cache.view(P * S, Hk, D).index_copy_(0, index, v.to(v_cache.dtype))
 
 
-def check_kv_write(k, v, k_cache, v_cache, slots) -> None:
+def check_kv_write(k, v, k_cache, v_cache, cache_loc) -> None:
     checks.tensor(OP, "k", k, ndim=3)
     device = k.device
     checks.tensor(OP, "v", v, ndim=3, device=device)
     checks.tensor(OP, "k_cache", k_cache, ndim=4, device=device)
     checks.tensor(OP, "v_cache", v_cache, ndim=4, device=device)
-    checks.tensor(OP, "slots", slots, ndim=1, dtypes=(torch.int32, torch.int64),
+    checks.tensor(OP, "cache_loc", cache_loc, ndim=1, dtypes=(torch.int32, torch.int64),
                   device=device)
     checks.same(OP, "the shape", tuple(v.shape), tuple(k.shape), "v", "k")
     checks.same(OP, "the shape", tuple(v_cache.shape), tuple(k_cache.shape), "v_cache",
                 "k_cache")
     checks.same(OP, "the dtype", v_cache.dtype, k_cache.dtype, "v_cache", "k_cache")
-    checks.same(OP, "the token count", slots.shape[0], k.shape[0], "slots", "k")
+    checks.same(OP, "the token count", cache_loc.shape[0], k.shape[0], "cache_loc", "k")
     checks.same(OP, "the [kv heads, head dim]", tuple(k_cache.shape[2:]),
                 tuple(k.shape[1:]), "k_cache", "k")
-    for name, t in (("k", k), ("v", v), ("slots", slots)):
+    for name, t in (("k", k), ("v", v), ("cache_loc", cache_loc)):
         checks.last_dim_contiguous(OP, name, t)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not t.is_contiguous():
@@ -64,19 +65,19 @@ def kv_write_inputs(device, dtype, max_tokens: int = 24):
         hk, head = d(st.sampled_from([1, 2])), d(st.sampled_from([16, 64, 128]))
         k, v, kc, vc = tensors(d, device, dtype, (t, hk, head), (t, hk, head),
                                (pages, page_size, hk, head), (pages, page_size, hk, head))
-        order = d(st.permutations(range(pages * page_size)))  # distinct slots
-        slots = torch.tensor(order[:t], dtype=d(st.sampled_from([torch.int32,
+        order = d(st.permutations(range(pages * page_size)))  # distinct places
+        cache_loc = torch.tensor(order[:t], dtype=d(st.sampled_from([torch.int32,
                                                                  torch.int64])))
-        return k, v, kc, vc, slots.to(device)
+        return k, v, kc, vc, cache_loc.to(device)
 
     return draw()
 
 
 KV_WRITE = register_op(
     f"graphcap::{OP}",
-    "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()",
+    "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_loc) -> ()",
     reference=kv_write_reference,
     kernels={"triton": Kernel("graphcap.opsdb.triton.kv:kv_write", requires=("triton",))},
     check=check_kv_write, inputs=kv_write_inputs,
-    doc="k, v [T, Hk, D] into a paged cache layer [P, S, Hk, D] at slots [T]",
+    doc="k, v [T, Hk, D] into a paged cache layer [P, S, Hk, D] at cache_loc [T]",
 )

@@ -219,7 +219,7 @@ def test_prefill_through_a_runner_fills_the_cache_as_eager_prefill_does(strategy
         untouched[pages] = False
     assert cache2.k[:, untouched].isnan().all()  # no page nobody owns was written
     for slot, n in zip(slots, lens, strict=True):  # every prompt token's K/V, as eager
-        where = cache.slots(torch.full((n,), slot, device=DEVICE),
+        where = cache.cache_loc(torch.full((n,), slot, device=DEVICE),
                             torch.arange(n, device=DEVICE))
         for a, b in ((cache.k, cache2.k), (cache.v, cache2.v)):
             got = b.flatten(1, 2)[:, where.to(DEVICE)]

@@ -39,7 +39,7 @@ def test_decode_step_replays_from_short_capture_to_the_longest_lengths(dtype):
     assert KV_WRITE.select("cuda") == DECODE_ATTENTION.select("cuda") == "triton"
 
     def step():
-        KV_WRITE(k, v, k_cache, v_cache, cache.slots(rows, positions))
+        KV_WRITE(k, v, k_cache, v_cache, cache.cache_loc(rows, positions))
         DECODE_ATTENTION(q, k_cache, v_cache, cache.block_table, lens, out, d ** -0.5)
 
     pool = new_pool("cuda")
@@ -59,5 +59,5 @@ def test_decode_step_replays_from_short_capture_to_the_longest_lengths(dtype):
         decode_attention_reference(q, k_cache, v_cache, cache.block_table, lens, want,
                                    d ** -0.5)
         torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
-        written = k_cache.view(-1, hk, d)[cache.slots(rows, positions)]
+        written = k_cache.view(-1, hk, d)[cache.cache_loc(rows, positions)]
         assert torch.equal(written, k)

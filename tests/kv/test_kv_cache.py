@@ -97,7 +97,7 @@ def test_requests_admitted_and_released_in_any_order_attend_to_their_own_tokens(
     owned = torch.zeros(c.pages + 1, dtype=torch.bool)
     for pages in c.owned().values():
         owned[pages] = True
-    KV_WRITE(k, v, k_cache, v_cache, c.slots(rows, positions), kernel=kernel)
+    KV_WRITE(k, v, k_cache, v_cache, c.cache_loc(rows, positions), kernel=kernel)
     assert k_cache[~owned].isnan().all() and v_cache[~owned].isnan().all()  # untouched
     slots = sorted(live)
     q = torch.randn(len(slots), HEADS, DIM, generator=gen)
@@ -119,7 +119,7 @@ def test_a_padded_row_on_the_null_page_comes_out_zero_and_writes_only_the_null_p
     v_cache.fill_(float("nan"))
     real = torch.ones(1, KV_HEADS, DIM)
     # Row 0 is a request at position 0, row 1 a pad: its slot row is free (null page).
-    slots = c.slots(torch.tensor([0, 3]), torch.tensor([0, 0]))
+    slots = c.cache_loc(torch.tensor([0, 3]), torch.tensor([0, 0]))
     assert slots[1] // c.page_size == NULL_PAGE
     KV_WRITE(torch.cat([real, real * 7]), torch.cat([real, real * 7]), k_cache, v_cache,
              slots)
@@ -155,7 +155,7 @@ def test_a_token_out_of_range_maps_to_the_null_page():
     c.admit(1, 16)
     rows = torch.tensor([1, 1, 1, -1, 9, 1])
     positions = torch.tensor([9, -1, 40, 0, 0, 17])  # 17: past the request's two pages
-    pages = (c.slots(rows, positions) // c.page_size).tolist()
+    pages = (c.cache_loc(rows, positions) // c.page_size).tolist()
     assert pages == [c.owned()[1][1], NULL_PAGE, NULL_PAGE, NULL_PAGE, NULL_PAGE,
                      NULL_PAGE]
 
@@ -168,10 +168,10 @@ def test_strided_metadata_is_refused():
     with pytest.raises(OpInputError, match="seq_lens must be contiguous"):
         DECODE_ATTENTION(q, k_cache, v_cache, c.block_table[:2], lens, torch.empty_like(q),
                          1.0)
-    slots = torch.zeros(4, dtype=torch.long)[::2]
-    with pytest.raises(OpInputError, match="slots must be contiguous"):
+    cache_loc = torch.zeros(4, dtype=torch.long)[::2]
+    with pytest.raises(OpInputError, match="cache_loc must be contiguous"):
         KV_WRITE(torch.ones(2, KV_HEADS, DIM), torch.ones(2, KV_HEADS, DIM), k_cache,
-                 v_cache, slots)
+                 v_cache, cache_loc)
 
 
 def test_the_old_graphcap_cache_steps_import_still_works_and_says_where_it_went():
@@ -197,3 +197,12 @@ def test_the_old_graphcap_cache_import_still_works_and_says_where_each_part_went
     with pytest.warns(DeprecationWarning, match="graphcap.kv.*graphcap.inputs"):
         old = importlib.import_module("graphcap.cache")
     assert old.PagedKVCache is PagedKVCache and old.DecodeInputs is DecodeInputs
+
+
+def test_the_old_slots_method_still_gives_each_tokens_place_and_says_its_new_name():
+    c = cache()
+    c.admit(0, 8)
+    rows, positions = torch.tensor([0, 0]), torch.tensor([0, 5])
+    with pytest.warns(DeprecationWarning, match="cache_loc"):
+        old = c.slots(rows, positions)
+    assert torch.equal(old, c.cache_loc(rows, positions))

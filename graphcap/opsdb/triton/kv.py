@@ -34,14 +34,14 @@ def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+             v_cache: torch.Tensor, cache_loc: torch.Tensor) -> None:
     T, heads, head_dim = k.shape
     if T == 0:
         return
     block_h = triton.next_power_of_2(heads)
     block_d = triton.next_power_of_2(head_dim)
     _kv_write_kernel[(T,)](
-        k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, v, k_cache, v_cache, cache_loc, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         heads, head_dim, BLOCK_H=block_h, BLOCK_D=block_d, INTERPRET=interpreting(),
         num_warps=max(1, min(8, block_h * block_d // 256)))
 
