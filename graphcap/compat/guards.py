@@ -3,10 +3,11 @@
 Every compile Dynamo finishes clones the root of its guard tree into a "diff guard"
 tree (the guards ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` still
 checks). Where ``RootGuardManager.clone_manager`` hands the clone to Python without
-ownership (fixed upstream in pytorch/pytorch#184690), the clone is never freed: about 200
-Python objects a compile (each guard's code lines, stack and lambda), for the process's
-life. graphcap compiles once per runner, so a process making runners (every
-``generate()`` call) grows without bound.
+ownership (fixed upstream in pytorch/pytorch#184690), the clone is never freed: each
+guard's code lines, stack and lambda, for the process's life (about 160 Python objects
+for the compiles of one ``generate()`` call of the tiny reference decoder). graphcap
+compiles once per runner, so a process making runners (every ``generate()`` call) grows
+without bound.
 
 :func:`graphcap_compile` marks graphcap's own compiles; where the probe finds the clone
 leaks, their guard trees get no diff tree. Under the unsafe stance such a cache entry is

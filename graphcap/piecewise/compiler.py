@@ -55,17 +55,18 @@ class Traces:
     """What the compiles of one backend leave in torch's process-wide state, to drop once
     nothing runs them (:meth:`release`): each trace's ShapeEnv, weakly, and the names under
     which FX keeps the code it generated for each: the graphs made of the trace, and those
-    Dynamo made and dropped while tracing (named by their inputs, ``inputs_named``, which
-    :meth:`begin` sets before a call that may compile)."""
+    Dynamo made and dropped while tracing or replaced on a recompile (found by what their
+    code mentions, ``mentioning``, which :meth:`begin` sets before a call that may
+    compile)."""
 
     def __init__(self):
         self.shape_envs: list[weakref.ref] = []
         self.sources: list[str] = []
         self.mark: int | None = None
-        self.inputs_named: str | None = None
+        self.mentioning: str | None = None
 
-    def begin(self, inputs_named: str) -> None:
-        self.mark, self.inputs_named = compat.fx_source_mark(), inputs_named
+    def begin(self, mentioning: str) -> None:
+        self.mark, self.mentioning = compat.fx_source_mark(), mentioning
 
     def record(self, example_inputs, *graphs: torch.nn.Module) -> None:
         """A trace Dynamo handed the backend (its fake inputs), and the graphs made of it
@@ -76,8 +77,8 @@ class Traces:
             self.shape_envs.append(weakref.ref(env))
         for graph in graphs:
             self.sources += compat.fx_sources(graph)
-        if self.inputs_named is not None:
-            self.sources += compat.fx_sources_since(self.mark, self.inputs_named)
+        if self.mentioning is not None:
+            self.sources += compat.fx_sources_since(self.mark, self.mentioning)
             self.mark = compat.fx_source_mark()
 
     def release(self) -> None:

@@ -27,7 +27,7 @@ def _entry(graphcap_model, *graphcap_args):
 # What the code FX generates of _entry's compile mentions: Dynamo names a graph input it
 # reads from _entry's arguments L_graphcap_..., the pieces l_graphcap_..., and the pieces
 # of graphcap's split ops call torch.ops.graphcap.
-INPUTS_NAMED = "graphcap"
+OUR_CODE_MENTIONS = "graphcap"
 
 
 _NAMES = itertools.count()
@@ -100,7 +100,7 @@ class CompiledForward:
             if isinstance(a, torch.Tensor) and a.dim():
                 torch._dynamo.mark_dynamic(a, 0)
         traces, graphs = self.compiler.traces, self.compiler.stats["graphs"]
-        traces.begin(INPUTS_NAMED)  # from here, what FX generates of this frame is ours
+        traces.begin(OUR_CODE_MENTIONS)  # from here, what FX generates of this frame is ours
         try:
             # In a copy of the context: torch 2.13's config patches, a few per compile, each
             # leave a context variable in the context they ran in, for its life.
