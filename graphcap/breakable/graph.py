@@ -188,6 +188,7 @@ class DebugStrategy(Strategy):
     break, through the same runner path (padding, metadata, slicing) as a capture."""
 
     name = "breakable"
+    debug = True
     sizes_pool = False  # no graph is captured into the pool
 
     def capture(self, fn, key, pool: GraphPool) -> Captured:

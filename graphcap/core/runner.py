@@ -360,7 +360,8 @@ class Runner:
 
     # -- report --------------------------------------------------------------------
     def report(self) -> dict:
-        """Shapes; per shape the graphs replayed (``segments``), the functions run eagerly
+        """The strategy (``debug``: its debug mode, which captures nothing); shapes; per
+        shape the graphs replayed (``segments``), the functions run eagerly
         between them (``breaks``) and the split ops captured inside a graph
         (``splits_in_graph``); graph memory, build seconds, counters; ``warmups``: eager
         warm-up forwards before captures, ``warmup_retries``: shapes whose direct capture

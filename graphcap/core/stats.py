@@ -41,6 +41,7 @@ def report_of(runner) -> dict:
     entries = sorted(runner.entries.items())
     return {
         "strategy": runner.strategy.name,
+        "debug": runner.strategy.debug,
         "device": str(runner.device),
         "graph_kind": runner.pool.kind,
         "shapes": [k for k, _ in entries],

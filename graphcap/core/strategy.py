@@ -47,6 +47,7 @@ class Strategy:
     call."""
 
     name = "base"
+    debug = False  # the strategy's debug mode (breakable: the forward as one eager break)
     captures = True
     # True when ``watch`` needs the runner's warm-up forward of every shape (the runner
     # then warms each one); otherwise only the first shape is warmed up.

@@ -74,6 +74,7 @@ def test_outputs_are_fresh_tensors_unless_zero_copy_is_asked_for():
 def test_report_lists_shapes_segments_memory_and_build_time():
     rep = runner("breakable", "torch_varlen").report()
     assert rep["strategy"] == "breakable" and rep["shapes"] == [4, 8, 16, 32, 64]
+    assert rep["debug"] is False
     layers = model().args.layers
     assert rep["breaks"][64] == layers  # attention on host lengths: one eager break a layer
     assert rep["segments"][64] == layers + 1 and rep["splits_in_graph"][64] == 0
@@ -159,6 +160,7 @@ def test_debug_mode_runs_the_whole_forward_as_one_eager_break(how, environ):
     r = graphcap.capture(model(), "breakable", buckets=[8, 16], max_requests=2,
                          attention=ATTN, debug=how == "argument")
     rep = r.report()
+    assert rep["strategy"] == "breakable" and rep["debug"] is True
     assert rep["segments"] == {8: 0, 16: 0} and rep["breaks"] == {8: 1, 16: 1}
     ids, pos = batch([7, 5])
     torch.testing.assert_close(r(ids, pos, seq_lens=[7, 5]), eager(ATTN, ids, pos, [7, 5]))
