@@ -68,15 +68,12 @@ class Traces:
     def begin(self, mentioning: str) -> None:
         self.mark, self.mentioning = compat.fx_source_mark(), mentioning
 
-    def record(self, example_inputs, *graphs: torch.nn.Module) -> None:
-        """A trace Dynamo handed the backend (its fake inputs), and the graphs made of it
-        (the split graph and its pieces, which it no longer holds once their graphs
-        replace them)."""
+    def record(self, example_inputs, graph: torch.nn.Module) -> None:
+        """A trace Dynamo handed the backend (its fake inputs), and the graph made of it."""
         env = compat.shape_env_of(example_inputs)
         if env is not None:
             self.shape_envs.append(weakref.ref(env))
-        for graph in graphs:
-            self.sources += compat.fx_sources(graph)
+        self.sources += compat.fx_sources(graph)
         if self.mentioning is not None:
             self.sources += compat.fx_sources_since(self.mark, self.mentioning)
             self.mark = compat.fx_source_mark()
@@ -147,7 +144,7 @@ class PiecewiseCompiler:
                 graphs = PieceGraphs(self, piece.module, piece.module)
             setattr(split, piece.name, graphs)
         split.graphcap_split_pieces = sum(p.is_split for p in pieces)
-        self.traces.record(example_inputs, split, *(piece.module for piece in pieces))
+        self.traces.record(example_inputs, split)
 
         def forward(*args):
             if scalars:  # host values, read outside any graph
