@@ -7,7 +7,7 @@ kind of input whose forward also writes every token's K/V to its request's pages
 
 Beside prefill's token and position buffers, a buffer of each token's request slot is
 staged with the call (padded tokens: none, so they write only the null page); each
-shape's graph computes the tokens' cache slots from it on the device. Each request's
+shape's graph computes the tokens' places in the cache from it on the device. Each request's
 prompt starts at position 0 and must fit what its slot was admitted for; attention is
 among the new tokens (the attention backend's kernel).
 

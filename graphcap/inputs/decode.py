@@ -8,13 +8,13 @@ request over a paged cache.
 Buckets are batch sizes. Row ``b`` is token ``tokens[b]`` (a device tensor) at position
 ``positions[b]`` (host ints: the request's cached tokens before it) of the request in
 slot ``slots[b]``. Each shape's graph computes, from the static buffers of tokens,
-positions and request slots, each row's cache slot, pages and length on the device
+positions and request slots, each row's place in the cache, pages and length on the device
 (:class:`~graphcap.kv.CacheBatch`), writes the rows' K/V and attends over the cache;
 padded rows have no request slot (``-1``): they write only the null page and come out
 zero. A replay stages three copies of at most the bucket's rows.
 
 The cache counts a row's token as written once the step has run (a step that raised
-counts nothing, so no later step reads a slot it did not write). With
+counts nothing, so no later step reads a place it did not write). With
 ``check_inputs=True`` the token ids are checked against the model's ``vocab_size``
 before anything launches (one host sync a step: they live on the device); positions are
 always checked against the model's ``max_position``, where it has one.
@@ -178,7 +178,7 @@ class DecodeInputs(Inputs):
         return kv
 
     def derive(self, kv: CacheBatch) -> None:
-        """Each row's cache slot, pages and length, from the staged rows and positions,
+        """Each row's place in the cache, pages and length, from the staged rows and positions,
         into the shape's buffers (inside the graph: no host work per replay)."""
         bucket = kv.cache_loc.shape[0]
         _, positions, rows = (b[:bucket] for b in self.buffers[:3])

@@ -1,4 +1,4 @@
-"""A preallocated paged K/V cache: pages of ``page_size`` token slots per layer, a block
+"""A preallocated paged K/V cache: pages of ``page_size`` tokens per layer, a block
 table on the device, and a host allocator that hands a request its pages at admission.
 
 Layout, per layer, for K and for V: ``[pages + 1, page_size, kv_heads, head_dim]``.

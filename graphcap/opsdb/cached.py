@@ -2,7 +2,7 @@
 forward's paged cache when the forward context has one (:class:`graphcap.kv.CacheBatch`).
 
 Without a cache it is ``graphcap::attention`` (prefill among the new tokens). With one,
-the tokens' K/V are written at their cache slots first (``graphcap::kv_write``); then a
+the tokens' K/V are written at their places in the cache first (``graphcap::kv_write``); then a
 decode step or an extend attends over each token's cached tokens up to itself
 (``graphcap::decode_attention``, a row per token), a prefill from position 0 among its
 new tokens (``graphcap::attention``). The cache and its per-batch tensors come from the forward

@@ -1,5 +1,5 @@
 """The K/V write of a paged cache: ``kv_write`` stores each token's key and value at its
-cache slot, inside the graph.
+place in the cache (``cache_loc``), inside the graph.
 
 A layer's cache is ``k_cache``, ``v_cache`` ``[pages, page_size, kv_heads, head_dim]``;
 slot ``s`` is row ``s % page_size`` of page ``s // page_size``

@@ -1,5 +1,5 @@
 """The paged cache's K/V write: one program per token copies its ``[kv_heads, head_dim]``
-key and value rows to the token's slot (contract: :mod:`graphcap.opsdb.kv`). Grid from
+key and value rows to the token's place in the cache (contract: :mod:`graphcap.opsdb.kv`). Grid from
 host shapes only, no host synchronisation, ``T == 0`` launches nothing: safe inside a
 CUDA graph."""
 
@@ -13,18 +13,18 @@ from graphcap.opsdb.triton.common import cast, interpreting
 
 
 @triton.jit
-def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr,
                      k_stride_t, k_stride_h, v_stride_t, v_stride_h, heads, head_dim,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
     t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
+    loc = tl.load(loc_ptr + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = (h < heads)[:, None] & (d < head_dim)[None, :]
     src_k = k_ptr + t.to(tl.int64) * k_stride_t + h[:, None] * k_stride_h + d[None, :]
     src_v = v_ptr + t.to(tl.int64) * v_stride_t + h[:, None] * v_stride_h + d[None, :]
-    # A cache slot is heads * head_dim contiguous elements (the cache is contiguous).
-    dst = slot * heads * head_dim + h[:, None] * head_dim + d[None, :]
+    # A token's place in the cache is heads * head_dim contiguous elements.
+    dst = loc * heads * head_dim + h[:, None] * head_dim + d[None, :]
     key = tl.load(src_k, mask=mask)
     value = tl.load(src_v, mask=mask)
     tl.store(kc_ptr + dst, cast(key.to(tl.float32), kc_ptr.dtype.element_ty, INTERPRET),
