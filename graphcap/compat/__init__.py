@@ -175,11 +175,17 @@ def release_shape_env(shape_env) -> None:
             clear()
 
 
+def _fx_loader():
+    """FX's loader of the code it generates (its ``eval_cache`` and ``next_id``), or None
+    where FX has none."""
+    return getattr(torch.fx.graph_module, "_loader", None)
+
+
 def fx_source_mark() -> int | None:
     """FX's count of the code it generated so far (it keeps each GraphModule's code, for
     tracebacks, under a numbered name), for :func:`fx_sources_since`; None where FX keeps
     no such count."""
-    return getattr(getattr(torch.fx.graph_module, "_loader", None), "next_id", None)
+    return getattr(_fx_loader(), "next_id", None)
 
 
 def fx_sources_since(mark: int | None, mentioning: str) -> list[str]:
@@ -187,7 +193,7 @@ def fx_sources_since(mark: int | None, mentioning: str) -> list[str]:
     ``mentioning`` (in any case): GraphModules made and dropped within a compile (Dynamo
     makes one per compile to insert its runtime asserts), and code a GraphModule replaced
     when it recompiled, that no object names."""
-    cache = getattr(getattr(torch.fx.graph_module, "_loader", None), "eval_cache", None)
+    cache = getattr(_fx_loader(), "eval_cache", None)
     if mark is None or not isinstance(cache, dict):
         return []
     mentioning = mentioning.lower()
@@ -221,7 +227,7 @@ def forget_fx_sources(names) -> None:
     GraphModule runs."""
     import linecache
 
-    cache = getattr(getattr(torch.fx.graph_module, "_loader", None), "eval_cache", None)
+    cache = getattr(_fx_loader(), "eval_cache", None)
     for name in names:
         linecache.cache.pop(name, None)
         if isinstance(cache, dict):
