@@ -11,9 +11,10 @@ without bound.
 
 :func:`graphcap_compile` marks graphcap's own compiles; where the probe finds the clone
 leaks, their guard trees get no diff tree. Under the unsafe stance such a cache entry is
-never picked (C++ treats a missing diff tree as a miss, as for an invalidated entry), and
-Dynamo raises "Recompilation triggered with skip_guard_eval_unsafe stance": never a run
-of unchecked code. Other compiles of the process are left as they are.
+never picked (C++ treats a missing diff tree as a miss, as for an invalidated entry), so
+graphcap refuses such a call with ``UnsupportedStrategy`` rather than let Dynamo raise
+its own error: never a run of unchecked code. Other compiles of the process are left as
+they are.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import contextvars
 import functools
 import gc
 import weakref
+
+from graphcap.errors import UnsupportedStrategy
 
 _OURS: contextvars.ContextVar[bool] = contextvars.ContextVar("graphcap_compile",
                                                              default=False)
@@ -73,9 +76,22 @@ def _install() -> bool:
     return True
 
 
+def _unsafe_stance() -> bool:
+    from torch._dynamo import eval_frame
+
+    check = getattr(eval_frame, "_is_skip_guard_eval_unsafe_stance", None)
+    return bool(check is not None and check())
+
+
 def graphcap_compile(context: contextvars.Context) -> contextvars.Context:
     """Mark the compiles that run in ``context`` (a copy of the caller's) as graphcap's;
-    returns ``context``."""
-    _install()
+    returns ``context``. Where their guard trees go without a diff tree, a call under the
+    unsafe stance is refused (``UnsupportedStrategy``): Dynamo would raise its own error."""
+    if _install() and _unsafe_stance():
+        raise UnsupportedStrategy(
+            "strategy='tc_piecewise' cannot run under torch.compiler.set_stance("
+            "skip_guard_eval_unsafe=True) on this torch: its compiles keep no diff guards, "
+            "which this torch never frees (pytorch/pytorch#184690). Call it outside that "
+            "stance, or use strategy='full' or 'breakable'")
     context.run(_OURS.set, True)
     return context

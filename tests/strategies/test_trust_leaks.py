@@ -197,3 +197,19 @@ def test_graphcap_leaves_other_compiles_their_diff_guards_and_its_own_none_where
     code = r.model.compiled.__wrapped__.__code__
     diff = entries(code)[0].guard_manager.diff_guard_root
     assert (diff is None) == guards.clone_leaks()
+
+
+def test_a_call_under_the_unsafe_guard_stance_is_refused_where_graphcap_keeps_no_diff_guards(
+        monkeypatch):
+    # Where the diff-guard clone leaks (torch 2.11) graphcap's compiles keep none, so the
+    # skip_guard_eval_unsafe stance could only end in Dynamo's own error: graphcap says why.
+    from graphcap.compat import guards
+
+    if not guards.clone_leaks():  # this torch frees the clone: pretend it does not
+        monkeypatch.setattr(guards, "_install", lambda: True)
+    r = graphcap.capture(decoder(), "tc_piecewise", buckets=[4], max_requests=1,
+                         attention="torch_masked")
+    i, p = batch([7])  # past the buckets: the compiled forward runs (a replay would not)
+    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+        with pytest.raises(graphcap.errors.UnsupportedStrategy, match="skip_guard_eval_unsafe"):
+            r(i, p, seq_lens=[7])
