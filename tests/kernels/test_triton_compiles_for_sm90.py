@@ -175,7 +175,7 @@ COMPILE_DECODE = textwrap.dedent('''
     for dt in ("bf16", "fp16", "fp32"):
         build(_kv_write_kernel,
               {"k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}",
-               "slot_ptr": "*i64", **{n: "i32" for n in (
+               "loc_ptr": "*i64", **{n: "i32" for n in (
                    "k_stride_t", "k_stride_h", "v_stride_t", "v_stride_h", "heads",
                    "head_dim")}},
               {"BLOCK_H": 8, "BLOCK_D": 128, "INTERPRET": False})
