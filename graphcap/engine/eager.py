@@ -38,6 +38,7 @@ def prefill(model, cache: PagedKVCache, input_ids: torch.Tensor, seq_lens, slots
     inputs = CachePrefillInputs(cache, get_backend(attention, device, dtype=model_dtype(model)),
                                 len(lens), rows, name=type(model).__name__,
                                 extend=starts is not None)
+    inputs.bind(model)
     begin = [0] * len(lens) if starts is None else [as_int(b, "starts", BadBatch)
                                                     for b in starts]
     if len(begin) != len(lens):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from graphcap.core.checks import staged
+from graphcap.errors import BadBatch
 from graphcap.opsdb.sample import SAMPLE
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # temperature and top_p go as float32
@@ -58,6 +59,15 @@ class Sampling:
         for name, value in (("temperature", temperature), ("top_k", top_k),
                             ("top_p", top_p), ("seed", seed)):
             object.__setattr__(self, name, value)  # frozen: the checked value, plain
+
+
+def per_row(given, rows: int) -> list[Sampling]:
+    """A step's sampling argument: one :class:`Sampling` per row, or None (greedy)."""
+    params = [Sampling()] * rows if given is None else list(given)
+    if len(params) != rows or not all(isinstance(p, Sampling) for p in params):
+        raise BadBatch(f"sampling must be {rows} graphcap.Sampling (one per row) or None "
+                       f"(greedy), got {given!r}")
+    return params
 
 
 def tensors(params: list[Sampling], device) -> tuple[torch.Tensor, ...]:

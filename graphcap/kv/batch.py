@@ -31,7 +31,9 @@ class CacheBatch:
     block_table: torch.Tensor | None = None  # paged only
     seq_lens: torch.Tensor | None = None  # paged only
     written: set[int] = field(default_factory=set)  # the layers whose K/V the forward wrote
-    plan: Any = None  # paged only: a kernel planned on the host (FlashInferDecode), or None
+    # Paged only: the shape's plan of its decode attention backend (a DecodePlan of
+    # graphcap.opsdb.attention.paged, updated on the host), or None (the default kernel).
+    plan: Any = None
 
     def check_written(self, model) -> None:
         """After a forward: every layer of the cache wrote its K/V, or a clear error."""

@@ -3,8 +3,9 @@ forward's paged cache when the forward context has one (:class:`graphcap.kv.Cach
 
 Without a cache it is ``graphcap::attention`` (prefill among the new tokens). With one,
 the tokens' K/V are written at their places in the cache first (``graphcap::kv_write``); then a
-decode step or an extend attends over each token's cached tokens up to itself
-(``graphcap::decode_attention``, a row per token), a prefill from position 0 among its
+decode step or an extend attends over each token's cached tokens up to itself (a row
+per token, through the decode attention backend that planned the cache batch, by default
+``graphcap::decode_attention``), a prefill from position 0 among its
 new tokens (``graphcap::attention``). The cache and its per-batch tensors come from the forward
 context, not the arguments, so a torch.compiled forward (tc_piecewise) sees one opaque
 split op, traced once, and the cache is read at run time, as prefill's metadata is.
@@ -23,7 +24,7 @@ from graphcap.opsdb.attention import (
     run_attention,
     static_metadata,
 )
-from graphcap.opsdb.decode import DECODE_ATTENTION
+from graphcap.opsdb.attention.paged import attend_pages
 from graphcap.opsdb.kv import KV_WRITE
 from graphcap.opsdb.spec import register_op
 
@@ -46,11 +47,7 @@ def _run(q, k, v, out, scale, layer, attention, kernel=None) -> None:
         meta = attention_if_any()
         if meta is not None:  # an extend: packed requests, attended apart
             meta.attended = True
-        if kv.plan is not None:  # a kernel planned on the host before the replay
-            kv.plan.run(q, k_cache, v_cache, kv.seq_lens, out, scale)
-        else:
-            DECODE_ATTENTION(q, k_cache, v_cache, kv.block_table, kv.seq_lens, out, scale,
-                             kernel=kernel)
+        attend_pages(q, k_cache, v_cache, kv, out, scale, kernel)  # kv.plan's backend
     else:
         attention(q, k, v, out, scale)
 

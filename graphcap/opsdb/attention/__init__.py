@@ -1,5 +1,9 @@
-"""Prefill attention: the ``graphcap::attention`` split op and its backends (each says
-where it runs, and whether its metadata is static: ``AttentionBackend.static_metadata``).
+"""Attention: the ``graphcap::attention`` split op (prefill, among the new tokens) and its
+backends (each says where it runs, and whether its metadata is static:
+``AttentionBackend.static_metadata``); beside them the backends of attention over a paged
+cache (:mod:`.paged`: decode steps and extends). One registry and one call picks either
+kind: ``get_backend(name, device, ...)`` (prefill) and ``get_backend(name,
+kind="decode", cache=cache)``; each plans on the host and runs its kernel in the graph.
 
 The op takes a caller-allocated ``out`` and writes it (a split op's contract); the batch's
 metadata comes from the forward context, prepared by the backend outside any graph.
@@ -19,6 +23,8 @@ from graphcap.opsdb.attention.base import (
 )
 from graphcap.opsdb.attention.flash_attn_backend import FlashAttention
 from graphcap.opsdb.attention.flashinfer_backend import FlashInferAttention
+from graphcap.opsdb.attention.flashinfer_decode import FlashInferDecode
+from graphcap.opsdb.attention.paged import DecodeBackend, OpsdbDecode
 from graphcap.opsdb.attention.torch_backends import TorchMasked, TorchVarlen
 from graphcap.opsdb.attention.triton_backend import TritonAttention
 from graphcap.opsdb.spec import register_op
@@ -27,12 +33,22 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
     cls.name: cls
     for cls in (FlashAttention, FlashInferAttention, TritonAttention, TorchMasked, TorchVarlen)
 }
+DECODE_BACKENDS: dict[str, type[DecodeBackend]] = {
+    cls.name: cls for cls in (OpsdbDecode, FlashInferDecode)
+}
 
 
 def get_backend(name: str | None = None, device="cpu", strategy: str | None = None,
-                dtype: torch.dtype | None = None) -> AttentionBackend:
+                dtype: torch.dtype | None = None, *, kind: str = "prefill",
+                cache=None) -> AttentionBackend | DecodeBackend:
     """An attention backend by name, or the best available on ``device`` for ``strategy``
-    (and for q/k/v of ``dtype``, when given)."""
+    (and for q/k/v of ``dtype``, when given). ``kind="decode"``: a backend of attention
+    over ``cache``'s pages (a :class:`~graphcap.kv.PagedKVCache`), checked against it;
+    None gives the default, ``graphcap::decode_attention``."""
+    if kind == "decode":
+        return _decode_backend(name, cache)
+    if kind != "prefill":
+        raise ValueError(f"get_backend(kind={kind!r}): 'prefill' or 'decode'")
     device = torch.device(device)
     if name is not None:
         if name not in BACKENDS:
@@ -53,6 +69,22 @@ def get_backend(name: str | None = None, device="cpu", strategy: str | None = No
             return backend
     raise BackendUnavailable(f"no attention backend runs on {device} under {strategy}"
                              + (f" for {dtype}" if dtype is not None else ""))
+
+
+def _decode_backend(name: str | None, cache) -> DecodeBackend:
+    if cache is None:
+        raise ValueError("get_backend(kind='decode') needs cache=: the paged cache its "
+                         "kernel reads")
+    if name is None:
+        return OpsdbDecode()
+    if name not in DECODE_BACKENDS:
+        raise BackendUnavailable(f"no decode attention backend {name!r}; choose one of "
+                                 f"{sorted(DECODE_BACKENDS)}")
+    backend = DECODE_BACKENDS[name]()
+    why = backend.unavailable(cache)
+    if why:
+        raise BackendUnavailable(f"decode attention {name!r} {why}")
+    return backend
 
 
 def check_attention(q, k, v, out, scale):
@@ -109,6 +141,7 @@ ATTENTION = register_op(
     doc="causal prefill attention over packed requests; metadata from the forward context",
 )
 
-__all__ = ["ATTENTION", "BACKENDS", "AttentionBackend", "AttentionMetadata",
+__all__ = ["ATTENTION", "BACKENDS", "DECODE_BACKENDS", "AttentionBackend",
+           "AttentionMetadata", "DecodeBackend",
            "get_backend", "reference_attention", "run_attention", "static_metadata",
            "validate_seq_lens"]

@@ -1,15 +1,16 @@
-"""FlashInfer's paged decode kernel for decode steps: :class:`FlashInferDecode`, one per
-shape (a batch bucket), chosen with ``DecodeInputs(cache, attention="flashinfer")``.
+"""FlashInfer's paged decode kernel as a decode attention backend (``flashinfer``):
+``DecodeInputs(cache, attention="flashinfer")``, or ``decode_attention="flashinfer"`` for
+any paged kind of input.
 
 FlashInfer plans a batch on the host: each row's pages (``indptr``, ``indices``) and the
-tokens of its last page. The wrapper is made with ``use_cuda_graph=True`` over static
-device buffers sized for the bucket, so ``run()`` is what a graph captures and ``plan()``
-rewrites those buffers before each replay, outside the graph, from the step's host
-positions and request slots and the cache's host page lists (no device read). Every
-layer shares the step's plan. A padded row is planned as one token on the null page and
-its output zeroed in the graph (its length is 0 on the device), so NaN there reaches no
-row. What it supports: CUDA, float16 and bfloat16, head dims 64, 128 and 256, the
-cache's NHD layout ``[pages, page_size, kv_heads, head_dim]``.
+tokens of its last page. Each shape's plan (:class:`FlashInferPlan`) makes a wrapper with
+``use_cuda_graph=True`` over static device buffers sized for the shape, so ``run()`` is
+what a graph captures and ``update()`` rewrites those buffers before each replay, outside
+the graph, from the call's host positions and request slots and the cache's host page
+lists (no device read). Every layer shares the call's plan. A padded row is planned as
+one token on the null page and its output zeroed in the graph (its length is 0 on the
+device), so NaN there reaches no row. What it supports: CUDA, float16 and bfloat16, head
+dims 64, 128 and 256, the cache's NHD layout ``[pages, page_size, kv_heads, head_dim]``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from graphcap.core.checks import staged
 from graphcap.errors import BackendUnavailable
 from graphcap.kv.paged import NULL_PAGE, PagedKVCache
+from graphcap.opsdb.attention.paged import DecodeBackend, DecodePlan
 from graphcap.opsdb.spec import unavailable
 
 NAME = "flashinfer"
@@ -37,44 +39,64 @@ def why_not(cache: PagedKVCache) -> str | None:
     return why
 
 
-class FlashInferDecode:
-    """The plan and kernel of one decode shape of ``rows`` rows over ``cache``. ``shared``
-    is shared by a model's shapes: the query heads and scale the first run saw (so a
+class FlashInferDecode(DecodeBackend):
+    """What a model's shapes share: the query heads and scale the first run saw (so a
     shape captured without a warm-up of its own never plans inside its capture) and the
     float workspace (the kernels' scratch: replays run one at a time)."""
 
-    def __init__(self, cache: PagedKVCache, rows: int, shared: dict | None = None):
+    name = NAME
+
+    def __init__(self):
+        self.heads: tuple[int, float] | None = None
+        self.workspace: torch.Tensor | None = None
+
+    def unavailable(self, cache: PagedKVCache) -> str | None:
+        return why_not(cache)
+
+    def metadata(self, cache: PagedKVCache, rows: int) -> FlashInferPlan:
+        return FlashInferPlan(self, cache, rows)
+
+    def forward(self, q, k_cache, v_cache, kv, out, scale, kernel=None) -> None:
+        """``out`` = each row's attention over its planned pages; pads (length 0) zero."""
+        plan = kv.plan
+        if self.heads is None:  # the first run, eager (a warm-up): plan now
+            self.heads = (q.shape[1], scale)
+            plan.replan()
+        plan.wrapper.run(q, (k_cache, v_cache), out=out)
+        out.copy_(torch.where((kv.seq_lens > 0)[:, None, None], out, 0.0))
+
+
+class FlashInferPlan(DecodePlan):
+    """The plan and wrapper of one shape of ``rows`` rows over ``cache``."""
+
+    def __init__(self, backend: FlashInferDecode, cache: PagedKVCache, rows: int):
         why = why_not(cache)
         if why:
             raise BackendUnavailable(f"decode attention {NAME!r} {why}")
         import flashinfer
 
-        self.cache, self.rows = cache, rows
+        super().__init__(backend, cache, rows)
         device = cache.device
         self.indptr = torch.zeros(rows + 1, dtype=torch.int32, device=device)
         self.indices = torch.zeros(rows * cache.block_table.shape[1], dtype=torch.int32,
                                    device=device)
         self.last = torch.ones(rows, dtype=torch.int32, device=device)
-        self.shared = shared if shared is not None else {}
-        if "workspace" not in self.shared:
-            self.shared["workspace"] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8,
-                                                   device=device)
+        if backend.workspace is None:
+            backend.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8,
+                                            device=device)
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.shared["workspace"], "NHD", use_cuda_graph=True,
+            backend.workspace, "NHD", use_cuda_graph=True,
             paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
             paged_kv_last_page_len_buffer=self.last)
-        self.heads: tuple[int, float] | None = self.shared.get("heads")  # from a run
         self._step: tuple[list[int], list[int]] = ([], [])
 
-    def plan(self, positions, slots) -> None:
-        """The step's rows (host ints, or host tensors of them): row ``b`` is position
-        ``positions[b]`` of the request in slot ``slots[b]``; the other rows are pads."""
+    def update(self, positions, slots) -> None:
         self._step = tuple(v.tolist() if isinstance(v, torch.Tensor) else list(v)
                            for v in (positions, slots))
-        if self.heads is not None:
-            self._plan()
+        if self.backend.heads is not None:
+            self.replan()
 
-    def _plan(self) -> None:
+    def replan(self) -> None:
         cache, (positions, slots) = self.cache, self._step
         size = cache.page_size
         indptr, indices, last = [0], [], []
@@ -86,17 +108,9 @@ class FlashInferDecode:
             indices.append(NULL_PAGE)
             indptr.append(len(indices))
             last.append(1)
-        hq, scale = self.heads
+        hq, scale = self.backend.heads
         self.wrapper.plan(
             staged(indptr, torch.int32, cache.device), staged(indices, torch.int32,
                                                               cache.device),
             staged(last, torch.int32, cache.device), hq, cache.kv_heads, cache.head_dim,
             size, q_data_type=cache.k.dtype, kv_data_type=cache.k.dtype, sm_scale=scale)
-
-    def run(self, q, k_cache, v_cache, seq_lens, out, scale: float) -> None:
-        """``out`` = each row's attention over its planned pages; pads (length 0) zero."""
-        if self.heads is None:  # the first run, eager (a warm-up): plan now
-            self.heads = self.shared["heads"] = (q.shape[1], scale)
-            self._plan()
-        self.wrapper.run(q, (k_cache, v_cache), out=out)
-        out.copy_(torch.where((seq_lens > 0)[:, None, None], out, 0.0))

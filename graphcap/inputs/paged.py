@@ -1,0 +1,379 @@
+"""Tokens of requests at positions over a paged K/V cache: :class:`PagedInputs`, the one
+kind of input of decode steps, verify steps, prefill and extend into the cache.
+
+Every row is a token of a request (a request slot of the cache) at a position; its K/V
+go to that place in the request's pages. How many tokens each request brings sets the
+call and how attention runs:
+
+- ``tokens_per_request=k`` (1: a decode step; ``1 + k`` proposals: a verify step):
+  ``runner(tokens, positions=[...], slots=[...])``, ``k`` tokens per request in order,
+  ``positions[r]`` the first one's (host ints: the tokens of request ``r`` cached before
+  it). Every token attends over its request's pages up to itself (the decode attention
+  backend, a row per token), so the graph needs no per-request metadata and buckets
+  count tokens.
+- ``tokens_per_request=None`` (prefill, extend): ``runner(input_ids, positions,
+  seq_lens=[...], slots=[...])``, requests packed along dim 0 in request slots of the
+  prefill attention backend's per-shape metadata. A prompt from position 0 attends among
+  its new tokens (``attention``); with ``extend=True`` a request may continue one
+  already cached (``starts=[...]``, its first position) and every token attends over its
+  pages as a decode row does, so one graph serves fresh prompts and continuations.
+
+Each shape has one state (:class:`PagedState`): its view of the cache
+(:class:`~graphcap.kv.CacheBatch`: each token's place, pages and length, computed on
+the device from the staged rows and positions, inside the graph), the decode attention
+backend's plan (rewritten on the host before each replay) and, for requests of any
+length, the prefill metadata. Padded rows have no request slot (``-1``): they write only
+the null page and come out zero. The cache counts a call's tokens as written once it has
+run (a call that raised counts nothing, so no later call reads a place nobody wrote).
+
+:class:`~graphcap.inputs.DecodeInputs` and :class:`~graphcap.inputs.CachePrefillInputs`
+are this kind with the decode and prefill calls' arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphcap.core import checks
+from graphcap.core.context import forward_context
+from graphcap.core.inputs import Batch, Inputs, check_packing
+from graphcap.errors import BadBatch, UnsupportedModel
+from graphcap.inputs.sampling import host_tensors, per_row
+from graphcap.kv.batch import CacheBatch
+from graphcap.kv.paged import PagedKVCache
+from graphcap.opsdb.attention import DecodeBackend, get_backend
+from graphcap.opsdb.sample import SAMPLE
+
+_INTS = (torch.int32, torch.int64)
+
+
+@dataclass
+class PagedState:
+    """One shape's state: its view of the cache (with the decode attention plan) and, for
+    requests of any length, the prefill attention metadata (else None)."""
+
+    kv: CacheBatch
+    meta: Any = None
+
+    @property
+    def tokens(self) -> int:
+        return self.kv.cache_loc.shape[0]
+
+    def context(self):
+        return forward_context(attention=self.meta, kv=self.kv)
+
+
+class PagedInputs(Inputs):
+    def __init__(self, cache: PagedKVCache, tokens_per_request: int | None = 1, *,
+                 attention=None, slots: int | None = None, output_rows: str | None = None,
+                 extend: bool = False, sample: bool = False, decode_attention=None,
+                 check_inputs: bool = False, name: str = "the model"):
+        super().__init__(cache.device)
+        self.cache, self.step, self.extend, self.sample = cache, tokens_per_request, \
+            extend, sample
+        if self.step is not None:
+            self.step = checks.positive_int(tokens_per_request, "tokens_per_request")
+        elif attention is None or slots is None:
+            raise ValueError("requests of any length (tokens_per_request=None) need the "
+                             "prefill attention backend (attention=) and request slots "
+                             "per shape (slots=)")
+        if sample and self.step != 1:
+            raise ValueError("sample=True draws one token per request: it needs "
+                             "tokens_per_request=1")
+        if extend and self.step is not None:
+            raise ValueError("extend=True continues requests of any length: it needs "
+                             "tokens_per_request=None (fixed steps always extend)")
+        self.kind = "decode" if self.step is not None else "prefill"
+        self.attention, self.slots, self.name = attention, slots, name
+        self.pages = decode_attention if isinstance(decode_attention, DecodeBackend) \
+            else get_backend(decode_attention, kind="decode", cache=cache)
+        self.output_rows = output_rows  # None: the model's (bind)
+        self.per_request = output_rows == "requests"
+        self.check_inputs = check_inputs
+        self.vocab_size: int | None = None  # with check_inputs: token ids' bound (bind)
+        self.max_position: int | None = None  # positions' bound, where the model has one
+        self.last_rows: torch.Tensor | None = None  # per_request: each request's last row
+        # Prefill: whether graphcap attention ran in the captured forward (None: nothing
+        # captured) and, with nothing captured, in a call.
+        self.attends: bool | None = None
+        self.called = False
+
+    def bind(self, model) -> None:
+        rows = self.output_rows or getattr(model, "output_rows", "tokens")
+        if rows not in ("tokens", "requests"):
+            raise UnsupportedModel(f"{type(model).__name__}.output_rows is {rows!r}: "
+                                   "use 'tokens' or 'requests' (one row per request)")
+        self.per_request = rows == "requests"
+        self.row_unit = ("one token per request (drawn in the graph)" if self.sample else
+                         "one row per request (its last token)" if self.per_request else
+                         "one row per token")
+        max_position = getattr(model, "max_position", None)
+        self.max_position = checks.as_int(max_position, "max_position") \
+            if max_position else None
+        if self.check_inputs:
+            vocab = getattr(model, "vocab_size", None)
+            if vocab is None:
+                raise UnsupportedModel(
+                    f"check_inputs=True checks token ids against the model's vocab_size, "
+                    f"which {type(model).__name__} does not have: set model.vocab_size")
+            self.vocab_size = checks.as_int(vocab, "vocab_size")
+
+    # -- a call ----------------------------------------------------------------------
+    def check(self, args: tuple, kwargs: dict) -> Batch:
+        batch = self._steps(args, kwargs) if self.step else self._requests(args, kwargs)
+        if self.check_inputs:  # one host sync: the tokens live on the device
+            checks.check_token_ids(batch.args[0], self.vocab_size)
+        return batch
+
+    def _steps(self, args: tuple, kwargs: dict) -> Batch:
+        known = {"positions", "slots"} | ({"sampling"} if self.sample else set())
+        unknown = sorted(set(kwargs) - known)
+        if len(args) != 1 or unknown or "positions" not in kwargs or "slots" not in kwargs:
+            raise BadBatch("a decode step is called as runner(tokens, positions=[...], "
+                           "slots=[...]" + (", sampling=[...]" if self.sample else "")
+                           + f"); got {len(args)} arguments and keywords {sorted(kwargs)}")
+        tokens, k = args[0], self.step
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or \
+                tokens.dtype not in _INTS or tokens.device != self.device:
+            raise BadBatch(f"tokens must be a 1-D int64 (or int32) tensor on {self.device}, "
+                           + ("one per request" if k == 1 else f"{k} per request"))
+        if tokens.shape[0] % k:
+            raise BadBatch(f"{tokens.shape[0]} tokens are not {k} per request")
+        requests = tokens.shape[0] // k
+        if requests == 0:
+            raise BadBatch("empty step: at least one request is needed")
+        try:
+            firsts = checks.host_lengths(kwargs["positions"], "positions")
+        except BadBatch:
+            firsts = None
+        if firsts is None or len(firsts) != requests:
+            raise BadBatch(f"positions must be {requests} ints >= 0 (one per request, on "
+                           f"the host: a list or a CPU tensor), got {kwargs['positions']!r}")
+        slots = self.cache.requests(kwargs["slots"], requests)
+        params = per_row(kwargs.get("sampling"), requests) if self.sample else None
+        self.cache.check_step(slots, firsts)
+        over = [(s, p + k) for s, p in zip(slots, firsts, strict=True)
+                if p + k > self.cache.capacity(s)]
+        if over:  # k > 1: the last tokens of a step past what was admitted
+            raise BadBatch(f"steps of {k} tokens end past what their slots were admitted "
+                           f"for: (slot, end) {over}; admit requests for their prompt plus "
+                           "new tokens")
+        if self.max_position is not None and max(firsts) + k > self.max_position:
+            raise BadBatch(f"positions {firsts} reach past the model's max_position "
+                           f"{self.max_position}")
+        positions = [p + j for p in firsts for j in range(k)]
+        rows = [s for s in slots for _ in range(k)]
+        host = checks.staged([positions, rows], torch.long, self.device)  # no host sync
+        args = (tokens, host[0], host[1])
+        if self.sample:
+            args += host_tensors(params, self.device)
+        return Batch(args, tokens.shape[0], [k] * requests,
+                     host=[(s, p + k) for s, p in zip(slots, firsts, strict=True)])
+
+    def _requests(self, args: tuple, kwargs: dict) -> Batch:
+        if "slots" not in kwargs:
+            raise BadBatch("a prefill into the cache is called as runner(input_ids, "
+                           "positions, seq_lens=[...], slots=[...]): slots are the requests' "
+                           "cache slots, admitted first")
+        if "starts" in kwargs and not self.extend:
+            raise BadBatch("starts= continues requests already in the cache, which needs "
+                           "CachePrefillInputs(..., extend=True); without it each prompt "
+                           "starts at position 0")
+        unknown = sorted(set(kwargs) - {"seq_lens", "slots", "starts"})
+        if unknown or len(args) != 2:
+            raise BadBatch("a prefill model is called as runner(input_ids, positions, "
+                           f"seq_lens=[...]); got {len(args)} arguments"
+                           + (f" and keywords {unknown}" if unknown else ""))
+        lens = checks.check_prefill(*args, kwargs.get("seq_lens"), self.device)
+        if self.per_request and 0 in lens:
+            raise BadBatch(
+                f"seq_lens {lens} has a zero-length request, which has no last token: "
+                "this model returns one row per request; drop empty requests")
+        if self.attends is False:
+            check_packing(self.name, self.attention.name, lens)
+        slots = self.cache.requests(kwargs["slots"], len(lens))
+        starts = self._starts(kwargs.get("starts"), slots, lens)
+        per_token = [s for s, n in zip(slots, lens, strict=True) for _ in range(n)]
+        rows = checks.staged(per_token, torch.long, self.device)  # pinned: no host sync
+        ends = [(s, b + n) for s, b, n in zip(slots, starts, lens, strict=True) if n]
+        return Batch((*args, rows), args[0].shape[0], lens, host=ends)
+
+    def _starts(self, given, slots: list[int], lens: list[int]) -> list[int]:
+        """Each request's first position, checked against its slot's tokens (``BadBatch``)."""
+        if given is None:
+            starts = [0] * len(slots)
+        else:
+            starts = [checks.as_int(b, "starts", BadBatch) for b in given]
+            if len(starts) != len(slots):
+                raise BadBatch(f"starts has {len(starts)} entries for {len(slots)} requests")
+        for slot, start in zip(slots, starts, strict=True):
+            written = self.cache.written(slot)
+            if not 0 <= start <= written:
+                raise BadBatch(f"starts: request slot {slot} starts at {start}, but its "
+                               f"pages hold {written} tokens; a request continues at most "
+                               "from its last written token")
+        self.cache.check_prompts(slots, [b + n for b, n in zip(starts, lens, strict=True)])
+        return starts
+
+    def commit(self, batch: Batch) -> None:
+        """The cache counts each request's tokens up to its last one as written (what
+        follows in its pages is stale)."""
+        self.cache.wrote(batch.host)
+
+    def describe(self, batch: Batch) -> str:
+        head = f"{batch.tokens} requests" if self.step == 1 else \
+            f"{batch.tokens} tokens, requests {batch.lens}"
+        return f"{head}, (slot, length) {batch.host}"
+
+    # -- static buffers and each shape's state ---------------------------------------
+    def allocate(self, max_tokens: int, batch: Batch | None) -> None:
+        ids = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
+        rows = torch.full((max_tokens,), -1, dtype=torch.long, device=self.device)
+        self.buffers = [ids, torch.zeros_like(ids), rows]
+        if self.sample:  # temperature, top_k, top_p, seed per row (pads: greedy)
+            self.buffers += [torch.zeros(max_tokens, dtype=dtype, device=self.device)
+                             for dtype in (torch.float32, torch.long, torch.float32,
+                                           torch.long)]
+        # The row of each request's last token: requests of `step` tokens, fixed rows;
+        # requests of any length, a buffer the prefill metadata writes.
+        self.last_rows = self._last_rows(max_tokens) if self.step else \
+            torch.zeros(self.slots, dtype=torch.long, device=self.device)
+
+    def _last_rows(self, tokens: int) -> torch.Tensor:
+        k = self.step
+        return torch.arange(tokens // k, device=self.device) * k + k - 1
+
+    def reset(self) -> None:
+        super().reset()
+        self.attends = None
+
+    def prepare(self, bucket: int) -> PagedState:
+        meta = None
+        if self.step is None:
+            meta = self.attention.metadata(bucket, self.slots, self.device).update([bucket])
+            if self.per_request:
+                meta.last_token_rows(out=self.last_rows)
+        _, positions, rows = (b[:bucket] for b in self.buffers[:3])
+        state = PagedState(self._cache_batch(rows, positions, bucket), meta)
+        if state.kv.plan is not None:  # pads only, until a call stages its rows
+            state.kv.plan.update([], [])
+        return state
+
+    def _cache_batch(self, rows, positions, count: int) -> CacheBatch:
+        """A forward's view of the cache; with attention over the pages, a plan of its
+        decode attention backend for ``count`` rows."""
+        if self.step is None and not self.extend:
+            return CacheBatch.prefill(self.cache, rows, positions)
+        kv = CacheBatch.paged(self.cache, rows, positions)
+        kv.plan = self.pages.metadata(self.cache, count)
+        return kv
+
+    def derive(self, state: PagedState) -> None:
+        """Each token's place in the cache, pages and length, from the staged rows and
+        positions, into the shape's buffers (inside the graph: no host work per replay)."""
+        if state.meta is not None:
+            state.meta.derive()  # the prefill metadata's device buffers
+            if self.per_request:
+                state.meta.last_token_rows(out=self.last_rows)
+        _, positions, rows = (b[:state.tokens] for b in self.buffers[:3])
+        fresh = (CacheBatch.paged if state.kv.reads_pages else CacheBatch.prefill)(
+            self.cache, rows, positions)
+        state.kv.refresh(fresh)
+
+    def forward(self, model, bucket: int, state: PagedState):
+        ids, positions, _, *params = (b[:bucket] for b in self.buffers)
+        return self._run(model, state, ids, positions, params,
+                         self.last_rows if self.step is None else
+                         self.last_rows[:bucket // self.step])
+
+    def _run(self, model, state: PagedState, ids, positions, params, last):
+        """The model under the state's context: each row's logits, or with ``sample`` the
+        token drawn from them (``graphcap::sample``, the counter the position it takes);
+        then every layer of the cache must have written its K/V."""
+        state.kv.written.clear()
+        with state.context():
+            out = model(ids, positions, last) if self.per_request else model(ids, positions)
+            if self.sample:
+                out = SAMPLE(out, *params, positions + 1)
+        state.kv.check_written(model)
+        return out
+
+    def stage(self, batch: Batch, bucket: int, state: PagedState) -> None:
+        self.copy_in(batch, bucket)
+        if batch.tokens < bucket:
+            self.buffers[2][batch.tokens:bucket].fill_(-1)  # pads: no request slot
+        if state.meta is not None:  # routed: they fit the shape
+            state.meta.update(batch.lens, derive=False, checked=True)
+        if state.kv.plan is not None:  # outside the graph, from the host values
+            state.kv.plan.update(*self._planned(batch))
+
+    def _planned(self, batch: Batch) -> tuple[list[int], list[int]]:
+        """Each token's position and request slot, on the host."""
+        if self.step is None:
+            lens, ends = batch.lens, iter(batch.host)
+            positions, slots = [], []
+            for n in lens:
+                if n:
+                    slot, end = next(ends)
+                    positions += range(end - n, end)
+                    slots += [slot] * n
+            return positions, slots
+        return batch.args[1], batch.args[2]
+
+    def context(self, state: PagedState):
+        return state.context()
+
+    def rows(self, bucket: int) -> int:
+        if not self.per_request:
+            return bucket
+        return self.slots if self.step is None else bucket // self.step
+
+    def out_rows(self, batch: Batch) -> int:
+        return len(batch.lens) if self.per_request else batch.tokens
+
+    def fits(self, batch: Batch) -> str | None:
+        if self.step is None and len(batch.lens) > self.slots:
+            return "too_many_requests"
+        return None
+
+    def limits(self) -> str:
+        return f", {self.slots if self.step is None else self.cache.max_requests} " \
+               "request slots"
+
+    def eager(self, model, batch: Batch):
+        ids, positions, rows, *params = batch.args
+        positions, rows, *params = (t.to(self.device, non_blocking=True)
+                                    for t in (positions, rows, *params))
+        meta, last = None, None
+        if self.step is None:
+            meta = self.attention.prepare(batch.lens, self.device)
+            last = meta.last_token_rows() if self.per_request else None
+        else:
+            last = self._last_rows(batch.tokens) if self.per_request else None
+        state = PagedState(self._cache_batch(rows, positions, batch.tokens), meta)
+        if state.kv.plan is not None:
+            state.kv.plan.update(*self._planned(batch))
+
+        def run():
+            out = self._run(model, state, ids, positions, params, last)
+            if meta is not None and self.attends is None:  # nothing captured: this tells
+                self.called |= meta.attended
+                if not meta.attended:
+                    check_packing(self.name, self.attention.name, batch.lens)
+            return out
+        return run
+
+    def captured(self, states: list) -> None:
+        if self.step is None:
+            self.attends = any(state.meta.attended for state in states)
+
+    def report(self) -> dict:
+        out = {"cache": repr(self.cache)}
+        if self.step is None:  # the backend the captured forward called (None: none)
+            out["attention"] = self.attention.name if self.attends or self.called else None
+        if self.pages.name != "graphcap":
+            out["decode_attention"] = self.pages.name
+        return out

@@ -1,0 +1,74 @@
+"""Attention over a paged cache (a decode step, an extend: each token over its request's
+cached tokens up to itself), its backends behind the same :func:`get_backend` as
+prefill's (``kind="decode"``), with the same split: a plan on the host, a kernel in the
+graph.
+
+A backend's ``metadata(cache, rows)`` makes one shape's plan (``rows`` tokens) once;
+``plan.update(positions, slots)`` rewrites it on the host from the call's host values,
+before each replay or eager run, outside any graph; ``backend.forward(q, k_cache,
+v_cache, kv, out, scale)`` runs in the graph and reads the plan the forward's
+:class:`~graphcap.kv.CacheBatch` carries (``kv.plan``). A backend whose kernel reads only
+the cache batch's device tensors (the block table and lengths computed in the graph)
+has nothing to plan.
+
+- ``graphcap``: ``graphcap::decode_attention``, its kernel chosen per call from opsdb
+  (Triton on CUDA, torch elsewhere); the default.
+- ``flashinfer``: FlashInfer's paged decode (:mod:`.flashinfer_decode`), planned per call.
+"""
+
+from __future__ import annotations
+
+from graphcap.kv.batch import CacheBatch
+from graphcap.kv.paged import PagedKVCache
+from graphcap.opsdb.decode import DECODE_ATTENTION
+
+
+class DecodePlan:
+    """One shape's plan: nothing to rewrite for a kernel that reads only the device."""
+
+    def __init__(self, backend: DecodeBackend, cache: PagedKVCache, rows: int):
+        self.backend, self.cache, self.rows = backend, cache, rows
+
+    def update(self, positions, slots) -> None:
+        """The call's rows (host ints, or host tensors of them): row ``b`` is position
+        ``positions[b]`` of the request in slot ``slots[b]``; the rest are pads."""
+
+
+class DecodeBackend:
+    """One way to attend over a paged cache; subclasses set ``name`` and ``forward``."""
+
+    name = "base"
+    kind = "decode"
+
+    def unavailable(self, cache: PagedKVCache) -> str | None:
+        """Why it cannot serve ``cache`` (device, dtype, head dim), or None."""
+        return None
+
+    def metadata(self, cache: PagedKVCache, rows: int) -> DecodePlan:
+        return DecodePlan(self, cache, rows)
+
+    def forward(self, q, k_cache, v_cache, kv: CacheBatch, out, scale: float,
+                kernel: str | None = None) -> None:
+        raise NotImplementedError
+
+
+class OpsdbDecode(DecodeBackend):
+    """``graphcap::decode_attention`` over the cache batch's block table and lengths;
+    ``kernel`` names one of its kernels (the op's reference path passes ``"torch"``)."""
+
+    name = "graphcap"
+
+    def forward(self, q, k_cache, v_cache, kv, out, scale, kernel=None) -> None:
+        DECODE_ATTENTION(q, k_cache, v_cache, kv.block_table, kv.seq_lens, out, scale,
+                         kernel=kernel)
+
+
+DEFAULT = OpsdbDecode()
+
+
+def attend_pages(q, k_cache, v_cache, kv: CacheBatch, out, scale: float,
+                 kernel: str | None = None) -> None:
+    """Each row of ``q`` over its request's pages: the kernel of the backend that planned
+    ``kv`` (the default's for a cache batch made without a plan)."""
+    backend = DEFAULT if kv.plan is None else kv.plan.backend
+    backend.forward(q, k_cache, v_cache, kv, out, scale, kernel)

@@ -1,0 +1,149 @@
+"""One paged kind of input (``graphcap.inputs.PagedInputs``) for every way tokens meet the
+cache: a step of ``k`` tokens per request (``1 + k`` of a verify step) gives the logits of
+``k`` decode steps, under every graphed strategy; per-request models get each request's
+last row, whatever path the call takes; decode attention is picked through the same
+``get_backend`` as prefill's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphcap
+from graphcap.api import GRAPHED
+from graphcap.engine.eager import decode_step, prefill
+from graphcap.errors import BackendUnavailable, BadBatch
+from graphcap.inputs import DecodeInputs, PagedInputs
+from graphcap.kv import PagedKVCache
+from graphcap.models import PRESETS, Decoder
+from graphcap.opsdb.attention import DECODE_BACKENDS, get_backend
+from tests.support.runner_helpers import DEVICE
+
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+PROMPTS = {0: [5, 9, 2, 7, 1], 2: [3], 3: [8, 8, 4, 11, 6, 2, 9]}
+K = 3  # tokens per request of the step
+
+
+def setup(logits="all"):
+    torch.manual_seed(0)
+    m = Decoder(PRESETS["tiny"], logits=logits).to(DEVICE).eval()
+    a = m.args
+    cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=4, max_len=32,
+                         page_size=4, device=DEVICE)
+    cache.k.fill_(float("nan"))  # nothing unwritten is ever read
+    cache.v.fill_(float("nan"))
+    slots = sorted(PROMPTS)
+    for slot in slots:
+        cache.admit(slot, len(PROMPTS[slot]) + 2 * K)
+    ids = torch.tensor(sum((PROMPTS[s] for s in slots), []), device=DEVICE)
+    prefill(m, cache, ids, [len(PROMPTS[s]) for s in slots], slots)
+    return m, cache
+
+
+def proposals(slots, step):
+    return torch.tensor([(7 * s + 3 * j + step) % 13 + 1 for s in slots for j in range(K)],
+                        device=DEVICE)
+
+
+def one_at_a_time(m, cache, slots, tokens):
+    """The rows of a k-token step as k eager decode steps: ``[requests * k, vocab]``."""
+    rows = tokens.view(len(slots), K)
+    out = []
+    for j in range(K):
+        positions = torch.tensor([cache.written(s) for s in slots])
+        out.append(decode_step(m, cache, rows[:, j].contiguous(), positions, slots))
+    return torch.stack(out, dim=1).reshape(len(slots) * K, -1)
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_a_step_of_k_tokens_per_request_gives_the_logits_of_k_decode_steps(strategy):
+    m, cache = setup()
+    m2, cache2 = setup()
+    runner = graphcap.capture(m2, strategy, buckets=[K, 2 * K, 4 * K],
+                              inputs=PagedInputs(cache2, tokens_per_request=K))
+    for step, slots in enumerate([[0, 2, 3], [3], [0, 2]]):
+        tokens = proposals(slots, step)
+        want = one_at_a_time(m, cache, slots, tokens)
+        got = runner(tokens, positions=[cache2.written(s) for s in slots], slots=slots)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+        assert [cache2.written(s) for s in slots] == [cache.written(s) for s in slots]
+    assert sum(runner.report()["replays"].values()) == 3
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_a_model_of_one_row_per_request_gets_each_requests_last_token(strategy):
+    """Replayed, or eager past the largest bucket: each request's row is its last token's."""
+    m, cache = setup()
+    last, cache2 = setup(logits="last")
+    runner = graphcap.capture(last, strategy, buckets=[K],
+                              inputs=PagedInputs(cache2, tokens_per_request=K))
+    for slots in ([2], [0, 2, 3]):  # one bucket: the second call runs eagerly
+        tokens = proposals(slots, 0)
+        want = one_at_a_time(m, cache, slots, tokens)[K - 1::K]
+        got = runner(tokens, positions=[cache2.written(s) for s in slots], slots=slots)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert runner.report()["fallbacks"]
+
+
+def test_decode_past_the_largest_bucket_returns_a_row_per_request():
+    m, cache = setup()
+    last, cache2 = setup(logits="last")
+    runner = graphcap.capture(last, "full", buckets=[1, 2], inputs=DecodeInputs(cache2))
+    slots = [0, 2, 3]
+    tokens = torch.tensor([4, 6, 9], device=DEVICE)
+    want = decode_step(m, cache, tokens, torch.tensor([cache.written(s) for s in slots]),
+                       slots)
+    got = runner(tokens, positions=[cache2.written(s) for s in slots], slots=slots)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("tokens", "kwargs", "match"), [
+    (3, {"positions": [5], "slots": [0]}, "3 tokens are not 2 per request"),
+    (2, {"positions": [5, 1], "slots": [0]}, "positions must be 1 ints"),
+    (2, {"positions": [6], "slots": [0]}, "position 6 of slot 0 skips past the 5"),
+    (2, {"positions": [1], "slots": [1]}, r"request slots \[1\] hold no request"),
+    (4, {"positions": [1, 5], "slots": [2, 0]}, r"\(slot, end\) \[\(2, 3\)\]"),
+])
+def test_a_bad_step_of_k_tokens_is_refused_and_the_cache_stays(tokens, kwargs, match):
+    m, cache = setup()
+    cache.release(2)
+    cache.admit(2, 2)  # one token of prompt and one new: a step of 2 ends past it
+    prefill(m, cache, torch.tensor([3], device=DEVICE), [1], [2])
+    runner = graphcap.capture(m, "full", buckets=[4],
+                              inputs=PagedInputs(cache, tokens_per_request=2))
+    before = cache.k.clone()
+    with pytest.raises(BadBatch, match=match):
+        runner(torch.arange(1, tokens + 1, device=DEVICE), **kwargs)
+    torch.testing.assert_close(cache.k, before, equal_nan=True, atol=0, rtol=0)
+    assert (cache.written(0), cache.written(2)) == (5, 1)
+    runner(torch.tensor([1, 2], device=DEVICE), positions=[5], slots=[0])
+    assert cache.written(0) == 7
+
+
+def test_what_a_paged_kind_refuses_to_be_built_as():
+    _, cache = setup()
+    with pytest.raises(ValueError, match="sample=True draws one token per request"):
+        PagedInputs(cache, tokens_per_request=2, sample=True)
+    with pytest.raises(ValueError, match="extend=True continues requests of any length"):
+        PagedInputs(cache, tokens_per_request=1, extend=True)
+    with pytest.raises(ValueError, match="need the prefill attention backend"):
+        PagedInputs(cache, tokens_per_request=None)
+    with pytest.raises(ValueError, match="tokens_per_request must be a positive int"):
+        PagedInputs(cache, tokens_per_request=0)
+
+
+def test_decode_attention_is_picked_through_get_backend_as_prefills_is():
+    _, cache = setup()
+    assert get_backend(kind="decode", cache=cache).name == "graphcap"
+    assert set(DECODE_BACKENDS) == {"graphcap", "flashinfer"}
+    assert PagedInputs(cache).report() == {"cache": repr(cache)}
+    with pytest.raises(BackendUnavailable, match=r"no decode attention backend 'fast'; "
+                       r"choose one of \['flashinfer', 'graphcap'\]"):
+        get_backend("fast", kind="decode", cache=cache)
+    with pytest.raises(ValueError, match="needs cache="):
+        get_backend(kind="decode")
+    with pytest.raises(ValueError, match="'prefill' or 'decode'"):
+        get_backend(kind="verify")
+    if DEVICE == "cpu":
+        with pytest.raises(BackendUnavailable, match="'flashinfer' runs on cuda tensors"):
+            PagedInputs(cache, decode_attention="flashinfer")
