@@ -6,6 +6,7 @@ Public names only; see docs/architecture.md for the layout.
 from graphcap import errors, opsdb
 from graphcap.api import capture
 from graphcap.breakable import eager_on_graph
+from graphcap.config import CaptureConfig
 from graphcap.core.graphs import GraphPool, new_pool
 from graphcap.engine.generation import Generation, generate
 from graphcap.errors import (
@@ -23,6 +24,7 @@ from graphcap.opsdb.attention.packed import packed
 __version__ = "0.1.0"
 
 __all__ = [
+    "CaptureConfig",
     "CaptureError",
     "GraphPool",
     "Generation",

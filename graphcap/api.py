@@ -9,6 +9,7 @@ import torch
 from graphcap import env
 from graphcap.breakable import BreakableStrategy, DebugStrategy
 from graphcap.compat import imports
+from graphcap.config import CaptureConfig
 from graphcap.core.buckets import check_ladder, prefill_ladder
 from graphcap.core.checks import as_int
 from graphcap.core.inputs import Inputs
@@ -38,7 +39,6 @@ STRATEGIES = {
 }
 GRAPHED = tuple(s for s in STRATEGIES if s != "eager")  # the strategies that capture
 INPUTS = ("prefill", "tensors")
-ON_CHANGE = ("recapture", "error")
 # Options that only one strategy, or one kind of input, takes: given elsewhere, an error.
 _ONLY = {"debug": ("strategy", "breakable"), "compiler": ("strategy", "tc_piecewise"),
          "example_inputs": ("inputs", "tensors"), "attention": ("inputs", "prefill"),
@@ -92,40 +92,41 @@ def _input_bounds(model: torch.nn.Module) -> tuple[int, int | None]:
     return as_int(vocab, "vocab_size"), getattr(model, "max_position", None)
 
 
-def capture(model: torch.nn.Module, strategy: str = "breakable", *,
-            max_tokens: int | None = None, buckets=None, max_requests: int | None = None,
-            attention: str | None = None, debug: bool = False, fallback: bool = True,
-            copy_outputs: bool = True, example_inputs: tuple | None = None,
-            compiler: str | None = None, warmup: str = "first", progress=None,
-            inputs: str | Inputs | None = None, on_change: str = "recapture",
-            check_inputs: bool = False) -> Runner:
+def capture(model: torch.nn.Module, strategy: str = "breakable",
+            config: CaptureConfig | None = None, **options) -> Runner:
     """Capture ``model`` under ``strategy`` (one of :data:`STRATEGIES`) and return a runner
     callable like the model: a prefill model as ``runner(input_ids, positions,
     seq_lens=[...])``, a model of tensors as ``runner(*tensors)``.
 
-    Shapes: ``buckets`` (default the ladder to ``max_tokens``, 2048). Prefill models:
-    ``max_requests`` slots (default ``max_tokens // 512``), ``attention`` backend,
-    ``check_inputs`` (token ids and positions checked on every call). ``inputs``: what the
-    model takes (default: its declaration, :func:`inputs_of`). ``debug`` (breakable): the
-    forward as one eager break; ``compiler`` (tc_piecewise): ``"eager"`` or ``"inductor"``
-    pieces. ``fallback``, ``copy_outputs``, ``warmup``, ``on_change``, ``progress``:
-    docs/strategies.md. An option the strategy or the model does not take is an error;
-    under ``"eager"`` (the reference, no graphs) the capture options are accepted, so one
-    set of options runs under every strategy, and change nothing.
+    ``config`` (a :class:`~graphcap.config.CaptureConfig`) and ``options`` (its fields as
+    keywords, replacing the config's) say how: ``max_tokens``, ``buckets``,
+    ``max_requests``, ``attention``, ``check_inputs``, ``inputs``, ``debug``,
+    ``compiler``, ``example_inputs``, ``fallback``, ``copy_outputs``, ``warmup``,
+    ``on_change``, ``progress`` (docs/strategies.md). An option the strategy or the model
+    does not take is an error; under ``"eager"`` (the reference, no graphs) the capture
+    options are accepted, so one set of options runs under every strategy, and change
+    nothing.
 
         runner = graphcap.capture(model, strategy="full", max_tokens=512, max_requests=4)
         logits = runner(input_ids, positions, seq_lens=[100, 23])
         print(runner.report())
     """
+    if config is not None and not isinstance(config, CaptureConfig):
+        raise TypeError(f"capture(model, strategy, config): config must be a "
+                        f"graphcap.CaptureConfig, got {type(config).__name__}; give options "
+                        "as keywords")
+    c = (config or CaptureConfig()).with_options(options)
     if strategy not in STRATEGIES:
         raise UnsupportedStrategy(
             f"unknown strategy {strategy!r}: choose one of {sorted(STRATEGIES)}")
-    imports.complete(imports.for_capture(strategy, compiler))  # a Ctrl-C leaves none half done
-    debug = debug or (env.settings().debug_cuda_graph and strategy == "breakable")
+    imports.complete(imports.for_capture(strategy, c.compiler))  # a Ctrl-C leaves none half done
+    debug = c.debug or (env.settings().debug_cuda_graph and strategy == "breakable")
+    inputs = c.inputs
     kind = inputs.kind if isinstance(inputs, Inputs) else inputs_of(model, inputs)
-    given = {"debug": debug, "compiler": compiler is not None,
-             "example_inputs": example_inputs is not None, "attention": attention is not None,
-             "max_requests": max_requests is not None, "check_inputs": check_inputs}
+    given = {"debug": debug, "compiler": c.compiler is not None,
+             "example_inputs": c.example_inputs is not None,
+             "attention": c.attention is not None, "max_requests": c.max_requests is not None,
+             "check_inputs": c.check_inputs}
     if isinstance(inputs, Inputs):
         if inputs.strategies is not None and strategy not in inputs.strategies:
             raise UnsupportedStrategy(
@@ -141,42 +142,36 @@ def capture(model: torch.nn.Module, strategy: str = "breakable", *,
             raise UnsupportedStrategy(
                 f"{option}= is an option of {what} {only!r} only, and this capture's "
                 f"{what} is {strategy if what == 'strategy' else kind!r}: leave it out")
-    ladder = _ladder(max_tokens, buckets)
-    if warmup not in ("first", "every"):
-        raise ValueError(f"warmup={warmup!r}: use 'first' (warm up the first shape, "
-                         "capture the rest directly) or 'every' (warm up every shape)")
-    if on_change not in ON_CHANGE:
-        raise ValueError(f"on_change={on_change!r}: use 'recapture' (capture every shape "
-                         "again when the model changed) or 'error' (raise ModelChanged)")
-    slots = (as_int(max_requests, "max_requests") if max_requests is not None
+    ladder = _ladder(c.max_tokens, c.buckets)
+    slots = (as_int(c.max_requests, "max_requests") if c.max_requests is not None
              else max(ladder[-1] // 512, 1))
     if slots < 1:
         raise ValueError(f"max_requests must be >= 1, got {slots}")
     if not isinstance(inputs, Inputs):
-        inputs = _inputs(model, kind, strategy, attention, slots, check_inputs)
+        inputs = _inputs(model, kind, strategy, c.attention, slots, c.check_inputs)
     inputs.bind(model)
     tp = getattr(model, "tp", None)  # a model split across a graphcap.tp.TPGroup
     tp = tp if isinstance(tp, TPGroup) else None
     if tp is not None:
         tp.warm_up()  # the data group's communicator exists before any capture
-    config = RunnerConfig(ladder, fallback, copy_outputs, warmup=warmup, on_change=on_change,
-                          ranks=tp)
+    run = RunnerConfig(ladder, c.fallback, c.copy_outputs, warmup=c.warmup,
+                       on_change=c.on_change, ranks=tp)
     how, called = STRATEGIES[strategy](model, ladder, {"debug": debug,
-                                                       "compiler": compiler or "eager"})
-    runner = Runner(called, how, config, inputs, source=model)
-    now = not inputs.needs_batch or example_inputs is not None
-    if how.captures and not now and progress not in (None, False):
+                                                       "compiler": c.compiler or "eager"})
+    runner = Runner(called, how, run, inputs, source=model)
+    now = not inputs.needs_batch or c.example_inputs is not None
+    if how.captures and not now and c.progress not in (None, False):
         raise UnsupportedStrategy(
             "progress= shows a capture made by capture(), and this model of tensors is "
             "captured at its first call: give example_inputs=(...) to capture it now")
     if how.captures and now:
-        if progress is True:
+        if c.progress is True:
             from graphcap.progress import progress as bar
 
             with bar(len(ladder), f"capturing {type(model).__name__} ({strategy})") as step:
-                runner.capture_all(example_inputs, lambda done, total: step())
+                runner.capture_all(c.example_inputs, lambda done, total: step())
         else:
-            runner.capture_all(example_inputs, progress)
+            runner.capture_all(c.example_inputs, c.progress)
     return runner
 
 

@@ -1,0 +1,52 @@
+"""``capture()``'s options as one public object (``graphcap.CaptureConfig``): a config and
+the same options as keywords capture the same runner, keywords replace a config's fields,
+and what is not an option is refused where it is given."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import graphcap
+from graphcap import CaptureConfig
+from graphcap.errors import UnsupportedStrategy
+from tests.support.runner_helpers import DEVICE, batch, model
+
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+
+
+def test_a_config_and_the_same_keywords_capture_the_same_runner():
+    config = CaptureConfig(buckets=[8, 16], max_requests=2, attention="torch_masked")
+    by_config = graphcap.capture(model(), "full", config)
+    by_keywords = graphcap.capture(model(), "full", buckets=[8, 16], max_requests=2,
+                                   attention="torch_masked")
+    ids, pos = batch([5, 3])
+    torch.testing.assert_close(by_config(ids, pos, seq_lens=[5, 3]),
+                               by_keywords(ids, pos, seq_lens=[5, 3]), atol=0, rtol=0)
+    assert by_config.report()["shapes"] == by_keywords.report()["shapes"] == [8, 16]
+    assert by_config.report()["attention"] == "torch_masked"
+
+
+def test_keywords_replace_the_configs_fields_and_leave_the_config_as_it_was():
+    config = CaptureConfig(buckets=[8, 16], max_requests=2)
+    runner = graphcap.capture(model(), "breakable", config, buckets=[4, 8])
+    assert runner.report()["shapes"] == [4, 8]
+    assert config.buckets == [8, 16]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.buckets = [4]
+
+
+def test_what_is_not_an_option_is_refused_where_it_is_given():
+    with pytest.raises(TypeError, match=r"unexpected options \['max_token'\].*'max_tokens'"):
+        graphcap.capture(model(), "full", max_token=64)
+    with pytest.raises(TypeError, match="config must be a graphcap.CaptureConfig, got dict"):
+        graphcap.capture(model(), "full", {"max_tokens": 64})
+    with pytest.raises(ValueError, match="warmup='some'"):
+        CaptureConfig(warmup="some")
+    with pytest.raises(ValueError, match="on_change='ignore'"):
+        CaptureConfig(on_change="ignore")
+    # What an option means for the strategy is checked by capture, config or keyword.
+    with pytest.raises(UnsupportedStrategy, match="debug= is an option of strategy"):
+        graphcap.capture(model(), "full", CaptureConfig(debug=True, buckets=[8]))
