@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphcap.core.breaks import break_handler
 from graphcap.core.graphs import GraphPool
-from graphcap.core.strategy import Captured, Strategy, note_state, states_current
+from graphcap.core.strategy import Captured, Strategy
 from graphcap.core.trees import tensor_leaves
 from graphcap.errors import CaptureError, ReplayError
 from graphcap.tp.group import check_finished
@@ -77,6 +77,18 @@ class Break:
             kept.copy_(new)
 
 
+def note_state(states: list, static_state: Callable[[], object], state: object) -> None:
+    """Add ``(static_state, state)`` to a capture's ``states`` unless it is there already
+    (every attention layer of a forward reads the same metadata object)."""
+    if not any(g is static_state and s is state for g, s in states):
+        states.append((static_state, state))
+
+
+def states_current(states: list) -> bool:
+    """True while each ``(static_state, state)`` pair's function still returns its state."""
+    return all(current() is state for current, state in states)
+
+
 class BreakableCapture:
     """The segments and breaks of one shape, captured by running ``fn`` once.
 
@@ -91,7 +103,7 @@ class BreakableCapture:
         self.pool = pool
         self.trusted_states = trusted_states
         self.items: list = []  # Graph segments and Breaks, in replay order
-        self.states: list[tuple[Callable[[], object], object]] = []  # (graphable, its state)
+        self.states: list[tuple[Callable[[], object], object]] = []  # (static_state, its state)
         self.in_graph = 0  # graphable split ops captured inside a segment
         self._segment = None
         self._fn: Callable[[], Any] | None = None
@@ -106,11 +118,11 @@ class BreakableCapture:
         segment.end()
         self.items.append(segment)
 
-    def _on_break(self, fn, args, kwargs, graphable=None):
-        state = graphable() if graphable is not None else None
+    def _on_break(self, fn, args, kwargs, static_state=None):
+        state = static_state() if static_state is not None else None
         if state is not None:  # static state: captured inside the open segment
             self.in_graph += 1
-            note_state(self.states, graphable, state)
+            note_state(self.states, static_state, state)
             with break_handler(None):
                 return fn(*args, **kwargs)
         check_finished((args, kwargs), f"eager break {getattr(fn, '__qualname__', fn)!r}")

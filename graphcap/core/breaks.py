@@ -16,17 +16,17 @@ _HANDLER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
 
 
 def run_maybe_as_break(fn: Callable, args: tuple, kwargs: dict,
-                       graphable: Callable[[], object] | None = None):
+                       static_state: Callable[[], object] | None = None):
     """Call ``fn`` as a break when a breakable capture is running, else plainly.
 
-    ``graphable()`` (split ops) returns the object holding the static per-batch state
+    ``static_state()`` (split ops) returns the object holding the static per-batch state
     ``fn`` reads now (attention: the runner's prepared metadata), or None when there is
     none: then the break may be captured as its own small graph, replayed while the same
     state object is current, instead of running eagerly."""
     handler = _HANDLER.get()
     if handler is None:
         return fn(*args, **kwargs)
-    return handler(fn, args, kwargs, graphable)
+    return handler(fn, args, kwargs, static_state)
 
 
 def clear_handler() -> None:
@@ -36,7 +36,7 @@ def clear_handler() -> None:
 
 @contextlib.contextmanager
 def break_handler(handler: Callable | None):
-    """Install ``handler(fn, args, kwargs, graphable)`` (None: none) for a block."""
+    """Install ``handler(fn, args, kwargs, static_state)`` (None: none) for a block."""
     token = _HANDLER.set(handler)
     try:
         yield

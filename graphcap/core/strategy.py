@@ -29,18 +29,6 @@ class Captured:
     splits_in_graph: int = 0
 
 
-def note_state(states: list, graphable: Callable[[], object], state: object) -> None:
-    """Add ``(graphable, state)`` to a capture's ``states`` unless it is there already
-    (every attention layer of a forward reads the same metadata object)."""
-    if not any(g is graphable and s is state for g, s in states):
-        states.append((graphable, state))
-
-
-def states_current(states: list) -> bool:
-    """True while each ``(graphable, state)`` pair's graphable still returns its state."""
-    return all(graphable() is state for graphable, state in states)
-
-
 class Strategy:
     """How one forward is captured for one shape (``name`` is what users pass as
     ``strategy=``). ``captures = False`` (eager) makes the runner run the model on every

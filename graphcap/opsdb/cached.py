@@ -10,7 +10,7 @@ new tokens (``graphcap::attention``). The cache and its per-batch tensors come f
 context, not the arguments, so a torch.compiled forward (tc_piecewise) sees one opaque
 split op, traced once, and the cache is read at run time, as prefill's metadata is.
 Decode's state lives on the device in the shape's static tensors: the op captures (its
-``graphable`` state is the ``CacheBatch``).
+``static_state`` is the ``CacheBatch``).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ CACHED_ATTENTION = register_op(
     f"graphcap::{OP}",
     "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, float scale, int layer) -> ()",
     reference=_reference_of, fake=_fake, split=True, check=_check, dispatch=_dispatch,
-    graphable=_state,
+    static_state=_state,
     doc="attention keeping layer's K/V in the forward context's paged cache (decode over "
         "it, prefill among the new tokens); without a cache, graphcap::attention",
 )

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,7 +123,7 @@ class OpSpec:
     check: Callable[..., None] | None = None
     inputs: Callable[..., Any] | None = None
     doc: str = ""
-    graphable: Callable[[], object] | None = None  # split op: its static state now, or None
+    static_state: Callable[[], object] | None = None  # split op: its static state now, or None
     fake_derived: bool = field(default=False, init=False)
     arguments: tuple = field(default=(), init=False, repr=False)  # the schema's, parsed
     _runnable_cache: dict = field(default_factory=dict, init=False, repr=False)
@@ -187,12 +188,12 @@ class OpSpec:
 
     def __call__(self, *args, kernel: str | None = None):
         """Call the op (models built from opsdb call this). A split op becomes a break
-        under breakable capture (replayed as its own graph when ``graphable()`` says its
+        under breakable capture (replayed as its own graph when ``static_state()`` says its
         state is static, else eagerly). ``kernel=`` calls one kernel directly (eager)."""
         if kernel is None:
             if self.split and not torch.compiler.is_compiling():
-                graphable = self.graphable if self.capturable else None
-                return run_maybe_as_break(self.op, args, {}, graphable)
+                static_state = self.static_state if self.capturable else None
+                return run_maybe_as_break(self.op, args, {}, static_state)
             return self.op(*args)
         if len(args) != len(self.arguments):  # the rest at their schema defaults
             args = complete(self.arguments, args, {})
@@ -224,12 +225,13 @@ def register_op(qualname: str, schema: str, *, reference: Callable,
                 fake: Callable | None = None, capturable: bool = True, split: bool = False,
                 check: Callable[..., None] | None = None, inputs: Callable | None = None,
                 doc: str = "", dispatch: Callable | None = None,
+                static_state: Callable[[], object] | None = None,
                 graphable: Callable[[], object] | None = None) -> OpSpec:
     """Register a custom op: define it in torch.library and add it to the registry.
 
     ``schema`` is the signature without the name, e.g. ``"(Tensor x, float eps) -> Tensor"``;
     arguments an op writes are marked ``Tensor(a!)``. Every function given here but
-    ``inputs`` and ``graphable`` is called with every argument of the schema
+    ``inputs`` and ``static_state`` is called with every argument of the schema
     positionally, in the schema's order (defaults filled in, keyword-only arguments
     too), and one that cannot take them so is refused here. ``reference`` is the plain torch
     implementation, always available as kernel ``"torch"``. ``kernels`` maps further
@@ -242,11 +244,19 @@ def register_op(qualname: str, schema: str, *, reference: Callable,
     :class:`OpInputError` on bad input before any launch. ``inputs(device, dtype)``
     returns a hypothesis strategy of valid argument tuples. ``dispatch`` replaces the
     per-call kernel choice for ops whose kernel follows from other state (attention: the
-    backend that prepared the forward's metadata). ``graphable()`` (split ops) returns the
+    backend that prepared the forward's metadata). ``static_state()`` (split ops) returns the
     object holding the op's per-batch state when that state lives in static buffers (or
     None): the op's break or piece is then captured as its own graph and replayed while
-    that object stays current, rather than run eagerly.
+    that object stays current, rather than run eagerly (``graphable=``, its former name,
+    is deprecated).
     """
+    if graphable is not None:
+        if static_state is not None:
+            raise TypeError(f"register_op({qualname!r}): give static_state= only "
+                            "(graphable= is its deprecated former name)")
+        warnings.warn("register_op(graphable=...) is deprecated: pass static_state=",
+                      DeprecationWarning, stacklevel=2)
+        static_state = graphable
     if qualname in REGISTRY:
         raise GraphcapError(
             f"op {qualname!r} is registered already; pick another name or reuse "
@@ -267,7 +277,7 @@ def register_op(qualname: str, schema: str, *, reference: Callable,
                 f"the schema's order (keyword-only arguments of the schema included).")
     table["torch"] = Kernel(reference, devices=("cpu", "cuda"))
     spec = OpSpec(qualname, schema, reference, table, fake, capturable, split, check,
-                  inputs, doc, graphable)
+                  inputs, doc, static_state)
     spec.fake_derived = fake is None
     spec.arguments = tuple(parsed.arguments)
 

@@ -36,10 +36,10 @@ from graphcap.piecewise.pieces import PieceGraphs
 from graphcap.piecewise.split import (
     builds_autograd_graph,
     device_of,
-    graphable,
     host_scalars,
     split_graph,
     split_op_names,
+    static_state_of,
     token_arg,
 )
 from graphcap.piecewise.whole import Call
@@ -130,10 +130,10 @@ class PiecewiseCompiler:
             self.stats["pieces"] += 1
             if piece.is_split:
                 self.stats["split_pieces"] += 1
-                check = graphable(piece.module, self.split_names)
+                check = static_state_of(piece.module, self.split_names)
                 if check is not None:  # replayed as a graph while its state is static
                     setattr(split, piece.name, PieceGraphs(self, piece.module, piece.module,
-                                                           graphable=check))
+                                                           static_state=check))
                 static &= check is not None
                 continue
             self.stats["captured_pieces"] += 1

@@ -44,16 +44,16 @@ class PieceGraphs(torch.nn.Module):
     ``opaque``: ``fn`` runs kernels the dispatcher never sees (Inductor's), so an emulated
     graph captures it as one op (:class:`~graphcap.piecewise.inductor.OneOpPiece`).
 
-    ``graphable`` (split pieces): returns the static state object the split op reads now
+    ``static_state`` (split pieces): returns the static state object the split op reads now
     (attention: the prepared metadata), or None. A size whose capture finds one is
     captured and replayed as a graph while that object stays current (the caller of the
     compiled model owns it, so every replay checks); otherwise the split op runs eagerly."""
 
     def __init__(self, owner, fn, module: torch.nn.Module, opaque: bool = False,
-                 graphable=None):
+                 static_state=None):
         super().__init__()
         self.owner, self.fn, self.opaque = owner, fn, opaque
-        self.graphable = graphable
+        self.static_state = static_state
         self.writes = mutated_inputs(module)
         self.seen: set[int] = set()
         self.eager_sizes: set[int] = set()  # split pieces whose state was not static
@@ -67,7 +67,7 @@ class PieceGraphs(torch.nn.Module):
             case Phase.EAGER:  # a runner's fallback
                 return self.fn(*args)
             case Phase.WARMUP:  # the runner's warm-up of a shape: eager, the size seen
-                if self.graphable is not None and self.graphable() is None:
+                if self.static_state is not None and self.static_state() is None:
                     detail.call.static = False  # a split op on host state: no whole capture
                 self.seen.add(self._size(args))
                 return self.fn(*args)
@@ -86,7 +86,7 @@ class PieceGraphs(torch.nn.Module):
     def _per_size(self, args):
         owner, size = self.owner, self._size(args)
         if size not in owner.capture_sizes or size in self.eager_sizes:
-            if self.graphable is None:  # split ops run eagerly by design: not counted
+            if self.static_state is None:  # split ops run eagerly by design: not counted
                 owner.stats["eager_runs"] += 1
             return self.fn(*args)
         entry = self.entries.get(size)
@@ -94,11 +94,11 @@ class PieceGraphs(torch.nn.Module):
             if size not in self.seen:  # warm-up: lazy init and JIT outside any capture
                 self.seen.add(size)
                 return self.fn(*args)
-            if self.graphable is not None and self.graphable() is None:
+            if self.static_state is not None and self.static_state() is None:
                 self.eager_sizes.add(size)
                 return self.fn(*args)
             return self._capture(size, args)
-        if self.graphable is not None and self.graphable() is not entry.state():
+        if self.static_state is not None and self.static_state() is not entry.state():
             return self.fn(*args)  # the graph would read the captured state's buffers
         return self._replay(size, entry, args)
 
@@ -146,11 +146,11 @@ class PieceGraphs(torch.nn.Module):
         captured = OneOpPiece(self.fn, self.writes) if self.opaque and graph.emulated \
             else self.fn
         outputs = graph.capture(captured, *static)
-        self.owner.stats["split_captures" if self.graphable else "captures"] += 1
+        self.owner.stats["split_captures" if self.static_state else "captures"] += 1
         flat = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
         self.owner.static_ptrs |= {o.data_ptr() for o in flat if isinstance(o, torch.Tensor)}
         # Weakly: a user's loop preparing new metadata per call must not keep the first
         # one (and its workspace) alive; once it is gone the split runs eagerly.
-        state = weakref.ref(self.graphable()) if self.graphable is not None else None
+        state = weakref.ref(self.static_state()) if self.static_state is not None else None
         self.entries[size] = PieceEntry(graph, static, outputs, captured, foreign, state)
         return self._per_size(args)

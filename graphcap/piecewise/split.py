@@ -34,17 +34,17 @@ def is_split_node(node: torch.fx.Node, names: set[str]) -> bool:
     return node.op == "call_function" and _qualname(node.target) in names
 
 
-def graphable(module: torch.fx.GraphModule, names: set[str]):
-    """For a split piece (one split op): its op's ``graphable`` (the static state object
+def static_state_of(module: torch.fx.GraphModule, names: set[str]):
+    """For a split piece (one split op): its op's ``static_state`` (the static state object
     it reads now, or None), or None when the op never can be captured (an op without
-    ``graphable``, e.g. a user's split op)."""
+    ``static_state``, e.g. a user's split op)."""
     from graphcap.opsdb import REGISTRY
 
     specs = [REGISTRY.get(_qualname(n.target)) for n in module.graph.nodes
              if is_split_node(n, names)]
     if len(specs) != 1 or specs[0] is None or not specs[0].capturable:
         return None
-    return specs[0].graphable
+    return specs[0].static_state
 
 
 @dataclass

@@ -105,8 +105,8 @@ class WholeCapture:
 
     def run(self, piece, args):
         """A piece's forward inside the capture: the piece itself, inline."""
-        if piece.graphable is not None:
-            state = piece.graphable()
+        if piece.static_state is not None:
+            state = piece.static_state()
             if state is None:
                 raise CaptureError(
                     "tc_piecewise: a split op read static state in the warm-up forward "

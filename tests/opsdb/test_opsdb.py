@@ -232,3 +232,20 @@ def test_defaults_and_keyword_only_arguments_reach_the_kernels_in_schema_order()
         return op(x, beta=4.0) * 3  # the derived fake: the reference on fake tensors
 
     torch.testing.assert_close(f(x), (x * 2 + 4) * 3)
+
+
+def test_a_split_ops_static_state_was_once_named_graphable_which_still_works_with_a_warning():
+    def state():
+        return None
+
+    def ident(x, out):
+        out.copy_(x)
+
+    with pytest.warns(DeprecationWarning, match="pass static_state="):
+        spec = opsdb.register_op("graphcap_test::old_graphable", "(Tensor x, Tensor(a!) out) -> ()",
+                                 reference=ident, split=True, graphable=state)
+    assert spec.static_state is state
+    with pytest.raises(TypeError, match="give static_state= only"):
+        opsdb.register_op("graphcap_test::both_names", "(Tensor x, Tensor(a!) out) -> ()",
+                          reference=ident, split=True, graphable=state, static_state=state)
+    assert "graphcap_test::both_names" not in opsdb.REGISTRY

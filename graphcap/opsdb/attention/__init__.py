@@ -137,7 +137,7 @@ ATTENTION = register_op(
     "graphcap::attention",
     "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, float scale) -> ()",
     reference=reference_attention, fake=_fake, split=True, check=check_attention,
-    dispatch=run_attention, graphable=static_metadata,
+    dispatch=run_attention, static_state=static_metadata,
     doc="causal prefill attention over packed requests; metadata from the forward context",
 )
 
