@@ -19,8 +19,8 @@ call and how attention runs:
   pages as a decode row does, so one graph serves fresh prompts and continuations.
 
 Each shape has one state (:class:`PagedState`): its view of the cache
-(:class:`~graphcap.kv.CacheBatch`: each token's place, pages and length, computed on
-the device from the staged rows and positions, inside the graph), the decode attention
+(:class:`~graphcap.kv.CacheBatch`: each token's place, pages and length, computed on the
+device from its staged position and request slot, inside the graph), the decode attention
 backend's plan (rewritten on the host before each replay) and, for requests of any
 length, the prefill metadata. Padded rows have no request slot (``-1``): they write only
 the null page and come out zero. The cache counts a call's tokens as written once it has
@@ -165,8 +165,8 @@ class PagedInputs(Inputs):
             raise BadBatch(f"positions {firsts} reach past the model's max_position "
                            f"{self.max_position}")
         positions = [p + j for p in firsts for j in range(k)]
-        rows = [s for s in slots for _ in range(k)]
-        host = checks.staged([positions, rows], torch.long, self.device)  # no host sync
+        token_slots = [s for s in slots for _ in range(k)]
+        host = checks.staged([positions, token_slots], torch.long, self.device)  # no host sync
         args = (tokens, host[0], host[1])
         if self.sample:
             args += host_tensors(params, self.device)
@@ -197,9 +197,9 @@ class PagedInputs(Inputs):
         slots = self.cache.requests(kwargs["slots"], len(lens))
         starts = self._starts(kwargs.get("starts"), slots, lens)
         per_token = [s for s, n in zip(slots, lens, strict=True) for _ in range(n)]
-        rows = checks.staged(per_token, torch.long, self.device)  # pinned: no host sync
+        token_slots = checks.staged(per_token, torch.long, self.device)  # pinned: no sync
         ends = [(s, b + n) for s, b, n in zip(slots, starts, lens, strict=True) if n]
-        return Batch((*args, rows), args[0].shape[0], lens, host=ends)
+        return Batch((*args, token_slots), args[0].shape[0], lens, host=ends)
 
     def _starts(self, given, slots: list[int], lens: list[int]) -> list[int]:
         """Each request's first position, checked against its slot's tokens (``BadBatch``)."""
@@ -231,8 +231,8 @@ class PagedInputs(Inputs):
     # -- static buffers and each shape's state ---------------------------------------
     def allocate(self, max_tokens: int, batch: Batch | None) -> None:
         ids = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
-        rows = torch.full((max_tokens,), -1, dtype=torch.long, device=self.device)
-        self.buffers = [ids, torch.zeros_like(ids), rows]
+        token_slots = torch.full((max_tokens,), -1, dtype=torch.long, device=self.device)
+        self.buffers = [ids, torch.zeros_like(ids), token_slots]
         if self.sample:  # temperature, top_k, top_p, seed per row (pads: greedy)
             self.buffers += [torch.zeros(max_tokens, dtype=dtype, device=self.device)
                              for dtype in (torch.float32, torch.long, torch.float32,
@@ -256,31 +256,31 @@ class PagedInputs(Inputs):
             meta = self.attention.metadata(bucket, self.slots, self.device).update([bucket])
             if self.per_request:
                 meta.last_token_rows(out=self.last_rows)
-        _, positions, rows = (b[:bucket] for b in self.buffers[:3])
-        state = PagedState(self._cache_batch(rows, positions, bucket), meta)
+        _, positions, token_slots = (b[:bucket] for b in self.buffers[:3])
+        state = PagedState(self._cache_batch(token_slots, positions, bucket), meta)
         if state.kv.plan is not None:  # pads only, until a call stages its rows
             state.kv.plan.update([], [])
         return state
 
-    def _cache_batch(self, rows, positions, count: int) -> CacheBatch:
+    def _cache_batch(self, token_slots, positions, count: int) -> CacheBatch:
         """A forward's view of the cache; with attention over the pages, a plan of its
         decode attention backend for ``count`` rows."""
         if self.step is None and not self.extend:
-            return CacheBatch.prefill(self.cache, rows, positions)
-        kv = CacheBatch.paged(self.cache, rows, positions)
+            return CacheBatch.prefill(self.cache, token_slots, positions)
+        kv = CacheBatch.paged(self.cache, token_slots, positions)
         kv.plan = self.pages.metadata(self.cache, count)
         return kv
 
     def derive(self, state: PagedState) -> None:
-        """Each token's place in the cache, pages and length, from the staged rows and
-        positions, into the shape's buffers (inside the graph: no host work per replay)."""
+        """Each token's place in the cache, pages and length, from the staged positions and
+        request slots, into the shape's buffers (inside the graph: no host work per replay)."""
         if state.meta is not None:
             state.meta.derive()  # the prefill metadata's device buffers
             if self.per_request:
                 state.meta.last_token_rows(out=self.last_rows)
-        _, positions, rows = (b[:state.tokens] for b in self.buffers[:3])
+        _, positions, token_slots = (b[:state.tokens] for b in self.buffers[:3])
         fresh = (CacheBatch.paged if state.kv.reads_pages else CacheBatch.prefill)(
-            self.cache, rows, positions)
+            self.cache, token_slots, positions)
         state.kv.refresh(fresh)
 
     def forward(self, model, bucket: int, state: PagedState):
@@ -344,16 +344,16 @@ class PagedInputs(Inputs):
                "request slots"
 
     def eager(self, model, batch: Batch):
-        ids, positions, rows, *params = batch.args
-        positions, rows, *params = (t.to(self.device, non_blocking=True)
-                                    for t in (positions, rows, *params))
+        ids, positions, token_slots, *params = batch.args
+        positions, token_slots, *params = (t.to(self.device, non_blocking=True)
+                                           for t in (positions, token_slots, *params))
         meta, last = None, None
         if self.step is None:
             meta = self.attention.prepare(batch.lens, self.device)
             last = meta.last_token_rows() if self.per_request else None
         else:
             last = self._last_rows(batch.tokens) if self.per_request else None
-        state = PagedState(self._cache_batch(rows, positions, batch.tokens), meta)
+        state = PagedState(self._cache_batch(token_slots, positions, batch.tokens), meta)
         if state.kv.plan is not None:
             state.kv.plan.update(*self._planned(batch))
 

@@ -61,22 +61,22 @@ class CacheBatch:
         return self.block_table is not None
 
     @classmethod
-    def prefill(cls, cache: PagedKVCache, rows: torch.Tensor,
+    def prefill(cls, cache: PagedKVCache, token_slots: torch.Tensor,
                 positions: torch.Tensor) -> CacheBatch:
         """Packed prefill from position 0: token ``i`` is position ``positions[i]`` of the
-        request in slot ``rows[i]``; its K/V go to that request's pages, and attention is
-        among the new tokens."""
-        return cls(cache, cache.cache_loc(rows, positions))
+        request in slot ``token_slots[i]``; its K/V go to that request's pages, and
+        attention is among the new tokens."""
+        return cls(cache, cache.cache_loc(token_slots, positions))
 
     @classmethod
-    def paged(cls, cache: PagedKVCache, rows: torch.Tensor,
+    def paged(cls, cache: PagedKVCache, token_slots: torch.Tensor,
               positions: torch.Tensor) -> CacheBatch:
-        """Token ``i`` is position ``positions[i]`` of the request in slot ``rows[i]``
-        (rows out of range: pads) and attends to that request's cached tokens up to
-        itself: a decode step, or an extend."""
-        rows, positions = rows.long(), positions.long()
-        live = (rows >= 0) & (rows < cache.max_requests)
-        table = cache.block_table[rows.clamp(0, cache.max_requests - 1)]
+        """Token ``i`` is position ``positions[i]`` of the request in slot
+        ``token_slots[i]`` (a slot out of range: a pad) and attends to that request's
+        cached tokens up to itself: a decode step, or an extend."""
+        token_slots, positions = token_slots.long(), positions.long()
+        live = (token_slots >= 0) & (token_slots < cache.max_requests)
+        table = cache.block_table[token_slots.clamp(0, cache.max_requests - 1)]
         table = torch.where(live[:, None], table, NULL_PAGE)
         lens = torch.where(live, positions + 1, 0).to(torch.int32)
-        return cls(cache, cache.cache_loc(rows, positions), table, lens)
+        return cls(cache, cache.cache_loc(token_slots, positions), table, lens)

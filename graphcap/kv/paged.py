@@ -184,23 +184,23 @@ class PagedKVCache:
             raise IndexError(f"layer {index} of a cache of {self.layers} layers")
         return self.k[index], self.v[index]
 
-    def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def slots(self, token_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Deprecated: :meth:`cache_loc` (a slot is a request slot)."""
         warnings.warn("PagedKVCache.slots() is deprecated: call cache_loc() (each token's "
                       "place in the cache)", DeprecationWarning, stacklevel=2)
-        return self.cache_loc(rows, positions)
+        return self.cache_loc(token_slots, positions)
 
-    def cache_loc(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def cache_loc(self, token_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The place of each token in the cache (``page * page_size + offset``): token ``i`` is
-        position ``positions[i]`` of the request in slot ``rows[i]``. On the device, no
-        host synchronisation (graphs compute it per replay). A free row, a position past
-        the request's pages, and any row or position out of range (negative included: a
-        pad) map to the null page, never to another request's."""
-        rows, positions = rows.long(), positions.long()
+        position ``positions[i]`` of the request in slot ``token_slots[i]``. On the device, no
+        host synchronisation (graphs compute it per replay). A free request slot, a
+        position past the request's pages, and any slot or position out of range
+        (negative included: a pad) map to the null page, never to another request's."""
+        token_slots, positions = token_slots.long(), positions.long()
         index = positions // self.page_size
-        inside = (rows >= 0) & (rows < self.max_requests) & (positions >= 0) & \
+        inside = (token_slots >= 0) & (token_slots < self.max_requests) & (positions >= 0) & \
             (index < self.max_pages)
-        page = self.block_table[rows.clamp(0, self.max_requests - 1),
+        page = self.block_table[token_slots.clamp(0, self.max_requests - 1),
                                 index.clamp(0, self.max_pages - 1)]
         page = torch.where(inside, page.long(), NULL_PAGE)
         return page * self.page_size + positions % self.page_size

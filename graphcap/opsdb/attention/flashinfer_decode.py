@@ -53,8 +53,8 @@ class FlashInferDecode(DecodeBackend):
     def unavailable(self, cache: PagedKVCache) -> str | None:
         return why_not(cache)
 
-    def metadata(self, cache: PagedKVCache, rows: int) -> FlashInferPlan:
-        return FlashInferPlan(self, cache, rows)
+    def metadata(self, cache: PagedKVCache, tokens: int) -> FlashInferPlan:
+        return FlashInferPlan(self, cache, tokens)
 
     def forward(self, q, k_cache, v_cache, kv, out, scale, kernel=None) -> None:
         """``out`` = each row's attention over its planned pages; pads (length 0) zero."""
@@ -67,20 +67,20 @@ class FlashInferDecode(DecodeBackend):
 
 
 class FlashInferPlan(DecodePlan):
-    """The plan and wrapper of one shape of ``rows`` rows over ``cache``."""
+    """The plan and wrapper of one shape of ``tokens`` tokens (a row each) over ``cache``."""
 
-    def __init__(self, backend: FlashInferDecode, cache: PagedKVCache, rows: int):
+    def __init__(self, backend: FlashInferDecode, cache: PagedKVCache, tokens: int):
         why = why_not(cache)
         if why:
             raise BackendUnavailable(f"decode attention {NAME!r} {why}")
         import flashinfer
 
-        super().__init__(backend, cache, rows)
+        super().__init__(backend, cache, tokens)
         device = cache.device
-        self.indptr = torch.zeros(rows + 1, dtype=torch.int32, device=device)
-        self.indices = torch.zeros(rows * cache.block_table.shape[1], dtype=torch.int32,
+        self.indptr = torch.zeros(tokens + 1, dtype=torch.int32, device=device)
+        self.indices = torch.zeros(tokens * cache.block_table.shape[1], dtype=torch.int32,
                                    device=device)
-        self.last = torch.ones(rows, dtype=torch.int32, device=device)
+        self.last = torch.ones(tokens, dtype=torch.int32, device=device)
         if backend.workspace is None:
             backend.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8,
                                             device=device)
@@ -104,7 +104,7 @@ class FlashInferPlan(DecodePlan):
             indices += cache.pages_of(slot)[: position // size + 1]
             indptr.append(len(indices))
             last.append(position % size + 1)
-        for _ in range(self.rows - len(positions)):  # pads: one token of the null page
+        for _ in range(self.tokens - len(positions)):  # pads: one token of the null page
             indices.append(NULL_PAGE)
             indptr.append(len(indices))
             last.append(1)

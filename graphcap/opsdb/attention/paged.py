@@ -3,7 +3,7 @@ cached tokens up to itself), its backends behind the same :func:`get_backend` as
 prefill's (``kind="decode"``), with the same split: a plan on the host, a kernel in the
 graph.
 
-A backend's ``metadata(cache, rows)`` makes one shape's plan (``rows`` tokens) once;
+A backend's ``metadata(cache, tokens)`` makes one shape's plan (a row per token) once;
 ``plan.update(positions, slots)`` rewrites it on the host from the call's host values,
 before each replay or eager run, outside any graph; ``backend.forward(q, k_cache,
 v_cache, kv, out, scale)`` runs in the graph and reads the plan the forward's
@@ -26,11 +26,11 @@ from graphcap.opsdb.decode import DECODE_ATTENTION
 class DecodePlan:
     """One shape's plan: nothing to rewrite for a kernel that reads only the device."""
 
-    def __init__(self, backend: DecodeBackend, cache: PagedKVCache, rows: int):
-        self.backend, self.cache, self.rows = backend, cache, rows
+    def __init__(self, backend: DecodeBackend, cache: PagedKVCache, tokens: int):
+        self.backend, self.cache, self.tokens = backend, cache, tokens
 
     def update(self, positions, slots) -> None:
-        """The call's rows (host ints, or host tensors of them): row ``b`` is position
+        """The call's tokens (host ints, or host tensors of them): token ``b`` is position
         ``positions[b]`` of the request in slot ``slots[b]``; the rest are pads."""
 
 
@@ -44,8 +44,8 @@ class DecodeBackend:
         """Why it cannot serve ``cache`` (device, dtype, head dim), or None."""
         return None
 
-    def metadata(self, cache: PagedKVCache, rows: int) -> DecodePlan:
-        return DecodePlan(self, cache, rows)
+    def metadata(self, cache: PagedKVCache, tokens: int) -> DecodePlan:
+        return DecodePlan(self, cache, tokens)
 
     def forward(self, q, k_cache, v_cache, kv: CacheBatch, out, scale: float,
                 kernel: str | None = None) -> None:
