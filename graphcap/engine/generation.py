@@ -13,8 +13,6 @@ top-p: the same tokens in every strategy).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import operator
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -23,8 +21,9 @@ import torch
 from graphcap.api import STRATEGIES, capture, model_dtype
 from graphcap.core.buckets import decode_ladder
 from graphcap.core.checks import positive_int
+from graphcap.engine.arguments import check_prompts, sampling_of, stop_tokens_of
 from graphcap.engine.eager import last_token_logits
-from graphcap.errors import BadBatch, UnsupportedModel
+from graphcap.errors import UnsupportedModel
 from graphcap.inputs.cache_prefill import CachePrefillInputs
 from graphcap.inputs.decode import DecodeInputs
 from graphcap.inputs.sampling import Sampling, draw
@@ -40,75 +39,6 @@ class Generation:
 
     tokens: list[list[int]]
     report: dict = field(default_factory=dict)
-
-
-def _check_prompts(prompts, vocab: int) -> list[list[int]]:
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("prompts must be a non-empty list of token-id lists")
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-        head = ", ".join(map(str, prompts[:6])) + (", ..." if len(prompts) > 6 else "")
-        raise ValueError(f"prompts is a list of token-id lists, one per prompt: for one "
-                         f"prompt pass [[{head}]], not [{head}]")
-    out = []
-    for i, p in enumerate(prompts):
-        try:
-            ids = p.tolist() if isinstance(p, torch.Tensor) and p.dim() == 1 else list(p)
-        except TypeError:  # a number, or a 0-d tensor
-            ids = None
-        if not ids or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
-                          for t in ids):  # before anything launches (BadBatch: a ValueError)
-            raise BadBatch(f"prompt {i} must be a non-empty list of token ids in "
-                           f"[0, {vocab}), got {p!r}")
-        out.append(ids)
-    return out
-
-
-def _token_id(value) -> int:
-    """``value`` as an int; TypeError for a bool (no token id, though ``True == 1``)."""
-    if isinstance(value, bool):
-        raise TypeError(value)
-    return operator.index(value)
-
-
-def _stop_tokens(stop_tokens, vocab: int) -> set[int]:
-    if stop_tokens is None:
-        return set()
-    given = stop_tokens
-    if isinstance(stop_tokens, torch.Tensor):
-        stop_tokens = stop_tokens.reshape(-1).tolist()
-    elif isinstance(stop_tokens, int):
-        stop_tokens = [stop_tokens]
-    try:
-        stops = {_token_id(t.item() if isinstance(t, torch.Tensor) else t)
-                 for t in stop_tokens}
-    except TypeError:
-        raise ValueError(f"stop_tokens must be token ids (ints), got {given!r}") \
-            from None
-    if any(not 0 <= t < vocab for t in stops):
-        raise ValueError(f"stop_tokens {sorted(stops)} must lie in [0, {vocab})")
-    return stops
-
-
-def _sampling_of(sampling, count: int) -> list[Sampling]:
-    """One Sampling per prompt. One given for all: each prompt draws with a seed of its
-    own, derived from it and the prompt's index (the same prompt twice draws twice)."""
-    if sampling is None:
-        return [Sampling()] * count
-    if isinstance(sampling, Sampling):
-        return [dataclasses.replace(sampling, seed=(sampling.seed * 1000003 + i) % 2**63)
-                for i in range(count)]
-    try:
-        sampling = list(sampling)
-    except TypeError:
-        raise ValueError(f"sampling must be a graphcap.Sampling (one for all prompts), a "
-                         f"list of them (one per prompt) or None, got {sampling!r}") from None
-    if len(sampling) != count:
-        raise ValueError(f"sampling: one Sampling for every prompt, or one for all; got "
-                         f"{len(sampling)} for {count} prompts")
-    for i, s in enumerate(sampling):
-        if not isinstance(s, Sampling):
-            raise ValueError(f"sampling[{i}] must be a graphcap.Sampling, got {s!r}")
-    return sampling
 
 
 @dataclass(frozen=True)
@@ -163,6 +93,94 @@ def _groups(slots: list[int], lens: list[int], budget: int) -> list[list[int]]:
 LONG_RUN = 2048  # tokens to generate from which generate() shows a progress bar
 
 
+@dataclass
+class Request:
+    """One prompt being generated: its place among the prompts, its tokens so far and
+    how it draws them."""
+
+    index: int
+    prompt: list[int]
+    sampling: Sampling
+    new: list[int] = field(default_factory=list)  # the tokens drawn so far
+    length: int = 0  # its tokens in the cache
+
+    @property
+    def last(self) -> int:
+        return self.new[-1]
+
+
+class Engine:
+    """The decode graphs and the prefill graphs of one model over one cache: requests
+    admitted into request slots, prefilled in groups, stepped together, released when
+    done. ``done(request)`` says whether a request just drew its last token."""
+
+    def __init__(self, model, cache: PagedKVCache, strategy: str, max_batch: int,
+                 prefill_tokens: int):
+        self.cache, self.prefill_tokens = cache, prefill_tokens
+        self.device, self.rows_of = cache.device, getattr(model, "output_rows", "tokens")
+        self.decoder = capture(model, strategy, buckets=decode_ladder(max_batch),
+                               inputs=DecodeInputs(cache, sample=True))
+        backend = get_backend(None, cache.device, strategy=strategy, dtype=cache.dtype)
+        self.prefiller = capture(model, strategy, buckets=decode_ladder(prefill_tokens),
+                                 inputs=CachePrefillInputs(cache, backend, max_batch,
+                                                           self.rows_of,
+                                                           name=type(model).__name__))
+        self.live: dict[int, Request] = {}  # request slot -> its request
+        self.steps = self.prefills = 0
+
+    def admit(self, slot: int, request: Request, max_new_tokens: int) -> None:
+        self.cache.admit(slot, len(request.prompt) + max_new_tokens)
+        request.length = len(request.prompt)
+        self.live[slot] = request
+
+    def release(self, slot: int) -> Request:
+        self.cache.release(slot)
+        return self.live.pop(slot)
+
+    def prefill(self, slots: list[int]) -> list[tuple[int, int]]:
+        """The prompts of ``slots`` into the cache, on the prefill graphs, in calls of at
+        most ``prefill_tokens`` tokens; the first new token of each, drawn as the decode
+        graphs draw: ``(slot, token)`` pairs."""
+        drawn = []
+        for group in _groups(slots, [self.live[s].length for s in slots],
+                             self.prefill_tokens):
+            requests = [self.live[s] for s in group]
+            lens = [r.length for r in requests]
+            ids = torch.tensor(sum((r.prompt for r in requests), []), device=self.device)
+            positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+            logits = last_token_logits(self.prefiller(ids, positions, seq_lens=lens,
+                                                      slots=group), lens, self.rows_of)
+            drawn += zip(group, draw(logits, [r.sampling for r in requests], lens),
+                         strict=True)
+            self.prefills += 1
+        return drawn
+
+    def step(self) -> list[tuple[int, int]]:
+        """One decode step of every live request, its token drawn in the graph:
+        ``(slot, token)`` pairs."""
+        slots = sorted(self.live)
+        requests = [self.live[s] for s in slots]
+        tokens = torch.tensor([r.last for r in requests], device=self.device)
+        drawn = self.decoder(tokens, positions=[r.length for r in requests], slots=slots,
+                             sampling=[r.sampling for r in requests]).tolist()
+        self.steps += 1
+        for request in requests:
+            request.length += 1
+        return list(zip(slots, drawn, strict=True))
+
+    def report(self, max_batch: int) -> dict:
+        decoded, prefilled = self.decoder.report(), self.prefiller.report()
+        return {"decode_steps": self.steps, "prefills": self.prefills,
+                "replays": dict(decoded.get("replays", {})),
+                "fallbacks": dict(decoded.get("fallbacks", {})),
+                "prefill_replays": dict(prefilled.get("replays", {})),
+                "prefill_fallbacks": dict(prefilled.get("fallbacks", {})),
+                "graph_pool_bytes": (decoded.get("graph_pool_bytes") or 0)
+                + (prefilled.get("graph_pool_bytes") or 0),
+                "buckets": decode_ladder(max_batch),
+                "prefill_buckets": decode_ladder(self.prefill_tokens)}
+
+
 def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
              max_batch: int = 8, stop_tokens=(), sampling=None, page_size: int = 16,
              prefill_tokens: int = 512, progress: bool | None = None) -> Generation:
@@ -183,10 +201,10 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
         out.report            # steps, replays, fallbacks, graph pool bytes
     """
     args = cache_shape(model)
-    prompts = _check_prompts(prompts, args.vocab_size)
-    params = _sampling_of(sampling, len(prompts))
+    prompts = check_prompts(prompts, args.vocab_size)
+    params = sampling_of(sampling, len(prompts))
     max_new_tokens = positive_int(max_new_tokens, "max_new_tokens")
-    stops = _stop_tokens(stop_tokens, args.vocab_size)
+    stops = stop_tokens_of(stop_tokens, args.vocab_size)
     device = next(model.parameters()).device
     longest = max(map(len, prompts)) + max_new_tokens
     if longest > args.max_position:
@@ -202,76 +220,30 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
     cache = PagedKVCache(args.layers, args.kv_heads, args.head_dim, max_requests=max_batch,
                          max_len=longest, page_size=page_size, dtype=model_dtype(model),
                          device=device)
-    runner = capture(model, strategy, buckets=decode_ladder(max_batch),
-                     inputs=DecodeInputs(cache, sample=True))
-    rows_of = getattr(model, "output_rows", "tokens")
-    backend = get_backend(None, device, strategy=strategy, dtype=cache.dtype)
-    prefiller = capture(model, strategy, buckets=decode_ladder(prefill_tokens),
-                        inputs=CachePrefillInputs(cache, backend, max_batch, rows_of,
-                                                  name=type(model).__name__))
-
-    def prefill(slots: list[int]) -> list[int]:
-        """The prompts of ``slots`` into the cache, on the prefill graphs; the first new
-        token of each, drawn as the decode graphs draw."""
-        lens = [live[s]["length"] for s in slots]
-        ids = torch.tensor(sum((prompts[live[s]["index"]] for s in slots), []),
-                           device=device)
-        positions = torch.cat([torch.arange(n, device=device) for n in lens])
-        logits = last_token_logits(prefiller(ids, positions, seq_lens=lens, slots=slots),
-                                   lens, rows_of)
-        return draw(logits, [params[live[s]["index"]] for s in slots], lens)
-    waiting = deque(range(len(prompts)))
-    live: dict[int, dict] = {}  # request slot -> its request's index, tokens, length
+    engine = Engine(model, cache, strategy, max_batch, prefill_tokens)
+    waiting = deque(Request(i, p, params[i]) for i, p in enumerate(prompts))
     out: list[list[int] | None] = [None] * len(prompts)
-    steps = prefills = 0
     total = len(prompts) * max_new_tokens
     show = progress if progress is not None else total >= LONG_RUN
     bar = progress_bar(total, "generating") if show else \
         contextlib.nullcontext(lambda label="": None)
 
-    def emit(slot: int, token: int, step) -> None:
-        state = live[slot]
-        state["new"].append(token)
-        state["last"] = token
-        step()
-        if token in stops or len(state["new"]) == max_new_tokens:
-            out[state["index"]] = state["new"]
-            cache.release(slot)
-            del live[slot]
+    def emit(drawn: list[tuple[int, int]], step) -> None:
+        for slot, token in drawn:
+            request = engine.live[slot]
+            request.new.append(token)
+            step()
+            if token in stops or len(request.new) == max_new_tokens:
+                out[engine.release(slot).index] = request.new
 
     with bar as step:
-        while waiting or live:
+        while waiting or engine.live:
             admitted = []
             for slot in range(max_batch):
-                if slot not in live and waiting:
-                    i = waiting.popleft()
-                    cache.admit(slot, len(prompts[i]) + max_new_tokens)
-                    live[slot] = {"index": i, "new": [], "length": len(prompts[i])}
+                if slot not in engine.live and waiting:
+                    engine.admit(slot, waiting.popleft(), max_new_tokens)
                     admitted.append(slot)
-            for group in _groups(admitted, [live[s]["length"] for s in admitted],
-                                 prefill_tokens):
-                drawn = prefill(group)
-                prefills += 1
-                for slot, token in zip(group, drawn, strict=True):
-                    emit(slot, token, step)
-            if not live:
-                continue
-            rows = sorted(live)
-            positions = [live[s]["length"] for s in rows]
-            tokens = torch.tensor([live[s]["last"] for s in rows], device=device)
-            drawn = runner(tokens, positions=positions, slots=rows,  # drawn in the graph
-                           sampling=[params[live[s]["index"]] for s in rows]).tolist()
-            steps += 1
-            for slot, token in zip(rows, drawn, strict=True):
-                live[slot]["length"] += 1
-                emit(slot, token, step)
-    report, prefilled = runner.report(), prefiller.report()
-    return Generation(out, {"decode_steps": steps, "prefills": prefills,
-                            "replays": dict(report.get("replays", {})),
-                            "fallbacks": dict(report.get("fallbacks", {})),
-                            "prefill_replays": dict(prefilled.get("replays", {})),
-                            "prefill_fallbacks": dict(prefilled.get("fallbacks", {})),
-                            "graph_pool_bytes": (report.get("graph_pool_bytes") or 0)
-                            + (prefilled.get("graph_pool_bytes") or 0),
-                            "buckets": decode_ladder(max_batch),
-                            "prefill_buckets": decode_ladder(prefill_tokens)})
+            emit(engine.prefill(admitted), step)
+            if engine.live:
+                emit(engine.step(), step)  # drawn in the graph
+    return Generation(out, engine.report(max_batch))
