@@ -40,14 +40,12 @@ import torch
 from graphcap.core import checks
 from graphcap.core.context import forward_context
 from graphcap.core.inputs import Batch, Inputs, check_packing
-from graphcap.errors import BadBatch, UnsupportedModel
-from graphcap.inputs.sampling import host_tensors, per_row
+from graphcap.errors import UnsupportedModel
+from graphcap.inputs.paged_calls import check_requests, check_steps
 from graphcap.kv.batch import CacheBatch
 from graphcap.kv.paged import PagedKVCache
 from graphcap.opsdb.attention import DecodeBackend, get_backend
 from graphcap.opsdb.sample import SAMPLE
-
-_INTS = (torch.int32, torch.int64)
 
 
 @dataclass
@@ -123,100 +121,10 @@ class PagedInputs(Inputs):
 
     # -- a call ----------------------------------------------------------------------
     def check(self, args: tuple, kwargs: dict) -> Batch:
-        batch = self._steps(args, kwargs) if self.step else self._requests(args, kwargs)
+        batch = (check_steps if self.step else check_requests)(self, args, kwargs)
         if self.check_inputs:  # one host sync: the tokens live on the device
             checks.check_token_ids(batch.args[0], self.vocab_size)
         return batch
-
-    def _steps(self, args: tuple, kwargs: dict) -> Batch:
-        known = {"positions", "slots"} | ({"sampling"} if self.sample else set())
-        unknown = sorted(set(kwargs) - known)
-        if len(args) != 1 or unknown or "positions" not in kwargs or "slots" not in kwargs:
-            raise BadBatch("a decode step is called as runner(tokens, positions=[...], "
-                           "slots=[...]" + (", sampling=[...]" if self.sample else "")
-                           + f"); got {len(args)} arguments and keywords {sorted(kwargs)}")
-        tokens, k = args[0], self.step
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or \
-                tokens.dtype not in _INTS or tokens.device != self.device:
-            raise BadBatch(f"tokens must be a 1-D int64 (or int32) tensor on {self.device}, "
-                           + ("one per request" if k == 1 else f"{k} per request"))
-        if tokens.shape[0] % k:
-            raise BadBatch(f"{tokens.shape[0]} tokens are not {k} per request")
-        requests = tokens.shape[0] // k
-        if requests == 0:
-            raise BadBatch("empty step: at least one request is needed")
-        try:
-            firsts = checks.host_lengths(kwargs["positions"], "positions")
-        except BadBatch:
-            firsts = None
-        if firsts is None or len(firsts) != requests:
-            raise BadBatch(f"positions must be {requests} ints >= 0 (one per request, on "
-                           f"the host: a list or a CPU tensor), got {kwargs['positions']!r}")
-        slots = self.cache.requests(kwargs["slots"], requests)
-        params = per_row(kwargs.get("sampling"), requests) if self.sample else None
-        self.cache.check_step(slots, firsts)
-        over = [(s, p + k) for s, p in zip(slots, firsts, strict=True)
-                if p + k > self.cache.capacity(s)]
-        if over:  # k > 1: the last tokens of a step past what was admitted
-            raise BadBatch(f"steps of {k} tokens end past what their slots were admitted "
-                           f"for: (slot, end) {over}; admit requests for their prompt plus "
-                           "new tokens")
-        if self.max_position is not None and max(firsts) + k > self.max_position:
-            raise BadBatch(f"positions {firsts} reach past the model's max_position "
-                           f"{self.max_position}")
-        positions = [p + j for p in firsts for j in range(k)]
-        token_slots = [s for s in slots for _ in range(k)]
-        host = checks.staged([positions, token_slots], torch.long, self.device)  # no host sync
-        args = (tokens, host[0], host[1])
-        if self.sample:
-            args += host_tensors(params, self.device)
-        return Batch(args, tokens.shape[0], [k] * requests,
-                     host=[(s, p + k) for s, p in zip(slots, firsts, strict=True)])
-
-    def _requests(self, args: tuple, kwargs: dict) -> Batch:
-        if "slots" not in kwargs:
-            raise BadBatch("a prefill into the cache is called as runner(input_ids, "
-                           "positions, seq_lens=[...], slots=[...]): slots are the requests' "
-                           "cache slots, admitted first")
-        if "starts" in kwargs and not self.extend:
-            raise BadBatch("starts= continues requests already in the cache, which needs "
-                           "CachePrefillInputs(..., extend=True); without it each prompt "
-                           "starts at position 0")
-        unknown = sorted(set(kwargs) - {"seq_lens", "slots", "starts"})
-        if unknown or len(args) != 2:
-            raise BadBatch("a prefill model is called as runner(input_ids, positions, "
-                           f"seq_lens=[...]); got {len(args)} arguments"
-                           + (f" and keywords {unknown}" if unknown else ""))
-        lens = checks.check_prefill(*args, kwargs.get("seq_lens"), self.device)
-        if self.per_request and 0 in lens:
-            raise BadBatch(
-                f"seq_lens {lens} has a zero-length request, which has no last token: "
-                "this model returns one row per request; drop empty requests")
-        if self.attends is False:
-            check_packing(self.name, self.attention.name, lens)
-        slots = self.cache.requests(kwargs["slots"], len(lens))
-        starts = self._starts(kwargs.get("starts"), slots, lens)
-        per_token = [s for s, n in zip(slots, lens, strict=True) for _ in range(n)]
-        token_slots = checks.staged(per_token, torch.long, self.device)  # pinned: no sync
-        ends = [(s, b + n) for s, b, n in zip(slots, starts, lens, strict=True) if n]
-        return Batch((*args, token_slots), args[0].shape[0], lens, host=ends)
-
-    def _starts(self, given, slots: list[int], lens: list[int]) -> list[int]:
-        """Each request's first position, checked against its slot's tokens (``BadBatch``)."""
-        if given is None:
-            starts = [0] * len(slots)
-        else:
-            starts = [checks.as_int(b, "starts", BadBatch) for b in given]
-            if len(starts) != len(slots):
-                raise BadBatch(f"starts has {len(starts)} entries for {len(slots)} requests")
-        for slot, start in zip(slots, starts, strict=True):
-            written = self.cache.written(slot)
-            if not 0 <= start <= written:
-                raise BadBatch(f"starts: request slot {slot} starts at {start}, but its "
-                               f"pages hold {written} tokens; a request continues at most "
-                               "from its last written token")
-        self.cache.check_prompts(slots, [b + n for b, n in zip(starts, lens, strict=True)])
-        return starts
 
     def commit(self, batch: Batch) -> None:
         """The cache counts each request's tokens up to its last one as written (what

@@ -1,0 +1,116 @@
+"""A call of a paged kind of input (:class:`~graphcap.inputs.paged.PagedInputs`), checked
+before anything runs (``BadBatch``, the cache untouched): a step of ``k`` tokens per
+request, or requests of any length. Each returns the call's :class:`Batch`: the tokens,
+each token's position and request slot (staged on the host, pinned: no sync), and in
+``host`` what the call writes once it has run, ``(slot, end)`` per request."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from graphcap.core import checks
+from graphcap.core.inputs import Batch, check_packing
+from graphcap.errors import BadBatch
+from graphcap.inputs.sampling import host_tensors, per_row
+
+if TYPE_CHECKING:
+    from graphcap.inputs.paged import PagedInputs
+
+_INTS = (torch.int32, torch.int64)
+
+
+def check_steps(inputs: PagedInputs, args: tuple, kwargs: dict) -> Batch:
+    """A step of ``inputs.step`` tokens per request: ``runner(tokens, positions=[...],
+    slots=[...])``."""
+    known = {"positions", "slots"} | ({"sampling"} if inputs.sample else set())
+    unknown = sorted(set(kwargs) - known)
+    if len(args) != 1 or unknown or "positions" not in kwargs or "slots" not in kwargs:
+        raise BadBatch("a decode step is called as runner(tokens, positions=[...], "
+                       "slots=[...]" + (", sampling=[...]" if inputs.sample else "")
+                       + f"); got {len(args)} arguments and keywords {sorted(kwargs)}")
+    tokens, k = args[0], inputs.step
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or \
+            tokens.dtype not in _INTS or tokens.device != inputs.device:
+        raise BadBatch(f"tokens must be a 1-D int64 (or int32) tensor on {inputs.device}, "
+                       + ("one per request" if k == 1 else f"{k} per request"))
+    if tokens.shape[0] % k:
+        raise BadBatch(f"{tokens.shape[0]} tokens are not {k} per request")
+    requests = tokens.shape[0] // k
+    if requests == 0:
+        raise BadBatch("empty step: at least one request is needed")
+    try:
+        firsts = checks.host_lengths(kwargs["positions"], "positions")
+    except BadBatch:
+        firsts = None
+    if firsts is None or len(firsts) != requests:
+        raise BadBatch(f"positions must be {requests} ints >= 0 (one per request, on "
+                       f"the host: a list or a CPU tensor), got {kwargs['positions']!r}")
+    slots = inputs.cache.requests(kwargs["slots"], requests)
+    params = per_row(kwargs.get("sampling"), requests) if inputs.sample else None
+    inputs.cache.check_step(slots, firsts)
+    over = [(s, p + k) for s, p in zip(slots, firsts, strict=True)
+            if p + k > inputs.cache.capacity(s)]
+    if over:  # k > 1: the last tokens of a step past what was admitted
+        raise BadBatch(f"steps of {k} tokens end past what their slots were admitted "
+                       f"for: (slot, end) {over}; admit requests for their prompt plus "
+                       "new tokens")
+    if inputs.max_position is not None and max(firsts) + k > inputs.max_position:
+        raise BadBatch(f"positions {firsts} reach past the model's max_position "
+                       f"{inputs.max_position}")
+    positions = [p + j for p in firsts for j in range(k)]
+    token_slots = [s for s in slots for _ in range(k)]
+    host = checks.staged([positions, token_slots], torch.long, inputs.device)  # no host sync
+    args = (tokens, host[0], host[1])
+    if inputs.sample:
+        args += host_tensors(params, inputs.device)
+    return Batch(args, tokens.shape[0], [k] * requests,
+                 host=[(s, p + k) for s, p in zip(slots, firsts, strict=True)])
+
+def check_requests(inputs: PagedInputs, args: tuple, kwargs: dict) -> Batch:
+    """Requests of any length: ``runner(input_ids, positions, seq_lens=[...], slots=[...],
+    starts=[...])``."""
+    if "slots" not in kwargs:
+        raise BadBatch("a prefill into the cache is called as runner(input_ids, "
+                       "positions, seq_lens=[...], slots=[...]): slots are the requests' "
+                       "cache slots, admitted first")
+    if "starts" in kwargs and not inputs.extend:
+        raise BadBatch("starts= continues requests already in the cache, which needs "
+                       "CachePrefillInputs(..., extend=True); without it each prompt "
+                       "starts at position 0")
+    unknown = sorted(set(kwargs) - {"seq_lens", "slots", "starts"})
+    if unknown or len(args) != 2:
+        raise BadBatch("a prefill model is called as runner(input_ids, positions, "
+                       f"seq_lens=[...]); got {len(args)} arguments"
+                       + (f" and keywords {unknown}" if unknown else ""))
+    lens = checks.check_prefill(*args, kwargs.get("seq_lens"), inputs.device)
+    if inputs.per_request and 0 in lens:
+        raise BadBatch(
+            f"seq_lens {lens} has a zero-length request, which has no last token: "
+            "this model returns one row per request; drop empty requests")
+    if inputs.attends is False:
+        check_packing(inputs.name, inputs.attention.name, lens)
+    slots = inputs.cache.requests(kwargs["slots"], len(lens))
+    starts = _starts(inputs, kwargs.get("starts"), slots, lens)
+    per_token = [s for s, n in zip(slots, lens, strict=True) for _ in range(n)]
+    token_slots = checks.staged(per_token, torch.long, inputs.device)  # pinned: no sync
+    ends = [(s, b + n) for s, b, n in zip(slots, starts, lens, strict=True) if n]
+    return Batch((*args, token_slots), args[0].shape[0], lens, host=ends)
+
+def _starts(inputs: PagedInputs, given, slots: list[int], lens: list[int]) -> list[int]:
+    """Each request's first position, checked against its slot's tokens (``BadBatch``)."""
+    if given is None:
+        starts = [0] * len(slots)
+    else:
+        starts = [checks.as_int(b, "starts", BadBatch) for b in given]
+        if len(starts) != len(slots):
+            raise BadBatch(f"starts has {len(starts)} entries for {len(slots)} requests")
+    for slot, start in zip(slots, starts, strict=True):
+        written = inputs.cache.written(slot)
+        if not 0 <= start <= written:
+            raise BadBatch(f"starts: request slot {slot} starts at {start}, but its "
+                           f"pages hold {written} tokens; a request continues at most "
+                           "from its last written token")
+    inputs.cache.check_prompts(slots, [b + n for b, n in zip(starts, lens, strict=True)])
+    return starts
