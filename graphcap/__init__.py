@@ -9,6 +9,7 @@ from graphcap.breakable import eager_on_graph
 from graphcap.config import CaptureConfig
 from graphcap.core.graphs import GraphPool, new_pool
 from graphcap.engine.generation import Generation, generate
+from graphcap.engine.llm import LLM, Completion
 from graphcap.errors import (
     CaptureError,
     GraphcapError,
@@ -26,9 +27,11 @@ __version__ = "0.1.0"
 __all__ = [
     "CaptureConfig",
     "CaptureError",
+    "Completion",
     "GraphPool",
     "Generation",
     "GraphcapError",
+    "LLM",
     "ModelChanged",
     "ReplayError",
     "Sampling",

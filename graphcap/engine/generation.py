@@ -16,19 +16,12 @@ import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
-from graphcap.api import STRATEGIES, capture, model_dtype
-from graphcap.core.buckets import decode_ladder
+from graphcap.api import STRATEGIES, model_dtype
 from graphcap.core.checks import positive_int
 from graphcap.engine.arguments import check_prompts, sampling_of, stop_tokens_of
-from graphcap.engine.eager import last_token_logits
+from graphcap.engine.engine import Engine, Request
 from graphcap.errors import UnsupportedModel
-from graphcap.inputs.cache_prefill import CachePrefillInputs
-from graphcap.inputs.decode import DecodeInputs
-from graphcap.inputs.sampling import Sampling, draw
 from graphcap.kv.paged import PagedKVCache
-from graphcap.opsdb.attention import get_backend
 from graphcap.progress import progress as progress_bar
 
 
@@ -78,107 +71,7 @@ def cache_shape(model) -> CacheShape:
                       model.max_position or 2**31)
 
 
-def _groups(slots: list[int], lens: list[int], budget: int) -> list[list[int]]:
-    """The slots in calls of at most ``budget`` tokens, in order (a longer prompt alone)."""
-    groups, tokens = [], 0
-    for slot, n in zip(slots, lens, strict=True):
-        if not groups or (groups[-1] and tokens + n > budget):
-            groups.append([])
-            tokens = 0
-        groups[-1].append(slot)
-        tokens += n
-    return groups
-
-
 LONG_RUN = 2048  # tokens to generate from which generate() shows a progress bar
-
-
-@dataclass
-class Request:
-    """One prompt being generated: its place among the prompts, its tokens so far and
-    how it draws them."""
-
-    index: int
-    prompt: list[int]
-    sampling: Sampling
-    new: list[int] = field(default_factory=list)  # the tokens drawn so far
-    length: int = 0  # its tokens in the cache
-
-    @property
-    def last(self) -> int:
-        return self.new[-1]
-
-
-class Engine:
-    """The decode graphs and the prefill graphs of one model over one cache: requests
-    admitted into request slots, prefilled in groups, stepped together, released when
-    done. ``done(request)`` says whether a request just drew its last token."""
-
-    def __init__(self, model, cache: PagedKVCache, strategy: str, max_batch: int,
-                 prefill_tokens: int):
-        self.cache, self.prefill_tokens = cache, prefill_tokens
-        self.device, self.rows_of = cache.device, getattr(model, "output_rows", "tokens")
-        self.decoder = capture(model, strategy, buckets=decode_ladder(max_batch),
-                               inputs=DecodeInputs(cache, sample=True))
-        backend = get_backend(None, cache.device, strategy=strategy, dtype=cache.dtype)
-        self.prefiller = capture(model, strategy, buckets=decode_ladder(prefill_tokens),
-                                 inputs=CachePrefillInputs(cache, backend, max_batch,
-                                                           self.rows_of,
-                                                           name=type(model).__name__))
-        self.live: dict[int, Request] = {}  # request slot -> its request
-        self.steps = self.prefills = 0
-
-    def admit(self, slot: int, request: Request, max_new_tokens: int) -> None:
-        self.cache.admit(slot, len(request.prompt) + max_new_tokens)
-        request.length = len(request.prompt)
-        self.live[slot] = request
-
-    def release(self, slot: int) -> Request:
-        self.cache.release(slot)
-        return self.live.pop(slot)
-
-    def prefill(self, slots: list[int]) -> list[tuple[int, int]]:
-        """The prompts of ``slots`` into the cache, on the prefill graphs, in calls of at
-        most ``prefill_tokens`` tokens; the first new token of each, drawn as the decode
-        graphs draw: ``(slot, token)`` pairs."""
-        drawn = []
-        for group in _groups(slots, [self.live[s].length for s in slots],
-                             self.prefill_tokens):
-            requests = [self.live[s] for s in group]
-            lens = [r.length for r in requests]
-            ids = torch.tensor(sum((r.prompt for r in requests), []), device=self.device)
-            positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-            logits = last_token_logits(self.prefiller(ids, positions, seq_lens=lens,
-                                                      slots=group), lens, self.rows_of)
-            drawn += zip(group, draw(logits, [r.sampling for r in requests], lens),
-                         strict=True)
-            self.prefills += 1
-        return drawn
-
-    def step(self) -> list[tuple[int, int]]:
-        """One decode step of every live request, its token drawn in the graph:
-        ``(slot, token)`` pairs."""
-        slots = sorted(self.live)
-        requests = [self.live[s] for s in slots]
-        tokens = torch.tensor([r.last for r in requests], device=self.device)
-        drawn = self.decoder(tokens, positions=[r.length for r in requests], slots=slots,
-                             sampling=[r.sampling for r in requests]).tolist()
-        self.steps += 1
-        for request in requests:
-            request.length += 1
-        return list(zip(slots, drawn, strict=True))
-
-    def report(self, max_batch: int) -> dict:
-        decoded, prefilled = self.decoder.report(), self.prefiller.report()
-        return {"decode_steps": self.steps, "prefills": self.prefills,
-                "replays": dict(decoded.get("replays", {})),
-                "fallbacks": dict(decoded.get("fallbacks", {})),
-                "prefill_replays": dict(prefilled.get("replays", {})),
-                "prefill_fallbacks": dict(prefilled.get("fallbacks", {})),
-                "graph_pool_bytes": (decoded.get("graph_pool_bytes") or 0)
-                + (prefilled.get("graph_pool_bytes") or 0),
-                "buckets": decode_ladder(max_batch),
-                "prefill_buckets": decode_ladder(self.prefill_tokens)}
 
 
 def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",

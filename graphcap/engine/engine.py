@@ -1,0 +1,162 @@
+"""The engine under ``graphcap.generate`` and ``graphcap.LLM``: the decode graphs and the
+prefill graphs of one model over one paged cache (:class:`Engine`), and the requests it
+serves (:class:`Request`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from graphcap.api import capture
+from graphcap.core.buckets import decode_ladder
+from graphcap.engine.eager import last_token_logits
+from graphcap.inputs.cache_prefill import CachePrefillInputs
+from graphcap.inputs.decode import DecodeInputs
+from graphcap.inputs.sampling import Sampling, draw
+from graphcap.kv.paged import PagedKVCache
+from graphcap.opsdb.attention import get_backend
+
+
+@dataclass
+class Request:
+    """One prompt being generated: its place among the prompts, its tokens so far and
+    how it draws them."""
+
+    index: int
+    prompt: list[int]
+    sampling: Sampling
+    new: list[int] = field(default_factory=list)  # the tokens drawn so far
+    length: int = 0  # its tokens in the cache
+
+    @property
+    def last(self) -> int:
+        return self.new[-1]
+
+
+class Engine:
+    """The decode graphs and the prefill graphs of one model over one cache, captured
+    once when it is made: requests admitted into request slots, prefilled in groups,
+    stepped together, released when done.
+
+    ``chunked``: a prompt longer than ``prefill_tokens`` prefills in chunks of that many
+    tokens on graphs (the first on the prefill graphs, the rest on extend graphs over
+    its cached tokens, captured too); otherwise it prefills eagerly (counted in the
+    prefill runner's fallbacks). ``attention`` names the prefill attention backend
+    (None: the best here); ``progress`` shows the captures."""
+
+    def __init__(self, model, cache: PagedKVCache, strategy: str, max_batch: int,
+                 prefill_tokens: int, *, chunked: bool = False, attention: str | None = None,
+                 progress=None):
+        self.cache, self.prefill_tokens = cache, prefill_tokens
+        self.device, self.rows_of = cache.device, getattr(model, "output_rows", "tokens")
+        name = type(model).__name__
+        self.decoder = capture(model, strategy, buckets=decode_ladder(max_batch),
+                               inputs=DecodeInputs(cache, sample=True), progress=progress)
+        backend = get_backend(attention, cache.device, strategy=strategy, dtype=cache.dtype)
+        ladder = decode_ladder(prefill_tokens)
+        self.prefiller = capture(model, strategy, buckets=ladder, progress=progress,
+                                 inputs=CachePrefillInputs(cache, backend, max_batch,
+                                                           self.rows_of, name=name))
+        self.extender = None  # chunks after a long prompt's first
+        if chunked and cache.max_len > prefill_tokens:
+            self.extender = capture(model, strategy, buckets=ladder, progress=progress,
+                                    inputs=CachePrefillInputs(cache, backend, 1, self.rows_of,
+                                                              name=name, extend=True))
+        self.live: dict[int, Request] = {}  # request slot -> its request
+        self.steps = self.prefills = 0
+
+    def admit(self, slot: int, request: Request, max_new_tokens: int) -> None:
+        self.cache.admit(slot, len(request.prompt) + max_new_tokens)
+        request.length = len(request.prompt)
+        self.live[slot] = request
+
+    def release(self, slot: int) -> Request:
+        self.cache.release(slot)
+        return self.live.pop(slot)
+
+    def prefill(self, slots: list[int]) -> list[tuple[int, int]]:
+        """The prompts of ``slots`` into the cache, on the prefill graphs, in calls of at
+        most ``prefill_tokens`` tokens (with an extender, a longer prompt alone, in
+        chunks); the first new token of each, drawn as the decode graphs draw: ``(slot,
+        token)`` pairs."""
+        drawn = []
+        for group in _groups(slots, [self.live[s].length for s in slots],
+                             self.prefill_tokens):
+            requests = [self.live[s] for s in group]
+            lens = [r.length for r in requests]
+            if self.extender is not None and lens[0] > self.prefill_tokens:  # alone
+                logits = self._chunks(group[0], requests[0].prompt)
+            else:
+                ids = torch.tensor(sum((r.prompt for r in requests), []),
+                                   device=self.device)
+                positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+                out = self.prefiller(ids, positions, seq_lens=lens, slots=group)
+                logits = last_token_logits(out, lens, self.rows_of)
+                self.prefills += 1
+            drawn += zip(group, draw(logits, [r.sampling for r in requests], lens),
+                         strict=True)
+        return drawn
+
+    def _chunks(self, slot: int, prompt: list[int]) -> torch.Tensor:
+        """A long prompt in chunks of ``prefill_tokens``: the first from position 0, each
+        next one on the tokens cached before it. The last token's logits ``[1, vocab]``."""
+        size = self.prefill_tokens
+        for start in range(0, len(prompt), size):
+            chunk = prompt[start:start + size]
+            ids = torch.tensor(chunk, device=self.device)
+            positions = torch.arange(start, start + len(chunk), device=self.device)
+            if start == 0:
+                out = self.prefiller(ids, positions, seq_lens=[len(chunk)], slots=[slot])
+            else:
+                out = self.extender(ids, positions, seq_lens=[len(chunk)], slots=[slot],
+                                    starts=[start])
+            self.prefills += 1
+        return last_token_logits(out, [len(chunk)], self.rows_of)
+
+    def launch(self, slots: list[int], tokens: torch.Tensor) -> torch.Tensor:
+        """One decode step of the requests in ``slots`` (each at its length), ``tokens``
+        their last tokens on the device; returns the tokens drawn in the graph, on the
+        device, without waiting for them (each request's length counts the step)."""
+        requests = [self.live[s] for s in slots]
+        drawn = self.decoder(tokens, positions=[r.length for r in requests], slots=slots,
+                             sampling=[r.sampling for r in requests])
+        self.steps += 1
+        for request in requests:
+            request.length += 1
+        return drawn
+
+    def step(self) -> list[tuple[int, int]]:
+        """One decode step of every live request, waited for: ``(slot, token)`` pairs."""
+        slots = sorted(self.live)
+        tokens = torch.tensor([self.live[s].last for s in slots], device=self.device)
+        return list(zip(slots, self.launch(slots, tokens).tolist(), strict=True))
+
+    def runners(self) -> dict:
+        return {name: runner for name, runner in (("decode", self.decoder),
+                                                   ("prefill", self.prefiller),
+                                                   ("extend", self.extender)) if runner}
+
+    def report(self, max_batch: int) -> dict:
+        decoded, prefilled = self.decoder.report(), self.prefiller.report()
+        return {"decode_steps": self.steps, "prefills": self.prefills,
+                "replays": dict(decoded.get("replays", {})),
+                "fallbacks": dict(decoded.get("fallbacks", {})),
+                "prefill_replays": dict(prefilled.get("replays", {})),
+                "prefill_fallbacks": dict(prefilled.get("fallbacks", {})),
+                "graph_pool_bytes": (decoded.get("graph_pool_bytes") or 0)
+                + (prefilled.get("graph_pool_bytes") or 0),
+                "buckets": decode_ladder(max_batch),
+                "prefill_buckets": decode_ladder(self.prefill_tokens)}
+
+
+def _groups(slots: list[int], lens: list[int], budget: int) -> list[list[int]]:
+    """The slots in calls of at most ``budget`` tokens, in order (a longer prompt alone)."""
+    groups, tokens = [], 0
+    for slot, n in zip(slots, lens, strict=True):
+        if not groups or (groups[-1] and tokens + n > budget):
+            groups.append([])
+            tokens = 0
+        groups[-1].append(slot)
+        tokens += n
+    return groups

@@ -1,0 +1,327 @@
+"""``graphcap.LLM``: a model's decode and prefill graphs captured once, then any number of
+``generate`` and ``stream`` calls on them, text in and text out with a tokenizer.
+
+    llm = graphcap.LLM(model, tokenizer, max_batch=8, max_len=2048)
+    for done in llm.generate(["The capital of France is"], max_new_tokens=32):
+        print(done.text, done.finish_reason)
+
+The step loop keeps the GPU busy: while the requests in flight stay the same, each
+decode step is launched on the tokens the step before drew, on the device, before the
+host reads them; the host then reads the earlier step's tokens (waiting for that step
+only) and decides what ends. A request that ended there still rode the step already
+launched; that token is dropped, so no request's tokens change. When a request ends or
+a waiting one can join, the loop waits for the step in flight, releases and admits
+(prefill, in chunks of ``prefill_tokens`` on graphs for a long prompt), and starts again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from graphcap.api import STRATEGIES, model_dtype
+from graphcap.core.checks import positive_int
+from graphcap.engine.arguments import check_prompts, sampling_of, stop_tokens_of
+from graphcap.engine.engine import Engine, Request
+from graphcap.engine.generation import cache_shape
+from graphcap.errors import GraphcapError, UnsupportedModel
+from graphcap.kv.paged import PagedKVCache
+
+DEFAULT_MAX_LEN = 4096  # tokens per request when neither max_len nor the model bounds it
+
+
+@dataclass
+class Completion:
+    """One prompt's result: its new tokens (a stop token that ended it included), their
+    text where a tokenizer is known (up to a stop string that ended it), and why it
+    ended: ``"stop"`` (a stop token), ``"stop_string"`` or ``"length"``."""
+
+    index: int
+    tokens: list[int]
+    text: str | None = None
+    finish_reason: str = "length"
+
+
+@dataclass
+class Delta:
+    """What ``LLM.stream`` yields: new tokens of prompt ``index`` and their text, and, on
+    its last delta, why it ended (else None)."""
+
+    index: int
+    tokens: list[int]
+    text: str | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Text:
+    """A request's decoded text so far (streams hold back a partial character)."""
+
+    sent: str = ""
+    stops: tuple[str, ...] = ()
+    cut: int | None = field(default=None)  # where a stop string begins
+
+
+class LLM:
+    """``model``: one of graphcap's reference decoders, a ``graphcap.hf.PrefillLM``, a
+    stock transformers causal LM (wrapped for you: ``PrefillLM(model, logits="last")``),
+    or the path of a local Hugging Face checkpoint directory (loaded with its tokenizer;
+    nothing is downloaded). ``strategy`` captures the graphs (any of
+    :data:`graphcap.api.STRATEGIES`); ``max_batch`` requests decode together, each of up
+    to ``max_len`` tokens (prompt and new ones; default the model's ``max_position``, at
+    most 4096); ``prefill_tokens`` bounds a prefill graph (a longer prompt prefills in
+    chunks of it); ``attention`` names the prefill attention backend; ``progress`` shows
+    the captures. Every graph is captured here; later calls capture nothing."""
+
+    def __init__(self, model, tokenizer=None, *, strategy: str = "full", max_batch: int = 8,
+                 max_len: int | None = None, prefill_tokens: int = 512,
+                 attention: str | None = None, page_size: int = 16, progress=True):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"LLM(strategy={strategy!r}): unknown strategy, choose one of "
+                             f"{sorted(STRATEGIES)}")
+        model, tokenizer = _resolve(model, tokenizer)
+        self.model, self.tokenizer, self.strategy = model, tokenizer, strategy
+        self.shape = cache_shape(model)
+        self.eos = _eos(model, tokenizer)  # end every request, as transformers' generate
+        self.max_batch = positive_int(max_batch, "max_batch")
+        bound = self.shape.max_position
+        self.max_len = positive_int(max_len, "max_len") if max_len is not None else \
+            min(bound, DEFAULT_MAX_LEN)
+        if self.max_len > bound:
+            raise ValueError(f"max_len {self.max_len} passes the model's max_position {bound}")
+        device = next(model.parameters()).device
+        self.cache = PagedKVCache(self.shape.layers, self.shape.kv_heads, self.shape.head_dim,
+                                  max_requests=self.max_batch, max_len=self.max_len,
+                                  page_size=page_size, dtype=model_dtype(model), device=device)
+        self._idle = threading.Lock()  # held by the call being served
+        self.engine = Engine(model, self.cache, strategy, self.max_batch,
+                             positive_int(prefill_tokens, "prefill_tokens"), chunked=True,
+                             attention=attention, progress=progress or None)
+
+    # -- calls -----------------------------------------------------------------------
+    def generate(self, prompts, max_new_tokens: int = 64, *, sampling=None, stop=None
+                 ) -> list[Completion]:
+        """One :class:`Completion` per prompt, in order. ``prompts``: strings (with a
+        tokenizer) or lists of token ids; ``sampling``: one ``graphcap.Sampling`` for all
+        (each prompt then draws with its own seed) or one per prompt; ``stop``: token ids
+        and, with a tokenizer, strings that end a request (the tokenizer's end-of-sequence
+        token always does)."""
+        done: dict[int, Completion] = {}
+        tokens: dict[int, list[int]] = {}
+        for delta in self.stream(prompts, max_new_tokens, sampling=sampling, stop=stop):
+            tokens.setdefault(delta.index, []).extend(delta.tokens)
+            if delta.finish_reason is not None:
+                done[delta.index] = Completion(delta.index, tokens[delta.index],
+                                               None, delta.finish_reason)
+        if self.tokenizer is not None:
+            for c in done.values():
+                c.text = self._text(c.tokens, self._stop_strings(stop))
+        return [done[i] for i in range(len(done))]
+
+    def stream(self, prompts, max_new_tokens: int = 64, *, sampling=None, stop=None
+               ) -> Iterator[Delta]:
+        """:meth:`generate`'s tokens as they are drawn: a :class:`Delta` per request per
+        step (text deltas hold back a partial character), the last one of each request
+        saying why it ended."""
+        ids = self._prompts(prompts)
+        params = sampling_of(sampling, len(ids))
+        max_new_tokens = positive_int(max_new_tokens, "max_new_tokens")
+        stops, strings = self._stops(stop)
+        longest = max(map(len, ids)) + max_new_tokens
+        if longest > self.max_len:
+            raise ValueError(f"a prompt of {longest - max_new_tokens} tokens plus "
+                             f"{max_new_tokens} new ones passes this LLM's max_len "
+                             f"{self.max_len}: build it with a larger max_len")
+        requests = [Request(i, p, params[i]) for i, p in enumerate(ids)]
+        texts = {r.index: _Text(stops=strings) for r in requests}
+        if not self._idle.acquire(blocking=False):
+            raise GraphcapError("this LLM is serving another call (a stream not yet "
+                                "finished, or another thread's): one call at a time; finish "
+                                "or close the stream first")
+        try:
+            yield from self._loop(requests, max_new_tokens, stops, texts)
+        finally:
+            for slot in list(self.engine.live):  # an error, or a stream left unfinished
+                self.engine.release(slot)
+            self._idle.release()
+
+    def report(self) -> dict:
+        """Per runner (decode, prefill, extend): its ``runner.report()``."""
+        return {name: runner.report() for name, runner in self.engine.runners().items()}
+
+    # -- the loop --------------------------------------------------------------------
+    def _loop(self, requests, max_new: int, stops: set[int], texts) -> Iterator[Delta]:
+        engine, waiting = self.engine, deque(requests)
+        while waiting or engine.live:
+            admitted = []
+            for slot in range(self.max_batch):
+                if slot not in engine.live and waiting:
+                    engine.admit(slot, waiting.popleft(), max_new)
+                    admitted.append(slot)
+            yield from self._take(engine.prefill(admitted), max_new, stops, texts)
+            if not engine.live:
+                continue
+            slots = sorted(engine.live)
+            tokens = torch.tensor([engine.live[s].last for s in slots],
+                                  device=self.cache.device)
+            drawn = _Fetch(engine.launch(slots, tokens))
+            while True:  # the same requests step on, each step launched before the read
+                ending = any(len(engine.live[s].new) + 1 >= max_new for s in slots)
+                ahead = None if ending else _Fetch(engine.launch(slots, drawn.device))
+                read = list(zip(slots, drawn.tokens(), strict=True))
+                ended = yield from self._take(read, max_new, stops, texts)
+                if ahead is None:
+                    break
+                if ended:  # the step ahead carried requests that ended: its tokens of
+                    # the others are theirs; then the requests in flight change
+                    read = zip(slots, ahead.tokens(), strict=True)
+                    yield from self._take([(s, t) for s, t in read if s in engine.live],
+                                          max_new, stops, texts)
+                    break
+                drawn = ahead
+
+    def _take(self, drawn, max_new: int, stops: set[int], texts) -> Iterator[Delta]:
+        """The drawn ``(slot, token)`` pairs into their requests, a delta each; a request
+        that ends is released. Returns whether any ended."""
+        ended = False
+        for slot, token in drawn:
+            request = self.engine.live[slot]
+            request.new.append(token)
+            reason = "stop" if token in stops else \
+                "length" if len(request.new) == max_new else None
+            text = None
+            if self.tokenizer is not None:
+                text, hit = self._delta(request, texts[request.index], reason is not None)
+                if hit and reason is None:
+                    reason = "stop_string"
+            if reason is not None:
+                self.engine.release(slot)
+                ended = True
+            yield Delta(request.index, [token], text, reason)
+        return ended
+
+    # -- text ------------------------------------------------------------------------
+    def _delta(self, request: Request, state: _Text, final: bool) -> tuple[str, bool]:
+        """The text the request's new token adds (up to a stop string), and whether a
+        stop string has appeared."""
+        full = self.tokenizer.decode(request.new, skip_special_tokens=True)
+        hits = [full.find(s) for s in state.stops if s in full]
+        if hits:
+            full, final = full[:min(hits)], True
+        elif not final:  # hold back a partial character, and what may begin a stop string
+            if full.endswith("\ufffd"):
+                return "", False
+            full = full[:len(full) - _stop_prefix(full, state.stops)]
+        delta, state.sent = full[len(state.sent):], full
+        return delta, bool(hits)
+
+    def _text(self, tokens: list[int], strings: tuple[str, ...]) -> str:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        cuts = [text.find(s) for s in strings if s in text]
+        return text[:min(cuts)] if cuts else text
+
+    def _prompts(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and all(isinstance(p, str) for p in prompts)):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer: LLM(model, tokenizer), or "
+                                 "give lists of token ids")
+            texts = [prompts] if isinstance(prompts, str) else list(prompts)
+            prompts = [self.tokenizer(t)["input_ids"] for t in texts]
+        return check_prompts(prompts, self.shape.vocab_size)
+
+    def _stop_strings(self, stop) -> tuple[str, ...]:
+        return self._stops(stop)[1]
+
+    def _stops(self, stop) -> tuple[set[int], tuple[str, ...]]:
+        given = [] if stop is None else [stop] if isinstance(stop, (str, int)) else list(stop)
+        strings = tuple(s for s in given if isinstance(s, str))
+        if strings and self.tokenizer is None:
+            raise ValueError(f"stop strings {list(strings)} need a tokenizer: LLM(model, "
+                             "tokenizer), or stop on token ids")
+        if any(not s for s in strings):
+            raise ValueError("a stop string must not be empty")
+        ids = stop_tokens_of([s for s in given if not isinstance(s, str)],
+                             self.shape.vocab_size)
+        return ids | self.eos, strings
+
+
+def _stop_prefix(text: str, stops: tuple[str, ...]) -> int:
+    """The length of the longest end of ``text`` that begins a stop string."""
+    return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])),
+               default=0)
+
+
+def _eos(model, tokenizer) -> set[int]:
+    """The end-of-sequence ids of a transformers model's generation config and of the
+    tokenizer (none for graphcap's reference decoders without a tokenizer)."""
+    found = set()
+    config = getattr(getattr(model, "hf_model", None), "generation_config", None)
+    for eos in (getattr(config, "eos_token_id", None),
+                getattr(tokenizer, "eos_token_id", None)):
+        found |= {int(e) for e in ([eos] if isinstance(eos, int) else eos or [])}
+    return found
+
+
+class _Fetch:
+    """A launched step's tokens on their way to the host: the copy is queued right after
+    the step, so reading them waits for that step only, not for one launched after it."""
+
+    def __init__(self, device: torch.Tensor):
+        self.device, self.done = device, None
+        if device.device.type == "cuda":
+            self.host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
+            self.host.copy_(device, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def tokens(self) -> list[int]:
+        if self.done is None:
+            return self.device.tolist()
+        self.done.synchronize()
+        return self.host.tolist()
+
+
+def _resolve(model, tokenizer):
+    """The model graphcap runs, and the tokenizer: a checkpoint directory loaded, a stock
+    transformers causal LM wrapped."""
+    import os
+
+    if isinstance(model, (str, os.PathLike)):
+        return _load(os.fspath(model), tokenizer)
+    if getattr(model, "args", None) is not None or \
+            getattr(model, "hf_model", None) is not None:
+        return model, tokenizer
+    if hasattr(model, "generation_config") and hasattr(model, "get_output_embeddings"):
+        from graphcap.hf import PrefillLM
+
+        return PrefillLM(model, logits="last"), tokenizer
+    raise UnsupportedModel(
+        f"graphcap.LLM runs graphcap's reference decoders (graphcap.models), stock "
+        f"transformers causal LMs (or a checkpoint directory of one) and "
+        f"graphcap.hf.PrefillLM; {type(model).__name__} is none of them")
+
+
+def _load(path: str, tokenizer):
+    import os
+
+    if not os.path.isdir(path):
+        raise ValueError(f"LLM({path!r}): not a directory; give a local Hugging Face "
+                         "checkpoint directory (config.json, safetensors, tokenizer files)")
+    import transformers
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype="auto").to(device).eval()
+    if tokenizer is None:
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError):
+            tokenizer = None  # a checkpoint without tokenizer files: token ids only
+    from graphcap.hf import PrefillLM
+
+    return PrefillLM(hf, logits="last"), tokenizer

@@ -1,0 +1,198 @@
+"""``graphcap.LLM``: graphs captured once and reused by every call; greedy tokens equal
+recomputing every sequence, whatever the batch, the stops and the step at which requests
+end (the loop reads each step's tokens one step late); every strategy draws what eager
+draws; a long prompt prefills in chunks on graphs; streams yield exactly the final tokens;
+text in and out through a tokenizer built here (no download); stock transformers models
+are wrapped and give transformers' own greedy tokens."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import graphcap
+from graphcap import LLM, Sampling
+from graphcap.api import GRAPHED
+from graphcap.errors import UnsupportedModel
+from graphcap.models import PRESETS, Decoder
+from tests.engine.test_decode_steps import recomputed
+from tests.support.runner_helpers import DEVICE
+
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+PROMPTS = [[5, 9, 2, 7, 1], [3], [8, 8, 4, 11, 6, 2, 9, 10, 13, 1, 2], [4, 4], [7, 7, 7]]
+NEW = 7
+
+
+def model(preset="tiny") -> Decoder:
+    torch.manual_seed(0)
+    return Decoder(PRESETS[preset]).to(DEVICE).eval()
+
+
+@functools.cache
+def llm() -> LLM:
+    """One LLM for the tests that only call it: max_batch 3, prefill graphs of 8 tokens."""
+    return LLM(model(), max_batch=3, max_len=32, prefill_tokens=8, progress=False)
+
+
+@functools.cache
+def truth(steps: int = 12) -> list[list[int]]:
+    """Each prompt's greedy continuation, every sequence recomputed at every step."""
+    seqs, _ = recomputed(model().cpu(), PROMPTS, steps)
+    return [s[len(p):] for s, p in zip(seqs, PROMPTS, strict=True)]
+
+
+def cut(tokens: list[int], stops: set[int], new: int) -> list[int]:
+    """A request's tokens: up to and with its first stop token, at most ``new``."""
+    out = []
+    for t in tokens[:new]:
+        out.append(t)
+        if t in stops:
+            break
+    return out
+
+
+def test_greedy_tokens_are_recomputing_every_sequence_and_a_second_call_captures_nothing():
+    engine = llm()
+    shapes = {name: r["shapes"] for name, r in engine.report().items()}
+    built = {name: r["build_s"] for name, r in engine.report().items()}
+    for _ in range(2):
+        done = engine.generate(PROMPTS, NEW)
+        assert [c.tokens for c in done] == [t[:NEW] for t in truth()]
+        assert [c.finish_reason for c in done] == ["length"] * len(PROMPTS)
+        assert [c.index for c in done] == list(range(len(PROMPTS)))
+    report = engine.report()
+    assert {name: r["shapes"] for name, r in report.items()} == shapes
+    assert {name: r["build_s"] for name, r in report.items()} == built
+    assert all(r["recaptures"] == 0 for r in report.values())
+    assert not report["decode"]["fallbacks"] and sum(report["decode"]["replays"].values())
+    assert engine.cache.owned() == {}  # every request released
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.integers(0, len(PROMPTS) - 1), min_size=1, max_size=6),
+       st.sets(st.integers(0, 255), max_size=12), st.integers(1, 10))
+def test_reading_each_step_one_step_late_never_changes_a_requests_tokens(order, stops, new):
+    """Random batches (prompts repeated, more than the slots), random stop sets (tokens
+    that end requests at different steps) and lengths: each request's tokens are its
+    greedy continuation, cut at its first stop token."""
+    prompts = [PROMPTS[i] for i in order]
+    done = llm().generate(prompts, new, stop=sorted(stops))
+    assert [c.tokens for c in done] == [cut(truth()[i], stops, new) for i in order]
+    for c in done:
+        assert c.finish_reason == ("stop" if c.tokens[-1] in stops else "length")
+    assert llm().cache.owned() == {}
+
+
+def test_a_stream_yields_exactly_the_final_tokens():
+    deltas = list(llm().stream(PROMPTS, NEW, stop=[truth()[0][3]]))
+    streamed = {}
+    for d in deltas:
+        assert d.index not in streamed or streamed[d.index][-1] is not None
+        streamed.setdefault(d.index, []).extend(d.tokens)
+    want = llm().generate(PROMPTS, NEW, stop=[truth()[0][3]])
+    assert [streamed[i] for i in range(len(PROMPTS))] == [c.tokens for c in want]
+    last = {d.index: d.finish_reason for d in deltas}
+    assert list(last.values()).count(None) == 0
+    assert [last[i] for i in range(len(PROMPTS))] == [c.finish_reason for c in want]
+
+
+def test_a_stream_left_unfinished_releases_its_requests_and_one_call_runs_at_a_time():
+    stream = llm().stream(PROMPTS, NEW)
+    next(stream)
+    with pytest.raises(graphcap.GraphcapError, match="serving another call"):
+        llm().generate(PROMPTS, 2)
+    stream.close()
+    assert llm().cache.owned() == {}
+    assert [c.tokens for c in llm().generate(PROMPTS[:2], 3)] == [t[:3] for t in truth()[:2]]
+
+
+def test_a_prompt_longer_than_the_prefill_graphs_prefills_in_chunks_on_graphs():
+    before = llm().report()
+    done = llm().generate([PROMPTS[2]], 4)  # 11 tokens: a chunk of 8, then 3 on its 8
+    assert done[0].tokens == truth()[2][:4]
+    after = llm().report()
+    assert after["prefill"]["fallbacks"] == before["prefill"]["fallbacks"]
+    assert sum(after["extend"]["replays"].values()) == \
+        sum(before["extend"]["replays"].values()) + 1
+
+
+SAMPLINGS = [Sampling(), Sampling(temperature=1.0, seed=3),
+             Sampling(temperature=0.7, top_k=5, seed=4), Sampling(temperature=1.5, top_p=0.8),
+             Sampling(temperature=1.0, top_k=3, top_p=0.5, seed=9)]
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_every_strategy_draws_what_generate_draws_eagerly(strategy):
+    m = model()
+    want = graphcap.generate(m, PROMPTS, NEW, strategy="eager", max_batch=3,
+                             sampling=SAMPLINGS)
+    engine = LLM(m, strategy=strategy, max_batch=3, max_len=24, prefill_tokens=16,
+                 progress=False)
+    assert [c.tokens for c in engine.generate(PROMPTS, NEW, sampling=SAMPLINGS)] == \
+        want.tokens
+    assert [c.tokens for c in engine.generate(PROMPTS, NEW, sampling=SAMPLINGS)] == \
+        want.tokens  # seeded: the same again
+
+
+def byte_tokenizer():
+    """Byte-level: token i is byte i (the tiny decoder's 256 ids), no download."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    level = tokenizers.pre_tokenizers.ByteLevel
+    vocab = {c: i for i, c in enumerate(sorted(level.alphabet(), key=lambda c: ord(c)))}
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = level(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def test_text_in_and_text_out_through_a_tokenizer_ending_at_a_stop_string():
+    tok = byte_tokenizer()
+    engine = LLM(model(), tok, max_batch=2, max_len=48, prefill_tokens=16, progress=False)
+    prompts = ["graphs!", "hi"]
+    plain = engine.generate(prompts, 12)
+    for c, p in zip(plain, prompts, strict=True):
+        assert c.tokens == engine.generate([tok(p)["input_ids"]], 12)[0].tokens
+        assert c.text == tok.decode(c.tokens, skip_special_tokens=True)
+    text = plain[0].text
+    stop = text[4:6]  # two characters from the middle of what it says
+    ended = engine.generate(prompts[:1], 12, stop=[stop])[0]
+    assert ended.finish_reason == "stop_string" and ended.text == text[:text.find(stop)]
+    assert ended.tokens == plain[0].tokens[:len(ended.tokens)]
+    streamed = "".join(d.text for d in engine.stream(prompts[:1], 12, stop=[stop]))
+    assert streamed == ended.text
+
+
+def test_a_stock_transformers_model_is_wrapped_and_gives_its_own_greedy_tokens():
+    pytest.importorskip("transformers")
+    from tests.hf.test_hf_generate import transformers_greedy
+    from tests.support.hf_families import hf_model
+
+    ref = hf_model("llama").to(DEVICE)
+    engine = LLM(copy.deepcopy(ref), max_batch=2, max_len=32, prefill_tokens=16,
+                 progress=False)
+    prompts = [[5, 9, 2, 7, 1], [3, 4], [8, 8, 4, 11, 6, 2, 9, 10, 13]]
+    want = [transformers_greedy(ref, p) for p in prompts]  # 6 new, at its eos if any
+    assert [c.tokens for c in engine.generate(prompts, 6)] == want
+
+
+def test_what_an_llm_refuses_and_says_why():
+    with pytest.raises(UnsupportedModel, match="graphcap.LLM runs graphcap's reference"):
+        LLM(torch.nn.Linear(2, 2), progress=False)
+    with pytest.raises(ValueError, match="unknown strategy"):
+        LLM(model(), strategy="fast", progress=False)
+    with pytest.raises(ValueError, match="not a directory"):
+        LLM("/nonexistent/checkpoint", progress=False)
+    with pytest.raises(ValueError, match="text prompts need a tokenizer"):
+        llm().generate(["hello"], 2)
+    with pytest.raises(ValueError, match="stop strings .* need a tokenizer"):
+        llm().generate(PROMPTS, 2, stop=["x"])
+    with pytest.raises(ValueError, match="passes this LLM's max_len 32"):
+        llm().generate([[1] * 30], 4)
+    assert llm().cache.owned() == {}
+    assert [c.tokens for c in llm().generate(PROMPTS[:1], 2)] == [truth()[0][:2]]
