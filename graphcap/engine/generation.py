@@ -44,31 +44,31 @@ class CacheShape:
 
 
 def cache_shape(model) -> CacheShape:
-    """The cache a model needs: a reference decoder's ``args``, or, for a stock
-    transformers model under ``graphcap.hf.PrefillLM``, the keys and values its attention
-    layers receive (``kv_shapes``, found when it was wrapped: MLA's keys have all query
-    heads and a head dim no config field names alone)."""
-    args = getattr(model, "args", None)
-    if args is not None:  # a TP decoder caches its own key/value heads (local_args)
-        local = getattr(model, "local_args", args)
-        return CacheShape(args.layers, local.kv_heads, args.head_dim, args.vocab_size,
-                          args.max_position)
-    shapes = getattr(model, "kv_shapes", None)
-    if getattr(model, "hf_model", None) is None or shapes is None:
+    """The cache a model generates with, from what it declares (docs/models.md,
+    "Generate with your model"): ``graphcap_kv`` = (layers, kv heads, head dim) of the
+    keys and values its attention layers keep, ``vocab_size``, and ``max_position``
+    where it has one. graphcap's reference decoders and ``graphcap.hf.PrefillLM`` declare
+    them; a model that does not is refused, naming what is missing."""
+    name = type(model).__name__
+    kv, vocab = getattr(model, "graphcap_kv", None), getattr(model, "vocab_size", None)
+    if kv is None or vocab is None:
+        missing = [n for n, v in (("graphcap_kv", kv), ("vocab_size", vocab)) if v is None]
         raise UnsupportedModel(
-            f"graphcap.generate runs graphcap's reference decoders (graphcap.models) and "
-            f"stock transformers models wrapped in graphcap.hf.PrefillLM; "
-            f"{type(model).__name__} is neither")
-    kind, found = type(model.hf_model).__name__, sorted(set(shapes.values()))
-    if len(found) != 1:
-        raise UnsupportedModel(
-            f"{kind}: graphcap's paged K/V cache holds one [kv heads, head dim] for every "
-            f"layer, and its attention layers with an int layer_idx give {found or 'none'}; "
-            "generate with transformers (its own attention: hf_model.set_attn_implementation"
-            "('sdpa'), then hf_model.generate())")
-    (heads, head_dim), = found
-    return CacheShape(max(shapes) + 1, heads, head_dim, model.vocab_size,
-                      model.max_position or 2**31)
+            f"{name} cannot generate: it does not declare {' and '.join(missing)}. A model "
+            "generates when its attention writes and reads graphcap's paged K/V cache "
+            "(graphcap::cached_attention with each layer's index) and it declares "
+            "graphcap_kv = (layers, kv heads, head dim) and vocab_size (docs/models.md, "
+            "'Generate with your model'); graphcap's reference decoders and stock "
+            "transformers models wrapped in graphcap.hf.PrefillLM do")
+    try:
+        layers, heads, head_dim = (positive_int(v, f"{name}.graphcap_kv") for v in kv)
+    except (TypeError, ValueError):
+        raise UnsupportedModel(f"{name}.graphcap_kv must be three positive ints (layers, kv "
+                               f"heads, head dim), got {kv!r}") from None
+    max_position = getattr(model, "max_position", None)
+    return CacheShape(layers, heads, head_dim, positive_int(vocab, f"{name}.vocab_size"),
+                      positive_int(max_position, f"{name}.max_position")
+                      if max_position else 2**31)
 
 
 LONG_RUN = 2048  # tokens to generate from which generate() shows a progress bar

@@ -28,7 +28,7 @@ from graphcap.core.checks import positive_int
 from graphcap.engine.arguments import check_prompts, sampling_of, stop_tokens_of
 from graphcap.engine.engine import Engine, Request
 from graphcap.engine.generation import cache_shape
-from graphcap.errors import GraphcapError, UnsupportedModel
+from graphcap.errors import GraphcapError
 from graphcap.kv.paged import PagedKVCache
 
 DEFAULT_MAX_LEN = 4096  # tokens per request when neither max_len nor the model bounds it
@@ -69,8 +69,9 @@ class _Text:
 class LLM:
     """``model``: one of graphcap's reference decoders, a ``graphcap.hf.PrefillLM``, a
     stock transformers causal LM (wrapped for you: ``PrefillLM(model, logits="last")``),
-    or the path of a local Hugging Face checkpoint directory (loaded with its tokenizer;
-    nothing is downloaded). ``strategy`` captures the graphs (any of
+    the path of a local Hugging Face checkpoint directory (loaded with its tokenizer;
+    nothing is downloaded), or a model of one's own that declares what it caches
+    (docs/models.md, "Generate with your model"). ``strategy`` captures the graphs (any of
     :data:`graphcap.api.STRATEGIES`); ``max_batch`` requests decode together, each of up
     to ``max_len`` tokens (prompt and new ones; default the model's ``max_position``, at
     most 4096); ``prefill_tokens`` bounds a prefill graph (a longer prompt prefills in
@@ -293,17 +294,11 @@ def _resolve(model, tokenizer):
 
     if isinstance(model, (str, os.PathLike)):
         return _load(os.fspath(model), tokenizer)
-    if getattr(model, "args", None) is not None or \
-            getattr(model, "hf_model", None) is not None:
-        return model, tokenizer
     if hasattr(model, "generation_config") and hasattr(model, "get_output_embeddings"):
-        from graphcap.hf import PrefillLM
+        from graphcap.hf import PrefillLM  # a stock transformers causal LM
 
         return PrefillLM(model, logits="last"), tokenizer
-    raise UnsupportedModel(
-        f"graphcap.LLM runs graphcap's reference decoders (graphcap.models), stock "
-        f"transformers causal LMs (or a checkpoint directory of one) and "
-        f"graphcap.hf.PrefillLM; {type(model).__name__} is none of them")
+    return model, tokenizer  # cache_shape says what a model of one's own lacks
 
 
 def _load(path: str, tokenizer):

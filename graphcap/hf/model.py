@@ -241,6 +241,23 @@ class PrefillLM(nn.Module):
     def max_position(self) -> int | None:
         return getattr(self.hf_model.config, "max_position_embeddings", None)
 
+    @property
+    def graphcap_kv(self) -> tuple[int, int, int]:
+        """(layers, kv heads, head dim) of graphcap's paged K/V cache: the keys and values
+        its attention layers receive (``kv_shapes``, found when it was wrapped: MLA's keys
+        have all query heads and a head dim no config field names alone), one shape for
+        every layer, or ``UnsupportedModel``."""
+        found = sorted(set(self.kv_shapes.values()))
+        if len(found) != 1:
+            raise UnsupportedModel(
+                f"{type(self.hf_model).__name__}: graphcap's paged K/V cache holds one [kv "
+                f"heads, head dim] for every layer, and its attention layers with an int "
+                f"layer_idx give {found or 'none'}; generate with transformers (its own "
+                "attention: hf_model.set_attn_implementation('sdpa'), then "
+                "hf_model.generate())")
+        (heads, head_dim), = found
+        return max(self.kv_shapes) + 1, heads, head_dim
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_rows=None,
                 seq_lens=None):
         """``last_rows`` [requests] (``logits="last"``): the row of each request's last

@@ -173,6 +173,12 @@ class Decoder(nn.Module):
         return self.args.vocab_size
 
     @property
+    def graphcap_kv(self) -> tuple[int, int, int]:
+        """What its paged K/V cache holds per layer (a TP rank: its own key/value heads):
+        (layers, kv heads, head dim)."""
+        return self.args.layers, self.local_args.kv_heads, self.args.head_dim
+
+    @property
     def max_position(self) -> int:
         return self.args.max_position
 

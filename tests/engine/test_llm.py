@@ -182,7 +182,7 @@ def test_a_stock_transformers_model_is_wrapped_and_gives_its_own_greedy_tokens()
 
 
 def test_what_an_llm_refuses_and_says_why():
-    with pytest.raises(UnsupportedModel, match="graphcap.LLM runs graphcap's reference"):
+    with pytest.raises(UnsupportedModel, match="Linear cannot generate: it does not declare graphcap_kv and vocab_size"):
         LLM(torch.nn.Linear(2, 2), progress=False)
     with pytest.raises(ValueError, match="unknown strategy"):
         LLM(model(), strategy="fast", progress=False)
