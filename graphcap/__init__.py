@@ -8,6 +8,7 @@ from graphcap.api import capture
 from graphcap.breakable import eager_on_graph
 from graphcap.config import CaptureConfig
 from graphcap.core.graphs import GraphPool, new_pool
+from graphcap.engine.accelerate import accelerate, restore
 from graphcap.engine.generation import Generation, generate
 from graphcap.engine.llm import LLM, Completion
 from graphcap.errors import (
@@ -37,6 +38,7 @@ __all__ = [
     "Sampling",
     "UnsupportedModel",
     "UnsupportedStrategy",
+    "accelerate",
     "capture",
     "eager_on_graph",
     "errors",
@@ -45,4 +47,5 @@ __all__ = [
     "opsdb",
     "packed",
     "register_op",
+    "restore",
 ]

@@ -163,6 +163,9 @@ class PrefillLM(nn.Module):
         self.hf_model = hf_model
         self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
         previous = hf_model.config._attn_implementation
+        # What release() gives back: attention and experts implementations, train mode.
+        self._came_as = (previous, getattr(hf_model.config, "_experts_implementation", None),
+                         hf_model.training)
         try:
             _switch_attention(hf_model)
             if experts is not None:
@@ -181,6 +184,21 @@ class PrefillLM(nn.Module):
                 hf_model.set_attn_implementation(previous)
             raise
         log.info("graphcap.hf: %s: %s", type(hf_model).__name__, self.kernels.summary())
+
+    def release(self) -> nn.Module:
+        """The wrapped model as it came: its own module forwards (graphcap's kernels
+        taken out, for every wrapper of it), its attention and experts implementations
+        and its train or eval mode. This wrapper is not usable after."""
+        model = self.hf_model
+        substitution.restore(model)
+        model.__dict__.pop(_SUBSTITUTION, None)
+        attention, experts, training = self._came_as
+        if attention is not None and model.config._attn_implementation != attention:
+            model.set_attn_implementation(attention)
+        if experts is not None and getattr(model.config, "_experts_implementation",
+                                           None) != experts:
+            model.set_experts_implementation(experts)
+        return model.train(training)
 
     def _substitute(self, kernels: str, dtype: torch.dtype) -> None:
         """One substitution per model, shared by every PrefillLM of it: a second wrapper

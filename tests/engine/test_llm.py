@@ -22,6 +22,7 @@ from graphcap.errors import UnsupportedModel
 from graphcap.models import PRESETS, Decoder
 from tests.engine.test_decode_steps import recomputed
 from tests.support.runner_helpers import DEVICE
+from tests.support.tokenizers import byte_tokenizer
 
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 PROMPTS = [[5, 9, 2, 7, 1], [3], [8, 8, 4, 11, 6, 2, 9, 10, 13, 1, 2], [4, 4], [7, 7, 7]]
@@ -139,18 +140,6 @@ def test_every_strategy_draws_what_generate_draws_eagerly(strategy):
         want.tokens  # seeded: the same again
 
 
-def byte_tokenizer():
-    """Byte-level: token i is byte i (the tiny decoder's 256 ids), no download."""
-    tokenizers = pytest.importorskip("tokenizers")
-    transformers = pytest.importorskip("transformers")
-    level = tokenizers.pre_tokenizers.ByteLevel
-    vocab = {c: i for i, c in enumerate(sorted(level.alphabet(), key=lambda c: ord(c)))}
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = level(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
-
-
 def test_text_in_and_text_out_through_a_tokenizer_ending_at_a_stop_string():
     tok = byte_tokenizer()
     engine = LLM(model(), tok, max_batch=2, max_len=48, prefill_tokens=16, progress=False)
@@ -182,7 +171,8 @@ def test_a_stock_transformers_model_is_wrapped_and_gives_its_own_greedy_tokens()
 
 
 def test_what_an_llm_refuses_and_says_why():
-    with pytest.raises(UnsupportedModel, match="Linear cannot generate: it does not declare graphcap_kv and vocab_size"):
+    with pytest.raises(UnsupportedModel, match="Linear cannot generate: it does not "
+                                               "declare graphcap_kv and vocab_size"):
         LLM(torch.nn.Linear(2, 2), progress=False)
     with pytest.raises(ValueError, match="unknown strategy"):
         LLM(model(), strategy="fast", progress=False)

@@ -1,0 +1,138 @@
+"""transformers' own calls on graphcap's engine: :func:`accelerate` gives a stock causal LM a
+``generate`` that runs on a :class:`~graphcap.engine.llm.LLM` of it (its graphs captured
+once, here), so ``model.generate(**tokenizer(texts, return_tensors="pt", padding=True),
+max_new_tokens=...)`` and ``pipeline("text-generation", model=model, tokenizer=tok)``
+keep working, and :func:`restore` gives the model back as it came.
+
+What it serves of a ``generate`` call: ``input_ids`` ``[B, T]`` with an
+``attention_mask`` (left or right padding: each row's prompt is its tokens under the
+mask), ``max_new_tokens`` or ``max_length``, ``eos_token_id``, ``pad_token_id``, greedy
+and ``do_sample`` with ``temperature``, ``top_k`` and ``top_p`` (drawn with a seed taken
+from torch's generator, so ``torch.manual_seed`` makes them reproducible), the cache
+options (``use_cache``, ``cache_implementation``: graphcap keeps its own). It returns
+what transformers returns: the input rows followed by the new tokens, rows that ended
+first padded with ``pad_token_id``. Anything else (beams, several sequences per prompt,
+logits processors, stopping criteria, streamers, assisted generation, scores, ...) is
+refused with a ``ValueError`` naming it: ``restore(model)`` first to run transformers' own.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import torch
+
+from graphcap.engine.llm import LLM
+from graphcap.inputs.sampling import Sampling
+
+_LLM = "_graphcap_llm"
+# A generation config's fields graphcap serves, or that change nothing here.
+SERVED = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p",
+          "eos_token_id", "pad_token_id", "bos_token_id", "use_cache",
+          "cache_implementation", "cache_config", "return_legacy_cache", "transformers_version",
+          "_from_model_config", "decoder_start_token_id"}
+# Keyword arguments of generate() that change nothing when None (or False).
+INERT = {"streamer", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
+         "synced_gpus", "assistant_model", "negative_prompt_ids",
+         "negative_prompt_attention_mask", "use_model_defaults", "custom_generate",
+         "tokenizer"}
+
+
+def accelerate(model, tokenizer=None, **options):
+    """Give ``model`` (a stock transformers causal LM) a ``generate`` on graphcap's graphs;
+    ``options`` are :class:`~graphcap.engine.llm.LLM`'s (``strategy``, ``max_batch``,
+    ``max_len``, ``prefill_tokens``, ...). Returns the model. Its attention and modules
+    now run graphcap's (shared, not copied): call it through ``generate`` or a pipeline,
+    and :func:`restore` it to run it as before."""
+    if _LLM in model.__dict__:
+        raise ValueError(f"{type(model).__name__} is accelerated already: restore(model) "
+                         "first to accelerate it with other options")
+    if not (hasattr(model, "generation_config") and hasattr(model, "get_output_embeddings")):
+        raise TypeError(f"accelerate() takes a transformers causal LM, not "
+                        f"{type(model).__name__}; graphcap.LLM takes graphcap's own models")
+    options.setdefault("progress", False)
+    llm = LLM(model, tokenizer, **options)
+    model.__dict__[_LLM] = llm
+    model.generate = types.MethodType(_generate, model)
+    return model
+
+
+def restore(model):
+    """Undo :func:`accelerate`: transformers' ``generate``, the model's own attention,
+    modules and mode; the graphs and cache are freed with the engine. Returns the model."""
+    llm = model.__dict__.pop(_LLM, None)
+    if llm is None:
+        raise ValueError(f"{type(model).__name__} is not accelerated")
+    model.__dict__.pop("generate", None)
+    return llm.model.release()
+
+
+def _generate(self, input_ids=None, attention_mask=None, generation_config=None, **kwargs):
+    """transformers' ``generate`` on graphcap's engine (see the module's docstring)."""
+    llm: LLM = self.__dict__[_LLM]
+    config = copy.deepcopy(generation_config if generation_config is not None
+                           else self.generation_config)
+    unused = config.update(**kwargs)
+    _refuse(config, unused)
+    if input_ids is None:
+        raise ValueError("graphcap's generate needs input_ids (a [batch, tokens] tensor of "
+                         "the prompts, as the tokenizer gives)")
+    prompts = _prompts(input_ids, attention_mask, config.pad_token_id, config.eos_token_id)
+    eos = _ids(config.eos_token_id)
+    if config.max_new_tokens is not None:
+        new = config.max_new_tokens
+    else:
+        new = (config.max_length or 20) - input_ids.shape[-1]
+    if new < 1:
+        raise ValueError(f"nothing to generate: max_length {config.max_length} leaves no new "
+                         f"token after {input_ids.shape[-1]} input tokens; give "
+                         "max_new_tokens")
+    sampling = None
+    if config.do_sample:
+        seed = int(torch.randint(0, 2**62, (1,)))
+        sampling = Sampling(temperature=config.temperature if config.temperature else 1.0,
+                            top_k=config.top_k or 0, top_p=config.top_p or 1.0, seed=seed)
+    done = llm.generate(prompts, new, sampling=sampling, stop=sorted(eos))
+    pad = config.pad_token_id if config.pad_token_id is not None else \
+        (min(eos) if eos else 0)
+    width = max(len(c.tokens) for c in done)
+    rows = [c.tokens + [pad] * (width - len(c.tokens)) for c in done]
+    out = torch.tensor(rows, dtype=input_ids.dtype, device=input_ids.device)
+    return torch.cat([input_ids, out], dim=-1)
+
+
+def _refuse(config, unused: dict) -> None:
+    """A ``ValueError`` naming what graphcap's generate does not serve."""
+    defaults = type(config)()
+    odd = sorted(k for k, v in config.to_diff_dict().items()
+                 if k not in SERVED and v != getattr(defaults, k, None)
+                 and (v or getattr(defaults, k, None)))  # False against None: the same
+    odd += sorted(k for k, v in unused.items() if not (k in INERT and not v))
+    if odd:
+        raise ValueError(
+            f"graphcap's generate does not serve {', '.join(odd)}: it serves greedy and "
+            "sampled decoding (temperature, top_k, top_p) to max_new_tokens or an "
+            "eos_token_id; graphcap.restore(model) gives transformers' own generate back")
+
+
+def _ids(value) -> set[int]:
+    return {int(v) for v in ([value] if isinstance(value, int) else value or [])}
+
+
+def _prompts(input_ids, attention_mask, pad, eos) -> list[list[int]]:
+    """Each row's prompt: its tokens under the attention mask (left or right padding), or,
+    without a mask, those that are not the pad token (when it is not also an eos)."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, tokens], got {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        if pad is not None and pad not in _ids(eos):
+            attention_mask = input_ids != pad
+        else:
+            attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+    rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(),
+                                                            attention_mask.cpu(), strict=True)]
+    empty = [i for i, r in enumerate(rows) if not r]
+    if empty:
+        raise ValueError(f"rows {empty} of input_ids have no token under the attention mask")
+    return rows

@@ -1,0 +1,96 @@
+"""transformers' own calls on graphcap's engine (``graphcap.accelerate``): the model's
+``generate`` on a padded batch from its tokenizer, and a text-generation pipeline, give
+what transformers gives (greedy: token for token) for every family the suite covers;
+sampling draws from the given temperature / top-k / top-p; an option graphcap does not
+serve is refused by name; ``graphcap.restore`` gives the model back untouched."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import graphcap
+
+transformers = pytest.importorskip("transformers")
+from tests.support.hf_families import hf_model  # noqa: E402  (needs transformers)
+from tests.support.runner_helpers import DEVICE  # noqa: E402
+from tests.support.tokenizers import byte_tokenizer  # noqa: E402
+
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+OPTIONS = dict(max_batch=2, max_len=40, prefill_tokens=16)
+TEXTS = ["graphs, ", "a"]
+
+
+def pair(family: str):
+    """A tiny stock model and an accelerated copy of it."""
+    wide = {"initializer_range": 0.5} if family in ("gemma", "gpt2") else {}
+    ref = hf_model(family, **wide).to(DEVICE)
+    return ref, graphcap.accelerate(copy.deepcopy(ref), **OPTIONS)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "phi3", "gemma", "gpt2"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_generate_on_a_padded_batch_gives_transformers_greedy_tokens(family, side):
+    ref, fast = pair(family)
+    tok = byte_tokenizer(128)
+    tok.padding_side = side
+    batch = tok(TEXTS, return_tensors="pt", padding=True).to(DEVICE)
+    got = fast.generate(**batch, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert got.shape[0] == 2 and torch.equal(got[:, :batch["input_ids"].shape[1]],
+                                             batch["input_ids"])
+    if side == "left":  # transformers' own batch: what it returns, token for token
+        want = ref.generate(**batch, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(got, want)
+    for row, text in enumerate(TEXTS):  # each prompt's continuation, alone
+        ids = tok(text, return_tensors="pt").to(DEVICE)
+        alone = ref.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        new = got[row, batch["input_ids"].shape[1]:].tolist()
+        want_new = alone[0, ids["input_ids"].shape[1]:].tolist()
+        assert new[:len(want_new)] == want_new and set(new[len(want_new):]) <= {0}
+
+
+def test_a_text_generation_pipeline_runs_on_graphcap_and_says_what_transformers_says():
+    ref, fast = pair("llama")
+    tok = byte_tokenizer(128)
+    args = dict(max_new_tokens=8, do_sample=False)
+    want = transformers.pipeline("text-generation", model=ref, tokenizer=tok)("hello", **args)
+    before = fast.__dict__["_graphcap_llm"].report()["decode"]["calls"]
+    got = transformers.pipeline("text-generation", model=fast, tokenizer=tok)("hello", **args)
+    assert got == want
+    assert fast.__dict__["_graphcap_llm"].report()["decode"]["calls"] > before
+
+
+def test_sampling_draws_with_the_given_parameters_and_torchs_seed():
+    _, fast = pair("llama")
+    ids = torch.tensor([[5, 9, 2, 7, 1]], device=DEVICE)
+    greedy = fast.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(fast.generate(ids, max_new_tokens=8, do_sample=True, top_k=1), greedy)
+    torch.manual_seed(3)
+    hot = fast.generate(ids, max_new_tokens=8, do_sample=True, temperature=5.0, top_k=0)
+    torch.manual_seed(3)
+    assert torch.equal(fast.generate(ids, max_new_tokens=8, do_sample=True,
+                                     temperature=5.0, top_k=0), hot)
+    assert not torch.equal(hot, greedy)
+
+
+def test_what_it_does_not_serve_is_refused_by_name_and_restore_gives_the_model_back():
+    ref, fast = pair("llama")
+    ids = torch.tensor([[5, 9, 2, 7, 1]], device=DEVICE)
+    with pytest.raises(ValueError, match="does not serve num_beams"):
+        fast.generate(ids, max_new_tokens=4, num_beams=2)
+    with pytest.raises(ValueError, match="does not serve logits_processor"):
+        fast.generate(ids, max_new_tokens=4, logits_processor=[lambda i, s: s])
+    with pytest.raises(ValueError, match="accelerated already"):
+        graphcap.accelerate(fast)
+    back = graphcap.restore(fast)
+    assert back is fast and "generate" not in fast.__dict__
+    assert fast.config._attn_implementation == ref.config._attn_implementation
+    assert fast.training == ref.training
+    beams = dict(max_new_tokens=4, num_beams=2, do_sample=False, pad_token_id=0)
+    assert torch.equal(fast.generate(ids, **beams), ref.generate(ids, **beams))
+    with torch.no_grad():  # its own forward again, graphcap's context not needed
+        torch.testing.assert_close(fast(ids).logits, ref(ids).logits)
+    with pytest.raises(ValueError, match="is not accelerated"):
+        graphcap.restore(fast)
