@@ -55,6 +55,35 @@ def _bench(args: argparse.Namespace) -> int:
     return run_suite(args)
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from graphcap.engine.llm import LLM
+    from graphcap.inputs.sampling import Sampling
+
+    try:
+        sampling = Sampling(temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+        llm = LLM(args.checkpoint, strategy=args.strategy, max_batch=args.max_batch,
+                  max_len=args.max_len, prefill_tokens=args.prefill_tokens,
+                  progress=sys.stderr.isatty())
+    except (ValueError, OSError) as exc:  # the directory, its files, an option's value
+        raise GraphcapError(str(exc)) from exc
+    if llm.tokenizer is None:
+        raise GraphcapError(f"{args.checkpoint} has no tokenizer files: graphcap generate "
+                            "takes text prompts (graphcap.LLM takes token ids)")
+    options = dict(sampling=sampling, stop=args.stop or None)
+    try:
+        if len(args.prompt) == 1:  # one prompt: its text as it is drawn
+            for delta in llm.stream(args.prompt, args.max_new_tokens, **options):
+                print(delta.text, end="", flush=True)
+            print()
+        else:
+            for done in llm.generate(args.prompt, args.max_new_tokens, **options):
+                print(f"[{done.index}] {done.text}")
+    except ValueError as exc:  # a prompt too long for --max-len, say
+        raise GraphcapError(str(exc)) from exc
+    return 0
+
+
 def _check_bench_args(args: argparse.Namespace) -> None:
     """The presets, arms and --tp given are ones the suite runs (checked before anything
     runs: a wrong name would otherwise surface after minutes of other arms, or need a GPU)."""
@@ -189,6 +218,27 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--attention", default=None, choices=sorted(BACKENDS),
                        help="attention backend (default: the best for full capture here)")
     check.set_defaults(func=_check)
+    gen = sub.add_parser("generate", formatter_class=defaults,
+                         help="text from a local Hugging Face checkpoint, on graphcap.LLM")
+    gen.add_argument("checkpoint", help="a checkpoint directory (config, safetensors, "
+                     "tokenizer files; nothing is downloaded)")
+    gen.add_argument("--prompt", action="append", required=True,
+                     help="a prompt (repeat for several: decoded together)")
+    gen.add_argument("--max-new-tokens", type=_positive, default=64, help="per prompt")
+    gen.add_argument("--strategy", default="full", choices=("eager",) + tuple(GRAPHED))
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="0: every token")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0, help="of the draws")
+    gen.add_argument("--stop", action="append", default=None,
+                     help="a string that ends a prompt's text (repeat for several)")
+    gen.add_argument("--max-batch", type=_positive, default=8, help="prompts decoded together")
+    gen.add_argument("--max-len", type=_positive, default=None,
+                     help="tokens per prompt, its own and new (default: the model's, at "
+                          "most 4096)")
+    gen.add_argument("--prefill-tokens", type=_positive, default=512,
+                     help="the largest prefill graph (longer prompts: in chunks)")
+    gen.set_defaults(func=_generate)
     bench = sub.add_parser("bench", formatter_class=defaults,
                            help="GPU benchmarks, written as JSON")
     bench.add_argument("suite", choices=["ops", "prefill", "decode", "build", "memory"],

@@ -1,0 +1,57 @@
+"""``graphcap generate DIR --prompt ...``: text from a local checkpoint directory (a tiny
+stock model and a byte tokenizer saved here, nothing downloaded) on ``graphcap.LLM``,
+streamed for one prompt, one line each for several, equal to the library's text; bad
+input told in one line, exit status 2."""
+
+from __future__ import annotations
+
+import pytest
+
+import graphcap
+from graphcap.cli import main
+
+transformers = pytest.importorskip("transformers")
+from tests.support.hf_families import hf_model  # noqa: E402  (needs transformers)
+from tests.support.tokenizers import byte_tokenizer  # noqa: E402
+
+OPTIONS = ["--max-batch", "2", "--max-len", "40", "--prefill-tokens", "16"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    hf_model("llama").save_pretrained(path)
+    byte_tokenizer(128).save_pretrained(path)
+    return path
+
+
+def test_one_prompt_streams_the_text_the_library_gives(checkpoint, capsys):
+    assert main(["generate", str(checkpoint), "--prompt", "hello", "--max-new-tokens", "6",
+                 *OPTIONS]) == 0
+    llm = graphcap.LLM(str(checkpoint), max_batch=2, max_len=40, prefill_tokens=16,
+                       progress=False)
+    want = llm.generate(["hello"], 6)[0].text
+    assert capsys.readouterr().out == want + "\n"
+
+
+def test_several_prompts_give_a_line_each_and_sampling_options_are_taken(checkpoint, capsys):
+    args = ["generate", str(checkpoint), "--prompt", "ab", "--prompt", "c",
+            "--max-new-tokens", "4", "--temperature", "0.8", "--top-k", "5", "--seed", "7",
+            "--strategy", "breakable", *OPTIONS]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("[0] ") and "\n[1] " in first
+    assert main(args) == 0 and capsys.readouterr().out == first  # seeded
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["/nonexistent/dir", "--prompt", "x"], "not a directory"),
+    (["CHECKPOINT", "--prompt", "x" * 50, *OPTIONS], "passes this LLM's max_len 40"),
+    (["CHECKPOINT", "--prompt", "x", "--top-p", "0"], "top_p"),
+])
+def test_bad_input_is_one_line_on_stderr_and_exit_status_2(checkpoint, capsys, args,
+                                                          message):
+    args = [str(checkpoint) if a == "CHECKPOINT" else a for a in args]
+    assert main(["generate", *args]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # after transformers' loading bar
+    assert last.startswith("graphcap generate: ") and message in last
