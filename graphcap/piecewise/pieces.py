@@ -86,8 +86,15 @@ class PieceGraphs(torch.nn.Module):
     def _per_size(self, args):
         owner, size = self.owner, self._size(args)
         if size not in owner.capture_sizes or size in self.eager_sizes:
-            if self.static_state is None:  # split ops run eagerly by design: not counted
-                owner.stats["eager_runs"] += 1
+            if self.static_state is None:
+                owner.ran_eagerly(  # split ops run eagerly by design: not counted
+                    f"a call of size {size} (the compiled graph's first dynamic size, "
+                    "else its first input's dim 0: the batch of [batch, tokens] ids) is "
+                    "not one of the capture sizes "
+                    f"{_sizes(owner.capture_sizes)}: pad calls to a capture size, or give "
+                    "options={'capture_sizes': [...]}; a transformers model called with "
+                    "[batch, tokens] ids runs on graphs under graphcap.accelerate(model) or "
+                    "graphcap.LLM(model)")
             return self.fn(*args)
         entry = self.entries.get(size)
         if entry is None:
@@ -107,7 +114,8 @@ class PieceGraphs(torch.nn.Module):
         for i, (buf, a) in enumerate(zip(entry.static, args, strict=True)):
             if isinstance(buf, torch.Tensor):
                 if buf.shape != a.shape:  # e.g. more requests than captured: no replay
-                    owner.stats["eager_runs"] += 1
+                    owner.ran_eagerly(f"input {i} of a piece is {tuple(a.shape)} at size "
+                                      f"{size}, captured as {tuple(buf.shape)}")
                     return self.fn(*args)
                 if i in entry.foreign:  # the caller's, read in place: never written
                     if a.data_ptr() != entry.foreign[i]:
@@ -118,7 +126,8 @@ class PieceGraphs(torch.nn.Module):
                 buf.copy_(a)
                 copied.append(i)
             elif buf != a:  # a baked host value changed: this replay would be wrong
-                owner.stats["eager_runs"] += 1
+                owner.ran_eagerly(f"host value {i} of a piece is {a!r}, captured as "
+                                  f"{buf!r}")
                 return self.fn(*args)
         entry.graph.replay()
         for i in copied:
@@ -154,3 +163,9 @@ class PieceGraphs(torch.nn.Module):
         state = weakref.ref(self.static_state()) if self.static_state is not None else None
         self.entries[size] = PieceEntry(graph, static, outputs, captured, foreign, state)
         return self._per_size(args)
+
+
+def _sizes(sizes) -> str:
+    ordered = sorted(sizes)
+    return str(ordered) if len(ordered) <= 8 else \
+        f"[{', '.join(map(str, ordered[:4]))}, ..., {', '.join(map(str, ordered[-2:]))}]"

@@ -114,15 +114,18 @@ def test_split_ops_are_matched_as_packet_and_overload_and_sit_alone_in_order():
     torch.testing.assert_close(split(x, out.clone()), f(x, out.clone()))
 
 
-def test_sizes_outside_the_capture_sizes_run_the_pieces_eagerly_and_are_counted():
+def test_sizes_outside_the_capture_sizes_run_the_pieces_eagerly_and_are_counted(caplog):
     compiler = PiecewiseCompiler({"capture_sizes": [8]})
     mlp = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
     compiled = torch.compile(mlp, backend=compiler, fullgraph=True, dynamic=True)
-    with torch.inference_mode():
-        for n in (8, 8, 8, 5):
+    with torch.inference_mode(), caplog.at_level("WARNING", "graphcap"):
+        for n in (8, 8, 8, 5, 6):
             x = torch.randn(n, 16)
             torch.testing.assert_close(compiled(x), mlp(x))
-    assert compiler.stats["captures"] == 1 and compiler.stats["eager_runs"] == 1
+    assert compiler.stats["captures"] == 1 and compiler.stats["eager_runs"] == 2
+    told = [r.getMessage() for r in caplog.records if "ran eagerly" in r.getMessage()]
+    assert len(told) == 1, told  # once per compile, naming the size and the sizes
+    assert "a call of size 5" in told[0] and "capture sizes [8]" in told[0]
 
 
 def test_options_are_checked():
