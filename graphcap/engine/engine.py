@@ -1,6 +1,6 @@
 """The engine under ``graphcap.generate`` and ``graphcap.LLM``: the decode graphs and the
-prefill graphs of one model over one paged cache (:class:`Engine`), and the requests it
-serves (:class:`Request`)."""
+prefill graphs of one model over one paged cache (:class:`Engine`), the requests it
+serves (:class:`Request`), and the cache a model needs (:func:`cache_shape`)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,51 @@ import torch
 
 from graphcap.api import capture
 from graphcap.core.buckets import decode_ladder
+from graphcap.core.checks import positive_int
 from graphcap.engine.eager import last_token_logits
+from graphcap.errors import UnsupportedModel
 from graphcap.inputs.cache_prefill import CachePrefillInputs
 from graphcap.inputs.decode import DecodeInputs
 from graphcap.inputs.sampling import Sampling, draw
 from graphcap.kv.paged import PagedKVCache
 from graphcap.opsdb.attention import get_backend
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position: int
+
+
+def cache_shape(model) -> CacheShape:
+    """The cache a model generates with, from what it declares (docs/models.md,
+    "Generate with your model"): ``graphcap_kv`` = (layers, kv heads, head dim) of the
+    keys and values its attention layers keep, ``vocab_size``, and ``max_position``
+    where it has one. graphcap's reference decoders and ``graphcap.hf.PrefillLM`` declare
+    them; a model that does not is refused, naming what is missing."""
+    name = type(model).__name__
+    kv, vocab = getattr(model, "graphcap_kv", None), getattr(model, "vocab_size", None)
+    if kv is None or vocab is None:
+        missing = [n for n, v in (("graphcap_kv", kv), ("vocab_size", vocab)) if v is None]
+        raise UnsupportedModel(
+            f"{name} cannot generate: it does not declare {' and '.join(missing)}. A model "
+            "generates when its attention writes and reads graphcap's paged K/V cache "
+            "(graphcap::cached_attention with each layer's index) and it declares "
+            "graphcap_kv = (layers, kv heads, head dim) and vocab_size (docs/models.md, "
+            "'Generate with your model'); graphcap's reference decoders and stock "
+            "transformers models wrapped in graphcap.hf.PrefillLM do")
+    try:
+        layers, heads, head_dim = (positive_int(v, f"{name}.graphcap_kv") for v in kv)
+    except (TypeError, ValueError):
+        raise UnsupportedModel(f"{name}.graphcap_kv must be three positive ints (layers, kv "
+                               f"heads, head dim), got {kv!r}") from None
+    max_position = getattr(model, "max_position", None)
+    return CacheShape(layers, heads, head_dim, positive_int(vocab, f"{name}.vocab_size"),
+                      positive_int(max_position, f"{name}.max_position")
+                      if max_position else 2**31)
 
 
 @dataclass
@@ -138,14 +177,19 @@ class Engine:
                                                    ("extend", self.extender)) if runner}
 
     def report(self, max_batch: int) -> dict:
-        decoded, prefilled = self.decoder.report(), self.prefiller.report()
+        """Decode steps and prefill calls (a chunk of a long prompt each); per runner its
+        replays and fallbacks per bucket; the graph pools' bytes; the ladders."""
+        reports = {name: r.report() for name, r in self.runners().items()}
+        decoded, prefilled = reports["decode"], reports["prefill"]
+        extended = reports.get("extend", {})
         return {"decode_steps": self.steps, "prefills": self.prefills,
                 "replays": dict(decoded.get("replays", {})),
                 "fallbacks": dict(decoded.get("fallbacks", {})),
                 "prefill_replays": dict(prefilled.get("replays", {})),
                 "prefill_fallbacks": dict(prefilled.get("fallbacks", {})),
-                "graph_pool_bytes": (decoded.get("graph_pool_bytes") or 0)
-                + (prefilled.get("graph_pool_bytes") or 0),
+                "extend_replays": dict(extended.get("replays", {})),
+                "graph_pool_bytes": sum(r.get("graph_pool_bytes") or 0
+                                        for r in reports.values()),
                 "buckets": decode_ladder(max_batch),
                 "prefill_buckets": decode_ladder(self.prefill_tokens)}
 

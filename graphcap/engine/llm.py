@@ -26,8 +26,7 @@ import torch
 from graphcap.api import STRATEGIES, model_dtype
 from graphcap.core.checks import positive_int
 from graphcap.engine.arguments import check_prompts, sampling_of, stop_tokens_of
-from graphcap.engine.engine import Engine, Request
-from graphcap.engine.generation import cache_shape
+from graphcap.engine.engine import Engine, Request, cache_shape
 from graphcap.errors import GraphcapError
 from graphcap.kv.paged import PagedKVCache
 
@@ -76,18 +75,21 @@ class LLM:
     to ``max_len`` tokens (prompt and new ones; default the model's ``max_position``, at
     most 4096); ``prefill_tokens`` bounds a prefill graph (a longer prompt prefills in
     chunks of it); ``attention`` names the prefill attention backend; ``progress`` shows
-    the captures. Every graph is captured here; later calls capture nothing."""
+    the captures; ``stop_at_eos``: the model's and the tokenizer's end-of-sequence ids end
+    every request. Every graph is captured here; later calls capture nothing."""
 
     def __init__(self, model, tokenizer=None, *, strategy: str = "full", max_batch: int = 8,
                  max_len: int | None = None, prefill_tokens: int = 512,
-                 attention: str | None = None, page_size: int = 16, progress=True):
+                 attention: str | None = None, page_size: int = 16, progress=True,
+                 stop_at_eos: bool = True):
         if strategy not in STRATEGIES:
             raise ValueError(f"LLM(strategy={strategy!r}): unknown strategy, choose one of "
                              f"{sorted(STRATEGIES)}")
         model, tokenizer = _resolve(model, tokenizer)
         self.model, self.tokenizer, self.strategy = model, tokenizer, strategy
         self.shape = cache_shape(model)
-        self.eos = _eos(model, tokenizer)  # end every request, as transformers' generate
+        # End every request, as transformers' generate does (unless stop_at_eos=False).
+        self.eos = _eos(model, tokenizer) if stop_at_eos else set()
         self.max_batch = positive_int(max_batch, "max_batch")
         bound = self.shape.max_position
         self.max_len = positive_int(max_len, "max_len") if max_len is not None else \

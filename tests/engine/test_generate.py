@@ -64,13 +64,14 @@ def test_every_strategy_generates_what_eager_generates(strategy, preset):
     assert other.tokens != got.tokens
 
 
-def test_a_prompt_past_the_prefill_graphs_prefills_eagerly_and_says_so():
+def test_a_prompt_past_the_prefill_graphs_prefills_in_chunks_on_graphs():
     m = model()
     want = graphcap.generate(m, PROMPTS, NEW, strategy="eager", max_batch=2)
     got = graphcap.generate(m, PROMPTS, NEW, strategy="full", max_batch=2, prefill_tokens=8)
     assert got.tokens == want.tokens
     assert got.report["prefill_buckets"] == [1, 2, 3, 4, 6, 8]
-    assert sum(got.report["prefill_fallbacks"].values()) == 1  # the 11-token prompt
+    assert not got.report["prefill_fallbacks"]  # the 11-token prompt: 8 tokens, then 3
+    assert sum(got.report["extend_replays"].values()) == 1
     assert sum(got.report["prefill_replays"].values()) == got.report["prefills"] - 1
     with pytest.raises(ValueError, match="prefill_tokens must be a positive int"):
         graphcap.generate(m, PROMPTS, NEW, prefill_tokens=0)
