@@ -125,7 +125,9 @@ class Engine:
             requests = [self.live[s] for s in group]
             lens = [r.length for r in requests]
             if self.extender is not None and lens[0] > self.prefill_tokens:  # alone
-                logits = self._chunks(group[0], requests[0].prompt)
+                start, logits = 0, None
+                while logits is None:
+                    start, logits = self.chunk(group[0], start)
             else:
                 ids = torch.tensor(sum((r.prompt for r in requests), []),
                                    device=self.device)
@@ -133,25 +135,34 @@ class Engine:
                 out = self.prefiller(ids, positions, seq_lens=lens, slots=group)
                 logits = last_token_logits(out, lens, self.rows_of)
                 self.prefills += 1
-            drawn += zip(group, draw(logits, [r.sampling for r in requests], lens),
-                         strict=True)
+            drawn += zip(group, self.first_tokens(requests, logits), strict=True)
         return drawn
 
-    def _chunks(self, slot: int, prompt: list[int]) -> torch.Tensor:
-        """A long prompt in chunks of ``prefill_tokens``: the first from position 0, each
-        next one on the tokens cached before it. The last token's logits ``[1, vocab]``."""
-        size = self.prefill_tokens
-        for start in range(0, len(prompt), size):
-            chunk = prompt[start:start + size]
-            ids = torch.tensor(chunk, device=self.device)
-            positions = torch.arange(start, start + len(chunk), device=self.device)
-            if start == 0:
-                out = self.prefiller(ids, positions, seq_lens=[len(chunk)], slots=[slot])
-            else:
-                out = self.extender(ids, positions, seq_lens=[len(chunk)], slots=[slot],
-                                    starts=[start])
-            self.prefills += 1
-        return last_token_logits(out, [len(chunk)], self.rows_of)
+    def chunk(self, slot: int, start: int) -> tuple[int, torch.Tensor | None]:
+        """The ``prefill_tokens`` tokens of the prompt of ``slot`` from ``start`` into the
+        cache: the first chunk on the prefill graphs, the next ones on the extend graphs
+        over the tokens cached before them. Where the next chunk starts, and the last
+        token's logits ``[1, vocab]`` once the prompt is in (else None)."""
+        prompt = self.live[slot].prompt
+        piece = prompt[start:start + self.prefill_tokens]
+        ids = torch.tensor(piece, device=self.device)
+        positions = torch.arange(start, start + len(piece), device=self.device)
+        if start == 0:
+            out = self.prefiller(ids, positions, seq_lens=[len(piece)], slots=[slot])
+        else:
+            out = self.extender(ids, positions, seq_lens=[len(piece)], slots=[slot],
+                                starts=[start])
+        self.prefills += 1
+        end = start + len(piece)
+        if end < len(prompt):
+            return end, None
+        return end, last_token_logits(out, [len(piece)], self.rows_of)
+
+    @staticmethod
+    def first_tokens(requests: list[Request], logits: torch.Tensor) -> list[int]:
+        """Each request's first new token from its prompt's last logits, drawn as the
+        decode graphs draw (the counter: the position it takes)."""
+        return draw(logits, [r.sampling for r in requests], [r.length for r in requests])
 
     def launch(self, slots: list[int], tokens: torch.Tensor) -> torch.Tensor:
         """One decode step of the requests in ``slots`` (each at its length), ``tokens``

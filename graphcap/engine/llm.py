@@ -9,9 +9,10 @@ The step loop keeps the GPU busy: while the requests in flight stay the same, ea
 decode step is launched on the tokens the step before drew, on the device, before the
 host reads them; the host then reads the earlier step's tokens (waiting for that step
 only) and decides what ends. A request that ended there still rode the step already
-launched; that token is dropped, so no request's tokens change. When a request ends or
-a waiting one can join, the loop waits for the step in flight, releases and admits
-(prefill, in chunks of ``prefill_tokens`` on graphs for a long prompt), and starts again.
+launched; that token is dropped, so no request's tokens change. A prompt longer than
+``prefill_tokens`` prefills one chunk between two decode steps of the others (on the
+prefill graphs, then the extend graphs). When a request ends, or one joins, the loop
+waits for the step in flight, releases and admits, and starts again.
 """
 
 from __future__ import annotations
@@ -159,33 +160,55 @@ class LLM:
     # -- the loop --------------------------------------------------------------------
     def _loop(self, requests, max_new: int, stops: set[int], texts) -> Iterator[Delta]:
         engine, waiting = self.engine, deque(requests)
+        filling: dict[int, int] = {}  # long prompts' slots -> where their next chunk starts
         while waiting or engine.live:
             admitted = []
             for slot in range(self.max_batch):
                 if slot not in engine.live and waiting:
-                    engine.admit(slot, waiting.popleft(), max_new)
-                    admitted.append(slot)
+                    request = waiting.popleft()
+                    engine.admit(slot, request, max_new)
+                    if engine.extender is not None and \
+                            len(request.prompt) > engine.prefill_tokens:
+                        filling[slot] = 0  # in chunks, between decode steps
+                    else:
+                        admitted.append(slot)
             yield from self._take(engine.prefill(admitted), max_new, stops, texts)
-            if not engine.live:
+            slots = sorted(s for s in engine.live if s not in filling)
+            if not slots:  # nothing decodes: a long prompt's chunks back to back
+                while filling:
+                    joined = self._fill(filling)
+                    yield from self._take(joined, max_new, stops, texts)
                 continue
-            slots = sorted(engine.live)
             tokens = torch.tensor([engine.live[s].last for s in slots],
                                   device=self.cache.device)
             drawn = _Fetch(engine.launch(slots, tokens))
             while True:  # the same requests step on, each step launched before the read
                 ending = any(len(engine.live[s].new) + 1 >= max_new for s in slots)
                 ahead = None if ending else _Fetch(engine.launch(slots, drawn.device))
+                joined = self._fill(filling) if filling and ahead is not None else []
                 read = list(zip(slots, drawn.tokens(), strict=True))
                 ended = yield from self._take(read, max_new, stops, texts)
                 if ahead is None:
                     break
-                if ended:  # the step ahead carried requests that ended: its tokens of
-                    # the others are theirs; then the requests in flight change
+                if ended or joined:  # the requests in flight change: the step ahead's
+                    # tokens are those of the requests still live, then the joined one's
                     read = zip(slots, ahead.tokens(), strict=True)
                     yield from self._take([(s, t) for s, t in read if s in engine.live],
                                           max_new, stops, texts)
+                    yield from self._take(joined, max_new, stops, texts)
                     break
                 drawn = ahead
+
+    def _fill(self, filling: dict[int, int]) -> list[tuple[int, int]]:
+        """One chunk of the first long prompt in ``filling``; once its last is in, its
+        first new token (and it leaves ``filling``): ``(slot, token)`` pairs."""
+        slot = next(iter(filling))
+        filling[slot], logits = self.engine.chunk(slot, filling[slot])
+        if logits is None:
+            return []
+        del filling[slot]
+        request = self.engine.live[slot]
+        return [(slot, self.engine.first_tokens([request], logits)[0])]
 
     def _take(self, drawn, max_new: int, stops: set[int], texts) -> Iterator[Delta]:
         """The drawn ``(slot, token)`` pairs into their requests, a delta each; a request

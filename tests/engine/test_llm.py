@@ -186,3 +186,15 @@ def test_what_an_llm_refuses_and_says_why():
         llm().generate([[1] * 30], 4)
     assert llm().cache.owned() == {}
     assert [c.tokens for c in llm().generate(PROMPTS[:1], 2)] == [truth()[0][:2]]
+
+
+def test_a_long_prompt_prefills_a_chunk_between_two_decode_steps_of_the_others():
+    """Admitted together, the 5-token prompt decodes while the 11-token one prefills in
+    two chunks of at most 8, one between each two decode steps: the short one's second
+    token comes before the long one's first, and neither's tokens change."""
+    order = [d.index for d in llm().stream([PROMPTS[0], PROMPTS[2]], 6)]
+    assert order.index(1) > [i for i, x in enumerate(order) if x == 0][1]
+    assert [c.tokens for c in llm().generate([PROMPTS[0], PROMPTS[2]], 6)] == \
+        [truth()[0][:6], truth()[2][:6]]
+    report = llm().report()
+    assert not report["prefill"]["fallbacks"] and not report["extend"]["fallbacks"]
