@@ -241,9 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     bench = sub.add_parser("bench", formatter_class=defaults,
                            help="GPU benchmarks, written as JSON")
-    bench.add_argument("suite", choices=["ops", "prefill", "decode", "build", "memory"],
+    bench.add_argument("suite", choices=["ops", "prefill", "decode", "generate", "build",
+                                         "memory"],
                        help="ops: kernels; prefill: speed per prompt length and arm; "
-                            "decode: a decode step per batch size and arm; build: capture "
+                            "decode: a decode step per batch size and arm; generate: graphcap.LLM "
+                            "end to end against its decode step; build: capture "
                             "time of the 42-shape ladder; memory: graph memory")
     bench.add_argument("--out", default=None, help="JSON file to write (a PNG plot of "
                        "prefill goes beside it; default: a dated name here)")

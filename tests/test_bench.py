@@ -341,3 +341,21 @@ def test_bench_prefill_tp_times_the_split_preset_beside_the_whole_in_one_job():
     assert set(model["ratios"][0]["tp_over_1"]) == {"eager", "breakable"}
     assert len(model["tp2"]["ranks"]) == 2 and "breakable" in model["tp2"]["ranks"][1]
     assert any("breakable rank 1: build s" in t["target"] for t in model["targets"])
+
+
+def test_bench_generate_judges_the_llm_against_its_own_decode_step():
+    if torch.cuda.is_available():
+        pytest.skip("the CPU form of the suite (the GPU runs it through the CLI)")
+    from graphcap.bench import generate
+
+    result = generate.run(("tiny",), cases=((1, 8, 6), (3, 8, 6)), long=(40, 16), reps=1)
+    model = result["models"][0]
+    assert {(c["strategy"], c["prompts"]) for c in model["cases"]} == \
+        {(s, p) for s in ("full", "breakable") for p in (1, 3)}
+    assert all(c["tokens_per_s"] > 0 for c in model["cases"])
+    assert set(model["step_ms"]) == {1, 3} and model["captured_nothing_later"]
+    assert all(long["prefill_fallbacks"] == 0 and long["extend_replays"] == 2
+               for long in model["long_prompt"].values())  # 40 tokens: 16 + 16 + 8
+    names = [t["target"] for t in model["targets"]]
+    assert "full, 1 x 8 + 6: tokens/s of the step's floor" in names
+    assert "breakable: LLM build s" in names and all("met" in t for t in model["targets"])

@@ -1,4 +1,4 @@
-"""``graphcap bench prefill|decode|build|memory`` from the command line: run, show,
+"""``graphcap bench prefill|decode|generate|build|memory`` from the command line: run, show,
 write."""
 
 from __future__ import annotations
@@ -35,6 +35,16 @@ def run_suite(args: argparse.Namespace) -> int:
         path = write_result(result, args.out, f"{today()}-bench-decode.json")
         print(f"wrote {path}")
         return 0
+    if args.suite == "generate":
+        from graphcap.bench import generate
+        from graphcap.bench.report import show_targets
+
+        result = generate.run(_csv(args.models, ["qwen3-0.6b"]), reps=min(args.reps, 5))
+        for model in result["models"]:
+            show_targets(model["targets"])
+        path = write_result(result, args.out, f"{today()}-bench-generate.json")
+        print(f"wrote {path}")
+        return 0 if all(t["met"] for m in result["models"] for t in m["targets"]) else 1
     if args.suite == "prefill":
         models = _csv(args.models, prefill.MODELS)
         arms = _csv(args.arms, ARMS)
