@@ -1,6 +1,6 @@
 """transformers' own calls on graphcap's engine (``graphcap.accelerate``): the model's
 ``generate`` on a padded batch from its tokenizer, and a text-generation pipeline, give
-what transformers gives (greedy: token for token) for every family the suite covers;
+what transformers gives (greedy: token for token) for every family the suite builds;
 sampling draws from the given temperature / top-k / top-p; an option graphcap does not
 serve is refused by name; ``graphcap.restore`` gives the model back untouched."""
 
@@ -14,7 +14,7 @@ import torch
 import graphcap
 
 transformers = pytest.importorskip("transformers")
-from tests.support.hf_families import hf_model  # noqa: E402  (needs transformers)
+from tests.support.hf_families import FAMILIES, hf_model  # noqa: E402  (needs transformers)
 from tests.support.runner_helpers import DEVICE  # noqa: E402
 from tests.support.tokenizers import byte_tokenizer  # noqa: E402
 
@@ -30,7 +30,7 @@ def pair(family: str):
     return ref, graphcap.accelerate(copy.deepcopy(ref), **OPTIONS)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "phi3", "gemma", "gpt2"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_generate_on_a_padded_batch_gives_transformers_greedy_tokens(family, side):
     ref, fast = pair(family)
