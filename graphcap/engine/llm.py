@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -63,7 +63,6 @@ class _Text:
 
     sent: str = ""
     stops: tuple[str, ...] = ()
-    cut: int | None = field(default=None)  # where a stop string begins
 
 
 class LLM:
@@ -112,8 +111,8 @@ class LLM:
         """One :class:`Completion` per prompt, in order. ``prompts``: strings (with a
         tokenizer) or lists of token ids; ``sampling``: one ``graphcap.Sampling`` for all
         (each prompt then draws with its own seed) or one per prompt; ``stop``: token ids
-        and, with a tokenizer, strings that end a request (the tokenizer's end-of-sequence
-        token always does)."""
+        and, with a tokenizer, strings that end a request (the model's and the tokenizer's
+        end-of-sequence ids do too, unless the LLM was built with ``stop_at_eos=False``)."""
         done: dict[int, Completion] = {}
         tokens: dict[int, list[int]] = {}
         for delta in self.stream(prompts, max_new_tokens, sampling=sampling, stop=stop):
@@ -129,8 +128,9 @@ class LLM:
     def stream(self, prompts, max_new_tokens: int = 64, *, sampling=None, stop=None
                ) -> Iterator[Delta]:
         """:meth:`generate`'s tokens as they are drawn: a :class:`Delta` per request per
-        step (text deltas hold back a partial character), the last one of each request
-        saying why it ended."""
+        step (text deltas hold back a partial character and what may begin a stop
+        string), the last one of each request saying why it ended. The arguments are
+        checked here, before the first delta is asked for."""
         ids = self._prompts(prompts)
         params = sampling_of(sampling, len(ids))
         max_new_tokens = positive_int(max_new_tokens, "max_new_tokens")
@@ -141,6 +141,10 @@ class LLM:
                              f"{max_new_tokens} new ones passes this LLM's max_len "
                              f"{self.max_len}: build it with a larger max_len")
         requests = [Request(i, p, params[i]) for i, p in enumerate(ids)]
+        return self._serve(requests, max_new_tokens, stops, strings)
+
+    def _serve(self, requests, max_new_tokens: int, stops: set[int],
+               strings: tuple[str, ...]) -> Iterator[Delta]:
         texts = {r.index: _Text(stops=strings) for r in requests}
         if not self._idle.acquire(blocking=False):
             raise GraphcapError("this LLM is serving another call (a stream not yet "

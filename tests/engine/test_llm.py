@@ -180,6 +180,8 @@ def test_what_an_llm_refuses_and_says_why():
         LLM("/nonexistent/checkpoint", progress=False)
     with pytest.raises(ValueError, match="text prompts need a tokenizer"):
         llm().generate(["hello"], 2)
+    with pytest.raises(ValueError, match="text prompts need a tokenizer"):
+        llm().stream(["hello"], 2)  # checked when the stream is made, not at its first
     with pytest.raises(ValueError, match="stop strings .* need a tokenizer"):
         llm().generate(PROMPTS, 2, stop=["x"])
     with pytest.raises(ValueError, match="passes this LLM's max_len 32"):
