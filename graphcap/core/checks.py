@@ -142,6 +142,23 @@ def check_prefill(input_ids, positions, seq_lens, device: torch.device) -> list[
 
 
 
+def check_packed_call(args: tuple, kwargs: dict, keywords: set[str], device: torch.device,
+                      per_request: bool) -> list[int]:
+    """A call of packed requests, ``runner(input_ids, positions, seq_lens=[...])`` with
+    ``keywords`` beside ``seq_lens``: its form and lengths (:func:`check_prefill`), no
+    zero-length request for a model of one row per request. Returns the lengths."""
+    unknown = sorted(set(kwargs) - keywords - {"seq_lens"})
+    if unknown or len(args) != 2:
+        raise BadBatch("a prefill model is called as runner(input_ids, positions, "
+                       f"seq_lens=[...]); got {len(args)} arguments"
+                       + (f" and keywords {unknown}" if unknown else ""))
+    lens = check_prefill(*args, kwargs.get("seq_lens"), device)
+    if per_request and 0 in lens:
+        raise BadBatch(f"seq_lens {lens} has a zero-length request, which has no last "
+                       "token: this model returns one row per request; drop empty requests")
+    return lens
+
+
 def check_ranges(input_ids, positions, vocab_size: int, max_position: int | None) -> None:
     """The opt-in input check (``graphcap.capture(..., check_inputs=True)``): token ids in
     ``[0, vocab_size)`` and positions in ``[0, max_position)``. It reads the extremes on

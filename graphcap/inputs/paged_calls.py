@@ -79,16 +79,8 @@ def check_requests(inputs: PagedInputs, args: tuple, kwargs: dict) -> Batch:
         raise BadBatch("starts= continues requests already in the cache, which needs "
                        "CachePrefillInputs(..., extend=True); without it each prompt "
                        "starts at position 0")
-    unknown = sorted(set(kwargs) - {"seq_lens", "slots", "starts"})
-    if unknown or len(args) != 2:
-        raise BadBatch("a prefill model is called as runner(input_ids, positions, "
-                       f"seq_lens=[...]); got {len(args)} arguments"
-                       + (f" and keywords {unknown}" if unknown else ""))
-    lens = checks.check_prefill(*args, kwargs.get("seq_lens"), inputs.device)
-    if inputs.per_request and 0 in lens:
-        raise BadBatch(
-            f"seq_lens {lens} has a zero-length request, which has no last token: "
-            "this model returns one row per request; drop empty requests")
+    lens = checks.check_packed_call(args, kwargs, {"slots", "starts"}, inputs.device,
+                                    inputs.per_request)
     if inputs.attends is False:
         check_packing(inputs.name, inputs.attention.name, lens)
     slots = inputs.cache.requests(kwargs["slots"], len(lens))

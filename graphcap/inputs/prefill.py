@@ -8,7 +8,6 @@ import torch
 from graphcap.core import checks
 from graphcap.core.context import forward_context
 from graphcap.core.inputs import Batch, Inputs, check_packing
-from graphcap.errors import BadBatch
 
 
 class PrefillInputs(Inputs):
@@ -32,16 +31,7 @@ class PrefillInputs(Inputs):
         self.called = False
 
     def check(self, args: tuple, kwargs: dict) -> Batch:
-        unknown = sorted(set(kwargs) - {"seq_lens"})
-        if unknown or len(args) != 2:
-            raise BadBatch("a prefill model is called as runner(input_ids, positions, "
-                           f"seq_lens=[...]); got {len(args)} arguments"
-                           + (f" and keywords {unknown}" if unknown else ""))
-        lens = checks.check_prefill(*args, kwargs.get("seq_lens"), self.device)
-        if self.per_request and 0 in lens:
-            raise BadBatch(
-                f"seq_lens {lens} has a zero-length request, which has no last token: "
-                "this model returns one row per request; drop empty requests")
+        lens = checks.check_packed_call(args, kwargs, set(), self.device, self.per_request)
         if self.bounds is not None:
             checks.check_ranges(*args, *self.bounds)
         if self.attends is False:

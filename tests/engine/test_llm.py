@@ -16,22 +16,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import graphcap
-from graphcap import LLM, Sampling
+from graphcap import LLM
 from graphcap.api import GRAPHED
 from graphcap.errors import UnsupportedModel
-from graphcap.models import PRESETS, Decoder
 from tests.engine.test_decode_steps import recomputed
+from tests.engine.test_generate import NEW, PROMPTS, SAMPLINGS, model
 from tests.support.runner_helpers import DEVICE
 from tests.support.tokenizers import byte_tokenizer
 
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
-PROMPTS = [[5, 9, 2, 7, 1], [3], [8, 8, 4, 11, 6, 2, 9, 10, 13, 1, 2], [4, 4], [7, 7, 7]]
-NEW = 7
-
-
-def model(preset="tiny") -> Decoder:
-    torch.manual_seed(0)
-    return Decoder(PRESETS[preset]).to(DEVICE).eval()
 
 
 @functools.cache
@@ -120,11 +113,6 @@ def test_a_prompt_longer_than_the_prefill_graphs_prefills_in_chunks_on_graphs():
     assert after["prefill"]["fallbacks"] == before["prefill"]["fallbacks"]
     assert sum(after["extend"]["replays"].values()) == \
         sum(before["extend"]["replays"].values()) + 1
-
-
-SAMPLINGS = [Sampling(), Sampling(temperature=1.0, seed=3),
-             Sampling(temperature=0.7, top_k=5, seed=4), Sampling(temperature=1.5, top_p=0.8),
-             Sampling(temperature=1.0, top_k=3, top_p=0.5, seed=9)]
 
 
 @pytest.mark.parametrize("strategy", GRAPHED)
