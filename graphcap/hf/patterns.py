@@ -8,13 +8,21 @@ recognised part against the stock module on a probe input before it is used.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from graphcap.hf.fuse import Fused, check_fusable
-from graphcap.models.blocks import attention_half, attention_inputs, moe_half, swiglu_half
+from graphcap.models.blocks import (
+    AttentionLayer,
+    AttentionWeights,
+    attention_half,
+    attention_inputs,
+    moe_half,
+    swiglu_half,
+)
 
 # Children a half may have besides the ones it is made of: no-ops at inference.
 _INERT = (nn.Dropout, nn.Identity)
@@ -94,7 +102,7 @@ class AttentionKernels:
     def fused(self) -> list[Fused]:
         return [f for f in (self.qkv, self.bias) if f is not None]
 
-    def _weights(self):
+    def _weights(self) -> AttentionWeights:
         attn = self.layer.self_attn
         if self.qkv is None:
             qkv, bias = attn.qkv_proj.weight, attn.qkv_proj.bias
@@ -102,18 +110,21 @@ class AttentionKernels:
             qkv, bias = self.qkv.tensor, None if self.bias is None else self.bias.tensor
         norms = (attn.q_norm.weight, attn.k_norm.weight) if self.qk_eps is not None \
             else (None, None)
-        return (self.layer.input_layernorm.weight, self.eps, qkv, bias, *norms,
-                self.qk_eps or self.eps, self.cos_sin, self.heads, self.kv_heads,
-                self.head_dim)
+        return AttentionWeights(self.layer.input_layernorm.weight, qkv, attn.o_proj.weight,
+                                self.cos_sin, bias, *norms, attn.o_proj.bias)
+
+    @functools.cached_property
+    def _spec(self) -> AttentionLayer:
+        return AttentionLayer(self.heads, self.kv_heads, self.head_dim, self.scale, self.eps,
+                              self.qk_eps or self.eps,
+                              getattr(self.layer.self_attn, "layer_idx", None))
 
     def inputs(self, h, positions):
         """q, k, v as graphcap computes them (what the probe compares)."""
-        return attention_inputs(h, positions, *self._weights())
+        return attention_inputs(h, positions, self._weights(), self._spec)
 
     def __call__(self, h, positions):
-        attn = self.layer.self_attn
-        return attention_half(h, positions, *self._weights(), self.scale, attn.o_proj.weight,
-                              attn.o_proj.bias, layer=getattr(attn, "layer_idx", None))
+        return attention_half(h, positions, self._weights(), self._spec)
 
 
 def recognise_attention(layer, hidden: int, cos_sin: torch.Tensor | None):

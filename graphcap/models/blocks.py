@@ -9,6 +9,8 @@ stock model on graphcap kernels launches what the reference decoder launches.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -33,36 +35,65 @@ def residual_linear(x, weight, residual, bias=None, tp: str | None = None):
     return residual + F.linear(x, weight, bias)
 
 
-def attention_inputs(h, positions, norm, eps, qkv, qkv_bias, q_norm, k_norm, qk_eps,
-                     cos_sin, heads: int, kv_heads: int, head_dim: int):
+@dataclass(frozen=True)
+class AttentionLayer:
+    """What an attention layer is, beside its weights: ``heads`` query heads and
+    ``kv_heads`` key/value heads of ``head_dim``, the softmax ``scale``, the epsilons of
+    its input RMSNorm (``eps``) and of its per-head q/k norms (``qk_eps``), its index in a
+    K/V cache (``layer``; None: it keeps none) and its TP group (``tp``: the heads are
+    this rank's, ``o`` its rows)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    eps: float
+    qk_eps: float
+    layer: int | None = None
+    tp: str | None = None
+
+
+@dataclass
+class AttentionWeights:
+    """An attention layer's tensors, read at each call (a weight replaced between calls
+    is seen): the input RMSNorm ``norm``; the fused q/k/v projection ``qkv``
+    ``[(heads + 2 kv_heads) * head_dim, hidden]`` and its bias; the per-head RMSNorm
+    weights ``q_norm``/``k_norm`` (Qwen3) or None; the output projection ``o`` and its
+    bias; the neox rotary cache ``cos_sin`` ``[positions, rotary dims]``."""
+
+    norm: torch.Tensor
+    qkv: torch.Tensor
+    o: torch.Tensor
+    cos_sin: torch.Tensor
+    qkv_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+
+
+def attention_inputs(h, positions, w: AttentionWeights, a: AttentionLayer):
     """q [T, heads, head_dim], k and v [T, kv_heads, head_dim] of the residual stream:
-    ``rope(qk_norm(split(qkv(rms_norm(h)))))``. ``qkv`` [(heads + 2 kv_heads) * head_dim,
-    hidden] is the fused q/k/v projection; ``q_norm``/``k_norm`` the per-head RMSNorm
-    weights (Qwen3) or None; ``cos_sin`` the neox rotary cache [positions, rotary dims]
-    read at ``positions`` [T]."""
-    x = RMS_NORM_LINEAR(h, norm, eps, qkv, qkv_bias)
-    return QKV_NORM_ROPE(x, positions, q_norm, k_norm, cos_sin, heads, kv_heads, head_dim,
-                         qk_eps)
+    ``rope(qk_norm(split(qkv(rms_norm(h)))))``, the rotary cache read at ``positions``
+    [T]."""
+    x = RMS_NORM_LINEAR(h, w.norm, a.eps, w.qkv, w.qkv_bias)
+    return QKV_NORM_ROPE(x, positions, w.q_norm, w.k_norm, w.cos_sin, a.heads, a.kv_heads,
+                         a.head_dim, a.qk_eps)
 
 
-def attention_half(h, positions, norm, eps, qkv, qkv_bias, q_norm, k_norm, qk_eps,
-                   cos_sin, heads: int, kv_heads: int, head_dim: int, scale: float, o,
-                   o_bias=None, layer: int | None = None, tp: str | None = None):
+def attention_half(h, positions, w: AttentionWeights, a: AttentionLayer):
     """``h + o(attention(q, k, v))`` of :func:`attention_inputs`, causal within each
-    request of the forward context's metadata. With ``layer`` (the layer's index) and a
-    K/V cache in the forward context (:class:`graphcap.kv.CacheBatch`), the layer's
-    K/V are written to it first (``graphcap::cached_attention``); a decode step then
-    attends over each row's cached tokens, a prefill among its new tokens. ``tp``: the
-    heads are this rank's of a TP group, ``o`` its rows (:func:`residual_linear`)."""
+    request of the forward context's metadata. With a ``layer`` index and a K/V cache in
+    the forward context (:class:`graphcap.kv.CacheBatch`), the layer's K/V are written to
+    it first (``graphcap::cached_attention``); a decode step then attends over each row's
+    cached tokens, a prefill among its new tokens."""
     t = h.shape[0]
-    q, k, v = attention_inputs(h, positions, norm, eps, qkv, qkv_bias, q_norm, k_norm,
-                               qk_eps, cos_sin, heads, kv_heads, head_dim)
-    out = torch.empty(t, heads, head_dim, dtype=h.dtype, device=h.device)
-    if layer is None:
-        ATTENTION(q, k, v, out, scale)
+    q, k, v = attention_inputs(h, positions, w, a)
+    out = torch.empty(t, a.heads, a.head_dim, dtype=h.dtype, device=h.device)
+    if a.layer is None:
+        ATTENTION(q, k, v, out, a.scale)
     else:  # the forward context's cache, if any, read at run time (also when compiled)
-        CACHED_ATTENTION(q, k, v, out, scale, layer)
-    return residual_linear(out.view(t, heads * head_dim), o, h, o_bias, tp)
+        CACHED_ATTENTION(q, k, v, out, a.scale, a.layer)
+    return residual_linear(out.view(t, a.heads * a.head_dim), w.o, h, w.o_bias, a.tp)
 
 
 def swiglu_half(h, norm, eps, gate_up, down, tp: str | None = None):

@@ -16,7 +16,13 @@ import torch
 from torch import nn
 
 from graphcap.errors import UnsupportedModel
-from graphcap.models.blocks import attention_half, moe_half, swiglu_half
+from graphcap.models.blocks import (
+    AttentionLayer,
+    AttentionWeights,
+    attention_half,
+    moe_half,
+    swiglu_half,
+)
 from graphcap.opsdb.attention.packed import packed
 from graphcap.opsdb.collective import ALL_GATHER
 from graphcap.opsdb.linear import RMS_NORM_LINEAR
@@ -67,6 +73,8 @@ class Attention(nn.Module):
     def __init__(self, a: ModelArgs, layer: int = 0, tp: str | None = None):
         super().__init__()
         self.a, self.layer, self.tp = a, layer, tp  # its layer of a K/V cache; TP group
+        self.spec = AttentionLayer(a.heads, a.kv_heads, a.head_dim, 1.0 / math.sqrt(a.head_dim),
+                                   a.eps, a.eps, layer, tp)
         self.qkv = nn.Linear(a.hidden, (a.heads + 2 * a.kv_heads) * a.head_dim,
                              bias=a.qkv_bias)
         self.o = nn.Linear(a.heads * a.head_dim, a.hidden, bias=False)
@@ -76,13 +84,10 @@ class Attention(nn.Module):
 
     def forward(self, h, norm, positions, cos_sin):
         """h + attention(rms_norm(h))."""
-        a = self.a
         # Split q/k/v, RMSNorm each head of q and k (Qwen3), rotate: one kernel.
-        norms = (self.q_norm, self.k_norm) if a.qk_norm else (None, None)
-        return attention_half(h, positions, norm, a.eps, self.qkv.weight, self.qkv.bias,
-                              *norms, a.eps, cos_sin, a.heads, a.kv_heads, a.head_dim,
-                              1.0 / math.sqrt(a.head_dim), self.o.weight,
-                              layer=self.layer, tp=self.tp)
+        norms = (self.q_norm, self.k_norm) if self.a.qk_norm else (None, None)
+        return attention_half(h, positions, AttentionWeights(
+            norm, self.qkv.weight, self.o.weight, cos_sin, self.qkv.bias, *norms), self.spec)
 
 
 class FeedForward(nn.Module):
