@@ -241,7 +241,8 @@ def test_check_fails_a_model_whose_attention_cannot_see_the_packed_requests(caps
 def test_every_command_s_help_shows_its_defaults_and_choices(capsys):
     for command, needles in {"check": ["(default: 10)", "{breakable,full,tc_piecewise}",
                                        "torch_masked"],
-                             "bench": ["(default: 30)", "{ops,prefill,decode,build,memory}"],
+                             "bench": ["(default: 30)",
+                                       "{ops,prefill,decode,generate,build,memory}"],
                              "demo": ["(default: 5)", "{cuda,cpu}"],
                              "ops": ["--json"]}.items():
         code, out, err = cli(capsys, command, "--help")

@@ -73,8 +73,6 @@ class Attention(nn.Module):
     def __init__(self, a: ModelArgs, layer: int = 0, tp: str | None = None):
         super().__init__()
         self.a, self.layer, self.tp = a, layer, tp  # its layer of a K/V cache; TP group
-        self.spec = AttentionLayer(a.heads, a.kv_heads, a.head_dim, 1.0 / math.sqrt(a.head_dim),
-                                   a.eps, a.eps, layer, tp)
         self.qkv = nn.Linear(a.hidden, (a.heads + 2 * a.kv_heads) * a.head_dim,
                              bias=a.qkv_bias)
         self.o = nn.Linear(a.heads * a.head_dim, a.hidden, bias=False)
@@ -88,6 +86,14 @@ class Attention(nn.Module):
         norms = (self.q_norm, self.k_norm) if self.a.qk_norm else (None, None)
         return attention_half(h, positions, AttentionWeights(
             norm, self.qkv.weight, self.o.weight, cos_sin, self.qkv.bias, *norms), self.spec)
+
+    @property
+    def spec(self) -> AttentionLayer:
+        """What the layer is now (its cache layer and TP group may be set after it is
+        built: ``layer = None`` keeps no cache)."""
+        a = self.a
+        return AttentionLayer(a.heads, a.kv_heads, a.head_dim, 1.0 / math.sqrt(a.head_dim),
+                              a.eps, a.eps, self.layer, self.tp)
 
 
 class FeedForward(nn.Module):
