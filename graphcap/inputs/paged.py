@@ -65,13 +65,21 @@ class PagedState:
 
 
 class PagedInputs(Inputs):
+    """Tokens of requests over ``cache``: ``tokens_per_request`` each (None: any, with the
+    prefill ``attention`` backend and ``slots`` request slots per shape; ``extend``:
+    continuing cached requests); ``output_rows`` (None: the model's) 'tokens' or
+    'requests'; ``sample``: draw each request's next token in the graph (one token per
+    request); ``decode_attention``: the backend of attention over the pages (a name for
+    ``get_backend(kind="decode")``, a backend, or None: the default); ``check_inputs``:
+    token ids checked against the model's vocabulary (one host sync a call)."""
+
     def __init__(self, cache: PagedKVCache, tokens_per_request: int | None = 1, *,
                  attention=None, slots: int | None = None, output_rows: str | None = None,
                  extend: bool = False, sample: bool = False, decode_attention=None,
                  check_inputs: bool = False, name: str = "the model"):
         super().__init__(cache.device)
-        self.cache, self.step, self.extend, self.sample = cache, tokens_per_request, \
-            extend, sample
+        self.cache, self.step = cache, tokens_per_request
+        self.extend, self.sample = extend, sample
         if self.step is not None:
             self.step = checks.positive_int(tokens_per_request, "tokens_per_request")
         elif attention is None or slots is None:
