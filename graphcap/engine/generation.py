@@ -73,7 +73,8 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
                          f"{sorted(STRATEGIES)}")
     llm = LLM(model, strategy=strategy, max_batch=min(max_batch, len(prompts)),
               max_len=longest, prefill_tokens=prefill_tokens, page_size=page_size,
-              progress=False, stop_at_eos=False)
+              progress=False, stop_at_eos=False,
+              long_prompts=max(map(len, prompts)) > prefill_tokens)
     total = len(prompts) * max_new_tokens
     show = progress if progress is not None else total >= LONG_RUN
     bar = progress_bar(total, "generating") if show else \

@@ -76,12 +76,14 @@ class LLM:
     most 4096); ``prefill_tokens`` bounds a prefill graph (a longer prompt prefills in
     chunks of it); ``attention`` names the prefill attention backend; ``progress`` shows
     the captures; ``stop_at_eos``: the model's and the tokenizer's end-of-sequence ids end
-    every request. Every graph is captured here; later calls capture nothing."""
+    every request; ``long_prompts``: prompts longer than ``prefill_tokens`` prefill in
+    chunks on graphs (extend graphs, captured here too; False: eagerly, in one call).
+    Every graph is captured here; later calls capture nothing."""
 
     def __init__(self, model, tokenizer=None, *, strategy: str = "full", max_batch: int = 8,
                  max_len: int | None = None, prefill_tokens: int = 512,
                  attention: str | None = None, page_size: int = 16, progress=True,
-                 stop_at_eos: bool = True):
+                 stop_at_eos: bool = True, long_prompts: bool = True):
         if strategy not in STRATEGIES:
             raise ValueError(f"LLM(strategy={strategy!r}): unknown strategy, choose one of "
                              f"{sorted(STRATEGIES)}")
@@ -102,7 +104,8 @@ class LLM:
                                   page_size=page_size, dtype=model_dtype(model), device=device)
         self._idle = threading.Lock()  # held by the call being served
         self.engine = Engine(model, self.cache, strategy, self.max_batch,
-                             positive_int(prefill_tokens, "prefill_tokens"), chunked=True,
+                             positive_int(prefill_tokens, "prefill_tokens"),
+                             chunked=long_prompts,
                              attention=attention, progress=progress or None)
 
     # -- calls -----------------------------------------------------------------------
