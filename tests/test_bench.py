@@ -359,3 +359,4 @@ def test_bench_generate_judges_the_llm_against_its_own_decode_step():
     names = [t["target"] for t in model["targets"]]
     assert "full, 1 x 8 + 6: tokens/s of the step's floor" in names
     assert "breakable: LLM build s" in names and all("met" in t for t in model["targets"])
+    assert "CUDA only" in model["transformers"]["skipped"]

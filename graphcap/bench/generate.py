@@ -11,7 +11,12 @@ step, per strategy:
   cache at ``length + new / 2`` tokens); targets: at least 0.9 of it for one prompt (the
   host adds at most 10%), 0.85 for a batch; and that a later call captured nothing;
 - a long prompt (``long`` tokens, ``prefill_tokens`` of ``long_chunk``) on an ``LLM`` of
-  one request: prefilled in chunks on graphs, no eager fallback.
+  one request: prefilled in chunks on graphs, no eager fallback;
+- (CUDA) the stock transformers model of the preset, one prompt: its own
+  ``generate(cache_implementation="static")`` (which compiles its forward), then
+  ``graphcap.accelerate(model).generate(...)`` and the accelerated model's ``LLM`` called
+  directly; targets: accelerate at least 2x transformers' static cache and within 1.1x of
+  the ``LLM``.
 """
 
 from __future__ import annotations
@@ -91,11 +96,57 @@ def bench_model(name: str, strategies, cases, long, reps: int, device: str) -> d
             "prefill_fallbacks": sum(report["prefill"]["fallbacks"].values()),
             "extend_replays": sum(report.get("extend", {}).get("replays", {}).values())}
         del alone
+    out["transformers"] = _transformers(name, cases[0], reps, device, dtype)
     context = max(n + m // 2 for _, n, m in cases)
     steps = decode.bench_model(name, strategies, batches, context, reps * 10, device)
     out["step_ms"] = {row["batch"]: row["ms"] for row in steps["rows"]}
     out["targets"] = targets(out)
     return out
+
+
+def _transformers(name: str, case, reps: int, device: str, dtype) -> dict:
+    """Tokens per second of one prompt through the stock model: transformers' static
+    cache, ``graphcap.accelerate`` and its ``LLM`` (CUDA only)."""
+    if device != "cuda":
+        return {"skipped": "transformers' static cache compiles CUDA graphs: CUDA only"}
+    import graphcap
+    from graphcap.bench.hf import stock_model
+
+    _, length, new = case
+    hf = stock_model(name, device, dtype)
+    ids = torch.tensor(_prompts(1, length, hf.config.vocab_size, 3), device=device)
+    mask = torch.ones_like(ids)
+
+    def rate(call) -> float:
+        rates = []
+        for _ in range(reps):
+            _sync(device)
+            start = time.perf_counter()
+            made = call()
+            _sync(device)
+            rates.append(made / (time.perf_counter() - start))
+        return round(statistics.median(rates), 1)
+
+    def static() -> int:
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False, cache_implementation="static", pad_token_id=0)
+        return out.shape[1] - length
+
+    static()  # compiles
+    found = {"static_cache": rate(static)}
+    graphcap.accelerate(hf, max_batch=1, max_len=length + new + 8)
+
+    def accelerated() -> int:
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                          pad_token_id=0)
+        return out.shape[1] - length
+
+    llm = hf.__dict__["_graphcap_llm"]
+    accelerated()
+    found["accelerate"] = rate(accelerated)
+    found["llm"] = rate(lambda: len(llm.generate(ids.tolist(), new)[0].tokens))
+    graphcap.restore(hf)
+    return found
 
 
 def targets(result: dict) -> list[dict]:
@@ -121,6 +172,14 @@ def targets(result: dict) -> list[dict]:
         found.append(_target(f"{strategy}: {long['tokens']}-token prompt, eager fallbacks",
                              long["prefill_fallbacks"], "0 (chunks on graphs)",
                              long["prefill_fallbacks"] == 0 and long["extend_replays"] > 0))
+    hf = result.get("transformers", {})
+    if "accelerate" in hf:
+        found.append(_target("accelerate / transformers' static cache, tokens/s",
+                             round(hf["accelerate"] / hf["static_cache"], 2), ">= 2",
+                             hf["accelerate"] >= 2 * hf["static_cache"]))
+        found.append(_target("accelerate / its LLM, tokens/s",
+                             round(hf["accelerate"] / hf["llm"], 3), ">= 0.909 (1 / 1.1)",
+                             hf["accelerate"] * 1.1 >= hf["llm"]))
     return found
 
 
