@@ -10,7 +10,9 @@ step, per strategy:
   decode``'s method in the same run (a runner of ``DecodeInputs`` at that batch, the
   cache at ``length + new / 2`` tokens); targets: at least 0.9 of it for one prompt (the
   host adds at most 10%), 0.85 for a batch; and that a later call captured nothing;
-- a long prompt (``long`` tokens, ``prefill_tokens`` of ``long_chunk``) on an ``LLM`` of
+- (CUDA) the GPU's idle share in one call of the first case, from its first kernel to
+  its last (the profiler's kernel intervals, merged): target at most 5%;
+- a long prompt (``long`` tokens, ``prefill_tokens`` of ``long[1]``) on an ``LLM`` of
   one request: prefilled in chunks on graphs, no eager fallback;
 - (CUDA) the stock transformers model of the preset, one prompt: its own
   ``generate(cache_implementation="static")`` (which compiles its forward), then
@@ -86,6 +88,10 @@ def bench_model(name: str, strategies, cases, long, reps: int, device: str) -> d
                                  "new": new, "tokens_per_s": round(rate, 1)})
         out["captured_nothing_later"] = out.get("captured_nothing_later", True) and \
             _shapes(llm) == before
+        if device == "cuda":  # the GPU's idle share between the first kernel and the last
+            prompts, length, new = cases[0]
+            out.setdefault("gpu_idle", {})[strategy] = _gpu_idle(
+                llm, _prompts(prompts, length, vocab, 1), new)
         del llm
         alone = LLM(model, strategy=strategy, max_batch=1, max_len=long[0] + 8,
                     prefill_tokens=prefill_tokens, progress=False)
@@ -102,6 +108,28 @@ def bench_model(name: str, strategies, cases, long, reps: int, device: str) -> d
     out["step_ms"] = {row["batch"]: row["ms"] for row in steps["rows"]}
     out["targets"] = targets(out)
     return out
+
+
+def _gpu_idle(llm: LLM, prompts, new: int) -> float:
+    """The share of one ``generate`` call, from its first kernel's start to its last
+    one's end, in which no kernel ran (the profiler's device intervals, merged)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, new)
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not spans:
+        return 0.0
+    busy, (start, end) = 0, spans[0]
+    first = start
+    for s, e in spans[1:]:
+        if s > end:
+            busy, start = busy + end - start, s
+        end = max(end, e)
+    busy += end - start
+    return round(1 - busy / max(end - first, 1), 4)
 
 
 def _transformers(name: str, case, reps: int, device: str, dtype) -> dict:
@@ -172,6 +200,9 @@ def targets(result: dict) -> list[dict]:
         found.append(_target(f"{strategy}: {long['tokens']}-token prompt, eager fallbacks",
                              long["prefill_fallbacks"], "0 (chunks on graphs)",
                              long["prefill_fallbacks"] == 0 and long["extend_replays"] > 0))
+    for strategy, idle in result.get("gpu_idle", {}).items():
+        found.append(_target(f"{strategy}: GPU idle share of a generate call", idle,
+                             "<= 0.05", idle <= 0.05))
     hf = result.get("transformers", {})
     if "accelerate" in hf:
         found.append(_target("accelerate / transformers' static cache, tokens/s",
