@@ -36,6 +36,16 @@ WINDOWED = {"sliding_attention": "sliding_window", "chunked_attention": "attenti
 HEAD_DIM_FIELDS = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
+def window_binds(config, window) -> bool:
+    """Whether a causal window of ``window`` tokens (a query attends to itself and the
+    ``window - 1`` tokens before it) can change attention at the model's positions: not
+    when it is at least ``max_position_embeddings`` (a token at position p attends p + 1
+    keys, at most that many), as Mistral, Mixtral and Phi-3 ship (4096 or more on models
+    of that many positions or fewer). Such a layer runs full causal attention."""
+    limit = getattr(config, "max_position_embeddings", None)
+    return window is not None and (not isinstance(limit, int) or window < limit)
+
+
 def windows_off(config) -> str:
     """The config change that turns a model's attention windows off: ``layer_types`` where
     the config lists each layer's attention (Gemma 2/3, Cohere2, OLMo 3, gpt-oss, Qwen2/3,
@@ -89,7 +99,7 @@ def _refusals(module, sliding_window, softcap, sinks) -> str | None:
     """What graphcap::attention cannot do that this call asks, and what to do, or None."""
     config = getattr(module, "config", None)
     found, fixes = [], []
-    if sliding_window is not None:
+    if window_binds(config, sliding_window):
         found.append(f"a sliding window ({sliding_window})")
         fixes.append(window_refusal(config, sliding_window))
     if softcap is not None:

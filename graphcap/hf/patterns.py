@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from graphcap.hf.attention import window_binds
 from graphcap.hf.fuse import Fused, check_fusable
 from graphcap.models.blocks import (
     AttentionLayer,
@@ -136,7 +137,7 @@ def recognise_attention(layer, hidden: int, cos_sin: torch.Tensor | None):
     eps, why = rms_norm_of(getattr(layer, "input_layernorm", None), hidden)
     if why:
         return None, f"input_layernorm: {why}"
-    if getattr(attn, "sliding_window", None) is not None:
+    if window_binds(getattr(attn, "config", None), getattr(attn, "sliding_window", None)):
         return None, "sliding-window attention"
     head_dim, scale = getattr(attn, "head_dim", None), getattr(attn, "scaling", None)
     if not isinstance(head_dim, int) or not isinstance(scale, float):

@@ -167,3 +167,24 @@ def test_other_families_on_transformers_attention_interface_run_exactly(family):
 def test_falcon_whose_attention_does_not_use_the_attention_interface_is_refused():
     with pytest.raises(UnsupportedModel, match="FalconForCausalLM cannot switch"):
         PrefillLM(hf_model("falcon"))
+
+
+@pytest.mark.parametrize("family", ["mistral", "phi3", "mixtral"])
+@pytest.mark.parametrize("kernels", ["graphcap", "stock"])
+def test_a_window_that_cannot_bind_runs_as_shipped_and_one_that_can_is_refused(family,
+                                                                                kernels):
+    """Shipped windows of 4096 tokens on models of at most that many positions (the tiny
+    configs have 256) never bind: such models run, token for token transformers' own
+    generation; a window of 255 tokens could bind at position 255, and is refused."""
+    from tests.hf.test_hf_generate import transformers_greedy
+
+    ref = hf_model(family, sliding_window=4096)
+    lm = PrefillLM(hf_model(family, sliding_window=4096), logits="last", kernels=kernels)
+    eos = ref.generation_config.eos_token_id
+    got = graphcap.generate(lm, PROMPTS, 6, strategy="full", max_batch=2, prefill_tokens=8,
+                            stop_tokens=[eos] if isinstance(eos, int) else list(eos or []))
+    assert got.tokens == [transformers_greedy(ref, p) for p in PROMPTS]
+    with pytest.raises(UnsupportedModel, match=r"sliding window \(255\)"):
+        tight = PrefillLM(hf_model(family, sliding_window=255), kernels=kernels)
+        with torch.inference_mode(), graphcap.packed(LENS, "cpu"):
+            tight(IDS, POS)
