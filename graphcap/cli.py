@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import sys
 
 import torch
@@ -285,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     except GraphcapError as exc:  # graphcap's own errors name what was wrong and what to do
         print(f"graphcap {args.command}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader stopped (graphcap ops | head): nothing to tell
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the exit's flush does not raise again
+        return 0
 
 
 if __name__ == "__main__":

@@ -271,3 +271,13 @@ def test_check_wraps_a_stock_transformers_causal_lm_itself_and_says_so(capsys):
 def test_check_names_the_signature_it_expects_of_a_model_it_cannot_run(capsys):
     err = refused(capsys, "check", "tests.support.check_models:two_tensors")
     assert "forward('x', 'scale') is no model of packed requests" in err
+
+
+@pytest.mark.slow
+def test_a_reader_that_stops_early_ends_the_command_quietly():
+    # graphcap ops | head -1: the pipe closes before the listing is written
+    proc = subprocess.Popen([sys.executable, "-m", "graphcap.cli", "ops"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    proc.stdout.close()
+    assert proc.wait(timeout=120) == 0
+    assert proc.stderr.read() == b""
