@@ -59,8 +59,9 @@ class FlashInferDecode(DecodeBackend):
     def forward(self, q, k_cache, v_cache, kv, out, scale, kernel=None) -> None:
         """``out`` = each row's attention over its planned pages; pads (length 0) zero."""
         plan = kv.plan
-        if self.heads is None:  # the first run, eager (a warm-up): plan now
+        if self.heads is None:  # the first run of any shape, eager (a warm-up)
             self.heads = (q.shape[1], scale)
+        if not plan.planned:  # a plan updated before the heads were known: plan now
             plan.replan()
         plan.wrapper.run(q, (k_cache, v_cache), out=out)
         out.copy_(torch.where((kv.seq_lens > 0)[:, None, None], out, 0.0))
@@ -89,6 +90,7 @@ class FlashInferPlan(DecodePlan):
             paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
             paged_kv_last_page_len_buffer=self.last)
         self._step: tuple[list[int], list[int]] = ([], [])
+        self.planned = False  # the wrapper planned for the heads (once they are known)
 
     def update(self, positions, slots) -> None:
         self._step = tuple(v.tolist() if isinstance(v, torch.Tensor) else list(v)
@@ -114,3 +116,4 @@ class FlashInferPlan(DecodePlan):
                                                               cache.device),
             staged(last, torch.int32, cache.device), hq, cache.kv_heads, cache.head_dim,
             size, q_data_type=cache.k.dtype, kv_data_type=cache.k.dtype, sm_scale=scale)
+        self.planned = True
