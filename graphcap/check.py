@@ -112,6 +112,18 @@ def run_check(spec: str, strategies=GRAPHED, examples: int = 10, sequences: int 
     from graphcap.testing import assert_replay_equivalent
 
     model, wrapped = checkable(model_from(load_factory(spec), spec))
+    if attention is not None:  # a backend this machine cannot run: one error, not a row each
+        from graphcap.errors import BackendUnavailable
+        from graphcap.opsdb.attention import BACKENDS, get_backend
+
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        try:
+            get_backend(attention, device)
+        except BackendUnavailable as exc:
+            here = sorted(n for n, cls in BACKENDS.items() if not cls().unavailable(device))
+            raise BackendUnavailable(f"--attention {attention}: {exc}; on {device.type} "
+                                     f"choose one of {here}, or leave --attention out (the "
+                                     "best here)") from None
     print(f"graphcap check {spec}: {type(model).__name__}{wrapped}, {examples} batches and "
           f"{sequences} call sequences per strategy, buckets to {max_tokens} tokens\n")
     print(f"{'strategy':>12}  {'attention':>12}  {'result':>6}  {'max err':>9}  "

@@ -281,3 +281,12 @@ def test_a_reader_that_stops_early_ends_the_command_quietly():
     proc.stdout.close()
     assert proc.wait(timeout=120) == 0
     assert proc.stderr.read() == b""
+
+
+def test_check_names_an_attention_backend_this_machine_cannot_run_once(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("flash_attn may run here")
+    message = refused(capsys, "check", "tests.support.check_models:good", "--attention",
+                      "flash_attn")
+    assert "--attention flash_attn: attention backend 'flash_attn' runs on cuda" in message
+    assert "choose one of" in message and "torch_masked" in message
