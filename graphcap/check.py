@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import sys
 import time
 import traceback
@@ -68,6 +69,18 @@ def _failed(exc: BaseException) -> str:
     where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
     message = str(exc).strip().splitlines()
     return f"raised {type(exc).__name__}" + (f": {message[0]}" if message else "") + where
+
+
+def _from_the_model(exc: BaseException) -> bool:
+    """Whether the innermost frame that raised, torch's own left out, is outside
+    graphcap: the model's code (or a library it calls), not graphcap's."""
+    frames = [f.filename for f in traceback.extract_tb(exc.__traceback__)]
+    torch_dir = os.path.dirname(torch.__file__)
+    ours = [f for f in frames if not f.startswith(torch_dir)]
+    return bool(ours) and not ours[-1].startswith(_PACKAGE)
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
 def checkable(model) -> tuple:
@@ -135,7 +148,11 @@ def run_check(spec: str, strategies=GRAPHED, examples: int = 10, sequences: int 
             report = assert_replay_equivalent(
                 model, (strategy,), max_tokens=max_tokens, max_requests=max_requests,
                 attention=attention, examples=examples, sequences=sequences)[strategy]
-        except (AssertionError, GraphcapError) as exc:
+        except Exception as exc:
+            if not isinstance(exc, (AssertionError, GraphcapError)):
+                if not _from_the_model(exc):
+                    raise  # graphcap's own failure: its traceback says where
+                exc = GraphcapError(f"{type(model).__name__}'s forward {_failed(exc)}")
             failed.append((strategy, exc))
             print(f"{strategy:>12}  {attention or '-':>12}  {'FAIL':>6}  {'-':>9}  {'-':>9}  "
                   f"{time.perf_counter() - start:>7.2f}")

@@ -290,3 +290,28 @@ def test_check_names_an_attention_backend_this_machine_cannot_run_once(capsys):
                       "flash_attn")
     assert "--attention flash_attn: attention backend 'flash_attn' runs on cuda" in message
     assert "choose one of" in message and "torch_masked" in message
+
+
+def test_check_names_a_model_whose_forward_raises_and_where(capsys, user_module):
+    user_module("raising_model", """
+        import torch
+
+        class Raising(torch.nn.Module):
+            graphcap_inputs = "prefill"
+
+            def __init__(self):
+                super().__init__()
+                self.embed = torch.nn.Embedding(256, 8)
+
+            def forward(self, input_ids, positions):
+                raise KeyError("no such layer")
+
+        def build():
+            return Raising()
+    """)
+    code, out, err = cli(capsys, "check", "raising_model:build", "--strategies", "full",
+                         "--examples", "1", "--sequences", "1")
+    assert code == 1 and "Traceback" not in out + err, out + err
+    assert any(line.split()[:3] == ["full", "-", "FAIL"] for line in out.splitlines()), out
+    assert "full: Raising's forward raised KeyError: 'no such layer' at " in out, out
+    assert "raising_model.py:12" in out, out
