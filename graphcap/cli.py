@@ -85,16 +85,32 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# The options of bench, their defaults, and which each suite reads (another given is an
+# error, not ignored).
+BENCH_DEFAULTS = {"models": None, "arms": None, "lengths": None, "reps": 30,
+                  "batches": None, "context": 128, "attention": None}
+BENCH_READS = {"ops": set(), "decode": {"models", "arms", "batches", "context", "reps"},
+               "prefill": {"models", "arms", "lengths", "reps", "attention"},
+               "generate": {"models", "arms", "reps"},
+               "build": {"models", "arms", "attention"}, "memory": {"models", "arms",
+                                                                    "attention"}}
+
+
 def _check_bench_args(args: argparse.Namespace) -> None:
     """The presets, arms and --tp given are ones the suite runs (checked before anything
     runs: a wrong name would otherwise surface after minutes of other arms, or need a GPU)."""
-    from graphcap.bench import decode, ladder
+    from graphcap.bench import decode, generate, ladder
     from graphcap.bench.arms import ARMS
     from graphcap.bench.hf import HF_ARMS
     from graphcap.models import PRESETS
 
     if args.tp > 1 and args.suite != "prefill":
         raise GraphcapError(f"--tp {args.tp}: only bench prefill splits a model across GPUs")
+    unused = [f"--{o}" for o, default in BENCH_DEFAULTS.items()
+              if getattr(args, o) != default and o not in BENCH_READS[args.suite]]
+    if unused:
+        raise GraphcapError(f"bench {args.suite} does not take {', '.join(unused)}: leave "
+                            f"{'it' if len(unused) == 1 else 'them'} out")
     if args.suite == "ops":
         return
     ladders = args.suite in ("build", "memory")  # one model, perhaps a stock transformers one
@@ -110,7 +126,7 @@ def _check_bench_args(args: argparse.Namespace) -> None:
         raise GraphcapError(f"--models: bench {args.suite} runs one model, not {len(models)}; "
                             "run it once per model")
     arms = {"decode": decode.ARMS, "prefill": ARMS + HF_ARMS, "build": ladder.BUILD_ARMS,
-            "memory": ladder.MEMORY_ARMS}[args.suite]
+            "memory": ladder.MEMORY_ARMS, "generate": generate.STRATEGIES}[args.suite]
     for arm in args.arms.split(",") if args.arms else []:
         if arm not in arms:
             raise GraphcapError(f"--arms: no arm {arm!r} in bench {args.suite}; choose from "

@@ -169,7 +169,12 @@ def test_ops_names_a_device_torch_does_not_know(capsys):
     (["decode", "--models", "hf:qwen3-0.6b"], "no preset 'hf:qwen3-0.6b'"),
     (["build", "--models", "tiny,qwen3-0.6b"], "one model"),
     (["prefill", "--arms", "eager,fastest"], "no arm 'fastest'"),
-    (["memory", "--arms", "tc_piecewise-inductor"], "no arm 'tc_piecewise-inductor'")])
+    (["memory", "--arms", "tc_piecewise-inductor"], "no arm 'tc_piecewise-inductor'"),
+    (["generate", "--arms", "full,eager-ish"], "no arm 'eager-ish'"),
+    (["generate", "--lengths", "16"], "bench generate does not take --lengths"),
+    (["decode", "--attention", "triton", "--lengths", "8"],
+     "bench decode does not take --lengths, --attention: leave them out"),
+    (["ops", "--reps", "3"], "bench ops does not take --reps")])
 def test_bench_refuses_a_preset_or_arm_its_suite_lacks_before_it_needs_a_gpu(
         capsys, argv, needle):
     err = refused(capsys, "bench", *argv)

@@ -39,7 +39,9 @@ def run_suite(args: argparse.Namespace) -> int:
         from graphcap.bench import generate
         from graphcap.bench.report import show_targets
 
-        result = generate.run(_csv(args.models, ["qwen3-0.6b"]), reps=min(args.reps, 5))
+        result = generate.run(_csv(args.models, ["qwen3-0.6b"]),
+                              _csv(args.arms, generate.STRATEGIES),
+                              reps=3 if args.reps == 30 else args.reps)  # 30: not given
         for model in result["models"]:
             show_targets(model["targets"])
         path = write_result(result, args.out, f"{today()}-bench-generate.json")
