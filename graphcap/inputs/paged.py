@@ -174,7 +174,7 @@ class PagedInputs(Inputs):
                 meta.last_token_rows(out=self.last_rows)
         _, positions, token_slots = (b[:bucket] for b in self.buffers[:3])
         state = PagedState(self._cache_batch(token_slots, positions, bucket), meta)
-        if state.kv.plan is not None:  # pads only, until a call stages its rows
+        if state.kv.plan is not None and state.kv.plan.on_host:  # pads only, until a call
             state.kv.plan.update([], [])
         return state
 
@@ -223,7 +223,12 @@ class PagedInputs(Inputs):
             self.buffers[2][batch.tokens:bucket].fill_(-1)  # pads: no request slot
         if state.meta is not None:  # routed: they fit the shape
             state.meta.update(batch.lens, derive=False, checked=True)
-        if state.kv.plan is not None:  # outside the graph, from the host values
+        self._plan(state, batch)  # outside the graph, from the host values
+
+    def _plan(self, state: PagedState, batch: Batch) -> None:
+        """The decode attention plan of ``state`` for ``batch``, where it plans on the host
+        (the default reads only the device: no host values gathered per call)."""
+        if state.kv.plan is not None and state.kv.plan.on_host:
             state.kv.plan.update(*self._planned(batch))
 
     def _planned(self, batch: Batch) -> tuple[list[int], list[int]]:
@@ -270,8 +275,7 @@ class PagedInputs(Inputs):
         else:
             last = self._last_rows(batch.tokens) if self.per_request else None
         state = PagedState(self._cache_batch(token_slots, positions, batch.tokens), meta)
-        if state.kv.plan is not None:
-            state.kv.plan.update(*self._planned(batch))
+        self._plan(state, batch)
 
         def run():
             out = self._run(model, state, ids, positions, params, last)

@@ -70,6 +70,8 @@ class FlashInferDecode(DecodeBackend):
 class FlashInferPlan(DecodePlan):
     """The plan and wrapper of one shape of ``tokens`` tokens (a row each) over ``cache``."""
 
+    on_host = True
+
     def __init__(self, backend: FlashInferDecode, cache: PagedKVCache, tokens: int):
         why = why_not(cache)
         if why:

@@ -24,7 +24,10 @@ from graphcap.opsdb.decode import DECODE_ATTENTION
 
 
 class DecodePlan:
-    """One shape's plan: nothing to rewrite for a kernel that reads only the device."""
+    """One shape's plan: nothing to rewrite for a kernel that reads only the device
+    (``on_host`` False: the caller need not gather the call's host values for it)."""
+
+    on_host = False
 
     def __init__(self, backend: DecodeBackend, cache: PagedKVCache, tokens: int):
         self.backend, self.cache, self.tokens = backend, cache, tokens
