@@ -23,6 +23,7 @@ import types
 
 import torch
 
+from graphcap.engine.arguments import eos_ids
 from graphcap.engine.llm import LLM
 from graphcap.inputs.sampling import Sampling
 
@@ -79,7 +80,7 @@ def _generate(self, input_ids=None, attention_mask=None, generation_config=None,
         raise ValueError("graphcap's generate needs input_ids (a [batch, tokens] tensor of "
                          "the prompts, as the tokenizer gives)")
     prompts = _prompts(input_ids, attention_mask, config.pad_token_id, config.eos_token_id)
-    eos = _ids(config.eos_token_id)
+    eos = eos_ids(config.eos_token_id)
     if config.max_new_tokens is not None:
         new = config.max_new_tokens
     else:
@@ -116,17 +117,13 @@ def _refuse(config, unused: dict) -> None:
             "eos_token_id; graphcap.restore(model) gives transformers' own generate back")
 
 
-def _ids(value) -> set[int]:
-    return {int(v) for v in ([value] if isinstance(value, int) else value or [])}
-
-
 def _prompts(input_ids, attention_mask, pad, eos) -> list[list[int]]:
     """Each row's prompt: its tokens under the attention mask (left or right padding), or,
     without a mask, those that are not the pad token (when it is not also an eos)."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, tokens], got {tuple(input_ids.shape)}")
     if attention_mask is None:
-        if pad is not None and pad not in _ids(eos):
+        if pad is not None and pad not in eos_ids(eos):
             attention_mask = input_ids != pad
         else:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)

@@ -40,6 +40,12 @@ def _token_id(value) -> int:
     return operator.index(value)
 
 
+def eos_ids(value) -> set[int]:
+    """An ``eos_token_id`` as transformers' configs give it (an int, a list of them, or
+    None) as a set of ids."""
+    return {int(v) for v in ([value] if isinstance(value, int) else value or [])}
+
+
 def stop_tokens_of(stop_tokens, vocab: int) -> set[int]:
     if stop_tokens is None:
         return set()

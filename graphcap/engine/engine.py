@@ -87,7 +87,7 @@ class Engine:
     def __init__(self, model, cache: PagedKVCache, strategy: str, max_batch: int,
                  prefill_tokens: int, *, chunked: bool = False, attention: str | None = None,
                  progress=None):
-        self.cache, self.prefill_tokens = cache, prefill_tokens
+        self.cache, self.max_batch, self.prefill_tokens = cache, max_batch, prefill_tokens
         self.device, self.rows_of = cache.device, getattr(model, "output_rows", "tokens")
         name = type(model).__name__
         self.decoder = capture(model, strategy, buckets=decode_ladder(max_batch),
@@ -187,7 +187,7 @@ class Engine:
                                                    ("prefill", self.prefiller),
                                                    ("extend", self.extender)) if runner}
 
-    def report(self, max_batch: int) -> dict:
+    def report(self) -> dict:
         """Decode steps and prefill calls (a chunk of a long prompt each); per runner its
         replays and fallbacks per bucket; the graph pools' bytes; the ladders."""
         reports = {name: r.report() for name, r in self.runners().items()}
@@ -201,7 +201,7 @@ class Engine:
                 "extend_replays": dict(extended.get("replays", {})),
                 "graph_pool_bytes": sum(r.get("graph_pool_bytes") or 0
                                         for r in reports.values()),
-                "buckets": decode_ladder(max_batch),
+                "buckets": decode_ladder(self.max_batch),
                 "prefill_buckets": decode_ladder(self.prefill_tokens)}
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
-from graphcap.api import STRATEGIES
 from graphcap.core.checks import positive_int
 from graphcap.engine.arguments import check_prompts, sampling_of, stop_tokens_of
 from graphcap.engine.engine import cache_shape
@@ -68,9 +67,6 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
                          f"{shape.max_position}")
     max_batch = positive_int(max_batch, "max_batch")
     prefill_tokens = positive_int(prefill_tokens, "prefill_tokens")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"generate(strategy={strategy!r}): unknown strategy, choose one of "
-                         f"{sorted(STRATEGIES)}")
     llm = LLM(model, strategy=strategy, max_batch=min(max_batch, len(prompts)),
               max_len=longest, prefill_tokens=prefill_tokens, page_size=page_size,
               progress=False, stop_at_eos=False,
@@ -85,4 +81,4 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
                                 stop=sorted(stops)):
             tokens[delta.index] += delta.tokens
             step()
-    return Generation(tokens, llm.engine.report(llm.max_batch))
+    return Generation(tokens, llm.engine.report())

@@ -26,7 +26,7 @@ import torch
 
 from graphcap.api import STRATEGIES, model_dtype
 from graphcap.core.checks import positive_int
-from graphcap.engine.arguments import check_prompts, sampling_of, stop_tokens_of
+from graphcap.engine.arguments import check_prompts, eos_ids, sampling_of, stop_tokens_of
 from graphcap.engine.engine import Engine, Request, cache_shape
 from graphcap.errors import GraphcapError
 from graphcap.kv.paged import PagedKVCache
@@ -85,7 +85,7 @@ class LLM:
                  attention: str | None = None, page_size: int = 16, progress=True,
                  stop_at_eos: bool = True, long_prompts: bool = True):
         if strategy not in STRATEGIES:
-            raise ValueError(f"LLM(strategy={strategy!r}): unknown strategy, choose one of "
+            raise ValueError(f"strategy={strategy!r}: unknown strategy, choose one of "
                              f"{sorted(STRATEGIES)}")
         model, tokenizer = _resolve(model, tokenizer)
         self.model, self.tokenizer, self.strategy = model, tokenizer, strategy
@@ -292,12 +292,9 @@ def _stop_prefix(text: str, stops: tuple[str, ...]) -> int:
 def _eos(model, tokenizer) -> set[int]:
     """The end-of-sequence ids of a transformers model's generation config and of the
     tokenizer (none for graphcap's reference decoders without a tokenizer)."""
-    found = set()
     config = getattr(getattr(model, "hf_model", None), "generation_config", None)
-    for eos in (getattr(config, "eos_token_id", None),
-                getattr(tokenizer, "eos_token_id", None)):
-        found |= {int(e) for e in ([eos] if isinstance(eos, int) else eos or [])}
-    return found
+    return eos_ids(getattr(config, "eos_token_id", None)) | \
+        eos_ids(getattr(tokenizer, "eos_token_id", None))
 
 
 class _Fetch:

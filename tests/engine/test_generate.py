@@ -104,6 +104,7 @@ def test_a_stop_token_ends_its_request_and_is_kept():
     ({"max_batch": True}, ValueError, "max_batch must be a positive int"),
     ({"page_size": True}, ValueError, "page_size must be a positive int"),
     ({"sampling": 0.5}, ValueError, "sampling must be a graphcap.Sampling"),
+    ({"strategy": "fast"}, ValueError, "strategy='fast': unknown strategy"),
 ])
 def test_bad_arguments_are_refused(kwargs, error, match):
     call = {"prompts": PROMPTS, "max_new_tokens": 3, **kwargs}
