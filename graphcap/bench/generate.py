@@ -23,6 +23,7 @@ step, per strategy:
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -51,15 +52,21 @@ def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(1, vocab, (count, length), generator=gen).tolist()
 
 
-def _tokens_per_s(llm: LLM, prompts, new: int, reps: int, device: str) -> float:
+def _tokens_per_s(call, reps: int, device: str) -> float:
+    """The median over ``reps`` calls of ``call()`` (which returns the tokens it made)
+    of tokens per second of wall time, the device synchronised before and after."""
     rates = []
     for _ in range(reps):
         _sync(device)
         start = time.perf_counter()
-        done = llm.generate(prompts, new)
+        made = call()
         _sync(device)
-        rates.append(sum(len(c.tokens) for c in done) / (time.perf_counter() - start))
+        rates.append(made / (time.perf_counter() - start))
     return statistics.median(rates)
+
+
+def _made(llm: LLM, prompts, new: int) -> int:
+    return sum(len(c.tokens) for c in llm.generate(prompts, new))
 
 
 def _shapes(llm: LLM) -> dict:
@@ -83,7 +90,8 @@ def bench_model(name: str, strategies, cases, long, reps: int, device: str) -> d
         llm.generate(_prompts(1, 8, vocab, 0), 4)  # the first call's host-side set-up
         before = _shapes(llm)
         for prompts, length, new in cases:
-            rate = _tokens_per_s(llm, _prompts(prompts, length, vocab, 1), new, reps, device)
+            batch = _prompts(prompts, length, vocab, 1)
+            rate = _tokens_per_s(functools.partial(_made, llm, batch, new), reps, device)
             out["cases"].append({"strategy": strategy, "prompts": prompts, "length": length,
                                  "new": new, "tokens_per_s": round(rate, 1)})
         out["captured_nothing_later"] = out.get("captured_nothing_later", True) and \
@@ -145,23 +153,13 @@ def _transformers(name: str, case, reps: int, device: str, dtype) -> dict:
     ids = torch.tensor(_prompts(1, length, hf.config.vocab_size, 3), device=device)
     mask = torch.ones_like(ids)
 
-    def rate(call) -> float:
-        rates = []
-        for _ in range(reps):
-            _sync(device)
-            start = time.perf_counter()
-            made = call()
-            _sync(device)
-            rates.append(made / (time.perf_counter() - start))
-        return round(statistics.median(rates), 1)
-
     def static() -> int:
         out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                           do_sample=False, cache_implementation="static", pad_token_id=0)
         return out.shape[1] - length
 
     static()  # compiles
-    found = {"static_cache": rate(static)}
+    found = {"static_cache": round(_tokens_per_s(static, reps, device), 1)}
     graphcap.accelerate(hf, max_batch=1, max_len=length + new + 8)
 
     def accelerated() -> int:
@@ -171,8 +169,8 @@ def _transformers(name: str, case, reps: int, device: str, dtype) -> dict:
 
     llm = hf.__dict__["_graphcap_llm"]
     accelerated()
-    found["accelerate"] = rate(accelerated)
-    found["llm"] = rate(lambda: len(llm.generate(ids.tolist(), new)[0].tokens))
+    found["accelerate"] = round(_tokens_per_s(accelerated, reps, device), 1)
+    found["llm"] = round(_tokens_per_s(lambda: _made(llm, ids.tolist(), new), reps, device), 1)
     graphcap.restore(hf)
     return found
 
