@@ -125,7 +125,7 @@ class LLM:
                                                None, delta.finish_reason)
         if self.tokenizer is not None:
             for c in done.values():
-                c.text = self._text(c.tokens, self._stop_strings(stop))
+                c.text = self._text(c.tokens, self._stop_strings(stop))[0]
         return [done[i] for i in range(len(done))]
 
     def stream(self, prompts, max_new_tokens: int = 64, *, sampling=None, stop=None
@@ -241,21 +241,22 @@ class LLM:
     def _delta(self, request: Request, state: _Text, final: bool) -> tuple[str, bool]:
         """The text the request's new token adds (up to a stop string), and whether a
         stop string has appeared."""
-        full = self.tokenizer.decode(request.new, skip_special_tokens=True)
-        hits = [full.find(s) for s in state.stops if s in full]
-        if hits:
-            full, final = full[:min(hits)], True
+        full, hit = self._text(request.new, state.stops)
+        if hit:
+            final = True
         elif not final:  # hold back a partial character, and what may begin a stop string
             if full.endswith("\ufffd"):
                 return "", False
             full = full[:len(full) - _stop_prefix(full, state.stops)]
         delta, state.sent = full[len(state.sent):], full
-        return delta, bool(hits)
+        return delta, hit
 
-    def _text(self, tokens: list[int], strings: tuple[str, ...]) -> str:
+    def _text(self, tokens: list[int], strings: tuple[str, ...]) -> tuple[str, bool]:
+        """The text of ``tokens``, cut before the first of ``strings`` in it, and whether
+        one was."""
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         cuts = [text.find(s) for s in strings if s in text]
-        return text[:min(cuts)] if cuts else text
+        return (text[:min(cuts)], True) if cuts else (text, False)
 
     def _prompts(self, prompts) -> list[list[int]]:
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
