@@ -209,3 +209,27 @@ def test_updates_far_ahead_of_the_device_never_rewrite_offsets_before_their_copy
     for lens, got in zip(batches, seen, strict=True):
         want = [0, lens[0], lens[0] + lens[1], sum(lens)]
         assert got.tolist() == want, lens
+
+
+def test_packed_without_a_dtype_picks_a_backend_that_runs_every_dtype(monkeypatch):
+    """graphcap.packed does not know the forward's dtype: a half-precision-only backend
+    (FlashAttention-4 where it is installed) first in line is passed over for one that
+    runs float32 too; given a half dtype, it is picked."""
+    import graphcap
+    from graphcap.opsdb.attention import TorchVarlen
+
+    class HalfOnly(TorchVarlen):
+        name = "half_only"
+        dtypes = (torch.float16, torch.bfloat16)
+
+    monkeypatch.setattr("graphcap.opsdb.attention.BACKENDS",
+                        {"half_only": HalfOnly, **BACKENDS})
+    q, k, v = qkv(3, 3, 2, 2, 8, torch.float32, "cpu")
+    with graphcap.packed([3], "cpu") as meta:
+        out = torch.empty_like(q)
+        torch.ops.graphcap.attention(q, k, v, out, 0.5)
+    assert meta.backend.name != "half_only"
+    torch.testing.assert_close(out, expect(q, k, v, meta, 0.5))
+    with graphcap.packed([3], "cpu", dtype=torch.bfloat16) as meta:
+        assert meta.backend.name == "half_only"
+        torch.ops.graphcap.attention(*(t.bfloat16() for t in (q, k, v)), out.bfloat16(), 0.5)
