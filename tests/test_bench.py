@@ -360,3 +360,16 @@ def test_bench_generate_judges_the_llm_against_its_own_decode_step():
     assert "full, 1 x 8 + 6: tokens/s of the step's floor" in names
     assert "breakable: LLM build s" in names and all("met" in t for t in model["targets"])
     assert "CUDA only" in model["transformers"]["skipped"]
+
+
+def test_bench_generate_counts_idle_time_between_launches_apart_from_gaps_inside_one():
+    from graphcap.bench.generate import _idle, targets
+
+    assert _idle([]) == 0.0
+    assert _idle([(0, 2), (1, 3), (5, 6)]) == round(1 - 4 / 6, 4)  # idle 3..5
+    assert _idle([(0, 6), (1, 2), (3, 4)]) == 0.0  # spans inside one launch's span
+    found = targets({"cases": [], "step_ms": {}, "build_s": {}, "long_prompt": {},
+                     "captured_nothing_later": True,
+                     "gpu_idle": {"full": {"between_launches": 0.04, "any": 0.2}}})
+    idle = [t for t in found if "idle" in t["target"]]
+    assert [(t["measured"], t["met"]) for t in idle] == [(0.04, True)]
