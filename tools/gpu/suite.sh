@@ -7,12 +7,14 @@
 # variant on first use (80-95 s each: the suite builds bf16 at head dims 64 and 128), so
 # keep the machine warm for the benchmarks that follow (tools/gpu/bench.sh).
 #
-# The gpu-marked tests run as three pytest processes side by side (the tests are bound by
-# the host's Python, the machine has 16 cores and one GPU with room for all three):
-# replay equivalence and kernels, attention backends and transformers models in the
+# The gpu-marked tests run as four pytest processes side by side (the tests are bound by
+# the host's Python, the machine has 16 cores and one GPU with room for all four):
+# replay equivalence; kernels, attention backends and transformers models; the kinds of
+# input, the engine, the strategies' trust tests and generation of stock models, in the
 # background; examples/ (not marked gpu: CI runs them on CPU), then the rest, in front.
-# Each process has SUITE_TIMEOUT seconds; the script exits non-zero if any failed.
-# Logs land in $OUT/gpu-examples.log and $OUT/gpu-suite-{1,2,3}.log; record the run in
+# Each process has SUITE_TIMEOUT seconds, then an interrupt (pytest still prints what
+# failed so far, by name); the script exits non-zero if any failed or ran out of time.
+# Logs land in $OUT/gpu-examples.log and $OUT/gpu-suite-{1,2,3,4}.log; record the run in
 # docs/results/.
 set -o pipefail
 # Where the wheel parts arrive, where unpack.sh installs them, FlashInfer's JIT cache.
@@ -30,31 +32,39 @@ limit=${SUITE_TIMEOUT:-560}
 pytest_gpu() {  # log name, then pytest arguments
   local log=$1
   shift
-  timeout "$limit" python3 -m pytest -m gpu -q -rA -p no:cacheprovider "$@" \
+  timeout -s INT -k 30 "$limit" python3 -m pytest -m gpu -q -rA -p no:cacheprovider "$@" \
     > "$OUT/$log" 2>&1
 }
 g1=(tests/strategies/test_replay_equivalence.py)
 g2=(tests/kernels tests/opsdb/test_attention_backends.py tests/hf/test_hf.py tests/hf/test_hf_kernels.py)
+g3=(tests/inputs tests/engine tests/strategies tests/hf)
 ignore=()
 for path in "${g1[@]}" "${g2[@]}"; do ignore+=(--ignore="$path"); done
 pytest_gpu gpu-suite-1.log "${g1[@]}" "$@" &
 p1=$!
 pytest_gpu gpu-suite-2.log "${g2[@]}" "$@" &
 p2=$!
+pytest_gpu gpu-suite-3.log "${g3[@]}" "${ignore[@]}" "$@" &
+p3=$!
+for path in "${g3[@]}"; do ignore+=(--ignore="$path"); done
 # graphcap is not installed here, so its pytest plugin (graphcap_device) is loaded by name.
-timeout "$limit" python3 -m pytest -q -rA -p no:cacheprovider \
+timeout -s INT -k 30 "$limit" python3 -m pytest -q -rA -p no:cacheprovider \
   -p graphcap.testing.pytest_plugin examples/ > "$OUT/gpu-examples.log" 2>&1
 rc_examples=$?
-pytest_gpu gpu-suite-3.log tests/ "${ignore[@]}" "$@"
-rc3=$?
+pytest_gpu gpu-suite-4.log tests/ "${ignore[@]}" "$@"
+rc4=$?
 wait "$p1"
 rc1=$?
 wait "$p2"
 rc2=$?
-for log in gpu-examples.log gpu-suite-1.log gpu-suite-2.log gpu-suite-3.log; do
+wait "$p3"
+rc3=$?
+for log in gpu-examples.log gpu-suite-{1,2,3,4}.log; do
   echo "== $log"
-  grep -v "^PASSED" "$OUT/$log" | grep -v "Warning\|warn(" | tail -25
+  grep -E "^(FAILED|ERROR|SKIPPED) |(passed|failed|error|skipped)[ ,].* in [0-9.]+s|Interrupt" \
+    "$OUT/$log" | tail -40
 done
 echo "suite wall s: $(( $(date +%s) - start ))"
-echo "exit codes: examples $rc_examples, group 1 $rc1, group 2 $rc2, group 3 $rc3"
-[ "$rc_examples" -eq 0 ] && [ "$rc1" -eq 0 ] && [ "$rc2" -eq 0 ] && [ "$rc3" -eq 0 ]
+echo "exit codes: examples $rc_examples, groups $rc1 $rc2 $rc3 $rc4 (124: out of time)"
+[ "$rc_examples" -eq 0 ] && [ "$rc1" -eq 0 ] && [ "$rc2" -eq 0 ] && [ "$rc3" -eq 0 ] \
+  && [ "$rc4" -eq 0 ]
