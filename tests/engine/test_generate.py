@@ -178,6 +178,27 @@ def test_seeds_count_in_every_bit_and_a_tiny_temperature_is_greedy():
     assert torch.equal(tiny, logits.argmax(-1))
 
 
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), rows=st.integers(1, 6), vocab=st.integers(1, 30))
+def test_a_step_draws_what_the_sample_op_draws_greedy_batches_by_argmax_alone(
+        data, rows, vocab):
+    """pick: a batch of greedy rows takes the argmax alone (no ranking of the
+    vocabulary), any other batch graphcap::sample; the tokens are the op's either way,
+    ties in the logits included."""
+    from graphcap.inputs.sampling import pick, tensors
+    from graphcap.opsdb.sample import SAMPLE
+
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    logits = torch.randint(-3, 4, (rows, vocab), generator=gen).float()  # ties likely
+    params = data.draw(st.lists(st.sampled_from(
+        [Sampling(), Sampling(temperature=1e-6), Sampling(temperature=0.8, seed=5),
+         Sampling(temperature=1.0, top_k=2, top_p=0.6, seed=1)]), min_size=rows,
+        max_size=rows))
+    counters = data.draw(st.lists(st.integers(0, 10**6), min_size=rows, max_size=rows))
+    want = SAMPLE(logits, *tensors(params, "cpu"), torch.tensor(counters))
+    assert torch.equal(pick(logits, params, counters), want)
+
+
 def test_seeds_one_and_two_to_the_31_draw_different_tokens():
     from graphcap.inputs.sampling import draw
 
