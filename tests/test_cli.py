@@ -258,10 +258,15 @@ def test_every_command_s_help_shows_its_defaults_and_choices(capsys):
 
 def test_ops_lists_the_attention_backends_and_where_each_runs(capsys):
     _, out, _ = cli(capsys, "ops", "--json", "--device", "cpu")
-    rows = {row["backend"]: row for row in json.loads(out)["attention"]}
-    assert rows["torch_masked"]["available"] and rows["torch_masked"]["static_metadata"]
-    assert not rows["torch_varlen"]["static_metadata"]
-    assert not rows["flash_attn"]["available"] and "cuda" in rows["flash_attn"]["why_not"]
+    rows = {(row["kind"], row["backend"]): row for row in json.loads(out)["attention"]}
+    prefill = {name: row for (kind, name), row in rows.items() if kind == "prefill"}
+    assert prefill["torch_masked"]["available"] and prefill["torch_masked"]["static_metadata"]
+    assert not prefill["torch_varlen"]["static_metadata"]
+    assert not prefill["flash_attn"]["available"] and "cuda" in prefill["flash_attn"]["why_not"]
+    # which backend computes which per-layer option
+    assert prefill["triton"]["options"] == ["window", "softcap", "sinks"]
+    assert prefill["flash_attn"]["options"] == []
+    assert rows["decode", "graphcap"]["options"] == ["window", "softcap", "sinks"]
 
 
 def test_check_wraps_a_stock_transformers_causal_lm_itself_and_says_so(capsys):

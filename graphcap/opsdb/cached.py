@@ -10,7 +10,8 @@ new tokens (``graphcap::attention``). The cache and its per-batch tensors come f
 context, not the arguments, so a torch.compiled forward (tc_piecewise) sees one opaque
 split op, traced once, and the cache is read at run time, as prefill's metadata is.
 Decode's state lives on the device in the shape's static tensors: the op captures (its
-``static_state`` is the ``CacheBatch``).
+``static_state`` is the ``CacheBatch``). ``window``, ``softcap`` and ``sinks`` are the
+layer's :mod:`~graphcap.opsdb.attention.variant`, passed to whichever attention runs.
 """
 
 from __future__ import annotations
@@ -25,16 +26,18 @@ from graphcap.opsdb.attention import (
     static_metadata,
 )
 from graphcap.opsdb.attention.paged import attend_pages
+from graphcap.opsdb.attention.variant import Variant
 from graphcap.opsdb.kv import KV_WRITE
 from graphcap.opsdb.spec import register_op
 
 OP = "cached_attention"
 
 
-def _run(q, k, v, out, scale, layer, attention, kernel=None) -> None:
+def _run(q, k, v, out, scale, layer, window, softcap, sinks, attention, kernel=None
+         ) -> None:
     kv = current_kv()
     if kv is None:
-        attention(q, k, v, out, scale)
+        attention(q, k, v, out, scale, window, softcap, sinks)
         return
     if not 0 <= layer < kv.cache.layers:
         raise UnsupportedModel(
@@ -47,21 +50,23 @@ def _run(q, k, v, out, scale, layer, attention, kernel=None) -> None:
         meta = attention_if_any()
         if meta is not None:  # an extend: packed requests, attended apart
             meta.attended = True
-        attend_pages(q, k_cache, v_cache, kv, out, scale, kernel)  # kv.plan's backend
+        attend_pages(q, k_cache, v_cache, kv, out, scale, kernel,  # kv.plan's backend
+                     Variant(window, softcap, sinks))
     else:
-        attention(q, k, v, out, scale)
+        attention(q, k, v, out, scale, window, softcap, sinks)
 
 
-def _dispatch(q, k, v, out, scale, layer):
-    _run(q, k, v, out, scale, layer, run_attention)
+def _dispatch(q, k, v, out, scale, layer, window=0, softcap=0.0, sinks=None):
+    _run(q, k, v, out, scale, layer, window, softcap, sinks, run_attention)
 
 
-def _reference_of(q, k, v, out, scale, layer):
-    _run(q, k, v, out, scale, layer, reference_attention, kernel="torch")
+def _reference_of(q, k, v, out, scale, layer, window=0, softcap=0.0, sinks=None):
+    _run(q, k, v, out, scale, layer, window, softcap, sinks, reference_attention,
+         kernel="torch")
 
 
-def _check(q, k, v, out, scale, layer):
-    check_attention(q, k, v, out, scale)
+def _check(q, k, v, out, scale, layer, window=0, softcap=0.0, sinks=None):
+    check_attention(q, k, v, out, scale, window, softcap, sinks)
     if layer < 0:
         raise checks.OpInputError(f"{OP}: layer must be >= 0, got {layer}")
 
@@ -75,13 +80,14 @@ def _state():
     return static_metadata()
 
 
-def _fake(q, k, v, out, scale, layer):
+def _fake(q, k, v, out, scale, layer, window=0, softcap=0.0, sinks=None):
     return None
 
 
 CACHED_ATTENTION = register_op(
     f"graphcap::{OP}",
-    "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, float scale, int layer) -> ()",
+    "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, float scale, int layer, int window=0, "
+    "float softcap=0.0, Tensor? sinks=None) -> ()",
     reference=_reference_of, fake=_fake, split=True, check=_check, dispatch=_dispatch,
     static_state=_state,
     doc="attention keeping layer's K/V in the forward context's paged cache (decode over "

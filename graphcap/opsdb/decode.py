@@ -5,11 +5,13 @@
 ``S`` slots, ``Hq % Hk == 0``); ``block_table`` ``[B, W]`` int32, row ``b``'s pages in
 order (token ``t`` of the row lives in page ``block_table[b, t // S]``, slot
 ``t % S``); ``seq_lens`` ``[B]`` int32, the row's cached tokens, its own included (the
-K/V write comes first). A row attends to tokens ``0 .. min(seq_lens[b], W * S) - 1``; a
-row with ``seq_lens[b] == 0`` (a padded row) comes out zero. What the cache holds outside
-a row's tokens never reaches its output, NaN included. All metadata lives on the device:
-no host synchronisation, so the op captures, and replays with new block tables and
-lengths of the same shapes.
+K/V write comes first). A row attends to tokens ``0 .. min(seq_lens[b], W * S) - 1``
+(with a ``window``, only the last ``window`` of them: the read is bounded by the window,
+not the context); a row with ``seq_lens[b] == 0`` (a padded row) comes out zero.
+``window``, ``softcap`` and ``sinks``: :mod:`graphcap.opsdb.attention.variant`. What
+the cache holds outside a row's tokens never reaches its output, NaN included. All
+metadata lives on the device: no host synchronisation, so the op captures, and replays
+with new block tables and lengths of the same shapes.
 """
 
 from __future__ import annotations
@@ -17,35 +19,49 @@ from __future__ import annotations
 import torch
 
 from graphcap.opsdb import checks
+from graphcap.opsdb.attention.variant import check_variant
 from graphcap.opsdb.spec import Kernel, register_op
 
 OP = "decode_attention"
 
 
 def decode_attention_reference(q, k_cache, v_cache, block_table, seq_lens, out,
-                               scale: float) -> None:
-    """Gathers every row's pages, masks past its length; float32 softmax."""
+                               scale: float, window: int = 0, softcap: float = 0.0,
+                               sinks=None) -> None:
+    """Gathers every row's pages, masks past its length (and before its window); float32
+    softmax, soft-capped scores and sink logits as :mod:`.attention.variant` says."""
     B, Hq, D = q.shape
     _, S, Hk, _ = k_cache.shape
     L = block_table.shape[1] * S
     pages = block_table.long()
     k = k_cache[pages].reshape(B, L, Hk, D)
     v = v_cache[pages].reshape(B, L, Hk, D)
-    valid = torch.arange(L, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
+    t = torch.arange(L, device=q.device)[None, :]
+    valid = t < seq_lens[:, None]  # [B, L]
+    if window > 0:  # the row's token sits at seq_lens - 1
+        valid &= t > seq_lens[:, None] - 1 - window
     zero = torch.zeros((), dtype=k.dtype, device=q.device)
     k = torch.where(valid[:, :, None, None], k, zero).float()  # 0 x NaN stays out
     v = torch.where(valid[:, :, None, None], v, zero).float()
     qf = q.float().view(B, Hk, Hq // Hk, D)
     scores = torch.einsum("bhgd,blhd->bhgl", qf, k) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     live = valid.any(dim=1)[:, None, None, None]
-    probs = torch.softmax(torch.where(live, scores, 0.0), dim=-1)
+    scores = torch.where(live, scores, 0.0)
+    if sinks is not None:  # one more logit per query head, with no value
+        sink = sinks.float().view(1, Hk, Hq // Hk, 1).expand(B, -1, -1, -1)
+        scores = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :L]
     o = torch.einsum("bhgl,blhd->bhgd", probs, v) * live
     out.copy_(o.reshape(B, Hq, D).to(out.dtype))
 
 
-def check_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, scale) -> None:
+def check_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, scale,
+                           window=0, softcap=0.0, sinks=None) -> None:
     checks.tensor(OP, "q", q, ndim=3)
+    check_variant(OP, q, window, softcap, sinks)
     device = q.device
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         checks.tensor(OP, name, t, ndim=4 if name != "out" else 3, device=device)
@@ -74,7 +90,8 @@ def check_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, scal
 
 def decode_attention_inputs(device, dtype, max_rows: int = 5):
     """Rows of random lengths over random pages (shared pages allowed: the op only reads
-    the cache), every slot no row attends filled with NaN."""
+    the cache), every slot no row attends (past its length or before its window) filled
+    with NaN; windows, soft-capping and sinks on or off."""
     from hypothesis import strategies as st
 
     from graphcap.opsdb.inputs import tensors
@@ -93,14 +110,20 @@ def decode_attention_inputs(device, dtype, max_rows: int = 5):
         table = torch.randint(0, pages, (b, width), generator=gen, dtype=torch.int32)
         lens = torch.randint(0, width * page_size + 1, (b,), generator=gen,
                              dtype=torch.int32)
+        window = d(st.sampled_from([0, 0, 1, 3, 8, 100]))
         attended = torch.zeros(pages * page_size, dtype=torch.bool)
         for row in range(b):
-            for t in range(int(lens[row])):
+            n = int(lens[row])
+            for t in range(max(0, n - window) if window else 0, n):
                 attended[int(table[row, t // page_size]) * page_size + t % page_size] = True
         unread = ~attended.view(pages, page_size).to(device)
         kc[unread], vc[unread] = float("nan"), float("nan")
         out = torch.empty_like(q)
-        return q, kc, vc, table.to(device), lens.to(device), out, head ** -0.5
+        softcap = d(st.sampled_from([0.0, 0.0, 0.5, 30.0]))
+        sinks = None if d(st.booleans()) else \
+            (torch.randn(hq, generator=gen) * 3).to(device, torch.float32)
+        return (q, kc, vc, table.to(device), lens.to(device), out, head ** -0.5, window,
+                softcap, sinks)
 
     return draw()
 
@@ -108,7 +131,8 @@ def decode_attention_inputs(device, dtype, max_rows: int = 5):
 DECODE_ATTENTION = register_op(
     f"graphcap::{OP}",
     "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
-    "Tensor(a!) out, float scale) -> ()",
+    "Tensor(a!) out, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) "
+    "-> ()",
     reference=decode_attention_reference,
     kernels={"triton": Kernel("graphcap.opsdb.triton.decode:decode_attention",
                               requires=("triton",))},

@@ -29,17 +29,25 @@ def describe(device: torch.device | str) -> list[dict]:
 
 
 def attention_backends(device: torch.device | str) -> list[dict]:
-    """Every attention backend: whether it runs here (or why not), and whether its
-    metadata is static (it runs under full capture, and inside breakable and tc_piecewise
-    graphs)."""
-    from graphcap.opsdb.attention import BACKENDS
+    """Every attention backend, prefill's and then decode's (attention over the paged
+    cache): whether it runs here (or why not), whether its metadata is static (it runs
+    under full capture, and inside breakable and tc_piecewise graphs), and which per-layer
+    options it computes (a sliding window, soft-capped scores, sinks)."""
+    from graphcap.opsdb.attention import BACKENDS, DECODE_BACKENDS
+    from graphcap.opsdb.attention.variant import OPTIONS
 
     rows = []
     for name, cls in BACKENDS.items():
         why = cls().unavailable(device)
-        rows.append({"backend": name, "available": why is None, "why_not": why,
-                     "static_metadata": cls.static_metadata,
-                     "dtypes": [str(d).removeprefix("torch.") for d in cls.dtypes]})
+        rows.append({"backend": name, "kind": "prefill", "available": why is None,
+                     "why_not": why, "static_metadata": cls.static_metadata,
+                     "dtypes": [str(d).removeprefix("torch.") for d in cls.dtypes],
+                     "options": [o for o in OPTIONS if o in cls.options]})
+    for name, cls in DECODE_BACKENDS.items():
+        rows.append({"backend": name, "kind": "decode", "available": None,
+                     "why_not": "checked against a cache (get_backend(kind='decode'))",
+                     "static_metadata": True, "dtypes": [],
+                     "options": [o for o in OPTIONS if o in cls.options]})
     return rows
 
 
@@ -60,8 +68,13 @@ def render(device: torch.device | str, as_json: bool = False) -> str:
                 lines.append(f"    {b}: {s}")
     lines += ["", f"attention backends on {device}:"]
     for row in attention:
+        options = f"options: {', '.join(row['options']) or 'none'}"
+        if row["kind"] == "decode":
+            lines.append(f"    {row['backend']} (decode, over the paged cache): {options}")
+            continue
         where = "runs here" if row["available"] else row["why_not"]
         static = "static metadata: every strategy" if row["static_metadata"] else (
             "host lengths: not under full")
-        lines.append(f"    {row['backend']}: {where}; {static}; {', '.join(row['dtypes'])}")
+        lines.append(f"    {row['backend']}: {where}; {static}; {', '.join(row['dtypes'])}; "
+                     f"{options}")
     return "\n".join(lines)

@@ -60,13 +60,15 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     cu_seqlens: torch.Tensor, scale: float, causal: bool = True
-                     ) -> torch.Tensor:
+                     cu_seqlens: torch.Tensor, scale: float, causal: bool = True,
+                     window: int = 0, softcap: float = 0.0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill attention over requests packed along dim 0 (no KV cache).
 
     q [T, Hq, D], k and v [T, Hk, D] with Hq a multiple of Hk (GQA); ``cu_seqlens``
     [R + 1] int32 offsets of each request (zero-length requests allowed). Rows past
-    ``cu_seqlens[-1]`` (padding) come out zero.
+    ``cu_seqlens[-1]`` (padding) come out zero. ``window``, ``softcap`` and ``sinks``:
+    :mod:`graphcap.opsdb.attention.variant` (each request's tokens at positions 0, 1, ...).
     """
     out = torch.zeros_like(q)
     group = q.shape[1] // k.shape[1]
@@ -77,13 +79,40 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qs = q[start:end].float().transpose(0, 1)  # [Hq, L, D]
         ks = k[start:end].float().transpose(0, 1).repeat_interleave(group, dim=0)
         vs = v[start:end].float().transpose(0, 1).repeat_interleave(group, dim=0)
-        scores = qs @ ks.transpose(1, 2) * scale
-        if causal:
-            n = end - start
-            mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-            scores = scores.masked_fill(mask, float("-inf"))
-        out[start:end] = (scores.softmax(-1) @ vs).transpose(0, 1).to(q.dtype)
+        pos = torch.arange(end - start, device=q.device)
+        seen = seen_keys(pos, pos, causal, window)
+        out[start:end] = softmax_v(qs @ ks.transpose(1, 2) * scale, seen, vs, softcap,
+                                    sinks).transpose(0, 1).to(q.dtype)
     return out
+
+
+def seen_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int
+          ) -> torch.Tensor:
+    """``[Lq, Lk]``: which keys each query sees (causal: none after it; a window: none
+    ``window`` or more positions before it)."""
+    seen = torch.ones(q_pos.shape[0], k_pos.shape[0], dtype=torch.bool, device=q_pos.device)
+    if causal:
+        seen &= k_pos[None, :] <= q_pos[:, None]
+    if window > 0:
+        seen &= k_pos[None, :] > q_pos[:, None] - window
+    return seen
+
+
+def softmax_v(scores: torch.Tensor, seen: torch.Tensor, v: torch.Tensor, softcap: float,
+               sinks: torch.Tensor | None) -> torch.Tensor:
+    """``softmax(scores) @ v`` in float32 over the ``seen`` keys (scores ``[H, Lq, Lk]``,
+    ``v`` ``[H, Lk, D]``), scores soft-capped first, a sink logit per head joining the
+    softmax without a value; a row that sees no key comes out zero."""
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~seen, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    any_seen = seen.any(dim=-1)[None, :, None]
+    probs = torch.where(any_seen | (sinks is not None), scores, 0.0).softmax(-1)
+    probs = probs[..., :v.shape[1]] * any_seen
+    return probs @ v
 
 
 def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool

@@ -143,11 +143,15 @@ COMPILE_PDL_KERNELS = textwrap.dedent('''
                                            "w_ptr": "*bf16", "eps": "fp32", **ints},
               {**norm, "PDL": pdl})
         strides = {f"stride_{t}{d}": "i32" for t in "qkvo" for d in "th"}
-        build(_attn_varlen_fwd, {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16",
-                                 "CU": "*i32", "T": "i32", "qk_scale": "fp32",
-                                 "NUM_REQ": "i32", **strides},
-              {"GROUP": 2, "HEAD_DIM": 128, "BLOCK_M": 16, "BLOCK_N": 16, "CAUSAL": True,
-               "DOT_PRECISION": "tf32", "INTERPRET": False, "PDL": pdl})
+        for variant in (False, True):  # a window, soft-capping and sinks, or none
+            build(_attn_varlen_fwd, {"Q": "*bf16", "K": "*bf16", "V": "*bf16",
+                                     "Out": "*bf16", "CU": "*i32", "SINKS": "*bf16",
+                                     "T": "i32", "qk_scale": "fp32", "sm_scale": "fp32",
+                                     "window": "i32", "softcap": "fp32", "NUM_REQ": "i32",
+                                     **strides},
+                  {"GROUP": 2, "HEAD_DIM": 128, "BLOCK_M": 16, "BLOCK_N": 16,
+                   "CAUSAL": True, "DOT_PRECISION": "tf32", "INTERPRET": False, "PDL": pdl,
+                   "WINDOW": variant, "SOFTCAP": variant, "HAS_SINKS": variant})
     print("compiled")
 ''')
 
@@ -179,21 +183,22 @@ COMPILE_DECODE = textwrap.dedent('''
                    "k_stride_t", "k_stride_h", "v_stride_t", "v_stride_h", "heads",
                    "head_dim")}},
               {"BLOCK_H": 8, "BLOCK_D": 128, "INTERPRET": False})
-        for page, group, splits in ((16, 2, 8), (1, 1, 1)):
+        for (page, group, splits), variant in zip(((16, 2, 8), (1, 1, 1)), (True, False)):
             build(_decode_split_kernel,
                   {"q_ptr": f"*{dt}", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}",
                    "table_ptr": "*i32", "lens_ptr": "*i32", "mid_o_ptr": "*fp32",
-                   "mid_lse_ptr": "*fp32", "scale": "fp32", **{n: "i32" for n in (
+                   "mid_lse_ptr": "*fp32", "scale": "fp32", "softcap": "fp32",
+                   **{n: "i32" for n in (
                        "q_stride_b", "q_stride_h", "table_stride", "width", "heads",
-                       "kv_heads", "head_dim", "split_len")}},
+                       "kv_heads", "head_dim", "split_len", "window")}},
                   {"PAGE": page, "GROUP": group, "SPLITS": splits, "BLOCK_N": 32,
-                   "BLOCK_D": 128})
+                   "BLOCK_D": 128, "WINDOW": variant, "SOFTCAP": variant})
             build(_decode_merge_kernel,
-                  {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "out_ptr": f"*{dt}",
-                   **{n: "i32" for n in ("out_stride_b", "out_stride_h", "heads",
-                                         "head_dim")}},
+                  {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "sinks_ptr": "*bf16",
+                   "out_ptr": f"*{dt}", **{n: "i32" for n in (
+                       "out_stride_b", "out_stride_h", "heads", "head_dim")}},
                   {"SPLITS": splits, "BLOCK_S": triton.next_power_of_2(splits),
-                   "BLOCK_D": 128, "INTERPRET": False})
+                   "BLOCK_D": 128, "SINKS": variant, "INTERPRET": False})
     print("compiled")
 ''')
 

@@ -27,6 +27,7 @@ from graphcap.opsdb.attention.flashinfer_decode import FlashInferDecode
 from graphcap.opsdb.attention.paged import DecodeBackend, OpsdbDecode
 from graphcap.opsdb.attention.torch_backends import TorchMasked, TorchVarlen
 from graphcap.opsdb.attention.triton_backend import TritonAttention
+from graphcap.opsdb.attention.variant import Variant, check_variant, refuse
 from graphcap.opsdb.spec import register_op
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
@@ -40,11 +41,12 @@ DECODE_BACKENDS: dict[str, type[DecodeBackend]] = {
 
 def get_backend(name: str | None = None, device="cpu", strategy: str | None = None,
                 dtype: torch.dtype | None = None, *, kind: str = "prefill",
-                cache=None) -> AttentionBackend | DecodeBackend:
+                cache=None, options=()) -> AttentionBackend | DecodeBackend:
     """An attention backend by name, or the best available on ``device`` for ``strategy``
-    (and for q/k/v of ``dtype``, when given). ``kind="decode"``: a backend of attention
-    over ``cache``'s pages (a :class:`~graphcap.kv.PagedKVCache`), checked against it;
-    None gives the default, ``graphcap::decode_attention``."""
+    (and for q/k/v of ``dtype``, and computing the :mod:`.variant` ``options`` a model's
+    layers use, when given). ``kind="decode"``: a backend of attention over ``cache``'s
+    pages (a :class:`~graphcap.kv.PagedKVCache`), checked against it; None gives the
+    default, ``graphcap::decode_attention``."""
     if kind == "decode":
         return _decode_backend(name, cache)
     if kind != "prefill":
@@ -65,10 +67,18 @@ def get_backend(name: str | None = None, device="cpu", strategy: str | None = No
         backend = cls()
         if (backend.unavailable(device, interpreted=False) is None
                 and backend.runs_under(strategy or "eager")
-                and (dtype is None or dtype in backend.dtypes)):
+                and (dtype is None or dtype in backend.dtypes)
+                and set(options) <= backend.options):
             return backend
     raise BackendUnavailable(f"no attention backend runs on {device} under {strategy}"
-                             + (f" for {dtype}" if dtype is not None else ""))
+                             + (f" for {dtype}" if dtype is not None else "")
+                             + (f" computing {', '.join(options)}" if options else ""))
+
+
+def serving(variant: Variant, device: torch.device) -> list[str]:
+    """The prefill backends available on ``device`` that compute ``variant``."""
+    return [name for name, cls in BACKENDS.items()
+            if set(variant.used) <= cls.options and cls().unavailable(device) is None]
 
 
 def _decode_backend(name: str | None, cache) -> DecodeBackend:
@@ -87,9 +97,10 @@ def _decode_backend(name: str | None, cache) -> DecodeBackend:
     return backend
 
 
-def check_attention(q, k, v, out, scale):
+def check_attention(q, k, v, out, scale, window=0, softcap=0.0, sinks=None):
     op = "attention"
     checks.tensor(op, "q", q, ndim=3)
+    check_variant(op, q, window, softcap, sinks)
     for name, t in (("k", k), ("v", v), ("out", out)):
         checks.tensor(op, name, t, ndim=3, dtypes=(q.dtype,), device=q.device)
     checks.same(op, "the shape", tuple(k.shape), tuple(v.shape), "k", "v")
@@ -102,7 +113,7 @@ def check_attention(q, k, v, out, scale):
             "key/value heads (GQA needs Hq % Hk == 0)")
 
 
-def run_attention(q, k, v, out, scale):
+def run_attention(q, k, v, out, scale, window=0, softcap=0.0, sinks=None):
     """The op's call: the kernel of the backend that prepared the forward's metadata."""
     meta = current_attention()
     meta.attended = True
@@ -110,8 +121,15 @@ def run_attention(q, k, v, out, scale):
         raise checks.OpInputError(
             f"attention: q has {q.shape[0]} tokens but the metadata was prepared for "
             f"{meta.num_tokens}; prepare metadata for this token count")
-    meta.backend.check_dtype(q.dtype)
-    meta.backend.forward(q, k, v, out, meta, scale)
+    backend = meta.backend
+    backend.check_dtype(q.dtype)
+    variant = Variant(window, softcap, sinks).binding(meta.num_tokens)
+    if not variant.used:  # a backend written before the options takes six arguments
+        backend.forward(q, k, v, out, meta, scale)
+        return
+    refuse("prefill attention", backend.name, backend.options, variant,
+           serving(variant, q.device))
+    backend.forward(q, k, v, out, meta, scale, variant)
 
 
 def static_metadata():
@@ -121,27 +139,30 @@ def static_metadata():
     return meta if meta.backend.static_metadata else None
 
 
-def reference_attention(q, k, v, out, scale):
+def reference_attention(q, k, v, out, scale, window=0, softcap=0.0, sinks=None):
     from graphcap.opsdb.reference import attention_varlen
 
     meta = current_attention()
     meta.attended = True
-    out.copy_(attention_varlen(q, k, v, meta.cu_seqlens_host, scale))
+    out.copy_(attention_varlen(q, k, v, meta.cu_seqlens_host, scale, True, window, softcap,
+                               sinks))
 
 
-def _fake(q, k, v, out, scale):
+def _fake(q, k, v, out, scale, window=0, softcap=0.0, sinks=None):
     return None
 
 
 ATTENTION = register_op(
     "graphcap::attention",
-    "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, float scale) -> ()",
+    "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, float scale, int window=0, "
+    "float softcap=0.0, Tensor? sinks=None) -> ()",
     reference=reference_attention, fake=_fake, split=True, check=check_attention,
     dispatch=run_attention, static_state=static_metadata,
-    doc="causal prefill attention over packed requests; metadata from the forward context",
+    doc="causal prefill attention over packed requests, a sliding window, soft-capped "
+        "scores and sink logits per layer; metadata from the forward context",
 )
 
 __all__ = ["ATTENTION", "BACKENDS", "DECODE_BACKENDS", "AttentionBackend",
-           "AttentionMetadata", "DecodeBackend",
+           "AttentionMetadata", "DecodeBackend", "Variant", "serving",
            "get_backend", "reference_attention", "run_attention", "static_metadata",
            "validate_seq_lens"]

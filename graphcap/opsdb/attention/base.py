@@ -19,6 +19,7 @@ import torch
 
 from graphcap.core.checks import check_lengths
 from graphcap.errors import UnsupportedStrategy
+from graphcap.opsdb.attention.variant import PLAIN, Variant
 from graphcap.opsdb.spec import OpInputError, unavailable
 
 # Host buffers of a CUDA shape's offsets, written in turn: each feeds an asynchronous copy
@@ -140,6 +141,8 @@ class AttentionBackend:
     # tc_piecewise graphs. False: it reads host values (an eager break or split op there).
     static_metadata = True
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+    # The per-layer options of :mod:`.variant` it computes (window, softcap, sinks).
+    options: frozenset[str] = frozenset()
 
     def check_dtype(self, dtype: torch.dtype) -> None:
         if dtype not in self.dtypes:
@@ -174,7 +177,10 @@ class AttentionBackend:
     def plan(self, meta: AttentionMetadata) -> None:
         """Backend-specific host planning after the common buffers are written."""
 
-    def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float) -> None:
+    def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float,
+                variant: Variant = PLAIN) -> None:
+        """``out`` of the batch ``meta`` prepared; ``variant`` sets only options in
+        ``options`` (the op refuses the others before the call)."""
         raise NotImplementedError
 
 

@@ -37,7 +37,8 @@ class FlashAttention(AttentionBackend):
     requires = ("flash_attn",)
     dtypes = (torch.float16, torch.bfloat16)
 
-    def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float) -> None:
+    def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float,
+                variant=None) -> None:
         fn, is_fa4 = _varlen_func()
         k, v = guard_kv(k, v, meta)
         cu, n = meta.cu_seqlens, meta.num_tokens

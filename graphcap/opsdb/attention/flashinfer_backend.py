@@ -65,7 +65,8 @@ class FlashInferAttention(AttentionBackend):
         meta.plan_done.record()
         meta.planned = (hq, hk, d, self.dtype)
 
-    def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float) -> None:
+    def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float,
+                variant=None) -> None:
         if meta.planned is None:
             self.configure(q.shape[1], k.shape[1], q.shape[2], q.dtype)
             self.plan(meta)

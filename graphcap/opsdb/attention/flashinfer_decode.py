@@ -56,7 +56,8 @@ class FlashInferDecode(DecodeBackend):
     def metadata(self, cache: PagedKVCache, tokens: int) -> FlashInferPlan:
         return FlashInferPlan(self, cache, tokens)
 
-    def forward(self, q, k_cache, v_cache, kv, out, scale, kernel=None) -> None:
+    def forward(self, q, k_cache, v_cache, kv, out, scale, kernel=None,
+                variant=None) -> None:
         """``out`` = each row's attention over its planned pages; pads (length 0) zero."""
         plan = kv.plan
         if self.heads is None:  # the first run of any shape, eager (a warm-up)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from graphcap.kv.batch import CacheBatch
 from graphcap.kv.paged import PagedKVCache
+from graphcap.opsdb.attention.variant import OPTIONS, PLAIN, Variant, refuse
 from graphcap.opsdb.decode import DECODE_ATTENTION
 
 
@@ -38,10 +39,12 @@ class DecodePlan:
 
 
 class DecodeBackend:
-    """One way to attend over a paged cache; subclasses set ``name`` and ``forward``."""
+    """One way to attend over a paged cache; subclasses set ``name`` and ``forward``, and
+    ``options``, the :mod:`.variant` options it computes."""
 
     name = "base"
     kind = "decode"
+    options: frozenset[str] = frozenset()
 
     def unavailable(self, cache: PagedKVCache) -> str | None:
         """Why it cannot serve ``cache`` (device, dtype, head dim), or None."""
@@ -51,7 +54,7 @@ class DecodeBackend:
         return DecodePlan(self, cache, tokens)
 
     def forward(self, q, k_cache, v_cache, kv: CacheBatch, out, scale: float,
-                kernel: str | None = None) -> None:
+                kernel: str | None = None, variant: Variant = PLAIN) -> None:
         raise NotImplementedError
 
 
@@ -60,18 +63,26 @@ class OpsdbDecode(DecodeBackend):
     ``kernel`` names one of its kernels (the op's reference path passes ``"torch"``)."""
 
     name = "graphcap"
+    options = frozenset(OPTIONS)
 
-    def forward(self, q, k_cache, v_cache, kv, out, scale, kernel=None) -> None:
+    def forward(self, q, k_cache, v_cache, kv, out, scale, kernel=None,
+                variant: Variant = PLAIN) -> None:
         DECODE_ATTENTION(q, k_cache, v_cache, kv.block_table, kv.seq_lens, out, scale,
-                         kernel=kernel)
+                         variant.window, variant.softcap, variant.sinks, kernel=kernel)
 
 
 DEFAULT = OpsdbDecode()
 
 
 def attend_pages(q, k_cache, v_cache, kv: CacheBatch, out, scale: float,
-                 kernel: str | None = None) -> None:
+                 kernel: str | None = None, variant: Variant = PLAIN) -> None:
     """Each row of ``q`` over its request's pages: the kernel of the backend that planned
-    ``kv`` (the default's for a cache batch made without a plan)."""
+    ``kv`` (the default's for a cache batch made without a plan), which must compute the
+    layer's ``variant``."""
     backend = DEFAULT if kv.plan is None else kv.plan.backend
-    backend.forward(q, k_cache, v_cache, kv, out, scale, kernel)
+    if not variant.used:
+        backend.forward(q, k_cache, v_cache, kv, out, scale, kernel)
+        return
+    refuse("decode attention", backend.name, backend.options, variant,
+           [name for name, b in (("graphcap", DEFAULT),) if set(variant.used) <= b.options])
+    backend.forward(q, k_cache, v_cache, kv, out, scale, kernel, variant)

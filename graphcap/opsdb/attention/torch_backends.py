@@ -12,6 +12,8 @@ from graphcap.opsdb.attention.base import (
     guard_kv,
     zero_padding_rows,
 )
+from graphcap.opsdb.attention.variant import OPTIONS, PLAIN, Variant
+from graphcap.opsdb.reference import seen_keys, softmax_v
 
 
 def _sdpa(q, k, v, scale, mask=None, causal=False):
@@ -30,15 +32,25 @@ class TorchVarlen(AttentionBackend):
 
     name = "torch_varlen"
     static_metadata = False
+    options = frozenset(OPTIONS)
 
-    def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float) -> None:
+    def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float,
+                variant: Variant = PLAIN) -> None:
         out.zero_()
         start = 0
         for n in meta.seq_lens:
             if n:
                 end = start + n
-                out[start:end] = _sdpa(q[start:end], k[start:end], v[start:end], scale,
-                                       causal=True)
+                if variant.used:
+                    from graphcap.opsdb.reference import attention_varlen
+
+                    cu = torch.tensor([0, n], dtype=torch.int32)
+                    out[start:end] = attention_varlen(
+                        q[start:end], k[start:end], v[start:end], cu, scale, True,
+                        variant.window, variant.softcap, variant.sinks)
+                else:
+                    out[start:end] = _sdpa(q[start:end], k[start:end], v[start:end], scale,
+                                           causal=True)
                 start = end
 
 
@@ -50,6 +62,7 @@ class TorchMasked(AttentionBackend):
     boolean mask as ``-inf``, and NaN + -inf is NaN)."""
 
     name = "torch_masked"
+    options = frozenset(OPTIONS)
 
     def metadata(self, num_tokens, num_slots, device):
         meta = super().metadata(num_tokens, num_slots, device)
@@ -61,15 +74,18 @@ class TorchMasked(AttentionBackend):
         ids += [-1] * (meta.num_tokens - len(ids))  # padding rows: their own request
         meta.request_ids.copy_(torch.tensor(ids, dtype=torch.int32), non_blocking=True)
 
-    def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float) -> None:
+    def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float,
+                variant: Variant = PLAIN) -> None:
         rid = meta.request_ids
         rows = torch.arange(rid.shape[0], device=rid.device)
-        allowed = (rid[:, None] == rid[None, :]) & (rows[None, :] <= rows[:, None])
+        # Rows of one request sit side by side: a window over rows is one over positions.
+        allowed = (rid[:, None] == rid[None, :]) & seen_keys(rows, rows, True, variant.window)
         k, v = guard_kv(k, v, meta)
         group = q.shape[1] // k.shape[1]
         qh, kh, vh = (t.transpose(0, 1).float() for t in (q, k, v))  # [H, T, D]
         if group > 1:
             kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
-        scores = (qh @ kh.transpose(1, 2)).mul_(scale).masked_fill_(~allowed, float("-inf"))
-        out.copy_((scores.softmax(-1) @ vh).transpose(0, 1))
+        scores = (qh @ kh.transpose(1, 2)).mul_(scale)
+        out.copy_(softmax_v(scores, allowed, vh, variant.softcap, variant.sinks)
+                  .transpose(0, 1))
         zero_padding_rows(out, meta)

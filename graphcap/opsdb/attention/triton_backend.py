@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from graphcap.opsdb.attention.base import AttentionBackend, AttentionMetadata
+from graphcap.opsdb.attention.variant import OPTIONS, PLAIN, Variant
 
 
 class TritonAttention(AttentionBackend):
@@ -12,8 +13,11 @@ class TritonAttention(AttentionBackend):
     name = "triton"
     devices = ("cuda",)
     requires = ("triton",)
+    options = frozenset(OPTIONS)
 
-    def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float) -> None:
+    def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float,
+                variant: Variant = PLAIN) -> None:
         from graphcap.opsdb.triton.attention import attention_varlen
 
-        attention_varlen(q, k, v, out, meta.cu_seqlens, meta.num_tokens, scale, True)
+        attention_varlen(q, k, v, out, meta.cu_seqlens, meta.num_tokens, scale, True,
+                         variant.window, variant.softcap, variant.sinks)

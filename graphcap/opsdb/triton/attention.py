@@ -12,6 +12,12 @@ mask; only the blocks that straddle the diagonal (or the request's end) are mask
 blocks above the diagonal are never visited. Rows of the grid whose block starts past their
 request's length exit at once; the heaviest (last) query blocks are scheduled first.
 
+Variants (:mod:`graphcap.opsdb.attention.variant`, each a constexpr flag, so the plain
+kernel is unchanged): with a sliding window the key blocks wholly before every row's
+window are never visited and those straddling its edge are masked; soft-capping applies
+``softcap * tanh(s / softcap)`` to each scaled score before the base-2 softmax; a sink
+logit per query head joins each row's normaliser at the end.
+
 Capture contract. The launcher performs no host synchronisation and allocates nothing: the
 grid is ``(Hq, cdiv(max_seqlen, BLOCK_M), R + 1)``, a function of host values only (the
 tensors' shapes and the host int ``max_seqlen``, which is baked into a captured graph). A
@@ -33,19 +39,22 @@ import triton
 import triton.language as tl
 
 from graphcap.opsdb.triton.common import interpreting, num_sms, pdl_args, pdl_start
+from graphcap.opsdb.triton.decode import soft_cap
 
 _LOG2E = 1.4426950408889634
+_LOG2E_F = tl.constexpr(_LOG2E)
 
 
 @triton.jit
 def _attn_step(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-               start_n, seqlen, qk_scale,
+               start_n, seqlen, qk_scale, sm_scale, window, softcap,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               INTERPRET: tl.constexpr):
+               INTERPRET: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     """One key block ``[start_n, start_n + BLOCK_N)`` of the online softmax.
 
-    MASKED: mask keys past ``seqlen`` (and above the diagonal when CAUSAL); otherwise every
-    key of the block is valid for every row, and no mask is built at all.
+    MASKED: mask keys past ``seqlen`` (and above the diagonal when CAUSAL, and before the
+    window when WINDOW); otherwise every key of the block is valid for every row, and no
+    mask is built at all. SOFTCAP: each score is soft-capped (in natural units) first.
     """
     cols = start_n + offs_n
     k_ptrs = k_base + cols[:, None] * stride_kt + offs_d[None, :]
@@ -61,17 +70,23 @@ def _attn_step(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, o
         qk = tl.dot(q.to(tl.float32), tl.trans(k).to(tl.float32), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if SOFTCAP:
+        qk = soft_cap(qk * sm_scale, softcap) * _LOG2E_F
+    else:
+        qk = qk * qk_scale
     if MASKED:
         keep = in_req[None, :]
         if CAUSAL:
             keep = keep & (offs_m[:, None] >= cols[None, :])
-        qk = tl.where(keep, qk * qk_scale, float("-inf"))
-    else:
-        qk = qk * qk_scale
-    # The first block a row visits holds at least one key it may see (the masked blocks run
-    # first and start at a key <= every row of the tile, inside the request), so m_new is
-    # finite from then on and no (-inf) - (-inf) NaN appears.
+        if WINDOW:
+            keep = keep & (cols[None, :] > offs_m[:, None] - window)
+        qk = tl.where(keep, qk, float("-inf"))
+    # Without a window, the first block a row visits holds at least one key it may see (the
+    # masked blocks run first and start at a key <= every row of the tile, inside the
+    # request), so m_new is finite from then on and no (-inf) - (-inf) NaN appears.
     m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if WINDOW:  # a row may see no key of the block, nor of any block before it
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(qk - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -91,9 +106,10 @@ def _attn_step(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, o
 
 @triton.jit
 def _attn_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d,
-                lo, hi, seqlen, qk_scale,
+                lo, hi, seqlen, qk_scale, sm_scale, window, softcap,
                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, WINDOW: tl.constexpr,
+                SOFTCAP: tl.constexpr):
     """Online softmax over key blocks ``[lo, hi)`` (``lo`` a multiple of ``BLOCK_N``)."""
     offs_n = tl.arange(0, BLOCK_N)
     if INTERPRET:
@@ -103,24 +119,27 @@ def _attn_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, 
         while start_n < hi:
             acc, l_i, m_i = _attn_step(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
                                        offs_m, offs_n, offs_d, start_n, seqlen, qk_scale,
-                                       MASKED, CAUSAL, DOT_PRECISION, INTERPRET)
+                                       sm_scale, window, softcap, MASKED, CAUSAL,
+                                       DOT_PRECISION, INTERPRET, WINDOW, SOFTCAP)
             start_n += BLOCK_N
     else:
         # A for loop, so that Triton software-pipelines the K/V loads (num_stages).
         for start_n in tl.range(lo, hi, BLOCK_N):
             acc, l_i, m_i = _attn_step(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
                                        offs_m, offs_n, offs_d, start_n, seqlen, qk_scale,
-                                       MASKED, CAUSAL, DOT_PRECISION, INTERPRET)
+                                       sm_scale, window, softcap, MASKED, CAUSAL,
+                                       DOT_PRECISION, INTERPRET, WINDOW, SOFTCAP)
     return acc, l_i, m_i
 
 
 @triton.jit
 def _attn_varlen_fwd(
-    Q, K, V, Out, CU, T, qk_scale,
+    Q, K, V, Out, CU, SINKS, T, qk_scale, sm_scale, window, softcap,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     NUM_REQ, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     pdl_start(PDL)
     head = tl.program_id(0)
@@ -174,6 +193,7 @@ def _attn_varlen_fwd(
 
     # Masked blocks first, then the unmasked ones (the softmax is order-free). This order
     # also keeps the wgmma pipeline unserialised on sm90 (ptxas warns C7515 the other way).
+    full_lo = 0
     if CAUSAL:
         # Masked: the diagonal blocks [m0, min(m0 + BLOCK_M, seqlen)). Unmasked: keys
         # [0, m0), below the diagonal for every row and inside the request (m0 < seqlen).
@@ -184,12 +204,30 @@ def _attn_varlen_fwd(
         full_hi = (seqlen // BLOCK_N) * BLOCK_N
         diag_hi = seqlen
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
-                                offs_m, offs_d, full_hi, diag_hi, seqlen, qk_scale,
-                                BLOCK_N, True, CAUSAL, DOT_PRECISION, INTERPRET)
+                                offs_m, offs_d, full_hi, diag_hi, seqlen, qk_scale, sm_scale,
+                                window, softcap, BLOCK_N, True, CAUSAL, DOT_PRECISION,
+                                INTERPRET, WINDOW, SOFTCAP)
+    if WINDOW:
+        # Keys before m0 - window + 1 are out of every row's window: never visited. The
+        # blocks from there up to the first one inside every row's window are masked.
+        win_lo = (tl.maximum(m0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(
+            tl.cdiv(tl.maximum(m0 + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N, win_lo), m0)
+        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
+                                    offs_m, offs_d, win_lo, full_lo, seqlen, qk_scale,
+                                    sm_scale, window, softcap, BLOCK_N, True, CAUSAL,
+                                    DOT_PRECISION, INTERPRET, WINDOW, SOFTCAP)
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
-                                offs_m, offs_d, 0, full_hi, seqlen, qk_scale,
-                                BLOCK_N, False, CAUSAL, DOT_PRECISION, INTERPRET)
+                                offs_m, offs_d, full_lo, full_hi, seqlen, qk_scale, sm_scale,
+                                window, softcap, BLOCK_N, False, CAUSAL, DOT_PRECISION,
+                                INTERPRET, WINDOW, SOFTCAP)
 
+    if HAS_SINKS:  # the head's sink logit joins each row's softmax, with no value
+        sink = tl.load(SINKS + head).to(tl.float32) * _LOG2E_F
+        m_f = tl.maximum(m_i, sink)
+        alpha = tl.math.exp2(m_i - m_f)
+        l_i = l_i * alpha + tl.math.exp2(sink - m_f)
+        acc = acc * alpha[:, None]
     acc = acc / l_i[:, None]
     o_ptrs = (Out + start64 * stride_ot + head * stride_oh
               + offs_m[:, None] * stride_ot + offs_d[None, :])
@@ -227,8 +265,11 @@ def _config(head_dim: int, dtype: torch.dtype, programs_at_128: int, num_sms: in
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                      cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
-                     causal: bool = True) -> torch.Tensor:
+                     causal: bool = True, window: int = 0, softcap: float = 0.0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Varlen (causal) prefill attention; writes ``out`` in place and returns it.
+    ``window`` (causal only), ``softcap`` and ``sinks`` (``[Hq]``):
+    :mod:`graphcap.opsdb.attention.variant`.
 
     q [T, Hq, D]; k, v [T, Hk, D] with ``Hq % Hk == 0``; out [T, Hq, D], allocated by the
     caller. D a power of two in 16..256; float32, float16 or bfloat16. The last dim of each
@@ -263,24 +304,32 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     if cu_seqlens.device != q.device or not (q.device == k.device == v.device == out.device):
         raise ValueError("q, k, v, out and cu_seqlens must be on one device")
     num_req = cu_seqlens.numel() - 1
+    if window and not causal:
+        raise ValueError("a sliding window needs causal attention")
+    if sinks is not None and (sinks.shape != (Hq,) or sinks.device != q.device):
+        raise ValueError(f"sinks must be one value per query head [{Hq}] on {q.device}")
     if T == 0 or Hq == 0:
         return out
 
     interpret = interpreting()
     max_seqlen = max(int(max_seqlen), 1)
+    if window >= max_seqlen:  # it cannot bind: no request is that long
+        window = 0
     programs_at_128 = triton.cdiv(max_seqlen, 128) * num_req * Hq
     block_m, block_n, num_warps, num_stages = _config(
         D, q.dtype, programs_at_128, num_sms(q.device), interpret, max_seqlen)
     num_m = triton.cdiv(max_seqlen, block_m)
     grid = (Hq, num_m, num_req + 1)
     _attn_varlen_fwd[grid](
-        q, k, v, out, cu_seqlens, T, float(scale) * _LOG2E,
+        q, k, v, out, cu_seqlens, cu_seqlens if sinks is None else sinks.contiguous(), T,
+        float(scale) * _LOG2E, float(scale), int(window), float(softcap),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         num_req, GROUP=Hq // Hk, HEAD_DIM=D,
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INTERPRET=interpret, num_warps=num_warps, num_stages=num_stages,
+        INTERPRET=interpret, WINDOW=window > 0, SOFTCAP=softcap > 0,
+        HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages,
         **pdl_args(q.device, T),
     )
     return out

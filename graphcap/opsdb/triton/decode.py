@@ -4,7 +4,10 @@ Stage 1, grid ``(rows, query heads, splits)``: each program walks its split of t
 tokens in blocks of ``BLOCK_N`` (each token's page from the block table), with an online
 softmax in float32, and writes its partial output and log-sum-exp; a split past the row's
 length writes an empty partial (LSE ``-inf``). Stage 2, grid ``(rows, query heads)``:
-merges the partials by their LSEs; a row with no token comes out zero, not 0/0. The
+merges the partials by their LSEs (and the head's sink logit, which joins the softmax
+with no value); a row with no token comes out zero, not 0/0. With a window the splits
+cover only the row's last ``window`` tokens: the K/V read is bounded by the window, not
+the context; soft-capping applies to each score before the online softmax. The
 split count follows from host shapes only (rows, heads, the block table's width, the
 SMs), so the grid is fixed at capture and a replay's lengths change only the work inside
 it. No host synchronisation.
@@ -22,11 +25,18 @@ _MAX_SPLITS = 32
 
 
 @triton.jit
+def soft_cap(scores, softcap):
+    """``softcap * tanh(scores / softcap)``, tanh from exp (+-1 where exp overflows)."""
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * (scores / softcap)) + 1.0))
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
                          q_stride_b, q_stride_h, table_stride, width, heads, kv_heads,
-                         head_dim, split_len, scale,
+                         head_dim, split_len, scale, window, softcap,
                          PAGE: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -34,7 +44,10 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, mid_o_ptr, 
     d = tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
     length = tl.minimum(tl.load(lens_ptr + b), width * PAGE)
-    start = s * split_len
+    lo = 0
+    if WINDOW:  # the splits cover the window only: the read is bounded by it
+        lo = tl.maximum(length - window, 0)
+    start = lo + s * split_len
     end = tl.minimum(start + split_len, length)
     q = tl.load(q_ptr + b.to(tl.int64) * q_stride_b + h * q_stride_h + d, mask=d_mask,
                 other=0.0).to(tl.float32)
@@ -52,6 +65,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, mid_o_ptr, 
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(kc_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.sum(k * q[None, :], axis=1) * scale
+        if SOFTCAP:
+            scores = soft_cap(scores, softcap)
         scores = tl.where(t_mask, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=0))  # finite: a token is in the block
         alpha = tl.exp(m_i - m_new)
@@ -69,9 +84,10 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, mid_o_ptr, 
 
 
 @triton.jit
-def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, out_stride_b, out_stride_h,
-                         heads, head_dim, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, sinks_ptr, out_ptr, out_stride_b,
+                         out_stride_h, heads, head_dim, SPLITS: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                         SINKS: tl.constexpr, INTERPRET: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -79,11 +95,16 @@ def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, out_stride_b, out_stri
     row = (b.to(tl.int64) * heads + h) * SPLITS
     lse = tl.load(mid_lse_ptr + row + s, mask=s < SPLITS, other=float("-inf"))
     top = tl.max(lse, axis=0)
+    if SINKS:  # the head's sink logit joins the softmax, with no value
+        sink = tl.load(sinks_ptr + h).to(tl.float32)
+        top = tl.maximum(top, sink)
     top = tl.where(top == float("-inf"), 0.0, top)  # a row with no token: every weight 0
     weight = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - top))  # NaN passes
     parts = tl.load(mid_o_ptr + (row + s)[:, None] * BLOCK_D + d[None, :],
                     mask=(s < SPLITS)[:, None], other=0.0)
     total = tl.sum(weight, axis=0)
+    if SINKS:
+        total += tl.exp(sink - top)
     o = tl.sum(weight[:, None] * parts, axis=0)
     o = tl.where(total == 0, 0.0, o / tl.where(total == 0, 1.0, total))
     tl.store(out_ptr + b.to(tl.int64) * out_stride_b + h * out_stride_h + d,
@@ -100,13 +121,17 @@ def splits_for(rows: int, heads: int, max_len: int, block_n: int, sms: int) -> i
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
-                     scale: float, num_splits: int | None = None) -> None:
+                     scale: float, window: int = 0, softcap: float = 0.0,
+                     sinks: torch.Tensor | None = None, num_splits: int | None = None
+                     ) -> None:
     B, Hq, D = q.shape
     _, page, Hk, _ = k_cache.shape
     if B == 0 or Hq == 0:
         return
     width = block_table.shape[1]
-    max_len = width * page
+    if window >= width * page:  # it cannot bind: every row's tokens lie inside it
+        window = 0
+    max_len = window or width * page  # the most tokens a row reads
     interpret = interpreting()
     block_n = 16 if interpret else 32
     if num_splits is None:  # the interpreter: several splits, so the merge is exercised
@@ -121,12 +146,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _decode_split_kernel[(B, Hq, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, mid_o, mid_lse,
         q.stride(0), q.stride(1), block_table.stride(0), width, Hq, Hk, D, split_len,
-        float(scale), PAGE=page, GROUP=Hq // Hk, SPLITS=num_splits, BLOCK_N=block_n,
-        BLOCK_D=block_d, num_warps=4 if block_d >= 128 else 2)
+        float(scale), int(window), float(softcap), PAGE=page, GROUP=Hq // Hk,
+        SPLITS=num_splits, BLOCK_N=block_n, BLOCK_D=block_d, WINDOW=window > 0,
+        SOFTCAP=softcap > 0, num_warps=4 if block_d >= 128 else 2)
     _decode_merge_kernel[(B, Hq)](
-        mid_o, mid_lse, out, out.stride(0), out.stride(1), Hq, D, SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, INTERPRET=interpret,
-        num_warps=1)
+        mid_o, mid_lse, mid_lse if sinks is None else sinks, out, out.stride(0),
+        out.stride(1), Hq, D, SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_D=block_d, SINKS=sinks is not None, INTERPRET=interpret, num_warps=1)
 
 
 __all__ = ["decode_attention", "splits_for"]

@@ -1,0 +1,88 @@
+"""What one attention layer computes beyond plain causal softmax attention, the same for
+prefill (``graphcap::attention``), attention over a paged cache
+(``graphcap::decode_attention``) and the cached op that routes between them: a
+:class:`Variant` of three per-layer options, each off by default.
+
+- ``window`` (int, 0: none): a causal sliding window; the token at position ``i`` sees the
+  keys at positions ``i - window + 1 .. i`` (``window`` tokens, itself included: Mistral's,
+  Gemma's and gpt-oss's ``sliding_window``).
+- ``softcap`` (float, 0: none): each score (after the scale) becomes
+  ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2's
+  ``attn_logit_softcapping``).
+- ``sinks`` (tensor ``[query heads]`` or None): a learned logit per query head that joins
+  every row's softmax and carries no value, so a row's weights may sum to less than one
+  (gpt-oss's attention sinks).
+
+Backends say which options they serve (``options``); one that does not is refused by
+name, with the backends that would serve it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from graphcap.opsdb import checks
+
+OPTIONS = ("window", "softcap", "sinks")
+MEANING = {"window": "a sliding window", "softcap": "soft-capped scores",
+           "sinks": "attention sinks"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    window: int = 0
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None
+
+    @property
+    def used(self) -> tuple[str, ...]:
+        """The options this variant sets, in ``OPTIONS`` order."""
+        return tuple(name for name, on in (("window", self.window > 0),
+                                           ("softcap", self.softcap > 0),
+                                           ("sinks", self.sinks is not None)) if on)
+
+    def binding(self, span: int) -> Variant:
+        """The same variant where keys never lie more than ``span`` positions apart: a
+        window at least that long cannot bind and is dropped (it costs nothing)."""
+        if 0 < span <= self.window:
+            return Variant(0, self.softcap, self.sinks)
+        return self
+
+
+PLAIN = Variant()
+
+
+def check_variant(op: str, q: torch.Tensor, window, softcap, sinks) -> Variant:
+    """The variant of an op's call, checked: ``window`` an int >= 0, ``softcap`` a finite
+    float >= 0, ``sinks`` None or one value per query head of ``q`` (``[T, Hq, D]`` or
+    ``[B, Hq, D]``) on its device."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise checks.OpInputError(f"{op}: window must be an int >= 0 (0: no window), got "
+                                  f"{window!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or \
+            not math.isfinite(softcap) or softcap < 0:
+        raise checks.OpInputError(f"{op}: softcap must be a finite float >= 0 (0: none), "
+                                  f"got {softcap!r}")
+    if sinks is not None:
+        checks.tensor(op, "sinks", sinks, ndim=1, dtypes=checks.FLOATS, device=q.device)
+        checks.same(op, "the head count", sinks.shape[0], q.shape[1], "sinks", "q")
+    return Variant(window, float(softcap), sinks)
+
+
+def refuse(what: str, name: str, serves: frozenset[str], variant: Variant,
+           others: list[str]) -> None:
+    """``OpInputError`` when backend ``name`` of ``what`` (serving the options in
+    ``serves``) cannot run ``variant``; the message names ``others``, the backends that
+    would."""
+    missing = [o for o in variant.used if o not in serves]
+    if missing:
+        wanted = " and ".join(MEANING[o] for o in missing)
+        raise checks.OpInputError(
+            f"{what} backend {name!r} does not compute {wanted}; pick one that does: "
+            f"{', '.join(others) or 'none is installed here'}")
+
+
+__all__ = ["MEANING", "OPTIONS", "PLAIN", "Variant", "check_variant", "refuse"]

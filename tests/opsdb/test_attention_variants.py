@@ -1,0 +1,214 @@
+"""Per-layer attention variants (a sliding window, soft-capped scores, sink logits): the
+torch references against transformers' own eager attention of the models that use them
+(gpt-oss, Gemma 2), the Triton prefill and decode kernels against the references (Triton's
+interpreter without a GPU), decode against prefill's last row, the backends through the
+ops, and what a backend that cannot compute an option says."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import graphcap
+from graphcap.core.context import forward_context
+from graphcap.errors import BackendUnavailable
+from graphcap.opsdb import OpInputError
+from graphcap.opsdb import reference as ref
+from graphcap.opsdb.attention import BACKENDS, get_backend
+from graphcap.opsdb.attention.torch_backends import TorchMasked
+from graphcap.opsdb.decode import decode_attention_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+transformers = pytest.importorskip("transformers")
+
+
+def cu_of(lengths) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+
+
+def qkv(T, hq, hk, d, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(T, h, d, generator=g).to(device) for h in (hq, hk, hk))
+
+
+def transformers_mask(n: int, window: int) -> torch.Tensor:
+    """transformers' causal (sliding-window) mask for one request of ``n`` tokens, as the
+    additive [1, 1, n, n] mask its eager attention takes."""
+    from transformers.masking_utils import (
+        and_masks,
+        causal_mask_function,
+        sliding_window_overlay,
+    )
+
+    fn = causal_mask_function if not window else \
+        and_masks(causal_mask_function, sliding_window_overlay(window))
+    zero, idx = torch.tensor(0), torch.arange(n)
+    seen = torch.stack([torch.stack([fn(zero, zero, i, j) for j in idx]) for i in idx])
+    return torch.zeros(n, n).masked_fill(~seen, float("-inf"))[None, None]
+
+
+def as_transformers(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(0, 1)[None]  # [T, H, D] -> [1, H, T, D]
+
+
+@pytest.mark.parametrize("window", [0, 1, 4, 64])
+def test_sinks_and_a_window_are_gpt_oss_attention(window):
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    n, hq, hk, d = 11, 4, 2, 16
+    q, k, v = qkv(n, hq, hk, d, seed=window)
+    sinks = torch.randn(hq) * 2
+    module = SimpleNamespace(num_key_value_groups=hq // hk, training=False, sinks=sinks)
+    want, _ = eager_attention_forward(module, as_transformers(q), as_transformers(k),
+                                      as_transformers(v), transformers_mask(n, window), 0.25)
+    got = ref.attention_varlen(q, k, v, cu_of([n]), 0.25, True, window, 0.0, sinks)
+    torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_soft_capped_scores_and_a_window_are_gemma_2_attention(window):
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    n, hq, hk, d = 9, 2, 1, 16
+    q, k, v = (t * 4 for t in qkv(n, hq, hk, d, seed=1))  # scores past the cap
+    module = SimpleNamespace(num_key_value_groups=hq // hk, training=False, head_dim=d)
+    want, _ = eager_attention_forward(module, as_transformers(q), as_transformers(k),
+                                      as_transformers(v), transformers_mask(n, window),
+                                      scaling=0.25, softcap=5.0)
+    got = ref.attention_varlen(q, k, v, cu_of([n]), 0.25, True, window, 5.0)
+    torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
+
+
+variants = st.tuples(st.sampled_from([0, 1, 2, 5, 16, 17, 40, 1000]),
+                     st.sampled_from([0.0, 0.7, 30.0]), st.booleans())
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.sampled_from([0, 1, 2, 15, 16, 17, 33, 50]), min_size=1,
+                        max_size=3),
+       pad=st.integers(0, 3), group=st.sampled_from([1, 2]), variant=variants,
+       seed=st.integers(0, 2**16))
+def test_the_triton_prefill_kernel_computes_every_variant_as_the_reference(
+        lengths, pad, group, variant, seed):
+    """Windows shorter and longer than the requests and at the kernel's block edges,
+    sentinel requests, padding rows (NaN: they never reach a real row)."""
+    from graphcap.opsdb.triton.attention import attention_varlen
+
+    window, softcap, with_sinks = variant
+    used = sum(lengths)
+    T, hk, d = used + pad, 1, 16
+    q, k, v = qkv(max(T, 1), hk * group, hk, d, seed, DEVICE)
+    for t in (q, k, v):
+        t[used:] = float("nan")
+    sinks = torch.randn(hk * group, generator=torch.Generator().manual_seed(seed),
+                        device="cpu").to(DEVICE) if with_sinks else None
+    cu = cu_of(lengths).to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    attention_varlen(q, k, v, out, cu, max(lengths + [1]), 0.3, True, window, softcap, sinks)
+    want = ref.attention_varlen(torch.nan_to_num(q), k.nan_to_num(), v.nan_to_num(), cu,
+                                0.3, True, window, softcap, sinks)
+    torch.testing.assert_close(out[:used], want[:used], rtol=2e-4, atol=2e-4)
+    assert torch.equal(out[used:], torch.zeros_like(out[used:]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 40), page=st.sampled_from([1, 4, 16]), variant=variants,
+       seed=st.integers(0, 2**16), kernel=st.sampled_from(["torch", "triton"]))
+def test_decode_is_the_last_row_of_prefill_over_the_same_tokens(n, page, variant, seed,
+                                                                kernel):
+    """A token decoded over its request's cached tokens (scattered over shuffled pages,
+    every slot it must not read, before its window included, NaN) comes out as the last
+    row of prefill attention over the whole request."""
+    from graphcap.opsdb.decode import DECODE_ATTENTION
+
+    window, softcap, with_sinks = variant
+    hq, hk, d = 4, 2, 16
+    q, k, v = qkv(n, hq, hk, d, seed)
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(seed)) \
+        if with_sinks else None
+    want = ref.attention_varlen(q, k, v, cu_of([n]), 0.3, True, window, softcap, sinks)[-1]
+    width = -(-n // page)
+    pages = width + 3
+    order = torch.randperm(pages, generator=torch.Generator().manual_seed(seed))
+    table = order[:width].to(torch.int32)[None]
+    k_cache = torch.full((pages, page, hk, d), float("nan"))
+    v_cache = torch.full((pages, page, hk, d), float("nan"))
+    first = max(0, n - window) if window else 0  # what the window lets the token see
+    for t in range(first, n):
+        k_cache[table[0, t // page], t % page] = k[t]
+        v_cache[table[0, t // page], t % page] = v[t]
+    out = torch.empty(1, hq, d)
+    args = [x.to(DEVICE) for x in (q[-1:], k_cache, v_cache, table,
+                                   torch.tensor([n], dtype=torch.int32), out)]
+    DECODE_ATTENTION(*args, 0.3, window, softcap, None if sinks is None else sinks.to(DEVICE),
+                     kernel=kernel if kernel == "torch" or DEVICE == "cpu" else "triton")
+    torch.testing.assert_close(args[-1][0].cpu(), want, rtol=2e-4, atol=2e-4)
+
+
+def test_a_row_with_sinks_and_no_token_comes_out_zero():
+    q = torch.randn(2, 2, 16)
+    cache = torch.randn(1, 4, 1, 16)
+    out = torch.full_like(q, float("nan"))
+    decode_attention_reference(q, cache, cache, torch.zeros(2, 1, dtype=torch.int32),
+                               torch.tensor([0, 3], dtype=torch.int32), out, 0.25, 2, 0.0,
+                               torch.tensor([1.0, -1.0]))
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and out[1].isfinite().all()
+
+
+@pytest.mark.parametrize("name", ["torch_masked", "torch_varlen"])
+def test_the_torch_backends_compute_every_variant_through_the_op(name):
+    lengths = [7, 0, 5]
+    q, k, v = qkv(12, 4, 2, 16, seed=3)
+    sinks = torch.randn(4)
+    with graphcap.packed(lengths, "cpu", attention=name):
+        out = torch.empty_like(q)
+        torch.ops.graphcap.attention(q, k, v, out, 0.25, 3, 2.0, sinks)
+    want = ref.attention_varlen(q, k, v, cu_of(lengths), 0.25, True, 3, 2.0, sinks)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_backend_that_cannot_compute_an_option_is_refused_naming_those_that_can():
+    class PlainOnly(TorchMasked):
+        name = "plain_only"
+        options = frozenset()
+
+    q, k, v = qkv(5, 2, 2, 16)
+    meta = PlainOnly().prepare([5], "cpu")
+    out = torch.empty_like(q)
+    with forward_context(attention=meta):
+        torch.ops.graphcap.attention(q, k, v, out, 0.25, 1000)  # cannot bind: plain
+        with pytest.raises(OpInputError, match=r"'plain_only' does not compute attention "
+                                               r"sinks; pick one that does: .*torch_masked"):
+            torch.ops.graphcap.attention(q, k, v, out, 0.25, 0, 0.0, torch.zeros(2))
+        with pytest.raises(OpInputError, match="a sliding window and soft-capped scores"):
+            torch.ops.graphcap.attention(q, k, v, out, 0.25, 2, 1.0)
+
+
+def test_bad_options_are_refused_by_name():
+    q, k, v = qkv(5, 2, 2, 16)
+    out = torch.empty_like(q)
+    with graphcap.packed([5], "cpu"):
+        for args, match in (((-1,), "window must be an int >= 0"),
+                            ((0, float("nan")), "softcap must be a finite float"),
+                            ((0, 0.0, torch.zeros(3)), "the head count")):
+            with pytest.raises(OpInputError, match=match):
+                torch.ops.graphcap.attention(q, k, v, out, 0.25, *args)
+
+
+def test_the_automatic_choice_passes_over_backends_without_the_options(monkeypatch):
+    class PlainOnly(TorchMasked):
+        name = "plain_only"
+        options = frozenset()
+
+    monkeypatch.setattr("graphcap.opsdb.attention.BACKENDS",
+                        {"plain_only": PlainOnly, **BACKENDS})
+    assert get_backend(None, "cpu").name == "plain_only"
+    assert get_backend(None, "cpu", options=("window", "sinks")).name != "plain_only"
+    monkeypatch.setattr("graphcap.opsdb.attention.BACKENDS", {"plain_only": PlainOnly})
+    with pytest.raises(BackendUnavailable, match="computing sinks"):
+        get_backend(None, "cpu", options=("sinks",))
