@@ -197,6 +197,7 @@ def _inputs(model, kind: str, strategy: str, attention, slots: int, check: bool)
         return TensorInputs(device, captured=strategy != "eager")
     from graphcap.opsdb.attention import get_backend
 
-    backend = get_backend(attention, device, strategy=strategy, dtype=model_dtype(model))
+    backend = get_backend(attention, device, strategy=strategy, dtype=model_dtype(model),
+                          options=getattr(model, "graphcap_attention_options", ()))
     return PrefillInputs(device, backend, slots, rows, _input_bounds(model) if check else None,
                          name=type(model).__name__)

@@ -269,6 +269,15 @@ def test_ops_lists_the_attention_backends_and_where_each_runs(capsys):
     assert rows["decode", "graphcap"]["options"] == ["window", "softcap", "sinks"]
 
 
+def test_check_passes_stock_models_with_windows_soft_capping_and_sinks(capsys):
+    for factory in ("hf_gemma2", "hf_gemma3", "hf_cohere2", "hf_olmo3", "hf_gpt_oss",
+                    "hf_mistral_windowed"):
+        code, out, err = cli(capsys, "check", f"tests.support.check_models:{factory}",
+                             "--examples", "2", "--sequences", "1", "--strategies", "full")
+        assert code == 0, factory + out + err
+        assert out.count(" pass ") == 1, out
+
+
 def test_check_wraps_a_stock_transformers_causal_lm_itself_and_says_so(capsys):
     for factory in ("hf_llama", "hf_stablelm", "hf_starcoder2"):
         code, out, err = cli(capsys, "check", f"tests.support.check_models:{factory}", "--examples",

@@ -35,8 +35,9 @@ def prefill(model, cache: PagedKVCache, input_ids: torch.Tensor, seq_lens, slots
                        " tokens of input_ids")
     device = input_ids.device
     rows = getattr(model, "output_rows", "tokens")
-    inputs = CachePrefillInputs(cache, get_backend(attention, device, dtype=model_dtype(model)),
-                                len(lens), rows, name=type(model).__name__,
+    backend = get_backend(attention, device, dtype=model_dtype(model),
+                          options=getattr(model, "graphcap_attention_options", ()))
+    inputs = CachePrefillInputs(cache, backend, len(lens), rows, name=type(model).__name__,
                                 extend=starts is not None)
     inputs.bind(model)
     begin = [0] * len(lens) if starts is None else [as_int(b, "starts", BadBatch)

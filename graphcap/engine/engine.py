@@ -95,7 +95,8 @@ class Engine:
         self.decoder = capture(model, strategy, buckets=decode_ladder(max_batch),
                                inputs=DecodeInputs(cache), copy_outputs=False,
                                progress=progress)
-        backend = get_backend(attention, cache.device, strategy=strategy, dtype=cache.dtype)
+        backend = get_backend(attention, cache.device, strategy=strategy, dtype=cache.dtype,
+                              options=getattr(model, "graphcap_attention_options", ()))
         ladder = decode_ladder(prefill_tokens)
         self.prefiller = capture(model, strategy, buckets=ladder, progress=progress,
                                  inputs=CachePrefillInputs(cache, backend, max_batch,

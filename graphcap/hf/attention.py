@@ -84,36 +84,34 @@ def window_refusal(config, window: int | None = None) -> str:
             "own attention (no PrefillLM)")
 
 
-def _softcap_refusal(config, softcap) -> str:
-    fields = [k for k, v in vars(config).items() if "softcap" in k and v == softcap] \
-        if config is not None else []
-    if not fields:
-        return "no config field turns soft-capping off: run the model with transformers' " \
-               "own attention (no PrefillLM)"
-    return (f"{fields[0]}=None turns it off, but changes the model's outputs (it was "
-            "trained with soft-capping): do so only if that is what you want, or run the "
-            "model with transformers' own attention (no PrefillLM)")
-
-
-def _refusals(module, sliding_window, softcap, sinks) -> str | None:
-    """What graphcap::attention cannot do that this call asks, and what to do, or None."""
+def variant_of(module, sliding_window, softcap, sinks) -> tuple[int, float, object]:
+    """The (window, softcap, sinks) of graphcap's attention ops for one of transformers'
+    attention calls: a window only where it can bind, soft-capping where given, the
+    module's learned sinks (``s_aux``)."""
     config = getattr(module, "config", None)
-    found, fixes = [], []
-    if window_binds(config, sliding_window):
-        found.append(f"a sliding window ({sliding_window})")
-        fixes.append(window_refusal(config, sliding_window))
-    if softcap is not None:
-        found.append(f"soft-capping ({softcap})")
-        fixes.append(_softcap_refusal(config, softcap))
-    if sinks is not None:
-        found.append("attention sinks (s_aux)")
-        fixes.append("the sinks are learned weights of the model, which no config field "
-                     "turns off: run it with transformers' own attention (no PrefillLM)")
-    if not found:
-        return None
-    return (f"{type(module).__name__} attends with {' and '.join(found)}, which "
-            f"graphcap::attention does not support (full causal attention only): "
-            + "; ".join(fixes))
+    window = int(sliding_window) if window_binds(config, sliding_window) else 0
+    return window, float(softcap or 0.0), sinks
+
+
+def attention_options(model) -> tuple[str, ...]:
+    """The options of :mod:`graphcap.opsdb.attention.variant` a transformers model's
+    attention layers use (a backend must compute them): a window where one can bind,
+    soft-capped scores, learned sinks."""
+    config, found = model.config, set()
+    for module in model.modules():
+        if not hasattr(module, "layer_idx") or not hasattr(module, "config"):
+            continue
+        window = getattr(module, "sliding_window", None)
+        if window_binds(config, window):
+            found.add("window")
+        if getattr(module, "sinks", None) is not None:
+            found.add("sinks")
+    if window_binds(config, getattr(config, "sliding_window", None)) and \
+            not getattr(config, "layer_types", None):  # Mistral: every layer, per call
+        found.add("window")
+    if getattr(config, "attn_logit_softcapping", None):
+        found.add("softcap")
+    return tuple(o for o in ("window", "softcap", "sinks") if o in found)
 
 
 def unwrapped_call(name: str) -> UnsupportedModel:
@@ -144,10 +142,10 @@ def graphcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     ``value`` ``[1, Hkv, T, D]`` (H a multiple of Hkv) -> ``([1, T, H, D], None)``.
 
     Attention is causal within each request of the forward context's metadata; tokens of
-    different requests never see each other. Masks, sliding windows, soft-capping,
-    attention sinks, dropout, keys and values of different head dims and a call outside
-    graphcap's forward context are refused (UnsupportedModel, naming what to do), not
-    ignored."""
+    different requests never see each other. A sliding window, soft-capped scores and
+    attention sinks (``s_aux``) go to graphcap's ops as the layer's variant. Masks,
+    dropout, keys and values of different head dims and a call outside graphcap's forward
+    context are refused (UnsupportedModel, naming what to do), not ignored."""
     name = type(module).__name__
     if outside_graphcap():
         raise unwrapped_call(name)
@@ -155,8 +153,6 @@ def graphcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         raise UnsupportedModel(
             f"{name}: graphcap attention got an attention mask; request boundaries come "
             "from seq_lens (the forward context), so call the model without attention_mask")
-    if why := _refusals(module, sliding_window, softcap, kwargs.get("s_aux")):
-        raise UnsupportedModel(why)
     if dropout:
         raise UnsupportedModel(f"{name}: attention dropout {dropout} in training mode; "
                                "graphcap runs inference only, call model.eval()")
@@ -184,15 +180,16 @@ def graphcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         SEEN.append((q, k, v, layer))
     out = torch.empty_like(q)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    variant = variant_of(module, sliding_window, softcap, kwargs.get("s_aux"))
     if isinstance(layer, int) and not isinstance(layer, bool):  # the forward's cache, if
-        CACHED_ATTENTION(q, k, v, out, float(scale), layer)  # any, read at run time
-        return out.unsqueeze(0), None
+        CACHED_ATTENTION(q, k, v, out, float(scale), layer, *variant)  # any, read at run
+        return out.unsqueeze(0), None  # time
     # Without a layer index nothing writes the cache (a compiled forward's callers find
     # it unwritten and say so; an eager one is told here).
     if not torch.compiler.is_compiling() and current_kv() is not None:
         raise UnsupportedModel(f"{name} has no int layer_idx: graphcap cannot tell "
                                "which layer of the K/V cache it writes")
-    ATTENTION(q, k, v, out, float(scale))
+    ATTENTION(q, k, v, out, float(scale), *variant)
     return out.unsqueeze(0), None
 
 

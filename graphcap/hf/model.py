@@ -12,7 +12,7 @@ from graphcap.core import checks
 from graphcap.errors import BadBatch
 from graphcap.hf import attention as hf_attention
 from graphcap.hf import kernels as substitution
-from graphcap.hf.attention import NAME, WINDOWED, UnsupportedModel, window_refusal
+from graphcap.hf.attention import NAME, UnsupportedModel, attention_options, window_refusal
 from graphcap.opsdb.attention.packed import packed
 
 # Expert implementations of transformers' MoE layers that read no tensor on the host
@@ -48,17 +48,18 @@ def _check_attention_features(model) -> None:
         raise UnsupportedModel(f"{kind}: config.is_causal=False (bidirectional); "
                                "graphcap prefill attention is causal")
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if windowed := sorted(kinds & set(WINDOWED)):
+    if "chunked_attention" in kinds:
         raise UnsupportedModel(
-            f"{kind} has {' and '.join(windowed)} layers (config.layer_types), which "
-            "graphcap::attention does not support (full causal attention only): "
+            f"{kind} has chunked_attention layers (config.layer_types), which attend within "
+            "fixed chunks of attention_chunk_size tokens: graphcap::attention runs full "
+            "causal attention and sliding windows, not chunks: "
             f"{window_refusal(config)}")
-    if other := sorted(kinds - {"full_attention"}):
+    if other := sorted(kinds - {"full_attention", "sliding_attention"}):
         raise UnsupportedModel(
-            f"{kind} has layers of type {', '.join(other)} (config.layer_types): not full "
-            "causal attention, which is all graphcap::attention runs; they are the model's "
-            "architecture, which no config field turns off: run it with transformers' own "
-            "attention (no PrefillLM) or use another model")
+            f"{kind} has layers of type {', '.join(other)} (config.layer_types): neither "
+            "full causal attention nor a sliding window, which is what graphcap::attention "
+            "runs; they are the model's architecture, which no config field turns off: run "
+            "it with transformers' own attention (no PrefillLM) or use another model")
     rope = getattr(config, "rope_parameters", None) or {}
     per_layer_type = [v for v in rope.values() if isinstance(v, dict)]
     dynamic = {p.get("rope_type") for p in per_layer_type or [rope]} & set(DYNAMIC_ROPE)
@@ -162,6 +163,8 @@ class PrefillLM(nn.Module):
         experts = _experts_for(hf_model, experts)  # checked before anything is switched
         self.hf_model = hf_model
         self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
+        # What its attention layers compute beyond causal attention (a backend must too).
+        self.graphcap_attention_options = attention_options(hf_model)
         previous = hf_model.config._attn_implementation
         # What release() gives back: attention and experts implementations, train mode.
         self._came_as = (previous, getattr(hf_model.config, "_experts_implementation", None),
@@ -302,7 +305,8 @@ class PrefillLM(nn.Module):
                                "last token (logits='last'); drop empty requests")
             checks.check_ranges(input_ids, positions, self.vocab_size, self.max_position)
             dtype = self.hf_model.get_output_embeddings().weight.dtype
-            with packed(seq_lens, input_ids.device, dtype=dtype) as meta:
+            with packed(seq_lens, input_ids.device, dtype=dtype,
+                        options=self.graphcap_attention_options) as meta:
                 if self.output_rows == "requests":
                     last_rows = meta.last_token_rows()
                 return self.forward(input_ids, positions, last_rows)

@@ -124,12 +124,17 @@ def test_a_model_without_an_lm_head_is_rejected_naming_its_class():
         PrefillLM(base)
 
 
-def test_sliding_window_layers_are_rejected_naming_the_layer_types():
-    model = hf_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1,
-                     layer_types=["full_attention", "sliding_attention"])
-    with pytest.raises(UnsupportedModel, match="sliding_attention"):
-        PrefillLM(model)
-    assert model.config._attn_implementation == "eager"  # left as it was
+def test_a_qwen2_sliding_window_layer_attends_as_transformers_does():
+    config = dict(use_sliding_window=True, sliding_window=4, max_window_layers=1,
+                  layer_types=["full_attention", "sliding_attention"])
+    ref = hf_model("qwen2", **config)
+    lm = PrefillLM(copy.deepcopy(ref))
+    assert lm.graphcap_attention_options == ("window",)
+    ids = torch.randint(0, VOCAB, (15,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = torch.cat([ref(r[None]).logits[0] for r in ids.split([9, 6])])
+        got = lm(ids, torch.cat([torch.arange(9), torch.arange(6)]), seq_lens=[9, 6])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_a_rotary_scaled_from_the_batch_s_largest_position_is_rejected():

@@ -23,10 +23,10 @@ PROMPTS = [[5, 9, 2, 7, 1], [3, 4], [8, 8, 4, 11, 6, 2, 9, 10, 13]]
 NEW = 6
 
 
-def transformers_greedy(ref, prompt):
+def transformers_greedy(ref, prompt, new: int = NEW):
     """transformers' own greedy tokens after ``prompt`` (batch 1: no padding)."""
     ids = torch.tensor([prompt], device=DEVICE)
-    out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+    out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                        do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 

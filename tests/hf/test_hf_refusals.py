@@ -1,7 +1,8 @@
 """Stock transformers families graphcap.hf cannot run as they are built: each is refused
 with ``UnsupportedModel`` naming the model and the config fields that switch the feature
 off (and doing as the message says makes it run exactly), or, where graphcap can run it
-exactly, it runs. Families of tests/support/hf_families.py's OTHER_FAMILIES."""
+exactly, it runs. Families of tests/support/hf_families.py's OTHER_FAMILIES; those with
+sliding windows, soft-capping and sinks: tests/hf/test_hf_variants.py."""
 
 from __future__ import annotations
 
@@ -34,65 +35,6 @@ def advised(message: str) -> dict:
     return eval(f"dict({found.group(1)})")  # noqa: S307  (our own message)
 
 
-# (family, what the refusal must name): Gemma 2/3, Cohere2, OLMo 3 and gpt-oss read
-# layer_types, not use_sliding_window; Mistral reads sliding_window at every call.
-WINDOWED = [("gemma2", "layer_types"), ("gemma3_text", "layer_types"),
-            ("cohere2", "layer_types"), ("olmo3", "layer_types"), ("gpt_oss", "layer_types"),
-            ("mistral", "sliding_window=None"), ("qwen2", "layer_types")]
-WINDOWS_ON = {"mistral": {"sliding_window": 8},
-              "qwen2": {"use_sliding_window": True, "sliding_window": 8,
-                        "layer_types": ["sliding_attention"] * 2},
-              "gemma2": {"attn_logit_softcapping": None}}  # its windows alone
-
-
-@pytest.mark.parametrize(("family", "field"), WINDOWED)
-def test_a_sliding_window_refusal_names_the_config_fields_that_turn_it_off(family, field):
-    model = hf_model(family, **WINDOWS_ON.get(family, {}))
-    with pytest.raises(UnsupportedModel) as refused:
-        PrefillLM(model)
-    message = str(refused.value)
-    assert message.startswith(type(model).__name__), message
-    assert field in message and "window (8 tokens)" in message, message
-    assert "use_sliding_window" not in message, message
-    assert model.config._attn_implementation == "eager"  # left as it came
-
-
-def load_as_advised(family: str, path) -> tuple:
-    """(the windowed model, the same weights loaded as its refusal says) of ``family``."""
-    windowed = hf_model(family, **WINDOWS_ON.get(family, {}))
-    with pytest.raises(UnsupportedModel) as refused:
-        PrefillLM(hf_model(family, **WINDOWS_ON.get(family, {})))
-    windowed.save_pretrained(path)
-    return windowed, transformers.AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation="eager", **advised(str(refused.value))).eval()
-
-
-@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "cohere2", "olmo3", "qwen2"])
-def test_the_fields_a_window_refusal_names_turn_the_windows_off(family, tmp_path):
-    _, full = load_as_advised(family, tmp_path)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, attn_implementation="eager", layer_types=full.config.layer_types).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(PrefillLM(full)(IDS, POS, seq_lens=LENS),
-                                   stock_logits(ref), atol=1e-5, rtol=1e-5)
-
-
-def test_without_its_window_mistral_gives_the_windowed_models_logits_below_the_window(
-        tmp_path):
-    # As the refusal says: below its window a windowed model attends as full attention does.
-    windowed, full = load_as_advised("mistral", tmp_path)
-    with torch.no_grad():
-        torch.testing.assert_close(PrefillLM(full)(IDS, POS, seq_lens=LENS),
-                                   stock_logits(windowed), atol=1e-5, rtol=1e-5)
-
-
-def test_a_window_refusal_says_when_a_layers_type_also_sets_its_rotary_embedding():
-    # Gemma 3's sliding layers rotate with another base than its full ones.
-    with pytest.raises(UnsupportedModel, match=r"another model.*here rope_parameters\["
-                       r"'sliding_attention'\] differs"):
-        PrefillLM(hf_model("gemma3_text"))
-
-
 def test_qwen2_with_use_sliding_window_but_only_full_attention_layers_runs():
     # max_window_layers past the last layer: every layer attends fully, whatever
     # use_sliding_window says; the model is not refused.
@@ -104,19 +46,22 @@ def test_qwen2_with_use_sliding_window_but_only_full_attention_layers_runs():
                                    atol=1e-5, rtol=1e-5)
 
 
-def test_soft_capping_is_refused_naming_its_config_field_and_that_it_changes_outputs():
-    model = hf_model("gemma2", layer_types=["full_attention"] * 2)
-    with pytest.raises(UnsupportedModel, match=r"^Gemma2ForCausalLM: .*soft-capping \(50\.0\)"
-                       r".*attn_logit_softcapping=None turns it off, but changes the "
-                       r"model's outputs"):
+def test_chunked_attention_is_refused_and_loading_as_the_refusal_says_runs_exactly(tmp_path):
+    chunked = {"layer_types": ["chunked_attention", "full_attention"],
+               "attention_chunk_size": 4}
+    model = hf_model("llama", **chunked)
+    with pytest.raises(UnsupportedModel, match=r"^LlamaForCausalLM has chunked_attention "
+                       r"layers .*not chunks: load the model with them turned off") as no:
         PrefillLM(model)
-
-
-def test_attention_sinks_are_refused_saying_no_config_field_turns_them_off():
-    model = hf_model("gpt_oss", layer_types=["full_attention"] * 2)
-    with pytest.raises(UnsupportedModel, match=r"^GptOssForCausalLM: .*attention sinks.*no "
-                       r"config field turns off"):
-        PrefillLM(model)
+    model.save_pretrained(tmp_path)
+    full = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", **advised(str(no.value))).eval()
+    assert set(full.config.layer_types) == {"full_attention"}
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", layer_types=full.config.layer_types).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(PrefillLM(full)(IDS, POS, seq_lens=LENS),
+                                   stock_logits(ref), atol=1e-5, rtol=1e-5)
 
 
 def test_layers_that_are_not_attention_are_refused_naming_their_type():
@@ -171,20 +116,19 @@ def test_falcon_whose_attention_does_not_use_the_attention_interface_is_refused(
 
 @pytest.mark.parametrize("family", ["mistral", "phi3", "mixtral"])
 @pytest.mark.parametrize("kernels", ["graphcap", "stock"])
-def test_a_window_that_cannot_bind_runs_as_shipped_and_one_that_can_is_refused(family,
-                                                                                kernels):
+def test_windows_as_shipped_run_those_that_cannot_bind_at_no_cost(family, kernels):
     """Shipped windows of 4096 tokens on models of at most that many positions (the tiny
-    configs have 256) never bind: such models run, token for token transformers' own
-    generation; a window of 255 tokens could bind at position 255, and is refused."""
+    configs have 256) never bind: such models run as full attention, token for token
+    transformers' own generation; a window of 255 tokens could bind at position 255, and
+    is computed (tests/hf/test_hf_variants.py: windows that bind)."""
     from tests.hf.test_hf_generate import transformers_greedy
 
     ref = hf_model(family, sliding_window=4096)
     lm = PrefillLM(hf_model(family, sliding_window=4096), logits="last", kernels=kernels)
+    assert lm.graphcap_attention_options == ()
     eos = ref.generation_config.eos_token_id
     got = graphcap.generate(lm, PROMPTS, 6, strategy="full", max_batch=2, prefill_tokens=8,
                             stop_tokens=[eos] if isinstance(eos, int) else list(eos or []))
     assert got.tokens == [transformers_greedy(ref, p) for p in PROMPTS]
-    with pytest.raises(UnsupportedModel, match=r"sliding window \(255\)"):
-        tight = PrefillLM(hf_model(family, sliding_window=255), kernels=kernels)
-        with torch.inference_mode(), graphcap.packed(LENS, "cpu"):
-            tight(IDS, POS)
+    tight = PrefillLM(hf_model(family, sliding_window=255), kernels=kernels)
+    assert tight.graphcap_attention_options == ("window",)

@@ -200,7 +200,8 @@ def test_a_wrapped_moe_model_switched_to_eager_experts_is_refused_at_capture():
 
 
 @pytest.mark.parametrize(("family", "config", "dtype", "match"), [
-    ("mistral", {"sliding_window": 8}, torch.float32, r"a sliding window \(8\)"),
+    ("llama", {"layer_types": ["chunked_attention", "full_attention"],
+               "attention_chunk_size": 4}, torch.float32, "chunked_attention"),
     ("llama", {}, torch.float64, "float64"),
 ])
 def test_a_refused_model_is_left_as_it_came(family, config, dtype, match):

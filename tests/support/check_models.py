@@ -73,6 +73,34 @@ def hf_starcoder2():
     return _hf("Starcoder2Config", sliding_window=None)
 
 
+def hf_gemma2():
+    """Sliding windows on alternate layers, soft-capped attention and final logits."""
+    return _hf("Gemma2Config", head_dim=16, sliding_window=8, attn_logit_softcapping=2.0)
+
+
+def hf_gemma3():
+    """Five local layers to one global (two here), a rotary base per kind of layer."""
+    return _hf("Gemma3TextConfig", head_dim=16, sliding_window=8)
+
+
+def hf_cohere2():
+    return _hf("Cohere2Config", sliding_window=8)
+
+
+def hf_olmo3():
+    return _hf("Olmo3Config", sliding_window=8)
+
+
+def hf_gpt_oss():
+    """Sliding windows, learned attention sinks, experts with a clamped gated activation."""
+    return _hf("GptOssConfig", head_dim=16, sliding_window=8, num_local_experts=4,
+               num_experts_per_tok=2)
+
+
+def hf_mistral_windowed():
+    return _hf("MistralConfig", sliding_window=8)
+
+
 class TwoTensors(torch.nn.Module):
     def __init__(self):
         super().__init__()

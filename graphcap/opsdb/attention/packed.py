@@ -14,12 +14,13 @@ from graphcap.opsdb.attention import get_backend
 
 @contextlib.contextmanager
 def packed(seq_lens, device, attention: str | None = None, dtype: torch.dtype | None = None,
-           kv=None):
+           kv=None, options=()):
     """Call a model of packed requests eagerly, outside a runner: prepares the attention
     metadata of requests of these lengths (host values) and makes it the forward context,
     which ``graphcap::attention`` reads. ``attention``: the backend (default: the best on
     ``device`` for q/k/v of ``dtype``; without ``dtype``, the best that runs every dtype,
-    as the forward's is not known here); ``kv``: a :class:`graphcap.kv.CacheBatch` the
+    as the forward's is not known here; computing the variant ``options`` the model's
+    layers use, :mod:`.variant`); ``kv``: a :class:`graphcap.kv.CacheBatch` the
     forward writes its K/V to (prefill into a paged cache). Yields the metadata
     (``meta.last_token_rows()``: the row of each request's last token). Leaving the
     block, a call of several requests whose forward ran no graphcap attention raises
@@ -33,7 +34,7 @@ def packed(seq_lens, device, attention: str | None = None, dtype: torch.dtype | 
     lens = host_lengths(seq_lens)
     if attention is None and dtype is None:
         dtype = torch.float32  # the backends that run float32 run every dtype
-    meta = get_backend(attention, device, dtype=dtype).prepare(lens, device)
+    meta = get_backend(attention, device, dtype=dtype, options=options).prepare(lens, device)
     with forward_context(attention=meta, kv=kv):
         yield meta
     if not meta.attended:

@@ -1,0 +1,102 @@
+"""Stock transformers families whose attention uses a sliding window, soft-capped scores
+or learned sinks (Gemma 2, Gemma 3, Cohere2, OLMo 3, gpt-oss, Mistral with a window)
+run under graphcap.hf as they are built: their logits equal transformers' own eager
+attention, and greedy generation equals transformers' ``generate()`` token for token under
+the strategies, with prompts longer than the windows and prefilled in chunks. On the
+emulator in CI, on CUDA graphs on the GPU (float32 both)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import graphcap
+
+transformers = pytest.importorskip("transformers")
+from graphcap.hf import PrefillLM  # noqa: E402  (needs transformers)
+from tests.hf.test_hf_generate import transformers_greedy  # noqa: E402
+from tests.support.hf_families import VOCAB, hf_model  # noqa: E402
+from tests.support.runner_helpers import DEVICE  # noqa: E402
+
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+
+# Windows of 8 tokens (the tiny configs); Gemma 2 soft-caps at 2.0, low enough to bind.
+FAMILIES = {
+    "gemma2": ({"attn_logit_softcapping": 2.0, "initializer_range": 0.5},
+               ("window", "softcap")),
+    "gemma3_text": ({"initializer_range": 0.5}, ("window",)),
+    "cohere2": ({}, ("window",)),
+    "olmo3": ({}, ("window",)),
+    "gpt_oss": ({}, ("window", "sinks")),
+    "mistral": ({"sliding_window": 8}, ("window",)),
+}
+LENS = [19, 12]  # past the window
+PROMPTS = [[5, 9, 2, 7, 1, 8, 8, 4, 11, 6], [3, 4], [8, 8, 4, 11, 6, 2, 9, 10, 13, 1, 2, 3]]
+NEW = 8  # the longest reaches position 19
+
+
+def model(family: str):
+    config, _ = FAMILIES[family]
+    return hf_model(family, **config).to(DEVICE)
+
+
+def packed_input():
+    ids = torch.randint(0, VOCAB, (sum(LENS),), generator=torch.Generator().manual_seed(5))
+    pos = torch.cat([torch.arange(n) for n in LENS])
+    return ids.to(DEVICE), pos.to(DEVICE)
+
+
+def stock_logits(ref, ids):
+    with torch.no_grad():
+        return torch.cat([ref(r[None], use_cache=False).logits[0] for r in ids.split(LENS)])
+
+
+@pytest.mark.parametrize("kernels", ["graphcap", "stock"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_packed_requests_give_transformers_own_logits(family, kernels):
+    ref = model(family)
+    lm = PrefillLM(copy.deepcopy(ref), kernels=kernels)
+    assert lm.graphcap_attention_options == FAMILIES[family][1]
+    ids, pos = packed_input()
+    with torch.no_grad():
+        got = lm(ids, pos, seq_lens=LENS)
+    torch.testing.assert_close(got, stock_logits(ref, ids), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_the_options_change_the_logits(family):
+    """The windows (and Gemma 2's cap, gpt-oss's sinks) bind in these tests: the same
+    weights without them give other logits."""
+    ref = model(family)
+    plain = {"layer_types": ["full_attention"] * 2}
+    if family == "gemma2":
+        plain["attn_logit_softcapping"] = None
+    other = hf_model(family, **{**FAMILIES[family][0], **plain}).to(DEVICE)
+    other.load_state_dict(ref.state_dict())
+    ids, _ = packed_input()
+    if family == "gpt_oss":
+        for layer in other.model.layers:
+            layer.self_attn.sinks.data.fill_(-1e4)  # a sink that takes no weight
+    assert not torch.allclose(stock_logits(ref, ids), stock_logits(other, ids), atol=1e-3)
+
+
+@pytest.mark.parametrize("strategy", ["eager", "full"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_generation_equals_transformers_generate(family, strategy):
+    ref = model(family)
+    lm = PrefillLM(copy.deepcopy(ref), logits="last")
+    got = graphcap.generate(lm, PROMPTS, NEW, strategy=strategy, max_batch=2,
+                            prefill_tokens=4)  # prompts in chunks over the cache
+    assert got.tokens == [transformers_greedy(ref, p, NEW) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("strategy", ["breakable", "tc_piecewise"])
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_every_strategy_generates_what_transformers_generates(family, strategy):
+    ref = model(family)
+    lm = PrefillLM(copy.deepcopy(ref), logits="last")
+    got = graphcap.generate(lm, PROMPTS, NEW, strategy=strategy, max_batch=2,
+                            prefill_tokens=16)
+    assert got.tokens == [transformers_greedy(ref, p, NEW) for p in PROMPTS]
