@@ -212,3 +212,19 @@ def test_the_automatic_choice_passes_over_backends_without_the_options(monkeypat
     monkeypatch.setattr("graphcap.opsdb.attention.BACKENDS", {"plain_only": PlainOnly})
     with pytest.raises(BackendUnavailable, match="computing sinks"):
         get_backend(None, "cpu", options=("sinks",))
+
+
+def test_flashinfer_prefill_refuses_a_layer_of_another_scale_than_it_planned_with():
+    """FlashInfer fixes the softmax scale when it plans (from the first layer it runs):
+    a layer asking for another is refused, never run at the planned one."""
+    from graphcap.opsdb.attention.flashinfer_backend import FlashInferAttention
+
+    q, k, v = qkv(4, 2, 2, 16)
+    backend = FlashInferAttention(heads=(2, 2, 16), dtype=torch.float16, scale=0.125)
+    planned = SimpleNamespace(planned=(2, 2, 16, torch.float16))
+    with pytest.raises(OpInputError, match=r"planned its kernels with softmax scale 0\.125 "
+                                           r"and this layer asks for 0\.2"):
+        backend.forward(q, k, v, torch.empty_like(q), planned, 0.2)
+    default = FlashInferAttention(heads=(2, 2, 16), dtype=torch.float16)
+    with pytest.raises(OpInputError, match=r"scale 0\.25 and this layer asks for 0\.125"):
+        default.forward(q, k, v, torch.empty_like(q), planned, 0.125)

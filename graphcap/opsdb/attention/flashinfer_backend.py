@@ -12,6 +12,8 @@ has run corrupts the metadata, so ``update`` waits on an event recorded after ea
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from graphcap.opsdb.attention.base import (
@@ -20,6 +22,7 @@ from graphcap.opsdb.attention.base import (
     guard_kv,
     zero_padding_rows,
 )
+from graphcap.opsdb.spec import OpInputError
 
 WORKSPACE_BYTES = 256 << 20  # graph mode can exceed the usual 128 MiB at large buckets
 
@@ -31,8 +34,9 @@ class FlashInferAttention(AttentionBackend):
     dtypes = (torch.float16, torch.bfloat16)
 
     def __init__(self, heads: tuple[int, int, int] | None = None, dtype=None,
-                 fa_backend: str = "fa3"):
+                 fa_backend: str = "fa3", scale: float | None = None):
         self.heads, self.dtype, self.fa_backend = heads, dtype, fa_backend
+        self.scale = scale  # the softmax scale it plans with (None: 1 / sqrt(head dim))
 
     def metadata(self, num_tokens, num_slots, device):
         import flashinfer
@@ -48,9 +52,12 @@ class FlashInferAttention(AttentionBackend):
         meta.plan_done = torch.cuda.Event()
         return meta
 
-    def configure(self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype) -> None:
-        """Head layout and dtype, needed by plan(); set before the first update."""
+    def configure(self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype,
+                  scale: float | None = None) -> None:
+        """Head layout, dtype and softmax scale, needed by plan(); set before the first
+        update."""
         self.heads, self.dtype = (num_q_heads, num_kv_heads, head_dim), dtype
+        self.scale = scale
 
     def plan(self, meta: AttentionMetadata) -> None:
         if self.heads is None:
@@ -61,15 +68,22 @@ class FlashInferAttention(AttentionBackend):
         ind[meta.num_slots + 1] = meta.num_tokens  # the padding request
         meta.plan_done.synchronize()
         meta.wrapper.plan(ind, ind, hq, hk, d, causal=True, q_data_type=self.dtype,
-                          kv_data_type=self.dtype)
+                          kv_data_type=self.dtype, sm_scale=self.scale)
         meta.plan_done.record()
         meta.planned = (hq, hk, d, self.dtype)
 
     def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float,
                 variant=None) -> None:
         if meta.planned is None:
-            self.configure(q.shape[1], k.shape[1], q.shape[2], q.dtype)
+            self.configure(q.shape[1], k.shape[1], q.shape[2], q.dtype, scale)
             self.plan(meta)
+        planned = self.scale if self.scale is not None else q.shape[2] ** -0.5
+        if not math.isclose(scale, planned, rel_tol=1e-6):
+            raise OpInputError(
+                f"attention backend {self.name!r} planned its kernels with softmax scale "
+                f"{planned:g} and this layer asks for {scale:g}: FlashInfer fixes the scale "
+                "when it plans, so one backend serves layers of one scale; pick another "
+                "backend (triton, torch_masked) for a model whose layers differ")
         k, v = guard_kv(k, v, meta)
         meta.wrapper.run(q, k, v, out=out)
         zero_padding_rows(out, meta)
