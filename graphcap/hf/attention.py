@@ -24,8 +24,8 @@ from graphcap.opsdb.attention import ATTENTION
 from graphcap.opsdb.cached import CACHED_ATTENTION
 
 NAME = "graphcap"
-# While graphcap.hf probes the model: (q, k, v, layer_idx) of each call, q/k/v as
-# [T, heads, head_dim].
+# While graphcap.hf probes the model: (q, k, v, layer_idx, (window, softcap, sinks)) of
+# each call, q/k/v as [T, heads, head_dim].
 SEEN: list | None = None
 
 
@@ -176,11 +176,11 @@ def graphcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     # [1, H, T, D] -> [T, H, D]: the split op's packed layout (contiguous for the kernels).
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
     layer = getattr(module, "layer_idx", None)
+    variant = variant_of(module, sliding_window, softcap, kwargs.get("s_aux"))
     if SEEN is not None:
-        SEEN.append((q, k, v, layer))
+        SEEN.append((q, k, v, layer, variant))
     out = torch.empty_like(q)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    variant = variant_of(module, sliding_window, softcap, kwargs.get("s_aux"))
     if isinstance(layer, int) and not isinstance(layer, bool):  # the forward's cache, if
         CACHED_ATTENTION(q, k, v, out, float(scale), layer, *variant)  # any, read at run
         return out.unsqueeze(0), None  # time

@@ -119,7 +119,7 @@ def _kv_shapes(model: PreTrainedModel, dtype: torch.dtype) -> dict[int, tuple[in
         raise UnsupportedModel(f"{type(model).__name__}: {exc}") from exc
     finally:
         hf_attention.SEEN = None
-    return {layer: tuple(k.shape[1:]) for _, k, _, layer in seen
+    return {layer: tuple(k.shape[1:]) for _, k, _, layer, _ in seen
             if isinstance(layer, int) and not isinstance(layer, bool)}
 
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from graphcap.hf.attention import window_binds
 from graphcap.hf.fuse import Fused, check_fusable
 from graphcap.models.blocks import (
     AttentionLayer,
@@ -97,6 +96,8 @@ class AttentionKernels:
     kv_heads: int
     head_dim: int
     scale: float
+    # (window, softcap, sinks) as the stock attention passes them (the probe sets it).
+    variant: tuple = (0, 0.0, None)
     name = "attention"
     ops = "rms_norm_linear, qkv_norm_rope, attention, linear_residual"
 
@@ -112,13 +113,16 @@ class AttentionKernels:
         norms = (attn.q_norm.weight, attn.k_norm.weight) if self.qk_eps is not None \
             else (None, None)
         return AttentionWeights(self.layer.input_layernorm.weight, qkv, attn.o_proj.weight,
-                                self.cos_sin, bias, *norms, attn.o_proj.bias)
+                                self.cos_sin, bias, *norms, attn.o_proj.bias,
+                                sinks=self.variant[2])
 
     @functools.cached_property
-    def _spec(self) -> AttentionLayer:
+    def _spec(self) -> AttentionLayer:  # read first by the probe, after it set the variant
+        window, softcap, _ = self.variant
         return AttentionLayer(self.heads, self.kv_heads, self.head_dim, self.scale, self.eps,
                               self.qk_eps or self.eps,
-                              getattr(self.layer.self_attn, "layer_idx", None))
+                              getattr(self.layer.self_attn, "layer_idx", None),
+                              window=window, softcap=softcap)
 
     def inputs(self, h, positions):
         """q, k, v as graphcap computes them (what the probe compares)."""
@@ -137,8 +141,6 @@ def recognise_attention(layer, hidden: int, cos_sin: torch.Tensor | None):
     eps, why = rms_norm_of(getattr(layer, "input_layernorm", None), hidden)
     if why:
         return None, f"input_layernorm: {why}"
-    if window_binds(getattr(attn, "config", None), getattr(attn, "sliding_window", None)):
-        return None, "sliding-window attention"
     head_dim, scale = getattr(attn, "head_dim", None), getattr(attn, "scaling", None)
     if not isinstance(head_dim, int) or not isinstance(scale, float):
         return None, f"{type(attn).__name__} has no int head_dim and float scaling"

@@ -66,6 +66,7 @@ def attention(layer, kernels, h, pos, kwargs) -> str | None:
         hf_attention.SEEN = None
     if len(seen) != 1:
         return f"the stock attention called the attention function {len(seen)} times, not once"
+    kernels.variant = seen[0][4]  # the window, soft-capping and sinks the stock one passes
     for name, got, ref in zip("qkv", kernels.inputs(h, pos), seen[0][:3], strict=True):
         if why := mismatch(got, ref, f"the attention half's {name}"):
             return why

@@ -40,8 +40,9 @@ class AttentionLayer:
     """What an attention layer is, beside its weights: ``heads`` query heads and
     ``kv_heads`` key/value heads of ``head_dim``, the softmax ``scale``, the epsilons of
     its input RMSNorm (``eps``) and of its per-head q/k norms (``qk_eps``), its index in a
-    K/V cache (``layer``; None: it keeps none) and its TP group (``tp``: the heads are
-    this rank's, ``o`` its rows)."""
+    K/V cache (``layer``; None: it keeps none), its TP group (``tp``: the heads are
+    this rank's, ``o`` its rows), and its sliding ``window`` and score ``softcap`` (0:
+    none; :mod:`graphcap.opsdb.attention.variant`)."""
 
     heads: int
     kv_heads: int
@@ -51,6 +52,8 @@ class AttentionLayer:
     qk_eps: float
     layer: int | None = None
     tp: str | None = None
+    window: int = 0
+    softcap: float = 0.0
 
 
 @dataclass
@@ -59,7 +62,8 @@ class AttentionWeights:
     is seen): the input RMSNorm ``norm``; the fused q/k/v projection ``qkv``
     ``[(heads + 2 kv_heads) * head_dim, hidden]`` and its bias; the per-head RMSNorm
     weights ``q_norm``/``k_norm`` (Qwen3) or None; the output projection ``o`` and its
-    bias; the neox rotary cache ``cos_sin`` ``[positions, rotary dims]``."""
+    bias; the neox rotary cache ``cos_sin`` ``[positions, rotary dims]``; the learned
+    sink logit of each query head ``sinks`` ``[heads]`` (gpt-oss) or None."""
 
     norm: torch.Tensor
     qkv: torch.Tensor
@@ -69,6 +73,7 @@ class AttentionWeights:
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
 
 
 def attention_inputs(h, positions, w: AttentionWeights, a: AttentionLayer):
@@ -90,9 +95,9 @@ def attention_half(h, positions, w: AttentionWeights, a: AttentionLayer):
     q, k, v = attention_inputs(h, positions, w, a)
     out = torch.empty(t, a.heads, a.head_dim, dtype=h.dtype, device=h.device)
     if a.layer is None:
-        ATTENTION(q, k, v, out, a.scale)
+        ATTENTION(q, k, v, out, a.scale, a.window, a.softcap, w.sinks)
     else:  # the forward context's cache, if any, read at run time (also when compiled)
-        CACHED_ATTENTION(q, k, v, out, a.scale, a.layer)
+        CACHED_ATTENTION(q, k, v, out, a.scale, a.layer, a.window, a.softcap, w.sinks)
     return residual_linear(out.view(t, a.heads * a.head_dim), w.o, h, w.o_bias, a.tp)
 
 

@@ -100,3 +100,14 @@ def test_every_strategy_generates_what_transformers_generates(family, strategy):
     got = graphcap.generate(lm, PROMPTS, NEW, strategy=strategy, max_batch=2,
                             prefill_tokens=16)
     assert got.tokens == [transformers_greedy(ref, p, NEW) for p in PROMPTS]
+
+
+def test_windowed_layers_of_substituted_families_run_on_graphcaps_attention_kernels():
+    """Mistral's window reaches graphcap's own attention half (the probe compares it with
+    the stock module past the window: 16 tokens), which then generates transformers'
+    tokens."""
+    ref = model("mistral")
+    lm = PrefillLM(copy.deepcopy(ref), logits="last")
+    assert "2/2 attention" in lm.kernels.summary()
+    got = graphcap.generate(lm, PROMPTS, NEW, strategy="full", max_batch=2, prefill_tokens=4)
+    assert got.tokens == [transformers_greedy(ref, p, NEW) for p in PROMPTS]
