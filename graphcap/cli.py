@@ -88,8 +88,9 @@ def _generate(args: argparse.Namespace) -> int:
 # The options of bench, their defaults, and which each suite reads (another given is an
 # error, not ignored).
 BENCH_DEFAULTS = {"models": None, "arms": None, "lengths": None, "reps": 30,
-                  "batches": None, "context": 128, "attention": None}
-BENCH_READS = {"ops": set(), "decode": {"models", "arms", "batches", "context", "reps"},
+                  "batches": None, "context": 128, "window": 0, "attention": None}
+BENCH_READS = {"ops": set(), "decode": {"models", "arms", "batches", "context", "window",
+                                        "reps"},
                "prefill": {"models", "arms", "lengths", "reps", "attention"},
                "generate": {"models", "arms", "reps"},
                "build": {"models", "arms", "attention"}, "memory": {"models", "arms",
@@ -284,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="decode: comma-separated batch sizes (default 1,8)")
     bench.add_argument("--context", type=_positive, default=128,
                        help="decode: tokens in the cache of every request")
+    bench.add_argument("--window", type=_positive, default=0,
+                       help="decode: a sliding window of this many tokens on every layer "
+                            "(its step reads only the window's K/V)")
     bench.add_argument("--tp", type=_positive, default=1,
                        help="prefill: split each preset across this many GPUs (one process "
                             "each, NCCL) and time it beside the unsplit run")

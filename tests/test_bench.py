@@ -328,6 +328,18 @@ def test_bench_decode_times_every_arm_per_batch_and_says_what_did_not_run():
     assert model["build"]["full"]["graph_pool_bytes"] > 0
 
 
+def test_bench_decode_with_a_window_times_windowed_steps_without_the_stock_peer():
+    if torch.cuda.is_available():
+        pytest.skip("the CPU form of the suite (the GPU runs it through the CLI)")
+    from graphcap.bench import decode
+
+    result = decode.run(("tiny",), arms=("eager", "full", "hf-static-compile"),
+                        batches=(2,), context=40, reps=2, window=8)
+    model = result["models"][0]
+    assert model["window"] == 8 and model["rows"][0]["ms"]["full"] > 0
+    assert "no 8-token window" in model["skipped"]["hf-static-compile"]
+
+
 @pytest.mark.slow
 def test_bench_prefill_tp_times_the_split_preset_beside_the_whole_in_one_job():
     if torch.cuda.is_available():

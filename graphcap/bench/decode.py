@@ -16,6 +16,7 @@ tokens by one prefill first.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -60,9 +61,14 @@ def _hf_step_ms(preset: str, batch: int, context: int, device, dtype) -> dict:
     return {"ms": round((long - short) / HF_STEPS, 4), "compile_and_warmup_s": round(warm_s, 2)}
 
 
-def bench_model(name: str, arms, batches, context: int, reps: int, device: str) -> dict:
+def bench_model(name: str, arms, batches, context: int, reps: int, device: str,
+                window: int = 0) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build_model(name, device=device, dtype=dtype)
+    if window:  # every layer windowed: a step reads the last `window` tokens of each row
+        model.args = model.local_args = dataclasses.replace(model.args, window=window)
+        for block in model.blocks:
+            block.attn.window = window
     a = model.args
     slots = max(batches)
     cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=slots,
@@ -95,7 +101,9 @@ def bench_model(name: str, arms, batches, context: int, reps: int, device: str) 
     out_rows = [{"batch": b, "ms": {arm: times[b, arm]["median_ms"] for arm in arms
                                     if (b, arm) in times}} for b in batches]
     if "hf-static-compile" in arms:
-        if device != "cuda":
+        if window:
+            skipped["hf-static-compile"] = f"the stock model has no {window}-token window"
+        elif device != "cuda":
             skipped["hf-static-compile"] = "compiles CUDA graphs: a CUDA device only"
         else:
             for row in out_rows:
@@ -110,16 +118,16 @@ def bench_model(name: str, arms, batches, context: int, reps: int, device: str) 
     for arm, runner in runners.items():
         build[arm] = {"build_s": build[arm],
                       "graph_pool_bytes": runner.report()["graph_pool_bytes"]}
-    return {"model": name, "context": context, "rows": out_rows, "skipped": skipped,
-            "build": build}
+    return {"model": name, "context": context, "window": window, "rows": out_rows,
+            "skipped": skipped, "build": build}
 
 
 def run(models=("qwen3-0.6b",), arms=ARMS, batches=BATCHES, context: int = CONTEXT,
-        reps: int = 30, device: str | None = None) -> dict:
+        reps: int = 30, device: str | None = None, window: int = 0) -> dict:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return {"what": "graphcap bench decode: one decode step (a token per request, the "
                     f"cache filled to {context} tokens), CUDA-event wall time per call, "
                     "median of repetitions interleaved over batch sizes and arms",
             **environment(), "arms": list(arms), "batches": list(batches),
-            "models": [bench_model(m, arms, batches, context, reps, device)
+            "models": [bench_model(m, arms, batches, context, reps, device, window)
                        for m in models]}

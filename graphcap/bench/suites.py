@@ -30,7 +30,8 @@ def run_suite(args: argparse.Namespace) -> int:
         models = _csv(args.models, ["qwen3-0.6b"])
         arms = _csv(args.arms, decode.ARMS)  # names checked by the command line
         batches = _csv(args.batches, decode.BATCHES, int)
-        result = decode.run(models, arms, batches, args.context, args.reps)
+        result = decode.run(models, arms, batches, args.context, args.reps,
+                            window=args.window)
         show_decode(result)
         path = write_result(result, args.out, f"{today()}-bench-decode.json")
         print(f"wrote {path}")

@@ -48,6 +48,27 @@ class ModelArgs:
     moe_intermediate: int = 0
     norm_topk: bool = True  # renormalise the top-k routing weights
     qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections
+    # Attention variants (graphcap.opsdb.attention.variant): a sliding window on the
+    # windowed layers (0: none), every ``global_every``-th layer full (0: none is; gpt-oss
+    # alternates, 2; Gemma 3 has five local layers to one global, 6), soft-capped scores
+    # (Gemma 2), a learned sink logit per query head (gpt-oss).
+    window: int = 0
+    global_every: int = 0
+    softcap: float = 0.0
+    sinks: bool = False
+
+    def window_of(self, layer: int) -> int:
+        """The sliding window of layer ``layer`` (0: full attention)."""
+        if self.global_every and layer % self.global_every == self.global_every - 1:
+            return 0
+        return self.window
+
+    @property
+    def attention_options(self) -> tuple[str, ...]:
+        """The variant options its layers use (a backend must compute them)."""
+        used = {"window": any(self.window_of(i) for i in range(self.layers)),
+                "softcap": self.softcap > 0, "sinks": self.sinks}
+        return tuple(o for o, on in used.items() if on)
 
 
 def shard_args(a: ModelArgs, size: int) -> ModelArgs:
@@ -73,19 +94,22 @@ class Attention(nn.Module):
     def __init__(self, a: ModelArgs, layer: int = 0, tp: str | None = None):
         super().__init__()
         self.a, self.layer, self.tp = a, layer, tp  # its layer of a K/V cache; TP group
+        self.window = a.window_of(layer)
         self.qkv = nn.Linear(a.hidden, (a.heads + 2 * a.kv_heads) * a.head_dim,
                              bias=a.qkv_bias)
         self.o = nn.Linear(a.heads * a.head_dim, a.hidden, bias=False)
         if a.qk_norm:
             self.q_norm = nn.Parameter(torch.ones(a.head_dim))
             self.k_norm = nn.Parameter(torch.ones(a.head_dim))
+        self.sinks = nn.Parameter(torch.zeros(a.heads)) if a.sinks else None
 
     def forward(self, h, norm, positions, cos_sin):
         """h + attention(rms_norm(h))."""
         # Split q/k/v, RMSNorm each head of q and k (Qwen3), rotate: one kernel.
         norms = (self.q_norm, self.k_norm) if self.a.qk_norm else (None, None)
         return attention_half(h, positions, AttentionWeights(
-            norm, self.qkv.weight, self.o.weight, cos_sin, self.qkv.bias, *norms), self.spec)
+            norm, self.qkv.weight, self.o.weight, cos_sin, self.qkv.bias, *norms,
+            sinks=self.sinks), self.spec)
 
     @property
     def spec(self) -> AttentionLayer:
@@ -93,7 +117,7 @@ class Attention(nn.Module):
         built: ``layer = None`` keeps no cache)."""
         a = self.a
         return AttentionLayer(a.heads, a.kv_heads, a.head_dim, 1.0 / math.sqrt(a.head_dim),
-                              a.eps, a.eps, self.layer, self.tp)
+                              a.eps, a.eps, self.layer, self.tp, self.window, a.softcap)
 
 
 class FeedForward(nn.Module):
@@ -193,11 +217,16 @@ class Decoder(nn.Module):
     def max_position(self) -> int:
         return self.args.max_position
 
+    @property
+    def graphcap_attention_options(self) -> tuple[str, ...]:
+        return self.args.attention_options
+
     def forward(self, input_ids, positions, last_rows=None, seq_lens=None):
         """``last_rows`` [requests] (``logits="last"``): the row of each request's last
         token; the runner passes it, an eager call with ``seq_lens`` derives it."""
         if seq_lens is not None:  # eager use: prepare this batch's attention metadata
-            with packed(seq_lens, input_ids.device, dtype=self.norm.dtype) as meta:
+            with packed(seq_lens, input_ids.device, dtype=self.norm.dtype,
+                        options=self.graphcap_attention_options) as meta:
                 if self.output_rows == "requests":
                     last_rows = meta.last_token_rows()
                 return self.forward(input_ids, positions, last_rows)

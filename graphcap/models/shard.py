@@ -37,7 +37,7 @@ def _layouts(a) -> dict[str, tuple[int, list[int]]]:
     """Parameter name suffix -> (dim, parts) of the split ones; the rest is replicated."""
     q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
     out = {"attn.qkv.weight": (0, [q, kv, kv]), "attn.qkv.bias": (0, [q, kv, kv]),
-           "attn.o.weight": (1, [q])}
+           "attn.o.weight": (1, [q]), "attn.sinks": (0, [a.heads])}
     if a.experts:
         out.update({"mlp.w13": (1, [a.moe_intermediate] * 2), "mlp.w2": (2, [a.moe_intermediate])})
     else:

@@ -1,0 +1,58 @@
+"""The reference decoder with attention variants (windowed layers with some global ones,
+soft-capped scores, sink logits): greedy generation under every strategy gives the tokens
+of recomputing each sequence whole, with prompts past the window prefilled in chunks, and
+the variants change what it generates."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import graphcap
+from graphcap.models import PRESETS, Decoder
+
+PROMPTS = [[5, 9, 2, 7, 1, 8, 8, 4, 11, 6, 3], [3, 4], [8, 8, 4, 11, 6, 2, 9, 10, 13, 1]]
+NEW = 8
+VARIANT = dict(window=4, global_every=2, softcap=3.0, sinks=True)
+
+
+def model(**variant) -> Decoder:
+    torch.manual_seed(0)
+    m = Decoder(dataclasses.replace(PRESETS["tiny"], **variant)).eval()
+    with torch.no_grad():
+        for block in m.blocks:
+            if block.attn.sinks is not None:
+                block.attn.sinks.normal_()
+    return m
+
+
+def recomputed(m: Decoder, prompt: list[int]) -> list[int]:
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(NEW):
+            logits = m(torch.tensor(seq), torch.arange(len(seq)), seq_lens=[len(seq)])
+            seq.append(int(logits[-1].argmax()))
+    return seq[len(prompt):]
+
+
+def test_the_layers_say_which_options_they_use():
+    m = model(**VARIANT)
+    assert m.graphcap_attention_options == ("window", "softcap", "sinks")
+    assert [b.attn.spec.window for b in m.blocks] == [4, 0]  # every 2nd layer global
+    assert model().graphcap_attention_options == ()
+
+
+@pytest.mark.parametrize("strategy", ["eager", "full", "breakable", "tc_piecewise"])
+def test_generation_is_recomputing_every_sequence(strategy):
+    m = model(**VARIANT)
+    got = graphcap.generate(m, PROMPTS, NEW, strategy=strategy, max_batch=2,
+                            prefill_tokens=4)
+    assert got.tokens == [recomputed(m, p) for p in PROMPTS]
+
+
+def test_the_variants_change_what_it_generates():
+    plain = model(sinks=True)  # the same weights, sinks included, no window nor cap
+    varied = model(**VARIANT)
+    assert [recomputed(plain, p) for p in PROMPTS] != [recomputed(varied, p) for p in PROMPTS]
