@@ -87,7 +87,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def seen_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int
-          ) -> torch.Tensor:
+              ) -> torch.Tensor:
     """``[Lq, Lk]``: which keys each query sees (causal: none after it; a window: none
     ``window`` or more positions before it)."""
     seen = torch.ones(q_pos.shape[0], k_pos.shape[0], dtype=torch.bool, device=q_pos.device)
@@ -99,7 +99,7 @@ def seen_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: in
 
 
 def softmax_v(scores: torch.Tensor, seen: torch.Tensor, v: torch.Tensor, softcap: float,
-               sinks: torch.Tensor | None) -> torch.Tensor:
+              sinks: torch.Tensor | None) -> torch.Tensor:
     """``softmax(scores) @ v`` in float32 over the ``seen`` keys (scores ``[H, Lq, Lk]``,
     ``v`` ``[H, Lk, D]``), scores soft-capped first, a sink logit per head joining the
     softmax without a value; a row that sees no key comes out zero."""
