@@ -1,4 +1,5 @@
-"""Mixture-of-experts ops: top-k softmax routing and grouped SwiGLU experts."""
+"""Mixture-of-experts ops: top-k softmax routing and grouped gated experts (SwiGLU, or
+gpt-oss's clamped GLU with biases)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ def check_topk(router_logits, top_k, renormalize):
             "(the number of experts)")
 
 
-def check_experts(x, w13, w2, topk_weights, topk_ids):
+def check_experts(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0.0,
+                  limit=0.0):
     op = "moe_experts"
     checks.tensor(op, "x", x, ndim=2)
     checks.tensor(op, "w13", w13, ndim=3, dtypes=(x.dtype,), device=x.device)
@@ -30,6 +32,14 @@ def check_experts(x, w13, w2, topk_weights, topk_ids):
     checks.same(op, "the shape", tuple(topk_weights.shape), tuple(topk_ids.shape),
                 "topk_weights", "topk_ids")
     checks.same(op, "the token count", topk_ids.shape[0], x.shape[0], "topk_ids", "x")
+    for name, bias, shape in (("b13", b13, (e, two_i)), ("b2", b2, (e, h))):
+        if bias is not None:
+            checks.tensor(op, name, bias, ndim=2, dtypes=checks.FLOATS, device=x.device)
+            checks.same(op, "the shape", tuple(bias.shape), shape, name, "its weight's rows")
+    for name, value in (("alpha", alpha), ("limit", limit)):
+        if not value >= 0:
+            raise checks.OpInputError(f"{op}: {name} must be >= 0 (0: SwiGLU; alpha > 0: "
+                                      f"gpt-oss's clamped GLU), got {value!r}")
 
 
 def topk_inputs(device, dtype, max_tokens: int = 48):
@@ -62,7 +72,11 @@ def experts_inputs(device, dtype, max_tokens: int = 24):
         gen = torch.Generator().manual_seed(d(st.integers(0, 2**31 - 1)))
         logits = torch.randn(t, e, generator=gen)
         weights, ids = reference.moe_topk_softmax(logits, k, True)
-        return x, w13, w2, weights.to(device), ids.to(device)
+        b13 = b2 = None
+        if d(st.booleans()):  # biases and gpt-oss's clamped GLU, or plain SwiGLU
+            b13, b2 = (t * 0.3 for t in tensors(d, device, dtype, (e, 2 * i), (e, h)))
+        glu = d(st.sampled_from([(0.0, 0.0), (1.702, 7.0), (1.702, 0.1)]))
+        return (x, w13, w2, weights.to(device), ids.to(device), b13, b2, *glu)
 
     return draw()
 
@@ -78,16 +92,19 @@ MOE_TOPK_SOFTMAX = register_op(
 )
 
 
-def _experts_fake(x, w13, w2, topk_weights, topk_ids):
+def _experts_fake(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0.0,
+                  limit=0.0):
     return torch.empty_like(x)
 
 
 MOE_EXPERTS = register_op(
     "graphcap::moe_experts",
-    "(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids) -> Tensor",
+    "(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
+    "Tensor? b13=None, Tensor? b2=None, float alpha=0.0, float limit=0.0) -> Tensor",
     reference=reference.moe_experts,
     kernels={"triton": Kernel("graphcap.opsdb.triton.moe:moe_experts", requires=("triton",))},
     fake=_experts_fake,
     check=check_experts, inputs=experts_inputs,
-    doc="grouped SwiGLU experts weighted by the routing",
+    doc="grouped gated experts weighted by the routing: SwiGLU, or gpt-oss's clamped GLU "
+        "(alpha, limit), with optional biases",
 )

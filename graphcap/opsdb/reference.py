@@ -126,16 +126,41 @@ def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """Grouped SwiGLU experts. x [T, H]; w13 [E, 2*I, H] (gate rows, then up rows);
-    w2 [E, H, I]; out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
+                topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                alpha: float = 0.0, limit: float = 0.0) -> torch.Tensor:
+    """Grouped gated experts. x [T, H]; w13 [E, 2*I, H] (gate rows, then up rows) and its
+    bias b13 [E, 2*I]; w2 [E, H, I] and its bias b2 [E, H]; out[t] = sum_j
+    topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), an expert being
+    ``w2 @ act(gate, up) + b2`` of ``(gate, up) = w13 @ x + b13``: ``act`` is SwiGLU
+    (``silu(gate) * up``) with ``alpha == 0``, else gpt-oss's clamped GLU
+    (:func:`clamped_glu`).
 
     Dense over experts (every expert sees every token, weighted 0 where not routed):
     slow but free of data-dependent shapes, so the reference itself can be captured."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     x32 = x.float()
+    inter = w13.shape[1] // 2
     for e in range(w13.shape[0]):
         weight = (topk_weights.float() * (topk_ids == e)).sum(dim=-1, keepdim=True)  # [T, 1]
-        h = silu_and_mul(x32 @ w13[e].float().t())
-        out += weight * (h @ w2[e].float().t())
+        gate_up = x32 @ w13[e].float().t()
+        if b13 is not None:
+            gate_up = gate_up + b13[e].float()
+        if alpha:
+            h = clamped_glu(gate_up[:, :inter], gate_up[:, inter:], alpha, limit)
+        else:
+            h = silu_and_mul(gate_up)
+        y = h @ w2[e].float().t()
+        if b2 is not None:
+            y = y + b2[e].float()
+        out += weight * y
     return out.to(x.dtype)
+
+
+def clamped_glu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
+                ) -> torch.Tensor:
+    """gpt-oss's expert activation: ``(up + 1) * gate * sigmoid(alpha * gate)``, gate
+    clamped from above and up to ``[-limit, limit]`` first (``limit`` 0: no clamp)."""
+    if limit:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(alpha * gate)

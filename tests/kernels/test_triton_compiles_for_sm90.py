@@ -205,3 +205,43 @@ COMPILE_DECODE = textwrap.dedent('''
 
 def test_the_paged_cache_write_and_decode_attention_kernels_compile_for_sm90():
     compiles(COMPILE_DECODE)
+
+
+COMPILE_MOE = textwrap.dedent('''
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from graphcap.opsdb.triton.moe import _moe_down_kernel, _moe_gate_up_kernel
+
+    def build(kernel, types, consts):
+        sig = {**types, **{n: "constexpr" for n in consts}}
+        sig = {name: sig[name] for name in kernel.arg_names}
+        out = triton.compile(ASTSource(kernel, sig, constexprs=consts),
+                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert "cubin" in out.asm
+
+    ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
+    blocks = {"BLOCK_E": 4, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "EVEN_K": True,
+              "IEEE": False, "INTERPRET": False}
+    for glu in (False, True):  # SwiGLU, or gpt-oss's clamped GLU with biases
+        build(_moe_gate_up_kernel,
+              {"x_ptr": "*bf16", "w13_ptr": "*bf16", "b13_ptr": "*bf16", "inter_ptr": "*bf16",
+               "sorted_pairs_ptr": "*i32", "cum_padded_ptr": "*i32", "alpha": "fp32",
+               "limit": "fp32", **ints("num_pairs", "num_experts", "stride_xt", "stride_xh",
+                                       "stride_we", "stride_wn", "stride_wk", "stride_it",
+                                       "stride_ii")},
+              {"H": 128, "INTER": 128, "TOP_K": 2, **blocks, "HAS_BIAS": glu,
+               "CLAMPED_GLU": glu, "CLAMP": glu})
+        build(_moe_down_kernel,
+              {"inter_ptr": "*bf16", "w2_ptr": "*bf16", "b2_ptr": "*bf16", "pairs_ptr": "*bf16",
+               "sorted_pairs_ptr": "*i32", "cum_padded_ptr": "*i32",
+               "topk_weights_ptr": "*fp32", **ints("num_pairs", "num_experts", "stride_it",
+                                                  "stride_ii", "stride_we", "stride_wn",
+                                                  "stride_wk", "stride_pt", "stride_ph")},
+              {"H": 128, "INTER": 128, **blocks, "HAS_BIAS": glu})
+    print("compiled")
+''')
+
+
+def test_the_moe_kernels_compile_for_sm90_with_and_without_gpt_oss_experts():
+    compiles(COMPILE_MOE)

@@ -140,14 +140,15 @@ def _tile_expert(cum_padded_ptr, num_experts, row0, BLOCK_E: tl.constexpr):
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w13_ptr, inter_ptr, sorted_pairs_ptr, cum_padded_ptr,
-    num_pairs, num_experts,
+    x_ptr, w13_ptr, b13_ptr, inter_ptr, sorted_pairs_ptr, cum_padded_ptr,
+    num_pairs, num_experts, alpha, limit,
     stride_xt, stride_xh,
     stride_we, stride_wn, stride_wk,
     stride_it, stride_ii,
     H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMPED_GLU: tl.constexpr, CLAMP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -188,7 +189,17 @@ def _moe_gate_up_kernel(
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
 
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    if HAS_BIAS:  # b13 [E, 2I]: the gate's row, then the up's
+        b_row = b13_ptr + expert.to(tl.int64) * (2 * INTER)
+        acc_g += tl.load(b_row + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_row + INTER + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    if CLAMPED_GLU:  # gpt-oss: (up + 1) * gate * sigmoid(alpha * gate), clamped first
+        if CLAMP:
+            acc_g = tl.minimum(acc_g, limit)
+            acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        h = (acc_u + 1.0) * acc_g / (1.0 + tl.exp(-alpha * acc_g))
+    else:
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     out_ptrs = (inter_ptr + pair[:, None].to(tl.int64) * stride_it
                 + offs_n[None, :] * stride_ii)
     tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
@@ -196,14 +207,15 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    inter_ptr, w2_ptr, pairs_ptr, sorted_pairs_ptr, cum_padded_ptr, topk_weights_ptr,
-    num_pairs, num_experts,
+    inter_ptr, w2_ptr, b2_ptr, pairs_ptr, sorted_pairs_ptr, cum_padded_ptr,
+    topk_weights_ptr, num_pairs, num_experts,
     stride_it, stride_ii,
     stride_we, stride_wn, stride_wk,
     stride_pt, stride_ph,
     H: tl.constexpr, INTER: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -238,6 +250,9 @@ def _moe_down_kernel(
         a_ptrs += BLOCK_K * stride_ii
         b_ptrs += BLOCK_K * stride_wk
 
+    if HAS_BIAS:  # b2 [E, H]
+        bias = tl.load(b2_ptr + expert.to(tl.int64) * H + offs_n, mask=nmask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     w = tl.load(topk_weights_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
     acc = acc * w[:, None]
     out_ptrs = pairs_ptr + pair64[:, None] * stride_pt + offs_n[None, :] * stride_ph
@@ -299,8 +314,12 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                alpha: float = 0.0, limit: float = 0.0,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """Grouped SwiGLU experts with routing weights, summed over the k slots.
+    """Grouped gated experts with routing weights, summed over the k slots. With biases
+    ``b13`` [E, 2I] and ``b2`` [E, H], and ``alpha > 0``: gpt-oss's clamped GLU in place
+    of SwiGLU (:func:`graphcap.opsdb.reference.moe_experts`).
 
     x [T, H]; w13 [E, 2*I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights
     [T, k] (float32 or any float); topk_ids [T, k] int32/int64 in [0, E).
@@ -354,29 +373,32 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
     inter = torch.empty((num_pairs, inter_size), dtype=w2.dtype, device=device)
     block_n1 = 64
+    for name, bias in (("b13", b13), ("b2", b2)):
+        if bias is not None and not bias.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
     _moe_gate_up_kernel[(max_tiles, triton.cdiv(inter_size, block_n1))](
-        x, w13, inter, sorted_pairs, cum_padded,
-        num_pairs, num_experts,
+        x, w13, w13 if b13 is None else b13, inter, sorted_pairs, cum_padded,
+        num_pairs, num_experts, float(alpha), float(limit),
         x.stride(0), x.stride(1),
         w13.stride(0), w13.stride(1), w13.stride(2),
         inter.stride(0), inter.stride(1),
         H=hidden, INTER=inter_size, TOP_K=top_k, BLOCK_E=block_e,
         BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
-        IEEE=ieee, INTERPRET=interpret,
-        num_warps=warps, num_stages=stages,
+        IEEE=ieee, INTERPRET=interpret, HAS_BIAS=b13 is not None, CLAMPED_GLU=alpha > 0,
+        CLAMP=limit > 0, num_warps=warps, num_stages=stages,
     )
 
     pairs = torch.empty((num_pairs, hidden), dtype=x.dtype, device=device)
     block_n2 = 128 if wide and block_m >= 64 else 64
     _moe_down_kernel[(max_tiles, triton.cdiv(hidden, block_n2))](
-        inter, w2, pairs, sorted_pairs, cum_padded, weights,
+        inter, w2, w2 if b2 is None else b2, pairs, sorted_pairs, cum_padded, weights,
         num_pairs, num_experts,
         inter.stride(0), inter.stride(1),
         w2.stride(0), w2.stride(1), w2.stride(2),
         pairs.stride(0), pairs.stride(1),
         H=hidden, INTER=inter_size, BLOCK_E=block_e,
         BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k, EVEN_K=inter_size % block_k == 0,
-        IEEE=ieee, INTERPRET=interpret,
+        IEEE=ieee, INTERPRET=interpret, HAS_BIAS=b2 is not None,
         num_warps=warps, num_stages=stages,
     )
 
