@@ -181,9 +181,10 @@ def graphcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         SEEN.append((q, k, v, layer, variant))
     out = torch.empty_like(q)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    if isinstance(layer, int) and not isinstance(layer, bool):  # the forward's cache, if
-        CACHED_ATTENTION(q, k, v, out, float(scale), layer, *variant)  # any, read at run
-        return out.unsqueeze(0), None  # time
+    if isinstance(layer, int) and not isinstance(layer, bool):
+        # The forward's cache, if any, read at run time.
+        CACHED_ATTENTION(q, k, v, out, float(scale), layer, *variant)
+        return out.unsqueeze(0), None
     # Without a layer index nothing writes the cache (a compiled forward's callers find
     # it unwritten and say so; an eager one is told here).
     if not torch.compiler.is_compiling() and current_kv() is not None:
