@@ -85,7 +85,7 @@ MOE_TOPK_SOFTMAX = register_op(
     "graphcap::moe_topk_softmax",
     "(Tensor router_logits, int top_k, bool renormalize) -> (Tensor, Tensor)",
     reference=reference.moe_topk_softmax,
-    kernels={"triton": Kernel("graphcap.opsdb.triton.moe:moe_topk_softmax",
+    kernels={"triton": Kernel("graphcap.opsdb.triton.moe_routing:moe_topk_softmax",
                               requires=("triton",))},
     check=check_topk, inputs=topk_inputs,
     doc="softmax over experts, top-k: weights [T, k] fp32, ids [T, k] int32",

@@ -1,13 +1,9 @@
-"""Mixture-of-experts kernels: top-k softmax routing and grouped SwiGLU experts.
+"""Mixture-of-experts kernels: grouped gated experts (routing: :mod:`.moe_routing`).
 
-Specification: :func:`graphcap.opsdb.reference.moe_topk_softmax` and
-:func:`graphcap.opsdb.reference.moe_experts`.
+Specification: :func:`graphcap.opsdb.reference.moe_experts`.
 
 Algorithm
 ---------
-``moe_topk_softmax`` runs one program per token: softmax over the E router logits in
-float32 registers, then k rounds of arg-max (ties go to the lowest expert id).
-
 ``moe_experts`` handles N = T * k (token, slot) pairs; pair ``p`` is token ``p // k``,
 slot ``p % k``, expert ``topk_ids.flatten()[p]``.
 
@@ -52,77 +48,9 @@ import triton
 import triton.language as tl
 
 from graphcap.opsdb.triton.common import dot, interpreting
+from graphcap.opsdb.triton.moe_routing import moe_topk_softmax
 
 __all__ = ["moe_topk_softmax", "moe_experts"]
-
-
-# --------------------------------------------------------------------------- routing
-
-
-@triton.jit
-def _topk_softmax_kernel(
-    logits_ptr, weights_ptr, ids_ptr,
-    num_experts, stride_lt, stride_le,
-    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    offs_e = tl.arange(0, BLOCK_E)
-    emask = offs_e < num_experts
-    x = tl.load(logits_ptr + t * stride_lt + offs_e * stride_le, mask=emask,
-                other=-float("inf")).to(tl.float32)
-    m = tl.max(x, axis=0)
-    p = tl.exp(x - m)
-    p = tl.where(emask, p, 0.0)
-    probs = p / tl.sum(p, axis=0)
-    # Padding lanes must never win a round: -1 is below any probability.
-    probs = tl.where(emask, probs, -1.0)
-
-    offs_k = tl.arange(0, BLOCK_K)
-    top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
-    top_i = tl.zeros([BLOCK_K], dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(probs, axis=0)
-        # lowest expert id among the maxima
-        idx = tl.min(tl.where(probs == best, offs_e, BLOCK_E), axis=0)
-        top_w = tl.where(offs_k == j, best, top_w)
-        top_i = tl.where(offs_k == j, idx, top_i)
-        probs = tl.where(offs_e == idx, -2.0, probs)
-    kmask = offs_k < TOP_K
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(tl.where(kmask, top_w, 0.0), axis=0)
-    tl.store(weights_ptr + t * TOP_K + offs_k, top_w, mask=kmask)
-    tl.store(ids_ptr + t * TOP_K + offs_k, top_i, mask=kmask)
-
-
-def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over experts, then the top-k, per token (one Triton program per token).
-
-    router_logits [T, E] (any float dtype, E <= 256 recommended; computed in float32).
-    Returns ``(weights [T, top_k] float32, ids [T, top_k] int32)``, ordered by decreasing
-    probability (ties: lowest expert id first). With ``renormalize`` the k weights of a
-    token sum to 1. No host synchronisation: safe to capture in a CUDA graph.
-    """
-    if router_logits.dim() != 2:
-        raise ValueError(f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
-    num_tokens, num_experts = router_logits.shape
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k={top_k} must be in [1, E={num_experts}]")
-    device = router_logits.device
-    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
-    if num_tokens == 0:
-        return weights, ids
-    block_e = triton.next_power_of_2(num_experts)
-    _topk_softmax_kernel[(num_tokens,)](
-        router_logits, weights, ids,
-        num_experts, router_logits.stride(0), router_logits.stride(1),
-        TOP_K=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
-        RENORMALIZE=bool(renormalize),
-        num_warps=4 if block_e >= 512 else (2 if block_e >= 128 else 1),
-    )
-    return weights, ids
 
 
 # --------------------------------------------------------------------------- experts
