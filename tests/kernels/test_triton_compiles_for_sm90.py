@@ -162,12 +162,11 @@ def test_the_kernels_on_the_pdl_path_compile_with_and_without_it():
     compiles(COMPILE_PDL_KERNELS)
 
 
-COMPILE_DECODE = textwrap.dedent('''
+# The build of a kernel for sm90 (cubin), for the code strings below.
+BUILD_SM90 = textwrap.dedent('''
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from graphcap.opsdb.triton.decode import _decode_merge_kernel, _decode_split_kernel
-    from graphcap.opsdb.triton.kv import _kv_write_kernel
 
     def build(kernel, types, consts):
         sig = {**types, **{n: "constexpr" for n in consts}}
@@ -175,6 +174,12 @@ COMPILE_DECODE = textwrap.dedent('''
         out = triton.compile(ASTSource(kernel, sig, constexprs=consts),
                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         assert "cubin" in out.asm
+
+''')
+
+COMPILE_DECODE = BUILD_SM90 + textwrap.dedent('''
+    from graphcap.opsdb.triton.decode import _decode_merge_kernel, _decode_split_kernel
+    from graphcap.opsdb.triton.kv import _kv_write_kernel
 
     for dt in ("bf16", "fp16", "fp32"):
         build(_kv_write_kernel,
@@ -207,18 +212,8 @@ def test_the_paged_cache_write_and_decode_attention_kernels_compile_for_sm90():
     compiles(COMPILE_DECODE)
 
 
-COMPILE_MOE = textwrap.dedent('''
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+COMPILE_MOE = BUILD_SM90 + textwrap.dedent('''
     from graphcap.opsdb.triton.moe import _moe_down_kernel, _moe_gate_up_kernel
-
-    def build(kernel, types, consts):
-        sig = {**types, **{n: "constexpr" for n in consts}}
-        sig = {name: sig[name] for name in kernel.arg_names}
-        out = triton.compile(ASTSource(kernel, sig, constexprs=consts),
-                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        assert "cubin" in out.asm
 
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
     blocks = {"BLOCK_E": 4, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "EVEN_K": True,
