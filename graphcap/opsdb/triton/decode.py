@@ -150,7 +150,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         SPLITS=num_splits, BLOCK_N=block_n, BLOCK_D=block_d, WINDOW=window > 0,
         SOFTCAP=softcap > 0, num_warps=4 if block_d >= 128 else 2)
     _decode_merge_kernel[(B, Hq)](
-        mid_o, mid_lse, mid_lse if sinks is None else sinks, out, out.stride(0),
+        mid_o, mid_lse, mid_lse if sinks is None else sinks.contiguous(), out, out.stride(0),
         out.stride(1), Hq, D, SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
         BLOCK_D=block_d, SINKS=sinks is not None, INTERPRET=interpret, num_warps=1)
 
