@@ -15,6 +15,7 @@ from graphcap.opsdb.triton import moe
 
 transformers = pytest.importorskip("transformers")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
 
 def gpt_oss_moe(seed: int = 0):

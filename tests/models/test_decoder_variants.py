@@ -12,6 +12,9 @@ import torch
 
 import graphcap
 from graphcap.models import PRESETS, Decoder
+from tests.support.runner_helpers import DEVICE
+
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []  # CUDA graphs there
 
 PROMPTS = [[5, 9, 2, 7, 1, 8, 8, 4, 11, 6, 3], [3, 4], [8, 8, 4, 11, 6, 2, 9, 10, 13, 1]]
 NEW = 8
@@ -20,7 +23,7 @@ VARIANT = dict(window=4, global_every=2, softcap=3.0, sinks=True)
 
 def model(**variant) -> Decoder:
     torch.manual_seed(0)
-    m = Decoder(dataclasses.replace(PRESETS["tiny"], **variant)).eval()
+    m = Decoder(dataclasses.replace(PRESETS["tiny"], **variant)).to(DEVICE).eval()
     with torch.no_grad():
         for block in m.blocks:
             if block.attn.sinks is not None:
@@ -32,7 +35,8 @@ def recomputed(m: Decoder, prompt: list[int]) -> list[int]:
     seq = list(prompt)
     with torch.no_grad():
         for _ in range(NEW):
-            logits = m(torch.tensor(seq), torch.arange(len(seq)), seq_lens=[len(seq)])
+            logits = m(torch.tensor(seq, device=DEVICE),
+                       torch.arange(len(seq), device=DEVICE), seq_lens=[len(seq)])
             seq.append(int(logits[-1].argmax()))
     return seq[len(prompt):]
 

@@ -24,6 +24,7 @@ from graphcap.opsdb.attention.torch_backends import TorchMasked
 from graphcap.opsdb.decode import decode_attention_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []  # the kernels on CUDA there
 transformers = pytest.importorskip("transformers")
 
 
