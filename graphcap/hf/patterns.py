@@ -70,7 +70,10 @@ def stock_attention(layer, h, kwargs):
 
 def stock_mlp(layer, h):
     """The MLP half on the layer's own modules: h + mlp(post_attention_layernorm(h))."""
-    return h + layer.mlp(layer.post_attention_layernorm(h[None]))[0]
+    out = layer.mlp(layer.post_attention_layernorm(h[None]))
+    if isinstance(out, tuple):  # gpt-oss's: (hidden states, router scores)
+        out = out[0]
+    return h + out[0]
 
 
 def pre_norm_layer(layer) -> str | None:
