@@ -56,6 +56,17 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype | None:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
+def backend_for(model: torch.nn.Module, attention: str | None, device,
+                strategy: str | None = None, dtype: torch.dtype | None = None):
+    """The prefill attention backend ``attention`` (None: the best on ``device`` for
+    ``strategy``) of ``model``: for its dtype (``dtype`` when given) and computing the
+    variant options its layers declare (``graphcap_attention_options``)."""
+    from graphcap.opsdb.attention import get_backend
+
+    return get_backend(attention, device, strategy=strategy, dtype=dtype or model_dtype(model),
+                       options=getattr(model, "graphcap_attention_options", ()))
+
+
 def inputs_of(model: torch.nn.Module, inputs: str | None = None) -> str:
     """What a model takes: ``"prefill"`` (``forward(input_ids, positions)`` over packed
     requests, called with ``seq_lens``) or ``"tensors"`` (tensors along dim 0).
@@ -195,9 +206,6 @@ def _inputs(model, kind: str, strategy: str, attention, slots: int, check: bool)
             "logits)")
     if kind == "tensors":
         return TensorInputs(device, captured=strategy != "eager")
-    from graphcap.opsdb.attention import get_backend
-
-    backend = get_backend(attention, device, strategy=strategy, dtype=model_dtype(model),
-                          options=getattr(model, "graphcap_attention_options", ()))
+    backend = backend_for(model, attention, device, strategy)
     return PrefillInputs(device, backend, slots, rows, _input_bounds(model) if check else None,
                          name=type(model).__name__)

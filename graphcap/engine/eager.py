@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from graphcap.api import model_dtype
+from graphcap.api import backend_for
 from graphcap.core.checks import as_int, host_lengths
 from graphcap.errors import BadBatch
 from graphcap.inputs.cache_prefill import CachePrefillInputs
 from graphcap.inputs.decode import DecodeInputs
 from graphcap.kv.paged import PagedKVCache
-from graphcap.opsdb.attention import get_backend
 
 
 @torch.inference_mode()
@@ -35,10 +34,8 @@ def prefill(model, cache: PagedKVCache, input_ids: torch.Tensor, seq_lens, slots
                        " tokens of input_ids")
     device = input_ids.device
     rows = getattr(model, "output_rows", "tokens")
-    backend = get_backend(attention, device, dtype=model_dtype(model),
-                          options=getattr(model, "graphcap_attention_options", ()))
-    inputs = CachePrefillInputs(cache, backend, len(lens), rows, name=type(model).__name__,
-                                extend=starts is not None)
+    inputs = CachePrefillInputs(cache, backend_for(model, attention, device), len(lens),
+                                rows, name=type(model).__name__, extend=starts is not None)
     inputs.bind(model)
     begin = [0] * len(lens) if starts is None else [as_int(b, "starts", BadBatch)
                                                     for b in starts]

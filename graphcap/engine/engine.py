@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphcap.api import capture
+from graphcap.api import backend_for, capture
 from graphcap.core.buckets import decode_ladder
 from graphcap.core.checks import positive_int
 from graphcap.engine.eager import last_token_logits
@@ -17,7 +17,6 @@ from graphcap.inputs.cache_prefill import CachePrefillInputs
 from graphcap.inputs.decode import DecodeInputs
 from graphcap.inputs.sampling import Sampling, draw, pick
 from graphcap.kv.paged import PagedKVCache
-from graphcap.opsdb.attention import get_backend
 
 
 @dataclass(frozen=True)
@@ -95,8 +94,7 @@ class Engine:
         self.decoder = capture(model, strategy, buckets=decode_ladder(max_batch),
                                inputs=DecodeInputs(cache), copy_outputs=False,
                                progress=progress)
-        backend = get_backend(attention, cache.device, strategy=strategy, dtype=cache.dtype,
-                              options=getattr(model, "graphcap_attention_options", ()))
+        backend = backend_for(model, attention, cache.device, strategy, cache.dtype)
         ladder = decode_ladder(prefill_tokens)
         self.prefiller = capture(model, strategy, buckets=ladder, progress=progress,
                                  inputs=CachePrefillInputs(cache, backend, max_batch,
