@@ -178,12 +178,6 @@ class Engine:
             request.length += 1
         return drawn
 
-    def step(self) -> list[tuple[int, int]]:
-        """One decode step of every live request, waited for: ``(slot, token)`` pairs."""
-        slots = sorted(self.live)
-        tokens = torch.tensor([self.live[s].last for s in slots], device=self.device)
-        return list(zip(slots, self.launch(slots, tokens).tolist(), strict=True))
-
     def runners(self) -> dict:
         return {name: runner for name, runner in (("decode", self.decoder),
                                                    ("prefill", self.prefiller),
