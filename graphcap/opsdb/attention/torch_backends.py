@@ -13,7 +13,7 @@ from graphcap.opsdb.attention.base import (
     zero_padding_rows,
 )
 from graphcap.opsdb.attention.variant import OPTIONS, PLAIN, Variant
-from graphcap.opsdb.reference import seen_keys, softmax_v
+from graphcap.opsdb.reference import attention_varlen, seen_keys, softmax_v
 
 
 def _sdpa(q, k, v, scale, mask=None, causal=False):
@@ -36,21 +36,17 @@ class TorchVarlen(AttentionBackend):
 
     def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float,
                 variant: Variant = PLAIN) -> None:
+        if variant.used:  # SDPA has no sinks nor soft-capping: the reference, per request
+            out.copy_(attention_varlen(q, k, v, meta.cu_seqlens_host, scale, True,
+                                       variant.window, variant.softcap, variant.sinks))
+            return
         out.zero_()
         start = 0
         for n in meta.seq_lens:
             if n:
                 end = start + n
-                if variant.used:
-                    from graphcap.opsdb.reference import attention_varlen
-
-                    cu = torch.tensor([0, n], dtype=torch.int32)
-                    out[start:end] = attention_varlen(
-                        q[start:end], k[start:end], v[start:end], cu, scale, True,
-                        variant.window, variant.softcap, variant.sinks)
-                else:
-                    out[start:end] = _sdpa(q[start:end], k[start:end], v[start:end], scale,
-                                           causal=True)
+                out[start:end] = _sdpa(q[start:end], k[start:end], v[start:end], scale,
+                                       causal=True)
                 start = end
 
 
