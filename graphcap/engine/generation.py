@@ -6,9 +6,9 @@ finished request's slot takes the next waiting prompt. The prompts admitted toge
 prefilled into the cache in calls of at most ``prefill_tokens`` tokens, each replaying a
 prefill graph (:class:`~graphcap.inputs.CachePrefillInputs`); each decode step replays the
 graph of the smallest batch bucket that holds the live requests
-(:class:`~graphcap.inputs.DecodeInputs`), and each token is drawn by ``graphcap::sample``
-from per-request parameters on the device (greedy, or seeded temperature / top-k /
-top-p: the same tokens in every strategy).
+(:class:`~graphcap.inputs.DecodeInputs`), and each token is drawn on the device after it
+from per-request parameters (:func:`graphcap.inputs.sampling.pick`: greedy, or seeded
+temperature / top-k / top-p: the same tokens in every strategy).
 """
 
 from __future__ import annotations
