@@ -85,7 +85,7 @@ def bench_model(name: str, strategies, cases, long, reps: int, device: str) -> d
     prefill_tokens = long[1]
     out = {"model": name, "build_s": {}, "cases": [], "long_prompt": {}}
 
-    def build() -> tuple[LLM, float]:
+    def build(strategy: str) -> tuple[LLM, float]:
         start = time.perf_counter()
         llm = LLM(model, strategy=strategy, max_batch=max(batches),
                   max_len=max(n + m for _, n, m in cases), prefill_tokens=prefill_tokens,
@@ -93,10 +93,10 @@ def bench_model(name: str, strategies, cases, long, reps: int, device: str) -> d
         _sync(device)
         return llm, round(time.perf_counter() - start, 3)
 
-    strategy = strategies[0]  # a first build compiles the kernels the process lacks
-    out["first_build_s"] = build()[1]
+    # A first build compiles the kernels the process lacks.
+    out["first_build_s"] = build(strategies[0])[1]
     for strategy in strategies:
-        llm, out["build_s"][strategy] = build()
+        llm, out["build_s"][strategy] = build(strategy)
         llm.generate(_prompts(1, 8, vocab, 0), 4)  # the first call's host-side set-up
         before = _shapes(llm)
         for prompts, length, new in cases:
