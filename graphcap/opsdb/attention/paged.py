@@ -84,5 +84,5 @@ def attend_pages(q, k_cache, v_cache, kv: CacheBatch, out, scale: float,
         backend.forward(q, k_cache, v_cache, kv, out, scale, kernel)
         return
     refuse("decode attention", backend.name, backend.options, variant,
-           [name for name, b in (("graphcap", DEFAULT),) if set(variant.used) <= b.options])
+           [DEFAULT.name] if set(variant.used) <= DEFAULT.options else [])
     backend.forward(q, k_cache, v_cache, kv, out, scale, kernel, variant)
