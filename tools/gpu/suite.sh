@@ -7,14 +7,15 @@
 # variant on first use (80-95 s each: the suite builds bf16 at head dims 64 and 128), so
 # keep the machine warm for the benchmarks that follow (tools/gpu/bench.sh).
 #
-# The gpu-marked tests run as four pytest processes side by side (the tests are bound by
-# the host's Python, the machine has 16 cores and one GPU with room for all four):
+# The gpu-marked tests run as five pytest processes side by side (the tests are bound by
+# the host's Python, the machine has 16 cores and one GPU with room for all five):
 # replay equivalence; kernels, attention backends and transformers models; the kinds of
-# input, the engine, the strategies' trust tests and generation of stock models, in the
-# background; examples/ (not marked gpu: CI runs them on CPU), then the rest, in front.
+# input and the engine; the strategies' trust tests and stock models' generation and
+# variants, in the background; examples/ (not marked gpu: CI runs them on CPU), then the
+# rest, in front.
 # Each process has SUITE_TIMEOUT seconds, then an interrupt (pytest still prints what
 # failed so far, by name); the script exits non-zero if any failed or ran out of time.
-# Logs land in $OUT/gpu-examples.log and $OUT/gpu-suite-{1,2,3,4}.log; record the run in
+# Logs land in $OUT/gpu-examples.log and $OUT/gpu-suite-{1,2,3,4,5}.log; record the run in
 # docs/results/.
 set -o pipefail
 # Where the wheel parts arrive, where unpack.sh installs them, FlashInfer's JIT cache.
@@ -37,7 +38,8 @@ pytest_gpu() {  # log name, then pytest arguments
 }
 g1=(tests/strategies/test_replay_equivalence.py)
 g2=(tests/kernels tests/opsdb/test_attention_backends.py tests/hf/test_hf.py tests/hf/test_hf_kernels.py)
-g3=(tests/inputs tests/engine tests/strategies tests/hf)
+g3=(tests/inputs tests/engine)
+g5=(tests/strategies tests/hf)
 ignore=()
 for path in "${g1[@]}" "${g2[@]}"; do ignore+=(--ignore="$path"); done
 pytest_gpu gpu-suite-1.log "${g1[@]}" "$@" &
@@ -46,7 +48,9 @@ pytest_gpu gpu-suite-2.log "${g2[@]}" "$@" &
 p2=$!
 pytest_gpu gpu-suite-3.log "${g3[@]}" "${ignore[@]}" "$@" &
 p3=$!
-for path in "${g3[@]}"; do ignore+=(--ignore="$path"); done
+pytest_gpu gpu-suite-5.log "${g5[@]}" "${ignore[@]}" "$@" &
+p5=$!
+for path in "${g3[@]}" "${g5[@]}"; do ignore+=(--ignore="$path"); done
 # graphcap is not installed here, so its pytest plugin (graphcap_device) is loaded by name.
 timeout -s INT -k 30 "$limit" python3 -m pytest -q -rA -p no:cacheprovider \
   -p graphcap.testing.pytest_plugin examples/ > "$OUT/gpu-examples.log" 2>&1
@@ -59,12 +63,14 @@ wait "$p2"
 rc2=$?
 wait "$p3"
 rc3=$?
-for log in gpu-examples.log gpu-suite-{1,2,3,4}.log; do
+wait "$p5"
+rc5=$?
+for log in gpu-examples.log gpu-suite-{1,2,3,5,4}.log; do
   echo "== $log"
   grep -E "^(FAILED|ERROR|SKIPPED) |(passed|failed|error|skipped)[ ,].* in [0-9.]+s|Interrupt" \
     "$OUT/$log" | tail -40
 done
 echo "suite wall s: $(( $(date +%s) - start ))"
-echo "exit codes: examples $rc_examples, groups $rc1 $rc2 $rc3 $rc4 (124: out of time)"
+echo "exit codes: examples $rc_examples, groups $rc1 $rc2 $rc3 $rc5 $rc4 (124: out of time)"
 [ "$rc_examples" -eq 0 ] && [ "$rc1" -eq 0 ] && [ "$rc2" -eq 0 ] && [ "$rc3" -eq 0 ] \
-  && [ "$rc4" -eq 0 ]
+  && [ "$rc5" -eq 0 ] && [ "$rc4" -eq 0 ]
