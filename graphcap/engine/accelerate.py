@@ -103,12 +103,20 @@ def _generate(self, input_ids=None, attention_mask=None, generation_config=None,
     return torch.cat([input_ids, out], dim=-1)
 
 
+def _neutral(config) -> dict:
+    """Each field's values that change nothing: the class's default and transformers'
+    global default (what ``generate`` fills an unset field with: ``num_beams=1``,
+    ``repetition_penalty=1.0``, ...; some versions write these into the config)."""
+    blank = type(config)()
+    fill = getattr(type(config), "_get_default_generation_params", dict)()
+    return {k: (getattr(blank, k, None), fill.get(k)) for k in config.to_dict()}
+
+
 def _refuse(config, unused: dict) -> None:
     """A ``ValueError`` naming what graphcap's generate does not serve."""
-    defaults = type(config)()
+    neutral = _neutral(config)
     odd = sorted(k for k, v in config.to_diff_dict().items()
-                 if k not in SERVED and v != getattr(defaults, k, None)
-                 and (v or getattr(defaults, k, None)))  # False against None: the same
+                 if k not in SERVED and v and v not in neutral.get(k, (None,)))
     odd += sorted(k for k, v in unused.items() if not (k in INERT and not v))
     if odd:
         raise ValueError(

@@ -75,6 +75,27 @@ def test_sampling_draws_with_the_given_parameters_and_torchs_seed():
     assert not torch.equal(hot, greedy)
 
 
+def test_options_spelled_out_at_values_that_change_nothing_are_served():
+    """Some transformers versions write every global default into the generation config a
+    pipeline passes (``num_beams=1``, ``repetition_penalty=1.0``, the assistant's knobs):
+    those are transformers' plain greedy or sampled decoding, and are served."""
+    ref, fast = pair("llama")
+    ids = torch.tensor([[5, 9, 2, 7, 1]], device=DEVICE)
+    config = copy.deepcopy(ref.generation_config)
+    spelled = dict(num_beams=1, num_return_sequences=1, repetition_penalty=1.0,
+                   length_penalty=1.0, typical_p=1.0, encoder_repetition_penalty=1.0,
+                   num_assistant_tokens=20, assistant_lookbehind=10, target_lookbehind=10,
+                   assistant_confidence_threshold=0.4, num_assistant_tokens_schedule="constant")
+    for key, value in spelled.items():
+        setattr(config, key, value)
+    args = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = ref.generate(ids, **args)
+    assert torch.equal(fast.generate(ids, generation_config=config, **args), want)
+    config.repetition_penalty = 1.3
+    with pytest.raises(ValueError, match="does not serve repetition_penalty"):
+        fast.generate(ids, generation_config=config, **args)
+
+
 def test_what_it_does_not_serve_is_refused_by_name_and_restore_gives_the_model_back():
     ref, fast = pair("llama")
     ids = torch.tensor([[5, 9, 2, 7, 1]], device=DEVICE)

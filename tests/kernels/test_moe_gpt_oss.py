@@ -53,7 +53,7 @@ def test_gpt_oss_experts_are_moe_experts_with_biases_and_the_clamped_glu(tokens)
     assert torch.equal(ids.long(), indices)
     torch.testing.assert_close(weights, scores, rtol=1e-6, atol=1e-6)
     w13, w2, b13, b2 = ours(experts)
-    glu = (config.swiglu_alpha, config.swiglu_limit)
+    glu = (experts.alpha, experts.limit)  # the module's own: older configs do not carry them
     got = reference.moe_experts(x, w13, w2, weights, ids, b13, b2, *glu)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids, b13, b2)]
