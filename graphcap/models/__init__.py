@@ -6,7 +6,21 @@ import torch
 
 from graphcap.models.decoder import MLP, Decoder, ModelArgs, shard_args
 from graphcap.models.loading import CheckpointError, load_checkpoint
+from graphcap.models.rope import Yarn
 from graphcap.models.shard import shard_model, shard_tensor
+
+
+def _gpt_oss(layers: int, experts: int) -> ModelArgs:
+    """gpt-oss: 128-token windows on the even layers, full attention on the odd, a sink
+    logit per head, biases on q/k/v, o, the router and the experts, the clamped GLU,
+    YaRN over 4096 positions."""
+    return ModelArgs(vocab_size=201088, hidden=2880, layers=layers, heads=64, kv_heads=8,
+                     head_dim=64, intermediate=2880, eps=1e-5, rope_theta=150000.0,
+                     max_position=131072, experts=experts, top_k=4, moe_intermediate=2880,
+                     qkv_bias=True, o_bias=True, moe_bias=True, glu_alpha=1.702,
+                     glu_limit=7.0, window=128, global_every=2, sinks=True,
+                     yarn=Yarn(32.0, 4096, truncate=False))
+
 
 # Presets as data. The large ones have the shapes of the public models (random weights).
 PRESETS = {
@@ -24,6 +38,14 @@ PRESETS = {
                                   kv_heads=4, head_dim=128, intermediate=6144, eps=1e-6,
                                   rope_theta=1e6, max_position=8192, qk_norm=True,
                                   experts=128, top_k=8, moe_intermediate=768),
+    "gpt-oss-20b": _gpt_oss(layers=24, experts=32),
+    # One GPU: the layer shape of gpt-oss-120b (128 experts, 4 active), 4 of its 36 layers.
+    "gpt-oss-120b-4l": _gpt_oss(layers=4, experts=128),
+    # The same kinds of layer, small enough for CPU tests.
+    "tiny-gpt-oss": ModelArgs(experts=8, top_k=2, moe_intermediate=32, qkv_bias=True,
+                              o_bias=True, moe_bias=True, glu_alpha=1.702, glu_limit=7.0,
+                              window=8, global_every=2, sinks=True,
+                              yarn=Yarn(4.0, 64, truncate=False)),
 }
 
 
@@ -52,5 +74,5 @@ def build_model(name: str, device="cpu", dtype=torch.float32, seed: int = 0,
     return shard_model(model, tp)
 
 
-__all__ = ["MLP", "PRESETS", "CheckpointError", "Decoder", "ModelArgs", "build_model",
+__all__ = ["MLP", "PRESETS", "CheckpointError", "Decoder", "ModelArgs", "Yarn", "build_model",
            "load_checkpoint", "shard_args", "shard_model", "shard_tensor"]

@@ -23,10 +23,10 @@ from graphcap.models.blocks import (
     moe_half,
     swiglu_half,
 )
+from graphcap.models.rope import Yarn, rotary_cache
 from graphcap.opsdb.attention.packed import packed
 from graphcap.opsdb.collective import ALL_GATHER
 from graphcap.opsdb.linear import RMS_NORM_LINEAR
-from graphcap.opsdb.reference import rope_cache
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,13 @@ class ModelArgs:
     global_every: int = 0
     softcap: float = 0.0
     sinks: bool = False
+    # gpt-oss: a bias on the output projection, biases on the router and the experts, the
+    # experts' clamped GLU (glu_alpha > 0; reference.clamped_glu), YaRN rotary.
+    o_bias: bool = False
+    moe_bias: bool = False
+    glu_alpha: float = 0.0
+    glu_limit: float = 0.0
+    yarn: Yarn | None = None
 
     def window_of(self, layer: int) -> int:
         """The sliding window of layer ``layer`` (0: full attention)."""
@@ -97,11 +104,11 @@ class Attention(nn.Module):
         self.window = a.window_of(layer)
         self.qkv = nn.Linear(a.hidden, (a.heads + 2 * a.kv_heads) * a.head_dim,
                              bias=a.qkv_bias)
-        self.o = nn.Linear(a.heads * a.head_dim, a.hidden, bias=False)
+        self.o = nn.Linear(a.heads * a.head_dim, a.hidden, bias=a.o_bias)
         if a.qk_norm:
             self.q_norm = nn.Parameter(torch.ones(a.head_dim))
             self.k_norm = nn.Parameter(torch.ones(a.head_dim))
-        self.sinks = nn.Parameter(torch.zeros(a.heads)) if a.sinks else None
+        self.sinks = nn.Parameter(torch.randn(a.heads)) if a.sinks else None
 
     def forward(self, h, norm, positions, cos_sin):
         """h + attention(rms_norm(h))."""
@@ -109,7 +116,7 @@ class Attention(nn.Module):
         norms = (self.q_norm, self.k_norm) if self.a.qk_norm else (None, None)
         return attention_half(h, positions, AttentionWeights(
             norm, self.qkv.weight, self.o.weight, cos_sin, self.qkv.bias, *norms,
-            sinks=self.sinks), self.spec)
+            o_bias=self.o.bias, sinks=self.sinks), self.spec)
 
     @property
     def spec(self) -> AttentionLayer:
@@ -133,22 +140,29 @@ class FeedForward(nn.Module):
 
 
 class MoE(nn.Module):
-    """Top-k softmax routing over ``experts`` SwiGLU experts (Qwen3-MoE style)."""
+    """Top-k softmax routing over ``experts`` gated experts: SwiGLU (Qwen3-MoE), or with
+    biases and the clamped GLU (gpt-oss: ``moe_bias``, ``glu_alpha``, ``glu_limit``)."""
 
     def __init__(self, a: ModelArgs, tp: str | None = None):
         super().__init__()
         self.eps, self.top_k, self.norm_topk, self.tp = a.eps, a.top_k, a.norm_topk, tp
-        self.router = nn.Linear(a.hidden, a.experts, bias=False)
+        self.glu = (a.glu_alpha, a.glu_limit)
+        self.router = nn.Linear(a.hidden, a.experts, bias=a.moe_bias)
         scale = a.hidden ** -0.5
         self.w13 = nn.Parameter(torch.randn(a.experts, 2 * a.moe_intermediate, a.hidden)
                                 * scale)
         self.w2 = nn.Parameter(torch.randn(a.experts, a.hidden, a.moe_intermediate)
                                * a.moe_intermediate ** -0.5)
+        self.b13 = self.b2 = None
+        if a.moe_bias:
+            self.b13 = nn.Parameter(torch.randn(a.experts, 2 * a.moe_intermediate) * 0.1)
+            self.b2 = nn.Parameter(torch.randn(a.experts, a.hidden) * 0.1)
 
     def forward(self, h, norm):
         """h + the routed experts of rms_norm(h)."""
         return moe_half(h, norm, self.eps, self.router.weight, self.top_k, self.norm_topk,
-                        self.w13, self.w2, self.tp)
+                        self.w13, self.w2, self.tp, self.router.bias, self.b13, self.b2,
+                        *self.glu)
 
 
 class Block(nn.Module):
@@ -193,13 +207,14 @@ class Decoder(nn.Module):
                                  bias=False)
         if a.tie_embeddings and tp is None:
             self.lm_head.weight = self.embed.weight
-        self.register_buffer("cos_sin", rope_cache(a.head_dim, a.max_position, a.rope_theta),
-                             persistent=False)
+        self.register_buffer("cos_sin", rotary_cache(a.head_dim, a.max_position,
+                                                     a.rope_theta, a.yarn), persistent=False)
 
     def reset_rope(self, device) -> None:
         """Recompute the rotary cache (after building on the meta device)."""
         a = self.args
-        self.cos_sin = rope_cache(a.head_dim, a.max_position, a.rope_theta).to(device)
+        self.cos_sin = rotary_cache(a.head_dim, a.max_position, a.rope_theta,
+                                    a.yarn).to(device)
 
     graphcap_inputs = "prefill"
 

@@ -2,8 +2,10 @@
 
 A checkpoint is a folder with ``config.json`` and ``*.safetensors`` (one file, or shards
 listed by ``model.safetensors.index.json``), with Hugging Face parameter names. Supported
-families: Llama, Qwen2, Qwen3, Qwen3-MoE. Every expected tensor must be present with the
-expected shape; anything else is an error naming the file and key.
+families: Llama, Qwen2, Qwen3, Qwen3-MoE, gpt-oss (its experts in bf16/float32 or as
+published, MXFP4 ``*_blocks``/``*_scales``, dequantized on load). Every expected tensor
+must be present with the expected shape; anything else is an error naming the file and
+key.
 """
 
 from __future__ import annotations
@@ -15,13 +17,41 @@ import torch
 
 from graphcap.errors import GraphcapError
 from graphcap.models.decoder import Decoder, ModelArgs
+from graphcap.models.rope import Yarn
 from graphcap.models.shard import shard_model
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
+# MXFP4's 4-bit values (E2M1), by code: the low 3 bits the magnitude, the high bit the sign.
+FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 class CheckpointError(GraphcapError, ValueError):
     """A checkpoint that cannot be loaded; the message names the file and key."""
+
+
+def _gpt_oss_args(config: dict, source: str) -> dict:
+    """The fields gpt-oss adds: alternating windows (``layer_types``), sinks, biases, the
+    clamped GLU and YaRN."""
+    layers = config["num_hidden_layers"]
+    kinds = config.get("layer_types") or ["sliding_attention" if i % 2 == 0 else
+                                          "full_attention" for i in range(layers)]
+    expected = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                for i in range(layers)]
+    if list(kinds) != expected:
+        raise CheckpointError(f"{source}: layer_types {kinds} are not gpt-oss's alternation "
+                              "(sliding_attention on even layers, full_attention on odd)")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    yarn = None
+    if rope.get("rope_type", rope.get("type")) == "yarn":
+        yarn = Yarn(rope["factor"], rope["original_max_position_embeddings"],
+                    rope.get("beta_fast") or 32.0, rope.get("beta_slow") or 1.0,
+                    rope.get("truncate", True))
+    return dict(experts=config["num_local_experts"], top_k=config["num_experts_per_tok"],
+                moe_intermediate=config["intermediate_size"], moe_bias=True,
+                glu_alpha=config.get("swiglu_alpha", 1.702),
+                glu_limit=config.get("swiglu_limit", 7.0), o_bias=True,
+                window=config.get("sliding_window") or 0, global_every=2, sinks=True,
+                yarn=yarn)
 
 
 def args_from_config(config: dict, source: str = "config.json") -> ModelArgs:
@@ -37,7 +67,7 @@ def args_from_config(config: dict, source: str = "config.json") -> ModelArgs:
         heads = config["num_attention_heads"]
         hidden = config["hidden_size"]
         rope = config.get("rope_parameters") or {}
-        return ModelArgs(
+        fields = dict(
             vocab_size=config["vocab_size"], hidden=hidden,
             layers=config["num_hidden_layers"], heads=heads,
             kv_heads=config.get("num_key_value_heads", heads),
@@ -55,6 +85,9 @@ def args_from_config(config: dict, source: str = "config.json") -> ModelArgs:
             moe_intermediate=config.get("moe_intermediate_size", 0),
             norm_topk=bool(config.get("norm_topk_prob", True)),
         )
+        if family == "gpt_oss":
+            fields.update(_gpt_oss_args(config, source))
+        return ModelArgs(**fields)
     except KeyError as exc:
         raise CheckpointError(f"{source}: missing key {exc.args[0]!r}") from exc
 
@@ -91,16 +124,51 @@ def _hf_names(a: ModelArgs, i: int) -> dict[str, list[str]]:
     }
     if a.qkv_bias:
         names[ours + "attn.qkv.bias"] = [att + f"{x}_proj.bias" for x in "qkv"]
+    if a.o_bias:
+        names[ours + "attn.o.bias"] = [att + "o_proj.bias"]
+    if a.sinks:
+        names[ours + "attn.sinks"] = [att + "sinks"]
     if a.qk_norm:
         names[ours + "attn.q_norm"] = [att + "q_norm.weight"]
         names[ours + "attn.k_norm"] = [att + "k_norm.weight"]
-    if a.experts:
+    if a.moe_bias:  # gpt-oss
+        names[ours + "mlp.router.weight"] = [p + "mlp.router.weight"]
+        names[ours + "mlp.router.bias"] = [p + "mlp.router.bias"]
+        names[ours + "mlp.b2"] = [p + "mlp.experts.down_proj_bias"]
+    elif a.experts:
         names[ours + "mlp.router.weight"] = [p + "mlp.gate.weight"]
     else:
         names[ours + "mlp.gate_up.weight"] = [p + "mlp.gate_proj.weight",
                                               p + "mlp.up_proj.weight"]
         names[ours + "mlp.down.weight"] = [p + "mlp.down_proj.weight"]
     return names
+
+
+def mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype) -> torch.Tensor:
+    """MXFP4 to ``dtype``: ``blocks`` [..., G, 16] uint8 (two 4-bit values a byte, the low
+    nibble first) and ``scales`` [..., G] uint8 (a power of two, biased by 127), one scale
+    per block of 32 values -> [..., G * 32]."""
+    table = torch.tensor(FP4, dtype=torch.float32)
+    blocks = blocks.to(torch.uint8)
+    values = torch.stack((table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]), -1)
+    values = torch.ldexp(values.flatten(-2), scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2).to(dtype)
+
+
+def _gpt_oss_experts(get, table, hf: str, ours: str, dtype) -> dict[str, torch.Tensor]:
+    """gpt-oss's experts as ``moe_experts`` takes them: its interleaved gate/up columns
+    (gate at even, up at odd) as gate rows then up rows, each projection [E, out, in]."""
+    def weight(name: str) -> torch.Tensor:  # [E, out, in]
+        if hf + name in table:  # stored [E, in, out]
+            return get(hf + name).transpose(1, 2)
+        if hf + name + "_blocks" not in table:
+            get(hf + name)  # names the tensor that is missing
+        return mxfp4(get(hf + name + "_blocks"), get(hf + name + "_scales"), dtype)
+
+    gate_up, bias = weight("gate_up_proj"), get(hf + "gate_up_proj_bias")
+    return {ours + "w13": torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), 1).contiguous(),
+            ours + "b13": torch.cat((bias[:, 0::2], bias[:, 1::2]), 1).contiguous(),
+            ours + "w2": weight("down_proj").contiguous()}
 
 
 def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32,
@@ -129,7 +197,10 @@ def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32,
         names.update(_hf_names(args, i))
     state = {ours: torch.cat([get(k) for k in keys]) for ours, keys in names.items()}
     for i in range(args.layers):
-        if args.experts:
+        if args.moe_bias:
+            state.update(_gpt_oss_experts(get, table, f"model.layers.{i}.mlp.experts.",
+                                          f"blocks.{i}.mlp.", dtype))
+        elif args.experts:
             e = f"model.layers.{i}.mlp.experts."
             state[f"blocks.{i}.mlp.w13"] = torch.stack([torch.cat(
                 [get(f"{e}{j}.gate_proj.weight"), get(f"{e}{j}.up_proj.weight")])

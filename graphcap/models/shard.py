@@ -5,7 +5,8 @@
   rank), so attention and the K/V cache stay local;
 - gate/up by columns of the intermediate (gate and up alike), MoE experts likewise;
   the router is replicated;
-- o and down by rows of their input: partial sums, one all-reduce each;
+- o and down by rows of their input: partial sums, one all-reduce each (the experts'
+  down bias is rank 0's, zeros elsewhere; o's bias is added after the all-reduce);
 - the LM head by rows of the vocabulary, its logits gathered; embedding and norms
   replicated.
 """
@@ -39,7 +40,8 @@ def _layouts(a) -> dict[str, tuple[int, list[int]]]:
     out = {"attn.qkv.weight": (0, [q, kv, kv]), "attn.qkv.bias": (0, [q, kv, kv]),
            "attn.o.weight": (1, [q]), "attn.sinks": (0, [a.heads])}
     if a.experts:
-        out.update({"mlp.w13": (1, [a.moe_intermediate] * 2), "mlp.w2": (2, [a.moe_intermediate])})
+        out.update({"mlp.w13": (1, [a.moe_intermediate] * 2), "mlp.w2": (2, [a.moe_intermediate]),
+                    "mlp.b13": (1, [a.moe_intermediate] * 2)})
     else:
         out.update({"mlp.gate_up.weight": (0, [a.intermediate] * 2),
                     "mlp.down.weight": (1, [a.intermediate])})
@@ -70,6 +72,8 @@ def shard_model(model, tp):
         elif suffix in layouts:
             dim, parts = layouts[suffix]
             tensor = shard_tensor(tensor, dim, parts, tp.rank, tp.size)
+        elif suffix == "mlp.b2" and tp.rank:  # added once: after the all-reduce, rank 0's
+            tensor = torch.zeros_like(tensor)
         state[name] = tensor
     split.load_state_dict(state, strict=True, assign=True)
     split.cos_sin = model.cos_sin

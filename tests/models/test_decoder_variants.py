@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import graphcap
-from graphcap.models import PRESETS, Decoder
+from graphcap.models import PRESETS, Decoder, build_model
 from tests.support.runner_helpers import DEVICE
 
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []  # CUDA graphs there
@@ -60,3 +60,14 @@ def test_the_variants_change_what_it_generates():
     plain = model(sinks=True)  # the same weights, sinks included, no window nor cap
     varied = model(**VARIANT)
     assert [recomputed(plain, p) for p in PROMPTS] != [recomputed(varied, p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("strategy", ["full", "breakable"])
+def test_the_gpt_oss_decoder_generates_what_recomputing_gives(strategy):
+    """gpt-oss's layers together: alternating windows, sinks, biased clamped-GLU experts
+    on the MoE kernels, YaRN; prompts past the window, prefilled in chunks."""
+    m = build_model("tiny-gpt-oss", device=DEVICE)
+    prompts = PROMPTS + [list(range(1, 20))]
+    got = graphcap.generate(m, prompts, NEW, strategy=strategy, max_batch=2,
+                            prefill_tokens=8)
+    assert got.tokens == [recomputed(m, p) for p in prompts]

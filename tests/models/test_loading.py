@@ -22,12 +22,23 @@ CONFIGS = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **COMMON, head_dim=16, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, norm_topk_prob=True),
+    # A window shorter than the 17-token prompt; YaRN over 64 positions, untruncated.
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **COMMON, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+        rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=4.0,
+                             original_max_position_embeddings=64, beta_fast=32.0,
+                             beta_slow=1.0, truncate=False)),
 }
 
 
 def saved(tmp_path, family, **save_kwargs):
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
+    hf = transformers.AutoModelForCausalLM.from_config(CONFIGS[family](),
+                                                       attn_implementation="eager").eval()
+    with torch.no_grad():  # nonzero biases and sinks, where transformers starts them at 0
+        for name, p in hf.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                p.normal_(0, 0.5)
     hf.save_pretrained(tmp_path, **save_kwargs)
     return hf
 
@@ -86,4 +97,38 @@ def test_an_unsupported_family_names_its_model_type(tmp_path):
 
 def test_a_folder_without_config_says_so(tmp_path):
     with pytest.raises(CheckpointError, match="no config.json"):
+        load_checkpoint(tmp_path)
+
+
+def test_gpt_oss_experts_published_in_mxfp4_load_as_transformers_dequantizes_them(tmp_path):
+    """gpt-oss's checkpoints store each expert projection as MXFP4 ``*_blocks`` and
+    ``*_scales``: loaded, the model gives the logits of transformers' model holding what
+    transformers' own dequantization makes of them."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf = saved(tmp_path, "gpt_oss")
+    gen = torch.Generator().manual_seed(2)
+
+    def quantize(tensors):
+        for i in range(2):
+            for name in ("gate_up_proj", "down_proj"):
+                key = f"model.layers.{i}.mlp.experts.{name}"
+                rows, cols = tensors.pop(key).transpose(1, 2).shape[1:]  # [E, out, in]
+                blocks = torch.randint(0, 256, (8, rows, cols // 32, 16), generator=gen,
+                                       dtype=torch.uint8)
+                scales = torch.randint(122, 128, (8, rows, cols // 32), generator=gen,
+                                       dtype=torch.uint8)
+                tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
+                with torch.no_grad():
+                    hf.get_parameter(key).copy_(
+                        convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+
+    _rewrite(tmp_path, quantize)
+    ours = load_checkpoint(tmp_path)
+    ids = torch.randint(0, 128, (1, 17), generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids[0], torch.arange(17), seq_lens=[17]),
+                                   hf(ids).logits[0], atol=1e-4, rtol=1e-4)
+    _rewrite(tmp_path, lambda t: t.pop("model.layers.1.mlp.experts.down_proj_scales"))
+    with pytest.raises(CheckpointError, match="down_proj_scales"):
         load_checkpoint(tmp_path)

@@ -1,20 +1,43 @@
-"""Reference models: presets as data, and the MoE decoder under every strategy."""
+"""Reference models: presets as data, and the MoE and gpt-oss decoders under every
+strategy."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 
 from graphcap.api import GRAPHED, STRATEGIES
-from graphcap.models import PRESETS, build_model
+from graphcap.models import PRESETS, Decoder, build_model
 from graphcap.testing import assert_replay_equivalent
 
 
 @pytest.mark.parametrize(("name", "billions"), [
-    ("qwen3-0.6b", 0.596), ("llama3-8b", 8.03), ("qwen3-30b-a3b-4l", 3.11)])
+    ("qwen3-0.6b", 0.596), ("llama3-8b", 8.03), ("qwen3-30b-a3b-4l", 3.11),
+    ("gpt-oss-20b", 20.91), ("gpt-oss-120b-4l", 14.01)])
 def test_presets_have_the_shapes_of_the_models_they_name(name, billions):
     model = build_model(name, device="meta")
     assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions,
                                                                               abs=0.01)
+
+
+def test_the_gpt_oss_120b_slice_has_its_layers_and_their_pattern():
+    """All 36 layers of the slice's shape are gpt-oss-120b's 116.83 B parameters (bf16
+    experts; the published checkpoint's are MXFP4); windows alternate with full layers."""
+    whole = dataclasses.replace(PRESETS["gpt-oss-120b-4l"], layers=36)
+    with torch.device("meta"):
+        model = Decoder(whole)
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(116.83,
+                                                                              abs=0.01)
+    assert [whole.window_of(i) for i in range(4)] == [128, 0, 128, 0]
+    assert whole.attention_options == ("window", "sinks")
+
+
+def test_the_gpt_oss_decoder_replays_like_eager_under_every_strategy():
+    model = build_model("tiny-gpt-oss")
+    assert_replay_equivalent(model, GRAPHED, buckets=[8, 16, 32], max_requests=3,
+                             attention="torch_masked", examples=4, sequences=2)
 
 
 def test_an_unknown_preset_lists_the_known_ones():

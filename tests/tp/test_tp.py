@@ -1,8 +1,9 @@
 """Tensor parallelism on CPU: two processes over gloo, the graph emulator. The reference
-decoders split across the ranks (dense and MoE) give the unsharded model's logits eagerly
-and under every strategy, and each strategy's replays the TP model's eager logits (up
-to the rounding of a padded shape); every replay runs the model's collectives on every
-rank (the emulator re-runs them); a Hugging Face checkpoint loads as each rank's share.
+decoders split across the ranks (dense and MoE; gpt-oss's layers eagerly) give the
+unsharded model's logits eagerly and under every strategy, and each strategy's replays
+the TP model's eager logits (up to the rounding of a padded shape); every replay runs
+the model's collectives on every rank (the emulator re-runs them); a Hugging Face
+checkpoint loads as each rank's share.
 No rank waits for ever or goes on alone: ranks that disagree on a call (its route, token
 count or request lengths) or refuse it raise ``RankError`` on every rank at once and stay
 usable; a rank that does not come closes the group after the timeout; a rank that raises
@@ -99,6 +100,12 @@ def _equivalence(rank: int) -> None:
                 torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
             if strategy != "eager":
                 assert sum(runner.report()["replays"].values()) == 4, strategy
+    # gpt-oss's layers: sinks split by heads, expert biases by columns, the down bias once.
+    full, model = build_model("tiny-gpt-oss"), build_model("tiny-gpt-oss", tp=tp)
+    with torch.no_grad():
+        for ids, pos, lens in batches(model.args.vocab_size):
+            torch.testing.assert_close(model(ids, pos, seq_lens=lens),
+                                       full(ids, pos, seq_lens=lens), atol=1e-5, rtol=1e-5)
 
 
 def test_the_split_model_equals_the_whole_under_every_strategy():
