@@ -135,6 +135,24 @@ def test_prefill_targets_judge_ratios_within_one_run():
     assert "16 tokens: reduce-overhead ms / fastest graphcap arm (full-triton) ms" in got
 
 
+def test_the_gpt_oss_slice_is_judged_on_the_seed_s_table():
+    """SGLang's prefill on gpt-oss-120b: full 1.93x over eager, breakable at least 0.95
+    and tc_piecewise at least 0.9 of that; the transient peak cut by 99%."""
+    ms = {"eager": 4.0, "full-triton": 2.0, "breakable": 2.08, "tc_piecewise-inductor": 2.3}
+    result = {"model": "gpt-oss-120b-4l", "attention": "triton", "rows": [_row(64, **ms)]}
+    got = {t["target"]: t for t in prefill_targets(result)}
+    assert got["64 tokens: full (full-triton) speed-up over eager"]["limit"] == ">= 1.93"
+    assert got["64 tokens: full (full-triton) speed-up over eager"]["met"]  # 2.0
+    assert got["64 tokens: breakable speed-up / full-triton's"]["met"]  # 0.96
+    assert not got["64 tokens: tc_piecewise-inductor speed-up / full-triton's"]["met"]  # 0.87
+    mem = {"eager": {"transient_bytes": 1000, "peak_bytes": 5000},
+           "arms": {"full": {"graph_pool_bytes": 2**29, "transient_bytes": 20,
+                             "peak_bytes": 4900}}}
+    assert [t["met"] for t in memory_targets(mem)] == [True, True, True]  # cut 98%: > 95%
+    assert [t["met"] for t in memory_targets({**mem, "model": "gpt-oss-120b-4l"})] == [
+        True, False, True]  # not the slice's 99%
+
+
 def test_strategies_are_judged_against_full_with_the_attention_they_ran():
     ms = {"eager": 10.0, "full-triton": 1.0, "full-flash_attn": 1.2, "breakable": 1.25}
     result = {"model": "qwen3-0.6b", "attention": "flash_attn", "rows": [_row(16, **ms)]}
@@ -185,6 +203,21 @@ def test_build_and_memory_targets():
                           "arms": {"full": {"graph_pool_bytes": 2**29, "transient_bytes": 40,
                                             "peak_bytes": 4900}}})
     assert [t["met"] for t in mem] == [True, True, True]
+
+
+def test_attention_variants_are_judged_against_plain_triton_and_fa4_doing_the_same():
+    from graphcap.bench.ops import _verdicts
+
+    rows = [{"op": "attention variant", "variant": "plain", "tokens": 2048,
+             "ms": {"triton": 1.0, "flash_attn": 0.6}},
+            {"op": "attention variant", "variant": "sinks", "tokens": 2048,
+             "ms": {"triton": 1.4, "flash_attn": 0.65}},
+            {"op": "attention variant", "variant": "window", "tokens": 2048,
+             "ms": {"triton": 0.2}}]
+    got = {(t["op"], t["vs"]): (t["triton_over_peer"], t["met"]) for t in _verdicts(rows)}
+    assert got == {("attention sinks", "plain"): (1.4, False),
+                   ("attention sinks", "flash_attn"): (2.154, False),
+                   ("attention window", "plain"): (0.2, True)}
 
 
 def test_results_are_never_overwritten_silently(tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 import graphcap
+from graphcap.api import backend_for
 from graphcap.core.context import forward_context
 from graphcap.errors import GraphcapError
 from graphcap.opsdb.attention import BACKENDS, get_backend
@@ -41,10 +42,13 @@ def prompts(lengths, vocab: int, device) -> dict[int, tuple[torch.Tensor, torch.
                 torch.arange(n, device=device)) for n in lengths}
 
 
-def default_attention(device) -> str:
+def default_attention(device, model: torch.nn.Module | None = None) -> str:
     """The attention backend shared by the arms that do not name one: the best one full
-    capture can use here."""
-    return get_backend(None, device, strategy="full").name
+    capture can use here (for ``model``: in its dtype, computing its layers' variant
+    options)."""
+    if model is None:
+        return get_backend(None, device, strategy="full").name
+    return backend_for(model, None, device, strategy="full").name
 
 
 def unavailable(name: str, device) -> str | None:
@@ -118,7 +122,7 @@ def build_arms(model: torch.nn.Module, names, lengths, max_requests: int = 1,
     device = next(model.parameters()).device
     vocab = model.args.vocab_size if hasattr(model, "args") else 32000
     inputs = prompts(lengths, vocab, device)
-    attention = attention or default_attention(device)
+    attention = attention or default_attention(device, model)
     arms, skipped = {}, {}
     for name in names:
         why = unavailable(name, device)

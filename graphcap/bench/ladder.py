@@ -104,7 +104,7 @@ def warm_kernels(model, vocab: int, ladder, attention: str) -> float:
 def build(model_name: str = "qwen3-0.6b", arms=BUILD_ARMS, max_tokens: int = 2048,
           progress=None, attention: str | None = None) -> dict:
     model, vocab = load(model_name)
-    attention = attention or default_attention("cuda")
+    attention = attention or default_attention("cuda", model)
     kernel_warmup = warm_kernels(model, vocab, prefill_ladder(max_tokens), attention)
     out = {}
     for arm in arms:
@@ -145,7 +145,7 @@ def _largest_prefill(call, n: int) -> tuple[int, int]:
 def memory(model_name: str = "qwen3-0.6b", arms=MEMORY_ARMS, max_tokens: int = 2048,
            progress=None, attention: str | None = None) -> dict:
     model, vocab = load(model_name)
-    attention = attention or default_attention("cuda")
+    attention = attention or default_attention("cuda", model)
     inputs = prompts([max_tokens], vocab, "cuda")
     weights = torch.cuda.memory_allocated()
     eager = graphcap.capture(model, "eager", attention=attention)

@@ -4,7 +4,9 @@ Targets (issue: opsdb): Triton rms_norm and silu_and_mul within 1.3x of FlashInf
 time; Triton attention within 2x of FA4 and FlashInfer at 512, 2048 and 8192 tokens. The
 fused linear ops (qwen3-0.6b's and llama3-8b's projections at 16 and 64 rows, weights
 cycled through more memory than L2 holds): the fused kernel no slower than the unfused
-composite wherever their dispatch picks it.
+composite wherever their dispatch picks it. Attention variants (gpt-oss's head shape, 2048
+tokens): Triton with a 128-token window, sinks, both, or soft-capping within 1.3x of the
+same kernel without them, and within 2x of FA4 computing the same variant.
 Arms of one case run interleaved, so machine drift hits them alike. Each figure is
 kernel time: 20 calls captured in one CUDA graph, replayed, divided by 20.
 """
@@ -81,6 +83,58 @@ def _attention_cases(dev):
     return rows
 
 
+# Name -> (window, softcap, sinks) of the attention variants timed at VARIANT_TOKENS.
+VARIANTS = {"plain": (0, 0.0, False), "window": (128, 0.0, False), "sinks": (0, 0.0, True),
+            "window+sinks": (128, 0.0, True), "softcap": (0, 50.0, False)}
+VARIANT_TOKENS = 2048
+
+
+def _variant_cases(dev, tokens: int = VARIANT_TOKENS):
+    """Each variant under Triton and FlashAttention (where installed), gpt-oss's heads
+    (64 query, 8 key/value, head dim 64), one request."""
+    hq, hk, d = 64, 8, 64
+    q = torch.randn(tokens, hq, d, device=dev, dtype=DTYPE)
+    k, v = (torch.randn(tokens, hk, d, device=dev, dtype=DTYPE) for _ in range(2))
+    sinks = torch.randn(hq, device=dev, dtype=torch.float32)
+    out = torch.empty_like(q)
+    rows = []
+    for variant, (window, softcap, with_sinks) in VARIANTS.items():
+        arms = {}
+        for name in ("triton", "flash_attn"):
+            backend = BACKENDS[name]()
+            if backend.unavailable(dev):
+                continue
+            meta = backend.metadata(tokens, 1, dev).update([tokens])
+            args = (q, k, v, out, d ** -0.5, window, softcap, sinks if with_sinks else None)
+
+            def call(m=meta, a=args):
+                with forward_context(attention=m):
+                    torch.ops.graphcap.attention(*a)
+
+            call()
+            arms[name] = call
+        rows.append({"op": "attention variant", "variant": variant, "tokens": tokens,
+                     "heads": [hq, hk, d], "ms": _interleaved(arms)})
+    return rows
+
+
+def _variant_verdicts(rows) -> list[dict]:
+    plain = next((r["ms"] for r in rows if r.get("variant") == "plain"), {})
+    out = []
+    for row in rows:
+        if row.get("variant") in (None, "plain"):
+            continue
+        ms = row["ms"]
+        for peer, limit, base in (("plain", 1.3, plain.get("triton")),
+                                  ("flash_attn", 2.0, ms.get("flash_attn"))):
+            if "triton" in ms and base:
+                ratio = ms["triton"] / base
+                out.append({"op": f"attention {row['variant']}", "tokens": row["tokens"],
+                            "hidden": None, "vs": peer, "triton_over_peer": round(ratio, 3),
+                            "limit": limit, "met": ratio <= limit})
+    return out
+
+
 # (op, output columns, inputs) of the qwen3-0.6b and llama3-8b projections.
 LINEAR_SHAPES = [("rms_norm_linear", 4096, 1024), ("linear_residual", 1024, 2048),
                  ("rms_norm_swiglu", 3072, 1024), ("linear_residual", 1024, 3072),
@@ -123,8 +177,10 @@ def _linear_cases(dev, rows=(16, 64), cycle_bytes: int = 120 << 20):
 
 
 def _verdicts(rows):
-    out = []
+    out = _variant_verdicts(rows)
     for row in rows:
+        if "variant" in row:
+            continue
         ms = row["ms"]
         if "composite" in ms:  # the fused linears: faster wherever dispatch takes them
             if row["takes_fused"]:
@@ -148,7 +204,8 @@ def _verdicts(rows):
 
 def run(out_path: str | None = None) -> dict:
     dev = torch.device("cuda")
-    rows = _elementwise_cases(dev) + _attention_cases(dev) + _linear_cases(dev)
+    rows = (_elementwise_cases(dev) + _attention_cases(dev) + _variant_cases(dev)
+            + _linear_cases(dev))
     result = {
         "what": "graphcap bench ops", "date": datetime.date.today().isoformat(),
         "commit": commit(), "device": torch.cuda.get_device_name(dev),

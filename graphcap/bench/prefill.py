@@ -154,7 +154,7 @@ def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build_model(name, device=device, dtype=dtype, logits="last", tp=tp)
     device = str(next(model.parameters()).device)  # a rank's own GPU under TP
-    attention = attention or default_attention(device)
+    attention = attention or default_attention(device, model)
     stock = [a for a in arms_wanted if a in HF_ARMS]
     arms, skipped = build_arms(model, [a for a in arms_wanted if a not in HF_ARMS], lengths,
                                max_requests=1, attention=attention, on_arm=progress)
