@@ -163,15 +163,25 @@ def test_a_row_with_sinks_and_no_token_comes_out_zero():
 
 @pytest.mark.parametrize("name", [n for n, cls in BACKENDS.items() if cls.options and
                                   cls().unavailable(DEVICE) is None])
-def test_every_backend_that_says_so_computes_every_variant_through_the_op(name):
+@pytest.mark.parametrize("variant", [dict(window=3), dict(softcap=2.0),
+                                     dict(sinks=True), dict(window=3, softcap=2.0, sinks=True)])
+def test_every_backend_that_says_so_computes_every_variant_through_the_op(name, variant):
+    """Each option alone and all three together, against the reference, in float32 or,
+    for a backend without it (FlashAttention, FlashInfer), bf16 (the reference computes
+    from the same bf16 values)."""
+    backend = BACKENDS[name]
+    dtype = torch.float32 if torch.float32 in backend.dtypes else torch.bfloat16
     lengths = [7, 0, 5]
-    q, k, v = qkv(12, 4, 2, 16, seed=3, device=DEVICE)
-    sinks = torch.randn(4).to(DEVICE)
-    with graphcap.packed(lengths, DEVICE, attention=name):
+    q, k, v = (t.to(dtype) for t in qkv(12, 4, 2, 64, seed=3, device=DEVICE))
+    window, softcap = variant.get("window", 0), variant.get("softcap", 0.0)
+    sinks = torch.randn(4).to(DEVICE) if variant.get("sinks") else None
+    with graphcap.packed(lengths, DEVICE, attention=name, dtype=dtype):
         out = torch.empty_like(q)
-        torch.ops.graphcap.attention(q, k, v, out, 0.25, 3, 2.0, sinks)
-    want = ref.attention_varlen(q, k, v, cu_of(lengths).to(DEVICE), 0.25, True, 3, 2.0, sinks)
-    torch.testing.assert_close(out, want, rtol=2e-4, atol=2e-4)
+        torch.ops.graphcap.attention(q, k, v, out, 0.125, window, softcap, sinks)
+    want = ref.attention_varlen(q.float(), k.float(), v.float(), cu_of(lengths).to(DEVICE),
+                                0.125, True, window, softcap, sinks)
+    tol = 2e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
 
 
 def test_a_backend_that_cannot_compute_an_option_is_refused_naming_those_that_can():
