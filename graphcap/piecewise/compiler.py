@@ -105,19 +105,20 @@ class PiecewiseCompiler:
         self.serial: Serial | None = None  # one call at a time: the pieces' static buffers
         self.static_ptrs: set[int] = set()  # outputs of captured pieces: fixed addresses
         self.traces = Traces()
-        self._told_eager = False  # ran_eagerly() has warned
+        self._told_eager: set[str] = set()  # the kinds of reason ran_eagerly() told
         _COMPILERS.add(self)
         weakref.finalize(self, _ENDED.update, self.stats).atexit = False
 
-    def ran_eagerly(self, why: str) -> None:
+    def ran_eagerly(self, why: str, kind: str = "call") -> None:
         """A piece ran eagerly where a graph was wanted: counted (``eager_runs``), and
-        told once per compile, naming why (a run of calls that never capture would
-        otherwise pass unnoticed)."""
+        told once per compile and ``kind`` of reason (a call outside the capture sizes,
+        a piece that cannot be captured), naming why (a run of calls that never capture
+        would otherwise pass unnoticed)."""
         self.stats["eager_runs"] += 1
-        if not self._told_eager:
-            self._told_eager = True
+        if kind not in self._told_eager:
+            self._told_eager.add(kind)
             log.warning("sgl_piecewise: %s. It ran eagerly (counters()['eager_runs'] counts "
-                        "every such run; told once per compile).", why)
+                        "every such run; told once per compile and kind of reason).", why)
 
     def pool_for(self, args) -> GraphPool:
         if self.pool is None:

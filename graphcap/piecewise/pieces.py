@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from graphcap.core.graph_base import Graph
+from graphcap.errors import CaptureError
 from graphcap.piecewise import phase as phases
 from graphcap.piecewise.inductor import OneOpPiece
 from graphcap.piecewise.phase import Phase
@@ -104,6 +105,8 @@ class PieceGraphs(torch.nn.Module):
             if self.static_state is not None and self.static_state() is None:
                 self.eager_sizes.add(size)
                 return self.fn(*args)
+            if phases.current()[0] is None:  # torch.compile on its own: warn, never raise
+                return self._capture_or_run(size, args)
             return self._capture(size, args)
         if self.static_state is not None and self.static_state() is not entry.state():
             return self.fn(*args)  # the graph would read the captured state's buffers
@@ -141,6 +144,18 @@ class PieceGraphs(torch.nn.Module):
         self.owner.static_ptrs -= {o.data_ptr() for o in flat if isinstance(o, torch.Tensor)}
         self.owner.stats["recaptures"] += 1
         return self._capture(size, args)
+
+    def _capture_or_run(self, size: int, args):
+        """Capture this size, or, where the piece cannot be captured (a host value copied
+        to the device in its code, a host read, ...), run it eagerly from now on and say
+        why once: a model compiled on its own keeps working as it did eagerly."""
+        try:
+            return self._capture(size, args)
+        except CaptureError as exc:
+            self.eager_sizes.add(size)
+            self.owner.ran_eagerly(f"a piece of size {size} cannot be captured "
+                                   f"({str(exc).splitlines()[0]})", kind="uncapturable")
+            return self.fn(*args)
 
     def _capture(self, size: int, args):
         pool = self.owner.pool_for(args)
