@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from graphcap.core.checks import positive_int
 from graphcap.engine.arguments import check_prompts, sampling_of, stop_tokens_of
 from graphcap.engine.engine import cache_shape
-from graphcap.engine.llm import LLM
+from graphcap.engine.llm import LLM, resolve
 from graphcap.progress import progress as progress_bar
 
 
@@ -55,6 +55,7 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
         out.tokens            # [[...], [...]]
         out.report            # steps, replays, fallbacks, graph pool bytes
     """
+    model, _ = resolve(model)  # wrapped once, here: the LLM below takes it as it is
     shape = cache_shape(model)
     prompts = check_prompts(prompts, shape.vocab_size)
     params = sampling_of(sampling, len(prompts))

@@ -87,7 +87,7 @@ class LLM:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy={strategy!r}: unknown strategy, choose one of "
                              f"{sorted(STRATEGIES)}")
-        model, tokenizer = _resolve(model, tokenizer)
+        model, tokenizer = resolve(model, tokenizer)
         self.model, self.tokenizer, self.strategy = model, tokenizer, strategy
         self.shape = cache_shape(model)
         # End every request, as transformers' generate does (unless stop_at_eos=False).
@@ -317,9 +317,9 @@ class _Fetch:
         return self.host.tolist()
 
 
-def _resolve(model, tokenizer):
+def resolve(model, tokenizer=None):
     """The model graphcap runs, and the tokenizer: a checkpoint directory loaded, a stock
-    transformers causal LM wrapped."""
+    transformers causal LM wrapped (``PrefillLM``), any other model as it is."""
     import os
 
     if isinstance(model, (str, os.PathLike)):

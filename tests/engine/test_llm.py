@@ -158,6 +158,18 @@ def test_a_stock_transformers_model_is_wrapped_and_gives_its_own_greedy_tokens()
     assert [c.tokens for c in engine.generate(prompts, 6)] == want
 
 
+def test_graphcap_generate_takes_a_stock_transformers_model_as_llm_does():
+    pytest.importorskip("transformers")
+    from tests.hf.test_hf_generate import transformers_greedy
+    from tests.support.hf_families import TOKENS, hf_model
+
+    ref = hf_model("llama").to(DEVICE)
+    prompts = [[5, 9, 2, 7, 1], [3, 4]]
+    got = graphcap.generate(copy.deepcopy(ref), prompts, 6, max_batch=2,
+                            prefill_tokens=16, stop_tokens=[TOKENS["eos_token_id"]])
+    assert got.tokens == [transformers_greedy(ref, p) for p in prompts]
+
+
 def test_what_an_llm_refuses_and_says_why():
     with pytest.raises(UnsupportedModel, match="Linear cannot generate: it does not "
                                                "declare graphcap_kv and vocab_size"):
