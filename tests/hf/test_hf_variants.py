@@ -111,3 +111,24 @@ def test_windowed_layers_of_substituted_families_run_on_graphcaps_attention_kern
     assert "2/2 attention" in lm.kernels.summary()
     got = graphcap.generate(lm, PROMPTS, NEW, strategy="full", max_batch=2, prefill_tokens=4)
     assert got.tokens == [transformers_greedy(ref, p, NEW) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_accelerate_and_a_pipeline_give_transformers_tokens(family):
+    """transformers' own calls on the engine: the model's generate on a left-padded batch,
+    and a text-generation pipeline, token for token transformers'."""
+    from tests.support.tokenizers import byte_tokenizer
+
+    ref = model(family)
+    fast = graphcap.accelerate(copy.deepcopy(ref), max_batch=2, max_len=48,
+                               prefill_tokens=8)
+    tok = byte_tokenizer(VOCAB)
+    tok.padding_side = "left"
+    batch = tok(["windows, sinks and caps", "a"], return_tensors="pt",
+                padding=True).to(DEVICE)
+    args = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    assert torch.equal(fast.generate(**batch, **args), ref.generate(**batch, **args))
+    text = dict(max_new_tokens=NEW, do_sample=False)
+    want = transformers.pipeline("text-generation", model=ref, tokenizer=tok)("hello", **text)
+    assert transformers.pipeline("text-generation", model=fast, tokenizer=tok)(
+        "hello", **text) == want
