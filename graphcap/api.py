@@ -11,7 +11,7 @@ from graphcap.breakable import BreakableStrategy, DebugStrategy
 from graphcap.compat import imports
 from graphcap.config import CaptureConfig
 from graphcap.core.buckets import check_ladder, prefill_ladder
-from graphcap.core.checks import as_int
+from graphcap.core.checks import as_int, positive_int
 from graphcap.core.inputs import Inputs
 from graphcap.core.runner import Runner, RunnerConfig
 from graphcap.core.strategy import EagerStrategy
@@ -154,10 +154,8 @@ def capture(model: torch.nn.Module, strategy: str = "breakable",
                 f"{option}= is an option of {what} {only!r} only, and this capture's "
                 f"{what} is {strategy if what == 'strategy' else kind!r}: leave it out")
     ladder = _ladder(c.max_tokens, c.buckets)
-    slots = (as_int(c.max_requests, "max_requests") if c.max_requests is not None
+    slots = (positive_int(c.max_requests, "max_requests") if c.max_requests is not None
              else max(ladder[-1] // 512, 1))
-    if slots < 1:
-        raise ValueError(f"max_requests must be >= 1, got {slots}")
     if not isinstance(inputs, Inputs):
         inputs = _inputs(model, kind, strategy, c.attention, slots, c.check_inputs)
     inputs.bind(model)

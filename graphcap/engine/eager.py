@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 
 from graphcap.api import backend_for
-from graphcap.core.checks import as_int, host_lengths
+from graphcap.core.checks import host_lengths
 from graphcap.errors import BadBatch
 from graphcap.inputs.cache_prefill import CachePrefillInputs
 from graphcap.inputs.decode import DecodeInputs
+from graphcap.inputs.paged_calls import starts_of
 from graphcap.kv.paged import PagedKVCache
 
 
@@ -37,10 +38,7 @@ def prefill(model, cache: PagedKVCache, input_ids: torch.Tensor, seq_lens, slots
     inputs = CachePrefillInputs(cache, backend_for(model, attention, device), len(lens),
                                 rows, name=type(model).__name__, extend=starts is not None)
     inputs.bind(model)
-    begin = [0] * len(lens) if starts is None else [as_int(b, "starts", BadBatch)
-                                                    for b in starts]
-    if len(begin) != len(lens):
-        raise BadBatch(f"starts has {len(begin)} entries for {len(lens)} requests")
+    begin = starts_of(starts, len(lens))  # checked against the cache by inputs.check
     positions = torch.cat([torch.arange(b, b + n, device=device)
                            for b, n in zip(begin, lens, strict=True)])
     extra = {} if starts is None else {"starts": begin}

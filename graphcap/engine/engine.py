@@ -81,18 +81,21 @@ class Engine:
     tokens on graphs (the first on the prefill graphs, the rest on extend graphs over
     its cached tokens, captured too); otherwise it prefills eagerly (counted in the
     prefill runner's fallbacks). ``attention`` names the prefill attention backend
-    (None: the best here); ``progress`` shows the captures."""
+    (None: the best here), ``decode_attention`` the decode one (None:
+    ``graphcap::decode_attention``, its kernel chosen per device; ``"flashinfer"``);
+    ``progress`` shows the captures."""
 
     def __init__(self, model, cache: PagedKVCache, strategy: str, max_batch: int,
                  prefill_tokens: int, *, chunked: bool = False, attention: str | None = None,
-                 progress=None):
+                 decode_attention: str | None = None, progress=None):
         self.cache, self.max_batch, self.prefill_tokens = cache, max_batch, prefill_tokens
         self.device, self.rows_of = cache.device, getattr(model, "output_rows", "tokens")
         name = type(model).__name__
         # The decode graphs give logits, which each step's draw reads before the next
         # replay rewrites them (stream order): no copy.
         self.decoder = capture(model, strategy, buckets=decode_ladder(max_batch),
-                               inputs=DecodeInputs(cache), copy_outputs=False,
+                               inputs=DecodeInputs(cache, attention=decode_attention),
+                               copy_outputs=False,
                                progress=progress)
         backend = backend_for(model, attention, cache.device, strategy, cache.dtype)
         ladder = decode_ladder(prefill_tokens)

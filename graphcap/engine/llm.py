@@ -74,15 +74,17 @@ class LLM:
     :data:`graphcap.api.STRATEGIES`); ``max_batch`` requests decode together, each of up
     to ``max_len`` tokens (prompt and new ones; default the model's ``max_position``, at
     most 4096); ``prefill_tokens`` bounds a prefill graph (a longer prompt prefills in
-    chunks of it); ``attention`` names the prefill attention backend; ``progress`` shows
-    the captures; ``stop_at_eos``: the model's and the tokenizer's end-of-sequence ids end
-    every request; ``long_prompts``: prompts longer than ``prefill_tokens`` prefill in
-    chunks on graphs (extend graphs, captured here too; False: eagerly, in one call).
-    Every graph is captured here; later calls capture nothing."""
+    chunks of it); ``attention`` names the prefill attention backend and
+    ``decode_attention`` the decode one (:class:`~graphcap.engine.engine.Engine`);
+    ``progress`` shows the captures; ``stop_at_eos``: the model's and the tokenizer's
+    end-of-sequence ids end every request; ``long_prompts``: prompts longer than
+    ``prefill_tokens`` prefill in chunks on graphs (extend graphs, captured here too;
+    False: eagerly, in one call). Every graph is captured here; later calls capture nothing."""
 
     def __init__(self, model, tokenizer=None, *, strategy: str = "full", max_batch: int = 8,
                  max_len: int | None = None, prefill_tokens: int = 512,
-                 attention: str | None = None, page_size: int = 16, progress=True,
+                 attention: str | None = None, decode_attention: str | None = None,
+                 page_size: int = 16, progress=True,
                  stop_at_eos: bool = True, long_prompts: bool = True):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy={strategy!r}: unknown strategy, choose one of "
@@ -106,7 +108,8 @@ class LLM:
         self.engine = Engine(model, self.cache, strategy, self.max_batch,
                              positive_int(prefill_tokens, "prefill_tokens"),
                              chunked=long_prompts,
-                             attention=attention, progress=progress or None)
+                             attention=attention, decode_attention=decode_attention,
+                             progress=progress or None)
 
     # -- calls -----------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens: int = 64, *, sampling=None, stop=None

@@ -90,14 +90,20 @@ def check_requests(inputs: PagedInputs, args: tuple, kwargs: dict) -> Batch:
     ends = [(s, b + n) for s, b, n in zip(slots, starts, lens, strict=True) if n]
     return Batch((*args, token_slots), args[0].shape[0], lens, host=ends)
 
+def starts_of(given, requests: int) -> list[int]:
+    """Each of ``requests`` requests' first position: ``given`` (one int each), else 0;
+    ``BadBatch`` naming what is wrong."""
+    if given is None:
+        return [0] * requests
+    starts = [checks.as_int(b, "starts", BadBatch) for b in given]
+    if len(starts) != requests:
+        raise BadBatch(f"starts has {len(starts)} entries for {requests} requests")
+    return starts
+
+
 def _starts(inputs: PagedInputs, given, slots: list[int], lens: list[int]) -> list[int]:
     """Each request's first position, checked against its slot's tokens (``BadBatch``)."""
-    if given is None:
-        starts = [0] * len(slots)
-    else:
-        starts = [checks.as_int(b, "starts", BadBatch) for b in given]
-        if len(starts) != len(slots):
-            raise BadBatch(f"starts has {len(starts)} entries for {len(slots)} requests")
+    starts = starts_of(given, len(slots))
     for slot, start in zip(slots, starts, strict=True):
         written = inputs.cache.written(slot)
         if not 0 <= start <= written:

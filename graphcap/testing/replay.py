@@ -8,7 +8,7 @@ import time
 import torch
 
 import graphcap
-from graphcap.api import GRAPHED
+from graphcap.api import GRAPHED, model_dtype
 from graphcap.testing.strategies import prefill_batches
 
 
@@ -43,7 +43,7 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
     model = model_or_factory() if not isinstance(model_or_factory, torch.nn.Module) \
         else model_or_factory
     device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
+    dtype = model_dtype(model) or torch.float32
     tol = atol if atol is not None else _default_tolerance(dtype)
     if attention is None:
         from graphcap.opsdb.attention import get_backend

@@ -158,6 +158,14 @@ def test_a_stock_transformers_model_is_wrapped_and_gives_its_own_greedy_tokens()
     assert [c.tokens for c in engine.generate(prompts, 6)] == want
 
 
+def test_the_decode_attention_is_named_as_the_prefill_one_is():
+    named = LLM(model(), max_batch=3, max_len=32, prefill_tokens=8, progress=False,
+                attention="torch_masked", decode_attention="graphcap")
+    prompts = [[5, 9, 2, 7, 1], [3, 4]]
+    assert [c.tokens for c in named.generate(prompts, 6)] == \
+        [c.tokens for c in llm().generate(prompts, 6)]
+
+
 def test_graphcap_generate_takes_a_stock_transformers_model_as_llm_does():
     pytest.importorskip("transformers")
     from tests.hf.test_hf_generate import transformers_greedy
@@ -176,6 +184,8 @@ def test_what_an_llm_refuses_and_says_why():
         LLM(torch.nn.Linear(2, 2), progress=False)
     with pytest.raises(ValueError, match="unknown strategy"):
         LLM(model(), strategy="fast", progress=False)
+    with pytest.raises(ValueError, match="attention='fa9'.*flashinfer"):
+        LLM(model(), decode_attention="fa9", progress=False)
     with pytest.raises(ValueError, match="not a directory"):
         LLM("/nonexistent/checkpoint", progress=False)
     with pytest.raises(ValueError, match="text prompts need a tokenizer"):
