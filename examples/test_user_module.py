@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphcap.models.decoder import Block, ModelArgs, rope_cache
+from graphcap.models.decoder import Block, ModelArgs
 from graphcap.opsdb.norm import RMS_NORM
+from graphcap.opsdb.reference import rope_cache
 from graphcap.testing import assert_replay_equivalent
 
 

@@ -380,7 +380,7 @@ def test_bench_prefill_tp_times_the_split_preset_beside_the_whole_in_one_job():
     from graphcap.bench import tp
 
     result = tp.run(("tiny",), ("eager", "breakable"), (8,), reps=2, tp=2, device="cpu",
-                    timeout_s=20.0)
+                    timeout_s=120.0)  # ranks a loaded machine keeps apart still agree
     model = result["models"][0]
     assert model["tp1"]["rows"][0]["tokens"] == 8 and model["tp2"]["rows"][0]["ms"]
     assert set(model["ratios"][0]["tp_over_1"]) == {"eager", "breakable"}

@@ -29,6 +29,9 @@ from graphcap.tp import TPGroup, group_named, release_all
 from tests.support import tp_world
 
 WORLD = 2
+# A loaded two-core machine can keep one rank seconds behind the other: no test waits on
+# a bound it does not test, and "at once" means well within the bound that would fire.
+PATIENT = 120.0
 # One worker keeps the two-rank world; slow: the ranks are processes of their own.
 pytestmark = [pytest.mark.xdist_group("tp-world"), pytest.mark.slow]
 
@@ -68,7 +71,7 @@ def batches(vocab: int):
 
 
 def _equivalence(rank: int) -> None:
-    tp = TPGroup()
+    tp = TPGroup(timeout_s=PATIENT)
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank))
     # Schema (no undeclared mutation), fake tensors, dynamic shapes: on both ranks at once.
     torch.library.opcheck(torch.ops.graphcap.all_reduce.default, (x, tp.name))
@@ -113,7 +116,7 @@ def test_the_split_model_equals_the_whole_under_every_strategy():
 
 
 def _generation(rank: int) -> None:
-    tp = TPGroup()
+    tp = TPGroup(timeout_s=PATIENT)
     prompts = [[5, 9, 2, 7, 1], [3], [8, 8, 4, 11, 6, 2, 9]]
     want = graphcap.generate(build_model("tiny"), prompts, 6, strategy="eager",
                              max_batch=2).tokens
@@ -131,7 +134,7 @@ def test_greedy_generation_of_the_split_model_is_the_whole_model_s():
 def _checkpoint(rank: int, folder: str) -> None:
     from graphcap.models import load_checkpoint
 
-    tp = TPGroup()
+    tp = TPGroup(timeout_s=PATIENT)
     whole, mine = load_checkpoint(folder), load_checkpoint(folder, tp=tp)
     assert mine.local_args.heads == whole.args.heads // WORLD
     ids, pos = torch.arange(1, 12), torch.arange(11)
@@ -158,14 +161,14 @@ def call(runner, lens):
 
 
 def _disagreement(rank: int) -> None:
-    tp = TPGroup(timeout_s=30.0)  # nothing here waits for a timeout
+    tp = TPGroup(timeout_s=PATIENT)  # nothing here waits for a timeout
     model = build_model("tiny", tp=tp)
     runner = graphcap.capture(model, "full", buckets=[8, 16], max_requests=2)
     start = time.monotonic()
     with pytest.raises(RankError, match=r"disagree \(rank 0: replay 8: 5 tokens, requests "
                        r"\[5\], rank 1: replay 16: 12 tokens"):
         call(runner, [5] if rank == 0 else [12])  # bucket 8 on one rank, 16 on the other
-    assert time.monotonic() - start < 10  # at once, not after a timeout
+    assert time.monotonic() - start < PATIENT / 2  # at once, not after the timeout
     with pytest.raises(RankError, match=r"rank 0: replay 8: 5 tokens.*rank 1: eager \(too_many"):
         call(runner, [5] if rank == 0 else [20])
     # One bucket, one route, and yet other graphs: other lengths of the same token count.
@@ -195,21 +198,23 @@ def test_ranks_that_disagree_on_a_call_all_raise_at_once_and_stay_usable():
 
 
 def _absence(rank: int) -> None:
-    tp = TPGroup(timeout_s=2.0)
+    tp = TPGroup(timeout_s=2.0)  # the bound under test; the ranks meet before each wait
     model = build_model("tiny", tp=tp)
-    runner = graphcap.capture(model, "full", buckets=[8, 16], max_requests=2)
+    dist.barrier()
+    runner = graphcap.capture(model, "full", buckets=[8], max_requests=2)
+    dist.barrier()
     call(runner, [6])
     if rank == 0:  # rank 1 does not come: rank 0 raises after the timeout
         start = time.monotonic()
         with pytest.raises(RankError, match="did not come to a call of the runner within 2 s"):
             call(runner, [6])
-        assert time.monotonic() - start < 20
+        assert time.monotonic() - start < PATIENT / 2
     dist.barrier()  # the world group: rank 1 waits here for rank 0's timeout
     # The group closed on rank 0; rank 1 learns why at its next call, at once.
     start = time.monotonic()
     with pytest.raises(RankError, match="closed.*rank 0: .*did not come"):
         call(runner, [6])
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < PATIENT / 2
     assert tp.closed is not None
 
 
@@ -218,7 +223,7 @@ def test_a_rank_that_does_not_come_closes_the_group_on_every_rank():
 
 
 def _release(rank: int) -> None:
-    tp = TPGroup(timeout_s=2.0)
+    tp = TPGroup(timeout_s=PATIENT)
     runner = graphcap.capture(build_model("tiny", tp=tp), "full", buckets=[8],
                               max_requests=1)
     call(runner, [6])
@@ -248,7 +253,7 @@ def _raise_on(rank: int, module: torch.nn.Module, tokens: int, where: str):
 
 
 def _failure_in_capture(rank: int, strategy: str) -> None:
-    tp = TPGroup(timeout_s=60.0, collective_timeout_s=120.0)  # a fail-fast never waits these
+    tp = TPGroup(timeout_s=PATIENT, collective_timeout_s=2 * PATIENT)  # fail-fast: never waited
     model = build_model("tiny", tp=tp)
     _raise_on(rank, model.blocks[1], 8, "in the capture of 8 tokens")  # the second shape
     start = time.monotonic()
@@ -259,7 +264,7 @@ def _failure_in_capture(rank: int, strategy: str) -> None:
         with pytest.raises(RankError, match="rank 1 raised Boom in a capture: rank 1's "
                            "forward fails in the capture of 8 tokens"):
             graphcap.capture(model, strategy, buckets=[8, 16], max_requests=2)
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < PATIENT / 2
     assert tp.closed is not None
     with pytest.raises(RankError, match="is closed"):  # every later use says why, at once
         graphcap.capture(model, strategy, buckets=[8], max_requests=2)
@@ -271,7 +276,7 @@ def test_a_rank_that_raises_during_capture_stops_every_rank_within_seconds(strat
 
 
 def _failure_in_a_call(rank: int) -> None:
-    tp = TPGroup(timeout_s=60.0, collective_timeout_s=120.0)
+    tp = TPGroup(timeout_s=PATIENT, collective_timeout_s=2 * PATIENT)
     model = build_model("tiny", tp=tp)
     runner = graphcap.capture(model, "full", buckets=[8], max_requests=2)
     call(runner, [6])
@@ -282,7 +287,7 @@ def _failure_in_a_call(rank: int) -> None:
                        match="rank 1's forward fails" if rank == 1 else
                        "all_reduce failed on rank 0: the group was closed .rank 1 raised Boom"):
         call(runner, [12])
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < PATIENT / 2
     with pytest.raises(RankError, match="is closed"):
         call(runner, [6])
 
@@ -330,7 +335,7 @@ def _eager_double(x):
 
 
 def _async_break(rank: int) -> None:
-    tp = TPGroup()
+    tp = TPGroup(timeout_s=PATIENT)
     with pytest.raises(CaptureError, match="asynchronous collective that was not waited"):
         graphcap.capture(_AsyncAcrossABreak(tp.data), "breakable", buckets=[4],
                          example_inputs=(torch.ones(4, 8),))
