@@ -90,6 +90,7 @@ def check_requests(inputs: PagedInputs, args: tuple, kwargs: dict) -> Batch:
     ends = [(s, b + n) for s, b, n in zip(slots, starts, lens, strict=True) if n]
     return Batch((*args, token_slots), args[0].shape[0], lens, host=ends)
 
+
 def starts_of(given, requests: int) -> list[int]:
     """Each of ``requests`` requests' first position: ``given`` (one int each), else 0;
     ``BadBatch`` naming what is wrong."""

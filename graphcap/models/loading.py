@@ -32,11 +32,9 @@ class CheckpointError(GraphcapError, ValueError):
 def _gpt_oss_args(config: dict, source: str) -> dict:
     """The fields gpt-oss adds: alternating windows (``layer_types``), sinks, biases, the
     clamped GLU and YaRN."""
-    layers = config["num_hidden_layers"]
-    kinds = config.get("layer_types") or ["sliding_attention" if i % 2 == 0 else
-                                          "full_attention" for i in range(layers)]
     expected = ["sliding_attention" if i % 2 == 0 else "full_attention"
-                for i in range(layers)]
+                for i in range(config["num_hidden_layers"])]
+    kinds = config.get("layer_types") or expected
     if list(kinds) != expected:
         raise CheckpointError(f"{source}: layer_types {kinds} are not gpt-oss's alternation "
                               "(sliding_attention on even layers, full_attention on odd)")

@@ -58,6 +58,7 @@ class PieceGraphs(torch.nn.Module):
         self.writes = mutated_inputs(module)
         self.seen: set[int] = set()
         self.eager_sizes: set[int] = set()  # split pieces whose state was not static
+        self.uncapturable: dict[int, str] = {}  # size -> why its capture failed (on its own)
         self.entries: dict[int, PieceEntry] = {}
 
     def forward(self, *args):
@@ -86,6 +87,9 @@ class PieceGraphs(torch.nn.Module):
 
     def _per_size(self, args):
         owner, size = self.owner, self._size(args)
+        if size in self.uncapturable:
+            owner.ran_eagerly(self.uncapturable[size], kind="uncapturable")
+            return self.fn(*args)
         if size not in owner.capture_sizes or size in self.eager_sizes:
             if self.static_state is None:
                 owner.ran_eagerly(  # split ops run eagerly by design: not counted
@@ -105,8 +109,6 @@ class PieceGraphs(torch.nn.Module):
             if self.static_state is not None and self.static_state() is None:
                 self.eager_sizes.add(size)
                 return self.fn(*args)
-            if phases.current()[0] is None:  # torch.compile on its own: warn, never raise
-                return self._capture_or_run(size, args)
             return self._capture(size, args)
         if self.static_state is not None and self.static_state() is not entry.state():
             return self.fn(*args)  # the graph would read the captured state's buffers
@@ -145,18 +147,6 @@ class PieceGraphs(torch.nn.Module):
         self.owner.stats["recaptures"] += 1
         return self._capture(size, args)
 
-    def _capture_or_run(self, size: int, args):
-        """Capture this size, or, where the piece cannot be captured (a host value copied
-        to the device in its code, a host read, ...), run it eagerly from now on and say
-        why once: a model compiled on its own keeps working as it did eagerly."""
-        try:
-            return self._capture(size, args)
-        except CaptureError as exc:
-            self.eager_sizes.add(size)
-            self.owner.ran_eagerly(f"a piece of size {size} cannot be captured "
-                                   f"({str(exc).splitlines()[0]})", kind="uncapturable")
-            return self.fn(*args)
-
     def _capture(self, size: int, args):
         pool = self.owner.pool_for(args)
         # Read in place: parameters (the caller's) and earlier pieces' static outputs
@@ -169,7 +159,17 @@ class PieceGraphs(torch.nn.Module):
         graph = pool.graph()
         captured = OneOpPiece(self.fn, self.writes) if self.opaque and graph.emulated \
             else self.fn
-        outputs = graph.capture(captured, *static)
+        try:
+            outputs = graph.capture(captured, *static)
+        except CaptureError as exc:
+            if phases.current()[0] is not None:  # a runner's capture: the runner's error
+                raise
+            # torch.compile on its own: a piece that cannot be captured (a host value
+            # copied to the device in its code, a host read, ...) runs eagerly at this
+            # size from now on, said once; the compiled model works as it did eagerly.
+            self.uncapturable[size] = (f"a piece of size {size} cannot be captured "
+                                       f"({str(exc).splitlines()[0]})")
+            return self._per_size(args)
         self.owner.stats["split_captures" if self.static_state else "captures"] += 1
         flat = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
         self.owner.static_ptrs |= {o.data_ptr() for o in flat if isinstance(o, torch.Tensor)}
