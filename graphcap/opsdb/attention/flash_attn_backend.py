@@ -5,6 +5,10 @@ The max lengths are the bucket size, host ints baked into the graph (never 1: a
 one-token fast path breaks mixed batches); rows past the real tokens are zeroed after.
 Its TMA loads read whole K/V tiles past a request's end (the next request's rows, or
 padding), so k and v pass through ``guard_kv`` first: no request sees another's values.
+
+The variant options: a window as FlashAttention's ``window_size=(window - 1, 0)``,
+``softcap``, and sinks as FA4's ``learnable_sink`` (FA2/3 have no sinks: a layer with
+sinks is refused there, naming the backends that compute them).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from graphcap.opsdb.attention.base import (
     guard_kv,
     zero_padding_rows,
 )
+from graphcap.opsdb.attention.variant import OPTIONS, PLAIN, Variant, refuse
 
 
 def _varlen_func():
@@ -36,13 +41,25 @@ class FlashAttention(AttentionBackend):
     devices = ("cuda",)
     requires = ("flash_attn",)
     dtypes = (torch.float16, torch.bfloat16)
+    options = frozenset(OPTIONS)  # FA4's; FA2/3 compute the window and softcap only
 
     def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float,
-                variant=None) -> None:
+                variant: Variant = PLAIN) -> None:
         fn, is_fa4 = _varlen_func()
+        if variant.sinks is not None and not is_fa4:
+            from graphcap.opsdb.attention import serving
+
+            refuse("prefill attention", "flash_attn (FA2/3; FA4 has sinks)",
+                   frozenset({"window", "softcap"}), variant, serving(variant, q.device))
         k, v = guard_kv(k, v, meta)
         cu, n = meta.cu_seqlens, meta.num_tokens
         kwargs = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, softmax_scale=scale)
+        if variant.window:  # keys i - window + 1 .. i
+            kwargs["window_size"] = (variant.window - 1, 0)
+        if variant.softcap:
+            kwargs["softcap"] = variant.softcap
+        if variant.sinks is not None:
+            kwargs["learnable_sink"] = variant.sinks
         if is_fa4:
             result = fn(q, k, v, max_seqlen_q=n, max_seqlen_k=n, num_splits=1, **kwargs)
         else:
