@@ -128,23 +128,26 @@ def test_sizes_outside_the_capture_sizes_run_the_pieces_eagerly_and_are_counted(
     assert "a call of size 5" in told[0] and "capture sizes [8]" in told[0]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
 def test_a_transformers_model_compiled_as_transformers_calls_it_runs_and_says_why_not_graphs(
-        caplog):
+        caplog, device):
     """[batch, tokens] ids, lengths changing so Dynamo recompiles with a dynamic token
     count: the piece whose code copies host values to the device (transformers' mask and
     position set-up) cannot be captured; it runs eagerly, said once, and every call is
-    the model's own result."""
+    the model's own result (on the emulator, and on CUDA graphs, where the failed capture
+    must leave the stream usable)."""
     pytest.importorskip("transformers")
     from tests.support.hf_families import hf_model
 
-    model = hf_model("llama").eval()
+    model = hf_model("llama").eval().to(device)
     compiler = PiecewiseCompiler()
     compiled = torch.compile(model, backend=compiler)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode(), caplog.at_level("WARNING", "graphcap"):
         for batch, tokens in ((1, 5), (1, 7), (1, 16), (1, 16), (1, 16), (2, 8), (4, 16),
                               (4, 16), (4, 16)):
-            ids = torch.randint(0, 128, (batch, tokens), generator=gen)
+            ids = torch.randint(0, 128, (batch, tokens), generator=gen).to(device)
             torch.testing.assert_close(compiled(ids).logits, model(ids).logits,
                                        atol=1e-4, rtol=1e-4)
     told = [r.getMessage() for r in caplog.records if "ran eagerly" in r.getMessage()]
