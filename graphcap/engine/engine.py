@@ -26,14 +26,17 @@ class CacheShape:
     head_dim: int
     vocab_size: int
     max_position: int
+    window: int = 0  # every layer's attention windowed: the longest window, else 0
 
 
 def cache_shape(model) -> CacheShape:
     """The cache a model generates with, from what it declares (docs/models.md,
     "Generate with your model"): ``graphcap_kv`` = (layers, kv heads, head dim) of the
-    keys and values its attention layers keep, ``vocab_size``, and ``max_position``
-    where it has one. graphcap's reference decoders and ``graphcap.hf.PrefillLM`` declare
-    them; a model that does not is refused, naming what is missing."""
+    keys and values its attention layers keep, ``vocab_size``, ``max_position`` where it
+    has one, and ``graphcap_kv_window`` where every layer's attention is windowed (the
+    longest window: pages behind it are freed early). graphcap's reference decoders and
+    ``graphcap.hf.PrefillLM`` declare them; a model that does not is refused, naming what
+    is missing."""
     name = type(model).__name__
     kv, vocab = getattr(model, "graphcap_kv", None), getattr(model, "vocab_size", None)
     if kv is None or vocab is None:
@@ -51,9 +54,14 @@ def cache_shape(model) -> CacheShape:
         raise UnsupportedModel(f"{name}.graphcap_kv must be three positive ints (layers, kv "
                                f"heads, head dim), got {kv!r}") from None
     max_position = getattr(model, "max_position", None)
+    window = getattr(model, "graphcap_kv_window", 0) or 0
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise UnsupportedModel(f"{name}.graphcap_kv_window must be an int >= 0 (the longest "
+                               f"window when every layer's attention is windowed, else 0), "
+                               f"got {window!r}")
     return CacheShape(layers, heads, head_dim, positive_int(vocab, f"{name}.vocab_size"),
                       positive_int(max_position, f"{name}.max_position")
-                      if max_position else 2**31)
+                      if max_position else 2**31, window)
 
 
 @dataclass

@@ -103,7 +103,8 @@ class LLM:
         device = next(model.parameters()).device
         self.cache = PagedKVCache(self.shape.layers, self.shape.kv_heads, self.shape.head_dim,
                                   max_requests=self.max_batch, max_len=self.max_len,
-                                  page_size=page_size, dtype=model_dtype(model), device=device)
+                                  page_size=page_size, dtype=model_dtype(model), device=device,
+                                  window=self.shape.window)
         self._idle = threading.Lock()  # held by the call being served
         self.engine = Engine(model, self.cache, strategy, self.max_batch,
                              positive_int(prefill_tokens, "prefill_tokens"),

@@ -102,11 +102,12 @@ def _experts_for(model: PreTrainedModel, experts: str | None) -> str | None:
     return experts
 
 
-def _kv_shapes(model: PreTrainedModel, dtype: torch.dtype) -> dict[int, tuple[int, int]]:
-    """Each attention layer's keys and values, ``layer_idx -> (heads, head dim)``, as the
-    attention function receives them on a short forward (what a K/V cache of the model
-    holds, whatever its config's fields say). What the attention function refuses on
-    any layer is refused here, naming the model."""
+def _probe(model: PreTrainedModel, dtype: torch.dtype
+           ) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
+    """Each attention layer's keys and values, ``layer_idx -> (heads, head dim)``, and its
+    window (0: none that binds), as the attention function receives them on a short
+    forward (what a K/V cache of the model holds, whatever its config's fields say).
+    What the attention function refuses on any layer is refused here, naming the model."""
     device = next(model.parameters()).device
     pos = torch.arange(PROBE_TOKENS, device=device)
     ids = pos % model.get_output_embeddings().weight.shape[0]
@@ -119,8 +120,10 @@ def _kv_shapes(model: PreTrainedModel, dtype: torch.dtype) -> dict[int, tuple[in
         raise UnsupportedModel(f"{type(model).__name__}: {exc}") from exc
     finally:
         hf_attention.SEEN = None
-    return {layer: tuple(k.shape[1:]) for _, k, _, layer, _ in seen
-            if isinstance(layer, int) and not isinstance(layer, bool)}
+    layers = [(layer, k, variant[0]) for _, k, _, layer, variant in seen
+              if isinstance(layer, int) and not isinstance(layer, bool)]
+    return ({layer: tuple(k.shape[1:]) for layer, k, _ in layers},
+            {layer: window for layer, _, window in layers})
 
 
 class PrefillLM(nn.Module):
@@ -178,7 +181,7 @@ class PrefillLM(nn.Module):
             # switch keeps its own), None for a dense model.
             self.experts = experts and getattr(hf_model.config, "_experts_implementation",
                                                None)
-            self.kv_shapes = _kv_shapes(hf_model, dtype)
+            self.kv_shapes, self.kv_windows = _probe(hf_model, dtype)
             self._substitute(kernels, dtype)
         except BaseException:  # the model goes back as it came (its forwards, attention)
             substitution.restore(hf_model)
@@ -278,6 +281,13 @@ class PrefillLM(nn.Module):
                 "hf_model.generate())")
         (heads, head_dim), = found
         return max(self.kv_shapes) + 1, heads, head_dim
+
+    @property
+    def graphcap_kv_window(self) -> int:
+        """Every attention layer windowed: the longest window (its cache frees pages
+        behind it), else 0."""
+        windows = list(self.kv_windows.values())
+        return max(windows) if windows and all(windows) else 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_rows=None,
                 seq_lens=None):

@@ -111,5 +111,6 @@ def _starts(inputs: PagedInputs, given, slots: list[int], lens: list[int]) -> li
             raise BadBatch(f"starts: request slot {slot} starts at {start}, but its "
                            f"pages hold {written} tokens; a request continues at most "
                            "from its last written token")
+        inputs.cache.check_reach(slot, start)
     inputs.cache.check_prompts(slots, [b + n for b, n in zip(starts, lens, strict=True)])
     return starts

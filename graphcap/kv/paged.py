@@ -12,6 +12,12 @@ max_pages]`` int32 lives on the device (graphs read it); row ``r`` lists request
 A request's pages are allocated once, at :meth:`PagedKVCache.admit`, for every token it
 may hold (prompt plus new tokens): the decode loop then needs no host allocation, and a
 cache too small says so at admission (:class:`~graphcap.errors.CacheFull`), not mid-loop.
+
+A cache of a model whose every layer attends to a window (``window``: the longest of
+them) frees a request's pages once they lie wholly behind it, as its tokens are written:
+no later step of the request reads them (its block-table entries point at the null page
+again, which attention never reads outside a row's window) and other requests may take
+them. With one layer of full attention the window is 0 and every page is kept.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ class PagedKVCache:
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, *, max_requests: int,
                  max_len: int, page_size: int = 16, pages: int | None = None,
-                 dtype: torch.dtype = torch.float32, device="cpu"):
+                 dtype: torch.dtype = torch.float32, device="cpu", window: int = 0):
         self.layers = positive_int(layers, "layers")
         self.kv_heads = positive_int(kv_heads, "kv_heads")
         self.head_dim = positive_int(head_dim, "head_dim")
@@ -51,6 +57,10 @@ class PagedKVCache:
         self.max_pages = -(-max_len // page_size)  # a block-table row
         self.pages = positive_int(pages if pages is not None
                                else max_requests * self.max_pages, "pages")
+        self.window = as_int(window, "window (the longest window, every layer windowed)")
+        if self.window < 0:
+            raise ValueError(f"window={window}: the longest attention window of a model "
+                             "whose every layer is windowed, or 0 (keep every page)")
         if not dtype.is_floating_point:
             raise ValueError(f"a K/V cache holds floating-point keys and values, not {dtype}")
         self.device = torch.device(device)
@@ -65,6 +75,7 @@ class PagedKVCache:
         self._owned: dict[int, list[int]] = {}
         self._capacity: dict[int, int] = {}
         self._written: dict[int, int] = {}  # tokens of each slot's K/V written so far
+        self._dropped: dict[int, int] = {}  # leading pages freed behind the window
 
     # -- admission -------------------------------------------------------------------
     def admit(self, slot: int, tokens: int) -> list[int]:
@@ -91,7 +102,8 @@ class PagedKVCache:
         row[:need] = torch.tensor(pages, dtype=torch.int32)
         self.block_table[slot].copy_(row)
         self._owned[slot], self._capacity[slot], self._written[slot] = pages, tokens, 0
-        return pages
+        self._dropped[slot] = 0
+        return list(pages)
 
     def release(self, slot: int) -> None:
         """Free request slot ``slot``'s pages; its block-table row points at the null page
@@ -99,8 +111,8 @@ class PagedKVCache:
         slot = self._slot(slot)
         if slot not in self._owned:
             raise ValueError(f"request slot {slot} holds no request")
-        self._free.extend(reversed(self._owned.pop(slot)))
-        del self._capacity[slot], self._written[slot]
+        self._free.extend(reversed(self._owned.pop(slot)[self._dropped[slot]:]))
+        del self._capacity[slot], self._written[slot], self._dropped[slot]
         self.block_table[slot].fill_(NULL_PAGE)
 
     def capacity(self, slot: int) -> int:
@@ -128,6 +140,18 @@ class PagedKVCache:
             if position > written:
                 raise BadBatch(f"position {position} of slot {slot} skips past the {written} "
                                "tokens written to its pages: step each position in turn")
+            self.check_reach(slot, position)
+
+    def check_reach(self, slot: int, position: int) -> None:
+        """Refuse (``BadBatch``) a token at ``position`` of ``slot`` whose window reaches
+        back to pages freed behind it."""
+        freed = self._dropped.get(slot, 0) * self.page_size
+        if freed and position - self.window + 1 < freed:
+            raise BadBatch(
+                f"position {position} of slot {slot} attends back to tokens before {freed}, "
+                f"whose pages were freed behind every layer's window of {self.window} "
+                f"tokens: continue from position {freed + self.window - 1} on, or build the "
+                "cache with window=0 to keep every page")
 
     def wrote(self, ends) -> None:
         """A forward that ran wrote each ``(slot, end)`` of ``ends``: the request's
@@ -138,17 +162,34 @@ class PagedKVCache:
             if slot not in self._written:
                 raise ValueError(f"request slot {slot!r} holds no request")
             self._written[slot] = end
+            if self.window:
+                self._free_behind(slot, end)
+
+    def _free_behind(self, slot: int, written: int) -> None:
+        """Free the pages of ``slot`` wholly behind the window of a step at ``written - 1``
+        (the earliest a next step may be): its tokens ``written - 1 - window`` and before."""
+        behind = max(0, written - self.window) // self.page_size
+        dropped = self._dropped[slot]
+        if behind <= dropped:
+            return
+        owned = self._owned[slot]
+        self._free.extend(reversed(owned[dropped:behind]))
+        owned[dropped:behind] = [NULL_PAGE] * (behind - dropped)
+        self.block_table[slot, dropped:behind].fill_(NULL_PAGE)
+        self._dropped[slot] = behind
 
     @property
     def free_pages(self) -> int:
         return len(self._free)
 
     def pages_of(self, slot: int) -> list[int]:
-        """The pages of the request in ``slot``, in order (the list itself: read it)."""
+        """The pages of the request in ``slot``, in order, a page freed behind the window
+        as the null page (the list itself: read it)."""
         return self._owned.get(slot, [])
 
     def owned(self) -> dict[int, list[int]]:
-        """Request slot -> its pages, for the slots that hold a request."""
+        """Request slot -> its pages (as :meth:`pages_of`), for the slots that hold a
+        request."""
         return {slot: list(pages) for slot, pages in self._owned.items()}
 
     def _slot(self, slot, error: type[Exception] = ValueError) -> int:

@@ -233,6 +233,13 @@ class Decoder(nn.Module):
         return self.args.max_position
 
     @property
+    def graphcap_kv_window(self) -> int:
+        """Every layer windowed: the longest window (its cache frees pages behind it), else
+        0."""
+        windows = [self.args.window_of(i) for i in range(self.args.layers)]
+        return max(windows) if all(windows) else 0
+
+    @property
     def graphcap_attention_options(self) -> tuple[str, ...]:
         return self.args.attention_options
 

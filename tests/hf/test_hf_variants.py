@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from graphcap.hf import PrefillLM  # noqa: E402  (needs transformers)
 from tests.hf.test_hf_generate import transformers_greedy  # noqa: E402
 from tests.support.hf_families import VOCAB, hf_model  # noqa: E402
-from tests.support.runner_helpers import DEVICE  # noqa: E402
+from tests.support.runner_helpers import DEVICE, stream_counting_freed  # noqa: E402
 
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
@@ -90,6 +90,20 @@ def test_greedy_generation_equals_transformers_generate(family, strategy):
     got = graphcap.generate(lm, PROMPTS, NEW, strategy=strategy, max_batch=2,
                             prefill_tokens=4)  # prompts in chunks over the cache
     assert got.tokens == [transformers_greedy(ref, p, NEW) for p in PROMPTS]
+
+
+def test_a_family_windowed_in_every_layer_frees_pages_behind_the_window_as_it_generates():
+    """Mistral with an 8-token window in every layer: its cache's pages (2 tokens each)
+    behind the window are freed while it generates, and the tokens are transformers';
+    Gemma 2 (a global layer in two) keeps every page."""
+    ref = model("mistral")
+    lm = PrefillLM(copy.deepcopy(ref), logits="last")
+    assert lm.graphcap_kv_window == 8 and PrefillLM(model("gemma2")).graphcap_kv_window == 0
+    llm = graphcap.LLM(lm, strategy="full", max_batch=2, max_len=32, prefill_tokens=4,
+                       page_size=2, progress=False, stop_at_eos=False)
+    tokens, freed = stream_counting_freed(llm, PROMPTS, NEW)
+    assert tokens == [transformers_greedy(ref, p, NEW) for p in PROMPTS]
+    assert freed >= 2 and llm.cache.free_pages == llm.cache.pages
 
 
 @pytest.mark.parametrize("strategy", ["breakable", "tc_piecewise"])

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from graphcap.errors import CacheFull, OpInputError
+from graphcap.errors import BadBatch, CacheFull, OpInputError
 from graphcap.kv import NULL_PAGE, PagedKVCache
 from graphcap.opsdb.decode import DECODE_ATTENTION
 from graphcap.opsdb.kv import KV_WRITE
@@ -34,6 +34,41 @@ def test_admission_hands_out_whole_pages_and_writes_the_block_table():
     c.release(2)
     assert c.block_table[2].tolist() == [NULL_PAGE] * 5 and c.free_pages == 20
     assert c.capacity(2) == 0
+
+
+def test_a_windowed_cache_frees_the_pages_behind_the_window_as_tokens_are_written():
+    """Every layer windowed to 8 tokens, pages of 4: a step at position p reads p - 7 .. p,
+    and the next step may be at written or written - 1, so the pages before token
+    written - 8 are freed, their block-table entries the null page again."""
+    c = cache(window=8, page_size=4)
+    pages = c.admit(1, 40)  # 10 pages
+    free = c.free_pages
+    c.wrote([(1, 7)])
+    assert c.free_pages == free  # nothing wholly behind yet
+    c.wrote([(1, 12)])  # a step at 11 reads 4..11: page 0 (tokens 0..3) is behind
+    assert c.pages_of(1) == [NULL_PAGE, *pages[1:]] and c.free_pages == free + 1
+    assert c.block_table[1].tolist() == [NULL_PAGE, *pages[1:]]
+    c.check_step([1], [12])
+    c.check_step([1], [11])
+    with pytest.raises(BadBatch, match="freed behind every layer's window of 8 tokens"):
+        c.check_step([1], [10])  # would read token 3
+    c.wrote([(1, 30)])  # tokens 0..21 behind: pages 0..4
+    assert c.free_pages == free + 5 and c.block_table[1].tolist()[:6] == \
+        [NULL_PAGE] * 5 + [pages[5]]
+    c.admit(0, 20)  # a freed page serves another request
+    assert set(c.pages_of(0)) & set(pages[:5])
+    c.release(1)
+    c.release(0)
+    assert c.free_pages == c.pages and c.block_table.eq(NULL_PAGE).all()
+
+
+def test_a_cache_with_a_layer_of_full_attention_keeps_every_page():
+    c = cache()  # window=0: some layer attends to every key
+    pages = c.admit(1, 40)
+    c.wrote([(1, 40)])
+    assert c.pages_of(1) == pages and c.free_pages == c.pages - len(pages)
+    with pytest.raises(ValueError, match="window=-1"):
+        cache(window=-1)
 
 
 def test_a_full_cache_refuses_admission_and_changes_nothing():

@@ -12,7 +12,7 @@ import torch
 
 import graphcap
 from graphcap.models import PRESETS, Decoder, build_model
-from tests.support.runner_helpers import DEVICE
+from tests.support.runner_helpers import DEVICE, stream_counting_freed
 
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []  # CUDA graphs there
 
@@ -54,6 +54,23 @@ def test_generation_is_recomputing_every_sequence(strategy):
     got = graphcap.generate(m, PROMPTS, NEW, strategy=strategy, max_batch=2,
                             prefill_tokens=4)
     assert got.tokens == [recomputed(m, p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("strategy", ["eager", "full", "breakable"])
+def test_a_model_windowed_in_every_layer_frees_pages_behind_the_window_and_generates_the_same(
+        strategy):
+    """Every layer windowed: the LLM's cache frees the pages behind the window while its
+    requests run (prompts past the window prefilled in chunks, pages of 2 tokens), and
+    the tokens are those of recomputing each sequence whole. With one global layer in
+    two, every page is kept."""
+    m = model(window=4, softcap=3.0, sinks=True)
+    assert m.graphcap_kv_window == 4 and model(**VARIANT).graphcap_kv_window == 0
+    llm = graphcap.LLM(m, strategy=strategy, max_batch=2, max_len=32, prefill_tokens=4,
+                       page_size=2, progress=False)
+    tokens, freed = stream_counting_freed(llm, PROMPTS, NEW)
+    assert tokens == [recomputed(m, p) for p in PROMPTS]
+    assert freed >= 3  # the 11-token prompt alone: tokens 0..5 behind at 11 written
+    assert llm.cache.free_pages == llm.cache.pages
 
 
 def test_the_variants_change_what_it_generates():

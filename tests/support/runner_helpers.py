@@ -63,3 +63,16 @@ def eager(attention: str, ids, pos, lens):
 
 def tolerance():
     return (3e-2, 3e-2) if DEVICE == "cuda" else (1e-5, 1e-5)
+
+
+def stream_counting_freed(llm, prompts, new: int) -> tuple[list[list[int]], int]:
+    """``llm``'s tokens for ``prompts``, and the most cache pages its live requests had
+    freed behind their window at once (null-page entries among their pages)."""
+    from graphcap.kv import NULL_PAGE
+
+    tokens: dict[int, list[int]] = {}
+    freed = 0
+    for delta in llm.stream(prompts, new):
+        tokens.setdefault(delta.index, []).extend(delta.tokens)
+        freed = max(freed, sum(p.count(NULL_PAGE) for p in llm.cache.owned().values()))
+    return [tokens[i] for i in range(len(prompts))], freed
