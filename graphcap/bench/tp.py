@@ -52,6 +52,10 @@ def _worker(rank: int, size: int, init: str, job: dict, queue) -> None:
         if tp is not None:
             tp.release()
         dist.destroy_process_group()
+    # Done, its results sent: the rank leaves without the interpreter's teardown, in which
+    # a library thread was seen to abort a finished rank ("terminate called without an
+    # active exception", SIGABRT) and fail a run whose work had all succeeded.
+    os._exit(0)
 
 
 def _spawn(size: int, job: dict) -> list[dict]:
