@@ -87,6 +87,20 @@ def environ(monkeypatch):
     graphcap.env.reload()
 
 
+def pytest_configure(config):
+    """``--dist loadgroup`` sends the tests of an ``xdist_group`` to one worker by a suffix
+    pytest-xdist 3.8 writes into a field pytest 9.2 no longer reads a test's id from: the
+    marks would be ignored without a word, a group's tests spread over the workers."""
+    if config.getoption("dist", "no") != "loadgroup" or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    version = tuple(int(p) for p in pytest.__version__.split(".")[:2] if p.isdigit())
+    if version >= (9, 2):
+        raise pytest.UsageError(
+            f"--dist loadgroup ignores xdist_group marks under pytest {pytest.__version__} "
+            "with pytest-xdist 3.8: install the pytest that pyproject.toml's test extra pins "
+            "(pip install -e '.[test]', or make test, which does)")
+
+
 def pytest_sessionfinish(session, exitstatus):
     from tests.support import tp_world
 

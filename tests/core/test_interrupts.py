@@ -33,7 +33,9 @@ CASES = {
     "a capture on a worker thread": ("full", "sympy.polys", "thread"),
 }
 
-pytestmark = pytest.mark.slow  # each case starts a process of its own
+# Each case starts a process of its own; one worker runs them all (the module's fixture
+# starts them once, side by side, where two workers would each start all five).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("interrupts")]
 
 
 @pytest.fixture(scope="module")
