@@ -101,6 +101,13 @@ def pytest_configure(config):
             "(pip install -e '.[test]', or make test, which does)")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests that start processes (marked ``slow``) first, each group's order kept: the
+    workers then end the run on short tests, not one on a long one while the other
+    idles."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_sessionfinish(session, exitstatus):
     from tests.support import tp_world
 
