@@ -54,18 +54,9 @@ def test_packed_requests_give_the_logits_of_each_request_run_alone_in_transforme
     check()
 
 
-# Families whose forwards Dynamo traces differently (plain, scaled embeddings, GPT-2's
-# Conv1D and learned positions, MoE, fused projections): tc_piecewise compiles each of these
-# on the emulator (five seconds a family); the GPU test below runs every family under it.
-PIECEWISE_ON_CPU = {"llama", "gemma", "gpt2", "qwen3_moe", "phi3"}
-
-
 @pytest.mark.parametrize("strategy", GRAPHED)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family_replays_like_eager_under_every_strategy(family, strategy):
-    if strategy == "tc_piecewise" and family not in PIECEWISE_ON_CPU:
-        pytest.skip("tc_piecewise compiles five of the families on the emulator and every "
-                    "one on a GPU (test_every_family_replays_like_eager_on_cuda_graphs)")
     _, lm = pair(family)
     # Each tc_piecewise runner compiles the model: fewer call sequences keep it quick.
     sequences = 1 if strategy == "tc_piecewise" else 2

@@ -39,18 +39,9 @@ CASES = [("llama", "graphcap"), ("qwen3", "graphcap"), ("qwen3_moe", "graphcap")
          ("gpt2", "graphcap")]
 
 
-# On the emulator tc_piecewise generates with three of them (each compiles the model twice,
-# a minute of the CI's time for all eight; tests/hf/test_hf.py replays every family under
-# it); on the GPU with every one.
-PIECEWISE_ON_CPU = {("llama", "stock"), ("qwen3_moe", "graphcap"), ("gpt2", "graphcap")}
-
-
 @pytest.mark.parametrize(("family", "kernels"), CASES)
 @pytest.mark.parametrize("strategy", ["eager", "full", "tc_piecewise"])
 def test_greedy_generation_equals_transformers_generate(family, kernels, strategy):
-    if strategy == "tc_piecewise" and DEVICE == "cpu" and (family, kernels) not in \
-            PIECEWISE_ON_CPU:
-        pytest.skip("tc_piecewise generates with three of these on the emulator, all on a GPU")
     wide = {"initializer_range": 0.5} if family in ("gemma", "gpt2") else {}
     ref = hf_model(family, **wide).to(DEVICE)
     lm = PrefillLM(copy.deepcopy(ref), logits="last", kernels=kernels)
