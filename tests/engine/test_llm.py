@@ -182,6 +182,13 @@ def test_what_an_llm_refuses_and_says_why():
     with pytest.raises(UnsupportedModel, match="Linear cannot generate: it does not "
                                                "declare graphcap_kv and vocab_size"):
         LLM(torch.nn.Linear(2, 2), progress=False)
+
+    class Windowed(torch.nn.Linear):
+        graphcap_kv, vocab_size, graphcap_kv_window = (1, 1, 2), 8, -4
+
+    with pytest.raises(UnsupportedModel, match="Windowed.graphcap_kv_window must be an int "
+                                               ">= 0 .*got -4"):
+        LLM(Windowed(2, 2), progress=False)
     with pytest.raises(ValueError, match="unknown strategy"):
         LLM(model(), strategy="fast", progress=False)
     with pytest.raises(ValueError, match="attention='fa9'.*flashinfer"):
