@@ -35,8 +35,8 @@ def test_every_available_kernel_matches_the_reference(name):
     if not available:
         pytest.skip(f"no kernel besides the reference runs on {DEVICE}: "
                     f"{spec.available(DEVICE)}")
-    # The CPU runs Triton's interpreter, a hundred times slower: fewer examples there,
-    # the GPU suite runs more.
+    # Without a GPU the kernels run in Triton's interpreter: fewer examples there, six on
+    # the GPU.
     check_op(name, device=DEVICE, examples=6 if DEVICE == "cuda" else 3, opcheck=False)
 
 
