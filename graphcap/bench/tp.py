@@ -12,6 +12,7 @@ unless the caller set them). On CPU (tests) the workers use gloo and the emulato
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 import torch
@@ -54,7 +55,10 @@ def _worker(rank: int, size: int, init: str, job: dict, queue) -> None:
         dist.destroy_process_group()
     # Done, its results sent: the rank leaves without the interpreter's teardown, in which
     # a library thread was seen to abort a finished rank ("terminate called without an
-    # active exception", SIGABRT) and fail a run whose work had all succeeded.
+    # active exception", SIGABRT) and fail a run whose work had all succeeded. What it
+    # printed goes out first: os._exit flushes nothing.
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)
 
 

@@ -13,6 +13,7 @@ from graphcap.errors import BadBatch
 from graphcap.hf import attention as hf_attention
 from graphcap.hf import kernels as substitution
 from graphcap.hf.attention import NAME, UnsupportedModel, attention_options, window_refusal
+from graphcap.kv import longest_window
 from graphcap.opsdb.attention.packed import packed
 
 # Expert implementations of transformers' MoE layers that read no tensor on the host
@@ -286,8 +287,7 @@ class PrefillLM(nn.Module):
     def graphcap_kv_window(self) -> int:
         """Every attention layer windowed: the longest window (its cache frees pages
         behind it), else 0."""
-        windows = list(self.kv_windows.values())
-        return max(windows) if windows and all(windows) else 0
+        return longest_window(self.kv_windows.values())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_rows=None,
                 seq_lens=None):

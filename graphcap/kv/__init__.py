@@ -3,6 +3,6 @@ request slot wrote) and :class:`CacheBatch` (what one forward reads of it). Ops 
 these; nothing here imports above :mod:`graphcap.core`."""
 
 from graphcap.kv.batch import CacheBatch
-from graphcap.kv.paged import NULL_PAGE, PagedKVCache
+from graphcap.kv.paged import NULL_PAGE, PagedKVCache, longest_window
 
-__all__ = ["NULL_PAGE", "CacheBatch", "PagedKVCache"]
+__all__ = ["NULL_PAGE", "CacheBatch", "PagedKVCache", "longest_window"]

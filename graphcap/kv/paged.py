@@ -32,6 +32,14 @@ from graphcap.errors import BadBatch, CacheFull
 NULL_PAGE = 0
 
 
+def longest_window(windows) -> int:
+    """The ``window`` of a cache for a model whose layers attend through ``windows`` (one
+    per layer, 0 for full attention): the longest when every layer is windowed, else 0
+    (a layer of full attention reads every page)."""
+    windows = list(windows)
+    return max(windows) if windows and all(windows) else 0
+
+
 class PagedKVCache:
     """``layers`` layers of K and V in pages; ``max_requests`` request slots of up to
     ``max_len`` tokens each; ``pages`` real pages (default: enough for every slot at

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from graphcap.errors import UnsupportedModel
+from graphcap.kv import longest_window
 from graphcap.models.blocks import (
     AttentionLayer,
     AttentionWeights,
@@ -236,8 +237,7 @@ class Decoder(nn.Module):
     def graphcap_kv_window(self) -> int:
         """Every layer windowed: the longest window (its cache frees pages behind it), else
         0."""
-        windows = [self.args.window_of(i) for i in range(self.args.layers)]
-        return max(windows) if all(windows) else 0
+        return longest_window(self.args.window_of(i) for i in range(self.args.layers))
 
     @property
     def graphcap_attention_options(self) -> tuple[str, ...]:
