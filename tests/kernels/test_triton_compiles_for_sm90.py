@@ -168,17 +168,19 @@ BUILD_SM90 = textwrap.dedent('''
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    def build(kernel, types, consts):
+    def build(kernel, types, consts, pdl=False):
         sig = {**types, **{n: "constexpr" for n in consts}}
         sig = {name: sig[name] for name in kernel.arg_names}
         out = triton.compile(ASTSource(kernel, sig, constexprs=consts),
-                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+                             target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": 4, "launch_pdl": pdl})
         assert "cubin" in out.asm
+        assert ("griddepcontrol.wait" in out.asm["ptx"]) == pdl
 
 ''')
 
 COMPILE_DECODE = BUILD_SM90 + textwrap.dedent('''
-    from graphcap.opsdb.triton.decode import _decode_merge_kernel, _decode_split_kernel
+    from graphcap.opsdb.triton.decode import _decode_kernel
     from graphcap.opsdb.triton.kv import _kv_write_kernel
 
     for dt in ("bf16", "fp16", "fp32"):
@@ -188,22 +190,22 @@ COMPILE_DECODE = BUILD_SM90 + textwrap.dedent('''
                    "k_stride_t", "k_stride_h", "v_stride_t", "v_stride_h", "heads",
                    "head_dim")}},
               {"BLOCK_H": 8, "BLOCK_D": 128, "INTERPRET": False})
-        for (page, group, splits), variant in zip(((16, 2, 8), (1, 1, 1)), (True, False)):
-            build(_decode_split_kernel,
-                  {"q_ptr": f"*{dt}", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}",
-                   "table_ptr": "*i32", "lens_ptr": "*i32", "mid_o_ptr": "*fp32",
-                   "mid_lse_ptr": "*fp32", "scale": "fp32", "softcap": "fp32",
-                   **{n: "i32" for n in (
-                       "q_stride_b", "q_stride_h", "table_stride", "width", "heads",
-                       "kv_heads", "head_dim", "split_len", "window")}},
-                  {"PAGE": page, "GROUP": group, "SPLITS": splits, "BLOCK_N": 32,
-                   "BLOCK_D": 128, "WINDOW": variant, "SOFTCAP": variant})
-            build(_decode_merge_kernel,
-                  {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "sinks_ptr": "*bf16",
-                   "out_ptr": f"*{dt}", **{n: "i32" for n in (
-                       "out_stride_b", "out_stride_h", "heads", "head_dim")}},
-                  {"SPLITS": splits, "BLOCK_S": triton.next_power_of_2(splits),
-                   "BLOCK_D": 128, "SINKS": variant, "INTERPRET": False})
+        for (page, group, splits), variant in zip(((16, 2, 8), (1, 1, 1), (16, 8, 1)),
+                                                  (True, False, True)):
+            for pdl in (True, False):
+                build(_decode_kernel,
+                      {"q_ptr": f"*{dt}", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}",
+                       "table_ptr": "*i32", "lens_ptr": "*i32", "sinks_ptr": "*fp32",
+                       "out_ptr": f"*{dt}", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
+                       "counts_ptr": "*i32", "scale": "fp32", "softcap": "fp32",
+                       **{n: "i32" for n in (
+                           "q_stride_b", "q_stride_h", "out_stride_b", "out_stride_h",
+                           "table_stride", "width", "kv_heads", "head_dim", "split_len",
+                           "window")}},
+                      {"PAGE": page, "GROUP": group, "BLOCK_H": 16, "SPLITS": splits,
+                       "BLOCK_N": 64, "BLOCK_D": 128, "WINDOW": variant,
+                       "SOFTCAP": variant, "SINKS": variant, "IEEE": dt == "fp32",
+                       "INTERPRET": False, "PDL": pdl}, pdl=pdl)
     print("compiled")
 ''')
 

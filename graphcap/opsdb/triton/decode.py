@@ -1,16 +1,26 @@
 """Split-KV decode attention over a paged cache (contract: :mod:`graphcap.opsdb.decode`).
 
-Stage 1, grid ``(rows, query heads, splits)``: each program walks its split of the row's
-tokens in blocks of ``BLOCK_N`` (each token's page from the block table), with an online
-softmax in float32, and writes its partial output and log-sum-exp; a split past the row's
-length writes an empty partial (LSE ``-inf``). Stage 2, grid ``(rows, query heads)``:
-merges the partials by their LSEs (and the head's sink logit, which joins the softmax
-with no value); a row with no token comes out zero, not 0/0. With a window the splits
-cover only the row's last ``window`` tokens: the K/V read is bounded by the window, not
-the context; soft-capping applies to each score before the online softmax. The
-split count follows from host shapes only (rows, heads, the block table's width, the
-SMs), so the grid is fixed at capture and a replay's lengths change only the work inside
-it. No host synchronisation.
+One kernel, grid ``(rows, key/value heads x head blocks, splits)``. A program takes the
+query heads that share one key/value head (up to ``BLOCK_H`` of them: a GQA group), so
+each K/V token is read from memory once for the whole group, and scores and the weighted
+values are tensor-core products (``BLOCK_H`` rows, at least 16; the rows past the group
+are masked). It walks its split of the row's tokens in blocks of ``BLOCK_N`` (each
+token's page from the block table) with an online softmax in float32; the probabilities
+are rounded to the cache's dtype for the product with the values, as FlashAttention
+does. With one split the program writes the output; with several, each stores its
+partial output and log-sum-exp, and the last program of a (row, head block) to arrive (an
+atomic count, as the split linear's: :mod:`graphcap.opsdb.triton.counters`) merges them
+by their LSEs with the head's sink logit, which joins the softmax with no value, and
+writes the output. A row with no token comes out zero, not 0/0; NaN in a row's own
+tokens stays NaN. With a window the splits cover only the row's last ``window`` tokens:
+the K/V read is bounded by the window, not the context; soft-capping applies to each
+score before the online softmax. The split count follows from host shapes only (rows,
+heads, the block table's width, the SMs), so the grid is fixed at capture and a replay's
+lengths change only the work inside it. No host synchronisation.
+
+Under programmatic dependent launch (:mod:`graphcap.opsdb.triton.common`) the kernel
+lets the next one start at once (the output projection, which asks L2 for its weight
+meanwhile) and waits for the kernel before it.
 """
 
 from __future__ import annotations
@@ -19,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from graphcap.opsdb.triton.common import cast, interpreting, num_sms
+from graphcap.opsdb.triton import counters
+from graphcap.opsdb.triton.common import cast, dot, interpreting, num_sms, pdl_args, pdl_start
 
 _MAX_SPLITS = 32
 
@@ -31,16 +42,42 @@ def soft_cap(scores, softcap):
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
-                         q_stride_b, q_stride_h, table_stride, width, heads, kv_heads,
-                         head_dim, split_len, scale, window, softcap,
-                         PAGE: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+def _write_out(o, lse, has, sink, out_ptr, rows_off, d, h_ok, d_mask, SINKS: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    """``out`` of heads ``rows_off``: ``o`` [BLOCK_H, BLOCK_D] (normalised over the
+    tokens) weighed against the sink logit; zero where no token was read (``has``)."""
+    top = tl.where(has, lse, float("-inf"))
+    if SINKS:
+        top = tl.maximum(top, sink)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.where(has, tl.exp(lse - top), 0.0)
+    total = weight
+    if SINKS:
+        total += tl.exp(sink - top)
+    o = o * tl.where(total == 0, 0.0, weight / tl.where(total == 0, 1.0, total))[:, None]
+    tl.store(out_ptr + rows_off[:, None] + d[None, :],
+             cast(o, out_ptr.dtype.element_ty, INTERPRET),
+             mask=h_ok[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_ptr,
+                   mid_o_ptr, mid_lse_ptr, counts_ptr,
+                   q_stride_b, q_stride_h, out_stride_b, out_stride_h, table_stride, width,
+                   kv_heads, head_dim, split_len, scale, window, softcap,
+                   PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                   SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
+                   IEEE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    g = tl.program_id(1)  # key/value head, then block of its query heads
     s = tl.program_id(2)
-    kvh = h // GROUP
+    hb = tl.cdiv(GROUP, BLOCK_H)
+    kvh = g // hb
+    in_group = (g % hb) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = in_group < GROUP
+    heads = kvh * GROUP + in_group
     d = tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
     length = tl.minimum(tl.load(lens_ptr + b), width * PAGE)
@@ -49,81 +86,108 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, mid_o_ptr, 
         lo = tl.maximum(length - window, 0)
     start = lo + s * split_len
     end = tl.minimum(start + split_len, length)
-    q = tl.load(q_ptr + b.to(tl.int64) * q_stride_b + h * q_stride_h + d, mask=d_mask,
-                other=0.0).to(tl.float32)
-    m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)
-    l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), axis=0)
-    acc = tl.zeros([BLOCK_D], tl.float32)
+    q = tl.load(q_ptr + b.to(tl.int64) * q_stride_b + heads[:, None] * q_stride_h
+                + d[None, :], mask=h_ok[:, None] & d_mask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     slot_stride = kv_heads * head_dim
     for n0 in range(start, end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         t_mask = t < end
         page = tl.load(table_ptr + b.to(tl.int64) * table_stride + t // PAGE, mask=t_mask,
                        other=0).to(tl.int64)
-        slot = page * PAGE + t % PAGE
-        offs = slot[:, None] * slot_stride + kvh * head_dim + d[None, :]
+        offs = (page * PAGE + t % PAGE)[:, None] * slot_stride + kvh * head_dim + d[None, :]
         kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(kc_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.sum(k * q[None, :], axis=1) * scale
+        k = tl.load(kc_ptr + offs, mask=kv_mask, other=0.0)
+        scores = dot(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE,
+                     INTERPRET) * scale
         if SOFTCAP:
             scores = soft_cap(scores, softcap)
-        scores = tl.where(t_mask, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=0))  # finite: a token is in the block
+        scores = tl.where(t_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: a token is in the block
         alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new)
-        v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
+        p = tl.exp(scores - m_new[:, None])
+        v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
+        acc = dot(cast(p, v.dtype, INTERPRET), v, acc * alpha[:, None], IEEE, INTERPRET)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
-    row = (b.to(tl.int64) * heads + h) * SPLITS + s
     # Empty by its token count, not by l_i: NaN in the row's own tokens stays NaN.
     has = end > start
     safe = tl.where(has, l_i, 1.0)  # an empty split: no 0/0 even where it is not kept
-    tl.store(mid_o_ptr + row * BLOCK_D + d, tl.where(has, acc / safe, 0.0))
-    tl.store(mid_lse_ptr + row, tl.where(has, m_i + tl.log(safe), float("-inf")))
-
-
-@triton.jit
-def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, sinks_ptr, out_ptr, out_stride_b,
-                         out_stride_h, heads, head_dim, SPLITS: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                         SINKS: tl.constexpr, INTERPRET: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    row = (b.to(tl.int64) * heads + h) * SPLITS
-    lse = tl.load(mid_lse_ptr + row + s, mask=s < SPLITS, other=float("-inf"))
-    top = tl.max(lse, axis=0)
-    if SINKS:  # the head's sink logit joins the softmax, with no value
-        sink = tl.load(sinks_ptr + h).to(tl.float32)
-        top = tl.maximum(top, sink)
-    top = tl.where(top == float("-inf"), 0.0, top)  # a row with no token: every weight 0
-    weight = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - top))  # NaN passes
-    parts = tl.load(mid_o_ptr + (row + s)[:, None] * BLOCK_D + d[None, :],
-                    mask=(s < SPLITS)[:, None], other=0.0)
-    total = tl.sum(weight, axis=0)
+    o = acc / safe[:, None]
+    lse = m_i + tl.log(safe)
+    sink = tl.zeros([BLOCK_H], tl.float32)
     if SINKS:
-        total += tl.exp(sink - top)
-    o = tl.sum(weight[:, None] * parts, axis=0)
-    o = tl.where(total == 0, 0.0, o / tl.where(total == 0, 1.0, total))
-    tl.store(out_ptr + b.to(tl.int64) * out_stride_b + h * out_stride_h + d,
-             cast(o, out_ptr.dtype.element_ty, INTERPRET), mask=d < head_dim)
+        sink = tl.load(sinks_ptr + heads, mask=h_ok, other=0.0).to(tl.float32)
+    out_rows = b.to(tl.int64) * out_stride_b + heads * out_stride_h
+    if SPLITS == 1:
+        _write_out(o, lse, has, sink, out_ptr, out_rows, d, h_ok, d_mask, SINKS, INTERPRET)
+    else:
+        # Partials [rows, kv heads x head blocks, SPLITS, BLOCK_H (, BLOCK_D)] in float32.
+        block = b * tl.num_programs(1) + g
+        part = (block.to(tl.int64) * SPLITS + s) * BLOCK_H + tl.arange(0, BLOCK_H)
+        tl.store(mid_o_ptr + part[:, None] * BLOCK_D + d[None, :], o)
+        tl.store(mid_lse_ptr + part, tl.where(has, lse, float("-inf")))
+        tl.debug_barrier()  # every thread's partial is stored before the count says so
+        arrived = tl.atomic_add(counts_ptr + block, 1)  # acq_rel, GPU scope
+        if arrived == SPLITS - 1:  # the last program of this (row, head block) merges
+            tl.atomic_xchg(counts_ptr + block, 0)  # back to zero for the next launch
+            first = block.to(tl.int64) * SPLITS * BLOCK_H + tl.arange(0, BLOCK_H)
+            top = tl.full([BLOCK_H], float("-inf"), tl.float32)
+            seen = tl.zeros([BLOCK_H], tl.int1)  # a split read a token (NaN counts)
+            for i in tl.static_range(SPLITS):  # .cg: from L2, never a stale L1 line
+                lse_i = tl.load(mid_lse_ptr + first + i * BLOCK_H, cache_modifier=".cg")
+                top = tl.maximum(top, lse_i)
+                seen = seen | (lse_i != float("-inf"))
+            top_safe = tl.where(top == float("-inf"), 0.0, top)
+            total = tl.zeros([BLOCK_H], tl.float32)
+            merged = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+            for i in tl.static_range(SPLITS):
+                lse_i = tl.load(mid_lse_ptr + first + i * BLOCK_H, cache_modifier=".cg")
+                w = tl.where(lse_i == float("-inf"), 0.0, tl.exp(lse_i - top_safe))
+                o_i = tl.load(mid_o_ptr + (first + i * BLOCK_H)[:, None] * BLOCK_D
+                              + d[None, :], cache_modifier=".cg")
+                merged += w[:, None] * o_i  # NaN passes
+                total += w
+            merged = merged / tl.where(total == 0, 1.0, total)[:, None]
+            _write_out(merged, top_safe + tl.log(tl.where(total == 0, 1.0, total)),
+                       seen, sink, out_ptr, out_rows, d, h_ok, d_mask, SINKS,
+                       INTERPRET)
 
 
-def splits_for(rows: int, heads: int, max_len: int, block_n: int, sms: int) -> int:
-    """Splits per (row, head): enough programs to fill the SMs twice over, no split
-    shorter than one block, at most ``_MAX_SPLITS``."""
+def head_block(group: int) -> int:
+    """Query heads a program takes: its whole GQA group up to 64, at least 16 rows (the
+    tensor-core products' least)."""
+    return max(16, triton.next_power_of_2(min(group, 64)))
+
+
+def splits_for(programs: int, max_len: int, block_n: int, sms: int) -> int:
+    """Splits per (row, head block) for ``programs`` of them: enough programs to fill the
+    SMs twice over, no split shorter than one block, at most ``_MAX_SPLITS``, and one
+    where the merge's counters would not fit (:data:`counters.CAPACITY`)."""
+    if programs > counters.CAPACITY:
+        return 1
     blocks = triton.cdiv(max(max_len, 1), block_n)
-    wanted = triton.cdiv(2 * sms, max(rows * heads, 1))
+    wanted = triton.cdiv(2 * sms, max(programs, 1))
     return max(1, min(blocks, wanted, _MAX_SPLITS))
+
+
+def _counts(device: torch.device, blocks: int) -> torch.Tensor:
+    """The stream's persistent zeroed counters, else (a capture's first split launch on a
+    stream that has none) a zeroed buffer of this launch's own."""
+    counts = counters.persistent(device, blocks)
+    if counts is None:
+        counts = torch.zeros(blocks, dtype=torch.int32, device=device)
+    return counts
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
                      scale: float, window: int = 0, softcap: float = 0.0,
-                     sinks: torch.Tensor | None = None, num_splits: int | None = None
-                     ) -> None:
+                     sinks: torch.Tensor | None = None, num_splits: int | None = None,
+                     tiles: dict | None = None) -> None:
+    """``tiles`` overrides ``BLOCK_N``, ``num_warps`` and ``num_stages`` (benchmarks)."""
     B, Hq, D = q.shape
     _, page, Hk, _ = k_cache.shape
     if B == 0 or Hq == 0:
@@ -133,26 +197,37 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         window = 0
     max_len = window or width * page  # the most tokens a row reads
     interpret = interpreting()
-    block_n = 16 if interpret else 32
+    group = Hq // Hk
+    block_h = head_block(group)
+    programs = B * Hk * triton.cdiv(group, block_h)
+    cfg = {"BLOCK_N": 16 if interpret else 64, "num_warps": 4, "num_stages": 2,
+           **(tiles or {})}
     if num_splits is None:  # the interpreter: several splits, so the merge is exercised
-        num_splits = (max(1, min(triton.cdiv(max_len, block_n), 4)) if interpret else
-                      splits_for(B, Hq, max_len, block_n, num_sms(q.device)))
+        num_splits = (max(1, min(triton.cdiv(max_len, cfg["BLOCK_N"]), 4)) if interpret
+                      else splits_for(programs, max_len, cfg["BLOCK_N"], num_sms(q.device)))
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    split_len = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
-    block_d = triton.next_power_of_2(D)
-    mid_o = torch.empty((B, Hq, num_splits, block_d), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(B, Hq, num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, mid_o, mid_lse,
-        q.stride(0), q.stride(1), block_table.stride(0), width, Hq, Hk, D, split_len,
-        float(scale), int(window), float(softcap), PAGE=page, GROUP=Hq // Hk,
-        SPLITS=num_splits, BLOCK_N=block_n, BLOCK_D=block_d, WINDOW=window > 0,
-        SOFTCAP=softcap > 0, num_warps=4 if block_d >= 128 else 2)
-    _decode_merge_kernel[(B, Hq)](
-        mid_o, mid_lse, mid_lse if sinks is None else sinks.contiguous(), out, out.stride(0),
-        out.stride(1), Hq, D, SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-        BLOCK_D=block_d, SINKS=sinks is not None, INTERPRET=interpret, num_warps=1)
+    if num_splits > 1 and programs > counters.CAPACITY:
+        raise ValueError(f"num_splits {num_splits} over {programs} (row, head block)s: "
+                         f"a split launch merges at most {counters.CAPACITY}")
+    split_len = triton.cdiv(triton.cdiv(max_len, num_splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+    block_d = max(16, triton.next_power_of_2(D))
+    if num_splits > 1:
+        mid_o = torch.empty((programs * num_splits * block_h, block_d), dtype=torch.float32,
+                            device=q.device)
+        mid_lse = torch.empty(programs * num_splits * block_h, dtype=torch.float32,
+                              device=q.device)
+        counts = _counts(q.device, programs)
+    else:
+        mid_o = mid_lse = counts = out
+    sinks = out if sinks is None else sinks.contiguous()
+    _decode_kernel[(B, programs // B, num_splits)](
+        q, k_cache, v_cache, block_table, seq_lens, sinks, out,
+        mid_o, mid_lse, counts, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_table.stride(0), width, Hk, D, split_len, float(scale), int(window),
+        float(softcap), PAGE=page, GROUP=group, BLOCK_H=block_h, SPLITS=num_splits,
+        BLOCK_D=block_d, WINDOW=window > 0, SOFTCAP=softcap > 0, SINKS=sinks is not out,
+        IEEE=q.dtype == torch.float32, INTERPRET=interpret, **pdl_args(q.device, B), **cfg)
 
 
-__all__ = ["decode_attention", "splits_for"]
+__all__ = ["decode_attention", "head_block", "splits_for"]
