@@ -88,7 +88,7 @@ def _generate(args: argparse.Namespace) -> int:
 # The options of bench, their defaults, and which each suite reads (another given is an
 # error, not ignored).
 BENCH_DEFAULTS = {"models": None, "arms": None, "lengths": None, "reps": 30,
-                  "batches": None, "context": 128, "window": 0, "attention": None}
+                  "batches": None, "context": "128", "window": 0, "attention": None}
 BENCH_READS = {"ops": set(), "decode": {"models", "arms", "batches", "context", "window",
                                         "reps"},
                "prefill": {"models", "arms", "lengths", "reps", "attention"},
@@ -283,8 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="timed calls per arm and length")
     bench.add_argument("--batches", default=None, type=_positives,
                        help="decode: comma-separated batch sizes (default 1,8)")
-    bench.add_argument("--context", type=_positive, default=128,
-                       help="decode: tokens in the cache of every request")
+    bench.add_argument("--context", type=_positives, default="128",
+                       help="decode: tokens in the cache of every request, comma-separated "
+                            "for several contexts")
     bench.add_argument("--window", type=_positive, default=0,
                        help="decode: a sliding window of this many tokens on every layer "
                             "(its step reads only the window's K/V)")

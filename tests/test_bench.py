@@ -346,31 +346,93 @@ def test_stock_transformers_targets_compare_with_the_preset_and_reduce_overhead(
     assert build_targets({"breakable": {"total_s": 4.0}}, "qwen3-0.6b")[0]["met"] is True
 
 
-def test_bench_decode_times_every_arm_per_batch_and_says_what_did_not_run():
+def test_bench_decode_times_every_arm_per_batch_and_context_and_says_what_did_not_run():
     if torch.cuda.is_available():
         pytest.skip("the CPU form of the suite (the GPU runs it through the CLI)")
     from graphcap.bench import decode
 
-    result = decode.run(("tiny",), batches=(1, 2), context=8, reps=2)
+    result = decode.run(("tiny",), batches=(1, 2), contexts=(8, 12), reps=2)
+    assert [m["context"] for m in result["models"]] == [8, 12]
     model = result["models"][0]
     assert [r["batch"] for r in model["rows"]] == [1, 2]
     for row in model["rows"]:
-        assert set(row["ms"]) == {"eager", "breakable", "full", "tc_piecewise"}
+        assert set(row["ms"]) == {"eager", "breakable", "full", "tc_piecewise", "full-no-pdl"}
         assert all(ms > 0 for ms in row["ms"].values())
-    assert "CUDA" in model["skipped"]["hf-static-compile"]
+        assert row["floor_ms"] == pytest.approx(row["bytes"] / decode.PEAK_BYTES_PER_S * 1e3,
+                                                abs=1e-4)
+    assert model["rows"][1]["bytes"] > model["rows"][0]["bytes"]  # one more request's K/V
+    for arm in ("hf-static-compile", "gpt-fast"):
+        assert "CUDA" in model["skipped"][arm]
+    assert "CUDA only" in model["skipped"]["full-flashinfer"]
     assert model["build"]["full"]["graph_pool_bytes"] > 0
+    assert model["targets"] == []  # judged at a 1024-token context only
 
 
-def test_bench_decode_with_a_window_times_windowed_steps_without_the_stock_peer():
-    if torch.cuda.is_available():
-        pytest.skip("the CPU form of the suite (the GPU runs it through the CLI)")
-    from graphcap.bench import decode
+def test_a_decode_step_reads_every_weight_once_and_each_requests_kv():
+    from graphcap.bench.decode import step_bytes
+    from graphcap.models import build_model
 
-    result = decode.run(("tiny",), arms=("eager", "full", "hf-static-compile"),
-                        batches=(2,), context=40, reps=2, window=8)
-    model = result["models"][0]
-    assert model["window"] == 8 and model["rows"][0]["ms"]["full"] > 0
-    assert "no 8-token window" in model["skipped"]["hf-static-compile"]
+    model = build_model("tiny", device="cpu", dtype=torch.bfloat16)
+    a = model.args
+    params = sum(p.numel() for p in model.parameters())
+    kv_token = a.layers * a.kv_heads * a.head_dim * 2 * 2
+    unread = (a.vocab_size - 3) * a.hidden * 2  # the embedding rows no request looks up
+    assert step_bytes(model, 3, 100) == params * 2 - unread + 3 * 100 * kv_token
+
+
+def test_decode_targets_judge_the_fastest_graphcap_arm_and_the_strategies_shares():
+    from graphcap.bench.decode import targets
+
+    model = {"model": "qwen3-0.6b", "context": 1024, "window": 0, "rows": [
+        {"batch": 1, "ms": {"eager": 20.0, "full": 0.6, "full-flashinfer": 0.45,
+                            "breakable": 0.62, "tc_piecewise": 0.7, "gpt-fast": 1.5}}]}
+    found = {t["target"]: t for t in targets(model)}
+    best = found["batch 1: ms per step, fastest graphcap arm (full-flashinfer)"]
+    assert best["measured"] == 0.45 and best["met"]
+    over = found["batch 1: gpt-fast ms / full-flashinfer ms"]
+    assert over["measured"] == pytest.approx(3.333) and over["met"]  # 3x needed
+    assert found["batch 1: breakable speed-up / full's"]["measured"] == pytest.approx(0.968)
+    assert not found["batch 1: tc_piecewise speed-up / full's"]["met"]
+    assert targets({**model, "context": 128}) == []
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
+def test_the_gpt_fast_recipe_computes_graphcaps_decode_step_on_the_same_weights(qk_norm):
+    from graphcap.bench.gptfast import StaticCacheDecoder
+    from graphcap.engine.eager import decode_step, prefill
+    from graphcap.kv import PagedKVCache
+    from graphcap.models import Decoder, ModelArgs
+
+    torch.manual_seed(0)
+    model = Decoder(ModelArgs(qk_norm=True) if qk_norm else ModelArgs()).eval()
+    if qk_norm:
+        for block in model.blocks:
+            torch.nn.init.normal_(block.attn.q_norm, 1.0, 0.2)
+            torch.nn.init.normal_(block.attn.k_norm, 1.0, 0.2)
+    a = model.args
+    batch, context = 3, 5
+    recipe = StaticCacheDecoder(model, batch, 16)
+    cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=batch, max_len=16,
+                         dtype=torch.float32, device="cpu")
+    ids = torch.randint(1, a.vocab_size, (batch, context + 1))
+    for slot in range(batch):
+        cache.admit(slot, 16)
+    prefill(model, cache, ids[:, :context].reshape(-1), [context] * batch, list(range(batch)))
+    with torch.no_grad():
+        for p in range(context):  # the recipe's cache filled a token at a time
+            recipe(ids[:, p:p + 1], torch.tensor([p]))
+        got = recipe(ids[:, context:], torch.tensor([context]))
+        want = decode_step(model, cache, ids[:, context], torch.full((batch,), context),
+                           list(range(batch)))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_gpt_fast_recipe_refuses_what_it_does_not_cover_by_name():
+    from graphcap.bench.gptfast import StaticCacheDecoder
+    from graphcap.models import build_model
+
+    with pytest.raises(ValueError, match="experts"):
+        StaticCacheDecoder(build_model("tiny-moe", device="cpu"), 1, 8)
 
 
 @pytest.mark.slow

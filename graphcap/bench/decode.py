@@ -1,17 +1,26 @@
 """``graphcap bench decode``: one decode step (a token per request over the paged cache at
-a context of ``context`` tokens), per batch size and arm, bf16 on CUDA:
+a context of ``context`` tokens), per context, batch size and arm, bf16 on CUDA:
 
 - ``eager``: graphcap's reference decoder, eager steps (``graphcap.engine.eager``);
 - ``breakable``, ``full``, ``tc_piecewise``: the same steps replayed from a runner's graphs
-  (``DecodeInputs``, logits out; sampling is left out of every arm);
+  (``DecodeInputs``, logits out; sampling is left out of every arm), decode attention by
+  graphcap's Triton kernel; ``<strategy>-flashinfer``: the same with FlashInfer's paged
+  decode (``DecodeInputs(attention="flashinfer")``, planned on the host each call);
+  ``full-no-pdl``: full captured without programmatic dependent launch;
+- ``gpt-fast`` (CUDA only): the peer to beat, the gpt-fast recipe on the same weights
+  (:mod:`graphcap.bench.gptfast`: a static K/V cache of ``context + 1`` positions, SDPA,
+  ``torch.compile(mode="reduce-overhead", fullgraph=True)``), one step per call;
 - ``hf-static-compile`` (CUDA only): the stock transformers model of the preset's config
   with transformers' ``generate(cache_implementation="static")``, which compiles its
-  forward itself (what a user runs for fast decode in transformers): its step time is
-  the time of generating ``1 + steps`` tokens less that of one, over ``steps``.
+  forward itself: its step time is the time of generating ``1 + steps`` tokens less that
+  of one, over ``steps``.
 
 Every graphcap arm steps the same requests at the same positions, so each call does the
 same work (the step's K/V overwrite the same slots); the cache is filled to ``context``
-tokens by one prefill first.
+tokens by one prefill first. Each row gives the bytes a step must read (every weight
+once, each request's ``context`` tokens of K/V) and the floor they set at
+:data:`~graphcap.bench.decode_attention.PEAK_BYTES_PER_S`; on CUDA each graphcap arm's
+kernels per step and GPU idle share come from ``torch.profiler`` over back-to-back calls.
 """
 
 from __future__ import annotations
@@ -25,15 +34,34 @@ import torch
 import graphcap
 from graphcap.api import GRAPHED
 from graphcap.bench.common import environment, time_interleaved
+from graphcap.bench.decode_attention import PEAK_BYTES_PER_S
 from graphcap.engine.eager import decode_step, prefill
 from graphcap.inputs import DecodeInputs
 from graphcap.kv import PagedKVCache
 from graphcap.models import PRESETS, build_model
 
-ARMS = ("eager", *GRAPHED, "hf-static-compile")
+FLASHINFER = tuple(f"{s}-flashinfer" for s in GRAPHED)
+ARMS = ("eager", *GRAPHED, *FLASHINFER, "full-no-pdl", "gpt-fast", "hf-static-compile")
 BATCHES = (1, 8)
 CONTEXT = 128
 HF_STEPS = 32
+PROFILED_CALLS = 20
+# Targets at a 1024-token context, bf16 (the decode issue): ms per step by batch size.
+TARGET_MS = {"qwen3-0.6b": {1: 0.50, 8: 0.70, 64: 2.4},
+             "llama3-8b": {1: 4.0, 8: 4.3, 64: 6.3}}
+OVER_GPT_FAST = {"qwen3-0.6b": {1: 3.0}, "llama3-8b": {1: 1.2, 8: 1.2, 64: 1.2}}
+
+
+def step_bytes(model, batch: int, context: int) -> int:
+    """Bytes a decode step must read: every weight once (of the embedding, only the
+    batch's rows, unless the LM head shares it) and each request's K/V."""
+    a = model.args
+    size = model.norm.element_size()
+    weights = sum(p.numel() for p in model.parameters()) * size
+    if model.lm_head.weight is not model.embed.weight:
+        weights -= (a.vocab_size - batch) * a.hidden * size
+    kv = batch * context * a.layers * a.kv_heads * a.head_dim * 2 * size
+    return weights + kv
 
 
 def _hf_step_ms(preset: str, batch: int, context: int, device, dtype) -> dict:
@@ -61,6 +89,41 @@ def _hf_step_ms(preset: str, batch: int, context: int, device, dtype) -> dict:
     return {"ms": round((long - short) / HF_STEPS, 4), "compile_and_warmup_s": round(warm_s, 2)}
 
 
+def profile_steps(fn, calls: int = PROFILED_CALLS) -> dict:
+    """Kernels per call and the GPU's idle share over ``calls`` back-to-back calls (from
+    the first kernel's start to the last one's end, the time no kernel runs: a PDL
+    kernel's wait counts as busy), and the kernels that take the most of it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from graphcap.bench.prefill import busy_us, kernel_spans, top_kernels
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    spans = kernel_spans(prof.events())
+    if not spans:
+        return {"kernels": 0}
+    span = max(e for _, e, _ in spans) - min(s for s, _, _ in spans)
+    return {"kernels": round(len(spans) / calls, 1),
+            "idle_share": round(1 - busy_us(spans) / max(span, 1e-9), 4),
+            "top_kernels": top_kernels(spans, calls, top=8)}
+
+
+def _capture(model, arm: str, cache, batches):
+    strategy, _, kind = arm.partition("-")
+    inputs = DecodeInputs(cache, attention="flashinfer" if kind == "flashinfer" else None)
+    if kind == "no":  # full-no-pdl
+        from graphcap.opsdb.triton.common import programmatic_launch
+
+        with programmatic_launch(False):
+            return graphcap.capture(model, strategy, buckets=sorted(batches), inputs=inputs)
+    return graphcap.capture(model, strategy, buckets=sorted(batches), inputs=inputs)
+
+
 def bench_model(name: str, arms, batches, context: int, reps: int, device: str,
                 window: int = 0) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -79,13 +142,43 @@ def bench_model(name: str, arms, batches, context: int, reps: int, device: str,
     prompt = torch.randint(1, a.vocab_size, (slots * context,), generator=gen).to(device)
     prefill(model, cache, prompt, [context] * slots, list(range(slots)))
     tokens = torch.randint(1, a.vocab_size, (slots,), generator=gen).to(device)
-    runners, build, skipped = {}, {}, {}
+    runners, build, skipped, peers = {}, {}, {}, {}
     for arm in arms:
-        if arm in GRAPHED:
+        if arm in ("eager", "hf-static-compile"):
+            continue
+        if arm == "gpt-fast":
+            if window or device != "cuda":
+                skipped[arm] = (f"the recipe has no {window}-token window" if window else
+                                "compiles CUDA graphs: a CUDA device only")
+                continue
+            from graphcap.bench.gptfast import compiled_step
+
             start = time.perf_counter()
-            runners[arm] = graphcap.capture(model, arm, buckets=sorted(batches),
-                                            inputs=DecodeInputs(cache))
-            build[arm] = round(time.perf_counter() - start, 3)
+            try:
+                for b in batches:
+                    step = compiled_step(model, b, context + 1)
+                    ids, pos = tokens[:b, None].clone(), torch.tensor([context], device=device)
+                    for _ in range(3):  # compiles, records the graph
+                        step(ids, pos)
+                    peers[b] = (lambda s=step, i=ids, p=pos: s(i, p))
+            except Exception as exc:  # noqa: BLE001  (recorded, named)
+                skipped[arm] = f"{type(exc).__name__}: {exc}"[:500]
+                peers.clear()
+                continue
+            build[arm] = {"compile_and_warmup_s": round(time.perf_counter() - start, 2)}
+            continue
+        if arm in FLASHINFER and device != "cuda":
+            skipped[arm] = "FlashInfer runs on CUDA only"
+            continue
+        start = time.perf_counter()
+        try:
+            runners[arm] = _capture(model, arm, cache, batches)
+        except Exception as exc:  # noqa: BLE001  (recorded, named)
+            if arm not in FLASHINFER:
+                raise
+            skipped[arm] = f"{type(exc).__name__}: {exc}"[:500]
+            continue
+        build[arm] = round(time.perf_counter() - start, 3)
     cases = {}
     for b in batches:
         rows, positions = list(range(b)), [context] * b
@@ -97,9 +190,19 @@ def bench_model(name: str, arms, batches, context: int, reps: int, device: str,
             elif arm in runners:
                 cases[b, arm] = (lambda r=runners[arm], b=b, rows=rows, positions=positions:
                                  r(tokens[:b], positions=positions, slots=rows))
+            elif arm == "gpt-fast" and b in peers:
+                cases[b, arm] = peers[b]
     times = time_interleaved(cases, reps=reps, rounds=5) if cases else {}
-    out_rows = [{"batch": b, "ms": {arm: times[b, arm]["median_ms"] for arm in arms
-                                    if (b, arm) in times}} for b in batches]
+    out_rows = []
+    for b in batches:
+        nbytes = step_bytes(model, b, min(context + 1, window or context + 1))
+        row = {"batch": b, "bytes": nbytes,
+               "floor_ms": round(nbytes / PEAK_BYTES_PER_S * 1e3, 4),
+               "ms": {arm: times[b, arm]["median_ms"] for arm in arms if (b, arm) in times}}
+        if device == "cuda":
+            row["profile"] = {arm: profile_steps(cases[b, arm]) for arm in runners
+                              if (b, arm) in cases}
+        out_rows.append(row)
     if "hf-static-compile" in arms:
         if window:
             skipped["hf-static-compile"] = f"the stock model has no {window}-token window"
@@ -118,16 +221,64 @@ def bench_model(name: str, arms, batches, context: int, reps: int, device: str,
     for arm, runner in runners.items():
         build[arm] = {"build_s": build[arm],
                       "graph_pool_bytes": runner.report()["graph_pool_bytes"]}
-    return {"model": name, "context": context, "window": window, "rows": out_rows,
-            "skipped": skipped, "build": build}
+    result = {"model": name, "context": context, "window": window, "rows": out_rows,
+              "skipped": skipped, "build": build}
+    result["targets"] = targets(result)
+    return result
 
 
-def run(models=("qwen3-0.6b",), arms=ARMS, batches=BATCHES, context: int = CONTEXT,
+def _best_graphcap(ms: dict) -> tuple[str, float] | None:
+    graphed = {arm: t for arm, t in ms.items() if arm.split("-")[0] in GRAPHED}
+    if not graphed:
+        return None
+    arm = min(graphed, key=graphed.get)
+    return arm, graphed[arm]
+
+
+def targets(model: dict) -> list[dict]:
+    """The decode issue's targets that this model's rows can judge (a 1024-token context,
+    no window): ms per step, the fastest graphcap arm over gpt-fast, and breakable's and
+    tc_piecewise's share of full's speed-up over eager."""
+    if model["context"] != 1024 or model["window"]:
+        return []
+    out = []
+    for row in model["rows"]:
+        b, ms = row["batch"], row["ms"]
+        best = _best_graphcap(ms)
+        if best is None:
+            continue
+        arm, t = best
+        limit = TARGET_MS.get(model["model"], {}).get(b)
+        if limit is not None:
+            out.append({"target": f"batch {b}: ms per step, fastest graphcap arm ({arm})",
+                        "measured": t, "limit": f"<= {limit}", "met": t <= limit})
+        over = OVER_GPT_FAST.get(model["model"], {}).get(b)
+        if over is not None and "gpt-fast" in ms:
+            ratio = round(ms["gpt-fast"] / t, 3)
+            out.append({"target": f"batch {b}: gpt-fast ms / {arm} ms", "measured": ratio,
+                        "limit": f">= {over}", "met": ratio >= over})
+        eager, full = ms.get("eager"), ms.get("full")
+        for strategy, share in (("breakable", 0.95), ("tc_piecewise", 0.9)):
+            if eager and full and strategy in ms:
+                value = round((eager / ms[strategy]) / (eager / full), 3)
+                out.append({"target": f"batch {b}: {strategy} speed-up / full's",
+                            "measured": value, "limit": f">= {share}", "met": value >= share})
+    return out
+
+
+def run(models=("qwen3-0.6b",), arms=ARMS, batches=BATCHES, contexts=(CONTEXT,),
         reps: int = 30, device: str | None = None, window: int = 0) -> dict:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(contexts, int):
+        contexts = (contexts,)
     return {"what": "graphcap bench decode: one decode step (a token per request, the "
-                    f"cache filled to {context} tokens), CUDA-event wall time per call, "
+                    "cache filled to the context), CUDA-event wall time per call, "
                     "median of repetitions interleaved over batch sizes and arms",
             **environment(), "arms": list(arms), "batches": list(batches),
-            "models": [bench_model(m, arms, batches, context, reps, device, window)
-                       for m in models]}
+            "contexts": list(contexts), "peak_bytes_per_s": PEAK_BYTES_PER_S,
+            "models": [bench_model(m, arms, batches, c, reps, device, window)
+                       for m in models for c in contexts]}
+
+
+__all__ = ["ARMS", "BATCHES", "CONTEXT", "bench_model", "profile_steps", "run",
+           "step_bytes", "targets"]

@@ -65,13 +65,23 @@ def show_decode(result: dict) -> None:
         rows = []
         for row in model["rows"]:
             eager = row["ms"].get("eager")
-            rows.append([str(row["batch"])] + [
+            rows.append([str(row["batch"]), f"{row['floor_ms']:.3f}"] + [
                 (f"{row['ms'][a]:.3f}" + (f" ({eager / row['ms'][a]:.1f}x)" if eager else ""))
                 if a in row["ms"] else "-" for a in arms])
         print_table(f"{model['model']}: ms per decode step at a {model['context']}-token "
-                    "context (speed-up over eager)", ["batch", *arms], rows)
+                    "context (speed-up over eager), beside the bandwidth floor",
+                    ["batch", "floor", *arms], rows)
+        profiled = [(row["batch"], arm, p) for row in model["rows"]
+                    for arm, p in row.get("profile", {}).items() if p.get("kernels")]
+        if profiled:
+            print_table(f"{model['model']}: kernels per step and GPU idle share",
+                        ["batch", "arm", "kernels", "idle"],
+                        [[str(b), arm, str(p["kernels"]), f"{p['idle_share']:.1%}"]
+                         for b, arm, p in profiled])
         for arm, why in model["skipped"].items():
             print(f"  not run: {arm}: {why}")
+        if model.get("targets"):
+            show_targets(model["targets"])
 
 
 def show_ladder(result: dict) -> None:

@@ -30,12 +30,12 @@ def run_suite(args: argparse.Namespace) -> int:
         models = _csv(args.models, ["qwen3-0.6b"])
         arms = _csv(args.arms, decode.ARMS)  # names checked by the command line
         batches = _csv(args.batches, decode.BATCHES, int)
-        result = decode.run(models, arms, batches, args.context, args.reps,
+        result = decode.run(models, arms, batches, _csv(args.context, [], int), args.reps,
                             window=args.window)
         show_decode(result)
         path = write_result(result, args.out, f"{today()}-bench-decode.json")
         print(f"wrote {path}")
-        return 0
+        return 0 if all(t["met"] for m in result["models"] for t in m["targets"]) else 1
     if args.suite == "generate":
         from graphcap.bench import generate
         from graphcap.bench.report import show_targets

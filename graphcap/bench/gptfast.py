@@ -1,0 +1,101 @@
+"""The peer ``graphcap bench decode`` has to beat: the gpt-fast recipe
+(https://github.com/pytorch-labs/gpt-fast) for a preset, on the same weights.
+
+What a user writes instead of graphcap for fast decode: a static K/V cache
+``[batch, kv_heads, max_len, head_dim]`` per layer, written at the step's position with
+``index_copy_``; attention by ``scaled_dot_product_attention`` over the whole cache under a
+mask of the positions written so far; plain torch ops for the rest (RMSNorm in float32,
+neox rotary, SwiGLU); the step compiled with ``torch.compile(mode="reduce-overhead",
+fullgraph=True)`` (Inductor's kernels, replayed from CUDA graphs). Dense presets only:
+windows, sinks, soft-capping and experts are not part of the recipe.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphcap.models.decoder import Decoder
+
+
+def _rms_norm(x, weight, eps):
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
+
+
+class StaticCacheDecoder(nn.Module):
+    """One decode step of ``model``'s weights (shared, not copied) for ``batch`` requests
+    over a static cache of ``max_len`` positions: ``forward(ids [batch, 1], pos [1])`` ->
+    logits [batch, vocab]."""
+
+    def __init__(self, model: Decoder, batch: int, max_len: int):
+        super().__init__()
+        a = model.args
+        refused = [name for name, on in (("a window", a.window), ("sinks", a.sinks),
+                                         ("soft-capping", a.softcap), ("experts", a.experts),
+                                         ("a q/k/v bias", a.qkv_bias), ("an o bias", a.o_bias))
+                   if on]
+        if refused or model.tp is not None:
+            raise ValueError(f"the gpt-fast recipe covers dense decoders; this preset has "
+                             f"{', '.join(refused) or 'tensor parallelism'}")
+        self.model, self.a = model, a
+        dev, dtype = model.norm.device, model.norm.dtype
+        shape = (a.layers, batch, a.kv_heads, max_len, a.head_dim)
+        self.register_buffer("k_cache", torch.randn(shape, device=dev, dtype=dtype),
+                             persistent=False)
+        self.register_buffer("v_cache", torch.randn(shape, device=dev, dtype=dtype),
+                             persistent=False)
+        self.register_buffer("causal", torch.tril(torch.ones(max_len, max_len, dtype=torch.bool,
+                                                             device=dev)), persistent=False)
+
+    def _rope(self, x, cos, sin):
+        rot = cos.shape[-1] * 2
+        x1, x2, rest = x[..., : rot // 2], x[..., rot // 2: rot], x[..., rot:]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
+        return torch.cat((out, rest), -1) if rest.shape[-1] else out
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        a, m = self.a, self.model
+        b = ids.shape[0]
+        x = m.embed.weight[ids]  # [b, 1, hidden]
+        cos_sin = m.cos_sin[pos].float()  # [1, rot]
+        half = cos_sin.shape[-1] // 2
+        cos, sin = cos_sin[:, :half], cos_sin[:, half:]
+        mask = self.causal[None, None, pos]  # [1, 1, 1, max_len]
+        q_size, kv_size = a.heads * a.head_dim, a.kv_heads * a.head_dim
+        for i, block in enumerate(m.blocks):
+            attn = block.attn
+            qkv = F.linear(_rms_norm(x, block.attn_norm, a.eps), attn.qkv.weight)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(b, 1, a.heads, a.head_dim)
+            k = k.view(b, 1, a.kv_heads, a.head_dim)
+            v = v.view(b, 1, a.kv_heads, a.head_dim)
+            if a.qk_norm:
+                q, k = _rms_norm(q, attn.q_norm, a.eps), _rms_norm(k, attn.k_norm, a.eps)
+            q = self._rope(q.float(), cos, sin).type_as(x).transpose(1, 2)
+            k = self._rope(k.float(), cos, sin).type_as(x).transpose(1, 2)
+            self.k_cache[i].index_copy_(2, pos, k)
+            self.v_cache[i].index_copy_(2, pos, v.transpose(1, 2))
+            y = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i],
+                                               attn_mask=mask, enable_gqa=True)
+            x = x + F.linear(y.transpose(1, 2).reshape(b, 1, q_size), attn.o.weight)
+            gate, up = F.linear(_rms_norm(x, block.mlp_norm, a.eps),
+                                block.mlp.gate_up.weight).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, block.mlp.down.weight)
+        return F.linear(_rms_norm(x, m.norm, a.eps), m.lm_head.weight)[:, 0]
+
+
+def compiled_step(model: Decoder, batch: int, max_len: int):
+    """``step(ids [batch, 1], pos [1])``: the recipe's decode step, compiled as gpt-fast
+    compiles it."""
+    module = StaticCacheDecoder(model, batch, max_len)
+    # One compiled module per batch size and context shares the forward's code: room for
+    # each (Dynamo otherwise runs it eagerly past its recompile limit, silently).
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), 64))
+    return torch.compile(module, mode="reduce-overhead", fullgraph=True)
+
+
+__all__ = ["StaticCacheDecoder", "compiled_step"]

@@ -1,0 +1,51 @@
+"""Tiles and splits of the Triton decode attention kernel on this GPU, beside FlashInfer:
+``python tools/gpu/decode_attention_sweep.py OUT.json``. For each case the default arm,
+then each tile setting at the default split count, then split counts around it."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import time
+
+import torch
+
+from graphcap.bench.common import environment
+from graphcap.bench.decode_attention import HEADS, case
+from graphcap.opsdb.triton.common import num_sms
+from graphcap.opsdb.triton.decode import head_block, splits_for
+
+TILES = [{"BLOCK_N": n, "num_warps": w, "num_stages": s}
+         for n, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3))]
+
+
+def main(path: str) -> None:
+    dev = torch.device("cuda")
+    rows = []
+    start = time.perf_counter()
+    for model, batch, context in itertools.product(HEADS, (1, 8, 64), (1024, 4096)):
+        hq, hk, d = HEADS[model]
+        programs = batch * hk * -(-(hq // hk) // head_block(hq // hk))
+        auto = splits_for(programs, context, 64, num_sms(dev))
+        splits = sorted({max(1, auto // 4), max(1, auto // 2), auto * 2, auto * 4} - {auto})
+        splits = [s for s in splits if s <= 32 and (s == 1 or programs <= 1024)]
+        extra = [{"tiles": t} for t in TILES] + [{"num_splits": s} for s in splits]
+        row = case(batch, context, HEADS[model], dev, triton_tiles=extra)
+        row["model"], row["auto_splits"] = model, auto
+        best = min((k for k in row["ms"] if k.startswith("triton")), key=row["ms"].get)
+        print(f"{model} b={batch} ctx={context}: triton {row['ms']['triton']:.4f} ms "
+              f"({row['share']['triton']:.2f}), best {best} {row['ms'][best]:.4f} "
+              f"({row['share'][best]:.2f}) "
+              f"{extra[int(best[7:])] if '#' in best else ''}, flashinfer "
+              f"{row['ms'].get('flashinfer')} ({row['share'].get('flashinfer')})",
+              flush=True)
+        rows.append(row)
+    with open(path, "w") as f:
+        json.dump({"what": "Triton decode attention tiles and splits, beside FlashInfer",
+                   **environment(), "seconds": round(time.perf_counter() - start, 1),
+                   "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
