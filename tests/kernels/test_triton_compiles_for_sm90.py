@@ -127,7 +127,7 @@ COMPILE_PDL_KERNELS = textwrap.dedent('''
         return ptx
 
     norm = {"BLOCK_H": 1024, "SINGLE_PASS": True, "N_CHUNKS": 1}
-    ints = {n: "i32" for n in ("x_stride", "out_stride", "res_stride", "H")}
+    ints = {n: "i32" for n in ("x_stride", "out_stride", "res_stride", "T", "H")}
     for pdl in (True, False):
         build(_zero_kernel, {"C": "*i32", "n": "i32"}, {"BLOCK": 1024, "PDL": pdl})
         for ahead in (True, False) if pdl else (False,):

@@ -200,11 +200,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = Hq // Hk
     block_h = head_block(group)
     programs = B * Hk * triton.cdiv(group, block_h)
-    cfg = {"BLOCK_N": 16 if interpret else 64, "num_warps": 4, "num_stages": 2,
-           **(tiles or {})}
+    sms = num_sms(q.device)
+    # From the H200 sweep (docs/results/2026-12-03-decode-attention-sweep-0d8ba81-h200.json): 128-token
+    # blocks where the rows and heads leave SMs idle (the grid is split), 64 otherwise.
+    cfg = ({"BLOCK_N": 16, "num_warps": 4, "num_stages": 2} if interpret else
+           {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3} if programs < sms else
+           {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2})
+    cfg.update(tiles or {})
     if num_splits is None:  # the interpreter: several splits, so the merge is exercised
         num_splits = (max(1, min(triton.cdiv(max_len, cfg["BLOCK_N"]), 4)) if interpret
-                      else splits_for(programs, max_len, cfg["BLOCK_N"], num_sms(q.device)))
+                      else splits_for(programs, max_len, cfg["BLOCK_N"], sms))
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     if num_splits > 1 and programs > counters.CAPACITY:

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from graphcap.opsdb.triton.common import (
     line_elements,
+    num_sms,
     pdl_args,
     pdl_launch_dependents,
     pdl_start,
@@ -35,10 +36,12 @@ from graphcap.opsdb.triton.common import (
 _MAX_FUSED_H = 8192
 # Chunk width when a row is longer than that.
 _LOOP_BLOCK_H = 4096
+# Cache lines of the next matmul's weight one program asks L2 for, at most.
+AHEAD_LINES = 2048
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, ahead_ptr, x_stride, out_stride, H, eps,
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, ahead_ptr, x_stride, out_stride, T, H, eps,
                      ahead_lines, BLOCK_H: tl.constexpr, SINGLE_PASS: tl.constexpr,
                      N_CHUNKS: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr,
                      LINE: tl.constexpr):
@@ -47,6 +50,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, ahead_ptr, x_stride, out_stride, H, 
         prefetch_share_l2(ahead_ptr, ahead_lines, LINE, 1024)
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
+    if row >= T:  # a program that only asked L2 for its share of the weight
+        return
     x_row = x_ptr + row * x_stride
     out_row = out_ptr + row * out_stride
     cols = tl.arange(0, BLOCK_H)
@@ -170,9 +175,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     ahead = (launch["PDL"] and prefetch is not None and prefetch.device == x.device
              and prefetch.is_contiguous() and prefetches(prefetch))
     line = line_elements(prefetch) if ahead else 1
-    _rms_norm_kernel[(T,)](
-        x, weight, out, prefetch if ahead else x, x.stride(0), out.stride(0), H, eps,
-        triton.cdiv(prefetch.numel(), line) if ahead else 0,
+    lines = triton.cdiv(prefetch.numel(), line) if ahead else 0
+    # The prefetch spread over enough programs that none issues more than AHEAD_LINES
+    # (one program asking for a whole 8 MB weight took tens of microseconds).
+    programs = max(T, min(triton.cdiv(lines, AHEAD_LINES), num_sms(x.device)))
+    _rms_norm_kernel[(programs,)](
+        x, weight, out, prefetch if ahead else x, x.stride(0), out.stride(0), T, H, eps,
+        lines,
         BLOCK_H=block, SINGLE_PASS=single, N_CHUNKS=chunks, num_warps=num_warps,
         AHEAD=ahead, LINE=line, **launch)
     return out
