@@ -189,7 +189,8 @@ COMPILE_DECODE = BUILD_SM90 + textwrap.dedent('''
                "loc_ptr": "*i64", **{n: "i32" for n in (
                    "k_stride_t", "k_stride_h", "v_stride_t", "v_stride_h", "heads",
                    "head_dim")}},
-              {"BLOCK_H": 8, "BLOCK_D": 128, "INTERPRET": False})
+              {"BLOCK_H": 8, "BLOCK_D": 128, "INTERPRET": False, "PDL": dt == "bf16"},
+              pdl=dt == "bf16")
         for (page, group, splits), variant in zip(((16, 2, 8), (1, 1, 1), (16, 8, 1)),
                                                   (True, False, True)):
             for pdl in (True, False):

@@ -201,8 +201,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_h = head_block(group)
     programs = B * Hk * triton.cdiv(group, block_h)
     sms = num_sms(q.device)
-    # From the H200 sweep (docs/results/2026-12-03-decode-attention-sweep-0d8ba81-h200.json): 128-token
-    # blocks where the rows and heads leave SMs idle (the grid is split), 64 otherwise.
+    # From the H200 sweep (docs/results/2026-12-03-decode-attention-sweep-0d8ba81-h200.json):
+    # 128-token blocks where the rows and heads leave SMs idle (the grid is split), 64
+    # otherwise.
     cfg = ({"BLOCK_N": 16, "num_warps": 4, "num_stages": 2} if interpret else
            {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3} if programs < sms else
            {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2})

@@ -1,7 +1,8 @@
 """The paged cache's K/V write: one program per token copies its ``[kv_heads, head_dim]``
 key and value rows to the token's place in the cache (contract: :mod:`graphcap.opsdb.kv`). Grid from
 host shapes only, no host synchronisation, ``T == 0`` launches nothing: safe inside a
-CUDA graph."""
+CUDA graph. Under programmatic dependent launch it lets the next kernel (decode
+attention) start at once and waits for the one before it."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import torch
 import triton
 import triton.language as tl
 
-from graphcap.opsdb.triton.common import cast, interpreting
+from graphcap.opsdb.triton.common import cast, interpreting, pdl_args, pdl_start
 
 
 @triton.jit
 def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr,
                      k_stride_t, k_stride_h, v_stride_t, v_stride_h, heads, head_dim,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_start(PDL)
     t = tl.program_id(0)
     loc = tl.load(loc_ptr + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
@@ -43,7 +46,7 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     _kv_write_kernel[(T,)](
         k, v, k_cache, v_cache, cache_loc, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         heads, head_dim, BLOCK_H=block_h, BLOCK_D=block_d, INTERPRET=interpreting(),
-        num_warps=max(1, min(8, block_h * block_d // 256)))
+        num_warps=max(1, min(8, block_h * block_d // 256)), **pdl_args(k.device, T))
 
 
 __all__ = ["kv_write"]
