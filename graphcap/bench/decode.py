@@ -20,7 +20,8 @@ same work (the step's K/V overwrite the same slots); the cache is filled to ``co
 tokens by one prefill first. Each row gives the bytes a step must read (every weight
 once, each request's ``context`` tokens of K/V) and the floor they set at
 :data:`~graphcap.bench.decode_attention.PEAK_BYTES_PER_S`; on CUDA each graphcap arm's
-kernels per step and GPU idle share come from ``torch.profiler`` over back-to-back calls.
+kernels per step and GPU idle share (and gpt-fast's) come from ``torch.profiler`` over
+back-to-back calls.
 """
 
 from __future__ import annotations
@@ -200,8 +201,8 @@ def bench_model(name: str, arms, batches, context: int, reps: int, device: str,
                "floor_ms": round(nbytes / PEAK_BYTES_PER_S * 1e3, 4),
                "ms": {arm: times[b, arm]["median_ms"] for arm in arms if (b, arm) in times}}
         if device == "cuda":
-            row["profile"] = {arm: profile_steps(cases[b, arm]) for arm in runners
-                              if (b, arm) in cases}
+            row["profile"] = {arm: profile_steps(cases[b, arm])
+                              for arm in (*runners, "gpt-fast") if (b, arm) in cases}
         out_rows.append(row)
     if "hf-static-compile" in arms:
         if window:
