@@ -6,8 +6,10 @@ fused linear ops (qwen3-0.6b's and llama3-8b's projections at 16 and 64 rows, we
 cycled through more memory than L2 holds): the fused kernel no slower than the unfused
 composite wherever their dispatch picks it. Attention variants (gpt-oss's head shape, 2048
 tokens): Triton with a 128-token window, sinks, both, or soft-capping within 1.3x of the
-same kernel without them, and within 2x of FA4 computing the same variant.
-Arms of one case run interleaved, so machine drift hits them alike. Each figure is
+same kernel without them, and within 2x of FA4 computing the same variant. Decode
+attention (:mod:`graphcap.bench.decode_attention`): Triton within 1.1x of FlashInfer's
+paged decode at batch 1 to 64 and contexts 256 to 8192, and at least 80% of bandwidth
+at batch 64. Arms of one case run interleaved, so machine drift hits them alike. Each figure is
 kernel time: 20 calls captured in one CUDA graph, replayed, divided by 20.
 """
 
@@ -21,6 +23,7 @@ import math
 import torch
 
 import graphcap.opsdb  # noqa: F401  (registers the ops)
+from graphcap.bench import decode_attention
 from graphcap.bench.common import commit
 from graphcap.bench.timing import cycled_ms, graphed_ms
 from graphcap.core.context import forward_context
@@ -205,18 +208,24 @@ def _verdicts(rows):
 def run(out_path: str | None = None) -> dict:
     dev = torch.device("cuda")
     rows = (_elementwise_cases(dev) + _attention_cases(dev) + _variant_cases(dev)
-            + _linear_cases(dev))
+            + _linear_cases(dev) + decode_attention.cases(dev))
     result = {
         "what": "graphcap bench ops", "date": datetime.date.today().isoformat(),
         "commit": commit(), "device": torch.cuda.get_device_name(dev),
         "torch": torch.__version__, "dtype": str(DTYPE), "cases": rows,
-        "targets": _verdicts(rows),
+        "targets": _verdicts(rows) + decode_attention.verdicts(rows),
     }
     text = json.dumps(result, indent=1)
     if out_path:
         with open(out_path, "w") as f:
             f.write(text)
     for t in result["targets"]:
+        verdict = "ok" if t["met"] else "MISS"
+        if "case" in t:  # decode attention
+            figure = (f"share of bandwidth {t['share']:.2f}" if t["vs"] == "bandwidth" else
+                      f"triton/{t['vs']} = {t['triton_over_peer']:.2f}")
+            print(f"decode attention {t['case']}: {figure} (limit {t['limit']}) {verdict}")
+            continue
         print(f"{t['op']:>13} T={t['tokens']:>5} H={t['hidden']}: triton/{t['vs']} = "
-              f"{t['triton_over_peer']:.2f} (limit {t['limit']}) {'ok' if t['met'] else 'MISS'}")
+              f"{t['triton_over_peer']:.2f} (limit {t['limit']}) {verdict}")
     return result
