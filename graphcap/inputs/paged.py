@@ -185,6 +185,7 @@ class PagedInputs(Inputs):
             return CacheBatch.prefill(self.cache, token_slots, positions)
         kv = CacheBatch.paged(self.cache, token_slots, positions)
         kv.plan = self.pages.metadata(self.cache, count)
+        kv.decode = self.step == 1
         return kv
 
     def derive(self, state: PagedState) -> None:

@@ -34,6 +34,9 @@ class CacheBatch:
     # Paged only: the shape's plan of its decode attention backend (a DecodePlan of
     # graphcap.opsdb.attention.paged, updated on the host), or None (the default kernel).
     plan: Any = None
+    # A decode step: every token is its request's only new token (no token reads
+    # another's new K/V), so attention may write them in its own kernel.
+    decode: bool = False
 
     def check_written(self, model) -> None:
         """After a forward: every layer of the cache wrote its K/V, or a clear error."""

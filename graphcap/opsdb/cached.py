@@ -2,7 +2,8 @@
 forward's paged cache when the forward context has one (:class:`graphcap.kv.CacheBatch`).
 
 Without a cache it is ``graphcap::attention`` (prefill among the new tokens). With one,
-the tokens' K/V are written at their places in the cache first (``graphcap::kv_write``); then a
+the tokens' K/V are written at their places in the cache first (``graphcap::kv_write``; in
+a decode step the default backend's kernel writes them itself, in the same launch); then a
 decode step or an extend attends over each token's cached tokens up to itself (a row
 per token, through the decode attention backend that planned the cache batch, by default
 ``graphcap::decode_attention``), a prefill from position 0 among its
@@ -25,7 +26,7 @@ from graphcap.opsdb.attention import (
     run_attention,
     static_metadata,
 )
-from graphcap.opsdb.attention.paged import attend_pages
+from graphcap.opsdb.attention.paged import attend_pages, backend_of
 from graphcap.opsdb.attention.variant import Variant
 from graphcap.opsdb.kv import KV_WRITE
 from graphcap.opsdb.spec import register_op
@@ -45,13 +46,16 @@ def _run(q, k, v, out, scale, layer, window, softcap, sinks, attention, kernel=N
             "with as many layers as the model, and pass each attention its own index")
     kv.written.add(layer)
     k_cache, v_cache = kv.cache.layer(layer)
+    variant = Variant(window, softcap, sinks)
+    if kv.decode and backend_of(kv).writes_own:  # the write in the attention kernel
+        attend_pages(q, k_cache, v_cache, kv, out, scale, kernel, variant, own=(k, v))
+        return
     KV_WRITE(k, v, k_cache, v_cache, kv.cache_loc, kernel=kernel)
     if kv.reads_pages:  # each token's own request's pages: requests stay apart
         meta = attention_if_any()
         if meta is not None:  # an extend: packed requests, attended apart
             meta.attended = True
-        attend_pages(q, k_cache, v_cache, kv, out, scale, kernel,  # kv.plan's backend
-                     Variant(window, softcap, sinks))
+        attend_pages(q, k_cache, v_cache, kv, out, scale, kernel, variant)  # kv.plan's
     else:
         attention(q, k, v, out, scale, window, softcap, sinks)
 

@@ -9,7 +9,13 @@ K/V write comes first). A row attends to tokens ``0 .. min(seq_lens[b], W * S) -
 (with a ``window``, only the last ``window`` of them: the read is bounded by the window,
 not the context); a row with ``seq_lens[b] == 0`` (a padded row) comes out zero.
 ``window``, ``softcap`` and ``sinks``: :mod:`graphcap.opsdb.attention.variant`. What
-the cache holds outside a row's tokens never reaches its output, NaN included. All
+the cache holds outside a row's tokens never reaches its output, NaN included.
+
+A decode step may hand the op its rows' new keys and values, ``k`` and ``v`` ``[B, Hk,
+D]``, with their places ``cache_loc`` ``[B]``: the op then writes them there first, as
+``graphcap::kv_write`` does, and the Triton kernel does it in the same launch (each row's
+own token read from ``k`` and ``v``, the slot written by one program). Only for rows of
+distinct requests (a decode step): no row may read another row's new slot. All
 metadata lives on the device: no host synchronisation, so the op captures, and replays
 with new block tables and lengths of the same shapes.
 """
@@ -20,6 +26,7 @@ import torch
 
 from graphcap.opsdb import checks
 from graphcap.opsdb.attention.variant import check_variant
+from graphcap.opsdb.kv import check_kv_write, kv_write_reference
 from graphcap.opsdb.spec import Kernel, register_op
 
 OP = "decode_attention"
@@ -27,24 +34,27 @@ OP = "decode_attention"
 
 def decode_attention_reference(q, k_cache, v_cache, block_table, seq_lens, out,
                                scale: float, window: int = 0, softcap: float = 0.0,
-                               sinks=None) -> None:
-    """Gathers every row's pages, masks past its length (and before its window); float32
+                               sinks=None, k=None, v=None, cache_loc=None) -> None:
+    """Writes ``k`` and ``v`` at ``cache_loc`` first, where given (``graphcap::kv_write``);
+    then gathers every row's pages, masks past its length (and before its window); float32
     softmax, soft-capped scores and sink logits as :mod:`.attention.variant` says."""
+    if k is not None:
+        kv_write_reference(k, v, k_cache, v_cache, cache_loc)
     B, Hq, D = q.shape
     _, S, Hk, _ = k_cache.shape
     L = block_table.shape[1] * S
     pages = block_table.long()
-    k = k_cache[pages].reshape(B, L, Hk, D)
-    v = v_cache[pages].reshape(B, L, Hk, D)
+    keys = k_cache[pages].reshape(B, L, Hk, D)
+    values = v_cache[pages].reshape(B, L, Hk, D)
     t = torch.arange(L, device=q.device)[None, :]
     valid = t < seq_lens[:, None]  # [B, L]
     if window > 0:  # the row's token sits at seq_lens - 1
         valid &= t > seq_lens[:, None] - 1 - window
-    zero = torch.zeros((), dtype=k.dtype, device=q.device)
-    k = torch.where(valid[:, :, None, None], k, zero).float()  # 0 x NaN stays out
-    v = torch.where(valid[:, :, None, None], v, zero).float()
+    zero = torch.zeros((), dtype=keys.dtype, device=q.device)
+    keys = torch.where(valid[:, :, None, None], keys, zero).float()  # 0 x NaN stays out
+    values = torch.where(valid[:, :, None, None], values, zero).float()
     qf = q.float().view(B, Hk, Hq // Hk, D)
-    scores = torch.einsum("bhgd,blhd->bhgl", qf, k) * scale
+    scores = torch.einsum("bhgd,blhd->bhgl", qf, keys) * scale
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
@@ -54,13 +64,22 @@ def decode_attention_reference(q, k_cache, v_cache, block_table, seq_lens, out,
         sink = sinks.float().view(1, Hk, Hq // Hk, 1).expand(B, -1, -1, -1)
         scores = torch.cat([scores, sink], dim=-1)
     probs = torch.softmax(scores, dim=-1)[..., :L]
-    o = torch.einsum("bhgl,blhd->bhgd", probs, v) * live
+    o = torch.einsum("bhgl,blhd->bhgd", probs, values) * live
     out.copy_(o.reshape(B, Hq, D).to(out.dtype))
 
 
 def check_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, scale,
-                           window=0, softcap=0.0, sinks=None) -> None:
+                           window=0, softcap=0.0, sinks=None, k=None, v=None,
+                           cache_loc=None) -> None:
     checks.tensor(OP, "q", q, ndim=3)
+    given = [name for name, t in (("k", k), ("v", v), ("cache_loc", cache_loc))
+             if t is not None]
+    if given and len(given) < 3:
+        raise checks.OpInputError(f"{OP}: {', '.join(given)} given without the rest: the "
+                                  "K/V write takes k, v and cache_loc together")
+    if given:
+        check_kv_write(k, v, k_cache, v_cache, cache_loc)
+        checks.same(OP, "the row count", k.shape[0], q.shape[0], "k", "q")
     check_variant(OP, q, window, softcap, sinks)
     device = q.device
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
@@ -89,9 +108,11 @@ def check_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, scal
 
 
 def decode_attention_inputs(device, dtype, max_rows: int = 5):
-    """Rows of random lengths over random pages (shared pages allowed: the op only reads
-    the cache), every slot no row attends (past its length or before its window) filled
-    with NaN; windows, soft-capping and sinks on or off."""
+    """Rows of random lengths over random pages (shared pages allowed where the op only
+    reads the cache), every slot no row attends (past its length or before its window)
+    filled with NaN; windows, soft-capping and sinks on or off; or a decode step that
+    writes each row's own token first (rows on pages of their own, page 0 for pads, as
+    the null page)."""
     from hypothesis import strategies as st
 
     from graphcap.opsdb.inputs import tensors
@@ -101,13 +122,18 @@ def decode_attention_inputs(device, dtype, max_rows: int = 5):
         b = d(st.integers(0, max_rows))
         page_size = d(st.sampled_from([1, 4, 16]))
         width = d(st.integers(1, 4))
-        pages = d(st.integers(1, 8))
+        write = d(st.booleans())
+        pages = b * width + d(st.integers(1, 3)) if write else d(st.integers(1, 8))
         hk, head = d(st.sampled_from([1, 2])), d(st.sampled_from([16, 64, 128]))
         hq = hk * d(st.sampled_from([1, 2, 4]))
         q, kc, vc = tensors(d, device, dtype, (b, hq, head), (pages, page_size, hk, head),
                             (pages, page_size, hk, head))
         gen = torch.Generator().manual_seed(d(st.integers(0, 2**31 - 1)))
-        table = torch.randint(0, pages, (b, width), generator=gen, dtype=torch.int32)
+        if write:
+            table = (torch.randperm(pages - 1, generator=gen)[:b * width] + 1).view(b, width)
+            table = table.to(torch.int32)
+        else:
+            table = torch.randint(0, pages, (b, width), generator=gen, dtype=torch.int32)
         lens = torch.randint(0, width * page_size + 1, (b,), generator=gen,
                              dtype=torch.int32)
         window = d(st.sampled_from([0, 0, 1, 3, 8, 100]))
@@ -122,17 +148,24 @@ def decode_attention_inputs(device, dtype, max_rows: int = 5):
         softcap = d(st.sampled_from([0.0, 0.0, 0.5, 30.0]))
         sinks = None if d(st.booleans()) else \
             (torch.randn(hq, generator=gen) * 3).to(device, torch.float32)
+        own = ()
+        if write:  # each row's last token: its K/V, and its place (pads: page 0)
+            last = (lens.long() - 1).clamp(min=0)
+            loc = table.long().gather(1, (last // page_size)[:, None])[:, 0] * page_size \
+                + last % page_size
+            loc = torch.where(lens > 0, loc, 0)
+            own = (*tensors(d, device, dtype, (b, hk, head), (b, hk, head)), loc.to(device))
         return (q, kc, vc, table.to(device), lens.to(device), out, head ** -0.5, window,
-                softcap, sinks)
+                softcap, sinks, *own)
 
     return draw()
 
 
 DECODE_ATTENTION = register_op(
     f"graphcap::{OP}",
-    "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
-    "Tensor(a!) out, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) "
-    "-> ()",
+    "(Tensor q, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor block_table, "
+    "Tensor seq_lens, Tensor(a!) out, float scale, int window=0, float softcap=0.0, "
+    "Tensor? sinks=None, Tensor? k=None, Tensor? v=None, Tensor? cache_loc=None) -> ()",
     reference=decode_attention_reference,
     kernels={"triton": Kernel("graphcap.opsdb.triton.decode:decode_attention",
                               requires=("triton",))},

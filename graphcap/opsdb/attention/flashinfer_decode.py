@@ -57,7 +57,7 @@ class FlashInferDecode(DecodeBackend):
         return FlashInferPlan(self, cache, tokens)
 
     def forward(self, q, k_cache, v_cache, kv, out, scale, kernel=None,
-                variant=None) -> None:
+                variant=None, own=None) -> None:
         """``out`` = each row's attention over its planned pages; pads (length 0) zero."""
         plan = kv.plan
         if self.heads is None:  # the first run of any shape, eager (a warm-up)

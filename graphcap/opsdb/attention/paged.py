@@ -45,6 +45,9 @@ class DecodeBackend:
     name = "base"
     kind = "decode"
     options: frozenset[str] = frozenset()
+    # Whether ``forward`` takes a decode step's new keys and values (``own``) and writes
+    # them to the cache itself, in the same kernel (else ``graphcap::kv_write`` first).
+    writes_own = False
 
     def unavailable(self, cache: PagedKVCache) -> str | None:
         """Why it cannot serve ``cache`` (device, dtype, head dim), or None."""
@@ -54,7 +57,7 @@ class DecodeBackend:
         return DecodePlan(self, cache, tokens)
 
     def forward(self, q, k_cache, v_cache, kv: CacheBatch, out, scale: float,
-                kernel: str | None = None, variant: Variant = PLAIN) -> None:
+                kernel: str | None = None, variant: Variant = PLAIN, own=None) -> None:
         raise NotImplementedError
 
 
@@ -64,25 +67,32 @@ class OpsdbDecode(DecodeBackend):
 
     name = "graphcap"
     options = frozenset(OPTIONS)
+    writes_own = True
 
     def forward(self, q, k_cache, v_cache, kv, out, scale, kernel=None,
-                variant: Variant = PLAIN) -> None:
+                variant: Variant = PLAIN, own=None) -> None:
+        k, v = own if own is not None else (None, None)
         DECODE_ATTENTION(q, k_cache, v_cache, kv.block_table, kv.seq_lens, out, scale,
-                         variant.window, variant.softcap, variant.sinks, kernel=kernel)
+                         variant.window, variant.softcap, variant.sinks, k, v,
+                         None if own is None else kv.cache_loc, kernel=kernel)
 
 
 DEFAULT = OpsdbDecode()
 
 
+def backend_of(kv: CacheBatch) -> DecodeBackend:
+    """The backend that planned ``kv`` (the default for a cache batch made without a
+    plan)."""
+    return DEFAULT if kv.plan is None else kv.plan.backend
+
+
 def attend_pages(q, k_cache, v_cache, kv: CacheBatch, out, scale: float,
-                 kernel: str | None = None, variant: Variant = PLAIN) -> None:
-    """Each row of ``q`` over its request's pages: the kernel of the backend that planned
-    ``kv`` (the default's for a cache batch made without a plan), which must compute the
-    layer's ``variant``."""
-    backend = DEFAULT if kv.plan is None else kv.plan.backend
-    if not variant.used:
-        backend.forward(q, k_cache, v_cache, kv, out, scale, kernel)
-        return
-    refuse("decode attention", backend.name, backend.options, variant,
-           [DEFAULT.name] if set(variant.used) <= DEFAULT.options else [])
-    backend.forward(q, k_cache, v_cache, kv, out, scale, kernel, variant)
+                 kernel: str | None = None, variant: Variant = PLAIN, own=None) -> None:
+    """Each row of ``q`` over its request's pages: the kernel of :func:`backend_of`
+    ``kv``, which must compute the layer's ``variant``. ``own``: a decode step's new (k,
+    v), which that backend writes at ``kv.cache_loc`` itself (``writes_own``)."""
+    backend = backend_of(kv)
+    if variant.used:
+        refuse("decode attention", backend.name, backend.options, variant,
+               [DEFAULT.name] if set(variant.used) <= DEFAULT.options else [])
+    backend.forward(q, k_cache, v_cache, kv, out, scale, kernel, variant, own=own)

@@ -62,13 +62,15 @@ def _write_out(o, lse, has, sink, out_ptr, rows_off, d, h_ok, d_mask, SINKS: tl.
 
 @triton.jit
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_ptr,
-                   mid_o_ptr, mid_lse_ptr, counts_ptr,
-                   q_stride_b, q_stride_h, out_stride_b, out_stride_h, table_stride, width,
+                   mid_o_ptr, mid_lse_ptr, counts_ptr, k_ptr, v_ptr, loc_ptr,
+                   q_stride_b, q_stride_h, out_stride_b, out_stride_h, k_stride_b,
+                   k_stride_h, v_stride_b, v_stride_h, table_stride, width,
                    kv_heads, head_dim, split_len, scale, window, softcap,
                    PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
-                   IEEE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                   WRITE: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+                   PDL: tl.constexpr):
     pdl_start(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)  # key/value head, then block of its query heads
@@ -80,7 +82,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
     heads = kvh * GROUP + in_group
     d = tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
-    length = tl.minimum(tl.load(lens_ptr + b), width * PAGE)
+    raw = tl.load(lens_ptr + b)
+    length = tl.minimum(raw, width * PAGE)
     lo = 0
     if WINDOW:  # the splits cover the window only: the read is bounded by it
         lo = tl.maximum(length - window, 0)
@@ -92,9 +95,26 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     slot_stride = kv_heads * head_dim
-    for n0 in range(start, end, BLOCK_N):
+    read_end = end
+    if WRITE:
+        # The row's own token (its last, where it lies in the row's pages) comes from k
+        # and v, not from the cache this launch writes it to: no program reads that slot.
+        own = tl.where(raw <= width * PAGE, length - 1, length)
+        read_end = tl.minimum(end, own)
+        k_row = kvh * head_dim + d
+        k_own = tl.load(k_ptr + b.to(tl.int64) * k_stride_b + kvh * k_stride_h + d,
+                        mask=d_mask, other=0.0)
+        v_own = tl.load(v_ptr + b.to(tl.int64) * v_stride_b + kvh * v_stride_h + d,
+                        mask=d_mask, other=0.0)
+        k_own = cast(k_own.to(tl.float32), kc_ptr.dtype.element_ty, INTERPRET)
+        v_own = cast(v_own.to(tl.float32), vc_ptr.dtype.element_ty, INTERPRET)
+        if (s == 0) & (g % hb == 0):  # one program per (row, key/value head) writes
+            loc = tl.load(loc_ptr + b).to(tl.int64)
+            tl.store(kc_ptr + loc * slot_stride + k_row, k_own, mask=d_mask)
+            tl.store(vc_ptr + loc * slot_stride + k_row, v_own, mask=d_mask)
+    for n0 in range(start, read_end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
-        t_mask = t < end
+        t_mask = t < read_end
         page = tl.load(table_ptr + b.to(tl.int64) * table_stride + t // PAGE, mask=t_mask,
                        other=0).to(tl.int64)
         offs = (page * PAGE + t % PAGE)[:, None] * slot_stride + kvh * head_dim + d[None, :]
@@ -112,6 +132,17 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
         acc = dot(cast(p, v.dtype, INTERPRET), v, acc * alpha[:, None], IEEE, INTERPRET)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
+    if WRITE:
+        if (own >= start) & (own < end):  # the own token joins this split's softmax
+            score = tl.sum(q.to(tl.float32) * k_own.to(tl.float32)[None, :], axis=1) * scale
+            if SOFTCAP:
+                score = soft_cap(score, softcap)
+            m_own = tl.maximum(m_i, score)
+            a_own = tl.exp(m_i - m_own)
+            p_own = tl.exp(score - m_own)
+            acc = acc * a_own[:, None] + p_own[:, None] * v_own.to(tl.float32)[None, :]
+            l_i = l_i * a_own + p_own
+            m_i = m_own
     # Empty by its token count, not by l_i: NaN in the row's own tokens stays NaN.
     has = end > start
     safe = tl.where(has, l_i, 1.0)  # an empty split: no 0/0 even where it is not kept
@@ -185,9 +216,13 @@ def _counts(device: torch.device, blocks: int) -> torch.Tensor:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
                      scale: float, window: int = 0, softcap: float = 0.0,
-                     sinks: torch.Tensor | None = None, num_splits: int | None = None,
-                     tiles: dict | None = None) -> None:
-    """``tiles`` overrides ``BLOCK_N``, ``num_warps`` and ``num_stages`` (benchmarks)."""
+                     sinks: torch.Tensor | None = None, k: torch.Tensor | None = None,
+                     v: torch.Tensor | None = None, cache_loc: torch.Tensor | None = None,
+                     num_splits: int | None = None, tiles: dict | None = None) -> None:
+    """With ``k``, ``v`` [B, Hk, D] and ``cache_loc`` [B] (a decode step: each row its
+    request's only new token), the rows' K/V are written to the cache at ``cache_loc`` in
+    the same launch (no write kernel before it). ``tiles`` overrides ``BLOCK_N``,
+    ``num_warps`` and ``num_stages`` (benchmarks)."""
     B, Hq, D = q.shape
     _, page, Hk, _ = k_cache.shape
     if B == 0 or Hq == 0:
@@ -227,13 +262,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         mid_o = mid_lse = counts = out
     sinks = out if sinks is None else sinks.contiguous()
+    write = k is not None
+    if not write:
+        k = v = cache_loc = out
     _decode_kernel[(B, programs // B, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, sinks, out,
-        mid_o, mid_lse, counts, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        mid_o, mid_lse, counts, k, v, cache_loc, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         block_table.stride(0), width, Hk, D, split_len, float(scale), int(window),
         float(softcap), PAGE=page, GROUP=group, BLOCK_H=block_h, SPLITS=num_splits,
         BLOCK_D=block_d, WINDOW=window > 0, SOFTCAP=softcap > 0, SINKS=sinks is not out,
-        IEEE=q.dtype == torch.float32, INTERPRET=interpret, **pdl_args(q.device, B), **cfg)
+        WRITE=write, IEEE=q.dtype == torch.float32, INTERPRET=interpret,
+        **pdl_args(q.device, B), **cfg)
 
 
 __all__ = ["decode_attention", "head_block", "splits_for"]
