@@ -95,7 +95,13 @@ def compiled_step(model: Decoder, batch: int, max_len: int):
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), 64))
-    return torch.compile(module, mode="reduce-overhead", fullgraph=True)
+    compiled = torch.compile(module, mode="reduce-overhead", fullgraph=True)
+
+    def step(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():  # as gpt-fast decodes: the cache is written in place
+            return compiled(ids, pos)
+
+    return step
 
 
 __all__ = ["StaticCacheDecoder", "compiled_step"]
