@@ -3,10 +3,11 @@
 
 What a user writes instead of graphcap for fast decode: a static K/V cache
 ``[batch, kv_heads, max_len, head_dim]`` per layer, written at the step's position with
-``index_copy_``; attention by ``scaled_dot_product_attention`` over the whole cache under a
-mask of the positions written so far; plain torch ops for the rest (RMSNorm in float32,
-neox rotary, SwiGLU); the step compiled with ``torch.compile(mode="reduce-overhead",
-fullgraph=True)`` (Inductor's kernels, replayed from CUDA graphs). Dense presets only:
+``index_copy_``; attention by ``scaled_dot_product_attention`` over the whole cache (its
+key/value heads repeated to the query heads, as gpt-fast does) under a mask of the
+positions written so far; plain torch ops for the rest (RMSNorm in float32, neox rotary,
+SwiGLU); the step compiled with ``torch.compile(mode="reduce-overhead", fullgraph=True)``
+(Inductor's kernels, replayed from CUDA graphs). Dense presets only:
 windows, sinks, soft-capping and experts are not part of the recipe.
 """
 
@@ -77,8 +78,10 @@ class StaticCacheDecoder(nn.Module):
             k = self._rope(k.float(), cos, sin).type_as(x).transpose(1, 2)
             self.k_cache[i].index_copy_(2, pos, k)
             self.v_cache[i].index_copy_(2, pos, v.transpose(1, 2))
-            y = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i],
-                                               attn_mask=mask, enable_gqa=True)
+            group = a.heads // a.kv_heads  # gpt-fast expands the cache's heads
+            y = F.scaled_dot_product_attention(
+                q, self.k_cache[i].repeat_interleave(group, dim=1),
+                self.v_cache[i].repeat_interleave(group, dim=1), attn_mask=mask)
             x = x + F.linear(y.transpose(1, 2).reshape(b, 1, q_size), attn.o.weight)
             gate, up = F.linear(_rms_norm(x, block.mlp_norm, a.eps),
                                 block.mlp.gate_up.weight).chunk(2, dim=-1)
