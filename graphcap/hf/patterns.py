@@ -208,21 +208,38 @@ class SwigluKernels:
 
 @dataclass
 class MoeKernels:
+    """Routed experts: Qwen3-MoE's and Mixtral's (``router`` "gate", SiLU experts [E, 2I,
+    H] and [E, H, I]), or gpt-oss's (``gpt_oss``: ``router`` "router" with a bias, experts
+    [E, H, 2I] with gate and up interleaved and [E, I, H], biases, the clamped GLU),
+    read where they lie at every call."""
+
     layer: nn.Module
     eps: float
     top_k: int
     renormalize: bool
+    router: str = "gate"
+    glu: tuple[float, float] | None = None  # gpt-oss's (alpha, limit)
     name = "moe"
     ops = "rms_norm, moe_topk_softmax, moe_experts"
 
     def fused(self) -> list[Fused]:
         return []
 
-    def __call__(self, h):
+    def weights(self) -> dict:
+        """The arguments of :func:`moe_half` after ``top_k`` and ``renormalize``."""
         mlp = self.layer.mlp
+        router, experts = getattr(mlp, self.router), mlp.experts
+        if self.glu is None:
+            return {"w13": experts.gate_up_proj, "w2": experts.down_proj}
+        return {"w13": experts.gate_up_proj.transpose(1, 2),
+                "w2": experts.down_proj.transpose(1, 2), "router_bias": router.bias,
+                "b13": experts.gate_up_proj_bias, "b2": experts.down_proj_bias,
+                "alpha": self.glu[0], "limit": self.glu[1], "interleaved": True}
+
+    def __call__(self, h):
         return moe_half(h, self.layer.post_attention_layernorm.weight, self.eps,
-                        mlp.gate.weight, self.top_k, self.renormalize,
-                        mlp.experts.gate_up_proj, mlp.experts.down_proj)
+                        getattr(self.layer.mlp, self.router).weight, self.top_k,
+                        self.renormalize, **self.weights())
 
 
 def recognise_mlp(layer, hidden: int):
@@ -233,6 +250,8 @@ def recognise_mlp(layer, hidden: int):
     if why:
         return None, f"post_attention_layernorm: {why}"
     if hasattr(mlp, "experts"):
+        if hasattr(mlp, "router"):
+            return _recognise_gpt_oss_moe(layer, mlp, hidden, eps)
         return _recognise_moe(layer, mlp, hidden, eps)
     act = next((n for n in ("act_fn", "activation_fn") if hasattr(mlp, n)), "act_fn")
     if not _is_silu(getattr(mlp, act, None)):
@@ -280,3 +299,39 @@ def _recognise_moe(layer, mlp, hidden: int, eps: float):
         return None, f"{type(experts).__name__} is not SiLU experts without biases"
     renormalize = getattr(router, "norm_topk_prob", getattr(mlp, "norm_topk_prob", True))
     return MoeKernels(layer, eps, top_k, bool(renormalize)), None
+
+
+def _recognise_gpt_oss_moe(layer, mlp, hidden: int, eps: float):
+    """gpt-oss's MLP: a biased top-k router whose top logits are softmaxed (the
+    renormalised top-k of the softmax), experts [E, H, 2I] with gate and up columns
+    interleaved and [E, I, H], with biases, under the clamped GLU (``alpha``,
+    ``limit``)."""
+    kind = type(mlp).__name__
+    router, experts = mlp.router, mlp.experts
+    if extra := _extra(mlp, {"router", "experts"}):
+        return None, f"{kind} has {', '.join(extra)} beyond a router and experts"
+    weight, bias = getattr(router, "weight", None), getattr(router, "bias", None)
+    top_k = getattr(router, "top_k", None)
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 2 or \
+            weight.shape[1] != hidden or not isinstance(bias, nn.Parameter) or \
+            tuple(bias.shape) != (weight.shape[0],) or not isinstance(top_k, int):
+        return None, f"{kind}.router is not a top-k router with a [experts, hidden] " \
+                     "weight and a bias"
+    names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    params = [experts._parameters.get(n) for n in names]
+    count = weight.shape[0]
+    if any(p is None for p in params) or _extra(experts, set(names)):
+        return None, f"{type(experts).__name__} holds other than {', '.join(names)}"
+    w13, b13, w2, b2 = params
+    inter = w13.shape[-1] // 2 if w13.dim() == 3 else 0
+    if tuple(w13.shape) != (count, hidden, 2 * inter) or \
+            tuple(b13.shape) != (count, 2 * inter) or \
+            tuple(w2.shape) != (count, inter, hidden) or tuple(b2.shape) != (count, hidden):
+        return None, f"{type(experts).__name__}'s weights are not [E, H, 2I], [E, 2I], " \
+                     "[E, I, H], [E, H]"
+    alpha, limit = getattr(experts, "alpha", None), getattr(experts, "limit", None)
+    if not isinstance(alpha, int | float) or not isinstance(limit, int | float) or \
+            not alpha > 0 or not limit >= 0:
+        return None, f"{type(experts).__name__} has no clamped GLU's alpha > 0 and limit"
+    return MoeKernels(layer, eps, top_k, True, router="router",
+                      glu=(float(alpha), float(limit))), None

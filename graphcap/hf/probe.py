@@ -97,13 +97,15 @@ def moe(layer, kernels, h: torch.Tensor) -> str | None:
     the whole half token by token where both routings chose the same experts (a near-tie
     of router logits may choose otherwise in half precision; at least half must agree)."""
     mlp = layer.mlp
+    router = getattr(mlp, kernels.router)
     x = layer.post_attention_layernorm(h[None])[0]
-    routed = mlp.gate(x)
+    routed = router(x)
     if not isinstance(routed, tuple) or len(routed) != 3:
-        return f"{type(mlp.gate).__name__} does not return (logits, weights, indices)"
+        return f"{type(router).__name__} does not return (logits, weights, indices)"
     _, want_w, want_ids = routed
-    got_w, got_ids = MOE_TOPK_SOFTMAX(F.linear(x, mlp.gate.weight), kernels.top_k,
-                                      kernels.renormalize)
+    weights = kernels.weights()
+    got_w, got_ids = MOE_TOPK_SOFTMAX(F.linear(x, router.weight, weights.get("router_bias")),
+                                      kernels.top_k, kernels.renormalize)
     order, got_order = want_ids.argsort(dim=-1), got_ids.argsort(dim=-1)
     same = (want_ids.gather(1, order) == got_ids.long().gather(1, got_order)).all(dim=-1)
     if not same.all() and x.dtype in (torch.float32, torch.float64):
@@ -111,14 +113,16 @@ def moe(layer, kernels, h: torch.Tensor) -> str | None:
     if why := mismatch(got_w.gather(1, got_order)[same].to(want_w.dtype),
                        want_w.gather(1, order)[same], "the router's weights"):
         return why
-    experts = MOE_EXPERTS(x, mlp.experts.gate_up_proj, mlp.experts.down_proj,
-                          want_w.float(), want_ids)
+    experts = MOE_EXPERTS(x, weights["w13"], weights["w2"], want_w.float(), want_ids,
+                          weights.get("b13"), weights.get("b2"), weights.get("alpha", 0.0),
+                          weights.get("limit", 0.0), weights.get("interleaved", False))
     if why := mismatch(experts, mlp.experts(x, want_ids, want_w), "the experts"):
         return why
-    stock = h + mlp(x[None])[0]
+    stock = patterns.stock_mlp(layer, h)
     ours = kernels(h)
     ours_ids = MOE_TOPK_SOFTMAX(F.linear(RMS_NORM(h, layer.post_attention_layernorm.weight,
-                                                  kernels.eps), mlp.gate.weight),
+                                                  kernels.eps), router.weight,
+                                         weights.get("router_bias")),
                                 kernels.top_k, kernels.renormalize)[1]
     agree = (ours_ids.long().sort(dim=-1).values == want_ids.sort(dim=-1).values).all(-1)
     if agree.sum() * 2 < agree.numel():

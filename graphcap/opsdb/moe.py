@@ -18,7 +18,7 @@ def check_topk(router_logits, top_k, renormalize):
 
 
 def check_experts(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0.0,
-                  limit=0.0):
+                  limit=0.0, interleaved=False):
     op = "moe_experts"
     checks.tensor(op, "x", x, ndim=2)
     checks.tensor(op, "w13", w13, ndim=3, dtypes=(x.dtype,), device=x.device)
@@ -76,7 +76,11 @@ def experts_inputs(device, dtype, max_tokens: int = 24):
         if d(st.booleans()):  # biases and gpt-oss's clamped GLU, or plain SwiGLU
             b13, b2 = (t * 0.3 for t in tensors(d, device, dtype, (e, 2 * i), (e, h)))
         glu = d(st.sampled_from([(0.0, 0.0), (1.702, 7.0), (1.702, 0.1)]))
-        return (x, w13, w2, weights.to(device), ids.to(device), b13, b2, *glu)
+        interleaved = d(st.booleans())
+        if d(st.booleans()):  # transposed views of [E, H, 2I] and [E, I, H], as gpt-oss's
+            w13 = w13.transpose(1, 2).contiguous().transpose(1, 2)
+            w2 = w2.transpose(1, 2).contiguous().transpose(1, 2)
+        return (x, w13, w2, weights.to(device), ids.to(device), b13, b2, *glu, interleaved)
 
     return draw()
 
@@ -93,18 +97,20 @@ MOE_TOPK_SOFTMAX = register_op(
 
 
 def _experts_fake(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0.0,
-                  limit=0.0):
+                  limit=0.0, interleaved=False):
     return torch.empty_like(x)
 
 
 MOE_EXPERTS = register_op(
     "graphcap::moe_experts",
     "(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
-    "Tensor? b13=None, Tensor? b2=None, float alpha=0.0, float limit=0.0) -> Tensor",
+    "Tensor? b13=None, Tensor? b2=None, float alpha=0.0, float limit=0.0, "
+    "bool interleaved=False) -> Tensor",
     reference=reference.moe_experts,
     kernels={"triton": Kernel("graphcap.opsdb.triton.moe:moe_experts", requires=("triton",))},
     fake=_experts_fake,
     check=check_experts, inputs=experts_inputs,
     doc="grouped gated experts weighted by the routing: SwiGLU, or gpt-oss's clamped GLU "
-        "(alpha, limit), with optional biases",
+        "(alpha, limit), with optional biases; gate/up halves or interleaved rows, weights "
+        "of any strides",
 )

@@ -128,9 +128,11 @@ def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                alpha: float = 0.0, limit: float = 0.0) -> torch.Tensor:
-    """Grouped gated experts. x [T, H]; w13 [E, 2*I, H] (gate rows, then up rows) and its
-    bias b13 [E, 2*I]; w2 [E, H, I] and its bias b2 [E, H]; out[t] = sum_j
+                alpha: float = 0.0, limit: float = 0.0,
+                interleaved: bool = False) -> torch.Tensor:
+    """Grouped gated experts. x [T, H]; w13 [E, 2*I, H] (gate rows, then up rows; with
+    ``interleaved`` gate and up alternate, as gpt-oss stores them) and its bias b13
+    [E, 2*I], laid out alike; w2 [E, H, I] and its bias b2 [E, H]; out[t] = sum_j
     topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), an expert being
     ``w2 @ act(gate, up) + b2`` of ``(gate, up) = w13 @ x + b13``: ``act`` is SwiGLU
     (``silu(gate) * up``) with ``alpha == 0``, else gpt-oss's clamped GLU
@@ -146,6 +148,8 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         gate_up = x32 @ w13[e].float().t()
         if b13 is not None:
             gate_up = gate_up + b13[e].float()
+        if interleaved:  # to gate rows, then up rows
+            gate_up = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=-1)
         if alpha:
             h = clamped_glu(gate_up[:, :inter], gate_up[:, inter:], alpha, limit)
         else:

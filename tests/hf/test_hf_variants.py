@@ -82,6 +82,29 @@ def test_the_options_change_the_logits(family):
     assert not torch.allclose(stock_logits(ref, ids), stock_logits(other, ids), atol=1e-3)
 
 
+def test_gpt_oss_experts_run_on_opsdbs_moe_kernels_as_they_are_stored():
+    """gpt-oss's MLP half (a biased router, experts [E, H, 2I] with gate and up
+    interleaved, biases, the clamped GLU) on graphcap::moe_experts, reading the stock
+    parameters where they lie: a weight changed in place is seen."""
+    ref = model("gpt_oss")
+    for layer in ref.model.layers:  # biases and routing that matter
+        experts = layer.mlp.experts
+        for p in (layer.mlp.router.bias, experts.gate_up_proj_bias, experts.down_proj_bias):
+            p.data.normal_(0, 0.5)
+    lm = PrefillLM(copy.deepcopy(ref))
+    mlp = [p for p in lm.kernels.parts if p.kind == "mlp"]
+    assert mlp and all(p.graphcap for p in mlp), lm.kernels.table()
+    assert all("moe_experts" in p.what for p in mlp)
+    ids, pos = packed_input()
+    with torch.no_grad():
+        torch.testing.assert_close(lm(ids, pos, seq_lens=LENS), stock_logits(ref, ids),
+                                   atol=1e-4, rtol=1e-4)
+        for m in (ref, lm.hf_model):
+            m.model.layers[0].mlp.experts.gate_up_proj.mul_(1.5)
+        torch.testing.assert_close(lm(ids, pos, seq_lens=LENS), stock_logits(ref, ids),
+                                   atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("strategy", ["eager", "full"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_generation_equals_transformers_generate(family, strategy):

@@ -198,15 +198,17 @@ COMPILE_DECODE = BUILD_SM90 + textwrap.dedent('''
                       {"q_ptr": f"*{dt}", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}",
                        "table_ptr": "*i32", "lens_ptr": "*i32", "sinks_ptr": "*fp32",
                        "out_ptr": f"*{dt}", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
-                       "counts_ptr": "*i32", "scale": "fp32", "softcap": "fp32",
+                       "counts_ptr": "*i32", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}",
+                       "loc_ptr": "*i64", "scale": "fp32", "softcap": "fp32",
                        **{n: "i32" for n in (
                            "q_stride_b", "q_stride_h", "out_stride_b", "out_stride_h",
+                           "k_stride_b", "k_stride_h", "v_stride_b", "v_stride_h",
                            "table_stride", "width", "kv_heads", "head_dim", "split_len",
                            "window")}},
                       {"PAGE": page, "GROUP": group, "BLOCK_H": 16, "SPLITS": splits,
                        "BLOCK_N": 64, "BLOCK_D": 128, "WINDOW": variant,
-                       "SOFTCAP": variant, "SINKS": variant, "IEEE": dt == "fp32",
-                       "INTERPRET": False, "PDL": pdl}, pdl=pdl)
+                       "SOFTCAP": variant, "SINKS": variant, "WRITE": pdl,
+                       "IEEE": dt == "fp32", "INTERPRET": False, "PDL": pdl}, pdl=pdl)
     print("compiled")
 ''')
 
@@ -229,7 +231,7 @@ COMPILE_MOE = BUILD_SM90 + textwrap.dedent('''
                                        "stride_we", "stride_wn", "stride_wk", "stride_it",
                                        "stride_ii")},
               {"H": 128, "INTER": 128, "TOP_K": 2, **blocks, "HAS_BIAS": glu,
-               "CLAMPED_GLU": glu, "CLAMP": glu})
+               "CLAMPED_GLU": glu, "CLAMP": glu, "INTERLEAVED": glu})
         build(_moe_down_kernel,
               {"inter_ptr": "*bf16", "w2_ptr": "*bf16", "b2_ptr": "*bf16", "pairs_ptr": "*bf16",
                "sorted_pairs_ptr": "*i32", "cum_padded_ptr": "*i32",

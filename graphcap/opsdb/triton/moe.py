@@ -77,6 +77,7 @@ def _moe_gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMPED_GLU: tl.constexpr, CLAMP: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -95,8 +96,13 @@ def _moe_gate_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xh
     w_base = w13_ptr + expert.to(tl.int64) * stride_we
-    g_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
-    u_ptrs = g_ptrs + INTER * stride_wn
+    if INTERLEAVED:  # gpt-oss: gate and up alternate along w13's rows (and b13)
+        step, up = 2, 1
+    else:  # the gate rows, then the up rows
+        step, up = 1, INTER
+    g_ptrs = (w_base + offs_n[None, :].to(tl.int64) * (step * stride_wn)
+              + offs_k[:, None] * stride_wk)
+    u_ptrs = g_ptrs + up * stride_wn
 
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -117,10 +123,10 @@ def _moe_gate_up_kernel(
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
 
-    if HAS_BIAS:  # b13 [E, 2I]: the gate's row, then the up's
-        b_row = b13_ptr + expert.to(tl.int64) * (2 * INTER)
-        acc_g += tl.load(b_row + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        acc_u += tl.load(b_row + INTER + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:  # b13 [E, 2I], laid out as w13's rows
+        b_row = b13_ptr + expert.to(tl.int64) * (2 * INTER) + offs_n * step
+        acc_g += tl.load(b_row, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_row + up, mask=nmask, other=0.0).to(tl.float32)[None, :]
     if CLAMPED_GLU:  # gpt-oss: (up + 1) * gate * sigmoid(alpha * gate), clamped first
         if CLAMP:
             acc_g = tl.minimum(acc_g, limit)
@@ -243,11 +249,13 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                alpha: float = 0.0, limit: float = 0.0,
+                alpha: float = 0.0, limit: float = 0.0, interleaved: bool = False,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped gated experts with routing weights, summed over the k slots. With biases
     ``b13`` [E, 2I] and ``b2`` [E, H], and ``alpha > 0``: gpt-oss's clamped GLU in place
-    of SwiGLU (:func:`graphcap.opsdb.reference.moe_experts`).
+    of SwiGLU (:func:`graphcap.opsdb.reference.moe_experts`). ``interleaved``: gate and up
+    alternate along w13's rows and b13 (gpt-oss's checkpoints). w13 and w2 may be any
+    strided views (a transposed parameter: the weights are read where they lie).
 
     x [T, H]; w13 [E, 2*I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights
     [T, k] (float32 or any float); topk_ids [T, k] int32/int64 in [0, E).
@@ -313,7 +321,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         H=hidden, INTER=inter_size, TOP_K=top_k, BLOCK_E=block_e,
         BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
         IEEE=ieee, INTERPRET=interpret, HAS_BIAS=b13 is not None, CLAMPED_GLU=alpha > 0,
-        CLAMP=limit > 0, num_warps=warps, num_stages=stages,
+        CLAMP=limit > 0, INTERLEAVED=bool(interleaved), num_warps=warps, num_stages=stages,
     )
 
     pairs = torch.empty((num_pairs, hidden), dtype=x.dtype, device=device)
