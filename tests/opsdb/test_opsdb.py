@@ -89,6 +89,15 @@ BAD_CALLS = {
     "only one qk-norm weight": (lambda: torch.ops.graphcap.qkv_norm_rope(
         torch.ones(2, 64), torch.zeros(2, dtype=torch.long), torch.ones(16), None,
         torch.ones(8, 16), 2, 1, 16, 1e-6), "both q_weight and k_weight"),
+    "decode attention's K/V write without its places": (
+        lambda: torch.ops.graphcap.decode_attention(
+            torch.ones(1, 2, 16), torch.ones(2, 4, 1, 16), torch.ones(2, 4, 1, 16),
+            torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+            torch.empty(1, 2, 16), 0.25, 0, 0.0, None, torch.ones(1, 1, 16),
+            torch.ones(1, 1, 16), None), "k, v given without the rest"),
+    "moe experts with gate/up rows of another count": (lambda: torch.ops.graphcap.moe_experts(
+        torch.ones(2, 8), torch.ones(4, 6, 8), torch.ones(4, 8, 4), torch.ones(2, 1),
+        torch.zeros(2, 1, dtype=torch.int32), None, None, 0.0, 0.0, True), "expert shape"),
 }
 
 
