@@ -209,8 +209,8 @@ class SwigluKernels:
 @dataclass
 class MoeKernels:
     """Routed experts: Qwen3-MoE's and Mixtral's (``router`` "gate", SiLU experts [E, 2I,
-    H] and [E, H, I]), or gpt-oss's (``gpt_oss``: ``router`` "router" with a bias, experts
-    [E, H, 2I] with gate and up interleaved and [E, I, H], biases, the clamped GLU),
+    H] and [E, H, I]), or gpt-oss's (``router`` "router" with a bias, experts [E, H, 2I]
+    with gate and up interleaved and [E, I, H], biases, the clamped GLU of ``glu``),
     read where they lie at every call."""
 
     layer: nn.Module
