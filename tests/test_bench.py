@@ -368,6 +368,22 @@ def test_bench_decode_times_every_arm_per_batch_and_context_and_says_what_did_no
     assert model["targets"] == []  # judged at a 1024-token context only
 
 
+def test_bench_decode_plots_each_arm_beside_the_floor_or_says_why_not(tmp_path, capsys):
+    from graphcap.bench.report import plot_decode
+
+    rows = [{"batch": b, "floor_ms": 0.1 * b, "ms": {"eager": 20.0, "full": 0.5 * b}}
+            for b in (1, 8)]
+    result = {"arms": ["eager", "full"], "device": "cpu", "commit": "abc",
+              "models": [{"model": "tiny", "context": 8, "rows": rows}]}
+    path = plot_decode(result, tmp_path / "decode.png")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert path is None and "matplotlib is not installed" in capsys.readouterr().out
+    else:
+        assert path == tmp_path / "decode.png" and path.stat().st_size > 0
+
+
 def test_a_decode_step_reads_every_weight_once_and_each_requests_kv():
     from graphcap.bench.decode import step_bytes
     from graphcap.models import build_model

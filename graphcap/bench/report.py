@@ -131,6 +131,42 @@ def plot_prefill(result: dict, path: Path) -> Path | None:
     return path
 
 
+def plot_decode(result: dict, path: Path) -> Path | None:
+    """ms per decode step against the batch size, one panel per (model, context), every
+    arm beside the bandwidth floor."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'torch-graphcap[bench]'): no plot")
+        return None
+    models = result["models"]
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    arms = list(result["arms"])
+    for ax, model in zip(axes[0], models, strict=True):
+        batches = [r["batch"] for r in model["rows"]]
+        ax.plot(batches, [r["floor_ms"] for r in model["rows"]], color="k", linestyle="--",
+                label="bandwidth floor")
+        for i, arm in enumerate(arms):  # one colour per arm in every panel
+            points = [(r["batch"], r["ms"][arm]) for r in model["rows"] if arm in r["ms"]]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=arm, color=f"C{i}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_xlabel("batch (requests)")
+        ax.set_ylabel("ms per decode step")
+        ax.set_title(f"{model['model']}, context {model['context']}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"decode, {result['device']}, commit {result['commit']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def show_tp(result: dict) -> None:
     tp = result["tp"]
     for model in result["models"]:

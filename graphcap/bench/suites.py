@@ -16,6 +16,7 @@ def run_suite(args: argparse.Namespace) -> int:
     from graphcap.bench.arms import ARMS
     from graphcap.bench.common import today, write_result
     from graphcap.bench.report import (
+        plot_decode,
         plot_prefill,
         show_decode,
         show_ladder,
@@ -34,7 +35,8 @@ def run_suite(args: argparse.Namespace) -> int:
                             window=args.window)
         show_decode(result)
         path = write_result(result, args.out, f"{today()}-bench-decode.json")
-        print(f"wrote {path}")
+        plot = plot_decode(result, Path(path).with_suffix(".png"))
+        print(f"wrote {path}" + (f" and {plot}" if plot else ""))
         return 0 if all(t["met"] for m in result["models"] for t in m["targets"]) else 1
     if args.suite == "generate":
         from graphcap.bench import generate
