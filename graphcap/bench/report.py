@@ -95,7 +95,8 @@ def show_ladder(result: dict) -> None:
     show_targets(result["targets"])
 
 
-def plot_prefill(result: dict, path: Path) -> Path | None:
+def _pyplot():
+    """matplotlib's pyplot drawing to files, or None (said once per plot) without it."""
     try:
         import matplotlib
 
@@ -103,6 +104,13 @@ def plot_prefill(result: dict, path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed (pip install 'torch-graphcap[bench]'): no plot")
+        return None
+    return plt
+
+
+def plot_prefill(result: dict, path: Path) -> Path | None:
+    plt = _pyplot()
+    if plt is None:
         return None
     models = result["models"]
     fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 8), squeeze=False)
@@ -134,13 +142,8 @@ def plot_prefill(result: dict, path: Path) -> Path | None:
 def plot_decode(result: dict, path: Path) -> Path | None:
     """ms per decode step against the batch size, one panel per (model, context), every
     arm beside the bandwidth floor."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'torch-graphcap[bench]'): no plot")
+    plt = _pyplot()
+    if plt is None:
         return None
     models = result["models"]
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
