@@ -41,6 +41,7 @@ from graphcap.core import checks
 from graphcap.core.context import forward_context
 from graphcap.core.inputs import Batch, Inputs, check_packing
 from graphcap.errors import UnsupportedModel
+from graphcap.inputs.accept import greedy_accept
 from graphcap.inputs.paged_calls import check_requests, check_steps
 from graphcap.kv.batch import CacheBatch
 from graphcap.kv.paged import PagedKVCache
@@ -69,17 +70,22 @@ class PagedInputs(Inputs):
     prefill ``attention`` backend and ``slots`` request slots per shape; ``extend``:
     continuing cached requests); ``output_rows`` (None: the model's) 'tokens' or
     'requests'; ``sample``: draw each request's next token in the graph (one token per
-    request); ``decode_attention``: the backend of attention over the pages (a name for
+    request); ``accept="greedy"``: a verify step (``tokens_per_request=1 + k``) returns
+    each request's accepted proposals and next token, ``[requests, 2]``, computed in the
+    graph (:mod:`graphcap.inputs.accept`; the cache then counts every token of the step
+    as written: :meth:`~graphcap.kv.PagedKVCache.rewind` keeps the accepted ones);
+    ``decode_attention``: the backend of attention over the pages (a name for
     ``get_backend(kind="decode")``, a backend, or None: the default); ``check_inputs``:
     token ids checked against the model's vocabulary (one host sync a call)."""
 
     def __init__(self, cache: PagedKVCache, tokens_per_request: int | None = 1, *,
                  attention=None, slots: int | None = None, output_rows: str | None = None,
-                 extend: bool = False, sample: bool = False, decode_attention=None,
-                 check_inputs: bool = False, name: str = "the model"):
+                 extend: bool = False, sample: bool = False, accept: str | None = None,
+                 decode_attention=None, check_inputs: bool = False,
+                 name: str = "the model"):
         super().__init__(cache.device)
         self.cache, self.step = cache, tokens_per_request
-        self.extend, self.sample = extend, sample
+        self.extend, self.sample, self.accept = extend, sample, accept
         if self.step is not None:
             self.step = checks.positive_int(tokens_per_request, "tokens_per_request")
         elif attention is None or slots is None:
@@ -89,6 +95,13 @@ class PagedInputs(Inputs):
         if sample and self.step != 1:
             raise ValueError("sample=True draws one token per request: it needs "
                              "tokens_per_request=1")
+        if accept not in (None, "greedy"):
+            raise ValueError(f"accept={accept!r}: None (logits out) or 'greedy' (a verify "
+                             "step's accepted proposals and next token)")
+        if accept and (self.step is None or self.step < 2):
+            raise ValueError("accept='greedy' verifies proposals: it needs "
+                             "tokens_per_request=1 + k, k >= 1 (the last accepted token, "
+                             "then the proposals)")
         if extend and self.step is not None:
             raise ValueError("extend=True continues requests of any length: it needs "
                              "tokens_per_request=None (fixed steps always extend)")
@@ -113,9 +126,15 @@ class PagedInputs(Inputs):
             raise UnsupportedModel(f"{type(model).__name__}.output_rows is {rows!r}: "
                                    "use 'tokens' or 'requests' (one row per request)")
         self.per_request = rows == "requests"
+        if self.accept and self.per_request:
+            raise UnsupportedModel(
+                f"accept={self.accept!r} reads every token's logits, but "
+                f"{type(model).__name__} gives one row per request: build it with logits "
+                "for every token")
         self.row_unit = ("one token per request (drawn in the graph)" if self.sample else
-                         "one row per request (its last token)" if self.per_request else
-                         "one row per token")
+                         "a request's accepted proposals and next token" if self.accept
+                         else "one row per request (its last token)" if self.per_request
+                         else "one row per token")
         max_position = getattr(model, "max_position", None)
         self.max_position = checks.as_int(max_position, "max_position") \
             if max_position else None
@@ -215,6 +234,8 @@ class PagedInputs(Inputs):
             out = model(ids, positions, last) if self.per_request else model(ids, positions)
             if self.sample:
                 out = SAMPLE(out, *params, positions + 1)
+            elif self.accept:
+                out = greedy_accept(out, ids, self.step)
         state.kv.check_written(model)
         return out
 
@@ -249,11 +270,15 @@ class PagedInputs(Inputs):
         return state.context()
 
     def rows(self, bucket: int) -> int:
+        if self.accept:
+            return bucket // self.step
         if not self.per_request:
             return bucket
         return self.slots if self.step is None else bucket // self.step
 
     def out_rows(self, batch: Batch) -> int:
+        if self.accept:
+            return batch.tokens // self.step
         return len(batch.lens) if self.per_request else batch.tokens
 
     def fits(self, batch: Batch) -> str | None:

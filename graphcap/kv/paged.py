@@ -173,6 +173,23 @@ class PagedKVCache:
             if self.window:
                 self._free_behind(slot, end)
 
+    def rewind(self, slot: int, end: int) -> None:
+        """Keep only tokens ``0 .. end - 1`` of request slot ``slot``'s (a verify step's
+        accepted ones): the K/V after them are stale, never read, and the next step
+        writes over them. ``end`` may not pass the tokens written, nor reach back to
+        pages freed behind the window (``ValueError`` naming it; nothing changes)."""
+        slot = self._slot(slot)
+        if slot not in self._written:
+            raise ValueError(f"rewind of slot {slot}: it holds no request")
+        written = self._written[slot]
+        freed = self._dropped.get(slot, 0) * self.page_size
+        if isinstance(end, bool) or not isinstance(end, int) or \
+                not freed <= end <= written:
+            raise ValueError(f"rewind of slot {slot} to {end!r}: keep between {freed} (its "
+                             f"pages before that were freed) and the {written} tokens "
+                             "written")
+        self._written[slot] = end
+
     def _free_behind(self, slot: int, written: int) -> None:
         """Free the pages of ``slot`` wholly behind the window of a step at ``written - 1``
         (the earliest a next step may be): its tokens ``written - 1 - window`` and before."""

@@ -1,0 +1,120 @@
+"""A verify step on the decode runner (speculative decoding's target side): ``1 + k``
+tokens per request, greedy acceptance computed in the graph, and the cache rewound to the
+accepted tokens, so the K/V of rejected proposals are never read and the next step writes
+over them. Whatever is proposed, the tokens are plain greedy decoding's, under every
+graphed strategy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphcap
+from graphcap.api import GRAPHED
+from graphcap.engine.eager import decode_step, prefill
+from graphcap.inputs import PagedInputs
+from graphcap.inputs.accept import greedy_accept
+from graphcap.kv import PagedKVCache
+from graphcap.models import PRESETS, Decoder
+from tests.support.runner_helpers import DEVICE
+
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+PROMPTS = {0: [5, 9, 2, 7, 1], 2: [3], 3: [8, 8, 4, 11, 6, 2, 9]}
+K = 3  # proposals per request
+NEW = 12
+
+
+def setup():
+    torch.manual_seed(0)
+    m = Decoder(PRESETS["tiny"]).to(DEVICE).eval()
+    a = m.args
+    cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=4, max_len=40,
+                         page_size=4, device=DEVICE)
+    cache.k.fill_(float("nan"))  # nothing unwritten is ever read
+    cache.v.fill_(float("nan"))
+    slots = sorted(PROMPTS)
+    for slot in slots:
+        cache.admit(slot, len(PROMPTS[slot]) + NEW + K + 1)
+    ids = torch.tensor(sum((PROMPTS[s] for s in slots), []), device=DEVICE)
+    logits = prefill(m, cache, ids, [len(PROMPTS[s]) for s in slots], slots)
+    first = {s: int(t) for s, t in zip(slots, logits.argmax(-1).tolist(), strict=True)}
+    return m, cache, first
+
+
+def plain_greedy(m, cache, first):
+    """NEW greedy tokens per request, one eager decode step at a time."""
+    slots = sorted(first)
+    out = {s: [first[s]] for s in slots}
+    for _ in range(NEW - 1):
+        tokens = torch.tensor([out[s][-1] for s in slots], device=DEVICE)
+        positions = torch.tensor([cache.written(s) for s in slots])
+        step = decode_step(m, cache, tokens, positions, slots).argmax(-1).tolist()
+        for s, t in zip(slots, step, strict=True):
+            out[s].append(t)
+    return out
+
+
+def test_greedy_acceptance_takes_proposals_up_to_the_first_disagreement():
+    logits = torch.full((2 * 4, 10), -1.0)
+    choice = [[3, 4, 5, 6], [7, 1, 2, 9]]  # the target's argmax at each row
+    for r, row in enumerate(sum(choice, [])):
+        logits[r, row] = 1.0
+    tokens = torch.tensor([0, 3, 4, 0, 0, 7, 8, 2])  # last accepted, then 3 proposals
+    assert greedy_accept(logits, tokens, 4).tolist() == [[2, 5], [1, 1]]
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_speculation_with_any_proposals_gives_plain_greedy_tokens(strategy):
+    m, cache, first = setup()
+    want = plain_greedy(m, cache, first)
+    _, cache2, _ = setup()
+    runner = graphcap.capture(m, strategy, buckets=[1 + K, 3 * (1 + K)],
+                              inputs=PagedInputs(cache2, tokens_per_request=1 + K,
+                                                 accept="greedy"))
+    slots = sorted(first)
+    got = {s: [first[s]] for s in slots}
+    gen = torch.Generator().manual_seed(1)
+    accepted_any = rejected_any = 0
+    while any(len(got[s]) < NEW for s in slots):
+        live = [s for s in slots if len(got[s]) < NEW]
+        tokens = []
+        for s in live:  # half the proposals right (from the answer), half random
+            right = (want[s][len(got[s]):] + [0] * K)[:K]
+            guess = torch.randint(1, PRESETS["tiny"].vocab_size, (K,), generator=gen)
+            tokens += [got[s][-1]] + [r if torch.rand(1, generator=gen) < 0.6 else int(g)
+                                      for r, g in zip(right, guess.tolist(), strict=True)]
+        positions = [cache2.written(s) for s in live]
+        out = runner(torch.tensor(tokens, device=DEVICE), positions=positions, slots=live)
+        for s, p, (n, nxt) in zip(live, positions, out.tolist(), strict=True):
+            proposals = tokens[live.index(s) * (1 + K) + 1:][:n]
+            got[s] += proposals + [nxt]
+            accepted_any += n
+            rejected_any += n < K
+            cache2.rewind(s, p + 1 + n)  # the rejected proposals' K/V: stale
+    assert {s: got[s][:NEW] for s in slots} == want
+    assert accepted_any > 0 and rejected_any > 0  # both paths taken
+
+
+def test_rewind_keeps_what_was_written_and_refuses_the_rest():
+    _, cache, _ = setup()
+    written = cache.written(3)
+    cache.rewind(3, written - 2)
+    assert cache.written(3) == written - 2
+    for bad in (written, -1, 1.5, True):
+        with pytest.raises(ValueError, match="rewind of slot 3"):
+            cache.rewind(3, bad)
+    with pytest.raises(ValueError, match="holds no request"):
+        cache.rewind(1, 0)
+    assert cache.written(3) == written - 2
+
+
+def test_a_verify_step_needs_proposals_and_every_tokens_logits():
+    _, cache, _ = setup()
+    with pytest.raises(ValueError, match="tokens_per_request=1 \\+ k"):
+        PagedInputs(cache, tokens_per_request=1, accept="greedy")
+    with pytest.raises(ValueError, match="accept='sampled'"):
+        PagedInputs(cache, tokens_per_request=2, accept="sampled")
+    last = Decoder(PRESETS["tiny"], logits="last").to(DEVICE).eval()
+    with pytest.raises(graphcap.UnsupportedModel, match="one row per request"):
+        graphcap.capture(last, "full", buckets=[2],
+                         inputs=PagedInputs(cache, tokens_per_request=2, accept="greedy"))
