@@ -12,6 +12,7 @@ import torch
 import graphcap
 from graphcap.api import GRAPHED
 from graphcap.engine.eager import decode_step, prefill
+from graphcap.engine.proposers import NgramProposer
 from graphcap.inputs import PagedInputs
 from graphcap.inputs.accept import greedy_accept
 from graphcap.kv import PagedKVCache
@@ -118,3 +119,51 @@ def test_a_verify_step_needs_proposals_and_every_tokens_logits():
     with pytest.raises(graphcap.UnsupportedModel, match="one row per request"):
         graphcap.capture(last, "full", buckets=[2],
                          inputs=PagedInputs(cache, tokens_per_request=2, accept="greedy"))
+
+
+def test_the_ngram_proposer_looks_up_the_longest_recurring_suffix_most_recent_first():
+    lookup = NgramProposer(3, max_ngram=2)
+    # "4 5" recurs (twice: the most recent one is followed by 9 9), "5" alone would too
+    assert lookup.propose([4, 5, 6, 7, 4, 5, 9, 9, 1, 4, 5]) == [9, 9, 1]
+    assert lookup.propose([1, 2, 3, 1, 2]) == [3, 1, 2]
+    assert lookup.propose([1, 2, 3, 2]) == [3, 2, 2]  # one follower of "2", then padded
+    assert lookup.propose([7, 8, 9]) == [9, 9, 9]  # nothing recurs: the last token
+    assert lookup.find([7, 8, 9]) == []
+    with pytest.raises(ValueError, match="nothing to look up"):
+        lookup.propose([])
+    with pytest.raises(ValueError, match="above max_ngram"):
+        NgramProposer(2, max_ngram=1, min_ngram=2)
+    with pytest.raises(ValueError, match="k must be a positive int"):
+        NgramProposer(0)
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_ngram_speculation_accepts_where_the_text_recurs_and_gives_plain_greedy_tokens(
+        strategy):
+    """Prompt lookup over a text in which the answer recurs (as when a reply quotes its
+    context: here the lookup also sees the greedy continuation, earlier): proposals are
+    accepted, verify steps are fewer than decode steps, and the tokens stay plain greedy
+    decoding's."""
+    m, cache, first = setup()
+    want = plain_greedy(m, cache, first)
+    _, cache2, _ = setup()
+    runner = graphcap.capture(m, strategy, buckets=[3 * (1 + K)],
+                              inputs=PagedInputs(cache2, tokens_per_request=1 + K,
+                                                 accept="greedy"))
+    lookup = NgramProposer(K)
+    slots = sorted(first)
+    got = {s: [first[s]] for s in slots}
+    steps = 0
+    while any(len(got[s]) < NEW for s in slots):
+        live = [s for s in slots if len(got[s]) < NEW]
+        tokens = sum(([got[s][-1]] + lookup.propose(want[s] + PROMPTS[s] + got[s])
+                      for s in live), [])
+        positions = [cache2.written(s) for s in live]
+        out = runner(torch.tensor(tokens, device=DEVICE), positions=positions, slots=live)
+        for i, (s, p, (n, nxt)) in enumerate(zip(live, positions, out.tolist(),
+                                                  strict=True)):
+            got[s] += tokens[i * (1 + K) + 1:][:n] + [nxt]
+            cache2.rewind(s, p + 1 + n)
+        steps += 1
+    assert {s: got[s][:NEW] for s in slots} == want
+    assert steps <= (NEW - 1) // 2  # at least two tokens a verify step
