@@ -18,9 +18,11 @@ import torch
 def greedy_accept(logits: torch.Tensor, tokens: torch.Tensor, step: int) -> torch.Tensor:
     """``[requests, 2]`` int64: each request's accepted proposals (0 .. ``step - 1``) and
     its next token, from ``logits`` ``[requests * step, vocab]`` of the step's ``tokens``
-    ``[requests * step]`` (the last accepted token, then ``step - 1`` proposals)."""
-    target = logits.argmax(dim=-1).view(-1, step)
-    proposed = tokens.view(-1, step)[:, 1:].to(target.dtype)
+    ``[requests * step]`` (the last accepted token, then ``step - 1`` proposals); rows
+    past the last whole request (a bucket's padding) are left out."""
+    whole = logits.shape[0] // step * step  # a shape's pad rows past its last request
+    target = logits[:whole].argmax(dim=-1).view(-1, step)
+    proposed = tokens[:whole].view(-1, step)[:, 1:].to(target.dtype)
     agree = (target[:, :-1] == proposed).to(torch.int64)
     accepted = agree.cumprod(dim=1).sum(dim=1)
     following = target.gather(1, accepted[:, None])[:, 0]

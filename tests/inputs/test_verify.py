@@ -62,6 +62,9 @@ def test_greedy_acceptance_takes_proposals_up_to_the_first_disagreement():
         logits[r, row] = 1.0
     tokens = torch.tensor([0, 3, 4, 0, 0, 7, 8, 2])  # last accepted, then 3 proposals
     assert greedy_accept(logits, tokens, 4).tolist() == [[2, 5], [1, 1]]
+    padded = torch.cat([logits, torch.zeros(3, 10)])  # a bucket of 11 rows: 3 pads
+    assert greedy_accept(padded, torch.cat([tokens, torch.zeros(3, dtype=torch.long)]),
+                         4).tolist() == [[2, 5], [1, 1]]
 
 
 @pytest.mark.parametrize("strategy", GRAPHED)
