@@ -14,10 +14,8 @@ from graphcap.api import GRAPHED
 from graphcap.engine.eager import decode_step, prefill
 from graphcap.errors import BackendUnavailable, BadBatch
 from graphcap.inputs import DecodeInputs, PagedInputs
-from graphcap.kv import PagedKVCache
-from graphcap.models import PRESETS, Decoder
 from graphcap.opsdb.attention import DECODE_BACKENDS, get_backend
-from tests.support.runner_helpers import DEVICE
+from tests.support.runner_helpers import DEVICE, prefilled_tiny
 
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 PROMPTS = {0: [5, 9, 2, 7, 1], 2: [3], 3: [8, 8, 4, 11, 6, 2, 9]}
@@ -25,18 +23,7 @@ K = 3  # tokens per request of the step
 
 
 def setup(logits="all"):
-    torch.manual_seed(0)
-    m = Decoder(PRESETS["tiny"], logits=logits).to(DEVICE).eval()
-    a = m.args
-    cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=4, max_len=32,
-                         page_size=4, device=DEVICE)
-    cache.k.fill_(float("nan"))  # nothing unwritten is ever read
-    cache.v.fill_(float("nan"))
-    slots = sorted(PROMPTS)
-    for slot in slots:
-        cache.admit(slot, len(PROMPTS[slot]) + 2 * K)
-    ids = torch.tensor(sum((PROMPTS[s] for s in slots), []), device=DEVICE)
-    prefill(m, cache, ids, [len(PROMPTS[s]) for s in slots], slots)
+    m, cache, _ = prefilled_tiny(PROMPTS, 2 * K, logits=logits)
     return m, cache
 
 

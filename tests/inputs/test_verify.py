@@ -11,13 +11,12 @@ import torch
 
 import graphcap
 from graphcap.api import GRAPHED
-from graphcap.engine.eager import decode_step, prefill
+from graphcap.engine.eager import decode_step
 from graphcap.engine.proposers import NgramProposer
 from graphcap.inputs import PagedInputs
 from graphcap.inputs.accept import greedy_accept
-from graphcap.kv import PagedKVCache
 from graphcap.models import PRESETS, Decoder
-from tests.support.runner_helpers import DEVICE
+from tests.support.runner_helpers import DEVICE, prefilled_tiny
 
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 PROMPTS = {0: [5, 9, 2, 7, 1], 2: [3], 3: [8, 8, 4, 11, 6, 2, 9]}
@@ -26,19 +25,9 @@ NEW = 12
 
 
 def setup():
-    torch.manual_seed(0)
-    m = Decoder(PRESETS["tiny"]).to(DEVICE).eval()
-    a = m.args
-    cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=4, max_len=40,
-                         page_size=4, device=DEVICE)
-    cache.k.fill_(float("nan"))  # nothing unwritten is ever read
-    cache.v.fill_(float("nan"))
-    slots = sorted(PROMPTS)
-    for slot in slots:
-        cache.admit(slot, len(PROMPTS[slot]) + NEW + K + 1)
-    ids = torch.tensor(sum((PROMPTS[s] for s in slots), []), device=DEVICE)
-    logits = prefill(m, cache, ids, [len(PROMPTS[s]) for s in slots], slots)
-    first = {s: int(t) for s, t in zip(slots, logits.argmax(-1).tolist(), strict=True)}
+    m, cache, logits = prefilled_tiny(PROMPTS, NEW + K + 1, max_len=40)
+    first = {s: int(t) for s, t in zip(sorted(PROMPTS), logits.argmax(-1).tolist(),
+                                       strict=True)}
     return m, cache, first
 
 

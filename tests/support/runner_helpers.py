@@ -76,3 +76,26 @@ def stream_counting_freed(llm, prompts, new: int) -> tuple[list[list[int]], int]
         tokens.setdefault(delta.index, []).extend(delta.tokens)
         freed = max(freed, sum(p.count(NULL_PAGE) for p in llm.cache.owned().values()))
     return [tokens[i] for i in range(len(prompts))], freed
+
+
+def prefilled_tiny(prompts: dict[int, list[int]], extra: int, *, logits: str = "all",
+                   max_len: int = 32):
+    """The tiny decoder on ``DEVICE`` and a paged cache (pages of 4, NaN wherever nothing
+    was written: nothing unwritten is ever read) holding ``prompts`` (request slot ->
+    tokens), each admitted for ``extra`` tokens more; the prefill's logits."""
+    from graphcap.engine.eager import prefill
+    from graphcap.kv import PagedKVCache
+
+    torch.manual_seed(0)
+    m = Decoder(PRESETS["tiny"], logits=logits).to(DEVICE).eval()
+    a = m.args
+    cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=4, max_len=max_len,
+                         page_size=4, device=DEVICE)
+    cache.k.fill_(float("nan"))
+    cache.v.fill_(float("nan"))
+    slots = sorted(prompts)
+    for slot in slots:
+        cache.admit(slot, len(prompts[slot]) + extra)
+    ids = torch.tensor(sum((prompts[s] for s in slots), []), device=DEVICE)
+    out = prefill(m, cache, ids, [len(prompts[s]) for s in slots], slots)
+    return m, cache, out
