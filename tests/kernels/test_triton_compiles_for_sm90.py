@@ -108,7 +108,7 @@ COMPILE_PDL_KERNELS = textwrap.dedent('''
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from graphcap.opsdb.triton.attention import _attn_varlen_fwd
-    from graphcap.opsdb.triton.linear import _zero_kernel
+    from graphcap.opsdb.triton.counters import _zero_kernel
     from graphcap.opsdb.triton.norm import _fused_add_rms_norm_kernel, _rms_norm_kernel
 
     def build(kernel, types, consts):

@@ -100,8 +100,8 @@ def test_counters_beyond_the_capacity_are_the_launchs_own(monkeypatch):
     monkeypatch.setattr(counters, "CAPACITY", 4)  # a small launch past it (interpreted here)
     blocks = counters.CAPACITY + 1
     assert counters.persistent(torch.device("cpu"), blocks) is None
-    used, counts = [], kernel._counts
-    monkeypatch.setattr(kernel, "_counts", lambda *a: used.append(counts(*a)) or used[-1])
+    used, counts = [], counters.zeroed
+    monkeypatch.setattr(counters, "zeroed", lambda *a: used.append(counts(*a)) or used[-1])
     args, want, x = case("residual", 3, 16 * blocks, 64, torch.float32, 0)
     tiles = dict(config("residual", 3, 16 * blocks, 64), BLOCK_N=16, BLOCK_K=16, SPLIT_K=2)
     torch.testing.assert_close(kernel.skinny_linear(x, tiles=tiles, **args), want(),

@@ -14,7 +14,7 @@ import torch
 from graphcap.bench.common import environment
 from graphcap.bench.decode_attention import HEADS, case
 from graphcap.opsdb.triton.common import num_sms
-from graphcap.opsdb.triton.decode import head_block, splits_for
+from graphcap.opsdb.triton.decode import programs_of, splits_for
 
 TILES = [{"BLOCK_N": n, "num_warps": w, "num_stages": s}
          for n, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3))]
@@ -26,7 +26,7 @@ def main(path: str) -> None:
     start = time.perf_counter()
     for model, batch, context in itertools.product(HEADS, (1, 8, 64), (1024, 4096)):
         hq, hk, d = HEADS[model]
-        programs = batch * hk * -(-(hq // hk) // head_block(hq // hk))
+        programs = programs_of(batch, hq, hk)
         auto = splits_for(programs, context, 64, num_sms(dev))
         splits = sorted({max(1, auto // 4), max(1, auto // 2), auto * 2, auto * 4} - {auto})
         splits = [s for s in splits if s <= 32 and (s == 1 or programs <= 1024)]

@@ -1,8 +1,9 @@
-"""Split-K arrival counters that outlive a launch: zero between launches, so that a split
-linear needs no zeroing kernel before it.
+"""Arrival counters that outlive a launch: zero between launches, so that a split launch
+(the split-K linear, split decode attention) needs no zeroing kernel before it.
 
-A split launch's programs count their arrivals per column block; the last to arrive sums
-the partials and sets its block's counter back to zero. One int32 buffer per (device,
+A split launch's programs count their arrivals per block (a linear's column block, a
+decode row's head block); the last to arrive merges the partials and sets its block's
+counter back to zero. One int32 buffer per (device,
 stream) serves every launch on that stream, one after another, as cuBLAS's workspace
 does. A graph captured on a stream keeps that stream's buffer, so graphs captured on one
 stream must not replay concurrently on two (graphs sharing a pool must not either). torch
@@ -26,8 +27,11 @@ from __future__ import annotations
 import threading
 
 import torch
+import triton
+import triton.language as tl
 
 from graphcap.core import graphs
+from graphcap.opsdb.triton.common import pdl_start
 
 CAPACITY = 1024  # column blocks a launch may count: split launches have fewer than the SMs
 
@@ -85,6 +89,30 @@ def persistent(device: torch.device, blocks: int) -> torch.Tensor | None:
     return _BUFFERS[key]
 
 
+@triton.jit
+def _zero_kernel(C, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """C[:n] = 0: the counters of a PDL launch (a memset node between two kernels would
+    end their programmatic edge)."""
+    pdl_start(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(C + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=offs < n)
+
+
+def zeroed(device: torch.device, blocks: int, launch: dict) -> torch.Tensor:
+    """Zeroed counters for a launch of ``blocks`` blocks with keyword arguments
+    ``launch`` (``common.pdl_args``): the stream's persistent ones, else (a capture's
+    first split launch on its stream, or very many blocks) counters of this launch's own,
+    zeroed before it (by a PDL kernel under PDL)."""
+    counts = persistent(device, blocks)
+    if counts is not None:
+        return counts
+    if launch["PDL"]:
+        counts = torch.empty(blocks, dtype=torch.int32, device=device)
+        _zero_kernel[(triton.cdiv(blocks, 1024),)](counts, blocks, BLOCK=1024, **launch)
+        return counts
+    return torch.zeros(blocks, dtype=torch.int32, device=device)
+
+
 def check_zero() -> list[str]:
     """The buffers holding a non-zero counter (a launch that did not finish, or a misuse):
     for tests, never on a hot path (it reads the device)."""
@@ -100,4 +128,4 @@ def _for_capture(device: torch.device) -> None:
 
 graphs.before_capture(_for_capture)
 
-__all__ = ["CAPACITY", "check_zero", "persistent"]
+__all__ = ["CAPACITY", "check_zero", "persistent", "zeroed"]

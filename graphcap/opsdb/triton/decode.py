@@ -193,6 +193,12 @@ def head_block(group: int) -> int:
     return max(16, triton.next_power_of_2(min(group, 64)))
 
 
+def programs_of(rows: int, heads: int, kv_heads: int) -> int:
+    """Programs of one split of the grid: a (row, key/value head, head block) each."""
+    group = heads // kv_heads
+    return rows * kv_heads * triton.cdiv(group, head_block(group))
+
+
 def splits_for(programs: int, max_len: int, block_n: int, sms: int) -> int:
     """Splits per (row, head block) for ``programs`` of them: enough programs to fill the
     SMs twice over, no split shorter than one block, at most ``_MAX_SPLITS``, and one
@@ -202,15 +208,6 @@ def splits_for(programs: int, max_len: int, block_n: int, sms: int) -> int:
     blocks = triton.cdiv(max(max_len, 1), block_n)
     wanted = triton.cdiv(2 * sms, max(programs, 1))
     return max(1, min(blocks, wanted, _MAX_SPLITS))
-
-
-def _counts(device: torch.device, blocks: int) -> torch.Tensor:
-    """The stream's persistent zeroed counters, else (a capture's first split launch on a
-    stream that has none) a zeroed buffer of this launch's own."""
-    counts = counters.persistent(device, blocks)
-    if counts is None:
-        counts = torch.zeros(blocks, dtype=torch.int32, device=device)
-    return counts
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -234,7 +231,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     interpret = interpreting()
     group = Hq // Hk
     block_h = head_block(group)
-    programs = B * Hk * triton.cdiv(group, block_h)
+    programs = programs_of(B, Hq, Hk)
     sms = num_sms(q.device)
     # From the H200 sweep (docs/results/2026-12-03-decode-attention-sweep-0d8ba81-h200.json):
     # 128-token blocks where the rows and heads leave SMs idle (the grid is split), 64
@@ -253,12 +250,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"a split launch merges at most {counters.CAPACITY}")
     split_len = triton.cdiv(triton.cdiv(max_len, num_splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     block_d = max(16, triton.next_power_of_2(D))
+    launch = pdl_args(q.device, B)
     if num_splits > 1:
         mid_o = torch.empty((programs * num_splits * block_h, block_d), dtype=torch.float32,
                             device=q.device)
         mid_lse = torch.empty(programs * num_splits * block_h, dtype=torch.float32,
                               device=q.device)
-        counts = _counts(q.device, programs)
+        counts = counters.zeroed(q.device, programs, launch)
     else:
         mid_o = mid_lse = counts = out
     sinks = out if sinks is None else sinks.contiguous()
@@ -272,8 +270,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         block_table.stride(0), width, Hk, D, split_len, float(scale), int(window),
         float(softcap), PAGE=page, GROUP=group, BLOCK_H=block_h, SPLITS=num_splits,
         BLOCK_D=block_d, WINDOW=window > 0, SOFTCAP=softcap > 0, SINKS=sinks is not out,
-        WRITE=write, IEEE=q.dtype == torch.float32, INTERPRET=interpret,
-        **pdl_args(q.device, B), **cfg)
+        WRITE=write, IEEE=q.dtype == torch.float32, INTERPRET=interpret, **launch, **cfg)
 
 
-__all__ = ["decode_attention", "head_block", "splits_for"]
+__all__ = ["decode_attention", "head_block", "programs_of", "splits_for"]

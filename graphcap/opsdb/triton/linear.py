@@ -47,7 +47,6 @@ from graphcap.opsdb.triton.common import (
     num_sms,
     pdl_args,
     pdl_launch_dependents,
-    pdl_start,
     pdl_wait,
     prefetch_l2,
     prefetches,
@@ -103,15 +102,6 @@ def _prefetch_weights(W, w_cols, col_ok, k_lo, k_hi, N, stride_wn, BLOCK_K: tl.c
         prefetch_l2(tl.where(ok, w_cols + ks[:, None], W))
         if SWIGLU:
             prefetch_l2(tl.where(ok, w_cols + N * stride_wn + ks[:, None], W))
-
-
-@triton.jit
-def _zero_kernel(C, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """C[:n] = 0: the split-K counters of a PDL launch (a memset node between two kernels
-    would end their programmatic edge)."""
-    pdl_start(PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(C + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=offs < n)
 
 
 @triton.jit
@@ -274,21 +264,6 @@ def fused_rows(weight: torch.Tensor, kind: str) -> int:
     return MAX_ROWS if small else 16
 
 
-def _counts(device: torch.device, blocks: int, launch: dict) -> torch.Tensor:
-    """Zeroed split-K counters for ``blocks`` column blocks: the stream's persistent ones,
-    else (a capture's first split launch on its stream, or very many blocks) counters of
-    this launch's own, zeroed before it (by a PDL kernel under PDL: a memset node between
-    two kernels would end their programmatic edge)."""
-    counts = counters.persistent(device, blocks)
-    if counts is not None:
-        return counts
-    if launch["PDL"]:
-        counts = torch.empty(blocks, dtype=torch.int32, device=device)
-        _zero_kernel[(triton.cdiv(blocks, 1024),)](counts, blocks, BLOCK=1024, **launch)
-        return counts
-    return torch.zeros(blocks, dtype=torch.int32, device=device)
-
-
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
                   eps: float = 1e-6, residual=None, bias=None, swiglu: bool = False,
                   tiles: dict | None = None) -> torch.Tensor:
@@ -313,7 +288,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
     partial = (torch.empty((2 if swiglu else 1) * split * cfg["BLOCK_M"] * n,
                            dtype=torch.float32, device=x.device) if split > 1 else y)
     launch = pdl_args(x.device, m)
-    counts = y if split == 1 else _counts(x.device, blocks, launch)
+    counts = y if split == 1 else counters.zeroed(x.device, blocks, launch)
     res = residual if residual is not None else y
     _skinny_linear_kernel[(blocks, split)](
         x, weight, y, norm_weight if norm_weight is not None else x, res,
