@@ -117,7 +117,7 @@ def profile_steps(fn, calls: int = PROFILED_CALLS) -> dict:
 def _capture(model, arm: str, cache, batches):
     strategy, _, kind = arm.partition("-")
     inputs = DecodeInputs(cache, attention="flashinfer" if kind == "flashinfer" else None)
-    if kind == "no":  # full-no-pdl
+    if kind == "no-pdl":
         from graphcap.opsdb.triton.common import programmatic_launch
 
         with programmatic_launch(False):

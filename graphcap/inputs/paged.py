@@ -270,16 +270,12 @@ class PagedInputs(Inputs):
         return state.context()
 
     def rows(self, bucket: int) -> int:
-        if self.accept:
-            return bucket // self.step
-        if not self.per_request:
+        if not (self.per_request or self.accept):  # accept: a row per request
             return bucket
         return self.slots if self.step is None else bucket // self.step
 
     def out_rows(self, batch: Batch) -> int:
-        if self.accept:
-            return batch.tokens // self.step
-        return len(batch.lens) if self.per_request else batch.tokens
+        return len(batch.lens) if self.per_request or self.accept else batch.tokens
 
     def fits(self, batch: Batch) -> str | None:
         if self.step is None and len(batch.lens) > self.slots:

@@ -174,11 +174,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     launch = pdl_args(x.device, T)
     ahead = (launch["PDL"] and prefetch is not None and prefetch.device == x.device
              and prefetch.is_contiguous() and prefetches(prefetch))
-    line = line_elements(prefetch) if ahead else 1
-    lines = triton.cdiv(prefetch.numel(), line) if ahead else 0
-    # The prefetch spread over enough programs that none issues more than AHEAD_LINES
-    # (one program asking for a whole 8 MB weight took tens of microseconds).
-    programs = max(T, min(triton.cdiv(lines, AHEAD_LINES), num_sms(x.device)))
+    line, lines, programs = 1, 0, T
+    if ahead:  # spread over enough programs that none issues more than AHEAD_LINES (one
+        # program asking for a whole 8 MB weight took tens of microseconds)
+        line = line_elements(prefetch)
+        lines = triton.cdiv(prefetch.numel(), line)
+        programs = max(T, min(triton.cdiv(lines, AHEAD_LINES), num_sms(x.device)))
     _rms_norm_kernel[(programs,)](
         x, weight, out, prefetch if ahead else x, x.stride(0), out.stride(0), T, H, eps,
         lines,
