@@ -41,7 +41,7 @@ from graphcap.core import checks
 from graphcap.core.context import forward_context
 from graphcap.core.inputs import Batch, Inputs, check_packing
 from graphcap.errors import UnsupportedModel
-from graphcap.inputs.accept import greedy_accept
+from graphcap.inputs.accept import ACCEPTS, greedy_accept, sampled_accept
 from graphcap.inputs.paged_calls import check_requests, check_steps
 from graphcap.kv.batch import CacheBatch
 from graphcap.kv.paged import PagedKVCache
@@ -70,10 +70,11 @@ class PagedInputs(Inputs):
     prefill ``attention`` backend and ``slots`` request slots per shape; ``extend``:
     continuing cached requests); ``output_rows`` (None: the model's) 'tokens' or
     'requests'; ``sample``: draw each request's next token in the graph (one token per
-    request); ``accept="greedy"``: a verify step (``tokens_per_request=1 + k``) returns
-    each request's accepted proposals and next token, ``[requests, 2]``, computed in the
-    graph (:mod:`graphcap.inputs.accept`; the cache then counts every token of the step
-    as written: :meth:`~graphcap.kv.PagedKVCache.rewind` keeps the accepted ones);
+    request); ``accept="greedy"`` or ``"sampled"``: a verify step (``tokens_per_request=1
+    + k``) returns each request's accepted proposals and next token, ``[requests, 2]``,
+    computed in the graph (:mod:`graphcap.inputs.accept`; "sampled" takes ``sampling=``
+    per request as ``sample`` does; the cache then counts every token of the step as
+    written: :meth:`~graphcap.kv.PagedKVCache.rewind` keeps the accepted ones);
     ``decode_attention``: the backend of attention over the pages (a name for
     ``get_backend(kind="decode")``, a backend, or None: the default); ``check_inputs``:
     token ids checked against the model's vocabulary (one host sync a call)."""
@@ -86,6 +87,7 @@ class PagedInputs(Inputs):
         super().__init__(cache.device)
         self.cache, self.step = cache, tokens_per_request
         self.extend, self.sample, self.accept = extend, sample, accept
+        self.draws = sample or accept == "sampled"  # takes sampling= per request
         if self.step is not None:
             self.step = checks.positive_int(tokens_per_request, "tokens_per_request")
         elif attention is None or slots is None:
@@ -95,11 +97,11 @@ class PagedInputs(Inputs):
         if sample and self.step != 1:
             raise ValueError("sample=True draws one token per request: it needs "
                              "tokens_per_request=1")
-        if accept not in (None, "greedy"):
-            raise ValueError(f"accept={accept!r}: None (logits out) or 'greedy' (a verify "
-                             "step's accepted proposals and next token)")
+        if accept is not None and accept not in ACCEPTS:
+            raise ValueError(f"accept={accept!r}: None (logits out), 'greedy' or 'sampled' "
+                             "(a verify step's accepted proposals and next token)")
         if accept and (self.step is None or self.step < 2):
-            raise ValueError("accept='greedy' verifies proposals: it needs "
+            raise ValueError(f"accept={accept!r} verifies proposals: it needs "
                              "tokens_per_request=1 + k, k >= 1 (the last accepted token, "
                              "then the proposals)")
         if extend and self.step is not None:
@@ -168,7 +170,7 @@ class PagedInputs(Inputs):
         ids = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
         token_slots = torch.full((max_tokens,), -1, dtype=torch.long, device=self.device)
         self.buffers = [ids, torch.zeros_like(ids), token_slots]
-        if self.sample:  # temperature, top_k, top_p, seed per row (pads: greedy)
+        if self.draws:  # temperature, top_k, top_p, seed per row (pads: greedy)
             self.buffers += [torch.zeros(max_tokens, dtype=dtype, device=self.device)
                              for dtype in (torch.float32, torch.long, torch.float32,
                                            torch.long)]
@@ -234,6 +236,8 @@ class PagedInputs(Inputs):
             out = model(ids, positions, last) if self.per_request else model(ids, positions)
             if self.sample:
                 out = SAMPLE(out, *params, positions + 1)
+            elif self.accept == "sampled":
+                out = sampled_accept(out, ids, self.step, *params, positions)
             elif self.accept:
                 out = greedy_accept(out, ids, self.step)
         state.kv.check_written(model)

@@ -24,11 +24,11 @@ _INTS = (torch.int32, torch.int64)
 def check_steps(inputs: PagedInputs, args: tuple, kwargs: dict) -> Batch:
     """A step of ``inputs.step`` tokens per request: ``runner(tokens, positions=[...],
     slots=[...])``."""
-    known = {"positions", "slots"} | ({"sampling"} if inputs.sample else set())
+    known = {"positions", "slots"} | ({"sampling"} if inputs.draws else set())
     unknown = sorted(set(kwargs) - known)
     if len(args) != 1 or unknown or "positions" not in kwargs or "slots" not in kwargs:
         raise BadBatch("a decode step is called as runner(tokens, positions=[...], "
-                       "slots=[...]" + (", sampling=[...]" if inputs.sample else "")
+                       "slots=[...]" + (", sampling=[...]" if inputs.draws else "")
                        + f"); got {len(args)} arguments and keywords {sorted(kwargs)}")
     tokens, k = args[0], inputs.step
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or \
@@ -48,7 +48,7 @@ def check_steps(inputs: PagedInputs, args: tuple, kwargs: dict) -> Batch:
         raise BadBatch(f"positions must be {requests} ints >= 0 (one per request, on "
                        f"the host: a list or a CPU tensor), got {kwargs['positions']!r}")
     slots = inputs.cache.requests(kwargs["slots"], requests)
-    params = per_row(kwargs.get("sampling"), requests) if inputs.sample else None
+    params = per_row(kwargs.get("sampling"), requests) if inputs.draws else None
     inputs.cache.check_step(slots, firsts)
     over = [(s, p + k) for s, p in zip(slots, firsts, strict=True)
             if p + k > inputs.cache.capacity(s)]
@@ -63,8 +63,8 @@ def check_steps(inputs: PagedInputs, args: tuple, kwargs: dict) -> Batch:
     token_slots = [s for s in slots for _ in range(k)]
     host = checks.staged([positions, token_slots], torch.long, inputs.device)  # no host sync
     args = (tokens, host[0], host[1])
-    if inputs.sample:
-        args += host_tensors(params, inputs.device)
+    if inputs.draws:  # per token: a request's sampling on each of its rows
+        args += host_tensors([p for p in params for _ in range(k)], inputs.device)
     return Batch(args, tokens.shape[0], [k] * requests,
                  host=[(s, p + k) for s, p in zip(slots, firsts, strict=True)])
 

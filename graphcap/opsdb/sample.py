@@ -52,10 +52,10 @@ def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab: int) -> torc
     return (x.double() + 0.5) / (_LANE + 1)
 
 
-def sample_reference(logits, temperature, top_k, top_p, seed, counter):
-    """logits [B, V] -> tokens [B] int64 (see the module docstring)."""
-    B, V = logits.shape
-    greedy = logits.argmax(dim=-1)
+def _ranked(logits, temperature, top_k, top_p):
+    """Each row's tokens by scaled logit, most likely first (``order``), the scaled logits
+    in that order, and which of them top-k and top-p keep."""
+    V = logits.shape[1]
     t = temperature.float().clamp_min(GREEDY_BELOW)[:, None]
     scaled = logits.float() / t
     order = scaled.argsort(dim=-1, descending=True, stable=True)
@@ -65,6 +65,25 @@ def sample_reference(logits, temperature, top_k, top_p, seed, counter):
     probs = torch.softmax(ranked.masked_fill(~keep, float("-inf")), dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
     keep &= (before < top_p.float()[:, None]) | (rank == 0) | (top_p[:, None] >= 1)
+    return order, ranked, keep
+
+
+def probabilities(logits, temperature, top_k, top_p) -> torch.Tensor:
+    """``[B, V]`` float32: the distribution :func:`sample_reference` draws each row's
+    token from (the kept tokens' softmax of the scaled logits, zero elsewhere; a greedy
+    row's argmax with probability 1)."""
+    order, ranked, keep = _ranked(logits, temperature, top_k, top_p)
+    ranked_probs = torch.softmax(ranked.masked_fill(~keep, float("-inf")), dim=-1)
+    probs = torch.zeros_like(ranked_probs).scatter_(1, order, ranked_probs)
+    greedy = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1)[:, None], 1.0)
+    return torch.where((temperature > GREEDY_BELOW)[:, None], probs, greedy)
+
+
+def sample_reference(logits, temperature, top_k, top_p, seed, counter):
+    """logits [B, V] -> tokens [B] int64 (see the module docstring)."""
+    V = logits.shape[1]
+    greedy = logits.argmax(dim=-1)
+    order, ranked, keep = _ranked(logits, temperature, top_k, top_p)
     noise = uniform_noise(seed, counter, V).gather(1, order)
     gumbel = -torch.log(-torch.log(noise))
     pick = (ranked.double() + gumbel).masked_fill(~keep, float("-inf")).argmax(dim=-1)
