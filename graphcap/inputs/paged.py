@@ -127,12 +127,7 @@ class PagedInputs(Inputs):
         if rows not in ("tokens", "requests"):
             raise UnsupportedModel(f"{type(model).__name__}.output_rows is {rows!r}: "
                                    "use 'tokens' or 'requests' (one row per request)")
-        self.per_request = rows == "requests"
-        if self.accept and self.per_request:
-            raise UnsupportedModel(
-                f"accept={self.accept!r} reads every token's logits, but "
-                f"{type(model).__name__} gives one row per request: build it with logits "
-                "for every token")
+        self.per_request = rows == "requests"  # with accept, asked for every row's
         self.row_unit = ("one token per request (drawn in the graph)" if self.sample else
                          "a request's accepted proposals and next token" if self.accept
                          else "one row per request (its last token)" if self.per_request
@@ -180,6 +175,10 @@ class PagedInputs(Inputs):
             torch.zeros(self.slots, dtype=torch.long, device=self.device)
 
     def _last_rows(self, tokens: int) -> torch.Tensor:
+        """The rows a model of one row per request gives logits of: each request's last
+        token's, or, in a verify step (which reads them all), every token's."""
+        if self.accept:
+            return torch.arange(tokens, device=self.device)
         k = self.step
         return torch.arange(tokens // k, device=self.device) * k + k - 1
 
@@ -225,7 +224,7 @@ class PagedInputs(Inputs):
         ids, positions, _, *params = (b[:bucket] for b in self.buffers)
         return self._run(model, state, ids, positions, params,
                          self.last_rows if self.step is None else
-                         self.last_rows[:bucket // self.step])
+                         self.last_rows[:bucket if self.accept else bucket // self.step])
 
     def _run(self, model, state: PagedState, ids, positions, params, last):
         """The model under the state's context: each row's logits, or with ``sample`` the

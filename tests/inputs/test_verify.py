@@ -101,16 +101,12 @@ def test_rewind_keeps_what_was_written_and_refuses_the_rest():
     assert cache.written(3) == written - 2
 
 
-def test_a_verify_step_needs_proposals_and_every_tokens_logits():
+def test_a_verify_step_needs_proposals():
     _, cache, _ = setup()
     with pytest.raises(ValueError, match="tokens_per_request=1 \\+ k"):
         PagedInputs(cache, tokens_per_request=1, accept="greedy")
     with pytest.raises(ValueError, match="accept=.sometimes."):
         PagedInputs(cache, tokens_per_request=2, accept="sometimes")
-    last = Decoder(PRESETS["tiny"], logits="last").to(DEVICE).eval()
-    with pytest.raises(graphcap.UnsupportedModel, match="one row per request"):
-        graphcap.capture(last, "full", buckets=[2],
-                         inputs=PagedInputs(cache, tokens_per_request=2, accept="greedy"))
 
 
 def test_the_ngram_proposer_looks_up_the_longest_recurring_suffix_most_recent_first():
@@ -159,3 +155,23 @@ def test_ngram_speculation_accepts_where_the_text_recurs_and_gives_plain_greedy_
         steps += 1
     assert {s: got[s][:NEW] for s in slots} == want
     assert steps <= (NEW - 1) // 2  # at least two tokens a verify step
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_a_model_of_one_row_per_request_verifies_from_every_rows_logits(strategy):
+    """A model built for prefill (logits of each request's last token only: what LLM
+    serves) is asked for every row's in a verify step, and accepts as one of every row."""
+    outs = []
+    for logits in ("all", "last"):
+        m, cache, first = setup()
+        torch.manual_seed(0)
+        model = Decoder(PRESETS["tiny"], logits=logits).to(DEVICE).eval()
+        model.load_state_dict(m.state_dict())
+        runner = graphcap.capture(model, strategy, buckets=[3 * (1 + K)],
+                                  inputs=PagedInputs(cache, tokens_per_request=1 + K,
+                                                     accept="greedy"))
+        slots = sorted(PROMPTS)
+        proposals = sum(([first[s], first[s], 4, 4] for s in slots), [])
+        outs.append(runner(torch.tensor(proposals, device=DEVICE),
+                           positions=[cache.written(s) for s in slots], slots=slots).tolist())
+    assert outs[0] == outs[1]
