@@ -4,6 +4,7 @@ serves (:class:`Request`), and the cache a model needs (:func:`cache_shape`)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +13,7 @@ from graphcap.api import backend_for, capture
 from graphcap.core.buckets import decode_ladder
 from graphcap.core.checks import positive_int
 from graphcap.engine.eager import last_token_logits
+from graphcap.engine.speculative import Verifier
 from graphcap.errors import UnsupportedModel
 from graphcap.inputs.cache_prefill import CachePrefillInputs
 from graphcap.inputs.decode import DecodeInputs
@@ -91,11 +93,14 @@ class Engine:
     prefill runner's fallbacks). ``attention`` names the prefill attention backend
     (None: the best here), ``decode_attention`` the decode one (None:
     ``graphcap::decode_attention``, its kernel chosen per device; ``"flashinfer"``);
-    ``progress`` shows the captures."""
+    ``progress`` shows the captures; ``speculative``: a proposer (``k`` and
+    ``propose(tokens)``), whose proposals verify graphs check, captured too
+    (:mod:`graphcap.engine.speculative`; ``vocab``: the token ids proposals may be)."""
 
     def __init__(self, model, cache: PagedKVCache, strategy: str, max_batch: int,
                  prefill_tokens: int, *, chunked: bool = False, attention: str | None = None,
-                 decode_attention: str | None = None, progress=None):
+                 decode_attention: str | None = None, progress=None, speculative=None,
+                 vocab: int | None = None):
         self.cache, self.max_batch, self.prefill_tokens = cache, max_batch, prefill_tokens
         self.device, self.rows_of = cache.device, getattr(model, "output_rows", "tokens")
         name = type(model).__name__
@@ -105,6 +110,12 @@ class Engine:
                                inputs=DecodeInputs(cache, attention=decode_attention),
                                copy_outputs=False,
                                progress=progress)
+        self.verifier = None  # speculative decoding's verify graphs
+        if speculative is not None:
+            self.verifier = Verifier(functools.partial(capture, model, strategy,
+                                                       progress=progress),
+                                     speculative, cache, decode_ladder(max_batch),
+                                     vocab or 2**63, decode_attention)
         backend = backend_for(model, attention, cache.device, strategy, cache.dtype)
         ladder = decode_ladder(prefill_tokens)
         self.prefiller = capture(model, strategy, buckets=ladder, progress=progress,
@@ -190,9 +201,11 @@ class Engine:
         return drawn
 
     def runners(self) -> dict:
+        verify = self.verifier.runner if self.verifier is not None else None
         return {name: runner for name, runner in (("decode", self.decoder),
                                                    ("prefill", self.prefiller),
-                                                   ("extend", self.extender)) if runner}
+                                                   ("extend", self.extender),
+                                                   ("verify", verify)) if runner}
 
     def report(self) -> dict:
         """Decode steps and prefill calls (a chunk of a long prompt each); per runner its
@@ -200,7 +213,13 @@ class Engine:
         reports = {name: r.report() for name, r in self.runners().items()}
         decoded, prefilled = reports["decode"], reports["prefill"]
         extended = reports.get("extend", {})
-        return {"decode_steps": self.steps, "prefills": self.prefills,
+        speculative = {}
+        if self.verifier is not None:
+            verified = reports["verify"]
+            speculative = {"verify_replays": dict(verified.get("replays", {})),
+                           "verify_fallbacks": dict(verified.get("fallbacks", {})),
+                           **self.verifier.counts.report()}
+        return {**speculative,"decode_steps": self.steps, "prefills": self.prefills,
                 "replays": dict(decoded.get("replays", {})),
                 "fallbacks": dict(decoded.get("fallbacks", {})),
                 "prefill_replays": dict(prefilled.get("replays", {})),

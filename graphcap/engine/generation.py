@@ -37,7 +37,8 @@ LONG_RUN = 2048  # tokens to generate from which generate() shows a progress bar
 
 def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
              max_batch: int = 8, stop_tokens=(), sampling=None, page_size: int = 16,
-             prefill_tokens: int = 512, progress: bool | None = None) -> Generation:
+             prefill_tokens: int = 512, progress: bool | None = None,
+             speculative=None) -> Generation:
     """Generate up to ``max_new_tokens`` tokens for each of ``prompts`` (lists of token
     ids) with ``model`` (any model :class:`~graphcap.engine.llm.LLM` takes), on an
     ``LLM`` built for this call (its graphs captured for it): ``strategy`` (any of
@@ -49,7 +50,9 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
     in calls of at most that many tokens; a longer prompt in chunks of that many, on
     graphs). Only ``stop_tokens`` end a request early (not the model's end-of-sequence
     id unless given). ``progress``: a bar of the tokens generated (``None``: on runs of at
-    least ``LONG_RUN`` tokens). Build an ``LLM`` once to generate many times.
+    least ``LONG_RUN`` tokens). ``speculative``: a proposer (``k`` and
+    ``propose(tokens)``) whose proposals verify graphs check (``LLM``'s). Build an ``LLM``
+    once to generate many times.
 
         out = graphcap.generate(model, [[1, 5, 9], [1, 7]], max_new_tokens=32)
         out.tokens            # [[...], [...]]
@@ -71,7 +74,8 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
     llm = LLM(model, strategy=strategy, max_batch=min(max_batch, len(prompts)),
               max_len=longest, prefill_tokens=prefill_tokens, page_size=page_size,
               progress=False, stop_at_eos=False,
-              long_prompts=max(map(len, prompts)) > prefill_tokens)
+              long_prompts=max(map(len, prompts)) > prefill_tokens,
+              speculative=speculative)
     total = len(prompts) * max_new_tokens
     show = progress if progress is not None else total >= LONG_RUN
     bar = progress_bar(total, "generating") if show else \
@@ -82,4 +86,4 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
                                 stop=sorted(stops)):
             tokens[delta.index] += delta.tokens
             step()
-    return Generation(tokens, llm.engine.report())
+    return Generation(tokens, llm.engine.report())  # with a proposer, its counts too

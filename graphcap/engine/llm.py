@@ -28,6 +28,7 @@ from graphcap.api import STRATEGIES, model_dtype
 from graphcap.core.checks import positive_int
 from graphcap.engine.arguments import check_prompts, eos_ids, sampling_of, stop_tokens_of
 from graphcap.engine.engine import Engine, Request, cache_shape
+from graphcap.engine.speculative import check_proposer
 from graphcap.errors import GraphcapError
 from graphcap.kv.paged import PagedKVCache
 
@@ -79,13 +80,17 @@ class LLM:
     ``progress`` shows the captures; ``stop_at_eos``: the model's and the tokenizer's
     end-of-sequence ids end every request; ``long_prompts``: prompts longer than
     ``prefill_tokens`` prefill in chunks on graphs (extend graphs, captured here too;
-    False: eagerly, in one call). Every graph is captured here; later calls capture nothing."""
+    False: eagerly, in one call); ``speculative``: a proposer (``k`` and
+    ``propose(tokens)``, e.g. ``graphcap.engine.proposers.NgramProposer(k=4)``): each step
+    verifies its ``k`` proposals per request on verify graphs and gains the accepted ones
+    plus one, the tokens distributed as without it (:mod:`graphcap.engine.speculative`).
+    Every graph is captured here; later calls capture nothing."""
 
     def __init__(self, model, tokenizer=None, *, strategy: str = "full", max_batch: int = 8,
                  max_len: int | None = None, prefill_tokens: int = 512,
                  attention: str | None = None, decode_attention: str | None = None,
                  page_size: int = 16, progress=True,
-                 stop_at_eos: bool = True, long_prompts: bool = True):
+                 stop_at_eos: bool = True, long_prompts: bool = True, speculative=None):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy={strategy!r}: unknown strategy, choose one of "
                              f"{sorted(STRATEGIES)}")
@@ -100,9 +105,17 @@ class LLM:
             min(bound, DEFAULT_MAX_LEN)
         if self.max_len > bound:
             raise ValueError(f"max_len {self.max_len} passes the model's max_position {bound}")
+        # A verify step writes its k proposals past a request's last token: room for them.
+        self.room = check_proposer(speculative) if speculative is not None else 0
+        if self.max_len + self.room > bound:
+            raise ValueError(f"max_len {self.max_len} plus the proposer's k = {self.room} "
+                             f"passes the model's max_position {bound}: a verify step "
+                             "writes k tokens past a request's last; build the LLM with "
+                             f"max_len at most {bound - self.room}")
         device = next(model.parameters()).device
         self.cache = PagedKVCache(self.shape.layers, self.shape.kv_heads, self.shape.head_dim,
-                                  max_requests=self.max_batch, max_len=self.max_len,
+                                  max_requests=self.max_batch,
+                                  max_len=self.max_len + self.room,
                                   page_size=page_size, dtype=model_dtype(model), device=device,
                                   window=self.shape.window)
         self._idle = threading.Lock()  # held by the call being served
@@ -110,7 +123,8 @@ class LLM:
                              positive_int(prefill_tokens, "prefill_tokens"),
                              chunked=long_prompts,
                              attention=attention, decode_attention=decode_attention,
-                             progress=progress or None)
+                             progress=progress or None, speculative=speculative,
+                             vocab=self.shape.vocab_size)
 
     # -- calls -----------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens: int = 64, *, sampling=None, stop=None
@@ -165,8 +179,14 @@ class LLM:
             self._idle.release()
 
     def report(self) -> dict:
-        """Per runner (decode, prefill, extend): its ``runner.report()``."""
-        return {name: runner.report() for name, runner in self.engine.runners().items()}
+        """Per runner (decode, prefill, extend, verify): its ``runner.report()``; with a
+        proposer, ``"speculative"``: verify steps, proposals, accepted ones, the mean
+        acceptance length and the seconds in the proposer, the verify steps and the host
+        (:class:`graphcap.engine.speculative.Counts`)."""
+        out = {name: runner.report() for name, runner in self.engine.runners().items()}
+        if self.engine.verifier is not None:
+            out["speculative"] = self.engine.verifier.counts.report()
+        return out
 
     # -- the loop --------------------------------------------------------------------
     def _loop(self, requests, max_new: int, stops: set[int], texts) -> Iterator[Delta]:
@@ -177,7 +197,7 @@ class LLM:
             for slot in range(self.max_batch):
                 if slot not in engine.live and waiting:
                     request = waiting.popleft()
-                    engine.admit(slot, request, max_new)
+                    engine.admit(slot, request, max_new + self.room)
                     if engine.extender is not None and \
                             len(request.prompt) > engine.prefill_tokens:
                         filling[slot] = 0  # in chunks, between decode steps
@@ -189,6 +209,9 @@ class LLM:
                 while filling:
                     joined = self._fill(filling)
                     yield from self._take(joined, max_new, stops, texts)
+                continue
+            if engine.verifier is not None:  # one verify step, then a chunk
+                yield from self._speculate(slots, filling, max_new, stops, texts)
                 continue
             tokens = torch.tensor([engine.live[s].last for s in slots],
                                   device=self.cache.device)
@@ -209,6 +232,20 @@ class LLM:
                     yield from self._take(joined, max_new, stops, texts)
                     break
                 drawn = ahead
+
+    def _speculate(self, slots: list[int], filling: dict[int, int], max_new: int,
+                   stops: set[int], texts) -> Iterator[Delta]:
+        """One verify step of the requests in ``slots``; each request's gained tokens in
+        order, up to one that ends it (the rest dropped); then a chunk of a long prompt."""
+        engine = self.engine
+        gained = engine.verifier.step({s: engine.live[s] for s in slots})
+        for slot in slots:
+            for token in gained[slot]:
+                if slot not in engine.live:  # ended on an earlier token of this step
+                    break
+                yield from self._take([(slot, token)], max_new, stops, texts)
+        if filling:
+            yield from self._take(self._fill(filling), max_new, stops, texts)
 
     def _fill(self, filling: dict[int, int]) -> list[tuple[int, int]]:
         """One chunk of the first long prompt in ``filling``; once its last is in, its

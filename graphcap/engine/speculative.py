@@ -1,0 +1,117 @@
+"""Speculative decoding in the engine: a proposer guesses each request's next ``k``
+tokens, one verify step of the target checks them all (the decode runner's kind of input
+with ``1 + k`` tokens per request and acceptance in the graph:
+:class:`~graphcap.inputs.PagedInputs` ``accept="sampled"``), and each request gains its
+accepted proposals plus one token of the target's own, as many as ``k + 1`` a step.
+
+Acceptance is rejection sampling against the request's :class:`~graphcap.Sampling`, so
+the tokens are distributed as plain decoding's whatever is proposed (greedy requests:
+token for token plain greedy decoding's). The cache is rewound to the accepted tokens
+after each step: the K/V of refused proposals are never read, and the next step writes
+over them.
+
+A proposer is any object with ``k`` (proposals per step) and ``propose(tokens)``: ``k``
+token ids after a request's ``tokens`` so far (prompt and generated), e.g.
+:class:`~graphcap.engine.proposers.NgramProposer`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from graphcap.core.checks import positive_int
+from graphcap.inputs.paged import PagedInputs
+
+
+def check_proposer(proposer) -> int:
+    """The proposer's ``k``; ValueError naming what a proposer needs where it lacks it."""
+    k = getattr(proposer, "k", None)
+    if not callable(getattr(proposer, "propose", None)) or k is None:
+        raise ValueError(f"speculative={proposer!r}: a proposer needs k (proposals per "
+                         "step) and propose(tokens) -> k token ids, as "
+                         "graphcap.engine.proposers.NgramProposer(k=4) has")
+    return positive_int(k, "the proposer's k")
+
+
+@dataclass
+class Counts:
+    """What speculation did: verify steps, proposals made and accepted, and seconds in
+    the proposer (draft), in the verify step up to its tokens on the host (verify) and in
+    the bookkeeping after it (host)."""
+
+    steps: int = 0
+    proposals: int = 0
+    accepted: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    host_s: float = 0.0
+
+    def report(self) -> dict:
+        per_step = self.steps or 1
+        return {"verify_steps": self.steps, "proposals": self.proposals,
+                "accepted": self.accepted,
+                "acceptance_rate": self.accepted / self.proposals if self.proposals else 0.0,
+                # tokens a request gains per verify step: its accepted proposals plus one
+                "mean_acceptance_length": (self.accepted / per_step + 1) if self.steps
+                else 0.0,
+                "draft_s": self.draft_s, "verify_s": self.verify_s, "host_s": self.host_s}
+
+
+class Verifier:
+    """The verify graphs of a model over ``cache`` (``capture`` with
+    ``PagedInputs(cache, 1 + k, accept="sampled")``, one bucket per decode bucket), the
+    proposer (its proposals checked against ``vocab``), and the counts."""
+
+    def __init__(self, capture, proposer, cache, buckets: list[int], vocab: int,
+                 decode_attention=None):
+        self.proposer, self.k = proposer, check_proposer(proposer)
+        self.cache, self.vocab, self.counts = cache, vocab, Counts()
+        self.runner = capture(buckets=[b * (1 + self.k) for b in buckets],
+                              inputs=PagedInputs(cache, 1 + self.k, accept="sampled",
+                                                 decode_attention=decode_attention))
+
+    def step(self, requests: dict) -> dict[int, list[int]]:
+        """One verify step of ``requests`` (request slot -> :class:`Request`, each with a
+        token drawn and not yet cached): the tokens each gains, its accepted proposals
+        then the target's next; each request's cached length counts its last token and
+        the accepted proposals."""
+        start = time.perf_counter()
+        slots = sorted(requests)
+        live = [requests[s] for s in slots]
+        proposals = [self._proposal(r) for r in live]
+        drafted = time.perf_counter()
+        tokens = torch.tensor([t for r, p in zip(live, proposals, strict=True)
+                               for t in [r.last, *p]], device=self.cache.device)
+        out = self.runner(tokens, positions=[r.length for r in live], slots=slots,
+                          sampling=[r.sampling for r in live]).tolist()
+        verified = time.perf_counter()
+        gained = {}
+        for slot, request, proposed, (n, following) in zip(slots, live, proposals, out,
+                                                             strict=True):
+            request.length += 1 + n
+            self.cache.rewind(slot, request.length)
+            gained[slot] = proposed[:n] + [following]
+            self.counts.accepted += n
+        self.counts.steps += 1
+        self.counts.proposals += self.k * len(slots)
+        self.counts.draft_s += drafted - start
+        self.counts.verify_s += verified - drafted
+        self.counts.host_s += time.perf_counter() - verified
+        return gained
+
+    def _proposal(self, request) -> list[int]:
+        proposed = list(self.proposer.propose(request.prompt + request.new))
+        if len(proposed) != self.k or any(isinstance(t, bool) or not isinstance(t, int)
+                                          for t in proposed):
+            raise ValueError(f"the proposer {type(self.proposer).__name__} gave "
+                             f"{proposed!r}: propose(tokens) must give k = {self.k} ints")
+        if any(not 0 <= t < self.vocab for t in proposed):
+            raise ValueError(f"the proposer {type(self.proposer).__name__} proposed "
+                             f"{proposed!r}: token ids must be in [0, {self.vocab})")
+        return proposed
+
+
+__all__ = ["Counts", "Verifier", "check_proposer"]

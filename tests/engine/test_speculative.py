@@ -1,0 +1,167 @@
+"""Speculative decoding in ``graphcap.LLM`` and ``graphcap.generate``: with any proposer
+the greedy tokens are plain greedy decoding's (every sequence recomputed) under every
+strategy, and sampled tokens are distributed as plain sampling's; every verify step
+replays a graph; the report counts proposals and acceptances; bad proposers are refused
+and leave the LLM usable."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import graphcap
+from graphcap import LLM, Sampling
+from graphcap.api import GRAPHED
+from graphcap.engine.proposers import NgramProposer
+from tests.engine.test_generate import NEW, PROMPTS, model
+from tests.engine.test_llm import cut, truth
+from tests.inputs.test_sampled_accept import critical
+from tests.support.runner_helpers import DEVICE
+
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+K = 3
+
+
+class Oracle:
+    """Proposals from the answer (each request's greedy continuation), every third one
+    spoiled: steps that accept some and refuse the rest."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def propose(self, tokens):
+        for prompt, answer in zip(PROMPTS, truth(), strict=True):
+            if tokens[:len(prompt)] == prompt:
+                done = len(tokens) - len(prompt)
+                ahead = (answer[done:] + [0] * self.k)[:self.k]
+                return [0 if (done + i) % 3 == 2 else t for i, t in enumerate(ahead)]
+        raise AssertionError(f"no prompt begins {tokens}")
+
+
+class RandomProposer:
+    """Proposals that are almost never right: the cost of speculation without its gain."""
+
+    def __init__(self, k: int, vocab: int):
+        self.k, self.vocab, self.rng = k, vocab, random.Random(0)
+
+    def propose(self, tokens):
+        return [self.rng.randrange(self.vocab) for _ in range(self.k)]
+
+
+def speculative_llm(strategy: str, proposer, **kw) -> LLM:
+    return LLM(model(), strategy=strategy, max_batch=3, max_len=32, prefill_tokens=8,
+               progress=False, speculative=proposer, **kw)
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_speculative_greedy_tokens_are_plain_greedy_decodings_and_every_step_replays(
+        strategy):
+    lookup = speculative_llm(strategy, NgramProposer(K))
+    assert [c.tokens for c in lookup.generate(PROMPTS, 12)] == [t[:12] for t in truth()]
+    oracle = speculative_llm(strategy, Oracle(K))
+    for _ in range(2):  # a second call captures nothing and gives the same tokens
+        done = oracle.generate(PROMPTS, 12)
+        assert [c.tokens for c in done] == [t[:12] for t in truth()]
+    report = oracle.report()
+    spec, verify = report["speculative"], report["verify"]
+    assert 0 < spec["accepted"] < spec["proposals"]
+    assert spec["mean_acceptance_length"] > 1.5
+    assert sum(verify["replays"].values()) == spec["verify_steps"]
+    assert not verify["fallbacks"] and verify["recaptures"] == 0
+    assert sum(report["decode"]["replays"].values()) == 0  # no plain decode step
+    wrong = speculative_llm(strategy, RandomProposer(K, model().args.vocab_size))
+    assert [c.tokens for c in wrong.generate(PROMPTS, NEW)] == [t[:NEW] for t in truth()]
+
+
+def test_a_stop_token_in_the_middle_of_a_steps_gained_tokens_ends_the_request_there():
+    lookup = speculative_llm("full", NgramProposer(K))
+    want = truth()
+    stops = {want[0][4], want[2][2]}
+    done = lookup.generate(PROMPTS, 12, stop=sorted(stops))
+    assert [c.tokens for c in done] == [cut(t, stops, 12) for t in want]
+    assert [c.finish_reason for c in done] == \
+        ["stop" if set(t[:12]) & stops else "length" for t in want]
+
+
+def test_generate_takes_a_proposer_and_reports_what_it_did():
+    out = graphcap.generate(model(), PROMPTS, NEW, max_batch=2,
+                            speculative=NgramProposer(K))
+    assert out.tokens == [t[:NEW] for t in truth()]
+    assert out.report["verify_steps"] == sum(out.report["verify_replays"].values()) > 0
+    assert out.report["proposals"] == K * out.report["verify_steps"] or \
+        out.report["proposals"] > out.report["verify_steps"]
+    assert out.report["decode_steps"] == 0 and not out.report["verify_fallbacks"]
+
+
+def test_sampled_tokens_are_distributed_as_plain_samplings():
+    """One prompt, 960 seeds, the tokens after the first: the counts of the second and
+    third token under speculation (proposals from the greedy answer: some accepted, some
+    refused) and under plain decoding, compared by a two-sample chi-square (seeded: the
+    same verdict every run)."""
+    prompt, seeds = [[5, 9, 2, 7, 1]], range(960)
+    sampling = [Sampling(temperature=0.6, top_k=3, seed=s) for s in seeds]
+    runs = {}
+    for name, proposer in (("plain", None), ("speculative", Oracle(K))):
+        llm = LLM(model(), strategy="eager", max_batch=8, max_len=16, progress=False,
+                  speculative=proposer)
+        done = llm.generate(prompt * len(seeds), 3, sampling=sampling)
+        runs[name] = torch.tensor([c.tokens for c in done])
+    spec = llm.report()["speculative"]
+    assert 0 < spec["accepted"] < spec["proposals"]
+    for j in (1, 2):
+        a, b = (torch.bincount(runs[n][:, j], minlength=model().args.vocab_size).double()
+                for n in ("plain", "speculative"))
+        stat, dof = two_sample(a, b)
+        assert dof >= 3 and stat < critical(dof), (j, stat, dof)
+
+
+def two_sample(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic of two samples' counts ``a`` and ``b`` drawn from one law, over
+    the tokens drawn at least 10 times in all (the rest pooled in one cell), and its
+    degrees of freedom."""
+    common = (a + b) >= 10
+    a = torch.cat([a[common], a[~common].sum()[None]])
+    b = torch.cat([b[common], b[~common].sum()[None]])
+    seen = (a + b) > 0
+    a, b = a[seen], b[seen]
+    share = a.sum() / (a.sum() + b.sum())
+    expect_a, expect_b = (a + b) * share, (a + b) * (1 - share)
+    stat = ((a - expect_a) ** 2 / expect_a + (b - expect_b) ** 2 / expect_b).sum()
+    return stat.item(), int(seen.sum()) - 1
+
+
+class Wrong:
+    def __init__(self, k, proposal):
+        self.k, self.proposal = k, proposal
+
+    def propose(self, tokens):
+        return self.proposal
+
+
+@pytest.mark.parametrize(("proposer", "match"), [
+    (object(), "a proposer needs k"),
+    (Wrong(0, []), "k must be a positive int"),
+])
+def test_what_is_no_proposer_is_refused_when_the_llm_is_built(proposer, match):
+    with pytest.raises(ValueError, match=match):
+        speculative_llm("eager", proposer)
+
+
+def test_bad_proposals_are_refused_and_leave_the_llm_usable():
+    proposer = Wrong(2, [1])
+    llm = speculative_llm("full", proposer)
+    with pytest.raises(ValueError, match="must give k = 2 ints"):
+        llm.generate(PROMPTS, NEW)
+    proposer.proposal = [1, 10**6]
+    with pytest.raises(ValueError, match="token ids must be in"):
+        llm.generate(PROMPTS, NEW)
+    proposer.proposal = [1, 2]
+    assert [c.tokens for c in llm.generate(PROMPTS, NEW)] == [t[:NEW] for t in truth()]
+
+
+def test_room_for_the_proposals_past_max_position_is_refused():
+    with pytest.raises(ValueError, match="plus the proposer's k = 3 passes"):
+        LLM(model(), max_len=model().args.max_position, speculative=NgramProposer(K),
+            progress=False)
