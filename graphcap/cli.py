@@ -88,9 +88,10 @@ def _generate(args: argparse.Namespace) -> int:
 # The options of bench, their defaults, and which each suite reads (another given is an
 # error, not ignored).
 BENCH_DEFAULTS = {"models": None, "arms": None, "lengths": None, "reps": 30,
-                  "batches": None, "context": "128", "window": 0, "attention": None}
+                  "batches": None, "context": "128", "window": 0, "attention": None,
+                  "speculative": 0}
 BENCH_READS = {"ops": set(), "decode": {"models", "arms", "batches", "context", "window",
-                                        "reps"},
+                                        "reps", "speculative"},
                "prefill": {"models", "arms", "lengths", "reps", "attention"},
                "generate": {"models", "arms", "reps"},
                "build": {"models", "arms", "attention"}, "memory": {"models", "arms",
@@ -126,8 +127,15 @@ def _check_bench_args(args: argparse.Namespace) -> None:
     if ladders and len(models) > 1:
         raise GraphcapError(f"--models: bench {args.suite} runs one model, not {len(models)}; "
                             "run it once per model")
+    if args.speculative and (args.context != BENCH_DEFAULTS["context"] or args.window):
+        raise GraphcapError("bench decode --speculative generates from prompts of its own "
+                            "length: leave out --context and --window")
     arms = {"decode": decode.ARMS, "prefill": ARMS + HF_ARMS, "build": ladder.BUILD_ARMS,
             "memory": ladder.MEMORY_ARMS, "generate": generate.STRATEGIES}[args.suite]
+    if args.speculative:
+        from graphcap.bench import speculative
+
+        arms = speculative.ARMS
     for arm in args.arms.split(",") if args.arms else []:
         if arm not in arms:
             raise GraphcapError(f"--arms: no arm {arm!r} in bench {args.suite}; choose from "
@@ -289,6 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--window", type=_positive, default=0,
                        help="decode: a sliding window of this many tokens on every layer "
                             "(its step reads only the window's K/V)")
+    bench.add_argument("--speculative", type=_positive, default=0, metavar="K",
+                       help="decode: speculative decoding with K proposals a step, each "
+                            "proposer (target, random, ngram: --arms) beside plain decode, "
+                            "end to end (default batches 1,8,64)")
     bench.add_argument("--tp", type=_positive, default=1,
                        help="prefill: split each preset across this many GPUs (one process "
                             "each, NCCL) and time it beside the unsplit run")

@@ -496,3 +496,24 @@ def test_bench_generate_counts_idle_time_between_launches_apart_from_gaps_inside
                      "gpu_idle": {"full": {"between_launches": 0.04, "any": 0.2}}})
     idle = [t for t in found if "idle" in t["target"]]
     assert [(t["measured"], t["met"]) for t in idle] == [(0.04, True)]
+
+
+def test_bench_speculative_sets_each_proposer_beside_plain_decode_with_its_acceptance():
+    from graphcap.bench import speculative
+
+    result = speculative.run(("tiny",), batches=(1, 2), k=3, reps=1, device="cpu",
+                             prompt=32, new=12)
+    model = result["models"][0]
+    assert set(model["steps"]) == {1, 2}
+    assert all(s["verify_ms"] > 0 and s["decode_ms"] > 0 for s in model["steps"].values())
+    for rows in model["generate"].values():
+        assert set(rows) == {"plain", "plain-repeating", "target", "random", "ngram"}
+        # the target's own tokens are all accepted; random ones (almost) never
+        assert rows["target"]["mean_acceptance_length"] == 4.0
+        assert rows["random"]["acceptance_rate"] < 0.1
+        assert all(rows[a]["tokens_equal_plain"] for a in ("target", "random", "ngram"))
+    assert model["verify_fallbacks"] == 0 and model["verify_replays"] > 0
+    names = [t["target"] for t in model["targets"]]
+    assert names[0] == "verify step of 1 + 3 tokens over a decode step, batch 1"
+    assert "target proposals (acceptance length 4.0): speed-up over plain, batch 1" in names
+    assert names[-1] == "every verify step replayed a graph" and model["targets"][-1]["met"]

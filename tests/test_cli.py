@@ -174,7 +174,10 @@ def test_ops_names_a_device_torch_does_not_know(capsys):
     (["generate", "--lengths", "16"], "bench generate does not take --lengths"),
     (["decode", "--attention", "triton", "--lengths", "8"],
      "bench decode does not take --lengths, --attention: leave them out"),
-    (["ops", "--reps", "3"], "bench ops does not take --reps")])
+    (["ops", "--reps", "3"], "bench ops does not take --reps"),
+    (["decode", "--speculative", "4", "--arms", "full"], "no arm 'full'"),
+    (["decode", "--speculative", "4", "--context", "512"], "leave out --context"),
+    (["prefill", "--speculative", "4"], "bench prefill does not take --speculative")])
 def test_bench_refuses_a_preset_or_arm_its_suite_lacks_before_it_needs_a_gpu(
         capsys, argv, needle):
     err = refused(capsys, "bench", *argv)

@@ -25,6 +25,20 @@ def run_suite(args: argparse.Namespace) -> int:
     )
     from graphcap.progress import progress
 
+    if args.suite == "decode" and args.speculative:
+        from graphcap.bench import speculative
+        from graphcap.bench.report import show_targets
+
+        result = speculative.run(_csv(args.models, ["qwen3-0.6b"]),
+                                 _csv(args.arms, speculative.ARMS),
+                                 _csv(args.batches, speculative.BATCHES, int),
+                                 args.speculative,
+                                 reps=3 if args.reps == 30 else args.reps)  # 30: not given
+        for model in result["models"]:
+            show_targets(model["targets"])
+        path = write_result(result, args.out, f"{today()}-bench-decode-speculative.json")
+        print(f"wrote {path}")
+        return 0 if all(t["met"] for m in result["models"] for t in m["targets"]) else 1
     if args.suite == "decode":
         from graphcap.bench import decode
 

@@ -127,16 +127,19 @@ class LLM:
                              vocab=self.shape.vocab_size)
 
     # -- calls -----------------------------------------------------------------------
-    def generate(self, prompts, max_new_tokens: int = 64, *, sampling=None, stop=None
-                 ) -> list[Completion]:
+    def generate(self, prompts, max_new_tokens: int = 64, *, sampling=None, stop=None,
+                 speculate: bool = True) -> list[Completion]:
         """One :class:`Completion` per prompt, in order. ``prompts``: strings (with a
         tokenizer) or lists of token ids; ``sampling``: one ``graphcap.Sampling`` for all
         (each prompt then draws with its own seed) or one per prompt; ``stop``: token ids
         and, with a tokenizer, strings that end a request (the model's and the tokenizer's
-        end-of-sequence ids do too, unless the LLM was built with ``stop_at_eos=False``)."""
+        end-of-sequence ids do too, unless the LLM was built with ``stop_at_eos=False``);
+        ``speculate=False``: plain decode steps even where the LLM has a proposer (its
+        decode graphs are captured too)."""
         done: dict[int, Completion] = {}
         tokens: dict[int, list[int]] = {}
-        for delta in self.stream(prompts, max_new_tokens, sampling=sampling, stop=stop):
+        for delta in self.stream(prompts, max_new_tokens, sampling=sampling, stop=stop,
+                                 speculate=speculate):
             tokens.setdefault(delta.index, []).extend(delta.tokens)
             if delta.finish_reason is not None:
                 done[delta.index] = Completion(delta.index, tokens[delta.index],
@@ -146,8 +149,8 @@ class LLM:
                 c.text = self._text(c.tokens, self._stop_strings(stop))[0]
         return [done[i] for i in range(len(done))]
 
-    def stream(self, prompts, max_new_tokens: int = 64, *, sampling=None, stop=None
-               ) -> Iterator[Delta]:
+    def stream(self, prompts, max_new_tokens: int = 64, *, sampling=None, stop=None,
+               speculate: bool = True) -> Iterator[Delta]:
         """:meth:`generate`'s tokens as they are drawn: a :class:`Delta` per request per
         step (text deltas hold back a partial character and what may begin a stop
         string), the last one of each request saying why it ended. The arguments are
@@ -162,17 +165,19 @@ class LLM:
                              f"{max_new_tokens} new ones passes this LLM's max_len "
                              f"{self.max_len}: build it with a larger max_len")
         requests = [Request(i, p, params[i]) for i, p in enumerate(ids)]
-        return self._serve(requests, max_new_tokens, stops, strings)
+        if not isinstance(speculate, bool):
+            raise ValueError(f"speculate must be True or False, got {speculate!r}")
+        return self._serve(requests, max_new_tokens, stops, strings, speculate)
 
     def _serve(self, requests, max_new_tokens: int, stops: set[int],
-               strings: tuple[str, ...]) -> Iterator[Delta]:
+               strings: tuple[str, ...], speculate: bool) -> Iterator[Delta]:
         texts = {r.index: _Text(stops=strings) for r in requests}
         if not self._idle.acquire(blocking=False):
             raise GraphcapError("this LLM is serving another call (a stream not yet "
                                 "finished, or another thread's): one call at a time; finish "
                                 "or close the stream first")
         try:
-            yield from self._loop(requests, max_new_tokens, stops, texts)
+            yield from self._loop(requests, max_new_tokens, stops, texts, speculate)
         finally:
             for slot in list(self.engine.live):  # an error, or a stream left unfinished
                 self.engine.release(slot)
@@ -189,7 +194,8 @@ class LLM:
         return out
 
     # -- the loop --------------------------------------------------------------------
-    def _loop(self, requests, max_new: int, stops: set[int], texts) -> Iterator[Delta]:
+    def _loop(self, requests, max_new: int, stops: set[int], texts, speculate: bool
+              ) -> Iterator[Delta]:
         engine, waiting = self.engine, deque(requests)
         filling: dict[int, int] = {}  # long prompts' slots -> where their next chunk starts
         while waiting or engine.live:
@@ -210,7 +216,7 @@ class LLM:
                     joined = self._fill(filling)
                     yield from self._take(joined, max_new, stops, texts)
                 continue
-            if engine.verifier is not None:  # one verify step, then a chunk
+            if engine.verifier is not None and speculate:  # a verify step, then a chunk
                 yield from self._speculate(slots, filling, max_new, stops, texts)
                 continue
             tokens = torch.tensor([engine.live[s].last for s in slots],

@@ -10,9 +10,12 @@ edits, summaries quoting their source) and costs only a rejected verify step els
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 from graphcap.core.checks import positive_int
+
+_WORD = 8  # bytes of a token id in the search
 
 
 class NgramProposer:
@@ -30,14 +33,20 @@ class NgramProposer:
 
     def find(self, tokens: Sequence[int]) -> list[int]:
         """The tokens that followed the most recent earlier occurrence of the longest
-        recurring suffix (at most ``k``; empty where none recurs)."""
+        recurring suffix (at most ``k``; empty where none recurs). The search is a bytes
+        search over the tokens as 8-byte words (C speed: a step's lookup over thousands
+        of tokens takes microseconds), a match counted only where it starts on a word."""
         tokens = list(tokens)
         end = len(tokens)
+        data = array("q", tokens).tobytes()
         for n in range(min(self.max_ngram, end - 1), self.min_ngram - 1, -1):
-            suffix = tokens[end - n:]
-            for start in range(end - n - 1, -1, -1):  # most recent first, not itself
-                if tokens[start:start + n] == suffix:
-                    return tokens[start + n:start + n + self.k]
+            suffix = data[(end - n) * _WORD:]
+            stop = (end - 1) * _WORD  # an occurrence ending before the last token
+            while (at := data.rfind(suffix, 0, stop)) >= 0:
+                if at % _WORD == 0:
+                    follows = at // _WORD + n
+                    return tokens[follows:follows + self.k]
+                stop = at + len(suffix) - 1  # off the word grid: look further back
         return []
 
     def propose(self, tokens: Sequence[int]) -> list[int]:

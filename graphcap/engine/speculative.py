@@ -38,11 +38,13 @@ def check_proposer(proposer) -> int:
 
 @dataclass
 class Counts:
-    """What speculation did: verify steps, proposals made and accepted, and seconds in
+    """What speculation did: verify steps, the requests' rows they verified (a request in
+    a step), proposals made and accepted, and seconds in
     the proposer (draft), in the verify step up to its tokens on the host (verify) and in
     the bookkeeping after it (host)."""
 
     steps: int = 0
+    rows: int = 0
     proposals: int = 0
     accepted: int = 0
     draft_s: float = 0.0
@@ -50,12 +52,12 @@ class Counts:
     host_s: float = 0.0
 
     def report(self) -> dict:
-        per_step = self.steps or 1
-        return {"verify_steps": self.steps, "proposals": self.proposals,
+        return {"verify_steps": self.steps, "verified_rows": self.rows,
+                "proposals": self.proposals,
                 "accepted": self.accepted,
                 "acceptance_rate": self.accepted / self.proposals if self.proposals else 0.0,
                 # tokens a request gains per verify step: its accepted proposals plus one
-                "mean_acceptance_length": (self.accepted / per_step + 1) if self.steps
+                "mean_acceptance_length": self.accepted / self.rows + 1 if self.rows
                 else 0.0,
                 "draft_s": self.draft_s, "verify_s": self.verify_s, "host_s": self.host_s}
 
@@ -96,6 +98,7 @@ class Verifier:
             gained[slot] = proposed[:n] + [following]
             self.counts.accepted += n
         self.counts.steps += 1
+        self.counts.rows += len(slots)
         self.counts.proposals += self.k * len(slots)
         self.counts.draft_s += drafted - start
         self.counts.verify_s += verified - drafted

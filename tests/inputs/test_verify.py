@@ -175,3 +175,24 @@ def test_a_model_of_one_row_per_request_verifies_from_every_rows_logits(strategy
         outs.append(runner(torch.tensor(proposals, device=DEVICE),
                            positions=[cache.written(s) for s in slots], slots=slots).tolist())
     assert outs[0] == outs[1]
+
+
+def test_the_ngram_lookup_matches_a_plain_search_on_any_tokens():
+    """The bytes search finds what comparing every earlier slice finds: token ids whose
+    8-byte words share bytes (large ids, ids of 256 multiples) included."""
+    def plain(tokens, k, longest):
+        for n in range(min(longest, len(tokens) - 1), 0, -1):
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start:start + n] == tokens[len(tokens) - n:]:
+                    return tokens[start + n:start + n + k]
+        return []
+
+    gen = torch.Generator().manual_seed(7)
+    alphabet = [0, 1, 256, 257, 65536, 2**40 + 1, 2**62]
+    for _ in range(300):
+        length = int(torch.randint(1, 30, (1,), generator=gen))
+        tokens = [alphabet[int(i)] for i in torch.randint(0, len(alphabet), (length,),
+                                                           generator=gen)]
+        for longest in (1, 3):
+            assert NgramProposer(4, max_ngram=longest).find(tokens) == \
+                plain(tokens, 4, longest), tokens

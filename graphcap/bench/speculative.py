@@ -1,0 +1,235 @@
+"""``graphcap bench decode --speculative K``: speculative decoding's cost and gain on one
+``graphcap.LLM`` (full strategy, the preset's random bf16 weights), per batch size:
+
+- the verify step of ``1 + K`` tokens per request against the plain decode step, both
+  runner calls over the same cache at the same context (CUDA-event time, interleaved);
+- ``llm.generate`` end to end (wall time, median of ``reps`` calls on the same graphs),
+  tokens per second and milliseconds per token of a request, plain decode
+  (``speculate=False``) beside each proposer, the acceptance controlled:
+
+  - ``target``: the proposals are the target's own greedy continuation (from the plain
+    run): a draft that is the target itself, every proposal accepted but where a verify
+    row's argmax differs from a decode step's in the last bits;
+  - ``random``: uniformly random tokens, nearly nothing accepted (the mechanism's cost);
+  - ``ngram``: prompt lookup (:class:`~graphcap.engine.proposers.NgramProposer`) on
+    prompts that repeat a 16-token phrase; with random weights the target rarely
+    continues the repetition, so its acceptance is measured, not arranged;
+
+  each with the mean acceptance length, and a check that every verify step replayed a
+  graph (no fallback).
+
+Targets (the speculative issue, batch 1): a verify step at most 1.3x a decode step; with
+zero acceptance (``random``) at most 1.35x slower than plain; at an acceptance length of
+3 or more (``target``, and ``ngram`` where it gets there) at least 2x plain.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+import torch
+
+from graphcap.bench.common import environment, time_interleaved
+from graphcap.engine.eager import prefill
+from graphcap.engine.llm import LLM
+from graphcap.engine.proposers import NgramProposer
+from graphcap.models import build_model
+
+ARMS = ("target", "random", "ngram")
+K = 4
+BATCHES = (1, 8, 64)
+PROMPT, NEW = 128, 128
+PHRASE = 16  # the ngram arm's prompts repeat a phrase of this many tokens
+VERIFY_OVER_DECODE = 1.3
+ZERO_ACCEPTANCE_SLOWDOWN = 1.35
+GAIN_AT_LENGTH_3 = 2.0
+
+
+class Replay:
+    """Proposals from a known continuation of each prompt (the target's own greedy
+    tokens): ``propose`` finds the prompt its tokens begin with."""
+
+    def __init__(self, k: int, answers: dict[tuple[int, ...], list[int]]):
+        self.k, self.answers = k, answers
+        self.prompt_len = len(next(iter(answers)))
+
+    def propose(self, tokens):
+        answer = self.answers[tuple(tokens[:self.prompt_len])]
+        done = len(tokens) - self.prompt_len
+        return (answer[done:] + [0] * self.k)[:self.k]
+
+
+class RandomTokens:
+    """Uniformly random proposals (seeded)."""
+
+    def __init__(self, k: int, vocab: int, seed: int = 0):
+        self.k, self.vocab, self.rng = k, vocab, random.Random(seed)
+
+    def propose(self, tokens):
+        return [self.rng.randrange(self.vocab) for _ in range(self.k)]
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def prompts_of(count: int, length: int, vocab: int, seed: int, repeat: bool
+               ) -> list[list[int]]:
+    """``count`` prompts of ``length`` random tokens, distinct; with ``repeat`` each a
+    phrase of :data:`PHRASE` tokens said over and over."""
+    gen = torch.Generator().manual_seed(seed)
+    if not repeat:
+        return torch.randint(1, vocab, (count, length), generator=gen).tolist()
+    phrases = torch.randint(1, vocab, (count, PHRASE), generator=gen).tolist()
+    return [(p * (length // PHRASE + 1))[:length] for p in phrases]
+
+
+def step_times(llm: LLM, model, batches, k: int, context: int, reps: int, device: str
+               ) -> dict:
+    """Milliseconds of a plain decode step and of a verify step of ``1 + k`` tokens per
+    request at each batch size, runner calls at a context of ``context`` tokens."""
+    engine, cache = llm.engine, llm.cache
+    vocab = model.args.vocab_size
+    slots = list(range(max(batches)))
+    for slot in slots:
+        cache.admit(slot, context + 1 + k)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, vocab, (len(slots) * context,), generator=gen).to(device)
+    prefill(model, cache, ids, [context] * len(slots), slots)
+    tokens = torch.randint(1, vocab, (len(slots) * (1 + k),), generator=gen).to(device)
+    cases = {}
+    for b in batches:
+        at = [context] * b
+        cases[b, "decode"] = (lambda b=b, at=at: engine.decoder(
+            tokens[:b], positions=at, slots=slots[:b]))
+        cases[b, "verify"] = (lambda b=b, at=at: engine.verifier.runner(
+            tokens[:b * (1 + k)], positions=at, slots=slots[:b]))
+    times = time_interleaved(cases, reps=reps, rounds=5)
+    for slot in slots:
+        cache.release(slot)
+    out = {}
+    for b in batches:
+        decode, verify = times[b, "decode"]["median_ms"], times[b, "verify"]["median_ms"]
+        out[b] = {"decode_ms": decode, "verify_ms": verify,
+                  "verify_over_decode": round(verify / decode, 3)}
+    return out
+
+
+def _generate(llm: LLM, prompts, new: int, speculate: bool, reps: int, device: str
+              ) -> dict:
+    """Median wall seconds of ``reps`` calls, the tokens, and the speculation counts of
+    the last call."""
+    seconds, done, counts = [], None, {}
+    for _ in range(reps):
+        before = dict(llm.engine.verifier.counts.__dict__)
+        _sync(device)
+        start = time.perf_counter()
+        done = llm.generate(prompts, new, speculate=speculate)
+        _sync(device)
+        seconds.append(time.perf_counter() - start)
+        after = llm.engine.verifier.counts.__dict__
+        counts = {key: after[key] - before[key]
+                  for key in ("steps", "rows", "proposals", "accepted")}
+    return {"s": statistics.median(seconds), "tokens": [c.tokens for c in done],
+            "counts": counts}
+
+
+def _row(run: dict, prompts: int, plain_s: float | None = None) -> dict:
+    made = sum(map(len, run["tokens"]))
+    row = {"tokens_per_s": round(made / run["s"], 1),
+           "ms_per_token": round(run["s"] * 1e3 / (made / prompts), 4)}
+    counts = run["counts"]
+    if counts.get("steps"):
+        row["verify_steps"] = counts["steps"]
+        row["acceptance_rate"] = round(counts["accepted"] / counts["proposals"], 4)
+        row["mean_acceptance_length"] = round(counts["accepted"] / counts["rows"] + 1, 3)
+    if plain_s is not None:
+        row["speedup_over_plain"] = round(plain_s / run["s"], 3)
+    return row
+
+
+def bench_model(name: str, arms, batches, k: int, reps: int, device: str,
+                prompt: int = PROMPT, new: int = NEW) -> dict:
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = build_model(name, device=device, dtype=dtype, logits="last")
+    vocab = model.args.vocab_size
+    start = time.perf_counter()
+    llm = LLM(model, strategy="full", max_batch=max(batches), max_len=prompt + new,
+              prefill_tokens=prompt * 8, progress=False, stop_at_eos=False,
+              speculative=NgramProposer(k))
+    _sync(device)
+    out = {"model": name, "k": k, "prompt": prompt, "new": new,
+           "build_s": round(time.perf_counter() - start, 2),
+           "steps": step_times(llm, model, batches, k, prompt, reps * 10, device),
+           "generate": {}}
+    verifier = llm.engine.verifier
+    for b in batches:
+        rows = {}
+        for repeat in (False, True):
+            prompts = prompts_of(b, prompt, vocab, seed=b, repeat=repeat)
+            plain = _generate(llm, prompts, new, False, reps, device)
+            rows["plain-repeating" if repeat else "plain"] = _row(plain, b)
+            proposers = {"target": Replay(k, {tuple(p): t for p, t in
+                                             zip(prompts, plain["tokens"], strict=True)}),
+                         "random": RandomTokens(k, vocab)} if not repeat else \
+                {"ngram": NgramProposer(k)}
+            for arm, proposer in proposers.items():
+                if arm not in arms:
+                    continue
+                verifier.proposer = proposer
+                run = _generate(llm, prompts, new, True, reps, device)
+                rows[arm] = _row(run, b, plain["s"])
+                rows[arm]["tokens_equal_plain"] = run["tokens"] == plain["tokens"]
+        out["generate"][b] = rows
+    report = llm.report()["verify"]
+    out["verify_fallbacks"] = sum(report["fallbacks"].values())
+    out["verify_replays"] = sum(report["replays"].values())
+    out["targets"] = targets(out)
+    return out
+
+
+def targets(model: dict) -> list[dict]:
+    """The issue's targets at batch 1 (where the run has it)."""
+    out = []
+
+    def judge(target: str, measured, limit: str, met: bool) -> None:
+        out.append({"target": target, "measured": measured, "limit": limit, "met": met})
+
+    steps, gen = model["steps"].get(1), model["generate"].get(1) or {}
+    if steps:
+        ratio = steps["verify_over_decode"]
+        judge(f"verify step of 1 + {model['k']} tokens over a decode step, batch 1", ratio,
+              f"<= {VERIFY_OVER_DECODE}", ratio <= VERIFY_OVER_DECODE)
+    if "random" in gen:
+        slow = round(1 / gen["random"]["speedup_over_plain"], 3)
+        judge("zero acceptance (random proposals): slowdown over plain, batch 1", slow,
+              f"<= {ZERO_ACCEPTANCE_SLOWDOWN}", slow <= ZERO_ACCEPTANCE_SLOWDOWN)
+    for arm in ("target", "ngram"):
+        if arm not in gen:
+            continue
+        length, gain = gen[arm].get("mean_acceptance_length", 0), \
+            gen[arm]["speedup_over_plain"]
+        if length >= 3:
+            judge(f"{arm} proposals (acceptance length {length}): speed-up over plain, "
+                  "batch 1", gain, f">= {GAIN_AT_LENGTH_3}", gain >= GAIN_AT_LENGTH_3)
+        elif arm == "target":  # the target's own tokens: accepted, or something is wrong
+            judge("target proposals: acceptance length", length, ">= 3", False)
+    judge("every verify step replayed a graph", model["verify_fallbacks"], "0 fallbacks",
+          model["verify_fallbacks"] == 0 and model["verify_replays"] > 0)
+    return out
+
+
+def run(models=("qwen3-0.6b",), arms=ARMS, batches=BATCHES, k: int = K, reps: int = 3,
+        device: str | None = None, prompt: int = PROMPT, new: int = NEW) -> dict:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return {"what": "graphcap bench decode --speculative: verify step against decode step, "
+                    "and LLM.generate end to end with each proposer beside plain decode",
+            **environment(), "arms": list(arms), "batches": list(batches), "k": k,
+            "models": [bench_model(m, arms, batches, k, reps, device, prompt, new)
+                       for m in models]}
+
+
+__all__ = ["ARMS", "K", "run", "targets"]
