@@ -7,9 +7,10 @@
   tokens per second and milliseconds per token of a request, plain decode
   (``speculate=False``) beside each proposer, the acceptance controlled:
 
-  - ``target``: the proposals are the target's own greedy continuation (from the plain
-    run): a draft that is the target itself, every proposal accepted but where a verify
-    row's argmax differs from a decode step's in the last bits;
+  - ``target``: a draft that is the target itself
+    (:class:`~graphcap.engine.draft.DraftModel` of the same model, its own cache and
+    graphs): every proposal accepted but where a verify row's argmax differs from a
+    decode step's in the last bits;
   - ``random``: uniformly random tokens, nearly nothing accepted (the mechanism's cost);
   - ``ngram``: prompt lookup (:class:`~graphcap.engine.proposers.NgramProposer`) on
     prompts that repeat a 16-token phrase; with random weights the target rarely
@@ -32,9 +33,11 @@ import time
 import torch
 
 from graphcap.bench.common import environment, time_interleaved
+from graphcap.engine.draft import DraftModel
 from graphcap.engine.eager import prefill
 from graphcap.engine.llm import LLM
 from graphcap.engine.proposers import NgramProposer
+from graphcap.inputs.sampling import Sampling
 from graphcap.models import build_model
 
 ARMS = ("target", "random", "ngram")
@@ -45,20 +48,6 @@ PHRASE = 16  # the ngram arm's prompts repeat a phrase of this many tokens
 VERIFY_OVER_DECODE = 1.3
 ZERO_ACCEPTANCE_SLOWDOWN = 1.35
 GAIN_AT_LENGTH_3 = 2.0
-
-
-class Replay:
-    """Proposals from a known continuation of each prompt (the target's own greedy
-    tokens): ``propose`` finds the prompt its tokens begin with."""
-
-    def __init__(self, k: int, answers: dict[tuple[int, ...], list[int]]):
-        self.k, self.answers = k, answers
-        self.prompt_len = len(next(iter(answers)))
-
-    def propose(self, tokens):
-        answer = self.answers[tuple(tokens[:self.prompt_len])]
-        done = len(tokens) - self.prompt_len
-        return (answer[done:] + [0] * self.k)[:self.k]
 
 
 class RandomTokens:
@@ -90,7 +79,8 @@ def prompts_of(count: int, length: int, vocab: int, seed: int, repeat: bool
 def step_times(llm: LLM, model, batches, k: int, context: int, reps: int, device: str
                ) -> dict:
     """Milliseconds of a plain decode step and of a verify step of ``1 + k`` tokens per
-    request at each batch size, runner calls at a context of ``context`` tokens."""
+    request at each batch size (greedy, and sampled at temperature 1 and top-p 0.9),
+    runner calls at a context of ``context`` tokens."""
     engine, cache = llm.engine, llm.cache
     vocab = model.args.vocab_size
     slots = list(range(max(batches)))
@@ -107,14 +97,20 @@ def step_times(llm: LLM, model, batches, k: int, context: int, reps: int, device
             tokens[:b], positions=at, slots=slots[:b]))
         cases[b, "verify"] = (lambda b=b, at=at: engine.verifier.runner(
             tokens[:b * (1 + k)], positions=at, slots=slots[:b]))
+        cases[b, "verify_sampled"] = (lambda b=b, at=at: engine.verifier.sampled(
+            tokens[:b * (1 + k)], positions=at, slots=slots[:b],
+            sampling=[Sampling(temperature=1.0, top_p=0.9)] * b))
     times = time_interleaved(cases, reps=reps, rounds=5)
     for slot in slots:
         cache.release(slot)
     out = {}
     for b in batches:
         decode, verify = times[b, "decode"]["median_ms"], times[b, "verify"]["median_ms"]
+        sampled = times[b, "verify_sampled"]["median_ms"]
         out[b] = {"decode_ms": decode, "verify_ms": verify,
-                  "verify_over_decode": round(verify / decode, 3)}
+                  "verify_over_decode": round(verify / decode, 3),
+                  "verify_sampled_ms": sampled,
+                  "verify_sampled_over_decode": round(sampled / decode, 3)}
     return out
 
 
@@ -166,16 +162,18 @@ def bench_model(name: str, arms, batches, k: int, reps: int, device: str,
            "steps": step_times(llm, model, batches, k, prompt, reps * 10, device),
            "generate": {}}
     verifier = llm.engine.verifier
+    target = None
+    if "target" in arms:  # the target as its own draft, with graphs of its own
+        target = DraftModel(model, k)
+        target.bind(llm.cache.max_requests, llm.cache.max_len, vocab)
     for b in batches:
         rows = {}
         for repeat in (False, True):
             prompts = prompts_of(b, prompt, vocab, seed=b, repeat=repeat)
             plain = _generate(llm, prompts, new, False, reps, device)
             rows["plain-repeating" if repeat else "plain"] = _row(plain, b)
-            proposers = {"target": Replay(k, {tuple(p): t for p, t in
-                                             zip(prompts, plain["tokens"], strict=True)}),
-                         "random": RandomTokens(k, vocab)} if not repeat else \
-                {"ngram": NgramProposer(k)}
+            proposers = {"target": target, "random": RandomTokens(k, vocab)} \
+                if not repeat else {"ngram": NgramProposer(k)}
             for arm, proposer in proposers.items():
                 if arm not in arms:
                     continue

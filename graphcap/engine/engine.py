@@ -115,7 +115,7 @@ class Engine:
             self.verifier = Verifier(functools.partial(capture, model, strategy,
                                                        progress=progress),
                                      speculative, cache, decode_ladder(max_batch),
-                                     vocab or 2**63, decode_attention)
+                                     vocab or 2**63, decode_attention, progress)
         backend = backend_for(model, attention, cache.device, strategy, cache.dtype)
         ladder = decode_ladder(prefill_tokens)
         self.prefiller = capture(model, strategy, buckets=ladder, progress=progress,
@@ -201,11 +201,10 @@ class Engine:
         return drawn
 
     def runners(self) -> dict:
-        verify = self.verifier.runner if self.verifier is not None else None
-        return {name: runner for name, runner in (("decode", self.decoder),
-                                                   ("prefill", self.prefiller),
-                                                   ("extend", self.extender),
-                                                   ("verify", verify)) if runner}
+        v = self.verifier
+        return {name: runner for name, runner in (
+            ("decode", self.decoder), ("prefill", self.prefiller), ("extend", self.extender),
+            ("verify", v and v.runner), ("verify_sampled", v and v.sampled)) if runner}
 
     def report(self) -> dict:
         """Decode steps and prefill calls (a chunk of a long prompt each); per runner its
@@ -215,9 +214,9 @@ class Engine:
         extended = reports.get("extend", {})
         speculative = {}
         if self.verifier is not None:
-            verified = reports["verify"]
-            speculative = {"verify_replays": dict(verified.get("replays", {})),
-                           "verify_fallbacks": dict(verified.get("fallbacks", {})),
+            both = (reports["verify"], reports["verify_sampled"])
+            speculative = {"verify_replays": _summed(r.get("replays", {}) for r in both),
+                           "verify_fallbacks": _summed(r.get("fallbacks", {}) for r in both),
                            **self.verifier.counts.report()}
         return {**speculative,"decode_steps": self.steps, "prefills": self.prefills,
                 "replays": dict(decoded.get("replays", {})),
@@ -229,6 +228,15 @@ class Engine:
                                         for r in reports.values()),
                 "buckets": decode_ladder(self.max_batch),
                 "prefill_buckets": decode_ladder(self.prefill_tokens)}
+
+
+def _summed(counts) -> dict:
+    """Per-bucket counts of several runners, added."""
+    total: dict = {}
+    for per_bucket in counts:
+        for bucket, n in per_bucket.items():
+            total[bucket] = total.get(bucket, 0) + n
+    return total
 
 
 def _groups(slots: list[int], lens: list[int], budget: int) -> list[list[int]]:

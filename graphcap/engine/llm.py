@@ -184,13 +184,17 @@ class LLM:
             self._idle.release()
 
     def report(self) -> dict:
-        """Per runner (decode, prefill, extend, verify): its ``runner.report()``; with a
+        """Per runner (decode, prefill, extend; verify and verify_sampled, speculation's
+        greedy and sampled verify graphs): its ``runner.report()``; with a
         proposer, ``"speculative"``: verify steps, proposals, accepted ones, the mean
         acceptance length and the seconds in the proposer, the verify steps and the host
         (:class:`graphcap.engine.speculative.Counts`)."""
         out = {name: runner.report() for name, runner in self.engine.runners().items()}
-        if self.engine.verifier is not None:
-            out["speculative"] = self.engine.verifier.counts.report()
+        verifier = self.engine.verifier
+        if verifier is not None:
+            out["speculative"] = verifier.counts.report()
+            if callable(getattr(verifier.proposer, "report", None)):
+                out["speculative"]["proposer"] = verifier.proposer.report()
         return out
 
     # -- the loop --------------------------------------------------------------------

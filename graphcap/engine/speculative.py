@@ -12,7 +12,10 @@ over them.
 
 A proposer is any object with ``k`` (proposals per step) and ``propose(tokens)``: ``k``
 token ids after a request's ``tokens`` so far (prompt and generated), e.g.
-:class:`~graphcap.engine.proposers.NgramProposer`.
+:class:`~graphcap.engine.proposers.NgramProposer`; or, proposing for all requests at
+once, ``propose_batch(slots, histories)`` (their request slots and tokens so far), with
+``bind(max_batch, max_len, vocab, progress=)`` called once when the ``LLM`` is built
+(where it captures graphs of its own), as :class:`~graphcap.engine.draft.DraftModel`.
 """
 
 from __future__ import annotations
@@ -24,15 +27,20 @@ import torch
 
 from graphcap.core.checks import positive_int
 from graphcap.inputs.paged import PagedInputs
+from graphcap.opsdb.sample import GREEDY_BELOW
 
 
 def check_proposer(proposer) -> int:
     """The proposer's ``k``; ValueError naming what a proposer needs where it lacks it."""
     k = getattr(proposer, "k", None)
-    if not callable(getattr(proposer, "propose", None)) or k is None:
+    proposes = any(callable(getattr(proposer, name, None))
+                   for name in ("propose", "propose_batch"))
+    if not proposes or k is None:
         raise ValueError(f"speculative={proposer!r}: a proposer needs k (proposals per "
                          "step) and propose(tokens) -> k token ids, as "
-                         "graphcap.engine.proposers.NgramProposer(k=4) has")
+                         "graphcap.engine.proposers.NgramProposer(k=4) has (or "
+                         "propose_batch(slots, histories), as graphcap.engine.draft"
+                         ".DraftModel)")
     return positive_int(k, "the proposer's k")
 
 
@@ -63,17 +71,23 @@ class Counts:
 
 
 class Verifier:
-    """The verify graphs of a model over ``cache`` (``capture`` with
-    ``PagedInputs(cache, 1 + k, accept="sampled")``, one bucket per decode bucket), the
-    proposer (its proposals checked against ``vocab``), and the counts."""
+    """The verify graphs of a model over ``cache``, one bucket per decode bucket, twice:
+    greedy acceptance (``runner``: a step of greedy requests only) and sampled
+    (``sampled``: any other; its acceptance ranks every row's vocabulary, for top-k and
+    top-p, which a greedy step need not pay); the proposer (its proposals checked against
+    ``vocab``); and the counts."""
 
     def __init__(self, capture, proposer, cache, buckets: list[int], vocab: int,
-                 decode_attention=None):
+                 decode_attention=None, progress=None):
         self.proposer, self.k = proposer, check_proposer(proposer)
         self.cache, self.vocab, self.counts = cache, vocab, Counts()
-        self.runner = capture(buckets=[b * (1 + self.k) for b in buckets],
-                              inputs=PagedInputs(cache, 1 + self.k, accept="sampled",
-                                                 decode_attention=decode_attention))
+        if callable(getattr(proposer, "bind", None)):  # a proposer with graphs of its own
+            proposer.bind(cache.max_requests, cache.max_len, vocab, progress=progress)
+        self.runner, self.sampled = (
+            capture(buckets=[b * (1 + self.k) for b in buckets],
+                    inputs=PagedInputs(cache, 1 + self.k, accept=accept,
+                                       decode_attention=decode_attention))
+            for accept in ("greedy", "sampled"))
 
     def step(self, requests: dict) -> dict[int, list[int]]:
         """One verify step of ``requests`` (request slot -> :class:`Request`, each with a
@@ -83,12 +97,24 @@ class Verifier:
         start = time.perf_counter()
         slots = sorted(requests)
         live = [requests[s] for s in slots]
-        proposals = [self._proposal(r) for r in live]
+        histories = [r.prompt + r.new for r in live]
+        if callable(getattr(self.proposer, "propose_batch", None)):
+            given = list(self.proposer.propose_batch(slots, histories))
+            if len(given) != len(slots):
+                raise ValueError(f"the proposer {type(self.proposer).__name__} gave "
+                                 f"{len(given)} proposals for {len(slots)} requests")
+        else:
+            given = [self.proposer.propose(t) for t in histories]
+        proposals = [self._checked(p) for p in given]
         drafted = time.perf_counter()
         tokens = torch.tensor([t for r, p in zip(live, proposals, strict=True)
                                for t in [r.last, *p]], device=self.cache.device)
-        out = self.runner(tokens, positions=[r.length for r in live], slots=slots,
-                          sampling=[r.sampling for r in live]).tolist()
+        positions = [r.length for r in live]
+        if all(r.sampling.temperature <= GREEDY_BELOW for r in live):
+            out = self.runner(tokens, positions=positions, slots=slots).tolist()
+        else:
+            out = self.sampled(tokens, positions=positions, slots=slots,
+                               sampling=[r.sampling for r in live]).tolist()
         verified = time.perf_counter()
         gained = {}
         for slot, request, proposed, (n, following) in zip(slots, live, proposals, out,
@@ -105,8 +131,8 @@ class Verifier:
         self.counts.host_s += time.perf_counter() - verified
         return gained
 
-    def _proposal(self, request) -> list[int]:
-        proposed = list(self.proposer.propose(request.prompt + request.new))
+    def _checked(self, proposal) -> list[int]:
+        proposed = list(proposal)
         if len(proposed) != self.k or any(isinstance(t, bool) or not isinstance(t, int)
                                           for t in proposed):
             raise ValueError(f"the proposer {type(self.proposer).__name__} gave "

@@ -108,8 +108,12 @@ def test_sampled_tokens_are_distributed_as_plain_samplings():
                   speculative=proposer)
         done = llm.generate(prompt * len(seeds), 3, sampling=sampling)
         runs[name] = torch.tensor([c.tokens for c in done])
-    spec = llm.report()["speculative"]
+    report = llm.report()
+    spec = report["speculative"]
     assert 0 < spec["accepted"] < spec["proposals"]
+    # sampled requests verify on the sampled runner (eager here: its calls counted)
+    assert report["verify_sampled"]["calls"] == spec["verify_steps"]
+    assert report["verify"]["calls"] == 0
     for j in (1, 2):
         a, b = (torch.bincount(runs[n][:, j], minlength=model().args.vocab_size).double()
                 for n in ("plain", "speculative"))

@@ -1,0 +1,81 @@
+"""A draft model proposing on graphs of its own (:class:`graphcap.engine.draft.DraftModel`):
+the target's greedy tokens whatever the draft, every draft step a replay of its decode
+graph, its cache kept in step with the accepted tokens (rewound where a proposal was
+refused, caught up where all were accepted, prefilled for a request new to a slot)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from graphcap import LLM, Sampling
+from graphcap.api import GRAPHED
+from graphcap.engine.draft import DraftModel
+from graphcap.models import PRESETS, Decoder
+from tests.engine.test_generate import NEW, PROMPTS, model
+from tests.engine.test_llm import truth
+from tests.support.runner_helpers import DEVICE
+
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+K = 3
+
+
+def other_draft(**changes) -> Decoder:
+    """A smaller model of the same token ids, other weights: a draft that is often wrong."""
+    torch.manual_seed(1)
+    args = dataclasses.replace(PRESETS["tiny"], layers=1, **changes)
+    return Decoder(args).to(DEVICE).eval()
+
+
+def with_draft(strategy: str, draft, **kw) -> LLM:
+    return LLM(model(), strategy=strategy, max_batch=3, max_len=32, prefill_tokens=8,
+               progress=False, speculative=DraftModel(draft, K, strategy=strategy), **kw)
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_the_target_as_its_own_draft_has_everything_accepted_on_graphs(strategy):
+    llm = with_draft(strategy, model())
+    done = llm.generate(PROMPTS, 12)  # 5 prompts, 3 slots: slots reused by new prompts
+    assert [c.tokens for c in done] == [t[:12] for t in truth()]
+    spec = llm.report()["speculative"]
+    if DEVICE == "cpu":  # float32 on the CPU: a verify row's argmax is a decode step's
+        assert spec["acceptance_rate"] == 1.0 and spec["mean_acceptance_length"] == K + 1
+    else:  # other kernels at other row counts may part a near-tie
+        assert spec["acceptance_rate"] > 0.9
+    runners = spec["proposer"]["runners"]
+    assert sum(runners["decode"]["replays"].values()) == \
+        K * spec["proposer"]["draft_steps"] + spec["proposer"]["catch_up_calls"]
+    assert all(not r["fallbacks"] for r in runners.values())
+    assert spec["proposer"]["prefills"] == len(PROMPTS)  # each prompt once, on graphs
+    assert spec["proposer"]["catch_up_calls"] > 0  # all accepted: the last proposal's K/V
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_a_draft_that_is_often_wrong_still_gives_the_targets_greedy_tokens(strategy):
+    llm = with_draft(strategy, other_draft())
+    for _ in range(2):  # the second call's prompts meet the first call's caches
+        done = llm.generate(PROMPTS, NEW)
+        assert [c.tokens for c in done] == [t[:NEW] for t in truth()]
+    spec = llm.report()["speculative"]
+    assert spec["accepted"] < spec["proposals"]
+
+
+def test_sampled_requests_with_a_draft_draw_the_same_tokens_from_the_same_seeds():
+    llm = with_draft("full", other_draft())
+    sampling = [Sampling(temperature=1.0, seed=s) for s in range(len(PROMPTS))]
+    first = [c.tokens for c in llm.generate(PROMPTS, NEW, sampling=sampling)]
+    assert [c.tokens for c in llm.generate(PROMPTS, NEW, sampling=sampling)] == first
+    assert llm.report()["verify_sampled"]["replays"]
+
+
+def test_a_draft_of_other_token_ids_or_serving_two_llms_is_refused():
+    with pytest.raises(ValueError, match="a draft shares the target's tokenizer"):
+        with_draft("eager", other_draft(vocab_size=PRESETS["tiny"].vocab_size + 1))
+    draft = DraftModel(other_draft(), K)
+    LLM(model(), max_batch=2, max_len=16, progress=False, speculative=draft)
+    with pytest.raises(ValueError, match="already serves an LLM"):
+        LLM(model(), max_batch=2, max_len=16, progress=False, speculative=draft)
+    with pytest.raises(TypeError, match="propose_batch"):
+        DraftModel(other_draft(), K).propose([1, 2])
