@@ -515,5 +515,7 @@ def test_bench_speculative_sets_each_proposer_beside_plain_decode_with_its_accep
     assert model["verify_fallbacks"] == 0 and model["verify_replays"] > 0
     names = [t["target"] for t in model["targets"]]
     assert names[0] == "verify step of 1 + 3 tokens over a decode step, batch 1"
-    assert "target proposals (acceptance length 4.0): speed-up over plain, batch 1" in names
+    assert "the target as its own draft: acceptance length, batch 1" in names
+    assert set(model["generate"][1]["random"]["ms_per_step"]) == \
+        {"draft", "verify", "host", "loop"}
     assert names[-1] == "every verify step replayed a graph" and model["targets"][-1]["met"]

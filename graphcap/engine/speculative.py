@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphcap.core.checks import positive_int
+from graphcap.core.checks import positive_int, staged
 from graphcap.inputs.paged import PagedInputs
 from graphcap.opsdb.sample import GREEDY_BELOW
 
@@ -107,8 +107,10 @@ class Verifier:
             given = [self.proposer.propose(t) for t in histories]
         proposals = [self._checked(p) for p in given]
         drafted = time.perf_counter()
-        tokens = torch.tensor([t for r, p in zip(live, proposals, strict=True)
-                               for t in [r.last, *p]], device=self.cache.device)
+        device = self.cache.device  # pinned and copied without a host wait
+        tokens = staged([t for r, p in zip(live, proposals, strict=True)
+                         for t in [r.last, *p]], torch.long, device).to(device,
+                                                                         non_blocking=True)
         positions = [r.length for r in live]
         if all(r.sampling.temperature <= GREEDY_BELOW for r in live):
             out = self.runner(tokens, positions=positions, slots=slots).tolist()
