@@ -85,5 +85,6 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
         for delta in llm.stream(prompts, max_new_tokens, sampling=params,
                                 stop=sorted(stops)):
             tokens[delta.index] += delta.tokens
-            step()
+            for _ in delta.tokens:  # a verify step's delta may bring several
+                step()
     return Generation(tokens, llm.engine.report())  # with a proposer, its counts too

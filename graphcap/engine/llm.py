@@ -49,8 +49,9 @@ class Completion:
 
 @dataclass
 class Delta:
-    """What ``LLM.stream`` yields: new tokens of prompt ``index`` and their text, and, on
-    its last delta, why it ended (else None)."""
+    """What ``LLM.stream`` yields: new tokens of prompt ``index`` (a decode step's one; a
+    verify step's accepted proposals and next token, without a tokenizer) and their
+    text, and, on its last delta, why it ended (else None)."""
 
     index: int
     tokens: list[int]
@@ -246,16 +247,37 @@ class LLM:
     def _speculate(self, slots: list[int], filling: dict[int, int], max_new: int,
                    stops: set[int], texts) -> Iterator[Delta]:
         """One verify step of the requests in ``slots``; each request's gained tokens in
-        order, up to one that ends it (the rest dropped); then a chunk of a long prompt."""
+        order, up to one that ends it (the rest dropped): one delta a request, or with a
+        tokenizer one a token (the text is cut by stop strings token by token); then a
+        chunk of a long prompt."""
         engine = self.engine
         gained = engine.verifier.step({s: engine.live[s] for s in slots})
         for slot in slots:
+            if self.tokenizer is None:  # no text to cut: the step's tokens in one delta
+                yield self._gain(slot, gained[slot], max_new, stops)
+                continue
             for token in gained[slot]:
                 if slot not in engine.live:  # ended on an earlier token of this step
                     break
                 yield from self._take([(slot, token)], max_new, stops, texts)
         if filling:
             yield from self._take(self._fill(filling), max_new, stops, texts)
+
+    def _gain(self, slot: int, tokens: list[int], max_new: int, stops: set[int]) -> Delta:
+        """A request's tokens of one verify step, up to one that ends it (the rest
+        dropped), as one delta; the request released if it ended."""
+        request = self.engine.live[slot]
+        taken, reason = [], None
+        for token in tokens:
+            taken.append(token)
+            reason = "stop" if token in stops else \
+                "length" if len(request.new) + len(taken) == max_new else None
+            if reason is not None:
+                break
+        request.new.extend(taken)
+        if reason is not None:
+            self.engine.release(slot)
+        return Delta(request.index, taken, None, reason)
 
     def _fill(self, filling: dict[int, int]) -> list[tuple[int, int]]:
         """One chunk of the first long prompt in ``filling``; once its last is in, its

@@ -169,3 +169,28 @@ def test_room_for_the_proposals_past_max_position_is_refused():
     with pytest.raises(ValueError, match="plus the proposer's k = 3 passes"):
         LLM(model(), max_len=model().args.max_position, speculative=NgramProposer(K),
             progress=False)
+
+
+def test_with_a_tokenizer_a_stop_string_ends_a_speculative_request_where_plain_ends_it():
+    from tests.support.tokenizers import byte_tokenizer
+
+    tok = byte_tokenizer()
+    llm = LLM(model(), tok, max_batch=2, max_len=48, prefill_tokens=16, progress=False,
+              speculative=NgramProposer(K))
+    prompts = ["graphs! graphs!", "hi"]
+    plain = llm.generate(prompts, 12, speculate=False)
+    assert [c.tokens for c in llm.generate(prompts, 12)] == [c.tokens for c in plain]
+    stop = plain[0].text[4:6]
+    want = llm.generate(prompts[:1], 12, stop=[stop], speculate=False)[0]
+    got = llm.generate(prompts[:1], 12, stop=[stop])[0]
+    assert (got.tokens, got.text, got.finish_reason) == \
+        (want.tokens, want.text, "stop_string")
+    assert "".join(d.text for d in llm.stream(prompts[:1], 12, stop=[stop])) == want.text
+
+
+def test_a_streamed_verify_step_brings_its_tokens_in_one_delta():
+    llm = speculative_llm("full", Oracle(K))
+    deltas = list(llm.stream(PROMPTS[:1], 12))
+    assert max(len(d.tokens) for d in deltas) > 1  # accepted proposals and the next token
+    assert sum((d.tokens for d in deltas), []) == truth()[0][:12]
+    assert [d.finish_reason for d in deltas][-1] == "length"
