@@ -23,6 +23,7 @@ import torch
 
 from graphcap.core.checks import positive_int
 from graphcap.engine.engine import Engine, Request, cache_shape
+from graphcap.engine.loading import resolve
 from graphcap.inputs.sampling import Sampling
 from graphcap.kv.paged import PagedKVCache
 
@@ -36,8 +37,6 @@ class DraftModel:
 
     def __init__(self, model, k: int, *, strategy: str = "full", prefill_tokens: int = 512,
                  page_size: int = 16):
-        from graphcap.engine.llm import resolve
-
         self.model, _ = resolve(model)
         self.shape = cache_shape(self.model)
         self.k = positive_int(k, "k")

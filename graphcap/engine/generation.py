@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from graphcap.core.checks import positive_int
 from graphcap.engine.arguments import check_prompts, sampling_of, stop_tokens_of
 from graphcap.engine.engine import cache_shape
-from graphcap.engine.llm import LLM, resolve
+from graphcap.engine.llm import LLM
+from graphcap.engine.loading import resolve
 from graphcap.progress import progress as progress_bar
 
 

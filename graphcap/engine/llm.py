@@ -28,6 +28,7 @@ from graphcap.api import STRATEGIES, model_dtype
 from graphcap.core.checks import positive_int
 from graphcap.engine.arguments import check_prompts, eos_ids, sampling_of, stop_tokens_of
 from graphcap.engine.engine import Engine, Request, cache_shape
+from graphcap.engine.loading import resolve
 from graphcap.engine.speculative import check_proposer
 from graphcap.errors import GraphcapError
 from graphcap.kv.paged import PagedKVCache
@@ -388,38 +389,3 @@ class _Fetch:
             return self.device.tolist()
         self.done.synchronize()
         return self.host.tolist()
-
-
-def resolve(model, tokenizer=None):
-    """The model graphcap runs, and the tokenizer: a checkpoint directory loaded, a stock
-    transformers causal LM wrapped (``PrefillLM``), any other model as it is."""
-    import os
-
-    if isinstance(model, (str, os.PathLike)):
-        return _load(os.fspath(model), tokenizer)
-    if hasattr(model, "generation_config") and hasattr(model, "get_output_embeddings"):
-        from graphcap.hf import PrefillLM  # a stock transformers causal LM
-
-        return PrefillLM(model, logits="last"), tokenizer
-    return model, tokenizer  # cache_shape says what a model of one's own lacks
-
-
-def _load(path: str, tokenizer):
-    import os
-
-    if not os.path.isdir(path):
-        raise ValueError(f"LLM({path!r}): not a directory; give a local Hugging Face "
-                         "checkpoint directory (config.json, safetensors, tokenizer files)")
-    import transformers
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, dtype="auto").to(device).eval()
-    if tokenizer is None:
-        try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError):
-            tokenizer = None  # a checkpoint without tokenizer files: token ids only
-    from graphcap.hf import PrefillLM
-
-    return PrefillLM(hf, logits="last"), tokenizer
