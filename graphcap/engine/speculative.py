@@ -15,7 +15,11 @@ token ids after a request's ``tokens`` so far (prompt and generated), e.g.
 :class:`~graphcap.engine.proposers.NgramProposer`; or, proposing for all requests at
 once, ``propose_batch(slots, histories)`` (their request slots and tokens so far), with
 ``bind(max_batch, max_len, vocab, progress=)`` called once when the ``LLM`` is built
-(where it captures graphs of its own), as :class:`~graphcap.engine.draft.DraftModel`.
+(where it captures graphs of its own), as :class:`~graphcap.engine.draft.DraftModel`. A
+proposer with ``hidden = True`` reads the target's hidden states:
+``propose_batch(slots, histories, hidden)``, ``hidden`` [requests, hidden size] on the
+device, each request's at its last accepted token of the step before (zero for a request
+no verify step has seen yet), as :class:`~graphcap.engine.heads.HeadProposer`.
 """
 
 from __future__ import annotations
@@ -75,7 +79,8 @@ class Verifier:
     greedy acceptance (``runner``: a step of greedy requests only) and sampled
     (``sampled``: any other; its acceptance ranks every row's vocabulary, for top-k and
     top-p, which a greedy step need not pay); the proposer (its proposals checked against
-    ``vocab``); and the counts."""
+    ``vocab``); for a proposer that reads hidden states, each request slot's from its
+    last verify step; and the counts."""
 
     def __init__(self, capture, proposer, cache, buckets: list[int], vocab: int,
                  decode_attention=None, progress=None):
@@ -83,11 +88,15 @@ class Verifier:
         self.cache, self.vocab, self.counts = cache, vocab, Counts()
         if callable(getattr(proposer, "bind", None)):  # a proposer with graphs of its own
             proposer.bind(cache.max_requests, cache.max_len, vocab, progress=progress)
+        self.reads_hidden = getattr(proposer, "hidden", False) is True
         self.runner, self.sampled = (
             capture(buckets=[b * (1 + self.k) for b in buckets],
                     inputs=PagedInputs(cache, 1 + self.k, accept=accept,
+                                       hidden=self.reads_hidden,
                                        decode_attention=decode_attention))
             for accept in ("greedy", "sampled"))
+        self.hidden: torch.Tensor | None = None  # [request slots, hidden size]
+        self.owner: dict[int, object] = {}  # slot -> the request its hidden row is of
 
     def step(self, requests: dict) -> dict[int, list[int]]:
         """One verify step of ``requests`` (request slot -> :class:`Request`, each with a
@@ -98,7 +107,13 @@ class Verifier:
         slots = sorted(requests)
         live = [requests[s] for s in slots]
         histories = [r.prompt + r.new for r in live]
-        if callable(getattr(self.proposer, "propose_batch", None)):
+        if self.reads_hidden:
+            given = list(self.proposer.propose_batch(slots, histories,
+                                                     self._hidden_of(slots, live)))
+            if len(given) != len(slots):
+                raise ValueError(f"the proposer {type(self.proposer).__name__} gave "
+                                 f"{len(given)} proposals for {len(slots)} requests")
+        elif callable(getattr(self.proposer, "propose_batch", None)):
             given = list(self.proposer.propose_batch(slots, histories))
             if len(given) != len(slots):
                 raise ValueError(f"the proposer {type(self.proposer).__name__} gave "
@@ -113,10 +128,14 @@ class Verifier:
                                                                          non_blocking=True)
         positions = [r.length for r in live]
         if all(r.sampling.temperature <= GREEDY_BELOW for r in live):
-            out = self.runner(tokens, positions=positions, slots=slots).tolist()
+            out = self.runner(tokens, positions=positions, slots=slots)
         else:
             out = self.sampled(tokens, positions=positions, slots=slots,
-                               sampling=[r.sampling for r in live]).tolist()
+                               sampling=[r.sampling for r in live])
+        if self.reads_hidden:
+            out, hidden = out
+            self.hidden[torch.tensor(slots, device=hidden.device)] = hidden
+        out = out.tolist()
         verified = time.perf_counter()
         gained = {}
         for slot, request, proposed, (n, following) in zip(slots, live, proposals, out,
@@ -132,6 +151,19 @@ class Verifier:
         self.counts.verify_s += verified - drafted
         self.counts.host_s += time.perf_counter() - verified
         return gained
+
+    def _hidden_of(self, slots: list[int], live: list) -> torch.Tensor:
+        """The hidden rows of ``slots``, a slot's zeroed where its request is new to it."""
+        if self.hidden is None:  # the proposer's width and dtype
+            size = getattr(self.proposer, "hidden_size", None)
+            self.hidden = torch.zeros(self.cache.max_requests, positive_int(
+                size, "the proposer's hidden_size"), device=self.cache.device,
+                dtype=getattr(self.proposer, "dtype", torch.float32))
+        for slot, request in zip(slots, live, strict=True):
+            if self.owner.get(slot) is not request:
+                self.owner[slot] = request
+                self.hidden[slot].zero_()
+        return self.hidden[torch.tensor(slots, device=self.hidden.device)]
 
     def _checked(self, proposal) -> list[int]:
         proposed = list(proposal)

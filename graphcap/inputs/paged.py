@@ -75,19 +75,26 @@ class PagedInputs(Inputs):
     computed in the graph (:mod:`graphcap.inputs.accept`; "sampled" takes ``sampling=``
     per request as ``sample`` does; the cache then counts every token of the step as
     written: :meth:`~graphcap.kv.PagedKVCache.rewind` keeps the accepted ones);
-    ``decode_attention``: the backend of attention over the pages (a name for
+    ``hidden`` (with ``accept``): also each request's hidden state at its last accepted
+    token, ``(accepted, hidden)`` (a model that declares ``graphcap_hidden``: its
+    forward takes ``hidden=True``); ``decode_attention``: the backend of attention over
+    the pages (a name for
     ``get_backend(kind="decode")``, a backend, or None: the default); ``check_inputs``:
     token ids checked against the model's vocabulary (one host sync a call)."""
 
     def __init__(self, cache: PagedKVCache, tokens_per_request: int | None = 1, *,
                  attention=None, slots: int | None = None, output_rows: str | None = None,
                  extend: bool = False, sample: bool = False, accept: str | None = None,
-                 decode_attention=None, check_inputs: bool = False,
+                 hidden: bool = False, decode_attention=None, check_inputs: bool = False,
                  name: str = "the model"):
         super().__init__(cache.device)
         self.cache, self.step = cache, tokens_per_request
         self.extend, self.sample, self.accept = extend, sample, accept
         self.draws = sample or accept == "sampled"  # takes sampling= per request
+        self.hidden = hidden
+        if hidden and not accept:
+            raise ValueError("hidden=True returns each request's hidden state at its last "
+                             "accepted token: it needs accept= (a verify step)")
         if self.step is not None:
             self.step = checks.positive_int(tokens_per_request, "tokens_per_request")
         elif attention is None or slots is None:
@@ -128,6 +135,11 @@ class PagedInputs(Inputs):
             raise UnsupportedModel(f"{type(model).__name__}.output_rows is {rows!r}: "
                                    "use 'tokens' or 'requests' (one row per request)")
         self.per_request = rows == "requests"  # with accept, asked for every row's
+        if self.hidden and not getattr(model, "graphcap_hidden", False):
+            raise UnsupportedModel(
+                f"hidden=True reads the hidden states of {type(model).__name__}, which "
+                "does not declare graphcap_hidden (a forward taking hidden=True and "
+                "returning (logits, hidden)); graphcap's reference decoders do")
         self.row_unit = ("one token per request (drawn in the graph)" if self.sample else
                          "a request's accepted proposals and next token" if self.accept
                          else "one row per request (its last token)" if self.per_request
@@ -232,7 +244,12 @@ class PagedInputs(Inputs):
         then every layer of the cache must have written its K/V."""
         state.kv.written.clear()
         with state.context():
-            out = model(ids, positions, last) if self.per_request else model(ids, positions)
+            more = {"hidden": True} if self.hidden else {}
+            out = model(ids, positions, last, **more) if self.per_request else \
+                model(ids, positions, **more)
+            h = None
+            if self.hidden:
+                out, h = out
             if self.sample:
                 out = SAMPLE(out, *params, positions + 1)
             elif self.accept == "sampled":
@@ -240,6 +257,10 @@ class PagedInputs(Inputs):
             elif self.accept:
                 out = greedy_accept(out, ids, self.step)
         state.kv.check_written(model)
+        if h is not None:  # each request's row of its last accepted token
+            rows = out.shape[0]
+            h = h[:rows * self.step].view(rows, self.step, -1)
+            return out, h.gather(1, out[:, :1, None].expand(-1, 1, h.shape[-1]))[:, 0]
         return out
 
     def stage(self, batch: Batch, bucket: int, state: PagedState) -> None:

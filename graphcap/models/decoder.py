@@ -243,15 +243,19 @@ class Decoder(nn.Module):
     def graphcap_attention_options(self) -> tuple[str, ...]:
         return self.args.attention_options
 
-    def forward(self, input_ids, positions, last_rows=None, seq_lens=None):
+    graphcap_hidden = True  # forward(..., hidden=True) also returns its hidden states
+
+    def forward(self, input_ids, positions, last_rows=None, seq_lens=None, hidden=False):
         """``last_rows`` [requests] (``logits="last"``): the row of each request's last
-        token; the runner passes it, an eager call with ``seq_lens`` derives it."""
+        token; the runner passes it, an eager call with ``seq_lens`` derives it.
+        ``hidden``: return ``(logits, h)``, ``h`` the last block's output of the same rows
+        (the residual stream the final norm takes: what an EAGLE or MTP head reads)."""
         if seq_lens is not None:  # eager use: prepare this batch's attention metadata
             with packed(seq_lens, input_ids.device, dtype=self.norm.dtype,
                         options=self.graphcap_attention_options) as meta:
                 if self.output_rows == "requests":
                     last_rows = meta.last_token_rows()
-                return self.forward(input_ids, positions, last_rows)
+                return self.forward(input_ids, positions, last_rows, hidden=hidden)
         # Indexing, not F.embedding: for a few rows of a large table F.embedding's
         # index_select is several times slower than a gather.
         h = self.embed.weight[input_ids]
@@ -265,7 +269,7 @@ class Decoder(nn.Module):
         logits = RMS_NORM_LINEAR(h, self.norm, self.args.eps, self.lm_head.weight, None)
         if self.tp is not None:  # each rank's rows of the vocabulary
             logits = ALL_GATHER(logits, -1, self.tp.name)
-        return logits
+        return (logits, h) if hidden else logits
 
 
 class MLP(nn.Module):

@@ -20,8 +20,8 @@ from graphcap.piecewise.phase import Phase, Watch
 from graphcap.piecewise.whole import WholeCapture
 
 
-def _entry(graphcap_model, *graphcap_args):
-    return graphcap_model(*graphcap_args)
+def _entry(graphcap_model, *graphcap_args, **graphcap_options):
+    return graphcap_model(*graphcap_args, **graphcap_options)
 
 
 # What the code FX generates of _entry's compile mentions: Dynamo names a graph input it
@@ -77,14 +77,20 @@ class CompiledForward:
         weakref.finalize(entry, _release, entry.__code__, weakref.ref(compiler),
                          compiler.traces).atexit = False
 
-    def __call__(self, *args):
+    def __call__(self, *args, **options):
+        """The forward on ``args``; ``options``: keyword arguments that are no tensors
+        (``hidden=True``), constants of the trace (Dynamo guards on them)."""
+        if any(isinstance(v, torch.Tensor) for v in options.values()):
+            named = sorted(k for k, v in options.items() if isinstance(v, torch.Tensor))
+            raise TypeError("strategy='tc_piecewise' passes tensors to the compiled forward "
+                            f"by position; got tensor keywords {named}")
         now, detail = phases.current()
         if now is Phase.CAPTURE_WHOLE:  # the compiled graph itself, on this call's tensors
             return detail.call.direct(args)
         if now is None:
             with phases.phase(Phase.EAGER):
-                return self._compiled(args)
-        out = self._compiled(args)
+                return self._compiled(args, options)
+        out = self._compiled(args, options)
         call = detail.call if now is Phase.WARMUP else None
         if call is not None and call.returns is None and args \
                 and isinstance(args[0], torch.Tensor) and args[0].dim():
@@ -92,7 +98,7 @@ class CompiledForward:
             call.learn_inputs(args)
         return out
 
-    def _compiled(self, args):
+    def _compiled(self, args, options=None):
         # Aliases without a view base: Dynamo guards a view on its base's size, which a
         # caller's own tensors (the runner's fallbacks) lack, and would recompile for them.
         args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
@@ -105,7 +111,7 @@ class CompiledForward:
             # In a copy of the context: torch 2.13's config patches, a few per compile, each
             # leave a context variable in the context they ran in, for its life.
             context = guards.graphcap_compile(contextvars.copy_context())
-            out = context.run(self.compiled, self.model, *args)
+            out = context.run(self.compiled, self.model, *args, **(options or {}))
             if self.compiler.stats["graphs"] != graphs:
                 compat.forget_finished_compiles()
             return out

@@ -52,9 +52,8 @@ def test_the_target_as_its_own_draft_has_everything_accepted_on_graphs(strategy)
     assert spec["proposer"]["catch_up_calls"] > 0  # all accepted: the last proposal's K/V
 
 
-@pytest.mark.parametrize("strategy", GRAPHED)
-def test_a_draft_that_is_often_wrong_still_gives_the_targets_greedy_tokens(strategy):
-    llm = with_draft(strategy, other_draft())
+def test_a_draft_that_is_often_wrong_still_gives_the_targets_greedy_tokens():
+    llm = with_draft("full", other_draft())
     for _ in range(2):  # the second call's prompts meet the first call's caches
         done = llm.generate(PROMPTS, NEW)
         assert [c.tokens for c in done] == [t[:NEW] for t in truth()]

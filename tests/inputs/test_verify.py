@@ -196,3 +196,39 @@ def test_the_ngram_lookup_matches_a_plain_search_on_any_tokens():
         for longest in (1, 3):
             assert NgramProposer(4, max_ngram=longest).find(tokens) == \
                 plain(tokens, 4, longest), tokens
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_a_verify_step_returns_each_requests_hidden_state_at_its_last_accepted_token(
+        strategy):
+    """hidden=True: beside the acceptance, the target's hidden state (the last block's
+    output) at each request's last accepted token, as a forward over the request's whole
+    text gives it there; proposals half right, so requests accept 0 to K."""
+    m, cache, first = setup()
+    want = plain_greedy(m, cache, first)
+    _, cache2, _ = setup()
+    runner = graphcap.capture(m, strategy, buckets=[3 * (1 + K)],
+                              inputs=PagedInputs(cache2, tokens_per_request=1 + K,
+                                                 accept="greedy", hidden=True))
+    slots = sorted(first)
+    gen = torch.Generator().manual_seed(2)
+    tokens = []
+    for s in slots:  # the right continuation, spoiled from a random place on
+        cut = int(torch.randint(0, K + 1, (1,), generator=gen))
+        tokens += [first[s]] + want[s][1:1 + cut] + [0] * (K - cut)
+    positions = [cache2.written(s) for s in slots]
+    out, hidden = runner(torch.tensor(tokens, device=DEVICE), positions=positions,
+                         slots=slots)
+    assert sorted(set(out[:, 0].tolist())) != [0]  # some requests accepted proposals
+    for i, s in enumerate(slots):
+        n = int(out[i, 0])
+        text = PROMPTS[s] + tokens[i * (1 + K):i * (1 + K) + 1 + n]
+        _, h = m(torch.tensor(text, device=DEVICE), torch.arange(len(text), device=DEVICE),
+                 seq_lens=[len(text)], hidden=True)
+        torch.testing.assert_close(hidden[i], h[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_hidden_states_need_a_verify_step():
+    _, cache, _ = setup()
+    with pytest.raises(ValueError, match="it needs accept="):
+        PagedInputs(cache, tokens_per_request=2, hidden=True)
