@@ -1,12 +1,13 @@
 """Speculative decoding in the engine: a proposer guesses each request's next ``k``
 tokens, one verify step of the target checks them all (the decode runner's kind of input
 with ``1 + k`` tokens per request and acceptance in the graph:
-:class:`~graphcap.inputs.PagedInputs` ``accept="sampled"``), and each request gains its
-accepted proposals plus one token of the target's own, as many as ``k + 1`` a step.
+:class:`~graphcap.inputs.PagedInputs` ``accept=``), and each request gains its accepted
+proposals plus one token of the target's own, as many as ``k + 1`` a step.
 
-Acceptance is rejection sampling against the request's :class:`~graphcap.Sampling`, so
-the tokens are distributed as plain decoding's whatever is proposed (greedy requests:
-token for token plain greedy decoding's). The cache is rewound to the accepted tokens
+Greedy requests accept a proposal while it equals the target's argmax (token for token
+plain greedy decoding); sampled ones by rejection sampling against the request's
+:class:`~graphcap.Sampling`, so the tokens are distributed as plain sampling's whatever
+is proposed. The cache is rewound to the accepted tokens
 after each step: the K/V of refused proposals are never read, and the next step writes
 over them.
 
@@ -51,9 +52,9 @@ def check_proposer(proposer) -> int:
 @dataclass
 class Counts:
     """What speculation did: verify steps, the requests' rows they verified (a request in
-    a step), proposals made and accepted, and seconds in
-    the proposer (draft), in the verify step up to its tokens on the host (verify) and in
-    the bookkeeping after it (host)."""
+    a step), proposals made and accepted, and seconds in the proposer (draft), in the
+    verify step up to its tokens on the host (verify) and in the bookkeeping after it
+    (host)."""
 
     steps: int = 0
     rows: int = 0
@@ -110,16 +111,13 @@ class Verifier:
         if self.reads_hidden:
             given = list(self.proposer.propose_batch(slots, histories,
                                                      self._hidden_of(slots, live)))
-            if len(given) != len(slots):
-                raise ValueError(f"the proposer {type(self.proposer).__name__} gave "
-                                 f"{len(given)} proposals for {len(slots)} requests")
         elif callable(getattr(self.proposer, "propose_batch", None)):
             given = list(self.proposer.propose_batch(slots, histories))
-            if len(given) != len(slots):
-                raise ValueError(f"the proposer {type(self.proposer).__name__} gave "
-                                 f"{len(given)} proposals for {len(slots)} requests")
         else:
             given = [self.proposer.propose(t) for t in histories]
+        if len(given) != len(slots):
+            raise ValueError(f"the proposer {type(self.proposer).__name__} gave "
+                             f"{len(given)} proposals for {len(slots)} requests")
         proposals = [self._checked(p) for p in given]
         drafted = time.perf_counter()
         device = self.cache.device  # pinned and copied without a host wait

@@ -78,9 +78,9 @@ class PagedInputs(Inputs):
     ``hidden`` (with ``accept``): also each request's hidden state at its last accepted
     token, ``(accepted, hidden)`` (a model that declares ``graphcap_hidden``: its
     forward takes ``hidden=True``); ``decode_attention``: the backend of attention over
-    the pages (a name for
-    ``get_backend(kind="decode")``, a backend, or None: the default); ``check_inputs``:
-    token ids checked against the model's vocabulary (one host sync a call)."""
+    the pages (a name for ``get_backend(kind="decode")``, a backend, or None: the
+    default); ``check_inputs``: token ids checked against the model's vocabulary (one
+    host sync a call)."""
 
     def __init__(self, cache: PagedKVCache, tokens_per_request: int | None = 1, *,
                  attention=None, slots: int | None = None, output_rows: str | None = None,
@@ -134,7 +134,7 @@ class PagedInputs(Inputs):
         if rows not in ("tokens", "requests"):
             raise UnsupportedModel(f"{type(model).__name__}.output_rows is {rows!r}: "
                                    "use 'tokens' or 'requests' (one row per request)")
-        self.per_request = rows == "requests"  # with accept, asked for every row's
+        self.per_request = rows == "requests"  # a verify step asks it for every row
         if self.hidden and not getattr(model, "graphcap_hidden", False):
             raise UnsupportedModel(
                 f"hidden=True reads the hidden states of {type(model).__name__}, which "
@@ -240,8 +240,10 @@ class PagedInputs(Inputs):
 
     def _run(self, model, state: PagedState, ids, positions, params, last):
         """The model under the state's context: each row's logits, or with ``sample`` the
-        token drawn from them (``graphcap::sample``, the counter the position it takes);
-        then every layer of the cache must have written its K/V."""
+        token drawn from them (``graphcap::sample``, the counter the position it takes),
+        or with ``accept`` each request's acceptance (and with ``hidden`` its hidden state
+        at its last accepted token); then every layer of the cache must have written its
+        K/V."""
         state.kv.written.clear()
         with state.context():
             more = {"hidden": True} if self.hidden else {}

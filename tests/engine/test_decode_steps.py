@@ -70,8 +70,11 @@ def test_greedy_decode_through_the_cache_is_recomputing_every_step(preset, kerne
                          page_size=4)
     cache.k.fill_(float("nan"))  # nothing unwritten is ever read
     cache.v.fill_(float("nan"))
-    want_seqs, want_logits = recomputed(m, PROMPTS, STEPS)
-    got_seqs, got_logits = cached(m, cache, PROMPTS, STEPS, slots=[2, 0, 3])
+    # The Triton interpreter runs each kernel in Python: 5 steps (past a page boundary
+    # in every request) keep it quick; the torch kernels take all 12.
+    steps = STEPS if kernel == "torch" else 5
+    want_seqs, want_logits = recomputed(m, PROMPTS, steps)
+    got_seqs, got_logits = cached(m, cache, PROMPTS, steps, slots=[2, 0, 3])
     assert got_seqs == want_seqs
     for step, (got, want) in enumerate(zip(got_logits, want_logits, strict=True)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"step {step}")
