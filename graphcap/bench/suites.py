@@ -11,6 +11,19 @@ def _csv(text: str | None, default, convert=str) -> tuple:
     return tuple(convert(x) for x in text.split(",")) if text else tuple(default)
 
 
+def _judged(result: dict, out: str | None, name: str) -> int:
+    """Each model's targets shown, the result written (a dated ``name`` by default): the
+    exit status, 1 where a target was missed."""
+    from graphcap.bench.common import today, write_result
+    from graphcap.bench.report import show_targets
+
+    for model in result["models"]:
+        show_targets(model["targets"])
+    path = write_result(result, out, f"{today()}-{name}.json")
+    print(f"wrote {path}")
+    return 0 if all(t["met"] for m in result["models"] for t in m["targets"]) else 1
+
+
 def run_suite(args: argparse.Namespace) -> int:
     from graphcap.bench import ladder, prefill
     from graphcap.bench.arms import ARMS
@@ -27,18 +40,13 @@ def run_suite(args: argparse.Namespace) -> int:
 
     if args.suite == "decode" and args.speculative:
         from graphcap.bench import speculative
-        from graphcap.bench.report import show_targets
 
         result = speculative.run(_csv(args.models, ["qwen3-0.6b"]),
                                  _csv(args.arms, speculative.ARMS),
                                  _csv(args.batches, speculative.BATCHES, int),
                                  args.speculative,
                                  reps=3 if args.reps == 30 else args.reps)  # 30: not given
-        for model in result["models"]:
-            show_targets(model["targets"])
-        path = write_result(result, args.out, f"{today()}-bench-decode-speculative.json")
-        print(f"wrote {path}")
-        return 0 if all(t["met"] for m in result["models"] for t in m["targets"]) else 1
+        return _judged(result, args.out, "bench-decode-speculative")
     if args.suite == "decode":
         from graphcap.bench import decode
 
@@ -54,16 +62,11 @@ def run_suite(args: argparse.Namespace) -> int:
         return 0 if all(t["met"] for m in result["models"] for t in m["targets"]) else 1
     if args.suite == "generate":
         from graphcap.bench import generate
-        from graphcap.bench.report import show_targets
 
         result = generate.run(_csv(args.models, ["qwen3-0.6b"]),
                               _csv(args.arms, generate.STRATEGIES),
                               reps=3 if args.reps == 30 else args.reps)  # 30: not given
-        for model in result["models"]:
-            show_targets(model["targets"])
-        path = write_result(result, args.out, f"{today()}-bench-generate.json")
-        print(f"wrote {path}")
-        return 0 if all(t["met"] for m in result["models"] for t in m["targets"]) else 1
+        return _judged(result, args.out, "bench-generate")
     if args.suite == "prefill":
         models = _csv(args.models, prefill.MODELS)
         arms = _csv(args.arms, ARMS)

@@ -13,15 +13,13 @@ import os
 import sys
 
 import torch
+from probe_common import prefilled_decode
 
 import graphcap
 from graphcap.bench.common import environment, time_interleaved
 from graphcap.bench.decode import profile_steps, step_bytes
 from graphcap.bench.decode_attention import PEAK_BYTES_PER_S
-from graphcap.engine.eager import prefill
 from graphcap.inputs import DecodeInputs
-from graphcap.kv import PagedKVCache
-from graphcap.models import build_model
 from graphcap.opsdb.triton import linear
 from graphcap.opsdb.triton.common import programmatic_launch
 
@@ -35,17 +33,7 @@ POLICIES = {
 
 
 def one(preset: str) -> dict:
-    model = build_model(preset, device="cuda", dtype=torch.bfloat16)
-    a = model.args
-    slots = max(BATCHES)
-    cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=slots,
-                         max_len=CONTEXT + 1, dtype=torch.bfloat16, device="cuda")
-    for slot in range(slots):
-        cache.admit(slot, CONTEXT + 1)
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(1, a.vocab_size, (slots * CONTEXT,), generator=gen).cuda()
-    prefill(model, cache, prompt, [CONTEXT] * slots, list(range(slots)))
-    tokens = torch.randint(1, a.vocab_size, (slots,), generator=gen).cuda()
+    model, cache, tokens = prefilled_decode(preset, max(BATCHES), CONTEXT)
     runners = {}
     for name, policy in POLICIES.items():
         for pdl in (True, False):

@@ -1,7 +1,12 @@
 """Pieces the runner probes of tools/gpu share (imported by the scripts beside it)."""
 
+import torch
+
 from graphcap.bench.common import time_interleaved
 from graphcap.bench.prefill import SETTLE_MS
+from graphcap.engine.eager import prefill
+from graphcap.kv import PagedKVCache
+from graphcap.models import build_model
 
 
 def diffs_vs(runners: dict, inputs: dict, lengths, base: str = "default") -> dict:
@@ -26,3 +31,19 @@ def calls_and_replays(runners: dict, inputs: dict, lengths, reps: int = 60) -> d
         out[n] = time_interleaved(arms, reps=reps, settle_ms=SETTLE_MS)
         print(n, {k: v["median_ms"] for k, v in out[n].items()}, flush=True)
     return out
+
+
+def prefilled_decode(preset: str, slots: int, context: int):
+    """The preset (bf16, CUDA), a paged cache of ``slots`` requests prefilled with
+    ``context`` random tokens each (room for one more), and a next token per request."""
+    model = build_model(preset, device="cuda", dtype=torch.bfloat16)
+    a = model.args
+    cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=slots,
+                         max_len=context + 1, dtype=torch.bfloat16, device="cuda")
+    for slot in range(slots):
+        cache.admit(slot, context + 1)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, a.vocab_size, (slots * context,), generator=gen).cuda()
+    prefill(model, cache, prompt, [context] * slots, list(range(slots)))
+    tokens = torch.randint(1, a.vocab_size, (slots,), generator=gen).cuda()
+    return model, cache, tokens
