@@ -7,9 +7,11 @@ but its last one: what it already holds is kept up to the first token that diffe
 target refused a proposal there: the cache is rewound), the rest is caught up by decode
 steps (at most one token a request after a step, where every proposal was accepted) or,
 for a request the draft has not seen, a prefill of its tokens (chunks on the prefill and
-extend graphs). Then ``k`` greedy decode steps of all the requests together, each a
-replay of the draft's decode graph fed the tokens the step before chose, on the device:
-one host sync a step, to read the ``k`` proposals. A request that reuses a slot keeps the
+extend graphs). Then ``k`` greedy decode steps of all the requests together, each fed
+the tokens the step before chose, on the device: under ``full`` one replay of a graph of
+all ``k`` (:class:`~graphcap.inputs.draft_steps.DraftStepsInputs`), under the other
+strategies ``k`` replays of the draft's decode graph; one host sync a step, to read the
+``k`` proposals. A request that reuses a slot keeps the
 K/V of the tokens it shares from the start with what the slot held.
 
 Greedy proposals are deterministic, so rejection sampling against them keeps sampled
@@ -21,9 +23,12 @@ from __future__ import annotations
 
 import torch
 
+from graphcap.api import capture
+from graphcap.core.buckets import decode_ladder
 from graphcap.core.checks import positive_int
 from graphcap.engine.engine import Engine, Request, cache_shape
 from graphcap.engine.loading import resolve
+from graphcap.inputs.draft_steps import DraftStepsInputs
 from graphcap.inputs.sampling import Sampling
 from graphcap.kv.paged import PagedKVCache
 
@@ -69,6 +74,11 @@ class DraftModel:
         self.engine = Engine(self.model, self.cache, self.strategy, max_batch,
                              min(self.prefill_tokens, max_len), chunked=True,
                              progress=progress)
+        self.stepper = None  # the k steps in one graph, where the strategy keeps them
+        if self.strategy in DraftStepsInputs.strategies:
+            self.stepper = capture(self.model, self.strategy,
+                                   buckets=decode_ladder(max_batch), progress=progress,
+                                   inputs=DraftStepsInputs(self.cache, self.k))
 
     def propose_batch(self, slots: list[int], histories: list[list[int]]
                       ) -> list[list[int]]:
@@ -83,12 +93,16 @@ class DraftModel:
         device = self.cache.device
         last = torch.tensor([t[-1] for t in histories], device=device)
         start = [len(t) - 1 for t in histories]
-        chosen = []
-        for i in range(self.k):  # each a replay; the next one's input stays on the device
-            logits = self.engine.decoder(last, positions=[p + i for p in start], slots=slots)
-            last = logits.argmax(dim=-1)
-            chosen.append(last)
-        proposals = torch.stack(chosen, dim=1).tolist()
+        if self.stepper is not None:
+            proposals = self.stepper(last, positions=start, slots=slots).tolist()
+        else:
+            chosen = []
+            for i in range(self.k):  # each a replay; the next input stays on the device
+                logits = self.engine.decoder(last, positions=[p + i for p in start],
+                                             slots=slots)
+                last = logits.argmax(dim=-1)
+                chosen.append(last)
+            proposals = torch.stack(chosen, dim=1).tolist()
         for slot, tokens, proposed in zip(slots, histories, proposals, strict=True):
             self.held[slot] = tokens + proposed[:-1]  # the inputs of the k steps, cached
         self.steps += 1
@@ -143,9 +157,11 @@ class DraftModel:
             self.caught_up += 1
 
     def report(self) -> dict:
-        """Draft steps (each ``k`` decode replays), catch-up decode calls, prefills, and
-        the draft's runners' reports."""
+        """Draft steps (each one replay of the ``k``-step graph, or ``k`` decode replays),
+        catch-up decode calls, prefills, and the draft's runners' reports."""
         runners = self.engine.runners() if self.engine is not None else {}
+        if self.stepper is not None:
+            runners = {**runners, "steps": self.stepper}
         return {"draft_steps": self.steps, "catch_up_calls": self.caught_up,
                 "prefills": self.prefilled,
                 "runners": {name: r.report() for name, r in runners.items()}}
