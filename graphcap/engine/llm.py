@@ -29,7 +29,7 @@ from graphcap.core.checks import positive_int
 from graphcap.engine.arguments import check_prompts, eos_ids, sampling_of, stop_tokens_of
 from graphcap.engine.engine import Engine, Request, cache_shape
 from graphcap.engine.loading import resolve
-from graphcap.engine.speculative import check_proposer
+from graphcap.engine.speculative import check_proposer, graph_calls
 from graphcap.errors import GraphcapError
 from graphcap.kv.paged import PagedKVCache
 
@@ -190,13 +190,18 @@ class LLM:
         greedy and sampled verify graphs): its ``runner.report()``; with a
         proposer, ``"speculative"``: verify steps, proposals, accepted ones, the mean
         acceptance length and the seconds in the proposer, the verify steps and the host
-        (:class:`graphcap.engine.speculative.Counts`)."""
+        (:class:`graphcap.engine.speculative.Counts`), and ``replays`` and ``fallbacks``
+        over every runner of the speculative loop (the verify runners and the proposer's:
+        a fallback is a step that ran eagerly)."""
         out = {name: runner.report() for name, runner in self.engine.runners().items()}
         verifier = self.engine.verifier
         if verifier is not None:
-            out["speculative"] = verifier.counts.report()
+            spec = out["speculative"] = verifier.counts.report()
             if callable(getattr(verifier.proposer, "report", None)):
-                out["speculative"]["proposer"] = verifier.proposer.report()
+                spec["proposer"] = verifier.proposer.report()
+            # every graph of the loop: the verify runners' and the proposer's own
+            spec.update(graph_calls([out["verify"], out["verify_sampled"],
+                                     spec.get("proposer", {})]))
         return out
 
     # -- the loop --------------------------------------------------------------------

@@ -49,6 +49,28 @@ def check_proposer(proposer) -> int:
     return positive_int(k, "the proposer's k")
 
 
+def graph_calls(reports) -> dict:
+    """``replays`` and ``fallbacks`` summed over every runner report found in
+    ``reports`` (dicts, nested: a proposer's report holds its runners')."""
+    total = {"replays": 0, "fallbacks": 0}
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("replays"), dict) and isinstance(node.get("fallbacks"),
+                                                                    dict):
+                for key in total:
+                    total[key] += sum(node[key].values())
+                return
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                walk(value)
+
+    walk(reports)
+    return total
+
+
 @dataclass
 class Counts:
     """What speculation did: verify steps, the requests' rows they verified (a request in
@@ -175,4 +197,4 @@ class Verifier:
         return proposed
 
 
-__all__ = ["Counts", "Verifier", "check_proposer"]
+__all__ = ["Counts", "Verifier", "check_proposer", "graph_calls"]

@@ -53,6 +53,9 @@ def test_the_target_as_its_own_draft_has_everything_accepted_on_graphs(strategy)
         assert sum(runners["decode"]["replays"].values()) == \
             K * spec["proposer"]["draft_steps"] + spec["proposer"]["catch_up_calls"]
     assert all(not r["fallbacks"] for r in runners.values())
+    # no eager step in the loop: every verify and draft call replayed a graph
+    assert spec["fallbacks"] == 0 and spec["replays"] == spec["verify_steps"] + sum(
+        sum(r["replays"].values()) for r in runners.values())
     assert spec["proposer"]["prefills"] == len(PROMPTS)  # each prompt once, on graphs
     assert spec["proposer"]["catch_up_calls"] > 0  # all accepted: the last proposal's K/V
 
