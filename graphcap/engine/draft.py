@@ -11,8 +11,8 @@ extend graphs). Then ``k`` greedy decode steps of all the requests together, eac
 the tokens the step before chose, on the device: under ``full`` one replay of a graph of
 all ``k`` (:class:`~graphcap.inputs.draft_steps.DraftStepsInputs`), under the other
 strategies ``k`` replays of the draft's decode graph; one host sync a step, to read the
-``k`` proposals. A request that reuses a slot keeps the
-K/V of the tokens it shares from the start with what the slot held.
+``k`` proposals. A request that reuses a slot keeps the K/V of the tokens it shares from
+the start with what the slot held.
 
 Greedy proposals are deterministic, so rejection sampling against them keeps sampled
 tokens distributed as plain sampling's (:mod:`graphcap.inputs.accept`); a draft that is
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from graphcap.api import capture
+from graphcap.api import capture, model_dtype
 from graphcap.core.buckets import decode_ladder
 from graphcap.core.checks import positive_int
 from graphcap.engine.engine import Engine, Request, cache_shape
@@ -48,6 +48,7 @@ class DraftModel:
         self.strategy, self.page_size = strategy, page_size
         self.prefill_tokens = positive_int(prefill_tokens, "prefill_tokens")
         self.engine: Engine | None = None
+        self.stepper = None  # the k steps in one graph, where the strategy keeps them
         self.held: dict[int, list[int]] = {}  # slot -> the tokens whose K/V it caches
         self.steps = self.caught_up = self.prefilled = 0
 
@@ -63,8 +64,6 @@ class DraftModel:
             raise ValueError(f"the draft model reaches position {self.shape.max_position}, "
                              f"the target's requests {max_len}: build the LLM with a "
                              "smaller max_len")
-        from graphcap.api import model_dtype
-
         s = self.shape
         device = next(self.model.parameters()).device
         self.cache = PagedKVCache(s.layers, s.kv_heads, s.head_dim, max_requests=max_batch,
@@ -74,7 +73,6 @@ class DraftModel:
         self.engine = Engine(self.model, self.cache, self.strategy, max_batch,
                              min(self.prefill_tokens, max_len), chunked=True,
                              progress=progress)
-        self.stepper = None  # the k steps in one graph, where the strategy keeps them
         if self.strategy in DraftStepsInputs.strategies:
             self.stepper = capture(self.model, self.strategy,
                                    buckets=decode_ladder(max_batch), progress=progress,
@@ -114,7 +112,8 @@ class DraftModel:
 
     def _sync(self, slot: int, want: list[int]) -> None:
         """The slot's cache kept up to the first token where it and ``want`` differ; a
-        slot new to the draft, or sharing no token with ``want``, prefilled anew."""
+        slot new to the draft, or more than ``k + 1`` tokens behind ``want`` there (a new
+        request sharing a few first tokens with the last), prefilled anew."""
         held = self.held.get(slot)
         if held is None:
             self.cache.admit(slot, self.cache.max_len)
@@ -124,7 +123,7 @@ class DraftModel:
             if a != b:
                 break
             same += 1
-        if same == 0 and want:
+        if want and (same == 0 or len(want) - same > self.k + 1):
             self.cache.rewind(slot, 0)
             self._prefill(slot, want)
             return
