@@ -86,3 +86,16 @@ def test_a_draft_of_other_token_ids_or_serving_two_llms_is_refused():
         LLM(model(), max_batch=2, max_len=16, progress=False, speculative=draft)
     with pytest.raises(TypeError, match="propose_batch"):
         DraftModel(other_draft(), K).propose([1, 2])
+
+
+def test_prompts_prefilled_in_chunks_speculate_as_short_ones_do():
+    """Prompts past prefill_tokens prefill in chunks on the target's graphs and on the
+    draft's; a request joins the verify steps once its last chunk is in."""
+    llm = LLM(model(), max_batch=2, max_len=48, prefill_tokens=8, progress=False,
+              speculative=DraftModel(model(), K, prefill_tokens=8))
+    prompts = [list(range(1, 21)), [3, 4], list(range(30, 52))]
+    plain = [c.tokens for c in llm.generate(prompts, 10, speculate=False)]
+    assert [c.tokens for c in llm.generate(prompts, 10)] == plain
+    spec = llm.report()["speculative"]
+    assert spec["fallbacks"] == 0 and spec["accepted"] > 0
+    assert sum(spec["proposer"]["runners"]["extend"]["replays"].values()) > 0
