@@ -118,14 +118,18 @@ class Engine:
                                      vocab or 2**63, decode_attention, progress)
         backend = backend_for(model, attention, cache.device, strategy, cache.dtype)
         ladder = decode_ladder(prefill_tokens)
+        # A draft head starts from the hidden state of a prompt's last token.
+        self.hidden = self.verifier is not None and self.verifier.reads_hidden
         self.prefiller = capture(model, strategy, buckets=ladder, progress=progress,
                                  inputs=CachePrefillInputs(cache, backend, max_batch,
-                                                           self.rows_of, name=name))
+                                                           self.rows_of, name=name,
+                                                           hidden=self.hidden))
         self.extender = None  # chunks after a long prompt's first
         if chunked and cache.max_len > prefill_tokens:
             self.extender = capture(model, strategy, buckets=ladder, progress=progress,
                                     inputs=CachePrefillInputs(cache, backend, 1, self.rows_of,
-                                                              name=name, extend=True))
+                                                              name=name, extend=True,
+                                                              hidden=self.hidden))
         self.live: dict[int, Request] = {}  # request slot -> its request
         self.steps = self.prefills = 0
 
@@ -156,8 +160,8 @@ class Engine:
                 ids = torch.tensor(sum((r.prompt for r in requests), []),
                                    device=self.device)
                 positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-                out = self.prefiller(ids, positions, seq_lens=lens, slots=group)
-                logits = last_token_logits(out, lens, self.rows_of)
+                logits = self._last_rows(self.prefiller(ids, positions, seq_lens=lens,
+                                                        slots=group), lens, group)
                 self.prefills += 1
             drawn += zip(group, self.first_tokens(requests, logits), strict=True)
         return drawn
@@ -180,7 +184,17 @@ class Engine:
         end = start + len(piece)
         if end < len(prompt):
             return end, None
-        return end, last_token_logits(out, [len(piece)], self.rows_of)
+        return end, self._last_rows(out, [len(piece)], [slot])
+
+    def _last_rows(self, out, lens: list[int], slots: list[int]) -> torch.Tensor:
+        """Each request's last-token logits of a prefill call's ``out``; with a draft head,
+        the hidden states of the same rows go to the verifier (its first step's start)."""
+        if not self.hidden:
+            return last_token_logits(out, lens, self.rows_of)
+        logits, hidden = out
+        self.verifier.start(slots, [self.live[s] for s in slots],
+                            last_token_logits(hidden, lens, self.rows_of))
+        return last_token_logits(logits, lens, self.rows_of)
 
     @staticmethod
     def first_tokens(requests: list[Request], logits: torch.Tensor) -> list[int]:

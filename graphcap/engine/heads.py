@@ -10,8 +10,8 @@ the target chose after it, and calls the head ``k`` times, each time on the argm
 call before: the ``k`` draft steps of all requests are one graph, captured per batch
 bucket when the ``LLM`` is built (one replay and one host read a step).
 
-A request no verify step has seen yet (just prefilled) starts from a zero hidden state:
-its first proposals are the head's guess from the token alone. A head whose draft layer
+A request just prefilled starts from its prompt's last token's hidden state (the prefill
+graphs return it beside the logits). A head whose draft layer
 attends over its own earlier positions (EAGLE's) needs a cache of its own, which this
 form does not keep: such a head plugs in as a ``propose_batch`` proposer with graphs of
 its own (:mod:`graphcap.engine.speculative`).

@@ -19,8 +19,8 @@ once, ``propose_batch(slots, histories)`` (their request slots and tokens so far
 (where it captures graphs of its own), as :class:`~graphcap.engine.draft.DraftModel`. A
 proposer with ``hidden = True`` reads the target's hidden states:
 ``propose_batch(slots, histories, hidden)``, ``hidden`` [requests, hidden size] on the
-device, each request's at its last accepted token of the step before (zero for a request
-no verify step has seen yet), as :class:`~graphcap.engine.heads.HeadProposer`.
+device, each request's at its last accepted token of the step before (at first, its
+prompt's last token's, from the prefill), as :class:`~graphcap.engine.heads.HeadProposer`.
 """
 
 from __future__ import annotations
@@ -172,13 +172,26 @@ class Verifier:
         self.counts.host_s += time.perf_counter() - verified
         return gained
 
-    def _hidden_of(self, slots: list[int], live: list) -> torch.Tensor:
-        """The hidden rows of ``slots``, a slot's zeroed where its request is new to it."""
+    def start(self, slots: list[int], live: list, hidden: torch.Tensor) -> None:
+        """The hidden states of the prompts' last tokens (the prefill's), where a draft
+        head starts from for the requests in ``slots``."""
+        index = torch.tensor(slots, device=hidden.device)
+        self._buffer()[index] = hidden
+        for slot, request in zip(slots, live, strict=True):
+            self.owner[slot] = request
+
+    def _buffer(self) -> torch.Tensor:
         if self.hidden is None:  # the proposer's width and dtype
             size = getattr(self.proposer, "hidden_size", None)
             self.hidden = torch.zeros(self.cache.max_requests, positive_int(
                 size, "the proposer's hidden_size"), device=self.cache.device,
                 dtype=getattr(self.proposer, "dtype", torch.float32))
+        return self.hidden
+
+    def _hidden_of(self, slots: list[int], live: list) -> torch.Tensor:
+        """The hidden rows of ``slots``, a slot's zeroed where its request is new to it
+        (no prefill or verify step gave it one)."""
+        self._buffer()
         for slot, request in zip(slots, live, strict=True):
             if self.owner.get(slot) is not request:
                 self.owner[slot] = request

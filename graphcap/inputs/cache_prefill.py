@@ -31,9 +31,12 @@ from graphcap.kv.paged import PagedKVCache
 class CachePrefillInputs(PagedInputs):
     """Prefill (and with ``extend``, extend) into ``cache``: requests of any length in
     ``slots`` request slots per shape; ``output_rows`` (None: the model's) 'tokens' or
-    'requests' (the model takes each request's last row and returns one row each)."""
+    'requests' (the model takes each request's last row and returns one row each);
+    ``hidden``: ``(logits, hidden)``, the hidden states of the same rows (a draft head's
+    start)."""
 
     def __init__(self, cache: PagedKVCache, attention, slots: int,
-                 output_rows: str | None = None, name: str = "the model", extend: bool = False):
+                 output_rows: str | None = None, name: str = "the model", extend: bool = False,
+                 hidden: bool = False):
         super().__init__(cache, None, attention=attention, slots=slots,
-                         output_rows=output_rows, extend=extend, name=name)
+                         output_rows=output_rows, extend=extend, name=name, hidden=hidden)

@@ -76,8 +76,9 @@ class PagedInputs(Inputs):
     per request as ``sample`` does; the cache then counts every token of the step as
     written: :meth:`~graphcap.kv.PagedKVCache.rewind` keeps the accepted ones);
     ``hidden`` (with ``accept``): also each request's hidden state at its last accepted
-    token, ``(accepted, hidden)`` (a model that declares ``graphcap_hidden``: its
-    forward takes ``hidden=True``); ``decode_attention``: the backend of attention over
+    token, ``(accepted, hidden)``; in a prefill, the hidden states of the rows the logits
+    are of, ``(logits, hidden)`` (a model that declares ``graphcap_hidden``: its forward
+    takes ``hidden=True``); ``decode_attention``: the backend of attention over
     the pages (a name for ``get_backend(kind="decode")``, a backend, or None: the
     default); ``check_inputs``: token ids checked against the model's vocabulary (one
     host sync a call)."""
@@ -92,9 +93,10 @@ class PagedInputs(Inputs):
         self.extend, self.sample, self.accept = extend, sample, accept
         self.draws = sample or accept == "sampled"  # takes sampling= per request
         self.hidden = hidden
-        if hidden and not accept:
+        if hidden and not accept and tokens_per_request is not None:
             raise ValueError("hidden=True returns each request's hidden state at its last "
-                             "accepted token: it needs accept= (a verify step)")
+                             "accepted token (a verify step: accept=) or the prefill rows' "
+                             "(tokens_per_request=None)")
         if self.step is not None:
             self.step = checks.positive_int(tokens_per_request, "tokens_per_request")
         elif attention is None or slots is None:
@@ -259,6 +261,8 @@ class PagedInputs(Inputs):
             elif self.accept:
                 out = greedy_accept(out, ids, self.step)
         state.kv.check_written(model)
+        if h is not None and not self.accept:  # a prefill: the logits' rows
+            return out, h
         if h is not None:  # each request's row of its last accepted token
             rows = out.shape[0]
             h = h[:rows * self.step].view(rows, self.step, -1)

@@ -61,30 +61,31 @@ def test_a_random_head_proposes_on_one_replay_a_step_and_the_tokens_stay_the_tar
     assert spec["verify_steps"] == head["head_steps"]
 
 
-def test_the_head_starts_from_the_targets_hidden_state_at_the_last_accepted_token():
+@pytest.mark.parametrize("prompts", [[[5, 9, 2, 7, 1], [3]],
+                                     [[8, 8, 4, 11, 6, 2, 9, 10, 13, 1, 2]]],
+                         ids=["two-prompts", "one-in-chunks"])
+def test_the_head_starts_from_the_targets_hidden_state_at_the_last_accepted_token(prompts):
     """Each step's first head call gets, per request, the token the target chose last
     and the target's hidden state at the token before it (recomputed here by an eager
-    forward over the request's tokens), zero before any verify step saw the request."""
+    forward over the request's tokens): at first the prefill's (for an 11-token prompt,
+    the last chunk's, on the extend graphs), then each verify step's."""
     head = TinyHead(record=True)
     llm = head_llm("full", head, head_strategy="eager")
     head.calls.clear()  # bind's probe
-    prompts = [[5, 9, 2, 7, 1], [3]]
-    gained: dict[int, list[list[int]]] = {0: [], 1: []}  # per request, per step
+    gained: dict[int, list[list[int]]] = {i: [] for i in range(len(prompts))}
     for delta in llm.stream(prompts, 8):  # without a tokenizer: a delta per step
         gained[delta.index].append(delta.tokens)
     target = model()
     for step, (hidden, tokens) in enumerate(head.calls[::K]):
-        live = [i for i in (0, 1) if len(gained[i]) > step + 1]  # it had a step here
+        live = [i for i in gained if len(gained[i]) > step + 1]  # it had a step here
         assert tokens.tolist() == [gained[i][step][-1] for i in live]
         for row, i in enumerate(live):
             seq = prompts[i] + sum(gained[i][:step + 1], [])
-            if step == 0:  # just prefilled: no verify step has seen it
-                assert not hidden[row].any()
-                continue
             ids = torch.tensor(seq[:-1], device=DEVICE)
             _, h = target(ids, torch.arange(len(seq) - 1, device=DEVICE),
                           seq_lens=[len(seq) - 1], hidden=True)
             torch.testing.assert_close(hidden[row], h[-1], rtol=1e-4, atol=1e-4)
+    assert head.calls
 
 
 def test_a_model_without_hidden_states_or_a_head_of_other_token_ids_is_refused():

@@ -228,7 +228,7 @@ def test_a_verify_step_returns_each_requests_hidden_state_at_its_last_accepted_t
         torch.testing.assert_close(hidden[i], h[-1], rtol=1e-4, atol=1e-4)
 
 
-def test_hidden_states_need_a_verify_step():
+def test_hidden_states_of_a_decode_step_need_a_verify_step():
     _, cache, _ = setup()
-    with pytest.raises(ValueError, match="it needs accept="):
+    with pytest.raises(ValueError, match="a verify step: accept="):
         PagedInputs(cache, tokens_per_request=2, hidden=True)
