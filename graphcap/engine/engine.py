@@ -232,7 +232,7 @@ class Engine:
             speculative = {"verify_replays": _summed(r.get("replays", {}) for r in both),
                            "verify_fallbacks": _summed(r.get("fallbacks", {}) for r in both),
                            **self.verifier.counts.report()}
-        return {**speculative,"decode_steps": self.steps, "prefills": self.prefills,
+        return {**speculative, "decode_steps": self.steps, "prefills": self.prefills,
                 "replays": dict(decoded.get("replays", {})),
                 "fallbacks": dict(decoded.get("fallbacks", {})),
                 "prefill_replays": dict(prefilled.get("replays", {})),

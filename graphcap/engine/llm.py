@@ -276,8 +276,7 @@ class LLM:
         taken, reason = [], None
         for token in tokens:
             taken.append(token)
-            reason = "stop" if token in stops else \
-                "length" if len(request.new) + len(taken) == max_new else None
+            reason = _ends(token, len(request.new) + len(taken), stops, max_new)
             if reason is not None:
                 break
         request.new.extend(taken)
@@ -303,8 +302,7 @@ class LLM:
         for slot, token in drawn:
             request = self.engine.live[slot]
             request.new.append(token)
-            reason = "stop" if token in stops else \
-                "length" if len(request.new) == max_new else None
+            reason = _ends(token, len(request.new), stops, max_new)
             text = None
             if self.tokenizer is not None:
                 text, hit = self._delta(request, texts[request.index], reason is not None)
@@ -361,6 +359,12 @@ class LLM:
         ids = stop_tokens_of([s for s in given if not isinstance(s, str)],
                              self.shape.vocab_size)
         return ids | self.eos, strings
+
+
+def _ends(token: int, made: int, stops: set[int], max_new: int) -> str | None:
+    """Why a request ends on ``token``, its ``made``-th new one: a stop token, its length,
+    or not (None)."""
+    return "stop" if token in stops else "length" if made == max_new else None
 
 
 def _stop_prefix(text: str, stops: tuple[str, ...]) -> int:

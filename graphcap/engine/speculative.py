@@ -130,9 +130,10 @@ class Verifier:
         slots = sorted(requests)
         live = [requests[s] for s in slots]
         histories = [r.prompt + r.new for r in live]
-        if self.reads_hidden:
+        if self.reads_hidden:  # the slots' rows of the hidden states, read and written
+            index = torch.tensor(slots, device=self.cache.device)
             given = list(self.proposer.propose_batch(slots, histories,
-                                                     self._hidden_of(slots, live)))
+                                                     self._hidden_of(slots, live, index)))
         elif callable(getattr(self.proposer, "propose_batch", None)):
             given = list(self.proposer.propose_batch(slots, histories))
         else:
@@ -154,7 +155,7 @@ class Verifier:
                                sampling=[r.sampling for r in live])
         if self.reads_hidden:
             out, hidden = out
-            self.hidden[torch.tensor(slots, device=hidden.device)] = hidden
+            self.hidden[index] = hidden
         out = out.tolist()
         verified = time.perf_counter()
         gained = {}
@@ -188,7 +189,8 @@ class Verifier:
                 dtype=getattr(self.proposer, "dtype", torch.float32))
         return self.hidden
 
-    def _hidden_of(self, slots: list[int], live: list) -> torch.Tensor:
+    def _hidden_of(self, slots: list[int], live: list, index: torch.Tensor
+                   ) -> torch.Tensor:
         """The hidden rows of ``slots``, a slot's zeroed where its request is new to it
         (no prefill or verify step gave it one)."""
         self._buffer()
@@ -196,7 +198,7 @@ class Verifier:
             if self.owner.get(slot) is not request:
                 self.owner[slot] = request
                 self.hidden[slot].zero_()
-        return self.hidden[torch.tensor(slots, device=self.hidden.device)]
+        return self.hidden[index]
 
     def _checked(self, proposal) -> list[int]:
         proposed = list(proposal)

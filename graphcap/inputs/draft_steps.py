@@ -99,9 +99,7 @@ class DraftStepsInputs(PagedInputs):
         return torch.stack(chosen, dim=1)
 
     def stage(self, batch: Batch, bucket: int, states: list[PagedState]) -> None:
-        self.copy_in(batch, bucket)
-        if batch.tokens < bucket:
-            self.buffers[2][batch.tokens:bucket].fill_(-1)  # pads: no request slot
+        self._stage_tokens(batch, bucket)
         self._plan_steps(states, batch)
 
     def _plan_steps(self, states: list[PagedState], batch: Batch) -> None:

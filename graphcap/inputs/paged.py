@@ -270,12 +270,17 @@ class PagedInputs(Inputs):
         return out
 
     def stage(self, batch: Batch, bucket: int, state: PagedState) -> None:
-        self.copy_in(batch, bucket)
-        if batch.tokens < bucket:
-            self.buffers[2][batch.tokens:bucket].fill_(-1)  # pads: no request slot
+        self._stage_tokens(batch, bucket)
         if state.meta is not None:  # routed: they fit the shape
             state.meta.update(batch.lens, derive=False, checked=True)
         self._plan(state, batch)  # outside the graph, from the host values
+
+    def _stage_tokens(self, batch: Batch, bucket: int) -> None:
+        """The call's tokens, positions and request slots into the buffers; pads have no
+        request slot."""
+        self.copy_in(batch, bucket)
+        if batch.tokens < bucket:
+            self.buffers[2][batch.tokens:bucket].fill_(-1)
 
     def _plan(self, state: PagedState, batch: Batch) -> None:
         """The decode attention plan of ``state`` for ``batch``, where it plans on the host
