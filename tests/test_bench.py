@@ -502,7 +502,7 @@ def test_bench_speculative_sets_each_proposer_beside_plain_decode_with_its_accep
     from graphcap.bench import speculative
 
     result = speculative.run(("tiny",), batches=(1, 2), k=3, reps=1, device="cpu",
-                             prompt=32, new=12)
+                             prompt=32, new=12, strategies=("full", "breakable"))
     model = result["models"][0]
     assert set(model["steps"]) == {1, 2}
     assert all(s["verify_ms"] > 0 and s["decode_ms"] > 0 for s in model["steps"].values())
@@ -518,5 +518,13 @@ def test_bench_speculative_sets_each_proposer_beside_plain_decode_with_its_accep
     assert "the target as its own draft: acceptance length, batch 1" in names
     assert set(model["generate"][1]["random"]["ms_per_step"]) == \
         {"draft", "verify", "host", "loop"}
-    assert names[-1] == "every verify and draft step replayed a graph"
-    assert model["targets"][-1]["met"]
+    assert names[-2] == "every verify and draft step replayed a graph"
+    assert model["targets"][-2]["met"]
+    # the preset in float32 under each strategy: speculation's greedy tokens are plain's
+    assert set(model["exact"]) == {"full", "breakable"}
+    for rows in model["exact"].values():
+        assert rows["random"]["tokens_equal_plain"] and rows["ngram"]["tokens_equal_plain"]
+        assert rows["random"]["verify_steps"] > 0 and rows["fallbacks"] == 0
+    assert names[-1].startswith("greedy tokens equal plain decoding's (float32; full, ")
+    assert model["targets"][-1] == {**model["targets"][-1], "measured": "4 of 4 runs",
+                                    "met": True}

@@ -19,12 +19,15 @@
 
   each with the mean acceptance length, a verify step's milliseconds split into the
   proposer, the verify call, the bookkeeping and the rest of the loop, and a check that
-  every verify and draft step replayed a graph (no fallback).
+  every verify and draft step replayed a graph (no fallback);
+- ``exact``: greedy tokens under speculation against plain greedy decoding's, the preset
+  in float32 under each strategy (:func:`exactness`).
 
 Targets (the speculative issue, batch 1): a verify step at most 1.3x a decode step; with
 zero acceptance (``random``) at most 1.35x slower than plain; with the n-gram proposer
 at an acceptance length of 3 or more, at least 2x plain; the target as its own draft
-accepting (acceptance length 3 or more).
+accepting (acceptance length 3 or more); greedy tokens equal plain decoding's under every
+strategy.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import time
 
 import torch
 
+from graphcap.api import GRAPHED
 from graphcap.bench.common import environment, time_interleaved
 from graphcap.engine.draft import DraftModel
 from graphcap.engine.eager import prefill
@@ -44,7 +48,7 @@ from graphcap.engine.speculative import graph_calls
 from graphcap.inputs.sampling import Sampling
 from graphcap.models import build_model
 
-ARMS = ("target", "random", "ngram")
+ARMS = ("target", "random", "ngram", "exact")
 K = 4
 BATCHES = (1, 8, 64)
 PROMPT, NEW = 128, 128
@@ -196,8 +200,46 @@ def bench_model(name: str, arms, batches, k: int, reps: int, device: str,
     calls = graph_calls([report["verify"], report["verify_sampled"],
                          target.report() if target is not None else {}])
     out["verify_fallbacks"], out["verify_replays"] = calls["fallbacks"], calls["replays"]
-    out["targets"] = targets(out)
     return out
+
+
+def exactness(name: str, k: int, device: str, strategies=GRAPHED, batch: int = 2,
+              prompt: int = 64, new: int = 48) -> dict:
+    """Per strategy, whether speculation's greedy tokens are plain greedy decoding's, with
+    random proposals (nothing accepted) and n-gram lookup on repeating prompts (much
+    accepted), the preset in float32: every kernel sums in IEEE float32 there, so no
+    near-tie between a verify row and a decode step (the same dot products over a
+    different number of rows, summed in another order: a bf16 rounding apart) decides a
+    token. Each row also counts the graph fallbacks of the loop."""
+    model = build_model(name, device=device, dtype=torch.float32, logits="last")
+    vocab, out = model.args.vocab_size, {}
+    for strategy in strategies:
+        llm = LLM(model, strategy=strategy, max_batch=batch, max_len=prompt + new,
+                  prefill_tokens=prompt * batch, progress=False, stop_at_eos=False,
+                  speculative=NgramProposer(k))
+        verifier, rows = llm.engine.verifier, {}
+        for arm, proposer in (("random", RandomTokens(k, vocab)), ("ngram", NgramProposer(k))):
+            prompts = prompts_of(batch, prompt, vocab, seed=11, repeat=arm == "ngram")
+            plain = [c.tokens for c in llm.generate(prompts, new, speculate=False)]
+            verifier.proposer = proposer
+            before = dict(verifier.counts.__dict__)
+            spoken = [c.tokens for c in llm.generate(prompts, new, speculate=True)]
+            steps = verifier.counts.steps - before["steps"]
+            accepted = verifier.counts.accepted - before["accepted"]
+            rows[arm] = {"tokens_equal_plain": spoken == plain, "tokens": sum(map(len, plain)),
+                         "verify_steps": steps,
+                         "mean_acceptance_length": round(accepted / max(
+                             1, verifier.counts.rows - before["rows"]) + 1, 3)}
+        report = llm.report()
+        rows["fallbacks"] = graph_calls([report["verify"], report["verify_sampled"]])[
+            "fallbacks"]
+        out[strategy] = rows
+        del llm
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
 
 
 def targets(model: dict) -> list[dict]:
@@ -226,19 +268,42 @@ def targets(model: dict) -> list[dict]:
         if length >= 3:
             judge(f"n-gram proposals (acceptance length {length}): speed-up over plain, "
                   "batch 1", gain, f">= {GAIN_AT_LENGTH_3}", gain >= GAIN_AT_LENGTH_3)
-    judge("every verify and draft step replayed a graph", model["verify_fallbacks"],
-          "0 fallbacks",
-          model["verify_fallbacks"] == 0 and model["verify_replays"] > 0)
+    if "verify_fallbacks" in model:
+        judge("every verify and draft step replayed a graph", model["verify_fallbacks"],
+              "0 fallbacks",
+              model["verify_fallbacks"] == 0 and model["verify_replays"] > 0)
+    if "exact" in model:
+        runs = [row for rows in model["exact"].values() for arm, row in rows.items()
+                if arm != "fallbacks"]
+        equal = sum(row["tokens_equal_plain"] for row in runs)
+        judge(f"greedy tokens equal plain decoding's (float32; {', '.join(model['exact'])}; "
+              "random and n-gram proposals)", f"{equal} of {len(runs)} runs",
+              "all", equal == len(runs) and all(
+                  rows["fallbacks"] == 0 for rows in model["exact"].values()))
+    return out
+
+
+def _model(name: str, arms, batches, k: int, reps: int, device: str, prompt: int,
+           new: int, strategies) -> dict:
+    out = {"model": name, "k": k}
+    if set(arms) - {"exact"}:
+        out = bench_model(name, arms, batches, k, reps, device, prompt, new)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if "exact" in arms:
+        out["exact"] = exactness(name, k, device, strategies)
+    out["targets"] = targets(out)
     return out
 
 
 def run(models=("qwen3-0.6b",), arms=ARMS, batches=BATCHES, k: int = K, reps: int = 3,
-        device: str | None = None, prompt: int = PROMPT, new: int = NEW) -> dict:
+        device: str | None = None, prompt: int = PROMPT, new: int = NEW,
+        strategies=GRAPHED) -> dict:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return {"what": "graphcap bench decode --speculative: verify step against decode step, "
                     "and LLM.generate end to end with each proposer beside plain decode",
             **environment(), "arms": list(arms), "batches": list(batches), "k": k,
-            "models": [bench_model(m, arms, batches, k, reps, device, prompt, new)
+            "models": [_model(m, arms, batches, k, reps, device, prompt, new, strategies)
                        for m in models]}
 
 
