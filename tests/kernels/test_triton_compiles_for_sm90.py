@@ -103,6 +103,47 @@ def test_the_fused_linear_kernel_compiles_for_sm90_in_every_mode():
     compiles(COMPILE_LINEAR)
 
 
+COMPILE_GEMV = textwrap.dedent('''
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from graphcap.opsdb.triton.gemv import _gemv_kernel as kernel
+
+    # (NORM, SWIGLU, RESIDUAL, HAS_BIAS): every mode the ops use
+    modes = [(True, False, False, False), (True, False, False, True),
+             (True, True, False, False), (False, False, True, False)]
+    cases = [("bf16", True, rows, mode) for rows in (1, 8) for mode in modes] + \
+        [("bf16", False, 5, mode) for mode in modes] + [("fp32", True, 5, modes[2])]
+    for dt, pdl, rows, (norm, swiglu, residual, bias) in cases:
+        sig = {**{n: f"*{dt}" for n in ("X", "W", "Y", "NORM_W", "RES", "BIAS")},
+               "eps": "fp32", **{n: "i32" for n in ("N", "K", "stride_xm",
+                                                     "stride_wn", "stride_ym",
+                                                     "stride_rm")}}
+        consts = {"ROWS": rows, "ROWS_P2": max(2, triton.next_power_of_2(rows)),
+                  "BLOCK_N": 2, "BLOCK_K": 1024, "NORM": norm, "SWIGLU": swiglu,
+                  "RESIDUAL": residual, "HAS_BIAS": bias, "INTERPRET": False,
+                  "PDL": pdl}
+        sig.update({n: "constexpr" for n in consts})
+        sig = {name: sig[name] for name in kernel.arg_names}
+        out = triton.compile(ASTSource(kernel, sig, constexprs=consts),
+                             target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": 4, "launch_pdl": pdl})
+        assert "cubin" in out.asm
+        ptx = out.asm["ptx"]
+        assert ("griddepcontrol.launch_dependents" in ptx) == pdl
+        if pdl:  # the weight slice loaded before the wait, nothing written
+            early = ptx[:ptx.index("griddepcontrol.wait")]
+            assert "ld.global" in early, early[-2000:]
+            assert not any(op in early for op in ("st.global", "atom.", "red.")), \
+                early[-2000:]
+    print("compiled")
+''')
+
+
+def test_the_gemv_linear_kernel_compiles_for_sm90_with_its_weights_read_before_the_wait():
+    compiles(COMPILE_GEMV)
+
+
 COMPILE_PDL_KERNELS = textwrap.dedent('''
     import triton
     from triton.backends.compiler import GPUTarget

@@ -1,0 +1,143 @@
+"""Linear layers of one to :data:`GEMV_ROWS` rows (decode steps) in GEMV form, with the
+same prologue and epilogues as :mod:`graphcap.opsdb.triton.linear`'s few-row kernel:
+
+    y = epilogue(prologue(x) @ W^T)      x [M, K], W [N, K] (or [2N, K] for SwiGLU)
+
+At a few rows a projection is a read of its weight; what decides its time is how soon
+every byte of it is asked for. A program here owns ``BLOCK_N`` output columns (two, on
+the H200) and loads its whole ``[BLOCK_N, K]`` weight slice in one go (``BLOCK_K`` up to
+K), so the launch has all of its weight in flight at once; each row's products are summed
+on the CUDA cores (no tensor-core tile padded to 16 rows, no split of K, no partials to
+merge). Under programmatic dependent launch the first slice is loaded before the wait
+for the kernel before: the weights are no earlier kernel's output.
+
+Measured on the H200 (``docs/notes/probes/linear_floor.py``,
+``docs/results/2026-12-03-linear-floor-751a77d-h200.json``): at one row this form reads
+qwen3-0.6b's projections in 3.3-5.1 us against the tensor-core kernel's 5.2-6.5 and
+cuBLAS's 5.0-12.8, the speed of a bare read of the same bytes in one launch.
+
+Numerics as the few-row kernel's: the normed x is rounded to x's dtype before the
+products, float32 sums, SwiGLU's halves and the residual's product rounded first.
+float32 inputs are multiplied in IEEE float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graphcap.opsdb.triton.common import (
+    cast,
+    interpreting,
+    pdl_args,
+    pdl_launch_dependents,
+    pdl_wait,
+)
+from graphcap.opsdb.triton.linear import _epilogue, _row_rstd
+
+GEMV_ROWS = 8  # the most rows a launch takes: each row's products are its own pass
+_REGISTER_BYTES = 16 * 1024  # weight bytes a program holds per slice (per half, SwiGLU)
+
+
+@triton.jit
+def _load_slice(w_rows, k0, col_ok, K, N, stride_wn, BLOCK_K: tl.constexpr,
+                SWIGLU: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight slice at k0 (and its up half's, for SwiGLU)."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    mask = col_ok[:, None] & (ks < K)[None, :]
+    w = tl.load(w_rows + ks[None, :], mask=mask, other=0.0)
+    w_up = w
+    if SWIGLU:
+        w_up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=mask, other=0.0)
+    return w, w_up
+
+
+@triton.jit
+def _gemv_kernel(
+    X, W, Y, NORM_W, RES, BIAS, N, K, eps, stride_xm, stride_wn, stride_ym, stride_rm,
+    ROWS: tl.constexpr, ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
+    RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pdl_launch_dependents(PDL)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w_rows = W + cols[:, None].to(tl.int64) * stride_wn
+    # The first slice is asked for before the wait: no kernel before writes the weights.
+    w, w_up = _load_slice(w_rows, 0, col_ok, K, N, stride_wn, BLOCK_K, SWIGLU)
+    pdl_wait(PDL)
+    rows = tl.arange(0, ROWS_P2)
+    row_ok = rows < ROWS
+    x_rows = X + rows[:, None] * stride_xm
+    if NORM:
+        rstd = _row_rstd(x_rows, row_ok, K, eps, ROWS_P2, BLOCK_K)
+    else:
+        rstd = tl.zeros([ROWS_P2], dtype=tl.float32)
+    acc = tl.zeros([ROWS_P2, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([ROWS_P2, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        wf = w.to(tl.float32)
+        wf_up = w_up.to(tl.float32)
+        if NORM:
+            g = tl.load(NORM_W + ks, mask=k_ok, other=0.0).to(tl.float32)
+        for m in tl.static_range(ROWS):
+            x = tl.load(X + m * stride_xm + ks, mask=k_ok, other=0.0)
+            if NORM:
+                r = tl.sum(tl.where(rows == m, rstd, 0.0), axis=0)
+                x = cast(x.to(tl.float32) * r * g, X.dtype.element_ty, INTERPRET)
+            xf = x.to(tl.float32)[None, :]
+            here = (rows == m)[:, None]
+            acc = tl.where(here, acc + tl.sum(wf * xf, axis=1)[None, :], acc)
+            if SWIGLU:
+                acc_up = tl.where(here, acc_up + tl.sum(wf_up * xf, axis=1)[None, :], acc_up)
+        # the next slice (past K: every lane masked, nothing read)
+        w, w_up = _load_slice(w_rows, k0 + BLOCK_K, col_ok, K, N, stride_wn, BLOCK_K,
+                              SWIGLU)
+    _epilogue(acc, acc_up, rows, cols, row_ok, col_ok, Y, RES, BIAS, stride_ym, stride_rm,
+              SWIGLU, RESIDUAL, HAS_BIAS, INTERPRET)
+
+
+def gemv_config(k: int, element_size: int = 2) -> dict:
+    """Two columns a program (the H200 probe's best at every projection shape), the
+    slice as long as K up to :data:`_REGISTER_BYTES` of weight per program and half,
+    four warps."""
+    block_n = 2
+    block_k = triton.next_power_of_2(k)
+    while block_k > 64 and block_n * block_k * element_size > _REGISTER_BYTES:
+        block_k //= 2
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4}
+
+
+def gemv_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
+                eps: float = 1e-6, residual=None, bias=None, swiglu: bool = False,
+                tiles: dict | None = None) -> torch.Tensor:
+    """``epilogue(prologue(x) @ weight^T)`` for ``x`` of at most :data:`GEMV_ROWS` rows,
+    the arguments of :func:`graphcap.opsdb.triton.linear.skinny_linear`; a new [M, N]
+    tensor. ``tiles`` overrides :func:`gemv_config` (benchmarks and tests)."""
+    m, k = x.shape
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    if m > GEMV_ROWS:
+        raise ValueError(f"gemv_linear takes at most {GEMV_ROWS} rows, got {m}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight need a contiguous last dim")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    cfg = dict(tiles or gemv_config(k, x.element_size()))
+    res = residual if residual is not None else y
+    launch = pdl_args(x.device, m)
+    _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+        x, weight, y, norm_weight if norm_weight is not None else x, res,
+        bias if bias is not None else x, n, k, float(eps), x.stride(0), weight.stride(0),
+        y.stride(0), res.stride(0), ROWS=m, ROWS_P2=max(2, triton.next_power_of_2(m)),
+        NORM=norm_weight is not None, SWIGLU=swiglu, RESIDUAL=residual is not None,
+        HAS_BIAS=bias is not None, INTERPRET=interpreting(), **launch, **cfg)
+    return y
+
+
+__all__ = ["GEMV_ROWS", "gemv_config", "gemv_linear"]

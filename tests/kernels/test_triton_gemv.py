@@ -1,0 +1,84 @@
+"""The GEMV-form linear of decode steps (one to GEMV_ROWS rows; RMSNorm prologue,
+SwiGLU or residual epilogue, bias) against the torch references in Triton's interpreter
+without a GPU and at model size in a CUDA graph where one is present; each row's result
+does not depend on how many rows share the launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphcap.opsdb.triton import gemv
+from graphcap.opsdb.triton import linear as kernel
+from tests.conftest import requires_cuda
+from tests.kernels.test_triton_linear import MODES, TOL, case, randn
+
+
+@settings(max_examples=15, deadline=None)
+@given(mode=st.sampled_from(MODES), m=st.integers(1, gemv.GEMV_ROWS),
+       nk=st.sampled_from([(12, 320), (7, 96), (16, 16), (3, 40)]),
+       block=st.sampled_from([(1, 32), (2, 32), (4, 64), (2, 512)]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**20))
+def test_every_mode_matches_the_reference_over_one_slice_of_k_or_many(mode, m, nk, block,
+                                                                     dtype, seed):
+    n, k = nk
+    args, want, x = case(mode, m, n, k, dtype, seed)
+    tiles = {"BLOCK_N": block[0], "BLOCK_K": block[1], "num_warps": 4}
+    got = gemv.gemv_linear(x, tiles=tiles, **args)
+    torch.testing.assert_close(got, want(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@settings(max_examples=6, deadline=None)
+@given(mode=st.sampled_from(MODES), m=st.integers(2, gemv.GEMV_ROWS),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**20))
+def test_a_row_comes_out_bitwise_the_same_whatever_rows_share_its_launch(mode, m, dtype,
+                                                                       seed):
+    # A decode step (one row a request) and a verify step (1 + k) agree on each row.
+    args, _, x = case(mode, m, 6, 160, dtype, seed)
+    tiles = {"BLOCK_N": 2, "BLOCK_K": 64, "num_warps": 4}  # three slices of K
+    together = gemv.gemv_linear(x, tiles=tiles, **args)
+    for row in range(m):
+        alone = {key: (v[row:row + 1] if key == "residual" else v) for key, v in args.items()}
+        assert torch.equal(gemv.gemv_linear(x[row:row + 1], tiles=tiles, **alone),
+                           together[row:row + 1])
+
+
+def test_the_tiles_keep_a_programs_slice_in_registers_in_each_dtype():
+    assert gemv.gemv_config(1024) == {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4}
+    assert gemv.gemv_config(14336)["BLOCK_K"] == 4096  # 16 KB of bf16 a slice
+    assert gemv.gemv_config(14336, 4)["BLOCK_K"] == 2048
+    assert gemv.gemv_config(96)["BLOCK_K"] == 128
+
+
+def test_more_rows_than_a_gemv_launch_takes_go_to_the_tensor_core_kernel():
+    x = randn(gemv.GEMV_ROWS + 1, 16, dtype=torch.float32, seed=0)
+    w = randn(8, 16, dtype=torch.float32, seed=1)
+    with pytest.raises(ValueError, match=f"at most {gemv.GEMV_ROWS} rows"):
+        gemv.gemv_linear(x, w)
+    torch.testing.assert_close(kernel.fused_linear(x, w), x @ w.T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("m", [1, 5, 8])
+def test_model_sized_projections_replay_in_a_cuda_graph(m):
+    from graphcap.core import new_pool
+
+    # qwen3-0.6b q/k/v, o, gate/up, down, LM head; llama3-8b's down (K past one slice).
+    shapes = [("norm", 4096, 1024), ("residual", 1024, 2048), ("swiglu", 3072, 1024),
+              ("residual", 1024, 3072), ("norm", 151936, 1024), ("residual", 4096, 14336)]
+    pool = new_pool("cuda")
+    for mode, n, k in shapes:
+        args, want, x = case(mode, m, n, k, torch.bfloat16, 0)
+        with pool.warmup():
+            gemv.gemv_linear(x, **args)
+        graph = pool.graph()
+        y = graph.capture(lambda a=args, x=x: gemv.gemv_linear(x, **a))
+        for seed in (1, 2):  # new inputs, same buffers
+            x.copy_(randn(m, k, dtype=torch.bfloat16, seed=seed))
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(y, want(), atol=2e-2, rtol=2e-2,
+                                       msg=lambda msg, s=(mode, n, k): f"{s}: {msg}")
