@@ -249,7 +249,8 @@ def targets(model: dict) -> list[dict]:
     def judge(target: str, measured, limit: str, met: bool) -> None:
         out.append({"target": target, "measured": measured, "limit": limit, "met": met})
 
-    steps, gen = model["steps"].get(1), model["generate"].get(1) or {}
+    steps = model.get("steps", {}).get(1)
+    gen = model.get("generate", {}).get(1) or {}
     if steps:
         ratio = steps["verify_over_decode"]
         judge(f"verify step of 1 + {model['k']} tokens over a decode step, batch 1", ratio,

@@ -7,12 +7,12 @@
 - ``linear_residual(x, weight, residual)``: ``residual + linear(x)`` (the attention
   output and MLP down projections, closing a residual branch).
 
-Kernels, best first: ``triton``, one kernel per op for few rows: every op up to 8 rows
-(decode steps) in GEMV form (:mod:`graphcap.opsdb.triton.gemv`), then the tensor-core
-kernel for ``rms_norm_swiglu`` and ``linear_residual`` with weights of up to 16 MB
-(:func:`graphcap.opsdb.triton.linear.fused_rows` says where each pays on the H200; past
-8 rows ``rms_norm_linear`` measured slower than the unfused ops at every size, so
-dispatch leaves it to them); ``composite``, the unfused
+Kernels, best first: ``triton``, one kernel per op for few rows: every op at one row
+(decode at batch 1) with weights of up to 16 MB in GEMV form
+(:mod:`graphcap.opsdb.triton.gemv`), else the tensor-core kernel for ``rms_norm_swiglu``
+and ``linear_residual`` (:func:`graphcap.opsdb.triton.linear.fused_rows` says where each
+pays on the H200; past one row ``rms_norm_linear`` measured slower than the unfused ops
+at every size, so dispatch leaves it to them); ``composite``, the unfused
 ops (the ``rms_norm`` and ``silu_and_mul`` kernels around a cuBLAS matmul), for more
 rows and larger weights, where cuBLAS wins; ``torch``, the reference.
 Intermediates are rounded to the model dtype where the unfused ops store them.

@@ -45,16 +45,18 @@ def test_a_row_comes_out_bitwise_the_same_whatever_rows_share_its_launch(mode, m
                            together[row:row + 1])
 
 
-def test_the_tiles_keep_a_programs_slice_in_registers_in_each_dtype():
+def test_the_tiles_keep_a_programs_slice_in_registers():
     assert gemv.gemv_config(1024) == {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4}
-    assert gemv.gemv_config(14336)["BLOCK_K"] == 4096  # 16 KB of bf16 a slice
-    assert gemv.gemv_config(14336, 4)["BLOCK_K"] == 2048
+    assert gemv.gemv_config(14336)["BLOCK_K"] == 2048  # 32 elements a thread
     assert gemv.gemv_config(96)["BLOCK_K"] == 128
 
 
-def test_more_rows_than_a_gemv_launch_takes_go_to_the_tensor_core_kernel():
-    x = randn(gemv.GEMV_ROWS + 1, 16, dtype=torch.float32, seed=0)
+def test_the_dispatch_takes_the_gemv_form_at_one_row_and_small_weights_only():
     w = randn(8, 16, dtype=torch.float32, seed=1)
+    assert gemv.dispatches(randn(1, 16, dtype=torch.float32, seed=0), w)
+    assert not gemv.dispatches(randn(2, 16, dtype=torch.float32, seed=0), w)
+    assert not gemv.dispatches(w[:1], torch.empty(4096, 4097, dtype=torch.bfloat16))
+    x = randn(gemv.GEMV_ROWS + 1, 16, dtype=torch.float32, seed=0)
     with pytest.raises(ValueError, match=f"at most {gemv.GEMV_ROWS} rows"):
         gemv.gemv_linear(x, w)
     torch.testing.assert_close(kernel.fused_linear(x, w), x @ w.T, atol=1e-4, rtol=1e-4)

@@ -37,7 +37,13 @@ from graphcap.opsdb.triton.common import (
 from graphcap.opsdb.triton.linear import _epilogue, _row_rstd
 
 GEMV_ROWS = 8  # the most rows a launch takes: each row's products are its own pass
-_REGISTER_BYTES = 16 * 1024  # weight bytes a program holds per slice (per half, SwiGLU)
+# Where the dispatch runs it (fused_linear): where a decode step measured faster on the
+# H200 (docs/results/2026-12-03-bench-decode-gemv-1fe2f13-h200.json): one row, weights
+# of up to 16 MB. At 8 rows the per-row reductions across warps made qwen3-0.6b's step
+# 1.8x slower; llama3-8b's larger weights at one row, 8% slower.
+DISPATCH_ROWS = 1
+DISPATCH_BYTES = 16 << 20
+_SLICE_ELEMENTS = 4096  # weight elements a program holds per slice (per half, SwiGLU)
 
 
 @triton.jit
@@ -102,14 +108,13 @@ def _gemv_kernel(
               SWIGLU, RESIDUAL, HAS_BIAS, INTERPRET)
 
 
-def gemv_config(k: int, element_size: int = 2) -> dict:
+def gemv_config(k: int) -> dict:
     """Two columns a program (the H200 probe's best at every projection shape), the
-    slice as long as K up to :data:`_REGISTER_BYTES` of weight per program and half,
-    four warps."""
+    slice as long as K up to :data:`_SLICE_ELEMENTS` weight elements a program and half
+    (32 a thread: no spills beside their float32 copies, several programs an SM), four
+    warps."""
     block_n = 2
-    block_k = triton.next_power_of_2(k)
-    while block_k > 64 and block_n * block_k * element_size > _REGISTER_BYTES:
-        block_k //= 2
+    block_k = max(16, min(triton.next_power_of_2(k), _SLICE_ELEMENTS // block_n))
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4}
 
 
@@ -128,7 +133,7 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    cfg = dict(tiles or gemv_config(k, x.element_size()))
+    cfg = dict(tiles or gemv_config(k))
     res = residual if residual is not None else y
     launch = pdl_args(x.device, m)
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
@@ -140,4 +145,12 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
     return y
 
 
-__all__ = ["GEMV_ROWS", "gemv_config", "gemv_linear"]
+def dispatches(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`graphcap.opsdb.triton.linear.fused_linear` runs this form for
+    ``x`` and ``weight`` (:data:`DISPATCH_ROWS`, :data:`DISPATCH_BYTES`)."""
+    return (x.shape[0] <= DISPATCH_ROWS
+            and weight.numel() * weight.element_size() <= DISPATCH_BYTES)
+
+
+__all__ = ["DISPATCH_BYTES", "DISPATCH_ROWS", "GEMV_ROWS", "dispatches", "gemv_config",
+           "gemv_linear"]

@@ -243,30 +243,31 @@ def _prefetches(weight: torch.Tensor) -> bool:
 def fused_rows(weight: torch.Tensor, kind: str) -> int:
     """Up to how many rows the fused kernels beat the unfused ops around cuBLAS on the
     H200 (bf16, weights cycled past L2), for ``kind`` "plain" (``rms_norm_linear``),
-    "swiglu" or "residual". Up to :data:`~graphcap.opsdb.triton.gemv.GEMV_ROWS` rows the
-    GEMV form runs (:mod:`graphcap.opsdb.triton.gemv`: at one row faster than cuBLAS at
-    every projection, ``docs/results/2026-12-03-linear-floor-751a77d-h200.json``); past
-    them the tensor-core kernel here (``docs/results/2026-12-01-bench-ops-linear-*``):
+    "swiglu" or "residual". At one row and weights of up to 16 MB the GEMV form runs
+    (:mod:`graphcap.opsdb.triton.gemv`: qwen3-0.6b's decode step at batch 1 1.07 ms
+    against 1.18, ``docs/results/2026-12-03-bench-decode-gemv-1fe2f13-h200.json``); else
+    the tensor-core kernel here (``docs/results/2026-12-01-bench-ops-linear-*``):
 
     - plain: no more. The norm prologue saves the ``rms_norm`` launch but slows the
       matmul: qwen3-0.6b's q/k/v at 16 rows 7.9 us against 7.3 unfused, llama3-8b's 28.9
       against 21.6, so the norm and cuBLAS run apart;
     - swiglu: 16 rows for weights of up to 16 MB (qwen3-0.6b's gate/up 8.6 us against
-      10.0, a norm and an activation launch saved), no more past that (llama3-8b's:
+      10.0, a norm and an activation launch saved), none past that (llama3-8b's:
       cuBLAS streams them faster);
     - residual: 64 rows up to 16 MB (qwen3-0.6b's o 7.3 against 7.7 at 64 rows, down 8.1
       against 9.9) and 16 past it (llama3-8b's o and down at 16 rows, where cuBLAS
       catches up by 64)."""
-    from graphcap.opsdb.triton.gemv import GEMV_ROWS
+    from graphcap.opsdb.triton.gemv import DISPATCH_BYTES, DISPATCH_ROWS
 
     if kind not in ("plain", "swiglu", "residual"):
         raise ValueError(f"fused_rows: kind {kind!r} is not 'plain', 'swiglu' or 'residual'")
     small = weight.numel() * weight.element_size() <= 16 << 20
+    gemv = DISPATCH_ROWS if weight.numel() * weight.element_size() <= DISPATCH_BYTES else 0
     if kind == "plain":
-        return GEMV_ROWS
+        return gemv
     if kind == "swiglu":
-        return max(GEMV_ROWS, 16 if small else 0)
-    return max(GEMV_ROWS, MAX_ROWS if small else 16)
+        return max(gemv, 16 if small else 0)
+    return max(gemv, MAX_ROWS if small else 16)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
@@ -307,11 +308,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
 
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, **kw) -> torch.Tensor:
-    """:func:`skinny_linear`'s product, in GEMV form up to
-    :data:`~graphcap.opsdb.triton.gemv.GEMV_ROWS` rows (decode steps)."""
-    from graphcap.opsdb.triton.gemv import GEMV_ROWS, gemv_linear
+    """:func:`skinny_linear`'s product, in GEMV form where
+    :func:`graphcap.opsdb.triton.gemv.dispatches` says it wins (decode at batch 1)."""
+    from graphcap.opsdb.triton.gemv import dispatches, gemv_linear
 
-    if x.shape[0] <= GEMV_ROWS:
+    if dispatches(x, weight):
         return gemv_linear(x, weight, **kw)
     return skinny_linear(x, weight, **kw)
 
