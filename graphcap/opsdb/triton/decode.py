@@ -120,7 +120,6 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
         offs = (page * PAGE + t % PAGE)[:, None] * slot_stride + kvh * head_dim + d[None, :]
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(kc_ptr + offs, mask=kv_mask, other=0.0)
-        v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)  # in flight beside k's
         scores = dot(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE,
                      INTERPRET) * scale
         if SOFTCAP:
@@ -129,6 +128,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: a token is in the block
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
+        v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
         acc = dot(cast(p, v.dtype, INTERPRET), v, acc * alpha[:, None], IEEE, INTERPRET)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
