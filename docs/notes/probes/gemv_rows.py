@@ -4,10 +4,10 @@ few-row kernel and cuBLAS, per decode projection and row count (device side):
     PYTHONPATH=. python3 docs/notes/probes/gemv_rows.py
 
 Timed as ``linear_floor.py`` times (CUDA graphs of back-to-back launches over weights
-cycled past L2), plain projections (no norm or epilogue) at 1, 2, 4, 5 and 8 rows; the
-GEMV form with today's ``gemv_config`` and a sweep of its tiles (BLOCK_N x BLOCK_K x
-warps; best kept). Says up to how many rows the GEMV form wins. JSON in
-$OUT/gemv-rows.json."""
+cycled past L2), plain projections (no norm or epilogue) at 1, 2, 4 and 8 rows; the
+GEMV form with today's ``gemv_config`` and a sweep of its tiles (BLOCK_K x warps; best
+kept). ``PROBE_MODELS=qwen3`` keeps that preset's shapes. Says up to how many rows the
+GEMV form wins. JSON in $OUT/gemv-rows.json."""
 
 import json
 import os
@@ -23,8 +23,9 @@ from graphcap.bench.common import environment  # noqa: E402
 from graphcap.opsdb.triton.gemv import gemv_config, gemv_linear  # noqa: E402
 from graphcap.opsdb.triton.linear import skinny_linear  # noqa: E402
 
-ROWS = (1, 2, 4, 5, 8)
-SWEEP = [(bn, bk, 4) for bn in (1, 2, 4) for bk in (1024, 4096)]
+ROWS = (1, 2, 4, 8)
+# warps 1 and 2: a row's sum over K stays within fewer warps (fewer shared-memory rounds)
+SWEEP = [(2, bk, w) for bk in (1024, 2048) for w in (1, 2, 4)]
 POOL_BYTES = 512 << 20
 
 
@@ -68,6 +69,8 @@ def main() -> None:
                    "CUDA graphs of back-to-back launches", **environment(),
            "pdl_env": os.environ.get("GRAPHCAP_PDL", ""), "shapes": {}}
     for name, (n, k) in SHAPES.items():
+        if os.environ.get("PROBE_MODELS", "") not in name:
+            continue
         print(name, flush=True)
         out["shapes"][name] = shape_rows(n, k)
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "gemv-rows.json"), "w") as f:
