@@ -11,10 +11,11 @@ on the CUDA cores (no tensor-core tile padded to 16 rows, no split of K, no part
 merge). Under programmatic dependent launch the first slice is loaded before the wait
 for the kernel before: the weights are no earlier kernel's output.
 
-Measured on the H200 (``docs/notes/probes/linear_floor.py``,
-``docs/results/2026-12-03-linear-floor-751a77d-h200.json``): at one row this form reads
-qwen3-0.6b's projections in 3.3-5.1 us against the tensor-core kernel's 5.2-6.5 and
-cuBLAS's 5.0-12.8, the speed of a bare read of the same bytes in one launch.
+Measured on the H200 (``docs/notes/probes/gemv_rows.py``,
+``docs/results/2026-12-03-gemv-rows-8b57f42-h200.json``): at one row this form reads
+qwen3-0.6b's projections in 2.4-5.5 us against the tensor-core kernel's 5.3-6.6 and
+cuBLAS's 5.1-10.7, about the speed of a bare read of the same bytes in one launch
+(``docs/notes/probes/linear_floor.py``).
 
 Numerics as the few-row kernel's: the normed x is rounded to x's dtype before the
 products, float32 sums, SwiGLU's halves and the residual's product rounded first.
@@ -38,9 +39,11 @@ from graphcap.opsdb.triton.linear import _epilogue, _row_rstd
 
 GEMV_ROWS = 8  # the most rows a launch takes: each row's products are its own pass
 # Where the dispatch runs it (fused_linear): where a decode step measured faster on the
-# H200 (docs/results/2026-12-03-bench-decode-gemv-1fe2f13-h200.json): one row, weights
-# of up to 16 MB. At 8 rows the per-row reductions across warps made qwen3-0.6b's step
-# 1.8x slower; llama3-8b's larger weights at one row, 8% slower.
+# H200: one row, weights of up to 16 MB (qwen3-0.6b's step at batch 1 0.953 ms against
+# 1.176, docs/results/2026-12-03-bench-decode-gemv1-8b57f42-h200.json). Run at up to 8
+# rows it made qwen3-0.6b's step at batch 8 1.8x slower (the per-row reductions across
+# warps), and llama3-8b's linears at one row took 4.66 ms of kernels against 4.14
+# (docs/results/2026-12-03-bench-decode-gemv-1fe2f13-h200.json).
 DISPATCH_ROWS = 1
 DISPATCH_BYTES = 16 << 20
 _SLICE_ELEMENTS = 4096  # weight elements a program holds per slice (per half, SwiGLU)
