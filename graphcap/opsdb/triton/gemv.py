@@ -35,7 +35,7 @@ from graphcap.opsdb.triton.common import (
     pdl_launch_dependents,
     pdl_wait,
 )
-from graphcap.opsdb.triton.linear import _epilogue, _row_rstd
+from graphcap.opsdb.triton.linear import _epilogue, _row_rstd, new_output
 
 GEMV_ROWS = 8  # the most rows a launch takes: each row's products are its own pass
 # Where the dispatch runs it (fused_linear): where a decode step measured faster on the
@@ -127,13 +127,7 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
     """``epilogue(prologue(x) @ weight^T)`` for ``x`` of at most :data:`GEMV_ROWS` rows,
     the arguments of :func:`graphcap.opsdb.triton.linear.skinny_linear`; a new [M, N]
     tensor. ``tiles`` overrides :func:`gemv_config` (benchmarks and tests)."""
-    m, k = x.shape
-    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    if m > GEMV_ROWS:
-        raise ValueError(f"gemv_linear takes at most {GEMV_ROWS} rows, got {m}")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("x and weight need a contiguous last dim")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y, (m, n, k) = new_output("gemv_linear", x, weight, swiglu, GEMV_ROWS)
     if m == 0 or n == 0:
         return y
     cfg = dict(tiles or gemv_config(k))

@@ -270,6 +270,19 @@ def fused_rows(weight: torch.Tensor, kind: str) -> int:
     return max(gemv, MAX_ROWS if small else 16)
 
 
+def new_output(name: str, x: torch.Tensor, weight: torch.Tensor, swiglu: bool,
+               max_rows: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """A linear kernel's checks (at most ``max_rows`` rows, contiguous last dims) and its
+    new [M, N] output with (M, N, K)."""
+    m, k = x.shape
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    if m > max_rows:
+        raise ValueError(f"{name} takes at most {max_rows} rows, got {m}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight need a contiguous last dim")
+    return torch.empty(m, n, dtype=x.dtype, device=x.device), (m, n, k)
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
                   eps: float = 1e-6, residual=None, bias=None, swiglu: bool = False,
                   tiles: dict | None = None) -> torch.Tensor:
@@ -278,13 +291,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
     ``swiglu``). ``norm_weight``: RMSNorm x first; ``residual`` [M, N]: add it;
     ``swiglu``: silu(gate) * up over weight's two halves; ``tiles`` overrides
     :func:`config` (benchmarks and tests)."""
-    m, k = x.shape
-    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    if m > MAX_ROWS:
-        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("x and weight need a contiguous last dim")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y, (m, n, k) = new_output("skinny_linear", x, weight, swiglu, MAX_ROWS)
     if m == 0 or n == 0:
         return y
     cfg = dict(tiles or config(m, n, k, norm=norm_weight is not None, swiglu=swiglu,
