@@ -528,3 +528,19 @@ def test_bench_speculative_sets_each_proposer_beside_plain_decode_with_its_accep
     assert names[-1].startswith("greedy tokens equal plain decoding's (float32; full, ")
     assert model["targets"][-1] == {**model["targets"][-1], "measured": "4 of 4 runs",
                                     "met": True}
+
+
+def test_the_exact_target_fails_on_one_run_that_parts_from_plain_decoding():
+    from graphcap.bench.speculative import targets
+
+    def exact(equal: bool, fallbacks: int = 0) -> dict:
+        return {"model": "tiny", "k": 4, "exact": {
+            "full": {"random": {"tokens_equal_plain": True},
+                     "ngram": {"tokens_equal_plain": equal}, "fallbacks": fallbacks}}}
+
+    assert targets(exact(True)) == [{
+        "target": "greedy tokens equal plain decoding's (float32; full; random and n-gram "
+                  "proposals)", "measured": "2 of 2 runs", "limit": "all", "met": True}]
+    assert targets(exact(False))[0]["measured"] == "1 of 2 runs"
+    assert not targets(exact(False))[0]["met"]
+    assert not targets(exact(True, fallbacks=1))[0]["met"]  # an eager step: not met either

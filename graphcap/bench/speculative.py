@@ -240,8 +240,6 @@ def exactness(name: str, k: int, device: str, strategies=GRAPHED, batch: int = 2
     return out
 
 
-
-
 def targets(model: dict) -> list[dict]:
     """The issue's targets at batch 1 (where the run has it)."""
     out = []

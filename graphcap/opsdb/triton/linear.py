@@ -261,8 +261,9 @@ def fused_rows(weight: torch.Tensor, kind: str) -> int:
 
     if kind not in ("plain", "swiglu", "residual"):
         raise ValueError(f"fused_rows: kind {kind!r} is not 'plain', 'swiglu' or 'residual'")
-    small = weight.numel() * weight.element_size() <= 16 << 20
-    gemv = DISPATCH_ROWS if weight.numel() * weight.element_size() <= DISPATCH_BYTES else 0
+    size = weight.numel() * weight.element_size()
+    small = size <= 16 << 20
+    gemv = DISPATCH_ROWS if size <= DISPATCH_BYTES else 0
     if kind == "plain":
         return gemv
     if kind == "swiglu":
@@ -336,5 +337,5 @@ def linear_residual(x, weight, residual):
     return fused_linear(x, weight, residual=residual)
 
 
-__all__ = ["MAX_ROWS", "config", "fused_linear", "fused_rows", "linear_residual", "rms_norm_linear",
-           "rms_norm_swiglu", "skinny_linear"]
+__all__ = ["MAX_ROWS", "config", "fused_linear", "fused_rows", "linear_residual",
+           "new_output", "rms_norm_linear", "rms_norm_swiglu", "skinny_linear"]
