@@ -24,8 +24,10 @@ from graphcap.opsdb.triton.gemv import gemv_config, gemv_linear  # noqa: E402
 from graphcap.opsdb.triton.linear import skinny_linear  # noqa: E402
 
 ROWS = (1, 2, 4, 8)
-# warps 1 and 2: a row's sum over K stays within fewer warps (fewer shared-memory rounds)
-SWEEP = [(2, bk, w) for bk in (1024, 2048) for w in (1, 2, 4)]
+# warps 1 and 2: a row's sum over K stays within fewer warps (fewer shared-memory rounds);
+# 8 and 16 columns: each program reads x (rows x K, from L2) for more weight columns
+SWEEP = [(2, bk, w) for bk in (1024, 2048) for w in (1, 2, 4)] + \
+    [(bn, 4096 // bn, w) for bn in (8, 16) for w in (2, 4)]
 POOL_BYTES = 512 << 20
 
 
@@ -48,7 +50,7 @@ def shape_rows(n: int, k: int) -> dict:
             row[name] = round(per_launch_us(fn, copies), 2)
         best = None
         for bn, bk, w in SWEEP:
-            if bn * min(bk, 1 << (k - 1).bit_length()) > 16384:
+            if bn * min(bk, 1 << (k - 1).bit_length()) > 16384 or (bn > 2 and m == 1):
                 continue
             tiles = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w}
             us = per_launch_us(lambda i, t=tiles, x=x: gemv_linear(x, weights[i], tiles=t), copies)
