@@ -5,7 +5,7 @@ few-row kernel and cuBLAS, per decode projection and row count (device side):
 
 Timed as ``linear_floor.py`` times (CUDA graphs of back-to-back launches over weights
 cycled past L2), plain projections (no norm or epilogue) at 1, 2, 4 and 8 rows; the
-GEMV form with today's ``gemv_config`` and a sweep of its tiles (BLOCK_K x warps; best
+GEMV form with today's ``gemv_config`` and a sweep of its tiles (columns, BLOCK_K, warps; best
 kept). ``PROBE_MODELS=qwen3`` keeps that preset's shapes. Says up to how many rows the
 GEMV form wins. JSON in $OUT/gemv-rows.json."""
 
