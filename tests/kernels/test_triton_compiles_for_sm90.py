@@ -123,7 +123,7 @@ COMPILE_GEMV = textwrap.dedent('''
         consts = {"ROWS": rows, "ROWS_P2": max(2, triton.next_power_of_2(rows)),
                   "BLOCK_N": 2, "BLOCK_K": 1024, "NORM": norm, "SWIGLU": swiglu,
                   "RESIDUAL": residual, "HAS_BIAS": bias, "INTERPRET": False,
-                  "PDL": pdl}
+                  "PDL": pdl, "PREFETCH": pdl, "LINE": 64 if dt == "bf16" else 32}
         sig.update({n: "constexpr" for n in consts})
         sig = {name: sig[name] for name in kernel.arg_names}
         out = triton.compile(ASTSource(kernel, sig, constexprs=consts),
@@ -132,16 +132,17 @@ COMPILE_GEMV = textwrap.dedent('''
         assert "cubin" in out.asm
         ptx = out.asm["ptx"]
         assert ("griddepcontrol.launch_dependents" in ptx) == pdl
-        if pdl:  # the weight slice loaded before the wait, nothing written
+        assert ("prefetch.global.L2" in ptx) == pdl
+        if pdl:  # the weights asked of L2 before the wait; nothing read or written
             early = ptx[:ptx.index("griddepcontrol.wait")]
-            assert "ld.global" in early, early[-2000:]
-            assert not any(op in early for op in ("st.global", "atom.", "red.")), \
-                early[-2000:]
+            assert "prefetch.global.L2" in early, early[-2000:]
+            assert not any(op in early for op in ("ld.global", "st.global", "atom.",
+                                                   "red.", "cp.async")), early[-2000:]
     print("compiled")
 ''')
 
 
-def test_the_gemv_linear_kernel_compiles_for_sm90_with_its_weights_read_before_the_wait():
+def test_the_gemv_linear_kernel_compiles_for_sm90_reading_nothing_before_the_wait():
     compiles(COMPILE_GEMV)
 
 

@@ -8,8 +8,9 @@ every byte of it is asked for. A program here owns ``BLOCK_N`` output columns (t
 the H200) and loads its whole ``[BLOCK_N, K]`` weight slice in one go (``BLOCK_K`` up to
 K), so the launch has all of its weight in flight at once; each row's products are summed
 on the CUDA cores (no tensor-core tile padded to 16 rows, no split of K, no partials to
-merge). Under programmatic dependent launch the first slice is loaded before the wait
-for the kernel before: the weights are no earlier kernel's output.
+merge). Under programmatic dependent launch a program asks L2 for its weights before the
+wait for the kernel before and reads them after it (a weight may be that kernel's
+output).
 
 Measured on the H200 (``docs/notes/probes/gemv_rows.py``,
 ``docs/results/2026-12-03-gemv-rows-8b57f42-h200.json``): at one row this form reads
@@ -31,11 +32,13 @@ import triton.language as tl
 from graphcap.opsdb.triton.common import (
     cast,
     interpreting,
+    line_elements,
     pdl_args,
     pdl_launch_dependents,
     pdl_wait,
+    prefetches,
 )
-from graphcap.opsdb.triton.linear import _epilogue, _row_rstd, new_output
+from graphcap.opsdb.triton.linear import _epilogue, _prefetch_weights, _row_rstd, new_output
 
 GEMV_ROWS = 8  # the most rows a launch takes: each row's products are its own pass
 # Where the dispatch runs it (fused_linear): where a decode step measured faster on the
@@ -68,16 +71,20 @@ def _gemv_kernel(
     ROWS: tl.constexpr, ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pdl_launch_dependents(PDL)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w_rows = W + cols[:, None].to(tl.int64) * stride_wn
-    # The first slice is asked for before the wait: no kernel before writes the weights.
-    w, w_up = _load_slice(w_rows, 0, col_ok, K, N, stride_wn, BLOCK_K, SWIGLU)
+    if PREFETCH:
+        # While the kernel before finishes, ask L2 for this program's weights; read them
+        # only after the wait (a caller's weight may be that kernel's output).
+        _prefetch_weights(W, W + cols[None, :].to(tl.int64) * stride_wn, col_ok, 0, K, N,
+                          stride_wn, BLOCK_K, SWIGLU, LINE)
     pdl_wait(PDL)
+    w, w_up = _load_slice(w_rows, 0, col_ok, K, N, stride_wn, BLOCK_K, SWIGLU)
     rows = tl.arange(0, ROWS_P2)
     row_ok = rows < ROWS
     x_rows = X + rows[:, None] * stride_xm
@@ -138,7 +145,9 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
         bias if bias is not None else x, n, k, float(eps), x.stride(0), weight.stride(0),
         y.stride(0), res.stride(0), ROWS=m, ROWS_P2=max(2, triton.next_power_of_2(m)),
         NORM=norm_weight is not None, SWIGLU=swiglu, RESIDUAL=residual is not None,
-        HAS_BIAS=bias is not None, INTERPRET=interpreting(), **launch, **cfg)
+        HAS_BIAS=bias is not None, INTERPRET=interpreting(),
+        PREFETCH=launch["PDL"] and prefetches(weight),
+        LINE=min(line_elements(weight), cfg["BLOCK_K"]), **launch, **cfg)
     return y
 
 
