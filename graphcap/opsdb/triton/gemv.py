@@ -88,10 +88,7 @@ def _gemv_kernel(
     rows = tl.arange(0, ROWS_P2)
     row_ok = rows < ROWS
     x_rows = X + rows[:, None] * stride_xm
-    if NORM:
-        rstd = _row_rstd(x_rows, row_ok, K, eps, ROWS_P2, BLOCK_K)
-    else:
-        rstd = tl.zeros([ROWS_P2], dtype=tl.float32)
+    rstd = _row_rstd(x_rows, row_ok, K, eps, ROWS_P2, BLOCK_K, NORM)
     acc = tl.zeros([ROWS_P2, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([ROWS_P2, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -151,12 +148,17 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
     return y
 
 
+def gemv_rows(weight: torch.Tensor) -> int:
+    """Up to how many rows the dispatch runs this form over ``weight``
+    (:data:`DISPATCH_ROWS` where it is at most :data:`DISPATCH_BYTES`, else none)."""
+    return DISPATCH_ROWS if weight.numel() * weight.element_size() <= DISPATCH_BYTES else 0
+
+
 def dispatches(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`graphcap.opsdb.triton.linear.fused_linear` runs this form for
-    ``x`` and ``weight`` (:data:`DISPATCH_ROWS`, :data:`DISPATCH_BYTES`)."""
-    return (x.shape[0] <= DISPATCH_ROWS
-            and weight.numel() * weight.element_size() <= DISPATCH_BYTES)
+    ``x`` and ``weight``."""
+    return x.shape[0] <= gemv_rows(weight)
 
 
 __all__ = ["DISPATCH_BYTES", "DISPATCH_ROWS", "GEMV_ROWS", "dispatches", "gemv_config",
-           "gemv_linear"]
+           "gemv_linear", "gemv_rows"]

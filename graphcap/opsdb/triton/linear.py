@@ -57,16 +57,20 @@ _SMEM_BUDGET = 160 * 1024
 
 
 @triton.jit
-def _row_rstd(x_rows, row_ok, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of each row, in float32, over all K columns."""
-    offs = tl.arange(0, BLOCK_K)
-    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + offs
-        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :],
-                    other=0.0).to(tl.float32)
-        squares += tl.sum(x * x, axis=1)
-    return tl.rsqrt(squares / K + eps)
+def _row_rstd(x_rows, row_ok, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+              NORM: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of each row, in float32, over all K columns (with
+    ``NORM``; zeros, unread, without)."""
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:
+        offs = tl.arange(0, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + offs
+            x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :],
+                        other=0.0).to(tl.float32)
+            rstd += tl.sum(x * x, axis=1)
+        rstd = tl.rsqrt(rstd / K + eps)
+    return rstd
 
 
 @triton.jit
@@ -153,10 +157,7 @@ def _skinny_linear_kernel(
         _prefetch_weights(W, w_cols, col_ok, k_lo, k_hi, N, stride_wn, BLOCK_K, SWIGLU,
                           LINE)
     pdl_wait(PDL)
-    if NORM:
-        rstd = _row_rstd(x_rows, row_ok, K, eps, BLOCK_M, BLOCK_K)
-    else:
-        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    rstd = _row_rstd(x_rows, row_ok, K, eps, BLOCK_M, BLOCK_K, NORM)
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -257,13 +258,12 @@ def fused_rows(weight: torch.Tensor, kind: str) -> int:
     - residual: 64 rows up to 16 MB (qwen3-0.6b's o 7.3 against 7.7 at 64 rows, down 8.1
       against 9.9) and 16 past it (llama3-8b's o and down at 16 rows, where cuBLAS
       catches up by 64)."""
-    from graphcap.opsdb.triton.gemv import DISPATCH_BYTES, DISPATCH_ROWS
+    from graphcap.opsdb.triton.gemv import gemv_rows
 
     if kind not in ("plain", "swiglu", "residual"):
         raise ValueError(f"fused_rows: kind {kind!r} is not 'plain', 'swiglu' or 'residual'")
-    size = weight.numel() * weight.element_size()
-    small = size <= 16 << 20
-    gemv = DISPATCH_ROWS if size <= DISPATCH_BYTES else 0
+    small = weight.numel() * weight.element_size() <= 16 << 20
+    gemv = gemv_rows(weight)
     if kind == "plain":
         return gemv
     if kind == "swiglu":
