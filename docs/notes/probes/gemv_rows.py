@@ -5,9 +5,11 @@ few-row kernel and cuBLAS, per decode projection and row count (device side):
 
 Timed as ``linear_floor.py`` times (CUDA graphs of back-to-back launches over weights
 cycled past L2), plain projections (no norm or epilogue) at 1, 2, 4 and 8 rows; the
-GEMV form with today's ``gemv_config`` and a sweep of its tiles (columns, BLOCK_K, warps; best
-kept). ``PROBE_MODELS=qwen3`` keeps that preset's shapes. Says up to how many rows the
-GEMV form wins. JSON in $OUT/gemv-rows.json."""
+GEMV form with today's ``gemv_config``, and a sweep (``SWEEP``) of the GEMV form's tiles
+(a row at a time or every row at once) and of the few-row kernel's (whole-K slices, one
+split), sorted. ``PROBE_MODELS=qwen3`` keeps that preset's shapes, ``PROBE_ROWS=1,5``
+the row counts (a verify step of 1 + 4 tokens has 5). Says which form wins at each.
+JSON in $OUT/gemv-rows.json."""
 
 import json
 import os
@@ -23,12 +25,37 @@ from graphcap.bench.common import environment  # noqa: E402
 from graphcap.opsdb.triton.gemv import gemv_config, gemv_linear  # noqa: E402
 from graphcap.opsdb.triton.linear import skinny_linear  # noqa: E402
 
-ROWS = (1, 2, 4, 8)
-# warps 1 and 2: a row's sum over K stays within fewer warps (fewer shared-memory rounds);
-# 8 and 16 columns: each program reads x (rows x K, from L2) for more weight columns
-SWEEP = [(2, bk, w) for bk in (1024, 2048) for w in (1, 2, 4)] + \
-    [(bn, 4096 // bn, w) for bn in (8, 16) for w in (2, 4)]
+ROWS = tuple(int(r) for r in os.environ.get("PROBE_ROWS", "1,2,4,8").split(","))
+# (label, kernel, tiles). GEMV a row at a time: warps 1 and 2 keep a row's sum over K
+# within fewer warps; 8 columns read x (rows x K, from L2) once for more weight. GEMV with
+# every row at once (ALL_ROWS: one reduction over K a slice). The tensor-core few-row
+# kernel with one K split and whole-K slices (no partials to merge).
+SWEEP = [("gemv", (2, bk, w, False)) for bk, w in ((1024, 1), (2048, 2), (2048, 4))] + \
+    [("gemv", (8, 512, 4, False))] + \
+    [("gemv", (bn, 0, w, True)) for bn in (2, 4, 8) for w in (2, 4)] + \
+    [("skinny", (bn, bk, split)) for bn in (16, 32) for bk in (256, 1024) for split in (1, 2)]
 POOL_BYTES = 512 << 20
+
+
+def sweep_tiles(kind: str, spec: tuple, m: int, k: int) -> dict | None:
+    """The tiles of one sweep point at ``m`` rows and ``k`` inputs (None: skipped)."""
+    kp2 = 1 << (k - 1).bit_length()
+    rows_p2 = max(2, 1 << (m - 1).bit_length())
+    if kind == "skinny":
+        bn, bk, split = spec
+        if m == 1 or (split > 1 and bk * split > kp2):
+            return None
+        return {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": min(bk, kp2), "SPLIT_K": split,
+                "num_warps": 4, "num_stages": 2 if bk <= 256 else 1}
+    bn, bk, w, all_rows = spec
+    if m == 1 and (bn > 2 or all_rows):
+        return None
+    if all_rows:  # the [rows, columns, BLOCK_K] products: 128 float32 a thread
+        bk = max(64, 128 * 32 * w // (rows_p2 * bn))
+    bk = min(bk, kp2)
+    if bn * bk > 16384:
+        return None
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "ALL_ROWS": all_rows}
 
 
 def shape_rows(n: int, k: int) -> dict:
@@ -38,6 +65,7 @@ def shape_rows(n: int, k: int) -> dict:
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen)
                / k ** 0.5 for _ in range(copies)]
     out = {}
+    kernels = {"gemv": gemv_linear, "skinny": skinny_linear}
     for m in ROWS:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         want = F.linear(x.float(), weights[0].float())
@@ -48,19 +76,27 @@ def shape_rows(n: int, k: int) -> dict:
             got = fn(0).float()
             assert torch.allclose(got, want, atol=3e-2, rtol=3e-2), f"{name} is wrong"
             row[name] = round(per_launch_us(fn, copies), 2)
-        best = None
-        for bn, bk, w in SWEEP:
-            if bn * min(bk, 1 << (k - 1).bit_length()) > 16384 or (bn > 2 and m == 1):
+        sweep = []
+        for kind, spec in SWEEP:
+            tiles = sweep_tiles(kind, spec, m, k)
+            if tiles is None:
                 continue
-            tiles = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w}
-            us = per_launch_us(lambda i, t=tiles, x=x: gemv_linear(x, weights[i], tiles=t), copies)
-            if best is None or us < best[0]:
-                best = (us, tiles)
-        row["gemv_best"], row["gemv_best_tiles"] = round(best[0], 2), best[1]
+
+            def fn(i, t=tiles, x=x, f=kernels[kind]):
+                return f(x, weights[i], tiles=t)
+
+            got = fn(0).float()
+            assert torch.allclose(got, want, atol=3e-2, rtol=3e-2), f"{kind} {tiles} is wrong"
+            us = round(per_launch_us(fn, copies), 2)
+            sweep.append({"kernel": kind, "tiles": tiles, "us": us})
+        sweep.sort(key=lambda r: r["us"])
+        row["sweep"] = sweep
+        row["best"] = sweep[0]
         row["gemv_tiles"] = gemv_config(k)
         out[m] = row
         print(f"{n}x{k} m={m}: " + " ".join(f"{a} {row[a]}" for a in (
-            "skinny", "cublas", "gemv", "gemv_best")) + f" {best[1]}", flush=True)
+            "skinny", "cublas", "gemv")) + " | " + "; ".join(
+            f"{r['kernel']} {r['us']} {r['tiles']}" for r in sweep[:4]), flush=True)
     weights.clear()
     torch.cuda.empty_cache()
     return {"bytes": nbytes, "rows": out}
