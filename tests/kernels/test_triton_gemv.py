@@ -20,27 +20,24 @@ from tests.kernels.test_triton_linear import MODES, TOL, case, randn
 @given(mode=st.sampled_from(MODES), m=st.integers(1, gemv.GEMV_ROWS),
        nk=st.sampled_from([(12, 320), (7, 96), (16, 16), (3, 40)]),
        block=st.sampled_from([(1, 32), (2, 32), (4, 64), (2, 512)]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**20),
-       all_rows=st.booleans())
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**20))
 def test_every_mode_matches_the_reference_over_one_slice_of_k_or_many(mode, m, nk, block,
-                                                                     dtype, seed, all_rows):
+                                                                     dtype, seed):
     n, k = nk
     args, want, x = case(mode, m, n, k, dtype, seed)
-    tiles = {"BLOCK_N": block[0], "BLOCK_K": block[1], "num_warps": 4, "ALL_ROWS": all_rows}
+    tiles = {"BLOCK_N": block[0], "BLOCK_K": block[1], "num_warps": 4}
     got = gemv.gemv_linear(x, tiles=tiles, **args)
     torch.testing.assert_close(got, want(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @settings(max_examples=6, deadline=None)
 @given(mode=st.sampled_from(MODES), m=st.integers(2, gemv.GEMV_ROWS),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**20),
-       all_rows=st.booleans())
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**20))
 def test_a_row_comes_out_bitwise_the_same_whatever_rows_share_its_launch(mode, m, dtype,
-                                                                       seed, all_rows):
+                                                                       seed):
     # A decode step (one row a request) and a verify step (1 + k) agree on each row.
     args, _, x = case(mode, m, 6, 160, dtype, seed)
-    tiles = {"BLOCK_N": 2, "BLOCK_K": 64, "num_warps": 4,  # three slices of K
-             "ALL_ROWS": all_rows}
+    tiles = {"BLOCK_N": 2, "BLOCK_K": 64, "num_warps": 4}  # three slices of K
     together = gemv.gemv_linear(x, tiles=tiles, **args)
     for row in range(m):
         alone = {key: (v[row:row + 1] if key == "residual" else v) for key, v in args.items()}

@@ -72,7 +72,6 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
-    ALL_ROWS: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pdl_launch_dependents(PDL)
@@ -99,28 +98,16 @@ def _gemv_kernel(
         wf_up = w_up.to(tl.float32)
         if NORM:
             g = tl.load(NORM_W + ks, mask=k_ok, other=0.0).to(tl.float32)
-        if ALL_ROWS:  # every row's products at once: one reduction over K a slice
-            xs = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                         other=0.0)
+        for m in tl.static_range(ROWS):
+            x = tl.load(X + m * stride_xm + ks, mask=k_ok, other=0.0)
             if NORM:
-                xs = cast(xs.to(tl.float32) * rstd[:, None] * g[None, :],
-                          X.dtype.element_ty, INTERPRET)
-            xf = xs.to(tl.float32)[:, None, :]
-            acc += tl.sum(wf[None, :, :] * xf, axis=2)
+                r = tl.sum(tl.where(rows == m, rstd, 0.0), axis=0)
+                x = cast(x.to(tl.float32) * r * g, X.dtype.element_ty, INTERPRET)
+            xf = x.to(tl.float32)[None, :]
+            here = (rows == m)[:, None]
+            acc = tl.where(here, acc + tl.sum(wf * xf, axis=1)[None, :], acc)
             if SWIGLU:
-                acc_up += tl.sum(wf_up[None, :, :] * xf, axis=2)
-        else:  # a row at a time
-            for m in tl.static_range(ROWS):
-                x = tl.load(X + m * stride_xm + ks, mask=k_ok, other=0.0)
-                if NORM:
-                    r = tl.sum(tl.where(rows == m, rstd, 0.0), axis=0)
-                    x = cast(x.to(tl.float32) * r * g, X.dtype.element_ty, INTERPRET)
-                xf = x.to(tl.float32)[None, :]
-                here = (rows == m)[:, None]
-                acc = tl.where(here, acc + tl.sum(wf * xf, axis=1)[None, :], acc)
-                if SWIGLU:
-                    acc_up = tl.where(here, acc_up + tl.sum(wf_up * xf, axis=1)[None, :],
-                                      acc_up)
+                acc_up = tl.where(here, acc_up + tl.sum(wf_up * xf, axis=1)[None, :], acc_up)
         # the next slice (past K: every lane masked, nothing read)
         w, w_up = _load_slice(w_rows, k0 + BLOCK_K, col_ok, K, N, stride_wn, BLOCK_K,
                               SWIGLU)
