@@ -112,10 +112,12 @@ COMPILE_GEMV = textwrap.dedent('''
     # (NORM, SWIGLU, RESIDUAL, HAS_BIAS): every mode the ops use
     modes = [(True, False, False, False), (True, False, False, True),
              (True, True, False, False), (False, False, True, False)]
-    # every mode at one row (what the ops dispatch), and more rows, PDL off, float32
-    cases = [("bf16", True, 1, mode) for mode in modes] + [
-        ("bf16", True, 8, modes[3]), ("bf16", False, 5, modes[2]), ("fp32", True, 5, modes[0])]
-    for dt, pdl, rows, (norm, swiglu, residual, bias) in cases:
+    # every mode at one row (what the ops dispatch), and more rows, PDL off, float32;
+    # weights read after the wait (any tensor) and before it (parameters)
+    cases = [("bf16", True, 1, mode, pre) for mode in modes for pre in (False, True)] + [
+        ("bf16", True, 8, modes[3], False), ("bf16", False, 5, modes[2], False),
+        ("fp32", True, 5, modes[0], True)]
+    for dt, pdl, rows, (norm, swiglu, residual, bias), pre in cases:
         sig = {**{n: f"*{dt}" for n in ("X", "W", "Y", "NORM_W", "RES", "BIAS")},
                "eps": "fp32", **{n: "i32" for n in ("N", "K", "stride_xm",
                                                      "stride_wn", "stride_ym",
@@ -123,7 +125,8 @@ COMPILE_GEMV = textwrap.dedent('''
         consts = {"ROWS": rows, "ROWS_P2": max(2, triton.next_power_of_2(rows)),
                   "BLOCK_N": 2, "BLOCK_K": 1024, "NORM": norm, "SWIGLU": swiglu,
                   "RESIDUAL": residual, "HAS_BIAS": bias, "INTERPRET": False,
-                  "PDL": pdl, "PREFETCH": pdl, "LINE": 64 if dt == "bf16" else 32}
+                  "PDL": pdl, "PREFETCH": pdl, "LINE": 64 if dt == "bf16" else 32,
+                  "PRELOAD": pre}
         sig.update({n: "constexpr" for n in consts})
         sig = {name: sig[name] for name in kernel.arg_names}
         out = triton.compile(ASTSource(kernel, sig, constexprs=consts),
@@ -132,17 +135,21 @@ COMPILE_GEMV = textwrap.dedent('''
         assert "cubin" in out.asm
         ptx = out.asm["ptx"]
         assert ("griddepcontrol.launch_dependents" in ptx) == pdl
-        assert ("prefetch.global.L2" in ptx) == pdl
-        if pdl:  # the weights asked of L2 before the wait; nothing read or written
+        assert ("prefetch.global.L2" in ptx) == (pdl and not pre)
+        if pdl:
             early = ptx[:ptx.index("griddepcontrol.wait")]
-            assert "prefetch.global.L2" in early, early[-2000:]
-            assert not any(op in early for op in ("ld.global", "st.global", "atom.",
-                                                   "red.", "cp.async")), early[-2000:]
+            # nothing written before the wait, nothing but a parameter's weights read
+            assert not any(op in early for op in ("st.global", "atom.", "red.")), early
+            if pre:  # the weights' first slice read before the wait
+                assert "ld.global" in early, early[-2000:]
+            else:  # the weights asked of L2 before the wait; nothing read
+                assert "prefetch.global.L2" in early, early[-2000:]
+                assert not any(op in early for op in ("ld.global", "cp.async")), early
     print("compiled")
 ''')
 
 
-def test_the_gemv_linear_kernel_compiles_for_sm90_reading_nothing_before_the_wait():
+def test_the_gemv_linear_kernel_compiles_for_sm90_reading_only_parameters_before_the_wait():
     compiles(COMPILE_GEMV)
 
 
@@ -219,10 +226,12 @@ BUILD_SM90 = textwrap.dedent('''
                              options={"num_warps": 4, "launch_pdl": pdl})
         assert "cubin" in out.asm
         assert ("griddepcontrol.wait" in out.asm["ptx"]) == pdl
+        return out
 
 ''')
 
 COMPILE_DECODE = BUILD_SM90 + textwrap.dedent('''
+    import re
     from graphcap.opsdb.triton.decode import _decode_kernel
     from graphcap.opsdb.triton.kv import _kv_write_kernel
 
@@ -237,21 +246,30 @@ COMPILE_DECODE = BUILD_SM90 + textwrap.dedent('''
         for (page, group, splits), variant in zip(((16, 2, 8), (1, 1, 1), (16, 8, 1)),
                                                   (True, False, True)):
             for pdl in (True, False):
-                build(_decode_kernel,
-                      {"q_ptr": f"*{dt}", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}",
-                       "table_ptr": "*i32", "lens_ptr": "*i32", "sinks_ptr": "*fp32",
-                       "out_ptr": f"*{dt}", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
-                       "counts_ptr": "*i32", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}",
-                       "loc_ptr": "*i64", "scale": "fp32", "softcap": "fp32",
-                       **{n: "i32" for n in (
-                           "q_stride_b", "q_stride_h", "out_stride_b", "out_stride_h",
-                           "k_stride_b", "k_stride_h", "v_stride_b", "v_stride_h",
-                           "table_stride", "width", "kv_heads", "head_dim", "split_len",
-                           "window")}},
-                      {"PAGE": page, "GROUP": group, "BLOCK_H": 16, "SPLITS": splits,
-                       "BLOCK_N": 64, "BLOCK_D": 128, "WINDOW": variant,
-                       "SOFTCAP": variant, "SINKS": variant, "WRITE": pdl,
-                       "IEEE": dt == "fp32", "INTERPRET": False, "PDL": pdl}, pdl=pdl)
+                out = build(_decode_kernel,
+                            {"q_ptr": f"*{dt}", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}",
+                             "table_ptr": "*i32", "lens_ptr": "*i32", "sinks_ptr": "*fp32",
+                             "out_ptr": f"*{dt}", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
+                             "counts_ptr": "*i32", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}",
+                             "loc_ptr": "*i64", "scale": "fp32", "softcap": "fp32",
+                             **{n: "i32" for n in (
+                                 "q_stride_b", "q_stride_h", "out_stride_b", "out_stride_h",
+                                 "k_stride_b", "k_stride_h", "v_stride_b", "v_stride_h",
+                                 "table_stride", "width", "kv_heads", "head_dim", "split_len",
+                                 "window", "pages")}},
+                            {"PAGE": page, "GROUP": group, "BLOCK_H": 16, "SPLITS": splits,
+                             "BLOCK_N": 64, "BLOCK_D": 128, "WINDOW": variant,
+                             "SOFTCAP": variant, "SINKS": variant, "WRITE": pdl,
+                             "IEEE": dt == "fp32", "INTERPRET": False, "PDL": pdl,
+                             "PREFETCH": pdl, "LINE": 128 // (4 if dt == "fp32" else 2),
+                             "LINES": 4 if dt == "fp32" else 2}, pdl=pdl)
+                ptx = out.asm["ptx"]
+                assert ("prefetch.global.L2" in ptx) == pdl
+                if pdl:  # before the wait: the K/V asked of L2, nothing written
+                    early = ptx[:ptx.index("griddepcontrol.wait")]
+                    assert "prefetch.global.L2" in early
+                    written = re.findall(r"\\b(st\\.global|atom\\.|red\\.|cp\\.async)", early)
+                    assert not written, (written, early[-1000:])
     print("compiled")
 ''')
 

@@ -62,10 +62,28 @@ def test_the_dispatch_takes_the_gemv_form_at_one_row_and_small_weights_only():
     torch.testing.assert_close(kernel.fused_linear(x, w), x @ w.T, atol=1e-4, rtol=1e-4)
 
 
+def test_only_a_modules_parameters_are_read_before_the_pdl_wait():
+    w = randn(8, 16, dtype=torch.float32, seed=1)
+    assert gemv.preloads(torch.nn.Parameter(w, requires_grad=False))
+    assert not gemv.preloads(w)  # may be the output of the kernel before
+    assert not gemv.preloads(torch.nn.Parameter(w)[:4])  # a view is a plain tensor
+    seen = []
+
+    @torch.library.custom_op("graphcap_test::weight_kind", mutates_args=())
+    def weight_kind(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        seen.append(gemv.preloads(weight))
+        return x.clone()
+
+    linear = torch.nn.Linear(16, 8)
+    weight_kind(w, linear.weight)  # a custom op hands the kernel the parameter itself
+    assert seen == [True]
+
+
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("parameter", [False, True])
 @pytest.mark.parametrize("m", [1, 5, 8])
-def test_model_sized_projections_replay_in_a_cuda_graph(m):
+def test_model_sized_projections_replay_in_a_cuda_graph(m, parameter):
     from graphcap.core import new_pool
 
     # qwen3-0.6b q/k/v, o, gate/up, down, LM head; llama3-8b's down (K past one slice).
@@ -74,6 +92,8 @@ def test_model_sized_projections_replay_in_a_cuda_graph(m):
     pool = new_pool("cuda")
     for mode, n, k in shapes:
         args, want, x = case(mode, m, n, k, torch.bfloat16, 0)
+        if parameter:  # read before the PDL wait
+            args["weight"] = torch.nn.Parameter(args["weight"], requires_grad=False)
         with pool.warmup():
             gemv.gemv_linear(x, **args)
         graph = pool.graph()
@@ -84,3 +104,31 @@ def test_model_sized_projections_replay_in_a_cuda_graph(m):
             torch.cuda.synchronize()
             torch.testing.assert_close(y, want(), atol=2e-2, rtol=2e-2,
                                        msg=lambda msg, s=(mode, n, k): f"{s}: {msg}")
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_a_weight_the_kernel_before_wrote_is_read_after_it_finished():
+    # Under PDL a launch starts while the one before runs; a weight that launch writes
+    # (here the first product, viewed as the second's [2, 2048] weight) is read after
+    # the wait, in every replay.
+    from graphcap.core import new_pool
+
+    x1 = randn(1, 1024, dtype=torch.bfloat16, seed=0)
+    w1 = randn(4096, 1024, dtype=torch.bfloat16, seed=1, scale=1 / 32)
+    x2 = randn(1, 2048, dtype=torch.bfloat16, seed=2)
+
+    def chain():
+        return gemv.gemv_linear(x2, gemv.gemv_linear(x1, w1).view(2, 2048))
+
+    pool = new_pool("cuda")
+    with pool.warmup():
+        chain()
+    graph = pool.graph()
+    y = graph.capture(chain)
+    for seed in range(3, 13):
+        x1.copy_(randn(1, 1024, dtype=torch.bfloat16, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        w2 = gemv.gemv_linear(x1, w1).view(2, 2048)
+        assert torch.equal(y, gemv.gemv_linear(x2, w2)), seed

@@ -8,9 +8,10 @@ every byte of it is asked for. A program here owns ``BLOCK_N`` output columns (t
 the H200) and loads its whole ``[BLOCK_N, K]`` weight slice in one go (``BLOCK_K`` up to
 K), so the launch has all of its weight in flight at once; each row's products are summed
 on the CUDA cores (no tensor-core tile padded to 16 rows, no split of K, no partials to
-merge). Under programmatic dependent launch a program asks L2 for its weights before the
-wait for the kernel before and reads them after it (a weight may be that kernel's
-output).
+merge). Under programmatic dependent launch a program reads its first weight slice
+before the wait for the kernel before where the weight is a module's parameter
+(:func:`preloads`), and otherwise asks L2 for it there and reads it after the wait (the
+weight may be that kernel's output).
 
 Measured on the H200 (``docs/notes/probes/gemv_rows.py``,
 ``docs/results/2026-12-03-gemv-rows-8b57f42-h200.json``): at one row this form reads
@@ -71,20 +72,26 @@ def _gemv_kernel(
     ROWS: tl.constexpr, ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, PRELOAD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pdl_launch_dependents(PDL)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w_rows = W + cols[:, None].to(tl.int64) * stride_wn
-    if PREFETCH:
-        # While the kernel before finishes, ask L2 for this program's weights; read them
-        # only after the wait (a caller's weight may be that kernel's output).
-        _prefetch_weights(W, W + cols[None, :].to(tl.int64) * stride_wn, col_ok, 0, K, N,
-                          stride_wn, BLOCK_K, SWIGLU, LINE)
-    pdl_wait(PDL)
-    w, w_up = _load_slice(w_rows, 0, col_ok, K, N, stride_wn, BLOCK_K, SWIGLU)
+    if PRELOAD:
+        # The weights are parameters, no kernel's output: the first slice is read while
+        # the kernel before finishes.
+        w, w_up = _load_slice(w_rows, 0, col_ok, K, N, stride_wn, BLOCK_K, SWIGLU)
+        pdl_wait(PDL)
+    else:
+        if PREFETCH:
+            # While the kernel before finishes, ask L2 for this program's weights; read
+            # them only after the wait (they may be that kernel's output).
+            _prefetch_weights(W, W + cols[None, :].to(tl.int64) * stride_wn, col_ok, 0, K,
+                              N, stride_wn, BLOCK_K, SWIGLU, LINE)
+        pdl_wait(PDL)
+        w, w_up = _load_slice(w_rows, 0, col_ok, K, N, stride_wn, BLOCK_K, SWIGLU)
     rows = tl.arange(0, ROWS_P2)
     row_ok = rows < ROWS
     x_rows = X + rows[:, None] * stride_xm
@@ -144,8 +151,17 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
         NORM=norm_weight is not None, SWIGLU=swiglu, RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None, INTERPRET=interpreting(),
         PREFETCH=launch["PDL"] and prefetches(weight),
+        PRELOAD=launch["PDL"] and preloads(weight),
         LINE=min(line_elements(weight), cfg["BLOCK_K"]), **launch, **cfg)
     return y
+
+
+def preloads(weight: torch.Tensor) -> bool:
+    """Whether a PDL launch reads ``weight`` before it waits for the kernel before: only
+    a module's parameter (``nn.Parameter``), which no kernel of a forward writes. Any
+    other tensor may be the output of that kernel, still running, so it is only asked of
+    L2 there and read after the wait."""
+    return isinstance(weight, torch.nn.Parameter)
 
 
 def gemv_rows(weight: torch.Tensor) -> int:
@@ -161,4 +177,4 @@ def dispatches(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 __all__ = ["DISPATCH_BYTES", "DISPATCH_ROWS", "GEMV_ROWS", "dispatches", "gemv_config",
-           "gemv_linear", "gemv_rows"]
+           "gemv_linear", "gemv_rows", "preloads"]
