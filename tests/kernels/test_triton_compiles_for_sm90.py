@@ -226,12 +226,10 @@ BUILD_SM90 = textwrap.dedent('''
                              options={"num_warps": 4, "launch_pdl": pdl})
         assert "cubin" in out.asm
         assert ("griddepcontrol.wait" in out.asm["ptx"]) == pdl
-        return out
 
 ''')
 
 COMPILE_DECODE = BUILD_SM90 + textwrap.dedent('''
-    import re
     from graphcap.opsdb.triton.decode import _decode_kernel
     from graphcap.opsdb.triton.kv import _kv_write_kernel
 
@@ -246,30 +244,21 @@ COMPILE_DECODE = BUILD_SM90 + textwrap.dedent('''
         for (page, group, splits), variant in zip(((16, 2, 8), (1, 1, 1), (16, 8, 1)),
                                                   (True, False, True)):
             for pdl in (True, False):
-                out = build(_decode_kernel,
-                            {"q_ptr": f"*{dt}", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}",
-                             "table_ptr": "*i32", "lens_ptr": "*i32", "sinks_ptr": "*fp32",
-                             "out_ptr": f"*{dt}", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
-                             "counts_ptr": "*i32", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}",
-                             "loc_ptr": "*i64", "scale": "fp32", "softcap": "fp32",
-                             **{n: "i32" for n in (
-                                 "q_stride_b", "q_stride_h", "out_stride_b", "out_stride_h",
-                                 "k_stride_b", "k_stride_h", "v_stride_b", "v_stride_h",
-                                 "table_stride", "width", "kv_heads", "head_dim", "split_len",
-                                 "window", "pages")}},
-                            {"PAGE": page, "GROUP": group, "BLOCK_H": 16, "SPLITS": splits,
-                             "BLOCK_N": 64, "BLOCK_D": 128, "WINDOW": variant,
-                             "SOFTCAP": variant, "SINKS": variant, "WRITE": pdl,
-                             "IEEE": dt == "fp32", "INTERPRET": False, "PDL": pdl,
-                             "PREFETCH": pdl, "LINE": 128 // (4 if dt == "fp32" else 2),
-                             "LINES": 4 if dt == "fp32" else 2}, pdl=pdl)
-                ptx = out.asm["ptx"]
-                assert ("prefetch.global.L2" in ptx) == pdl
-                if pdl:  # before the wait: the K/V asked of L2, nothing written
-                    early = ptx[:ptx.index("griddepcontrol.wait")]
-                    assert "prefetch.global.L2" in early
-                    written = re.findall(r"\\b(st\\.global|atom\\.|red\\.|cp\\.async)", early)
-                    assert not written, (written, early[-1000:])
+                build(_decode_kernel,
+                      {"q_ptr": f"*{dt}", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}",
+                       "table_ptr": "*i32", "lens_ptr": "*i32", "sinks_ptr": "*fp32",
+                       "out_ptr": f"*{dt}", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
+                       "counts_ptr": "*i32", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}",
+                       "loc_ptr": "*i64", "scale": "fp32", "softcap": "fp32",
+                       **{n: "i32" for n in (
+                           "q_stride_b", "q_stride_h", "out_stride_b", "out_stride_h",
+                           "k_stride_b", "k_stride_h", "v_stride_b", "v_stride_h",
+                           "table_stride", "width", "kv_heads", "head_dim", "split_len",
+                           "window")}},
+                      {"PAGE": page, "GROUP": group, "BLOCK_H": 16, "SPLITS": splits,
+                       "BLOCK_N": 64, "BLOCK_D": 128, "WINDOW": variant,
+                       "SOFTCAP": variant, "SINKS": variant, "WRITE": pdl,
+                       "IEEE": dt == "fp32", "INTERPRET": False, "PDL": pdl}, pdl=pdl)
     print("compiled")
 ''')
 

@@ -19,10 +19,8 @@ heads, the block table's width, the SMs), so the grid is fixed at capture and a 
 lengths change only the work inside it. No host synchronisation.
 
 Under programmatic dependent launch (:mod:`graphcap.opsdb.triton.common`) the kernel
-lets the next one start at once (the output projection, which reads its weight
-meanwhile), asks L2 for the K/V of its first blocks of tokens (the row's pages as they
-stand: only where it prefetches depends on them) and then waits for the kernel before
-it; nothing is read for use before the wait.
+lets the next one start at once (the output projection, which asks L2 for its weight
+meanwhile) and waits for the kernel before it.
 """
 
 from __future__ import annotations
@@ -32,20 +30,9 @@ import triton
 import triton.language as tl
 
 from graphcap.opsdb.triton import counters
-from graphcap.opsdb.triton.common import (
-    cast,
-    dot,
-    interpreting,
-    line_elements,
-    num_sms,
-    pdl_args,
-    pdl_launch_dependents,
-    pdl_wait,
-    prefetch_l2,
-)
+from graphcap.opsdb.triton.common import cast, dot, interpreting, num_sms, pdl_args, pdl_start
 
 _MAX_SPLITS = 32
-_PREFETCH_BLOCKS = tl.constexpr(2)  # blocks of tokens asked of L2 before the PDL wait
 
 
 @triton.jit
@@ -74,55 +61,22 @@ def _write_out(o, lse, has, sink, out_ptr, rows_off, d, h_ok, d_mask, SINKS: tl.
 
 
 @triton.jit
-def _prefetch_kv(kc_ptr, vc_ptr, table_ptr, lens_ptr, b, kvh, s, table_stride, width, pages,
-                 head_dim, split_len, window, slot_stride, PAGE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, LINES: tl.constexpr,
-                 LINE: tl.constexpr, WINDOW: tl.constexpr):
-    """Ask L2 for the K/V lines of this program's first ``BLOCKS`` blocks of tokens, from
-    the row's length and pages as they stand before the PDL wait. The kernel before may
-    still be writing them: they place the prefetches only (clamped into the cache), and
-    everything is read again after the wait."""
-    length = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), width * PAGE)
-    lo = 0
-    if WINDOW:
-        lo = tl.maximum(length - window, 0)
-    start = lo + s * split_len
-    end = tl.minimum(start + tl.minimum(split_len, BLOCKS * BLOCK_N), length)
-    t = start + tl.arange(0, BLOCKS * BLOCK_N)
-    ok = t < end
-    page = tl.load(table_ptr + b.to(tl.int64) * table_stride + t // PAGE, mask=ok,
-                   other=0).to(tl.int64)
-    page = tl.minimum(tl.maximum(page, 0), pages - 1)
-    dl = tl.arange(0, LINES) * LINE
-    offs = (page * PAGE + t % PAGE)[:, None] * slot_stride + kvh * head_dim + dl[None, :]
-    ok = ok[:, None] & (dl < head_dim)[None, :]
-    prefetch_l2(tl.where(ok, kc_ptr + offs, kc_ptr))
-    prefetch_l2(tl.where(ok, vc_ptr + offs, vc_ptr))
-
-
-@triton.jit
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_ptr,
                    mid_o_ptr, mid_lse_ptr, counts_ptr, k_ptr, v_ptr, loc_ptr,
                    q_stride_b, q_stride_h, out_stride_b, out_stride_h, k_stride_b,
                    k_stride_h, v_stride_b, v_stride_h, table_stride, width,
-                   kv_heads, head_dim, split_len, scale, window, softcap, pages,
+                   kv_heads, head_dim, split_len, scale, window, softcap,
                    PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
                    WRITE: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-                   PDL: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr,
-                   LINE: tl.constexpr):
-    pdl_launch_dependents(PDL)
+                   PDL: tl.constexpr):
+    pdl_start(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)  # key/value head, then block of its query heads
     s = tl.program_id(2)
     hb = tl.cdiv(GROUP, BLOCK_H)
     kvh = g // hb
-    if PREFETCH:  # while the kernel before finishes
-        _prefetch_kv(kc_ptr, vc_ptr, table_ptr, lens_ptr, b, kvh, s, table_stride, width,
-                     pages, head_dim, split_len, window, kv_heads * head_dim, PAGE, BLOCK_N,
-                     _PREFETCH_BLOCKS, LINES, LINE, WINDOW)
-    pdl_wait(PDL)
     in_group = (g % hb) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = in_group < GROUP
     heads = kvh * GROUP + in_group
@@ -297,7 +251,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     split_len = triton.cdiv(triton.cdiv(max_len, num_splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     block_d = max(16, triton.next_power_of_2(D))
     launch = pdl_args(q.device, B)
-    line = line_elements(k_cache)
     if num_splits > 1:
         mid_o = torch.empty((programs * num_splits * block_h, block_d), dtype=torch.float32,
                             device=q.device)
@@ -315,11 +268,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mid_o, mid_lse, counts, k, v, cache_loc, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         block_table.stride(0), width, Hk, D, split_len, float(scale), int(window),
-        float(softcap), k_cache.shape[0], PAGE=page, GROUP=group, BLOCK_H=block_h,
-        SPLITS=num_splits, BLOCK_D=block_d, WINDOW=window > 0, SOFTCAP=softcap > 0,
-        SINKS=sinks is not out, WRITE=write, IEEE=q.dtype == torch.float32,
-        INTERPRET=interpret, PREFETCH=launch["PDL"], LINE=line,
-        LINES=max(1, block_d // line), **launch, **cfg)
+        float(softcap), PAGE=page, GROUP=group, BLOCK_H=block_h, SPLITS=num_splits,
+        BLOCK_D=block_d, WINDOW=window > 0, SOFTCAP=softcap > 0, SINKS=sinks is not out,
+        WRITE=write, IEEE=q.dtype == torch.float32, INTERPRET=interpret, **launch, **cfg)
 
 
 __all__ = ["decode_attention", "head_block", "programs_of", "splits_for"]
