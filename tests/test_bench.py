@@ -358,6 +358,9 @@ def test_bench_decode_times_every_arm_per_batch_and_context_and_says_what_did_no
     for row in model["rows"]:
         assert set(row["ms"]) == {"eager", "breakable", "full", "tc_piecewise", "full-no-pdl"}
         assert all(ms > 0 for ms in row["ms"].values())
+        # every arm but eager also fed back to back (no wait between calls)
+        assert set(row["ms_back_to_back"]) == set(row["ms"]) - {"eager"}
+        assert all(ms > 0 for ms in row["ms_back_to_back"].values())
         assert row["floor_ms"] == pytest.approx(row["bytes"] / decode.PEAK_BYTES_PER_S * 1e3,
                                                 abs=1e-4)
     assert model["rows"][1]["bytes"] > model["rows"][0]["bytes"]  # one more request's K/V

@@ -152,6 +152,34 @@ def wall_ms(fn: Callable[[], object]) -> float:
     return (time.perf_counter() - start) * 1000
 
 
+def back_to_back_ms(fn: Callable[[], object], calls: int = 20, repeats: int = 3) -> float:
+    """Milliseconds a call of ``fn`` when ``calls`` calls are fed back to back with no
+    wait between them (the host may run ahead of the device, as in a serving loop), the
+    median of ``repeats`` such runs; ``cuda_event_ms`` times a call alone, its host work
+    included."""
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    fn()
+    sync()
+    runs = []
+    for _ in range(repeats):
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            runs.append(start.elapsed_time(end) / calls)
+        else:
+            began = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            runs.append((time.perf_counter() - began) * 1000 / calls)
+    return statistics.median(runs)
+
+
 def cuda_event_ms(fn: Callable[[], object]) -> float:
     """Milliseconds from before ``fn``'s first launch to after its last kernel."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -17,9 +17,13 @@ a context of ``context`` tokens), per context, batch size and arm, bf16 on CUDA:
 
 Every graphcap arm steps the same requests at the same positions, so each call does the
 same work (the step's K/V overwrite the same slots); the cache is filled to ``context``
-tokens by one prefill first. Each row gives the bytes a step must read (every weight
-once, each request's ``context`` tokens of K/V) and the floor they set at
-:data:`~graphcap.bench.decode_attention.PEAK_BYTES_PER_S`; on CUDA each graphcap arm's
+tokens by one prefill first. ``ms`` times each call alone (CUDA events around it, so its
+host work before the first launch counts, as in an engine that waits for every step);
+``ms_back_to_back`` times calls fed with no wait between them (the host running ahead, as
+in a generation loop that never waits), every arm but eager. Each row gives the bytes a
+step must read (every weight once, each request's ``context`` tokens of K/V) and the
+floor they set at :data:`~graphcap.bench.decode_attention.PEAK_BYTES_PER_S`; on CUDA
+each graphcap arm's
 kernels per step and GPU idle share (and gpt-fast's) come from ``torch.profiler`` over
 back-to-back calls.
 """
@@ -34,7 +38,7 @@ import torch
 
 import graphcap
 from graphcap.api import GRAPHED
-from graphcap.bench.common import environment, time_interleaved
+from graphcap.bench.common import back_to_back_ms, environment, time_interleaved
 from graphcap.bench.decode_attention import PEAK_BYTES_PER_S
 from graphcap.engine.eager import decode_step, prefill
 from graphcap.inputs import DecodeInputs
@@ -199,7 +203,9 @@ def bench_model(name: str, arms, batches, context: int, reps: int, device: str,
         nbytes = step_bytes(model, b, min(context + 1, window or context + 1))
         row = {"batch": b, "bytes": nbytes,
                "floor_ms": round(nbytes / PEAK_BYTES_PER_S * 1e3, 4),
-               "ms": {arm: times[b, arm]["median_ms"] for arm in arms if (b, arm) in times}}
+               "ms": {arm: times[b, arm]["median_ms"] for arm in arms if (b, arm) in times},
+               "ms_back_to_back": {arm: round(back_to_back_ms(cases[b, arm]), 4)
+                                   for arm in arms if (b, arm) in cases and arm != "eager"}}
         if device == "cuda":
             row["profile"] = {arm: profile_steps(cases[b, arm])
                               for arm in (*runners, "gpt-fast") if (b, arm) in cases}

@@ -71,6 +71,13 @@ def show_decode(result: dict) -> None:
         print_table(f"{model['model']}: ms per decode step at a {model['context']}-token "
                     "context (speed-up over eager), beside the bandwidth floor",
                     ["batch", "floor", *arms], rows)
+        fed = [a for a in arms if any(a in r.get("ms_back_to_back", {}) for r in model["rows"])]
+        if fed:
+            print_table(f"{model['model']}: ms per step, steps fed back to back",
+                        ["batch", *fed], [[str(r["batch"])] + [
+                            f"{r['ms_back_to_back'][a]:.3f}" if a in r.get(
+                                "ms_back_to_back", {}) else "-" for a in fed]
+                            for r in model["rows"]])
         profiled = [(row["batch"], arm, p) for row in model["rows"]
                     for arm, p in row.get("profile", {}).items() if p.get("kernels")]
         if profiled:
