@@ -23,9 +23,8 @@ host work before the first launch counts, as in an engine that waits for every s
 in a generation loop that never waits), every arm but eager. Each row gives the bytes a
 step must read (every weight once, each request's ``context`` tokens of K/V) and the
 floor they set at :data:`~graphcap.bench.decode_attention.PEAK_BYTES_PER_S`; on CUDA
-each graphcap arm's
-kernels per step and GPU idle share (and gpt-fast's) come from ``torch.profiler`` over
-back-to-back calls.
+each graphcap arm's kernels per step and GPU idle share (and gpt-fast's) come from
+``torch.profiler`` over back-to-back calls.
 """
 
 from __future__ import annotations
