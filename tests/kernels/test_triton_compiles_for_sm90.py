@@ -113,13 +113,11 @@ COMPILE_GEMV = textwrap.dedent('''
     modes = [(True, False, False, False), (True, False, False, True),
              (True, True, False, False), (False, False, True, False)]
     # every mode at one row (what the ops dispatch), and more rows, PDL off, float32;
-    # weights read after the wait (any tensor) and before it (parameters); later blocks'
-    # weights asked of L2 before the wait (ahead)
-    cases = [("bf16", True, 1, mode, pre, 0) for mode in modes for pre in (False, True)] + [
-        ("bf16", True, 8, modes[3], False, 0), ("bf16", False, 5, modes[2], False, 0),
-        ("fp32", True, 5, modes[0], True, 0), ("bf16", True, 1, modes[2], True, 2),
-        ("bf16", True, 1, modes[3], False, 2)]
-    for dt, pdl, rows, (norm, swiglu, residual, bias), pre, ahead in cases:
+    # weights read after the wait (any tensor) and before it (parameters)
+    cases = [("bf16", True, 1, mode, pre) for mode in modes for pre in (False, True)] + [
+        ("bf16", True, 8, modes[3], False), ("bf16", False, 5, modes[2], False),
+        ("fp32", True, 5, modes[0], True)]
+    for dt, pdl, rows, (norm, swiglu, residual, bias), pre in cases:
         sig = {**{n: f"*{dt}" for n in ("X", "W", "Y", "NORM_W", "RES", "BIAS")},
                "eps": "fp32", **{n: "i32" for n in ("N", "K", "stride_xm",
                                                      "stride_wn", "stride_ym",
@@ -128,7 +126,7 @@ COMPILE_GEMV = textwrap.dedent('''
                   "BLOCK_N": 2, "BLOCK_K": 1024, "NORM": norm, "SWIGLU": swiglu,
                   "RESIDUAL": residual, "HAS_BIAS": bias, "INTERPRET": False,
                   "PDL": pdl, "PREFETCH": pdl, "LINE": 64 if dt == "bf16" else 32,
-                  "PRELOAD": pre, "AHEAD": ahead}
+                  "PRELOAD": pre}
         sig.update({n: "constexpr" for n in consts})
         sig = {name: sig[name] for name in kernel.arg_names}
         out = triton.compile(ASTSource(kernel, sig, constexprs=consts),
@@ -137,14 +135,13 @@ COMPILE_GEMV = textwrap.dedent('''
         assert "cubin" in out.asm
         ptx = out.asm["ptx"]
         assert ("griddepcontrol.launch_dependents" in ptx) == pdl
-        assert ("prefetch.global.L2" in ptx) == (pdl and (not pre or ahead > 0))
+        assert ("prefetch.global.L2" in ptx) == (pdl and not pre)
         if pdl:
             early = ptx[:ptx.index("griddepcontrol.wait")]
             # nothing written before the wait, nothing but a parameter's weights read
             assert not any(op in early for op in ("st.global", "atom.", "red.")), early
             if pre:  # the weights' first slice read before the wait
                 assert "ld.global" in early, early[-2000:]
-                assert ("prefetch.global.L2" in early) == (ahead > 0)
             else:  # the weights asked of L2 before the wait; nothing read
                 assert "prefetch.global.L2" in early, early[-2000:]
                 assert not any(op in early for op in ("ld.global", "cp.async")), early

@@ -34,7 +34,6 @@ from graphcap.opsdb.triton.common import (
     cast,
     interpreting,
     line_elements,
-    num_sms,
     pdl_args,
     pdl_launch_dependents,
     pdl_wait,
@@ -68,24 +67,35 @@ def _load_slice(w_rows, k0, col_ok, K, N, stride_wn, BLOCK_K: tl.constexpr,
 
 
 @triton.jit
-def _prefetch_ahead(W, pid, step, N, K, stride_wn, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr, LINE: tl.constexpr,
-                    AHEAD: tl.constexpr):
-    """Ask L2 for the weights of the ``AHEAD`` column blocks this program takes after
-    its first (a grid smaller than the blocks: every ``step``-th block)."""
-    for i in tl.static_range(1, AHEAD + 1):
-        cols = (pid + i * step) * BLOCK_N + tl.arange(0, BLOCK_N)
-        _prefetch_weights(W, W + cols[None, :].to(tl.int64) * stride_wn, cols < N, 0, K, N,
-                          stride_wn, BLOCK_K, SWIGLU, LINE)
-
-
-@triton.jit
-def _columns(w, w_up, cols, col_ok, w_rows, X, Y, NORM_W, RES, BIAS, rstd, rows, row_ok,
-             N, K, stride_xm, stride_wn, stride_ym, stride_rm, ROWS: tl.constexpr,
-             ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
-             HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
-    """One block of output columns, its first weight slice (``w``, ``w_up``) loaded."""
+def _gemv_kernel(
+    X, W, Y, NORM_W, RES, BIAS, N, K, eps, stride_xm, stride_wn, stride_ym, stride_rm,
+    ROWS: tl.constexpr, ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
+    RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, PRELOAD: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pdl_launch_dependents(PDL)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w_rows = W + cols[:, None].to(tl.int64) * stride_wn
+    if PRELOAD:
+        # The weights are parameters, no kernel's output: the first slice is read while
+        # the kernel before finishes.
+        w, w_up = _load_slice(w_rows, 0, col_ok, K, N, stride_wn, BLOCK_K, SWIGLU)
+        pdl_wait(PDL)
+    else:
+        if PREFETCH:
+            # While the kernel before finishes, ask L2 for this program's weights; read
+            # them only after the wait (they may be that kernel's output).
+            _prefetch_weights(W, W + cols[None, :].to(tl.int64) * stride_wn, col_ok, 0, K,
+                              N, stride_wn, BLOCK_K, SWIGLU, LINE)
+        pdl_wait(PDL)
+        w, w_up = _load_slice(w_rows, 0, col_ok, K, N, stride_wn, BLOCK_K, SWIGLU)
+    rows = tl.arange(0, ROWS_P2)
+    row_ok = rows < ROWS
+    x_rows = X + rows[:, None] * stride_xm
+    rstd = _row_rstd(x_rows, row_ok, K, eps, ROWS_P2, BLOCK_K, NORM)
     acc = tl.zeros([ROWS_P2, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([ROWS_P2, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -112,58 +122,6 @@ def _columns(w, w_up, cols, col_ok, w_rows, X, Y, NORM_W, RES, BIAS, rstd, rows,
               SWIGLU, RESIDUAL, HAS_BIAS, INTERPRET)
 
 
-@triton.jit
-def _gemv_kernel(
-    X, W, Y, NORM_W, RES, BIAS, N, K, eps, stride_xm, stride_wn, stride_ym, stride_rm,
-    ROWS: tl.constexpr, ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
-    RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, PRELOAD: tl.constexpr,
-    AHEAD: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    step = tl.num_programs(0)  # a grid smaller than the blocks takes every step-th
-    pdl_launch_dependents(PDL)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    w_rows = W + cols[:, None].to(tl.int64) * stride_wn
-    if PRELOAD:
-        # The weights are parameters, no kernel's output: the first slice is read while
-        # the kernel before finishes.
-        w, w_up = _load_slice(w_rows, 0, col_ok, K, N, stride_wn, BLOCK_K, SWIGLU)
-        if AHEAD > 0:
-            _prefetch_ahead(W, pid, step, N, K, stride_wn, BLOCK_N, BLOCK_K, SWIGLU, LINE,
-                            AHEAD)
-        pdl_wait(PDL)
-    else:
-        if PREFETCH:
-            # While the kernel before finishes, ask L2 for this program's weights; read
-            # them only after the wait (they may be that kernel's output).
-            _prefetch_weights(W, W + cols[None, :].to(tl.int64) * stride_wn, col_ok, 0, K,
-                              N, stride_wn, BLOCK_K, SWIGLU, LINE)
-            if AHEAD > 0:
-                _prefetch_ahead(W, pid, step, N, K, stride_wn, BLOCK_N, BLOCK_K, SWIGLU,
-                                LINE, AHEAD)
-        pdl_wait(PDL)
-        w, w_up = _load_slice(w_rows, 0, col_ok, K, N, stride_wn, BLOCK_K, SWIGLU)
-    rows = tl.arange(0, ROWS_P2)
-    row_ok = rows < ROWS
-    rstd = _row_rstd(X + rows[:, None] * stride_xm, row_ok, K, eps, ROWS_P2, BLOCK_K, NORM)
-    _columns(w, w_up, cols, col_ok, w_rows, X, Y, NORM_W, RES, BIAS, rstd, rows, row_ok, N,
-             K, stride_xm, stride_wn, stride_ym, stride_rm, ROWS, ROWS_P2, BLOCK_N, BLOCK_K,
-             NORM, SWIGLU, RESIDUAL, HAS_BIAS, INTERPRET)
-    blk = pid + step
-    while blk * BLOCK_N < N:
-        cols = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        w_rows = W + cols[:, None].to(tl.int64) * stride_wn
-        w, w_up = _load_slice(w_rows, 0, col_ok, K, N, stride_wn, BLOCK_K, SWIGLU)
-        _columns(w, w_up, cols, col_ok, w_rows, X, Y, NORM_W, RES, BIAS, rstd, rows, row_ok,
-                 N, K, stride_xm, stride_wn, stride_ym, stride_rm, ROWS, ROWS_P2, BLOCK_N,
-                 BLOCK_K, NORM, SWIGLU, RESIDUAL, HAS_BIAS, INTERPRET)
-        blk += step
-
-
 def gemv_config(k: int) -> dict:
     """Two columns a program (the H200 probe's best at every projection shape), the
     slice as long as K up to :data:`_SLICE_ELEMENTS` weight elements a program and half
@@ -179,22 +137,14 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
                 tiles: dict | None = None) -> torch.Tensor:
     """``epilogue(prologue(x) @ weight^T)`` for ``x`` of at most :data:`GEMV_ROWS` rows,
     the arguments of :func:`graphcap.opsdb.triton.linear.skinny_linear`; a new [M, N]
-    tensor. ``tiles`` overrides :func:`gemv_config` (benchmarks and tests); it may add
-    ``PER_SM`` (a grid of that many programs an SM, each taking every grid-th block of
-    columns) and ``AHEAD`` (under PDL, the weights of that many of a program's later
-    blocks asked of L2 before the wait)."""
+    tensor. ``tiles`` overrides :func:`gemv_config` (benchmarks and tests)."""
     y, (m, n, k) = new_output("gemv_linear", x, weight, swiglu, GEMV_ROWS)
     if m == 0 or n == 0:
         return y
-    cfg = {"PER_SM": 0, "AHEAD": 0, **(tiles or gemv_config(k))}
-    blocks = triton.cdiv(n, cfg["BLOCK_N"])
-    per_sm = cfg.pop("PER_SM")
-    grid = min(blocks, per_sm * num_sms(x.device)) if per_sm else blocks
-    if interpreting():
-        cfg["AHEAD"] = 0  # L2 prefetches are PTX
+    cfg = dict(tiles or gemv_config(k))
     res = residual if residual is not None else y
     launch = pdl_args(x.device, m)
-    _gemv_kernel[(grid,)](
+    _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, weight, y, norm_weight if norm_weight is not None else x, res,
         bias if bias is not None else x, n, k, float(eps), x.stride(0), weight.stride(0),
         y.stride(0), res.stride(0), ROWS=m, ROWS_P2=max(2, triton.next_power_of_2(m)),
