@@ -158,26 +158,12 @@ def back_to_back_ms(fn: Callable[[], object], calls: int = 20, repeats: int = 3)
     median of ``repeats`` such runs; ``cuda_event_ms`` times a call alone, its host work
     included."""
     cuda = torch.cuda.is_available()
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    timer = cuda_event_ms if cuda else wall_ms
     fn()
-    sync()
-    runs = []
-    for _ in range(repeats):
-        if cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            end.synchronize()
-            runs.append(start.elapsed_time(end) / calls)
-        else:
-            began = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            runs.append((time.perf_counter() - began) * 1000 / calls)
-    return statistics.median(runs)
+    if cuda:
+        torch.cuda.synchronize()
+    return statistics.median(timer(lambda: [fn() for _ in range(calls)]) / calls
+                             for _ in range(repeats))
 
 
 def cuda_event_ms(fn: Callable[[], object]) -> float:

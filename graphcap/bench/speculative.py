@@ -220,16 +220,14 @@ def exactness(name: str, k: int, device: str, strategies=GRAPHED, batch: int = 2
         verifier, rows = llm.engine.verifier, {}
         for arm, proposer in (("random", RandomTokens(k, vocab)), ("ngram", NgramProposer(k))):
             prompts = prompts_of(batch, prompt, vocab, seed=11, repeat=arm == "ngram")
-            plain = [c.tokens for c in llm.generate(prompts, new, speculate=False)]
+            plain = _generate(llm, prompts, new, False, 1, device)["tokens"]
             verifier.proposer = proposer
-            before = dict(verifier.counts.__dict__)
-            spoken = [c.tokens for c in llm.generate(prompts, new, speculate=True)]
-            steps = verifier.counts.steps - before["steps"]
-            accepted = verifier.counts.accepted - before["accepted"]
-            rows[arm] = {"tokens_equal_plain": spoken == plain, "tokens": sum(map(len, plain)),
-                         "verify_steps": steps,
-                         "mean_acceptance_length": round(accepted / max(
-                             1, verifier.counts.rows - before["rows"]) + 1, 3)}
+            spoken = _generate(llm, prompts, new, True, 1, device)
+            counts = spoken["counts"]
+            rows[arm] = {"tokens_equal_plain": spoken["tokens"] == plain,
+                         "tokens": sum(map(len, plain)), "verify_steps": counts["steps"],
+                         "mean_acceptance_length": round(
+                             counts["accepted"] / max(1, counts["rows"]) + 1, 3)}
         report = llm.report()
         rows["fallbacks"] = graph_calls([report["verify"], report["verify_sampled"]])[
             "fallbacks"]

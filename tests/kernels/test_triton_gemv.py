@@ -13,7 +13,13 @@ from hypothesis import strategies as st
 from graphcap.opsdb.triton import gemv
 from graphcap.opsdb.triton import linear as kernel
 from tests.conftest import requires_cuda
-from tests.kernels.test_triton_linear import MODES, TOL, case, randn
+from tests.kernels.test_triton_linear import (
+    MODES,
+    TOL,
+    case,
+    randn,
+    replays_like_the_reference,
+)
 
 
 @settings(max_examples=15, deadline=None)
@@ -94,16 +100,7 @@ def test_model_sized_projections_replay_in_a_cuda_graph(m, parameter):
         args, want, x = case(mode, m, n, k, torch.bfloat16, 0)
         if parameter:  # read before the PDL wait
             args["weight"] = torch.nn.Parameter(args["weight"], requires_grad=False)
-        with pool.warmup():
-            gemv.gemv_linear(x, **args)
-        graph = pool.graph()
-        y = graph.capture(lambda a=args, x=x: gemv.gemv_linear(x, **a))
-        for seed in (1, 2):  # new inputs, same buffers
-            x.copy_(randn(m, k, dtype=torch.bfloat16, seed=seed))
-            graph.replay()
-            torch.cuda.synchronize()
-            torch.testing.assert_close(y, want(), atol=2e-2, rtol=2e-2,
-                                       msg=lambda msg, s=(mode, n, k): f"{s}: {msg}")
+        replays_like_the_reference(pool, gemv.gemv_linear, args, want, x, (mode, n, k))
 
 
 @pytest.mark.gpu

@@ -165,16 +165,23 @@ def test_model_sized_projections_replay_in_a_cuda_graph(m):
         if n > 8192 and m > 1:
             continue  # the LM head runs on last tokens only
         args, want, x = case(mode, m, n, k, torch.bfloat16, 0)
-        with pool.warmup():
-            kernel.skinny_linear(x, **args)
-        graph = pool.graph()
-        y = graph.capture(lambda a=args, x=x: kernel.skinny_linear(x, **a))
-        for seed in (1, 2):  # new inputs, same buffers; split-K counters reset per replay
-            x.copy_(randn(m, k, dtype=torch.bfloat16, seed=seed))
-            graph.replay()
-            torch.cuda.synchronize()
-            torch.testing.assert_close(y, want(), atol=2e-2, rtol=2e-2,
-                                       msg=lambda msg, s=(mode, n, k): f"{s}: {msg}")
+        # split-K counters reset per replay
+        replays_like_the_reference(pool, kernel.skinny_linear, args, want, x, (mode, n, k))
+
+
+def replays_like_the_reference(pool, linear, args, want, x, label) -> None:
+    """``linear(x, **args)`` captured in a graph of ``pool`` and replayed over two new
+    inputs in the same buffers, each output against the reference ``want()``."""
+    with pool.warmup():
+        linear(x, **args)
+    graph = pool.graph()
+    y = graph.capture(lambda: linear(x, **args))
+    for seed in (1, 2):
+        x.copy_(randn(*x.shape, dtype=torch.bfloat16, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(y, want(), atol=2e-2, rtol=2e-2,
+                                   msg=lambda msg: f"{label}: {msg}")
 
 
 @pytest.mark.gpu
