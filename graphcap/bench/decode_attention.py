@@ -47,7 +47,7 @@ def _flashinfer(cache, batch: int, context: int, hq: int, scale: float):
     backend.heads = (hq, scale)
     plan = backend.metadata(cache, batch)
     plan.update([context - 1] * batch, list(range(batch)))
-    return plan.wrapper
+    return plan.wrappers[0, 0.0]
 
 
 def case(batch: int, context: int, heads: tuple[int, int, int], dev,

@@ -6,6 +6,7 @@ the variants change what it generates."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import pytest
 import torch
@@ -88,3 +89,22 @@ def test_the_gpt_oss_decoder_generates_what_recomputing_gives(strategy):
     got = graphcap.generate(m, prompts, NEW, strategy=strategy, max_batch=2,
                             prefill_tokens=8)
     assert got.tokens == [recomputed(m, p) for p in prompts]
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or importlib.util.find_spec("flashinfer") is None,
+                    reason="FlashInfer on a CUDA device")
+@pytest.mark.parametrize("strategy", ["full", "breakable"])
+def test_flashinfers_prefill_computes_windowed_and_soft_capped_layers_as_triton(strategy):
+    """Alternating windowed and global layers, soft-capped scores, bf16 (FlashInfer's),
+    head dim 64: each (window, softcap) pair planned per shape, the windowless twin for
+    a shape no longer than the window (bucket 4), against Triton's attention eagerly."""
+    m = model(window=4, global_every=2, softcap=3.0, head_dim=64).to(torch.bfloat16)
+    want = graphcap.capture(m, "eager", attention="triton")
+    runner = graphcap.capture(m, strategy, attention="flashinfer", buckets=[32, 4])
+    for lengths in ([3, 9, 11], [2, 2], [17, 0, 15], [4]):
+        ids = torch.randint(1, m.args.vocab_size, (sum(lengths),), device=DEVICE)
+        positions = torch.cat([torch.arange(n, device=DEVICE) for n in lengths])
+        got = runner(ids, positions, seq_lens=lengths)
+        torch.testing.assert_close(got.float(), want(ids, positions, seq_lens=lengths).float(),
+                                   atol=0.05, rtol=0.05, msg=f"lengths {lengths}")
+    assert sum(runner.report()["replays"].values()) == 4

@@ -8,6 +8,13 @@ absorbs the padding rows (its output is zeroed afterwards), k and v pass through
 request's rows, or padding), and the request capacity is
 the slot count plus that one. Re-planning before the previous plan's asynchronous copy
 has run corrupts the metadata, so ``update`` waits on an event recorded after each plan.
+
+A sliding window and soft-capped scores are plan-time options of FlashInfer's kernels
+(``window_left``, ``logits_soft_cap``), so each (window, softcap) pair a model's layers use
+gets a wrapper of its own in every shape, planned from the same offsets: the backend
+learns the pairs from the first forward (a warm-up, outside any graph) and plans them all
+in each ``update`` after. A windowed pair brings its windowless twin, the variant the op
+runs for a shape no longer than the window. Attention sinks it does not compute.
 """
 
 from __future__ import annotations
@@ -16,12 +23,14 @@ import math
 
 import torch
 
+from graphcap.errors import CaptureError
 from graphcap.opsdb.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     guard_kv,
     zero_padding_rows,
 )
+from graphcap.opsdb.attention.variant import PLAIN, Variant
 from graphcap.opsdb.spec import OpInputError
 
 WORKSPACE_BYTES = 256 << 20  # graph mode can exceed the usual 128 MiB at large buckets
@@ -32,11 +41,13 @@ class FlashInferAttention(AttentionBackend):
     devices = ("cuda",)
     requires = ("flashinfer",)
     dtypes = (torch.float16, torch.bfloat16)
+    options = frozenset({"window", "softcap"})
 
     def __init__(self, heads: tuple[int, int, int] | None = None, dtype=None,
                  fa_backend: str = "fa3", scale: float | None = None):
         self.heads, self.dtype, self.fa_backend = heads, dtype, fa_backend
         self.scale = scale  # the softmax scale it plans with (None: 1 / sqrt(head dim))
+        self.variants: list[tuple[int, float]] = [key(PLAIN)]  # the (window, softcap) pairs
 
     def metadata(self, num_tokens, num_slots, device):
         import flashinfer
@@ -45,7 +56,8 @@ class FlashInferAttention(AttentionBackend):
         meta.indptr = torch.zeros(num_slots + 2, dtype=torch.int32, device=device)
         meta.indptr_host = torch.zeros(num_slots + 2, dtype=torch.int32)
         meta.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        meta.wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+        meta.wrappers = {}  # (window, softcap) -> its wrapper, sharing the offsets
+        meta.new_wrapper = lambda: flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
             meta.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=meta.indptr,
             kv_indptr_buf=meta.indptr, backend=self.fa_backend)
         meta.planned = None
@@ -67,15 +79,28 @@ class FlashInferAttention(AttentionBackend):
         ind[: meta.num_slots + 1] = meta.cu_seqlens_host
         ind[meta.num_slots + 1] = meta.num_tokens  # the padding request
         meta.plan_done.synchronize()
-        meta.wrapper.plan(ind, ind, hq, hk, d, causal=True, q_data_type=self.dtype,
-                          kv_data_type=self.dtype, sm_scale=self.scale)
+        for window, softcap in self.variants:
+            if (window, softcap) not in meta.wrappers:
+                meta.wrappers[window, softcap] = meta.new_wrapper()
+            meta.wrappers[window, softcap].plan(
+                ind, ind, hq, hk, d, causal=True, window_left=window - 1,
+                logits_soft_cap=softcap, q_data_type=self.dtype, kv_data_type=self.dtype,
+                sm_scale=self.scale)
         meta.plan_done.record()
         meta.planned = (hq, hk, d, self.dtype)
 
+    def learn(self, variant: Variant) -> None:
+        """Adds ``variant``'s pair (and a windowed one's windowless twin) to those every
+        shape plans."""
+        for pair in (key(variant), (0, variant.softcap)):
+            if pair not in self.variants:
+                self.variants.append(pair)
+
     def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float,
-                variant=None) -> None:
+                variant: Variant = PLAIN) -> None:
         if meta.planned is None:
             self.configure(q.shape[1], k.shape[1], q.shape[2], q.dtype, scale)
+            self.learn(variant)
             self.plan(meta)
         planned = self.scale if self.scale is not None else q.shape[2] ** -0.5
         if not math.isclose(scale, planned, rel_tol=1e-6):
@@ -84,6 +109,21 @@ class FlashInferAttention(AttentionBackend):
                 f"{planned:g} and this layer asks for {scale:g}: FlashInfer fixes the scale "
                 "when it plans, so one backend serves layers of one scale; pick another "
                 "backend (triton, torch_masked) for a model whose layers differ")
+        if key(variant) not in meta.wrappers:
+            if torch.cuda.is_current_stream_capturing():
+                raise CaptureError(
+                    f"FlashInfer prefill attention met a layer with window {variant.window} "
+                    f"and softcap {variant.softcap:g} first inside a capture: its kernels "
+                    "are planned per (window, softcap) outside graphs. Run the model once "
+                    "eagerly before capturing (graphcap.capture warms up first unless told "
+                    "not to), or use the triton backend")
+            self.learn(variant)
+            self.plan(meta)
         k, v = guard_kv(k, v, meta)
-        meta.wrapper.run(q, k, v, out=out)
+        meta.wrappers[key(variant)].run(q, k, v, out=out)
         zero_padding_rows(out, meta)
+
+
+def key(variant: Variant) -> tuple[int, float]:
+    """The plan-time options of ``variant``: (window, softcap)."""
+    return variant.window, variant.softcap

@@ -11,6 +11,14 @@ lists (no device read). Every layer shares the call's plan. A padded row is plan
 one token on the null page and its output zeroed in the graph (its length is 0 on the
 device), so NaN there reaches no row. What it supports: CUDA, float16 and bfloat16, head
 dims 64, 128 and 256, the cache's NHD layout ``[pages, page_size, kv_heads, head_dim]``.
+
+A sliding window and soft-capped scores are plan-time options of FlashInfer's kernels, so
+each (window, softcap) pair a model's layers use gets a wrapper of its own in every shape,
+planned from the same call: a windowed pair's rows are planned over the pages that hold
+their window only (the read per step is bounded by the window, and pages released behind
+it are never named), FlashInfer's ``window_left`` masking the rest of the first one. The
+backend learns the pairs from the first run (a warm-up, outside any graph). Attention
+sinks it does not compute.
 """
 
 from __future__ import annotations
@@ -18,9 +26,10 @@ from __future__ import annotations
 import torch
 
 from graphcap.core.checks import staged
-from graphcap.errors import BackendUnavailable
+from graphcap.errors import BackendUnavailable, CaptureError
 from graphcap.kv.paged import NULL_PAGE, PagedKVCache
 from graphcap.opsdb.attention.paged import DecodeBackend, DecodePlan
+from graphcap.opsdb.attention.variant import PLAIN, Variant
 from graphcap.opsdb.spec import unavailable
 
 NAME = "flashinfer"
@@ -45,10 +54,12 @@ class FlashInferDecode(DecodeBackend):
     float workspace (the kernels' scratch: replays run one at a time)."""
 
     name = NAME
+    options = frozenset({"window", "softcap"})
 
     def __init__(self):
         self.heads: tuple[int, float] | None = None
         self.workspace: torch.Tensor | None = None
+        self.variants: list[tuple[int, float]] = [(0, 0.0)]  # the (window, softcap) pairs
 
     def unavailable(self, cache: PagedKVCache) -> str | None:
         return why_not(cache)
@@ -57,14 +68,22 @@ class FlashInferDecode(DecodeBackend):
         return FlashInferPlan(self, cache, tokens)
 
     def forward(self, q, k_cache, v_cache, kv, out, scale, kernel=None,
-                variant=None, own=None) -> None:
+                variant: Variant = PLAIN, own=None) -> None:
         """``out`` = each row's attention over its planned pages; pads (length 0) zero."""
-        plan = kv.plan
+        plan, pair = kv.plan, (variant.window, variant.softcap)
         if self.heads is None:  # the first run of any shape, eager (a warm-up)
             self.heads = (q.shape[1], scale)
-        if not plan.planned:  # a plan updated before the heads were known: plan now
+        if pair not in self.variants:
+            if torch.cuda.is_current_stream_capturing():
+                raise CaptureError(
+                    f"FlashInfer decode attention met a layer with window {variant.window} "
+                    f"and softcap {variant.softcap:g} first inside a capture: its kernels "
+                    "are planned per (window, softcap) outside graphs. Run a decode step "
+                    "eagerly before capturing, or use decode attention 'graphcap'")
+            self.variants.append(pair)
+        if pair not in plan.wrappers:  # a plan updated before the pair was known
             plan.replan()
-        plan.wrapper.run(q, (k_cache, v_cache), out=out)
+        plan.wrappers[pair].run(q, (k_cache, v_cache), out=out)
         out.copy_(torch.where((kv.seq_lens > 0)[:, None, None], out, 0.0))
 
 
@@ -80,20 +99,28 @@ class FlashInferPlan(DecodePlan):
         import flashinfer
 
         super().__init__(backend, cache, tokens)
-        device = cache.device
-        self.indptr = torch.zeros(tokens + 1, dtype=torch.int32, device=device)
-        self.indices = torch.zeros(tokens * cache.block_table.shape[1], dtype=torch.int32,
-                                   device=device)
-        self.last = torch.ones(tokens, dtype=torch.int32, device=device)
         if backend.workspace is None:
             backend.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8,
-                                            device=device)
-        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            backend.workspace, "NHD", use_cuda_graph=True,
-            paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
-            paged_kv_last_page_len_buffer=self.last)
+                                            device=cache.device)
+        self._flashinfer = flashinfer
+        self.wrappers: dict[tuple[int, float], object] = {}  # planned, per (window, softcap)
         self._step: tuple[list[int], list[int]] = ([], [])
-        self.planned = False  # the wrapper planned for the heads (once they are known)
+
+    def _wrapper(self, pair: tuple[int, float]):
+        """The wrapper of ``pair``, over static page buffers of its own (a windowed pair
+        plans fewer pages)."""
+        if pair not in self.wrappers:
+            device, tokens = self.cache.device, self.tokens
+            self.wrappers[pair] = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.backend.workspace, "NHD", use_cuda_graph=True,
+                paged_kv_indptr_buffer=torch.zeros(tokens + 1, dtype=torch.int32,
+                                                   device=device),
+                paged_kv_indices_buffer=torch.zeros(
+                    tokens * self.cache.block_table.shape[1], dtype=torch.int32,
+                    device=device),
+                paged_kv_last_page_len_buffer=torch.ones(tokens, dtype=torch.int32,
+                                                         device=device))
+        return self.wrappers[pair]
 
     def update(self, positions, slots) -> None:
         self._step = tuple(v.tolist() if isinstance(v, torch.Tensor) else list(v)
@@ -102,11 +129,17 @@ class FlashInferPlan(DecodePlan):
             self.replan()
 
     def replan(self) -> None:
+        """Plans every pair the backend knows for the last update's tokens."""
+        for pair in self.backend.variants:
+            self._plan(pair)
+
+    def _plan(self, pair: tuple[int, float]) -> None:
         cache, (positions, slots) = self.cache, self._step
-        size = cache.page_size
+        size, (window, softcap) = cache.page_size, pair
         indptr, indices, last = [0], [], []
         for position, slot in zip(positions, slots, strict=True):
-            indices += cache.pages_of(slot)[: position // size + 1]
+            first = max(0, position - window + 1) // size if window else 0
+            indices += cache.pages_of(slot)[first: position // size + 1]
             indptr.append(len(indices))
             last.append(position % size + 1)
         for _ in range(self.tokens - len(positions)):  # pads: one token of the null page
@@ -114,9 +147,9 @@ class FlashInferPlan(DecodePlan):
             indptr.append(len(indices))
             last.append(1)
         hq, scale = self.backend.heads
-        self.wrapper.plan(
-            staged(indptr, torch.int32, cache.device), staged(indices, torch.int32,
-                                                              cache.device),
-            staged(last, torch.int32, cache.device), hq, cache.kv_heads, cache.head_dim,
-            size, q_data_type=cache.k.dtype, kv_data_type=cache.k.dtype, sm_scale=scale)
-        self.planned = True
+        device = cache.device
+        self._wrapper(pair).plan(
+            staged(indptr, torch.int32, device), staged(indices, torch.int32, device),
+            staged(last, torch.int32, device), hq, cache.kv_heads, cache.head_dim, size,
+            window_left=window - 1, logits_soft_cap=softcap, q_data_type=cache.k.dtype,
+            kv_data_type=cache.k.dtype, sm_scale=scale)
