@@ -160,10 +160,11 @@ def memory(model_name: str = "qwen3-0.6b", arms=MEMORY_ARMS, max_tokens: int = 2
     # included, allocator caching and rounding too), from an emptied cache and no cuBLAS
     # workspace, so each arm's peak counts the workspaces it makes itself.
     _collect()
+    idle = torch.cuda.memory_reserved()  # above the weights: what loading left cached
     torch.cuda.reset_peak_memory_stats()
     call_of(eager)(max_tokens)
     torch.cuda.synchronize()
-    result = {"eager": {"transient_bytes": transient,
+    result = {"eager": {"transient_bytes": transient, "reserved_before_bytes": idle,
                         "peak_bytes": torch.cuda.max_memory_reserved(),
                         "reserved_bytes": torch.cuda.memory_reserved()}}
     out = {}

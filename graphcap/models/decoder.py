@@ -149,15 +149,17 @@ class MoE(nn.Module):
         self.eps, self.top_k, self.norm_topk, self.tp = a.eps, a.top_k, a.norm_topk, tp
         self.glu = (a.glu_alpha, a.glu_limit)
         self.router = nn.Linear(a.hidden, a.experts, bias=a.moe_bias)
-        scale = a.hidden ** -0.5
+        # Scaled in place: a scaled copy would leave each expert tensor's unscaled
+        # twin (gigabytes at gpt-oss sizes) freed among the weights, cached by the
+        # allocator in segments the weights keep alive.
         self.w13 = nn.Parameter(torch.randn(a.experts, 2 * a.moe_intermediate, a.hidden)
-                                * scale)
+                                .mul_(a.hidden ** -0.5))
         self.w2 = nn.Parameter(torch.randn(a.experts, a.hidden, a.moe_intermediate)
-                               * a.moe_intermediate ** -0.5)
+                               .mul_(a.moe_intermediate ** -0.5))
         self.b13 = self.b2 = None
         if a.moe_bias:
-            self.b13 = nn.Parameter(torch.randn(a.experts, 2 * a.moe_intermediate) * 0.1)
-            self.b2 = nn.Parameter(torch.randn(a.experts, a.hidden) * 0.1)
+            self.b13 = nn.Parameter(torch.randn(a.experts, 2 * a.moe_intermediate).mul_(0.1))
+            self.b2 = nn.Parameter(torch.randn(a.experts, a.hidden).mul_(0.1))
 
     def forward(self, h, norm):
         """h + the routed experts of rms_norm(h)."""
