@@ -100,7 +100,8 @@ def test_flashinfers_prefill_computes_windowed_and_soft_capped_layers_as_triton(
     a shape no longer than the window (bucket 4), against Triton's attention eagerly."""
     m = model(window=4, global_every=2, softcap=3.0, head_dim=64).to(torch.bfloat16)
     want = graphcap.capture(m, "eager", attention="triton")
-    runner = graphcap.capture(m, strategy, attention="flashinfer", buckets=[32, 4])
+    runner = graphcap.capture(m, strategy, attention="flashinfer", buckets=[32, 4],
+                              max_requests=3)
     for lengths in ([3, 9, 11], [2, 2], [17, 0, 15], [4]):
         ids = torch.randint(1, m.args.vocab_size, (sum(lengths),), device=DEVICE)
         positions = torch.cat([torch.arange(n, device=DEVICE) for n in lengths])
