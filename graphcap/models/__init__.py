@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from graphcap.models.decoder import MLP, Decoder, ModelArgs, shard_args
@@ -41,12 +43,16 @@ PRESETS = {
     "gpt-oss-20b": _gpt_oss(layers=24, experts=32),
     # One GPU: the layer shape of gpt-oss-120b (128 experts, 4 active), 4 of its 36 layers.
     "gpt-oss-120b-4l": _gpt_oss(layers=4, experts=128),
+    # The same, the experts in MXFP4 as gpt-oss ships them (the bf16 ones above: dequantized).
+    "gpt-oss-20b-mxfp4": replace(_gpt_oss(layers=24, experts=32), moe_mxfp4=True),
+    "gpt-oss-120b-4l-mxfp4": replace(_gpt_oss(layers=4, experts=128), moe_mxfp4=True),
     # The same kinds of layer, small enough for CPU tests.
     "tiny-gpt-oss": ModelArgs(experts=8, top_k=2, moe_intermediate=32, qkv_bias=True,
                               o_bias=True, moe_bias=True, glu_alpha=1.702, glu_limit=7.0,
                               window=8, global_every=2, sinks=True,
                               yarn=Yarn(4.0, 64, truncate=False)),
 }
+PRESETS["tiny-gpt-oss-mxfp4"] = replace(PRESETS["tiny-gpt-oss"], moe_mxfp4=True)
 
 
 def build_model(name: str, device="cpu", dtype=torch.float32, seed: int = 0,

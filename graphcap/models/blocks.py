@@ -109,15 +109,18 @@ def swiglu_half(h, norm, eps, gate_up, down, tp: str | None = None):
 
 def moe_half(h, norm, eps, router, top_k: int, renormalize: bool, w13, w2,
              tp: str | None = None, router_bias=None, b13=None, b2=None,
-             alpha: float = 0.0, limit: float = 0.0, interleaved: bool = False):
+             alpha: float = 0.0, limit: float = 0.0, interleaved: bool = False,
+             w13_scale=None, w2_scale=None):
     """``h +`` the top-k softmax-routed gated experts of ``rms_norm(h)``: ``router`` [E,
     hidden] and its bias, ``w13`` [E, 2I, hidden] (gate rows, then up rows) and its bias
     ``b13`` [E, 2I], ``w2`` [E, hidden, I] and its bias ``b2`` [E, hidden]; SwiGLU, or
     gpt-oss's clamped GLU with ``alpha`` > 0 (``tp``: this rank's columns of every
     expert's I, reduced after; ``b2`` then only on one rank, zeros on the others);
     ``interleaved``: gate and up alternate along ``w13``'s rows and ``b13`` (gpt-oss's
-    checkpoints), and the weights may be transposed views."""
+    checkpoints), and the weights may be transposed views; with ``w13_scale`` and
+    ``w2_scale``, MXFP4 experts (``graphcap::moe_experts``)."""
     x = RMS_NORM(h, norm, eps)
     weights, ids = MOE_TOPK_SOFTMAX(F.linear(x, router, router_bias), top_k, renormalize)
-    out = MOE_EXPERTS(x, w13, w2, weights, ids, b13, b2, alpha, limit, interleaved)
+    out = MOE_EXPERTS(x, w13, w2, weights, ids, b13, b2, alpha, limit, interleaved,
+                      w13_scale, w2_scale)
     return h + (out if tp is None else ALL_REDUCE(out, tp))

@@ -64,6 +64,9 @@ class ModelArgs:
     glu_alpha: float = 0.0
     glu_limit: float = 0.0
     yarn: Yarn | None = None
+    # gpt-oss as shipped: the experts' weights in MXFP4 (4-bit values, a power-of-two
+    # scale per 32; gate and up rows interleaved), everything else in the model's dtype.
+    moe_mxfp4: bool = False
 
     def window_of(self, layer: int) -> int:
         """The sliding window of layer ``layer`` (0: full attention)."""
@@ -83,6 +86,10 @@ def shard_args(a: ModelArgs, size: int) -> ModelArgs:
     """The layer shapes of one rank's share of a model of ``ModelArgs`` ``a`` split
     ``size`` ways; ``UnsupportedModel`` naming the first size ``size`` does not divide
     (``kv_heads`` first: the tightest bound)."""
+    if a.moe_mxfp4 and size > 1:
+        raise UnsupportedModel(
+            "tensor parallelism does not split MXFP4 experts yet: run the MXFP4 model on "
+            "one GPU, or its bfloat16 twin (moe_mxfp4=False) across ranks")
     sizes = {"kv_heads": a.kv_heads, "heads": a.heads, "intermediate": a.intermediate,
              "vocab_size": a.vocab_size}
     if a.experts:
@@ -149,13 +156,20 @@ class MoE(nn.Module):
         self.eps, self.top_k, self.norm_topk, self.tp = a.eps, a.top_k, a.norm_topk, tp
         self.glu = (a.glu_alpha, a.glu_limit)
         self.router = nn.Linear(a.hidden, a.experts, bias=a.moe_bias)
-        # Scaled in place: a scaled copy would leave each expert tensor's unscaled
-        # twin (gigabytes at gpt-oss sizes) freed among the weights, cached by the
-        # allocator in segments the weights keep alive.
-        self.w13 = nn.Parameter(torch.randn(a.experts, 2 * a.moe_intermediate, a.hidden)
-                                .mul_(a.hidden ** -0.5))
-        self.w2 = nn.Parameter(torch.randn(a.experts, a.hidden, a.moe_intermediate)
-                               .mul_(a.moe_intermediate ** -0.5))
+        self.interleaved = a.moe_mxfp4  # as gpt-oss's checkpoints store gate and up
+        self.w13_scale = self.w2_scale = None
+        if a.moe_mxfp4:
+            self.w13, self.w13_scale = _mxfp4_weight(a.experts, 2 * a.moe_intermediate,
+                                                     a.hidden)
+            self.w2, self.w2_scale = _mxfp4_weight(a.experts, a.hidden, a.moe_intermediate)
+        else:
+            # Scaled in place: a scaled copy would leave each expert tensor's unscaled
+            # twin (gigabytes at gpt-oss sizes) freed among the weights, cached by the
+            # allocator in segments the weights keep alive.
+            self.w13 = nn.Parameter(torch.randn(a.experts, 2 * a.moe_intermediate,
+                                                a.hidden).mul_(a.hidden ** -0.5))
+            self.w2 = nn.Parameter(torch.randn(a.experts, a.hidden, a.moe_intermediate)
+                                   .mul_(a.moe_intermediate ** -0.5))
         self.b13 = self.b2 = None
         if a.moe_bias:
             self.b13 = nn.Parameter(torch.randn(a.experts, 2 * a.moe_intermediate).mul_(0.1))
@@ -165,7 +179,21 @@ class MoE(nn.Module):
         """h + the routed experts of rms_norm(h)."""
         return moe_half(h, norm, self.eps, self.router.weight, self.top_k, self.norm_topk,
                         self.w13, self.w2, self.tp, self.router.bias, self.b13, self.b2,
-                        *self.glu)
+                        *self.glu, self.interleaved, self.w13_scale, self.w2_scale)
+
+
+def _mxfp4_weight(experts: int, rows: int, cols: int) -> tuple[nn.Parameter, nn.Parameter]:
+    """Random MXFP4 weights [experts, rows, cols // 2] and their scales [experts, rows,
+    cols // 32] (uint8, not trained): uniform codes (values of RMS 2.9), scales about
+    ``cols ** -0.5 / 2.9``, as the dense experts' initialisation."""
+    if cols % 32:
+        raise UnsupportedModel(f"MXFP4 experts need sizes that are multiples of 32, got "
+                               f"{cols}")
+    base = round(127 + math.log2(cols ** -0.5 / 2.9))
+    codes = torch.randint(0, 256, (experts, rows, cols // 2), dtype=torch.uint8)
+    scales = torch.randint(base - 1, base + 2, (experts, rows, cols // 32), dtype=torch.uint8)
+    return (nn.Parameter(codes, requires_grad=False),
+            nn.Parameter(scales, requires_grad=False))
 
 
 class Block(nn.Module):

@@ -19,10 +19,9 @@ from graphcap.errors import GraphcapError
 from graphcap.models.decoder import Decoder, ModelArgs
 from graphcap.models.rope import Yarn
 from graphcap.models.shard import shard_model
+from graphcap.opsdb.reference import mxfp4_dequantize
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
-# MXFP4's 4-bit values (E2M1), by code: the low 3 bits the magnitude, the high bit the sign.
-FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 class CheckpointError(GraphcapError, ValueError):
@@ -146,11 +145,7 @@ def mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype) -> torch.Tensor:
     """MXFP4 to ``dtype``: ``blocks`` [..., G, 16] uint8 (two 4-bit values a byte, the low
     nibble first) and ``scales`` [..., G] uint8 (a power of two, biased by 127), one scale
     per block of 32 values -> [..., G * 32]."""
-    table = torch.tensor(FP4, dtype=torch.float32)
-    blocks = blocks.to(torch.uint8)
-    values = torch.stack((table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]), -1)
-    values = torch.ldexp(values.flatten(-2), scales.to(torch.int32)[..., None] - 127)
-    return values.flatten(-2).to(dtype)
+    return mxfp4_dequantize(blocks.to(torch.uint8).flatten(-2), scales).to(dtype)
 
 
 def _gpt_oss_experts(get, table, hf: str, ours: str, dtype) -> dict[str, torch.Tensor]:

@@ -18,21 +18,31 @@ def check_topk(router_logits, top_k, renormalize):
 
 
 def check_experts(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0.0,
-                  limit=0.0, interleaved=False):
+                  limit=0.0, interleaved=False, w13_scale=None, w2_scale=None):
     op = "moe_experts"
     checks.tensor(op, "x", x, ndim=2)
-    checks.tensor(op, "w13", w13, ndim=3, dtypes=(x.dtype,), device=x.device)
-    checks.tensor(op, "w2", w2, ndim=3, dtypes=(x.dtype,), device=x.device)
+    quantized = _check_mxfp4(op, x, w13, w2, w13_scale, w2_scale)
+    weights = (torch.uint8,) if quantized else (x.dtype,)
+    checks.tensor(op, "w13", w13, ndim=3, dtypes=weights, device=x.device)
+    checks.tensor(op, "w2", w2, ndim=3, dtypes=weights, device=x.device)
     checks.tensor(op, "topk_weights", topk_weights, ndim=2, device=x.device)
     checks.tensor(op, "topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64),
                   device=x.device)
     e, two_i, h = w13.shape
-    checks.same(op, "the hidden size", h, x.shape[1], "w13", "x")
-    checks.same(op, "the expert shape", (e, h, two_i // 2), tuple(w2.shape), "w13", "w2")
+    packing = 2 if quantized else 1  # values a byte
+    checks.same(op, "the hidden size", h * packing, x.shape[1], "w13", "x")
+    checks.same(op, "the expert shape", (e, h * packing, two_i // 2 // packing),
+                tuple(w2.shape), "w13", "w2")
+    if quantized:
+        for name, scale, weight in (("w13_scale", w13_scale, w13), ("w2_scale", w2_scale, w2)):
+            checks.tensor(op, name, scale, ndim=3, dtypes=(torch.uint8,), device=x.device)
+            want = (*weight.shape[:2], weight.shape[2] * 2 // 32)
+            checks.same(op, "the shape", tuple(scale.shape), want, name,
+                        "one scale per 32 of its weight's values")
     checks.same(op, "the shape", tuple(topk_weights.shape), tuple(topk_ids.shape),
                 "topk_weights", "topk_ids")
     checks.same(op, "the token count", topk_ids.shape[0], x.shape[0], "topk_ids", "x")
-    for name, bias, shape in (("b13", b13, (e, two_i)), ("b2", b2, (e, h))):
+    for name, bias, shape in (("b13", b13, (e, two_i)), ("b2", b2, (e, h * packing))):
         if bias is not None:
             checks.tensor(op, name, bias, ndim=2, dtypes=checks.FLOATS, device=x.device)
             checks.same(op, "the shape", tuple(bias.shape), shape, name, "its weight's rows")
@@ -40,6 +50,23 @@ def check_experts(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0
         if not value >= 0:
             raise checks.OpInputError(f"{op}: {name} must be >= 0 (0: SwiGLU; alpha > 0: "
                                       f"gpt-oss's clamped GLU), got {value!r}")
+
+
+def _check_mxfp4(op, x, w13, w2, w13_scale, w2_scale) -> bool:
+    """Whether the experts are MXFP4 (both scales given); refuses one scale alone, and
+    sizes MXFP4 cannot hold."""
+    if (w13_scale is None) != (w2_scale is None):
+        raise checks.OpInputError(
+            f"{op}: MXFP4 experts take both w13_scale and w2_scale (got only "
+            f"{'w13_scale' if w2_scale is None else 'w2_scale'}); pass both, or neither "
+            "for experts in x's dtype")
+    if w13_scale is None:
+        return False
+    if x.shape[1] % 32 or (w13.ndim == 3 and w13.shape[1] % 64):
+        raise checks.OpInputError(
+            f"{op}: MXFP4 experts need the hidden size ({x.shape[1]}) and the expert "
+            "intermediate size to be multiples of 32 (a scale per 32 values)")
+    return True
 
 
 def topk_inputs(device, dtype, max_tokens: int = 48):
@@ -77,10 +104,20 @@ def experts_inputs(device, dtype, max_tokens: int = 24):
             b13, b2 = (t * 0.3 for t in tensors(d, device, dtype, (e, 2 * i), (e, h)))
         glu = d(st.sampled_from([(0.0, 0.0), (1.702, 7.0), (1.702, 0.1)]))
         interleaved = d(st.booleans())
-        if d(st.booleans()):  # transposed views of [E, H, 2I] and [E, I, H], as gpt-oss's
+        scales = (None, None)
+        if dtype == torch.bfloat16 and d(st.booleans()):
+            # MXFP4 experts (bf16 activations, as the kernel computes them): random codes,
+            # scales about the weights' size
+            w13, w2, *scales = (torch.randint(lo, hi, shape, dtype=torch.uint8, generator=gen)
+                                .to(device) for lo, hi, shape in (
+                                    (0, 256, (e, 2 * i, h // 2)), (0, 256, (e, h, i // 2)),
+                                    (122, 124, (e, 2 * i, h // 32)),
+                                    (122, 124, (e, h, i // 32))))
+        elif d(st.booleans()):  # transposed views of [E, H, 2I] and [E, I, H], as gpt-oss's
             w13 = w13.transpose(1, 2).contiguous().transpose(1, 2)
             w2 = w2.transpose(1, 2).contiguous().transpose(1, 2)
-        return (x, w13, w2, weights.to(device), ids.to(device), b13, b2, *glu, interleaved)
+        return (x, w13, w2, weights.to(device), ids.to(device), b13, b2, *glu, interleaved,
+                *scales)
 
     return draw()
 
@@ -97,7 +134,7 @@ MOE_TOPK_SOFTMAX = register_op(
 
 
 def _experts_fake(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0.0,
-                  limit=0.0, interleaved=False):
+                  limit=0.0, interleaved=False, w13_scale=None, w2_scale=None):
     return torch.empty_like(x)
 
 
@@ -105,12 +142,12 @@ MOE_EXPERTS = register_op(
     "graphcap::moe_experts",
     "(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
     "Tensor? b13=None, Tensor? b2=None, float alpha=0.0, float limit=0.0, "
-    "bool interleaved=False) -> Tensor",
+    "bool interleaved=False, Tensor? w13_scale=None, Tensor? w2_scale=None) -> Tensor",
     reference=reference.moe_experts,
     kernels={"triton": Kernel("graphcap.opsdb.triton.moe:moe_experts", requires=("triton",))},
     fake=_experts_fake,
     check=check_experts, inputs=experts_inputs,
     doc="grouped gated experts weighted by the routing: SwiGLU, or gpt-oss's clamped GLU "
         "(alpha, limit), with optional biases; gate/up halves or interleaved rows, weights "
-        "of any strides",
+        "of any strides in x's dtype, or MXFP4 with their scales (as gpt-oss ships)",
 )

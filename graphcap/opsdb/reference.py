@@ -125,11 +125,27 @@ def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool
     return weights, ids.to(torch.int32)
 
 
+# MXFP4's 4-bit values (E2M1), by code: the low 3 bits the magnitude, the high bit the sign.
+FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 (the OCP microscaling format gpt-oss ships its experts in) to float32:
+    ``packed`` [..., K // 2] uint8, two 4-bit E2M1 values a byte, the low nibble first;
+    ``scales`` [..., K // 32] uint8, a power of two biased by 127 (E8M0) for each block of
+    32 values -> [..., K]."""
+    table = torch.tensor(FP4, dtype=torch.float32, device=packed.device)
+    values = torch.stack((table[(packed & 0x0F).long()], table[(packed >> 4).long()]), -1)
+    values = values.flatten(-2).unflatten(-1, (scales.shape[-1], 32))
+    return torch.ldexp(values, scales.to(torch.int32)[..., None] - 127).flatten(-2)
+
+
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                alpha: float = 0.0, limit: float = 0.0,
-                interleaved: bool = False) -> torch.Tensor:
+                alpha: float = 0.0, limit: float = 0.0, interleaved: bool = False,
+                w13_scale: torch.Tensor | None = None,
+                w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped gated experts. x [T, H]; w13 [E, 2*I, H] (gate rows, then up rows; with
     ``interleaved`` gate and up alternate, as gpt-oss stores them) and its bias b13
     [E, 2*I], laid out alike; w2 [E, H, I] and its bias b2 [E, H]; out[t] = sum_j
@@ -138,14 +154,22 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     (``silu(gate) * up``) with ``alpha == 0``, else gpt-oss's clamped GLU
     (:func:`clamped_glu`).
 
+    MXFP4 experts (``w13_scale`` and ``w2_scale`` given): w13 [E, 2*I, H // 2] and w2
+    [E, H, I // 2] uint8 with their E8M0 scales [E, 2*I, H // 32] and [E, H, I // 32]
+    (:func:`mxfp4_dequantize`); x and the activation between the projections are
+    rounded to bfloat16, the products of the dequantized values accumulate in float32.
+
     Dense over experts (every expert sees every token, weighted 0 where not routed):
     slow but free of data-dependent shapes, so the reference itself can be captured."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    x32 = x.float()
+    quantized = w13_scale is not None
+    x32 = x.to(torch.bfloat16).float() if quantized else x.float()
     inter = w13.shape[1] // 2
     for e in range(w13.shape[0]):
         weight = (topk_weights.float() * (topk_ids == e)).sum(dim=-1, keepdim=True)  # [T, 1]
-        gate_up = x32 @ w13[e].float().t()
+        w13_e = mxfp4_dequantize(w13[e], w13_scale[e]) if quantized else w13[e].float()
+        w2_e = mxfp4_dequantize(w2[e], w2_scale[e]) if quantized else w2[e].float()
+        gate_up = x32 @ w13_e.t()
         if b13 is not None:
             gate_up = gate_up + b13[e].float()
         if interleaved:  # to gate rows, then up rows
@@ -154,7 +178,9 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             h = clamped_glu(gate_up[:, :inter], gate_up[:, inter:], alpha, limit)
         else:
             h = silu_and_mul(gate_up)
-        y = h @ w2[e].float().t()
+        if quantized:
+            h = h.to(torch.bfloat16).float()
+        y = h @ w2_e.t()
         if b2 is not None:
             y = y + b2[e].float()
         out += weight * y

@@ -80,11 +80,13 @@ def test_the_variants_change_what_it_generates():
     assert [recomputed(plain, p) for p in PROMPTS] != [recomputed(varied, p) for p in PROMPTS]
 
 
+@pytest.mark.parametrize("preset", ["tiny-gpt-oss", "tiny-gpt-oss-mxfp4"])
 @pytest.mark.parametrize("strategy", ["full", "breakable"])
-def test_the_gpt_oss_decoder_generates_what_recomputing_gives(strategy):
+def test_the_gpt_oss_decoder_generates_what_recomputing_gives(strategy, preset):
     """gpt-oss's layers together: alternating windows, sinks, biased clamped-GLU experts
-    on the MoE kernels, YaRN; prompts past the window, prefilled in chunks."""
-    m = build_model("tiny-gpt-oss", device=DEVICE)
+    on the MoE kernels (in the model's dtype, or MXFP4 as gpt-oss ships them), YaRN;
+    prompts past the window, prefilled in chunks."""
+    m = build_model(preset, device=DEVICE)
     prompts = PROMPTS + [list(range(1, 20))]
     got = graphcap.generate(m, prompts, NEW, strategy=strategy, max_batch=2,
                             prefill_tokens=8)

@@ -52,8 +52,41 @@ from graphcap.opsdb.triton.moe_routing import moe_topk_softmax
 
 __all__ = ["moe_topk_softmax", "moe_experts"]
 
+# How MXFP4 experts multiply: False, ``tl.dot_scaled``; True, decoded to bfloat16 in the
+# kernel first (a probe's switch: docs/notes/probes/moe_mxfp4.py).
+MXFP4_UPCAST = False
+
 
 # --------------------------------------------------------------------------- experts
+
+
+@triton.jit
+def _mxfp4_dot(a, packed, scale, acc, UPCAST: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc + a @ w: ``a`` [M, K] bfloat16, ``w`` [K, N] MXFP4 as ``packed`` [K // 2, N]
+    bytes (the low nibble the even row) and ``scale`` [N, K // 32] (E8M0).
+    ``tl.dot_scaled``, or with ``UPCAST`` the values decoded here (E2M1's exponent and
+    mantissa in float32, times the scale's power of two), rounded to bfloat16 (exact:
+    three significant bits) and a plain ``tl.dot``."""
+    if UPCAST:
+        BK2: tl.constexpr = packed.shape[0]
+        BN: tl.constexpr = packed.shape[1]
+        codes = packed.to(tl.int32)
+        pair = tl.join(codes & 0xF, codes >> 4)  # [K // 2, N, 2]
+        code = tl.reshape(tl.permute(pair, (0, 2, 1)), (2 * BK2, BN))
+        magnitude = code & 7
+        # E2M1: exponent e (2 bits, bias 1), mantissa m (1 bit); 0 and 0.5 are subnormal.
+        e = magnitude >> 1
+        m = (magnitude & 1).to(tl.float32)
+        value = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
+        value = tl.where((code & 8) != 0, -value, value)
+        s = tl.exp2(tl.trans(scale).to(tl.float32) - 127.0)  # [K // 32, N]
+        s = tl.reshape(tl.broadcast_to(tl.expand_dims(s, 1), (2 * BK2 // 32, 32, BN)),
+                       (2 * BK2, BN))
+        w = (value * s).to(tl.bfloat16)
+        acc = dot(a, w, acc, False, INTERPRET)
+    else:
+        acc = tl.dot_scaled(a, None, "bf16", packed, scale, "e2m1", acc)
+    return acc
 
 
 @triton.jit
@@ -68,16 +101,17 @@ def _tile_expert(cum_padded_ptr, num_experts, row0, BLOCK_E: tl.constexpr):
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w13_ptr, b13_ptr, inter_ptr, sorted_pairs_ptr, cum_padded_ptr,
+    x_ptr, w13_ptr, b13_ptr, inter_ptr, sorted_pairs_ptr, cum_padded_ptr, s13_ptr,
     num_pairs, num_experts, alpha, limit,
     stride_xt, stride_xh,
     stride_we, stride_wn, stride_wk,
+    stride_se, stride_sn, stride_sk,
     stride_it, stride_ii,
     H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMPED_GLU: tl.constexpr, CLAMP: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
+    INTERLEAVED: tl.constexpr, MXFP4: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -100,28 +134,52 @@ def _moe_gate_up_kernel(
         step, up = 2, 1
     else:  # the gate rows, then the up rows
         step, up = 1, INTER
-    g_ptrs = (w_base + offs_n[None, :].to(tl.int64) * (step * stride_wn)
-              + offs_k[:, None] * stride_wk)
+    if MXFP4:  # bytes of two values each along K, a scale per 32 values
+        offs_b = tl.arange(0, BLOCK_K // 2)
+        offs_s = tl.arange(0, BLOCK_K // 32)
+        g_ptrs = (w_base + offs_n[None, :].to(tl.int64) * (step * stride_wn)
+                  + offs_b[:, None] * stride_wk)
+        gs_ptrs = (s13_ptr + expert.to(tl.int64) * stride_se
+                   + offs_n[:, None].to(tl.int64) * (step * stride_sn)
+                   + offs_s[None, :] * stride_sk)
+        us_ptrs = gs_ptrs + up * stride_sn
+    else:
+        g_ptrs = (w_base + offs_n[None, :].to(tl.int64) * (step * stride_wn)
+                  + offs_k[:, None] * stride_wk)
     u_ptrs = g_ptrs + up * stride_wn
 
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        if EVEN_K:  # no mask along the contiguous K dim: vectorised loads
-            b_g = tl.load(g_ptrs, mask=nmask[None, :], other=0.0)
-            b_u = tl.load(u_ptrs, mask=nmask[None, :], other=0.0)
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+        if MXFP4:  # K a multiple of BLOCK_K (the launcher's choice)
+            b_g = tl.load(g_ptrs, mask=nmask[None, :], other=0)
+            b_u = tl.load(u_ptrs, mask=nmask[None, :], other=0)
+            s_g = tl.load(gs_ptrs, mask=nmask[:, None], other=127)
+            s_u = tl.load(us_ptrs, mask=nmask[:, None], other=127)
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0).to(tl.bfloat16)
+            acc_g = _mxfp4_dot(a, b_g, s_g, acc_g, UPCAST, INTERPRET)
+            acc_u = _mxfp4_dot(a, b_u, s_u, acc_u, UPCAST, INTERPRET)
+            a_ptrs += BLOCK_K * stride_xh
+            g_ptrs += (BLOCK_K // 2) * stride_wk
+            u_ptrs += (BLOCK_K // 2) * stride_wk
+            gs_ptrs += (BLOCK_K // 32) * stride_sk
+            us_ptrs += (BLOCK_K // 32) * stride_sk
         else:
-            kmask = offs_k < H - k0
-            b_g = tl.load(g_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-            b_u = tl.load(u_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-            a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
-        a = a.to(b_g.dtype)
-        acc_g = dot(a, b_g, acc_g, IEEE, INTERPRET)
-        acc_u = dot(a, b_u, acc_u, IEEE, INTERPRET)
-        a_ptrs += BLOCK_K * stride_xh
-        g_ptrs += BLOCK_K * stride_wk
-        u_ptrs += BLOCK_K * stride_wk
+            if EVEN_K:  # no mask along the contiguous K dim: vectorised loads
+                b_g = tl.load(g_ptrs, mask=nmask[None, :], other=0.0)
+                b_u = tl.load(u_ptrs, mask=nmask[None, :], other=0.0)
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            else:
+                kmask = offs_k < H - k0
+                b_g = tl.load(g_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+                b_u = tl.load(u_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+                a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
+            a = a.to(b_g.dtype)
+            acc_g = dot(a, b_g, acc_g, IEEE, INTERPRET)
+            acc_u = dot(a, b_u, acc_u, IEEE, INTERPRET)
+            a_ptrs += BLOCK_K * stride_xh
+            g_ptrs += BLOCK_K * stride_wk
+            u_ptrs += BLOCK_K * stride_wk
 
     if HAS_BIAS:  # b13 [E, 2I], laid out as w13's rows
         b_row = b13_ptr + expert.to(tl.int64) * (2 * INTER) + offs_n * step
@@ -142,14 +200,15 @@ def _moe_gate_up_kernel(
 @triton.jit
 def _moe_down_kernel(
     inter_ptr, w2_ptr, b2_ptr, pairs_ptr, sorted_pairs_ptr, cum_padded_ptr,
-    topk_weights_ptr, num_pairs, num_experts,
+    topk_weights_ptr, s2_ptr, num_pairs, num_experts,
     stride_it, stride_ii,
     stride_we, stride_wn, stride_wk,
+    stride_se, stride_sn, stride_sk,
     stride_pt, stride_ph,
     H: tl.constexpr, INTER: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -167,22 +226,39 @@ def _moe_down_kernel(
     nmask = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = inter_ptr + pair64[:, None] * stride_it + offs_k[None, :] * stride_ii
-    b_ptrs = (w2_ptr + expert.to(tl.int64) * stride_we
-              + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk)
+    if MXFP4:
+        offs_b = tl.arange(0, BLOCK_K // 2)
+        offs_s = tl.arange(0, BLOCK_K // 32)
+        b_ptrs = (w2_ptr + expert.to(tl.int64) * stride_we
+                  + offs_n[None, :].to(tl.int64) * stride_wn + offs_b[:, None] * stride_wk)
+        s_ptrs = (s2_ptr + expert.to(tl.int64) * stride_se
+                  + offs_n[:, None].to(tl.int64) * stride_sn + offs_s[None, :] * stride_sk)
+    else:
+        b_ptrs = (w2_ptr + expert.to(tl.int64) * stride_we
+                  + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk)
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
-        if EVEN_K:
-            b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+        if MXFP4:
+            b = tl.load(b_ptrs, mask=nmask[None, :], other=0)
+            scale = tl.load(s_ptrs, mask=nmask[:, None], other=127)
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0).to(tl.bfloat16)
+            acc = _mxfp4_dot(a, b, scale, acc, UPCAST, INTERPRET)
+            a_ptrs += BLOCK_K * stride_ii
+            b_ptrs += (BLOCK_K // 2) * stride_wk
+            s_ptrs += (BLOCK_K // 32) * stride_sk
         else:
-            kmask = offs_k < INTER - k0
-            b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-            a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
-        a = a.to(b.dtype)
-        acc = dot(a, b, acc, IEEE, INTERPRET)
-        a_ptrs += BLOCK_K * stride_ii
-        b_ptrs += BLOCK_K * stride_wk
+            if EVEN_K:
+                b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            else:
+                kmask = offs_k < INTER - k0
+                b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+                a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
+            a = a.to(b.dtype)
+            acc = dot(a, b, acc, IEEE, INTERPRET)
+            a_ptrs += BLOCK_K * stride_ii
+            b_ptrs += BLOCK_K * stride_wk
 
     if HAS_BIAS:  # b2 [E, H]
         bias = tl.load(b2_ptr + expert.to(tl.int64) * H + offs_n, mask=nmask, other=0.0)
@@ -250,6 +326,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                 alpha: float = 0.0, limit: float = 0.0, interleaved: bool = False,
+                w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped gated experts with routing weights, summed over the k slots. With biases
     ``b13`` [E, 2I] and ``b2`` [E, H], and ``alpha > 0``: gpt-oss's clamped GLU in place
@@ -265,17 +342,30 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     x.dtype (float32 inputs use IEEE, not TF32, dot products). Writes ``out`` [T, H] (x.dtype)
     if given, else a new tensor, and returns it.
 
+    MXFP4 experts (``w13_scale`` and ``w2_scale`` given, the reference's layout): w13
+    [E, 2*I, H // 2] and w2 [E, H, I // 2] uint8, H and I multiples of 32; each K step
+    multiplies bfloat16 rows by the packed values and their scales (``tl.dot_scaled``,
+    which upcasts them to bfloat16 in registers where the GPU has no FP4 tensor cores),
+    so the weights are read at a quarter of bfloat16's bytes. The activation between
+    the projections is kept in bfloat16.
+
     No host synchronisation: the routing is read on the device, buffers and grids
     depend only on shapes, so the call can be captured in a CUDA graph and replayed with
     new routing copied into ``topk_weights`` / ``topk_ids``.
     """
     num_tokens, hidden = x.shape
     num_experts, two_i, hidden_w = w13.shape
+    quantized = w13_scale is not None
+    if quantized:
+        hidden_w *= 2  # two values a byte
     inter_size = two_i // 2
     if hidden_w != hidden or two_i != 2 * inter_size:
         raise ValueError(f"w13 {tuple(w13.shape)} does not match x {tuple(x.shape)}")
-    if tuple(w2.shape) != (num_experts, hidden, inter_size):
-        raise ValueError(f"w2 {tuple(w2.shape)}: expected {(num_experts, hidden, inter_size)}")
+    w2_in = inter_size // 2 if quantized else inter_size
+    if tuple(w2.shape) != (num_experts, hidden, w2_in):
+        raise ValueError(f"w2 {tuple(w2.shape)}: expected {(num_experts, hidden, w2_in)}")
+    if quantized and (w2_scale is None or hidden % 32 or inter_size % 32):
+        raise ValueError("MXFP4 experts need both scales and H and I multiples of 32")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / topk_weights "
                          f"{tuple(topk_weights.shape)} must both be [T={num_tokens}, k]")
@@ -306,36 +396,46 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     block_k = 64 if wide else 32
     stages = 3 if wide else 2
     warps = 4 if block_m <= 32 else 8
+    if quantized:  # a whole number of K steps of whole scale blocks
+        block_k = 64 if hidden % 64 == 0 and inter_size % 64 == 0 else 32
+        ieee = False
+    upcast = MXFP4_UPCAST
+    s13 = w13_scale if quantized else w13  # (a placeholder pointer without scales)
+    s2 = w2_scale if quantized else w2
 
-    inter = torch.empty((num_pairs, inter_size), dtype=w2.dtype, device=device)
+    inter = torch.empty((num_pairs, inter_size),
+                        dtype=torch.bfloat16 if quantized else w2.dtype, device=device)
     block_n1 = 64
     for name, bias in (("b13", b13), ("b2", b2)):
         if bias is not None and not bias.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
     _moe_gate_up_kernel[(max_tiles, triton.cdiv(inter_size, block_n1))](
-        x, w13, w13 if b13 is None else b13, inter, sorted_pairs, cum_padded,
+        x, w13, w13 if b13 is None else b13, inter, sorted_pairs, cum_padded, s13,
         num_pairs, num_experts, float(alpha), float(limit),
         x.stride(0), x.stride(1),
         w13.stride(0), w13.stride(1), w13.stride(2),
+        s13.stride(0), s13.stride(1), s13.stride(2),
         inter.stride(0), inter.stride(1),
         H=hidden, INTER=inter_size, TOP_K=top_k, BLOCK_E=block_e,
         BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
         IEEE=ieee, INTERPRET=interpret, HAS_BIAS=b13 is not None, CLAMPED_GLU=alpha > 0,
-        CLAMP=limit > 0, INTERLEAVED=bool(interleaved), num_warps=warps, num_stages=stages,
+        CLAMP=limit > 0, INTERLEAVED=bool(interleaved), MXFP4=quantized, UPCAST=upcast,
+        num_warps=warps, num_stages=stages,
     )
 
     pairs = torch.empty((num_pairs, hidden), dtype=x.dtype, device=device)
     block_n2 = 128 if wide and block_m >= 64 else 64
     _moe_down_kernel[(max_tiles, triton.cdiv(hidden, block_n2))](
-        inter, w2, w2 if b2 is None else b2, pairs, sorted_pairs, cum_padded, weights,
+        inter, w2, w2 if b2 is None else b2, pairs, sorted_pairs, cum_padded, weights, s2,
         num_pairs, num_experts,
         inter.stride(0), inter.stride(1),
         w2.stride(0), w2.stride(1), w2.stride(2),
+        s2.stride(0), s2.stride(1), s2.stride(2),
         pairs.stride(0), pairs.stride(1),
         H=hidden, INTER=inter_size, BLOCK_E=block_e,
         BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k, EVEN_K=inter_size % block_k == 0,
-        IEEE=ieee, INTERPRET=interpret, HAS_BIAS=b2 is not None,
-        num_warps=warps, num_stages=stages,
+        IEEE=ieee, INTERPRET=interpret, HAS_BIAS=b2 is not None, MXFP4=quantized,
+        UPCAST=upcast, num_warps=warps, num_stages=stages,
     )
 
     block_h = min(1024, triton.next_power_of_2(hidden))
