@@ -2,12 +2,13 @@
 kernel, bf16 weights against MXFP4 ones, the latter through ``tl.dot_scaled`` and through
 the kernel's own decoding (device side):
 
-    PYTHONPATH=. python3 docs/notes/probes/moe_mxfp4.py
+    PYTHONPATH=. [PROBE_TOKENS=1,16,128] python3 docs/notes/probes/moe_mxfp4.py
 
 Per token count: device ms of one call captured in a CUDA graph (graphed_ms), the
 weight bytes its routed experts read, and the share of 4.3 TB/s that is; the MXFP4
 results' largest difference from the dequantized bf16 weights' call (the same values).
-JSON in $OUT/moe-mxfp4.json."""
+Then at 128 and 512 tokens, the MXFP4 kernels (dot_scaled) over a sweep of tiles
+(``moe.MXFP4_TILES``). JSON in $OUT/moe-mxfp4.json."""
 
 import json
 import os
@@ -43,7 +44,8 @@ def calls_of(x, weights, ids):
 
 
 rows = []
-for tokens in (1, 16, 128, 512, 2048):
+TOKENS = os.environ.get("PROBE_TOKENS", "1,16,128,512,2048")
+for tokens in [int(t) for t in TOKENS.split(",") if t]:
     x = (torch.randn(tokens, H, device=dev) * 0.5).bfloat16()
     weights, ids = reference.moe_topk_softmax(torch.randn(tokens, E, device=dev), K, True)
     touched = int(ids.unique().numel())
@@ -68,7 +70,30 @@ for tokens in (1, 16, 128, 512, 2048):
     moe.MXFP4_UPCAST = False
     print(json.dumps(row))
     rows.append(row)
+TILES = [dict(n1=n1, n2=n2, k=k, warps=w, stages=st)
+         for n1, n2, k, w, st in ((64, 64, 64, 4, 3), (64, 64, 128, 4, 3), (128, 128, 64, 4, 3),
+                                  (128, 128, 128, 8, 3), (64, 128, 128, 8, 3),
+                                  (128, 128, 64, 8, 2), (64, 64, 256, 4, 2),
+                                  (128, 64, 128, 4, 4), (32, 32, 128, 4, 3))]
+sweep = []
+for tokens in (128, 512):
+    x = (torch.randn(tokens, H, device=dev) * 0.5).bfloat16()
+    weights, ids = reference.moe_topk_softmax(torch.randn(tokens, E, device=dev), K, True)
+    call = calls_of(x, weights, ids)["mxfp4-dot_scaled"]
+    want = call().float()
+    for tiles in TILES:
+        moe.MXFP4_TILES = tiles
+        try:
+            diff = float((call().float() - want).abs().max())
+            entry = {"tokens": tokens, **tiles, "ms": round(graphed_ms(call, calls=4, reps=10), 4),
+                     "max_diff": diff}
+        except Exception as e:  # noqa: BLE001 - a probe records what failed
+            entry = {"tokens": tokens, **tiles, "error": f"{type(e).__name__}: {e}"[:300]}
+        print(json.dumps(entry))
+        sweep.append(entry)
+    moe.MXFP4_TILES = None
 out = {"what": "gpt-oss-120b's expert layer, bf16 against MXFP4 weights", **environment(),
-       "command": "PYTHONPATH=. python3 docs/notes/probes/moe_mxfp4.py", "rows": rows}
+       "command": "PYTHONPATH=. python3 docs/notes/probes/moe_mxfp4.py", "rows": rows,
+       "tile_sweep": sweep}
 with open(os.path.join(os.environ.get("OUT", "/tmp"), "moe-mxfp4.json"), "w") as f:
     json.dump(out, f, indent=1)

@@ -53,8 +53,10 @@ from graphcap.opsdb.triton.moe_routing import moe_topk_softmax
 __all__ = ["moe_topk_softmax", "moe_experts"]
 
 # How MXFP4 experts multiply: False, ``tl.dot_scaled``; True, decoded to bfloat16 in the
-# kernel first (a probe's switch: docs/notes/probes/moe_mxfp4.py).
+# kernel first; and their tiles where given (BLOCK_N of each kernel, BLOCK_K, warps,
+# stages): a probe's switches (docs/notes/probes/moe_mxfp4.py).
 MXFP4_UPCAST = False
+MXFP4_TILES: dict | None = None
 
 
 # --------------------------------------------------------------------------- experts
@@ -406,6 +408,10 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     inter = torch.empty((num_pairs, inter_size),
                         dtype=torch.bfloat16 if quantized else w2.dtype, device=device)
     block_n1 = 64
+    block_n2 = 128 if wide and block_m >= 64 else 64
+    if quantized and MXFP4_TILES:
+        block_n1, block_n2 = MXFP4_TILES["n1"], MXFP4_TILES["n2"]
+        block_k, warps, stages = (MXFP4_TILES[key] for key in ("k", "warps", "stages"))
     for name, bias in (("b13", b13), ("b2", b2)):
         if bias is not None and not bias.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
@@ -424,7 +430,6 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     )
 
     pairs = torch.empty((num_pairs, hidden), dtype=x.dtype, device=device)
-    block_n2 = 128 if wide and block_m >= 64 else 64
     _moe_down_kernel[(max_tiles, triton.cdiv(hidden, block_n2))](
         inter, w2, w2 if b2 is None else b2, pairs, sorted_pairs, cum_padded, weights, s2,
         num_pairs, num_experts,
