@@ -57,6 +57,9 @@ __all__ = ["moe_topk_softmax", "moe_experts"]
 # stages): a probe's switches (docs/notes/probes/moe_mxfp4.py).
 MXFP4_UPCAST = False
 MXFP4_TILES: dict | None = None
+# MXFP4 experts with the weights as the dot's left operand (out^T = w @ x^T), the rows of
+# the tile its right: the weights upcast in registers feed the tensor cores there.
+MXFP4_SWAP = False
 
 
 # --------------------------------------------------------------------------- experts
@@ -114,6 +117,7 @@ def _moe_gate_up_kernel(
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMPED_GLU: tl.constexpr, CLAMP: tl.constexpr,
     INTERLEAVED: tl.constexpr, MXFP4: tl.constexpr, UPCAST: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -139,8 +143,13 @@ def _moe_gate_up_kernel(
     if MXFP4:  # bytes of two values each along K, a scale per 32 values
         offs_b = tl.arange(0, BLOCK_K // 2)
         offs_s = tl.arange(0, BLOCK_K // 32)
-        g_ptrs = (w_base + offs_n[None, :].to(tl.int64) * (step * stride_wn)
-                  + offs_b[:, None] * stride_wk)
+        if SWAP:  # the weights as the left operand ([N, K]: rows of w13 as stored)
+            g_ptrs = (w_base + offs_n[:, None].to(tl.int64) * (step * stride_wn)
+                      + offs_b[None, :] * stride_wk)
+            a_ptrs = x_ptr + token[None, :] * stride_xt + offs_k[:, None] * stride_xh
+        else:
+            g_ptrs = (w_base + offs_n[None, :].to(tl.int64) * (step * stride_wn)
+                      + offs_b[:, None] * stride_wk)
         gs_ptrs = (s13_ptr + expert.to(tl.int64) * stride_se
                    + offs_n[:, None].to(tl.int64) * (step * stride_sn)
                    + offs_s[None, :] * stride_sk)
@@ -150,10 +159,27 @@ def _moe_gate_up_kernel(
                   + offs_k[:, None] * stride_wk)
     u_ptrs = g_ptrs + up * stride_wn
 
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:  # products transposed, [N, M], turned back after the K loop
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        if MXFP4:  # K a multiple of BLOCK_K (the launcher's choice)
+        if SWAP:
+            w_g = tl.load(g_ptrs, mask=nmask[:, None], other=0)
+            w_u = tl.load(u_ptrs, mask=nmask[:, None], other=0)
+            s_g = tl.load(gs_ptrs, mask=nmask[:, None], other=127)
+            s_u = tl.load(us_ptrs, mask=nmask[:, None], other=127)
+            xt = tl.load(a_ptrs, mask=valid[None, :], other=0.0).to(tl.bfloat16)
+            acc_g = tl.dot_scaled(w_g, s_g, "e2m1", xt, None, "bf16", acc_g)
+            acc_u = tl.dot_scaled(w_u, s_u, "e2m1", xt, None, "bf16", acc_u)
+            a_ptrs += BLOCK_K * stride_xh
+            g_ptrs += (BLOCK_K // 2) * stride_wk
+            u_ptrs += (BLOCK_K // 2) * stride_wk
+            gs_ptrs += (BLOCK_K // 32) * stride_sk
+            us_ptrs += (BLOCK_K // 32) * stride_sk
+        elif MXFP4:  # K a multiple of BLOCK_K (the launcher's choice)
             b_g = tl.load(g_ptrs, mask=nmask[None, :], other=0)
             b_u = tl.load(u_ptrs, mask=nmask[None, :], other=0)
             s_g = tl.load(gs_ptrs, mask=nmask[:, None], other=127)
@@ -182,6 +208,9 @@ def _moe_gate_up_kernel(
             a_ptrs += BLOCK_K * stride_xh
             g_ptrs += BLOCK_K * stride_wk
             u_ptrs += BLOCK_K * stride_wk
+    if SWAP:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
 
     if HAS_BIAS:  # b13 [E, 2I], laid out as w13's rows
         b_row = b13_ptr + expert.to(tl.int64) * (2 * INTER) + offs_n * step
@@ -211,6 +240,7 @@ def _moe_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
     HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, UPCAST: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -231,17 +261,33 @@ def _moe_down_kernel(
     if MXFP4:
         offs_b = tl.arange(0, BLOCK_K // 2)
         offs_s = tl.arange(0, BLOCK_K // 32)
-        b_ptrs = (w2_ptr + expert.to(tl.int64) * stride_we
-                  + offs_n[None, :].to(tl.int64) * stride_wn + offs_b[:, None] * stride_wk)
+        if SWAP:
+            b_ptrs = (w2_ptr + expert.to(tl.int64) * stride_we
+                      + offs_n[:, None].to(tl.int64) * stride_wn + offs_b[None, :] * stride_wk)
+            a_ptrs = inter_ptr + pair64[None, :] * stride_it + offs_k[:, None] * stride_ii
+        else:
+            b_ptrs = (w2_ptr + expert.to(tl.int64) * stride_we
+                      + offs_n[None, :].to(tl.int64) * stride_wn + offs_b[:, None] * stride_wk)
         s_ptrs = (s2_ptr + expert.to(tl.int64) * stride_se
                   + offs_n[:, None].to(tl.int64) * stride_sn + offs_s[None, :] * stride_sk)
     else:
         b_ptrs = (w2_ptr + expert.to(tl.int64) * stride_we
                   + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
-        if MXFP4:
+        if SWAP:
+            w = tl.load(b_ptrs, mask=nmask[:, None], other=0)
+            scale = tl.load(s_ptrs, mask=nmask[:, None], other=127)
+            at = tl.load(a_ptrs, mask=valid[None, :], other=0.0).to(tl.bfloat16)
+            acc = tl.dot_scaled(w, scale, "e2m1", at, None, "bf16", acc)
+            a_ptrs += BLOCK_K * stride_ii
+            b_ptrs += (BLOCK_K // 2) * stride_wk
+            s_ptrs += (BLOCK_K // 32) * stride_sk
+        elif MXFP4:
             b = tl.load(b_ptrs, mask=nmask[None, :], other=0)
             scale = tl.load(s_ptrs, mask=nmask[:, None], other=127)
             a = tl.load(a_ptrs, mask=valid[:, None], other=0.0).to(tl.bfloat16)
@@ -261,6 +307,8 @@ def _moe_down_kernel(
             acc = dot(a, b, acc, IEEE, INTERPRET)
             a_ptrs += BLOCK_K * stride_ii
             b_ptrs += BLOCK_K * stride_wk
+    if SWAP:
+        acc = tl.trans(acc)
 
     if HAS_BIAS:  # b2 [E, H]
         bias = tl.load(b2_ptr + expert.to(tl.int64) * H + offs_n, mask=nmask, other=0.0)
@@ -401,7 +449,8 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if quantized:  # a whole number of K steps of whole scale blocks
         block_k = 64 if hidden % 64 == 0 and inter_size % 64 == 0 else 32
         ieee = False
-    upcast = MXFP4_UPCAST
+    upcast = quantized and MXFP4_UPCAST
+    swap = quantized and MXFP4_SWAP and not upcast
     s13 = w13_scale if quantized else w13  # (a placeholder pointer without scales)
     s2 = w2_scale if quantized else w2
 
@@ -426,7 +475,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
         IEEE=ieee, INTERPRET=interpret, HAS_BIAS=b13 is not None, CLAMPED_GLU=alpha > 0,
         CLAMP=limit > 0, INTERLEAVED=bool(interleaved), MXFP4=quantized, UPCAST=upcast,
-        num_warps=warps, num_stages=stages,
+        SWAP=swap, num_warps=warps, num_stages=stages,
     )
 
     pairs = torch.empty((num_pairs, hidden), dtype=x.dtype, device=device)
@@ -440,7 +489,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         H=hidden, INTER=inter_size, BLOCK_E=block_e,
         BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k, EVEN_K=inter_size % block_k == 0,
         IEEE=ieee, INTERPRET=interpret, HAS_BIAS=b2 is not None, MXFP4=quantized,
-        UPCAST=upcast, num_warps=warps, num_stages=stages,
+        UPCAST=upcast, SWAP=swap, num_warps=warps, num_stages=stages,
     )
 
     block_h = min(1024, triton.next_power_of_2(hidden))
