@@ -275,25 +275,29 @@ COMPILE_MOE = BUILD_SM90 + textwrap.dedent('''
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
     blocks = {"BLOCK_E": 4, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "EVEN_K": True,
               "IEEE": False, "INTERPRET": False}
-    for glu in (False, True):  # SwiGLU, or gpt-oss's clamped GLU with biases
+    # SwiGLU; gpt-oss's clamped GLU with biases; the same over MXFP4 experts
+    for glu, mx in ((False, False), (True, False), (True, True)):
+        w, s = ("*u8", "*u8") if mx else ("*bf16", "*bf16")
         build(_moe_gate_up_kernel,
-              {"x_ptr": "*bf16", "w13_ptr": "*bf16", "b13_ptr": "*bf16", "inter_ptr": "*bf16",
-               "sorted_pairs_ptr": "*i32", "cum_padded_ptr": "*i32", "alpha": "fp32",
-               "limit": "fp32", **ints("num_pairs", "num_experts", "stride_xt", "stride_xh",
-                                       "stride_we", "stride_wn", "stride_wk", "stride_it",
-                                       "stride_ii")},
+              {"x_ptr": "*bf16", "w13_ptr": w, "b13_ptr": "*bf16", "inter_ptr": "*bf16",
+               "sorted_pairs_ptr": "*i32", "cum_padded_ptr": "*i32", "s13_ptr": s,
+               "alpha": "fp32", "limit": "fp32",
+               **ints("num_pairs", "num_experts", "stride_xt", "stride_xh", "stride_we",
+                      "stride_wn", "stride_wk", "stride_se", "stride_sn", "stride_sk",
+                      "stride_it", "stride_ii")},
               {"H": 128, "INTER": 128, "TOP_K": 2, **blocks, "HAS_BIAS": glu,
-               "CLAMPED_GLU": glu, "CLAMP": glu, "INTERLEAVED": glu})
+               "CLAMPED_GLU": glu, "CLAMP": glu, "INTERLEAVED": glu, "MXFP4": mx})
         build(_moe_down_kernel,
-              {"inter_ptr": "*bf16", "w2_ptr": "*bf16", "b2_ptr": "*bf16", "pairs_ptr": "*bf16",
+              {"inter_ptr": "*bf16", "w2_ptr": w, "b2_ptr": "*bf16", "pairs_ptr": "*bf16",
                "sorted_pairs_ptr": "*i32", "cum_padded_ptr": "*i32",
-               "topk_weights_ptr": "*fp32", **ints("num_pairs", "num_experts", "stride_it",
-                                                  "stride_ii", "stride_we", "stride_wn",
-                                                  "stride_wk", "stride_pt", "stride_ph")},
-              {"H": 128, "INTER": 128, **blocks, "HAS_BIAS": glu})
+               "topk_weights_ptr": "*fp32", "s2_ptr": s,
+               **ints("num_pairs", "num_experts", "stride_it", "stride_ii", "stride_we",
+                      "stride_wn", "stride_wk", "stride_se", "stride_sn", "stride_sk",
+                      "stride_pt", "stride_ph")},
+              {"H": 128, "INTER": 128, **blocks, "HAS_BIAS": glu, "MXFP4": mx})
     print("compiled")
 ''')
 
 
-def test_the_moe_kernels_compile_for_sm90_with_and_without_gpt_oss_experts():
+def test_the_moe_kernels_compile_for_sm90_with_and_without_gpt_oss_experts_and_mxfp4():
     compiles(COMPILE_MOE)

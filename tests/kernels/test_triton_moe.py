@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphcap.opsdb import reference
-from graphcap.opsdb.triton import moe
+from graphcap.opsdb.triton import moe, moe_routing
 from tests.conftest import requires_cuda
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -145,7 +145,7 @@ def test_experts_match_reference(num_tokens, num_experts, top_k, hidden, inter, 
 @pytest.mark.parametrize("routing", ["random", "one_expert"])
 def test_experts_every_tile_size(monkeypatch, block_m, routing):
     """Each BLOCK_M the shape heuristic can pick, with odd H and I (masked edges)."""
-    monkeypatch.setattr(moe, "_block_m", lambda n, e: block_m)
+    monkeypatch.setattr(moe_routing, "rows_per_tile", lambda n, e: block_m)
     x, w13, w2 = _problem(37, 8, 48, 80, torch.float32, seed=block_m)
     weights, ids = _routing(routing, 37, 8, 2, _gen(block_m))
     out = moe.moe_experts(x, w13, w2, weights, ids)
@@ -183,7 +183,7 @@ def test_align_groups_every_pair_once_by_expert(num_tokens, num_experts, top_k, 
                                                 seed):
     gen = _gen(seed)
     ids = torch.randint(num_experts, (num_tokens, top_k), generator=gen, dtype=torch.int32)
-    sorted_pairs, cum_padded = moe._align(ids.to(device), num_experts, block_m)
+    sorted_pairs, cum_padded = moe_routing.align_pairs(ids.to(device), num_experts, block_m)
     sorted_pairs, cum_padded = sorted_pairs.cpu(), cum_padded.cpu().long()
     n = num_tokens * top_k
     assert sorted_pairs.shape == (n + num_experts * (block_m - 1),)

@@ -1,14 +1,12 @@
 """gpt-oss-120b's expert layer (128 experts, 4 a token, H = I = 2880) on opsdb's MoE
-kernel, bf16 weights against MXFP4 ones, the latter through ``tl.dot_scaled`` (the
-weights its right operand, or its left: ``swap``) and through the kernel's own decoding
-(device side):
+kernel, bf16 weights against MXFP4 ones through ``tl.dot_scaled`` (device side):
 
     PYTHONPATH=. [PROBE_TOKENS=1,16,128] python3 docs/notes/probes/moe_mxfp4.py
 
 Per token count: device ms of one call captured in a CUDA graph (graphed_ms), the
 weight bytes its routed experts read, and the share of 4.3 TB/s that is; the MXFP4
 results' largest difference from the dequantized bf16 weights' call (the same values).
-Then at 128 and 512 tokens, the MXFP4 kernels (dot_scaled) over a sweep of tiles
+Then at 128 and 512 tokens, the MXFP4 kernels over a sweep of tiles
 (``moe.MXFP4_TILES``). JSON in $OUT/moe-mxfp4.json."""
 
 import json
@@ -38,12 +36,8 @@ glu = (1.702, 7.0, True)
 
 def calls_of(x, weights, ids):
     return {"bf16": lambda: moe.moe_experts(x, d13, d2, weights, ids, b13, b2, *glu),
-            "mxfp4-dot_scaled": lambda: moe.moe_experts(x, w13, w2, weights, ids, b13, b2,
-                                                        *glu, s13, s2),
-            "mxfp4-upcast": lambda: moe.moe_experts(x, w13, w2, weights, ids, b13, b2,
-                                                    *glu, s13, s2),
-            "mxfp4-swap": lambda: moe.moe_experts(x, w13, w2, weights, ids, b13, b2,
-                                                  *glu, s13, s2)}
+            "mxfp4": lambda: moe.moe_experts(x, w13, w2, weights, ids, b13, b2, *glu, s13,
+                                             s2)}
 
 
 rows = []
@@ -58,35 +52,30 @@ for tokens in [int(t) for t in TOKENS.split(",") if t]:
     calls = calls_of(x, weights, ids)
     want = calls["bf16"]().float()
     for name, call in calls.items():
-        moe.MXFP4_UPCAST = name == "mxfp4-upcast"
-        moe.MXFP4_SWAP = name == "mxfp4-swap"
         try:
             got = call().float()
             ms = graphed_ms(call, calls=4, reps=10)
         except Exception as e:  # noqa: BLE001 - a probe records what failed
             row[name] = {"error": f"{type(e).__name__}: {e}"[:400]}
             continue
-        nbytes = touched * per_expert[name.split("-")[0]]
+        nbytes = touched * per_expert[name]
         row[name] = {"ms": round(ms, 4), "weight_bytes": nbytes,
                      "share_of_bandwidth": round(nbytes / (ms / 1e3) / PEAK, 3),
                      "max_diff_vs_bf16": float((got - want).abs().max()),
                      "max_abs": float(want.abs().max())}
-    moe.MXFP4_UPCAST = moe.MXFP4_SWAP = False
     print(json.dumps(row))
     rows.append(row)
-TILES = [dict(n1=n1, n2=n2, k=k, warps=w, stages=st, swap=sw)
-         for n1, n2, k, w, st, sw in (
-             (64, 64, 64, 4, 3, False), (128, 128, 128, 8, 3, False), (64, 64, 128, 4, 3, False),
-             (64, 64, 64, 4, 3, True), (128, 128, 64, 4, 3, True), (128, 128, 128, 4, 3, True),
-             (128, 128, 128, 8, 3, True), (64, 64, 128, 4, 4, True), (256, 256, 64, 8, 3, True))]
+TILES = [dict(n1=n1, n2=n2, k=k, warps=w, stages=st)  # k must divide H and I (2880)
+         for n1, n2, k, w, st in ((64, 64, 64, 4, 3), (128, 128, 64, 4, 3), (128, 128, 64, 8, 3),
+                                  (64, 64, 32, 4, 4), (32, 32, 64, 4, 3), (64, 64, 64, 4, 4))]
 sweep = []
 for tokens in (128, 512):
     x = (torch.randn(tokens, H, device=dev) * 0.5).bfloat16()
     weights, ids = reference.moe_topk_softmax(torch.randn(tokens, E, device=dev), K, True)
-    call = calls_of(x, weights, ids)["mxfp4-dot_scaled"]
+    call = calls_of(x, weights, ids)["mxfp4"]
     want = call().float()
     for tiles in TILES:
-        moe.MXFP4_TILES, moe.MXFP4_SWAP = tiles, tiles["swap"]
+        moe.MXFP4_TILES = tiles
         try:
             diff = float((call().float() - want).abs().max())
             entry = {"tokens": tokens, **tiles, "ms": round(graphed_ms(call, calls=4, reps=10), 4),

@@ -7,7 +7,7 @@ Algorithm
 ``moe_experts`` handles N = T * k (token, slot) pairs; pair ``p`` is token ``p // k``,
 slot ``p % k``, expert ``topk_ids.flatten()[p]``.
 
-1. Align (a few static-shaped torch ops, :func:`_align`): per-expert counts by
+1. Align (a few static-shaped torch ops, :func:`.moe_routing.align_pairs`): per-expert counts by
    ``scatter_add_``; each expert's count is rounded up to BLOCK_M and prefix-summed into
    ``cum_padded`` [E] (expert e owns rows ``[cum_padded[e-1], cum_padded[e])`` of the
    padded order); a stable ``torch.sort`` of the expert ids gives each pair its row, and
@@ -47,51 +47,18 @@ import torch
 import triton
 import triton.language as tl
 
+from graphcap.opsdb.triton import moe_routing
 from graphcap.opsdb.triton.common import dot, interpreting
 from graphcap.opsdb.triton.moe_routing import moe_topk_softmax
 
 __all__ = ["moe_topk_softmax", "moe_experts"]
 
-# How MXFP4 experts multiply: False, ``tl.dot_scaled``; True, decoded to bfloat16 in the
-# kernel first; and their tiles where given (BLOCK_N of each kernel, BLOCK_K, warps,
-# stages): a probe's switches (docs/notes/probes/moe_mxfp4.py).
-MXFP4_UPCAST = False
+# The MXFP4 kernels' tiles where given (BLOCK_N of each kernel, BLOCK_K dividing H and I,
+# warps, stages): a probe's switch (docs/notes/probes/moe_mxfp4.py).
 MXFP4_TILES: dict | None = None
-# MXFP4 experts with the weights as the dot's left operand (out^T = w @ x^T), the rows of
-# the tile its right: the weights upcast in registers feed the tensor cores there.
-MXFP4_SWAP = False
 
 
 # --------------------------------------------------------------------------- experts
-
-
-@triton.jit
-def _mxfp4_dot(a, packed, scale, acc, UPCAST: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc + a @ w: ``a`` [M, K] bfloat16, ``w`` [K, N] MXFP4 as ``packed`` [K // 2, N]
-    bytes (the low nibble the even row) and ``scale`` [N, K // 32] (E8M0).
-    ``tl.dot_scaled``, or with ``UPCAST`` the values decoded here (E2M1's exponent and
-    mantissa in float32, times the scale's power of two), rounded to bfloat16 (exact:
-    three significant bits) and a plain ``tl.dot``."""
-    if UPCAST:
-        BK2: tl.constexpr = packed.shape[0]
-        BN: tl.constexpr = packed.shape[1]
-        codes = packed.to(tl.int32)
-        pair = tl.join(codes & 0xF, codes >> 4)  # [K // 2, N, 2]
-        code = tl.reshape(tl.permute(pair, (0, 2, 1)), (2 * BK2, BN))
-        magnitude = code & 7
-        # E2M1: exponent e (2 bits, bias 1), mantissa m (1 bit); 0 and 0.5 are subnormal.
-        e = magnitude >> 1
-        m = (magnitude & 1).to(tl.float32)
-        value = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
-        value = tl.where((code & 8) != 0, -value, value)
-        s = tl.exp2(tl.trans(scale).to(tl.float32) - 127.0)  # [K // 32, N]
-        s = tl.reshape(tl.broadcast_to(tl.expand_dims(s, 1), (2 * BK2 // 32, 32, BN)),
-                       (2 * BK2, BN))
-        w = (value * s).to(tl.bfloat16)
-        acc = dot(a, w, acc, False, INTERPRET)
-    else:
-        acc = tl.dot_scaled(a, None, "bf16", packed, scale, "e2m1", acc)
-    return acc
 
 
 @triton.jit
@@ -116,8 +83,7 @@ def _moe_gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMPED_GLU: tl.constexpr, CLAMP: tl.constexpr,
-    INTERLEAVED: tl.constexpr, MXFP4: tl.constexpr, UPCAST: tl.constexpr,
-    SWAP: tl.constexpr,
+    INTERLEAVED: tl.constexpr, MXFP4: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -143,13 +109,8 @@ def _moe_gate_up_kernel(
     if MXFP4:  # bytes of two values each along K, a scale per 32 values
         offs_b = tl.arange(0, BLOCK_K // 2)
         offs_s = tl.arange(0, BLOCK_K // 32)
-        if SWAP:  # the weights as the left operand ([N, K]: rows of w13 as stored)
-            g_ptrs = (w_base + offs_n[:, None].to(tl.int64) * (step * stride_wn)
-                      + offs_b[None, :] * stride_wk)
-            a_ptrs = x_ptr + token[None, :] * stride_xt + offs_k[:, None] * stride_xh
-        else:
-            g_ptrs = (w_base + offs_n[None, :].to(tl.int64) * (step * stride_wn)
-                      + offs_b[:, None] * stride_wk)
+        g_ptrs = (w_base + offs_n[None, :].to(tl.int64) * (step * stride_wn)
+                  + offs_b[:, None] * stride_wk)
         gs_ptrs = (s13_ptr + expert.to(tl.int64) * stride_se
                    + offs_n[:, None].to(tl.int64) * (step * stride_sn)
                    + offs_s[None, :] * stride_sk)
@@ -159,34 +120,17 @@ def _moe_gate_up_kernel(
                   + offs_k[:, None] * stride_wk)
     u_ptrs = g_ptrs + up * stride_wn
 
-    if SWAP:  # products transposed, [N, M], turned back after the K loop
-        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        if SWAP:
-            w_g = tl.load(g_ptrs, mask=nmask[:, None], other=0)
-            w_u = tl.load(u_ptrs, mask=nmask[:, None], other=0)
-            s_g = tl.load(gs_ptrs, mask=nmask[:, None], other=127)
-            s_u = tl.load(us_ptrs, mask=nmask[:, None], other=127)
-            xt = tl.load(a_ptrs, mask=valid[None, :], other=0.0).to(tl.bfloat16)
-            acc_g = tl.dot_scaled(w_g, s_g, "e2m1", xt, None, "bf16", acc_g)
-            acc_u = tl.dot_scaled(w_u, s_u, "e2m1", xt, None, "bf16", acc_u)
-            a_ptrs += BLOCK_K * stride_xh
-            g_ptrs += (BLOCK_K // 2) * stride_wk
-            u_ptrs += (BLOCK_K // 2) * stride_wk
-            gs_ptrs += (BLOCK_K // 32) * stride_sk
-            us_ptrs += (BLOCK_K // 32) * stride_sk
-        elif MXFP4:  # K a multiple of BLOCK_K (the launcher's choice)
+        if MXFP4:  # K a multiple of BLOCK_K (the launcher's choice)
             b_g = tl.load(g_ptrs, mask=nmask[None, :], other=0)
             b_u = tl.load(u_ptrs, mask=nmask[None, :], other=0)
             s_g = tl.load(gs_ptrs, mask=nmask[:, None], other=127)
             s_u = tl.load(us_ptrs, mask=nmask[:, None], other=127)
             a = tl.load(a_ptrs, mask=valid[:, None], other=0.0).to(tl.bfloat16)
-            acc_g = _mxfp4_dot(a, b_g, s_g, acc_g, UPCAST, INTERPRET)
-            acc_u = _mxfp4_dot(a, b_u, s_u, acc_u, UPCAST, INTERPRET)
+            acc_g = tl.dot_scaled(a, None, "bf16", b_g, s_g, "e2m1", acc_g)
+            acc_u = tl.dot_scaled(a, None, "bf16", b_u, s_u, "e2m1", acc_u)
             a_ptrs += BLOCK_K * stride_xh
             g_ptrs += (BLOCK_K // 2) * stride_wk
             u_ptrs += (BLOCK_K // 2) * stride_wk
@@ -208,9 +152,6 @@ def _moe_gate_up_kernel(
             a_ptrs += BLOCK_K * stride_xh
             g_ptrs += BLOCK_K * stride_wk
             u_ptrs += BLOCK_K * stride_wk
-    if SWAP:
-        acc_g = tl.trans(acc_g)
-        acc_u = tl.trans(acc_u)
 
     if HAS_BIAS:  # b13 [E, 2I], laid out as w13's rows
         b_row = b13_ptr + expert.to(tl.int64) * (2 * INTER) + offs_n * step
@@ -239,8 +180,7 @@ def _moe_down_kernel(
     H: tl.constexpr, INTER: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, UPCAST: tl.constexpr,
-    SWAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -261,37 +201,21 @@ def _moe_down_kernel(
     if MXFP4:
         offs_b = tl.arange(0, BLOCK_K // 2)
         offs_s = tl.arange(0, BLOCK_K // 32)
-        if SWAP:
-            b_ptrs = (w2_ptr + expert.to(tl.int64) * stride_we
-                      + offs_n[:, None].to(tl.int64) * stride_wn + offs_b[None, :] * stride_wk)
-            a_ptrs = inter_ptr + pair64[None, :] * stride_it + offs_k[:, None] * stride_ii
-        else:
-            b_ptrs = (w2_ptr + expert.to(tl.int64) * stride_we
-                      + offs_n[None, :].to(tl.int64) * stride_wn + offs_b[:, None] * stride_wk)
+        b_ptrs = (w2_ptr + expert.to(tl.int64) * stride_we
+                  + offs_n[None, :].to(tl.int64) * stride_wn + offs_b[:, None] * stride_wk)
         s_ptrs = (s2_ptr + expert.to(tl.int64) * stride_se
                   + offs_n[:, None].to(tl.int64) * stride_sn + offs_s[None, :] * stride_sk)
     else:
         b_ptrs = (w2_ptr + expert.to(tl.int64) * stride_we
                   + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk)
 
-    if SWAP:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
-        if SWAP:
-            w = tl.load(b_ptrs, mask=nmask[:, None], other=0)
-            scale = tl.load(s_ptrs, mask=nmask[:, None], other=127)
-            at = tl.load(a_ptrs, mask=valid[None, :], other=0.0).to(tl.bfloat16)
-            acc = tl.dot_scaled(w, scale, "e2m1", at, None, "bf16", acc)
-            a_ptrs += BLOCK_K * stride_ii
-            b_ptrs += (BLOCK_K // 2) * stride_wk
-            s_ptrs += (BLOCK_K // 32) * stride_sk
-        elif MXFP4:
+        if MXFP4:
             b = tl.load(b_ptrs, mask=nmask[None, :], other=0)
             scale = tl.load(s_ptrs, mask=nmask[:, None], other=127)
             a = tl.load(a_ptrs, mask=valid[:, None], other=0.0).to(tl.bfloat16)
-            acc = _mxfp4_dot(a, b, scale, acc, UPCAST, INTERPRET)
+            acc = tl.dot_scaled(a, None, "bf16", b, scale, "e2m1", acc)
             a_ptrs += BLOCK_K * stride_ii
             b_ptrs += (BLOCK_K // 2) * stride_wk
             s_ptrs += (BLOCK_K // 32) * stride_sk
@@ -307,8 +231,6 @@ def _moe_down_kernel(
             acc = dot(a, b, acc, IEEE, INTERPRET)
             a_ptrs += BLOCK_K * stride_ii
             b_ptrs += BLOCK_K * stride_wk
-    if SWAP:
-        acc = tl.trans(acc)
 
     if HAS_BIAS:  # b2 [E, H]
         bias = tl.load(b2_ptr + expert.to(tl.int64) * H + offs_n, mask=nmask, other=0.0)
@@ -336,42 +258,6 @@ def _moe_sum_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _block_m(num_pairs: int, num_experts: int) -> int:
-    """Rows per tile, from host shapes only: small tiles waste less padding when few
-    pairs land on each expert (tl.dot needs at least 16 rows)."""
-    per_expert = num_pairs / num_experts
-    if per_expert <= 16:
-        return 16
-    if per_expert <= 64:
-        return 32
-    return 64
-
-
-def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group the (token, slot) pairs by expert, each expert padded to ``block_m`` rows.
-
-    Returns ``sorted_pairs`` [N + E*(block_m-1)] int32 (pair ids in expert order, N in
-    padding rows) and ``cum_padded`` [E] int32 (end row of each expert's padded group;
-    the last entry is the number of rows in use). Static shapes, no host sync.
-    """
-    device = topk_ids.device
-    ids = topk_ids.reshape(-1).to(torch.int64)
-    n = ids.numel()
-    capacity = n + num_experts * (block_m - 1)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, ids, torch.ones_like(ids))
-    padded = (counts + (block_m - 1)) // block_m * block_m
-    cum_padded = padded.cumsum(0)
-    # shift from a pair's rank in the unpadded sorted order to its padded row
-    shift = (cum_padded - padded) - (counts.cumsum(0) - counts)
-    sorted_ids, order = torch.sort(ids, stable=True)
-    rows = torch.arange(n, device=device, dtype=torch.int64) + shift.index_select(0, sorted_ids)
-    sorted_pairs = torch.full((capacity,), n, dtype=torch.int32, device=device)
-    sorted_pairs.scatter_(0, rows, order.to(torch.int32))
-    return sorted_pairs, cum_padded.to(torch.int32)
-
-
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
@@ -396,8 +282,8 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     [E, 2*I, H // 2] and w2 [E, H, I // 2] uint8, H and I multiples of 32; each K step
     multiplies bfloat16 rows by the packed values and their scales (``tl.dot_scaled``,
     which upcasts them to bfloat16 in registers where the GPU has no FP4 tensor cores),
-    so the weights are read at a quarter of bfloat16's bytes. The activation between
-    the projections is kept in bfloat16.
+    so the weights are read at about a quarter of bfloat16's bytes. The activation
+    between the projections is kept in bfloat16.
 
     No host synchronisation: the routing is read on the device, buffers and grids
     depend only on shapes, so the call can be captured in a CUDA graph and replayed with
@@ -432,8 +318,8 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
     device = x.device
     num_pairs = num_tokens * top_k
-    block_m = _block_m(num_pairs, num_experts)
-    sorted_pairs, cum_padded = _align(topk_ids, num_experts, block_m)
+    block_m = moe_routing.rows_per_tile(num_pairs, num_experts)
+    sorted_pairs, cum_padded = moe_routing.align_pairs(topk_ids, num_experts, block_m)
     max_tiles = triton.cdiv(sorted_pairs.numel(), block_m)
     block_e = triton.next_power_of_2(num_experts)
     weights = topk_weights.reshape(-1)
@@ -449,8 +335,6 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if quantized:  # a whole number of K steps of whole scale blocks
         block_k = 64 if hidden % 64 == 0 and inter_size % 64 == 0 else 32
         ieee = False
-    upcast = quantized and MXFP4_UPCAST
-    swap = quantized and MXFP4_SWAP and not upcast
     s13 = w13_scale if quantized else w13  # (a placeholder pointer without scales)
     s2 = w2_scale if quantized else w2
 
@@ -474,8 +358,8 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         H=hidden, INTER=inter_size, TOP_K=top_k, BLOCK_E=block_e,
         BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
         IEEE=ieee, INTERPRET=interpret, HAS_BIAS=b13 is not None, CLAMPED_GLU=alpha > 0,
-        CLAMP=limit > 0, INTERLEAVED=bool(interleaved), MXFP4=quantized, UPCAST=upcast,
-        SWAP=swap, num_warps=warps, num_stages=stages,
+        CLAMP=limit > 0, INTERLEAVED=bool(interleaved), MXFP4=quantized, num_warps=warps,
+        num_stages=stages,
     )
 
     pairs = torch.empty((num_pairs, hidden), dtype=x.dtype, device=device)
@@ -489,7 +373,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         H=hidden, INTER=inter_size, BLOCK_E=block_e,
         BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k, EVEN_K=inter_size % block_k == 0,
         IEEE=ieee, INTERPRET=interpret, HAS_BIAS=b2 is not None, MXFP4=quantized,
-        UPCAST=upcast, SWAP=swap, num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages,
     )
 
     block_h = min(1024, triton.next_power_of_2(hidden))

@@ -1,7 +1,9 @@
 """MoE routing in Triton: softmax over the experts, then the top-k, one program per token
 (specification: :func:`graphcap.opsdb.reference.moe_topk_softmax`). The softmax runs
 over the E router logits in float32 registers, then k rounds of arg-max (ties go to the
-lowest expert id). No host synchronisation: safe to capture in a CUDA graph."""
+lowest expert id). And the grouping of the routed (token, slot) pairs by expert that the
+expert kernels tile (:func:`align_pairs`). No host synchronisation: safe to capture in a
+CUDA graph."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["moe_topk_softmax"]
+__all__ = ["align_pairs", "moe_topk_softmax", "rows_per_tile"]
 
 
 @triton.jit
@@ -76,3 +78,39 @@ def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool
         num_warps=4 if block_e >= 512 else (2 if block_e >= 128 else 1),
     )
     return weights, ids
+
+
+def rows_per_tile(num_pairs: int, num_experts: int) -> int:
+    """Rows per tile, from host shapes only: small tiles waste less padding when few
+    pairs land on each expert (tl.dot needs at least 16 rows)."""
+    per_expert = num_pairs / num_experts
+    if per_expert <= 16:
+        return 16
+    if per_expert <= 64:
+        return 32
+    return 64
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the (token, slot) pairs by expert, each expert padded to ``block_m`` rows.
+
+    Returns ``sorted_pairs`` [N + E*(block_m-1)] int32 (pair ids in expert order, N in
+    padding rows) and ``cum_padded`` [E] int32 (end row of each expert's padded group;
+    the last entry is the number of rows in use). Static shapes, no host sync.
+    """
+    device = topk_ids.device
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    n = ids.numel()
+    capacity = n + num_experts * (block_m - 1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, ids, torch.ones_like(ids))
+    padded = (counts + (block_m - 1)) // block_m * block_m
+    cum_padded = padded.cumsum(0)
+    # shift from a pair's rank in the unpadded sorted order to its padded row
+    shift = (cum_padded - padded) - (counts.cumsum(0) - counts)
+    sorted_ids, order = torch.sort(ids, stable=True)
+    rows = torch.arange(n, device=device, dtype=torch.int64) + shift.index_select(0, sorted_ids)
+    sorted_pairs = torch.full((capacity,), n, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, rows, order.to(torch.int32))
+    return sorted_pairs, cum_padded.to(torch.int32)
