@@ -10,6 +10,7 @@ key.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -164,16 +165,41 @@ def _gpt_oss_experts(get, table, hf: str, ours: str, dtype) -> dict[str, torch.T
             ours + "w2": weight("down_proj").contiguous()}
 
 
+def _gpt_oss_mxfp4_experts(get, table, hf: str, ours: str) -> dict[str, torch.Tensor]:
+    """gpt-oss's experts kept as published: each projection's MXFP4 blocks [E, out, G,
+    16] as ``moe_experts`` takes them ([E, out, G * 16] bytes), their scales, and the
+    biases, gate and up still interleaved (the model says so)."""
+    out = {ours + "b13": get(hf + "gate_up_proj_bias"), ours + "b2": get(hf + "down_proj_bias")}
+    for name, weight in (("gate_up_proj", "w13"), ("down_proj", "w2")):
+        if hf + name + "_blocks" not in table:
+            raise CheckpointError(
+                f"{hf}{name} is stored unquantized, not as MXFP4 *_blocks and *_scales: "
+                "load this checkpoint with experts='dequantized'")
+        out[ours + weight] = get(hf + name + "_blocks").flatten(-2).contiguous()
+        out[ours + weight + "_scale"] = get(hf + name + "_scales").contiguous()
+    return out
+
+
 def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32,
-                    tp=None) -> Decoder:
+                    tp=None, experts: str = "dequantized") -> Decoder:
     """A reference decoder with the weights of a Hugging Face checkpoint folder; with
     ``tp`` (a :class:`graphcap.tp.TPGroup`) this rank's share of it (read on the host,
-    split there, and only the share moved to ``device``)."""
+    split there, and only the share moved to ``device``). ``experts="mxfp4"``: a gpt-oss
+    checkpoint's MXFP4 experts stay MXFP4 (``moe_experts`` reads them so: a quarter of
+    the memory); the default dequantizes them to ``dtype``."""
     folder = Path(folder)
     config_path = folder / "config.json"
     if not config_path.exists():
         raise CheckpointError(f"{folder}: no config.json")
+    if experts not in ("dequantized", "mxfp4"):
+        raise CheckpointError(f"experts={experts!r}: choose 'dequantized' (the model's dtype) "
+                              "or 'mxfp4' (gpt-oss's experts as published)")
     args = args_from_config(json.loads(config_path.read_text()), str(config_path))
+    if experts == "mxfp4":
+        if not args.moe_bias:
+            raise CheckpointError(f"{folder}: experts='mxfp4' keeps gpt-oss's MXFP4 experts; "
+                                  "this checkpoint is not gpt-oss")
+        args = dataclasses.replace(args, moe_mxfp4=True)
     table = _tensors(folder)
 
     def get(key: str) -> torch.Tensor:
@@ -190,7 +216,10 @@ def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32,
         names.update(_hf_names(args, i))
     state = {ours: torch.cat([get(k) for k in keys]) for ours, keys in names.items()}
     for i in range(args.layers):
-        if args.moe_bias:
+        if args.moe_mxfp4:
+            state.update(_gpt_oss_mxfp4_experts(get, table, f"model.layers.{i}.mlp.experts.",
+                                                f"blocks.{i}.mlp."))
+        elif args.moe_bias:
             state.update(_gpt_oss_experts(get, table, f"model.layers.{i}.mlp.experts.",
                                           f"blocks.{i}.mlp.", dtype))
         elif args.experts:

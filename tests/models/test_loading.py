@@ -129,6 +129,23 @@ def test_gpt_oss_experts_published_in_mxfp4_load_as_transformers_dequantizes_the
     with torch.no_grad():
         torch.testing.assert_close(ours(ids[0], torch.arange(17), seq_lens=[17]),
                                    hf(ids).logits[0], atol=1e-4, rtol=1e-4)
+    kept = load_checkpoint(tmp_path, experts="mxfp4")  # a quarter of the bytes, bf16 rows
+    assert kept.blocks[0].mlp.w13.dtype == torch.uint8
+    with torch.no_grad():
+        torch.testing.assert_close(kept(ids[0], torch.arange(17), seq_lens=[17]),
+                                   hf(ids).logits[0], atol=3e-2, rtol=3e-2)
     _rewrite(tmp_path, lambda t: t.pop("model.layers.1.mlp.experts.down_proj_scales"))
     with pytest.raises(CheckpointError, match="down_proj_scales"):
         load_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="experts='fp8'.*choose 'dequantized'"):
+        load_checkpoint(tmp_path, experts="fp8")
+
+
+def test_keeping_mxfp4_experts_needs_a_gpt_oss_checkpoint_that_stores_them(tmp_path):
+    saved(tmp_path / "oss", "gpt_oss")  # experts stored unquantized
+    with pytest.raises(CheckpointError, match="gate_up_proj is stored unquantized.*"
+                                              "experts='dequantized'"):
+        load_checkpoint(tmp_path / "oss", experts="mxfp4")
+    saved(tmp_path / "llama", "llama")
+    with pytest.raises(CheckpointError, match="this checkpoint is not gpt-oss"):
+        load_checkpoint(tmp_path / "llama", experts="mxfp4")
