@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -72,8 +73,40 @@ def _check_attention_features(model) -> None:
             "rope type (default, linear, llama3, yarn)")
 
 
+def _own_attention(model: PreTrainedModel) -> list[str]:
+    """The model's attention module classes whose ``forward`` never looks up
+    transformers' attention functions (``ALL_ATTENTION_FUNCTIONS``): they compute
+    attention themselves, whatever the config says. Read from the compiled code, so no
+    source file or cached guess decides it."""
+    own = set()
+    for module in model.modules():
+        cls = type(module)
+        forward = getattr(cls, "forward", None)
+        if "Attention" not in cls.__name__ or forward is None or \
+                not cls.__module__.startswith("transformers.models."):
+            continue
+        code = getattr(inspect.unwrap(forward), "__code__", None)
+        if code is not None and "ALL_ATTENTION_FUNCTIONS" not in _names(code):
+            own.add(cls.__name__)
+    return sorted(own)
+
+
+def _names(code) -> set[str]:
+    """Global and attribute names a code object and the functions inside it use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _names(const)
+    return names
+
+
 def _switch_attention(model: PreTrainedModel) -> None:
     kind = type(model).__name__
+    if own := _own_attention(model):
+        raise UnsupportedModel(
+            f"{kind} cannot switch its attention implementation: its attention modules "
+            f"({', '.join(own)}) do not call transformers' AttentionInterface, so graphcap "
+            "attention cannot be plugged in")
     try:
         model.set_attn_implementation(NAME)
     except (ValueError, ImportError) as exc:
