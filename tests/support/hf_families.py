@@ -57,6 +57,8 @@ OTHER_FAMILIES = {
     "falcon": lambda: transformers.FalconConfig(vocab_size=128, hidden_size=64,
                                                 num_hidden_layers=2, num_attention_heads=4,
                                                 **TOKENS),
+    "bloom": lambda: transformers.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2,
+                                              n_head=4, **TOKENS),
 }
 # Every decoder layer's attention and MLP on graphcap's kernels.
 SUBSTITUTED = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "phi3")
