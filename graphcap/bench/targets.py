@@ -26,10 +26,10 @@ from __future__ import annotations
 SMALL = (16, 32, 64, 128, 256, 512)
 # Full's speed-up over eager at SMALL lengths, then breakable's and tc_piecewise-inductor's
 # shares of it; by preset, else DEFAULT_SPEEDUP.
-SPEEDUP = {"gpt-oss-120b-4l": (1.93, 0.95, 0.9)}
+SPEEDUP = {"gpt-oss-120b-4l": (1.93, 0.95, 0.9), "gpt-oss-120b-4l-mxfp4": (1.93, 0.95, 0.9)}
 DEFAULT_SPEEDUP = (5.0, 0.93, 0.9)
 # The least cut of the largest prefill's transient peak against eager's, by preset.
-TRANSIENT_CUT = {"gpt-oss-120b-4l": 0.99}
+TRANSIENT_CUT = {"gpt-oss-120b-4l": 0.99, "gpt-oss-120b-4l-mxfp4": 0.99}
 GRAPHCAP = ("tc_piecewise-eager", "tc_piecewise-inductor", "breakable", "full-triton",
             "full-flashinfer", "full-flash_attn")
 
