@@ -62,6 +62,21 @@ MXFP4_TILES: dict | None = None
 
 
 @triton.jit
+def _mxfp4_ptrs(w_ptr, s_ptr, expert, rows, stride_we, stride_wn, stride_wk,
+                stride_se, stride_sn, stride_sk, BLOCK_K: tl.constexpr):
+    """The first K step of MXFP4 weight rows ``rows`` of ``expert``: pointers to its bytes
+    [BLOCK_K // 2, rows] (two values each along K) and its scales [rows, BLOCK_K // 32]
+    (one per 32 values)."""
+    rows = rows.to(tl.int64)
+    e = expert.to(tl.int64)
+    w = (w_ptr + e * stride_we + rows[None, :] * stride_wn
+         + tl.arange(0, BLOCK_K // 2)[:, None] * stride_wk)
+    s = (s_ptr + e * stride_se + rows[:, None] * stride_sn
+         + tl.arange(0, BLOCK_K // 32)[None, :] * stride_sk)
+    return w, s
+
+
+@triton.jit
 def _tile_expert(cum_padded_ptr, num_experts, row0, BLOCK_E: tl.constexpr):
     """(expert of the tile starting at padded row ``row0``, rows used in total)."""
     offs_e = tl.arange(0, BLOCK_E)
@@ -106,14 +121,10 @@ def _moe_gate_up_kernel(
         step, up = 2, 1
     else:  # the gate rows, then the up rows
         step, up = 1, INTER
-    if MXFP4:  # bytes of two values each along K, a scale per 32 values
-        offs_b = tl.arange(0, BLOCK_K // 2)
-        offs_s = tl.arange(0, BLOCK_K // 32)
-        g_ptrs = (w_base + offs_n[None, :].to(tl.int64) * (step * stride_wn)
-                  + offs_b[:, None] * stride_wk)
-        gs_ptrs = (s13_ptr + expert.to(tl.int64) * stride_se
-                   + offs_n[:, None].to(tl.int64) * (step * stride_sn)
-                   + offs_s[None, :] * stride_sk)
+    if MXFP4:
+        g_ptrs, gs_ptrs = _mxfp4_ptrs(w13_ptr, s13_ptr, expert, offs_n * step, stride_we,
+                                      stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                                      BLOCK_K)
         us_ptrs = gs_ptrs + up * stride_sn
     else:
         g_ptrs = (w_base + offs_n[None, :].to(tl.int64) * (step * stride_wn)
@@ -199,12 +210,8 @@ def _moe_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = inter_ptr + pair64[:, None] * stride_it + offs_k[None, :] * stride_ii
     if MXFP4:
-        offs_b = tl.arange(0, BLOCK_K // 2)
-        offs_s = tl.arange(0, BLOCK_K // 32)
-        b_ptrs = (w2_ptr + expert.to(tl.int64) * stride_we
-                  + offs_n[None, :].to(tl.int64) * stride_wn + offs_b[:, None] * stride_wk)
-        s_ptrs = (s2_ptr + expert.to(tl.int64) * stride_se
-                  + offs_n[:, None].to(tl.int64) * stride_sn + offs_s[None, :] * stride_sk)
+        b_ptrs, s_ptrs = _mxfp4_ptrs(w2_ptr, s2_ptr, expert, offs_n, stride_we, stride_wn,
+                                     stride_wk, stride_se, stride_sn, stride_sk, BLOCK_K)
     else:
         b_ptrs = (w2_ptr + expert.to(tl.int64) * stride_we
                   + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk)

@@ -92,7 +92,7 @@ def rows_per_tile(num_pairs: int, num_experts: int) -> int:
 
 
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group the (token, slot) pairs by expert, each expert padded to ``block_m`` rows.
 
     Returns ``sorted_pairs`` [N + E*(block_m-1)] int32 (pair ids in expert order, N in
