@@ -23,14 +23,13 @@ import math
 
 import torch
 
-from graphcap.errors import CaptureError
 from graphcap.opsdb.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     guard_kv,
     zero_padding_rows,
 )
-from graphcap.opsdb.attention.variant import PLAIN, Variant
+from graphcap.opsdb.attention.variant import PLAIN, Variant, refuse_first_in_capture
 from graphcap.opsdb.spec import OpInputError
 
 WORKSPACE_BYTES = 256 << 20  # graph mode can exceed the usual 128 MiB at large buckets
@@ -110,13 +109,10 @@ class FlashInferAttention(AttentionBackend):
                 "when it plans, so one backend serves layers of one scale; pick another "
                 "backend (triton, torch_masked) for a model whose layers differ")
         if key(variant) not in meta.wrappers:
-            if torch.cuda.is_current_stream_capturing():
-                raise CaptureError(
-                    f"FlashInfer prefill attention met a layer with window {variant.window} "
-                    f"and softcap {variant.softcap:g} first inside a capture: its kernels "
-                    "are planned per (window, softcap) outside graphs. Run the model once "
-                    "eagerly before capturing (graphcap.capture warms up first unless told "
-                    "not to), or use the triton backend")
+            refuse_first_in_capture(
+                "FlashInfer prefill attention", variant, "Run the model once eagerly before "
+                "capturing (graphcap.capture warms up first unless told not to), or use the "
+                "triton backend")
             self.learn(variant)
             self.plan(meta)
         k, v = guard_kv(k, v, meta)

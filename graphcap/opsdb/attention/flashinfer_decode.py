@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 
 from graphcap.core.checks import staged
-from graphcap.errors import BackendUnavailable, CaptureError
+from graphcap.errors import BackendUnavailable
 from graphcap.kv.paged import NULL_PAGE, PagedKVCache
 from graphcap.opsdb.attention.paged import DecodeBackend, DecodePlan
-from graphcap.opsdb.attention.variant import PLAIN, Variant
+from graphcap.opsdb.attention.variant import PLAIN, Variant, refuse_first_in_capture
 from graphcap.opsdb.spec import unavailable
 
 NAME = "flashinfer"
@@ -74,12 +74,9 @@ class FlashInferDecode(DecodeBackend):
         if self.heads is None:  # the first run of any shape, eager (a warm-up)
             self.heads = (q.shape[1], scale)
         if pair not in self.variants:
-            if torch.cuda.is_current_stream_capturing():
-                raise CaptureError(
-                    f"FlashInfer decode attention met a layer with window {variant.window} "
-                    f"and softcap {variant.softcap:g} first inside a capture: its kernels "
-                    "are planned per (window, softcap) outside graphs. Run a decode step "
-                    "eagerly before capturing, or use decode attention 'graphcap'")
+            refuse_first_in_capture(
+                "FlashInfer decode attention", variant, "Run a decode step eagerly before "
+                "capturing, or use decode attention 'graphcap'")
             self.variants.append(pair)
         if pair not in plan.wrappers:  # a plan updated before the pair was known
             plan.replan()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from graphcap.errors import CaptureError
 from graphcap.opsdb import checks
 
 OPTIONS = ("window", "softcap", "sinks")
@@ -85,4 +86,16 @@ def refuse(what: str, name: str, serves: frozenset[str], variant: Variant,
             f"{', '.join(others) or 'none is installed here'}")
 
 
-__all__ = ["MEANING", "OPTIONS", "PLAIN", "Variant", "check_variant", "refuse"]
+def refuse_first_in_capture(what: str, variant: Variant, fix: str) -> None:
+    """``CaptureError`` when ``what``, a backend that fixes the window and soft cap when it
+    plans (outside graphs), meets ``variant``'s pair for the first time inside a capture;
+    ``fix`` says what to do instead."""
+    if torch.cuda.is_current_stream_capturing():
+        raise CaptureError(
+            f"{what} met a layer with window {variant.window} and softcap "
+            f"{variant.softcap:g} first inside a capture: its kernels are planned per "
+            f"(window, softcap) outside graphs. {fix}")
+
+
+__all__ = ["MEANING", "OPTIONS", "PLAIN", "Variant", "check_variant", "refuse",
+           "refuse_first_in_capture"]
