@@ -60,15 +60,15 @@ def touch_blas(device: torch.device) -> None:
         torch.mm(probe, probe)
 
 
-def _blas_handles(device: torch.device) -> None:
-    """Make this thread's cuBLAS and cuBLASLt handles for ``device`` (once per thread, on
-    the current stream): torch makes them per thread, on a thread's first matmul, and
-    creating one inside a capture fails (CUBLAS_STATUS_NOT_INITIALIZED), as when another
-    thread did the warm-up."""
+def _blas_handles(pool: GraphPool) -> None:
+    """Make this thread's cuBLAS and cuBLASLt handles for the pool's device (once per
+    thread, :meth:`GraphPool.make_blas_workspace`): torch makes them per thread, on a
+    thread's first matmul, and creating one inside a capture fails
+    (CUBLAS_STATUS_NOT_INITIALIZED), as when another thread did the warm-up."""
     ready = _THREAD.__dict__.setdefault("blas", set())
-    if device.index not in ready:
-        touch_blas(device)
-        ready.add(device.index)
+    if pool.device.index not in ready:
+        pool.make_blas_workspace()
+        ready.add(pool.device.index)
 
 
 class _FrozenGC:
@@ -121,10 +121,10 @@ class CudaGraph(Graph):
             raise CaptureError("this graph is captured already: reset() it or make a new one")
         stack = contextlib.ExitStack()
         stack.enter_context(torch.cuda.device(self.device))
-        _blas_handles(self.device)
         self.pool.stream.wait_stream(torch.cuda.current_stream(self.device))
         stack.enter_context(torch.cuda.stream(self.pool.stream))
         stack.enter_context(_FrozenGC())
+        _blas_handles(self.pool)
         self.pool.begin_capture()
         for make in _STREAM_STATE:
             make(self.device)

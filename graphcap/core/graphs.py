@@ -247,6 +247,18 @@ class GraphPool:
             block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         del block  # a free block of the pool, on the capture stream
         self.sized_bytes = nbytes
+        # The workspace first, at the block's head: made by the capture's first matmul,
+        # it would sit wherever that matmul finds the block, splitting the rest in two.
+        self.make_blas_workspace()
+
+    def make_blas_workspace(self) -> None:
+        """This thread's cuBLAS handles (a handle made inside a capture fails) and the
+        capture stream's workspace, inside the pool where torch can route allocations
+        to it (:func:`touch_blas` on the capture stream): made on another stream, a
+        workspace would stay outside the pool, held for the process."""
+        with torch.cuda.stream(self.stream), \
+                compat.allocate_to(self._mempools[-1], self.device):
+            touch_blas(self.device)
 
     def _segments(self) -> list[dict]:
         ids = {compat.mempool_id(p) for p in self._mempools}

@@ -222,3 +222,38 @@ def test_the_cache_later_warm_ups_leave_outside_the_pool_is_released_after_the_b
     assert outside < 64 << 20, outside  # not one 64 MiB temporary kept outside the pool
     with torch.no_grad():
         torch.testing.assert_close(r(x), model(x))  # the pool's graphs are intact
+
+
+class SplitsTheBlock(torch.nn.Module):
+    """A 24 MiB temporary alive across the forward's first matmul, then a 48 MiB one:
+    the block the first warm-up sizes (48 MiB and cuBLAS's workspace) holds both only
+    if the workspace is not made between them, where the first matmul would make it."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x):
+        early = torch.ones(24 << 18, device=x.device)  # 24 MiB of float32
+        y = x @ self.weight + early[:1]
+        del early
+        late = torch.ones(48 << 18, device=x.device)
+        return y + late[:1]
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_the_sized_block_holds_the_capture_the_workspace_at_its_head():
+    model = SplitsTheBlock().cuda()
+    x = torch.randn(16, 16, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()  # the pool is sized from the warm-up's new peak
+    r = graphcap.capture(model, "full", buckets=[16], example_inputs=(x,))
+    assert r.pool.sized_bytes >= 48 << 20
+    large = [s for s in r.pool._segments() if s["total_size"] > 2 << 20]
+    # One segment: the sized block. A workspace made by the capture's first matmul sits
+    # after the 24 MiB temporary and leaves no 48 MiB hole: a second segment.
+    assert len(large) == 1, [s["total_size"] for s in large]
+    assert large[0]["blocks"][0]["state"].startswith("active")  # the workspace, first
+    with torch.no_grad():
+        torch.testing.assert_close(r(x), model(x))
