@@ -290,7 +290,10 @@ class Decoder(nn.Module):
         # index_select is several times slower than a gather.
         h = self.embed.weight[input_ids]
         for block in self.blocks:
-            h = block(h, positions, self.cos_sin)
+            # Half by half: each half's input is freed as its output is made (a block
+            # call would hold the block's input through the MLP, 1 residual more).
+            h = block.attn(h, block.attn_norm, positions, self.cos_sin)
+            h = block.mlp(h, block.mlp_norm)
         if self.output_rows == "requests":  # only the last token of each request
             if last_rows is None:
                 raise ValueError("a Decoder built with logits='last' needs last_rows (or "

@@ -313,15 +313,12 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / topk_weights "
                          f"{tuple(topk_weights.shape)} must both be [T={num_tokens}, k]")
     top_k = topk_ids.shape[1]
-    if out is None:
-        out = torch.empty_like(x)
-    elif out.shape != x.shape or out.dtype != x.dtype:
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
         raise ValueError(f"out must be {tuple(x.shape)} {x.dtype}, got "
                          f"{tuple(out.shape)} {out.dtype}")
-    if num_tokens == 0 or hidden == 0:
-        return out
-    if inter_size == 0 or top_k == 0:
-        return out.zero_()
+    if num_tokens == 0 or hidden == 0 or inter_size == 0 or top_k == 0:
+        out = torch.empty_like(x) if out is None else out
+        return out.zero_()  # no expert adds anything (or there is nothing to write)
 
     device = x.device
     num_pairs = num_tokens * top_k
@@ -382,6 +379,11 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         IEEE=ieee, INTERPRET=interpret, HAS_BIAS=b2 is not None, MXFP4=quantized,
         num_warps=warps, num_stages=stages,
     )
+    # inter freed before out is made: the two may share memory (a forward's peak holds
+    # inter and pairs, not the three at once).
+    del inter
+    if out is None:
+        out = torch.empty_like(x)
 
     block_h = min(1024, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
