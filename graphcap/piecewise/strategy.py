@@ -151,11 +151,17 @@ class PiecewiseStrategy(Strategy):
 
     name = "tc_piecewise"
     warms_every_shape = True  # each shape's warm-up compiles (or re-guards) the forward
-    sizes_pool = False  # a warm-up's peak is the compiler's, not the graphs'
 
     def __init__(self, compiler: PiecewiseCompiler):
         self.compiler = compiler
         self._watched: dict[int, Watch] = {}
+
+    @property
+    def sizes_pool(self) -> bool:
+        """The first warm-up sizes the pool where its peak is the pieces': with the eager
+        compiler (the FX pieces run as traced), not Inductor's (its autotuning
+        benchmarks in the compiling warm-up)."""
+        return self.compiler.compiler == "eager"
 
     def watch(self, key):
         self._watched[key] = watch = Watch()
