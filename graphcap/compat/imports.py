@@ -40,11 +40,20 @@ def _dynamo_compile() -> None:
         pass
 
 
+def _fx_interpreter() -> None:
+    """One run of ``torch.fx.Interpreter`` (tc_piecewise's warm-ups and whole captures
+    run each piece through one): its progress bar imports multiprocessing's locks at its
+    first run."""
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    torch.fx.Interpreter(gm).run(torch.ones(1))
+
+
 # torch wraps a TorchDispatchMode's __torch_dispatch__ in a Dynamo-disable that imports
 # torch._dynamo at its first call: the first capture on the graph emulator.
 EMULATOR = ("torch._dynamo",)
 # tc_piecewise: graphcap's backend, Dynamo's compile, and what tracing a decoder brings.
-COMPILE = EMULATOR + ("graphcap.piecewise", _dynamo_compile, "torch.nn.attention.flex_attention",
+COMPILE = EMULATOR + ("graphcap.piecewise", _dynamo_compile, _fx_interpreter,
+                      "torch.nn.attention.flex_attention",
                       "torch.distributed.tensor.experimental")
 # compiler="inductor": the packages of Inductor's compile and code generation.
 INDUCTOR = ("torch._inductor.compile_fx", "torch._inductor.async_compile",

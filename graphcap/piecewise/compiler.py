@@ -34,6 +34,7 @@ from graphcap.piecewise.inductor import compile_piece
 from graphcap.piecewise.phase import Phase
 from graphcap.piecewise.pieces import PieceGraphs
 from graphcap.piecewise.split import (
+    box_piece_calls,
     builds_autograd_graph,
     device_of,
     host_scalars,
@@ -156,6 +157,10 @@ class PiecewiseCompiler:
                 graphs = PieceGraphs(self, piece.module, piece.module)
             setattr(split, piece.name, graphs)
         split.graphcap_split_pieces = sum(p.is_split for p in pieces)
+        # Each piece frees what it uses last (PieceGraphs.forward); a split op run as
+        # traced (no static state) is called as before.
+        box_piece_calls(split, {name for name, m in split.named_children()
+                                if isinstance(m, PieceGraphs)})
         self.traces.record(example_inputs, split)
 
         def forward(*args):

@@ -61,19 +61,23 @@ class PieceGraphs(torch.nn.Module):
         self.uncapturable: dict[int, str] = {}  # size -> why its capture failed (on its own)
         self.entries: dict[int, PieceEntry] = {}
 
-    def forward(self, *args):
+    def forward(self, box: list):
+        """``box``: the piece's arguments, in a list the split module built for this call
+        and holds no other reference to (``box_piece_calls``). A warm-up and a whole
+        capture empty it and free each argument after its last use in the piece (what
+        the first shape's warm-up peaks at sizes the pool)."""
         now, detail = phases.current()
         match now:
             case Phase.CAPTURE_WHOLE:  # inline in the shape's one graph
-                return detail.run(self, args)
+                return detail.run(self, box)
             case Phase.EAGER:  # a runner's fallback
-                return self.fn(*args)
+                return self.fn(*box)
             case Phase.WARMUP:  # the runner's warm-up of a shape: eager, the size seen
                 if self.static_state is not None and self.static_state() is None:
                     detail.call.static = False  # a split op on host state: no whole capture
-                self.seen.add(self._size(args))
-                return self.fn(*args)
-        return self._per_size(args)
+                self.seen.add(self._size(box))
+                return run_boxed(self.fn, box)
+        return self._per_size(tuple(box))
 
     @staticmethod
     def _size(args) -> int | None:
@@ -178,6 +182,22 @@ class PieceGraphs(torch.nn.Module):
         state = weakref.ref(self.static_state()) if self.static_state is not None else None
         self.entries[size] = PieceEntry(graph, static, outputs, captured, foreign, state)
         return self._per_size(args)
+
+
+def run_boxed(fn, box: list):
+    """``fn`` on the arguments in ``box``, which it empties first. An FX graph runs node
+    by node (``torch.fx.Interpreter``), each value dropped after its last use, arguments
+    included; any other callable (an Inductor piece) gets the arguments as a tuple, held
+    for the call."""
+    if not isinstance(fn, torch.fx.GraphModule):
+        args = tuple(box)
+        box.clear()
+        return fn(*args)
+    env = dict(zip((n for n in fn.graph.nodes if n.op == "placeholder"), box, strict=True))
+    box.clear()
+    interpreter = torch.fx.Interpreter(fn)
+    interpreter.extra_traceback = False  # the piece's own errors, as its code raises them
+    return interpreter.run(initial_env=env)
 
 
 def _sizes(sizes) -> str:

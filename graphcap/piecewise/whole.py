@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphcap.errors import CaptureError
 from graphcap.piecewise.inductor import OneOpPiece
+from graphcap.piecewise.pieces import run_boxed
 
 
 def _where(t: torch.Tensor) -> tuple:
@@ -103,8 +104,9 @@ class WholeCapture:
     graph: Any = None
     keep: list = field(default_factory=list)  # OneOpPieces the emulated graph replays
 
-    def run(self, piece, args):
-        """A piece's forward inside the capture: the piece itself, inline."""
+    def run(self, piece, box: list):
+        """A piece's forward inside the capture: the piece itself, inline, on the
+        arguments in ``box`` (emptied: each freed after its last use in the piece)."""
         if piece.static_state is not None:
             state = piece.static_state()
             if state is None:
@@ -117,7 +119,7 @@ class WholeCapture:
         if piece.opaque and self.emulated:  # kernels the emulator's recording cannot see
             fn = OneOpPiece(piece.fn, piece.writes)
             self.keep.append(fn)
-        return fn(*args)
+        return run_boxed(fn, box)
 
     def replay(self) -> None:
         self.graph.replay()
