@@ -95,12 +95,16 @@ def test_the_gpt_oss_decoder_generates_what_recomputing_gives(strategy, preset):
 
 @pytest.mark.skipif(DEVICE != "cuda" or importlib.util.find_spec("flashinfer") is None,
                     reason="FlashInfer on a CUDA device")
+@pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("strategy", ["full", "breakable"])
-def test_flashinfers_prefill_computes_windowed_and_soft_capped_layers_as_triton(strategy):
+def test_flashinfers_prefill_computes_windowed_and_soft_capped_layers_as_triton(strategy,
+                                                                                sinks):
     """Alternating windowed and global layers, soft-capped scores, bf16 (FlashInfer's),
     head dim 64: each (window, softcap) pair planned per shape, the windowless twin for
-    a shape no longer than the window (bucket 4), against Triton's attention eagerly."""
-    m = model(window=4, global_every=2, softcap=3.0, head_dim=64).to(torch.bfloat16)
+    a shape no longer than the window (bucket 4), against Triton's attention eagerly;
+    with sinks, folded in from the kernel's log-sum-exp."""
+    m = model(window=4, global_every=2, softcap=3.0, head_dim=64, sinks=sinks).to(
+        torch.bfloat16)
     want = graphcap.capture(m, "eager", attention="triton")
     runner = graphcap.capture(m, strategy, attention="flashinfer", buckets=[32, 4],
                               max_requests=3)

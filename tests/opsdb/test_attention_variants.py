@@ -7,6 +7,7 @@ ops, and what a backend that cannot compute an option says."""
 from __future__ import annotations
 
 import itertools
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -250,3 +251,26 @@ def test_flashinfer_prefill_refuses_a_layer_of_another_scale_than_it_planned_wit
     default = FlashInferAttention(heads=(2, 2, 16), dtype=torch.float16)
     with pytest.raises(OpInputError, match=r"scale 0\.25 and this layer asks for 0\.125"):
         default.forward(q, k, v, torch.empty_like(q), planned, 0.125)
+
+
+@pytest.mark.parametrize("window,seed", [(0, 1), (3, 2), (0, 3)])
+def test_sinks_folded_into_an_output_by_its_rows_log_sum_exp_are_the_references(window,
+                                                                                seed):
+    """What FlashInfer's prefill and decode do for a layer with sinks: the kernel's
+    output without them and each row's base-2 log-sum-exp, then add_sinks."""
+    from graphcap.opsdb.attention.variant import add_sinks
+
+    n, hq, hk, scale = 9, 4, 2, 0.3
+    q, k, v = qkv(n, hq, hk, 16, seed=seed)
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(seed)) * 2
+    scores = torch.einsum("ihd,jhd->hij", q, k.repeat_interleave(hq // hk, dim=1)) * scale
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    seen = (j <= i) & ((j > i - window) if window else True)
+    lse2 = torch.logsumexp(scores.masked_fill(~seen, float("-inf")), dim=-1).T / math.log(2)
+    out = ref.attention_varlen(q, k, v, cu_of([n]), scale, True, window, 0.0, None)
+    add_sinks(out, lse2, sinks)
+    want = ref.attention_varlen(q, k, v, cu_of([n]), scale, True, window, 0.0, sinks)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    empty = torch.randn(1, hq, 16).to(torch.bfloat16)  # a row without keys: zero
+    add_sinks(empty, torch.full((1, hq), float("-inf")), sinks)
+    assert torch.equal(empty, torch.zeros_like(empty))

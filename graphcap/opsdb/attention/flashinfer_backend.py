@@ -14,7 +14,9 @@ A sliding window and soft-capped scores are plan-time options of FlashInfer's ke
 gets a wrapper of its own in every shape, planned from the same offsets: the backend
 learns the pairs from the first forward (a warm-up, outside any graph) and plans them all
 in each ``update`` after. A windowed pair brings its windowless twin, the variant the op
-runs for a shape no longer than the window. Attention sinks it does not compute.
+runs for a shape no longer than the window. Attention sinks are no plan-time option: a
+layer with sinks has the kernel return each row's log-sum-exp too and folds the sink
+logits in after it (:func:`~graphcap.opsdb.attention.variant.add_sinks`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,12 @@ from graphcap.opsdb.attention.base import (
     guard_kv,
     zero_padding_rows,
 )
-from graphcap.opsdb.attention.variant import PLAIN, Variant, refuse_first_in_capture
+from graphcap.opsdb.attention.variant import (
+    PLAIN,
+    Variant,
+    add_sinks,
+    refuse_first_in_capture,
+)
 from graphcap.opsdb.spec import OpInputError
 
 WORKSPACE_BYTES = 256 << 20  # graph mode can exceed the usual 128 MiB at large buckets
@@ -40,7 +47,7 @@ class FlashInferAttention(AttentionBackend):
     devices = ("cuda",)
     requires = ("flashinfer",)
     dtypes = (torch.float16, torch.bfloat16)
-    options = frozenset({"window", "softcap"})
+    options = frozenset({"window", "softcap", "sinks"})
 
     def __init__(self, heads: tuple[int, int, int] | None = None, dtype=None,
                  fa_backend: str = "fa3", scale: float | None = None):
@@ -116,7 +123,12 @@ class FlashInferAttention(AttentionBackend):
             self.learn(variant)
             self.plan(meta)
         k, v = guard_kv(k, v, meta)
-        meta.wrappers[key(variant)].run(q, k, v, out=out)
+        wrapper = meta.wrappers[key(variant)]
+        if variant.sinks is None:
+            wrapper.run(q, k, v, out=out)
+        else:
+            _, lse = wrapper.run(q, k, v, out=out, return_lse=True)
+            add_sinks(out, lse, variant.sinks)
         zero_padding_rows(out, meta)
 
 

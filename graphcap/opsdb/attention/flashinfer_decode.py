@@ -17,8 +17,9 @@ each (window, softcap) pair a model's layers use gets a wrapper of its own in ev
 planned from the same call: a windowed pair's rows are planned over the pages that hold
 their window only (the read per step is bounded by the window, and pages released behind
 it are never named), FlashInfer's ``window_left`` masking the rest of the first one. The
-backend learns the pairs from the first run (a warm-up, outside any graph). Attention
-sinks it does not compute.
+backend learns the pairs from the first run (a warm-up, outside any graph). A layer with
+attention sinks has the kernel return each row's log-sum-exp too and folds the sink
+logits in after it (:func:`~graphcap.opsdb.attention.variant.add_sinks`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ from graphcap.core.checks import staged
 from graphcap.errors import BackendUnavailable
 from graphcap.kv.paged import NULL_PAGE, PagedKVCache
 from graphcap.opsdb.attention.paged import DecodeBackend, DecodePlan
-from graphcap.opsdb.attention.variant import PLAIN, Variant, refuse_first_in_capture
+from graphcap.opsdb.attention.variant import (
+    PLAIN,
+    Variant,
+    add_sinks,
+    refuse_first_in_capture,
+)
 from graphcap.opsdb.spec import unavailable
 
 NAME = "flashinfer"
@@ -54,7 +60,7 @@ class FlashInferDecode(DecodeBackend):
     float workspace (the kernels' scratch: replays run one at a time)."""
 
     name = NAME
-    options = frozenset({"window", "softcap"})
+    options = frozenset({"window", "softcap", "sinks"})
 
     def __init__(self):
         self.heads: tuple[int, float] | None = None
@@ -80,7 +86,11 @@ class FlashInferDecode(DecodeBackend):
             self.variants.append(pair)
         if pair not in plan.wrappers:  # a plan updated before the pair was known
             plan.replan()
-        plan.wrappers[pair].run(q, (k_cache, v_cache), out=out)
+        if variant.sinks is None:
+            plan.wrappers[pair].run(q, (k_cache, v_cache), out=out)
+        else:
+            _, lse = plan.wrappers[pair].run(q, (k_cache, v_cache), out=out, return_lse=True)
+            add_sinks(out, lse, variant.sinks)
         out.copy_(torch.where((kv.seq_lens > 0)[:, None, None], out, 0.0))
 
 

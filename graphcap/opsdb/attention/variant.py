@@ -86,6 +86,17 @@ def refuse(what: str, name: str, serves: frozenset[str], variant: Variant,
             f"{', '.join(others) or 'none is installed here'}")
 
 
+def add_sinks(out: torch.Tensor, lse2: torch.Tensor, sinks: torch.Tensor) -> None:
+    """Fold learned sink logits into an attention output computed without them, in
+    place: ``out`` [T, Hq, D], each row normalised over its keys; ``lse2`` [T, Hq] the
+    base-2 log-sum-exp of each row's scaled scores (what FlashInfer's kernels return);
+    ``sinks`` [Hq]. A sink joins a row's softmax denominator and adds no value, so with
+    Z = 2^lse2 the row becomes out * Z / (Z + e^sink) = out * sigmoid(lse - sink), lse
+    in nats; a row without keys (lse2 = -inf) becomes zero. Computed in float32."""
+    factor = torch.sigmoid(lse2.float() * math.log(2.0) - sinks.float()[None, :])
+    torch.mul(out, factor[..., None], out=out)
+
+
 def refuse_first_in_capture(what: str, variant: Variant, fix: str) -> None:
     """``CaptureError`` when ``what``, a backend that fixes the window and soft cap when it
     plans (outside graphs), meets ``variant``'s pair for the first time inside a capture;
@@ -97,5 +108,5 @@ def refuse_first_in_capture(what: str, variant: Variant, fix: str) -> None:
             f"(window, softcap) outside graphs. {fix}")
 
 
-__all__ = ["MEANING", "OPTIONS", "PLAIN", "Variant", "check_variant", "refuse",
+__all__ = ["MEANING", "OPTIONS", "PLAIN", "Variant", "add_sinks", "check_variant", "refuse",
            "refuse_first_in_capture"]
