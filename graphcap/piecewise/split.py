@@ -87,12 +87,12 @@ def _box(*values) -> list:
 
 def box_piece_calls(split: torch.fx.GraphModule, names: set[str]) -> None:
     """Make the split module call each piece of ``names`` with one list of its arguments,
-    built just before the call. The split module frees an argument after its last use, now the list;
-    the piece empties the list (``PieceGraphs``), so an argument it uses last is freed at
-    its last use inside the piece, as in the forward Dynamo traced. Called with the
-    arguments themselves, the split module's frame would hold each until the piece
-    returned: the attention's output and the residual stream through the MLP after them,
-    a larger warm-up peak and pool than the eager forward's."""
+    built just before the call: the split module frees an argument after its last use,
+    now the list, and the piece empties the list (``PieceGraphs``), so an argument it
+    uses last is freed at its last use inside the piece, as in the forward Dynamo traced.
+    Called with the arguments themselves, the split module's frame would hold each until
+    the piece returned: the attention's output and the residual stream through the MLP
+    after them, a larger warm-up peak and pool than the eager forward's."""
     graph = split.graph
     for node in list(graph.nodes):
         if node.op != "call_module" or node.target not in names or node.kwargs:
