@@ -301,3 +301,16 @@ def default_store():
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+               "_backward_pre_hooks")
+
+
+def runs_hooks(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` runs hooks beside its ``forward``: its own or the
+    global ones (``torch.nn.modules.module``'s registries; without hooks ``module(...)``
+    is ``module.forward(...)``)."""
+    registries = torch.nn.modules.module
+    return any(getattr(module, name, None) or getattr(registries, "_global" + name, None)
+               for name in _HOOK_DICTS)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from graphcap import compat
 from graphcap.errors import UnsupportedModel
 from graphcap.kv import longest_window
 from graphcap.models.blocks import (
@@ -290,8 +291,11 @@ class Decoder(nn.Module):
         # index_select is several times slower than a gather.
         h = self.embed.weight[input_ids]
         for block in self.blocks:
-            # Half by half: each half's input is freed as its output is made (a block
-            # call would hold the block's input through the MLP, 1 residual more).
+            if compat.runs_hooks(block):  # they see the block's call
+                h = block(h, positions, self.cos_sin)
+                continue
+            # Else half by half, as Block.forward: each half's input is freed as its
+            # output is made (a block call holds the block's input through the MLP).
             h = block.attn(h, block.attn_norm, positions, self.cos_sin)
             h = block.mlp(h, block.mlp_norm)
         if self.output_rows == "requests":  # only the last token of each request

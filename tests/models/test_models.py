@@ -146,3 +146,19 @@ def test_the_old_graphcap_models_tiny_import_still_works_and_says_where_it_went(
     with pytest.warns(DeprecationWarning, match="graphcap.models.decoder"):
         old = importlib.import_module("graphcap.models.tiny")
     assert old.Decoder is Decoder
+
+
+def test_a_blocks_hooks_see_its_call_and_the_forward_is_the_same_without_them():
+    """The decoder runs a block without hooks half by half (freeing its input after the
+    attention half), one with hooks as a module call, so its hooks see every call."""
+    m = build_model("tiny", logits="last")
+    ids, positions = torch.randint(1, 256, (9,)), torch.arange(9)
+    with torch.inference_mode():
+        plain = m(ids, positions, seq_lens=[9])
+        seen = []
+        handle = m.blocks[1].register_forward_hook(lambda mod, args, out: seen.append(
+            (args[0].shape, out.shape)))
+        hooked = m(ids, positions, seq_lens=[9])
+        handle.remove()
+    assert seen == [(torch.Size([9, m.args.hidden]), torch.Size([9, m.args.hidden]))]
+    torch.testing.assert_close(hooked, plain, rtol=0, atol=0)
