@@ -1,0 +1,213 @@
+"""gpt-oss-120b's MXFP4 gate/up projection (128 experts, 4 a token, H = I = 2880, gate
+and up rows interleaved, biases, clamped GLU) by opsdb's kernel (``tl.dot_scaled``)
+against a candidate that decodes E2M1 itself (device side):
+
+    PYTHONPATH=. [PROBE_TOKENS=128,512] python3 docs/notes/probes/moe_mxfp4_decode.py
+
+The candidate takes the weights as the left operand (rows of w13 by tokens, so a tile's
+decoded values feed the tensor cores from registers), decodes each nibble to float16 by
+placing its three bits in the exponent's low bits and the mantissa's high bit (the value
+times 2^-14, E2M1's subnormal included: float16 has subnormals), multiplies even and odd
+K positions against the activation's even and odd columns (no interleaving shuffle), one
+32-value scale group a step, and scales each group's float32 partial sum per weight row
+(2^(scale - 113)) instead of every value. Per token count: device ms of each, captured
+in a CUDA graph, over a sweep of the candidate's tiles, and the largest difference
+between their outputs. JSON in $OUT/moe-mxfp4-decode.json. With TRITON_INTERPRET=1 and no
+GPU it checks the candidate on small shapes against the dequantized reference."""
+
+import itertools
+import json
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from graphcap.opsdb import reference
+from graphcap.opsdb.triton import moe, moe_routing
+
+
+@triton.jit
+def _e2m1_f16(nibble):
+    """Each E2M1 value of ``nibble`` (uint8, low 4 bits) as float16 times 2^-14."""
+    bits = ((nibble & 7).to(tl.uint16) << 9) | ((nibble & 8).to(tl.uint16) << 12)
+    return bits.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _gate_up_decoded(
+    x_ptr, w13_ptr, b13_ptr, inter_ptr, sorted_pairs_ptr, cum_padded_ptr, s13_ptr,
+    num_pairs, num_experts, alpha, limit,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_it,
+    H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    row0 = pid_m * BLOCK_M
+    expert, total = moe._tile_expert(cum_padded_ptr, num_experts, row0, BLOCK_E)
+    if row0 >= total:
+        return
+    pair = tl.load(sorted_pairs_ptr + row0 + tl.arange(0, BLOCK_M))
+    valid = pair < num_pairs
+    token = (pair // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < INTER
+    e = expert.to(tl.int64)
+    rows = (offs_n * 2).to(tl.int64)  # gate rows; the up row follows each
+    offs_b = tl.arange(0, 16)  # the bytes of one scale group
+    g_ptrs = w13_ptr + e * stride_we + rows[:, None] * stride_wn + offs_b[None, :]
+    gs_ptrs = s13_ptr + e * stride_se + rows * stride_sn
+    xe_ptrs = x_ptr + token[None, :] * stride_xt + (2 * offs_b)[:, None]  # even columns
+
+    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for step in range(0, H // 32, GROUPS):
+        for i in tl.static_range(GROUPS):
+            group = step + i
+            b_g = tl.load(g_ptrs + group * 16, mask=nmask[:, None], other=0)
+            b_u = tl.load(g_ptrs + stride_wn + group * 16, mask=nmask[:, None], other=0)
+            s_g = tl.load(gs_ptrs + group, mask=nmask, other=127).to(tl.float32)
+            s_u = tl.load(gs_ptrs + stride_sn + group, mask=nmask, other=127).to(tl.float32)
+            x_e = tl.load(xe_ptrs + group * 32, mask=valid[None, :], other=0.0).to(tl.float16)
+            x_o = tl.load(xe_ptrs + group * 32 + 1, mask=valid[None, :],
+                          other=0.0).to(tl.float16)
+            p_g = tl.dot(_e2m1_f16(b_g), x_e)
+            p_g = tl.dot(_e2m1_f16(b_g >> 4), x_o, p_g)
+            p_u = tl.dot(_e2m1_f16(b_u), x_e)
+            p_u = tl.dot(_e2m1_f16(b_u >> 4), x_o, p_u)
+            acc_g += p_g * tl.exp2(s_g - 113.0)[:, None]
+            acc_u += p_u * tl.exp2(s_u - 113.0)[:, None]
+
+    bias = b13_ptr + e * (2 * INTER) + offs_n * 2
+    acc_g += tl.load(bias, mask=nmask, other=0.0).to(tl.float32)[:, None]
+    acc_u += tl.load(bias + 1, mask=nmask, other=0.0).to(tl.float32)[:, None]
+    acc_g = tl.minimum(acc_g, limit)
+    acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    h = (acc_u + 1.0) * acc_g / (1.0 + tl.exp(-alpha * acc_g))
+    out = inter_ptr + pair[None, :].to(tl.int64) * stride_it + offs_n[:, None]
+    tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=nmask[:, None] & valid[None, :])
+
+
+def routed(ids, experts):
+    block_m = moe_routing.rows_per_tile(ids.numel(), experts)
+    sorted_pairs, cum_padded = moe_routing.align_pairs(ids, experts, block_m)
+    return block_m, sorted_pairs, cum_padded
+
+
+def decoded(x, w13, s13, b13, ids, alpha, limit, tiles):
+    """The candidate's gate/up rows [T * k, I] (bf16)."""
+    experts, inter = w13.shape[0], w13.shape[1] // 2
+    block_m, sorted_pairs, cum_padded = routed(ids, experts)
+    pairs = ids.numel()
+    out = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device)
+    grid = (triton.cdiv(sorted_pairs.numel(), block_m), triton.cdiv(inter, tiles["n"]))
+    _gate_up_decoded[grid](
+        x, w13, b13, out, sorted_pairs, cum_padded, s13, pairs, experts, alpha, limit,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
+        out.stride(0), H=x.shape[1], INTER=inter, TOP_K=ids.shape[1],
+        BLOCK_E=triton.next_power_of_2(experts), BLOCK_M=block_m, BLOCK_N=tiles["n"],
+        GROUPS=tiles["groups"], num_warps=tiles["warps"], num_stages=tiles["stages"])
+    return out
+
+
+def current(x, w13, s13, b13, ids, alpha, limit):
+    """opsdb's gate/up rows [T * k, I] (bf16), launched as moe_experts launches them."""
+    experts, inter = w13.shape[0], w13.shape[1] // 2
+    block_m, sorted_pairs, cum_padded = routed(ids, experts)
+    pairs = ids.numel()
+    out = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device)
+    block_k = 64 if x.shape[1] % 64 == 0 and inter % 64 == 0 else 32
+    moe._moe_gate_up_kernel[(triton.cdiv(sorted_pairs.numel(), block_m),
+                             triton.cdiv(inter, 64))](
+        x, w13, b13, out, sorted_pairs, cum_padded, s13, pairs, experts, alpha, limit,
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        s13.stride(0), s13.stride(1), s13.stride(2), out.stride(0), out.stride(1),
+        H=x.shape[1], INTER=inter, TOP_K=ids.shape[1],
+        BLOCK_E=triton.next_power_of_2(experts), BLOCK_M=block_m, BLOCK_N=64,
+        BLOCK_K=block_k, EVEN_K=True, IEEE=False, INTERPRET=False, HAS_BIAS=True,
+        CLAMPED_GLU=True, CLAMP=True, INTERLEAVED=True, MXFP4=True,
+        num_warps=4 if block_m <= 32 else 8, num_stages=3)
+    return out
+
+
+def dequantized(x, w13, s13, b13, ids, alpha, limit):
+    """The reference's gate/up rows [T * k, I] (float32)."""
+    rows = []
+    for p, expert in enumerate(ids.flatten().tolist()):
+        w = reference.mxfp4_dequantize(w13[expert], s13[expert])  # [2I, H]
+        gu = w @ x[p // ids.shape[1]].float() + b13[expert].float()
+        gate, up = gu[0::2].clamp(max=limit), gu[1::2].clamp(-limit, limit)
+        rows.append((up + 1) * gate * torch.sigmoid(alpha * gate))
+    return torch.stack(rows)
+
+
+def random_layer(experts, hidden, inter, device, lo=119, hi=122):
+    w13 = torch.randint(0, 256, (experts, 2 * inter, hidden // 2), dtype=torch.uint8,
+                        device=device)
+    s13 = torch.randint(lo, hi, (experts, 2 * inter, hidden // 32), dtype=torch.uint8,
+                        device=device)
+    b13 = (torch.randn(experts, 2 * inter, device=device) * 0.1).bfloat16()
+    return w13, s13, b13
+
+
+def interpreted_check() -> None:
+    torch.manual_seed(0)
+    experts, hidden, inter, k = 4, 64, 32, 2
+    w13, s13, b13 = random_layer(experts, hidden, inter, "cpu", lo=124, hi=128)
+    x = (torch.randn(5, hidden) * 0.5).bfloat16()
+    _, ids = reference.moe_topk_softmax(torch.randn(5, experts), k, True)
+    want = dequantized(x, w13, s13, b13, ids, 1.702, 7.0)
+    got = decoded(x, w13, s13, b13, ids, 1.702, 7.0,
+                  {"n": 16, "groups": 1, "warps": 4, "stages": 1}).float()
+    err = (got - want).abs().max().item()
+    print(f"interpreted: max |candidate - reference| {err:.3g} (rows of max "
+          f"{want.abs().max().item():.3g})")
+    assert err <= 0.02 * want.abs().max().item() + 1e-3, err
+
+
+def main() -> None:
+    from graphcap.bench.common import environment
+    from graphcap.bench.timing import graphed_ms
+
+    experts, hidden, inter, k = 128, 2880, 2880, 4
+    torch.manual_seed(0)
+    w13, s13, b13 = random_layer(experts, hidden, inter, "cuda")
+    glu = (1.702, 7.0)
+    sweep = [dict(n=n, groups=g, warps=w, stages=s) for n, g, w, s in
+             itertools.product((64, 128), (1, 2), (4, 8), (3, 4))]
+    rows = []
+    for tokens in [int(t) for t in os.environ.get("PROBE_TOKENS", "128,512").split(",")]:
+        x = (torch.randn(tokens, hidden, device="cuda") * 0.5).bfloat16()
+        _, ids = reference.moe_topk_softmax(torch.randn(tokens, experts, device="cuda"),
+                                            k, True)
+        args = (x, w13, s13, b13, ids, *glu)
+        base = current(*args)
+        row = {"tokens": tokens, "current_ms": graphed_ms(lambda a=args: current(*a),
+                                                          calls=4, reps=10),
+               "candidates": []}
+        for tiles in sweep:
+            entry = {"tiles": tiles}
+            try:
+                got = decoded(*args, tiles)
+                entry["max_diff"] = round((got.float() - base.float()).abs().max().item(), 4)
+                entry["ms"] = graphed_ms(lambda a=args, t=tiles: decoded(*a, t), calls=4,
+                                         reps=10)
+            except Exception as exc:  # noqa: BLE001 - a probe records what failed
+                entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            row["candidates"].append(entry)
+        timed = [c for c in row["candidates"] if "ms" in c]
+        row["best"] = min(timed, key=lambda c: c["ms"]) if timed else None
+        rows.append(row)
+        print(tokens, "current", row["current_ms"], "best", row["best"])
+    out = {"what": "gpt-oss-120b's MXFP4 gate/up: tl.dot_scaled against an own float16 "
+                   "decode, weights as the left operand", **environment(), "rows": rows}
+    with open(os.path.join(os.environ.get("OUT", "."), "moe-mxfp4-decode.json"), "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    if torch.cuda.is_available():
+        main()
+    else:
+        interpreted_check()
