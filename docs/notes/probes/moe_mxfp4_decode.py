@@ -1,6 +1,7 @@
-"""gpt-oss-120b's MXFP4 gate/up projection (128 experts, 4 a token, H = I = 2880, gate
-and up rows interleaved, biases, clamped GLU) by opsdb's kernel (``tl.dot_scaled``)
-against a candidate that decodes E2M1 itself (device side):
+"""gpt-oss-120b's MXFP4 expert projections (128 experts, 4 a token, H = I = 2880; gate/up
+with gate and up rows interleaved, biases, clamped GLU; down with biases and routing
+weights) by opsdb's kernels (``tl.dot_scaled``) against candidates that decode E2M1
+themselves (device side):
 
     PYTHONPATH=. [PROBE_TOKENS=128,512] python3 docs/notes/probes/moe_mxfp4_decode.py
 
@@ -89,6 +90,53 @@ def _gate_up_decoded(
     tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=nmask[:, None] & valid[None, :])
 
 
+@triton.jit
+def _down_decoded(
+    inter_ptr, w2_ptr, b2_ptr, pairs_ptr, sorted_pairs_ptr, cum_padded_ptr,
+    topk_weights_ptr, s2_ptr, num_pairs, num_experts,
+    stride_it, stride_we, stride_wn, stride_se, stride_sn, stride_pt,
+    H: tl.constexpr, INTER: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+):
+    """The down projection as the candidate gate/up: rows of w2 by pairs, each pair's
+    row scaled by its routing weight (opsdb's _moe_down_kernel's contract)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    row0 = pid_m * BLOCK_M
+    expert, total = moe._tile_expert(cum_padded_ptr, num_experts, row0, BLOCK_E)
+    if row0 >= total:
+        return
+    pair = tl.load(sorted_pairs_ptr + row0 + tl.arange(0, BLOCK_M))
+    valid = pair < num_pairs
+    pair64 = pair.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < H
+    e = expert.to(tl.int64)
+    offs_b = tl.arange(0, 16)
+    w_ptrs = w2_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_b[None, :]
+    s_ptrs = s2_ptr + e * stride_se + offs_n.to(tl.int64) * stride_sn
+    ie_ptrs = inter_ptr + pair64[None, :] * stride_it + (2 * offs_b)[:, None]
+
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for step in range(0, INTER // 32, GROUPS):
+        for i in tl.static_range(GROUPS):
+            group = step + i
+            b = tl.load(w_ptrs + group * 16, mask=nmask[:, None], other=0)
+            sc = tl.load(s_ptrs + group, mask=nmask, other=127).to(tl.float32)
+            a_e = tl.load(ie_ptrs + group * 32, mask=valid[None, :], other=0.0).to(tl.float16)
+            a_o = tl.load(ie_ptrs + group * 32 + 1, mask=valid[None, :],
+                          other=0.0).to(tl.float16)
+            part = tl.dot(_e2m1_f16(b), a_e)
+            part = tl.dot(_e2m1_f16(b >> 4), a_o, part)
+            acc += part * tl.exp2(sc - 113.0)[:, None]
+
+    acc += tl.load(b2_ptr + e * H + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
+    w = tl.load(topk_weights_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * w[None, :]
+    out = pairs_ptr + pair64[None, :] * stride_pt + offs_n[:, None]
+    tl.store(out, acc.to(pairs_ptr.dtype.element_ty), mask=nmask[:, None] & valid[None, :])
+
+
 def routed(ids, experts):
     block_m = moe_routing.rows_per_tile(ids.numel(), experts)
     sorted_pairs, cum_padded = moe_routing.align_pairs(ids, experts, block_m)
@@ -98,6 +146,7 @@ def routed(ids, experts):
 def decoded(x, w13, s13, b13, ids, alpha, limit, tiles):
     """The candidate's gate/up rows [T * k, I] (bf16)."""
     experts, inter = w13.shape[0], w13.shape[1] // 2
+    assert x.shape[1] // 32 % tiles["groups"] == 0, "whole steps of scale groups"
     block_m, sorted_pairs, cum_padded = routed(ids, experts)
     pairs = ids.numel()
     out = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device)
@@ -131,6 +180,40 @@ def current(x, w13, s13, b13, ids, alpha, limit):
     return out
 
 
+def decoded_down(inter, w2, s2, b2, weights, ids, tiles):
+    """The candidate's down rows [T * k, H] (bf16), each times its routing weight."""
+    experts, hidden = w2.shape[0], w2.shape[1]
+    assert inter.shape[1] // 32 % tiles["groups"] == 0, "whole steps of scale groups"
+    block_m, sorted_pairs, cum_padded = routed(ids, experts)
+    out = torch.empty(ids.numel(), hidden, dtype=torch.bfloat16, device=inter.device)
+    grid = (triton.cdiv(sorted_pairs.numel(), block_m), triton.cdiv(hidden, tiles["n"]))
+    _down_decoded[grid](
+        inter, w2, b2, out, sorted_pairs, cum_padded, weights.reshape(-1), s2, ids.numel(),
+        experts, inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
+        out.stride(0), H=hidden, INTER=inter.shape[1],
+        BLOCK_E=triton.next_power_of_2(experts), BLOCK_M=block_m, BLOCK_N=tiles["n"],
+        GROUPS=tiles["groups"], num_warps=tiles["warps"], num_stages=tiles["stages"])
+    return out
+
+
+def current_down(inter, w2, s2, b2, weights, ids):
+    """opsdb's down rows [T * k, H] (bf16), launched as moe_experts launches them."""
+    experts, hidden = w2.shape[0], w2.shape[1]
+    block_m, sorted_pairs, cum_padded = routed(ids, experts)
+    out = torch.empty(ids.numel(), hidden, dtype=torch.bfloat16, device=inter.device)
+    block_k = 64 if hidden % 64 == 0 and inter.shape[1] % 64 == 0 else 32
+    moe._moe_down_kernel[(triton.cdiv(sorted_pairs.numel(), block_m),
+                          triton.cdiv(hidden, 64))](
+        inter, w2, b2, out, sorted_pairs, cum_padded, weights.reshape(-1), s2, ids.numel(),
+        experts, inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1),
+        w2.stride(2), s2.stride(0), s2.stride(1), s2.stride(2), out.stride(0),
+        out.stride(1), H=hidden, INTER=inter.shape[1],
+        BLOCK_E=triton.next_power_of_2(experts), BLOCK_M=block_m, BLOCK_N=64,
+        BLOCK_K=block_k, EVEN_K=True, IEEE=False, INTERPRET=False, HAS_BIAS=True,
+        MXFP4=True, num_warps=4 if block_m <= 32 else 8, num_stages=3)
+    return out
+
+
 def dequantized(x, w13, s13, b13, ids, alpha, limit):
     """The reference's gate/up rows [T * k, I] (float32)."""
     rows = []
@@ -142,28 +225,43 @@ def dequantized(x, w13, s13, b13, ids, alpha, limit):
     return torch.stack(rows)
 
 
+def dequantized_down(inter, w2, s2, b2, weights, ids):
+    """The reference's down rows [T * k, H] (float32), each times its routing weight."""
+    rows = []
+    for p, expert in enumerate(ids.flatten().tolist()):
+        w = reference.mxfp4_dequantize(w2[expert], s2[expert])  # [H, I]
+        rows.append((w @ inter[p].float() + b2[expert].float()) * weights.flatten()[p])
+    return torch.stack(rows)
+
+
 def random_layer(experts, hidden, inter, device, lo=119, hi=122):
-    w13 = torch.randint(0, 256, (experts, 2 * inter, hidden // 2), dtype=torch.uint8,
-                        device=device)
-    s13 = torch.randint(lo, hi, (experts, 2 * inter, hidden // 32), dtype=torch.uint8,
-                        device=device)
-    b13 = (torch.randn(experts, 2 * inter, device=device) * 0.1).bfloat16()
-    return w13, s13, b13
+    """w13, s13, b13, w2, s2, b2 of an MXFP4 expert layer (gate and up interleaved)."""
+    def packed(rows, cols):
+        return (torch.randint(0, 256, (experts, rows, cols // 2), dtype=torch.uint8,
+                              device=device),
+                torch.randint(lo, hi, (experts, rows, cols // 32), dtype=torch.uint8,
+                              device=device),
+                (torch.randn(experts, rows, device=device) * 0.1).bfloat16())
+    return (*packed(2 * inter, hidden), *packed(hidden, inter))
 
 
 def interpreted_check() -> None:
     torch.manual_seed(0)
-    experts, hidden, inter, k = 4, 64, 32, 2
-    w13, s13, b13 = random_layer(experts, hidden, inter, "cpu", lo=124, hi=128)
+    experts, hidden, inter, k = 4, 64, 64, 2
+    w13, s13, b13, w2, s2, b2 = random_layer(experts, hidden, inter, "cpu", lo=124, hi=128)
     x = (torch.randn(5, hidden) * 0.5).bfloat16()
-    _, ids = reference.moe_topk_softmax(torch.randn(5, experts), k, True)
-    want = dequantized(x, w13, s13, b13, ids, 1.702, 7.0)
-    got = decoded(x, w13, s13, b13, ids, 1.702, 7.0,
-                  {"n": 16, "groups": 1, "warps": 4, "stages": 1}).float()
-    err = (got - want).abs().max().item()
-    print(f"interpreted: max |candidate - reference| {err:.3g} (rows of max "
-          f"{want.abs().max().item():.3g})")
-    assert err <= 0.02 * want.abs().max().item() + 1e-3, err
+    weights, ids = reference.moe_topk_softmax(torch.randn(5, experts), k, True)
+    tiles = {"n": 16, "groups": 2, "warps": 4, "stages": 1}
+    checks = (("gate/up", dequantized(x, w13, s13, b13, ids, 1.702, 7.0),
+               decoded(x, w13, s13, b13, ids, 1.702, 7.0, tiles)),)
+    inter_rows = checks[0][2]
+    checks += (("down", dequantized_down(inter_rows, w2, s2, b2, weights, ids),
+                decoded_down(inter_rows, w2, s2, b2, weights, ids, tiles)),)
+    for name, want, got in checks:
+        err = (got.float() - want).abs().max().item()
+        print(f"interpreted {name}: max |candidate - reference| {err:.3g} (rows of max "
+              f"{want.abs().max().item():.3g})")
+        assert err <= 0.02 * want.abs().max().item() + 1e-3, (name, err)
 
 
 def main() -> None:
@@ -172,36 +270,41 @@ def main() -> None:
 
     experts, hidden, inter, k = 128, 2880, 2880, 4
     torch.manual_seed(0)
-    w13, s13, b13 = random_layer(experts, hidden, inter, "cuda")
+    w13, s13, b13, w2, s2, b2 = random_layer(experts, hidden, inter, "cuda")
     glu = (1.702, 7.0)
     sweep = [dict(n=n, groups=g, warps=w, stages=s) for n, g, w, s in
              itertools.product((64, 128), (1, 2), (4, 8), (3, 4))]
     rows = []
     for tokens in [int(t) for t in os.environ.get("PROBE_TOKENS", "128,512").split(",")]:
         x = (torch.randn(tokens, hidden, device="cuda") * 0.5).bfloat16()
-        _, ids = reference.moe_topk_softmax(torch.randn(tokens, experts, device="cuda"),
-                                            k, True)
-        args = (x, w13, s13, b13, ids, *glu)
-        base = current(*args)
-        row = {"tokens": tokens, "current_ms": graphed_ms(lambda a=args: current(*a),
-                                                          calls=4, reps=10),
-               "candidates": []}
-        for tiles in sweep:
-            entry = {"tiles": tiles}
-            try:
-                got = decoded(*args, tiles)
-                entry["max_diff"] = round((got.float() - base.float()).abs().max().item(), 4)
-                entry["ms"] = graphed_ms(lambda a=args, t=tiles: decoded(*a, t), calls=4,
-                                         reps=10)
-            except Exception as exc:  # noqa: BLE001 - a probe records what failed
-                entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            row["candidates"].append(entry)
-        timed = [c for c in row["candidates"] if "ms" in c]
-        row["best"] = min(timed, key=lambda c: c["ms"]) if timed else None
-        rows.append(row)
-        print(tokens, "current", row["current_ms"], "best", row["best"])
-    out = {"what": "gpt-oss-120b's MXFP4 gate/up: tl.dot_scaled against an own float16 "
-                   "decode, weights as the left operand", **environment(), "rows": rows}
+        weights, ids = reference.moe_topk_softmax(
+            torch.randn(tokens, experts, device="cuda"), k, True)
+        inter_rows = current(x, w13, s13, b13, ids, *glu)
+        for name, now, candidate, args in (
+                ("gate/up", current, decoded, (x, w13, s13, b13, ids, *glu)),
+                ("down", current_down, decoded_down, (inter_rows, w2, s2, b2, weights, ids))):
+            base = now(*args)
+            row = {"tokens": tokens, "projection": name,
+                   "current_ms": graphed_ms(lambda a=args, f=now: f(*a), calls=4, reps=10),
+                   "candidates": []}
+            for tiles in sweep:
+                entry = {"tiles": tiles}
+                try:
+                    got = candidate(*args, tiles)
+                    entry["max_diff"] = round((got.float() - base.float()).abs().max().item(),
+                                              4)
+                    entry["ms"] = graphed_ms(lambda a=args, t=tiles, f=candidate: f(*a, t),
+                                             calls=4, reps=10)
+                except Exception as exc:  # noqa: BLE001 - a probe records what failed
+                    entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                row["candidates"].append(entry)
+            timed = [c for c in row["candidates"] if "ms" in c]
+            row["best"] = min(timed, key=lambda c: c["ms"]) if timed else None
+            rows.append(row)
+            print(tokens, name, "current", row["current_ms"], "best", row["best"])
+    out = {"what": "gpt-oss-120b's MXFP4 gate/up and down: tl.dot_scaled against an own "
+                   "float16 decode, weights as the left operand", **environment(),
+           "rows": rows}
     with open(os.path.join(os.environ.get("OUT", "."), "moe-mxfp4-decode.json"), "w") as f:
         json.dump(out, f, indent=1)
 
