@@ -8,13 +8,16 @@ themselves (device side):
 The candidate takes the weights as the left operand (rows of w13 by tokens, so a tile's
 decoded values feed the tensor cores from registers), decodes each nibble to float16 by
 placing its three bits in the exponent's low bits and the mantissa's high bit (the value
-times 2^-14, E2M1's subnormal included: float16 has subnormals), multiplies even and odd
+times 2^-14, E2M1's subnormal included: float16 has subnormals; by inline PTX two values
+an instruction, or by Triton's element-wise ops), multiplies even and odd
 K positions against the activation's even and odd columns (no interleaving shuffle), one
 32-value scale group a step, and scales each group's float32 partial sum per weight row
 (2^(scale - 113)) instead of every value. Per token count: device ms of each, captured
 in a CUDA graph, over a sweep of the candidate's tiles, and the largest difference
 between their outputs. JSON in $OUT/moe-mxfp4-decode.json. With TRITON_INTERPRET=1 and no
-GPU it checks the candidate on small shapes against the dequantized reference."""
+GPU it checks the candidate (Triton's decode: the interpreter runs no PTX) on small
+shapes against the dequantized reference; the PTX decode is checked on the device,
+against opsdb's kernels (max_diff)."""
 
 import itertools
 import json
@@ -35,13 +38,51 @@ def _e2m1_f16(nibble):
     return bits.to(tl.float16, bitcast=True)
 
 
+# Four bytes a register: the low nibbles of bytes 0 and 2 (then 1 and 3, shifted down a
+# byte) land in float16's exponent and mantissa with two masks and two shifts each, two
+# values an instruction; a byte permute puts the four in element order. The same for the
+# high nibbles. Outputs: the low nibbles' values, the high nibbles' (times 2^-14).
+_E2M1_PTX = tl.constexpr("""
+{
+.reg .b32 w8, a0, a1, t;
+shr.b32 w8, $4, 8;
+and.b32 a0, $4, 0x00070007; shl.b32 a0, a0, 9;
+and.b32 t, $4, 0x00080008; shl.b32 t, t, 12; or.b32 a0, a0, t;
+and.b32 a1, w8, 0x00070007; shl.b32 a1, a1, 9;
+and.b32 t, w8, 0x00080008; shl.b32 t, t, 12; or.b32 a1, a1, t;
+prmt.b32 $0, a0, a1, 0x5410;
+prmt.b32 $1, a0, a1, 0x7632;
+and.b32 a0, $4, 0x00700070; shl.b32 a0, a0, 5;
+and.b32 t, $4, 0x00800080; shl.b32 t, t, 8; or.b32 a0, a0, t;
+and.b32 a1, w8, 0x00700070; shl.b32 a1, a1, 5;
+and.b32 t, w8, 0x00800080; shl.b32 t, t, 8; or.b32 a1, a1, t;
+prmt.b32 $2, a0, a1, 0x5410;
+prmt.b32 $3, a0, a1, 0x7632;
+}
+""")
+
+
+@triton.jit
+def _e2m1_pairs(b, ASM: tl.constexpr):
+    """The values of the low and the high nibbles of bytes ``b`` (float16, times 2^-14):
+    inline PTX four bytes at a time, or Triton's own element-wise ops."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(_E2M1_PTX, "=r,=r,=r,=r,r", [b],
+                                           dtype=(tl.float16, tl.float16), is_pure=True,
+                                           pack=4)
+    else:
+        lo = _e2m1_f16(b)
+        hi = _e2m1_f16(b >> 4)
+    return lo, hi
+
+
 @triton.jit
 def _gate_up_decoded(
     x_ptr, w13_ptr, b13_ptr, inter_ptr, sorted_pairs_ptr, cum_padded_ptr, s13_ptr,
     num_pairs, num_experts, alpha, limit,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_it,
     H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -73,10 +114,12 @@ def _gate_up_decoded(
             x_e = tl.load(xe_ptrs + group * 32, mask=valid[None, :], other=0.0).to(tl.float16)
             x_o = tl.load(xe_ptrs + group * 32 + 1, mask=valid[None, :],
                           other=0.0).to(tl.float16)
-            p_g = tl.dot(_e2m1_f16(b_g), x_e)
-            p_g = tl.dot(_e2m1_f16(b_g >> 4), x_o, p_g)
-            p_u = tl.dot(_e2m1_f16(b_u), x_e)
-            p_u = tl.dot(_e2m1_f16(b_u >> 4), x_o, p_u)
+            g_lo, g_hi = _e2m1_pairs(b_g, ASM)
+            u_lo, u_hi = _e2m1_pairs(b_u, ASM)
+            p_g = tl.dot(g_lo, x_e)
+            p_g = tl.dot(g_hi, x_o, p_g)
+            p_u = tl.dot(u_lo, x_e)
+            p_u = tl.dot(u_hi, x_o, p_u)
             acc_g += p_g * tl.exp2(s_g - 113.0)[:, None]
             acc_u += p_u * tl.exp2(s_u - 113.0)[:, None]
 
@@ -96,7 +139,7 @@ def _down_decoded(
     topk_weights_ptr, s2_ptr, num_pairs, num_experts,
     stride_it, stride_we, stride_wn, stride_se, stride_sn, stride_pt,
     H: tl.constexpr, INTER: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr,
 ):
     """The down projection as the candidate gate/up: rows of w2 by pairs, each pair's
     row scaled by its routing weight (opsdb's _moe_down_kernel's contract)."""
@@ -126,8 +169,9 @@ def _down_decoded(
             a_e = tl.load(ie_ptrs + group * 32, mask=valid[None, :], other=0.0).to(tl.float16)
             a_o = tl.load(ie_ptrs + group * 32 + 1, mask=valid[None, :],
                           other=0.0).to(tl.float16)
-            part = tl.dot(_e2m1_f16(b), a_e)
-            part = tl.dot(_e2m1_f16(b >> 4), a_o, part)
+            w_lo, w_hi = _e2m1_pairs(b, ASM)
+            part = tl.dot(w_lo, a_e)
+            part = tl.dot(w_hi, a_o, part)
             acc += part * tl.exp2(sc - 113.0)[:, None]
 
     acc += tl.load(b2_ptr + e * H + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
@@ -156,7 +200,8 @@ def decoded(x, w13, s13, b13, ids, alpha, limit, tiles):
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
         out.stride(0), H=x.shape[1], INTER=inter, TOP_K=ids.shape[1],
         BLOCK_E=triton.next_power_of_2(experts), BLOCK_M=block_m, BLOCK_N=tiles["n"],
-        GROUPS=tiles["groups"], num_warps=tiles["warps"], num_stages=tiles["stages"])
+        GROUPS=tiles["groups"], ASM=tiles.get("decode") == "asm", num_warps=tiles["warps"],
+        num_stages=tiles["stages"])
     return out
 
 
@@ -192,7 +237,8 @@ def decoded_down(inter, w2, s2, b2, weights, ids, tiles):
         experts, inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
         out.stride(0), H=hidden, INTER=inter.shape[1],
         BLOCK_E=triton.next_power_of_2(experts), BLOCK_M=block_m, BLOCK_N=tiles["n"],
-        GROUPS=tiles["groups"], num_warps=tiles["warps"], num_stages=tiles["stages"])
+        GROUPS=tiles["groups"], ASM=tiles.get("decode") == "asm", num_warps=tiles["warps"],
+        num_stages=tiles["stages"])
     return out
 
 
@@ -272,8 +318,8 @@ def main() -> None:
     torch.manual_seed(0)
     w13, s13, b13, w2, s2, b2 = random_layer(experts, hidden, inter, "cuda")
     glu = (1.702, 7.0)
-    sweep = [dict(n=n, groups=g, warps=w, stages=s) for n, g, w, s in
-             itertools.product((64, 128), (1, 2), (4, 8), (3, 4))]
+    sweep = [dict(decode=d, n=n, groups=g, warps=w, stages=s) for d, n, g, w, s in
+             itertools.product(("asm", "triton"), (64, 128), (1, 2), (4, 8), (3, 4))]
     rows = []
     for tokens in [int(t) for t in os.environ.get("PROBE_TOKENS", "128,512").split(",")]:
         x = (torch.randn(tokens, hidden, device="cuda") * 0.5).bfloat16()
