@@ -231,8 +231,10 @@ class GraphPool:
         capture keeps that its warm-up did not free (large outputs it returns).
 
         cuBLAS's workspaces are dropped here (once per pool, as
-        :meth:`own_cublas_workspace` would at the first capture), so that the capture's
-        first matmul makes the stream's anew, inside the pool."""
+        :meth:`own_cublas_workspace` would at the first capture) and, where the pool is
+        sized, the capture stream's is made anew at the head of the block: made by the
+        capture's first matmul, it would sit wherever that matmul finds the block,
+        splitting the rest in two (unsized, that matmul makes it, inside the pool)."""
         stats = torch.cuda.memory_stats(self.device)
         transient = stats[self._LARGE + "peak"] - stats[self._LARGE + "current"]
         measured = stats[self._LARGE + "peak"] > before["peak"]
@@ -247,9 +249,7 @@ class GraphPool:
             block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         del block  # a free block of the pool, on the capture stream
         self.sized_bytes = nbytes
-        # The workspace first, at the block's head: made by the capture's first matmul,
-        # it would sit wherever that matmul finds the block, splitting the rest in two.
-        self.make_blas_workspace()
+        self.make_blas_workspace()  # the block's head
 
     def make_blas_workspace(self) -> None:
         """This thread's cuBLAS handles (a handle made inside a capture fails) and the
