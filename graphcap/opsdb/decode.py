@@ -112,7 +112,8 @@ def decode_attention_inputs(device, dtype, max_rows: int = 5):
     reads the cache), every slot no row attends (past its length or before its window)
     filled with NaN; windows, soft-capping and sinks on or off; or a decode step that
     writes each row's own token first (rows on pages of their own, page 0 for pads, as
-    the null page)."""
+    the null page; the pads carry one K/V, as the null page's content is whichever pad's
+    write lands last, in no fixed order on a GPU)."""
     from hypothesis import strategies as st
 
     from graphcap.opsdb.inputs import tensors
@@ -154,7 +155,11 @@ def decode_attention_inputs(device, dtype, max_rows: int = 5):
             loc = table.long().gather(1, (last // page_size)[:, None])[:, 0] * page_size \
                 + last % page_size
             loc = torch.where(lens > 0, loc, 0)
-            own = (*tensors(d, device, dtype, (b, hk, head), (b, hk, head)), loc.to(device))
+            k_new, v_new = tensors(d, device, dtype, (b, hk, head), (b, hk, head))
+            pads = (lens == 0).to(device)
+            if pads.any():  # which pad's write lands is unspecified: they write the same
+                k_new[pads], v_new[pads] = k_new[pads][:1], v_new[pads][:1]
+            own = (k_new, v_new, loc.to(device))
         return (q, kc, vc, table.to(device), lens.to(device), out, head ** -0.5, window,
                 softcap, sinks, *own)
 

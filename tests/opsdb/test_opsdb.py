@@ -260,3 +260,34 @@ def test_a_split_ops_static_state_was_once_named_graphable_which_still_works_wit
         opsdb.register_op("graphcap_test::both_names", "(Tensor x, Tensor(a!) out) -> ()",
                           reference=ident, split=True, graphable=state, static_state=state)
     assert "graphcap_test::both_names" not in opsdb.REGISTRY
+
+
+WRITERS = sorted(name for name in BUILTIN if "Tensor cache_loc" in get_op(name).schema
+                 or "Tensor? cache_loc" in get_op(name).schema)
+
+
+@pytest.mark.parametrize("name", WRITERS)
+def test_rows_an_example_writes_to_one_slot_carry_one_key_and_value(name):
+    # Which of two writes to one slot lands is unspecified (on a GPU, in no fixed order):
+    # an example that wrote different K/V there would make the kernel-vs-reference check
+    # a coin toss.
+    from hypothesis import given
+
+    namespace, op = name.split("::")
+    names = [a.name for a in getattr(getattr(torch.ops, namespace), op).default._schema.arguments]
+
+    @given(get_op(name).inputs("cpu", torch.float32))
+    def check(args):
+        bound = dict(zip(names, args, strict=False))
+        loc = bound.get("cache_loc")
+        if loc is None:
+            return
+        for slot in loc.unique():
+            rows = (loc == slot).nonzero()[:, 0]
+            for key in ("k", "v"):
+                same = bound[key][rows]
+                assert torch.equal(same, same[:1].expand_as(same)), (
+                    f"{name}: rows {rows.tolist()} write slot {int(slot)} with different "
+                    f"{key}")
+
+    check()

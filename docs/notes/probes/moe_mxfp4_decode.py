@@ -3,7 +3,8 @@ with gate and up rows interleaved, biases, clamped GLU; down with biases and rou
 weights) by opsdb's kernels (``tl.dot_scaled``) against candidates that decode E2M1
 themselves (device side):
 
-    PYTHONPATH=. [PROBE_TOKENS=128,512] python3 docs/notes/probes/moe_mxfp4_decode.py
+    PYTHONPATH=. [PROBE_TOKENS=128,512] [PROBE_GROUPS=1,2] [PROBE_DECODES=asm,triton] \
+        python3 docs/notes/probes/moe_mxfp4_decode.py
 
 The candidate takes the weights as the left operand (rows of w13 by tokens, so a tile's
 decoded values feed the tensor cores from registers), decodes each nibble to float16 by
@@ -318,8 +319,10 @@ def main() -> None:
     torch.manual_seed(0)
     w13, s13, b13, w2, s2, b2 = random_layer(experts, hidden, inter, "cuda")
     glu = (1.702, 7.0)
+    groups = [int(g) for g in os.environ.get("PROBE_GROUPS", "1,2").split(",")]
+    decodes = os.environ.get("PROBE_DECODES", "asm,triton").split(",")
     sweep = [dict(decode=d, n=n, groups=g, warps=w, stages=s) for d, n, g, w, s in
-             itertools.product(("asm", "triton"), (64, 128), (1, 2), (4, 8), (3, 4))]
+             itertools.product(decodes, (64, 128), groups, (4, 8), (3, 4))]
     rows = []
     for tokens in [int(t) for t in os.environ.get("PROBE_TOKENS", "128,512").split(",")]:
         x = (torch.randn(tokens, hidden, device="cuda") * 0.5).bfloat16()
