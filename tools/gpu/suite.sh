@@ -9,10 +9,10 @@
 #
 # The gpu-marked tests run as five pytest processes side by side (the tests are bound by
 # the host's Python, the machine has 16 cores and one GPU with room for all five):
-# replay equivalence; kernels, attention backends and transformers models; the kinds of
-# input and the engine; the strategies' trust tests and stock models' generation and
-# variants, in the background; examples/ (not marked gpu: CI runs them on CPU), then the
-# rest, in front.
+# replay equivalence and the capture core; kernels, attention backends and transformers
+# models; the kinds of input and the engine; the strategies' trust tests and stock models'
+# generation and variants, in the background; examples/ (not marked gpu: CI runs them on
+# CPU), then the rest, in front.
 # Each process has SUITE_TIMEOUT seconds, then an interrupt (pytest still prints what
 # failed so far, by name); the script exits non-zero if any failed or ran out of time.
 # Logs land in $OUT/gpu-examples.log and $OUT/gpu-suite-{1,2,3,4,5}.log; record the run in
@@ -36,7 +36,7 @@ pytest_gpu() {  # log name, then pytest arguments
   timeout -s INT -k 30 "$limit" python3 -m pytest -m gpu -q -rA -p no:cacheprovider "$@" \
     > "$OUT/$log" 2>&1
 }
-g1=(tests/strategies/test_replay_equivalence.py)
+g1=(tests/strategies/test_replay_equivalence.py tests/core)
 g2=(tests/kernels tests/opsdb/test_attention_backends.py tests/hf/test_hf.py tests/hf/test_hf_kernels.py)
 g3=(tests/inputs tests/engine)
 g5=(tests/strategies tests/hf)
