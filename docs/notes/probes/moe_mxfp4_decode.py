@@ -5,6 +5,7 @@ themselves (device side):
 
     PYTHONPATH=. [PROBE_TOKENS=128,512] [PROBE_GROUPS=1,2] [PROBE_DECODES=asm,triton] \
         python3 docs/notes/probes/moe_mxfp4_decode.py
+    PROBE_ONCE=1 [PROBE_TILES='{...}'] ncu ... python3 docs/notes/probes/moe_mxfp4_decode.py
 
 The candidate takes the weights as the left operand (rows of w13 by tokens, so a tile's
 decoded values feed the tensor cores from registers), decodes each nibble to float16 by
@@ -358,8 +359,27 @@ def main() -> None:
         json.dump(out, f, indent=1)
 
 
+def launch_once() -> None:
+    """Each projection once by opsdb's kernel and once by the candidate of PROBE_TILES
+    (JSON), eagerly, at the first of PROBE_TOKENS: for a profiler (``ncu -k regex:...``)."""
+    experts, hidden, inter, k = 128, 2880, 2880, 4
+    torch.manual_seed(0)
+    w13, s13, b13, w2, s2, b2 = random_layer(experts, hidden, inter, "cuda")
+    tiles = json.loads(os.environ.get(
+        "PROBE_TILES", '{"decode": "asm", "n": 128, "groups": 1, "warps": 8, "stages": 3}'))
+    tokens = int(os.environ.get("PROBE_TOKENS", "128").split(",")[0])
+    x = (torch.randn(tokens, hidden, device="cuda") * 0.5).bfloat16()
+    weights, ids = reference.moe_topk_softmax(torch.randn(tokens, experts, device="cuda"), k,
+                                              True)
+    inter_rows = current(x, w13, s13, b13, ids, 1.702, 7.0)
+    decoded(x, w13, s13, b13, ids, 1.702, 7.0, tiles)
+    current_down(inter_rows, w2, s2, b2, weights, ids)
+    decoded_down(inter_rows, w2, s2, b2, weights, ids, tiles)
+    torch.cuda.synchronize()
+
+
 if __name__ == "__main__":
     if torch.cuda.is_available():
-        main()
+        launch_once() if os.environ.get("PROBE_ONCE") else main()
     else:
         interpreted_check()
