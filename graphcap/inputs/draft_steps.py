@@ -23,7 +23,6 @@ from graphcap.core.checks import positive_int
 from graphcap.core.inputs import Batch
 from graphcap.errors import BadBatch
 from graphcap.inputs.paged import PagedInputs, PagedState
-from graphcap.kv.batch import CacheBatch
 from graphcap.kv.paged import PagedKVCache
 
 
@@ -83,8 +82,7 @@ class DraftStepsInputs(PagedInputs):
             torch.add(first, i, out=moved)
         token_slots = self.buffers[2][:count]
         for state, positions in zip(states, self._positions(count), strict=True):
-            fresh = CacheBatch.paged(self.cache, token_slots, positions)
-            state.kv.refresh(fresh)
+            state.kv.recompute(token_slots, positions)
 
     def forward(self, model, bucket: int, states: list[PagedState]):
         last = self.last_rows[:bucket] if self.per_request else None

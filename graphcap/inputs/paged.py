@@ -230,9 +230,7 @@ class PagedInputs(Inputs):
             if self.per_request:
                 state.meta.last_token_rows(out=self.last_rows)
         _, positions, token_slots = (b[:state.tokens] for b in self.buffers[:3])
-        fresh = (CacheBatch.paged if state.kv.reads_pages else CacheBatch.prefill)(
-            self.cache, token_slots, positions)
-        state.kv.refresh(fresh)
+        state.kv.recompute(token_slots, positions)
 
     def forward(self, model, bucket: int, state: PagedState):
         ids, positions, _, *params = (b[:bucket] for b in self.buffers)

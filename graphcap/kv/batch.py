@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from graphcap.errors import UnsupportedModel
-from graphcap.kv.paged import NULL_PAGE, PagedKVCache
+from graphcap.kv.paged import PagedKVCache
 
 
 @dataclass
@@ -49,14 +49,12 @@ class CacheBatch:
                 "with their layer index, and the cache must have as many layers as the "
                 "model")
 
-    def refresh(self, fresh: CacheBatch) -> None:
-        """Copy ``fresh``'s tensors (the same call's, recomputed) into these, in place:
-        what a graph does on each replay to the shape's static state."""
-        if self.reads_pages:
-            torch._foreach_copy_([self.cache_loc, self.block_table, self.seq_lens],
-                                 [fresh.cache_loc, fresh.block_table, fresh.seq_lens])
-        else:
-            self.cache_loc.copy_(fresh.cache_loc)
+    def recompute(self, token_slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Recompute these tensors in place from the tokens' request slots and positions
+        (one ``graphcap::cache_places`` launch): what a graph does on each replay to the
+        shape's static state."""
+        self.cache.places(token_slots, positions, self.cache_loc, self.block_table,
+                          self.seq_lens)
 
     @property
     def reads_pages(self) -> bool:
@@ -77,9 +75,9 @@ class CacheBatch:
         """Token ``i`` is position ``positions[i]`` of the request in slot
         ``token_slots[i]`` (a slot out of range: a pad) and attends to that request's
         cached tokens up to itself: a decode step, or an extend."""
-        token_slots, positions = token_slots.long(), positions.long()
-        live = (token_slots >= 0) & (token_slots < cache.max_requests)
-        table = cache.block_table[token_slots.clamp(0, cache.max_requests - 1)]
-        table = torch.where(live[:, None], table, NULL_PAGE)
-        lens = torch.where(live, positions + 1, 0).to(torch.int32)
-        return cls(cache, cache.cache_loc(token_slots, positions), table, lens)
+        tokens, device = token_slots.shape[0], token_slots.device
+        table = torch.empty((tokens, cache.max_pages), dtype=torch.int32, device=device)
+        lens = torch.empty(tokens, dtype=torch.int32, device=device)
+        return cls(cache, cache.places(token_slots, positions, table=table, seq_lens=lens),
+                   table, lens)
+

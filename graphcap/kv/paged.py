@@ -262,14 +262,22 @@ class PagedKVCache:
         host synchronisation (graphs compute it per replay). A free request slot, a
         position past the request's pages, and any slot or position out of range
         (negative included: a pad) map to the null page, never to another request's."""
-        token_slots, positions = token_slots.long(), positions.long()
-        index = positions // self.page_size
-        inside = (token_slots >= 0) & (token_slots < self.max_requests) & (positions >= 0) & \
-            (index < self.max_pages)
-        page = self.block_table[token_slots.clamp(0, self.max_requests - 1),
-                                index.clamp(0, self.max_pages - 1)]
-        page = torch.where(inside, page.long(), NULL_PAGE)
-        return page * self.page_size + positions % self.page_size
+        return self.places(token_slots, positions)
+
+    def places(self, token_slots: torch.Tensor, positions: torch.Tensor,
+               cache_loc: torch.Tensor | None = None, table: torch.Tensor | None = None,
+               seq_lens: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`cache_loc` into ``cache_loc`` (made here when None) and, where given, each
+        token's request's block-table row into ``table`` [T, max_pages] and its length into
+        ``seq_lens`` [T] (``graphcap::cache_places``: one launch); returns ``cache_loc``."""
+        from graphcap.opsdb.places import CACHE_PLACES  # opsdb's attention imports graphcap.kv
+
+        if cache_loc is None:
+            cache_loc = torch.empty(token_slots.shape[0], dtype=torch.int64,
+                                    device=token_slots.device)
+        CACHE_PLACES(token_slots.contiguous(), positions.contiguous(), self.block_table,
+                     self.page_size, NULL_PAGE, cache_loc, table, seq_lens)
+        return cache_loc
 
     @property
     def nbytes(self) -> int:

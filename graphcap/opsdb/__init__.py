@@ -15,6 +15,7 @@ from graphcap.opsdb import (  # noqa: F401
     linear,
     moe,
     norm,
+    places,
     qkv,
     rotary,
     sample,

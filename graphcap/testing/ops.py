@@ -102,9 +102,9 @@ def _outside(overload, reference, inputs) -> OpSpec:
 
 
 def _results(spec: OpSpec, name: str, fn, args):
-    """What a call produces: its return value, plus every argument it may write. A
-    tensor argument the schema does not declare written (``Tensor(a!)``) must come back
-    unchanged, bit for bit."""
+    """What a call produces: its return value, plus every argument it may write (an
+    optional one where given). A tensor argument the schema does not declare written
+    (``Tensor(a!)``) must come back unchanged, bit for bit."""
     args = _clone(args)
     before = _clone(args)
     out = fn(*args)
@@ -118,7 +118,7 @@ def _results(spec: OpSpec, name: str, fn, args):
                       f"({_overload(spec)._schema.arguments[i].name}), which the schema "
                       f"{spec.schema} does not declare written: mark it Tensor(a!), or "
                       f"write into a copy on inputs {describe(args)}")
-    return tensor_leaves(out) + [args[i] for i in written]
+    return tensor_leaves(out) + [args[i] for i in written if args[i] is not None]
 
 
 def describe(args) -> str:

@@ -162,6 +162,7 @@ COMPILE_PDL_KERNELS = textwrap.dedent('''
     from graphcap.opsdb.triton.attention import _attn_varlen_fwd
     from graphcap.opsdb.triton.counters import _zero_kernel
     from graphcap.opsdb.triton.norm import _fused_add_rms_norm_kernel, _rms_norm_kernel
+    from graphcap.opsdb.triton.places import _places_kernel
 
     def build(kernel, types, consts):
         sig = {**types, **{n: "constexpr" for n in consts}}
@@ -182,6 +183,12 @@ COMPILE_PDL_KERNELS = textwrap.dedent('''
     ints = {n: "i32" for n in ("x_stride", "out_stride", "res_stride", "T", "H")}
     for pdl in (True, False):
         build(_zero_kernel, {"C": "*i32", "n": "i32"}, {"BLOCK": 1024, "PDL": pdl})
+        for rows in (True, False):  # a decode step's places, rows and lengths; a prefill's
+            build(_places_kernel, {"slots_ptr": "*i32", "pos_ptr": "*i64", "table_ptr": "*i32",
+                                   "loc_ptr": "*i64", "rows_ptr": "*i32", "lens_ptr": "*i32",
+                                   "requests": "i32", "width": "i32", "page_size": "i32",
+                                   "null_page": "i32"},
+                  {"BLOCK_W": 64, "ROWS": rows, "PDL": pdl})
         for ahead in (True, False) if pdl else (False,):
             ptx = build(_rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16",
                                            "out_ptr": "*bf16", "ahead_ptr": "*bf16",
