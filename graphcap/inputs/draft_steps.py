@@ -22,7 +22,7 @@ import torch
 from graphcap.core.checks import positive_int
 from graphcap.core.inputs import Batch
 from graphcap.errors import BadBatch
-from graphcap.inputs.paged import PagedInputs, PagedState
+from graphcap.inputs.paged import PagedInputs, PagedState, recompute
 from graphcap.kv.paged import PagedKVCache
 
 
@@ -82,7 +82,7 @@ class DraftStepsInputs(PagedInputs):
             torch.add(first, i, out=moved)
         token_slots = self.buffers[2][:count]
         for state, positions in zip(states, self._positions(count), strict=True):
-            state.kv.recompute(token_slots, positions)
+            recompute(state.kv, token_slots, positions)
 
     def forward(self, model, bucket: int, states: list[PagedState]):
         last = self.last_rows[:bucket] if self.per_request else None

@@ -46,8 +46,16 @@ from graphcap.inputs.paged_calls import check_requests, check_steps
 from graphcap.kv.batch import CacheBatch
 from graphcap.kv.paged import PagedKVCache
 from graphcap.opsdb.attention import DecodeBackend, get_backend
+from graphcap.opsdb.places import CACHE_PLACES
 from graphcap.opsdb.sample import SAMPLE
 
+
+def recompute(kv: CacheBatch, token_slots: torch.Tensor, positions: torch.Tensor) -> None:
+    """``kv``'s places (and, where it reads pages, rows and lengths) recomputed in place
+    from the tokens' request slots and positions, in one ``graphcap::cache_places``
+    launch: what a graph does to the shape's static state on every replay."""
+    CACHE_PLACES(token_slots, positions, kv.cache.block_table, kv.cache.page_size,
+                 kv.cache_loc, kv.block_table, kv.seq_lens)
 
 @dataclass
 class PagedState:
@@ -230,7 +238,7 @@ class PagedInputs(Inputs):
             if self.per_request:
                 state.meta.last_token_rows(out=self.last_rows)
         _, positions, token_slots = (b[:state.tokens] for b in self.buffers[:3])
-        state.kv.recompute(token_slots, positions)
+        recompute(state.kv, token_slots, positions)
 
     def forward(self, model, bucket: int, state: PagedState):
         ids, positions, _, *params = (b[:bucket] for b in self.buffers)

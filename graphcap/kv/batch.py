@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from graphcap.errors import UnsupportedModel
-from graphcap.kv.paged import PagedKVCache
+from graphcap.kv.paged import PagedKVCache, token_rows
 
 
 @dataclass
@@ -49,13 +49,6 @@ class CacheBatch:
                 "with their layer index, and the cache must have as many layers as the "
                 "model")
 
-    def recompute(self, token_slots: torch.Tensor, positions: torch.Tensor) -> None:
-        """Recompute these tensors in place from the tokens' request slots and positions
-        (one ``graphcap::cache_places`` launch): what a graph does on each replay to the
-        shape's static state."""
-        self.cache.places(token_slots, positions, self.cache_loc, self.block_table,
-                          self.seq_lens)
-
     @property
     def reads_pages(self) -> bool:
         """Attention reads the cache's pages (else only the forward's new tokens)."""
@@ -75,9 +68,5 @@ class CacheBatch:
         """Token ``i`` is position ``positions[i]`` of the request in slot
         ``token_slots[i]`` (a slot out of range: a pad) and attends to that request's
         cached tokens up to itself: a decode step, or an extend."""
-        tokens, device = token_slots.shape[0], token_slots.device
-        table = torch.empty((tokens, cache.max_pages), dtype=torch.int32, device=device)
-        lens = torch.empty(tokens, dtype=torch.int32, device=device)
-        return cls(cache, cache.places(token_slots, positions, table=table, seq_lens=lens),
-                   table, lens)
-
+        table, lens = token_rows(cache.block_table, token_slots, positions)
+        return cls(cache, cache.cache_loc(token_slots, positions), table, lens)

@@ -262,22 +262,7 @@ class PagedKVCache:
         host synchronisation (graphs compute it per replay). A free request slot, a
         position past the request's pages, and any slot or position out of range
         (negative included: a pad) map to the null page, never to another request's."""
-        return self.places(token_slots, positions)
-
-    def places(self, token_slots: torch.Tensor, positions: torch.Tensor,
-               cache_loc: torch.Tensor | None = None, table: torch.Tensor | None = None,
-               seq_lens: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`cache_loc` into ``cache_loc`` (made here when None) and, where given, each
-        token's request's block-table row into ``table`` [T, max_pages] and its length into
-        ``seq_lens`` [T] (``graphcap::cache_places``: one launch); returns ``cache_loc``."""
-        from graphcap.opsdb.places import CACHE_PLACES  # opsdb's attention imports graphcap.kv
-
-        if cache_loc is None:
-            cache_loc = torch.empty(token_slots.shape[0], dtype=torch.int64,
-                                    device=token_slots.device)
-        CACHE_PLACES(token_slots.contiguous(), positions.contiguous(), self.block_table,
-                     self.page_size, NULL_PAGE, cache_loc, table, seq_lens)
-        return cache_loc
+        return token_places(self.block_table, self.page_size, token_slots, positions)
 
     @property
     def nbytes(self) -> int:
@@ -288,3 +273,29 @@ class PagedKVCache:
                 f" x {self.kv_heads} x {self.head_dim} {str(self.dtype).removeprefix('torch.')}"
                 f", {self.max_requests} requests of up to {self.max_len} tokens, "
                 f"{len(self._free)} pages free)")
+
+
+def token_places(block_table: torch.Tensor, page_size: int, token_slots: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+    """:meth:`PagedKVCache.cache_loc` over a block table ``[requests, max_pages]``: each
+    token's place (int64), the null page where its slot or position is out of range."""
+    requests, width = block_table.shape
+    token_slots, positions = token_slots.long(), positions.long()
+    index = positions // page_size
+    inside = (token_slots >= 0) & (token_slots < requests) & (positions >= 0) & \
+        (index < width)
+    page = block_table[token_slots.clamp(0, requests - 1), index.clamp(0, width - 1)]
+    page = torch.where(inside, page.long(), NULL_PAGE)
+    return page * page_size + positions % page_size
+
+
+def token_rows(block_table: torch.Tensor, token_slots: torch.Tensor,
+               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's request's block-table row ``[T, max_pages]`` and length ``[T]`` (its
+    position plus one), both int32; the null page and 0 for a slot out of range (a pad)."""
+    requests = block_table.shape[0]
+    token_slots, positions = token_slots.long(), positions.long()
+    live = (token_slots >= 0) & (token_slots < requests)
+    table = block_table[token_slots.clamp(0, requests - 1)]
+    table = torch.where(live[:, None], table, NULL_PAGE)
+    return table, torch.where(live, positions + 1, 0).to(torch.int32)

@@ -6,20 +6,23 @@ pages in order); token ``i`` is position ``positions[i]`` of the request in slot
 ``token_slots[i]``. The op writes, in place:
 
 - ``cache_loc`` ``[T]`` int64: ``page * page_size + position % page_size``, the page being
-  the request's page ``position // page_size``; the null page where the slot is out of
-  range (a pad: negative), the position negative or past the row's pages, so no token
-  ever writes another request's place;
+  the request's page ``position // page_size``; the null page (:data:`graphcap.kv.NULL_PAGE`)
+  where the slot is out of range (a pad: negative), the position negative or past the
+  row's pages, so no token ever writes another request's place;
 - with ``table`` ``[T, W]`` and ``seq_lens`` ``[T]`` (both int32, or neither): each
   token's request's row (the null page for a pad) and ``position + 1`` (0 for a pad),
   what decode attention reads.
 
-One launch where the torch ops take some twenty small kernels; no host synchronisation.
+The reference is :mod:`graphcap.kv`'s own torch ops (:func:`~graphcap.kv.paged.token_places`,
+:func:`~graphcap.kv.paged.token_rows`), some twenty small kernels; the Triton kernel is one
+launch. No host synchronisation.
 """
 
 from __future__ import annotations
 
 import torch
 
+from graphcap.kv.paged import token_places, token_rows
 from graphcap.opsdb import checks
 from graphcap.opsdb.spec import Kernel, register_op
 
@@ -27,25 +30,18 @@ OP = "cache_places"
 INTS = (torch.int32, torch.int64)
 
 
-def cache_places_reference(token_slots, positions, block_table, page_size: int,
-                           null_page: int, cache_loc, table=None, seq_lens=None) -> None:
-    """The places (and rows and lengths) by torch ops, in place."""
-    rows, width = block_table.shape
-    slots, pos = token_slots.long(), positions.long()
-    index = pos // page_size
-    live = (slots >= 0) & (slots < rows)
-    inside = live & (pos >= 0) & (index < width)
-    own = block_table[slots.clamp(0, rows - 1)]  # [T, W]
-    page = own.gather(1, index.clamp(0, width - 1)[:, None])[:, 0].long()
-    page = torch.where(inside, page, null_page)
-    cache_loc.copy_(page * page_size + pos % page_size)
+def cache_places_reference(token_slots, positions, block_table, page_size: int, cache_loc,
+                           table=None, seq_lens=None) -> None:
+    """The places (and rows and lengths) by :mod:`graphcap.kv`'s torch ops, in place."""
+    cache_loc.copy_(token_places(block_table, page_size, token_slots, positions))
     if table is not None:
-        table.copy_(torch.where(live[:, None], own, null_page))
-        seq_lens.copy_(torch.where(live, pos + 1, 0))
+        rows, lens = token_rows(block_table, token_slots, positions)
+        table.copy_(rows)
+        seq_lens.copy_(lens)
 
 
-def check_cache_places(token_slots, positions, block_table, page_size, null_page, cache_loc,
-                       table=None, seq_lens=None) -> None:
+def check_cache_places(token_slots, positions, block_table, page_size, cache_loc, table=None,
+                       seq_lens=None) -> None:
     checks.tensor(OP, "token_slots", token_slots, ndim=1, dtypes=INTS)
     device = token_slots.device
     checks.tensor(OP, "positions", positions, ndim=1, dtypes=INTS, device=device)
@@ -98,7 +94,7 @@ def cache_places_inputs(device, dtype, max_tokens: int = 12):
                 torch.full((t,), -7, dtype=torch.int32)) if paged else (None, None)
         to = lambda x: x.to(device) if x is not None else None  # noqa: E731
         return (to(slots.to(cast)), to(positions.to(d(st.sampled_from(INTS)))), to(table),
-                page_size, d(st.sampled_from([0, 1])), to(out), *(to(m) for m in more))
+                page_size, to(out), *(to(m) for m in more))
 
     return draw()
 
@@ -106,8 +102,7 @@ def cache_places_inputs(device, dtype, max_tokens: int = 12):
 CACHE_PLACES = register_op(
     f"graphcap::{OP}",
     "(Tensor token_slots, Tensor positions, Tensor block_table, int page_size, "
-    "int null_page, Tensor(a!) cache_loc, Tensor(b!)? table=None, "
-    "Tensor(c!)? seq_lens=None) -> ()",
+    "Tensor(a!) cache_loc, Tensor(b!)? table=None, Tensor(c!)? seq_lens=None) -> ()",
     reference=cache_places_reference,
     kernels={"triton": Kernel("graphcap.opsdb.triton.places:cache_places",
                               requires=("triton",))},

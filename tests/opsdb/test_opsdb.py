@@ -97,7 +97,7 @@ BAD_CALLS = {
             torch.ones(1, 1, 16), None), "k, v given without the rest"),
     "cache places' rows without their lengths": (lambda: torch.ops.graphcap.cache_places(
         torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.long),
-        torch.zeros(1, 3, dtype=torch.int32), 4, 0, torch.empty(2, dtype=torch.long),
+        torch.zeros(1, 3, dtype=torch.int32), 4, torch.empty(2, dtype=torch.long),
         torch.empty(2, 3, dtype=torch.int32), None), "table and seq_lens go together"),
     "moe experts with gate/up rows of another count": (lambda: torch.ops.graphcap.moe_experts(
         torch.ones(2, 8), torch.ones(4, 6, 8), torch.ones(4, 8, 4), torch.ones(2, 1),

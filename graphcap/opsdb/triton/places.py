@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphcap.kv.paged import NULL_PAGE
 from graphcap.opsdb.triton.common import pdl_args, pdl_start
 
 
@@ -39,8 +40,8 @@ def _places_kernel(slots_ptr, pos_ptr, table_ptr, loc_ptr, rows_ptr, lens_ptr,
 
 
 def cache_places(token_slots: torch.Tensor, positions: torch.Tensor,
-                 block_table: torch.Tensor, page_size: int, null_page: int,
-                 cache_loc: torch.Tensor, table: torch.Tensor | None = None,
+                 block_table: torch.Tensor, page_size: int, cache_loc: torch.Tensor,
+                 table: torch.Tensor | None = None,
                  seq_lens: torch.Tensor | None = None) -> None:
     T = token_slots.shape[0]
     if T == 0:
@@ -50,7 +51,7 @@ def cache_places(token_slots: torch.Tensor, positions: torch.Tensor,
     _places_kernel[(T,)](
         token_slots, positions, block_table, cache_loc,
         table if rows else cache_loc, seq_lens if rows else cache_loc,
-        requests, width, page_size, null_page,
+        requests, width, page_size, NULL_PAGE,
         BLOCK_W=min(1024, triton.next_power_of_2(width)), ROWS=rows, num_warps=1,
         **pdl_args(token_slots.device, T))
 
