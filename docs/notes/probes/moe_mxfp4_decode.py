@@ -65,17 +65,58 @@ prmt.b32 $3, a0, a1, 0x7632;
 
 
 @triton.jit
-def _e2m1_pairs(b, ASM: tl.constexpr):
-    """The values of the low and the high nibbles of bytes ``b`` (float16, times 2^-14):
-    inline PTX four bytes at a time, or Triton's own element-wise ops."""
+def _e2m1_pairs(b, ASM: tl.constexpr, PTX: tl.constexpr):
+    """The values of the low and the high nibbles of bytes ``b`` (float16): inline ``PTX``
+    four bytes at a time (``_E2M1_PTX``: times 2^-14), or Triton's own element-wise ops
+    (times 2^-14)."""
     if ASM:
-        lo, hi = tl.inline_asm_elementwise(_E2M1_PTX, "=r,=r,=r,=r,r", [b],
+        lo, hi = tl.inline_asm_elementwise(PTX, "=r,=r,=r,=r,r", [b],
                                            dtype=(tl.float16, tl.float16), is_pure=True,
                                            pack=4)
     else:
         lo = _e2m1_f16(b)
         hi = _e2m1_f16(b >> 4)
     return lo, hi
+
+
+@triton.jit
+def tile_of(sorted_pairs_ptr, cum_padded_ptr, num_pairs, num_experts, N: tl.constexpr,
+            BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's tile: whether it holds pairs, its expert (int64), its pairs and
+    which are real, its rows of N and their mask."""
+    row0 = tl.program_id(0) * BLOCK_M
+    expert, total = moe._tile_expert(cum_padded_ptr, num_experts, row0, BLOCK_E)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pairs_ptr + rows, mask=rows < total, other=num_pairs)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return row0 < total, expert.to(tl.int64), pair, pair < num_pairs, offs_n, offs_n < N
+
+
+@triton.jit
+def glu_store(gate, up, b13_ptr, e, offs_n, nmask, pair, valid, inter_ptr, stride_it, alpha,
+              limit, INTER: tl.constexpr):
+    """Gate/up sums [rows, pairs] (float32) plus their biases through gpt-oss's clamped
+    GLU into the pairs' rows of ``inter``."""
+    bias = b13_ptr + e * (2 * INTER) + offs_n * 2
+    gate += tl.load(bias, mask=nmask, other=0.0).to(tl.float32)[:, None]
+    up += tl.load(bias + 1, mask=nmask, other=0.0).to(tl.float32)[:, None]
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
+    out = inter_ptr + pair[None, :].to(tl.int64) * stride_it + offs_n[:, None]
+    tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=nmask[:, None] & valid[None, :])
+
+
+@triton.jit
+def down_store(acc, b2_ptr, e, offs_n, nmask, pair64, valid, topk_weights_ptr, pairs_ptr,
+               stride_pt, H: tl.constexpr):
+    """Down sums [rows, pairs] (float32) plus the bias, times each pair's routing weight,
+    into the pairs' rows."""
+    acc += tl.load(b2_ptr + e * H + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
+    w = tl.load(topk_weights_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * w[None, :]
+    out = pairs_ptr + pair64[None, :] * stride_pt + offs_n[:, None]
+    tl.store(out, acc.to(pairs_ptr.dtype.element_ty), mask=nmask[:, None] & valid[None, :])
 
 
 @triton.jit
@@ -86,18 +127,12 @@ def _gate_up_decoded(
     H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    row0 = pid_m * BLOCK_M
-    expert, total = moe._tile_expert(cum_padded_ptr, num_experts, row0, BLOCK_E)
-    if row0 >= total:
+    live, e, pair, valid, offs_n, nmask = tile_of(
+        sorted_pairs_ptr, cum_padded_ptr, num_pairs, num_experts, INTER, BLOCK_E,
+        BLOCK_M, BLOCK_N)
+    if not live:
         return
-    pair = tl.load(sorted_pairs_ptr + row0 + tl.arange(0, BLOCK_M))
-    valid = pair < num_pairs
     token = (pair // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < INTER
-    e = expert.to(tl.int64)
     rows = (offs_n * 2).to(tl.int64)  # gate rows; the up row follows each
     offs_b = tl.arange(0, 16)  # the bytes of one scale group
     g_ptrs = w13_ptr + e * stride_we + rows[:, None] * stride_wn + offs_b[None, :]
@@ -116,8 +151,8 @@ def _gate_up_decoded(
             x_e = tl.load(xe_ptrs + group * 32, mask=valid[None, :], other=0.0).to(tl.float16)
             x_o = tl.load(xe_ptrs + group * 32 + 1, mask=valid[None, :],
                           other=0.0).to(tl.float16)
-            g_lo, g_hi = _e2m1_pairs(b_g, ASM)
-            u_lo, u_hi = _e2m1_pairs(b_u, ASM)
+            g_lo, g_hi = _e2m1_pairs(b_g, ASM, _E2M1_PTX)
+            u_lo, u_hi = _e2m1_pairs(b_u, ASM, _E2M1_PTX)
             p_g = tl.dot(g_lo, x_e)
             p_g = tl.dot(g_hi, x_o, p_g)
             p_u = tl.dot(u_lo, x_e)
@@ -125,14 +160,8 @@ def _gate_up_decoded(
             acc_g += p_g * tl.exp2(s_g - 113.0)[:, None]
             acc_u += p_u * tl.exp2(s_u - 113.0)[:, None]
 
-    bias = b13_ptr + e * (2 * INTER) + offs_n * 2
-    acc_g += tl.load(bias, mask=nmask, other=0.0).to(tl.float32)[:, None]
-    acc_u += tl.load(bias + 1, mask=nmask, other=0.0).to(tl.float32)[:, None]
-    acc_g = tl.minimum(acc_g, limit)
-    acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-    h = (acc_u + 1.0) * acc_g / (1.0 + tl.exp(-alpha * acc_g))
-    out = inter_ptr + pair[None, :].to(tl.int64) * stride_it + offs_n[:, None]
-    tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=nmask[:, None] & valid[None, :])
+    glu_store(acc_g, acc_u, b13_ptr, e, offs_n, nmask, pair, valid, inter_ptr, stride_it,
+              alpha, limit, INTER)
 
 
 @triton.jit
@@ -145,18 +174,12 @@ def _down_decoded(
 ):
     """The down projection as the candidate gate/up: rows of w2 by pairs, each pair's
     row scaled by its routing weight (opsdb's _moe_down_kernel's contract)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    row0 = pid_m * BLOCK_M
-    expert, total = moe._tile_expert(cum_padded_ptr, num_experts, row0, BLOCK_E)
-    if row0 >= total:
+    live, e, pair, valid, offs_n, nmask = tile_of(
+        sorted_pairs_ptr, cum_padded_ptr, num_pairs, num_experts, H, BLOCK_E,
+        BLOCK_M, BLOCK_N)
+    if not live:
         return
-    pair = tl.load(sorted_pairs_ptr + row0 + tl.arange(0, BLOCK_M))
-    valid = pair < num_pairs
     pair64 = pair.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < H
-    e = expert.to(tl.int64)
     offs_b = tl.arange(0, 16)
     w_ptrs = w2_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_b[None, :]
     s_ptrs = s2_ptr + e * stride_se + offs_n.to(tl.int64) * stride_sn
@@ -171,16 +194,13 @@ def _down_decoded(
             a_e = tl.load(ie_ptrs + group * 32, mask=valid[None, :], other=0.0).to(tl.float16)
             a_o = tl.load(ie_ptrs + group * 32 + 1, mask=valid[None, :],
                           other=0.0).to(tl.float16)
-            w_lo, w_hi = _e2m1_pairs(b, ASM)
+            w_lo, w_hi = _e2m1_pairs(b, ASM, _E2M1_PTX)
             part = tl.dot(w_lo, a_e)
             part = tl.dot(w_hi, a_o, part)
             acc += part * tl.exp2(sc - 113.0)[:, None]
 
-    acc += tl.load(b2_ptr + e * H + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
-    w = tl.load(topk_weights_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
-    acc = acc * w[None, :]
-    out = pairs_ptr + pair64[None, :] * stride_pt + offs_n[:, None]
-    tl.store(out, acc.to(pairs_ptr.dtype.element_ty), mask=nmask[:, None] & valid[None, :])
+    down_store(acc, b2_ptr, e, offs_n, nmask, pair64, valid, topk_weights_ptr, pairs_ptr,
+               stride_pt, H)
 
 
 def routed(ids, experts):
@@ -312,7 +332,11 @@ def interpreted_check() -> None:
         assert err <= 0.02 * want.abs().max().item() + 1e-3, (name, err)
 
 
-def main() -> None:
+def compare_tiles(gate_up, down, sweep, what: str, name: str) -> None:
+    """gpt-oss-120b's expert layer at each of PROBE_TOKENS: opsdb's gate/up and down
+    against ``gate_up`` and ``down`` (a candidate's launchers, taking the tiles last) at
+    each tile of ``sweep``, CUDA-graph device ms and the largest difference from opsdb's
+    rows; JSON in $OUT/``name``.json."""
     from graphcap.bench.common import environment
     from graphcap.bench.timing import graphed_ms
 
@@ -320,21 +344,17 @@ def main() -> None:
     torch.manual_seed(0)
     w13, s13, b13, w2, s2, b2 = random_layer(experts, hidden, inter, "cuda")
     glu = (1.702, 7.0)
-    groups = [int(g) for g in os.environ.get("PROBE_GROUPS", "1,2").split(",")]
-    decodes = os.environ.get("PROBE_DECODES", "asm,triton").split(",")
-    sweep = [dict(decode=d, n=n, groups=g, warps=w, stages=s) for d, n, g, w, s in
-             itertools.product(decodes, (64, 128), groups, (4, 8), (3, 4))]
     rows = []
     for tokens in [int(t) for t in os.environ.get("PROBE_TOKENS", "128,512").split(",")]:
         x = (torch.randn(tokens, hidden, device="cuda") * 0.5).bfloat16()
         weights, ids = reference.moe_topk_softmax(
             torch.randn(tokens, experts, device="cuda"), k, True)
         inter_rows = current(x, w13, s13, b13, ids, *glu)
-        for name, now, candidate, args in (
-                ("gate/up", current, decoded, (x, w13, s13, b13, ids, *glu)),
-                ("down", current_down, decoded_down, (inter_rows, w2, s2, b2, weights, ids))):
+        for projection, now, candidate, args in (
+                ("gate/up", current, gate_up, (x, w13, s13, b13, ids, *glu)),
+                ("down", current_down, down, (inter_rows, w2, s2, b2, weights, ids))):
             base = now(*args)
-            row = {"tokens": tokens, "projection": name,
+            row = {"tokens": tokens, "projection": projection,
                    "current_ms": graphed_ms(lambda a=args, f=now: f(*a), calls=4, reps=10),
                    "candidates": []}
             for tiles in sweep:
@@ -351,12 +371,21 @@ def main() -> None:
             timed = [c for c in row["candidates"] if "ms" in c]
             row["best"] = min(timed, key=lambda c: c["ms"]) if timed else None
             rows.append(row)
-            print(tokens, name, "current", row["current_ms"], "best", row["best"])
-    out = {"what": "gpt-oss-120b's MXFP4 gate/up and down: tl.dot_scaled against an own "
-                   "float16 decode, weights as the left operand", **environment(),
-           "rows": rows}
-    with open(os.path.join(os.environ.get("OUT", "."), "moe-mxfp4-decode.json"), "w") as f:
+            print(tokens, projection, "current", row["current_ms"], "best", row["best"],
+                  "errors", len(row["candidates"]) - len(timed))
+    out = {"what": what, **environment(), "rows": rows}
+    with open(os.path.join(os.environ.get("OUT", "."), f"{name}.json"), "w") as f:
         json.dump(out, f, indent=1)
+
+
+def main() -> None:
+    groups = [int(g) for g in os.environ.get("PROBE_GROUPS", "1,2").split(",")]
+    decodes = os.environ.get("PROBE_DECODES", "asm,triton").split(",")
+    sweep = [dict(decode=d, n=n, groups=g, warps=w, stages=s) for d, n, g, w, s in
+             itertools.product(decodes, (64, 128), groups, (4, 8), (3, 4))]
+    compare_tiles(decoded, decoded_down, sweep,
+                  "gpt-oss-120b's MXFP4 gate/up and down: tl.dot_scaled against an own "
+                  "float16 decode, weights as the left operand", "moe-mxfp4-decode")
 
 
 def launch_once() -> None:

@@ -19,25 +19,24 @@ ops: the interpreter runs no PTX) against the dequantized reference; the PTX's b
 is checked in numpy. JSON in $OUT/moe-mxfp4-wide.json."""
 
 import itertools
-import json
-import os
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 from moe_mxfp4_decode import (
-    _e2m1_f16,
-    current,
-    current_down,
+    _e2m1_pairs,
+    compare_tiles,
     dequantized,
     dequantized_down,
+    down_store,
+    glu_store,
     random_layer,
     routed,
+    tile_of,
 )
 
 from graphcap.opsdb import reference
-from graphcap.opsdb.triton import moe
 
 # Four bytes a register. Low nibbles: bits 0-2 to 2-4 (shift left 2), bit 3 to 7 (shift
 # left 4), one lop3 choosing between them, a mask; high nibbles: bits 4-6 to 2-4 (shift
@@ -65,20 +64,6 @@ cvt.rn.f16x2.e4m3x2 $3, h1;
 
 
 @triton.jit
-def _values(b, ASM: tl.constexpr):
-    """Low and high nibbles' values of bytes ``b`` as float16: times 2^-6 by the PTX,
-    times 2^-14 by Triton's ops (the interpreter)."""
-    if ASM:
-        lo, hi = tl.inline_asm_elementwise(_E4M3_PTX, "=r,=r,=r,=r,r", [b],
-                                           dtype=(tl.float16, tl.float16), is_pure=True,
-                                           pack=4)
-    else:
-        lo = _e2m1_f16(b)
-        hi = _e2m1_f16(b >> 4)
-    return lo, hi
-
-
-@triton.jit
 def _step(acc, w_ptrs, s_ptrs, x_ptrs, k0, nmask, valid, G: tl.constexpr,
           ASM: tl.constexpr):
     """``acc`` [G, rows, tokens] plus scale groups ``k0 .. k0 + G - 1``: the rows' bytes
@@ -88,7 +73,7 @@ def _step(acc, w_ptrs, s_ptrs, x_ptrs, k0, nmask, valid, G: tl.constexpr,
     sc = tl.load(s_ptrs + k0, mask=nmask[None, :], other=127).to(tl.float32)
     x = tl.load(x_ptrs + k0 * 32, mask=valid[None, None, :, None], other=0.0)
     x_e, x_o = tl.split(x.to(tl.float16))
-    lo, hi = _values(b, ASM)
+    lo, hi = _e2m1_pairs(b, ASM, _E4M3_PTX)  # times 2^-6 by the PTX, 2^-14 without
     part = tl.dot(lo, x_e)
     part = tl.dot(hi, x_o, part)
     # The decode's factor folded into the scale: 2^(s - 127) / 2^-6 (PTX) or / 2^-14.
@@ -119,18 +104,12 @@ def _gate_up_wide(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, TAIL: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    row0 = pid_m * BLOCK_M
-    expert, total = moe._tile_expert(cum_padded_ptr, num_experts, row0, BLOCK_E)
-    if row0 >= total:
+    live, e, pair, valid, offs_n, nmask = tile_of(
+        sorted_pairs_ptr, cum_padded_ptr, num_pairs, num_experts, INTER, BLOCK_E,
+        BLOCK_M, BLOCK_N)
+    if not live:
         return
-    pair = tl.load(sorted_pairs_ptr + row0 + tl.arange(0, BLOCK_M))
-    valid = pair < num_pairs
     token = (pair // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < INTER
-    e = expert.to(tl.int64)
     rows = (offs_n * 2).to(tl.int64)  # gate rows; the up row follows each
     w_base = w13_ptr + e * stride_we
     s_base = s13_ptr + e * stride_se
@@ -152,14 +131,8 @@ def _gate_up_wide(
         gate += tl.sum(_step(zero, wt, st, xt, k0, nmask, valid, TAIL, ASM), axis=0)
         up += tl.sum(_step(zero, wt + stride_wn, st + stride_sn, xt, k0, nmask, valid, TAIL,
                            ASM), axis=0)
-    bias = b13_ptr + e * (2 * INTER) + offs_n * 2
-    gate += tl.load(bias, mask=nmask, other=0.0).to(tl.float32)[:, None]
-    up += tl.load(bias + 1, mask=nmask, other=0.0).to(tl.float32)[:, None]
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
-    out = inter_ptr + pair[None, :].to(tl.int64) * stride_it + offs_n[:, None]
-    tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=nmask[:, None] & valid[None, :])
+    glu_store(gate, up, b13_ptr, e, offs_n, nmask, pair, valid, inter_ptr, stride_it, alpha,
+              limit, INTER)
 
 
 @triton.jit
@@ -171,18 +144,12 @@ def _down_wide(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, TAIL: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    row0 = pid_m * BLOCK_M
-    expert, total = moe._tile_expert(cum_padded_ptr, num_experts, row0, BLOCK_E)
-    if row0 >= total:
+    live, e, pair, valid, offs_n, nmask = tile_of(
+        sorted_pairs_ptr, cum_padded_ptr, num_pairs, num_experts, H, BLOCK_E,
+        BLOCK_M, BLOCK_N)
+    if not live:
         return
-    pair = tl.load(sorted_pairs_ptr + row0 + tl.arange(0, BLOCK_M))
-    valid = pair < num_pairs
     pair64 = pair.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < H
-    e = expert.to(tl.int64)
     rows = offs_n.to(tl.int64)
     w_base = w2_ptr + e * stride_we
     s_base = s2_ptr + e * stride_se
@@ -198,11 +165,8 @@ def _down_wide(
                                stride_it, pair64, TAIL)
         zero = tl.zeros([TAIL, BLOCK_N, BLOCK_M], dtype=tl.float32)
         out += tl.sum(_step(zero, wt, st, xt, k0, nmask, valid, TAIL, ASM), axis=0)
-    out += tl.load(b2_ptr + e * H + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
-    w = tl.load(topk_weights_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
-    out = out * w[None, :]
-    ptrs = pairs_ptr + pair64[None, :] * stride_pt + offs_n[:, None]
-    tl.store(ptrs, out.to(pairs_ptr.dtype.element_ty), mask=nmask[:, None] & valid[None, :])
+    down_store(out, b2_ptr, e, offs_n, nmask, pair64, valid, topk_weights_ptr, pairs_ptr,
+               stride_pt, H)
 
 
 def _tail(groups: int, g: int) -> int:
@@ -296,49 +260,12 @@ def interpreted_check() -> None:
 
 
 def main() -> None:
-    from graphcap.bench.common import environment
-    from graphcap.bench.timing import graphed_ms
-
-    experts, hidden, inter, k = 128, 2880, 2880, 4
-    torch.manual_seed(0)
-    w13, s13, b13, w2, s2, b2 = random_layer(experts, hidden, inter, "cuda")
-    glu = (1.702, 7.0)
     sweep = [dict(decode="asm", n=n, g=g, warps=w, stages=3) for n, g, w in
              itertools.product((32, 64, 128), (2, 4), (4, 8))]
-    rows = []
-    for tokens in [int(t) for t in os.environ.get("PROBE_TOKENS", "128,512").split(",")]:
-        x = (torch.randn(tokens, hidden, device="cuda") * 0.5).bfloat16()
-        weights, ids = reference.moe_topk_softmax(
-            torch.randn(tokens, experts, device="cuda"), k, True)
-        inter_rows = current(x, w13, s13, b13, ids, *glu)
-        for name, now, candidate, args in (
-                ("gate/up", current, wide, (x, w13, s13, b13, ids, *glu)),
-                ("down", current_down, wide_down, (inter_rows, w2, s2, b2, weights, ids))):
-            base = now(*args)
-            row = {"tokens": tokens, "projection": name,
-                   "current_ms": graphed_ms(lambda a=args, f=now: f(*a), calls=4, reps=10),
-                   "candidates": []}
-            for tiles in sweep:
-                entry = {"tiles": tiles}
-                try:
-                    got = candidate(*args, tiles)
-                    entry["max_diff"] = round((got.float() - base.float()).abs().max().item(),
-                                              4)
-                    entry["ms"] = graphed_ms(lambda a=args, t=tiles, f=candidate: f(*a, t),
-                                             calls=4, reps=10)
-                except Exception as exc:  # noqa: BLE001 - a probe records what failed
-                    entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                row["candidates"].append(entry)
-            timed = [c for c in row["candidates"] if "ms" in c]
-            row["best"] = min(timed, key=lambda c: c["ms"]) if timed else None
-            rows.append(row)
-            print(tokens, name, "current", row["current_ms"], "best", row["best"],
-                  "errors", len(row["candidates"]) - len(timed))
-    out = {"what": "gpt-oss-120b's MXFP4 gate/up and down: tl.dot_scaled against wide K "
-                   "steps (G scale groups a batched product) with an E4M3-conversion decode",
-           **environment(), "rows": rows}
-    with open(os.path.join(os.environ.get("OUT", "."), "moe-mxfp4-wide.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    compare_tiles(wide, wide_down, sweep,
+                  "gpt-oss-120b's MXFP4 gate/up and down: tl.dot_scaled against wide K "
+                  "steps (G scale groups a batched product) with an E4M3-conversion decode",
+                  "moe-mxfp4-wide")
 
 
 if __name__ == "__main__":
