@@ -57,6 +57,7 @@ def recompute(kv: CacheBatch, token_slots: torch.Tensor, positions: torch.Tensor
     CACHE_PLACES(token_slots, positions, kv.cache.block_table, kv.cache.page_size,
                  kv.cache_loc, kv.block_table, kv.seq_lens)
 
+
 @dataclass
 class PagedState:
     """One shape's state: its view of the cache (with the decode attention plan) and, for

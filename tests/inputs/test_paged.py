@@ -134,3 +134,36 @@ def test_decode_attention_is_picked_through_get_backend_as_prefills_is():
     if DEVICE == "cpu":
         with pytest.raises(BackendUnavailable, match="'flashinfer' runs on cuda tensors"):
             PagedInputs(cache, decode_attention="flashinfer")
+
+
+def test_a_replay_derives_places_rows_and_lengths_in_one_op_as_the_eager_path_does():
+    # What a decode graph recomputes on every replay is one graphcap::cache_places launch
+    # (a score of small kernels before), equal to the eager path's CacheBatch.paged.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from graphcap.kv import CacheBatch
+
+    m, cache = setup()
+    inputs = DecodeInputs(cache)
+    inputs.bind(m)
+    inputs.allocate(4, None)
+    state = inputs.prepare(4)
+    slots = torch.tensor([2, 0, -1, 3], dtype=inputs.buffers[2].dtype, device=DEVICE)
+    positions = torch.tensor([1, 5, 0, 7], dtype=inputs.buffers[1].dtype, device=DEVICE)
+    inputs.buffers[2][:4].copy_(slots)
+    inputs.buffers[1][:4].copy_(positions)
+    ran = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ran.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    with torch.inference_mode(), Ops():
+        inputs.derive(state)
+    assert [op for op in ran if op != "aten::slice"] == ["graphcap::cache_places"]
+    want = CacheBatch.paged(cache, slots, positions)
+    assert torch.equal(state.kv.cache_loc, want.cache_loc)
+    assert torch.equal(state.kv.block_table, want.block_table)
+    assert torch.equal(state.kv.seq_lens, want.seq_lens)
+    assert state.kv.seq_lens.tolist() == [2, 6, 0, 8]  # the pad attends to nothing
