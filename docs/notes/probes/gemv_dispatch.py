@@ -1,0 +1,97 @@
+"""Which weights the one-row GEMV form should take in a decode step, and its tiles there:
+
+    PYTHONPATH=. python3 docs/notes/probes/gemv_dispatch.py [preset...]
+
+A full runner of ``DecodeInputs`` at batch 1 (context 1024) captured under each policy:
+today's (``graphcap.opsdb.triton.gemv.DISPATCH_BYTES``, 16 MB: llama3-8b's projections on
+cuBLAS and the few-row kernel), the GEMV form for every weight up to 256 MiB (every
+projection, not the LM heads), and that with other tiles (warps, slice length). PDL on,
+and off for today's and the 256 MiB policy (kernel durations without waits). Calls timed
+interleaved, kernels and GPU idle from the profiler, logits against today's. JSON in
+$OUT/gemv-dispatch.json."""
+
+import contextlib
+import json
+import os
+import sys
+
+import torch
+import triton
+from probe_common import prefilled_decode
+
+import graphcap
+from graphcap.bench.common import environment, time_interleaved
+from graphcap.bench.decode import profile_steps, step_bytes
+from graphcap.bench.decode_attention import PEAK_BYTES_PER_S
+from graphcap.inputs import DecodeInputs
+from graphcap.opsdb.triton import gemv
+from graphcap.opsdb.triton.common import programmatic_launch
+
+CONTEXT = 1024
+TODAY_BYTES, TODAY_CONFIG = gemv.DISPATCH_BYTES, gemv.gemv_config
+
+
+def tiles(warps: int, slice_elements: int):
+    def config(k: int) -> dict:
+        block_k = max(16, min(triton.next_power_of_2(k), slice_elements // 2))
+        return {"BLOCK_N": 2, "BLOCK_K": block_k, "num_warps": warps}
+    return config
+
+
+POLICIES = {  # name: (dispatch bytes, config)
+    "today": (TODAY_BYTES, TODAY_CONFIG),
+    "gemv-256M": (256 << 20, TODAY_CONFIG),
+    "gemv-256M-w8": (256 << 20, tiles(8, 4096)),
+    "gemv-256M-w8-s8192": (256 << 20, tiles(8, 8192)),
+    "gemv-256M-w4-s2048": (256 << 20, tiles(4, 2048)),
+}
+PDL_OFF = ("today", "gemv-256M")
+
+
+@contextlib.contextmanager
+def policy(name: str):
+    gemv.DISPATCH_BYTES, gemv.gemv_config = POLICIES[name]
+    try:
+        yield
+    finally:
+        gemv.DISPATCH_BYTES, gemv.gemv_config = TODAY_BYTES, TODAY_CONFIG
+
+
+def one(preset: str) -> dict:
+    model, cache, tokens = prefilled_decode(preset, 1, CONTEXT)
+    runners = {}
+    for name in POLICIES:
+        for pdl in (True, False) if name in PDL_OFF else (True,):
+            with policy(name), programmatic_launch(pdl):
+                runners[name, pdl] = graphcap.capture(model, "full", buckets=[1],
+                                                      inputs=DecodeInputs(cache))
+    cases = {key: (lambda r=r: r(tokens[:1], positions=[CONTEXT], slots=[0]))
+             for key, r in runners.items()}
+    times = time_interleaved(cases, reps=50, rounds=5)
+    want = cases["today", True]().float()
+    rows = []
+    for (name, pdl), call in cases.items():
+        prof = profile_steps(call)
+        rows.append({"policy": name, "pdl": pdl, "ms": times[name, pdl]["median_ms"],
+                     "floor_ms": round(step_bytes(model, 1, CONTEXT + 1)
+                                       / PEAK_BYTES_PER_S * 1e3, 4),
+                     "max_logit_diff_vs_today": float((call().float() - want).abs().max()),
+                     **prof})
+        print(f"{preset} {name:>20} pdl={pdl!s:>5}: {rows[-1]['ms']:.4f} ms, "
+              f"{prof.get('kernels')} kernels, idle {prof.get('idle_share')}, diff "
+              f"{rows[-1]['max_logit_diff_vs_today']:.3g}", flush=True)
+        for k in prof.get("top_kernels", [])[:5]:
+            print(f"      {k['kernel'][:60]:60} {k['launches']:5.0f} {k['us']:9.1f} us")
+    del runners, cases, model, cache
+    torch.cuda.empty_cache()
+    return {"preset": preset, "rows": rows}
+
+
+if __name__ == "__main__":
+    out = {"what": "decode step at batch 1: which weights the GEMV form takes, its tiles",
+           **environment(), "context": CONTEXT,
+           "policies": {k: {"dispatch_bytes": v[0], "config_k4096": v[1](4096),
+                            "config_k14336": v[1](14336)} for k, v in POLICIES.items()},
+           "models": [one(p) for p in sys.argv[1:] or ["llama3-8b"]]}
+    with open(os.path.join(os.environ.get("OUT", "."), "gemv-dispatch.json"), "w") as f:
+        json.dump(out, f, indent=1)
