@@ -364,7 +364,7 @@ def test_bench_decode_times_every_arm_per_batch_and_context_and_says_what_did_no
         assert row["floor_ms"] == pytest.approx(row["bytes"] / decode.PEAK_BYTES_PER_S * 1e3,
                                                 abs=1e-4)
     assert model["rows"][1]["bytes"] > model["rows"][0]["bytes"]  # one more request's K/V
-    for arm in ("hf-static-compile", "gpt-fast"):
+    for arm in ("hf-static-compile", "gpt-fast", "gpt-fast-gqa"):
         assert "CUDA" in model["skipped"][arm]
     assert "CUDA only" in model["skipped"]["full-flashinfer"]
     assert model["build"]["full"]["graph_pool_bytes"] > 0
@@ -410,13 +410,19 @@ def test_decode_targets_judge_the_fastest_graphcap_arm_and_the_strategies_shares
     assert best["measured"] == 0.45 and best["met"]
     over = found["batch 1: gpt-fast ms / full-flashinfer ms"]
     assert over["measured"] == pytest.approx(3.333) and over["met"]  # 3x needed
+    # the faster form of the recipe is the peer
+    faster = {t["target"]: t for t in targets(
+        {**model, "rows": [{"batch": 1, "ms": {**model["rows"][0]["ms"], "gpt-fast-gqa": 1.2}}]})}
+    assert "batch 1: gpt-fast ms / full-flashinfer ms" not in faster
+    assert not faster["batch 1: gpt-fast-gqa ms / full-flashinfer ms"]["met"]  # 2.667x
     assert found["batch 1: breakable speed-up / full's"]["measured"] == pytest.approx(0.968)
     assert not found["batch 1: tc_piecewise speed-up / full's"]["met"]
     assert targets({**model, "context": 128}) == []
 
 
+@pytest.mark.parametrize("gqa", [False, True], ids=["repeated-heads", "enable_gqa"])
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
-def test_the_gpt_fast_recipe_computes_graphcaps_decode_step_on_the_same_weights(qk_norm):
+def test_the_gpt_fast_recipe_computes_graphcaps_decode_step_on_the_same_weights(qk_norm, gqa):
     from graphcap.bench.gptfast import StaticCacheDecoder
     from graphcap.engine.eager import decode_step, prefill
     from graphcap.kv import PagedKVCache
@@ -430,7 +436,8 @@ def test_the_gpt_fast_recipe_computes_graphcaps_decode_step_on_the_same_weights(
             torch.nn.init.normal_(block.attn.k_norm, 1.0, 0.2)
     a = model.args
     batch, context = 3, 5
-    recipe = StaticCacheDecoder(model, batch, 16)
+    recipe = StaticCacheDecoder(model, batch, 16, gqa=gqa)
+    assert len(recipe._buffers) == 2 * a.layers + 1  # a cache buffer per layer (+ mask)
     cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=batch, max_len=16,
                          dtype=torch.float32, device="cpu")
     ids = torch.randint(1, a.vocab_size, (batch, context + 1))

@@ -2,13 +2,20 @@
 (https://github.com/pytorch-labs/gpt-fast) for a preset, on the same weights.
 
 What a user writes instead of graphcap for fast decode: a static K/V cache
-``[batch, kv_heads, max_len, head_dim]`` per layer, written at the step's position with
-``index_copy_``; attention by ``scaled_dot_product_attention`` over the whole cache (its
-key/value heads repeated to the query heads, as gpt-fast does) under a mask of the
-positions written so far; plain torch ops for the rest (RMSNorm in float32, neox rotary,
-SwiGLU); the step compiled with ``torch.compile(mode="reduce-overhead", fullgraph=True)``
-(Inductor's kernels, replayed from CUDA graphs). Dense presets only:
-windows, sinks, soft-capping and experts are not part of the recipe.
+``[batch, kv_heads, max_len, head_dim]`` per layer, each layer's its own buffer (as
+gpt-fast's ``KVCache`` modules hold them), written at the step's position; attention by
+``scaled_dot_product_attention`` over the whole cache under a mask of the positions
+written so far, the key/value heads repeated to the query heads as gpt-fast does
+(``gqa=True``: SDPA's ``enable_gqa`` instead); plain torch ops for the rest (RMSNorm in
+float32, neox rotary, SwiGLU); the step compiled with
+``torch.compile(mode="reduce-overhead", fullgraph=True)`` (Inductor's kernels, replayed
+from CUDA graphs). Dense presets only: windows, sinks, soft-capping and experts are not
+part of the recipe.
+
+Every layer's cache as a slice of one ``[layers, batch, ...]`` buffer made Inductor copy
+whole slices of it each step: qwen3-0.6b at batch 8 took 12.2 ms a step against 2.67 with
+a buffer per layer (1.64 with ``enable_gqa``;
+``docs/results/2026-12-04-gptfast-probe-940b2e3-h200.json``).
 """
 
 from __future__ import annotations
@@ -28,9 +35,10 @@ def _rms_norm(x, weight, eps):
 class StaticCacheDecoder(nn.Module):
     """One decode step of ``model``'s weights (shared, not copied) for ``batch`` requests
     over a static cache of ``max_len`` positions: ``forward(ids [batch, 1], pos [1])`` ->
-    logits [batch, vocab]."""
+    logits [batch, vocab]. ``gqa``: attention by SDPA's ``enable_gqa`` rather than the
+    key/value heads repeated to the query heads."""
 
-    def __init__(self, model: Decoder, batch: int, max_len: int):
+    def __init__(self, model: Decoder, batch: int, max_len: int, gqa: bool = False):
         super().__init__()
         a = model.args
         refused = [name for name, on in (("a window", a.window), ("sinks", a.sinks),
@@ -40,15 +48,20 @@ class StaticCacheDecoder(nn.Module):
         if refused or model.tp is not None:
             raise ValueError(f"the gpt-fast recipe covers dense decoders; this preset has "
                              f"{', '.join(refused) or 'tensor parallelism'}")
-        self.model, self.a = model, a
+        self.model, self.a, self.gqa = model, a, gqa
         dev, dtype = model.norm.device, model.norm.dtype
-        shape = (a.layers, batch, a.kv_heads, max_len, a.head_dim)
-        self.register_buffer("k_cache", torch.randn(shape, device=dev, dtype=dtype),
-                             persistent=False)
-        self.register_buffer("v_cache", torch.randn(shape, device=dev, dtype=dtype),
-                             persistent=False)
+        shape = (batch, a.kv_heads, max_len, a.head_dim)
+        for i in range(a.layers):
+            for kind in "kv":
+                self.register_buffer(f"{kind}_cache{i}",
+                                     torch.randn(shape, device=dev, dtype=dtype),
+                                     persistent=False)
         self.register_buffer("causal", torch.tril(torch.ones(max_len, max_len, dtype=torch.bool,
                                                              device=dev)), persistent=False)
+
+    def cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s key and value cache buffers."""
+        return getattr(self, f"k_cache{layer}"), getattr(self, f"v_cache{layer}")
 
     def _rope(self, x, cos, sin):
         rot = cos.shape[-1] * 2
@@ -76,12 +89,17 @@ class StaticCacheDecoder(nn.Module):
                 q, k = _rms_norm(q, attn.q_norm, a.eps), _rms_norm(k, attn.k_norm, a.eps)
             q = self._rope(q.float(), cos, sin).type_as(x).transpose(1, 2)
             k = self._rope(k.float(), cos, sin).type_as(x).transpose(1, 2)
-            self.k_cache[i].index_copy_(2, pos, k)
-            self.v_cache[i].index_copy_(2, pos, v.transpose(1, 2))
-            group = a.heads // a.kv_heads  # gpt-fast expands the cache's heads
-            y = F.scaled_dot_product_attention(
-                q, self.k_cache[i].repeat_interleave(group, dim=1),
-                self.v_cache[i].repeat_interleave(group, dim=1), attn_mask=mask)
+            k_cache, v_cache = self.cache(i)
+            k_cache[:, :, pos] = k
+            v_cache[:, :, pos] = v.transpose(1, 2)
+            if self.gqa:
+                y = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask,
+                                                   enable_gqa=True)
+            else:  # gpt-fast expands the cache's heads
+                group = a.heads // a.kv_heads
+                y = F.scaled_dot_product_attention(
+                    q, k_cache.repeat_interleave(group, dim=1),
+                    v_cache.repeat_interleave(group, dim=1), attn_mask=mask)
             x = x + F.linear(y.transpose(1, 2).reshape(b, 1, q_size), attn.o.weight)
             gate, up = F.linear(_rms_norm(x, block.mlp_norm, a.eps),
                                 block.mlp.gate_up.weight).chunk(2, dim=-1)
@@ -89,10 +107,10 @@ class StaticCacheDecoder(nn.Module):
         return F.linear(_rms_norm(x, m.norm, a.eps), m.lm_head.weight)[:, 0]
 
 
-def compiled_step(model: Decoder, batch: int, max_len: int):
+def compiled_step(model: Decoder, batch: int, max_len: int, gqa: bool = False):
     """``step(ids [batch, 1], pos [1])``: the recipe's decode step, compiled as gpt-fast
     compiles it."""
-    module = StaticCacheDecoder(model, batch, max_len)
+    module = StaticCacheDecoder(model, batch, max_len, gqa)
     # One compiled module per batch size and context shares the forward's code: room for
     # each (Dynamo otherwise runs it eagerly past its recompile limit, silently).
     config = torch._dynamo.config
