@@ -29,6 +29,8 @@ def as_int(value, what: str, error: type[Exception] = ValueError) -> int:
     integer tensor on the host); anything else (a float, even 7.0, a string, a bool, a
     tensor on the device, whose value the host would wait for) raises ``error`` naming
     ``what``: a length or size is never rounded."""
+    if type(value) is int:  # the common case first: calls check every slot and position
+        return value
     if isinstance(value, torch.Tensor):
         if value.dim() != 0 or value.device.type != "cpu" or value.dtype not in (
                 torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):

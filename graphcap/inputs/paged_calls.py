@@ -49,18 +49,14 @@ def check_steps(inputs: PagedInputs, args: tuple, kwargs: dict) -> Batch:
                        f"the host: a list or a CPU tensor), got {kwargs['positions']!r}")
     slots = inputs.cache.requests(kwargs["slots"], requests)
     params = per_row(kwargs.get("sampling"), requests) if inputs.draws else None
-    inputs.cache.check_step(slots, firsts)
-    over = [(s, p + k) for s, p in zip(slots, firsts, strict=True)
-            if p + k > inputs.cache.capacity(s)]
-    if over:  # k > 1: the last tokens of a step past what was admitted
-        raise BadBatch(f"steps of {k} tokens end past what their slots were admitted "
-                       f"for: (slot, end) {over}; admit requests for their prompt plus "
-                       "new tokens")
+    inputs.cache.check_step(slots, firsts, k)
     if inputs.max_position is not None and max(firsts) + k > inputs.max_position:
         raise BadBatch(f"positions {firsts} reach past the model's max_position "
                        f"{inputs.max_position}")
-    positions = [p + j for p in firsts for j in range(k)]
-    token_slots = [s for s in slots for _ in range(k)]
+    positions, token_slots = firsts, slots
+    if k > 1:
+        positions = [p + j for p in firsts for j in range(k)]
+        token_slots = [s for s in slots for _ in range(k)]
     host = checks.staged([positions, token_slots], torch.long, inputs.device)  # no host sync
     args = (tokens, host[0], host[1])
     if inputs.draws:  # per token: a request's sampling on each of its rows

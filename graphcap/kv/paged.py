@@ -132,23 +132,35 @@ class PagedKVCache:
         written - 1): a step may write the next position or one before it, never past."""
         return self._written.get(self._slot(slot), 0)
 
-    def check_step(self, slots, positions) -> None:
-        """Refuse (``BadBatch``) a step whose position of a slot is outside what it was
-        admitted for, or past the tokens written (it would read pages never written, or
-        a released request's leftovers). Changes nothing: the step's tokens count as
-        written once it has run (:meth:`wrote`)."""
+    def check_step(self, slots, positions, tokens: int = 1) -> None:
+        """Refuse (``BadBatch``) a step of ``tokens`` tokens a slot, from its position of
+        ``positions``, that reaches outside what the slot was admitted for, or starts past
+        the tokens written (it would read pages never written, or a released request's
+        leftovers). Changes nothing: the step's tokens count as written once it has run
+        (:meth:`wrote`)."""
+        capacities, written = self._capacity, self._written
+        over = []
         for slot, position in zip(slots, positions, strict=True):
-            capacity, written = self.capacity(slot), self.written(slot)
+            slot = self._slot(slot, BadBatch)
+            capacity = capacities.get(slot, 0)
             if not 0 <= position < capacity:
                 raise BadBatch(
                     f"position {position} of slot {slot} is outside the {capacity} tokens "
                     "the slot was admitted for" + ("" if capacity else " (it holds no "
                                                    "request)") + ": admit requests for "
                     "their prompt plus new tokens")
-            if position > written:
-                raise BadBatch(f"position {position} of slot {slot} skips past the {written} "
-                               "tokens written to its pages: step each position in turn")
-            self.check_reach(slot, position)
+            if position > written[slot]:
+                raise BadBatch(f"position {position} of slot {slot} skips past the "
+                               f"{written[slot]} tokens written to its pages: step each "
+                               "position in turn")
+            if position + tokens > capacity:
+                over.append((slot, position + tokens))
+            if self._dropped.get(slot):
+                self.check_reach(slot, position)
+        if over:  # tokens > 1: the last tokens of a step past what was admitted
+            raise BadBatch(f"steps of {tokens} tokens end past what their slots were "
+                           f"admitted for: (slot, end) {over}; admit requests for their "
+                           "prompt plus new tokens")
 
     def check_reach(self, slot: int, position: int) -> None:
         """Refuse (``BadBatch``) a token at ``position`` of ``slot`` whose window reaches

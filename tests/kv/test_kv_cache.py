@@ -36,6 +36,29 @@ def test_admission_hands_out_whole_pages_and_writes_the_block_table():
     assert c.capacity(2) == 0
 
 
+def test_a_step_is_checked_against_what_each_slot_was_admitted_for_and_has_written():
+    """A step of k tokens a request may start at a slot's written tokens or before, and
+    must end within what the slot was admitted for; each refusal names the slot."""
+    c = cache()
+    c.admit(0, 10)
+    c.admit(3, 6)
+    c.wrote([(0, 4), (3, 4)])
+    c.check_step([0, 3], [4, 4], 2)  # tokens 4 and 5 of each
+    with pytest.raises(BadBatch, match=r"steps of 3 tokens end past .* \(slot, end\) "
+                                       r"\[\(3, 7\)\]"):
+        c.check_step([0, 3], [4, 4], 3)
+    with pytest.raises(BadBatch, match="position 5 of slot 0 skips past the 4 tokens"):
+        c.check_step([0], [5])
+    with pytest.raises(BadBatch, match="position 6 of slot 3 is outside the 6 tokens"):
+        c.check_step([3], [6])
+    with pytest.raises(BadBatch, match=r"position 0 of slot 1 .*holds no request"):
+        c.check_step([1], [0])
+    with pytest.raises(BadBatch, match="request slot 9 is not one of"):
+        c.check_step([9], [0])
+    with pytest.raises(BadBatch, match=r"a request slot must be an integer, got True"):
+        c.check_step([True], [0])  # a bool is no slot
+
+
 def test_a_windowed_cache_frees_the_pages_behind_the_window_as_tokens_are_written():
     """Every layer windowed to 8 tokens, pages of 4: a step at position p reads p - 7 .. p,
     and the next step may be at written or written - 1, so the pages before token
