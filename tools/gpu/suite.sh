@@ -7,12 +7,14 @@
 # variant on first use (80-95 s each: the suite builds bf16 at head dims 64 and 128), so
 # keep the machine warm for the benchmarks that follow (tools/gpu/bench.sh).
 #
-# The gpu-marked tests run as five pytest processes side by side (the tests are bound by
-# the host's Python, the machine has 16 cores and one GPU with room for all five):
-# replay equivalence and the capture core; kernels, attention backends and transformers
-# models; the kinds of input and the engine; the strategies' trust tests and stock models'
-# generation and variants, in the background; examples/ (not marked gpu: CI runs them on
-# CPU), then the rest, in front.
+# The gpu-marked tests run as five pytest processes side by side, with examples/ (not
+# marked gpu: CI runs them on CPU) as a sixth (the tests are bound by the host's Python,
+# the machine has 16 cores and one GPU with room for all of them): replay equivalence and
+# the capture core; kernels, attention backends and transformers models; the kinds of
+# input, the engine and the attention variants; the strategies' trust tests and stock
+# models' generation and variants; examples/, all in the background; the rest in front.
+# (On a slow host the rest ran out of 540 s behind examples/ with the attention variants
+# in it: 2026-12-04-gpu-suite-c247be4-h200.json.)
 # Each process has SUITE_TIMEOUT seconds, then an interrupt (pytest still prints what
 # failed so far, by name); the script exits non-zero if any failed or ran out of time.
 # Logs land in $OUT/gpu-examples.log and $OUT/gpu-suite-{1,2,3,4,5}.log; record the run in
@@ -38,7 +40,7 @@ pytest_gpu() {  # log name, then pytest arguments
 }
 g1=(tests/strategies/test_replay_equivalence.py tests/core)
 g2=(tests/kernels tests/opsdb/test_attention_backends.py tests/hf/test_hf.py tests/hf/test_hf_kernels.py)
-g3=(tests/inputs tests/engine)
+g3=(tests/inputs tests/engine tests/opsdb/test_attention_variants.py)
 g5=(tests/strategies tests/hf)
 ignore=()
 for path in "${g1[@]}" "${g2[@]}"; do ignore+=(--ignore="$path"); done
@@ -53,10 +55,12 @@ p5=$!
 for path in "${g3[@]}" "${g5[@]}"; do ignore+=(--ignore="$path"); done
 # graphcap is not installed here, so its pytest plugin (graphcap_device) is loaded by name.
 timeout -s INT -k 30 "$limit" python3 -m pytest -q -rA -p no:cacheprovider \
-  -p graphcap.testing.pytest_plugin examples/ > "$OUT/gpu-examples.log" 2>&1
-rc_examples=$?
+  -p graphcap.testing.pytest_plugin examples/ > "$OUT/gpu-examples.log" 2>&1 &
+pe=$!
 pytest_gpu gpu-suite-4.log tests/ "${ignore[@]}" "$@"
 rc4=$?
+wait "$pe"
+rc_examples=$?
 wait "$p1"
 rc1=$?
 wait "$p2"
