@@ -1,6 +1,9 @@
 """Tiles and splits of the Triton decode attention kernel on this GPU, beside FlashInfer:
 ``python tools/gpu/decode_attention_sweep.py OUT.json``. For each case the default arm,
-then each tile setting at the default split count, then split counts around it."""
+then each tile setting at the default split count, then split counts around it.
+``python tools/gpu/decode_attention_sweep.py OUT.json grid``: the few-row cases (qwen3-0.6b's
+heads, batch 1 and 8 at context 1024, batch 1 at 4096) over every combination of tiles
+and split counts (:data:`GRID`), where the defaults read 13-49% of the bandwidth."""
 
 from __future__ import annotations
 
@@ -18,19 +21,27 @@ from graphcap.opsdb.triton.decode import programs_of, splits_for
 
 TILES = [{"BLOCK_N": n, "num_warps": w, "num_stages": s}
          for n, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3))]
+GRID = [{"tiles": {"BLOCK_N": n, "num_warps": w, "num_stages": s}, "num_splits": k}
+        for n, w, s, k in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 4, 8, 16))
+        if n * s <= 384]  # the stages' K and V tiles in shared memory (head dim 128)
+GRID_CASES = (("qwen3-0.6b", 1, 1024), ("qwen3-0.6b", 8, 1024), ("qwen3-0.6b", 1, 4096))
 
 
-def main(path: str) -> None:
+def main(path: str, mode: str = "") -> None:
     dev = torch.device("cuda")
     rows = []
     start = time.perf_counter()
-    for model, batch, context in itertools.product(HEADS, (1, 8, 64), (1024, 4096)):
+    cases = GRID_CASES if mode == "grid" else [
+        (m, b, c) for m, b, c in itertools.product(HEADS, (1, 8, 64), (1024, 4096))]
+    for model, batch, context in cases:
         hq, hk, d = HEADS[model]
         programs = programs_of(batch, hq, hk)
         auto = splits_for(programs, context, 64, num_sms(dev))
         splits = sorted({max(1, auto // 4), max(1, auto // 2), auto * 2, auto * 4} - {auto})
         splits = [s for s in splits if s <= 32 and (s == 1 or programs <= 1024)]
         extra = [{"tiles": t} for t in TILES] + [{"num_splits": s} for s in splits]
+        if mode == "grid":
+            extra = [g for g in GRID if g["num_splits"] * g["tiles"]["BLOCK_N"] <= context]
         row = case(batch, context, HEADS[model], dev, triton_tiles=extra)
         row["model"], row["auto_splits"] = model, auto
         best = min((k for k in row["ms"] if k.startswith("triton")), key=row["ms"].get)
@@ -48,4 +59,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])
