@@ -361,6 +361,9 @@ def test_bench_decode_times_every_arm_per_batch_and_context_and_says_what_did_no
         # every arm but eager also fed back to back (no wait between calls)
         assert set(row["ms_back_to_back"]) == set(row["ms"]) - {"eager"}
         assert all(ms > 0 for ms in row["ms_back_to_back"].values())
+        # and each graphcap arm's host time of a call from an idle device
+        assert set(row["host_us"]) == set(row["ms"]) - {"eager"}
+        assert all(us > 0 for us in row["host_us"].values())
         assert row["floor_ms"] == pytest.approx(row["bytes"] / decode.PEAK_BYTES_PER_S * 1e3,
                                                 abs=1e-4)
     assert model["rows"][1]["bytes"] > model["rows"][0]["bytes"]  # one more request's K/V

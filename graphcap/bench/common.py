@@ -166,6 +166,20 @@ def back_to_back_ms(fn: Callable[[], object], calls: int = 20, repeats: int = 3)
                              for _ in range(repeats))
 
 
+def host_us(fn: Callable[[], object], reps: int = 50) -> float:
+    """Median host microseconds of ``fn()`` from an idle device: the Python and launch
+    calls until it returns (on CUDA its device work is only enqueued)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    sync()
+    return round(statistics.median(times) * 1e6, 1)
+
+
 def cuda_event_ms(fn: Callable[[], object]) -> float:
     """Milliseconds from before ``fn``'s first launch to after its last kernel."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -22,7 +22,10 @@ same work (the step's K/V overwrite the same slots); the cache is filled to ``co
 tokens by one prefill first. ``ms`` times each call alone (CUDA events around it, so its
 host work before the first launch counts, as in an engine that waits for every step);
 ``ms_back_to_back`` times calls fed with no wait between them (the host running ahead, as
-in a generation loop that never waits), every arm but eager. Each row gives the bytes a
+in a generation loop that never waits), every arm but eager; ``host_us``, for each graphcap
+arm, the host microseconds of a call from an idle device until it returns (its checks,
+copies and launches; the part before the replay's launch is what a call alone waits for
+and a call fed back to back hides). Each row gives the bytes a
 step must read (every weight once, each request's ``context`` tokens of K/V) and the
 floor they set at :data:`~graphcap.bench.decode_attention.PEAK_BYTES_PER_S`; on CUDA
 each graphcap arm's kernels per step and GPU idle share (and gpt-fast's) come from
@@ -39,7 +42,7 @@ import torch
 
 import graphcap
 from graphcap.api import GRAPHED
-from graphcap.bench.common import back_to_back_ms, environment, time_interleaved
+from graphcap.bench.common import back_to_back_ms, environment, host_us, time_interleaved
 from graphcap.bench.decode_attention import PEAK_BYTES_PER_S
 from graphcap.engine.eager import decode_step, prefill
 from graphcap.inputs import DecodeInputs
@@ -53,6 +56,7 @@ BATCHES = (1, 8)
 CONTEXT = 128
 HF_STEPS = 32
 PROFILED_CALLS = 20
+HOST_REPS = 30
 # Targets at a 1024-token context, bf16 (the decode issue): ms per step by batch size.
 TARGET_MS = {"qwen3-0.6b": {1: 0.50, 8: 0.70, 64: 2.4},
              "llama3-8b": {1: 4.0, 8: 4.3, 64: 6.3}}
@@ -208,7 +212,9 @@ def bench_model(name: str, arms, batches, context: int, reps: int, device: str,
                "floor_ms": round(nbytes / PEAK_BYTES_PER_S * 1e3, 4),
                "ms": {arm: times[b, arm]["median_ms"] for arm in arms if (b, arm) in times},
                "ms_back_to_back": {arm: round(back_to_back_ms(cases[b, arm]), 4)
-                                   for arm in arms if (b, arm) in cases and arm != "eager"}}
+                                   for arm in arms if (b, arm) in cases and arm != "eager"},
+               "host_us": {arm: host_us(cases[b, arm], HOST_REPS if device == "cuda" else 3)
+                           for arm in runners if (b, arm) in cases}}
         if device == "cuda":
             row["profile"] = {arm: profile_steps(cases[b, arm])
                               for arm in (*runners, *PEERS) if (b, arm) in cases}

@@ -10,14 +10,12 @@ kernel runs, from torch.profiler, against wall time).
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections import Counter
 
 import torch
 
 from graphcap.bench.arms import ARMS, build_arms, default_attention
-from graphcap.bench.common import cuda_event_ms, environment, time_interleaved
+from graphcap.bench.common import cuda_event_ms, environment, host_us, time_interleaved
 from graphcap.bench.hf import HF_ARMS, build_hf_arms
 from graphcap.bench.targets import prefill_targets, same_kernels_full
 from graphcap.core.buckets import pick_bucket
@@ -50,19 +48,6 @@ def _entry(arm, length: int):
     """The capture an arm's runner replays for ``length`` tokens."""
     config = arm.runner.config
     return arm.runner.entries[pick_bucket(length, config.buckets, config.max_pad_ratio)[0]]
-
-
-def host_us(fn, reps: int = 50) -> float:
-    """Median host microseconds of ``fn()`` from an idle GPU: the Python and launch calls
-    until it returns (its device work is only enqueued)."""
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
-    return round(statistics.median(times) * 1e6, 1)
 
 
 def runner_overhead(arm, length: int, reps: int = 50) -> dict:

@@ -78,6 +78,12 @@ def show_decode(result: dict) -> None:
                             f"{r['ms_back_to_back'][a]:.3f}" if a in r.get(
                                 "ms_back_to_back", {}) else "-" for a in fed]
                             for r in model["rows"]])
+        hosted = [a for a in arms if any(a in r.get("host_us", {}) for r in model["rows"])]
+        if hosted:
+            print_table(f"{model['model']}: host us of a call from an idle device",
+                        ["batch", *hosted], [[str(r["batch"])] + [
+                            f"{r['host_us'][a]:.0f}" if a in r.get("host_us", {}) else "-"
+                            for a in hosted] for r in model["rows"]])
         profiled = [(row["batch"], arm, p) for row in model["rows"]
                     for arm, p in row.get("profile", {}).items() if p.get("kernels")]
         if profiled:
