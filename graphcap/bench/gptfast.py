@@ -63,6 +63,20 @@ class StaticCacheDecoder(nn.Module):
         """Layer ``layer``'s key and value cache buffers."""
         return getattr(self, f"k_cache{layer}"), getattr(self, f"v_cache{layer}")
 
+    def attend(self, layer: int, q, k, v, pos, mask) -> torch.Tensor:
+        """Layer ``layer``'s new ``k``, ``v`` [batch, kv_heads, 1, head_dim] written to its
+        cache at ``pos``, then SDPA of ``q`` [batch, heads, 1, head_dim] over the cache."""
+        k_cache, v_cache = self.cache(layer)
+        k_cache[:, :, pos] = k
+        v_cache[:, :, pos] = v
+        if self.gqa:
+            return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask,
+                                                  enable_gqa=True)
+        group = self.a.heads // self.a.kv_heads  # gpt-fast expands the cache's heads
+        return F.scaled_dot_product_attention(q, k_cache.repeat_interleave(group, dim=1),
+                                              v_cache.repeat_interleave(group, dim=1),
+                                              attn_mask=mask)
+
     def _rope(self, x, cos, sin):
         rot = cos.shape[-1] * 2
         x1, x2, rest = x[..., : rot // 2], x[..., rot // 2: rot], x[..., rot:]
@@ -89,17 +103,7 @@ class StaticCacheDecoder(nn.Module):
                 q, k = _rms_norm(q, attn.q_norm, a.eps), _rms_norm(k, attn.k_norm, a.eps)
             q = self._rope(q.float(), cos, sin).type_as(x).transpose(1, 2)
             k = self._rope(k.float(), cos, sin).type_as(x).transpose(1, 2)
-            k_cache, v_cache = self.cache(i)
-            k_cache[:, :, pos] = k
-            v_cache[:, :, pos] = v.transpose(1, 2)
-            if self.gqa:
-                y = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask,
-                                                   enable_gqa=True)
-            else:  # gpt-fast expands the cache's heads
-                group = a.heads // a.kv_heads
-                y = F.scaled_dot_product_attention(
-                    q, k_cache.repeat_interleave(group, dim=1),
-                    v_cache.repeat_interleave(group, dim=1), attn_mask=mask)
+            y = self.attend(i, q, k, v.transpose(1, 2), pos, mask)
             x = x + F.linear(y.transpose(1, 2).reshape(b, 1, q_size), attn.o.weight)
             gate, up = F.linear(_rms_norm(x, block.mlp_norm, a.eps),
                                 block.mlp.gate_up.weight).chunk(2, dim=-1)

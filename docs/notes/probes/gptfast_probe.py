@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from graphcap.bench.common import back_to_back_ms, environment
 from graphcap.bench.decode import profile_steps
-from graphcap.bench.gptfast import StaticCacheDecoder, _rms_norm
+from graphcap.bench.gptfast import StaticCacheDecoder
 from graphcap.models import build_model
 
 CONTEXT = 1024
@@ -39,37 +39,13 @@ class OneBuffer(StaticCacheDecoder):
                 delattr(self, f"{kind}_cache{i}")
             self.register_buffer(f"{kind}_whole", whole, persistent=False)
 
-    def forward(self, ids, pos):
-        a, m = self.a, self.model
-        b = ids.shape[0]
-        x = m.embed.weight[ids]
-        cos_sin = m.cos_sin[pos].float()
-        half = cos_sin.shape[-1] // 2
-        cos, sin = cos_sin[:, :half], cos_sin[:, half:]
-        mask = self.causal[None, None, pos]
-        q_size, kv_size = a.heads * a.head_dim, a.kv_heads * a.head_dim
-        for i, block in enumerate(m.blocks):
-            attn = block.attn
-            qkv = F.linear(_rms_norm(x, block.attn_norm, a.eps), attn.qkv.weight)
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(b, 1, a.heads, a.head_dim)
-            k = k.view(b, 1, a.kv_heads, a.head_dim)
-            v = v.view(b, 1, a.kv_heads, a.head_dim)
-            if a.qk_norm:
-                q, k = _rms_norm(q, attn.q_norm, a.eps), _rms_norm(k, attn.k_norm, a.eps)
-            q = self._rope(q.float(), cos, sin).type_as(x).transpose(1, 2)
-            k = self._rope(k.float(), cos, sin).type_as(x).transpose(1, 2)
-            self.k_whole[i].index_copy_(2, pos, k)
-            self.v_whole[i].index_copy_(2, pos, v.transpose(1, 2))
-            group = a.heads // a.kv_heads
-            y = F.scaled_dot_product_attention(
-                q, self.k_whole[i].repeat_interleave(group, dim=1),
-                self.v_whole[i].repeat_interleave(group, dim=1), attn_mask=mask)
-            x = x + F.linear(y.transpose(1, 2).reshape(b, 1, q_size), attn.o.weight)
-            gate, up = F.linear(_rms_norm(x, block.mlp_norm, a.eps),
-                                block.mlp.gate_up.weight).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, block.mlp.down.weight)
-        return F.linear(_rms_norm(x, m.norm, a.eps), m.lm_head.weight)[:, 0]
+    def attend(self, layer, q, k, v, pos, mask):
+        self.k_whole[layer].index_copy_(2, pos, k)
+        self.v_whole[layer].index_copy_(2, pos, v)
+        group = self.a.heads // self.a.kv_heads
+        return F.scaled_dot_product_attention(
+            q, self.k_whole[layer].repeat_interleave(group, dim=1),
+            self.v_whole[layer].repeat_interleave(group, dim=1), attn_mask=mask)
 
 
 class Skips(logging.Handler):
