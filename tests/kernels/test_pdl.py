@@ -19,7 +19,7 @@ from tests.conftest import requires_cuda
 def test_no_pdl_off_cuda_or_under_the_interpreter(environ):
     environ.unset("GRAPHCAP_PDL")  # off for the right reason
     assert not common.pdl(torch.device("cpu"))
-    assert common.pdl_args(torch.device("cpu"), 16) == {"PDL": False}
+    assert common.pdl_args(torch.device("cpu"), 16, "gemv") == {"PDL": False}
     environ.set("TRITON_INTERPRET", "1")
     assert not common.pdl(torch.device("cuda", 0))  # decided before any device query
 
@@ -38,8 +38,22 @@ def test_switched_off_by_the_environment_or_a_block(monkeypatch, environ):
         assert not common.pdl(cuda)
     assert common.pdl(cuda)
     # Only launches over few rows: past them it was measured slower.
-    assert common.pdl_args(cuda, common.PDL_MAX_ROWS) == {"PDL": True, "launch_pdl": True}
-    assert common.pdl_args(cuda, common.PDL_MAX_ROWS + 1) == {"PDL": False}
+    on = {"PDL": True, "launch_pdl": True}
+    assert common.pdl_args(cuda, common.PDL_MAX_ROWS, "gemv") == on
+    assert common.pdl_args(cuda, common.PDL_MAX_ROWS + 1, "gemv") == {"PDL": False}
+    # A block may leave some kernels out, by name; nested blocks restore what they found.
+    with common.programmatic_launch(without=("decode_attention", "gemv")):
+        assert common.pdl_args(cuda, 1, "gemv") == {"PDL": False}
+        assert common.pdl_args(cuda, 1, "decode_attention") == {"PDL": False}
+        assert common.pdl_args(cuda, 1, "skinny_linear") == on
+        with common.programmatic_launch(True):
+            assert common.pdl_args(cuda, 1, "gemv") == on
+        assert common.pdl_args(cuda, 1, "gemv") == {"PDL": False}
+    assert common.pdl_args(cuda, 1, "gemv") == on
+    with pytest.raises(ValueError, match="kernel names of"):
+        common.programmatic_launch(without=("gemm",))
+    with pytest.raises(ValueError, match="kernel names of"):
+        common.programmatic_launch(without="gemv")  # a string is no list of names
     for off in ("0", "false", "OFF", "no"):
         environ.set("GRAPHCAP_PDL", off)
         assert not common.pdl(cuda)
@@ -166,3 +180,19 @@ def test_the_setting_is_per_thread():
         worker.join()
         assert common._pdl_override.get() is False
     assert seen == [None] and common._pdl_override.get() is None
+
+
+def test_every_launch_names_a_kernel_that_a_block_can_leave_out():
+    """Each pdl_args call of the project's kernels gives one of PDL_KERNELS, so that
+    programmatic_launch(without=...) reaches every kernel by its name."""
+    import ast
+    from pathlib import Path
+
+    named = set()
+    for path in Path(common.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "pdl_args":
+                assert len(node.args) == 3 and isinstance(node.args[2], ast.Constant), \
+                    f"{path.name}:{node.lineno}: pdl_args(device, rows, 'kernel name')"
+                named.add(node.args[2].value)
+    assert named == set(common.PDL_KERNELS)

@@ -330,7 +330,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET=interpret, WINDOW=window > 0, SOFTCAP=softcap > 0,
         HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages,
-        **pdl_args(q.device, T),
+        **pdl_args(q.device, T, "attention"),
     )
     return out
 

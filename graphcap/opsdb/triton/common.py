@@ -70,6 +70,12 @@ def cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 # The innermost programmatic_launch(...) setting of this thread (or task), or None.
 _pdl_override: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
     "graphcap_pdl", default=None)
+# The kernels the innermost programmatic_launch(..., without=...) launches without PDL.
+_pdl_without: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
+    "graphcap_pdl_without", default=frozenset())
+# The kernels that take part, by the name their launch gives pdl_args.
+PDL_KERNELS = ("attention", "cache_places", "decode_attention", "fused_add_rms_norm", "gemv",
+               "kv_write", "qkv_norm_rope", "rms_norm", "skinny_linear")
 
 
 def _pdl_probe() -> bool:
@@ -103,21 +109,29 @@ def pdl(device: torch.device) -> bool:
 class programmatic_launch:
     """``with programmatic_launch(False):`` launches (or captures) the project's Triton
     kernels without PDL, e.g. to compare; ``True`` restores the default where PDL is
-    available. It applies to the launches made inside the block, in this thread: a CUDA
-    graph captured there replays its kernels as captured, while whatever a replay runs
-    eagerly (a breakable forward's breaks, tc_piecewise's split ops) launches by the
-    setting at replay time."""
+    available; ``without=("decode_attention", ...)`` (names of :data:`PDL_KERNELS`)
+    launches those kernels without it and leaves the rest as ``enabled`` says. It applies
+    to the launches made inside the block, in this thread: a CUDA graph captured there
+    replays its kernels as captured, while whatever a replay runs eagerly (a breakable
+    forward's breaks, tc_piecewise's split ops) launches by the setting at replay time."""
 
-    def __init__(self, enabled: bool):
-        self.enabled = bool(enabled)
-        self._tokens: list[contextvars.Token] = []
+    def __init__(self, enabled: bool = True, without=()):
+        unknown = sorted(set(without) - set(PDL_KERNELS))
+        if unknown or isinstance(without, str):
+            raise ValueError(f"programmatic_launch(without=...) takes kernel names of "
+                             f"{PDL_KERNELS}; got {without!r}")
+        self.enabled, self.without = bool(enabled), frozenset(without)
+        self._tokens: list[tuple[contextvars.Token, contextvars.Token]] = []
 
     def __enter__(self):
-        self._tokens.append(_pdl_override.set(self.enabled))
+        self._tokens.append((_pdl_override.set(self.enabled),
+                             _pdl_without.set(self.without)))
         return self
 
     def __exit__(self, *exc):
-        _pdl_override.reset(self._tokens.pop())
+        enabled, without = self._tokens.pop()
+        _pdl_without.reset(without)
+        _pdl_override.reset(enabled)
         return False
 
 
@@ -126,10 +140,12 @@ class programmatic_launch:
 PDL_MAX_ROWS = 64
 
 
-def pdl_args(device: torch.device, rows: int) -> dict:
-    """Keyword arguments for a launch over ``rows`` rows (tokens) of a kernel with a
-    ``PDL`` constexpr: PDL where :func:`pdl` allows it and ``rows <= PDL_MAX_ROWS``."""
-    if rows <= PDL_MAX_ROWS and pdl(device):
+def pdl_args(device: torch.device, rows: int, kernel: str) -> dict:
+    """Keyword arguments for a launch of ``kernel`` (one of :data:`PDL_KERNELS`) over
+    ``rows`` rows (tokens), a kernel with a ``PDL`` constexpr: PDL where :func:`pdl`
+    allows it, ``rows <= PDL_MAX_ROWS`` and no :class:`programmatic_launch` block names the
+    kernel in ``without``."""
+    if rows <= PDL_MAX_ROWS and kernel not in _pdl_without.get() and pdl(device):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
 

@@ -250,7 +250,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"a split launch merges at most {counters.CAPACITY}")
     split_len = triton.cdiv(triton.cdiv(max_len, num_splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     block_d = max(16, triton.next_power_of_2(D))
-    launch = pdl_args(q.device, B)
+    launch = pdl_args(q.device, B, "decode_attention")
     if num_splits > 1:
         mid_o = torch.empty((programs * num_splits * block_h, block_d), dtype=torch.float32,
                             device=q.device)

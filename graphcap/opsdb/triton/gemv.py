@@ -143,7 +143,7 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
         return y
     cfg = dict(tiles or gemv_config(k))
     res = residual if residual is not None else y
-    launch = pdl_args(x.device, m)
+    launch = pdl_args(x.device, m, "gemv")
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, weight, y, norm_weight if norm_weight is not None else x, res,
         bias if bias is not None else x, n, k, float(eps), x.stride(0), weight.stride(0),

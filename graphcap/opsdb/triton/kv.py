@@ -46,7 +46,7 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     _kv_write_kernel[(T,)](
         k, v, k_cache, v_cache, cache_loc, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         heads, head_dim, BLOCK_H=block_h, BLOCK_D=block_d, INTERPRET=interpreting(),
-        num_warps=max(1, min(8, block_h * block_d // 256)), **pdl_args(k.device, T))
+        num_warps=max(1, min(8, block_h * block_d // 256)), **pdl_args(k.device, T, "kv_write"))
 
 
 __all__ = ["kv_write"]

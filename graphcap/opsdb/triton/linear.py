@@ -301,7 +301,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
     blocks = triton.cdiv(n, cfg["BLOCK_N"])
     partial = (torch.empty((2 if swiglu else 1) * split * cfg["BLOCK_M"] * n,
                            dtype=torch.float32, device=x.device) if split > 1 else y)
-    launch = pdl_args(x.device, m)
+    launch = pdl_args(x.device, m, "skinny_linear")
     counts = y if split == 1 else counters.zeroed(x.device, blocks, launch)
     res = residual if residual is not None else y
     _skinny_linear_kernel[(blocks, split)](

@@ -171,7 +171,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if T == 0 or H == 0:
         return out
     block, single, chunks, num_warps = _config(H)
-    launch = pdl_args(x.device, T)
+    launch = pdl_args(x.device, T, "rms_norm")
     ahead = (launch["PDL"] and prefetch is not None and prefetch.device == x.device
              and prefetch.is_contiguous() and prefetches(prefetch))
     line, lines, programs = 1, 0, T
@@ -209,4 +209,4 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     _fused_add_rms_norm_kernel[(T,)](
         x, residual, weight, x.stride(0), residual.stride(0), H, eps,
         BLOCK_H=block, SINGLE_PASS=single, N_CHUNKS=chunks, num_warps=num_warps,
-        **pdl_args(x.device, T))
+        **pdl_args(x.device, T, "fused_add_rms_norm"))

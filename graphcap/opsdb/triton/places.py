@@ -53,7 +53,7 @@ def cache_places(token_slots: torch.Tensor, positions: torch.Tensor,
         table if rows else cache_loc, seq_lens if rows else cache_loc,
         requests, width, page_size, NULL_PAGE,
         BLOCK_W=min(1024, triton.next_power_of_2(width)), ROWS=rows, num_warps=1,
-        **pdl_args(token_slots.device, T))
+        **pdl_args(token_slots.device, T, "cache_places"))
 
 
 __all__ = ["cache_places"]

@@ -89,5 +89,5 @@ def qkv_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Te
         cos_sin_cache, q, k, v, qkv.stride(0), positions.stride(0), cos_sin_cache.stride(0),
         num_heads, num_kv_heads, head_size, cos_sin_cache.shape[-1] // 2, eps,
         HAS_NORM=has_norm, BLOCK_D=block_d, num_warps=1 if block_d <= 128 else 2,
-        **pdl_args(qkv.device, T))
+        **pdl_args(qkv.device, T, "qkv_norm_rope"))
     return q, k, v
