@@ -254,8 +254,7 @@ def _best_graphcap(ms: dict) -> tuple[str, float] | None:
 def targets(model: dict) -> list[dict]:
     """The decode issue's targets that this model's rows can judge (a 1024-token context,
     no window): ms per step, the fastest graphcap arm over the faster gpt-fast arm, and
-    breakable's and
-    tc_piecewise's share of full's speed-up over eager."""
+    breakable's and tc_piecewise's share of full's speed-up over eager."""
     if model["context"] != 1024 or model["window"]:
         return []
     out = []
