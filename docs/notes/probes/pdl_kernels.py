@@ -13,7 +13,7 @@ import os
 import sys
 
 import torch
-from probe_common import prefilled_decode
+from probe_common import decode_cases, prefilled_decode
 
 import graphcap
 from graphcap.bench.common import environment, time_interleaved
@@ -34,9 +34,7 @@ def one(preset: str) -> dict:
         with programmatic_launch(enabled, without=without):
             runners[name] = graphcap.capture(model, "full", buckets=list(BATCHES),
                                              inputs=DecodeInputs(cache))
-    cases = {(b, name): (lambda r=r, b=b: r(tokens[:b], positions=[CONTEXT] * b,
-                                            slots=list(range(b))))
-             for b in BATCHES for name, r in runners.items()}
+    cases = decode_cases(runners, tokens, BATCHES, CONTEXT)
     times = time_interleaved(cases, reps=60, rounds=6)
     rows = []
     for b in BATCHES:

@@ -47,3 +47,11 @@ def prefilled_decode(preset: str, slots: int, context: int):
     prefill(model, cache, prompt, [context] * slots, list(range(slots)))
     tokens = torch.randint(1, a.vocab_size, (slots,), generator=gen).cuda()
     return model, cache, tokens
+
+
+def decode_cases(runners: dict, tokens, batches, context: int) -> dict:
+    """``(batch, name) -> call``: each runner's decode step of the first ``batch``
+    requests, every one at position ``context``."""
+    return {(b, name): (lambda r=r, b=b: r(tokens[:b], positions=[context] * b,
+                                           slots=list(range(b))))
+            for b in batches for name, r in runners.items()}
