@@ -109,11 +109,14 @@ def _gemm_kernel(W, S, X, Y, N, K, stride_w, stride_s, stride_x, stride_y, M,
              mask=(m < M)[None, :] & (n < N)[:, None])
 
 
-def gemm(x, stored, scales, n: int, swizzled: bool, block_n: int = 128,
+def gemm(x, stored, scales, n: int, swizzled: bool, block_n: int | None = None,
          block_k: int | None = None, num_warps: int = 4, num_stages: int = 3):
-    """``x @ dequant(W)^T`` (K a multiple of 64: no masks along K)."""
+    """``x @ dequant(W)^T``: N a multiple of the column block and K of 64 (the weights
+    are read without masks)."""
     m, k = x.shape
+    block_n = block_n or (128 if n % 128 == 0 else 64)
     block_k = block_k or (128 if k % 128 == 0 else 64)
+    assert n % block_n == 0 and k % block_k == 0, (n, k, block_n, block_k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _gemm_kernel[(triton.cdiv(n, block_n),)](
         stored, scales, x, y, n, k, stored.stride(0), scales.stride(0), x.stride(0),
@@ -131,7 +134,7 @@ def weights(n: int, k: int, device, seed: int = 0):
 
 
 def check() -> None:
-    for n, k, m in ((32, 128, 3), (64, 256, 16), (128, 128, 1)):
+    for n, k, m in ((32, 128, 3), (64, 256, 16), (128, 128, 1), (64, 192, 5)):
         packed, scales = weights(n, k, "cpu", seed=n + k)
         x = torch.randn(m, k).to(torch.bfloat16)
         want = x.float() @ dequantize(packed, scales).t()
