@@ -15,6 +15,8 @@ loads the bytes in 128-bit pieces, decodes each nibble into bf16 (its three bits
 in bf16's exponent and mantissa: the value times 2^-126, subnormals exact), and a
 reshape and permute give the [N, K] tile whose layout the compiler can take from the
 load unchanged. ``natural`` stores W as it comes ([N, K/2]); its decode is the same.
+A third variant decodes the stored order four bytes an inline-PTX block (the device
+only: the interpreter runs no PTX).
 
 ``check``: both kernels against the dequantized reference on small shapes (the
 interpreter). ``ttgir``: compiles both for sm_90 and reports how the byte tile reaches
@@ -69,10 +71,46 @@ def _e2m1_bf16(nibble, INTERPRET: tl.constexpr):
     return bits.to(tl.bfloat16, bitcast=True)
 
 
+# Four bytes a register: the low nibbles of bytes 0 and 2 (then 1 and 3, a byte down)
+# masked and shifted into bf16's exponent, mantissa and sign, two values an instruction;
+# a byte permute puts them in element order; the same for the high nibbles. Outputs: the
+# low nibbles' values, the high nibbles' (bf16 times 2^-126, as _e2m1_bf16).
+_E2M1_BF16_PTX = tl.constexpr("""
+{
+.reg .b32 w8, a0, a1, t;
+shr.b32 w8, $4, 8;
+and.b32 a0, $4, 0x00070007; shl.b32 a0, a0, 6;
+and.b32 t, $4, 0x00080008; shl.b32 t, t, 12; or.b32 a0, a0, t;
+and.b32 a1, w8, 0x00070007; shl.b32 a1, a1, 6;
+and.b32 t, w8, 0x00080008; shl.b32 t, t, 12; or.b32 a1, a1, t;
+prmt.b32 $0, a0, a1, 0x5410;
+prmt.b32 $1, a0, a1, 0x7632;
+and.b32 a0, $4, 0x00700070; shl.b32 a0, a0, 2;
+and.b32 t, $4, 0x00800080; shl.b32 t, t, 8; or.b32 a0, a0, t;
+and.b32 a1, w8, 0x00700070; shl.b32 a1, a1, 2;
+and.b32 t, w8, 0x00800080; shl.b32 t, t, 8; or.b32 a1, a1, t;
+prmt.b32 $2, a0, a1, 0x5410;
+prmt.b32 $3, a0, a1, 0x7632;
+}
+""")
+
+
+@triton.jit
+def _decode(b, ASM: tl.constexpr, INTERPRET: tl.constexpr):
+    """Bytes ``b`` -> [..., 2] bf16 (low nibble, high nibble), times 2^-126."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(_E2M1_BF16_PTX, "=r,=r,=r,=r,r", [b],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+                                           pack=4)
+    else:
+        lo, hi = _e2m1_bf16(b, INTERPRET), _e2m1_bf16(b >> 4, INTERPRET)
+    return tl.join(lo, hi)
+
+
 @triton.jit
 def _gemm_kernel(W, S, X, Y, N, K, stride_w, stride_s, stride_x, stride_y, M,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                 SWIZZLED: tl.constexpr, INTERPRET: tl.constexpr):
+                 SWIZZLED: tl.constexpr, ASM: tl.constexpr, INTERPRET: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
@@ -83,12 +121,12 @@ def _gemm_kernel(W, S, X, Y, N, K, stride_w, stride_s, stride_x, stride_y, M,
             rows = pid * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)
             cols = 2 * k0 + tl.arange(0, 2 * BLOCK_K)
             b = tl.load(W + rows[:, None] * stride_w + cols[None, :])
-            v = tl.join(_e2m1_bf16(b, INTERPRET), _e2m1_bf16(b >> 4, INTERPRET))
+            v = _decode(b, ASM, INTERPRET)  # [rows, bytes, nibble]
             v = tl.reshape(v, (BLOCK_N // 16, 4, BLOCK_K // 64, 2, 4, 4, 2, 2, 2))
             v = tl.permute(v, (0, 7, 1, 3, 2, 5, 6, 4, 8))  # B g j d C t h q e
         else:
             b = tl.load(W + n[:, None] * stride_w + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
-            v = tl.join(_e2m1_bf16(b, INTERPRET), _e2m1_bf16(b >> 4, INTERPRET))
+            v = _decode(b, ASM, INTERPRET)  # [n, k / 2, nibble]
         w = tl.reshape(v, (BLOCK_N, BLOCK_K))
         s = tl.load(S + n[:, None] * stride_s + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :])
         # 2^(s - 127) for the scale, 2^126 for the decode's bias: 2^(s - 1), as bf16
@@ -110,7 +148,8 @@ def _gemm_kernel(W, S, X, Y, N, K, stride_w, stride_s, stride_x, stride_y, M,
 
 
 def gemm(x, stored, scales, n: int, swizzled: bool, block_n: int | None = None,
-         block_k: int | None = None, num_warps: int = 4, num_stages: int = 3):
+         block_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
+         asm: bool = False):
     """``x @ dequant(W)^T``: N a multiple of the column block and K of 64 (the weights
     are read without masks)."""
     m, k = x.shape
@@ -121,7 +160,7 @@ def gemm(x, stored, scales, n: int, swizzled: bool, block_n: int | None = None,
     _gemm_kernel[(triton.cdiv(n, block_n),)](
         stored, scales, x, y, n, k, stored.stride(0), scales.stride(0), x.stride(0),
         y.stride(0), m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=16, SWIZZLED=swizzled,
-        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
+        ASM=asm, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
         num_stages=num_stages)
     return y
 
@@ -146,33 +185,42 @@ def check() -> None:
             assert err < 1e-2, err
 
 
+VARIANTS = {"natural": (False, False), "swizzled": (True, False),
+            "swizzled, PTX decode": (True, True)}  # name: (swizzled, asm)
+
+
 def ttgir() -> dict:
+    """Each variant compiled for sm_90 (BLOCK_N 128, BLOCK_K 128, 16 rows): how its byte
+    tile is read from shared memory and what one loop body's PTX holds."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig = {"W": "*u8", "S": "*u8", "X": "*bf16", "Y": "*bf16", "N": "i32", "K": "i32",
            "stride_w": "i32", "stride_s": "i32", "stride_x": "i32", "stride_y": "i32",
            "M": "i32", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "BLOCK_M": "constexpr",
-           "SWIZZLED": "constexpr", "INTERPRET": "constexpr"}
+           "SWIZZLED": "constexpr", "ASM": "constexpr", "INTERPRET": "constexpr"}
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 6, 7, 8, 9)}
     out = {}
-    for swz in (False, True):
+    for name, (swz, asm) in VARIANTS.items():
         src = ASTSource(_gemm_kernel, sig, attrs=attrs, constexprs={
-            "BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_M": 16, "SWIZZLED": swz,
+            "BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_M": 16, "SWIZZLED": swz, "ASM": asm,
             "INTERPRET": False})
-        ir = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 4, "num_stages": 3}).asm["ttgir"]
+        asm_out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                 options={"num_warps": 4, "num_stages": 3}).asm
+        ir, ptx = asm_out["ttgir"], asm_out["ptx"]
         layouts = dict(re.findall(r"^(#\w+) = (.*)$", ir, re.M))
         loads = re.findall(r"ttg.local_load .*-> tensor<\w+xi8, (#\w+)>", ir)
         runs = []
-        for name in loads:  # the register bases of the byte tile's shared-memory load
-            bases = re.search(r"register = \[(.*?)\], lane", layouts.get(name, ""))
-            runs.append(bases.group(1) if bases else layouts.get(name))
-        out["swizzled" if swz else "natural"] = {
+        for layout in loads:  # the register bases of the byte tile's shared-memory load
+            bases = re.search(r"register = \[(.*?)\], lane", layouts.get(layout, ""))
+            runs.append(bases.group(1) if bases else layouts.get(layout))
+        out[name] = {
             "byte_tile_register_bases": runs,
-            "convert_layouts": len(re.findall(r"ttg.convert_layout", ir)),
             "register_a_products": len(re.findall(
-                r"warp_group_dot %\w+, .*dot_op<\{opIdx = 0", ir))}
+                r"warp_group_dot %\w+, .*dot_op<\{opIdx = 0", ir)),
+            "ptx": {op: ptx.count(op) for op in (
+                "ld.shared.v4", "ld.shared.b8", "st.shared", "shfl", "wgmma.mma_async",
+                "prmt", "cvt", "and.b32", "shl.b32")}}
     print(json.dumps(out, indent=1))
     return out
 
@@ -190,21 +238,19 @@ def timing() -> dict:
         dense = [(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02) for _ in range(4)]
         for m in (1, 4, 16):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            arms = {"natural": [lambda p=p, s=s, x=x, n=n: gemm(x, p, s, n, False)
-                                for p, s in sets],
-                    "swizzled": [lambda p=p, s=s, x=x, n=n: gemm(x, p, s, n, True)
-                                 for p, s in swz],
-                    "bf16 cuBLAS": [lambda w=w, x=x: x @ w.t() for w in dense]}
+            arms = {name: [lambda p=p, s=s, x=x, n=n, z=z, a=a: gemm(x, p, s, n, z, asm=a)
+                           for p, s in (swz if z else sets)]
+                    for name, (z, a) in VARIANTS.items()}
+            arms["bf16 cuBLAS"] = [lambda w=w, x=x: x @ w.t() for w in dense]
             ms = {a: round(cycled_ms(calls), 5) for a, calls in arms.items()}
             nbytes = n * k // 2 + n * k // 32
             row = {"proj": name, "n": n, "k": k, "rows": m, "ms": ms,
                    "fp4_tb_s": {a: round(nbytes / (ms[a] * 1e-3) / 1e12, 2)
-                                for a in ("natural", "swizzled")},
-                   "max_diff": float((gemm(x, *swz[0], n, True) - gemm(x, *sets[0], n, False))
-                                     .float().abs().max()),
-                   "max_error_vs_reference": float((gemm(x, *swz[0], n, True).float()
-                                                    - x.float() @ dequantize(*sets[0]).t())
-                                                   .abs().max())}
+                                for a in VARIANTS},
+                   "max_error_vs_reference": {
+                       a: float((gemm(x, *(swz if z else sets)[0], n, z, asm=asm).float()
+                                 - x.float() @ dequantize(*sets[0]).t()).abs().max())
+                       for a, (z, asm) in VARIANTS.items()}}
             print(row, flush=True)
             rows.append(row)
     return {"what": "MXFP4 weights stored as the tensor cores' operand registers",
