@@ -313,12 +313,19 @@ def random_layer(experts, hidden, inter, device, lo=119, hi=122):
     return (*packed(2 * inter, hidden), *packed(hidden, inter))
 
 
-def interpreted_check() -> None:
+def tiny_layer():
+    """A small MXFP4 expert layer on the CPU (4 experts, H = I = 64, 2 a token) and 5
+    tokens routed over it: w13, s13, b13, w2, s2, b2, x, weights, ids."""
     torch.manual_seed(0)
     experts, hidden, inter, k = 4, 64, 64, 2
-    w13, s13, b13, w2, s2, b2 = random_layer(experts, hidden, inter, "cpu", lo=124, hi=128)
+    layer = random_layer(experts, hidden, inter, "cpu", lo=124, hi=128)
     x = (torch.randn(5, hidden) * 0.5).bfloat16()
     weights, ids = reference.moe_topk_softmax(torch.randn(5, experts), k, True)
+    return (*layer, x, weights, ids)
+
+
+def interpreted_check() -> None:
+    w13, s13, b13, w2, s2, b2, x, weights, ids = tiny_layer()
     tiles = {"n": 16, "groups": 2, "warps": 4, "stages": 1}
     checks = (("gate/up", dequantized(x, w13, s13, b13, ids, 1.702, 7.0),
                decoded(x, w13, s13, b13, ids, 1.702, 7.0, tiles)),)

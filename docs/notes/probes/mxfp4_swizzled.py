@@ -71,28 +71,27 @@ def _e2m1_bf16(nibble, INTERPRET: tl.constexpr):
     return bits.to(tl.bfloat16, bitcast=True)
 
 
-# Four bytes a register: the low nibbles of bytes 0 and 2 (then 1 and 3, a byte down)
-# masked and shifted into bf16's exponent, mantissa and sign, two values an instruction;
-# a byte permute puts them in element order; the same for the high nibbles. Outputs: the
-# low nibbles' values, the high nibbles' (bf16 times 2^-126, as _e2m1_bf16).
-_E2M1_BF16_PTX = tl.constexpr("""
-{
-.reg .b32 w8, a0, a1, t;
-shr.b32 w8, $4, 8;
-and.b32 a0, $4, 0x00070007; shl.b32 a0, a0, 6;
-and.b32 t, $4, 0x00080008; shl.b32 t, t, 12; or.b32 a0, a0, t;
-and.b32 a1, w8, 0x00070007; shl.b32 a1, a1, 6;
-and.b32 t, w8, 0x00080008; shl.b32 t, t, 12; or.b32 a1, a1, t;
-prmt.b32 $0, a0, a1, 0x5410;
-prmt.b32 $1, a0, a1, 0x7632;
-and.b32 a0, $4, 0x00700070; shl.b32 a0, a0, 2;
-and.b32 t, $4, 0x00800080; shl.b32 t, t, 8; or.b32 a0, a0, t;
-and.b32 a1, w8, 0x00700070; shl.b32 a1, a1, 2;
-and.b32 t, w8, 0x00800080; shl.b32 t, t, 8; or.b32 a1, a1, t;
-prmt.b32 $2, a0, a1, 0x5410;
-prmt.b32 $3, a0, a1, 0x7632;
-}
-""")
+def _e2m1_ptx(shift: int, sign_shift: int) -> str:
+    """Inline PTX: four bytes of ``$4`` -> their low nibbles' values in ``$0, $1`` and
+    their high nibbles' in ``$2, $3`` (two 16-bit values a register, in element order).
+    Each nibble's three value bits are masked from bytes 0 and 2 (then 1 and 3, a byte
+    down) and shifted by ``shift`` (``shift - 4`` for the high nibble), its sign bit by
+    ``sign_shift`` (``sign_shift - 4``): two values an instruction; a byte permute puts
+    them in order."""
+    lines = [".reg .b32 w8, a0, a1, t;", "shr.b32 w8, $4, 8;"]
+    for out, (mask, sign, up, up_sign) in ((0, (0x00070007, 0x00080008, shift, sign_shift)),
+                                           (2, (0x00700070, 0x00800080, shift - 4,
+                                                sign_shift - 4))):
+        for reg, src in (("a0", "$4"), ("a1", "w8")):
+            lines.append(f"and.b32 {reg}, {src}, {mask:#010x}; shl.b32 {reg}, {reg}, {up}; "
+                         f"and.b32 t, {src}, {sign:#010x}; shl.b32 t, t, {up_sign}; "
+                         f"or.b32 {reg}, {reg}, t;")
+        lines += [f"prmt.b32 ${out}, a0, a1, 0x5410;", f"prmt.b32 ${out + 1}, a0, a1, 0x7632;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+# bf16: the three bits at 6..8 (exponent's low two, mantissa's top), the sign at 15.
+_E2M1_BF16_PTX = tl.constexpr(_e2m1_ptx(6, 12))
 
 
 @triton.jit
@@ -108,6 +107,39 @@ def _decode(b, ASM: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def stored_tile(W, row0, stride_w, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                ASM: tl.constexpr, INTERPRET: tl.constexpr):
+    """Weight rows ``row0 ..`` (``BLOCK_N`` of them, ``row0`` a multiple of 16), K
+    ``k0 ..`` (``BLOCK_K``, a multiple of 64) of ``swizzle``'s order: [BLOCK_N, BLOCK_K]
+    bf16 times 2^-126."""
+    rows = row0 // 4 + tl.arange(0, BLOCK_N // 4)
+    cols = 2 * k0 + tl.arange(0, 2 * BLOCK_K)
+    v = _decode(tl.load(W + rows[:, None] * stride_w + cols[None, :]), ASM, INTERPRET)
+    v = tl.reshape(v, (BLOCK_N // 16, 4, BLOCK_K // 64, 2, 4, 4, 2, 2, 2))
+    v = tl.permute(v, (0, 7, 1, 3, 2, 5, 6, 4, 8))  # B g j d C t h q e
+    return tl.reshape(v, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def scaled_product(w, S, n, stride_s, k0, x, acc, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """``acc + (w * 2^(scale - 1)) @ x``: ``w`` a decoded tile (times 2^-126), its rows'
+    E8M0 scales read from ``S`` (row stride ``stride_s``) for K ``k0 ..``."""
+    s = tl.load(S + n[:, None] * stride_s + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :])
+    # 2^(s - 127) for the scale, 2^126 for the decode's bias: 2^(s - 1), as bf16
+    # (exact for s <= 128; past it the weights' scale would overflow bf16 anyway).
+    if INTERPRET:
+        f = tl.exp2(s.to(tl.float32) - 1.0)
+    else:
+        f = (s.to(tl.uint16) + 126 << 7).to(tl.bfloat16, bitcast=True)
+    f = tl.reshape(tl.broadcast_to(f[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)),
+                   (BLOCK_N, BLOCK_K))
+    if INTERPRET:  # its bf16 products multiply the bits
+        return tl.dot(w * f, x.to(tl.float32), acc)
+    return tl.dot((w * f).to(tl.bfloat16), x, acc)
+
+
+@triton.jit
 def _gemm_kernel(W, S, X, Y, N, K, stride_w, stride_s, stride_x, stride_y, M,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                  SWIZZLED: tl.constexpr, ASM: tl.constexpr, INTERPRET: tl.constexpr):
@@ -118,31 +150,13 @@ def _gemm_kernel(W, S, X, Y, N, K, stride_w, stride_s, stride_x, stride_y, M,
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if SWIZZLED:
-            rows = pid * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)
-            cols = 2 * k0 + tl.arange(0, 2 * BLOCK_K)
-            b = tl.load(W + rows[:, None] * stride_w + cols[None, :])
-            v = _decode(b, ASM, INTERPRET)  # [rows, bytes, nibble]
-            v = tl.reshape(v, (BLOCK_N // 16, 4, BLOCK_K // 64, 2, 4, 4, 2, 2, 2))
-            v = tl.permute(v, (0, 7, 1, 3, 2, 5, 6, 4, 8))  # B g j d C t h q e
+            w = stored_tile(W, pid * BLOCK_N, stride_w, k0, BLOCK_N, BLOCK_K, ASM, INTERPRET)
         else:
             b = tl.load(W + n[:, None] * stride_w + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
-            v = _decode(b, ASM, INTERPRET)  # [n, k / 2, nibble]
-        w = tl.reshape(v, (BLOCK_N, BLOCK_K))
-        s = tl.load(S + n[:, None] * stride_s + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :])
-        # 2^(s - 127) for the scale, 2^126 for the decode's bias: 2^(s - 1), as bf16
-        # (exact for s <= 128; past it the weights' scale would overflow bf16 anyway).
-        if INTERPRET:
-            f = tl.exp2(s.to(tl.float32) - 1.0)
-        else:
-            f = (s.to(tl.uint16) + 126 << 7).to(tl.bfloat16, bitcast=True)
-        f = tl.reshape(tl.broadcast_to(f[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)),
-                       (BLOCK_N, BLOCK_K))
+            w = tl.reshape(_decode(b, ASM, INTERPRET), (BLOCK_N, BLOCK_K))  # [n, k/2, 2]
         x = tl.load(X + m[None, :] * stride_x + (k0 + ks)[:, None], mask=(m < M)[None, :],
                     other=0.0)
-        if INTERPRET:  # its bf16 products multiply the bits
-            acc = tl.dot(w * f, x.to(tl.float32), acc)
-        else:
-            acc = tl.dot((w * f).to(tl.bfloat16), x, acc)
+        acc = scaled_product(w, S, n, stride_s, k0, x, acc, BLOCK_N, BLOCK_K, INTERPRET)
     tl.store(Y + m[None, :] * stride_y + n[:, None], acc.to(Y.dtype.element_ty),
              mask=(m < M)[None, :] & (n < N)[:, None])
 
