@@ -155,8 +155,7 @@ class PagedKVCache:
                                "position in turn")
             if position + tokens > capacity:
                 over.append((slot, position + tokens))
-            if self._dropped.get(slot):
-                self.check_reach(slot, position)
+            self.check_reach(slot, position)
         if over:  # tokens > 1: the last tokens of a step past what was admitted
             raise BadBatch(f"steps of {tokens} tokens end past what their slots were "
                            f"admitted for: (slot, end) {over}; admit requests for their "
