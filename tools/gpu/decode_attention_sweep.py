@@ -37,11 +37,13 @@ def main(path: str, mode: str = "") -> None:
         hq, hk, d = HEADS[model]
         programs = programs_of(batch, hq, hk)
         auto = splits_for(programs, context, 64, num_sms(dev))
-        splits = sorted({max(1, auto // 4), max(1, auto // 2), auto * 2, auto * 4} - {auto})
-        splits = [s for s in splits if s <= 32 and (s == 1 or programs <= 1024)]
-        extra = [{"tiles": t} for t in TILES] + [{"num_splits": s} for s in splits]
         if mode == "grid":
             extra = [g for g in GRID if g["num_splits"] * g["tiles"]["BLOCK_N"] <= context]
+        else:
+            splits = sorted({max(1, auto // 4), max(1, auto // 2), auto * 2, auto * 4}
+                            - {auto})
+            splits = [s for s in splits if s <= 32 and (s == 1 or programs <= 1024)]
+            extra = [{"tiles": t} for t in TILES] + [{"num_splits": s} for s in splits]
         row = case(batch, context, HEADS[model], dev, triton_tiles=extra)
         row["model"], row["auto_splits"] = model, auto
         best = min((k for k in row["ms"] if k.startswith("triton")), key=row["ms"].get)
