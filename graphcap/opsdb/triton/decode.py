@@ -20,9 +20,7 @@ lengths change only the work inside it. No host synchronisation.
 
 Under programmatic dependent launch (:mod:`graphcap.opsdb.triton.common`) the kernel
 lets the next one start at once (the output projection, which asks L2 for its weight
-meanwhile) and waits for the kernel before it; where the rows' whole K/V read is small
-enough to stay in L2, each program first asks L2 for its split's K/V lines, so that the
-read after the wait overlaps the kernels before it.
+meanwhile) and waits for the kernel before it.
 """
 
 from __future__ import annotations
@@ -32,16 +30,7 @@ import triton
 import triton.language as tl
 
 from graphcap.opsdb.triton import counters
-from graphcap.opsdb.triton.common import (
-    PREFETCH_BYTES,
-    cast,
-    dot,
-    interpreting,
-    num_sms,
-    pdl_args,
-    pdl_start,
-    prefetch_l2,
-)
+from graphcap.opsdb.triton.common import cast, dot, interpreting, num_sms, pdl_args, pdl_start
 
 _MAX_SPLITS = 32
 
@@ -72,56 +61,22 @@ def _write_out(o, lse, has, sink, out_ptr, rows_off, d, h_ok, d_mask, SINKS: tl.
 
 
 @triton.jit
-def _prefetch_split(kc_ptr, vc_ptr, table_ptr, lens_ptr, b, kvh, s, table_stride, width,
-                    slot_stride, head_dim, split_len, window, num_slots, PAGE: tl.constexpr,
-                    BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, LINES: tl.constexpr,
-                    LINE: tl.constexpr):
-    """Asks L2 for this program's K/V lines before the PDL wait, while the kernels before
-    it run. The length and pages read here may be a step old (the launch before may still
-    be writing them): they only place prefetches, each clamped inside the cache; the
-    kernel reads them again after the wait."""
-    length = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), width * PAGE)
-    lo = 0
-    if WINDOW:
-        lo = tl.maximum(length - window, 0)
-    start = lo + s * split_len
-    end = tl.minimum(start + split_len, length)
-    lines = tl.arange(0, LINES) * LINE
-    line_ok = lines < head_dim
-    for n0 in range(start, end, BLOCK_N):
-        t = n0 + tl.arange(0, BLOCK_N)
-        ok = t < end
-        page = tl.load(table_ptr + b.to(tl.int64) * table_stride + t // PAGE, mask=ok,
-                       other=0).to(tl.int64)
-        slot = tl.minimum(tl.maximum(page * PAGE + t % PAGE, 0), num_slots - 1)
-        offs = slot[:, None] * slot_stride + kvh * head_dim + lines[None, :]
-        keep = ok[:, None] & line_ok[None, :]
-        prefetch_l2(tl.where(keep, kc_ptr + offs, kc_ptr))
-        prefetch_l2(tl.where(keep, vc_ptr + offs, vc_ptr))
-
-
-@triton.jit
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_ptr,
                    mid_o_ptr, mid_lse_ptr, counts_ptr, k_ptr, v_ptr, loc_ptr,
                    q_stride_b, q_stride_h, out_stride_b, out_stride_h, k_stride_b,
                    k_stride_h, v_stride_b, v_stride_h, table_stride, width,
-                   kv_heads, head_dim, split_len, scale, window, softcap, num_slots,
+                   kv_heads, head_dim, split_len, scale, window, softcap,
                    PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
                    WRITE: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-                   PREFETCH: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr,
                    PDL: tl.constexpr):
+    pdl_start(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)  # key/value head, then block of its query heads
     s = tl.program_id(2)
     hb = tl.cdiv(GROUP, BLOCK_H)
     kvh = g // hb
-    if PREFETCH:
-        _prefetch_split(kc_ptr, vc_ptr, table_ptr, lens_ptr, b, kvh, s, table_stride, width,
-                        kv_heads * head_dim, head_dim, split_len, window, num_slots, PAGE,
-                        BLOCK_N, WINDOW, LINES, LINE)
-    pdl_start(PDL)
     in_group = (g % hb) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = in_group < GROUP
     heads = kvh * GROUP + in_group
@@ -296,11 +251,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     split_len = triton.cdiv(triton.cdiv(max_len, num_splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     block_d = max(16, triton.next_power_of_2(D))
     launch = pdl_args(q.device, B, "decode_attention")
-    # Each program asks L2 for its K/V before the PDL wait where the rows' whole read fits
-    # in PREFETCH_BYTES (more would evict itself before it is read).
-    line = 128 // k_cache.element_size()  # elements a 128-byte line
-    kv_bytes = 2 * B * max_len * Hk * D * k_cache.element_size()
-    prefetch = launch["PDL"] and kv_bytes <= PREFETCH_BYTES
     if num_splits > 1:
         mid_o = torch.empty((programs * num_splits * block_h, block_d), dtype=torch.float32,
                             device=q.device)
@@ -318,11 +268,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mid_o, mid_lse, counts, k, v, cache_loc, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         block_table.stride(0), width, Hk, D, split_len, float(scale), int(window),
-        float(softcap), k_cache.shape[0] * page, PAGE=page, GROUP=group, BLOCK_H=block_h,
-        SPLITS=num_splits, BLOCK_D=block_d, WINDOW=window > 0, SOFTCAP=softcap > 0,
-        SINKS=sinks is not out, WRITE=write, IEEE=q.dtype == torch.float32,
-        INTERPRET=interpret, PREFETCH=prefetch, LINE=line,
-        LINES=triton.next_power_of_2(triton.cdiv(D, line)), **launch, **cfg)
+        float(softcap), PAGE=page, GROUP=group, BLOCK_H=block_h, SPLITS=num_splits,
+        BLOCK_D=block_d, WINDOW=window > 0, SOFTCAP=softcap > 0, SINKS=sinks is not out,
+        WRITE=write, IEEE=q.dtype == torch.float32, INTERPRET=interpret, **launch, **cfg)
 
 
 __all__ = ["decode_attention", "head_block", "programs_of", "splits_for"]
