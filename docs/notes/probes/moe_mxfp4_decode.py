@@ -21,6 +21,7 @@ GPU it checks the candidate (Triton's decode: the interpreter runs no PTX) on sm
 shapes against the dequantized reference; the PTX decode is checked on the device,
 against opsdb's kernels (max_diff)."""
 
+import gc
 import itertools
 import json
 import os
@@ -375,14 +376,18 @@ def compare_tiles(gate_up, down, sweep, what: str, name: str) -> None:
                 except Exception as exc:  # noqa: BLE001 - a probe records what failed
                     entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 row["candidates"].append(entry)
+                # Each timing's graph pool goes back before the next (without this the
+                # sweep held 133 GB of graph pools by 512 tokens and ran out of memory).
+                gc.collect()
+                torch.cuda.empty_cache()
             timed = [c for c in row["candidates"] if "ms" in c]
             row["best"] = min(timed, key=lambda c: c["ms"]) if timed else None
             rows.append(row)
             print(tokens, projection, "current", row["current_ms"], "best", row["best"],
                   "errors", len(row["candidates"]) - len(timed))
-    out = {"what": what, **environment(), "rows": rows}
-    with open(os.path.join(os.environ.get("OUT", "."), f"{name}.json"), "w") as f:
-        json.dump(out, f, indent=1)
+            out = {"what": what, **environment(), "rows": rows}  # written row by row
+            with open(os.path.join(os.environ.get("OUT", "."), f"{name}.json"), "w") as f:
+                json.dump(out, f, indent=1)
 
 
 def main() -> None:
