@@ -2,6 +2,7 @@
 GEMV launches (device side, and on the CPU):
 
     PYTHONPATH=. python3 docs/notes/probes/persistent_mlp.py            # H200: timing
+    PYTHONPATH=. python3 docs/notes/probes/persistent_mlp.py step       # H200: the step
     TRITON_INTERPRET=1 PYTHONPATH=. python3 docs/notes/probes/persistent_mlp.py
 
 ``h + down(silu(gate) * up)`` of ``rms_norm(h)`` at one row, qwen3-0.6b's shapes (hidden
@@ -24,7 +25,10 @@ one and two programs an SM, and the same kernel as two launches (``PHASE`` 1 the
 barrier), which separates the barrier from the kernel's code. With TRITON_INTERPRET=1 and
 no GPU (the interpreter runs programs one after another: no barrier can be met) the two
 phases run as two launches, checked against the torch reference. JSON in
-$OUT/persistent-mlp.json."""
+$OUT/persistent-mlp.json. ``step``: qwen3-0.6b's whole decode step at batch 1 (a full
+runner of ``DecodeInputs``, context 1024) with each layer's MLP as today and as the
+persistent launch (the model's ``swiglu_half`` swapped while capturing), calls timed
+interleaved, logits compared; JSON in $OUT/persistent-mlp-step.json."""
 
 import json
 import os
@@ -231,5 +235,57 @@ def main() -> None:
         json.dump(out, f, indent=1)
 
 
+def step() -> None:
+    """The decode step at batch 1 with today's MLP and with the persistent one."""
+    import sys
+
+    from graphcap.bench.common import environment, time_interleaved
+    from graphcap.inputs import DecodeInputs
+    from graphcap.models import decoder
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from probe_common import decode_cases, prefilled_decode
+
+    import graphcap
+
+    context, programs = 1024, 2 * num_sms(torch.device("cuda"))
+    model, cache, tokens = prefilled_decode("qwen3-0.6b", 1, context)
+    sync = torch.zeros(2, dtype=torch.int32, device="cuda")
+    hbuf = torch.empty(model.args.intermediate, dtype=torch.bfloat16, device="cuda")
+    today = decoder.swiglu_half
+
+    def persistent(h, norm, eps, gate_up, down, tp=None):
+        if h.shape[0] != 1 or tp is not None:
+            return today(h, norm, eps, gate_up, down, tp)
+        return persistent_mlp(h, norm, eps, gate_up, down, sync, hbuf,
+                              min(programs, h.shape[1] // 2))
+
+    runners = {}
+    for name, mlp in (("today", today), ("persistent MLP", persistent)):
+        decoder.swiglu_half = mlp
+        try:
+            runners[name] = graphcap.capture(model, "full", buckets=[1],
+                                             inputs=DecodeInputs(cache))
+        finally:
+            decoder.swiglu_half = today
+    cases = decode_cases(runners, tokens, [1], context)
+    times = time_interleaved(cases, reps=60, rounds=6)
+    want = cases[1, "today"]().float()
+    rows = [{"variant": name, "ms": times[1, name]["median_ms"],
+             "max_logit_diff_vs_today": float((cases[1, name]().float() - want).abs().max())}
+            for name in runners]
+    print(rows, flush=True)
+    out = {"what": "qwen3-0.6b's decode step at batch 1, each layer's MLP as today and as "
+                   "one persistent launch", **environment(), "context": context,
+           "programs": programs, "rows": rows}
+    with open(os.path.join(os.environ.get("OUT", "."), "persistent-mlp-step.json"), "w") as f:
+        json.dump(out, f, indent=1)
+
+
 if __name__ == "__main__":
-    (main if torch.cuda.is_available() else check_on_cpu)()
+    import sys
+
+    if not torch.cuda.is_available():
+        check_on_cpu()
+    else:
+        (step if sys.argv[1:] == ["step"] else main)()
