@@ -277,15 +277,13 @@ def test_the_paged_cache_write_and_decode_attention_kernels_compile_for_sm90():
 
 
 COMPILE_MOE = BUILD_SM90 + textwrap.dedent('''
-    from graphcap.opsdb.triton.moe_kernels import _moe_down_kernel, _moe_gate_up_kernel
+    from graphcap.opsdb.triton.moe import _moe_down_kernel, _moe_gate_up_kernel
 
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
     blocks = {"BLOCK_E": 4, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "EVEN_K": True,
               "IEEE": False, "INTERPRET": False}
-    # SwiGLU; gpt-oss's clamped GLU with biases; the same over MXFP4 experts, with and
-    # without the next K step's tiles loaded before each step's products
-    for glu, mx, ahead in ((False, False, False), (True, False, False), (True, True, False),
-                           (True, True, True)):
+    # SwiGLU; gpt-oss's clamped GLU with biases; the same over MXFP4 experts
+    for glu, mx in ((False, False), (True, False), (True, True)):
         w, s = ("*u8", "*u8") if mx else ("*bf16", "*bf16")
         build(_moe_gate_up_kernel,
               {"x_ptr": "*bf16", "w13_ptr": w, "b13_ptr": "*bf16", "inter_ptr": "*bf16",
@@ -295,8 +293,7 @@ COMPILE_MOE = BUILD_SM90 + textwrap.dedent('''
                       "stride_wn", "stride_wk", "stride_se", "stride_sn", "stride_sk",
                       "stride_it", "stride_ii")},
               {"H": 128, "INTER": 128, "TOP_K": 2, **blocks, "HAS_BIAS": glu,
-               "CLAMPED_GLU": glu, "CLAMP": glu, "INTERLEAVED": glu, "MXFP4": mx,
-               "LOOKAHEAD": ahead})
+               "CLAMPED_GLU": glu, "CLAMP": glu, "INTERLEAVED": glu, "MXFP4": mx})
         build(_moe_down_kernel,
               {"inter_ptr": "*bf16", "w2_ptr": w, "b2_ptr": "*bf16", "pairs_ptr": "*bf16",
                "sorted_pairs_ptr": "*i32", "cum_padded_ptr": "*i32",
@@ -304,8 +301,7 @@ COMPILE_MOE = BUILD_SM90 + textwrap.dedent('''
                **ints("num_pairs", "num_experts", "stride_it", "stride_ii", "stride_we",
                       "stride_wn", "stride_wk", "stride_se", "stride_sn", "stride_sk",
                       "stride_pt", "stride_ph")},
-              {"H": 128, "INTER": 128, **blocks, "HAS_BIAS": glu, "MXFP4": mx,
-               "LOOKAHEAD": ahead})
+              {"H": 128, "INTER": 128, **blocks, "HAS_BIAS": glu, "MXFP4": mx})
     print("compiled")
 ''')
 

@@ -7,10 +7,8 @@ Per token count: device ms of one call captured in a CUDA graph (graphed_ms), th
 weight bytes its routed experts read, and the share of 4.3 TB/s that is; the MXFP4
 results' largest difference from the dequantized bf16 weights' call (the same values).
 Then at 128 and 512 tokens, the MXFP4 kernels over a sweep of tiles
-(``moe.MXFP4_TILES``). Every MXFP4 call also with each K step's successor loaded before
-its products (``moe.MXFP4_LOOKAHEAD``). JSON in $OUT/moe-mxfp4.json."""
+(``moe.MXFP4_TILES``). JSON in $OUT/moe-mxfp4.json."""
 
-import itertools
 import json
 import os
 
@@ -36,23 +34,10 @@ d2 = torch.stack([reference.mxfp4_dequantize(w2[e], s2[e]) for e in range(E)]).b
 glu = (1.702, 7.0, True)
 
 
-def ahead(call):
-    """``call`` with ``moe.MXFP4_LOOKAHEAD`` on while it launches."""
-    def run():
-        moe.MXFP4_LOOKAHEAD = True
-        try:
-            return call()
-        finally:
-            moe.MXFP4_LOOKAHEAD = False
-    return run
-
-
 def calls_of(x, weights, ids):
-    def mx():
-        return moe.moe_experts(x, w13, w2, weights, ids, b13, b2, *glu, s13, s2)
-
     return {"bf16": lambda: moe.moe_experts(x, d13, d2, weights, ids, b13, b2, *glu),
-            "mxfp4": mx, "mxfp4, lookahead": ahead(mx)}
+            "mxfp4": lambda: moe.moe_experts(x, w13, w2, weights, ids, b13, b2, *glu, s13,
+                                             s2)}
 
 
 rows = []
@@ -73,7 +58,7 @@ for tokens in [int(t) for t in TOKENS.split(",") if t]:
         except Exception as e:  # noqa: BLE001 - a probe records what failed
             row[name] = {"error": f"{type(e).__name__}: {e}"[:400]}
             continue
-        nbytes = touched * per_expert[name.split(",")[0]]
+        nbytes = touched * per_expert[name]
         row[name] = {"ms": round(ms, 4), "weight_bytes": nbytes,
                      "share_of_bandwidth": round(nbytes / (ms / 1e3) / PEAK, 3),
                      "max_diff_vs_bf16": float((got - want).abs().max()),
@@ -87,18 +72,16 @@ sweep = []
 for tokens in (128, 512):
     x = (torch.randn(tokens, H, device=dev) * 0.5).bfloat16()
     weights, ids = reference.moe_topk_softmax(torch.randn(tokens, E, device=dev), K, True)
-    plain = calls_of(x, weights, ids)["mxfp4"]
-    want = plain().float()
-    for tiles, lookahead in itertools.product(TILES, (False, True)):
+    call = calls_of(x, weights, ids)["mxfp4"]
+    want = call().float()
+    for tiles in TILES:
         moe.MXFP4_TILES = tiles
-        call = ahead(plain) if lookahead else plain
-        head = {"tokens": tokens, **tiles, "lookahead": lookahead}
         try:
             diff = float((call().float() - want).abs().max())
-            entry = {**head, "ms": round(graphed_ms(call, calls=4, reps=10), 4),
+            entry = {"tokens": tokens, **tiles, "ms": round(graphed_ms(call, calls=4, reps=10), 4),
                      "max_diff": diff}
         except Exception as e:  # noqa: BLE001 - a probe records what failed
-            entry = {**head, "error": f"{type(e).__name__}: {e}"[:300]}
+            entry = {"tokens": tokens, **tiles, "error": f"{type(e).__name__}: {e}"[:300]}
         print(json.dumps(entry))
         sweep.append(entry)
     moe.MXFP4_TILES, moe.MXFP4_SWAP = None, False

@@ -244,7 +244,7 @@ def current(x, w13, s13, b13, ids, alpha, limit):
         BLOCK_E=triton.next_power_of_2(experts), BLOCK_M=block_m, BLOCK_N=64,
         BLOCK_K=block_k, EVEN_K=True, IEEE=False, INTERPRET=False, HAS_BIAS=True,
         CLAMPED_GLU=True, CLAMP=True, INTERLEAVED=True, MXFP4=True,
-        LOOKAHEAD=moe.MXFP4_LOOKAHEAD, num_warps=4 if block_m <= 32 else 8, num_stages=3)
+        num_warps=4 if block_m <= 32 else 8, num_stages=3)
     return out
 
 
@@ -279,8 +279,7 @@ def current_down(inter, w2, s2, b2, weights, ids):
         out.stride(1), H=hidden, INTER=inter.shape[1],
         BLOCK_E=triton.next_power_of_2(experts), BLOCK_M=block_m, BLOCK_N=64,
         BLOCK_K=block_k, EVEN_K=True, IEEE=False, INTERPRET=False, HAS_BIAS=True,
-        MXFP4=True, LOOKAHEAD=moe.MXFP4_LOOKAHEAD, num_warps=4 if block_m <= 32 else 8,
-        num_stages=3)
+        MXFP4=True, num_warps=4 if block_m <= 32 else 8, num_stages=3)
     return out
 
 
