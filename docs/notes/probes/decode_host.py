@@ -23,8 +23,7 @@ import torch
 from probe_common import prefilled_decode
 
 import graphcap
-from graphcap.bench.common import environment, time_interleaved
-from graphcap.bench.prefill import host_us
+from graphcap.bench.common import environment, host_us, time_interleaved
 from graphcap.inputs import DecodeInputs
 from graphcap.models import build_model
 

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphcap.opsdb import reference as ops
 from graphcap.opsdb.triton.common import (
     cast,
     interpreting,
@@ -152,13 +153,11 @@ def persistent_mlp(h, norm, eps, gate_up, down, sync, hbuf, programs: int,
 
 
 def reference(h, norm, eps, gate_up, down) -> torch.Tensor:
-    """The GEMV's numerics in torch, float32 sums."""
-    x = h.float()
-    xn = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm.float()).to(h.dtype)
-    gu = (xn.float() @ gate_up.float().t()).to(h.dtype).float()
-    gate, up = gu.chunk(2, dim=-1)
-    act = (gate * torch.sigmoid(gate) * up).to(h.dtype)
-    return ((act.float() @ down.float().t()).to(h.dtype).float() + x).to(h.dtype)
+    """The GEMV's numerics in torch (opsdb's references, each product rounded to h's
+    dtype), float32 sums."""
+    xn = ops.rms_norm(h, norm, eps)
+    act = ops.silu_and_mul((xn.float() @ gate_up.float().t()).to(h.dtype))
+    return ((act.float() @ down.float().t()).to(h.dtype).float() + h.float()).to(h.dtype)
 
 
 def layers(device, dtype, hidden=HIDDEN, inter=INTER, count=LAYERS, seed=0):
