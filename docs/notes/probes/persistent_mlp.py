@@ -86,7 +86,8 @@ def _mlp_kernel(X, NORM_W, W13, W2, HBUF, Y, SYNC, eps, H, N_I, stride_w13, stri
     pid = tl.program_id(0)
     pdl_launch_dependents(PDL)
     offs = tl.arange(0, BLOCK_N)
-    w2 = _down_slice(W2, 0, pid, H, N_I, stride_w2, P, BLOCK_N, BLOCK_I, SLICES)
+    if PHASE != 1:  # down's first slice, before anything waits (the gate/up launch reads none)
+        w2 = _down_slice(W2, 0, pid, H, N_I, stride_w2, P, BLOCK_N, BLOCK_I, SLICES)
     if PHASE != 2:  # gate/up: column pairs pid, pid + P, ... of N_I; H in one slice
         hs = tl.arange(0, BLOCK_H)
         h_ok = hs < H
