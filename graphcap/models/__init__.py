@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import torch
 
-from graphcap.models.decoder import MLP, Decoder, ModelArgs, shard_args
+from graphcap.models.decoder import MLP, Decoder, ModelArgs, experts_to_operand_order, shard_args
 from graphcap.models.loading import CheckpointError, load_checkpoint
 from graphcap.models.rope import Yarn
 from graphcap.models.shard import shard_model, shard_tensor
@@ -76,6 +76,7 @@ def build_model(name: str, device="cpu", dtype=torch.float32, seed: int = 0,
         torch.set_default_dtype(previous)
     model = model.to(dtype=dtype).eval()
     if tp is None:
+        experts_to_operand_order(model)
         return model
     return shard_model(model, tp)
 

@@ -26,6 +26,8 @@ from graphcap.models.blocks import (
     swiglu_half,
 )
 from graphcap.models.rope import Yarn, rotary_cache
+from graphcap.opsdb import cuda as cuda_kernels
+from graphcap.opsdb import mxfp4
 from graphcap.opsdb.attention.packed import packed
 from graphcap.opsdb.collective import ALL_GATHER
 from graphcap.opsdb.linear import RMS_NORM_LINEAR
@@ -176,11 +178,42 @@ class MoE(nn.Module):
             self.b13 = nn.Parameter(torch.randn(a.experts, 2 * a.moe_intermediate).mul_(0.1))
             self.b2 = nn.Parameter(torch.randn(a.experts, a.hidden).mul_(0.1))
 
+    def to_operand_order(self) -> str | None:
+        """Reorders MXFP4 experts in place into the operand order of graphcap's CUDA
+        kernel (:mod:`graphcap.opsdb.mxfp4`; 2.2-2.8x faster on the H200 than the Triton
+        kernels that read the published order); returns why not, or None once so."""
+        if self.w13_scale is None:
+            return "the experts are not MXFP4"
+        if mxfp4.is_operand_order(self.w13):
+            return None
+        why = (mxfp4.why_not(self.w13, self.w13_scale) or mxfp4.why_not(self.w2, self.w2_scale)
+               or ("the experts are not on a CUDA device" if self.w13.device.type != "cuda"
+                   else cuda_kernels.unavailable()))
+        if why is None and not cuda_kernels.builds("moe_mxfp4"):
+            why = "its CUDA kernel did not build"
+        if why:
+            return why
+        for name, gate_up in (("w13", True), ("w2", False)):
+            w, s = mxfp4.to_operand_order_(getattr(self, name).data,
+                                           getattr(self, name + "_scale").data, gate_up,
+                                           self.interleaved and gate_up)
+            setattr(self, name, nn.Parameter(w, requires_grad=False))
+            setattr(self, name + "_scale", nn.Parameter(s, requires_grad=False))
+        return None
+
     def forward(self, h, norm):
         """h + the routed experts of rms_norm(h)."""
         return moe_half(h, norm, self.eps, self.router.weight, self.top_k, self.norm_topk,
                         self.w13, self.w2, self.tp, self.router.bias, self.b13, self.b2,
                         *self.glu, self.interleaved, self.w13_scale, self.w2_scale)
+
+
+def experts_to_operand_order(model: nn.Module) -> None:
+    """Every MXFP4 expert layer of ``model`` on a GPU in the CUDA kernel's operand order
+    (:meth:`MoE.to_operand_order`; layers that cannot keep the published order)."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.to_operand_order()
 
 
 def _mxfp4_weight(experts: int, rows: int, cols: int) -> tuple[nn.Parameter, nn.Parameter]:

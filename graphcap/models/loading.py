@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from graphcap.errors import GraphcapError
-from graphcap.models.decoder import Decoder, ModelArgs
+from graphcap.models.decoder import Decoder, ModelArgs, experts_to_operand_order
 from graphcap.models.rope import Yarn
 from graphcap.models.shard import shard_model
 from graphcap.opsdb.reference import mxfp4_dequantize
@@ -246,4 +246,5 @@ def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32,
         model = shard_model(model, tp)
     model = model.to(device=device)
     model.reset_rope(device)
+    experts_to_operand_order(model)
     return model

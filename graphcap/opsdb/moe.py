@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from graphcap.opsdb import checks, reference
+from graphcap.opsdb import checks, mxfp4, reference
 from graphcap.opsdb.spec import Kernel, register_op
 
 
@@ -22,27 +22,31 @@ def check_experts(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0
     op = "moe_experts"
     checks.tensor(op, "x", x, ndim=2)
     quantized = _check_mxfp4(op, x, w13, w2, w13_scale, w2_scale)
-    weights = (torch.uint8,) if quantized else (x.dtype,)
-    checks.tensor(op, "w13", w13, ndim=3, dtypes=weights, device=x.device)
-    checks.tensor(op, "w2", w2, ndim=3, dtypes=weights, device=x.device)
-    checks.tensor(op, "topk_weights", topk_weights, ndim=2, device=x.device)
-    checks.tensor(op, "topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64),
-                  device=x.device)
-    e, two_i, h = w13.shape
-    packing = 2 if quantized else 1  # values a byte
-    checks.same(op, "the hidden size", h * packing, x.shape[1], "w13", "x")
-    checks.same(op, "the expert shape", (e, h * packing, two_i // 2 // packing),
-                tuple(w2.shape), "w13", "w2")
-    if quantized:
+    if quantized and mxfp4.is_operand_order(w13):
+        e, two_i, h = _check_operand_order(op, x, w13, w2, w13_scale, w2_scale)
+    else:
+        weights = (torch.uint8,) if quantized else (x.dtype,)
+        checks.tensor(op, "w13", w13, ndim=3, dtypes=weights, device=x.device)
+        checks.tensor(op, "w2", w2, ndim=3, dtypes=weights, device=x.device)
+        e, two_i, h = w13.shape
+        packing = 2 if quantized else 1  # values a byte
+        h *= packing
+        checks.same(op, "the hidden size", h, x.shape[1], "w13", "x")
+        checks.same(op, "the expert shape", (e, h, two_i // 2 // packing),
+                    tuple(w2.shape), "w13", "w2")
+    if quantized and not mxfp4.is_operand_order(w13):
         for name, scale, weight in (("w13_scale", w13_scale, w13), ("w2_scale", w2_scale, w2)):
             checks.tensor(op, name, scale, ndim=3, dtypes=(torch.uint8,), device=x.device)
             want = (*weight.shape[:2], weight.shape[2] * 2 // 32)
             checks.same(op, "the shape", tuple(scale.shape), want, name,
                         "one scale per 32 of its weight's values")
+    checks.tensor(op, "topk_weights", topk_weights, ndim=2, device=x.device)
+    checks.tensor(op, "topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64),
+                  device=x.device)
     checks.same(op, "the shape", tuple(topk_weights.shape), tuple(topk_ids.shape),
                 "topk_weights", "topk_ids")
     checks.same(op, "the token count", topk_ids.shape[0], x.shape[0], "topk_ids", "x")
-    for name, bias, shape in (("b13", b13, (e, two_i)), ("b2", b2, (e, h * packing))):
+    for name, bias, shape in (("b13", b13, (e, two_i)), ("b2", b2, (e, h))):
         if bias is not None:
             checks.tensor(op, name, bias, ndim=2, dtypes=checks.FLOATS, device=x.device)
             checks.same(op, "the shape", tuple(bias.shape), shape, name, "its weight's rows")
@@ -50,6 +54,22 @@ def check_experts(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0
         if not value >= 0:
             raise checks.OpInputError(f"{op}: {name} must be >= 0 (0: SwiGLU; alpha > 0: "
                                       f"gpt-oss's clamped GLU), got {value!r}")
+
+
+def _check_operand_order(op, x, w13, w2, w13_scale, w2_scale) -> tuple[int, int, int]:
+    """(experts, 2I, H) of MXFP4 experts in operand order (:mod:`graphcap.opsdb.mxfp4`)."""
+    for name, t, ndim in (("w13", w13, 5), ("w2", w2, 5), ("w13_scale", w13_scale, 6),
+                          ("w2_scale", w2_scale, 6)):
+        checks.tensor(op, name, t, ndim=ndim, dtypes=(torch.uint8,), device=x.device)
+    e, blocks, chunks = w13.shape[:3]
+    two_i, h = 16 * blocks, 64 * chunks
+    checks.same(op, "the hidden size", h, x.shape[1], "w13 (operand order)", "x")
+    checks.same(op, "the expert shape", (e, h // 16, two_i // 2 // 64, 32, 16),
+                tuple(w2.shape), "w13", "w2 (operand order)")
+    for name, scale, weight in (("w13_scale", w13_scale, w13), ("w2_scale", w2_scale, w2)):
+        checks.same(op, "the shape", tuple(scale.shape), (*weight.shape[:3], 8, 2, 2), name,
+                    "its weight's operand order")
+    return e, two_i, h
 
 
 def _check_mxfp4(op, x, w13, w2, w13_scale, w2_scale) -> bool:
@@ -113,6 +133,9 @@ def experts_inputs(device, dtype, max_tokens: int = 24):
                                     (0, 256, (e, 2 * i, h // 2)), (0, 256, (e, h, i // 2)),
                                     (122, 124, (e, 2 * i, h // 32)),
                                     (122, 124, (e, h, i // 32))))
+            if h == i == 64 and d(st.booleans()):  # the CUDA kernel's operand order
+                w13, scales[0] = mxfp4.operand_order(w13, scales[0], True, interleaved)
+                w2, scales[1] = mxfp4.operand_order(w2, scales[1], False, False)
         elif d(st.booleans()):  # transposed views of [E, H, 2I] and [E, I, H], as gpt-oss's
             w13 = w13.transpose(1, 2).contiguous().transpose(1, 2)
             w2 = w2.transpose(1, 2).contiguous().transpose(1, 2)
@@ -138,16 +161,32 @@ def _experts_fake(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0
     return torch.empty_like(x)
 
 
+def _operand_order(x, w13, *args) -> str | None:
+    if mxfp4.is_operand_order(w13):
+        return None
+    return "takes MXFP4 experts in operand order only (graphcap.opsdb.mxfp4.operand_order)"
+
+
+def _published_order(x, w13, *args) -> str | None:
+    if mxfp4.is_operand_order(w13):
+        return "takes experts in the published order, not the CUDA kernel's operand order"
+    return None
+
+
 MOE_EXPERTS = register_op(
     "graphcap::moe_experts",
     "(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
     "Tensor? b13=None, Tensor? b2=None, float alpha=0.0, float limit=0.0, "
     "bool interleaved=False, Tensor? w13_scale=None, Tensor? w2_scale=None) -> Tensor",
     reference=reference.moe_experts,
-    kernels={"triton": Kernel("graphcap.opsdb.triton.moe:moe_experts", requires=("triton",))},
+    kernels={"cuda": Kernel("graphcap.opsdb.cuda.moe:moe_experts", requires=("triton", "ninja"),
+                            accepts=_operand_order),
+             "triton": Kernel("graphcap.opsdb.triton.moe:moe_experts", requires=("triton",),
+                              accepts=_published_order)},
     fake=_experts_fake,
     check=check_experts, inputs=experts_inputs,
     doc="grouped gated experts weighted by the routing: SwiGLU, or gpt-oss's clamped GLU "
         "(alpha, limit), with optional biases; gate/up halves or interleaved rows, weights "
-        "of any strides in x's dtype, or MXFP4 with their scales (as gpt-oss ships)",
+        "of any strides in x's dtype, or MXFP4 with their scales (as gpt-oss ships, or in "
+        "the CUDA kernel's operand order: graphcap.opsdb.mxfp4)",
 )

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from graphcap.opsdb import mxfp4
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim. x [T, H], weight [H]."""
@@ -156,13 +158,17 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
     MXFP4 experts (``w13_scale`` and ``w2_scale`` given): w13 [E, 2*I, H // 2] and w2
     [E, H, I // 2] uint8 with their E8M0 scales [E, 2*I, H // 32] and [E, H, I // 32]
-    (:func:`mxfp4_dequantize`); x and the activation between the projections are
-    rounded to bfloat16, the products of the dequantized values accumulate in float32.
+    (:func:`mxfp4_dequantize`), or both in the operand order of :mod:`graphcap.opsdb.mxfp4`;
+    x and the activation between the projections are rounded to bfloat16, the products
+    of the dequantized values accumulate in float32.
 
     Dense over experts (every expert sees every token, weighted 0 where not routed):
     slow but free of data-dependent shapes, so the reference itself can be captured."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     quantized = w13_scale is not None
+    if quantized and mxfp4.is_operand_order(w13):
+        w13, w13_scale = mxfp4.published_order(w13, w13_scale, True, interleaved)
+        w2, w2_scale = mxfp4.published_order(w2, w2_scale, False, False)
     x32 = x.to(torch.bfloat16).float() if quantized else x.float()
     inter = w13.shape[1] // 2
     for e in range(w13.shape[0]):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphcap.opsdb import OpInputError, reference
+from graphcap.opsdb import OpInputError, mxfp4, reference
+from graphcap.opsdb.moe import MOE_EXPERTS
 from graphcap.opsdb.triton import moe
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,3 +74,131 @@ def test_mxfp4_experts_without_both_scales_or_of_odd_sizes_are_refused():
         op(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2[..., :0])
     with pytest.raises(OpInputError, match="w13 must be uint8|dtype"):
         op(x, w13.bfloat16(), w2, weights, ids, w13_scale=s13, w2_scale=s2)
+
+
+# --------------------------------------------------------------- the CUDA kernel's order
+
+
+def test_the_operand_order_round_trips_and_reorders_in_place():
+    torch.manual_seed(0)
+    for gate_up, interleaved in ((True, True), (True, False), (False, False)):
+        w = torch.randint(0, 256, (3, 64, 96), dtype=torch.uint8)
+        s = torch.randint(110, 129, (3, 64, 6), dtype=torch.uint8)
+        packed, scales = mxfp4.operand_order(w, s, gate_up, interleaved)
+        assert packed.shape == (3, 4, 3, 32, 16) and scales.shape == (3, 4, 3, 8, 2, 2)
+        back = mxfp4.published_order(packed, scales, gate_up, interleaved)
+        assert torch.equal(back[0], w) and torch.equal(back[1], s)
+        ptr = w.data_ptr()
+        w2, s2 = mxfp4.to_operand_order_(w, s, gate_up, interleaved)
+        assert w2.data_ptr() == ptr and torch.equal(w2, packed) and torch.equal(s2, scales)
+
+
+def kernel_decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """moe_mxfp4.cu's decode in torch: each lane's word j, pair p (nibbles p and p + 4)
+    as bf16 bits (sign to bit 15, the three E2M1 bits to bits 6-8), times 2^(s - 1) in
+    bf16, placed where its product reads it: [E, N, K] in the stored rows, real K."""
+    def bf16(bits):
+        return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(
+            torch.bfloat16)
+
+    e, blocks, chunks = packed.shape[:3]
+    b = packed.view(e, blocks, chunks, 8, 4, 4, 4).to(torch.int64)  # [e, R, c, g, t, j, byte]
+    q = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
+    out = torch.empty(e, blocks, 2, 8, chunks, 4, 4, 4)  # [e, R, half, g, c, t, j, q]
+    for p in range(4):
+        t = (q << (12 - 4 * p)) & 0xFFFFFFFF
+        pair = (t & 0x80008000) | ((t & 0x70007000) >> 6)
+        half = p & 1  # pairs 0 and 2 hold row g, 1 and 3 row g + 8 (the A operand)
+        scale = bf16((scales[:, :, :, :, [0, 0, 1, 1], half].long() + 126) << 7)
+        for hi in range(2):
+            value = bf16((pair >> (16 * hi)) & 0xFFFF) * scale.unsqueeze(-1)
+            out[:, :, half, :, :, :, :, (p >> 1) * 2 + hi] = value.float().permute(
+                0, 1, 3, 2, 4, 5)
+    return out.reshape(e, blocks * 16, chunks * 64)
+
+
+@pytest.mark.parametrize("gate_up,interleaved", [(True, True), (True, False), (False, False)])
+def test_the_kernels_decode_of_the_operand_order_is_the_dequantized_weights(gate_up,
+                                                                           interleaved):
+    """The bit operations of moe_mxfp4.cu on every code and scale 115..128 (subnormal 0.5,
+    -0 and 6 included)."""
+    torch.manual_seed(1)
+    w = torch.randint(0, 256, (2, 32, 128), dtype=torch.uint8)
+    s = torch.randint(115, 129, (2, 32, 8), dtype=torch.uint8)
+    got = kernel_decode(*mxfp4.operand_order(w, s, gate_up, interleaved))
+    rows = mxfp4.block_rows(32, gate_up, interleaved)
+    want = torch.stack([reference.mxfp4_dequantize(w[e], s[e]) for e in range(2)])[:, rows]
+    assert torch.equal(got, want.float())
+
+
+OPERAND_SIZES = [(8, 64, 64)] + ([(4, 2880, 2880)] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("tokens", [1, 9, 40, 200])
+@pytest.mark.parametrize("size", OPERAND_SIZES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("glu", ["gpt-oss", "swiglu"])
+def test_experts_in_operand_order_are_the_reference_of_their_published_order(tokens, size,
+                                                                             glu):
+    """On the GPU the CUDA kernel (tiles of 8, 16 and 32 rows at 0.5-100 rows an
+    expert), on the CPU the reference; both against the published order's reference."""
+    e, h, i = size
+    w13, w2, s13, s2, b13, b2 = experts(e, h, i, seed=tokens)
+    interleaved = glu == "gpt-oss"
+    b13, b2 = (b13.bfloat16(), b2.bfloat16()) if interleaved else (None, None)
+    alpha, limit = (1.702, 7.0) if interleaved else (0.0, 0.0)
+    x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(1)).to(
+        DEVICE, torch.bfloat16)
+    weights, ids = routed(tokens, e, 2, seed=tokens)
+    want = reference.moe_experts(x, w13, w2, weights, ids, b13, b2, alpha, limit, interleaved,
+                                 s13, s2).float()
+    ow13, os13 = mxfp4.operand_order(w13, s13, True, interleaved)
+    ow2, os2 = mxfp4.operand_order(w2, s2, False, False)
+    op = torch.ops.graphcap.moe_experts
+    got = op(x, ow13, ow2, weights, ids, b13, b2, alpha, limit, interleaved, os13, os2).float()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_the_operand_order_refuses_what_its_kernel_cannot_hold():
+    w13, w2, s13, s2, _, _ = experts(4, 64, 64)
+    with pytest.raises(ValueError, match="scales above 128"):
+        mxfp4.operand_order(w13, s13.clone().fill_(129), True, True)
+    with pytest.raises(ValueError, match="multiples of 16 .* multiples of 64"):
+        mxfp4.operand_order(w13[:, :, :16], s13[:, :, :1], True, True)
+    x = torch.randn(3, 64, device=DEVICE, dtype=torch.bfloat16)
+    weights, ids = routed(3, 4, 2)
+    ow13, os13 = mxfp4.operand_order(w13, s13, True, True)
+    ow2, os2 = mxfp4.operand_order(w2, s2, False, False)
+    op = torch.ops.graphcap.moe_experts
+    with pytest.raises(OpInputError, match="w2_scale.*operand order"):
+        op(x, ow13, ow2, weights, ids, w13_scale=os13, w2_scale=os2[:, :1])
+    with pytest.raises(OpInputError, match="kernel 'triton' cannot take these inputs: takes "
+                                           "experts in the published order"):
+        MOE_EXPERTS(x, ow13, ow2, weights, ids, None, None, 0.0, 0.0, True, os13, os2,
+                    kernel="triton")
+
+
+def test_a_models_mxfp4_experts_take_the_operand_order_on_a_gpu_with_the_same_result():
+    """gpt-oss's MoE block (sizes of whole 64-value chunks): reordered in place on the
+    GPU, its output within bf16 rounding of the published order's; on the CPU it stays
+    published and says why."""
+    from dataclasses import replace
+
+    from graphcap.models import PRESETS
+    from graphcap.models.decoder import MoE
+
+    args = replace(PRESETS["tiny-gpt-oss-mxfp4"], hidden=128, moe_intermediate=64)
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        block = MoE(args).to(torch.bfloat16)
+    h = torch.randn(7, 128, device=DEVICE, dtype=torch.bfloat16)
+    norm = torch.ones(128, device=DEVICE, dtype=torch.bfloat16)
+    before = block(h, norm).float()
+    ptr = block.w13.data_ptr()
+    why = block.to_operand_order()
+    if DEVICE == "cpu":
+        assert why == "the experts are not on a CUDA device" and block.w13.dim() == 3
+        return
+    assert why is None and block.w13.dim() == 5 and block.w13.data_ptr() == ptr
+    torch.testing.assert_close(block(h, norm).float(), before, rtol=2e-2,
+                               atol=2e-2 * before.abs().max().item())
+    assert block.to_operand_order() is None  # once is enough

@@ -382,9 +382,13 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     # inter freed before out is made: the two may share memory (a forward's peak holds
     # inter and pairs, not the three at once).
     del inter
-    if out is None:
-        out = torch.empty_like(x)
+    return sum_slots(pairs, top_k, torch.empty_like(x) if out is None else out)
 
+
+def sum_slots(pairs: torch.Tensor, top_k: int, out: torch.Tensor) -> torch.Tensor:
+    """``out[t]`` = the sum of ``pairs``' rows ``t * top_k`` .. ``t * top_k + top_k - 1``
+    (each expert's output times its routing weight), in float32."""
+    num_tokens, hidden = out.shape
     block_h = min(1024, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
         pairs, out, hidden,

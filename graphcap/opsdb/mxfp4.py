@@ -1,0 +1,102 @@
+"""MXFP4 experts in the operand order of graphcap's CUDA kernel (``graphcap.opsdb.cuda``).
+
+Published order (gpt-oss's checkpoints, :func:`graphcap.opsdb.reference.mxfp4_dequantize`):
+bytes [E, N, K / 2] (two E2M1 values a byte along K, the low nibble first) and E8M0 scales
+[E, N, K / 32]. Operand order: bytes [E, N / 16, K / 64, 32, 16] and scales
+[E, N / 16, K / 64, 8, 2, 2], as ``mma.sync.m16n8k16`` holds the weights as its left
+operand. A 16-row block's chunk of 64 K is 512 bytes: lane ``4g + t`` holds its 32 values
+(rows g and g + 8, four products of 16 K) in 16 bytes, word j for product j, nibble n of a
+word the block's row ``g + 8 * (n & 1)`` at place ``q = 2 * ((n >> 1) & 1) + (n >> 2)``
+of that product's K, real K ``64c + 16t + 4j + q`` (K permuted alike for the weights and
+the activations, so a lane's activations are 32 contiguous bytes). Its scales: row g's and
+row g + 8's for the chunk's two groups of 32, ``[g, group, row]``. A gate/up projection's
+blocks hold eight features each, gate as rows 0-7 and up as rows 8-15, so a lane holds a
+feature's gate and up for the same tokens; down keeps its rows.
+
+The kernel applies ``2^(s - 1)`` to a decoded value (the scale and the decode's 2^126 in
+one bf16 multiply), so scales above 128 (weights above 12 in magnitude) are refused."""
+
+from __future__ import annotations
+
+import torch
+
+# Nibble n of a lane's word: the block's row g + 8 * (n & 1), place q in the product's K.
+_NIBBLE = torch.tensor([4 * (n & 1) + 2 * ((n >> 1) & 1) + (n >> 2) for n in range(8)])
+MAX_SCALE = 128
+
+
+def block_rows(rows: int, gate_up: bool, interleaved: bool) -> torch.Tensor:
+    """Each stored row's published row: gate/up blocks of eight features (gate rows, then
+    up rows; gpt-oss's interleaved rows or gate and up halves), else the rows as they are."""
+    r = torch.arange(rows)
+    if not gate_up:
+        return r
+    feature, up = 8 * (r // 16) + r % 8, (r % 16 >= 8).long()
+    return 2 * feature + up if interleaved else feature + up * (rows // 2)
+
+
+def why_not(w: torch.Tensor, s: torch.Tensor) -> str | None:
+    """Why published-order MXFP4 ``w``, ``s`` cannot take the operand order, or None."""
+    e, n, half_k = w.shape
+    if n % 16 or (2 * half_k) % 64:
+        return (f"needs rows in multiples of 16 and K in multiples of 64 (got {n} rows, "
+                f"K {2 * half_k})")
+    if s.numel() and int(s.max()) > MAX_SCALE:
+        return f"scales above {MAX_SCALE} (weights above 12 in magnitude) would overflow it"
+    return None
+
+
+def operand_order(w: torch.Tensor, s: torch.Tensor, gate_up: bool, interleaved: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Published-order bytes ``w`` [E, N, K / 2] and scales ``s`` in operand order."""
+    why = why_not(w, s)
+    if why:
+        raise ValueError(f"MXFP4 weights {tuple(w.shape)}: the operand order {why}")
+    e, n, half_k = w.shape
+    k = 2 * half_k
+    order = block_rows(n, gate_up, interleaved).to(w.device)
+    w, s = w[:, order], s[:, order]
+    nib = torch.stack((w & 15, w >> 4), -1).view(e, n // 16, 2, 8, k // 64, 4, 4, 4)
+    # [e, R, half, g, c, t, j, q] -> [e, R, c, g, t, j, half * 4 + q] -> nibble order
+    nib = nib.permute(0, 1, 4, 3, 5, 6, 2, 7).reshape(e, n // 16, k // 64, 8, 4, 4, 8)
+    nib = nib[..., _NIBBLE.to(w.device)]
+    packed = nib[..., 0::2] | (nib[..., 1::2] << 4)
+    scales = s.view(e, n // 16, 2, 8, k // 64, 2).permute(0, 1, 4, 3, 5, 2)
+    return packed.reshape(e, n // 16, k // 64, 32, 16).contiguous(), scales.contiguous()
+
+
+def to_operand_order_(w: torch.Tensor, s: torch.Tensor, gate_up: bool, interleaved: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`operand_order` in place, an expert at a time (no second copy of the
+    weights); returns ``w`` and ``s`` viewed in the operand order's shapes."""
+    why = why_not(w, s)
+    if why:
+        raise ValueError(f"MXFP4 weights {tuple(w.shape)}: the operand order {why}")
+    if not (w.is_contiguous() and s.is_contiguous()):
+        raise ValueError("MXFP4 weights and scales must be contiguous to reorder in place")
+    for e in range(w.shape[0]):
+        packed, scales = operand_order(w[e:e + 1], s[e:e + 1], gate_up, interleaved)
+        w[e].view(-1).copy_(packed.view(-1))
+        s[e].view(-1).copy_(scales.view(-1))
+    return w.view(w.shape[0], *packed.shape[1:]), s.view(s.shape[0], *scales.shape[1:])
+
+
+def published_order(packed: torch.Tensor, scales: torch.Tensor, gate_up: bool,
+                    interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`operand_order`."""
+    e, blocks, chunks = packed.shape[:3]
+    n, k = 16 * blocks, 64 * chunks
+    b = packed.view(e, blocks, chunks, 8, 4, 4, 4)
+    nib = torch.stack((b & 15, b >> 4), -1).view(e, blocks, chunks, 8, 4, 4, 8)
+    nib = nib[..., torch.argsort(_NIBBLE).to(packed.device)]  # [.., half * 4 + q]
+    nib = nib.view(e, blocks, chunks, 8, 4, 4, 2, 4).permute(0, 1, 6, 3, 2, 4, 5, 7)
+    nib = nib.reshape(e, n, k)
+    w = nib[..., 0::2] | (nib[..., 1::2] << 4)
+    s = scales.permute(0, 1, 5, 3, 2, 4).reshape(e, n, k // 32)
+    inverse = torch.argsort(block_rows(n, gate_up, interleaved)).to(packed.device)
+    return w[:, inverse].contiguous(), s[:, inverse].contiguous()
+
+
+def is_operand_order(w: torch.Tensor) -> bool:
+    """Whether MXFP4 bytes ``w`` are in operand order (5-D) rather than published (3-D)."""
+    return w.dim() == 5
