@@ -231,9 +231,15 @@ void experts(torch::Tensor x, torch::Tensor w, torch::Tensor s, c10::optional<to
     C10_CUDA_KERNEL_LAUNCH_CHECK();                                                         \
     return;                                                                                 \
   }
-  // The tiles moe.py picks (8, 16 or 32 rows; row blocks a warp), from a sweep on the H200.
+#ifdef GRAPHCAP_MXFP4_SWEEP  // every tile, for docs/notes/probes/moe_mxfp4_cuda.py
+#define GRAPHCAP_LAUNCH_RB(MODE, MB) \
+  GRAPHCAP_LAUNCH(MODE, MB, 1) GRAPHCAP_LAUNCH(MODE, MB, 2) GRAPHCAP_LAUNCH(MODE, MB, 4)
+  GRAPHCAP_LAUNCH_RB(0, 1) GRAPHCAP_LAUNCH_RB(0, 2) GRAPHCAP_LAUNCH_RB(0, 4)
+  GRAPHCAP_LAUNCH_RB(1, 1) GRAPHCAP_LAUNCH_RB(1, 2) GRAPHCAP_LAUNCH_RB(1, 4)
+#else  // the tiles moe.py picks (8, 16 or 32 rows; row blocks a warp): the sweep's best
   GRAPHCAP_LAUNCH(0, 1, 2) GRAPHCAP_LAUNCH(0, 2, 1) GRAPHCAP_LAUNCH(0, 4, 1)
   GRAPHCAP_LAUNCH(1, 1, 2) GRAPHCAP_LAUNCH(1, 2, 4) GRAPHCAP_LAUNCH(1, 4, 1)
+#endif
   TORCH_CHECK(false, "no MXFP4 experts kernel for mode ", mode, ", ", 8 * mb, " rows, ", rb,
               " row blocks a warp");
 }
