@@ -13,16 +13,12 @@ from graphcap.opsdb.triton import moe_routing
 from graphcap.opsdb.triton.moe import sum_slots
 
 
-def tile(num_pairs: int, num_experts: int, projection: str) -> tuple[int, int, int]:
+def tile(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
     """(rows a tile, row blocks a warp, warps) for about ``num_pairs / num_experts`` rows
-    an expert: the fastest of a sweep of each at 0.5, 4 and 16 rows an expert on the H200
-    (gpt-oss-120b's experts, docs/notes/probes/moe_mxfp4_cuda.py); 32 rows beyond 24."""
-    per_expert = num_pairs / num_experts
-    if per_expert <= 8:
-        return 8, 2, 4
-    if per_expert <= 24:
-        return 16, 1 if projection == "gate_up" else 4, 4
-    return 32, 1, 4
+    an expert: the fastest of a sweep of every tile at 0.5, 4, 16 and 64 rows an expert
+    on the H200 (gpt-oss-120b's experts, docs/notes/probes/moe_mxfp4_cuda.py: tiles of 32
+    rows never won)."""
+    return (8, 2, 4) if num_pairs <= 8 * num_experts else (16, 4, 4)
 
 
 def moe_experts(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0.0,
@@ -33,27 +29,25 @@ def moe_experts(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0.0
     num_tokens = x.shape[0]
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     inter_size, hidden = 8 * w13.shape[1], 16 * w2.shape[1]
-    out = torch.empty_like(x) if out is None else out
     if num_tokens == 0 or top_k == 0:
-        return out.zero_()
+        return (torch.empty_like(x) if out is None else out).zero_()
     xb = x if x.dtype == torch.bfloat16 and x.stride(1) == 1 else x.to(
         torch.bfloat16, memory_format=torch.contiguous_format).contiguous()
     num_pairs = num_tokens * top_k
     weights = topk_weights.reshape(-1).float().contiguous()
     bias13, bias2 = (None if b is None else b.to(torch.bfloat16).contiguous() for b in (b13, b2))
+    rows, row_blocks, warps = tile(num_pairs, num_experts)
+    sorted_pairs, cum_padded = moe_routing.align_pairs(topk_ids, num_experts, rows)
     inter = torch.empty(num_pairs, inter_size, dtype=torch.bfloat16, device=x.device)
     pairs = torch.empty(num_pairs, hidden, dtype=torch.bfloat16, device=x.device)
-    rows = tile(num_pairs, num_experts, "gate_up")[0]  # both projections' tile rows
-    sorted_pairs, cum_padded = moe_routing.align_pairs(topk_ids, num_experts, rows)
-    for mode, (a, w, s, bias, dst, name) in enumerate((
-            (xb, w13, w13_scale, bias13, inter, "gate_up"),
-            (inter, w2, w2_scale, bias2, pairs, "down"))):
-        _, row_blocks, warps = tile(num_pairs, num_experts, name)
+    for mode, (a, w, s, bias, dst) in enumerate(((xb, w13, w13_scale, bias13, inter),
+                                                 (inter, w2, w2_scale, bias2, pairs))):
         module.experts(a, w, s, bias, sorted_pairs, cum_padded, weights, dst, mode, rows // 8,
                        row_blocks, warps, num_pairs, top_k, bool(interleaved), float(alpha),
                        float(limit))
+    # inter freed before out is made: the two may share memory (as the Triton kernels').
     del inter
-    if out.dtype == torch.bfloat16:
-        return sum_slots(pairs, top_k, out)
-    return out.copy_(sum_slots(pairs, top_k, torch.empty_like(xb)))
-
+    if out is None and x.dtype == torch.bfloat16:
+        return sum_slots(pairs, top_k, torch.empty_like(x))
+    summed = sum_slots(pairs, top_k, torch.empty_like(xb))
+    return summed.to(x.dtype) if out is None else out.copy_(summed)

@@ -2,8 +2,8 @@
 // (graphcap/opsdb/mxfp4.py: operand_order): a warp reads a 16-row block's 64-value chunk as
 // 512 contiguous bytes, 16 a lane, and decodes each lane's E2M1 values straight into its
 // bf16 operand registers; the scale (and the decode's 2^126) is one bf16 multiply a pair.
-// Tokens are the right operand (8 per product), so a tile of 8, 16 or 32 rows of one
-// expert reads each weight once. Built on first use (graphcap/opsdb/cuda/__init__.py).
+// Tokens are the right operand (8 per product): a tile of 8 or 16 rows of one expert (32
+// in the sweep's build) reads each of its weights once. Built on first use (graphcap/opsdb/cuda/__init__.py).
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -236,9 +236,9 @@ void experts(torch::Tensor x, torch::Tensor w, torch::Tensor s, c10::optional<to
   GRAPHCAP_LAUNCH(MODE, MB, 1) GRAPHCAP_LAUNCH(MODE, MB, 2) GRAPHCAP_LAUNCH(MODE, MB, 4)
   GRAPHCAP_LAUNCH_RB(0, 1) GRAPHCAP_LAUNCH_RB(0, 2) GRAPHCAP_LAUNCH_RB(0, 4)
   GRAPHCAP_LAUNCH_RB(1, 1) GRAPHCAP_LAUNCH_RB(1, 2) GRAPHCAP_LAUNCH_RB(1, 4)
-#else  // the tiles moe.py picks (8, 16 or 32 rows; row blocks a warp): the sweep's best
-  GRAPHCAP_LAUNCH(0, 1, 2) GRAPHCAP_LAUNCH(0, 2, 1) GRAPHCAP_LAUNCH(0, 4, 1)
-  GRAPHCAP_LAUNCH(1, 1, 2) GRAPHCAP_LAUNCH(1, 2, 4) GRAPHCAP_LAUNCH(1, 4, 1)
+#else  // the tiles moe.py picks (rows a tile, row blocks a warp): the sweep's best
+  GRAPHCAP_LAUNCH(0, 1, 2) GRAPHCAP_LAUNCH(0, 2, 4) GRAPHCAP_LAUNCH(1, 1, 2)
+  GRAPHCAP_LAUNCH(1, 2, 4)
 #endif
   TORCH_CHECK(false, "no MXFP4 experts kernel for mode ", mode, ", ", 8 * mb, " rows, ", rb,
               " row blocks a warp");
