@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		$(PY) -m pip install -q "torch>=2.11"; \
+		$(PY) -m pip install -q "torch>=2.11" "ninja>=1.11"; \
 	else \
 		$(PY) -m pip install -q "$(CPU_TORCH)"; \
 	fi
