@@ -180,7 +180,7 @@ class MoE(nn.Module):
 
     def to_operand_order(self) -> str | None:
         """Reorders MXFP4 experts in place into the operand order of graphcap's CUDA
-        kernel (:mod:`graphcap.opsdb.mxfp4`; 2.2-2.8x faster on the H200 than the Triton
+        kernel (:mod:`graphcap.opsdb.mxfp4`; 1.5-2.6x faster on the H200 than the Triton
         kernels that read the published order); returns why not, or None once so."""
         if self.w13_scale is None:
             return "the experts are not MXFP4"

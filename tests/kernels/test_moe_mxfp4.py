@@ -202,3 +202,22 @@ def test_a_models_mxfp4_experts_take_the_operand_order_on_a_gpu_with_the_same_re
     torch.testing.assert_close(block(h, norm).float(), before, rtol=2e-2,
                                atol=2e-2 * before.abs().max().item())
     assert block.to_operand_order() is None  # once is enough
+
+
+@pytest.mark.parametrize("rows", ["float32", "strided bf16"])
+def test_experts_in_operand_order_take_float32_or_strided_rows(rows):
+    """Rows the CUDA kernel cannot read in place (float32; a view 2 bytes past an aligned
+    row) are rounded into a bf16 copy, and the result has x's dtype."""
+    e, h, i = 8, 64, 64
+    w13, w2, s13, s2, b13, b2 = experts(e, h, i, seed=5)
+    base = torch.randn(6, h + 1, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    x = base[:, :h].contiguous() if rows == "float32" else base.bfloat16()[:, 1:]
+    weights, ids = routed(6, e, 2, seed=5)
+    args = (weights, ids, b13.bfloat16(), b2.bfloat16(), 1.702, 7.0, True)
+    want = reference.moe_experts(x, w13, w2, *args, s13, s2)
+    ow13, os13 = mxfp4.operand_order(w13, s13, True, True)
+    ow2, os2 = mxfp4.operand_order(w2, s2, False, False)
+    got = torch.ops.graphcap.moe_experts(x, ow13, ow2, *args, os13, os2)
+    assert got.dtype == x.dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2,
+                               atol=2e-2 * want.float().abs().max().item())

@@ -31,8 +31,9 @@ def moe_experts(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0.0
     inter_size, hidden = 8 * w13.shape[1], 16 * w2.shape[1]
     if num_tokens == 0 or top_k == 0:
         return (torch.empty_like(x) if out is None else out).zero_()
-    xb = x if x.dtype == torch.bfloat16 and x.stride(1) == 1 else x.to(
-        torch.bfloat16, memory_format=torch.contiguous_format).contiguous()
+    aligned = x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+    xb = x if x.dtype == torch.bfloat16 and aligned else torch.empty(
+        x.shape, dtype=torch.bfloat16, device=x.device).copy_(x)
     num_pairs = num_tokens * top_k
     weights = topk_weights.reshape(-1).float().contiguous()
     bias13, bias2 = (None if b is None else b.to(torch.bfloat16).contiguous() for b in (b13, b2))
