@@ -3,46 +3,19 @@
 // 512 contiguous bytes, 16 a lane, and decodes each lane's E2M1 values straight into its
 // bf16 operand registers; the scale (and the decode's 2^126) is one bf16 multiply a pair.
 // Tokens are the right operand (8 per product): a tile of 8 or 16 rows of one expert (32
-// in the sweep's build) reads each of its weights once. Built on first use (graphcap/opsdb/cuda/__init__.py).
+// in the sweep's build) reads each of its weights once. Built on first use
+// (graphcap/opsdb/cuda/__init__.py).
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "mxfp4_operands.cuh"
+
 namespace {
 
-__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
-  uint32_t d;  // a * b + (-0): exact for a power-of-two b
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-  return d;
-}
-
-// Nibbles P and P + 4 of q as a bf16 pair (low, high), each the E2M1 value times 2^-126.
-template <int P>
-__device__ __forceinline__ uint32_t e2m1_pair(uint32_t q) {
-  const uint32_t t = q << (12 - 4 * P);
-  return (t & 0x80008000u) | ((t & 0x70007000u) >> 6);
-}
-
-// 2^(s - 1) as a bf16 pair: the E8M0 scale 2^(s - 127) times the decode's 2^126.
-__device__ __forceinline__ uint32_t scale_pair(uint32_t s) {
-  const uint32_t v = (s + 126u) << 7;
-  return v | (v << 16);
-}
-
-__device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                    uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-      "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
+using namespace graphcap_mxfp4;
 
 template <int RB, int MB>
 struct Chunk {
@@ -75,14 +48,11 @@ __device__ __forceinline__ void compute(float (&acc)[RB][MB][4], const Chunk<RB,
     const uint32_t s_g = scale_pair(k.s[r] & 0xffu), s_g8 = scale_pair(k.s[r] >> 8);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const uint32_t q = word(k.w[r], j);
-      const uint32_t a0 = bf16x2_mul(e2m1_pair<0>(q), s_g);
-      const uint32_t a1 = bf16x2_mul(e2m1_pair<1>(q), s_g8);
-      const uint32_t a2 = bf16x2_mul(e2m1_pair<2>(q), s_g);
-      const uint32_t a3 = bf16x2_mul(e2m1_pair<3>(q), s_g8);
+      uint32_t a[4];
+      operand(word(k.w[r], j), s_g, s_g8, a);
 #pragma unroll
       for (int m = 0; m < MB; ++m)
-        mma(acc[r][m], a0, a1, a2, a3, word(k.x[m][j >> 1], 2 * (j & 1)),
+        mma(acc[r][m], a[0], a[1], a[2], a[3], word(k.x[m][j >> 1], 2 * (j & 1)),
             word(k.x[m][j >> 1], 2 * (j & 1) + 1));
     }
   }
