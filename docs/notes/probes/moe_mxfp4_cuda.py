@@ -50,12 +50,18 @@ def stored(w, s, gate_up):
     return _STORED[key]
 
 
+# The kernels a tile may name (``tiles["kernel"]``, default opsdb's): their launch function,
+# built on first use. Other probes add theirs (moe_mxfp4_xs.py).
+KERNELS = {"opsdb": lambda: module().experts}
+
+
 def launch(mode, x, w, s, bias, weights, ids, out, tiles, alpha=0.0, limit=0.0):
     packed, scales = stored(w, s, mode == 0)
     sorted_pairs, cum_padded = moe_routing.align_pairs(ids, w.shape[0], tiles["m"])
-    module().experts(x, packed, scales, bias, sorted_pairs, cum_padded, weights, out, mode,
-                     tiles["m"] // 8, tiles["rb"], tiles["warps"], ids.numel(), ids.shape[1],
-                     mode == 0, float(alpha), float(limit))
+    KERNELS[tiles.get("kernel", "opsdb")]()(
+        x, packed, scales, bias, sorted_pairs, cum_padded, weights, out, mode, tiles["m"] // 8,
+        tiles["rb"], tiles["warps"], ids.numel(), ids.shape[1], mode == 0, float(alpha),
+        float(limit))
     return out
 
 

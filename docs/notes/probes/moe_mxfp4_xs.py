@@ -1,5 +1,5 @@
 """opsdb's CUDA MXFP4 expert kernel with the tile's activations staged in shared memory
-(device side; not yet on the GPU):
+(device side; ran at 9fda93e, `2026-12-04-moe-mxfp4-xs-9fda93e-h200.json`: not adopted):
 
     PYTHONPATH=. [PROBE_TOKENS=128,512,2048] python3 docs/notes/probes/moe_mxfp4_xs.py
 
@@ -20,10 +20,6 @@ Triton kernels and of this kernel's tiles, and the largest difference between th
 import os
 import sys
 from pathlib import Path
-
-import torch
-
-from graphcap.opsdb.triton import moe_routing
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -267,35 +263,15 @@ def module():
     return _MODULE[0]
 
 
-def launch(mode, x, w, s, bias, weights, ids, out, tiles, alpha=0.0, limit=0.0):
-    from moe_mxfp4_cuda import stored
-
-    packed, scales = stored(w, s, mode == 0)
-    sorted_pairs, cum_padded = moe_routing.align_pairs(ids, w.shape[0], tiles["m"])
-    module().experts_xs(x, packed, scales, bias, sorted_pairs, cum_padded, weights, out,
-                        mode, tiles["m"] // 8, tiles["rb"], tiles["warps"], ids.numel(),
-                        ids.shape[1], mode == 0, float(alpha), float(limit))
-    return out
-
-
-def gate_up(x, w13, s13, b13, ids, alpha, limit, tiles):
-    out = torch.empty(ids.numel(), w13.shape[1] // 2, dtype=torch.bfloat16, device=x.device)
-    unused = torch.empty(1, dtype=torch.float32, device=x.device)
-    return launch(0, x, w13, s13, b13, unused, ids, out, tiles, alpha, limit)
-
-
-def down(inter, w2, s2, b2, weights, ids, tiles):
-    out = torch.empty(ids.numel(), w2.shape[1], dtype=torch.bfloat16, device=inter.device)
-    return launch(1, inter, w2, s2, b2, weights.reshape(-1).float().contiguous(), ids, out,
-                  tiles)
-
-
 def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import moe_mxfp4_cuda
     from moe_mxfp4_decode import compare_tiles
 
-    sweep = [dict(m=m, rb=rb, warps=w) for m in (16, 32) for rb in (1, 2, 4) for w in (4, 8)]
-    compare_tiles(gate_up, down, sweep,
+    moe_mxfp4_cuda.KERNELS["xs"] = lambda: module().experts_xs
+    sweep = [dict(kernel="xs", m=m, rb=rb, warps=w) for m in (16, 32) for rb in (1, 2, 4)
+             for w in (4, 8)]
+    compare_tiles(moe_mxfp4_cuda.gate_up, moe_mxfp4_cuda.down, sweep,
                   "gpt-oss-120b's MXFP4 gate/up and down: opsdb's tl.dot_scaled kernels against "
                   "opsdb's CUDA kernel with the activations staged in shared memory",
                   "moe-mxfp4-xs")
