@@ -1,8 +1,10 @@
 """MXFP4 experts (gpt-oss as shipped): ``moe_experts`` with packed E2M1 weights and E8M0
 scales against the reference (which dequantizes, then computes as the dense experts do),
-through ``tl.dot_scaled`` and through the kernel's own decoding, with gpt-oss's biases,
-clamped GLU and interleaved gate/up rows; bad scales refused by name (Triton's interpreter
-without a GPU; on the GPU also gpt-oss's own sizes)."""
+with gpt-oss's biases, clamped GLU and interleaved gate/up rows: in the published order
+through the Triton kernels (``tl.dot_scaled``), and in the CUDA kernel's operand order
+(:mod:`graphcap.opsdb.mxfp4`: its layout and its decode's bit operations checked on the
+CPU, the kernel itself on the GPU); bad inputs refused by name (Triton's interpreter and
+the reference without a GPU; on the GPU also gpt-oss's own sizes)."""
 
 from __future__ import annotations
 
