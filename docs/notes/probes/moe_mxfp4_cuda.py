@@ -2,8 +2,7 @@
 mma.sync operand order, ``graphcap/opsdb/cuda/moe_mxfp4.cu``) over every tile it has,
 against opsdb's ``tl.dot_scaled`` Triton kernels (device side):
 
-    PYTHONPATH=. [PROBE_TOKENS=16,128,512] [PROBE_UNROLL=1] \
-        python3 docs/notes/probes/moe_mxfp4_cuda.py
+    PYTHONPATH=. [PROBE_TOKENS=16,128,512] python3 docs/notes/probes/moe_mxfp4_cuda.py
 
 Nsight Compute of the Triton kernels (`2026-12-03-ncu-moe-mxfp4-down-81eef98-h200.json`,
 `2026-12-04-ncu-moe-mxfp4-a652043-h200.json`) finds them bound by instruction issue at
@@ -12,10 +11,7 @@ moving bytes into the operand layout. The CUDA kernel reads the weights stored o
 order its products hold them (:mod:`graphcap.opsdb.mxfp4`) and decodes a lane's bytes
 straight into its operand registers: about 3 instructions a value. Built with the
 ``GRAPHCAP_MXFP4_SWEEP`` define (tiles of 8, 16 and 32 rows, 1, 2 and 4 row blocks a
-warp; moe.py's build has only the tiles ``graphcap.opsdb.cuda.moe.tile`` picks), and with
-PROBE_UNROLL=1 also ``GRAPHCAP_MXFP4_UNROLL_EPILOGUE``: the epilogue's loops unrolled, so
-the 32-row tiles' accumulators stay in registers (NVRTC and ptxas for sm_90a: 0 bytes of
-stack against 128-256 without it; not yet on the GPU). Per
+warp; moe.py's build has only the tiles ``graphcap.opsdb.cuda.moe.tile`` picks). Per
 token count: CUDA-graph device ms of the Triton kernels and of each tile, and the largest
 difference between their rows. JSON in $OUT/moe-mxfp4-cuda.json. The version of
 ``a596265`` carried its own copy of the kernel (8 and 16 rows); its run is
@@ -41,10 +37,8 @@ def module():
 
         import graphcap.opsdb.cuda as cuda_kernels
         source = Path(cuda_kernels.__file__).with_name("moe_mxfp4.cu")
-        flags, name = ["-O3", "-DGRAPHCAP_MXFP4_SWEEP"], "graphcap_moe_mxfp4_sweep"
-        if os.environ.get("PROBE_UNROLL"):  # the epilogue unrolled (moe_mxfp4.cu's switch)
-            flags, name = flags + ["-DGRAPHCAP_MXFP4_UNROLL_EPILOGUE"], name + "_unrolled"
-        _MODULE.append(load(name, [str(source)], extra_cuda_cflags=flags))
+        _MODULE.append(load("graphcap_moe_mxfp4_sweep", [str(source)],
+                            extra_cuda_cflags=["-O3", "-DGRAPHCAP_MXFP4_SWEEP"]))
     return _MODULE[0]
 
 

@@ -17,15 +17,6 @@ namespace {
 
 using namespace graphcap_mxfp4;
 
-// The epilogue's loops unrolled (the accumulators then never leave registers: without it
-// the 32-row tiles of the sweep's build keep them on the stack); a probe's switch
-// (docs/notes/probes/moe_mxfp4_cuda.py, PROBE_UNROLL=1), off in the shipped build.
-#ifdef GRAPHCAP_MXFP4_UNROLL_EPILOGUE
-#define EPILOGUE_UNROLL _Pragma("unroll")
-#else
-#define EPILOGUE_UNROLL
-#endif
-
 template <int RB, int MB>
 struct Chunk {
   uint4 w[RB], x[MB][2];
@@ -135,13 +126,10 @@ __global__ void __launch_bounds__(256) experts_kernel(
     compute(acc, a);
   }
 
-  EPILOGUE_UNROLL
   for (int r = 0; r < RB; ++r) {
     const int rb = rb0 + r;
     if (rb >= row_blocks) break;
-    EPILOGUE_UNROLL
     for (int m = 0; m < MB; ++m) {
-      EPILOGUE_UNROLL
       for (int col = 0; col < 2; ++col) {
         const int pair = sorted_pairs[row0 + 8 * m + 2 * t + col];
         if (pair >= num_pairs) continue;
@@ -166,7 +154,6 @@ __global__ void __launch_bounds__(256) experts_kernel(
           out[(int64_t)pair * out_stride + f] = __float2bfloat16(h);
         } else {
           const float wt = topk_weights[pair];
-          EPILOGUE_UNROLL
           for (int half = 0; half < 2; ++half) {
             const int n = 16 * rb + g + 8 * half;
             const float b =
