@@ -16,8 +16,8 @@ from graphcap.opsdb.triton.moe import sum_slots
 def tile(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
     """(rows a tile, row blocks a warp, warps) for about ``num_pairs / num_experts`` rows
     an expert: the fastest of a sweep of every tile at 0.5, 4, 16 and 64 rows an expert
-    on the H200 (gpt-oss-120b's experts, docs/notes/probes/moe_mxfp4_cuda.py; its 32-row
-    tiles, which never won, kept their accumulators on the stack)."""
+    on the H200 (gpt-oss-120b's experts, docs/notes/probes/moe_mxfp4_cuda.py: 32-row tiles
+    never won)."""
     return (8, 2, 4) if num_pairs <= 8 * num_experts else (16, 4, 4)
 
 
