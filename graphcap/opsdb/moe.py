@@ -34,8 +34,8 @@ def check_experts(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0
         checks.same(op, "the hidden size", h, x.shape[1], "w13", "x")
         checks.same(op, "the expert shape", (e, h, two_i // 2 // packing),
                     tuple(w2.shape), "w13", "w2")
-    if quantized and not mxfp4.is_operand_order(w13):
-        for name, scale, weight in (("w13_scale", w13_scale, w13), ("w2_scale", w2_scale, w2)):
+        scales = (("w13_scale", w13_scale, w13), ("w2_scale", w2_scale, w2)) if quantized else ()
+        for name, scale, weight in scales:
             checks.tensor(op, name, scale, ndim=3, dtypes=(torch.uint8,), device=x.device)
             want = (*weight.shape[:2], weight.shape[2] * 2 // 32)
             checks.same(op, "the shape", tuple(scale.shape), want, name,

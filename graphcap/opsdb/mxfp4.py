@@ -49,9 +49,33 @@ def why_not(w: torch.Tensor, s: torch.Tensor) -> str | None:
 def operand_order(w: torch.Tensor, s: torch.Tensor, gate_up: bool, interleaved: bool
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Published-order bytes ``w`` [E, N, K / 2] and scales ``s`` in operand order."""
+    _refuse_unless_fit(w, s)
+    return _reorder(w, s, gate_up, interleaved)
+
+
+def to_operand_order_(w: torch.Tensor, s: torch.Tensor, gate_up: bool, interleaved: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`operand_order` in place, an expert at a time (no second copy of the
+    weights); returns ``w`` and ``s`` viewed in the operand order's shapes."""
+    _refuse_unless_fit(w, s)
+    if not (w.is_contiguous() and s.is_contiguous()):
+        raise ValueError("MXFP4 weights and scales must be contiguous to reorder in place")
+    for e in range(w.shape[0]):  # checked once above, not again an expert
+        packed, scales = _reorder(w[e:e + 1], s[e:e + 1], gate_up, interleaved)
+        w[e].view(-1).copy_(packed.view(-1))
+        s[e].view(-1).copy_(scales.view(-1))
+    return w.view(w.shape[0], *packed.shape[1:]), s.view(s.shape[0], *scales.shape[1:])
+
+
+def _refuse_unless_fit(w: torch.Tensor, s: torch.Tensor) -> None:
     why = why_not(w, s)
     if why:
         raise ValueError(f"MXFP4 weights {tuple(w.shape)}: the operand order {why}")
+
+
+def _reorder(w: torch.Tensor, s: torch.Tensor, gate_up: bool, interleaved: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`operand_order` without its checks."""
     e, n, half_k = w.shape
     k = 2 * half_k
     order = block_rows(n, gate_up, interleaved).to(w.device)
@@ -63,22 +87,6 @@ def operand_order(w: torch.Tensor, s: torch.Tensor, gate_up: bool, interleaved: 
     packed = nib[..., 0::2] | (nib[..., 1::2] << 4)
     scales = s.view(e, n // 16, 2, 8, k // 64, 2).permute(0, 1, 4, 3, 5, 2)
     return packed.reshape(e, n // 16, k // 64, 32, 16).contiguous(), scales.contiguous()
-
-
-def to_operand_order_(w: torch.Tensor, s: torch.Tensor, gate_up: bool, interleaved: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`operand_order` in place, an expert at a time (no second copy of the
-    weights); returns ``w`` and ``s`` viewed in the operand order's shapes."""
-    why = why_not(w, s)
-    if why:
-        raise ValueError(f"MXFP4 weights {tuple(w.shape)}: the operand order {why}")
-    if not (w.is_contiguous() and s.is_contiguous()):
-        raise ValueError("MXFP4 weights and scales must be contiguous to reorder in place")
-    for e in range(w.shape[0]):
-        packed, scales = operand_order(w[e:e + 1], s[e:e + 1], gate_up, interleaved)
-        w[e].view(-1).copy_(packed.view(-1))
-        s[e].view(-1).copy_(scales.view(-1))
-    return w.view(w.shape[0], *packed.shape[1:]), s.view(s.shape[0], *scales.shape[1:])
 
 
 def published_order(packed: torch.Tensor, scales: torch.Tensor, gate_up: bool,
