@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path.home() / ".cache" / "graphcap-cuda-check"
 WHEELS = ("nvidia-cuda-nvrtc-cu12", "nvidia-cuda-nvcc-cu12", "nvidia-cuda-runtime-cu12",
           "nvidia-cuda-cccl-cu12")
-SIGNATURE = ("const __nv_bfloat16*, int64_t, const uint4*, const uint16_t*, "
+SIGNATURE = ("const __nv_bfloat16*, int64_t, const uint4*, const uint32_t*, "
              "const __nv_bfloat16*, const int*, const int*, const float*, __nv_bfloat16*, "
              "int64_t, int, int, int, int, int, bool, float, float")
 
@@ -44,17 +44,25 @@ def toolkit() -> Path:
     return nvidia
 
 
+def instance(tile) -> str:
+    """A tile's kernel: MODE, MB, RB (mma.sync) or MODE, MB, BLK, WG (warpgroup)."""
+    name = "experts_kernel" if len(tile) == 3 else "experts_wgmma_kernel"
+    return f"{name}<{', '.join(str(v) for v in tile)}>"
+
+
 def source(tiles, defines) -> str:
     cuda = ROOT / "graphcap" / "opsdb" / "cuda"
-    header = "\n".join(line for line in (cuda / "mxfp4_operands.cuh").read_text().splitlines()
-                       if not line.startswith("#"))
+    headers = "\n".join(line for name in ("mxfp4_operands.cuh", "wgmma.cuh")
+                        for line in (cuda / name).read_text().splitlines()
+                        if not line.startswith("#"))
     text = (cuda / "moe_mxfp4.cu").read_text()
-    kernels = text[text.index("namespace {"):text.index("}  // namespace")]
-    instances = "\n".join(f"template __global__ void experts_kernel<{m}, {mb}, {rb}>"
-                          f"({SIGNATURE});" for m, mb, rb in tiles)
+    kernels = text[text.index("namespace {"):text.index("}  // namespace\n\n")]
+    instances = "\n".join(f"template __global__ void {instance(t)}({SIGNATURE});"
+                          for t in tiles)
     return ("#include <cuda/std/cstdint>\nusing cuda::std::uint32_t; using cuda::std::uint16_t;"
-            " using cuda::std::int64_t;\n#include <cuda_bf16.h>\n"
-            + "".join(f"#define {d}\n" for d in defines) + header + "\n"
+            " using cuda::std::int64_t; using cuda::std::uint64_t; using cuda::std::uint8_t;\n"
+            "#include <cuda_bf16.h>\n"
+            + "".join(f"#define {d}\n" for d in defines) + headers + "\n"
             + kernels.replace("namespace {", "namespace check {") + instances + "\n}\n")
 
 
@@ -97,7 +105,7 @@ def loop_count(sass: str) -> tuple[int, collections.Counter]:
         if m and int(m.group(1), 16) < here:
             start = int(m.group(1), 16)
             body = [ln for ln, a in zip(lines, addr, strict=True) if start <= a <= here]
-            if any("HMMA" in ln for ln in body) and len(body) > len(best):
+            if any("MMA" in ln for ln in body) and len(body) > len(best):
                 best = body  # the products' loop, not the epilogue's
     body = best
     ops = collections.Counter(re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line).group(1)
@@ -108,14 +116,18 @@ def loop_count(sass: str) -> tuple[int, collections.Counter]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--define", action="append", default=[])
-    parser.add_argument("--tiles", default=None, help="MODE:MB:RB,... (default: all)")
+    parser.add_argument("--tiles", default=None,
+                        help="MODE:MB:RB or MODE:MB:BLK:WG (warpgroup), comma-separated "
+                             "(default: every tile of the sweep's build)")
     parser.add_argument("--sass", default=None, help="write the SASS here")
     args = parser.parse_args()
     tiles = ([tuple(int(v) for v in t.split(":")) for t in args.tiles.split(",")]
-             if args.tiles else [(m, mb, rb) for m in (0, 1) for mb in (1, 2, 4)
-                                 for rb in (1, 2, 4)])
+             if args.tiles else
+             [(m, mb, rb) for m in (0, 1) for mb in (1, 2, 4) for rb in (1, 2, 4)]
+             + [(m, mb, blk, wg) for m in (0, 1) for mb in (2, 4, 8)
+                for blk, wg in ((1, 2), (2, 1), (2, 2))])
     nvidia = toolkit()
-    names = [f"check::experts_kernel<{m}, {mb}, {rb}>" for m, mb, rb in tiles]
+    names = [f"check::{instance(t)}" for t in tiles]
     ptx, lowered = compile_ptx(nvidia, source(tiles, args.define), names)
     (CACHE / "k.ptx").write_bytes(ptx)
     cubin = CACHE / "k.cubin"
@@ -131,18 +143,23 @@ def main() -> None:
     if args.sass:
         Path(args.sass).write_text(sass)
     functions = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s+Function : |\Z)", sass, re.S))
-    for (mode, mb, rb), name in zip(tiles, names, strict=True):
+    for tile, name in zip(tiles, names, strict=True):
+        mode, mb, rb = tile[:3]
         low = lowered[name]
         info = done.stderr[done.stderr.index(f"'{low}'"):]
         regs = re.search(r"Used (\d+) registers", info).group(1)
         stack = re.search(r"(\d+) bytes stack frame", info).group(1)
-        line = f"{'gate/up' if mode == 0 else 'down':7} {8 * mb:2} rows, {rb} blocks a warp: " \
-               f"{regs:>3} registers, {stack:>3} bytes of stack"
+        shape = (f"{rb} blocks a warp" if len(tile) == 3
+                 else f"{rb} 64-row blocks a warpgroup, {tile[3]} warpgroups")
+        line = (f"{'gate/up' if mode == 0 else 'down':7} {8 * mb:2} rows, {shape}: "
+                f"{regs:>3} registers, {stack:>3} bytes of stack")
         if low in functions:
             count, ops = loop_count(functions[low])
             line += (f", loop {count} instructions, {count * 32 / (2 * rb * 16 * 64):.2f} a "
                      f"value ({', '.join(f'{k} {v}' for k, v in ops.most_common(5))})")
         print(line)
+    warnings = [ln for ln in done.stderr.splitlines() if "arning" in ln or "Loss" in ln]
+    print("\n".join(dict.fromkeys(warnings)) or "ptxas: no warnings")
 
 
 if __name__ == "__main__":

@@ -4,12 +4,12 @@ Published order (gpt-oss's checkpoints, :func:`graphcap.opsdb.reference.mxfp4_de
 bytes [E, N, K / 2] (two E2M1 values a byte along K, the low nibble first) and E8M0 scales
 [E, N, K / 32]. Operand order: bytes [E, N / 16, K / 64, 32, 16] and scales
 [E, N / 16, K / 64, 8, 2, 2], as ``mma.sync.m16n8k16`` holds the weights as its left
-operand. A 16-row block's chunk of 64 K is 512 bytes: lane ``4g + t`` holds its 32 values
-(rows g and g + 8, four products of 16 K) in 16 bytes, word j for product j, nibble n of a
-word the block's row ``g + 8 * (n & 1)`` at place ``q = 2 * ((n >> 1) & 1) + (n >> 2)``
-of that product's K, real K ``64c + 16t + 4j + q`` (K permuted alike for the weights and
-the activations, so a lane's activations are 32 contiguous bytes). Its scales: row g's and
-row g + 8's for the chunk's two groups of 32, ``[g, group, row]``. A gate/up projection's
+operand (and each warp's share of a ``wgmma`` left operand in registers). A 16-row block's
+chunk of 64 K is 512 bytes: lane ``4g + t`` holds its 32 values (rows g and g + 8, four
+products of 16 K) in 16 bytes, word j for product j, nibble n of a word the block's row
+``g + 8 * (n & 1)`` at K ``64c + 16j + 8 * ((n >> 1) & 1) + 2t + (n >> 2)`` (the products'
+own K order, so the activations stay in theirs). Its scales: row g's and row g + 8's for
+the chunk's two groups of 32 (products 0-1 and 2-3), ``[g, group, row]``. A gate/up projection's
 blocks hold eight features each, gate as rows 0-7 and up as rows 8-15, so a lane holds a
 feature's gate and up for the same tokens; down keeps its rows.
 
@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-# Nibble n of a lane's word: the block's row g + 8 * (n & 1), place q in the product's K.
+# Nibble n of a lane's word: the block's row g + 8 * (n & 1), place q = 2 * qh + qe in the
+# product's K (8 * qh + 2t + qe).
 _NIBBLE = torch.tensor([4 * (n & 1) + 2 * ((n >> 1) & 1) + (n >> 2) for n in range(8)])
 MAX_SCALE = 128
 
@@ -80,9 +81,9 @@ def _reorder(w: torch.Tensor, s: torch.Tensor, gate_up: bool, interleaved: bool
     k = 2 * half_k
     order = block_rows(n, gate_up, interleaved).to(w.device)
     w, s = w[:, order], s[:, order]
-    nib = torch.stack((w & 15, w >> 4), -1).view(e, n // 16, 2, 8, k // 64, 4, 4, 4)
-    # [e, R, half, g, c, t, j, q] -> [e, R, c, g, t, j, half * 4 + q] -> nibble order
-    nib = nib.permute(0, 1, 4, 3, 5, 6, 2, 7).reshape(e, n // 16, k // 64, 8, 4, 4, 8)
+    nib = torch.stack((w & 15, w >> 4), -1).view(e, n // 16, 2, 8, k // 64, 4, 2, 4, 2)
+    # [e, R, half, g, c, j, qh, t, qe] -> [e, R, c, g, t, j, half * 4 + 2 * qh + qe]
+    nib = nib.permute(0, 1, 4, 3, 7, 5, 2, 6, 8).reshape(e, n // 16, k // 64, 8, 4, 4, 8)
     nib = nib[..., _NIBBLE.to(w.device)]
     packed = nib[..., 0::2] | (nib[..., 1::2] << 4)
     scales = s.view(e, n // 16, 2, 8, k // 64, 2).permute(0, 1, 4, 3, 5, 2)
@@ -97,7 +98,8 @@ def published_order(packed: torch.Tensor, scales: torch.Tensor, gate_up: bool,
     b = packed.view(e, blocks, chunks, 8, 4, 4, 4)
     nib = torch.stack((b & 15, b >> 4), -1).view(e, blocks, chunks, 8, 4, 4, 8)
     nib = nib[..., torch.argsort(_NIBBLE).to(packed.device)]  # [.., half * 4 + q]
-    nib = nib.view(e, blocks, chunks, 8, 4, 4, 2, 4).permute(0, 1, 6, 3, 2, 4, 5, 7)
+    # [e, R, c, g, t, j, half, qh, qe] -> [e, R, half, g, c, j, qh, t, qe]
+    nib = nib.view(e, blocks, chunks, 8, 4, 4, 2, 2, 2).permute(0, 1, 6, 3, 2, 5, 7, 4, 8)
     nib = nib.reshape(e, n, k)
     w = nib[..., 0::2] | (nib[..., 1::2] << 4)
     s = scales.permute(0, 1, 5, 3, 2, 4).reshape(e, n, k // 32)

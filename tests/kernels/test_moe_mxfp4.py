@@ -106,16 +106,16 @@ def kernel_decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     e, blocks, chunks = packed.shape[:3]
     b = packed.view(e, blocks, chunks, 8, 4, 4, 4).to(torch.int64)  # [e, R, c, g, t, j, byte]
     q = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
-    out = torch.empty(e, blocks, 2, 8, chunks, 4, 4, 4)  # [e, R, half, g, c, t, j, q]
+    out = torch.empty(e, blocks, 2, 8, chunks, 4, 2, 4, 2)  # [e, R, half, g, c, j, qh, t, qe]
     for p in range(4):
         t = (q << (12 - 4 * p)) & 0xFFFFFFFF
         pair = (t & 0x80008000) | ((t & 0x70007000) >> 6)
         half = p & 1  # pairs 0 and 2 hold row g, 1 and 3 row g + 8 (the A operand)
-        scale = bf16((scales[:, :, :, :, [0, 0, 1, 1], half].long() + 126) << 7)
-        for hi in range(2):
-            value = bf16((pair >> (16 * hi)) & 0xFFFF) * scale.unsqueeze(-1)
-            out[:, :, half, :, :, :, :, (p >> 1) * 2 + hi] = value.float().permute(
-                0, 1, 3, 2, 4, 5)
+        # products 0-1 take the chunk's first group of 32, 2-3 its second: [e, R, c, g, 1, j]
+        scale = bf16((scales[:, :, :, :, [0, 0, 1, 1], half].long() + 126) << 7).unsqueeze(4)
+        for qe in range(2):
+            value = bf16((pair >> (16 * qe)) & 0xFFFF) * scale
+            out[:, :, half, :, :, :, p >> 1, :, qe] = value.float().permute(0, 1, 3, 2, 5, 4)
     return out.reshape(e, blocks * 16, chunks * 64)
 
 

@@ -38,7 +38,7 @@ def module():
         import graphcap.opsdb.cuda as cuda_kernels
         source = Path(cuda_kernels.__file__).with_name("moe_mxfp4.cu")
         _MODULE.append(load("graphcap_moe_mxfp4_sweep", [str(source)],
-                            extra_cuda_cflags=["-O3", "-DGRAPHCAP_MXFP4_SWEEP"]))
+                            extra_cuda_cflags=[*cuda_kernels.flags(), "-DGRAPHCAP_MXFP4_SWEEP"]))
     return _MODULE[0]
 
 
@@ -52,7 +52,7 @@ def stored(w, s, gate_up):
 
 # The kernels a tile may name (``tiles["kernel"]``, default opsdb's): their launch function,
 # built on first use. Other probes add theirs (moe_mxfp4_xs.py).
-KERNELS = {"opsdb": lambda: module().experts}
+KERNELS = {"opsdb": lambda: module().experts, "wgmma": lambda: module().experts_wgmma}
 
 
 def launch(mode, x, w, s, bias, weights, ids, out, tiles, alpha=0.0, limit=0.0):
@@ -83,8 +83,12 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from moe_mxfp4_decode import compare_tiles
 
-    sweep = [dict(m=m, rb=rb, warps=w) for m in (8, 16, 32) for rb in (1, 2, 4)
-             for w in (4, 8)]
+    mma = [dict(m=m, rb=rb, warps=w) for m in (8, 16, 32) for rb in (1, 2, 4) for w in (4, 8)]
+    # warpgroup tiles: rb 64-row blocks a warpgroup, warps: warpgroups a CTA
+    wgmma = [dict(kernel="wgmma", m=m, rb=rb, warps=w) for m in (16, 32, 64)
+             for rb, w in ((1, 2), (2, 1), (2, 2))]
+    sweep = {"all": mma + wgmma, "wgmma": [dict(m=8, rb=2, warps=4), dict(m=16, rb=4, warps=4),
+                                           *wgmma]}[os.environ.get("PROBE_SWEEP", "all")]
     compare_tiles(gate_up, down, sweep,
                   "gpt-oss-120b's MXFP4 gate/up and down: opsdb's tl.dot_scaled kernels against "
                   "opsdb's CUDA kernel (weights in operand order) at every tile",

@@ -32,6 +32,15 @@ def unavailable() -> str | None:
     return None
 
 
+def flags() -> list[str]:
+    """nvcc's flags for these kernels: on a GPU of compute capability 9.0 (Hopper) its
+    arch-specific target sm_90a, which warpgroup products (wgmma) need; elsewhere torch's
+    choice for the GPU in use."""
+    arch = (["-gencode=arch=compute_90a,code=sm_90a"]
+            if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) else [])
+    return ["-O3", *arch]
+
+
 def extension(name: str):
     """The built module of ``<name>.cu`` (built once a process; a failed build is
     :class:`KernelUnavailable` naming the compiler's complaint, every later call too)."""
@@ -45,7 +54,7 @@ def extension(name: str):
             try:
                 _built[name] = load(f"graphcap_{name}",
                                     [str(Path(__file__).with_name(f"{name}.cu"))],
-                                    extra_cuda_cflags=["-O3"])
+                                    extra_cuda_cflags=flags())
                 return _built[name]
             except (RuntimeError, OSError) as exc:
                 why = _failed[name] = f"did not build: {str(exc)[-2000:]}"

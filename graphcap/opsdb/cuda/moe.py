@@ -13,12 +13,15 @@ from graphcap.opsdb.triton import moe_routing
 from graphcap.opsdb.triton.moe import sum_slots
 
 
-def tile(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
-    """(rows a tile, row blocks a warp, warps) for about ``num_pairs / num_experts`` rows
-    an expert: the fastest of a sweep of every tile at 0.5, 4, 16 and 64 rows an expert
-    on the H200 (gpt-oss-120b's experts, docs/notes/probes/moe_mxfp4_cuda.py: 32-row tiles
-    never won)."""
-    return (8, 2, 4) if num_pairs <= 8 * num_experts else (16, 4, 4)
+def tile(num_pairs: int, num_experts: int, hopper: bool) -> tuple[str, int, int, int]:
+    """(kernel, rows a tile, a, b) for about ``num_pairs / num_experts`` rows an expert:
+    ``"mma"`` (mma.sync: a row blocks a warp, b warps) or, on Hopper, ``"wgmma"`` (warpgroup
+    products: a 64-row blocks a warpgroup, b warpgroups)."""
+    if num_pairs <= 8 * num_experts:
+        return "mma", 8, 2, 4
+    if hopper:
+        return "wgmma", 32 if num_pairs <= 24 * num_experts else 64, 1, 2
+    return "mma", 16, 4, 4
 
 
 def moe_experts(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0.0,
@@ -37,15 +40,16 @@ def moe_experts(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0.0
     num_pairs = num_tokens * top_k
     weights = topk_weights.reshape(-1).float().contiguous()
     bias13, bias2 = (None if b is None else b.to(torch.bfloat16).contiguous() for b in (b13, b2))
-    rows, row_blocks, warps = tile(num_pairs, num_experts)
+    kernel, rows, a, b = tile(num_pairs, num_experts,
+                              torch.cuda.get_device_capability(x.device) == (9, 0))
+    launch = module.experts_wgmma if kernel == "wgmma" else module.experts
     sorted_pairs, cum_padded = moe_routing.align_pairs(topk_ids, num_experts, rows)
     inter = torch.empty(num_pairs, inter_size, dtype=torch.bfloat16, device=x.device)
     pairs = torch.empty(num_pairs, hidden, dtype=torch.bfloat16, device=x.device)
-    for mode, (a, w, s, bias, dst) in enumerate(((xb, w13, w13_scale, bias13, inter),
+    for mode, (src, w, s, bias, dst) in enumerate(((xb, w13, w13_scale, bias13, inter),
                                                  (inter, w2, w2_scale, bias2, pairs))):
-        module.experts(a, w, s, bias, sorted_pairs, cum_padded, weights, dst, mode, rows // 8,
-                       row_blocks, warps, num_pairs, top_k, bool(interleaved), float(alpha),
-                       float(limit))
+        launch(src, w, s, bias, sorted_pairs, cum_padded, weights, dst, mode, rows // 8, a, b,
+               num_pairs, top_k, bool(interleaved), float(alpha), float(limit))
     # inter freed before out is made: the two may share memory (as the Triton kernels').
     del inter
     if out is None and x.dtype == torch.bfloat16:

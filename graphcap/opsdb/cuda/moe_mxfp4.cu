@@ -12,61 +12,117 @@
 #include <stdint.h>
 
 #include "mxfp4_operands.cuh"
+#include "wgmma.cuh"
 
 namespace {
 
 using namespace graphcap_mxfp4;
 
+// The expert of the tile starting at padded row `row0` (cum_padded: each expert's end).
+__device__ __forceinline__ int expert_of(const int* cum_padded, int num_experts, int row0,
+                                         int lane) {
+  int e = 0;
+  for (int base = 0; base < num_experts; base += 32) {
+    const int i = base + lane;
+    e += __popc(__ballot_sync(0xffffffffu, i < num_experts && cum_padded[i] <= row0));
+  }
+  return e;
+}
+
+// One column of a 16-row block's products: rows g (v_g) and g + 8 (v_g8) for `pair`.
+// MODE 0: a feature's gate and up (rows g and g + 8 of the block), biases (b13's rows in
+// the published order: interleaved or halves), SwiGLU or gpt-oss's clamped GLU (alpha > 0),
+// out [pairs, N / 2]. MODE 1: down, bias, times the routing weight, out [pairs, N].
+template <int MODE>
+__device__ __forceinline__ void store(float v_g, float v_g8, int pair, int rb, int g, int e,
+                                      const __nv_bfloat16* __restrict__ bias,
+                                      const float* __restrict__ topk_weights,
+                                      __nv_bfloat16* __restrict__ out, int64_t out_stride,
+                                      int num_pairs, int row_blocks, bool interleaved,
+                                      float alpha, float limit) {
+  if (pair >= num_pairs) return;
+  const __nv_bfloat16* b = bias == nullptr ? nullptr : bias + (int64_t)e * 16 * row_blocks;
+  if (MODE == 0) {
+    const int f = 8 * rb + g;
+    float gate = v_g, up = v_g8;
+    if (b != nullptr) {
+      gate += __bfloat162float(b[interleaved ? 2 * f : f]);
+      up += __bfloat162float(b[interleaved ? 2 * f + 1 : 8 * row_blocks + f]);
+    }
+    float h;
+    if (alpha > 0.f) {  // gpt-oss's clamped GLU
+      if (limit > 0.f) {
+        gate = fminf(gate, limit);
+        up = fminf(fmaxf(up, -limit), limit);
+      }
+      h = (up + 1.f) * gate / (1.f + __expf(-alpha * gate));
+    } else {  // SwiGLU
+      h = gate / (1.f + __expf(-gate)) * up;
+    }
+    out[(int64_t)pair * out_stride + f] = __float2bfloat16(h);
+  } else {
+    const float wt = topk_weights[pair];
+    const int n = 16 * rb + g;
+    const float b_g = b == nullptr ? 0.f : __bfloat162float(b[n]);
+    const float b_g8 = b == nullptr ? 0.f : __bfloat162float(b[n + 8]);
+    out[(int64_t)pair * out_stride + n] = __float2bfloat16((v_g + b_g) * wt);
+    out[(int64_t)pair * out_stride + n + 8] = __float2bfloat16((v_g8 + b_g8) * wt);
+  }
+}
+
 template <int RB, int MB>
 struct Chunk {
-  uint4 w[RB], x[MB][2];
-  uint32_t s[RB];
+  uint4 w[RB];
+  uint32_t s[RB], x[MB][8];
 };
 
-// Chunk c's weight bytes, scales and activations (rows past the tile's pairs read row 0).
+// Chunk c's weight bytes, scales and activations (rows past the tile's pairs read row 0):
+// product j's right operand is K 16j + 2t (+1) and 16j + 8 + 2t (+1) of the chunk.
 template <int RB, int MB>
 __device__ __forceinline__ void load(Chunk<RB, MB>& k, const uint4* const (&wp)[RB],
-                                     const uint16_t* const (&sp)[RB],
+                                     const uint32_t* const (&sp)[RB],
                                      const __nv_bfloat16* const (&xp)[MB], int c) {
 #pragma unroll
   for (int r = 0; r < RB; ++r) {
     k.w[r] = __ldg(wp[r] + c * 32);
-    k.s[r] = __ldg(sp[r] + c * 16);
+    k.s[r] = __ldg(sp[r] + c * 8);
   }
 #pragma unroll
-  for (int m = 0; m < MB; ++m) {
-    const uint4* xv = reinterpret_cast<const uint4*>(xp[m] + c * 64);
-    k.x[m][0] = __ldg(xv);
-    k.x[m][1] = __ldg(xv + 1);
-  }
+  for (int m = 0; m < MB; ++m)
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      k.x[m][i] = __ldg(reinterpret_cast<const uint32_t*>(xp[m] + c * 64 + 8 * i));
+}
+
+// Product j's scales: the chunk's group j / 2 of 32, rows g and g + 8 (a lane's four bytes:
+// [group, row]).
+__device__ __forceinline__ void scales(uint32_t s, int j, uint32_t& s_g, uint32_t& s_g8) {
+  s_g = scale_pair((s >> (16 * (j >> 1))) & 0xffu);
+  s_g8 = scale_pair((s >> (16 * (j >> 1) + 8)) & 0xffu);
 }
 
 template <int RB, int MB>
 __device__ __forceinline__ void compute(float (&acc)[RB][MB][4], const Chunk<RB, MB>& k) {
 #pragma unroll
   for (int r = 0; r < RB; ++r) {
-    const uint32_t s_g = scale_pair(k.s[r] & 0xffu), s_g8 = scale_pair(k.s[r] >> 8);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      uint32_t a[4];
+      uint32_t a[4], s_g, s_g8;
+      scales(k.s[r], j, s_g, s_g8);
       operand(word(k.w[r], j), s_g, s_g8, a);
 #pragma unroll
       for (int m = 0; m < MB; ++m)
-        mma(acc[r][m], a[0], a[1], a[2], a[3], word(k.x[m][j >> 1], 2 * (j & 1)),
-            word(k.x[m][j >> 1], 2 * (j & 1) + 1));
+        mma(acc[r][m], a[0], a[1], a[2], a[3], k.x[m][2 * j], k.x[m][2 * j + 1]);
     }
   }
 }
 
-// MODE 0: gate/up (rows g and g + 8 of a block: a feature's gate and up), biases (b13's
-// rows in the published order: interleaved or halves), SwiGLU or gpt-oss's clamped GLU
-// (alpha > 0), out [pairs, N / 2]. MODE 1: down, bias, times the routing
-// weight, out [pairs, N]. A tile: 8 * MB padded rows of one expert; a warp: RB blocks of
+// MODE as store's. A tile: 8 * MB padded rows of one expert; a warp: RB blocks of
 // 16 weight rows over all K, a chunk (64 K) loaded while the one before is multiplied.
 template <int MODE, int MB, int RB>
 __global__ void __launch_bounds__(256) experts_kernel(
     const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ w,
-    const uint16_t* __restrict__ s, const __nv_bfloat16* __restrict__ bias,
+    const uint32_t* __restrict__ s, const __nv_bfloat16* __restrict__ bias,
     const int* __restrict__ sorted_pairs, const int* __restrict__ cum_padded,
     const float* __restrict__ topk_weights, __nv_bfloat16* __restrict__ out,
     int64_t out_stride, int num_pairs, int num_experts, int top_k, int row_blocks,
@@ -75,11 +131,7 @@ __global__ void __launch_bounds__(256) experts_kernel(
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * BM;
-  int e = 0;
-  for (int base = 0; base < num_experts; base += 32) {
-    const int i = base + lane;
-    e += __popc(__ballot_sync(0xffffffffu, i < num_experts && cum_padded[i] <= row0));
-  }
+  const int e = expert_of(cum_padded, num_experts, row0, lane);
   if (row0 >= cum_padded[num_experts - 1]) return;
   const int rb0 = (blockIdx.y * warps + warp) * RB;
   if (rb0 >= row_blocks) return;
@@ -89,16 +141,16 @@ __global__ void __launch_bounds__(256) experts_kernel(
   for (int m = 0; m < MB; ++m) {
     const int pair = sorted_pairs[row0 + 8 * m + g];
     const int64_t xrow = pair < num_pairs ? (MODE == 0 ? pair / top_k : pair) : 0;
-    xp[m] = x + xrow * x_stride + 16 * t;
+    xp[m] = x + xrow * x_stride + 2 * t;
   }
   const uint4* wp[RB];
-  const uint16_t* sp[RB];
+  const uint32_t* sp[RB];
 #pragma unroll
   for (int r = 0; r < RB; ++r) {
     const int rb = min(rb0 + r, row_blocks - 1);
     const int64_t first = ((int64_t)e * row_blocks + rb) * chunks;
     wp[r] = w + first * 32 + lane;
-    sp[r] = s + first * 16 + g * 2 + (t >> 1);
+    sp[r] = s + first * 8 + g;
   }
 
   float acc[RB][MB][4];
@@ -126,92 +178,240 @@ __global__ void __launch_bounds__(256) experts_kernel(
     compute(acc, a);
   }
 
+#pragma unroll
   for (int r = 0; r < RB; ++r) {
     const int rb = rb0 + r;
     if (rb >= row_blocks) break;
-    for (int m = 0; m < MB; ++m) {
-      for (int col = 0; col < 2; ++col) {
-        const int pair = sorted_pairs[row0 + 8 * m + 2 * t + col];
-        if (pair >= num_pairs) continue;
-        if (MODE == 0) {
-          const int f = 8 * rb + g;  // the feature: its gate is row g, its up row g + 8
-          float gate = acc[r][m][col], up = acc[r][m][2 + col];
-          if (bias != nullptr) {
-            const __nv_bfloat16* b = bias + (int64_t)e * 16 * row_blocks;
-            gate += __bfloat162float(b[interleaved ? 2 * f : f]);
-            up += __bfloat162float(b[interleaved ? 2 * f + 1 : 8 * row_blocks + f]);
-          }
-          float h;
-          if (alpha > 0.f) {  // gpt-oss's clamped GLU
-            if (limit > 0.f) {
-              gate = fminf(gate, limit);
-              up = fminf(fmaxf(up, -limit), limit);
-            }
-            h = (up + 1.f) * gate / (1.f + __expf(-alpha * gate));
-          } else {  // SwiGLU
-            h = gate / (1.f + __expf(-gate)) * up;
-          }
-          out[(int64_t)pair * out_stride + f] = __float2bfloat16(h);
-        } else {
-          const float wt = topk_weights[pair];
-          for (int half = 0; half < 2; ++half) {
-            const int n = 16 * rb + g + 8 * half;
-            const float b =
-                bias == nullptr ? 0.f : __bfloat162float(bias[(int64_t)e * 16 * row_blocks + n]);
-            const float y = (acc[r][m][2 * half + col] + b) * wt;
-            out[(int64_t)pair * out_stride + n] = __float2bfloat16(y);
-          }
-        }
+#pragma unroll
+    for (int m = 0; m < MB; ++m)
+#pragma unroll
+      for (int col = 0; col < 2; ++col)
+        store<MODE>(acc[r][m][col], acc[r][m][2 + col], sorted_pairs[row0 + 8 * m + 2 * t + col],
+                    rb, g, e, bias, topk_weights, out, out_stride, num_pairs, row_blocks,
+                    interleaved, alpha, limit);
+  }
+}
+
+// MODE as store's, on Hopper's warpgroup products (sm_90a). A tile: N = 8 * MB padded rows
+// of one expert, whose activations are copied to shared memory a chunk (64 K) at a time,
+// three chunks ahead, into four stages (core matrices: 8 rows of 16 bytes). A warpgroup:
+// BLK blocks of 64 weight rows (its warps' 16 each); a chunk's weights (loaded while the
+// chunk before is multiplied) are decoded into operand registers once and multiplied by
+// all N rows in one product a 16-K step.
+template <int MODE, int MB, int BLK, int WG>
+__global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(
+    const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ w,
+    const uint32_t* __restrict__ s, const __nv_bfloat16* __restrict__ bias,
+    const int* __restrict__ sorted_pairs, const int* __restrict__ cum_padded,
+    const float* __restrict__ topk_weights, __nv_bfloat16* __restrict__ out,
+    int64_t out_stride, int num_pairs, int num_experts, int top_k, int row_blocks,
+    int chunks, bool interleaved, float alpha, float limit) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  namespace wg = graphcap_wgmma;
+  constexpr int N = 8 * MB, STAGE = N * 128, PIECES = N * 8, THREADS = 128 * WG;
+  constexpr int PER = (PIECES + THREADS - 1) / THREADS;
+  __shared__ __align__(128) uint8_t xs[4 * STAGE];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * N;
+  const int e = expert_of(cum_padded, num_experts, row0, lane);
+  if (row0 >= cum_padded[num_experts - 1]) return;
+
+  // This thread's 16-byte pieces of a chunk: row n, K offset 8 * kc, at its core matrix.
+  const uint32_t base = (uint32_t)__cvta_generic_to_shared(xs);
+  const __nv_bfloat16* src[PER];
+  uint32_t dst[PER];
+  bool valid[PER], mine[PER];
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int p = threadIdx.x + i * THREADS, n = (p >> 6) * 8 + (p & 7), kc = (p >> 3) & 7;
+    mine[i] = p < PIECES;
+    const int pair = mine[i] ? sorted_pairs[row0 + n] : num_pairs;
+    valid[i] = pair < num_pairs;
+    const int64_t xrow = valid[i] ? (MODE == 0 ? pair / top_k : pair) : 0;
+    src[i] = x + xrow * x_stride + 8 * kc;
+    dst[i] = base + (kc * MB + (p >> 6)) * 128 + (p & 7) * 16;
+  }
+  auto stage = [&](int c) {
+    if (c < chunks) {
+#pragma unroll
+      for (int i = 0; i < PER; ++i)
+        if (mine[i]) wg::copy16(dst[i] + (c & 3) * STAGE, src[i] + 64 * c, valid[i]);
+    }
+    wg::copy_commit();
+  };
+
+  const int quad = warp & 3, group = warp >> 2;
+  const uint4* wp[BLK];
+  const uint32_t* sp[BLK];
+  int rbs[BLK];
+#pragma unroll
+  for (int b = 0; b < BLK; ++b) {
+    rbs[b] = ((blockIdx.y * WG + group) * BLK + b) * 4 + quad;
+    const int64_t first = ((int64_t)e * row_blocks + min(rbs[b], row_blocks - 1)) * chunks;
+    wp[b] = w + first * 32 + lane;
+    sp[b] = s + first * 8 + g;
+  }
+
+  float acc[BLK][N / 2];
+#pragma unroll
+  for (int b = 0; b < BLK; ++b)
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      acc[b][i] = 0.f;
+      wg::pin(acc[b][i]);
+    }
+
+  uint4 wr[2][BLK];
+  uint32_t sr[2][BLK];
+  auto fetch = [&](int slot, int c) {
+#pragma unroll
+    for (int b = 0; b < BLK; ++b) {
+      wr[slot][b] = __ldg(wp[b] + c * 32);
+      sr[slot][b] = __ldg(sp[b] + c * 8);
+    }
+  };
+  auto step = [&](int slot, int c) {
+    if (c + 1 < chunks) fetch(slot ^ 1, c + 1);
+    wg::copy_wait<2>();
+    __syncthreads();  // chunk c in place; every warpgroup done with chunk c - 1's stage
+    stage(c + 3);
+    uint32_t a[BLK][4][4];
+#pragma unroll
+    for (int b = 0; b < BLK; ++b) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t s_g, s_g8;
+        scales(sr[slot][b], j, s_g, s_g8);
+        operand(word(wr[slot][b], j), s_g, s_g8, a[b][j]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) wg::pin(a[b][j][i]);
       }
     }
+    // All of the chunk's operands are decoded before its first product and not written
+    // again before its last is done: ptxas serializes products whose register operands
+    // are written while products are in flight.
+    wg::fence();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint64_t d = wg::descriptor(base + (c & 3) * STAGE + 2 * j * MB * 128, MB * 128, 128);
+#pragma unroll
+      for (int b = 0; b < BLK; ++b) wg::product<N>(acc[b], a[b][j], d);
+    }
+    wg::commit();
+    wg::wait<0>();
+  };
+
+  stage(0);
+  stage(1);
+  stage(2);
+  fetch(0, 0);
+  for (int c = 0; c < chunks; c += 2) {
+    step(0, c);
+    if (c + 1 < chunks) step(1, c + 1);
   }
+  wg::wait<0>();
+#pragma unroll
+  for (int b = 0; b < BLK; ++b)
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) wg::pin(acc[b][i]);
+
+#pragma unroll
+  for (int b = 0; b < BLK; ++b) {
+    if (rbs[b] >= row_blocks) break;
+#pragma unroll
+    for (int m = 0; m < MB; ++m)
+#pragma unroll
+      for (int col = 0; col < 2; ++col)
+        store<MODE>(acc[b][4 * m + col], acc[b][4 * m + 2 + col],
+                    sorted_pairs[row0 + 8 * m + 2 * t + col], rbs[b], g, e, bias,
+                    topk_weights, out, out_stride, num_pairs, row_blocks, interleaved, alpha,
+                    limit);
+  }
+#endif
 }
 
 }  // namespace
 
-void experts(torch::Tensor x, torch::Tensor w, torch::Tensor s, c10::optional<torch::Tensor> bias,
-             torch::Tensor sorted_pairs, torch::Tensor cum_padded, torch::Tensor topk_weights,
-             torch::Tensor out, int64_t mode, int64_t mb, int64_t rb, int64_t warps,
-             int64_t num_pairs, int64_t top_k, bool interleaved, double alpha, double limit) {
-  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
-                  x.stride(0) % 8 == 0 && x.size(1) == w.size(2) * 64,
-              "x: bf16 rows of the weights' K, contiguous along K, 16-byte aligned");
-  TORCH_CHECK(w.dim() == 5 && w.is_contiguous() && s.is_contiguous() && out.stride(1) == 1,
-              "weights and scales in operand order, contiguous");
-  const int num_experts = cum_padded.numel();
-  const int row_blocks = w.size(1), chunks = w.size(2);
-  const __nv_bfloat16* b = bias.has_value()
-      ? reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr()) : nullptr;
-  // Tiles past the rows in use return at once (their first row is at or past the last
-  // entry of cum_padded, a multiple of the tile), so none reads past sorted_pairs.
-  const dim3 grid((sorted_pairs.numel() + 8 * mb - 1) / (8 * mb),
-                  (row_blocks + warps * rb - 1) / (warps * rb));
-  const dim3 block(32 * warps);
-  auto stream = at::cuda::getCurrentCUDAStream();
-#define GRAPHCAP_LAUNCH(MODE, MB, RB)                                                       \
-  if (mode == MODE && mb == MB && rb == RB) {                                               \
-    experts_kernel<MODE, MB, RB><<<grid, block, 0, stream>>>(                               \
-        reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), x.stride(0),                  \
-        reinterpret_cast<const uint4*>(w.data_ptr()),                                       \
-        reinterpret_cast<const uint16_t*>(s.data_ptr()), b,                                 \
-        sorted_pairs.data_ptr<int>(), cum_padded.data_ptr<int>(),                           \
-        topk_weights.data_ptr<float>(), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),   \
-        out.stride(0), (int)num_pairs, num_experts, (int)top_k, row_blocks, chunks,         \
-        interleaved, (float)alpha, (float)limit);                                           \
-    C10_CUDA_KERNEL_LAUNCH_CHECK();                                                         \
-    return;                                                                                 \
+// Launch KERNEL (a grid of `tiles` by `blocks` CTAs of `threads`) where COND holds.
+#define GRAPHCAP_LAUNCH(COND, ...)                                                         \
+  if (COND) {                                                                              \
+    __VA_ARGS__<<<dim3(tiles, blocks), threads, 0, stream>>>(                              \
+        reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), x.stride(0),                \
+        reinterpret_cast<const uint4*>(w.data_ptr()),                                      \
+        reinterpret_cast<const uint32_t*>(s.data_ptr()), bias_ptr,                         \
+        sorted_pairs.data_ptr<int>(), cum_padded.data_ptr<int>(),                          \
+        topk_weights.data_ptr<float>(), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), \
+        out.stride(0), (int)num_pairs, num_experts, (int)top_k, row_blocks, chunks,       \
+        interleaved, (float)alpha, (float)limit);                                          \
+    C10_CUDA_KERNEL_LAUNCH_CHECK();                                                        \
+    return;                                                                                \
   }
+#define GRAPHCAP_MMA(MODE, MB, RB) \
+  GRAPHCAP_LAUNCH(mode == MODE && mb == MB && a == RB, experts_kernel<MODE, MB, RB>)
+#define GRAPHCAP_WGMMA(MODE, MB, BLK, WG)                                      \
+  GRAPHCAP_LAUNCH(mode == MODE && mb == MB && a == BLK && b == WG,             \
+                  experts_wgmma_kernel<MODE, MB, BLK, WG>)
+
+#define GRAPHCAP_EXPERTS_ARGS                                                              \
+  torch::Tensor x, torch::Tensor w, torch::Tensor s, c10::optional<torch::Tensor> bias,   \
+      torch::Tensor sorted_pairs, torch::Tensor cum_padded, torch::Tensor topk_weights,    \
+      torch::Tensor out, int64_t mode, int64_t mb, int64_t a, int64_t b, int64_t num_pairs, \
+      int64_t top_k, bool interleaved, double alpha, double limit
+
+#define GRAPHCAP_EXPERTS_SETUP                                                             \
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&       \
+                  x.stride(0) % 8 == 0 && x.size(1) == w.size(2) * 64,                     \
+              "x: bf16 rows of the weights' K, contiguous along K, 16-byte aligned");      \
+  TORCH_CHECK(w.dim() == 5 && w.is_contiguous() && s.is_contiguous() && out.stride(1) == 1, \
+              "weights and scales in operand order, contiguous");                          \
+  const int num_experts = cum_padded.numel();                                              \
+  const int row_blocks = w.size(1), chunks = w.size(2);                                    \
+  const __nv_bfloat16* bias_ptr = bias.has_value()                                         \
+      ? reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr()) : nullptr;                \
+  /* Tiles past the rows in use return at once (their first row is at or past the last    \
+     entry of cum_padded, a multiple of the tile), so none reads past sorted_pairs. */    \
+  const int tiles = (sorted_pairs.numel() + 8 * mb - 1) / (8 * mb);                        \
+  auto stream = at::cuda::getCurrentCUDAStream();
+
+// mma.sync tiles: 8 * mb rows, a = row blocks a warp, b = warps.
+void experts(GRAPHCAP_EXPERTS_ARGS) {
+  GRAPHCAP_EXPERTS_SETUP
+  const int blocks = (row_blocks + a * b - 1) / (a * b), threads = 32 * b;
 #ifdef GRAPHCAP_MXFP4_SWEEP  // every tile, for docs/notes/probes/moe_mxfp4_cuda.py
-#define GRAPHCAP_LAUNCH_RB(MODE, MB) \
-  GRAPHCAP_LAUNCH(MODE, MB, 1) GRAPHCAP_LAUNCH(MODE, MB, 2) GRAPHCAP_LAUNCH(MODE, MB, 4)
-  GRAPHCAP_LAUNCH_RB(0, 1) GRAPHCAP_LAUNCH_RB(0, 2) GRAPHCAP_LAUNCH_RB(0, 4)
-  GRAPHCAP_LAUNCH_RB(1, 1) GRAPHCAP_LAUNCH_RB(1, 2) GRAPHCAP_LAUNCH_RB(1, 4)
-#else  // the tiles moe.py picks (rows a tile, row blocks a warp): the sweep's best
-  GRAPHCAP_LAUNCH(0, 1, 2) GRAPHCAP_LAUNCH(0, 2, 4) GRAPHCAP_LAUNCH(1, 1, 2)
-  GRAPHCAP_LAUNCH(1, 2, 4)
+#define GRAPHCAP_MMA_RB(MODE, MB) \
+  GRAPHCAP_MMA(MODE, MB, 1) GRAPHCAP_MMA(MODE, MB, 2) GRAPHCAP_MMA(MODE, MB, 4)
+  GRAPHCAP_MMA_RB(0, 1) GRAPHCAP_MMA_RB(0, 2) GRAPHCAP_MMA_RB(0, 4)
+  GRAPHCAP_MMA_RB(1, 1) GRAPHCAP_MMA_RB(1, 2) GRAPHCAP_MMA_RB(1, 4)
+#else  // the tiles moe.py picks
+  GRAPHCAP_MMA(0, 1, 2) GRAPHCAP_MMA(0, 2, 4) GRAPHCAP_MMA(1, 1, 2) GRAPHCAP_MMA(1, 2, 4)
 #endif
-  TORCH_CHECK(false, "no MXFP4 experts kernel for mode ", mode, ", ", 8 * mb, " rows, ", rb,
-              " row blocks a warp");
+  TORCH_CHECK(false, "no MXFP4 experts kernel for mode ", mode, ", ", 8 * mb, " rows, ", a,
+              " row blocks a warp, ", b, " warps");
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("experts", &experts); }
+// Warpgroup tiles (sm_90a builds only): 8 * mb rows, a = 64-row blocks a warpgroup,
+// b = warpgroups.
+void experts_wgmma(GRAPHCAP_EXPERTS_ARGS) {
+  GRAPHCAP_EXPERTS_SETUP
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  TORCH_CHECK(props->major == 9 && props->minor == 0,
+              "the warpgroup MXFP4 experts kernel runs on compute capability 9.0 (sm_90a)");
+  const int blocks = (row_blocks + 4 * a * b - 1) / (4 * a * b), threads = 128 * b;
+#ifdef GRAPHCAP_MXFP4_SWEEP
+#define GRAPHCAP_WGMMA_TILES(MODE, MB) \
+  GRAPHCAP_WGMMA(MODE, MB, 1, 2) GRAPHCAP_WGMMA(MODE, MB, 2, 1) GRAPHCAP_WGMMA(MODE, MB, 2, 2)
+  GRAPHCAP_WGMMA_TILES(0, 2) GRAPHCAP_WGMMA_TILES(0, 4) GRAPHCAP_WGMMA_TILES(0, 8)
+  GRAPHCAP_WGMMA_TILES(1, 2) GRAPHCAP_WGMMA_TILES(1, 4) GRAPHCAP_WGMMA_TILES(1, 8)
+#else
+  GRAPHCAP_WGMMA(0, 4, 1, 2) GRAPHCAP_WGMMA(0, 8, 1, 2) GRAPHCAP_WGMMA(1, 4, 1, 2)
+  GRAPHCAP_WGMMA(1, 8, 1, 2)
+#endif
+  TORCH_CHECK(false, "no warpgroup MXFP4 experts kernel for mode ", mode, ", ", 8 * mb,
+              " rows, ", a, " blocks a warpgroup, ", b, " warpgroups");
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("experts", &experts);
+  m.def("experts_wgmma", &experts_wgmma);
+}
