@@ -9,8 +9,8 @@ NVRTC (``nvidia-cuda-nvrtc-cu12``) compiles the kernel part of
 PTX and ptxas (``nvidia-cuda-nvcc-cu12``) to a cubin; the wheels (about 50 MB, with the
 runtime's and CCCL's headers) are fetched from PyPI once into ~/.cache/graphcap-cuda-check.
 ``--tiles`` lists MODE:MB:RB (default: every tile of the sweep's build). The loop figure
-is the instructions of the longest backward branch holding the products, over the values a
-warp decodes in it (two 64-value chunks of RB 16-row blocks): a static count, no timing."""
+is the instructions of the longest backward branch holding the products, over the weight
+values a warp decodes in it (16 x 16 a product): a static count, no timing."""
 
 import argparse
 import collections
@@ -62,7 +62,7 @@ def source(tiles, defines) -> str:
     return ("#include <cuda/std/cstdint>\nusing cuda::std::uint32_t; using cuda::std::uint16_t;"
             " using cuda::std::int64_t; using cuda::std::uint64_t; using cuda::std::uint8_t;\n"
             "#include <cuda_bf16.h>\n"
-            + "".join(f"#define {d}\n" for d in defines) + headers + "\n"
+            + "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in defines) + headers + "\n"
             + kernels.replace("namespace {", "namespace check {") + instances + "\n}\n")
 
 
@@ -155,7 +155,10 @@ def main() -> None:
                 f"{regs:>3} registers, {stack:>3} bytes of stack")
         if low in functions:
             count, ops = loop_count(functions[low])
-            line += (f", loop {count} instructions, {count * 32 / (2 * rb * 16 * 64):.2f} a "
+            # a warp's values in the loop: 16 x 16 a product (an mma.sync product's left
+            # operand serves MB of them)
+            values = 256 * (ops["HGMMA"] if len(tile) == 4 else ops["HMMA"] / mb)
+            line += (f", loop {count} instructions, {count * 32 / values:.2f} a "
                      f"value ({', '.join(f'{k} {v}' for k, v in ops.most_common(5))})")
         print(line)
     warnings = [ln for ln in done.stderr.splitlines() if "arning" in ln or "Loss" in ln]

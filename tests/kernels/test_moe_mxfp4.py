@@ -223,3 +223,27 @@ def test_experts_in_operand_order_take_float32_or_strided_rows(rows):
     assert got.dtype == x.dtype
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2,
                                atol=2e-2 * want.float().abs().max().item())
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="the CUDA kernels need a GPU")
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("tokens,experts_n,block", [(1, 4, 8), (37, 8, 8), (512, 128, 32),
+                                                    (3000, 128, 64)])
+def test_the_cuda_alignment_groups_each_experts_pairs_as_the_torch_one(dtype, tokens,
+                                                                       experts_n, block):
+    """moe_mxfp4.cu's align: the same padded ends as moe_routing.align_pairs and, within
+    each expert's rows, the same pairs (their order may differ), padding rows n."""
+    from graphcap.opsdb.cuda import extension
+    from graphcap.opsdb.triton import moe_routing
+
+    _, ids = routed(tokens, experts_n, 4 if experts_n >= 4 else 2, seed=tokens)
+    ids = ids.to(dtype)
+    got_pairs, got_ends = extension("moe_mxfp4").align(ids, experts_n, block)
+    want_pairs, want_ends = moe_routing.align_pairs(ids, experts_n, block)
+    assert torch.equal(got_ends, want_ends)
+    assert got_pairs.shape == want_pairs.shape
+    start = 0
+    for end in want_ends.tolist():
+        assert torch.equal(got_pairs[start:end].sort().values, want_pairs[start:end].sort().values)
+        start = end
+    assert (got_pairs[start:] == ids.numel()).all()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from graphcap.opsdb.cuda import extension
-from graphcap.opsdb.triton import moe_routing
 from graphcap.opsdb.triton.moe import sum_slots
 
 
@@ -20,7 +19,7 @@ def tile(num_pairs: int, num_experts: int, hopper: bool) -> tuple[str, int, int,
     if num_pairs <= 8 * num_experts:
         return "mma", 8, 2, 4
     if hopper:
-        return "wgmma", 32 if num_pairs <= 24 * num_experts else 64, 1, 2
+        return "wgmma", 32 if num_pairs <= 32 * num_experts else 64, 1, 2
     return "mma", 16, 4, 4
 
 
@@ -43,7 +42,8 @@ def moe_experts(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0.0
     kernel, rows, a, b = tile(num_pairs, num_experts,
                               torch.cuda.get_device_capability(x.device) == (9, 0))
     launch = module.experts_wgmma if kernel == "wgmma" else module.experts
-    sorted_pairs, cum_padded = moe_routing.align_pairs(topk_ids, num_experts, rows)
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    sorted_pairs, cum_padded = module.align(ids, num_experts, rows)
     inter = torch.empty(num_pairs, inter_size, dtype=torch.bfloat16, device=x.device)
     pairs = torch.empty(num_pairs, hidden, dtype=torch.bfloat16, device=x.device)
     for mode, (src, w, s, bias, dst) in enumerate(((xb, w13, w13_scale, bias13, inter),

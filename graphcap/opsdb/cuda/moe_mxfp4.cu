@@ -97,8 +97,9 @@ __device__ __forceinline__ void load(Chunk<RB, MB>& k, const uint4* const (&wp)[
 // Product j's scales: the chunk's group j / 2 of 32, rows g and g + 8 (a lane's four bytes:
 // [group, row]).
 __device__ __forceinline__ void scales(uint32_t s, int j, uint32_t& s_g, uint32_t& s_g8) {
-  s_g = scale_pair((s >> (16 * (j >> 1))) & 0xffu);
-  s_g8 = scale_pair((s >> (16 * (j >> 1) + 8)) & 0xffu);
+  const uint32_t at = 2 * (j >> 1);  // the group's row g byte; row g + 8's follows
+  s_g = scale_pairs(__byte_perm(s, 0, 0x4040u | at | at << 8));
+  s_g8 = scale_pairs(__byte_perm(s, 0, 0x4040u | (at + 1) | (at + 1) << 8));
 }
 
 template <int RB, int MB>
@@ -192,12 +193,15 @@ __global__ void __launch_bounds__(256) experts_kernel(
   }
 }
 
+#ifndef GRAPHCAP_WGMMA_CPS  // chunks a step (2 in a probe's build; 1 measured faster)
+#define GRAPHCAP_WGMMA_CPS 1
+#endif
+
 // MODE as store's, on Hopper's warpgroup products (sm_90a). A tile: N = 8 * MB padded rows
-// of one expert, whose activations are copied to shared memory a chunk (64 K) at a time,
-// three chunks ahead, into four stages (core matrices: 8 rows of 16 bytes). A warpgroup:
-// BLK blocks of 64 weight rows (its warps' 16 each); a chunk's weights (loaded while the
-// chunk before is multiplied) are decoded into operand registers once and multiplied by
-// all N rows in one product a 16-K step.
+// of one expert. A step: CPS chunks (64 K each); the tile's activations for a step are
+// copied to shared memory (core matrices: 8 rows of 16 bytes) STAGES - 1 steps ahead. A warpgroup: BLK blocks of 64 weight rows (its warps' 16 each); a step's weights
+// (loaded while the step before is multiplied) are decoded into operand registers once and
+// multiplied by all N rows in one product a 16-K step.
 template <int MODE, int MB, int BLK, int WG>
 __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(
     const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ w,
@@ -208,14 +212,16 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(
     int chunks, bool interleaved, float alpha, float limit) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   namespace wg = graphcap_wgmma;
-  constexpr int N = 8 * MB, STAGE = N * 128, PIECES = N * 8, THREADS = 128 * WG;
-  constexpr int PER = (PIECES + THREADS - 1) / THREADS;
-  __shared__ __align__(128) uint8_t xs[4 * STAGE];
+  constexpr int CPS = GRAPHCAP_WGMMA_CPS, N = 8 * MB, CHUNK = N * 128, STAGE = CPS * CHUNK;
+  constexpr int STAGES = CPS == 1 ? 4 : 3;  // copies run STAGES - 1 steps ahead
+  constexpr int PIECES = N * 8, THREADS = 128 * WG, PER = (PIECES + THREADS - 1) / THREADS;
+  __shared__ __align__(128) uint8_t xs[STAGES * STAGE];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * N;
   const int e = expert_of(cum_padded, num_experts, row0, lane);
   if (row0 >= cum_padded[num_experts - 1]) return;
+  const int steps = (chunks + CPS - 1) / CPS;
 
   // This thread's 16-byte pieces of a chunk: row n, K offset 8 * kc, at its core matrix.
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(xs);
@@ -232,13 +238,20 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(
     src[i] = x + xrow * x_stride + 8 * kc;
     dst[i] = base + (kc * MB + (p >> 6)) * 128 + (p & 7) * 16;
   }
-  auto stage = [&](int c) {
-    if (c < chunks) {
+  int staged = 0;  // the next step to copy
+  auto stage = [&]() {
 #pragma unroll
-      for (int i = 0; i < PER; ++i)
-        if (mine[i]) wg::copy16(dst[i] + (c & 3) * STAGE, src[i] + 64 * c, valid[i]);
+    for (int h = 0; h < CPS; ++h) {
+      if (staged * CPS + h < chunks) {
+#pragma unroll
+        for (int i = 0; i < PER; ++i)
+          if (mine[i]) wg::copy16(dst[i] + (staged % STAGES) * STAGE + h * CHUNK, src[i], valid[i]);
+      }
+#pragma unroll
+      for (int i = 0; i < PER; ++i) src[i] += 64;
     }
     wg::copy_commit();
+    ++staged;
   };
 
   const int quad = warp & 3, group = warp >> 2;
@@ -262,55 +275,64 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(
       wg::pin(acc[b][i]);
     }
 
-  uint4 wr[2][BLK];
-  uint32_t sr[2][BLK];
-  auto fetch = [&](int slot, int c) {
+  uint4 wr[2][CPS][BLK];
+  uint32_t sr[2][CPS][BLK];
+  auto fetch = [&](int slot, int step) {
 #pragma unroll
-    for (int b = 0; b < BLK; ++b) {
-      wr[slot][b] = __ldg(wp[b] + c * 32);
-      sr[slot][b] = __ldg(sp[b] + c * 8);
-    }
-  };
-  auto step = [&](int slot, int c) {
-    if (c + 1 < chunks) fetch(slot ^ 1, c + 1);
-    wg::copy_wait<2>();
-    __syncthreads();  // chunk c in place; every warpgroup done with chunk c - 1's stage
-    stage(c + 3);
-    uint32_t a[BLK][4][4];
+    for (int h = 0; h < CPS; ++h)
+      if (step * CPS + h < chunks) {
 #pragma unroll
-    for (int b = 0; b < BLK; ++b) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint32_t s_g, s_g8;
-        scales(sr[slot][b], j, s_g, s_g8);
-        operand(word(wr[slot][b], j), s_g, s_g8, a[b][j]);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) wg::pin(a[b][j][i]);
+        for (int b = 0; b < BLK; ++b) {
+          wr[slot][h][b] = __ldg(wp[b] + (step * CPS + h) * 32);
+          sr[slot][h][b] = __ldg(sp[b] + (step * CPS + h) * 8);
+        }
       }
-    }
-    // All of the chunk's operands are decoded before its first product and not written
+  };
+  const uint64_t desc0 = wg::descriptor(base, MB * 128, 128);
+  auto step = [&](int slot, int st) {
+    if (st + 1 < steps) fetch(slot ^ 1, st + 1);
+    wg::copy_wait<STAGES - 2>();
+    __syncthreads();  // step st in place; every warpgroup done with step st - 1's stage
+    stage();
+    const bool second = CPS == 1 || st * CPS + 1 < chunks;
+    uint32_t a[CPS][BLK][4][4];
+#pragma unroll
+    for (int h = 0; h < CPS; ++h)
+#pragma unroll
+      for (int b = 0; b < BLK; ++b)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          uint32_t s_g, s_g8;
+          scales(sr[slot][h][b], j, s_g, s_g8);
+          operand(word(wr[slot][h][b], j), s_g, s_g8, a[h][b][j]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) wg::pin(a[h][b][j][i]);
+        }
+    // All of the step's operands are decoded before its first product and not written
     // again before its last is done: ptxas serializes products whose register operands
     // are written while products are in flight.
     wg::fence();
+    const uint64_t d = desc0 + (uint64_t)(((st % STAGES) * STAGE) >> 4);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint64_t d = wg::descriptor(base + (c & 3) * STAGE + 2 * j * MB * 128, MB * 128, 128);
+    for (int h = 0; h < CPS; ++h)
+      if (h == 0 || second) {
 #pragma unroll
-      for (int b = 0; b < BLK; ++b) wg::product<N>(acc[b], a[b][j], d);
-    }
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int b = 0; b < BLK; ++b)
+            wg::product<N>(acc[b], a[h][b][j], d + ((h * CHUNK + 2 * j * MB * 128) >> 4));
+      }
     wg::commit();
     wg::wait<0>();
   };
 
-  stage(0);
-  stage(1);
-  stage(2);
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) stage();
   fetch(0, 0);
-  for (int c = 0; c < chunks; c += 2) {
-    step(0, c);
-    if (c + 1 < chunks) step(1, c + 1);
+  for (int st = 0; st < steps; st += 2) {
+    step(0, st);
+    if (st + 1 < steps) step(1, st + 1);
   }
-  wg::wait<0>();
 #pragma unroll
   for (int b = 0; b < BLK; ++b)
 #pragma unroll
@@ -329,6 +351,37 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(
                     limit);
   }
 #endif
+}
+
+// moe_routing.align_pairs's contract in one CTA: each expert's pairs grouped (in any order
+// within the expert), its rows padded to a multiple of `block`; sorted_pairs' other rows n.
+template <typename Id>
+__global__ void __launch_bounds__(1024) align_kernel(const Id* __restrict__ ids, int n,
+                                                     int num_experts, int block,
+                                                     int* __restrict__ sorted_pairs,
+                                                     int capacity, int* __restrict__ cum_padded) {
+  extern __shared__ int next[];  // an expert's count, then its next row
+  for (int i = threadIdx.x; i < num_experts; i += blockDim.x) next[i] = 0;
+  __syncthreads();
+  for (int p = threadIdx.x; p < n; p += blockDim.x) {
+    const int e = (int)ids[p];
+    CUDA_KERNEL_ASSERT(e >= 0 && e < num_experts);
+    atomicAdd(&next[e], 1);
+  }
+  for (int i = threadIdx.x; i < capacity; i += blockDim.x) sorted_pairs[i] = n;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int end = 0;
+    for (int e = 0; e < num_experts; ++e) {
+      const int count = next[e];
+      next[e] = end;
+      end += (count + block - 1) / block * block;
+      cum_padded[e] = end;
+    }
+  }
+  __syncthreads();
+  for (int p = threadIdx.x; p < n; p += blockDim.x)
+    sorted_pairs[atomicAdd(&next[(int)ids[p]], 1)] = p;
 }
 
 }  // namespace
@@ -411,7 +464,31 @@ void experts_wgmma(GRAPHCAP_EXPERTS_ARGS) {
               " rows, ", a, " blocks a warpgroup, ", b, " warpgroups");
 }
 
+// (sorted_pairs [n + E * (block - 1)], cum_padded [E]) of top-k expert ids (int32 or int64).
+std::vector<torch::Tensor> align(torch::Tensor topk_ids, int64_t num_experts, int64_t block) {
+  TORCH_CHECK(topk_ids.is_cuda() && topk_ids.is_contiguous() &&
+                  (topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong),
+              "topk_ids: contiguous int32 or int64 on the GPU");
+  TORCH_CHECK(num_experts > 0 && num_experts <= 12288 && block > 0,
+              "1 to 12288 experts and a positive block");
+  const int n = topk_ids.numel(), capacity = n + num_experts * (block - 1);
+  auto opts = topk_ids.options().dtype(at::kInt);
+  auto sorted_pairs = torch::empty({capacity}, opts);
+  auto cum_padded = torch::empty({num_experts}, opts);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const size_t smem = num_experts * sizeof(int);
+  if (topk_ids.scalar_type() == at::kInt)
+    align_kernel<int><<<1, 1024, smem, stream>>>(topk_ids.data_ptr<int>(), n, num_experts, block,
+        sorted_pairs.data_ptr<int>(), capacity, cum_padded.data_ptr<int>());
+  else
+    align_kernel<int64_t><<<1, 1024, smem, stream>>>(topk_ids.data_ptr<int64_t>(), n,
+        num_experts, block, sorted_pairs.data_ptr<int>(), capacity, cum_padded.data_ptr<int>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {sorted_pairs, cum_padded};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("experts", &experts);
   m.def("experts_wgmma", &experts_wgmma);
+  m.def("align", &align);
 }

@@ -25,6 +25,9 @@ __device__ __forceinline__ uint32_t scale_pair(uint32_t s) {
   return v | (v << 16);
 }
 
+// scale_pair of both halves' E8M0 bytes at once (bits 0-7 and 16-23, the rest zero).
+__device__ __forceinline__ uint32_t scale_pairs(uint32_t s2) { return (s2 + 0x007e007eu) << 7; }
+
 __device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                     uint32_t a3, uint32_t b0, uint32_t b1) {
   asm volatile(
