@@ -141,8 +141,9 @@ OPERAND_SIZES = [(8, 64, 64)] + ([(4, 2880, 2880)] if DEVICE == "cuda" else [])
 @pytest.mark.parametrize("glu", ["gpt-oss", "swiglu"])
 def test_experts_in_operand_order_are_the_reference_of_their_published_order(tokens, size,
                                                                              glu):
-    """On the GPU the CUDA kernel (tiles of 8 and 16 rows at 0.5-100 rows an expert),
-    on the CPU the reference; both against the published order's reference."""
+    """On the GPU the CUDA kernels (0.5-100 rows an expert: 8-row ``mma.sync`` tiles, then
+    warpgroup tiles of 32 and 64 rows on Hopper, 16-row ``mma.sync`` tiles elsewhere), on
+    the CPU the reference; both against the published order's reference."""
     e, h, i = size
     w13, w2, s13, s2, b13, b2 = experts(e, h, i, seed=tokens)
     interleaved = glu == "gpt-oss"

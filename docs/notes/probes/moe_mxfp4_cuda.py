@@ -10,9 +10,12 @@ about 20% of DRAM bandwidth: some 9.5 thread instructions a weight value, most o
 moving bytes into the operand layout. The CUDA kernel reads the weights stored once in the
 order its products hold them (:mod:`graphcap.opsdb.mxfp4`) and decodes a lane's bytes
 straight into its operand registers: about 3 instructions a value. Built with the
-``GRAPHCAP_MXFP4_SWEEP`` define (tiles of 8, 16 and 32 rows, 1, 2 and 4 row blocks a
-warp; moe.py's build has only the tiles ``graphcap.opsdb.cuda.moe.tile`` picks). Per
-token count: CUDA-graph device ms of the Triton kernels and of each tile, and the largest
+``GRAPHCAP_MXFP4_SWEEP`` define: ``mma.sync`` tiles of 8, 16 and 32 rows, 1, 2 and 4 row
+blocks a warp, and Hopper warpgroup tiles (``kernel="wgmma"``: 16, 32 and 64 rows, 1-2
+64-row blocks a warpgroup, 1-2 warpgroups); moe.py's build has only the tiles
+``graphcap.opsdb.cuda.moe.tile`` picks. ``PROBE_SWEEP=wgmma`` runs the warpgroup tiles beside
+the two ``mma.sync`` tiles moe.py uses. Per token count: CUDA-graph device ms of the Triton
+kernels and of each tile (each call with its routing alignment), and the largest
 difference between their rows. JSON in $OUT/moe-mxfp4-cuda.json. The version of
 ``a596265`` carried its own copy of the kernel (8 and 16 rows); its run is
 `2026-12-04-moe-mxfp4-cuda-a596265-h200.json`."""

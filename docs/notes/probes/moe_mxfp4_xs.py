@@ -15,7 +15,9 @@ reads its right operands from there: no activation registers carried across chun
 Prediction: 32-row tiles with 2-4 row blocks a warp at 512 tokens about 1.5x faster than
 opsdb's best (0.653 ms gate/up, 0.386 down). Per token count: CUDA-graph device ms of the
 Triton kernels and of this kernel's tiles, and the largest difference between their rows
-(JSON in $OUT/moe-mxfp4-xs.json)."""
+(JSON in $OUT/moe-mxfp4-xs.json). It reads the operand order of 9fda93e (K permuted a lane,
+scales as 16-bit pairs); from 3a2fec6 on the order keeps each product's K, so its rows here
+are wrong and only its timings mean what they did."""
 
 import os
 import sys

@@ -1,8 +1,9 @@
 """MXFP4 experts in operand order (:mod:`graphcap.opsdb.mxfp4`) by ``moe_mxfp4.cu``.
 
 The same contract as :func:`graphcap.opsdb.triton.moe.moe_experts` (its routing
-alignment and its sum over the top-k slots): static shapes, no host synchronisation, so
-a call is captured once and replayed with new routing."""
+alignment, here by the extension's one-CTA ``align``, and its sum over the top-k slots):
+static shapes, no host synchronisation, so a call is captured once and replayed with new
+routing."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from graphcap.opsdb.triton.moe import sum_slots
 def tile(num_pairs: int, num_experts: int, hopper: bool) -> tuple[str, int, int, int]:
     """(kernel, rows a tile, a, b) for about ``num_pairs / num_experts`` rows an expert:
     ``"mma"`` (mma.sync: a row blocks a warp, b warps) or, on Hopper, ``"wgmma"`` (warpgroup
-    products: a 64-row blocks a warpgroup, b warpgroups)."""
+    products: a 64-row blocks a warpgroup, b warpgroups). The fastest of the H200 sweeps of
+    gpt-oss-120b's experts at 0.5, 4, 16 and 64 rows an expert
+    (docs/notes/probes/moe_mxfp4_cuda.py, moe_mxfp4_wgmma.py)."""
     if num_pairs <= 8 * num_experts:
         return "mma", 8, 2, 4
     if hopper:

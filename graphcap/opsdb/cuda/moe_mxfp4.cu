@@ -118,16 +118,19 @@ __device__ __forceinline__ void compute(float (&acc)[RB][MB][4], const Chunk<RB,
   }
 }
 
+// Both expert kernels' parameters (the launch passes them in this order).
+#define GRAPHCAP_EXPERTS_PARAMS                                                              \
+  const __nv_bfloat16 *__restrict__ x, int64_t x_stride, const uint4 *__restrict__ w,        \
+      const uint32_t *__restrict__ s, const __nv_bfloat16 *__restrict__ bias,                \
+      const int *__restrict__ sorted_pairs, const int *__restrict__ cum_padded,              \
+      const float *__restrict__ topk_weights, __nv_bfloat16 *__restrict__ out,               \
+      int64_t out_stride, int num_pairs, int num_experts, int top_k, int row_blocks,         \
+      int chunks, bool interleaved, float alpha, float limit
+
 // MODE as store's. A tile: 8 * MB padded rows of one expert; a warp: RB blocks of
 // 16 weight rows over all K, a chunk (64 K) loaded while the one before is multiplied.
 template <int MODE, int MB, int RB>
-__global__ void __launch_bounds__(256) experts_kernel(
-    const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ w,
-    const uint32_t* __restrict__ s, const __nv_bfloat16* __restrict__ bias,
-    const int* __restrict__ sorted_pairs, const int* __restrict__ cum_padded,
-    const float* __restrict__ topk_weights, __nv_bfloat16* __restrict__ out,
-    int64_t out_stride, int num_pairs, int num_experts, int top_k, int row_blocks,
-    int chunks, bool interleaved, float alpha, float limit) {
+__global__ void __launch_bounds__(256) experts_kernel(GRAPHCAP_EXPERTS_PARAMS) {
   constexpr int BM = 8 * MB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -199,17 +202,12 @@ __global__ void __launch_bounds__(256) experts_kernel(
 
 // MODE as store's, on Hopper's warpgroup products (sm_90a). A tile: N = 8 * MB padded rows
 // of one expert. A step: CPS chunks (64 K each); the tile's activations for a step are
-// copied to shared memory (core matrices: 8 rows of 16 bytes) STAGES - 1 steps ahead. A warpgroup: BLK blocks of 64 weight rows (its warps' 16 each); a step's weights
-// (loaded while the step before is multiplied) are decoded into operand registers once and
+// copied to shared memory (core matrices: 8 rows of 16 bytes) STAGES - 1 steps ahead. A
+// warpgroup: BLK blocks of 64 weight rows (its warps' 16 each); a step's weights (loaded
+// while the step before is multiplied) are decoded into operand registers once and
 // multiplied by all N rows in one product a 16-K step.
 template <int MODE, int MB, int BLK, int WG>
-__global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(
-    const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint4* __restrict__ w,
-    const uint32_t* __restrict__ s, const __nv_bfloat16* __restrict__ bias,
-    const int* __restrict__ sorted_pairs, const int* __restrict__ cum_padded,
-    const float* __restrict__ topk_weights, __nv_bfloat16* __restrict__ out,
-    int64_t out_stride, int num_pairs, int num_experts, int top_k, int row_blocks,
-    int chunks, bool interleaved, float alpha, float limit) {
+__global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERTS_PARAMS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   namespace wg = graphcap_wgmma;
   constexpr int CPS = GRAPHCAP_WGMMA_CPS, N = 8 * MB, CHUNK = N * 128, STAGE = CPS * CHUNK;
