@@ -1,16 +1,19 @@
-"""Compile opsdb's CUDA MXFP4 experts kernel for sm_90a without a GPU or nvcc, and report
+"""Compile opsdb's CUDA MXFP4 expert kernels for sm_90a without a GPU or nvcc, and report
 each instantiation's registers, stack and loop instructions a weight value:
 
-    .venv/bin/python tools/cuda_check.py [--define NAME] [--tiles 0:1:2,1:2:4] \
+    .venv/bin/python tools/cuda_check.py [--define NAME=VALUE] [--tiles 0:1:2,0:4:1:2] \
         [--sass OUT.sass]
 
 NVRTC (``nvidia-cuda-nvrtc-cu12``) compiles the kernel part of
-``graphcap/opsdb/cuda/moe_mxfp4.cu`` (its header inlined, the torch wrapper left out) to
+``graphcap/opsdb/cuda/moe_mxfp4.cu`` (its headers inlined, the torch wrapper left out) to
 PTX and ptxas (``nvidia-cuda-nvcc-cu12``) to a cubin; the wheels (about 50 MB, with the
 runtime's and CCCL's headers) are fetched from PyPI once into ~/.cache/graphcap-cuda-check.
-``--tiles`` lists MODE:MB:RB (default: every tile of the sweep's build). The loop figure
-is the instructions of the longest backward branch holding the products, over the weight
-values a warp decodes in it (16 x 16 a product): a static count, no timing."""
+``--tiles`` lists MODE:MB:RB (``mma.sync``) or MODE:MB:BLK:WG (warpgroup) tiles (default:
+every tile of the sweep's build); ``--define NAME=VALUE`` sets a macro
+(``GRAPHCAP_WGMMA_CPS=2``). The loop figure is the instructions of the longest backward
+branch holding the products, over the weight values a warp decodes in it (16 x 16 a
+product): a static count, no timing. ptxas's warnings and its notes of lost performance
+(serialized warpgroup products) follow the table."""
 
 import argparse
 import collections

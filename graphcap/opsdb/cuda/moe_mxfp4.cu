@@ -1,10 +1,13 @@
-// MXFP4 experts whose weights are stored in the mma.sync A-operand order
+// MXFP4 experts whose weights are stored in the tensor-core A-operand order
 // (graphcap/opsdb/mxfp4.py: operand_order): a warp reads a 16-row block's 64-value chunk as
 // 512 contiguous bytes, 16 a lane, and decodes each lane's E2M1 values straight into its
 // bf16 operand registers; the scale (and the decode's 2^126) is one bf16 multiply a pair.
-// Tokens are the right operand (8 per product): a tile of 8 or 16 rows of one expert (32
-// in the sweep's build) reads each of its weights once. Built on first use
-// (graphcap/opsdb/cuda/__init__.py).
+// Tokens are the right operand. experts_kernel: mma.sync, 8 tokens a product, its lanes'
+// activations from global memory; a tile of 8 or 16 rows of one expert (32 in the sweep's
+// build) reads each of its weights once. experts_wgmma_kernel (Hopper): warpgroup products
+// of 32 or 64 tokens, the activations staged in shared memory, so an expert's weights are
+// decoded once for all its rows. align_kernel groups the routing for both. Built on first
+// use (graphcap/opsdb/cuda/__init__.py).
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
