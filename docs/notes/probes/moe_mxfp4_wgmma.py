@@ -2,6 +2,7 @@
 (``graphcap/opsdb/cuda/moe_mxfp4.cu`` with extra defines), each tile timed alone (device side):
 
     PYTHONPATH=. [PROBE_VARIANTS="cps1=-DGRAPHCAP_WGMMA_CPS=1;cps2=-DGRAPHCAP_WGMMA_CPS=2"] \
+        [PROBE_TOKENS=128,512,2048] [PROBE_TILES=mma:8:2:4,wgmma:32:1:2] \
         python3 docs/notes/probes/moe_mxfp4_wgmma.py
 
 Each variant is the sweep's build (``GRAPHCAP_MXFP4_SWEEP``) plus its defines, built in
@@ -9,9 +10,11 @@ parallel. Per token count (128, 512, 2048; 128 experts, H = I = 2880, top-4, ran
 and tile: gate/up and down device ms (graphed_ms: 4 calls a graph, 10 replays; the routing
 aligned once, outside the timing) and the largest difference of the down rows from the first
 tile's (the 8-row mma.sync tile, built by the first variant). The mma.sync tiles run on the
-first variant only. JSON in $OUT/moe-mxfp4-wgmma.json. Its run:
-`2026-12-04-moe-mxfp4-wgmma-variants-a874c94-h200.json` (that record's first run used two
-switches since removed)."""
+first variant only. ``PROBE_TILES`` picks tiles as kind:rows:a:b (kind mma or wgmma).
+JSON in $OUT/moe-mxfp4-wgmma.json. Its run:
+`2026-12-04-moe-mxfp4-wgmma-variants-a874c94-h200.json`, by this script's first form (tiles,
+token counts and variants written in; that record's first run used two switches since
+removed)."""
 
 import functools
 import gc
@@ -26,6 +29,14 @@ import torch
 TILES = [("mma", 8, 2, 4), ("mma", 16, 4, 4), ("wgmma", 16, 2, 1), ("wgmma", 32, 1, 2),
          ("wgmma", 32, 2, 2), ("wgmma", 32, 2, 1), ("wgmma", 64, 1, 2), ("wgmma", 64, 2, 1),
          ("wgmma", 64, 2, 2)]
+
+
+def tiles() -> list[tuple[str, int, int, int]]:
+    spec = os.environ.get("PROBE_TILES")
+    if not spec:
+        return TILES
+    return [(kind, int(m), int(a), int(b)) for kind, m, a, b in
+            (t.split(":") for t in spec.split(","))]
 
 
 def variants() -> dict[str, list[str]]:
@@ -61,13 +72,13 @@ def main() -> None:
     ow13, os13 = mxfp4.operand_order(w13, s13, True, True)
     ow2, os2 = mxfp4.operand_order(w2, s2, False, False)
     rows = []
-    for tokens in (128, 512, 2048):
+    for tokens in [int(t) for t in os.environ.get("PROBE_TOKENS", "128,512,2048").split(",")]:
         x = (torch.randn(tokens, hidden, device="cuda") * 0.5).bfloat16()
         weights, ids = reference.moe_topk_softmax(torch.randn(tokens, experts, device="cuda"),
                                                   k, True)
         wts = weights.reshape(-1).float().contiguous()
         first = None
-        for kind, m, a, b in TILES:
+        for kind, m, a, b in tiles():
             sorted_pairs, cum_padded = moe_routing.align_pairs(ids, experts, m)
             result = {}
             for name, module in modules.items():
