@@ -32,13 +32,26 @@ def unavailable() -> str | None:
     return None
 
 
+_hopper: dict[int, bool] = {}
+
+
+def hopper(device: torch.device | None = None) -> bool:
+    """Whether ``device`` (default: the current CUDA device) is of compute capability 9.0,
+    the one the arch-specific target sm_90a (warpgroup products, ``wgmma``) runs on; read
+    once a device."""
+    if not torch.cuda.is_available():
+        return False
+    index = torch.cuda.current_device() if device is None or device.index is None \
+        else device.index
+    if index not in _hopper:
+        _hopper[index] = torch.cuda.get_device_capability(index) == (9, 0)
+    return _hopper[index]
+
+
 def flags() -> list[str]:
-    """nvcc's flags for these kernels: on a GPU of compute capability 9.0 (Hopper) its
-    arch-specific target sm_90a, which warpgroup products (wgmma) need; elsewhere torch's
-    choice for the GPU in use."""
-    arch = (["-gencode=arch=compute_90a,code=sm_90a"]
-            if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) else [])
-    return ["-O3", *arch]
+    """nvcc's flags for these kernels: on a :func:`hopper` GPU its arch-specific target
+    sm_90a; elsewhere torch's choice for the GPU in use."""
+    return ["-O3", *(["-gencode=arch=compute_90a,code=sm_90a"] if hopper() else [])]
 
 
 def extension(name: str):

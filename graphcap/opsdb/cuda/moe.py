@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from graphcap.opsdb.cuda import extension
+from graphcap.opsdb.cuda import extension, hopper
 from graphcap.opsdb.triton.moe import sum_slots
 
 
@@ -42,8 +42,7 @@ def moe_experts(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0.0
     num_pairs = num_tokens * top_k
     weights = topk_weights.reshape(-1).float().contiguous()
     bias13, bias2 = (None if b is None else b.to(torch.bfloat16).contiguous() for b in (b13, b2))
-    kernel, rows, a, b = tile(num_pairs, num_experts,
-                              torch.cuda.get_device_capability(x.device) == (9, 0))
+    kernel, rows, a, b = tile(num_pairs, num_experts, hopper(x.device))
     launch = module.experts_wgmma if kernel == "wgmma" else module.experts
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     sorted_pairs, cum_padded = module.align(ids, num_experts, rows)
