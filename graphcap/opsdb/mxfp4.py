@@ -6,11 +6,13 @@ bytes [E, N, K / 2] (two E2M1 values a byte along K, the low nibble first) and E
 [E, N / 16, K / 64, 8, 2, 2], as ``mma.sync.m16n8k16`` holds the weights as its left
 operand (and each warp's share of a ``wgmma`` left operand in registers). A 16-row block's
 chunk of 64 K is 512 bytes: lane ``4g + t`` holds its 32 values (rows g and g + 8, four
-products of 16 K) in 16 bytes, word j for product j, nibble n of a word the block's row
-``g + 8 * (n & 1)`` at K ``64c + 16j + 8 * ((n >> 1) & 1) + 2t + (n >> 2)`` (the products'
-own K order, so the activations stay in theirs). Its scales: row g's and row g + 8's for
-the chunk's two groups of 32 (products 0-1 and 2-3), ``[g, group, row]``. A gate/up projection's
-blocks hold eight features each, gate as rows 0-7 and up as rows 8-15, so a lane holds a
+products of 16 K) in 16 bytes, word j (little-endian) for product j. A word's value n is
+the block's row ``g + 8 * (n & 1)`` at K ``64c + 16j + 8 * ((n >> 1) & 1) + 2t + (n >> 2)``
+(the products' own K order, so the activations stay in theirs); its bits are spread so
+that register p of the product (values p and p + 4, a bf16 pair) is one or two rotations
+and masks (:data:`ROTATIONS`). Its scales: row g's and row g + 8's for the chunk's two
+groups of 32 (products 0-1 and 2-3), ``[g, group, row]``. A gate/up projection's blocks
+hold eight features each, gate as rows 0-7 and up as rows 8-15, so a lane holds a
 feature's gate and up for the same tokens; down keeps its rows.
 
 The kernel applies ``2^(s - 1)`` to a decoded value (the scale and the decode's 2^126 in
@@ -24,6 +26,24 @@ import torch
 # product's K (8 * qh + 2t + qe).
 _NIBBLE = torch.tensor([4 * (n & 1) + 2 * ((n >> 1) & 1) + (n >> 2) for n in range(8)])
 MAX_SCALE = 128
+# Register p's rotations (right, of the 32-bit word) that bring its magnitudes to bf16 bits
+# 6-8 and 22-24 and its signs to bits 15 and 31 (moe_mxfp4.cu: operand).
+ROTATIONS = ((0, 0), (6, 6), (12, 1), (3, 2))
+
+
+def _bit_places() -> torch.Tensor:
+    """[value n, E2M1 bit i] -> the word bit that holds it."""
+    places = torch.empty(8, 4, dtype=torch.int64)
+    for n in range(8):
+        p, high = n & 3, n >> 2
+        for i in range(4):
+            bf16_bit = 16 * high + (6 + i if i < 3 else 15)
+            places[n, i] = (bf16_bit + ROTATIONS[p][i == 3]) % 32
+    assert sorted(places.flatten().tolist()) == list(range(32))
+    return places
+
+
+_PLACES = _bit_places()
 
 
 def block_rows(rows: int, gate_up: bool, interleaved: bool) -> torch.Tensor:
@@ -84,8 +104,12 @@ def _reorder(w: torch.Tensor, s: torch.Tensor, gate_up: bool, interleaved: bool
     nib = torch.stack((w & 15, w >> 4), -1).view(e, n // 16, 2, 8, k // 64, 4, 2, 4, 2)
     # [e, R, half, g, c, j, qh, t, qe] -> [e, R, c, g, t, j, half * 4 + 2 * qh + qe]
     nib = nib.permute(0, 1, 4, 3, 7, 5, 2, 6, 8).reshape(e, n // 16, k // 64, 8, 4, 4, 8)
-    nib = nib[..., _NIBBLE.to(w.device)]
-    packed = nib[..., 0::2] | (nib[..., 1::2] << 4)
+    nib = nib[..., _NIBBLE.to(w.device)].to(torch.int32)
+    word = torch.zeros(nib.shape[:-1], dtype=torch.int32, device=w.device)
+    for v in range(8):
+        for i in range(4):
+            word |= ((nib[..., v] >> i) & 1) << int(_PLACES[v, i])
+    packed = torch.stack([(word >> (8 * b)) & 255 for b in range(4)], -1).to(torch.uint8)
     scales = s.view(e, n // 16, 2, 8, k // 64, 2).permute(0, 1, 4, 3, 5, 2)
     return packed.reshape(e, n // 16, k // 64, 32, 16).contiguous(), scales.contiguous()
 
@@ -95,8 +119,10 @@ def published_order(packed: torch.Tensor, scales: torch.Tensor, gate_up: bool,
     """The inverse of :func:`operand_order`."""
     e, blocks, chunks = packed.shape[:3]
     n, k = 16 * blocks, 64 * chunks
-    b = packed.view(e, blocks, chunks, 8, 4, 4, 4)
-    nib = torch.stack((b & 15, b >> 4), -1).view(e, blocks, chunks, 8, 4, 4, 8)
+    b = packed.view(e, blocks, chunks, 8, 4, 4, 4).to(torch.int32)
+    word = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
+    nib = torch.stack([sum(((word >> int(_PLACES[v, i])) & 1) << i for i in range(4))
+                       for v in range(8)], -1).to(torch.uint8)
     nib = nib[..., torch.argsort(_NIBBLE).to(packed.device)]  # [.., half * 4 + q]
     # [e, R, c, g, t, j, half, qh, qe] -> [e, R, half, g, c, j, qh, t, qe]
     nib = nib.view(e, blocks, chunks, 8, 4, 4, 2, 2, 2).permute(0, 1, 6, 3, 2, 5, 7, 4, 8)

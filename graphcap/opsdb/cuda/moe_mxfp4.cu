@@ -199,22 +199,24 @@ __global__ void __launch_bounds__(256) experts_kernel(GRAPHCAP_EXPERTS_PARAMS) {
   }
 }
 
-#ifndef GRAPHCAP_WGMMA_CPS  // chunks a step (2 in a probe's build; 1 measured faster)
-#define GRAPHCAP_WGMMA_CPS 1
-#endif
+// A compile-time int argument (the warpgroup loop's stage and register slot).
+template <int K>
+struct Const {
+  static constexpr int value = K;
+};
 
 // MODE as store's, on Hopper's warpgroup products (sm_90a). A tile: N = 8 * MB padded rows
-// of one expert. A step: CPS chunks (64 K each); the tile's activations for a step are
-// copied to shared memory (core matrices: 8 rows of 16 bytes) STAGES - 1 steps ahead. A
-// warpgroup: BLK blocks of 64 weight rows (its warps' 16 each); a step's weights (loaded
-// while the step before is multiplied) are decoded into operand registers once and
-// multiplied by all N rows in one product a 16-K step.
+// of one expert. A step: one chunk (64 K); the tile's activations for a step are copied to
+// shared memory (core matrices: 8 rows of 16 bytes) three steps ahead, into four stages
+// that the loop (four steps a turn) addresses by constants. A warpgroup: BLK blocks of 64
+// weight rows (its warps' 16 each); a step's weights (loaded while the step before is
+// multiplied) are decoded into operand registers once and multiplied by all N rows in one
+// product a 16-K step.
 template <int MODE, int MB, int BLK, int WG>
 __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERTS_PARAMS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   namespace wg = graphcap_wgmma;
-  constexpr int CPS = GRAPHCAP_WGMMA_CPS, N = 8 * MB, CHUNK = N * 128, STAGE = CPS * CHUNK;
-  constexpr int STAGES = CPS == 1 ? 4 : 3;  // copies run STAGES - 1 steps ahead
+  constexpr int N = 8 * MB, STAGE = N * 128, STAGES = 4;
   constexpr int PIECES = N * 8, THREADS = 128 * WG, PER = (PIECES + THREADS - 1) / THREADS;
   __shared__ __align__(128) uint8_t xs[STAGES * STAGE];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -222,7 +224,6 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
   const int row0 = blockIdx.x * N;
   const int e = expert_of(cum_padded, num_experts, row0, lane);
   if (row0 >= cum_padded[num_experts - 1]) return;
-  const int steps = (chunks + CPS - 1) / CPS;
 
   // This thread's 16-byte pieces of a chunk: row n, K offset 8 * kc, at its core matrix.
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(xs);
@@ -237,22 +238,19 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
     valid[i] = pair < num_pairs;
     const int64_t xrow = valid[i] ? (MODE == 0 ? pair / top_k : pair) : 0;
     src[i] = x + xrow * x_stride + 8 * kc;
-    dst[i] = base + (kc * MB + (p >> 6)) * 128 + (p & 7) * 16;
+    dst[i] = wg::opaque(base + (kc * MB + (p >> 6)) * 128 + (p & 7) * 16);
   }
-  int staged = 0;  // the next step to copy
-  auto stage = [&]() {
+  // Copies of the turn's chunk k (of src's four) into stage S (an empty group past the
+  // last chunk).
+  auto stage = [&](auto s, auto k, bool live) {
+    if (live) {
 #pragma unroll
-    for (int h = 0; h < CPS; ++h) {
-      if (staged * CPS + h < chunks) {
-#pragma unroll
-        for (int i = 0; i < PER; ++i)
-          if (mine[i]) wg::copy16(dst[i] + (staged % STAGES) * STAGE + h * CHUNK, src[i], valid[i]);
-      }
-#pragma unroll
-      for (int i = 0; i < PER; ++i) src[i] += 64;
+      for (int i = 0; i < PER; ++i)
+        if (mine[i])
+          wg::copy16(dst[i] + decltype(s)::value * STAGE, src[i] + 64 * decltype(k)::value,
+                     valid[i]);
     }
     wg::copy_commit();
-    ++staged;
   };
 
   const int quad = warp & 3, group = warp >> 2;
@@ -276,63 +274,66 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
       wg::pin(acc[b][i]);
     }
 
-  uint4 wr[2][CPS][BLK];
-  uint32_t sr[2][CPS][BLK];
-  auto fetch = [&](int slot, int step) {
+  // The turn's chunk k's (of wp's and sp's) weights and scales into register slot k % 2.
+  uint4 wr[2][BLK];
+  uint32_t sr[2][BLK];
+  auto fetch = [&](auto k) {
+    constexpr int K = decltype(k)::value;
 #pragma unroll
-    for (int h = 0; h < CPS; ++h)
-      if (step * CPS + h < chunks) {
-#pragma unroll
-        for (int b = 0; b < BLK; ++b) {
-          wr[slot][h][b] = __ldg(wp[b] + (step * CPS + h) * 32);
-          sr[slot][h][b] = __ldg(sp[b] + (step * CPS + h) * 8);
-        }
-      }
+    for (int b = 0; b < BLK; ++b) {
+      wr[K & 1][b] = __ldg(wp[b] + 32 * K);
+      sr[K & 1][b] = __ldg(sp[b] + 8 * K);
+    }
   };
   const uint64_t desc0 = wg::descriptor(base, MB * 128, 128);
-  auto step = [&](int slot, int st) {
-    if (st + 1 < steps) fetch(slot ^ 1, st + 1);
+  // Chunk c, the loop's step k of four (its stage, and its register slot k % 2).
+  auto step = [&](auto k, int c) {
+    constexpr int K = decltype(k)::value, SLOT = K & 1;
+    if (c + 1 < chunks) fetch(Const<K + 1>{});
     wg::copy_wait<STAGES - 2>();
-    __syncthreads();  // step st in place; every warpgroup done with step st - 1's stage
-    stage();
-    const bool second = CPS == 1 || st * CPS + 1 < chunks;
-    uint32_t a[CPS][BLK][4][4];
+    __syncthreads();  // chunk c in place; every warpgroup done with chunk c - 1's stage
+    stage(Const<(K + STAGES - 1) % STAGES>{}, Const<K + STAGES - 1>{}, c + STAGES - 1 < chunks);
+    uint32_t a[BLK][4][4];
 #pragma unroll
-    for (int h = 0; h < CPS; ++h)
+    for (int b = 0; b < BLK; ++b)
 #pragma unroll
-      for (int b = 0; b < BLK; ++b)
+      for (int j = 0; j < 4; ++j) {
+        uint32_t s_g, s_g8;
+        scales(sr[SLOT][b], j, s_g, s_g8);
+        operand(word(wr[SLOT][b], j), s_g, s_g8, a[b][j]);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          uint32_t s_g, s_g8;
-          scales(sr[slot][h][b], j, s_g, s_g8);
-          operand(word(wr[slot][h][b], j), s_g, s_g8, a[h][b][j]);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) wg::pin(a[h][b][j][i]);
-        }
+        for (int i = 0; i < 4; ++i) wg::pin(a[b][j][i]);
+      }
     // All of the step's operands are decoded before its first product and not written
     // again before its last is done: ptxas serializes products whose register operands
     // are written while products are in flight.
     wg::fence();
-    const uint64_t d = desc0 + (uint64_t)(((st % STAGES) * STAGE) >> 4);
+    const uint64_t d = desc0 + (uint64_t)((K * STAGE) >> 4);
 #pragma unroll
-    for (int h = 0; h < CPS; ++h)
-      if (h == 0 || second) {
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int b = 0; b < BLK; ++b)
-            wg::product<N>(acc[b], a[h][b][j], d + ((h * CHUNK + 2 * j * MB * 128) >> 4));
-      }
+      for (int b = 0; b < BLK; ++b)
+        wg::product<N>(acc[b], a[b][j], d + ((2 * j * MB * 128) >> 4));
     wg::commit();
     wg::wait<0>();
   };
 
+  stage(Const<0>{}, Const<0>{}, true);
+  stage(Const<1>{}, Const<1>{}, 1 < chunks);
+  stage(Const<2>{}, Const<2>{}, 2 < chunks);
+  fetch(Const<0>{});
+  for (int c = 0; c < chunks; c += 4) {  // a turn: four chunks, the pointers' 0-3
+    step(Const<0>{}, c);
+    if (c + 1 < chunks) step(Const<1>{}, c + 1);
+    if (c + 2 < chunks) step(Const<2>{}, c + 2);
+    if (c + 3 < chunks) step(Const<3>{}, c + 3);
 #pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) stage();
-  fetch(0, 0);
-  for (int st = 0; st < steps; st += 2) {
-    step(0, st);
-    if (st + 1 < steps) step(1, st + 1);
+    for (int b = 0; b < BLK; ++b) {
+      wp[b] += 4 * 32;
+      sp[b] += 4 * 8;
+    }
+#pragma unroll
+    for (int i = 0; i < PER; ++i) src[i] += 4 * 64;
   }
 #pragma unroll
   for (int b = 0; b < BLK; ++b)

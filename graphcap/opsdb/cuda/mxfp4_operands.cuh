@@ -12,11 +12,17 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
   return d;
 }
 
-// Nibbles P and P + 4 of q as a bf16 pair (low, high), each the E2M1 value times 2^-126.
-template <int P>
+template <int R>
+__device__ __forceinline__ uint32_t rotate_right(uint32_t q) {
+  return R == 0 ? q : __funnelshift_r(q, q, R);
+}
+
+// A pair of a lane's word as bf16 bits (low, high), each the E2M1 value times 2^-126: its
+// magnitudes (to bits 6-8 and 22-24) rotated right by MAG, its signs (to 15 and 31) by SIGN
+// (graphcap/opsdb/mxfp4.py: ROTATIONS places them so).
+template <int MAG, int SIGN>
 __device__ __forceinline__ uint32_t e2m1_pair(uint32_t q) {
-  const uint32_t t = q << (12 - 4 * P);
-  return (t & 0x80008000u) | ((t & 0x70007000u) >> 6);
+  return (rotate_right<MAG>(q) & 0x01c001c0u) | (rotate_right<SIGN>(q) & 0x80008000u);
 }
 
 // 2^(s - 1) as a bf16 pair: the E8M0 scale 2^(s - 127) times the decode's 2^126.
@@ -45,10 +51,10 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
 // times the rows' scales (scale_pair of row g's and row g + 8's E8M0 byte).
 __device__ __forceinline__ void operand(uint32_t q, uint32_t s_g, uint32_t s_g8,
                                         uint32_t (&a)[4]) {
-  a[0] = bf16x2_mul(e2m1_pair<0>(q), s_g);
-  a[1] = bf16x2_mul(e2m1_pair<1>(q), s_g8);
-  a[2] = bf16x2_mul(e2m1_pair<2>(q), s_g);
-  a[3] = bf16x2_mul(e2m1_pair<3>(q), s_g8);
+  a[0] = bf16x2_mul(e2m1_pair<0, 0>(q), s_g);
+  a[1] = bf16x2_mul(e2m1_pair<6, 6>(q), s_g8);
+  a[2] = bf16x2_mul(e2m1_pair<12, 1>(q), s_g);
+  a[3] = bf16x2_mul(e2m1_pair<3, 2>(q), s_g8);
 }
 
 }  // namespace graphcap_mxfp4

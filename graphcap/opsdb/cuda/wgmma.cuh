@@ -31,6 +31,13 @@ __device__ __forceinline__ void wait() {
 __device__ __forceinline__ void pin(float& v) { asm volatile("" : "+f"(v)::"memory"); }
 __device__ __forceinline__ void pin(uint32_t& v) { asm volatile("" : "+r"(v)::"memory"); }
 
+// v, which the compiler can no longer recompute (a value it would rather rebuild each
+// use than keep in a register).
+__device__ __forceinline__ uint32_t opaque(uint32_t v) {
+  asm volatile("mov.b32 %0, %0;" : "+r"(v));
+  return v;
+}
+
 // 16 bytes from global to shared memory, asynchronously; zeros where !valid.
 __device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
