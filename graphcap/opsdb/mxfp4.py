@@ -9,8 +9,8 @@ chunk of 64 K is 512 bytes: lane ``4g + t`` holds its 32 values (rows g and g + 
 products of 16 K) in 16 bytes, word j (little-endian) for product j. A word's value n is
 the block's row ``g + 8 * (n & 1)`` at K ``64c + 16j + 8 * ((n >> 1) & 1) + 2t + (n >> 2)``
 (the products' own K order, so the activations stay in theirs); its bits are spread so
-that register p of the product (values p and p + 4, a bf16 pair) is one or two rotations
-and masks (:data:`ROTATIONS`). Its scales: row g's and row g + 8's for the chunk's two
+that register p of the product (values p and p + 4, a bf16 pair) is one or two shifts and
+masks (:data:`SHIFTS`). Its scales: row g's and row g + 8's for the chunk's two
 groups of 32 (products 0-1 and 2-3), ``[g, group, row]``. A gate/up projection's blocks
 hold eight features each, gate as rows 0-7 and up as rows 8-15, so a lane holds a
 feature's gate and up for the same tokens; down keeps its rows.
@@ -26,9 +26,10 @@ import torch
 # product's K (8 * qh + 2t + qe).
 _NIBBLE = torch.tensor([4 * (n & 1) + 2 * ((n >> 1) & 1) + (n >> 2) for n in range(8)])
 MAX_SCALE = 128
-# Register p's rotations (right, of the 32-bit word) that bring its magnitudes to bf16 bits
-# 6-8 and 22-24 and its signs to bits 15 and 31 (moe_mxfp4.cu: operand).
-ROTATIONS = ((0, 0), (6, 6), (12, 1), (3, 2))
+# Register p's shifts (left; negative: right) of the 32-bit word that bring its magnitudes
+# to bf16 bits 6-8 and 22-24 and its signs to bits 15 and 31 (moe_mxfp4.cu: operand): one
+# mask for registers 0 and 1, two masks and their union for 2 and 3.
+SHIFTS = ((0, 0), (6, 6), (3, 2), (-4, 1))
 
 
 def _bit_places() -> torch.Tensor:
@@ -38,7 +39,7 @@ def _bit_places() -> torch.Tensor:
         p, high = n & 3, n >> 2
         for i in range(4):
             bf16_bit = 16 * high + (6 + i if i < 3 else 15)
-            places[n, i] = (bf16_bit + ROTATIONS[p][i == 3]) % 32
+            places[n, i] = bf16_bit - SHIFTS[p][i == 3]
     assert sorted(places.flatten().tolist()) == list(range(32))
     return places
 

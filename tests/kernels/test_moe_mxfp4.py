@@ -98,37 +98,37 @@ def test_the_operand_order_round_trips_and_reorders_in_place():
         assert w2.data_ptr() == ptr and torch.equal(w2, packed) and torch.equal(s2, scales)
 
 
-def kernel_rotations() -> tuple[tuple[int, int], ...]:
-    """The rotations operand() in mxfp4_operands.cuh decodes its registers 0-3 with."""
+def kernel_shifts() -> tuple[tuple[int, int], ...]:
+    """The shifts operand() in mxfp4_operands.cuh decodes its registers 0-3 with."""
     header = Path(mxfp4.__file__).parent / "cuda" / "mxfp4_operands.cuh"
-    found = re.findall(r"a\[(\d)\] = bf16x2_mul\(e2m1_pair<(\d+), (\d+)>", header.read_text())
+    found = re.findall(r"a\[(\d)\] = bf16x2_mul\(e2m1_pair<(-?\d+), (-?\d+)>",
+                       header.read_text())
     assert [int(p) for p, _, _ in found] == [0, 1, 2, 3], found
     return tuple((int(m), int(s)) for _, m, s in found)
 
 
 def test_the_operand_order_places_bits_where_the_kernel_decodes_them():
-    assert kernel_rotations() == mxfp4.ROTATIONS
+    assert kernel_shifts() == mxfp4.SHIFTS
 
 
 def kernel_decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """moe_mxfp4.cu's decode in torch: each lane's word j, register p (rotations right of the
-    word by moe_mxfp4.cu's constants: the magnitudes to bits 6-8 and 22-24, the signs to 15
-    and 31) as bf16 bits, times 2^(s - 1) in bf16, placed where its product reads it:
-    [E, N, K] in the stored rows, real K."""
+    """moe_mxfp4.cu's decode in torch: each lane's word j, register p (shifts of the word by
+    moe_mxfp4.cu's constants: the magnitudes to bits 6-8 and 22-24, the signs to 15 and 31)
+    as bf16 bits, times 2^(s - 1) in bf16, placed where its product reads it: [E, N, K] in
+    the stored rows, real K."""
     def bf16(bits):
         return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(
             torch.bfloat16)
 
-    def rotate_right(q, r):
-        return ((q >> r) | (q << (32 - r))) & 0xFFFFFFFF
+    def shifted(q, by):
+        return (q << by) & 0xFFFFFFFF if by >= 0 else q >> -by
 
-    rotations = kernel_rotations()
     e, blocks, chunks = packed.shape[:3]
     b = packed.view(e, blocks, chunks, 8, 4, 4, 4).to(torch.int64)  # [e, R, c, g, t, j, byte]
     q = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
     out = torch.empty(e, blocks, 2, 8, chunks, 4, 2, 4, 2)  # [e, R, half, g, c, j, qh, t, qe]
-    for p, (mag, sign) in enumerate(rotations):
-        pair = (rotate_right(q, mag) & 0x01C001C0) | (rotate_right(q, sign) & 0x80008000)
+    for p, (mag, sign) in enumerate(kernel_shifts()):
+        pair = (shifted(q, mag) & 0x01C001C0) | (shifted(q, sign) & 0x80008000)
         half = p & 1  # registers 0 and 2 hold row g, 1 and 3 row g + 8 (the A operand)
         # products 0-1 take the chunk's first group of 32, 2-3 its second: [e, R, c, g, 1, j]
         scale = bf16((scales[:, :, :, :, [0, 0, 1, 1], half].long() + 126) << 7).unsqueeze(4)

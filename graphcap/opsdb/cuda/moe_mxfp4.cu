@@ -101,8 +101,8 @@ __device__ __forceinline__ void load(Chunk<RB, MB>& k, const uint4* const (&wp)[
 // [group, row]).
 __device__ __forceinline__ void scales(uint32_t s, int j, uint32_t& s_g, uint32_t& s_g8) {
   const uint32_t at = 2 * (j >> 1);  // the group's row g byte; row g + 8's follows
-  s_g = scale_pairs(__byte_perm(s, 0, 0x4040u | at | at << 8));
-  s_g8 = scale_pairs(__byte_perm(s, 0, 0x4040u | (at + 1) | (at + 1) << 8));
+  s_g = scale_pair(__byte_perm(s, 0, 0x4440u | at));
+  s_g8 = scale_pair(__byte_perm(s, 0, 0x4440u | (at + 1)));
 }
 
 template <int RB, int MB>
@@ -206,18 +206,23 @@ struct Const {
 };
 
 // MODE as store's, on Hopper's warpgroup products (sm_90a). A tile: N = 8 * MB padded rows
-// of one expert. A step: one chunk (64 K); the tile's activations for a step are copied to
-// shared memory (core matrices: 8 rows of 16 bytes) three steps ahead, into four stages
-// that the loop (four steps a turn) addresses by constants. A warpgroup: BLK blocks of 64
-// weight rows (its warps' 16 each); a step's weights (loaded while the step before is
-// multiplied) are decoded into operand registers once and multiplied by all N rows in one
+// of one expert. A step: one chunk (64 K). A warpgroup: BLK blocks of 64 weight rows (its
+// warps' 16 each). A chunk's activations (core matrices of 8 rows of 16 bytes) and each
+// lane's weights and scales are copied to shared memory STAGES - 1 steps ahead, into
+// STAGES stages that the loop (STAGES steps a turn) addresses by constants; a step's
+// weights are decoded into operand registers once and multiplied by all N rows in one
 // product a 16-K step.
 template <int MODE, int MB, int BLK, int WG>
 __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERTS_PARAMS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   namespace wg = graphcap_wgmma;
-  constexpr int N = 8 * MB, STAGE = N * 128, STAGES = 4;
-  constexpr int PIECES = N * 8, THREADS = 128 * WG, PER = (PIECES + THREADS - 1) / THREADS;
+  constexpr int N = 8 * MB, THREADS = 128 * WG, PIECES = N * 8;
+  constexpr int PER = (PIECES + THREADS - 1) / THREADS;
+  // A stage: the activations, then each warp's BLK blocks of weights and of scales.
+  constexpr int WEIGHTS = N * 128, SCALES = WEIGHTS + THREADS * BLK * 16;
+  constexpr int STAGE = SCALES + THREADS * BLK * 4;
+  constexpr int STAGES = 48 * 1024 / STAGE < 4 ? 48 * 1024 / STAGE : 4;
+  static_assert(STAGES >= 2, "a warpgroup tile's stages exceed static shared memory");
   __shared__ __align__(128) uint8_t xs[STAGES * STAGE];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -240,19 +245,6 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
     src[i] = x + xrow * x_stride + 8 * kc;
     dst[i] = wg::opaque(base + (kc * MB + (p >> 6)) * 128 + (p & 7) * 16);
   }
-  // Copies of the turn's chunk k (of src's four) into stage S (an empty group past the
-  // last chunk).
-  auto stage = [&](auto s, auto k, bool live) {
-    if (live) {
-#pragma unroll
-      for (int i = 0; i < PER; ++i)
-        if (mine[i])
-          wg::copy16(dst[i] + decltype(s)::value * STAGE, src[i] + 64 * decltype(k)::value,
-                     valid[i]);
-    }
-    wg::copy_commit();
-  };
-
   const int quad = warp & 3, group = warp >> 2;
   const uint4* wp[BLK];
   const uint32_t* sp[BLK];
@@ -264,6 +256,24 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
     wp[b] = w + first * 32 + lane;
     sp[b] = s + first * 8 + g;
   }
+  const uint32_t wdst = wg::opaque(base + WEIGHTS + threadIdx.x * BLK * 16);
+  const uint32_t sdst = wg::opaque(base + SCALES + threadIdx.x * BLK * 4);
+  // Copies of the turn's chunk k (of the pointers') into stage S (an empty group past the
+  // last chunk).
+  auto stage = [&](auto s, auto k, bool live) {
+    constexpr int S = decltype(s)::value, K = decltype(k)::value;
+    if (live) {
+#pragma unroll
+      for (int i = 0; i < PER; ++i)
+        if (mine[i]) wg::copy16(dst[i] + S * STAGE, src[i] + 64 * K, valid[i]);
+#pragma unroll
+      for (int b = 0; b < BLK; ++b) {
+        wg::copy16(wdst + S * STAGE + b * 16, wp[b] + 32 * K);
+        wg::copy4(sdst + S * STAGE + b * 4, sp[b] + 8 * K);
+      }
+    }
+    wg::copy_commit();
+  };
 
   float acc[BLK][N / 2];
 #pragma unroll
@@ -274,33 +284,27 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
       wg::pin(acc[b][i]);
     }
 
-  // The turn's chunk k's (of wp's and sp's) weights and scales into register slot k % 2.
-  uint4 wr[2][BLK];
-  uint32_t sr[2][BLK];
-  auto fetch = [&](auto k) {
-    constexpr int K = decltype(k)::value;
-#pragma unroll
-    for (int b = 0; b < BLK; ++b) {
-      wr[K & 1][b] = __ldg(wp[b] + 32 * K);
-      sr[K & 1][b] = __ldg(sp[b] + 8 * K);
-    }
-  };
   const uint64_t desc0 = wg::descriptor(base, MB * 128, 128);
   // Chunk c, the loop's step k of four (its stage, and its register slot k % 2).
   auto step = [&](auto k, int c) {
-    constexpr int K = decltype(k)::value, SLOT = K & 1;
-    if (c + 1 < chunks) fetch(Const<K + 1>{});
+    constexpr int K = decltype(k)::value;
     wg::copy_wait<STAGES - 2>();
     __syncthreads();  // chunk c in place; every warpgroup done with chunk c - 1's stage
     stage(Const<(K + STAGES - 1) % STAGES>{}, Const<K + STAGES - 1>{}, c + STAGES - 1 < chunks);
-    uint32_t a[BLK][4][4];
+    uint4 wr[BLK];
+    uint32_t sr[BLK], a[BLK][4][4];
+#pragma unroll
+    for (int b = 0; b < BLK; ++b) {
+      wr[b] = *reinterpret_cast<const uint4*>(xs + K * STAGE + WEIGHTS + threadIdx.x * BLK * 16 + b * 16);
+      sr[b] = *reinterpret_cast<const uint32_t*>(xs + K * STAGE + SCALES + threadIdx.x * BLK * 4 + b * 4);
+    }
 #pragma unroll
     for (int b = 0; b < BLK; ++b)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         uint32_t s_g, s_g8;
-        scales(sr[SLOT][b], j, s_g, s_g8);
-        operand(word(wr[SLOT][b], j), s_g, s_g8, a[b][j]);
+        scales(sr[b], j, s_g, s_g8);
+        operand(word(wr[b], j), s_g, s_g8, a[b][j]);
 #pragma unroll
         for (int i = 0; i < 4; ++i) wg::pin(a[b][j][i]);
       }
@@ -320,20 +324,19 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
 
   stage(Const<0>{}, Const<0>{}, true);
   stage(Const<1>{}, Const<1>{}, 1 < chunks);
-  stage(Const<2>{}, Const<2>{}, 2 < chunks);
-  fetch(Const<0>{});
-  for (int c = 0; c < chunks; c += 4) {  // a turn: four chunks, the pointers' 0-3
+  if (STAGES > 3) stage(Const<2>{}, Const<2>{}, 2 < chunks);
+  for (int c = 0; c < chunks; c += STAGES) {  // a turn: the pointers' chunks 0 to STAGES - 1
     step(Const<0>{}, c);
     if (c + 1 < chunks) step(Const<1>{}, c + 1);
-    if (c + 2 < chunks) step(Const<2>{}, c + 2);
-    if (c + 3 < chunks) step(Const<3>{}, c + 3);
+    if (STAGES > 2 && c + 2 < chunks) step(Const<2 % STAGES>{}, c + 2);
+    if (STAGES > 3 && c + 3 < chunks) step(Const<3 % STAGES>{}, c + 3);
 #pragma unroll
     for (int b = 0; b < BLK; ++b) {
-      wp[b] += 4 * 32;
-      sp[b] += 4 * 8;
+      wp[b] += STAGES * 32;
+      sp[b] += STAGES * 8;
     }
 #pragma unroll
-    for (int i = 0; i < PER; ++i) src[i] += 4 * 64;
+    for (int i = 0; i < PER; ++i) src[i] += STAGES * 64;
   }
 #pragma unroll
   for (int b = 0; b < BLK; ++b)

@@ -12,27 +12,24 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
   return d;
 }
 
-template <int R>
-__device__ __forceinline__ uint32_t rotate_right(uint32_t q) {
-  return R == 0 ? q : __funnelshift_r(q, q, R);
+// q shifted left by S bits (right by -S): a right shift as a high multiply, so that it and
+// most left shifts issue to the FMA pipe beside the masks on the integer one.
+template <int S>
+__device__ __forceinline__ uint32_t shifted(uint32_t q) {
+  return S > 0 ? q << S : S < 0 ? __umulhi(q, 1u << (32 + S)) : q;
 }
 
-// A pair of a lane's word as bf16 bits (low, high), each the E2M1 value times 2^-126: its
-// magnitudes (to bits 6-8 and 22-24) rotated right by MAG, its signs (to 15 and 31) by SIGN
-// (graphcap/opsdb/mxfp4.py: ROTATIONS places them so).
+// A register of a lane's word as bf16 bits (low, high), each the E2M1 value times 2^-126:
+// its magnitudes (to bits 6-8 and 22-24) shifted by MAG, its signs (to 15 and 31) by SIGN
+// (graphcap/opsdb/mxfp4.py: SHIFTS places them so).
 template <int MAG, int SIGN>
 __device__ __forceinline__ uint32_t e2m1_pair(uint32_t q) {
-  return (rotate_right<MAG>(q) & 0x01c001c0u) | (rotate_right<SIGN>(q) & 0x80008000u);
+  return (shifted<MAG>(q) & 0x01c001c0u) | (shifted<SIGN>(q) & 0x80008000u);
 }
 
 // 2^(s - 1) as a bf16 pair: the E8M0 scale 2^(s - 127) times the decode's 2^126.
-__device__ __forceinline__ uint32_t scale_pair(uint32_t s) {
-  const uint32_t v = (s + 126u) << 7;
-  return v | (v << 16);
-}
-
-// scale_pair of both halves' E8M0 bytes at once (bits 0-7 and 16-23, the rest zero).
-__device__ __forceinline__ uint32_t scale_pairs(uint32_t s2) { return (s2 + 0x007e007eu) << 7; }
+// One multiply-add (FMA pipe): (s + 126) << 7 in both halves.
+__device__ __forceinline__ uint32_t scale_pair(uint32_t s) { return s * 0x00800080u + 0x3f003f00u; }
 
 __device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                     uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -53,8 +50,8 @@ __device__ __forceinline__ void operand(uint32_t q, uint32_t s_g, uint32_t s_g8,
                                         uint32_t (&a)[4]) {
   a[0] = bf16x2_mul(e2m1_pair<0, 0>(q), s_g);
   a[1] = bf16x2_mul(e2m1_pair<6, 6>(q), s_g8);
-  a[2] = bf16x2_mul(e2m1_pair<12, 1>(q), s_g);
-  a[3] = bf16x2_mul(e2m1_pair<3, 2>(q), s_g8);
+  a[2] = bf16x2_mul(e2m1_pair<3, 2>(q), s_g);
+  a[3] = bf16x2_mul(e2m1_pair<-4, 1>(q), s_g8);
 }
 
 }  // namespace graphcap_mxfp4

@@ -45,6 +45,14 @@ __device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid
                : "memory");
 }
 
+// 16 and 4 bytes from global to shared memory, asynchronously, always.
+__device__ __forceinline__ void copy16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void copy4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+
 __device__ __forceinline__ void copy_commit() {
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
