@@ -199,6 +199,10 @@ __global__ void __launch_bounds__(256) experts_kernel(GRAPHCAP_EXPERTS_PARAMS) {
   }
 }
 
+#ifndef GRAPHCAP_WGMMA_INTERLEAVE
+#define GRAPHCAP_WGMMA_INTERLEAVE 0
+#endif
+
 // A compile-time int argument (the warpgroup loop's stage and register slot).
 template <int K>
 struct Const {
@@ -298,6 +302,25 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
       wr[b] = *reinterpret_cast<const uint4*>(xs + K * STAGE + WEIGHTS + threadIdx.x * BLK * 16 + b * 16);
       sr[b] = *reinterpret_cast<const uint32_t*>(xs + K * STAGE + SCALES + threadIdx.x * BLK * 4 + b * 4);
     }
+#if GRAPHCAP_WGMMA_INTERLEAVE
+    // Product j runs while product j + 1's operands are decoded (into other registers).
+    const uint64_t d = desc0 + (uint64_t)((K * STAGE) >> 4);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int b = 0; b < BLK; ++b) {
+        uint32_t s_g, s_g8;
+        scales(sr[b], j, s_g, s_g8);
+        operand(word(wr[b], j), s_g, s_g8, a[b][j]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) wg::pin(a[b][j][i]);
+      }
+      wg::fence();
+#pragma unroll
+      for (int b = 0; b < BLK; ++b)
+        wg::product<N>(acc[b], a[b][j], d + ((2 * j * MB * 128) >> 4));
+    }
+#else
 #pragma unroll
     for (int b = 0; b < BLK; ++b)
 #pragma unroll
@@ -318,6 +341,7 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
 #pragma unroll
       for (int b = 0; b < BLK; ++b)
         wg::product<N>(acc[b], a[b][j], d + ((2 * j * MB * 128) >> 4));
+#endif
     wg::commit();
     wg::wait<0>();
   };
