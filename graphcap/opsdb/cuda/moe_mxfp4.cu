@@ -199,13 +199,6 @@ __global__ void __launch_bounds__(256) experts_kernel(GRAPHCAP_EXPERTS_PARAMS) {
   }
 }
 
-#ifndef GRAPHCAP_WGMMA_LATE_WAIT
-#define GRAPHCAP_WGMMA_LATE_WAIT 0
-#endif
-#ifndef GRAPHCAP_WGMMA_INTERLEAVE
-#define GRAPHCAP_WGMMA_INTERLEAVE 0
-#endif
-
 // A compile-time int argument (the warpgroup loop's stage and register slot).
 template <int K>
 struct Const {
@@ -230,10 +223,7 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
   constexpr int STAGE = SCALES + THREADS * BLK * 4;
   constexpr int STAGES = 48 * 1024 / STAGE < 4 ? 48 * 1024 / STAGE : 4;
   static_assert(STAGES >= 2, "a warpgroup tile's stages exceed static shared memory");
-  // LATE: a step's products are waited for at the next step's decode, after its barrier
-  // and loads, so copies run a stage less ahead (the stage being multiplied stays put).
-  constexpr bool LATE = GRAPHCAP_WGMMA_LATE_WAIT && STAGES >= 3;
-  constexpr int AHEAD = LATE ? STAGES - 2 : STAGES - 1;
+  constexpr int AHEAD = STAGES - 1;  // chunks the copies run ahead
   __shared__ __align__(128) uint8_t xs[STAGES * STAGE];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -296,39 +286,21 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
     }
 
   const uint64_t desc0 = wg::descriptor(base, MB * 128, 128);
-  // Chunk c, the loop's step k of four (its stage, and its register slot k % 2).
+  // Chunk c, the turn's step k (its stage).
   auto step = [&](auto k, int c) {
     constexpr int K = decltype(k)::value;
     wg::copy_wait<AHEAD - 1>();
     __syncthreads();  // chunk c in place; every warpgroup done with chunk c - 1's stage
     stage(Const<(K + AHEAD) % STAGES>{}, Const<K + AHEAD>{}, c + AHEAD < chunks);
+    const uint8_t* mine_w = xs + K * STAGE + WEIGHTS + threadIdx.x * BLK * 16;
+    const uint8_t* mine_s = xs + K * STAGE + SCALES + threadIdx.x * BLK * 4;
     uint4 wr[BLK];
     uint32_t sr[BLK], a[BLK][4][4];
 #pragma unroll
     for (int b = 0; b < BLK; ++b) {
-      wr[b] = *reinterpret_cast<const uint4*>(xs + K * STAGE + WEIGHTS + threadIdx.x * BLK * 16 + b * 16);
-      sr[b] = *reinterpret_cast<const uint32_t*>(xs + K * STAGE + SCALES + threadIdx.x * BLK * 4 + b * 4);
+      wr[b] = reinterpret_cast<const uint4*>(mine_w)[b];
+      sr[b] = reinterpret_cast<const uint32_t*>(mine_s)[b];
     }
-    if (LATE) wg::wait<0>();  // the last step's products, before their registers are written
-#if GRAPHCAP_WGMMA_INTERLEAVE
-    // Product j runs while product j + 1's operands are decoded (into other registers).
-    const uint64_t d = desc0 + (uint64_t)((K * STAGE) >> 4);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int b = 0; b < BLK; ++b) {
-        uint32_t s_g, s_g8;
-        scales(sr[b], j, s_g, s_g8);
-        operand(word(wr[b], j), s_g, s_g8, a[b][j]);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) wg::pin(a[b][j][i]);
-      }
-      wg::fence();
-#pragma unroll
-      for (int b = 0; b < BLK; ++b)
-        wg::product<N>(acc[b], a[b][j], d + ((2 * j * MB * 128) >> 4));
-    }
-#else
 #pragma unroll
     for (int b = 0; b < BLK; ++b)
 #pragma unroll
@@ -349,9 +321,8 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
 #pragma unroll
       for (int b = 0; b < BLK; ++b)
         wg::product<N>(acc[b], a[b][j], d + ((2 * j * MB * 128) >> 4));
-#endif
     wg::commit();
-    if (!LATE) wg::wait<0>();
+    wg::wait<0>();
   };
 
   stage(Const<0>{}, Const<0>{}, true);
@@ -370,7 +341,6 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
 #pragma unroll
     for (int i = 0; i < PER; ++i) src[i] += STAGES * 64;
   }
-  if (LATE) wg::wait<0>();
 #pragma unroll
   for (int b = 0; b < BLK; ++b)
 #pragma unroll
@@ -491,8 +461,7 @@ void experts_wgmma(GRAPHCAP_EXPERTS_ARGS) {
   const int blocks = (row_blocks + 4 * a * b - 1) / (4 * a * b), threads = 128 * b;
 #ifdef GRAPHCAP_MXFP4_SWEEP
 #define GRAPHCAP_WGMMA_TILES(MODE, MB) \
-  GRAPHCAP_WGMMA(MODE, MB, 1, 2) GRAPHCAP_WGMMA(MODE, MB, 2, 1) GRAPHCAP_WGMMA(MODE, MB, 2, 2) \
-  GRAPHCAP_WGMMA(MODE, MB, 1, 4)
+  GRAPHCAP_WGMMA(MODE, MB, 1, 2) GRAPHCAP_WGMMA(MODE, MB, 2, 1) GRAPHCAP_WGMMA(MODE, MB, 2, 2)
   GRAPHCAP_WGMMA_TILES(0, 2) GRAPHCAP_WGMMA_TILES(0, 4) GRAPHCAP_WGMMA_TILES(0, 8)
   GRAPHCAP_WGMMA_TILES(1, 2) GRAPHCAP_WGMMA_TILES(1, 4) GRAPHCAP_WGMMA_TILES(1, 8)
 #else
