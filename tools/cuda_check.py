@@ -9,11 +9,11 @@ NVRTC (``nvidia-cuda-nvrtc-cu12``) compiles the kernel part of
 PTX and ptxas (``nvidia-cuda-nvcc-cu12``) to a cubin; the wheels (about 50 MB, with the
 runtime's and CCCL's headers) are fetched from PyPI once into ~/.cache/graphcap-cuda-check.
 ``--tiles`` lists MODE:MB:RB (``mma.sync``) or MODE:MB:BLK:WG (warpgroup) tiles (default:
-every tile of the sweep's build); ``--define NAME=VALUE`` sets a macro
-(``GRAPHCAP_WGMMA_CPS=2``). The loop figure is the instructions of the longest backward
-branch holding the products, over the weight values a warp decodes in it (16 x 16 a
-product): a static count, no timing. ptxas's warnings and its notes of lost performance
-(serialized warpgroup products) follow the table."""
+every tile of the sweep's build); ``--define NAME=VALUE`` sets a macro (a variant under
+test, as the probes' ``PROBE_VARIANTS`` build them). The loop figure is the instructions
+of the longest backward branch holding the products, over the weight values a warp
+decodes in it (16 x 16 a product): a static count, no timing. ptxas's warnings and its
+notes of lost performance (serialized warpgroup products) follow the table."""
 
 import argparse
 import collections

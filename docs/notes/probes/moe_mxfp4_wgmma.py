@@ -1,7 +1,7 @@
 """gpt-oss-120b's MXFP4 expert projections by opsdb's CUDA kernels built several ways at once
 (``graphcap/opsdb/cuda/moe_mxfp4.cu`` with extra defines), each tile timed alone (device side):
 
-    PYTHONPATH=. [PROBE_VARIANTS="cps1=-DGRAPHCAP_WGMMA_CPS=1;cps2=-DGRAPHCAP_WGMMA_CPS=2"] \
+    PYTHONPATH=. [PROBE_VARIANTS="base=;other=-DNAME=VALUE"] \
         [PROBE_TOKENS=128,512,2048] [PROBE_TILES=mma:8:2:4,wgmma:32:1:2] \
         python3 docs/notes/probes/moe_mxfp4_wgmma.py
 
@@ -11,10 +11,11 @@ and tile: gate/up and down device ms (graphed_ms: 4 calls a graph, 10 replays; t
 aligned once, outside the timing) and the largest difference of the down rows from the first
 tile's (the 8-row mma.sync tile, built by the first variant). The mma.sync tiles run on the
 first variant only. ``PROBE_TILES`` picks tiles as kind:rows:a:b (kind mma or wgmma).
-JSON in $OUT/moe-mxfp4-wgmma.json. Its run:
+JSON in $OUT/moe-mxfp4-wgmma.json. Its runs:
 `2026-12-04-moe-mxfp4-wgmma-variants-a874c94-h200.json`, by this script's first form (tiles,
 token counts and variants written in; that record's first run used two switches since
-removed)."""
+removed), and `2026-12-04-moe-mxfp4-decode-shifts-h200.json` (its variants' defines, too,
+since removed from moe_mxfp4.cu)."""
 
 import functools
 import gc
@@ -40,8 +41,7 @@ def tiles() -> list[tuple[str, int, int, int]]:
 
 
 def variants() -> dict[str, list[str]]:
-    spec = os.environ.get("PROBE_VARIANTS", "cps1=-DGRAPHCAP_WGMMA_CPS=1;"
-                                            "cps2=-DGRAPHCAP_WGMMA_CPS=2")
+    spec = os.environ.get("PROBE_VARIANTS", "base=")
     return {name: flags.split() for name, flags in (v.split("=", 1) for v in spec.split(";"))}
 
 
