@@ -27,7 +27,7 @@ import torch
 _NIBBLE = torch.tensor([4 * (n & 1) + 2 * ((n >> 1) & 1) + (n >> 2) for n in range(8)])
 MAX_SCALE = 128
 # Register p's shifts (left; negative: right) of the 32-bit word that bring its magnitudes
-# to bf16 bits 6-8 and 22-24 and its signs to bits 15 and 31 (moe_mxfp4.cu: operand): one
+# to bf16 bits 6-8 and 22-24 and its signs to bits 15 and 31 (mxfp4_operands.cuh: operand): one
 # mask for registers 0 and 1, two masks and their union for 2 and 3.
 SHIFTS = ((0, 0), (6, 6), (3, 2), (-4, 1))
 

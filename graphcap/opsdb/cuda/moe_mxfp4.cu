@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(256) experts_kernel(GRAPHCAP_EXPERTS_PARAMS) {
   }
 }
 
-// A compile-time int argument (the warpgroup loop's stage and register slot).
+// A compile-time int argument (the warpgroup loop's stage and chunk offset).
 template <int K>
 struct Const {
   static constexpr int value = K;
@@ -292,14 +292,14 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
     wg::copy_wait<AHEAD - 1>();
     __syncthreads();  // chunk c in place; every warpgroup done with chunk c - 1's stage
     stage(Const<(K + AHEAD) % STAGES>{}, Const<K + AHEAD>{}, c + AHEAD < chunks);
-    const uint8_t* mine_w = xs + K * STAGE + WEIGHTS + threadIdx.x * BLK * 16;
-    const uint8_t* mine_s = xs + K * STAGE + SCALES + threadIdx.x * BLK * 4;
+    const uint8_t* wbuf = xs + K * STAGE + WEIGHTS + threadIdx.x * BLK * 16;
+    const uint8_t* sbuf = xs + K * STAGE + SCALES + threadIdx.x * BLK * 4;
     uint4 wr[BLK];
     uint32_t sr[BLK], a[BLK][4][4];
 #pragma unroll
     for (int b = 0; b < BLK; ++b) {
-      wr[b] = reinterpret_cast<const uint4*>(mine_w)[b];
-      sr[b] = reinterpret_cast<const uint32_t*>(mine_s)[b];
+      wr[b] = reinterpret_cast<const uint4*>(wbuf)[b];
+      sr[b] = reinterpret_cast<const uint32_t*>(sbuf)[b];
     }
 #pragma unroll
     for (int b = 0; b < BLK; ++b)
