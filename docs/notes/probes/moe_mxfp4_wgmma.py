@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-TILES = [("mma", 8, 2, 4), ("mma", 16, 4, 4), ("wgmma", 16, 2, 1), ("wgmma", 32, 1, 2),
-         ("wgmma", 32, 2, 2), ("wgmma", 32, 2, 1), ("wgmma", 64, 1, 2), ("wgmma", 64, 2, 1),
-         ("wgmma", 64, 2, 2)]
+TILES = [("mma", 8, 2, 4), ("mma", 16, 4, 4), ("wgmma", 16, 2, 1), ("wgmma", 32, 1, 1),
+         ("wgmma", 32, 1, 2), ("wgmma", 32, 2, 2), ("wgmma", 32, 2, 1), ("wgmma", 64, 1, 1),
+         ("wgmma", 64, 1, 2), ("wgmma", 64, 2, 1), ("wgmma", 64, 2, 2)]
 
 
 def tiles() -> list[tuple[str, int, int, int]]:
