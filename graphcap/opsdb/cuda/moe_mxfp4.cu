@@ -199,6 +199,10 @@ __global__ void __launch_bounds__(256) experts_kernel(GRAPHCAP_EXPERTS_PARAMS) {
   }
 }
 
+#ifndef GRAPHCAP_WGMMA_OVERLAP
+#define GRAPHCAP_WGMMA_OVERLAP 0
+#endif
+
 // A compile-time int argument (the warpgroup loop's stage and chunk offset).
 template <int K>
 struct Const {
@@ -223,7 +227,11 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
   constexpr int STAGE = SCALES + THREADS * BLK * 4;
   constexpr int STAGES = 48 * 1024 / STAGE < 4 ? 48 * 1024 / STAGE : 4;
   static_assert(STAGES >= 2, "a warpgroup tile's stages exceed static shared memory");
-  constexpr int AHEAD = STAGES - 1;  // chunks the copies run ahead
+  // OVERLAP (a probe's define): an even step's products run while the odd step after it
+  // decodes into a second register set; both are waited for at the odd step's end. So
+  // copies run a chunk less ahead (the stage being multiplied stays put).
+  constexpr bool OVERLAP = GRAPHCAP_WGMMA_OVERLAP && STAGES == 4;
+  constexpr int AHEAD = OVERLAP ? STAGES - 2 : STAGES - 1;  // chunks the copies run ahead
   __shared__ __align__(128) uint8_t xs[STAGES * STAGE];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -286,16 +294,18 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
     }
 
   const uint64_t desc0 = wg::descriptor(base, MB * 128, 128);
+  uint32_t ops[OVERLAP ? 2 : 1][BLK][4][4];
   // Chunk c, the turn's step k (its stage).
   auto step = [&](auto k, int c) {
-    constexpr int K = decltype(k)::value;
+    constexpr int K = decltype(k)::value, SET = OVERLAP ? K & 1 : 0;
     wg::copy_wait<AHEAD - 1>();
     __syncthreads();  // chunk c in place; every warpgroup done with chunk c - 1's stage
     stage(Const<(K + AHEAD) % STAGES>{}, Const<K + AHEAD>{}, c + AHEAD < chunks);
     const uint8_t* wbuf = xs + K * STAGE + WEIGHTS + threadIdx.x * BLK * 16;
     const uint8_t* sbuf = xs + K * STAGE + SCALES + threadIdx.x * BLK * 4;
     uint4 wr[BLK];
-    uint32_t sr[BLK], a[BLK][4][4];
+    uint32_t sr[BLK];
+    auto& a = ops[SET];
 #pragma unroll
     for (int b = 0; b < BLK; ++b) {
       wr[b] = reinterpret_cast<const uint4*>(wbuf)[b];
@@ -322,7 +332,7 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
       for (int b = 0; b < BLK; ++b)
         wg::product<N>(acc[b], a[b][j], d + ((2 * j * MB * 128) >> 4));
     wg::commit();
-    wg::wait<0>();
+    if (!OVERLAP || SET == 1) wg::wait<0>();
   };
 
   stage(Const<0>{}, Const<0>{}, true);
@@ -341,6 +351,7 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
 #pragma unroll
     for (int i = 0; i < PER; ++i) src[i] += STAGES * 64;
   }
+  if (OVERLAP) wg::wait<0>();  // a last even step's products
 #pragma unroll
   for (int b = 0; b < BLK; ++b)
 #pragma unroll
