@@ -45,6 +45,7 @@ def _bit_places() -> torch.Tensor:
 
 
 _PLACES = _bit_places()
+_BYTE_PLACES = torch.arange(8, dtype=torch.uint8)
 
 
 def block_rows(rows: int, gate_up: bool, interleaved: bool) -> torch.Tensor:
@@ -105,12 +106,11 @@ def _reorder(w: torch.Tensor, s: torch.Tensor, gate_up: bool, interleaved: bool
     nib = torch.stack((w & 15, w >> 4), -1).view(e, n // 16, 2, 8, k // 64, 4, 2, 4, 2)
     # [e, R, half, g, c, j, qh, t, qe] -> [e, R, c, g, t, j, half * 4 + 2 * qh + qe]
     nib = nib.permute(0, 1, 4, 3, 7, 5, 2, 6, 8).reshape(e, n // 16, k // 64, 8, 4, 4, 8)
-    nib = nib[..., _NIBBLE.to(w.device)].to(torch.int32)
-    word = torch.zeros(nib.shape[:-1], dtype=torch.int32, device=w.device)
-    for v in range(8):
-        for i in range(4):
-            word |= ((nib[..., v] >> i) & 1) << int(_PLACES[v, i])
-    packed = torch.stack([(word >> (8 * b)) & 255 for b in range(4)], -1).to(torch.uint8)
+    nib = nib[..., _NIBBLE.to(w.device)]
+    bits = (nib.unsqueeze(-1) >> torch.arange(4, device=w.device, dtype=torch.uint8)) & 1
+    # each word bit's value bit, eight bits a byte, little-endian
+    bits = bits.flatten(-2)[..., torch.argsort(_PLACES.flatten()).to(w.device)]
+    packed = (bits.unflatten(-1, (4, 8)) << _BYTE_PLACES.to(w.device)).sum(-1, dtype=torch.uint8)
     scales = s.view(e, n // 16, 2, 8, k // 64, 2).permute(0, 1, 4, 3, 5, 2)
     return packed.reshape(e, n // 16, k // 64, 32, 16).contiguous(), scales.contiguous()
 
@@ -120,10 +120,11 @@ def published_order(packed: torch.Tensor, scales: torch.Tensor, gate_up: bool,
     """The inverse of :func:`operand_order`."""
     e, blocks, chunks = packed.shape[:3]
     n, k = 16 * blocks, 64 * chunks
-    b = packed.view(e, blocks, chunks, 8, 4, 4, 4).to(torch.int32)
-    word = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
-    nib = torch.stack([sum(((word >> int(_PLACES[v, i])) & 1) << i for i in range(4))
-                       for v in range(8)], -1).to(torch.uint8)
+    b = packed.view(e, blocks, chunks, 8, 4, 4, 4)
+    bits = ((b.unsqueeze(-1) >> _BYTE_PLACES.to(packed.device)) & 1).flatten(-2)
+    bits = bits[..., _PLACES.flatten().to(packed.device)].unflatten(-1, (8, 4))
+    nib = (bits << torch.arange(4, device=packed.device, dtype=torch.uint8)).sum(
+        -1, dtype=torch.uint8)
     nib = nib[..., torch.argsort(_NIBBLE).to(packed.device)]  # [.., half * 4 + q]
     # [e, R, c, g, t, j, half, qh, qe] -> [e, R, half, g, c, j, qh, t, qe]
     nib = nib.view(e, blocks, chunks, 8, 4, 4, 2, 2, 2).permute(0, 1, 6, 3, 2, 5, 7, 4, 8)
