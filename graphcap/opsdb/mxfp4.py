@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-# Nibble n of a lane's word: the block's row g + 8 * (n & 1), place q = 2 * qh + qe in the
+# Value n of a lane's word: the block's row g + 8 * (n & 1), place q = 2 * qh + qe in the
 # product's K (8 * qh + 2t + qe).
 _NIBBLE = torch.tensor([4 * (n & 1) + 2 * ((n >> 1) & 1) + (n >> 2) for n in range(8)])
 MAX_SCALE = 128
@@ -45,7 +45,7 @@ def _bit_places() -> torch.Tensor:
 
 
 _PLACES = _bit_places()
-_BYTE_PLACES = torch.arange(8, dtype=torch.uint8)
+_BITS_4, _BITS_8 = torch.arange(4, dtype=torch.uint8), torch.arange(8, dtype=torch.uint8)
 
 
 def block_rows(rows: int, gate_up: bool, interleaved: bool) -> torch.Tensor:
@@ -107,10 +107,10 @@ def _reorder(w: torch.Tensor, s: torch.Tensor, gate_up: bool, interleaved: bool
     # [e, R, half, g, c, j, qh, t, qe] -> [e, R, c, g, t, j, half * 4 + 2 * qh + qe]
     nib = nib.permute(0, 1, 4, 3, 7, 5, 2, 6, 8).reshape(e, n // 16, k // 64, 8, 4, 4, 8)
     nib = nib[..., _NIBBLE.to(w.device)]
-    bits = (nib.unsqueeze(-1) >> torch.arange(4, device=w.device, dtype=torch.uint8)) & 1
+    bits = (nib.unsqueeze(-1) >> _BITS_4.to(w.device)) & 1  # [.., value, E2M1 bit]
     # each word bit's value bit, eight bits a byte, little-endian
     bits = bits.flatten(-2)[..., torch.argsort(_PLACES.flatten()).to(w.device)]
-    packed = (bits.unflatten(-1, (4, 8)) << _BYTE_PLACES.to(w.device)).sum(-1, dtype=torch.uint8)
+    packed = (bits.unflatten(-1, (4, 8)) << _BITS_8.to(w.device)).sum(-1, dtype=torch.uint8)
     scales = s.view(e, n // 16, 2, 8, k // 64, 2).permute(0, 1, 4, 3, 5, 2)
     return packed.reshape(e, n // 16, k // 64, 32, 16).contiguous(), scales.contiguous()
 
@@ -121,10 +121,9 @@ def published_order(packed: torch.Tensor, scales: torch.Tensor, gate_up: bool,
     e, blocks, chunks = packed.shape[:3]
     n, k = 16 * blocks, 64 * chunks
     b = packed.view(e, blocks, chunks, 8, 4, 4, 4)
-    bits = ((b.unsqueeze(-1) >> _BYTE_PLACES.to(packed.device)) & 1).flatten(-2)
+    bits = ((b.unsqueeze(-1) >> _BITS_8.to(packed.device)) & 1).flatten(-2)  # word bits
     bits = bits[..., _PLACES.flatten().to(packed.device)].unflatten(-1, (8, 4))
-    nib = (bits << torch.arange(4, device=packed.device, dtype=torch.uint8)).sum(
-        -1, dtype=torch.uint8)
+    nib = (bits << _BITS_4.to(packed.device)).sum(-1, dtype=torch.uint8)
     nib = nib[..., torch.argsort(_NIBBLE).to(packed.device)]  # [.., half * 4 + q]
     # [e, R, c, g, t, j, half, qh, qe] -> [e, R, half, g, c, j, qh, t, qe]
     nib = nib.view(e, blocks, chunks, 8, 4, 4, 2, 2, 2).permute(0, 1, 6, 3, 2, 5, 7, 4, 8)
