@@ -47,10 +47,17 @@ def toolkit() -> Path:
     return nvidia
 
 
-def instance(tile) -> str:
-    """A tile's kernel: MODE, MB, RB (mma.sync) or MODE, MB, BLK, WG (warpgroup)."""
-    name = "experts_kernel" if len(tile) == 3 else "experts_wgmma_kernel"
+def instance(tile, producer: bool = False) -> str:
+    """A tile's kernel: MODE, MB, RB (mma.sync) or MODE, MB, BLK, WG (warpgroup; with a
+    producer warp where GRAPHCAP_WGMMA_PRODUCER is defined)."""
+    name = ("experts_kernel" if len(tile) == 3 else
+            "experts_wgmma_ws_kernel" if producer else "experts_wgmma_kernel")
     return f"{name}<{', '.join(str(v) for v in tile)}>"
+
+
+def producer(defines) -> bool:
+    return any(d.split("=", 1)[0] == "GRAPHCAP_WGMMA_PRODUCER" and d.split("=", 1)[-1] != "0"
+               for d in defines)
 
 
 def source(tiles, defines) -> str:
@@ -60,7 +67,7 @@ def source(tiles, defines) -> str:
                         if not line.startswith("#"))
     text = (cuda / "moe_mxfp4.cu").read_text()
     kernels = text[text.index("namespace {"):text.index("}  // namespace\n\n")]
-    instances = "\n".join(f"template __global__ void {instance(t)}({SIGNATURE});"
+    instances = "\n".join(f"template __global__ void {instance(t, producer(defines))}({SIGNATURE});"
                           for t in tiles)
     return ("#include <cuda/std/cstdint>\nusing cuda::std::uint32_t; using cuda::std::uint16_t;"
             " using cuda::std::int64_t; using cuda::std::uint64_t; using cuda::std::uint8_t;\n"
@@ -128,9 +135,9 @@ def main() -> None:
              if args.tiles else
              [(m, mb, rb) for m in (0, 1) for mb in (1, 2, 4) for rb in (1, 2, 4)]
              + [(m, mb, blk, wg) for m in (0, 1) for mb in (2, 4, 8)
-                for blk, wg in ((1, 2), (2, 1), (2, 2))])
+                for blk, wg in ((1, 1), (1, 2), (2, 1), (2, 2))])
     nvidia = toolkit()
-    names = [f"check::{instance(t)}" for t in tiles]
+    names = [f"check::{instance(t, producer(args.define))}" for t in tiles]
     ptx, lowered = compile_ptx(nvidia, source(tiles, args.define), names)
     (CACHE / "k.ptx").write_bytes(ptx)
     cubin = CACHE / "k.cubin"

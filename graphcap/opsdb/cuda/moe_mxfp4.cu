@@ -199,8 +199,39 @@ __global__ void __launch_bounds__(256) experts_kernel(GRAPHCAP_EXPERTS_PARAMS) {
   }
 }
 
+// A warpgroup tile's accumulators (its warps' BLK row blocks rbs, N = 8 * MB columns) to
+// out by store<MODE>.
+#define GRAPHCAP_STORE_ARGS                                                                \
+  sorted_pairs, bias, topk_weights, out, out_stride, num_pairs, row_blocks, interleaved,  \
+      alpha, limit
+template <int MODE, int MB, int BLK>
+__device__ __forceinline__ void store_tile(const float (&acc)[BLK][4 * MB], const int (&rbs)[BLK],
+                                           int row0, int t, int g, int e,
+                                           const int* __restrict__ sorted_pairs,
+                                           const __nv_bfloat16* __restrict__ bias,
+                                           const float* __restrict__ topk_weights,
+                                           __nv_bfloat16* __restrict__ out, int64_t out_stride,
+                                           int num_pairs, int row_blocks, bool interleaved,
+                                           float alpha, float limit) {
+#pragma unroll
+  for (int b = 0; b < BLK; ++b) {
+    if (rbs[b] >= row_blocks) break;
+#pragma unroll
+    for (int m = 0; m < MB; ++m)
+#pragma unroll
+      for (int col = 0; col < 2; ++col)
+        store<MODE>(acc[b][4 * m + col], acc[b][4 * m + 2 + col],
+                    sorted_pairs[row0 + 8 * m + 2 * t + col], rbs[b], g, e, bias,
+                    topk_weights, out, out_stride, num_pairs, row_blocks, interleaved, alpha,
+                    limit);
+  }
+}
+
 #ifndef GRAPHCAP_WGMMA_OVERLAP
 #define GRAPHCAP_WGMMA_OVERLAP 0
+#endif
+#ifndef GRAPHCAP_WGMMA_PRODUCER
+#define GRAPHCAP_WGMMA_PRODUCER 0
 #endif
 
 // A compile-time int argument (the warpgroup loop's stage and chunk offset).
@@ -357,20 +388,137 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) wg::pin(acc[b][i]);
 
-#pragma unroll
-  for (int b = 0; b < BLK; ++b) {
-    if (rbs[b] >= row_blocks) break;
-#pragma unroll
-    for (int m = 0; m < MB; ++m)
-#pragma unroll
-      for (int col = 0; col < 2; ++col)
-        store<MODE>(acc[b][4 * m + col], acc[b][4 * m + 2 + col],
-                    sorted_pairs[row0 + 8 * m + 2 * t + col], rbs[b], g, e, bias,
-                    topk_weights, out, out_stride, num_pairs, row_blocks, interleaved, alpha,
-                    limit);
-  }
+  store_tile<MODE, MB, BLK>(acc, rbs, row0, t, g, e, GRAPHCAP_STORE_ARGS);
 #endif
 }
+
+#if GRAPHCAP_WGMMA_PRODUCER
+// experts_wgmma_kernel with a producer warp (a probe's define, GRAPHCAP_WGMMA_PRODUCER): warp
+// 4 * WG copies every chunk's activations, weights and scales into STAGES stages, each
+// stage's completion an mbarrier (full) that its copies arrive on; the consumer warpgroups
+// wait on it, multiply, and release the stage on a second mbarrier (empty). No CTA barrier
+// a step. Launched with 128 * WG + 32 threads.
+template <int MODE, int MB, int BLK, int WG>
+__global__ void __launch_bounds__(128 * WG + 32)
+    experts_wgmma_ws_kernel(GRAPHCAP_EXPERTS_PARAMS) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  namespace wg = graphcap_wgmma;
+  constexpr int N = 8 * MB, THREADS = 128 * WG, WARPS = 4 * WG * BLK;  // consumer warp-blocks
+  constexpr int WEIGHTS = N * 128, SCALES = WEIGHTS + WARPS * 512;  // 512 bytes a warp-block
+  constexpr int STAGE = SCALES + WARPS * 32;  // 8 scale words a warp-block
+  constexpr int STAGES = 48 * 1024 / STAGE < 4 ? 48 * 1024 / STAGE : 4;
+  constexpr int ACT = N * 8 / 32, WTS = WARPS, SCL = WARPS * 2;  // a producer lane's pieces
+  static_assert(STAGES >= 2 && SCL <= 32, "a producer tile's stages or scales do not fit");
+  __shared__ __align__(128) uint8_t xs[STAGES * STAGE];
+  __shared__ __align__(8) uint64_t bars[2 * STAGES];  // full, then empty
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * N;
+  const int e = expert_of(cum_padded, num_experts, row0, lane);
+  if (row0 >= cum_padded[num_experts - 1]) return;
+  const uint32_t base = (uint32_t)__cvta_generic_to_shared(xs);
+  const uint32_t full = (uint32_t)__cvta_generic_to_shared(bars), empty = full + 8 * STAGES;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < STAGES; ++i) {
+      wg::barrier_init(full + 8 * i, 32);
+      wg::barrier_init(empty + 8 * i, THREADS);
+    }
+  }
+  __syncthreads();
+  // Warp-block v (warp v / BLK, block v % BLK): its 16 weight rows' first chunk.
+  auto first = [&](int v) {
+    const int rb = ((blockIdx.y * WG + v / BLK / 4) * BLK + v % BLK) * 4 + (v / BLK) % 4;
+    return ((int64_t)e * row_blocks + min(rb, row_blocks - 1)) * chunks;
+  };
+
+  if (warp == 4 * WG) {  // the producer
+    const __nv_bfloat16* asrc[ACT];
+    uint32_t adst[ACT];
+    bool valid[ACT];
+#pragma unroll
+    for (int i = 0; i < ACT; ++i) {
+      const int p = lane + 32 * i, n = (p >> 6) * 8 + (p & 7), kc = (p >> 3) & 7;
+      const int pair = sorted_pairs[row0 + n];
+      valid[i] = pair < num_pairs;
+      const int64_t xrow = valid[i] ? (MODE == 0 ? pair / top_k : pair) : 0;
+      asrc[i] = x + xrow * x_stride + 8 * kc;
+      adst[i] = base + (kc * MB + (p >> 6)) * 128 + (p & 7) * 16;
+    }
+    const uint4* wsrc[WTS];
+#pragma unroll
+    for (int v = 0; v < WTS; ++v) wsrc[v] = w + first(v) * 32 + lane;
+    // Scale piece: warp-block lane / 2, its 8 words' half lane % 2.
+    const uint4* ssrc = reinterpret_cast<const uint4*>(s + first(min(lane / 2, WARPS - 1)) * 8) +
+                        (lane & 1);
+    for (int c = 0, st = 0, phase = 0; c < chunks; ++c) {  // stage st, its use's parity
+      if (c >= STAGES) wg::barrier_wait(empty + 8 * st, phase ^ 1);
+      const uint32_t at = base + st * STAGE;
+#pragma unroll
+      for (int i = 0; i < ACT; ++i) wg::copy16(adst[i] + st * STAGE, asrc[i] + 64 * c, valid[i]);
+#pragma unroll
+      for (int v = 0; v < WTS; ++v)
+        wg::copy16(at + WEIGHTS + v * 512 + lane * 16, wsrc[v] + 32 * c);
+      if (lane < SCL) wg::copy16(at + SCALES + lane * 16, ssrc + 2 * c);
+      wg::barrier_arrive_copies(full + 8 * st);
+      if (++st == STAGES) st = 0, phase ^= 1;
+    }
+    wg::copy_wait_all();  // (its copies land before the warp exits)
+    return;
+  }
+
+  // A consumer: as experts_wgmma_kernel's step, its stage's arrival awaited on `full`.
+  const int quad = warp & 3, group = warp >> 2;
+  int rbs[BLK];
+#pragma unroll
+  for (int b = 0; b < BLK; ++b) rbs[b] = ((blockIdx.y * WG + group) * BLK + b) * 4 + quad;
+  float acc[BLK][N / 2];
+#pragma unroll
+  for (int b = 0; b < BLK; ++b)
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      acc[b][i] = 0.f;
+      wg::pin(acc[b][i]);
+    }
+  const uint64_t desc0 = wg::descriptor(base, MB * 128, 128);
+  for (int c = 0, st = 0, phase = 0; c < chunks; ++c) {
+    wg::barrier_wait(full + 8 * st, phase);
+    wg::proxy_fence();
+    const uint8_t* at = xs + st * STAGE;
+    uint32_t a[BLK][4][4];
+#pragma unroll
+    for (int b = 0; b < BLK; ++b) {
+      const int v = warp * BLK + b;
+      const uint4 wr = reinterpret_cast<const uint4*>(at + WEIGHTS + v * 512)[lane];
+      const uint32_t sr = reinterpret_cast<const uint32_t*>(at + SCALES + v * 32)[g];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t s_g, s_g8;
+        scales(sr, j, s_g, s_g8);
+        operand(word(wr, j), s_g, s_g8, a[b][j]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) wg::pin(a[b][j][i]);
+      }
+    }
+    wg::fence();
+    const uint64_t d = desc0 + (uint64_t)((st * STAGE) >> 4);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int b = 0; b < BLK; ++b)
+        wg::product<N>(acc[b], a[b][j], d + ((2 * j * MB * 128) >> 4));
+    wg::commit();
+    wg::wait<0>();
+    wg::barrier_arrive(empty + 8 * st);
+    if (++st == STAGES) st = 0, phase ^= 1;
+  }
+#pragma unroll
+  for (int b = 0; b < BLK; ++b)
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) wg::pin(acc[b][i]);
+  store_tile<MODE, MB, BLK>(acc, rbs, row0, t, g, e, GRAPHCAP_STORE_ARGS);
+#endif
+}
+#endif
 
 // moe_routing.align_pairs's contract in one CTA: each expert's pairs grouped (in any order
 // within the expert), its rows padded to a multiple of `block`; sorted_pairs' other rows n.
@@ -421,9 +569,14 @@ __global__ void __launch_bounds__(1024) align_kernel(const Id* __restrict__ ids,
   }
 #define GRAPHCAP_MMA(MODE, MB, RB) \
   GRAPHCAP_LAUNCH(mode == MODE && mb == MB && a == RB, experts_kernel<MODE, MB, RB>)
+#if GRAPHCAP_WGMMA_PRODUCER
+#define GRAPHCAP_WGMMA_KERNEL experts_wgmma_ws_kernel
+#else
+#define GRAPHCAP_WGMMA_KERNEL experts_wgmma_kernel
+#endif
 #define GRAPHCAP_WGMMA(MODE, MB, BLK, WG)                                      \
   GRAPHCAP_LAUNCH(mode == MODE && mb == MB && a == BLK && b == WG,             \
-                  experts_wgmma_kernel<MODE, MB, BLK, WG>)
+                  GRAPHCAP_WGMMA_KERNEL<MODE, MB, BLK, WG>)
 
 #define GRAPHCAP_EXPERTS_ARGS                                                              \
   torch::Tensor x, torch::Tensor w, torch::Tensor s, c10::optional<torch::Tensor> bias,   \
@@ -469,7 +622,8 @@ void experts_wgmma(GRAPHCAP_EXPERTS_ARGS) {
   const auto* props = at::cuda::getCurrentDeviceProperties();
   TORCH_CHECK(props->major == 9 && props->minor == 0,
               "the warpgroup MXFP4 experts kernel runs on compute capability 9.0 (sm_90a)");
-  const int blocks = (row_blocks + 4 * a * b - 1) / (4 * a * b), threads = 128 * b;
+  const int blocks = (row_blocks + 4 * a * b - 1) / (4 * a * b);
+  const int threads = 128 * b + (GRAPHCAP_WGMMA_PRODUCER ? 32 : 0);  // its producer warp
 #ifdef GRAPHCAP_MXFP4_SWEEP
 #define GRAPHCAP_WGMMA_TILES(MODE, MB) \
   GRAPHCAP_WGMMA(MODE, MB, 1, 1) GRAPHCAP_WGMMA(MODE, MB, 1, 2) GRAPHCAP_WGMMA(MODE, MB, 2, 1) \

@@ -65,6 +65,42 @@ __device__ __forceinline__ void copy_wait() {
                : "memory");
 }
 
+// Shared-memory mbarriers: init (count arrivals a phase), a plain arrival, an arrival when
+// this thread's cp.async copies so far have landed (not counted in advance: noinc), and a
+// bounded wait for the phase of `parity` to complete (a trap, not a hang, after ~2^30 polls).
+__device__ __forceinline__ void barrier_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void barrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void barrier_arrive_copies(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void barrier_wait(uint32_t bar, uint32_t parity) {
+  for (uint32_t polls = 0;; ++polls) {
+    uint32_t done;
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    if (done) return;
+    if (polls == (1u << 30)) __trap();
+  }
+}
+
+// Wait until every cp.async copy of this thread has landed.
+__device__ __forceinline__ void copy_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// Make this thread's view of shared memory written by the generic proxy (cp.async) visible
+// to the async proxy (the products).
+__device__ __forceinline__ void proxy_fence() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 // d (64 x N, f32, += ) = a (64 x 16, bf16, registers) * b (16 x N, bf16, descriptor).
 template <int N>
 __device__ __forceinline__ void product(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b);
