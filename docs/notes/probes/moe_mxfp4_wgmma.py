@@ -15,7 +15,11 @@ JSON in $OUT/moe-mxfp4-wgmma.json. Its runs:
 `2026-12-04-moe-mxfp4-wgmma-variants-a874c94-h200.json`, by this script's first form (tiles,
 token counts and variants written in; that record's first run used two switches since
 removed), and `2026-12-04-moe-mxfp4-decode-shifts-h200.json` (its variants' defines, too,
-since removed from moe_mxfp4.cu)."""
+since removed from moe_mxfp4.cu). Two defines wait for a run:
+``GRAPHCAP_WGMMA_OVERLAP=1`` (an even step's products overlapping the odd step's decode)
+and ``GRAPHCAP_WGMMA_PRODUCER=1`` (a producer warp and mbarriers in place of the CTA
+barrier; its waits trap after 2^24 polls, which ends the process's CUDA context, so run it
+as its own PROBE_VARIANTS after the others)."""
 
 import functools
 import gc

@@ -67,7 +67,7 @@ __device__ __forceinline__ void copy_wait() {
 
 // Shared-memory mbarriers: init (count arrivals a phase), a plain arrival, an arrival when
 // this thread's cp.async copies so far have landed (not counted in advance: noinc), and a
-// bounded wait for the phase of `parity` to complete (a trap, not a hang, after ~2^30 polls).
+// bounded wait for the phase of `parity` to complete (a trap, not a hang, after 2^24 polls).
 __device__ __forceinline__ void barrier_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
@@ -88,7 +88,7 @@ __device__ __forceinline__ void barrier_wait(uint32_t bar, uint32_t parity) {
         : "r"(bar), "r"(parity)
         : "memory");
     if (done) return;
-    if (polls == (1u << 30)) __trap();
+    if (polls == (1u << 24)) __trap();
   }
 }
 
