@@ -227,6 +227,35 @@ __device__ __forceinline__ void store_tile(const float (&acc)[BLK][4 * MB], cons
   }
 }
 
+// A step of a warpgroup tile: each block's weights (wr) and scales (sr) decoded into
+// operand registers a, then multiplied by the stage's activations (descriptor d) into acc,
+// one committed group. All of the step's operands are decoded before its first product:
+// ptxas serializes products whose register operands are written while products run.
+template <int MB, int BLK>
+__device__ __forceinline__ void decode_multiply(float (&acc)[BLK][4 * MB],
+                                                const uint4 (&wr)[BLK],
+                                                const uint32_t (&sr)[BLK],
+                                                uint32_t (&a)[BLK][4][4], uint64_t d) {
+  namespace wg = graphcap_wgmma;
+#pragma unroll
+  for (int b = 0; b < BLK; ++b)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t s_g, s_g8;
+      scales(sr[b], j, s_g, s_g8);
+      operand(word(wr[b], j), s_g, s_g8, a[b][j]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) wg::pin(a[b][j][i]);
+    }
+  wg::fence();
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int b = 0; b < BLK; ++b)
+      wg::product<8 * MB>(acc[b], a[b][j], d + ((2 * j * MB * 128) >> 4));
+  wg::commit();
+}
+
 #ifndef GRAPHCAP_WGMMA_OVERLAP
 #define GRAPHCAP_WGMMA_OVERLAP 0
 #endif
@@ -342,27 +371,7 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
       wr[b] = reinterpret_cast<const uint4*>(wbuf)[b];
       sr[b] = reinterpret_cast<const uint32_t*>(sbuf)[b];
     }
-#pragma unroll
-    for (int b = 0; b < BLK; ++b)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint32_t s_g, s_g8;
-        scales(sr[b], j, s_g, s_g8);
-        operand(word(wr[b], j), s_g, s_g8, a[b][j]);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) wg::pin(a[b][j][i]);
-      }
-    // All of the step's operands are decoded before its first product and not written
-    // again before its last is done: ptxas serializes products whose register operands
-    // are written while products are in flight.
-    wg::fence();
-    const uint64_t d = desc0 + (uint64_t)((K * STAGE) >> 4);
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int b = 0; b < BLK; ++b)
-        wg::product<N>(acc[b], a[b][j], d + ((2 * j * MB * 128) >> 4));
-    wg::commit();
+    decode_multiply<MB, BLK>(acc, wr, sr, a, desc0 + (uint64_t)((K * STAGE) >> 4));
     if (!OVERLAP || SET == 1) wg::wait<0>();
   };
 
@@ -484,29 +493,15 @@ __global__ void __launch_bounds__(128 * WG + 32)
     wg::barrier_wait(full + 8 * st, phase);
     wg::proxy_fence();
     const uint8_t* at = xs + st * STAGE;
-    uint32_t a[BLK][4][4];
+    uint4 wr[BLK];
+    uint32_t sr[BLK], a[BLK][4][4];
 #pragma unroll
     for (int b = 0; b < BLK; ++b) {
       const int v = warp * BLK + b;
-      const uint4 wr = reinterpret_cast<const uint4*>(at + WEIGHTS + v * 512)[lane];
-      const uint32_t sr = reinterpret_cast<const uint32_t*>(at + SCALES + v * 32)[g];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint32_t s_g, s_g8;
-        scales(sr, j, s_g, s_g8);
-        operand(word(wr, j), s_g, s_g8, a[b][j]);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) wg::pin(a[b][j][i]);
-      }
+      wr[b] = reinterpret_cast<const uint4*>(at + WEIGHTS + v * 512)[lane];
+      sr[b] = reinterpret_cast<const uint32_t*>(at + SCALES + v * 32)[g];
     }
-    wg::fence();
-    const uint64_t d = desc0 + (uint64_t)((st * STAGE) >> 4);
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int b = 0; b < BLK; ++b)
-        wg::product<N>(acc[b], a[b][j], d + ((2 * j * MB * 128) >> 4));
-    wg::commit();
+    decode_multiply<MB, BLK>(acc, wr, sr, a, desc0 + (uint64_t)((st * STAGE) >> 4));
     wg::wait<0>();
     wg::barrier_arrive(empty + 8 * st);
     if (++st == STAGES) st = 0, phase ^= 1;
