@@ -227,6 +227,25 @@ __device__ __forceinline__ void store_tile(const float (&acc)[BLK][4 * MB], cons
   }
 }
 
+// The row block (of 16 weight rows) of a warpgroup tile's warp `warp`, its block b of BLK.
+template <int BLK, int WG>
+__device__ __forceinline__ int row_block(int warp, int b) {
+  return ((blockIdx.y * WG + (warp >> 2)) * BLK + b) * 4 + (warp & 3);
+}
+
+// Pins every accumulator (zeroing it first where `zero`): the compiler sees only the
+// asynchronous products' issue, so reads and writes must not move across them.
+template <int BLK, int M>
+__device__ __forceinline__ void pin_all(float (&acc)[BLK][M], bool zero) {
+#pragma unroll
+  for (int b = 0; b < BLK; ++b)
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      if (zero) acc[b][i] = 0.f;
+      graphcap_wgmma::pin(acc[b][i]);
+    }
+}
+
 // A step of a warpgroup tile: each block's weights (wr) and scales (sr) decoded into
 // operand registers a, then multiplied by the stage's activations (descriptor d) into acc,
 // one committed group. All of the step's operands are decoded before its first product:
@@ -314,13 +333,12 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
     src[i] = x + xrow * x_stride + 8 * kc;
     dst[i] = wg::opaque(base + (kc * MB + (p >> 6)) * 128 + (p & 7) * 16);
   }
-  const int quad = warp & 3, group = warp >> 2;
   const uint4* wp[BLK];
   const uint32_t* sp[BLK];
   int rbs[BLK];
 #pragma unroll
   for (int b = 0; b < BLK; ++b) {
-    rbs[b] = ((blockIdx.y * WG + group) * BLK + b) * 4 + quad;
+    rbs[b] = row_block<BLK, WG>(warp, b);
     const int64_t first = ((int64_t)e * row_blocks + min(rbs[b], row_blocks - 1)) * chunks;
     wp[b] = w + first * 32 + lane;
     sp[b] = s + first * 8 + g;
@@ -345,13 +363,7 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
   };
 
   float acc[BLK][N / 2];
-#pragma unroll
-  for (int b = 0; b < BLK; ++b)
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) {
-      acc[b][i] = 0.f;
-      wg::pin(acc[b][i]);
-    }
+  pin_all(acc, true);
 
   const uint64_t desc0 = wg::descriptor(base, MB * 128, 128);
   uint32_t ops[OVERLAP ? 2 : 1][BLK][4][4];
@@ -392,10 +404,7 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
     for (int i = 0; i < PER; ++i) src[i] += STAGES * 64;
   }
   if (OVERLAP) wg::wait<0>();  // a last even step's products
-#pragma unroll
-  for (int b = 0; b < BLK; ++b)
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) wg::pin(acc[b][i]);
+  pin_all(acc, false);
 
   store_tile<MODE, MB, BLK>(acc, rbs, row0, t, g, e, GRAPHCAP_STORE_ARGS);
 #endif
@@ -436,7 +445,7 @@ __global__ void __launch_bounds__(128 * WG + 32)
   __syncthreads();
   // Warp-block v (warp v / BLK, block v % BLK): its 16 weight rows' first chunk.
   auto first = [&](int v) {
-    const int rb = ((blockIdx.y * WG + v / BLK / 4) * BLK + v % BLK) * 4 + (v / BLK) % 4;
+    const int rb = row_block<BLK, WG>(v / BLK, v % BLK);
     return ((int64_t)e * row_blocks + min(rb, row_blocks - 1)) * chunks;
   };
 
@@ -476,18 +485,11 @@ __global__ void __launch_bounds__(128 * WG + 32)
   }
 
   // A consumer: as experts_wgmma_kernel's step, its stage's arrival awaited on `full`.
-  const int quad = warp & 3, group = warp >> 2;
   int rbs[BLK];
 #pragma unroll
-  for (int b = 0; b < BLK; ++b) rbs[b] = ((blockIdx.y * WG + group) * BLK + b) * 4 + quad;
+  for (int b = 0; b < BLK; ++b) rbs[b] = row_block<BLK, WG>(warp, b);
   float acc[BLK][N / 2];
-#pragma unroll
-  for (int b = 0; b < BLK; ++b)
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) {
-      acc[b][i] = 0.f;
-      wg::pin(acc[b][i]);
-    }
+  pin_all(acc, true);
   const uint64_t desc0 = wg::descriptor(base, MB * 128, 128);
   for (int c = 0, st = 0, phase = 0; c < chunks; ++c) {
     wg::barrier_wait(full + 8 * st, phase);
@@ -506,10 +508,7 @@ __global__ void __launch_bounds__(128 * WG + 32)
     wg::barrier_arrive(empty + 8 * st);
     if (++st == STAGES) st = 0, phase ^= 1;
   }
-#pragma unroll
-  for (int b = 0; b < BLK; ++b)
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) wg::pin(acc[b][i]);
+  pin_all(acc, false);
   store_tile<MODE, MB, BLK>(acc, rbs, row0, t, g, e, GRAPHCAP_STORE_ARGS);
 #endif
 }
