@@ -32,12 +32,21 @@ __device__ __forceinline__ int expert_of(const int* cum_padded, int num_experts,
   return e;
 }
 
-// One column of a 16-row block's products: rows g (v_g) and g + 8 (v_g8) for `pair`.
-// MODE 0: a feature's gate and up (rows g and g + 8 of the block), biases (b13's rows in
-// the published order: interleaved or halves), SwiGLU or gpt-oss's clamped GLU (alpha > 0),
-// out [pairs, N / 2]. MODE 1: down, bias, times the routing weight, out [pairs, N].
-template <int MODE>
-__device__ __forceinline__ void store(float v_g, float v_g8, int pair, int rb, int g, int e,
+// The element offset of feature f in a row of a tile of 8 * TMB rows in tile order (as a
+// chunk's activations sit in a stage: experts_bulk_kernel), or f where TMB is 0.
+template <int TMB>
+__device__ __forceinline__ int column(int f) {
+  return TMB == 0 ? f : (f >> 6) * (TMB * 512) + ((f >> 3) & 7) * (TMB * 64) + (f & 7);
+}
+
+// One column of a 16-row block's products: rows g (v_g) and g + 8 (v_g8) for `pair`, whose
+// output row starts at element `at` of out. MODE 0: a feature's gate and up (rows g and
+// g + 8 of the block), biases (b13's rows in the published order: interleaved or halves),
+// SwiGLU or gpt-oss's clamped GLU (alpha > 0), out [pairs, N / 2] (or in tile order of
+// 8 * TMB rows). MODE 1: down, bias, times the routing weight, out [pairs, N].
+template <int MODE, int TMB = 0>
+__device__ __forceinline__ void store(float v_g, float v_g8, int pair, int64_t at, int rb,
+                                      int g, int e,
                                       const __nv_bfloat16* __restrict__ bias,
                                       const float* __restrict__ topk_weights,
                                       __nv_bfloat16* __restrict__ out, int64_t out_stride,
@@ -62,14 +71,14 @@ __device__ __forceinline__ void store(float v_g, float v_g8, int pair, int rb, i
     } else {  // SwiGLU
       h = gate / (1.f + __expf(-gate)) * up;
     }
-    out[(int64_t)pair * out_stride + f] = __float2bfloat16(h);
+    out[at + column<TMB>(f)] = __float2bfloat16(h);
   } else {
     const float wt = topk_weights[pair];
     const int n = 16 * rb + g;
     const float b_g = b == nullptr ? 0.f : __bfloat162float(b[n]);
     const float b_g8 = b == nullptr ? 0.f : __bfloat162float(b[n + 8]);
-    out[(int64_t)pair * out_stride + n] = __float2bfloat16((v_g + b_g) * wt);
-    out[(int64_t)pair * out_stride + n + 8] = __float2bfloat16((v_g8 + b_g8) * wt);
+    out[at + n] = __float2bfloat16((v_g + b_g) * wt);
+    out[at + n + 8] = __float2bfloat16((v_g8 + b_g8) * wt);
   }
 }
 
@@ -192,19 +201,21 @@ __global__ void __launch_bounds__(256) experts_kernel(GRAPHCAP_EXPERTS_PARAMS) {
 #pragma unroll
     for (int m = 0; m < MB; ++m)
 #pragma unroll
-      for (int col = 0; col < 2; ++col)
-        store<MODE>(acc[r][m][col], acc[r][m][2 + col], sorted_pairs[row0 + 8 * m + 2 * t + col],
-                    rb, g, e, bias, topk_weights, out, out_stride, num_pairs, row_blocks,
+      for (int col = 0; col < 2; ++col) {
+        const int pair = sorted_pairs[row0 + 8 * m + 2 * t + col];
+        store<MODE>(acc[r][m][col], acc[r][m][2 + col], pair, (int64_t)pair * out_stride, rb,
+                    g, e, bias, topk_weights, out, out_stride, num_pairs, row_blocks,
                     interleaved, alpha, limit);
+      }
   }
 }
 
 // A warpgroup tile's accumulators (its warps' BLK row blocks rbs, N = 8 * MB columns) to
-// out by store<MODE>.
+// out by store<MODE>; gate/up's in tile order where TILED (experts_bulk_kernel's).
 #define GRAPHCAP_STORE_ARGS                                                                \
   sorted_pairs, bias, topk_weights, out, out_stride, num_pairs, row_blocks, interleaved,  \
       alpha, limit
-template <int MODE, int MB, int BLK>
+template <int MODE, int MB, int BLK, bool TILED>
 __device__ __forceinline__ void store_tile(const float (&acc)[BLK][4 * MB], const int (&rbs)[BLK],
                                            int row0, int t, int g, int e,
                                            const int* __restrict__ sorted_pairs,
@@ -213,17 +224,21 @@ __device__ __forceinline__ void store_tile(const float (&acc)[BLK][4 * MB], cons
                                            __nv_bfloat16* __restrict__ out, int64_t out_stride,
                                            int num_pairs, int row_blocks, bool interleaved,
                                            float alpha, float limit) {
+  constexpr bool ORDER = TILED && MODE == 0;
 #pragma unroll
   for (int b = 0; b < BLK; ++b) {
     if (rbs[b] >= row_blocks) break;
 #pragma unroll
     for (int m = 0; m < MB; ++m)
 #pragma unroll
-      for (int col = 0; col < 2; ++col)
-        store<MODE>(acc[b][4 * m + col], acc[b][4 * m + 2 + col],
-                    sorted_pairs[row0 + 8 * m + 2 * t + col], rbs[b], g, e, bias,
-                    topk_weights, out, out_stride, num_pairs, row_blocks, interleaved, alpha,
-                    limit);
+      for (int col = 0; col < 2; ++col) {
+        const int n = 8 * m + 2 * t + col, pair = sorted_pairs[row0 + n];
+        const int64_t at = ORDER ? (int64_t)row0 * out_stride + (n >> 3) * 64 + (n & 7) * 8
+                                 : (int64_t)pair * out_stride;
+        store<MODE, ORDER ? MB : 0>(acc[b][4 * m + col], acc[b][4 * m + 2 + col], pair, at,
+                                    rbs[b], g, e, bias, topk_weights, out, out_stride,
+                                    num_pairs, row_blocks, interleaved, alpha, limit);
+      }
   }
 }
 
@@ -275,13 +290,6 @@ __device__ __forceinline__ void decode_multiply(float (&acc)[BLK][4 * MB],
   wg::commit();
 }
 
-#ifndef GRAPHCAP_WGMMA_OVERLAP
-#define GRAPHCAP_WGMMA_OVERLAP 0
-#endif
-#ifndef GRAPHCAP_WGMMA_PRODUCER
-#define GRAPHCAP_WGMMA_PRODUCER 0
-#endif
-
 // A compile-time int argument (the warpgroup loop's stage and chunk offset).
 template <int K>
 struct Const {
@@ -306,11 +314,7 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
   constexpr int STAGE = SCALES + THREADS * BLK * 4;
   constexpr int STAGES = 48 * 1024 / STAGE < 4 ? 48 * 1024 / STAGE : 4;
   static_assert(STAGES >= 2, "a warpgroup tile's stages exceed static shared memory");
-  // OVERLAP (a probe's define): an even step's products run while the odd step after it
-  // decodes into a second register set; both are waited for at the odd step's end. So
-  // copies run a chunk less ahead (the stage being multiplied stays put).
-  constexpr bool OVERLAP = GRAPHCAP_WGMMA_OVERLAP && STAGES == 4;
-  constexpr int AHEAD = OVERLAP ? STAGES - 2 : STAGES - 1;  // chunks the copies run ahead
+  constexpr int AHEAD = STAGES - 1;  // chunks the copies run ahead
   __shared__ __align__(128) uint8_t xs[STAGES * STAGE];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -366,10 +370,10 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
   pin_all(acc, true);
 
   const uint64_t desc0 = wg::descriptor(base, MB * 128, 128);
-  uint32_t ops[OVERLAP ? 2 : 1][BLK][4][4];
+  uint32_t a[BLK][4][4];
   // Chunk c, the turn's step k (its stage).
   auto step = [&](auto k, int c) {
-    constexpr int K = decltype(k)::value, SET = OVERLAP ? K & 1 : 0;
+    constexpr int K = decltype(k)::value;
     wg::copy_wait<AHEAD - 1>();
     __syncthreads();  // chunk c in place; every warpgroup done with chunk c - 1's stage
     stage(Const<(K + AHEAD) % STAGES>{}, Const<K + AHEAD>{}, c + AHEAD < chunks);
@@ -377,14 +381,13 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
     const uint8_t* sbuf = xs + K * STAGE + SCALES + threadIdx.x * BLK * 4;
     uint4 wr[BLK];
     uint32_t sr[BLK];
-    auto& a = ops[SET];
 #pragma unroll
     for (int b = 0; b < BLK; ++b) {
       wr[b] = reinterpret_cast<const uint4*>(wbuf)[b];
       sr[b] = reinterpret_cast<const uint32_t*>(sbuf)[b];
     }
     decode_multiply<MB, BLK>(acc, wr, sr, a, desc0 + (uint64_t)((K * STAGE) >> 4));
-    if (!OVERLAP || SET == 1) wg::wait<0>();
+    wg::wait<0>();
   };
 
   stage(Const<0>{}, Const<0>{}, true);
@@ -403,30 +406,28 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
 #pragma unroll
     for (int i = 0; i < PER; ++i) src[i] += STAGES * 64;
   }
-  if (OVERLAP) wg::wait<0>();  // a last even step's products
   pin_all(acc, false);
 
-  store_tile<MODE, MB, BLK>(acc, rbs, row0, t, g, e, GRAPHCAP_STORE_ARGS);
+  store_tile<MODE, MB, BLK, false>(acc, rbs, row0, t, g, e, GRAPHCAP_STORE_ARGS);
 #endif
 }
 
-#if GRAPHCAP_WGMMA_PRODUCER
-// experts_wgmma_kernel with a producer warp (a probe's define, GRAPHCAP_WGMMA_PRODUCER): warp
-// 4 * WG copies every chunk's activations, weights and scales into STAGES stages, each
-// stage's completion an mbarrier (full) that its copies arrive on; the consumer warpgroups
-// wait on it, multiply, and release the stage on a second mbarrier (empty). No CTA barrier
-// a step. Launched with 128 * WG + 32 threads.
+// MODE as store's; experts_wgmma_kernel's products, with its activations in tile order
+// (tile_rows_kernel's, or the gate/up kernel's output): a chunk of a tile is N * 128
+// contiguous bytes laid out as its stage, so a producer warp copies a stage (activations,
+// each warp's 512 bytes of weights, its 32 of scales) in 1 + 2 * WARPS bulk copies. Their
+// completion is a stage's mbarrier (full) that the warpgroups wait on; they release the
+// stage on another (empty). No CTA barrier, proxy fence or per-thread copy a step.
+// Launched with 128 * WG + 32 threads.
 template <int MODE, int MB, int BLK, int WG>
-__global__ void __launch_bounds__(128 * WG + 32)
-    experts_wgmma_ws_kernel(GRAPHCAP_EXPERTS_PARAMS) {
+__global__ void __launch_bounds__(128 * WG + 32) experts_bulk_kernel(GRAPHCAP_EXPERTS_PARAMS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   namespace wg = graphcap_wgmma;
-  constexpr int N = 8 * MB, THREADS = 128 * WG, WARPS = 4 * WG * BLK;  // consumer warp-blocks
-  constexpr int WEIGHTS = N * 128, SCALES = WEIGHTS + WARPS * 512;  // 512 bytes a warp-block
-  constexpr int STAGE = SCALES + WARPS * 32;  // 8 scale words a warp-block
+  constexpr int N = 8 * MB, WARPS = 4 * WG * BLK;  // warp-blocks: a warp's 16-row block
+  constexpr int WEIGHTS = N * 128, SCALES = WEIGHTS + WARPS * 512;
+  constexpr int STAGE = SCALES + WARPS * 32, COPIES = 1 + 2 * WARPS;
   constexpr int STAGES = 48 * 1024 / STAGE < 4 ? 48 * 1024 / STAGE : 4;
-  constexpr int ACT = N * 8 / 32, WTS = WARPS, SCL = WARPS * 2;  // a producer lane's pieces
-  static_assert(STAGES >= 2 && SCL <= 32, "a producer tile's stages or scales do not fit");
+  static_assert(STAGES >= 2 && COPIES <= 64, "a bulk tile's stages or copies do not fit");
   __shared__ __align__(128) uint8_t xs[STAGES * STAGE];
   __shared__ __align__(8) uint64_t bars[2 * STAGES];  // full, then empty
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -438,81 +439,97 @@ __global__ void __launch_bounds__(128 * WG + 32)
   const uint32_t full = (uint32_t)__cvta_generic_to_shared(bars), empty = full + 8 * STAGES;
   if (threadIdx.x == 0) {
     for (int i = 0; i < STAGES; ++i) {
-      wg::barrier_init(full + 8 * i, 32);
-      wg::barrier_init(empty + 8 * i, THREADS);
+      wg::barrier_init(full + 8 * i, 1);
+      wg::barrier_init(empty + 8 * i, 4 * WG);
     }
+    wg::fence_init();
   }
   __syncthreads();
-  // Warp-block v (warp v / BLK, block v % BLK): its 16 weight rows' first chunk.
-  auto first = [&](int v) {
-    const int rb = row_block<BLK, WG>(v / BLK, v % BLK);
-    return ((int64_t)e * row_blocks + min(rb, row_blocks - 1)) * chunks;
-  };
 
-  if (warp == 4 * WG) {  // the producer
-    const __nv_bfloat16* asrc[ACT];
-    uint32_t adst[ACT];
-    bool valid[ACT];
+  if (warp == 4 * WG) {  // the producer: copy i of a stage by lane i % 32
+    const char* src[2];
+    uint32_t dst[2], bytes[2], step[2];
 #pragma unroll
-    for (int i = 0; i < ACT; ++i) {
-      const int p = lane + 32 * i, n = (p >> 6) * 8 + (p & 7), kc = (p >> 3) & 7;
-      const int pair = sorted_pairs[row0 + n];
-      valid[i] = pair < num_pairs;
-      const int64_t xrow = valid[i] ? (MODE == 0 ? pair / top_k : pair) : 0;
-      asrc[i] = x + xrow * x_stride + 8 * kc;
-      adst[i] = base + (kc * MB + (p >> 6)) * 128 + (p & 7) * 16;
+    for (int j = 0; j < 2; ++j) {
+      const int i = lane + 32 * j, v = (i + WARPS - 1) % WARPS;
+      const int rb = row_block<BLK, WG>(v / BLK, v % BLK);
+      const int64_t first = ((int64_t)e * row_blocks + min(rb, row_blocks - 1)) * chunks;
+      const bool act = i == 0, wts = i <= WARPS;
+      src[j] = act ? reinterpret_cast<const char*>(x + (int64_t)row0 * x_stride)
+               : wts ? reinterpret_cast<const char*>(w + first * 32)
+                     : reinterpret_cast<const char*>(s + first * 8);
+      dst[j] = base + (act ? 0 : wts ? WEIGHTS + v * 512 : SCALES + v * 32);
+      bytes[j] = i < COPIES ? (act ? N * 128 : wts ? 512 : 32) : 0;
     }
-    const uint4* wsrc[WTS];
-#pragma unroll
-    for (int v = 0; v < WTS; ++v) wsrc[v] = w + first(v) * 32 + lane;
-    // Scale piece: warp-block lane / 2, its 8 words' half lane % 2.
-    const uint4* ssrc = reinterpret_cast<const uint4*>(s + first(min(lane / 2, WARPS - 1)) * 8) +
-                        (lane & 1);
     for (int c = 0, st = 0, phase = 0; c < chunks; ++c) {  // stage st, its use's parity
       if (c >= STAGES) wg::barrier_wait(empty + 8 * st, phase ^ 1);
-      const uint32_t at = base + st * STAGE;
+      if (lane == 0) wg::barrier_expect(full + 8 * st, STAGE);
+      __syncwarp();
 #pragma unroll
-      for (int i = 0; i < ACT; ++i) wg::copy16(adst[i] + st * STAGE, asrc[i] + 64 * c, valid[i]);
-#pragma unroll
-      for (int v = 0; v < WTS; ++v)
-        wg::copy16(at + WEIGHTS + v * 512 + lane * 16, wsrc[v] + 32 * c);
-      if (lane < SCL) wg::copy16(at + SCALES + lane * 16, ssrc + 2 * c);
-      wg::barrier_arrive_copies(full + 8 * st);
+      for (int j = 0; j < 2; ++j)
+        if (bytes[j]) wg::bulk_copy(dst[j] + st * STAGE, src[j] + (int64_t)c * bytes[j],
+                                    bytes[j], full + 8 * st);
       if (++st == STAGES) st = 0, phase ^= 1;
     }
-    wg::copy_wait_all();  // (its copies land before the warp exits)
     return;
   }
 
-  // A consumer: as experts_wgmma_kernel's step, its stage's arrival awaited on `full`.
   int rbs[BLK];
 #pragma unroll
   for (int b = 0; b < BLK; ++b) rbs[b] = row_block<BLK, WG>(warp, b);
   float acc[BLK][N / 2];
   pin_all(acc, true);
   const uint64_t desc0 = wg::descriptor(base, MB * 128, 128);
-  for (int c = 0, st = 0, phase = 0; c < chunks; ++c) {
-    wg::barrier_wait(full + 8 * st, phase);
-    wg::proxy_fence();
-    const uint8_t* at = xs + st * STAGE;
+  // This lane's weights and scales in stage 0 (a warp-block's: 16 bytes a lane, a word a g).
+  const uint4* wbuf = reinterpret_cast<const uint4*>(xs + WEIGHTS) + warp * BLK * 32 + lane;
+  const uint32_t* sbuf = reinterpret_cast<const uint32_t*>(xs + SCALES) + warp * BLK * 8 + g;
+  // A turn's step in stage K, of the use of `parity`.
+  auto step = [&](auto k, uint32_t parity) {
+    constexpr int K = decltype(k)::value;
+    wg::barrier_wait(full + 8 * K, parity);
     uint4 wr[BLK];
     uint32_t sr[BLK], a[BLK][4][4];
 #pragma unroll
     for (int b = 0; b < BLK; ++b) {
-      const int v = warp * BLK + b;
-      wr[b] = reinterpret_cast<const uint4*>(at + WEIGHTS + v * 512)[lane];
-      sr[b] = reinterpret_cast<const uint32_t*>(at + SCALES + v * 32)[g];
+      wr[b] = wbuf[K * STAGE / 16 + b * 32];
+      sr[b] = sbuf[K * STAGE / 4 + b * 8];
     }
-    decode_multiply<MB, BLK>(acc, wr, sr, a, desc0 + (uint64_t)((st * STAGE) >> 4));
+    decode_multiply<MB, BLK>(acc, wr, sr, a, desc0 + (uint64_t)((K * STAGE) >> 4));
     wg::wait<0>();
-    wg::barrier_arrive(empty + 8 * st);
-    if (++st == STAGES) st = 0, phase ^= 1;
+    if (lane == 0) wg::barrier_arrive(empty + 8 * K);
+  };
+  for (int c = 0, parity = 0; c < chunks; c += STAGES, parity ^= 1) {
+    step(Const<0>{}, parity);
+    if (c + 1 < chunks) step(Const<1>{}, parity);
+    if (STAGES > 2 && c + 2 < chunks) step(Const<2 % STAGES>{}, parity);
+    if (STAGES > 3 && c + 3 < chunks) step(Const<3 % STAGES>{}, parity);
   }
   pin_all(acc, false);
-  store_tile<MODE, MB, BLK>(acc, rbs, row0, t, g, e, GRAPHCAP_STORE_ARGS);
+  store_tile<MODE, MB, BLK, true>(acc, rbs, row0, t, g, e, GRAPHCAP_STORE_ARGS);
 #endif
 }
-#endif
+
+// x's rows of each tile of 8 * MB sorted pairs (gate/up's activations: row pair / top_k) in
+// tile order: chunk c of a tile (64 K) as 8 * MB * 128 contiguous bytes, core matrices of
+// 8 rows of 16 bytes, K-major (experts_bulk_kernel's stage). A CTA: one tile's chunk; padded
+// rows are left as they are (their products are never stored).
+template <int MB>
+__global__ void __launch_bounds__(256) tile_rows_kernel(
+    const __nv_bfloat16* __restrict__ x, int64_t x_stride, const int* __restrict__ sorted_pairs,
+    const int* __restrict__ cum_padded, int num_experts, int num_pairs, int top_k,
+    __nv_bfloat16* __restrict__ out) {
+  constexpr int N = 8 * MB, PIECES = N * 8;  // 16-byte pieces a chunk
+  const int row0 = blockIdx.x * N, c = blockIdx.y;
+  if (row0 >= cum_padded[num_experts - 1]) return;
+  uint4* dst = reinterpret_cast<uint4*>(out + ((int64_t)row0 * gridDim.y + (int64_t)c * N) * 64);
+  for (int q = threadIdx.x; q < PIECES; q += blockDim.x) {
+    const int core = q >> 3, n = (core % MB) * 8 + (q & 7), kc = core / MB;
+    const int pair = sorted_pairs[row0 + n];
+    if (pair < num_pairs)
+      dst[q] = *reinterpret_cast<const uint4*>(x + (int64_t)(pair / top_k) * x_stride +
+                                               c * 64 + kc * 8);
+  }
+}
 
 // moe_routing.align_pairs's contract in one CTA: each expert's pairs grouped (in any order
 // within the expert), its rows padded to a multiple of `block`; sorted_pairs' other rows n.
@@ -563,14 +580,12 @@ __global__ void __launch_bounds__(1024) align_kernel(const Id* __restrict__ ids,
   }
 #define GRAPHCAP_MMA(MODE, MB, RB) \
   GRAPHCAP_LAUNCH(mode == MODE && mb == MB && a == RB, experts_kernel<MODE, MB, RB>)
-#if GRAPHCAP_WGMMA_PRODUCER
-#define GRAPHCAP_WGMMA_KERNEL experts_wgmma_ws_kernel
-#else
-#define GRAPHCAP_WGMMA_KERNEL experts_wgmma_kernel
-#endif
 #define GRAPHCAP_WGMMA(MODE, MB, BLK, WG)                                      \
   GRAPHCAP_LAUNCH(mode == MODE && mb == MB && a == BLK && b == WG,             \
-                  GRAPHCAP_WGMMA_KERNEL<MODE, MB, BLK, WG>)
+                  experts_wgmma_kernel<MODE, MB, BLK, WG>)
+#define GRAPHCAP_BULK(MODE, MB, BLK, WG)                                       \
+  GRAPHCAP_LAUNCH(mode == MODE && mb == MB && a == BLK && b == WG,             \
+                  experts_bulk_kernel<MODE, MB, BLK, WG>)
 
 #define GRAPHCAP_EXPERTS_ARGS                                                              \
   torch::Tensor x, torch::Tensor w, torch::Tensor s, c10::optional<torch::Tensor> bias,   \
@@ -609,15 +624,18 @@ void experts(GRAPHCAP_EXPERTS_ARGS) {
               " row blocks a warp, ", b, " warps");
 }
 
+void check_hopper() {
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  TORCH_CHECK(props->major == 9 && props->minor == 0,
+              "the warpgroup MXFP4 experts kernels run on compute capability 9.0 (sm_90a)");
+}
+
 // Warpgroup tiles (sm_90a builds only): 8 * mb rows, a = 64-row blocks a warpgroup,
 // b = warpgroups.
 void experts_wgmma(GRAPHCAP_EXPERTS_ARGS) {
   GRAPHCAP_EXPERTS_SETUP
-  const auto* props = at::cuda::getCurrentDeviceProperties();
-  TORCH_CHECK(props->major == 9 && props->minor == 0,
-              "the warpgroup MXFP4 experts kernel runs on compute capability 9.0 (sm_90a)");
-  const int blocks = (row_blocks + 4 * a * b - 1) / (4 * a * b);
-  const int threads = 128 * b + (GRAPHCAP_WGMMA_PRODUCER ? 32 : 0);  // its producer warp
+  check_hopper();
+  const int blocks = (row_blocks + 4 * a * b - 1) / (4 * a * b), threads = 128 * b;
 #ifdef GRAPHCAP_MXFP4_SWEEP
 #define GRAPHCAP_WGMMA_TILES(MODE, MB) \
   GRAPHCAP_WGMMA(MODE, MB, 1, 1) GRAPHCAP_WGMMA(MODE, MB, 1, 2) GRAPHCAP_WGMMA(MODE, MB, 2, 1) \
@@ -630,6 +648,55 @@ void experts_wgmma(GRAPHCAP_EXPERTS_ARGS) {
 #endif
   TORCH_CHECK(false, "no warpgroup MXFP4 experts kernel for mode ", mode, ", ", 8 * mb,
               " rows, ", a, " blocks a warpgroup, ", b, " warpgroups");
+}
+
+// Warpgroup tiles fed by bulk copies (sm_90a builds only), tiles as experts_wgmma's: x in
+// tile order (tile_rows' or gate/up's output), as many rows as sorted_pairs; mode 0 writes
+// out in tile order too.
+void experts_bulk(GRAPHCAP_EXPERTS_ARGS) {
+  GRAPHCAP_EXPERTS_SETUP
+  check_hopper();
+  TORCH_CHECK(x.is_contiguous() && x.size(0) >= sorted_pairs.numel() &&
+                  (mode == 1 || (out.is_contiguous() && out.size(0) >= sorted_pairs.numel())),
+              "x (and gate/up's out) in tile order: contiguous, a row for each aligned pair");
+  const int blocks = (row_blocks + 4 * a * b - 1) / (4 * a * b), threads = 128 * b + 32;
+#ifdef GRAPHCAP_MXFP4_SWEEP
+#define GRAPHCAP_BULK_TILES(MODE, MB) \
+  GRAPHCAP_BULK(MODE, MB, 1, 1) GRAPHCAP_BULK(MODE, MB, 1, 2) GRAPHCAP_BULK(MODE, MB, 2, 1) \
+  GRAPHCAP_BULK(MODE, MB, 2, 2)
+  GRAPHCAP_BULK_TILES(0, 2) GRAPHCAP_BULK_TILES(0, 4) GRAPHCAP_BULK_TILES(0, 8)
+  GRAPHCAP_BULK_TILES(1, 2) GRAPHCAP_BULK_TILES(1, 4) GRAPHCAP_BULK_TILES(1, 8)
+#else
+  GRAPHCAP_BULK(0, 4, 1, 2) GRAPHCAP_BULK(0, 8, 1, 2) GRAPHCAP_BULK(1, 4, 1, 2)
+  GRAPHCAP_BULK(1, 8, 1, 2)
+#endif
+  TORCH_CHECK(false, "no bulk-copy MXFP4 experts kernel for mode ", mode, ", ", 8 * mb,
+              " rows, ", a, " blocks a warpgroup, ", b, " warpgroups");
+}
+
+// x's rows (row pair / top_k of each aligned pair) into out [sorted_pairs rows, K] in the
+// tile order of 8 * mb rows (experts_bulk's gate/up activations).
+void tile_rows(torch::Tensor x, torch::Tensor sorted_pairs, torch::Tensor cum_padded,
+               torch::Tensor out, int64_t num_pairs, int64_t top_k, int64_t mb) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
+                  x.stride(0) % 8 == 0 && x.size(1) % 64 == 0,
+              "x: bf16 rows of a multiple of 64, contiguous along K, 16-byte aligned");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kBFloat16 &&
+                  out.size(0) >= sorted_pairs.numel() && out.size(1) == x.size(1),
+              "out: contiguous bf16, a row of x's width for each aligned pair");
+  const dim3 grid((sorted_pairs.numel() + 8 * mb - 1) / (8 * mb), x.size(1) / 64);
+  auto stream = at::cuda::getCurrentCUDAStream();
+#define GRAPHCAP_TILE_ROWS(MB)                                                              \
+  if (mb == MB) {                                                                           \
+    tile_rows_kernel<MB><<<grid, 256, 0, stream>>>(                                         \
+        reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), x.stride(0),                 \
+        sorted_pairs.data_ptr<int>(), cum_padded.data_ptr<int>(), cum_padded.numel(),       \
+        (int)num_pairs, (int)top_k, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));     \
+    C10_CUDA_KERNEL_LAUNCH_CHECK();                                                         \
+    return;                                                                                 \
+  }
+  GRAPHCAP_TILE_ROWS(2) GRAPHCAP_TILE_ROWS(4) GRAPHCAP_TILE_ROWS(8)
+  TORCH_CHECK(false, "no tile order of ", 8 * mb, " rows");
 }
 
 // (sorted_pairs [n + E * (block - 1)], cum_padded [E]) of top-k expert ids (int32 or int64).
@@ -658,5 +725,7 @@ std::vector<torch::Tensor> align(torch::Tensor topk_ids, int64_t num_experts, in
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("experts", &experts);
   m.def("experts_wgmma", &experts_wgmma);
+  m.def("experts_bulk", &experts_bulk);
+  m.def("tile_rows", &tile_rows);
   m.def("align", &align);
 }

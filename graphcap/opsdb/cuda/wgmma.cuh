@@ -1,6 +1,7 @@
 // Hopper's warpgroup products (wgmma, sm_90a): the left operand in registers (each warp's
 // 16 rows in the mma.sync A-operand layout), the right in shared memory, K-major, without
-// swizzle; and the cp.async copies that fill that memory. Used by moe_mxfp4.cu.
+// swizzle; the cp.async copies that fill that memory, and the bulk copies and mbarriers that
+// fill it from a producer warp. Used by moe_mxfp4.cu.
 #pragma once
 #include <stdint.h>
 
@@ -65,17 +66,22 @@ __device__ __forceinline__ void copy_wait() {
                : "memory");
 }
 
-// Shared-memory mbarriers: init (count arrivals a phase), a plain arrival, an arrival when
-// this thread's cp.async copies so far have landed (not counted in advance: noinc), and a
-// bounded wait for the phase of `parity` to complete (a trap, not a hang, after 2^24 polls).
+// Shared-memory mbarriers: init (count arrivals a phase; then fence_init, before the CTA's
+// barrier, so that the copy engine sees it), a plain arrival, an arrival that also expects
+// `bytes` of bulk copies this phase, and a bounded wait for the phase of `parity` to complete
+// (a trap, not a hang, after 2^24 polls).
 __device__ __forceinline__ void barrier_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void fence_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 __device__ __forceinline__ void barrier_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
-__device__ __forceinline__ void barrier_arrive_copies(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+__device__ __forceinline__ void barrier_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
 }
 __device__ __forceinline__ void barrier_wait(uint32_t bar, uint32_t parity) {
   for (uint32_t polls = 0;; ++polls) {
@@ -92,13 +98,14 @@ __device__ __forceinline__ void barrier_wait(uint32_t bar, uint32_t parity) {
   }
 }
 
-// Wait until every cp.async copy of this thread has landed.
-__device__ __forceinline__ void copy_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
-// Make this thread's view of shared memory written by the generic proxy (cp.async) visible
-// to the async proxy (the products).
-__device__ __forceinline__ void proxy_fence() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory by
+// the copy engine (the async proxy), completing that many of `bar`'s expected bytes.
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes,
+                                          uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
 }
 
 // d (64 x N, f32, += ) = a (64 x 16, bf16, registers) * b (16 x N, bf16, descriptor).
