@@ -8,13 +8,12 @@ NVRTC (``nvidia-cuda-nvrtc-cu12``) compiles the kernel part of
 ``graphcap/opsdb/cuda/moe_mxfp4.cu`` (its headers inlined, the torch wrapper left out) to
 PTX and ptxas (``nvidia-cuda-nvcc-cu12``) to a cubin; the wheels (about 50 MB, with the
 runtime's and CCCL's headers) are fetched from PyPI once into ~/.cache/graphcap-cuda-check.
-``--tiles`` lists MODE:MB:RB (``mma.sync``), MODE:MB:BLK:WG (warpgroup) or MODE:MB:BLK:WG:1
-(warpgroup, bulk copies) tiles (default: every tile of the sweep's build); ``--define
-NAME=VALUE`` sets a macro (a variant under test, as the probes' ``PROBE_VARIANTS`` build
-them). The loop figure is the instructions of the longest backward branch holding the
-products, over the weight values a warp decodes in it (16 x 16 a product): a static count,
-no timing. ptxas's warnings and its notes of lost performance (serialized warpgroup
-products) follow the table."""
+``--tiles`` lists MODE:MB:RB (``mma.sync``) or MODE:MB:BLK:WG (warpgroup) tiles (default:
+every tile of the sweep's build); ``--define NAME=VALUE`` sets a macro (a variant under
+test, as the probes' ``PROBE_VARIANTS`` build them). The loop figure is the instructions
+of the longest backward branch holding the products, over the weight values a warp
+decodes in it (16 x 16 a product): a static count, no timing. ptxas's warnings and its
+notes of lost performance (serialized warpgroup products) follow the table."""
 
 import argparse
 import collections
@@ -49,11 +48,9 @@ def toolkit() -> Path:
 
 
 def instance(tile) -> str:
-    """A tile's kernel: MODE, MB, RB (mma.sync) or MODE, MB, BLK, WG (warpgroup; with a
-    fifth field, 1, its bulk-copy form)."""
-    name = ("experts_kernel" if len(tile) == 3 else
-            "experts_bulk_kernel" if len(tile) == 5 and tile[4] else "experts_wgmma_kernel")
-    return f"{name}<{', '.join(str(v) for v in tile[:4])}>"
+    """A tile's kernel: MODE, MB, RB (mma.sync) or MODE, MB, BLK, WG (warpgroup)."""
+    name = "experts_kernel" if len(tile) == 3 else "experts_wgmma_kernel"
+    return f"{name}<{', '.join(str(v) for v in tile)}>"
 
 
 def source(tiles, defines) -> str:
@@ -123,15 +120,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--define", action="append", default=[])
     parser.add_argument("--tiles", default=None,
-                        help="MODE:MB:RB, MODE:MB:BLK:WG (warpgroup) or MODE:MB:BLK:WG:1 (bulk), "
-                             "comma-separated "
+                        help="MODE:MB:RB or MODE:MB:BLK:WG (warpgroup), comma-separated "
                              "(default: every tile of the sweep's build)")
     parser.add_argument("--sass", default=None, help="write the SASS here")
     args = parser.parse_args()
     tiles = ([tuple(int(v) for v in t.split(":")) for t in args.tiles.split(",")]
              if args.tiles else
              [(m, mb, rb) for m in (0, 1) for mb in (1, 2, 4) for rb in (1, 2, 4)]
-             + [(m, mb, blk, wg, bulk) for bulk in (0, 1) for m in (0, 1) for mb in (2, 4, 8)
+             + [(m, mb, blk, wg) for m in (0, 1) for mb in (2, 4, 8)
                 for blk, wg in ((1, 1), (1, 2), (2, 1), (2, 2))])
     nvidia = toolkit()
     names = [f"check::{instance(t)}" for t in tiles]
@@ -164,7 +160,7 @@ def main() -> None:
             count, ops = loop_count(functions[low])
             # a warp's values in the loop: 16 x 16 a product (an mma.sync product's left
             # operand serves MB of them)
-            values = 256 * (ops["HGMMA"] if len(tile) >= 4 else ops["HMMA"] / mb)
+            values = 256 * (ops["HGMMA"] if len(tile) == 4 else ops["HMMA"] / mb)
             line += (f", loop {count} instructions, {count * 32 / values:.2f} a "
                      f"value ({', '.join(f'{k} {v}' for k, v in ops.most_common(5))})")
         print(line)

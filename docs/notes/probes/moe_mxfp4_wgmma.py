@@ -10,14 +10,14 @@ parallel. Per token count (128, 512, 2048; 128 experts, H = I = 2880, top-4, ran
 and tile: gate/up and down device ms (graphed_ms: 4 calls a graph, 10 replays; the routing
 aligned once, outside the timing) and the largest difference of the down rows from the first
 tile's (the 8-row mma.sync tile, built by the first variant). The mma.sync tiles run on the
-first variant only. ``PROBE_TILES`` picks tiles as kind:rows:a:b (kind mma, wgmma, or
-bulk: the warpgroup tile fed by bulk copies, its gate/up time with tile_rows' reordering).
+first variant only. ``PROBE_TILES`` picks tiles as kind:rows:a:b (kind mma or wgmma).
 JSON in $OUT/moe-mxfp4-wgmma.json. Its runs:
 `2026-12-04-moe-mxfp4-wgmma-variants-a874c94-h200.json`, by this script's first form (tiles,
 token counts and variants written in; that record's first run used two switches since
 removed), and `2026-12-04-moe-mxfp4-decode-shifts-h200.json` (its variants' defines, too,
 since removed from moe_mxfp4.cu), and `2026-12-04-moe-mxfp4-bulk-h200.json` (two defines
-since removed, then the bulk tiles)."""
+since removed; its third run, of tiles fed by a producer warp's bulk copies, is this script
+at `6a4d31a`, whose moe_mxfp4.cu had them)."""
 
 import functools
 import gc
@@ -29,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-TILES = [("mma", 8, 2, 4), ("mma", 16, 4, 4), *((kind, rows, a, b) for kind in ("wgmma", "bulk")
-         for rows in (32, 64) for a, b in ((1, 1), (1, 2), (2, 1), (2, 2)))]
+TILES = [("mma", 8, 2, 4), ("mma", 16, 4, 4), ("wgmma", 16, 2, 1), ("wgmma", 32, 1, 1),
+         ("wgmma", 32, 1, 2), ("wgmma", 32, 2, 2), ("wgmma", 32, 2, 1), ("wgmma", 64, 1, 1),
+         ("wgmma", 64, 1, 2), ("wgmma", 64, 2, 1), ("wgmma", 64, 2, 2)]
 
 
 def tiles() -> list[tuple[str, int, int, int]]:
@@ -39,11 +40,6 @@ def tiles() -> list[tuple[str, int, int, int]]:
         return TILES
     return [(kind, int(m), int(a), int(b)) for kind, m, a, b in
             (t.split(":") for t in spec.split(","))]
-
-
-def tiled_then(tile_rows, product) -> None:
-    tile_rows()
-    product()
 
 
 def variants() -> dict[str, list[str]]:
@@ -90,21 +86,13 @@ def main() -> None:
             for name, module in modules.items():
                 if kind == "mma" and name != next(iter(modules)):
                     continue
-                fn = {"mma": module.experts, "wgmma": module.experts_wgmma,
-                      "bulk": module.experts_bulk}[kind]
+                fn = module.experts if kind == "mma" else module.experts_wgmma
+                o1 = torch.empty(ids.numel(), inter, dtype=torch.bfloat16, device="cuda")
+                o2 = torch.empty(ids.numel(), hidden, dtype=torch.bfloat16, device="cuda")
+
                 pairs = ids.numel()
-                # bulk: x's rows (by tile_rows, timed with gate/up) and gate/up's output in
-                # tile order, a row an aligned pair
-                rows_in = sorted_pairs.numel() if kind == "bulk" else pairs
-                xt = torch.empty(rows_in, hidden, dtype=torch.bfloat16, device="cuda")
-                o1 = torch.empty(rows_in, inter, dtype=torch.bfloat16, device="cuda")
-                o2 = torch.empty(pairs, hidden, dtype=torch.bfloat16, device="cuda")
-                product = functools.partial(fn, xt if kind == "bulk" else x, ow13, os13, b13,
-                                            sorted_pairs, cum_padded, wts, o1, 0, m // 8, a, b,
-                                            pairs, k, True, 1.702, 7.0)
-                gate_up = product if kind != "bulk" else functools.partial(
-                    tiled_then, functools.partial(module.tile_rows, x, sorted_pairs, cum_padded,
-                                                  xt, pairs, k, m // 8), product)
+                gate_up = functools.partial(fn, x, ow13, os13, b13, sorted_pairs, cum_padded, wts,
+                                            o1, 0, m // 8, a, b, pairs, k, True, 1.702, 7.0)
                 down = functools.partial(fn, o1, ow2, os2, b2, sorted_pairs, cum_padded, wts, o2,
                                          1, m // 8, a, b, pairs, k, False, 0.0, 0.0)
                 gate_up()

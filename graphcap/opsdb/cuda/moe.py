@@ -16,9 +16,9 @@ from graphcap.opsdb.triton.moe import sum_slots
 def tile(num_pairs: int, num_experts: int, hopper: bool) -> tuple[str, int, int, int]:
     """(kernel, rows a tile, a, b) for about ``num_pairs / num_experts`` rows an expert:
     ``"mma"`` (mma.sync: a row blocks a warp, b warps) or, on Hopper, ``"wgmma"`` (warpgroup
-    products, their operands brought by bulk copies: a 64-row blocks a warpgroup, b
-    warpgroups). The fastest of the H200 sweeps of gpt-oss-120b's experts at 0.5, 4, 16
-    and 64 rows an expert (docs/notes/probes/moe_mxfp4_cuda.py, moe_mxfp4_wgmma.py)."""
+    products: a 64-row blocks a warpgroup, b warpgroups). The fastest of the H200 sweeps of
+    gpt-oss-120b's experts at 0.5, 4, 16 and 64 rows an expert
+    (docs/notes/probes/moe_mxfp4_cuda.py, moe_mxfp4_wgmma.py)."""
     if num_pairs <= 8 * num_experts:
         return "mma", 8, 2, 4
     if hopper:
@@ -43,24 +43,15 @@ def moe_experts(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0.0
     weights = topk_weights.reshape(-1).float().contiguous()
     bias13, bias2 = (None if b is None else b.to(torch.bfloat16).contiguous() for b in (b13, b2))
     kernel, rows, a, b = tile(num_pairs, num_experts, hopper(x.device))
+    launch = module.experts_wgmma if kernel == "wgmma" else module.experts
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     sorted_pairs, cum_padded = module.align(ids, num_experts, rows)
+    inter = torch.empty(num_pairs, inter_size, dtype=torch.bfloat16, device=x.device)
     pairs = torch.empty(num_pairs, hidden, dtype=torch.bfloat16, device=x.device)
-    args = (sorted_pairs, cum_padded, weights)
-    tail = (rows // 8, a, b, num_pairs, top_k)
-    glu = (bool(interleaved), float(alpha), float(limit))
-    if kernel == "wgmma":  # x's rows and gate/up's output in tile order, a row an aligned pair
-        aligned_rows = sorted_pairs.shape[0]
-        tiled = torch.empty(aligned_rows, hidden, dtype=torch.bfloat16, device=x.device)
-        module.tile_rows(xb, sorted_pairs, cum_padded, tiled, num_pairs, top_k, rows // 8)
-        inter = torch.empty(aligned_rows, inter_size, dtype=torch.bfloat16, device=x.device)
-        module.experts_bulk(tiled, w13, w13_scale, bias13, *args, inter, 0, *tail, *glu)
-        del tiled
-        module.experts_bulk(inter, w2, w2_scale, bias2, *args, pairs, 1, *tail, False, 0.0, 0.0)
-    else:
-        inter = torch.empty(num_pairs, inter_size, dtype=torch.bfloat16, device=x.device)
-        module.experts(xb, w13, w13_scale, bias13, *args, inter, 0, *tail, *glu)
-        module.experts(inter, w2, w2_scale, bias2, *args, pairs, 1, *tail, False, 0.0, 0.0)
+    for mode, (src, w, s, bias, dst) in enumerate(((xb, w13, w13_scale, bias13, inter),
+                                                 (inter, w2, w2_scale, bias2, pairs))):
+        launch(src, w, s, bias, sorted_pairs, cum_padded, weights, dst, mode, rows // 8, a, b,
+               num_pairs, top_k, bool(interleaved), float(alpha), float(limit))
     # inter freed before out is made: the two may share memory (as the Triton kernels').
     del inter
     if out is None and x.dtype == torch.bfloat16:

@@ -32,21 +32,12 @@ __device__ __forceinline__ int expert_of(const int* cum_padded, int num_experts,
   return e;
 }
 
-// The element offset of feature f in a row of a tile of 8 * TMB rows in tile order (as a
-// chunk's activations sit in a stage: experts_bulk_kernel), or f where TMB is 0.
-template <int TMB>
-__device__ __forceinline__ int column(int f) {
-  return TMB == 0 ? f : (f >> 6) * (TMB * 512) + ((f >> 3) & 7) * (TMB * 64) + (f & 7);
-}
-
-// One column of a 16-row block's products: rows g (v_g) and g + 8 (v_g8) for `pair`, whose
-// output row starts at element `at` of out. MODE 0: a feature's gate and up (rows g and
-// g + 8 of the block), biases (b13's rows in the published order: interleaved or halves),
-// SwiGLU or gpt-oss's clamped GLU (alpha > 0), out [pairs, N / 2] (or in tile order of
-// 8 * TMB rows). MODE 1: down, bias, times the routing weight, out [pairs, N].
-template <int MODE, int TMB = 0>
-__device__ __forceinline__ void store(float v_g, float v_g8, int pair, int64_t at, int rb,
-                                      int g, int e,
+// One column of a 16-row block's products: rows g (v_g) and g + 8 (v_g8) for `pair`.
+// MODE 0: a feature's gate and up (rows g and g + 8 of the block), biases (b13's rows in
+// the published order: interleaved or halves), SwiGLU or gpt-oss's clamped GLU (alpha > 0),
+// out [pairs, N / 2]. MODE 1: down, bias, times the routing weight, out [pairs, N].
+template <int MODE>
+__device__ __forceinline__ void store(float v_g, float v_g8, int pair, int rb, int g, int e,
                                       const __nv_bfloat16* __restrict__ bias,
                                       const float* __restrict__ topk_weights,
                                       __nv_bfloat16* __restrict__ out, int64_t out_stride,
@@ -71,14 +62,14 @@ __device__ __forceinline__ void store(float v_g, float v_g8, int pair, int64_t a
     } else {  // SwiGLU
       h = gate / (1.f + __expf(-gate)) * up;
     }
-    out[at + column<TMB>(f)] = __float2bfloat16(h);
+    out[(int64_t)pair * out_stride + f] = __float2bfloat16(h);
   } else {
     const float wt = topk_weights[pair];
     const int n = 16 * rb + g;
     const float b_g = b == nullptr ? 0.f : __bfloat162float(b[n]);
     const float b_g8 = b == nullptr ? 0.f : __bfloat162float(b[n + 8]);
-    out[at + n] = __float2bfloat16((v_g + b_g) * wt);
-    out[at + n + 8] = __float2bfloat16((v_g8 + b_g8) * wt);
+    out[(int64_t)pair * out_stride + n] = __float2bfloat16((v_g + b_g) * wt);
+    out[(int64_t)pair * out_stride + n + 8] = __float2bfloat16((v_g8 + b_g8) * wt);
   }
 }
 
@@ -201,21 +192,19 @@ __global__ void __launch_bounds__(256) experts_kernel(GRAPHCAP_EXPERTS_PARAMS) {
 #pragma unroll
     for (int m = 0; m < MB; ++m)
 #pragma unroll
-      for (int col = 0; col < 2; ++col) {
-        const int pair = sorted_pairs[row0 + 8 * m + 2 * t + col];
-        store<MODE>(acc[r][m][col], acc[r][m][2 + col], pair, (int64_t)pair * out_stride, rb,
-                    g, e, bias, topk_weights, out, out_stride, num_pairs, row_blocks,
+      for (int col = 0; col < 2; ++col)
+        store<MODE>(acc[r][m][col], acc[r][m][2 + col], sorted_pairs[row0 + 8 * m + 2 * t + col],
+                    rb, g, e, bias, topk_weights, out, out_stride, num_pairs, row_blocks,
                     interleaved, alpha, limit);
-      }
   }
 }
 
 // A warpgroup tile's accumulators (its warps' BLK row blocks rbs, N = 8 * MB columns) to
-// out by store<MODE>; gate/up's in tile order where TILED (experts_bulk_kernel's).
+// out by store<MODE>.
 #define GRAPHCAP_STORE_ARGS                                                                \
   sorted_pairs, bias, topk_weights, out, out_stride, num_pairs, row_blocks, interleaved,  \
       alpha, limit
-template <int MODE, int MB, int BLK, bool TILED>
+template <int MODE, int MB, int BLK>
 __device__ __forceinline__ void store_tile(const float (&acc)[BLK][4 * MB], const int (&rbs)[BLK],
                                            int row0, int t, int g, int e,
                                            const int* __restrict__ sorted_pairs,
@@ -224,21 +213,17 @@ __device__ __forceinline__ void store_tile(const float (&acc)[BLK][4 * MB], cons
                                            __nv_bfloat16* __restrict__ out, int64_t out_stride,
                                            int num_pairs, int row_blocks, bool interleaved,
                                            float alpha, float limit) {
-  constexpr bool ORDER = TILED && MODE == 0;
 #pragma unroll
   for (int b = 0; b < BLK; ++b) {
     if (rbs[b] >= row_blocks) break;
 #pragma unroll
     for (int m = 0; m < MB; ++m)
 #pragma unroll
-      for (int col = 0; col < 2; ++col) {
-        const int n = 8 * m + 2 * t + col, pair = sorted_pairs[row0 + n];
-        const int64_t at = ORDER ? (int64_t)row0 * out_stride + (n >> 3) * 64 + (n & 7) * 8
-                                 : (int64_t)pair * out_stride;
-        store<MODE, ORDER ? MB : 0>(acc[b][4 * m + col], acc[b][4 * m + 2 + col], pair, at,
-                                    rbs[b], g, e, bias, topk_weights, out, out_stride,
-                                    num_pairs, row_blocks, interleaved, alpha, limit);
-      }
+      for (int col = 0; col < 2; ++col)
+        store<MODE>(acc[b][4 * m + col], acc[b][4 * m + 2 + col],
+                    sorted_pairs[row0 + 8 * m + 2 * t + col], rbs[b], g, e, bias,
+                    topk_weights, out, out_stride, num_pairs, row_blocks, interleaved, alpha,
+                    limit);
   }
 }
 
@@ -408,127 +393,8 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
   }
   pin_all(acc, false);
 
-  store_tile<MODE, MB, BLK, false>(acc, rbs, row0, t, g, e, GRAPHCAP_STORE_ARGS);
+  store_tile<MODE, MB, BLK>(acc, rbs, row0, t, g, e, GRAPHCAP_STORE_ARGS);
 #endif
-}
-
-// MODE as store's; experts_wgmma_kernel's products, with its activations in tile order
-// (tile_rows_kernel's, or the gate/up kernel's output): a chunk of a tile is N * 128
-// contiguous bytes laid out as its stage, so a producer warp copies a stage (activations,
-// each warp's 512 bytes of weights, its 32 of scales) in 1 + 2 * WARPS bulk copies. Their
-// completion is a stage's mbarrier (full) that the warpgroups wait on; they release the
-// stage on another (empty). No CTA barrier, proxy fence or per-thread copy a step.
-// Launched with 128 * WG + 32 threads.
-template <int MODE, int MB, int BLK, int WG>
-__global__ void __launch_bounds__(128 * WG + 32) experts_bulk_kernel(GRAPHCAP_EXPERTS_PARAMS) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  namespace wg = graphcap_wgmma;
-  constexpr int N = 8 * MB, WARPS = 4 * WG * BLK;  // warp-blocks: a warp's 16-row block
-  constexpr int WEIGHTS = N * 128, SCALES = WEIGHTS + WARPS * 512;
-  constexpr int STAGE = SCALES + WARPS * 32, COPIES = 1 + 2 * WARPS;
-  constexpr int STAGES = 48 * 1024 / STAGE < 4 ? 48 * 1024 / STAGE : 4;
-  static_assert(STAGES >= 2 && COPIES <= 64, "a bulk tile's stages or copies do not fit");
-  __shared__ __align__(128) uint8_t xs[STAGES * STAGE];
-  __shared__ __align__(8) uint64_t bars[2 * STAGES];  // full, then empty
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int row0 = blockIdx.x * N;
-  const int e = expert_of(cum_padded, num_experts, row0, lane);
-  if (row0 >= cum_padded[num_experts - 1]) return;
-  const uint32_t base = (uint32_t)__cvta_generic_to_shared(xs);
-  const uint32_t full = (uint32_t)__cvta_generic_to_shared(bars), empty = full + 8 * STAGES;
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < STAGES; ++i) {
-      wg::barrier_init(full + 8 * i, 1);
-      wg::barrier_init(empty + 8 * i, 4 * WG);
-    }
-    wg::fence_init();
-  }
-  __syncthreads();
-
-  if (warp == 4 * WG) {  // the producer: copy i of a stage by lane i % 32
-    const char* src[2];
-    uint32_t dst[2], bytes[2], step[2];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int i = lane + 32 * j, v = (i + WARPS - 1) % WARPS;
-      const int rb = row_block<BLK, WG>(v / BLK, v % BLK);
-      const int64_t first = ((int64_t)e * row_blocks + min(rb, row_blocks - 1)) * chunks;
-      const bool act = i == 0, wts = i <= WARPS;
-      src[j] = act ? reinterpret_cast<const char*>(x + (int64_t)row0 * x_stride)
-               : wts ? reinterpret_cast<const char*>(w + first * 32)
-                     : reinterpret_cast<const char*>(s + first * 8);
-      dst[j] = base + (act ? 0 : wts ? WEIGHTS + v * 512 : SCALES + v * 32);
-      bytes[j] = i < COPIES ? (act ? N * 128 : wts ? 512 : 32) : 0;
-    }
-    for (int c = 0, st = 0, phase = 0; c < chunks; ++c) {  // stage st, its use's parity
-      if (c >= STAGES) wg::barrier_wait(empty + 8 * st, phase ^ 1);
-      if (lane == 0) wg::barrier_expect(full + 8 * st, STAGE);
-      __syncwarp();
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-        if (bytes[j]) wg::bulk_copy(dst[j] + st * STAGE, src[j] + (int64_t)c * bytes[j],
-                                    bytes[j], full + 8 * st);
-      if (++st == STAGES) st = 0, phase ^= 1;
-    }
-    return;
-  }
-
-  int rbs[BLK];
-#pragma unroll
-  for (int b = 0; b < BLK; ++b) rbs[b] = row_block<BLK, WG>(warp, b);
-  float acc[BLK][N / 2];
-  pin_all(acc, true);
-  const uint64_t desc0 = wg::descriptor(base, MB * 128, 128);
-  // This lane's weights and scales in stage 0 (a warp-block's: 16 bytes a lane, a word a g).
-  const uint4* wbuf = reinterpret_cast<const uint4*>(xs + WEIGHTS) + warp * BLK * 32 + lane;
-  const uint32_t* sbuf = reinterpret_cast<const uint32_t*>(xs + SCALES) + warp * BLK * 8 + g;
-  // A turn's step in stage K, of the use of `parity`.
-  auto step = [&](auto k, uint32_t parity) {
-    constexpr int K = decltype(k)::value;
-    wg::barrier_wait(full + 8 * K, parity);
-    uint4 wr[BLK];
-    uint32_t sr[BLK], a[BLK][4][4];
-#pragma unroll
-    for (int b = 0; b < BLK; ++b) {
-      wr[b] = wbuf[K * STAGE / 16 + b * 32];
-      sr[b] = sbuf[K * STAGE / 4 + b * 8];
-    }
-    decode_multiply<MB, BLK>(acc, wr, sr, a, desc0 + (uint64_t)((K * STAGE) >> 4));
-    wg::wait<0>();
-    if (lane == 0) wg::barrier_arrive(empty + 8 * K);
-  };
-  for (int c = 0, parity = 0; c < chunks; c += STAGES, parity ^= 1) {
-    step(Const<0>{}, parity);
-    if (c + 1 < chunks) step(Const<1>{}, parity);
-    if (STAGES > 2 && c + 2 < chunks) step(Const<2 % STAGES>{}, parity);
-    if (STAGES > 3 && c + 3 < chunks) step(Const<3 % STAGES>{}, parity);
-  }
-  pin_all(acc, false);
-  store_tile<MODE, MB, BLK, true>(acc, rbs, row0, t, g, e, GRAPHCAP_STORE_ARGS);
-#endif
-}
-
-// x's rows of each tile of 8 * MB sorted pairs (gate/up's activations: row pair / top_k) in
-// tile order: chunk c of a tile (64 K) as 8 * MB * 128 contiguous bytes, core matrices of
-// 8 rows of 16 bytes, K-major (experts_bulk_kernel's stage). A CTA: one tile's chunk; padded
-// rows are left as they are (their products are never stored).
-template <int MB>
-__global__ void __launch_bounds__(256) tile_rows_kernel(
-    const __nv_bfloat16* __restrict__ x, int64_t x_stride, const int* __restrict__ sorted_pairs,
-    const int* __restrict__ cum_padded, int num_experts, int num_pairs, int top_k,
-    __nv_bfloat16* __restrict__ out) {
-  constexpr int N = 8 * MB, PIECES = N * 8;  // 16-byte pieces a chunk
-  const int row0 = blockIdx.x * N, c = blockIdx.y;
-  if (row0 >= cum_padded[num_experts - 1]) return;
-  uint4* dst = reinterpret_cast<uint4*>(out + ((int64_t)row0 * gridDim.y + (int64_t)c * N) * 64);
-  for (int q = threadIdx.x; q < PIECES; q += blockDim.x) {
-    const int core = q >> 3, n = (core % MB) * 8 + (q & 7), kc = core / MB;
-    const int pair = sorted_pairs[row0 + n];
-    if (pair < num_pairs)
-      dst[q] = *reinterpret_cast<const uint4*>(x + (int64_t)(pair / top_k) * x_stride +
-                                               c * 64 + kc * 8);
-  }
 }
 
 // moe_routing.align_pairs's contract in one CTA: each expert's pairs grouped (in any order
@@ -583,9 +449,6 @@ __global__ void __launch_bounds__(1024) align_kernel(const Id* __restrict__ ids,
 #define GRAPHCAP_WGMMA(MODE, MB, BLK, WG)                                      \
   GRAPHCAP_LAUNCH(mode == MODE && mb == MB && a == BLK && b == WG,             \
                   experts_wgmma_kernel<MODE, MB, BLK, WG>)
-#define GRAPHCAP_BULK(MODE, MB, BLK, WG)                                       \
-  GRAPHCAP_LAUNCH(mode == MODE && mb == MB && a == BLK && b == WG,             \
-                  experts_bulk_kernel<MODE, MB, BLK, WG>)
 
 #define GRAPHCAP_EXPERTS_ARGS                                                              \
   torch::Tensor x, torch::Tensor w, torch::Tensor s, c10::optional<torch::Tensor> bias,   \
@@ -624,18 +487,15 @@ void experts(GRAPHCAP_EXPERTS_ARGS) {
               " row blocks a warp, ", b, " warps");
 }
 
-void check_hopper() {
-  const auto* props = at::cuda::getCurrentDeviceProperties();
-  TORCH_CHECK(props->major == 9 && props->minor == 0,
-              "the warpgroup MXFP4 experts kernels run on compute capability 9.0 (sm_90a)");
-}
-
 // Warpgroup tiles (sm_90a builds only): 8 * mb rows, a = 64-row blocks a warpgroup,
 // b = warpgroups.
 void experts_wgmma(GRAPHCAP_EXPERTS_ARGS) {
   GRAPHCAP_EXPERTS_SETUP
-  check_hopper();
-  const int blocks = (row_blocks + 4 * a * b - 1) / (4 * a * b), threads = 128 * b;
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  TORCH_CHECK(props->major == 9 && props->minor == 0,
+              "the warpgroup MXFP4 experts kernel runs on compute capability 9.0 (sm_90a)");
+  const int blocks = (row_blocks + 4 * a * b - 1) / (4 * a * b);
+  const int threads = 128 * b;
 #ifdef GRAPHCAP_MXFP4_SWEEP
 #define GRAPHCAP_WGMMA_TILES(MODE, MB) \
   GRAPHCAP_WGMMA(MODE, MB, 1, 1) GRAPHCAP_WGMMA(MODE, MB, 1, 2) GRAPHCAP_WGMMA(MODE, MB, 2, 1) \
@@ -648,55 +508,6 @@ void experts_wgmma(GRAPHCAP_EXPERTS_ARGS) {
 #endif
   TORCH_CHECK(false, "no warpgroup MXFP4 experts kernel for mode ", mode, ", ", 8 * mb,
               " rows, ", a, " blocks a warpgroup, ", b, " warpgroups");
-}
-
-// Warpgroup tiles fed by bulk copies (sm_90a builds only), tiles as experts_wgmma's: x in
-// tile order (tile_rows' or gate/up's output), as many rows as sorted_pairs; mode 0 writes
-// out in tile order too.
-void experts_bulk(GRAPHCAP_EXPERTS_ARGS) {
-  GRAPHCAP_EXPERTS_SETUP
-  check_hopper();
-  TORCH_CHECK(x.is_contiguous() && x.size(0) >= sorted_pairs.numel() &&
-                  (mode == 1 || (out.is_contiguous() && out.size(0) >= sorted_pairs.numel())),
-              "x (and gate/up's out) in tile order: contiguous, a row for each aligned pair");
-  const int blocks = (row_blocks + 4 * a * b - 1) / (4 * a * b), threads = 128 * b + 32;
-#ifdef GRAPHCAP_MXFP4_SWEEP
-#define GRAPHCAP_BULK_TILES(MODE, MB) \
-  GRAPHCAP_BULK(MODE, MB, 1, 1) GRAPHCAP_BULK(MODE, MB, 1, 2) GRAPHCAP_BULK(MODE, MB, 2, 1) \
-  GRAPHCAP_BULK(MODE, MB, 2, 2)
-  GRAPHCAP_BULK_TILES(0, 2) GRAPHCAP_BULK_TILES(0, 4) GRAPHCAP_BULK_TILES(0, 8)
-  GRAPHCAP_BULK_TILES(1, 2) GRAPHCAP_BULK_TILES(1, 4) GRAPHCAP_BULK_TILES(1, 8)
-#else
-  GRAPHCAP_BULK(0, 4, 1, 2) GRAPHCAP_BULK(0, 8, 1, 2) GRAPHCAP_BULK(1, 4, 1, 2)
-  GRAPHCAP_BULK(1, 8, 1, 2)
-#endif
-  TORCH_CHECK(false, "no bulk-copy MXFP4 experts kernel for mode ", mode, ", ", 8 * mb,
-              " rows, ", a, " blocks a warpgroup, ", b, " warpgroups");
-}
-
-// x's rows (row pair / top_k of each aligned pair) into out [sorted_pairs rows, K] in the
-// tile order of 8 * mb rows (experts_bulk's gate/up activations).
-void tile_rows(torch::Tensor x, torch::Tensor sorted_pairs, torch::Tensor cum_padded,
-               torch::Tensor out, int64_t num_pairs, int64_t top_k, int64_t mb) {
-  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
-                  x.stride(0) % 8 == 0 && x.size(1) % 64 == 0,
-              "x: bf16 rows of a multiple of 64, contiguous along K, 16-byte aligned");
-  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kBFloat16 &&
-                  out.size(0) >= sorted_pairs.numel() && out.size(1) == x.size(1),
-              "out: contiguous bf16, a row of x's width for each aligned pair");
-  const dim3 grid((sorted_pairs.numel() + 8 * mb - 1) / (8 * mb), x.size(1) / 64);
-  auto stream = at::cuda::getCurrentCUDAStream();
-#define GRAPHCAP_TILE_ROWS(MB)                                                              \
-  if (mb == MB) {                                                                           \
-    tile_rows_kernel<MB><<<grid, 256, 0, stream>>>(                                         \
-        reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), x.stride(0),                 \
-        sorted_pairs.data_ptr<int>(), cum_padded.data_ptr<int>(), cum_padded.numel(),       \
-        (int)num_pairs, (int)top_k, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));     \
-    C10_CUDA_KERNEL_LAUNCH_CHECK();                                                         \
-    return;                                                                                 \
-  }
-  GRAPHCAP_TILE_ROWS(2) GRAPHCAP_TILE_ROWS(4) GRAPHCAP_TILE_ROWS(8)
-  TORCH_CHECK(false, "no tile order of ", 8 * mb, " rows");
 }
 
 // (sorted_pairs [n + E * (block - 1)], cum_padded [E]) of top-k expert ids (int32 or int64).
@@ -725,7 +536,5 @@ std::vector<torch::Tensor> align(torch::Tensor topk_ids, int64_t num_experts, in
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("experts", &experts);
   m.def("experts_wgmma", &experts_wgmma);
-  m.def("experts_bulk", &experts_bulk);
-  m.def("tile_rows", &tile_rows);
   m.def("align", &align);
 }

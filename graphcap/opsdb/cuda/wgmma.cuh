@@ -1,7 +1,6 @@
 // Hopper's warpgroup products (wgmma, sm_90a): the left operand in registers (each warp's
 // 16 rows in the mma.sync A-operand layout), the right in shared memory, K-major, without
-// swizzle; the cp.async copies that fill that memory, and the bulk copies and mbarriers that
-// fill it from a producer warp. Used by moe_mxfp4.cu.
+// swizzle; and the cp.async copies that fill that memory. Used by moe_mxfp4.cu.
 #pragma once
 #include <stdint.h>
 
@@ -64,48 +63,6 @@ template <int P>
 __device__ __forceinline__ void copy_wait() {
   asm volatile("cp.async.wait_group %0;\n\tfence.proxy.async.shared::cta;" ::"n"(P)
                : "memory");
-}
-
-// Shared-memory mbarriers: init (count arrivals a phase; then fence_init, before the CTA's
-// barrier, so that the copy engine sees it), a plain arrival, an arrival that also expects
-// `bytes` of bulk copies this phase, and a bounded wait for the phase of `parity` to complete
-// (a trap, not a hang, after 2^24 polls).
-__device__ __forceinline__ void barrier_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void fence_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ __forceinline__ void barrier_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void barrier_expect(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void barrier_wait(uint32_t bar, uint32_t parity) {
-  for (uint32_t polls = 0;; ++polls) {
-    uint32_t done;
-    asm volatile(
-        "{\n\t.reg .pred p;\n\t"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-        "selp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-    if (done) return;
-    if (polls == (1u << 24)) __trap();
-  }
-}
-
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory by
-// the copy engine (the async proxy), completing that many of `bar`'s expected bytes.
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes,
-                                          uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
 }
 
 // d (64 x N, f32, += ) = a (64 x 16, bf16, registers) * b (16 x N, bf16, descriptor).
