@@ -281,26 +281,53 @@ struct Const {
   static constexpr int value = K;
 };
 
-// MODE as store's, on Hopper's warpgroup products (sm_90a). A tile: N = 8 * MB padded rows
-// of one expert. A step: one chunk (64 K). A warpgroup: BLK blocks of 64 weight rows (its
-// warps' 16 each). A chunk's activations (core matrices of 8 rows of 16 bytes) and each
-// lane's weights and scales are copied to shared memory STAGES - 1 steps ahead, into
-// STAGES stages that the loop (STAGES steps a turn) addresses by constants; a step's
-// weights are decoded into operand registers once and multiplied by all N rows in one
-// product a 16-K step.
+// f(Const<0>{}), ..., f(Const<COUNT - 1>{}), in order.
+template <int... I>
+struct Ints {};
+template <int COUNT, int... I>
+struct Count : Count<COUNT - 1, COUNT - 1, I...> {};
+template <int... I>
+struct Count<0, I...> {
+  using type = Ints<I...>;
+};
+template <typename F, int... I>
+__device__ __forceinline__ void each(F&& f, Ints<I...>) {
+  (f(Const<I>{}), ...);
+}
+template <int COUNT, typename F>
+__device__ __forceinline__ void each(F&& f) {
+  each(f, typename Count<COUNT>::type{});
+}
+
+#ifndef GRAPHCAP_WGMMA_STAGES  // at most this many stages
+#define GRAPHCAP_WGMMA_STAGES 4
+#endif
+#ifndef GRAPHCAP_WGMMA_SMEM  // in at most this many bytes of shared memory
+#define GRAPHCAP_WGMMA_SMEM (48 * 1024)
+#endif
+
+// A warpgroup tile's stage: the activations (N = 8 * MB rows of a chunk), then each warp's
+// BLK blocks of weights and of scales; BYTES of dynamic shared memory for STAGES of them.
+template <int MB, int BLK, int WG>
+struct WgmmaStages {
+  static constexpr int THREADS = 128 * WG, WEIGHTS = MB * 8 * 128;
+  static constexpr int SCALES = WEIGHTS + THREADS * BLK * 16, STAGE = SCALES + THREADS * BLK * 4;
+  static constexpr int STAGES = GRAPHCAP_WGMMA_SMEM / STAGE < GRAPHCAP_WGMMA_STAGES
+                                    ? GRAPHCAP_WGMMA_SMEM / STAGE : GRAPHCAP_WGMMA_STAGES;
+  static constexpr int BYTES = STAGES * STAGE;
+  static_assert(STAGES >= 2, "a warpgroup tile's stages exceed its shared memory");
+};
+
 template <int MODE, int MB, int BLK, int WG>
 __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERTS_PARAMS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   namespace wg = graphcap_wgmma;
-  constexpr int N = 8 * MB, THREADS = 128 * WG, PIECES = N * 8;
+  using Tile = WgmmaStages<MB, BLK, WG>;
+  constexpr int N = 8 * MB, THREADS = Tile::THREADS, PIECES = N * 8;
   constexpr int PER = (PIECES + THREADS - 1) / THREADS;
-  // A stage: the activations, then each warp's BLK blocks of weights and of scales.
-  constexpr int WEIGHTS = N * 128, SCALES = WEIGHTS + THREADS * BLK * 16;
-  constexpr int STAGE = SCALES + THREADS * BLK * 4;
-  constexpr int STAGES = 48 * 1024 / STAGE < 4 ? 48 * 1024 / STAGE : 4;
-  static_assert(STAGES >= 2, "a warpgroup tile's stages exceed static shared memory");
-  constexpr int AHEAD = STAGES - 1;  // chunks the copies run ahead
-  __shared__ __align__(128) uint8_t xs[STAGES * STAGE];
+  constexpr int WEIGHTS = Tile::WEIGHTS, SCALES = Tile::SCALES, STAGE = Tile::STAGE;
+  constexpr int STAGES = Tile::STAGES, AHEAD = STAGES - 1;  // chunks the copies run ahead
+  extern __shared__ __align__(128) uint8_t xs[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * N;
@@ -375,14 +402,11 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
     wg::wait<0>();
   };
 
-  stage(Const<0>{}, Const<0>{}, true);
-  if (AHEAD > 1) stage(Const<1>{}, Const<1>{}, 1 < chunks);
-  if (AHEAD > 2) stage(Const<2>{}, Const<2>{}, 2 < chunks);
+  each<AHEAD>([&](auto k) { stage(k, k, decltype(k)::value < chunks); });
   for (int c = 0; c < chunks; c += STAGES) {  // a turn: the pointers' chunks 0 to STAGES - 1
-    step(Const<0>{}, c);
-    if (c + 1 < chunks) step(Const<1>{}, c + 1);
-    if (STAGES > 2 && c + 2 < chunks) step(Const<2 % STAGES>{}, c + 2);
-    if (STAGES > 3 && c + 3 < chunks) step(Const<3 % STAGES>{}, c + 3);
+    each<STAGES>([&](auto k) {
+      if (c + decltype(k)::value < chunks) step(k, c + decltype(k)::value);
+    });
 #pragma unroll
     for (int b = 0; b < BLK; ++b) {
       wp[b] += STAGES * 32;
@@ -430,10 +454,14 @@ __global__ void __launch_bounds__(1024) align_kernel(const Id* __restrict__ ids,
 
 }  // namespace
 
-// Launch KERNEL (a grid of `tiles` by `blocks` CTAs of `threads`) where COND holds.
-#define GRAPHCAP_LAUNCH(COND, ...)                                                         \
+// Launch KERNEL (a grid of `tiles` by `blocks` CTAs of `threads`, SMEM bytes of dynamic
+// shared memory) where COND holds.
+#define GRAPHCAP_LAUNCH(COND, SMEM, ...)                                                   \
   if (COND) {                                                                              \
-    __VA_ARGS__<<<dim3(tiles, blocks), threads, 0, stream>>>(                              \
+    if ((SMEM) > 48 * 1024)                                                                \
+      C10_CUDA_CHECK(cudaFuncSetAttribute(__VA_ARGS__,                                     \
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM)); \
+    __VA_ARGS__<<<dim3(tiles, blocks), threads, SMEM, stream>>>(                           \
         reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), x.stride(0),                \
         reinterpret_cast<const uint4*>(w.data_ptr()),                                      \
         reinterpret_cast<const uint32_t*>(s.data_ptr()), bias_ptr,                         \
@@ -445,10 +473,10 @@ __global__ void __launch_bounds__(1024) align_kernel(const Id* __restrict__ ids,
     return;                                                                                \
   }
 #define GRAPHCAP_MMA(MODE, MB, RB) \
-  GRAPHCAP_LAUNCH(mode == MODE && mb == MB && a == RB, experts_kernel<MODE, MB, RB>)
+  GRAPHCAP_LAUNCH(mode == MODE && mb == MB && a == RB, 0, experts_kernel<MODE, MB, RB>)
 #define GRAPHCAP_WGMMA(MODE, MB, BLK, WG)                                      \
   GRAPHCAP_LAUNCH(mode == MODE && mb == MB && a == BLK && b == WG,             \
-                  experts_wgmma_kernel<MODE, MB, BLK, WG>)
+                  (WgmmaStages<MB, BLK, WG>::BYTES), experts_wgmma_kernel<MODE, MB, BLK, WG>)
 
 #define GRAPHCAP_EXPERTS_ARGS                                                              \
   torch::Tensor x, torch::Tensor w, torch::Tensor s, c10::optional<torch::Tensor> bias,   \
