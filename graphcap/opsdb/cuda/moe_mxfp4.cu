@@ -318,6 +318,13 @@ struct WgmmaStages {
   static_assert(STAGES >= 2, "a warpgroup tile's stages exceed its shared memory");
 };
 
+// MODE as store's, on Hopper's warpgroup products (sm_90a). A tile: N = 8 * MB padded rows
+// of one expert. A step: one chunk (64 K). A warpgroup: BLK blocks of 64 weight rows (its
+// warps' 16 each). A chunk's activations (core matrices of 8 rows of 16 bytes) and each
+// lane's weights and scales are copied to shared memory (dynamic: WgmmaStages' BYTES)
+// STAGES - 1 steps ahead, into STAGES stages that the loop (STAGES steps a turn) addresses
+// by constants; a step's weights are decoded into operand registers once and multiplied by
+// all N rows in one product a 16-K step.
 template <int MODE, int MB, int BLK, int WG>
 __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERTS_PARAMS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
