@@ -21,17 +21,19 @@ COMPILE_QKV = textwrap.dedent('''
     from triton.compiler import ASTSource
     from graphcap.opsdb.triton.qkv import _qkv_kernel
 
-    for dt, pdl in (("bf16", True), ("bf16", False), ("fp16", True), ("fp32", True)):
+    for dt, pdl, heads in (("bf16", True, 1), ("bf16", False, 32), ("fp16", True, 32),
+                           ("fp32", True, 1)):
         for norm in (True, False):
             ptrs = {name: f"*{dt}" for name in ("qkv_ptr", "qw_ptr", "kw_ptr", "q_ptr",
                                                 "k_ptr", "v_ptr")}
             ints = {name: "i32" for name in ("qkv_stride", "pos_stride", "cache_stride",
                                              "n_q", "n_k", "head_size", "half")}
             sig = {**ptrs, **ints, "pos_ptr": "*i64", "cache_ptr": "*fp32", "eps": "fp32",
-                   "HAS_NORM": "constexpr", "BLOCK_D": "constexpr", "PDL": "constexpr"}
+                   "HAS_NORM": "constexpr", "BLOCK_H": "constexpr", "BLOCK_D": "constexpr",
+                   "PDL": "constexpr"}
             sig = {name: sig[name] for name in _qkv_kernel.arg_names}
-            src = ASTSource(_qkv_kernel, sig,
-                            constexprs={"HAS_NORM": norm, "BLOCK_D": 128, "PDL": pdl})
+            src = ASTSource(_qkv_kernel, sig, constexprs={
+                "HAS_NORM": norm, "BLOCK_H": heads, "BLOCK_D": 128, "PDL": pdl})
             out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                  options={"launch_pdl": pdl})
             assert "cubin" in out.asm
