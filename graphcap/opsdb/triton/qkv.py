@@ -10,8 +10,8 @@ contiguous last dim and any row stride; ``positions`` [T] int32/int64; ``q_weigh
 rot even, <= D). Returns fresh contiguous q [T, H, D], k [T, Hk, D], v [T, Hk, D]. Like
 the unfused ops, normalised values are rounded to the input dtype before they rotate, so
 both paths give the same bits in the common case. One program per token and block of
-heads: up to TILE / D heads (all of a token's where they fit) once there are PROGRAMS
-programs, one head a program for a few tokens. Grid from host shapes only,
+heads: one head for a few tokens, else up to TILE / D heads (all of a token's where they
+fit) once there are PROGRAMS programs. Grid from host shapes only,
 ``T == 0`` launches nothing: safe inside a CUDA graph.
 """
 
@@ -25,6 +25,10 @@ from graphcap.opsdb.triton.common import pdl_args, pdl_start
 
 TILE = 4096  # elements a program at most: heads x head size
 PROGRAMS = 128  # about the SMs of a GPU
+# A program a head up to this many (one-warp programs, one wave): on the H200 faster there
+# than tiles (qwen3-0.6b, 16 tokens: 1.40 us against 1.64 with 4 heads a program), slower
+# past it (64 tokens: 3.12 against 2.10; docs/notes/probes/qkv_tiles.py).
+SINGLE = 1024
 
 
 @triton.jit
@@ -70,8 +74,11 @@ def _qkv_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cache_ptr, q_ptr, k_ptr, v_ptr
 
 
 def heads_per_program(heads: int, tokens: int, block_d: int) -> int:
-    """Heads a program takes: as many as fit the tile once the grid has PROGRAMS programs
-    (a few tokens keep a program a head, as a decode step of one row)."""
+    """Heads a program takes: one while a program a head makes at most SINGLE programs (a
+    decode step, a short prompt), else as many as fit the tile once the grid has PROGRAMS
+    programs."""
+    if heads * tokens <= SINGLE:
+        return 1
     spread = triton.next_power_of_2(max(1, heads * tokens // PROGRAMS))
     return min(triton.next_power_of_2(heads), max(1, TILE // block_d), spread)
 
