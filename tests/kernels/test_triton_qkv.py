@@ -30,12 +30,12 @@ def inputs(T, hq, hk, d, dtype, seed, norm, device="cuda"):
                                             (160, 16, 8, 128, True), (40, 64, 8, 64, False),
                                             (48, 40, 8, 64, True)],
                          ids=["decode row", "16 tokens", "qwen3, 160 tokens",
-                              "gpt-oss, 40 tokens", "56 heads in a tile of 64"])
+                              "gpt-oss, 40 tokens", "56 heads in tiles of 32"])
 def test_many_tokens_take_several_heads_a_program_with_the_references_result(T, hq, hk, d,
                                                                            norm):
     """A program takes one head while the tokens are few (a decode row, 16 tokens of
-    qwen3-0.6b) and up to a tile of heads past that; masked heads past the last are never
-    written. Each against the unfused reference (on the CPU, Triton's
+    qwen3-0.6b) and up to a tile of heads past that, the last tile partly past the heads
+    (56 in tiles of 32). Each against the unfused reference (on the CPU, Triton's
     interpreter)."""
     from graphcap.opsdb.triton.qkv import SINGLE, heads_per_program, qkv_norm_rope
 
