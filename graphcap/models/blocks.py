@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from graphcap.opsdb.attention import ATTENTION
-from graphcap.opsdb.cached import CACHED_ATTENTION
+from graphcap.opsdb.cached import QKV_CACHED_ATTENTION
 from graphcap.opsdb.collective import ALL_REDUCE
 from graphcap.opsdb.linear import LINEAR_RESIDUAL, RMS_NORM_LINEAR, RMS_NORM_SWIGLU
 from graphcap.opsdb.moe import MOE_EXPERTS, MOE_TOPK_SOFTMAX
@@ -89,15 +89,19 @@ def attention_half(h, positions, w: AttentionWeights, a: AttentionLayer):
     """``h + o(attention(q, k, v))`` of :func:`attention_inputs`, causal within each
     request of the forward context's metadata. With a ``layer`` index and a K/V cache in
     the forward context (:class:`graphcap.kv.CacheBatch`), the layer's K/V are written to
-    it first (``graphcap::cached_attention``); a decode step then attends over each row's
-    cached tokens, a prefill among its new tokens."""
+    it first (``graphcap::qkv_cached_attention``, from the projection's rows: in a decode
+    step one kernel normalises, rotates, writes and attends); a decode step then attends
+    over each row's cached tokens, a prefill among its new tokens."""
     t = h.shape[0]
-    q, k, v = attention_inputs(h, positions, w, a)
     out = torch.empty(t, a.heads, a.head_dim, dtype=h.dtype, device=h.device)
     if a.layer is None:
+        q, k, v = attention_inputs(h, positions, w, a)
         ATTENTION(q, k, v, out, a.scale, a.window, a.softcap, w.sinks)
     else:  # the forward context's cache, if any, read at run time (also when compiled)
-        CACHED_ATTENTION(q, k, v, out, a.scale, a.layer, a.window, a.softcap, w.sinks)
+        x = RMS_NORM_LINEAR(h, w.norm, a.eps, w.qkv, w.qkv_bias)
+        QKV_CACHED_ATTENTION(x, positions, w.q_norm, w.k_norm, w.cos_sin, out, a.heads,
+                             a.kv_heads, a.head_dim, a.qk_eps, a.scale, a.layer, a.window,
+                             a.softcap, w.sinks)
     return residual_linear(out.view(t, a.heads * a.head_dim), w.o, h, w.o_bias, a.tp)
 
 

@@ -13,6 +13,12 @@ split op, traced once, and the cache is read at run time, as prefill's metadata 
 Decode's state lives on the device in the shape's static tensors: the op captures (its
 ``static_state`` is the ``CacheBatch``). ``window``, ``softcap`` and ``sinks`` are the
 layer's :mod:`~graphcap.opsdb.attention.variant`, passed to whichever attention runs.
+
+``graphcap::qkv_cached_attention`` is the same from the fused q/k/v projection's rows:
+``graphcap::qkv_norm_rope`` (split, qk-norm, rotary), then ``cached_attention``. In a
+decode step whose backend rotates the rows itself (``rotates``: the default's Triton
+kernel) both run as one kernel: the step's layer goes from the projection to attention's
+output in one launch. Models built from :mod:`graphcap.models.blocks` call it.
 """
 
 from __future__ import annotations
@@ -29,9 +35,21 @@ from graphcap.opsdb.attention import (
 from graphcap.opsdb.attention.paged import attend_pages, backend_of
 from graphcap.opsdb.attention.variant import Variant
 from graphcap.opsdb.kv import KV_WRITE
+from graphcap.opsdb.qkv import QKV_NORM_ROPE, check_qkv, heads_of
 from graphcap.opsdb.spec import register_op
 
 OP = "cached_attention"
+QKV_OP = "qkv_cached_attention"
+
+
+def _layer_of(kv, layer: int, op: str):
+    """Layer ``layer``'s (k_cache, v_cache), noted as written."""
+    if not 0 <= layer < kv.cache.layers:
+        raise UnsupportedModel(
+            f"{op}: layer {layer} of a K/V cache of {kv.cache.layers} layers; make the "
+            "cache with as many layers as the model, and pass each attention its own index")
+    kv.written.add(layer)
+    return kv.cache.layer(layer)
 
 
 def _run(q, k, v, out, scale, layer, window, softcap, sinks, attention, kernel=None
@@ -40,11 +58,7 @@ def _run(q, k, v, out, scale, layer, window, softcap, sinks, attention, kernel=N
     if kv is None:
         attention(q, k, v, out, scale, window, softcap, sinks)
         return
-    if not 0 <= layer < kv.cache.layers:
-        raise UnsupportedModel(
-            f"{OP}: layer {layer} of a K/V cache of {kv.cache.layers} layers; make the cache "
-            "with as many layers as the model, and pass each attention its own index")
-    kv.written.add(layer)
+    k_cache, v_cache = _layer_of(kv, layer, OP)
     k_cache, v_cache = kv.cache.layer(layer)
     variant = Variant(window, softcap, sinks)
     if kv.decode and backend_of(kv).writes_own:  # the write in the attention kernel
@@ -88,6 +102,53 @@ def _fake(q, k, v, out, scale, layer, window=0, softcap=0.0, sinks=None):
     return None
 
 
+def _run_rows(qkv, positions, q_weight, k_weight, cos_sin_cache, out, num_heads,
+              num_kv_heads, head_size, eps, scale, layer, window, softcap, sinks, attention,
+              kernel=None) -> None:
+    kv = current_kv()
+    if kv is not None and kv.decode and backend_of(kv).rotates:  # one kernel
+        k_cache, v_cache = _layer_of(kv, layer, QKV_OP)
+        q, k, v = heads_of(qkv, num_heads, num_kv_heads, head_size)
+        attend_pages(q, k_cache, v_cache, kv, out, scale, kernel,
+                     Variant(window, softcap, sinks), own=(k, v),
+                     rope=(positions, q_weight, k_weight, cos_sin_cache, eps))
+        return
+    q, k, v = QKV_NORM_ROPE(qkv, positions, q_weight, k_weight, cos_sin_cache, num_heads,
+                            num_kv_heads, head_size, eps, kernel=kernel)
+    _run(q, k, v, out, scale, layer, window, softcap, sinks, attention, kernel)
+
+
+def _rows_dispatch(qkv, positions, q_weight, k_weight, cos_sin_cache, out, num_heads,
+                   num_kv_heads, head_size, eps, scale, layer, window=0, softcap=0.0,
+                   sinks=None):
+    _run_rows(qkv, positions, q_weight, k_weight, cos_sin_cache, out, num_heads,
+              num_kv_heads, head_size, eps, scale, layer, window, softcap, sinks,
+              run_attention)
+
+
+def _rows_reference(qkv, positions, q_weight, k_weight, cos_sin_cache, out, num_heads,
+                    num_kv_heads, head_size, eps, scale, layer, window=0, softcap=0.0,
+                    sinks=None):
+    _run_rows(qkv, positions, q_weight, k_weight, cos_sin_cache, out, num_heads,
+              num_kv_heads, head_size, eps, scale, layer, window, softcap, sinks,
+              reference_attention, kernel="torch")
+
+
+def _rows_check(qkv, positions, q_weight, k_weight, cos_sin_cache, out, num_heads,
+                num_kv_heads, head_size, eps, scale, layer, window=0, softcap=0.0,
+                sinks=None):
+    check_qkv(qkv, positions, q_weight, k_weight, cos_sin_cache, num_heads, num_kv_heads,
+              head_size, eps)
+    _check(*heads_of(qkv, num_heads, num_kv_heads, head_size), out, scale, layer, window,
+           softcap, sinks)
+
+
+def _rows_fake(qkv, positions, q_weight, k_weight, cos_sin_cache, out, num_heads,
+               num_kv_heads, head_size, eps, scale, layer, window=0, softcap=0.0,
+               sinks=None):
+    return None
+
+
 CACHED_ATTENTION = register_op(
     f"graphcap::{OP}",
     "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, float scale, int layer, int window=0, "
@@ -96,4 +157,17 @@ CACHED_ATTENTION = register_op(
     static_state=_state,
     doc="attention keeping layer's K/V in the forward context's paged cache (decode over "
         "it, prefill among the new tokens); without a cache, graphcap::attention",
+)
+
+
+QKV_CACHED_ATTENTION = register_op(
+    f"graphcap::{QKV_OP}",
+    "(Tensor qkv, Tensor positions, Tensor? q_weight, Tensor? k_weight, "
+    "Tensor cos_sin_cache, Tensor(a!) out, int num_heads, int num_kv_heads, int head_size, "
+    "float eps, float scale, int layer, int window=0, float softcap=0.0, "
+    "Tensor? sinks=None) -> ()",
+    reference=_rows_reference, fake=_rows_fake, split=True, check=_rows_check,
+    dispatch=_rows_dispatch, static_state=_state,
+    doc="graphcap::qkv_norm_rope then graphcap::cached_attention, from the fused q/k/v "
+        "projection's rows; one kernel in a decode step of the default backend",
 )

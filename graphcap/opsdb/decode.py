@@ -15,9 +15,18 @@ A decode step may hand the op its rows' new keys and values, ``k`` and ``v`` ``[
 D]``, with their places ``cache_loc`` ``[B]``: the op then writes them there first, as
 ``graphcap::kv_write`` does, and the Triton kernel does it in the same launch (each row's
 own token read from ``k`` and ``v``, the slot written by one program). Only for rows of
-distinct requests (a decode step): no row may read another row's new slot. All
-metadata lives on the device: no host synchronisation, so the op captures, and replays
-with new block tables and lengths of the same shapes.
+distinct requests (a decode step): no row may read another row's new slot.
+
+With ``positions`` ``[B]`` and the neox cos/sin cache ``cos_sin_cache`` as well, ``q`` and
+``k`` are the projection's heads before ``graphcap::qkv_norm_rope``: the op RMS-normalises
+them per head (``q_weight``, ``k_weight``, ``eps``; where given) and rotates them at
+``positions`` first, as that op would, and the cache keeps the rotated ``k``; ``q``,
+``k`` and ``v`` may be views of the projection's rows. The Triton kernel does it in the
+same launch: a decode step's layer takes one kernel from the projection to attention's
+output.
+
+All metadata lives on the device: no host synchronisation, so the op captures, and
+replays with new block tables and lengths of the same shapes.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import torch
 from graphcap.opsdb import checks
 from graphcap.opsdb.attention.variant import check_variant
 from graphcap.opsdb.kv import check_kv_write, kv_write_reference
+from graphcap.opsdb.qkv import check_rope, norm_rope_reference
 from graphcap.opsdb.spec import Kernel, register_op
 
 OP = "decode_attention"
@@ -34,10 +44,16 @@ OP = "decode_attention"
 
 def decode_attention_reference(q, k_cache, v_cache, block_table, seq_lens, out,
                                scale: float, window: int = 0, softcap: float = 0.0,
-                               sinks=None, k=None, v=None, cache_loc=None) -> None:
-    """Writes ``k`` and ``v`` at ``cache_loc`` first, where given (``graphcap::kv_write``);
-    then gathers every row's pages, masks past its length (and before its window); float32
-    softmax, soft-capped scores and sink logits as :mod:`.attention.variant` says."""
+                               sinks=None, k=None, v=None, cache_loc=None, positions=None,
+                               q_weight=None, k_weight=None, cos_sin_cache=None,
+                               eps: float = 1e-6) -> None:
+    """Normalises and rotates ``q`` and ``k`` first, with ``positions`` (the reference of
+    ``graphcap::qkv_norm_rope``); writes ``k`` and ``v`` at ``cache_loc``, where given
+    (``graphcap::kv_write``); then gathers every row's pages, masks past its length (and
+    before its window); float32 softmax, soft-capped scores and sink logits as
+    :mod:`.attention.variant` says."""
+    if positions is not None:
+        q, k = norm_rope_reference(q, k, positions, q_weight, k_weight, cos_sin_cache, eps)
     if k is not None:
         kv_write_reference(k, v, k_cache, v_cache, cache_loc)
     B, Hq, D = q.shape
@@ -70,7 +86,8 @@ def decode_attention_reference(q, k_cache, v_cache, block_table, seq_lens, out,
 
 def check_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, scale,
                            window=0, softcap=0.0, sinks=None, k=None, v=None,
-                           cache_loc=None) -> None:
+                           cache_loc=None, positions=None, q_weight=None, k_weight=None,
+                           cos_sin_cache=None, eps=1e-6) -> None:
     checks.tensor(OP, "q", q, ndim=3)
     given = [name for name, t in (("k", k), ("v", v), ("cache_loc", cache_loc))
              if t is not None]
@@ -80,6 +97,13 @@ def check_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, scal
     if given:
         check_kv_write(k, v, k_cache, v_cache, cache_loc)
         checks.same(OP, "the row count", k.shape[0], q.shape[0], "k", "q")
+    if any(t is not None for t in (positions, cos_sin_cache, q_weight, k_weight)):
+        if not given or positions is None or cos_sin_cache is None:
+            raise checks.OpInputError(
+                f"{OP}: the rotary takes positions and cos_sin_cache together, with a "
+                "decode step's k, v and cache_loc (the rows' own tokens); give all five, or "
+                "rotate q and k first (graphcap::qkv_norm_rope)")
+        check_rope(OP, q, positions, q_weight, k_weight, cos_sin_cache)
     check_variant(OP, q, window, softcap, sinks)
     device = q.device
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
@@ -116,7 +140,7 @@ def decode_attention_inputs(device, dtype, max_rows: int = 5):
     write lands last, in no fixed order on a GPU)."""
     from hypothesis import strategies as st
 
-    from graphcap.opsdb.inputs import tensors
+    from graphcap.opsdb.inputs import positions_and_rope_cache, tensors
 
     @st.composite
     def draw(d):
@@ -160,17 +184,40 @@ def decode_attention_inputs(device, dtype, max_rows: int = 5):
             if pads.any():  # which pad's write lands is unspecified: they write the same
                 k_new[pads], v_new[pads] = k_new[pads][:1], v_new[pads][:1]
             own = (k_new, v_new, loc.to(device))
+            if d(st.booleans()):  # the projection's rows, normalised and rotated here
+                q, k_new, v_new = _rows_of(q, k_new, v_new, d(st.sampled_from([0, 8])))
+                positions, cache = positions_and_rope_cache(
+                    d, device, b, d(st.sampled_from([head, head // 2])))
+                if pads.any():  # pads rotate alike too
+                    positions[pads] = 0
+                norms = tensors(d, device, dtype, (head,), (head,), scale=0.5) \
+                    if d(st.booleans()) else (None, None)
+                own = (k_new, v_new, loc.to(device), positions, *norms, cache, 1e-6)
         return (q, kc, vc, table.to(device), lens.to(device), out, head ** -0.5, window,
                 softcap, sinks, *own)
 
     return draw()
 
 
+def _rows_of(q, k, v, pad: int):
+    """``q``, ``k`` and ``v`` copied into one projection's rows (``pad`` more columns
+    wide), returned as views of them."""
+    B, D = q.shape[0], q.shape[2]
+    widths = [q.shape[1] * D, k.shape[1] * D, v.shape[1] * D]
+    rows = q.new_zeros(B, sum(widths) + pad)
+    views = rows[:, :sum(widths)].split(widths, dim=1)
+    for t, view, n in zip((q, k, v), views, widths, strict=True):
+        view.copy_(t.reshape(B, n))
+    return tuple(view.view(B, n // D, D) for view, n in zip(views, widths, strict=True))
+
+
 DECODE_ATTENTION = register_op(
     f"graphcap::{OP}",
     "(Tensor q, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor block_table, "
     "Tensor seq_lens, Tensor(a!) out, float scale, int window=0, float softcap=0.0, "
-    "Tensor? sinks=None, Tensor? k=None, Tensor? v=None, Tensor? cache_loc=None) -> ()",
+    "Tensor? sinks=None, Tensor? k=None, Tensor? v=None, Tensor? cache_loc=None, "
+    "Tensor? positions=None, Tensor? q_weight=None, Tensor? k_weight=None, "
+    "Tensor? cos_sin_cache=None, float eps=1e-6) -> ()",
     reference=decode_attention_reference,
     kernels={"triton": Kernel("graphcap.opsdb.triton.decode:decode_attention",
                               requires=("triton",))},

@@ -13,50 +13,72 @@ from graphcap.opsdb.spec import Kernel, register_op
 OP = "qkv_norm_rope"
 
 
+def norm_rope_reference(q, k, positions, q_weight, k_weight, cos_sin_cache, eps: float):
+    """q [T, H, D] and k [T, Hk, D] (any strides) RMS-normed per head where the weights
+    are given, then rotated at ``positions``: new contiguous tensors."""
+    (T, H, D), Hk = q.shape, k.shape[1]
+    q, k = q.reshape(T * H, D), k.reshape(T * Hk, D)
+    if q_weight is not None:
+        q, k = reference.rms_norm(q, q_weight, eps), reference.rms_norm(k, k_weight, eps)
+    # Fresh storage: the op never writes (or returns a view of) its input.
+    q, k = (t.clone(memory_format=torch.contiguous_format).view(T, n * D)
+            for t, n in ((q, H), (k, Hk)))
+    reference.rotary_embedding(positions, q, k, cos_sin_cache, D)
+    return q.view(T, H, D), k.view(T, Hk, D)
+
+
 def qkv_reference(qkv, positions, q_weight, k_weight, cos_sin_cache, num_heads: int,
                   num_kv_heads: int, head_size: int, eps: float):
     """qkv [T, (H + 2 Hk) * D] -> q [T, H, D], k [T, Hk, D], v [T, Hk, D], new tensors."""
+    q, k, v = heads_of(qkv, num_heads, num_kv_heads, head_size)
+    q, k = norm_rope_reference(q, k, positions, q_weight, k_weight, cos_sin_cache, eps)
+    return q, k, v.clone(memory_format=torch.contiguous_format)
+
+
+def heads_of(qkv, num_heads: int, num_kv_heads: int, head_size: int):
+    """Views q [T, H, D], k and v [T, Hk, D] of a fused projection's rows ``qkv``."""
     T, D = qkv.shape[0], head_size
     q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
-    if q_weight is not None:
-        q = reference.rms_norm(q.reshape(T * num_heads, D), q_weight, eps)
-        k = reference.rms_norm(k.reshape(T * num_kv_heads, D), k_weight, eps)
-        q, k = q.view(T, num_heads * D), k.view(T, num_kv_heads * D)
-    # Fresh storage: the op never writes (or returns a view of) its input.
-    q, k = (t.clone(memory_format=torch.contiguous_format) for t in (q, k))
-    reference.rotary_embedding(positions, q, k, cos_sin_cache, D)
-    return (q.view(T, num_heads, D), k.view(T, num_kv_heads, D),
-            v.clone(memory_format=torch.contiguous_format).view(T, num_kv_heads, D))
+    return q.view(T, num_heads, D), k.view(T, num_kv_heads, D), v.view(T, num_kv_heads, D)
 
 
 def check_qkv(qkv, positions, q_weight, k_weight, cos_sin_cache, num_heads, num_kv_heads,
               head_size, eps):
     checks.tensor(OP, "qkv", qkv, ndim=2)
-    device = qkv.device
-    checks.tensor(OP, "positions", positions, ndim=1, dtypes=(torch.int32, torch.int64),
-                  device=device)
-    checks.tensor(OP, "cos_sin_cache", cos_sin_cache, ndim=2, device=device)
     checks.last_dim_contiguous(OP, "qkv", qkv)
-    checks.same(OP, "the token count", qkv.shape[0], positions.shape[0], "qkv", "positions")
     if min(num_heads, num_kv_heads, head_size) < 1:
         raise checks.OpInputError(f"{OP}: heads, kv heads and head_size must be >= 1, got "
                                   f"{num_heads}, {num_kv_heads}, {head_size}")
     width = (num_heads + 2 * num_kv_heads) * head_size
     checks.same(OP, "the width", qkv.shape[1], width, "qkv",
                 f"(heads + 2 kv heads) * head_size = {width}")
+    check_rope(OP, qkv, positions, q_weight, k_weight, cos_sin_cache, head_size)
+
+
+def check_rope(op: str, q, positions, q_weight, k_weight, cos_sin_cache,
+               head_size: int | None = None) -> None:
+    """The rotary's inputs of ``op`` (its qk-norm weights too) for the rows of ``q``:
+    ``positions`` a row each, the weights both or neither, ``[head_size]`` (``q``'s last
+    dim by default), a cos/sin cache of an even width up to ``head_size``."""
+    head_size = q.shape[-1] if head_size is None else head_size
+    device = q.device
+    checks.tensor(op, "positions", positions, ndim=1, dtypes=(torch.int32, torch.int64),
+                  device=device)
+    checks.tensor(op, "cos_sin_cache", cos_sin_cache, ndim=2, device=device)
+    checks.same(op, "the row count", positions.shape[0], q.shape[0], "positions", "q")
     if (q_weight is None) != (k_weight is None):
-        raise checks.OpInputError(f"{OP}: give both q_weight and k_weight (qk-norm) or "
+        raise checks.OpInputError(f"{op}: give both q_weight and k_weight (qk-norm) or "
                                   "neither")
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         if w is not None:
-            checks.tensor(OP, name, w, ndim=1, device=device)
-            checks.same(OP, "the size", w.shape[0], head_size, name, "head_size")
+            checks.tensor(op, name, w, ndim=1, device=device)
+            checks.same(op, "the size", w.shape[0], head_size, name, "head_size")
     if q_weight is not None:
-        checks.same(OP, "the dtype", k_weight.dtype, q_weight.dtype, "k_weight", "q_weight")
+        checks.same(op, "the dtype", k_weight.dtype, q_weight.dtype, "k_weight", "q_weight")
     rot = cos_sin_cache.shape[1]
     if rot % 2 or rot > head_size or cos_sin_cache.stride(1) != 1:
         raise checks.OpInputError(
-            f"{OP}: cos_sin_cache width {rot} must be even, at most head_size {head_size}, "
+            f"{op}: cos_sin_cache width {rot} must be even, at most head_size {head_size}, "
             "with a contiguous last dim")
 
 

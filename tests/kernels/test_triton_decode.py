@@ -61,3 +61,64 @@ def test_decode_step_replays_from_short_capture_to_the_longest_lengths(dtype):
         torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
         written = k_cache.view(-1, hk, d)[cache.cache_loc(rows, positions)]
         assert torch.equal(written, k)
+
+
+ROPE_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("hq,hk,d,rot,norm,splits", [
+    (4, 2, 128, 128, True, 3), (4, 2, 64, 32, False, 1), (2, 1, 128, 128, False, 2)],
+    ids=["qwen3-like, qk-norm, 3 splits", "partial rotary, no norm", "llama-like, 2 splits"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_kernel_rotating_the_projections_rows_equals_the_qkv_kernel_then_attention(
+        hq, hk, d, rot, norm, splits, dtype):
+    """A decode step handed the projection's rows (views, not copies) with positions and
+    the rotary cache normalises and rotates q and the own key in the attention kernel:
+    the output and the key it writes are those of ``graphcap::qkv_norm_rope``'s kernel
+    followed by the attention kernel, and of the reference (on the CPU, Triton's
+    interpreter)."""
+    from graphcap.opsdb.qkv import heads_of
+    from graphcap.opsdb.reference import rope_cache
+    from graphcap.opsdb.triton.decode import decode_attention
+    from graphcap.opsdb.triton.qkv import qkv_norm_rope
+
+    dev, page, width, B = ROPE_DEVICE, 16, 4, 3
+    g = torch.Generator().manual_seed(hq * d + rot + splits)
+    lens = torch.tensor([1, 17, width * page], dtype=torch.int32)  # a page's edge, the end
+    table = (torch.randperm(B * width, generator=g) + 1).view(B, width).to(torch.int32)
+    last = lens.long() - 1
+    loc = table.long().gather(1, (last // page)[:, None])[:, 0] * page + last % page
+    caches = [torch.randn(B * width + 1, page, hk, d, generator=g).to(dev, dtype)
+              for _ in range(2)]
+    qkv = torch.randn(B, (hq + 2 * hk) * d + 8, generator=g).to(dev, dtype)[:, :-8]
+    weights = [torch.rand(d, generator=g).to(dev, dtype) + 0.5 for _ in range(2)] if norm \
+        else [None, None]
+    cos_sin = rope_cache(rot, 4096, 1e6).to(dev)
+    positions = (last + 1000).to(dev)  # any position the cache holds
+    table, lens, loc = table.to(dev), lens.to(dev), loc.to(dev)
+    scale = d ** -0.5
+
+    unfused = [t.clone() for t in caches]
+    q, k, v = qkv_norm_rope(qkv, positions, *weights, cos_sin, hq, hk, d, 1e-6)
+    want = torch.empty(B, hq, d, device=dev, dtype=dtype)
+    decode_attention(q, *unfused, table, lens, want, scale, k=k, v=v, cache_loc=loc,
+                     num_splits=splits)
+
+    fused = [t.clone() for t in caches]
+    q_rows, k_rows, v_rows = heads_of(qkv, hq, hk, d)
+    out = torch.empty_like(want)
+    decode_attention(q_rows, *fused, table, lens, out, scale, k=k_rows, v=v_rows,
+                     cache_loc=loc, positions=positions, q_weight=weights[0],
+                     k_weight=weights[1], cos_sin_cache=cos_sin, num_splits=splits)
+    torch.testing.assert_close(fused, unfused)
+    torch.testing.assert_close(out, want)
+
+    reference = [t.clone() for t in caches]
+    ref = torch.empty_like(want)
+    decode_attention_reference(q_rows, *reference, table, lens, ref, scale, k=k_rows,
+                               v=v_rows, cache_loc=loc, positions=positions,
+                               q_weight=weights[0], k_weight=weights[1],
+                               cos_sin_cache=cos_sin)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5  # the reference's own roundings
+    torch.testing.assert_close(fused, reference, atol=tol, rtol=tol)
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)

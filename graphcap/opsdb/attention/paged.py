@@ -48,6 +48,10 @@ class DecodeBackend:
     # Whether ``forward`` takes a decode step's new keys and values (``own``) and writes
     # them to the cache itself, in the same kernel (else ``graphcap::kv_write`` first).
     writes_own = False
+    # Whether ``forward`` also takes ``rope`` (positions, q/k norm weights, cos/sin cache,
+    # eps) with ``own``: ``q`` and ``k`` are then the projection's rows, which it
+    # normalises and rotates itself (else ``graphcap::qkv_norm_rope`` first).
+    rotates = False
 
     def unavailable(self, cache: PagedKVCache) -> str | None:
         """Why it cannot serve ``cache`` (device, dtype, head dim), or None."""
@@ -57,7 +61,8 @@ class DecodeBackend:
         return DecodePlan(self, cache, tokens)
 
     def forward(self, q, k_cache, v_cache, kv: CacheBatch, out, scale: float,
-                kernel: str | None = None, variant: Variant = PLAIN, own=None) -> None:
+                kernel: str | None = None, variant: Variant = PLAIN, own=None,
+                rope=None) -> None:
         raise NotImplementedError
 
 
@@ -68,13 +73,15 @@ class OpsdbDecode(DecodeBackend):
     name = "graphcap"
     options = frozenset(OPTIONS)
     writes_own = True
+    rotates = True
 
     def forward(self, q, k_cache, v_cache, kv, out, scale, kernel=None,
-                variant: Variant = PLAIN, own=None) -> None:
+                variant: Variant = PLAIN, own=None, rope=None) -> None:
         k, v = own if own is not None else (None, None)
         DECODE_ATTENTION(q, k_cache, v_cache, kv.block_table, kv.seq_lens, out, scale,
                          variant.window, variant.softcap, variant.sinks, k, v,
-                         None if own is None else kv.cache_loc, kernel=kernel)
+                         None if own is None else kv.cache_loc, *(rope or ()),
+                         kernel=kernel)
 
 
 DEFAULT = OpsdbDecode()
@@ -87,12 +94,18 @@ def backend_of(kv: CacheBatch) -> DecodeBackend:
 
 
 def attend_pages(q, k_cache, v_cache, kv: CacheBatch, out, scale: float,
-                 kernel: str | None = None, variant: Variant = PLAIN, own=None) -> None:
+                 kernel: str | None = None, variant: Variant = PLAIN, own=None,
+                 rope=None) -> None:
     """Each row of ``q`` over its request's pages: the kernel of :func:`backend_of`
     ``kv``, which must compute the layer's ``variant``. ``own``: a decode step's new (k,
-    v), which that backend writes at ``kv.cache_loc`` itself (``writes_own``)."""
+    v), which that backend writes at ``kv.cache_loc`` itself (``writes_own``); ``rope``:
+    what it normalises and rotates ``q`` and that ``k`` by first (``rotates``)."""
     backend = backend_of(kv)
     if variant.used:
         refuse("decode attention", backend.name, backend.options, variant,
                [DEFAULT.name] if set(variant.used) <= DEFAULT.options else [])
-    backend.forward(q, k_cache, v_cache, kv, out, scale, kernel, variant, own=own)
+    if rope is None:  # backends that take no rope keep their signature
+        backend.forward(q, k_cache, v_cache, kv, out, scale, kernel, variant, own=own)
+    else:
+        backend.forward(q, k_cache, v_cache, kv, out, scale, kernel, variant, own=own,
+                        rope=rope)

@@ -14,9 +14,12 @@ by their LSEs with the head's sink logit, which joins the softmax with no value,
 writes the output. A row with no token comes out zero, not 0/0; NaN in a row's own
 tokens stays NaN. With a window the splits cover only the row's last ``window`` tokens:
 the K/V read is bounded by the window, not the context; soft-capping applies to each
-score before the online softmax. The split count follows from host shapes only (rows,
-heads, the block table's width, the SMs), so the grid is fixed at capture and a replay's
-lengths change only the work inside it. No host synchronisation.
+score before the online softmax. Handed the q/k/v projection's rows with their positions
+(``ROPE``), each program normalises and rotates its heads of q and the row's own key as
+:mod:`graphcap.opsdb.triton.qkv`'s kernel would (its ``norm_rope``), so a decode step's
+layer needs no kernel between the projection and this one. The split count follows from
+host shapes only (rows, heads, the block table's width, the SMs), so the grid is fixed at
+capture and a replay's lengths change only the work inside it. No host synchronisation.
 
 Under programmatic dependent launch (:mod:`graphcap.opsdb.triton.common`) the kernel
 lets the next one start at once (the output projection, which asks L2 for its weight
@@ -31,6 +34,7 @@ import triton.language as tl
 
 from graphcap.opsdb.triton import counters
 from graphcap.opsdb.triton.common import cast, dot, interpreting, num_sms, pdl_args, pdl_start
+from graphcap.opsdb.triton.qkv import norm_rope, rope_at
 
 _MAX_SPLITS = 32
 
@@ -61,16 +65,41 @@ def _write_out(o, lse, has, sink, out_ptr, rows_off, d, h_ok, d_mask, SINKS: tl.
 
 
 @triton.jit
+def _rotated(q, q_rows, h_ok, k_row, d, d_mask, pos, cs_ptr, cs_stride, qw_ptr, kw_ptr,
+             half, head_dim, eps, HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The group's ``q`` [BLOCK_H, BLOCK_D] and the row's own key (at ``k_row``) as
+    ``graphcap::qkv_norm_rope`` leaves them: per-head RMSNorm (``HAS_NORM``), then neox
+    rotary at ``pos``; the key as [BLOCK_D]."""
+    cos, sin, first, rotated, partner = rope_at(cs_ptr + pos * cs_stride, d[None, :], half)
+    q_p = tl.load(q_rows + partner, mask=h_ok[:, None] & rotated, other=0.0)
+    k = tl.load(k_row + d[None, :], mask=d_mask[None, :], other=0.0)
+    k_p = tl.load(k_row + partner, mask=rotated, other=0.0)
+    wq = q
+    wq_p = q_p
+    wk = k
+    wk_p = k_p
+    if HAS_NORM:
+        wq = tl.load(qw_ptr + d[None, :], mask=d_mask[None, :], other=0.0)
+        wq_p = tl.load(qw_ptr + partner, mask=rotated, other=0.0)
+        wk = tl.load(kw_ptr + d[None, :], mask=d_mask[None, :], other=0.0)
+        wk_p = tl.load(kw_ptr + partner, mask=rotated, other=0.0)
+    q = norm_rope(q, q_p, wq, wq_p, cos, sin, first, rotated, head_dim, eps, HAS_NORM)
+    k = norm_rope(k, k_p, wk, wk_p, cos, sin, first, rotated, head_dim, eps, HAS_NORM)
+    return q, tl.reshape(k, [BLOCK_D])
+
+
+@triton.jit
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_ptr,
                    mid_o_ptr, mid_lse_ptr, counts_ptr, k_ptr, v_ptr, loc_ptr,
+                   pos_ptr, qw_ptr, kw_ptr, cs_ptr,
                    q_stride_b, q_stride_h, out_stride_b, out_stride_h, k_stride_b,
-                   k_stride_h, v_stride_b, v_stride_h, table_stride, width,
-                   kv_heads, head_dim, split_len, scale, window, softcap,
+                   k_stride_h, v_stride_b, v_stride_h, table_stride, pos_stride, cs_stride,
+                   width, kv_heads, head_dim, split_len, scale, window, softcap, half, eps,
                    PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
-                   WRITE: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-                   PDL: tl.constexpr):
+                   WRITE: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
+                   IEEE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)  # key/value head, then block of its query heads
@@ -89,8 +118,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
         lo = tl.maximum(length - window, 0)
     start = lo + s * split_len
     end = tl.minimum(start + split_len, length)
-    q = tl.load(q_ptr + b.to(tl.int64) * q_stride_b + heads[:, None] * q_stride_h
-                + d[None, :], mask=h_ok[:, None] & d_mask[None, :], other=0.0)
+    q_rows = q_ptr + b.to(tl.int64) * q_stride_b + heads[:, None] * q_stride_h
+    q = tl.load(q_rows + d[None, :], mask=h_ok[:, None] & d_mask[None, :], other=0.0)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -102,8 +131,14 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
         own = tl.where(raw <= width * PAGE, length - 1, length)
         read_end = tl.minimum(end, own)
         k_row = kvh * head_dim + d
-        k_own = tl.load(k_ptr + b.to(tl.int64) * k_stride_b + kvh * k_stride_h + d,
-                        mask=d_mask, other=0.0)
+        k_own_row = k_ptr + b.to(tl.int64) * k_stride_b + kvh * k_stride_h
+        if ROPE:  # q and the own key as graphcap::qkv_norm_rope would leave them
+            pos = tl.load(pos_ptr + b.to(tl.int64) * pos_stride).to(tl.int64)
+            q, k_own = _rotated(q, q_rows, h_ok, k_own_row, d, d_mask, pos, cs_ptr,
+                                cs_stride, qw_ptr, kw_ptr, half, head_dim, eps, HAS_NORM,
+                                BLOCK_D)
+        else:
+            k_own = tl.load(k_own_row + d, mask=d_mask, other=0.0)
         v_own = tl.load(v_ptr + b.to(tl.int64) * v_stride_b + kvh * v_stride_h + d,
                         mask=d_mask, other=0.0)
         k_own = cast(k_own.to(tl.float32), kc_ptr.dtype.element_ty, INTERPRET)
@@ -215,11 +250,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float, window: int = 0, softcap: float = 0.0,
                      sinks: torch.Tensor | None = None, k: torch.Tensor | None = None,
                      v: torch.Tensor | None = None, cache_loc: torch.Tensor | None = None,
+                     positions: torch.Tensor | None = None,
+                     q_weight: torch.Tensor | None = None,
+                     k_weight: torch.Tensor | None = None,
+                     cos_sin_cache: torch.Tensor | None = None, eps: float = 1e-6,
                      num_splits: int | None = None, tiles: dict | None = None) -> None:
     """With ``k``, ``v`` [B, Hk, D] and ``cache_loc`` [B] (a decode step: each row its
     request's only new token), the rows' K/V are written to the cache at ``cache_loc`` in
-    the same launch (no write kernel before it). ``tiles`` overrides ``BLOCK_N``,
-    ``num_warps`` and ``num_stages`` (benchmarks)."""
+    the same launch (no write kernel before it); with ``positions`` and ``cos_sin_cache``
+    too, ``q`` and ``k`` are normalised (``q_weight``, ``k_weight``) and rotated there
+    first. ``tiles`` overrides ``BLOCK_N``, ``num_warps`` and ``num_stages``
+    (benchmarks)."""
     B, Hq, D = q.shape
     _, page, Hk, _ = k_cache.shape
     if B == 0 or Hq == 0:
@@ -263,14 +304,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     write = k is not None
     if not write:
         k = v = cache_loc = out
+    rope = positions is not None
+    if rope and not write:
+        raise ValueError("decode_attention: positions (the rotary) come with a decode "
+                         "step's k, v and cache_loc")
+    if not rope:
+        positions = cos_sin_cache = out
+    has_norm = rope and q_weight is not None
+    if not has_norm:
+        q_weight = k_weight = out
     _decode_kernel[(B, programs // B, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, sinks, out,
-        mid_o, mid_lse, counts, k, v, cache_loc, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        block_table.stride(0), width, Hk, D, split_len, float(scale), int(window),
-        float(softcap), PAGE=page, GROUP=group, BLOCK_H=block_h, SPLITS=num_splits,
-        BLOCK_D=block_d, WINDOW=window > 0, SOFTCAP=softcap > 0, SINKS=sinks is not out,
-        WRITE=write, IEEE=q.dtype == torch.float32, INTERPRET=interpret, **launch, **cfg)
+        mid_o, mid_lse, counts, k, v, cache_loc, positions, q_weight, k_weight,
+        cos_sin_cache, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), block_table.stride(0), positions.stride(0),
+        cos_sin_cache.stride(0), width, Hk, D, split_len, float(scale), int(window),
+        float(softcap), cos_sin_cache.shape[-1] // 2, float(eps), PAGE=page, GROUP=group,
+        BLOCK_H=block_h, SPLITS=num_splits, BLOCK_D=block_d, WINDOW=window > 0,
+        SOFTCAP=softcap > 0, SINKS=sinks is not out, WRITE=write, ROPE=rope,
+        HAS_NORM=has_norm, IEEE=q.dtype == torch.float32, INTERPRET=interpret, **launch,
+        **cfg)
 
 
 __all__ = ["decode_attention", "head_block", "programs_of", "splits_for"]

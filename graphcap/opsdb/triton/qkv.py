@@ -32,6 +32,37 @@ SINGLE = 1024
 
 
 @triton.jit
+def rope_at(cache_row, d, half):
+    """Neox rotary's tables for columns ``d`` of a head at one position (``cache_row``,
+    cos then sin): cos and sin in float32, each column's partner (``d`` +- ``half``),
+    which columns come first in their pair and which rotate."""
+    first = d < half
+    rotated = d < 2 * half
+    partner = tl.where(first, d + half, d - half)
+    j = tl.where(first, d, d - half)
+    cos = tl.load(cache_row + j, mask=rotated, other=1.0).to(tl.float32)
+    sin = tl.load(cache_row + half + j, mask=rotated, other=0.0).to(tl.float32)
+    return cos, sin, first, rotated, partner
+
+
+@triton.jit
+def norm_rope(raw, raw_p, w, wp, cos, sin, first, rotated, head_size, eps,
+              HAS_NORM: tl.constexpr):
+    """Heads ``raw`` [R, BLOCK_D] (zero past ``head_size``) RMS-normed by ``w`` (where
+    ``HAS_NORM``) and rotated; ``raw_p`` holds each column's partner, ``wp`` its weight.
+    Normed values are rounded to ``raw``'s dtype before they rotate, as the unfused ops
+    store them; the result in that dtype."""
+    x = raw.to(tl.float32)
+    xp = raw_p.to(tl.float32)
+    if HAS_NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / head_size + eps)[:, None]
+        x = (x * rstd * w.to(tl.float32)).to(raw.dtype).to(tl.float32)
+        xp = (xp * rstd * wp.to(tl.float32)).to(raw.dtype).to(tl.float32)
+    out = tl.where(first, x * cos - xp * sin, tl.where(rotated, x * cos + xp * sin, x))
+    return out.to(raw.dtype)
+
+
+@triton.jit
 def _qkv_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cache_ptr, q_ptr, k_ptr, v_ptr,
                 qkv_stride, pos_stride, cache_stride, n_q, n_k, head_size, half, eps,
                 HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -44,30 +75,19 @@ def _qkv_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cache_ptr, q_ptr, k_ptr, v_ptr
     is_k = (h >= n_q) & (h < n_q + n_k)
     is_v = h >= n_q + n_k
     mask = (h < n_q + 2 * n_k) & (d < head_size)
+    pos = tl.load(pos_ptr + t * pos_stride).to(tl.int64)
+    cos, sin, first, rotated, partner = rope_at(cache_ptr + pos * cache_stride, d, half)
     row = qkv_ptr + t * qkv_stride + h * head_size
     raw = tl.load(row + d, mask=mask, other=0.0)
-    rot = 2 * half
-    first = d < half
-    rotated = d < rot
-    partner = tl.where(first, d + half, d - half)
     raw_p = tl.load(row + partner, mask=mask & rotated, other=0.0)
-    x = raw.to(tl.float32)
-    xp = raw_p.to(tl.float32)
-    if HAS_NORM:  # normalised and rounded as the unfused norm stores them
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / head_size + eps)[:, None]
+    w = raw
+    wp = raw
+    if HAS_NORM:
         w = tl.where(is_q, tl.load(qw_ptr + d, mask=d < head_size, other=0.0),
-                     tl.load(kw_ptr + d, mask=d < head_size, other=0.0)).to(tl.float32)
+                     tl.load(kw_ptr + d, mask=d < head_size, other=0.0))
         wp = tl.where(is_q, tl.load(qw_ptr + partner, mask=rotated, other=0.0),
-                      tl.load(kw_ptr + partner, mask=rotated, other=0.0)).to(tl.float32)
-        x = (x * rstd * w).to(qkv_ptr.dtype.element_ty).to(tl.float32)
-        xp = (xp * rstd * wp).to(qkv_ptr.dtype.element_ty).to(tl.float32)
-    pos = tl.load(pos_ptr + t * pos_stride).to(tl.int64)
-    j = tl.where(first, d, d - half)
-    cache_row = cache_ptr + pos * cache_stride
-    cos = tl.load(cache_row + j, mask=rotated, other=1.0).to(tl.float32)
-    sin = tl.load(cache_row + half + j, mask=rotated, other=0.0).to(tl.float32)
-    out = tl.where(first, x * cos - xp * sin, tl.where(rotated, x * cos + xp * sin, x))
-    out = out.to(qkv_ptr.dtype.element_ty)
+                      tl.load(kw_ptr + partner, mask=rotated, other=0.0))
+    out = norm_rope(raw, raw_p, w, wp, cos, sin, first, rotated, head_size, eps, HAS_NORM)
     tl.store(q_ptr + (t * n_q + h) * head_size + d, out, mask=mask & is_q)
     tl.store(k_ptr + (t * n_k + h - n_q) * head_size + d, out, mask=mask & is_k)
     tl.store(v_ptr + (t * n_k + h - n_q - n_k) * head_size + d, raw, mask=mask & is_v)
