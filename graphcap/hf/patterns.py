@@ -102,7 +102,7 @@ class AttentionKernels:
     # (window, softcap, sinks) as the stock attention passes them (the probe sets it).
     variant: tuple = (0, 0.0, None)
     name = "attention"
-    ops = "rms_norm_linear, qkv_norm_rope, attention, linear_residual"
+    ops = "rms_norm_linear, qkv_cached_attention (qkv_norm_rope, attention), linear_residual"
 
     def fused(self) -> list[Fused]:
         return [f for f in (self.qkv, self.bias) if f is not None]

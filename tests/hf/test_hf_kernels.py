@@ -59,7 +59,7 @@ def test_every_layer_of_a_substituted_family_runs_graphcap_kernels_with_stock_lo
     assert all(parts["attention"]) and all(parts["mlp"]) and len(parts["mlp"]) == 2, \
         lm.kernels.table()
     ops = ops_of(lm)
-    assert ops["rms_norm_linear"] == ops["qkv_norm_rope"] == ops["cached_attention"] == 2
+    assert ops["rms_norm_linear"] == ops["qkv_cached_attention"] == 2
     assert ops["rms_norm_swiglu"] + ops["moe_experts"] == 2
     with torch.no_grad():
         torch.testing.assert_close(lm(IDS, POS, seq_lens=LENS), stock_logits(ref),

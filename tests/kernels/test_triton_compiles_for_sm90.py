@@ -255,21 +255,27 @@ COMPILE_DECODE = BUILD_SM90 + textwrap.dedent('''
         for (page, group, splits), variant in zip(((16, 2, 8), (1, 1, 1), (16, 8, 1)),
                                                   (True, False, True)):
             for pdl in (True, False):
+                # a decode step's write (with PDL), its rotary where pages are 16 slots,
+                # the qk-norm at groups of 2 (qwen3-0.6b's)
+                rope = pdl and page == 16
                 build(_decode_kernel,
                       {"q_ptr": f"*{dt}", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}",
                        "table_ptr": "*i32", "lens_ptr": "*i32", "sinks_ptr": "*fp32",
                        "out_ptr": f"*{dt}", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
                        "counts_ptr": "*i32", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}",
-                       "loc_ptr": "*i64", "scale": "fp32", "softcap": "fp32",
+                       "loc_ptr": "*i64", "pos_ptr": "*i64", "qw_ptr": f"*{dt}",
+                       "kw_ptr": f"*{dt}", "cs_ptr": "*fp32", "scale": "fp32",
+                       "softcap": "fp32", "eps": "fp32",
                        **{n: "i32" for n in (
                            "q_stride_b", "q_stride_h", "out_stride_b", "out_stride_h",
                            "k_stride_b", "k_stride_h", "v_stride_b", "v_stride_h",
-                           "table_stride", "width", "kv_heads", "head_dim", "split_len",
-                           "window")}},
+                           "table_stride", "pos_stride", "cs_stride", "width",
+                           "kv_heads", "head_dim", "split_len", "window", "half")}},
                       {"PAGE": page, "GROUP": group, "BLOCK_H": 16, "SPLITS": splits,
                        "BLOCK_N": 64, "BLOCK_D": 128, "WINDOW": variant,
-                       "SOFTCAP": variant, "SINKS": variant, "WRITE": pdl,
-                       "IEEE": dt == "fp32", "INTERPRET": False, "PDL": pdl}, pdl=pdl)
+                       "SOFTCAP": variant, "SINKS": variant, "WRITE": pdl, "ROPE": rope,
+                       "HAS_NORM": rope and group == 2, "IEEE": dt == "fp32",
+                       "INTERPRET": False, "PDL": pdl}, pdl=pdl)
     print("compiled")
 ''')
 
