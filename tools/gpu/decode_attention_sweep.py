@@ -3,7 +3,10 @@
 then each tile setting at the default split count, then split counts around it.
 ``python tools/gpu/decode_attention_sweep.py OUT.json grid``: the few-row cases (qwen3-0.6b's
 heads, batch 1 and 8 at context 1024, batch 1 at 4096) over every combination of tiles
-and split counts (:data:`GRID`), where the defaults read 13-49% of the bandwidth."""
+and split counts (:data:`GRID`), where the defaults read 13-49% of the bandwidth.
+``python tools/gpu/decode_attention_sweep.py OUT.json early``: every model, batch 1, 8
+and 64 at contexts 1024 and 4096, the defaults against the same tiles with each block's
+values loaded with its keys (``EARLY_V``)."""
 
 from __future__ import annotations
 
@@ -39,6 +42,8 @@ def main(path: str, mode: str = "") -> None:
         auto = splits_for(programs, context, 64, num_sms(dev))
         if mode == "grid":
             extra = [g for g in GRID if g["num_splits"] * g["tiles"]["BLOCK_N"] <= context]
+        elif mode == "early":
+            extra = [{"tiles": {"EARLY_V": True}}]
         else:
             splits = sorted({max(1, auto // 4), max(1, auto // 2), auto * 2, auto * 4}
                             - {auto})

@@ -99,7 +99,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
                    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
                    WRITE: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-                   IEEE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                   IEEE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+                   EARLY_V: tl.constexpr = False):
     pdl_start(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)  # key/value head, then block of its query heads
@@ -155,6 +156,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
         offs = (page * PAGE + t % PAGE)[:, None] * slot_stride + kvh * head_dim + d[None, :]
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(kc_ptr + offs, mask=kv_mask, other=0.0)
+        if EARLY_V:  # the values asked for with the keys, before the scores need them
+            v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
         scores = dot(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE,
                      INTERPRET) * scale
         if SOFTCAP:
@@ -163,7 +166,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: a token is in the block
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
-        v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
+        if not EARLY_V:
+            v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
         acc = dot(cast(p, v.dtype, INTERPRET), v, acc * alpha[:, None], IEEE, INTERPRET)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
@@ -259,8 +263,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     request's only new token), the rows' K/V are written to the cache at ``cache_loc`` in
     the same launch (no write kernel before it); with ``positions`` and ``cos_sin_cache``
     too, ``q`` and ``k`` are normalised (``q_weight``, ``k_weight``) and rotated there
-    first. ``tiles`` overrides ``BLOCK_N``, ``num_warps`` and ``num_stages``
-    (benchmarks)."""
+    first. ``tiles`` overrides ``BLOCK_N``, ``num_warps``, ``num_stages`` and
+    ``EARLY_V`` (each block's values loaded with its keys; benchmarks)."""
     B, Hq, D = q.shape
     _, page, Hk, _ = k_cache.shape
     if B == 0 or Hq == 0:
