@@ -275,7 +275,8 @@ COMPILE_DECODE = BUILD_SM90 + textwrap.dedent('''
                        "BLOCK_N": 64, "BLOCK_D": 128, "WINDOW": variant,
                        "SOFTCAP": variant, "SINKS": variant, "WRITE": pdl, "ROPE": rope,
                        "HAS_NORM": rope and group == 2, "IEEE": dt == "fp32",
-                       "INTERPRET": False, "PDL": pdl, "EARLY_V": not pdl}, pdl=pdl)
+                       "INTERPRET": False, "PDL": pdl, "EARLY_V": not pdl,
+                       "KEY_LATE": group == 2}, pdl=pdl)
     print("compiled")
 ''')
 

@@ -104,14 +104,16 @@ def test_the_kernel_rotating_the_projections_rows_equals_the_qkv_kernel_then_att
     decode_attention(q, *unfused, table, lens, want, scale, k=k, v=v, cache_loc=loc,
                      num_splits=splits)
 
-    fused = [t.clone() for t in caches]
     q_rows, k_rows, v_rows = heads_of(qkv, hq, hk, d)
-    out = torch.empty_like(want)
-    decode_attention(q_rows, *fused, table, lens, out, scale, k=k_rows, v=v_rows,
-                     cache_loc=loc, positions=positions, q_weight=weights[0],
-                     k_weight=weights[1], cos_sin_cache=cos_sin, num_splits=splits)
-    torch.testing.assert_close(fused, unfused)
-    torch.testing.assert_close(out, want)
+    for late in (False, True):  # the own key's work before or after the loop
+        fused = [t.clone() for t in caches]
+        out = torch.empty_like(want)
+        decode_attention(q_rows, *fused, table, lens, out, scale, k=k_rows, v=v_rows,
+                         cache_loc=loc, positions=positions, q_weight=weights[0],
+                         k_weight=weights[1], cos_sin_cache=cos_sin, num_splits=splits,
+                         tiles={"KEY_LATE": late})
+        torch.testing.assert_close(fused, unfused)
+        torch.testing.assert_close(out, want)
 
     reference = [t.clone() for t in caches]
     ref = torch.empty_like(want)

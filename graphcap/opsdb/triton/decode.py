@@ -65,27 +65,61 @@ def _write_out(o, lse, has, sink, out_ptr, rows_off, d, h_ok, d_mask, SINKS: tl.
 
 
 @triton.jit
-def _rotated(q, q_rows, h_ok, k_row, d, d_mask, pos, cs_ptr, cs_stride, qw_ptr, kw_ptr,
-             half, head_dim, eps, HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The group's ``q`` [BLOCK_H, BLOCK_D] and the row's own key (at ``k_row``) as
-    ``graphcap::qkv_norm_rope`` leaves them: per-head RMSNorm (``HAS_NORM``), then neox
-    rotary at ``pos``; the key as [BLOCK_D]."""
+def _rotated_q(q, q_rows, h_ok, d, d_mask, pos, cs_ptr, cs_stride, qw_ptr, half, head_dim,
+               eps, HAS_NORM: tl.constexpr):
+    """The group's ``q`` [BLOCK_H, BLOCK_D] as ``graphcap::qkv_norm_rope`` leaves it:
+    per-head RMSNorm (``HAS_NORM``), then neox rotary at ``pos``."""
     cos, sin, first, rotated, partner = rope_at(cs_ptr + pos * cs_stride, d[None, :], half)
     q_p = tl.load(q_rows + partner, mask=h_ok[:, None] & rotated, other=0.0)
-    k = tl.load(k_row + d[None, :], mask=d_mask[None, :], other=0.0)
-    k_p = tl.load(k_row + partner, mask=rotated, other=0.0)
-    wq = q
-    wq_p = q_p
-    wk = k
-    wk_p = k_p
+    w = q
+    w_p = q_p
     if HAS_NORM:
-        wq = tl.load(qw_ptr + d[None, :], mask=d_mask[None, :], other=0.0)
-        wq_p = tl.load(qw_ptr + partner, mask=rotated, other=0.0)
-        wk = tl.load(kw_ptr + d[None, :], mask=d_mask[None, :], other=0.0)
-        wk_p = tl.load(kw_ptr + partner, mask=rotated, other=0.0)
-    q = norm_rope(q, q_p, wq, wq_p, cos, sin, first, rotated, head_dim, eps, HAS_NORM)
-    k = norm_rope(k, k_p, wk, wk_p, cos, sin, first, rotated, head_dim, eps, HAS_NORM)
-    return q, tl.reshape(k, [BLOCK_D])
+        w = tl.load(qw_ptr + d[None, :], mask=d_mask[None, :], other=0.0)
+        w_p = tl.load(qw_ptr + partner, mask=rotated, other=0.0)
+    return norm_rope(q, q_p, w, w_p, cos, sin, first, rotated, head_dim, eps, HAS_NORM)
+
+
+@triton.jit
+def _own_key(k_row, d, d_mask, pos, cs_ptr, cs_stride, kw_ptr, half, head_dim, eps,
+             ROPE: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The row's own key [BLOCK_D] at ``k_row``, normalised and rotated as
+    ``graphcap::qkv_norm_rope`` leaves it where ``ROPE``."""
+    if ROPE:
+        cos, sin, first, rotated, partner = rope_at(cs_ptr + pos * cs_stride, d[None, :],
+                                                    half)
+        k = tl.load(k_row + d[None, :], mask=d_mask[None, :], other=0.0)
+        k_p = tl.load(k_row + partner, mask=rotated, other=0.0)
+        w = k
+        w_p = k_p
+        if HAS_NORM:
+            w = tl.load(kw_ptr + d[None, :], mask=d_mask[None, :], other=0.0)
+            w_p = tl.load(kw_ptr + partner, mask=rotated, other=0.0)
+        k = norm_rope(k, k_p, w, w_p, cos, sin, first, rotated, head_dim, eps, HAS_NORM)
+        return tl.reshape(k, [BLOCK_D])
+    else:
+        return tl.load(k_row + d, mask=d_mask, other=0.0)
+
+
+@triton.jit
+def _write_own(k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr, b, kvh, s, g, hb, d, d_mask, pos,
+               cs_ptr, cs_stride, kw_ptr, half, head_dim, eps, k_stride_b, k_stride_h,
+               v_stride_b, v_stride_h, slot_stride, ROPE: tl.constexpr,
+               HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+    """The row's own key (normalised and rotated where ``ROPE``) and value in the cache's
+    dtype, written to its slot by one program per (row, key/value head)."""
+    k_own = _own_key(k_ptr + b.to(tl.int64) * k_stride_b + kvh * k_stride_h, d, d_mask,
+                     pos, cs_ptr, cs_stride, kw_ptr, half, head_dim, eps, ROPE, HAS_NORM,
+                     BLOCK_D)
+    v_own = tl.load(v_ptr + b.to(tl.int64) * v_stride_b + kvh * v_stride_h + d,
+                    mask=d_mask, other=0.0)
+    k_own = cast(k_own.to(tl.float32), kc_ptr.dtype.element_ty, INTERPRET)
+    v_own = cast(v_own.to(tl.float32), vc_ptr.dtype.element_ty, INTERPRET)
+    if (s == 0) & (g % hb == 0):
+        loc = tl.load(loc_ptr + b).to(tl.int64)
+        k_row = kvh * head_dim + d
+        tl.store(kc_ptr + loc * slot_stride + k_row, k_own, mask=d_mask)
+        tl.store(vc_ptr + loc * slot_stride + k_row, v_own, mask=d_mask)
+    return k_own, v_own
 
 
 @triton.jit
@@ -100,7 +134,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
                    WRITE: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
                    IEEE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
-                   EARLY_V: tl.constexpr = False):
+                   EARLY_V: tl.constexpr = False, KEY_LATE: tl.constexpr = False):
     pdl_start(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)  # key/value head, then block of its query heads
@@ -131,23 +165,17 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
         # and v, not from the cache this launch writes it to: no program reads that slot.
         own = tl.where(raw <= width * PAGE, length - 1, length)
         read_end = tl.minimum(end, own)
-        k_row = kvh * head_dim + d
-        k_own_row = k_ptr + b.to(tl.int64) * k_stride_b + kvh * k_stride_h
-        if ROPE:  # q and the own key as graphcap::qkv_norm_rope would leave them
+        pos = 0
+        if ROPE:  # q as graphcap::qkv_norm_rope would leave it
             pos = tl.load(pos_ptr + b.to(tl.int64) * pos_stride).to(tl.int64)
-            q, k_own = _rotated(q, q_rows, h_ok, k_own_row, d, d_mask, pos, cs_ptr,
-                                cs_stride, qw_ptr, kw_ptr, half, head_dim, eps, HAS_NORM,
-                                BLOCK_D)
-        else:
-            k_own = tl.load(k_own_row + d, mask=d_mask, other=0.0)
-        v_own = tl.load(v_ptr + b.to(tl.int64) * v_stride_b + kvh * v_stride_h + d,
-                        mask=d_mask, other=0.0)
-        k_own = cast(k_own.to(tl.float32), kc_ptr.dtype.element_ty, INTERPRET)
-        v_own = cast(v_own.to(tl.float32), vc_ptr.dtype.element_ty, INTERPRET)
-        if (s == 0) & (g % hb == 0):  # one program per (row, key/value head) writes
-            loc = tl.load(loc_ptr + b).to(tl.int64)
-            tl.store(kc_ptr + loc * slot_stride + k_row, k_own, mask=d_mask)
-            tl.store(vc_ptr + loc * slot_stride + k_row, v_own, mask=d_mask)
+            q = _rotated_q(q, q_rows, h_ok, d, d_mask, pos, cs_ptr, cs_stride, qw_ptr, half,
+                           head_dim, eps, HAS_NORM)
+        if not KEY_LATE:
+            k_own, v_own = _write_own(k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr, b, kvh, s, g,
+                                      hb, d, d_mask, pos, cs_ptr, cs_stride, kw_ptr, half,
+                                      head_dim, eps, k_stride_b, k_stride_h, v_stride_b,
+                                      v_stride_h, slot_stride, ROPE, HAS_NORM, BLOCK_D,
+                                      INTERPRET)
     for n0 in range(start, read_end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         t_mask = t < read_end
@@ -172,6 +200,12 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     if WRITE:
+        if KEY_LATE:  # the own key and value read (and written) only now
+            k_own, v_own = _write_own(k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr, b, kvh, s, g,
+                                      hb, d, d_mask, pos, cs_ptr, cs_stride, kw_ptr, half,
+                                      head_dim, eps, k_stride_b, k_stride_h, v_stride_b,
+                                      v_stride_h, slot_stride, ROPE, HAS_NORM, BLOCK_D,
+                                      INTERPRET)
         if (own >= start) & (own < end):  # the own token joins this split's softmax
             score = tl.sum(q.to(tl.float32) * k_own.to(tl.float32)[None, :], axis=1) * scale
             if SOFTCAP:
