@@ -89,9 +89,8 @@ def attention_half(h, positions, w: AttentionWeights, a: AttentionLayer):
     """``h + o(attention(q, k, v))`` of :func:`attention_inputs`, causal within each
     request of the forward context's metadata. With a ``layer`` index and a K/V cache in
     the forward context (:class:`graphcap.kv.CacheBatch`), the layer's K/V are written to
-    it first (``graphcap::qkv_cached_attention``, from the projection's rows: in a decode
-    step one kernel normalises, rotates, writes and attends); a decode step then attends
-    over each row's cached tokens, a prefill among its new tokens."""
+    it first (``graphcap::qkv_cached_attention``, from the projection's rows); a decode
+    step then attends over each row's cached tokens, a prefill among its new tokens."""
     t = h.shape[0]
     out = torch.empty(t, a.heads, a.head_dim, dtype=h.dtype, device=h.device)
     if a.layer is None:

@@ -16,9 +16,10 @@ layer's :mod:`~graphcap.opsdb.attention.variant`, passed to whichever attention 
 
 ``graphcap::qkv_cached_attention`` is the same from the fused q/k/v projection's rows:
 ``graphcap::qkv_norm_rope`` (split, qk-norm, rotary), then ``cached_attention``. In a
-decode step whose backend rotates the rows itself (``rotates``: the default's Triton
-kernel) both run as one kernel: the step's layer goes from the projection to attention's
-output in one launch. Models built from :mod:`graphcap.models.blocks` call it.
+decode step whose backend rotates the rows itself (its ``rotates``) both run as one
+kernel. The default backend's Triton kernel can, but does not by default (measured
+slower: :class:`~graphcap.opsdb.attention.paged.OpsdbDecode`). Models built from
+:mod:`graphcap.models.blocks` call it.
 """
 
 from __future__ import annotations

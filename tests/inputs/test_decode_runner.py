@@ -85,6 +85,31 @@ def test_a_greedy_loop_through_the_runner_replays_the_eager_steps(strategy):
             == {0}
 
 
+@pytest.mark.parametrize("strategy", [*GRAPHED, "eager"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])  # rotary alone; with qk-norm
+def test_steps_whose_attention_rotates_the_projections_rows_equal_the_two_kernel_steps(
+        strategy, preset, monkeypatch):
+    """A backend that rotates (``rotates``: the default's decode kernel normalises and
+    rotates q and the new key itself, in the launch that writes and attends) decodes the
+    tokens and logits of the default path (graphcap::qkv_norm_rope first)."""
+    from graphcap.opsdb.attention.paged import OpsdbDecode
+
+    m, cache = setup(preset)
+    want = run(eager(m, cache), m, cache)
+    monkeypatch.setattr(OpsdbDecode, "rotates", True)
+    m2, cache2 = setup(preset)
+    if strategy == "eager":
+        step = eager(m2, cache2)
+    else:
+        runner = graphcap.capture(m2, strategy, buckets=BUCKETS, inputs=DecodeInputs(cache2))
+        step = lambda t, p, s: runner(t, positions=p, slots=s)  # noqa: E731
+    got = run(step, m2, cache2)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=f"step {i}")
+    # Every request's pages hold the rotated keys (page 0, the null page, takes the pads')
+    torch.testing.assert_close(cache2.k[:, 1:], cache.k[:, 1:], atol=1e-5, rtol=1e-5)
+
+
 def test_padded_rows_write_only_the_null_page():
     m, cache = setup()
     runner = graphcap.capture(m, "full", buckets=[4], inputs=DecodeInputs(cache))

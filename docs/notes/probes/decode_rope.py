@@ -4,14 +4,14 @@ kernel before it (device side):
     PYTHONPATH=. python3 docs/notes/probes/decode_rope.py [preset...]
 
 Full runners of ``DecodeInputs`` (context 1024, batches 1, 8 and 64) on one model and
-cache: ``one kernel`` as the library captures it (``graphcap::qkv_cached_attention`` runs
-the decode attention kernel on the projection's rows), ``key late`` the same with the own
-key's and value's work after the loop over the cache (``KEY_LATE``), ``two kernels``
-with the default backend's ``rotates`` off while it captures (``graphcap::qkv_norm_rope``,
-then the attention kernel). Calls timed interleaved; kernels a step and the GPU's idle
-share from the profiler (PDL on, as shipped); logits of each against ``two kernels``;
-the registers and spills of every decode kernel compiled. JSON in
-$OUT/decode-rope.json."""
+cache: ``one kernel`` with the default backend's ``rotates`` on while it captures
+(``graphcap::qkv_cached_attention`` runs the decode attention kernel on the projection's
+rows), ``key late`` the same with the own key's and value's work after the loop over the
+cache (``KEY_LATE``), ``two kernels`` as the library captures it (``rotates`` off:
+``graphcap::qkv_norm_rope``, then the attention kernel). Calls timed interleaved;
+kernels a step and the GPU's idle share from the profiler (PDL on, as shipped); logits
+of each against ``two kernels``; the registers and spills of every decode kernel
+compiled. JSON in $OUT/decode-rope.json."""
 
 import json
 import os
@@ -53,11 +53,12 @@ def variant(name: str, call):
     rotates, late = VARIANTS[name]
 
     def run():
+        shipped = OpsdbDecode.rotates
         OpsdbDecode.rotates, LATE[0] = rotates, late
         try:
             return call()
         finally:
-            OpsdbDecode.rotates, LATE[0] = True, False
+            OpsdbDecode.rotates, LATE[0] = shipped, False
     return run
 
 

@@ -73,7 +73,12 @@ class OpsdbDecode(DecodeBackend):
     name = "graphcap"
     options = frozenset(OPTIONS)
     writes_own = True
-    rotates = True
+    # Its Triton kernel can rotate the projection's rows itself (one kernel fewer a
+    # layer), but a decode step measured slower so on the H200 (qwen3-0.6b back to back:
+    # 3.54 ms against 2.90 at batch 64, 0.862 against 0.833 at batch 1,
+    # docs/results/2026-12-04-bench-decode-qwen3-0.6b-a7327c8-h200.json), so it takes
+    # graphcap::qkv_norm_rope first.
+    rotates = False
 
     def forward(self, q, k_cache, v_cache, kv, out, scale, kernel=None,
                 variant: Variant = PLAIN, own=None, rope=None) -> None:
