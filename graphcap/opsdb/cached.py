@@ -60,7 +60,6 @@ def _run(q, k, v, out, scale, layer, window, softcap, sinks, attention, kernel=N
         attention(q, k, v, out, scale, window, softcap, sinks)
         return
     k_cache, v_cache = _layer_of(kv, layer, OP)
-    k_cache, v_cache = kv.cache.layer(layer)
     variant = Variant(window, softcap, sinks)
     if kv.decode and backend_of(kv).writes_own:  # the write in the attention kernel
         attend_pages(q, k_cache, v_cache, kv, out, scale, kernel, variant, own=(k, v))
@@ -170,5 +169,5 @@ QKV_CACHED_ATTENTION = register_op(
     reference=_rows_reference, fake=_rows_fake, split=True, check=_rows_check,
     dispatch=_rows_dispatch, static_state=_state,
     doc="graphcap::qkv_norm_rope then graphcap::cached_attention, from the fused q/k/v "
-        "projection's rows; one kernel in a decode step of the default backend",
+        "projection's rows; one kernel in a decode step whose backend rotates",
 )

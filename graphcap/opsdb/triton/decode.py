@@ -297,8 +297,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     request's only new token), the rows' K/V are written to the cache at ``cache_loc`` in
     the same launch (no write kernel before it); with ``positions`` and ``cos_sin_cache``
     too, ``q`` and ``k`` are normalised (``q_weight``, ``k_weight``) and rotated there
-    first. ``tiles`` overrides ``BLOCK_N``, ``num_warps``, ``num_stages`` and
-    ``EARLY_V`` (each block's values loaded with its keys; benchmarks)."""
+    first. ``tiles`` overrides ``BLOCK_N``, ``num_warps``, ``num_stages``, ``EARLY_V``
+    (each block's values loaded with its keys) and ``KEY_LATE`` (the own key's and value's
+    reads and write after the loop over the cache); benchmarks."""
     B, Hq, D = q.shape
     _, page, Hk, _ = k_cache.shape
     if B == 0 or Hq == 0:
