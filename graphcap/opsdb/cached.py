@@ -113,8 +113,10 @@ def _run_rows(qkv, positions, q_weight, k_weight, cos_sin_cache, out, num_heads,
                      Variant(window, softcap, sinks), own=(k, v),
                      rope=(positions, q_weight, k_weight, cos_sin_cache, eps))
         return
-    q, k, v = QKV_NORM_ROPE(qkv, positions, q_weight, k_weight, cos_sin_cache, num_heads,
-                            num_kv_heads, head_size, eps, kernel=kernel)
+    # qkv_norm_rope's kernel, not the op: this op's check already ran check_qkv
+    args = (qkv, positions, q_weight, k_weight, cos_sin_cache, num_heads, num_kv_heads,
+            head_size, eps)
+    q, k, v = QKV_NORM_ROPE.kernel_for(qkv.device, kernel, qkv.dtype, args)(*args)
     _run(q, k, v, out, scale, layer, window, softcap, sinks, attention, kernel)
 
 
