@@ -49,7 +49,7 @@ def check_steps(inputs: PagedInputs, args: tuple, kwargs: dict) -> Batch:
                        f"the host: a list or a CPU tensor), got {kwargs['positions']!r}")
     slots = inputs.cache.requests(kwargs["slots"], requests)
     params = per_row(kwargs.get("sampling"), requests) if inputs.draws else None
-    inputs.cache.check_step(slots, firsts, k)
+    inputs.cache.check_step(slots, firsts, k, checked=True)
     if inputs.max_position is not None and max(firsts) + k > inputs.max_position:
         raise BadBatch(f"positions {firsts} reach past the model's max_position "
                        f"{inputs.max_position}")

@@ -22,6 +22,7 @@ them. With one layer of full attention the window is 0 and every page is kept.
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
@@ -132,13 +133,21 @@ class PagedKVCache:
         written - 1): a step may write the next position or one before it, never past."""
         return self._written.get(self._slot(slot), 0)
 
-    def check_step(self, slots, positions, tokens: int = 1) -> None:
+    def check_step(self, slots, positions, tokens: int = 1, *, checked: bool = False
+                   ) -> None:
         """Refuse (``BadBatch``) a step of ``tokens`` tokens a slot, from its position of
         ``positions``, that reaches outside what the slot was admitted for, or starts past
         the tokens written (it would read pages never written, or a released request's
         leftovers). Changes nothing: the step's tokens count as written once it has run
-        (:meth:`wrote`)."""
+        (:meth:`wrote`). ``checked``: ``slots`` are what :meth:`requests` returned (ints
+        of admitted slots) and ``positions`` ints, as a runner's call has them: a step
+        that passes costs a few C-level passes over them, no Python loop."""
         capacities, written = self._capacity, self._written
+        if checked and len(slots) == len(positions) and self._fits(slots, positions, tokens):
+            if self.window:
+                for slot, position in zip(slots, positions, strict=True):
+                    self.check_reach(slot, position)
+            return
         over = []
         for slot, position in zip(slots, positions, strict=True):
             slot = self._slot(slot, BadBatch)
@@ -160,6 +169,18 @@ class PagedKVCache:
             raise BadBatch(f"steps of {tokens} tokens end past what their slots were "
                            f"admitted for: (slot, end) {over}; admit requests for their "
                            "prompt plus new tokens")
+
+    def _fits(self, slots: list[int], positions: list[int], tokens: int) -> bool:
+        """Whether every admitted slot of ``slots`` may take ``tokens`` tokens from its
+        position (what :meth:`check_step`'s loop checks, the errors left to it)."""
+        if not positions or tokens < 1 or min(positions) < 0:
+            return False
+        ends = positions if tokens == 1 else [p + tokens - 1 for p in positions]
+        try:
+            return all(map(operator.lt, ends, map(self._capacity.__getitem__, slots))) and \
+                all(map(operator.le, positions, map(self._written.__getitem__, slots)))
+        except KeyError:  # a slot holding no request: the loop names it
+            return False
 
     def check_reach(self, slot: int, position: int) -> None:
         """Refuse (``BadBatch``) a token at ``position`` of ``slot`` whose window reaches
@@ -237,10 +258,16 @@ class PagedKVCache:
     def requests(self, slots, count: int) -> list[int]:
         """``slots`` as ints, checked (``BadBatch``): one distinct request slot for each of
         ``count`` requests, each holding a request."""
-        slots = [self._slot(s, BadBatch) for s in slots]
+        if type(slots) is list and slots and set(map(type, slots)) == {int} and \
+                min(slots) >= 0 and max(slots) < self.max_requests:
+            slots = slots[:]  # every one a request slot's int: none to convert
+        else:
+            slots = [self._slot(s, BadBatch) for s in slots]
         if len(slots) != count or len(set(slots)) != count:
             raise BadBatch(f"slots {slots} repeat a request slot or miss one: give one "
                            f"distinct request slot per request ({count} requests)")
+        if self._capacity.keys() >= set(slots):
+            return slots
         free = [s for s in slots if s not in self._capacity]
         if free:
             raise BadBatch(f"request slots {free} hold no request: cache.admit(slot, "

@@ -59,6 +59,53 @@ def test_a_step_is_checked_against_what_each_slot_was_admitted_for_and_has_writt
         c.check_step([True], [0])  # a bool is no slot
 
 
+def _verdict(call):
+    try:
+        return call()
+    except (BadBatch, ValueError) as e:
+        return type(e), str(e)
+
+
+@given(st.data())
+def test_a_runners_checked_step_takes_and_refuses_exactly_what_the_full_check_does(data):
+    """A runner's call checks its slots once (``requests``) and its step against them
+    (``check_step(checked=True)``, a few C-level passes): the same steps pass, and the
+    same errors name the same slot, as the slot-by-slot check of any slots and positions,
+    windowed or not, with slots free, repeated, out of range or not ints."""
+    window = data.draw(st.sampled_from([0, 8]), label="window")
+    c = cache(max_requests=6, page_size=4, window=window)
+    admitted = data.draw(st.lists(st.integers(0, 5), min_size=1, max_size=6, unique=True),
+                         label="admitted")
+    for slot in admitted:
+        c.admit(slot, data.draw(st.integers(1, 40), label="tokens"))
+        c.wrote([(slot, data.draw(st.integers(0, c.capacity(slot)), label="written"))])
+    tokens = data.draw(st.integers(1, 3), label="tokens a slot")
+    slots = data.draw(st.permutations(admitted), label="order")
+    slots = slots[:data.draw(st.integers(1, len(slots)), label="requests")]
+    count = len(slots)
+    if data.draw(st.booleans(), label="spoil a slot"):  # free, repeated, out of range...
+        spoilt = st.integers(-1, 7) | st.sampled_from([True, 2.0, "1"])
+        slots[data.draw(st.integers(0, count - 1))] = data.draw(spoilt, label="slot")
+    near = [c.written(s) if s in admitted else 0 for s in slots]
+    ends = [c.capacity(s) - tokens if s in admitted else 0 for s in slots]
+    positions = [data.draw(st.sampled_from([w, w - 1, w + 1, e, e + 1, -1]), label="pos")
+                 for w, e in zip(near, ends, strict=True)]
+
+    def full():
+        checked = [c._slot(s, BadBatch) for s in slots]
+        if len(set(checked)) != count or any(s not in c._capacity for s in checked):
+            return c.requests(slots, count)  # its error
+        c.check_step(slots, positions, tokens)
+        return checked
+
+    def runner():
+        ints = c.requests(slots, count)
+        c.check_step(ints, positions, tokens, checked=True)
+        return ints
+
+    assert _verdict(runner) == _verdict(full)
+
+
 def test_a_windowed_cache_frees_the_pages_behind_the_window_as_tokens_are_written():
     """Every layer windowed to 8 tokens, pages of 4: a step at position p reads p - 7 .. p,
     and the next step may be at written or written - 1, so the pages before token

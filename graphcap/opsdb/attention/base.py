@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from graphcap.core.checks import check_lengths
@@ -97,9 +96,9 @@ class AttentionMetadata:
         if turn == 0 and self._copied is not None:
             self._copied.synchronize()
         offsets = self._host_arrays[turn]
-        offsets[1:len(lens) + 1] = lens
-        offsets[len(lens) + 1:] = 0  # sentinels: length 0, parked at the real count
-        np.cumsum(offsets, out=offsets)
+        ends = list(itertools.accumulate(lens, initial=0))  # 1 us; numpy's cumsum 2.5
+        offsets[:len(ends)] = ends
+        offsets[len(ends):] = ends[-1]  # sentinels: length 0, parked at the real count
         self.cu_seqlens_host = self._host_buffers[turn]
         self.cu_seqlens.copy_(self.cu_seqlens_host, non_blocking=True)
         turn += 1

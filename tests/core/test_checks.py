@@ -1,0 +1,50 @@
+"""Host values of a call: lengths and positions read as ints (the usual list of ints
+taken as it is, anything else converted or refused by name), and staged as the host tensor
+a copy reads, equal to what ``torch.tensor`` makes of them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from graphcap.core.checks import host_lengths, staged
+from graphcap.errors import BadBatch
+
+INTS = st.integers(-2**31, 2**31 - 1)
+
+
+@given(rows=st.integers(1, 3), width=st.integers(0, 70), data=st.data(),
+       dtype=st.sampled_from([torch.int64, torch.int32, torch.float32]))
+def test_staged_values_equal_torch_tensors_of_them(rows, width, data, dtype):
+    values = st.floats(-1e6, 1e6, width=32) if dtype == torch.float32 else INTS
+    lists = [data.draw(st.lists(values, min_size=width, max_size=width)) for _ in range(rows)]
+    got = staged(lists if rows > 1 else lists[0], dtype, "cpu")
+    want = torch.tensor(lists if rows > 1 else lists[0], dtype=dtype)
+    assert got.dtype == dtype and got.device.type == "cpu"
+    assert torch.equal(got, want)
+
+
+def test_staged_values_of_a_dtype_without_a_numpy_twin_still_stage():
+    assert torch.equal(staged([1, 0, 1], torch.bool, "cpu"),
+                       torch.tensor([True, False, True]))
+
+
+@given(st.lists(st.integers(0, 10**6), max_size=70))
+def test_lengths_of_ints_come_back_as_a_new_list_of_them(lens):
+    got = host_lengths(lens, "positions")
+    assert got == lens and got is not lens  # the caller's list is never aliased
+    assert host_lengths(tuple(lens)) == lens
+    assert host_lengths(torch.tensor(lens, dtype=torch.long)) == lens
+
+
+@pytest.mark.parametrize("lens, match", [
+    ([3, -1], "positions must be non-negative"),
+    ([3, True], "every entry of positions must be an integer, got True"),
+    ([3, 2.0], "every entry of positions must be an integer, got 2.0"),
+    ("12", "positions must be a list"),
+])
+def test_lengths_that_are_not_ints_or_negative_are_refused_by_name(lens, match):
+    with pytest.raises(BadBatch, match=match):
+        host_lengths(lens, "positions")
