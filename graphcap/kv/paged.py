@@ -263,10 +263,11 @@ class PagedKVCache:
             slots = slots[:]  # every one a request slot's int: none to convert
         else:
             slots = [self._slot(s, BadBatch) for s in slots]
-        if len(slots) != count or len(set(slots)) != count:
+        distinct = set(slots)
+        if len(slots) != count or len(distinct) != count:
             raise BadBatch(f"slots {slots} repeat a request slot or miss one: give one "
                            f"distinct request slot per request ({count} requests)")
-        if self._capacity.keys() >= set(slots):
+        if self._capacity.keys() >= distinct:
             return slots
         free = [s for s in slots if s not in self._capacity]
         if free:
