@@ -86,8 +86,9 @@ def test_a_runners_checked_step_takes_and_refuses_exactly_what_the_full_check_do
     if data.draw(st.booleans(), label="spoil a slot"):  # free, repeated, out of range...
         spoilt = st.integers(-1, 7) | st.sampled_from([True, 2.0, "1"])
         slots[data.draw(st.integers(0, count - 1))] = data.draw(spoilt, label="slot")
-    near = [c.written(s) if s in admitted else 0 for s in slots]
-    ends = [c.capacity(s) - tokens if s in admitted else 0 for s in slots]
+    held = [type(s) is int and s in admitted for s in slots]  # True == 1: no slot
+    near = [c.written(s) if h else 0 for s, h in zip(slots, held, strict=True)]
+    ends = [c.capacity(s) - tokens if h else 0 for s, h in zip(slots, held, strict=True)]
     positions = [data.draw(st.sampled_from([w, w - 1, w + 1, e, e + 1, -1]), label="pos")
                  for w, e in zip(near, ends, strict=True)]
 
