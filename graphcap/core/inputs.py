@@ -56,6 +56,7 @@ class Batch:
     lens: list[int] | None = None
     kwargs: dict = field(default_factory=dict)  # what the eager strategy passes on as is
     host: Any = None  # what a kind of input keeps of the call on the host, beside args
+    staged: Any = None  # a kind's host tensor of the call's values, copied to it as one
 
 
 class Inputs:

@@ -40,6 +40,7 @@ import torch
 from graphcap.core import checks
 from graphcap.core.context import forward_context
 from graphcap.core.inputs import Batch, Inputs, check_packing
+from graphcap.core.pinned import HOST_BUFFERS, HostRows
 from graphcap.errors import UnsupportedModel
 from graphcap.inputs.accept import ACCEPTS, greedy_accept, sampled_accept
 from graphcap.inputs.paged_calls import check_requests, check_steps
@@ -139,6 +140,8 @@ class PagedInputs(Inputs):
         # captured) and, with nothing captured, in a call.
         self.attends: bool | None = None
         self.called = False
+        self.places: torch.Tensor | None = None  # positions and request slots [2, tokens]
+        self.host_places: HostRows | None = None  # steps' (paged_calls.staged_places)
 
     def bind(self, model) -> None:
         rows = self.output_rows or getattr(model, "output_rows", "tokens")
@@ -186,8 +189,15 @@ class PagedInputs(Inputs):
     # -- static buffers and each shape's state ---------------------------------------
     def allocate(self, max_tokens: int, batch: Batch | None) -> None:
         ids = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
-        token_slots = torch.full((max_tokens,), -1, dtype=torch.long, device=self.device)
-        self.buffers = [ids, torch.zeros_like(ids), token_slots]
+        # Each token's position and request slot (-1: none), side by side: a step stages
+        # both, pads included, in one copy from the next of its host buffers.
+        places = torch.zeros(2, max_tokens, dtype=torch.long, device=self.device)
+        places[1].fill_(-1)
+        self.buffers = [ids, places[0], places[1]]
+        self.places = places
+        if self.step is not None:
+            self.host_places = HostRows(HOST_BUFFERS, (2, max_tokens), torch.long,
+                                        self.device)
         if self.draws:  # temperature, top_k, top_p, seed per row (pads: greedy)
             self.buffers += [torch.zeros(max_tokens, dtype=dtype, device=self.device)
                              for dtype in (torch.float32, torch.long, torch.float32,
@@ -208,6 +218,7 @@ class PagedInputs(Inputs):
     def reset(self) -> None:
         super().reset()
         self.attends = None
+        self.places = self.host_places = None
 
     def prepare(self, bucket: int) -> PagedState:
         meta = None
@@ -284,8 +295,21 @@ class PagedInputs(Inputs):
 
     def _stage_tokens(self, batch: Batch, bucket: int) -> None:
         """The call's tokens, positions and request slots into the buffers; pads have no
-        request slot."""
+        request slot. A step staged in one of ``host_places`` copies its positions and
+        request slots, pads included, in one copy."""
+        staged = batch.staged
+        if staged is not None and self.places is not None and not self.draws and \
+                staged.shape == self.places.shape:
+            ids, count = self.buffers[0], batch.tokens
+            ids[:count].copy_(batch.args[0], non_blocking=True)
+            if count < bucket:
+                ids[count:bucket].zero_()
+            self.places.copy_(staged, non_blocking=True)
+            self.host_places.copied()
+            return
         self.copy_in(batch, bucket)
+        if self.host_places is not None:
+            self.host_places.copied()
         if batch.tokens < bucket:
             self.buffers[2][batch.tokens:bucket].fill_(-1)
 
@@ -330,8 +354,10 @@ class PagedInputs(Inputs):
 
     def eager(self, model, batch: Batch):
         ids, positions, token_slots, *params = batch.args
-        positions, token_slots, *params = (t.to(self.device, non_blocking=True)
-                                           for t in (positions, token_slots, *params))
+        positions, token_slots, *params = [t.to(self.device, non_blocking=True)
+                                           for t in (positions, token_slots, *params)]
+        if self.host_places is not None:  # the copies of the call's host buffer issued
+            self.host_places.copied()
         meta, last = None, None
         if self.step is None:
             meta = self.attention.prepare(batch.lens, self.device)

@@ -86,7 +86,7 @@ if MODE == "update":
     from graphcap.opsdb.attention.base import validate_seq_lens
 
     meta = get_backend("triton", "cuda").metadata(n0, 1, torch.device("cuda"))
-    host, dev, off = meta.cu_seqlens_host, meta.cu_seqlens, meta._host_arrays[0]
+    host, dev, off = meta.cu_seqlens_host, meta.cu_seqlens, meta._host.arrays[0]
     event = torch.cuda.Event()
     plain = torch.zeros(2, dtype=torch.int32)  # pageable
 

@@ -17,15 +17,13 @@ from collections.abc import Sequence
 import torch
 
 from graphcap.core.checks import check_lengths
+from graphcap.core.pinned import HOST_BUFFERS, HostRows
 from graphcap.errors import UnsupportedStrategy
 from graphcap.opsdb.attention.variant import PLAIN, Variant
 from graphcap.opsdb.spec import OpInputError, unavailable
 
-# Host buffers of a CUDA shape's offsets, written in turn: each feeds an asynchronous copy
-# and may be rewritten only once it ran, so a round of them shares one event (an event
-# per update cost more host time than the replay it fed: performance-history item 34).
-# The updates of one shape are issued on one stream, as its graphs replay on one.
-HOST_BUFFERS = 8
+# A shape's offsets are written into HOST_BUFFERS host buffers in turn (core.pinned); the
+# updates of one shape are issued on one stream, as its graphs replay on one.
 
 
 class AttentionMetadata:
@@ -39,18 +37,12 @@ class AttentionMetadata:
         self.backend = backend
         self.num_tokens, self.num_slots = num_tokens, num_slots
         self.device = torch.device(device)
-        pin = self.device.type == "cuda"
         self.cu_seqlens = torch.zeros(num_slots + 1, dtype=torch.int32, device=self.device)
-        host = torch.zeros(HOST_BUFFERS if pin else 1, num_slots + 1, dtype=torch.int32,
-                           pin_memory=pin)
-        self._host_buffers = list(host)
-        self._host_arrays = list(host.numpy())  # written in place, no torch op
-        self._turn = 0  # the host buffer the next update writes
-        self.cu_seqlens_host = self._host_buffers[0]  # the last update's offsets
+        # Rewriting a host buffer before its copy ran would hand the previous replay the
+        # next batch's offsets: a round of them shares one event (core.pinned).
+        self._host = HostRows(HOST_BUFFERS, (num_slots + 1,), torch.int32, self.device)
+        self.cu_seqlens_host = self._host.tensors[0]  # the last update's offsets
         self.valid = torch.zeros(num_tokens, dtype=torch.bool, device=self.device)
-        # Recorded after the last copy of each round of host buffers: rewriting a buffer
-        # before its copy ran would hand the previous replay the next batch's offsets.
-        self._copied = torch.cuda.Event() if pin else None
         self._rows = torch.arange(num_tokens, device=self.device)
         self.seq_lens: list[int] = []
         self.num_real_tokens = 0
@@ -72,15 +64,12 @@ class AttentionMetadata:
         if torch.compiler.is_compiling():
             # Traced (a compiled model preparing its own metadata): Dynamo takes a numpy
             # view for a tensor of its own and would drop writes through it. The current
-            # buffer, waited for and marked on its own.
-            if self._copied is not None:
-                self._copied.synchronize()
+            # buffer, once every copy issued from the buffers has run.
+            self._host.wait()
             padded = lens + [0] * (self.num_slots - len(lens))
             self.cu_seqlens_host.copy_(torch.tensor(
                 [0, *itertools.accumulate(padded)], dtype=torch.int32))
             self.cu_seqlens.copy_(self.cu_seqlens_host, non_blocking=True)
-            if self._copied is not None:
-                self._copied.record()
         else:  # a write into the next pinned buffer, no torch op but the copy
             self._write_offsets(lens)
         self.seq_lens, self.num_real_tokens = lens, total
@@ -90,23 +79,15 @@ class AttentionMetadata:
         return self
 
     def _write_offsets(self, lens: list[int]) -> None:
-        """The offsets into the next host buffer, copied to the device. A round's first
-        buffer waits for the copies of the round before (one event a round)."""
-        turn = self._turn
-        if turn == 0 and self._copied is not None:
-            self._copied.synchronize()
-        offsets = self._host_arrays[turn]
+        """The offsets into the next host buffer, copied to the device."""
+        turn = self._host.take()
+        offsets = self._host.arrays[turn]
         ends = list(itertools.accumulate(lens, initial=0))  # 1 us; numpy's cumsum 2.5
         offsets[:len(ends)] = ends
         offsets[len(ends):] = ends[-1]  # sentinels: length 0, parked at the real count
-        self.cu_seqlens_host = self._host_buffers[turn]
+        self.cu_seqlens_host = self._host.tensors[turn]
         self.cu_seqlens.copy_(self.cu_seqlens_host, non_blocking=True)
-        turn += 1
-        if turn == len(self._host_buffers):
-            turn = 0
-            if self._copied is not None:
-                self._copied.record()
-        self._turn = turn
+        self._host.copied()
 
     def derive(self) -> None:
         """Device side, graph-safe: the buffers computed from the device offsets (the
