@@ -8,9 +8,10 @@ write, so a buffer is never rewritten while a copy that reads it may be pending;
 event a call cost more host time than the replay it fed (performance-history item 34).
 On the CPU there is one buffer and copies are synchronous.
 
-The copies that read a :class:`HostRows` are issued on one stream, as one runner's calls
-and replays are; a round whose last buffer was taken but never copied (its call raised
-first) is covered by an event recorded when the next round starts.
+The copies that read a :class:`HostRows` are issued on its device's current stream, as
+one runner's calls and replays are, and the event is recorded there; a round whose last
+buffer was taken but never copied (its call raised first) is covered by an event recorded
+when the next round starts.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ class HostRows:
     ``tensors[i]``), issue its copies, then ``copied()``."""
 
     def __init__(self, rows: int, shape: tuple[int, ...], dtype: torch.dtype, device):
-        pinned = torch.device(device).type == "cuda"
+        device = torch.device(device)
+        pinned = device.type == "cuda"
         host = torch.zeros(rows if pinned else 1, *shape, dtype=dtype, pin_memory=pinned)
+        self.device = device  # its copies run on this device's current stream
         self.tensors = list(host)
         self.arrays = list(host.numpy())  # written in place, no torch op
         self._event = torch.cuda.Event() if pinned else None
@@ -43,8 +46,7 @@ class HostRows:
         turn = self._turn
         if turn == 0 and self._event is not None:
             if self._open:  # the last round's last copy was never issued: cover the rest
-                self._event.record()
-                self._open = False
+                self._record()
             self._event.synchronize()
         self._turn = (turn + 1) % len(self.tensors)
         self._open = self._turn == 0 and self._event is not None
@@ -54,15 +56,12 @@ class HostRows:
         """The copies reading the buffer taken last are issued: at a round's end, the
         round's event is recorded after them."""
         if self._open:
-            self._event.record()
-            self._open = False
+            self._record()
 
-    def wait(self) -> None:
-        """Every copy issued from these buffers has run (a traced caller's buffer, written
-        with torch ops, outside the round)."""
-        if self._event is not None:
-            self._event.record()
-            self._event.synchronize()
+    def _record(self) -> None:
+        # On the stream the copies to the device ran on, whichever device is current.
+        self._event.record(torch.cuda.current_stream(self.device))
+        self._open = False
 
 
 __all__ = ["HOST_BUFFERS", "HostRows"]

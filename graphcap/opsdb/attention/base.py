@@ -63,13 +63,15 @@ class AttentionMetadata:
         total = sum(lens)
         if torch.compiler.is_compiling():
             # Traced (a compiled model preparing its own metadata): Dynamo takes a numpy
-            # view for a tensor of its own and would drop writes through it. The current
-            # buffer, once every copy issued from the buffers has run.
-            self._host.wait()
+            # view for a tensor of its own and would drop writes through it: the next
+            # buffer, written with a torch op.
+            turn = self._host.take()
             padded = lens + [0] * (self.num_slots - len(lens))
+            self.cu_seqlens_host = self._host.tensors[turn]
             self.cu_seqlens_host.copy_(torch.tensor(
                 [0, *itertools.accumulate(padded)], dtype=torch.int32))
             self.cu_seqlens.copy_(self.cu_seqlens_host, non_blocking=True)
+            self._host.copied()
         else:  # a write into the next pinned buffer, no torch op but the copy
             self._write_offsets(lens)
         self.seq_lens, self.num_real_tokens = lens, total
