@@ -65,6 +65,7 @@ def check_steps(inputs: PagedInputs, args: tuple, kwargs: dict) -> Batch:
     return Batch(args, count, [k] * requests, staged=host,
                  host=[(s, p + k) for s, p in zip(slots, firsts, strict=True)])
 
+
 def staged_places(inputs: PagedInputs, positions: list[int], token_slots: list[int]
                   ) -> torch.Tensor:
     """A step's positions and request slots as one host tensor ``[2, width]`` (the first
