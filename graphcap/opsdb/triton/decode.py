@@ -65,18 +65,19 @@ def _write_out(o, lse, has, sink, out_ptr, rows_off, d, h_ok, d_mask, SINKS: tl.
 
 
 @triton.jit
-def _rotated_q(q, q_rows, h_ok, d, d_mask, pos, cs_ptr, cs_stride, qw_ptr, half, head_dim,
-               eps, HAS_NORM: tl.constexpr):
-    """The group's ``q`` [BLOCK_H, BLOCK_D] as ``graphcap::qkv_norm_rope`` leaves it:
-    per-head RMSNorm (``HAS_NORM``), then neox rotary at ``pos``."""
+def _norm_rotated(x, rows, ok, d, d_mask, pos, cs_ptr, cs_stride, w_ptr, half, head_dim,
+                  eps, HAS_NORM: tl.constexpr):
+    """Heads ``x`` [R, BLOCK_D], read from ``rows`` (``ok``: where they may be read), as
+    ``graphcap::qkv_norm_rope`` leaves them: per-head RMSNorm by ``w_ptr``
+    (``HAS_NORM``), then neox rotary at ``pos``."""
     cos, sin, first, rotated, partner = rope_at(cs_ptr + pos * cs_stride, d[None, :], half)
-    q_p = tl.load(q_rows + partner, mask=h_ok[:, None] & rotated, other=0.0)
-    w = q
-    w_p = q_p
+    x_p = tl.load(rows + partner, mask=ok & rotated, other=0.0)
+    w = x
+    w_p = x_p
     if HAS_NORM:
-        w = tl.load(qw_ptr + d[None, :], mask=d_mask[None, :], other=0.0)
-        w_p = tl.load(qw_ptr + partner, mask=rotated, other=0.0)
-    return norm_rope(q, q_p, w, w_p, cos, sin, first, rotated, head_dim, eps, HAS_NORM)
+        w = tl.load(w_ptr + d[None, :], mask=d_mask[None, :], other=0.0)
+        w_p = tl.load(w_ptr + partner, mask=rotated, other=0.0)
+    return norm_rope(x, x_p, w, w_p, cos, sin, first, rotated, head_dim, eps, HAS_NORM)
 
 
 @triton.jit
@@ -85,16 +86,9 @@ def _own_key(k_row, d, d_mask, pos, cs_ptr, cs_stride, kw_ptr, half, head_dim, e
     """The row's own key [BLOCK_D] at ``k_row``, normalised and rotated as
     ``graphcap::qkv_norm_rope`` leaves it where ``ROPE``."""
     if ROPE:
-        cos, sin, first, rotated, partner = rope_at(cs_ptr + pos * cs_stride, d[None, :],
-                                                    half)
         k = tl.load(k_row + d[None, :], mask=d_mask[None, :], other=0.0)
-        k_p = tl.load(k_row + partner, mask=rotated, other=0.0)
-        w = k
-        w_p = k_p
-        if HAS_NORM:
-            w = tl.load(kw_ptr + d[None, :], mask=d_mask[None, :], other=0.0)
-            w_p = tl.load(kw_ptr + partner, mask=rotated, other=0.0)
-        k = norm_rope(k, k_p, w, w_p, cos, sin, first, rotated, head_dim, eps, HAS_NORM)
+        k = _norm_rotated(k, k_row, d_mask[None, :], d, d_mask, pos, cs_ptr, cs_stride,
+                          kw_ptr, half, head_dim, eps, HAS_NORM)
         return tl.reshape(k, [BLOCK_D])
     else:
         return tl.load(k_row + d, mask=d_mask, other=0.0)
@@ -168,8 +162,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
         pos = 0
         if ROPE:  # q as graphcap::qkv_norm_rope would leave it
             pos = tl.load(pos_ptr + b.to(tl.int64) * pos_stride).to(tl.int64)
-            q = _rotated_q(q, q_rows, h_ok, d, d_mask, pos, cs_ptr, cs_stride, qw_ptr, half,
-                           head_dim, eps, HAS_NORM)
+            q = _norm_rotated(q, q_rows, h_ok[:, None], d, d_mask, pos, cs_ptr, cs_stride,
+                              qw_ptr, half, head_dim, eps, HAS_NORM)
         if not KEY_LATE:
             k_own, v_own = _write_own(k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr, b, kvh, s, g,
                                       hb, d, d_mask, pos, cs_ptr, cs_stride, kw_ptr, half,
