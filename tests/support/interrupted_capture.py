@@ -52,6 +52,7 @@ model = build_model("tiny", device=device)
 options = {"buckets": [8], "max_requests": 1, "attention": "torch_masked"}
 interrupted = False
 failed: list[str] = []  # what the worker thread's capture raised
+done = threading.Event()  # the worker's capture returned or raised
 
 
 def capture_on_worker():
@@ -59,6 +60,8 @@ def capture_on_worker():
         graphcap.capture(model, strategy, **options)
     except BaseException as exc:  # noqa: BLE001  reported to the test
         failed.append(repr(exc))
+    finally:
+        done.set()
 
 
 sys.meta_path.insert(0, InterruptAt())
@@ -66,11 +69,15 @@ try:
     if how == "thread":
         worker = threading.Thread(target=capture_on_worker)
         worker.start()
-        try:
-            worker.join()
-        except KeyboardInterrupt:  # raised on the main thread, while the worker imports
-            interrupted = True
-            worker.join()
+        # Not join(): on Python 3.11 a join that KeyboardInterrupt interrupts can mark the
+        # thread stopped while it still runs (threading's bpo-45274 handling), and a
+        # later join() returns at once; the process would then exit mid-capture.
+        while not done.is_set():
+            try:
+                done.wait()
+            except KeyboardInterrupt:  # raised on the main thread, while the worker imports
+                interrupted = True
+        worker.join()
     else:
         graphcap.capture(model, strategy, **options)
 except KeyboardInterrupt:
