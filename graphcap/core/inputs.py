@@ -126,17 +126,21 @@ class Inputs:
     def report(self) -> dict:
         return {}
 
+    def rows_of(self, tokens: int, bucket: int) -> tuple[list, list]:
+        """The buffers' first ``tokens`` rows and their rows up to ``bucket`` (none where
+        ``tokens`` fills it), as views made once."""
+        key = (tokens, bucket)
+        cached = self._rows_of.get(key)
+        if cached is None:
+            cached = ([b[:tokens] for b in self.buffers],
+                      [b[tokens:bucket] for b in self.buffers] if tokens < bucket else [])
+            self._rows_of[key] = cached
+        return cached
+
     def copy_in(self, batch: Batch, bucket: int) -> None:
         """The call's tensors into the buffers' first rows, the rest of the bucket zero
         (padding rows: finite, and never stale)."""
-        key = (batch.tokens, bucket)
-        cached = self._rows_of.get(key)
-        if cached is None:
-            cached = ([b[:batch.tokens] for b in self.buffers],
-                      [b[batch.tokens:bucket] for b in self.buffers]
-                      if batch.tokens < bucket else [])
-            self._rows_of[key] = cached
-        rows, padding = cached
+        rows, padding = self.rows_of(batch.tokens, bucket)
         # Host tensors among the args are pinned (checks.staged): no host sync.
         torch._foreach_copy_(rows, list(batch.args[:len(rows)]), non_blocking=True)
         for buf in padding:

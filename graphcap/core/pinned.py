@@ -36,6 +36,16 @@ class HostRows:
         self._event = torch.cuda.Event() if pinned else None
         self._turn = 0  # the buffer the next take() hands out
         self._open = False  # a round's last buffer handed out, its copies not issued yet
+        self._heads: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+
+    def head(self, turn: int, count: int) -> tuple[torch.Tensor, ...]:
+        """Buffer ``turn``'s rows along its first dim, each cut to its first ``count``
+        columns: views made once (slicing costs host time a launch waits for)."""
+        key = (turn, count)
+        views = self._heads.get(key)
+        if views is None:
+            views = self._heads[key] = tuple(row[:count] for row in self.tensors[turn])
+        return views
 
     @property
     def shape(self) -> tuple[int, ...]:

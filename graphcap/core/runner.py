@@ -173,8 +173,9 @@ class Runner:
                 entry.replay()
         self.stats.replays[entry.bucket] += 1
         rows = self.inputs.out_rows(batch)
-        # Cloned outside inference mode: callers get ordinary tensors, as from the model.
-        outs = [buf[:rows].clone() if self.config.copy_outputs else buf[:rows]
+        # Copied outside inference mode: callers get ordinary tensors, as from the model.
+        # (The buffers are contiguous: narrow_copy is clone's copy, in one op.)
+        outs = [buf.narrow_copy(0, 0, rows) if self.config.copy_outputs else buf[:rows]
                 for buf in self._outputs]
         return tree_unflatten(outs, self._out_spec)
 

@@ -300,10 +300,10 @@ class PagedInputs(Inputs):
         staged = batch.staged
         if staged is not None and self.places is not None and not self.draws and \
                 staged.shape == self.places.shape:
-            ids, count = self.buffers[0], batch.tokens
-            ids[:count].copy_(batch.args[0], non_blocking=True)
-            if count < bucket:
-                ids[count:bucket].zero_()
+            rows, padding = self.rows_of(batch.tokens, bucket)
+            rows[0].copy_(batch.args[0], non_blocking=True)  # the token ids
+            if padding:
+                padding[0].zero_()
             self.places.copy_(staged, non_blocking=True)
             self.host_places.copied()
             return

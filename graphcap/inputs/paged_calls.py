@@ -57,29 +57,30 @@ def check_steps(inputs: PagedInputs, args: tuple, kwargs: dict) -> Batch:
     if k > 1:
         positions = [p + j for p in firsts for j in range(k)]
         token_slots = [s for s in slots for _ in range(k)]
-    count = tokens.shape[0]
-    host = staged_places(inputs, positions, token_slots)  # pinned: no host sync
-    args = (tokens, host[0, :count], host[1, :count])
+    host, places = staged_places(inputs, positions, token_slots)  # pinned: no host sync
+    args = (tokens, *places)
     if inputs.draws:  # per token: a request's sampling on each of its rows
         args += host_tensors([p for p in params for _ in range(k)], inputs.device)
-    return Batch(args, count, [k] * requests, staged=host,
+    return Batch(args, tokens.shape[0], [k] * requests, staged=host,
                  host=[(s, p + k) for s, p in zip(slots, firsts, strict=True)])
 
 
 def staged_places(inputs: PagedInputs, positions: list[int], token_slots: list[int]
-                  ) -> torch.Tensor:
-    """A step's positions and request slots as one host tensor ``[2, width]`` (the first
-    ``len(positions)`` columns the call's): once the inputs' buffers exist, the next of
-    their ``host_places`` (no allocation), its pad columns position 0 and no request slot,
-    so that one copy stages them all; before, or past them, pinned for the call."""
+                  ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """A step's positions and request slots as one host tensor ``[2, width]``, and its
+    first ``len(positions)`` columns' two rows (the call's): once the inputs' buffers
+    exist, the next of their ``host_places`` (no allocation), its pad columns position 0
+    and no request slot, so that one copy stages them all; before, or past them, pinned
+    for the call."""
     rows, count = inputs.host_places, len(positions)
     if rows is None or count > rows.shape[1]:
-        return checks.staged([positions, token_slots], torch.long, inputs.device)
+        host = checks.staged([positions, token_slots], torch.long, inputs.device)
+        return host, (host[0], host[1])
     turn = rows.take()
     host = rows.arrays[turn]
     host[0, :count], host[1, :count] = positions, token_slots
     host[0, count:], host[1, count:] = 0, -1
-    return rows.tensors[turn]
+    return rows.tensors[turn], rows.head(turn, count)
 
 
 def check_requests(inputs: PagedInputs, args: tuple, kwargs: dict) -> Batch:

@@ -63,6 +63,10 @@ def test_outputs_are_fresh_tensors_unless_zero_copy_is_asked_for():
     ids2, pos2 = batch([6], seed=1)
     runner(STRATEGY, ATTN)(ids2, pos2, seq_lens=[6])
     assert torch.equal(first, kept)
+    # As the model's own outputs: ordinary (not inference) tensors, usable with autograd.
+    assert not torch.is_inference(first) and first.is_contiguous()
+    assert first.shape == eager(ATTN, ids, pos, [6]).shape
+    assert first.untyped_storage().nbytes() == first.numel() * first.element_size()
 
     r = graphcap.capture(model(), STRATEGY, buckets=[8], max_requests=1, attention=ATTN,
                          copy_outputs=False)

@@ -50,6 +50,8 @@ def test_each_step_stages_its_own_positions_and_slots_in_one_copy_even_rounds_ah
         positions = [cache.written(s) for s in rows]
         batch = inputs.check((ids,), {"positions": positions, "slots": rows})
         assert batch.staged.shape == (2, WIDTH)  # one of the round's buffers
+        # The call's own columns of it, as an eager run reads them.
+        assert [batch.args[1].tolist(), batch.args[2].tolist()] == [positions, rows]
         inputs.stage(batch, bucket, states[bucket])
         seen.append(torch.cat([inputs.buffers[0][None, :bucket],
                                inputs.places[:, :bucket]]).clone())
