@@ -6,8 +6,9 @@ assign=True)``), nor a tensor whose storage moved (``m.to(dtype)``, ``p.data = .
 and the memory it reads may have been freed. :class:`ModelSnapshot` records, at capture,
 every submodule, parameter and buffer slot of the model with the tensor it held and that
 tensor's address; :meth:`~ModelSnapshot.current` says on the host whether they still
-hold. Per call it compares the addresses (a C-level map of ``data_ptr``: about 19 us
-for qwen3-0.6b's 228 tensors on the H200's host) and the buffers' slots
+hold. Per call it compares the addresses (one C++ call on a CUDA build of torch,
+:func:`graphcap.compat.data_ptrs_equal`; a C-level map of ``data_ptr`` took 23-47 us
+for qwen3-0.6b's 228 tensors on the H200's hosts) and the buffers' slots
 (``Module._apply`` replaces buffers in their dicts); the other slots change only
 through ``nn.Module``'s registration (``setattr``, ``register_parameter``,
 ``load_state_dict(assign=True)``, a replaced submodule), whose global hooks count every
@@ -117,6 +118,7 @@ class ModelSnapshot:
         self._ptr_at_capture = {id(t): p for t, p in zip(tensors, ptrs, strict=True)}
         self._stored = [t for t, p in zip(tensors, ptrs, strict=True) if p >= 0]
         self._stored_ptrs = [p for p in ptrs if p >= 0]
+        self._stored_at = list(range(len(self._stored)))
         self._registrations = _REGISTRATIONS[0]
         self._frozen = _plain_tensors(model)  # what the graphs read, kept alive
         self.model = model
@@ -128,7 +130,12 @@ class ModelSnapshot:
             if not (self._modules.same() and self._params.same()):
                 return False
             self._registrations = _REGISTRATIONS[0]  # a registration elsewhere
-        return self._buffers.same() and list(map(_PTR, self._stored)) == self._stored_ptrs
+        if not self._buffers.same():
+            return False
+        try:
+            return compat.data_ptrs_equal(self._stored, self._stored_ptrs, self._stored_at)
+        except (RuntimeError, TypeError, ValueError):  # a tensor that lost its storage
+            return False
 
     def changes(self, limit: int = 5) -> list[str]:
         """What differs from capture, one line per slot (at most ``limit`` of them)."""

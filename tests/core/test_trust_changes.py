@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import graphcap
+from graphcap import compat
 from graphcap.api import GRAPHED
 from graphcap.errors import ModelChanged
 from graphcap.models import PRESETS, Decoder
@@ -61,6 +62,14 @@ def swap_data(m):
     w.data = like(w)
 
 
+def swap_tensors(m):
+    w = m.blocks[1].mlp.down.weight
+    try:
+        torch.utils.swap_tensors(w, torch.nn.Parameter(like(w)))
+    except RuntimeError as exc:  # a compiled forward's guards hold a weakref to it
+        pytest.skip(f"torch refuses the swap itself: {exc}")
+
+
 def to_half(m):
     m.to(torch.float16 if DEVICE == "cuda" else torch.bfloat16)
 
@@ -72,6 +81,8 @@ def replace_block(m):
 CHANGES = {"reassigned parameter": (reassign, "lm_head.weight: another tensor"),
            "load_state_dict(assign=True)": (load_assign, "another tensor"),
            "p.data = ...": (swap_data, "blocks.0.attn.qkv.weight: its storage moved"),
+           "torch.utils.swap_tensors": (swap_tensors,
+                                        "blocks.1.mlp.down.weight: its storage moved"),
            "model.to(dtype)": (to_half, "its storage moved"),
            "replaced submodule": (replace_block, "blocks.1: another module")}
 
@@ -246,3 +257,20 @@ def test_a_plain_tensor_attribute_stays_as_captured_never_freed_memory(strategy)
         del reused
         r.recapture()
         torch.testing.assert_close(r(x), m(x))
+
+
+def test_the_address_check_sees_one_moved_tensor_anywhere_among_many():
+    # compat.data_ptrs_equal: one C++ call on a CUDA build of torch, a map elsewhere.
+    base = torch.zeros(64, device=DEVICE)
+    tensors = [torch.zeros(4, device=DEVICE) for _ in range(300)] + [base[8:]]
+    ptrs = [t.data_ptr() for t in tensors]
+    at = list(range(len(tensors)))
+    assert compat.data_ptrs_equal(tensors, ptrs, at)
+    for moved in (0, 137, len(tensors) - 1):
+        kept = tensors[moved]
+        tensors[moved] = kept.clone()
+        assert not compat.data_ptrs_equal(tensors, ptrs, at)
+        tensors[moved] = kept
+    assert compat.data_ptrs_equal(tensors, ptrs, at)
+    tensors[-1] = base[9:]  # the same storage at another offset: another address
+    assert not compat.data_ptrs_equal(tensors, ptrs, at)
