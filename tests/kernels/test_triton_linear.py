@@ -110,6 +110,35 @@ def test_counters_beyond_the_capacity_are_the_launchs_own(monkeypatch):
     assert all(used[0] is not b for b in counters._BUFFERS.values())
 
 
+def test_ctrl_c_while_the_counters_are_made_is_raised_once_their_thread_is_done(monkeypatch):
+    import os
+    import signal
+    import time
+
+    from graphcap.opsdb.triton import counters
+
+    finished, zeros = [], torch.zeros
+
+    def slow_zeros(*args, **kwargs):  # the worker's allocation: Ctrl-C arrives during it
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.3)  # the GIL released: the main thread takes the signal meanwhile
+        out = zeros(*args, **kwargs)
+        finished.append(True)
+        return out
+
+    device = torch.device("meta")  # a key of its own: no buffer of another test's
+    monkeypatch.setattr(counters.torch, "zeros", slow_zeros)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            counters.persistent(device, 1)
+        seen = list(finished)  # at the moment it was raised
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert seen == [True]  # not while the worker still ran its torch call
+    assert counters._where(device)[1] not in counters._BUFFERS  # nothing half made kept
+
+
 def test_the_split_covers_the_sms_and_keeps_two_slices_per_program_one_at_16_rows():
     # qwen3-0.6b's projections on 132 SMs: 16 tokens, then 64.
     assert config("residual", 16, 1024, 2048, 132)["SPLIT_K"] == 8  # o: 32 column blocks

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphcap.compat.imports import sigint_held
 from graphcap.core import graphs
 from graphcap.opsdb.triton.common import pdl_start
 
@@ -60,9 +61,13 @@ def _made_elsewhere(device: torch.device) -> torch.Tensor:
         except BaseException as error:  # re-raised on the calling thread
             made.append(error)
 
-    worker = threading.Thread(target=make, name="graphcap-counters")
-    worker.start()
-    worker.join()
+    # Ctrl-C held back until the worker is done: on Python 3.11 a join it interrupts can
+    # mark the thread stopped while it still runs, and a process exiting then aborts
+    # inside the worker's torch call.
+    with sigint_held():
+        worker = threading.Thread(target=make, name="graphcap-counters")
+        worker.start()
+        worker.join()
     if isinstance(made[0], BaseException):
         raise made[0]
     return made[0]
