@@ -10,6 +10,7 @@ from graphcap.bench.arms import build_arms, prompts
 from graphcap.bench.common import time_interleaved, write_result
 from graphcap.bench.targets import build_targets, memory_targets, prefill_targets
 from graphcap.models import build_model
+from tests.conftest import requires_cuda
 
 
 def test_every_arm_returns_the_eager_last_token_logits_for_every_length():
@@ -372,15 +373,24 @@ def test_bench_decode_times_every_arm_per_batch_and_context_and_says_what_did_no
     assert "CUDA only" in model["skipped"]["full-flashinfer"]
     assert model["build"]["full"]["graph_pool_bytes"] > 0
     assert model["targets"] == []  # judged at a 1024-token context only
+    # The launch line is measured on CUDA only: no launch floor here.
+    assert result["launch_line"] is None
+    assert all("launch_floor_ms" not in row for row in model["rows"])
 
 
 def test_bench_decode_plots_each_arm_beside_the_floor_or_says_why_not(tmp_path, capsys):
-    from graphcap.bench.report import plot_decode
+    from graphcap.bench.report import plot_decode, show_decode
 
-    rows = [{"batch": b, "floor_ms": 0.1 * b, "ms": {"eager": 20.0, "full": 0.5 * b}}
-            for b in (1, 8)]
+    rows = [{"batch": b, "floor_ms": 0.1 * b, "launch_floor_ms": 0.3 * b,
+             "ms": {"eager": 20.0, "full": 0.5 * b}} for b in (1, 8)]
+    line = {"fixed_us": 2.43, "bytes_per_s": 4.55e12, "largest_miss_us": 0.2}
     result = {"arms": ["eager", "full"], "device": "cpu", "commit": "abc",
-              "models": [{"model": "tiny", "context": 8, "rows": rows}]}
+              "launch_line": line, "models": [{"model": "tiny", "context": 8, "rows": rows,
+                                               "skipped": {}, "targets": []}]}
+    show_decode(result)
+    printed = capsys.readouterr().out
+    assert "2.43 us + bytes at 4.55 TB/s" in printed and "launch floor" in printed
+    assert "2.400" in printed  # batch 8's launch floor, in its column
     path = plot_decode(result, tmp_path / "decode.png")
     try:
         import matplotlib  # noqa: F401
@@ -557,3 +567,56 @@ def test_the_exact_target_fails_on_one_run_that_parts_from_plain_decoding():
     assert targets(exact(False))[0]["measured"] == "1 of 2 runs"
     assert not targets(exact(False))[0]["met"]
     assert not targets(exact(True, fallbacks=1))[0]["met"]  # an eager step: not met either
+
+
+def test_the_launch_line_fits_fixed_time_and_rate_and_refuses_what_sets_no_line():
+    from graphcap.bench.launch_line import fit
+
+    line = fit([(b, 2.5 + b / 4e12 * 1e6) for b in (4e6, 16e6, 64e6, 256e6)])
+    assert line["fixed_us"] == pytest.approx(2.5, abs=1e-3)
+    assert line["bytes_per_s"] == pytest.approx(4e12, rel=1e-6)
+    assert line["largest_miss_us"] < 1e-3 and len(line["points"]) == 4
+    with pytest.raises(ValueError, match="two sizes"):
+        fit([(4e6, 3.0), (4e6, 3.1)])
+    with pytest.raises(ValueError, match="fall with the bytes"):
+        fit([(4e6, 5.0), (64e6, 3.0)])
+
+
+def test_the_launch_floor_prices_each_projection_and_attention_launch_and_the_lm_head():
+    from graphcap.bench.launch_line import decode_floor_ms
+    from graphcap.models import PRESETS
+
+    a = PRESETS["qwen3-0.6b"]
+    line = {"fixed_us": 2.0, "bytes_per_s": 4e12}
+    q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+    per_layer = [(q + 2 * kv) * a.hidden, a.hidden * q, 2 * a.intermediate * a.hidden,
+                 a.hidden * a.intermediate, 8 * 1025 * 2 * kv]
+    launches = 5 * a.layers + 1
+    reads = 2 * (sum(per_layer) * a.layers + a.vocab_size * a.hidden)
+    want = (launches * 2.0 + reads / 4e12 * 1e6) / 1e3
+    assert decode_floor_ms(a, 8, 1025, line) == pytest.approx(want, abs=1e-4)
+    # The recorded H200 line (docs/notes/2026-12-04-decode-launch-floor.md): 0.630 ms.
+    recorded = {"fixed_us": 2.4317, "bytes_per_s": 4.554e12}
+    assert decode_floor_ms(a, 1, 1024, recorded) == pytest.approx(0.630, abs=1e-3)
+    assert decode_floor_ms(PRESETS["qwen3-30b-a3b-4l"], 1, 1024, recorded) is None  # experts
+
+
+def test_the_read_kernel_reads_every_block_once():
+    from graphcap.bench.launch_line import read
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.arange(3 * 4096 + 100, dtype=torch.float32, device=device) % 7
+    out = torch.empty(4, dtype=torch.float32, device=device)
+    want = torch.stack([x[i * 4096:(i + 1) * 4096].sum() for i in range(4)])
+    torch.testing.assert_close(read(x.to(torch.bfloat16), out), want)
+    with pytest.raises(ValueError, match="4 blocks need one each"):
+        read(x, torch.empty(3, device=device))
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_the_launch_line_of_this_gpu_is_a_few_microseconds_and_terabytes_a_second():
+    from graphcap.bench.launch_line import measure
+
+    line = measure("cuda", sizes_mb=(4, 64))
+    assert 0.2 < line["fixed_us"] < 50 and 2e11 < line["bytes_per_s"] < 2e13

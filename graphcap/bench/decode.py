@@ -29,7 +29,11 @@ and a call fed back to back hides). Each row gives the bytes a
 step must read (every weight once, each request's ``context`` tokens of K/V) and the
 floor they set at :data:`~graphcap.bench.decode_attention.PEAK_BYTES_PER_S`; on CUDA
 each graphcap arm's kernels per step and GPU idle share (and gpt-fast's) come from
-``torch.profiler`` over back-to-back calls.
+``torch.profiler`` over back-to-back calls. On CUDA the run also measures one streaming
+launch's cost on its device (``launch_line``: fixed microseconds and a rate,
+:mod:`graphcap.bench.launch_line`), and each row of a dense preset gives the floor of a
+step whose four projections and decode attention are launches of their own at that cost
+(``launch_floor_ms``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import graphcap
 from graphcap.api import GRAPHED
 from graphcap.bench.common import back_to_back_ms, environment, host_us, time_interleaved
 from graphcap.bench.decode_attention import PEAK_BYTES_PER_S
+from graphcap.bench.launch_line import decode_floor_ms, measure
 from graphcap.engine.eager import decode_step, prefill
 from graphcap.inputs import DecodeInputs
 from graphcap.kv import PagedKVCache
@@ -136,7 +141,7 @@ def _capture(model, arm: str, cache, batches):
 
 
 def bench_model(name: str, arms, batches, context: int, reps: int, device: str,
-                window: int = 0) -> dict:
+                window: int = 0, line: dict | None = None) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build_model(name, device=device, dtype=dtype)
     if window:  # every layer windowed: a step reads the last `window` tokens of each row
@@ -207,7 +212,8 @@ def bench_model(name: str, arms, batches, context: int, reps: int, device: str,
     times = time_interleaved(cases, reps=reps, rounds=5) if cases else {}
     out_rows = []
     for b in batches:
-        nbytes = step_bytes(model, b, min(context + 1, window or context + 1))
+        read = min(context + 1, window or context + 1)  # the tokens a row's step reads
+        nbytes = step_bytes(model, b, read)
         row = {"batch": b, "bytes": nbytes,
                "floor_ms": round(nbytes / PEAK_BYTES_PER_S * 1e3, 4),
                "ms": {arm: times[b, arm]["median_ms"] for arm in arms if (b, arm) in times},
@@ -215,6 +221,8 @@ def bench_model(name: str, arms, batches, context: int, reps: int, device: str,
                                    for arm in arms if (b, arm) in cases and arm != "eager"},
                "host_us": {arm: host_us(cases[b, arm], HOST_REPS if device == "cuda" else 3)
                            for arm in runners if (b, arm) in cases}}
+        if line is not None:
+            row["launch_floor_ms"] = decode_floor_ms(a, b, read, line)
         if device == "cuda":
             row["profile"] = {arm: profile_steps(cases[b, arm])
                               for arm in (*runners, *PEERS) if (b, arm) in cases}
@@ -288,12 +296,14 @@ def run(models=("qwen3-0.6b",), arms=ARMS, batches=BATCHES, contexts=(CONTEXT,),
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if isinstance(contexts, int):
         contexts = (contexts,)
+    line = measure(device) if device == "cuda" else None
     return {"what": "graphcap bench decode: one decode step (a token per request, the "
                     "cache filled to the context), CUDA-event wall time per call, "
                     "median of repetitions interleaved over batch sizes and arms",
             **environment(), "arms": list(arms), "batches": list(batches),
             "contexts": list(contexts), "peak_bytes_per_s": PEAK_BYTES_PER_S,
-            "models": [bench_model(m, arms, batches, c, reps, device, window)
+            "launch_line": line,
+            "models": [bench_model(m, arms, batches, c, reps, device, window, line)
                        for m in models for c in contexts]}
 
 

@@ -60,17 +60,28 @@ def show_prefill(result: dict) -> None:
 
 
 def show_decode(result: dict) -> None:
+    line = result.get("launch_line")
+    if line:
+        print(f"one streaming launch on this device: {line['fixed_us']:.2f} us + bytes at "
+              f"{line['bytes_per_s'] / 1e12:.2f} TB/s (largest miss "
+              f"{line['largest_miss_us']:.2f} us)")
     for model in result["models"]:
         arms = [a for a in result["arms"] if any(a in r["ms"] for r in model["rows"])]
+        launch = any(r.get("launch_floor_ms") is not None for r in model["rows"])
         rows = []
         for row in model["rows"]:
             eager = row["ms"].get("eager")
-            rows.append([str(row["batch"]), f"{row['floor_ms']:.3f}"] + [
+            floors = [f"{row['floor_ms']:.3f}"] + (
+                [f"{row['launch_floor_ms']:.3f}" if row.get("launch_floor_ms") else "-"]
+                if launch else [])
+            rows.append([str(row["batch"]), *floors] + [
                 (f"{row['ms'][a]:.3f}" + (f" ({eager / row['ms'][a]:.1f}x)" if eager else ""))
                 if a in row["ms"] else "-" for a in arms])
         print_table(f"{model['model']}: ms per decode step at a {model['context']}-token "
-                    "context (speed-up over eager), beside the bandwidth floor",
-                    ["batch", "floor", *arms], rows)
+                    "context (speed-up over eager), beside the bandwidth floor"
+                    + (" and the floor of a launch per projection and attention"
+                       if launch else ""),
+                    ["batch", "floor", *(["launch floor"] if launch else []), *arms], rows)
         fed = [a for a in arms if any(a in r.get("ms_back_to_back", {}) for r in model["rows"])]
         if fed:
             print_table(f"{model['model']}: ms per step, steps fed back to back",
@@ -154,7 +165,7 @@ def plot_prefill(result: dict, path: Path) -> Path | None:
 
 def plot_decode(result: dict, path: Path) -> Path | None:
     """ms per decode step against the batch size, one panel per (model, context), every
-    arm beside the bandwidth floor."""
+    arm beside the bandwidth floor (and, where measured, the launch floor)."""
     plt = _pyplot()
     if plt is None:
         return None
@@ -165,6 +176,11 @@ def plot_decode(result: dict, path: Path) -> Path | None:
         batches = [r["batch"] for r in model["rows"]]
         ax.plot(batches, [r["floor_ms"] for r in model["rows"]], color="k", linestyle="--",
                 label="bandwidth floor")
+        launch = [(r["batch"], r["launch_floor_ms"]) for r in model["rows"]
+                  if r.get("launch_floor_ms")]
+        if launch:
+            ax.plot(*zip(*launch, strict=True), color="k", linestyle=":",
+                    label="a launch per projection and attention")
         for i, arm in enumerate(arms):  # one colour per arm in every panel
             points = [(r["batch"], r["ms"][arm]) for r in model["rows"] if arm in r["ms"]]
             if points:
