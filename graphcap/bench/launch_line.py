@@ -2,9 +2,9 @@
 
 A decode step is a chain of launches, each reading its bytes once: a projection's weight,
 a layer's K/V. One launch that streams ``b`` bytes takes about ``fixed + b / rate``: the
-launch, the first bytes' latency and the tail cost ``fixed`` whatever the size. On the
-H200 the fixed part is 2.43 us against 0.9 us for 4 MB at the rate
-(``docs/notes/2026-12-04-decode-launch-floor.md``), so at small models it decides the step.
+launch, the first bytes' latency and the tail cost ``fixed`` whatever the size. At a
+small model's few-MB weights the fixed part outweighs the bytes, so it decides the step
+(``docs/notes/2026-12-04-decode-launch-floor.md``).
 
 :func:`measure` fits the line on this device. A bare read kernel (each program sums a
 block, so nothing but the read costs) runs over buffers of 4 to 256 MB, cycled past L2 in
