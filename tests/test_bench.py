@@ -391,6 +391,13 @@ def test_bench_decode_plots_each_arm_beside_the_floor_or_says_why_not(tmp_path, 
     printed = capsys.readouterr().out
     assert "2.43 us + bytes at 4.55 TB/s" in printed and "launch floor" in printed
     assert "2.400" in printed  # batch 8's launch floor, in its column
+    failed = {**result, "launch_line": {"failed": "OutOfMemoryError: ..."},
+              "models": [{**result["models"][0], "rows": [
+                  {k: v for k, v in r.items() if k != "launch_floor_ms"} for r in rows]}]}
+    show_decode(failed)
+    printed = capsys.readouterr().out
+    assert "launch line was not measured: OutOfMemoryError" in printed
+    assert "launch floor" not in printed
     path = plot_decode(result, tmp_path / "decode.png")
     try:
         import matplotlib  # noqa: F401

@@ -221,7 +221,7 @@ def bench_model(name: str, arms, batches, context: int, reps: int, device: str,
                                    for arm in arms if (b, arm) in cases and arm != "eager"},
                "host_us": {arm: host_us(cases[b, arm], HOST_REPS if device == "cuda" else 3)
                            for arm in runners if (b, arm) in cases}}
-        if line is not None:
+        if line is not None and "failed" not in line:
             row["launch_floor_ms"] = decode_floor_ms(a, b, read, line)
         if device == "cuda":
             row["profile"] = {arm: profile_steps(cases[b, arm])
@@ -296,7 +296,12 @@ def run(models=("qwen3-0.6b",), arms=ARMS, batches=BATCHES, contexts=(CONTEXT,),
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if isinstance(contexts, int):
         contexts = (contexts,)
-    line = measure(device) if device == "cuda" else None
+    line = None
+    if device == "cuda":
+        try:  # an aid to reading the rows: its failure loses no arm
+            line = measure(device)
+        except Exception as exc:  # noqa: BLE001  (recorded, named)
+            line = {"failed": f"{type(exc).__name__}: {exc}"[:500]}
     return {"what": "graphcap bench decode: one decode step (a token per request, the "
                     "cache filled to the context), CUDA-event wall time per call, "
                     "median of repetitions interleaved over batch sizes and arms",

@@ -61,7 +61,9 @@ def show_prefill(result: dict) -> None:
 
 def show_decode(result: dict) -> None:
     line = result.get("launch_line")
-    if line:
+    if line and "failed" in line:
+        print(f"the launch line was not measured: {line['failed']}")
+    elif line:
         print(f"one streaming launch on this device: {line['fixed_us']:.2f} us + bytes at "
               f"{line['bytes_per_s'] / 1e12:.2f} TB/s (largest miss "
               f"{line['largest_miss_us']:.2f} us)")
