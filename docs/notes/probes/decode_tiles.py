@@ -1,10 +1,12 @@
 """The few-row linear's tiles at decode batch sizes (device side):
 
     PYTHONPATH=. python3 docs/notes/probes/decode_tiles.py [preset...]
+    PROBE_BATCHES=64 PYTHONPATH=. python3 docs/notes/probes/decode_tiles.py [preset...]
 
-``linear.config`` was swept at 16 and 64 rows (prefill); a decode step runs it at 1 and 8.
-A full runner of ``DecodeInputs`` (context 1024, batches 1 and 8) is captured per variant
-of ``config``'s answer, with PDL on, and the calls are timed interleaved; kernels per
+``linear.config`` was swept at 16 and 64 rows (prefill); a decode step runs it at 1 and 8
+(and, for o and down, at 64). A full runner of ``DecodeInputs`` (context 1024, batches 1
+and 8, or ``PROBE_BATCHES``) is captured per variant of ``config``'s answer, with PDL on,
+and the calls are timed interleaved; kernels per
 step and the step's top kernels come from the profiler (PDL on: a kernel's time includes
 its wait). Variants:
 
@@ -14,7 +16,8 @@ its wait). Variants:
 - ``split-norm``: K split for the normed projections too (gate/up), as for the others;
 - ``split-norm-n16``: both;
 - ``stages2``: two pipeline stages;
-- ``bk128`` / ``bk512``: BLOCK_K 128 / 512;
+- ``bk128`` / ``bk512``: BLOCK_K 128 / 512; ``bk128-warps8``: 128 with eight warps (72 KB of
+  shared memory a program at 64 rows, where today's take 144 KB);
 - ``qkv-fused``: the RMSNorm-prologue kernel for q/k/v (``fused_rows`` plain: 64), split;
 - ``pdl-off``: today's tiles without PDL.
 
@@ -35,7 +38,10 @@ from graphcap.inputs import DecodeInputs
 from graphcap.opsdb.triton import linear
 from graphcap.opsdb.triton.common import programmatic_launch
 
-CONTEXT, BATCHES = 1024, (1, 8)
+CONTEXT = 1024
+# PROBE_BATCHES=64: the step where the few-row linear runs o and down at 64 rows (today's
+# tiles hold 144 KB of shared memory a program there: one program an SM).
+BATCHES = tuple(int(b) for b in os.environ.get("PROBE_BATCHES", "1,8").split(","))
 CONFIG, FUSED = linear.config, linear.fused_rows
 
 
@@ -56,6 +62,7 @@ VARIANTS = {
         {**c, "BLOCK_N": 16}, *a)},
     "stages2": lambda c, *a: {**c, "num_stages": 2},
     "bk128": lambda c, *a: {**c, "BLOCK_K": 128},
+    "bk128-warps8": lambda c, *a: {**c, "BLOCK_K": 128, "num_warps": 8},
     "bk512": lambda c, *a: {**c, "BLOCK_K": 512, "num_stages": 2},
     "qkv-fused": "policy",
     "pdl-off": "pdl",
