@@ -618,6 +618,8 @@ def test_the_read_kernel_reads_every_block_once():
     torch.testing.assert_close(read(x.to(torch.bfloat16), out), want)
     with pytest.raises(ValueError, match="4 blocks need one each"):
         read(x, torch.empty(3, device=device))
+    with pytest.raises(ValueError, match="contiguous"):
+        read(x.view(-1, 2).t(), out)
 
 
 @requires_cuda

@@ -38,6 +38,8 @@ def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 def read(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out[i]`` = the sum of ``x``'s ``i``-th block of 4096 elements (``x`` flat, ``out``
     float32 of one element a block): one launch that reads ``x`` once."""
+    if not (x.is_contiguous() and out.is_contiguous()):
+        raise ValueError("read: x and out must be contiguous (it walks their memory flat)")
     n = x.numel()
     blocks = triton.cdiv(n, _BLOCK)
     if out.numel() != blocks:
