@@ -271,15 +271,19 @@ def stream_of(key: tuple) -> torch.cuda.Stream:
 
 _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)  # CUDA builds
 _PTR = torch.Tensor.data_ptr
+_EVERY: dict[int, list[int]] = {}  # range(n) as the list the C++ call takes, per n
 
 
-def data_ptrs_equal(tensors: list, ptrs: list[int], indices: list[int]) -> bool:
-    """Whether ``tensors[i].data_ptr() == ptrs[i]`` for every ``i`` in ``indices``
-    (``indices`` being ``range(len(tensors))``): in one C++ call where torch has the one
-    cudagraph trees check their static inputs with (CUDA builds), else a C-level map."""
-    if _PTRS_EQUAL is not None:
-        return _PTRS_EQUAL(tensors, ptrs, indices)
-    return list(map(_PTR, tensors)) == ptrs
+def data_ptrs_equal(tensors: list, ptrs: list[int]) -> bool:
+    """Whether ``tensors[i].data_ptr() == ptrs[i]`` for every ``i``: in one C++ call where
+    torch has the one cudagraph trees check their static inputs with (CUDA builds), else
+    a C-level map."""
+    if _PTRS_EQUAL is None:
+        return list(map(_PTR, tensors)) == ptrs
+    every = _EVERY.get(len(tensors))
+    if every is None:
+        every = _EVERY[len(tensors)] = list(range(len(tensors)))
+    return len(ptrs) == len(tensors) and _PTRS_EQUAL(tensors, ptrs, every)
 
 
 def on_module_registrations(hook) -> bool:

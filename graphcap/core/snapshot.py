@@ -118,7 +118,6 @@ class ModelSnapshot:
         self._ptr_at_capture = {id(t): p for t, p in zip(tensors, ptrs, strict=True)}
         self._stored = [t for t, p in zip(tensors, ptrs, strict=True) if p >= 0]
         self._stored_ptrs = [p for p in ptrs if p >= 0]
-        self._stored_at = list(range(len(self._stored)))
         self._registrations = _REGISTRATIONS[0]
         self._frozen = _plain_tensors(model)  # what the graphs read, kept alive
         self.model = model
@@ -133,7 +132,7 @@ class ModelSnapshot:
         if not self._buffers.same():
             return False
         try:
-            return compat.data_ptrs_equal(self._stored, self._stored_ptrs, self._stored_at)
+            return compat.data_ptrs_equal(self._stored, self._stored_ptrs)
         except (RuntimeError, TypeError, ValueError):  # a tensor that lost its storage
             return False
 

@@ -310,8 +310,9 @@ class PagedInputs(Inputs):
         self.copy_in(batch, bucket)
         if self.host_places is not None:
             self.host_places.copied()
-        if batch.tokens < bucket:
-            self.buffers[2][batch.tokens:bucket].fill_(-1)
+        _, padding = self.rows_of(batch.tokens, bucket)  # the views copy_in made
+        if padding:
+            padding[2].fill_(-1)
 
     def _plan(self, state: PagedState, batch: Batch) -> None:
         """The decode attention plan of ``state`` for ``batch``, where it plans on the host
