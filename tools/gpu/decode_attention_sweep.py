@@ -6,7 +6,11 @@ heads, batch 1 and 8 at context 1024, batch 1 at 4096) over every combination of
 and split counts (:data:`GRID`), where the defaults read 13-49% of the bandwidth.
 ``python tools/gpu/decode_attention_sweep.py OUT.json early``: every model, batch 1, 8
 and 64 at contexts 1024 and 4096, the defaults against the same tiles with each block's
-values loaded with its keys (``EARLY_V``)."""
+values loaded with its keys (``EARLY_V``).
+``python tools/gpu/decode_attention_sweep.py OUT.json stages``: every model at batch 1 and
+8 (contexts 1024 and 4096) and batch 64 (256 and 1024), the defaults against each block
+size at the stage counts where Triton's pipeliner keeps more key and value blocks in
+flight (:data:`STAGES`), at the default split count and a half and a quarter of it."""
 
 from __future__ import annotations
 
@@ -28,6 +32,13 @@ GRID = [{"tiles": {"BLOCK_N": n, "num_warps": w, "num_stages": s}, "num_splits":
         for n, w, s, k in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 4, 8, 16))
         if n * s <= 384]  # the stages' K and V tiles in shared memory (head dim 128)
 GRID_CASES = (("qwen3-0.6b", 1, 1024), ("qwen3-0.6b", 8, 1024), ("qwen3-0.6b", 1, 4096))
+# The block table's indirection costs the pipeliner half of num_stages: the kernel's key
+# and value blocks get (num_stages - 1) // 2 shared-memory buffers, one up to 4 stages
+# (docs/notes/probes/kernel_registers.py pipeline). Each block size at 2, 3 and 4 buffers,
+# where those fit an SM's shared memory (64 KB a 128-token buffer at head dim 128).
+STAGES = [{"BLOCK_N": n, "num_warps": 4, "num_stages": s}
+          for n, s in itertools.product((32, 64, 128), (5, 7, 9)) if n * (s - 1) // 2 <= 384]
+STAGE_CASES = (1, 1024), (1, 4096), (8, 1024), (8, 4096), (64, 256), (64, 1024)
 
 
 def main(path: str, mode: str = "") -> None:
@@ -35,6 +46,8 @@ def main(path: str, mode: str = "") -> None:
     rows = []
     start = time.perf_counter()
     cases = GRID_CASES if mode == "grid" else [
+        (m, b, c) for m, (b, c) in itertools.product(HEADS, STAGE_CASES)] \
+        if mode == "stages" else [
         (m, b, c) for m, b, c in itertools.product(HEADS, (1, 8, 64), (1024, 4096))]
     for model, batch, context in cases:
         hq, hk, d = HEADS[model]
@@ -44,6 +57,12 @@ def main(path: str, mode: str = "") -> None:
             extra = [g for g in GRID if g["num_splits"] * g["tiles"]["BLOCK_N"] <= context]
         elif mode == "early":
             extra = [{"tiles": {"EARLY_V": True}}]
+        elif mode == "stages":
+            extra = []
+            for t in STAGES:
+                own = splits_for(programs, context, t["BLOCK_N"], num_sms(dev))
+                extra += [{"tiles": t, "num_splits": k}
+                          for k in sorted({own, max(1, own // 2), max(1, own // 4)})]
         else:
             splits = sorted({max(1, auto // 4), max(1, auto // 2), auto * 2, auto * 4}
                             - {auto})

@@ -11,7 +11,12 @@ A spill is a read and write of local memory (L1, then L2) inside the loop. ``ski
 the few-row kernel (:mod:`graphcap.opsdb.triton.linear`) in each mode the decode path
 runs, at 16 and 64 rows, over BLOCK_K and num_warps, today's tiles (``config``) marked;
 ``decode``: the decode attention kernel with and without the rotary, ``KEY_LATE`` and
-``EARLY_V``, at its two block sizes; ``gemv``: the one-row form. JSON in
+``EARLY_V``, at its two block sizes; ``gemv``: the one-row form; ``pipeline``: the decode
+attention kernel at each block size and ``num_stages`` 2 to 9, with what Triton's
+pipeliner made of its loop over the row's pages (read from the compiled kernel's TTGIR):
+the shared-memory buffers of its key and value blocks (one: the next block is asked for
+only once this one's products are done; two or more: it is asked for while they run), of
+its block-table slices, and the programs an SM holds by shared memory and registers. JSON in
 $OUT/kernel-registers.json."""
 
 import itertools
@@ -34,10 +39,11 @@ MODES = {"norm": (True, False, False), "norm+swiglu": (True, True, False),
          "residual": (False, False, True), "plain": (False, False, False)}
 
 
-def compiled(kernel, sig: dict, consts: dict, options: dict, plain=()) -> dict:
+def compiled(kernel, sig: dict, consts: dict, options: dict, plain=(), ttgir=False) -> dict:
     """Registers, spills (bytes a thread), shared memory and product instruction. Every
     pointer and int argument but those in ``plain`` is taken as a multiple of 16 (bytes,
-    elements), as a launch specialises them where they are: contiguous vectors then."""
+    elements), as a launch specialises them where they are: contiguous vectors then.
+    ``ttgir``: the kernel's TTGIR too (what the pipeliner made of its loops)."""
     sig = {**sig, **{n: "constexpr" for n in consts}}
     sig = {name: sig[name] for name in kernel.arg_names if name in sig}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
@@ -54,7 +60,8 @@ def compiled(kernel, sig: dict, consts: dict, options: dict, plain=()) -> dict:
                               capture_output=True, text=True, check=True)
     log = done.stdout + done.stderr
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    return {"registers": int(re.search(r"Used (\d+) registers", log).group(1)),
+    return {**({"ttgir": out.asm["ttgir"]} if ttgir else {}),
+            "registers": int(re.search(r"Used (\d+) registers", log).group(1)),
             "spill_stores": int(spills.group(1)), "spill_loads": int(spills.group(2)),
             "shared": out.metadata.shared,
             "product": "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx
@@ -87,8 +94,7 @@ def skinny() -> list:
     return rows
 
 
-def decode_kernel() -> list:
-    sig = {**{n: "*bf16" for n in ("q_ptr", "kc_ptr", "vc_ptr", "sinks_ptr", "out_ptr",
+DECODE_SIG = {**{n: "*bf16" for n in ("q_ptr", "kc_ptr", "vc_ptr", "sinks_ptr", "out_ptr",
                                     "k_ptr", "v_ptr", "qw_ptr", "kw_ptr")},
            "table_ptr": "*i32", "lens_ptr": "*i32", "mid_o_ptr": "*fp32",
            "mid_lse_ptr": "*fp32", "counts_ptr": "*i32", "loc_ptr": "*i64",
@@ -98,19 +104,55 @@ def decode_kernel() -> list:
                "k_stride_h", "v_stride_b", "v_stride_h", "table_stride", "pos_stride",
                "cs_stride", "width", "kv_heads", "head_dim", "split_len", "window",
                "half")}}
+DECODE_PLAIN = ("table_stride", "pos_stride", "width", "kv_heads")
+
+
+def decode_consts(block_n: int, **flags) -> dict:
+    """qwen3-0.6b's decode step (GQA groups of 2, head dim 128, pages of 16 slots, its
+    K/V written by the kernel) at ``block_n`` tokens a block."""
+    return {"PAGE": 16, "GROUP": 2, "BLOCK_H": 16, "SPLITS": 8, "BLOCK_N": block_n,
+            "BLOCK_D": 128, "WINDOW": False, "SOFTCAP": False, "SINKS": False,
+            "WRITE": True, "ROPE": False, "HAS_NORM": False, "IEEE": False,
+            "INTERPRET": False, "PDL": True, "EARLY_V": False, "KEY_LATE": False, **flags}
+
+
+def decode_kernel() -> list:
     rows = []
     for (block_n, stages), (rope, late, early) in itertools.product(
             ((128, 3), (64, 2)), ((False, False, False), (True, False, False),
                                   (True, True, False), (False, False, True))):
-        consts = {"PAGE": 16, "GROUP": 2, "BLOCK_H": 16, "SPLITS": 8, "BLOCK_N": block_n,
-                  "BLOCK_D": 128, "WINDOW": False, "SOFTCAP": False, "SINKS": False,
-                  "WRITE": True, "ROPE": rope, "HAS_NORM": rope, "IEEE": False,
-                  "INTERPRET": False, "PDL": True, "EARLY_V": early, "KEY_LATE": late}
-        got = compiled(decode._decode_kernel, sig, consts,
+        consts = decode_consts(block_n, ROPE=rope, HAS_NORM=rope, EARLY_V=early,
+                               KEY_LATE=late)
+        got = compiled(decode._decode_kernel, DECODE_SIG, consts,
                        {"num_warps": 4, "num_stages": stages, "launch_pdl": True},
-                       plain=("table_stride", "pos_stride", "width", "kv_heads"))
+                       plain=DECODE_PLAIN)
         rows.append({"kernel": "decode", "BLOCK_N": block_n, "num_stages": stages,
                      "rope": rope, "key_late": late, "early_v": early, **got})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def buffers(ttgir: str, shape: str) -> int:
+    """How many shared-memory buffers the pipeliner gave the loads of tiles ``shape``
+    (e.g. ``64x128xbf16``): the leading dimension of their allocation, 0 where none."""
+    got = re.findall(rf"local_alloc : \(\) -> !ttg.memdesc<(\d+)x{shape}\b", ttgir)
+    return max(map(int, got), default=0)
+
+
+def pipeline() -> list:
+    rows = []
+    for block_n, stages in itertools.product((32, 64, 128), range(2, 10)):
+        if stages > 8 and block_n == 128:  # four 64 KB buffers: past the 227 KB an SM has
+            continue
+        got = compiled(decode._decode_kernel, DECODE_SIG, decode_consts(block_n),
+                       {"num_warps": 4, "num_stages": stages, "launch_pdl": True},
+                       plain=DECODE_PLAIN, ttgir=True)
+        ttgir = got.pop("ttgir")
+        per_sm = min(227 * 1024 // got["shared"], 65536 // (got["registers"] * 128))
+        rows.append({"kernel": "decode", "BLOCK_N": block_n, "num_stages": stages,
+                     "kv_buffers": buffers(ttgir, f"{block_n}x128xbf16"),
+                     "table_buffers": buffers(ttgir, f"{block_n}xi32"),
+                     "programs_per_sm": per_sm, **got})
         print(rows[-1], flush=True)
     return rows
 
@@ -134,7 +176,8 @@ def gemv_kernel() -> list:
     return rows
 
 
-SURVEYS = {"skinny": skinny, "decode": decode_kernel, "gemv": gemv_kernel}
+SURVEYS = {"skinny": skinny, "decode": decode_kernel, "gemv": gemv_kernel,
+           "pipeline": pipeline}
 
 if __name__ == "__main__":
     chosen = sys.argv[1:] or list(SURVEYS)
