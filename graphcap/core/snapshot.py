@@ -12,10 +12,14 @@ for qwen3-0.6b's 228 tensors on the H200's hosts) and the buffers' slots
 (``Module._apply`` replaces buffers in their dicts); the other slots change only
 through ``nn.Module``'s registration (``setattr``, ``register_parameter``,
 ``load_state_dict(assign=True)``, a replaced submodule), whose global hooks count every
-registration in the process, so they are compared again only after one. A slot written
-directly (``module._parameters[name] = ...``, ``del module.weight``) bypasses those hooks
-and is not seen, nor is a registration made inside torch.compiled code; nor is a new view
-of the same memory (``p.data = p.data.t()``), whose address is unchanged. In-place
+registration in the process, so they are compared again only after one. Containers
+(``ModuleList``, ``ModuleDict``, ``Sequential``, ``ParameterList``, ``ParameterDict``)
+write their dicts themselves (``insert``, ``pop``, ``del``, ``clear``): each call checks
+that each one still has the dict and the number of entries it had. A slot of any other
+module written directly (``module._parameters[name] = ...``, ``del module.weight``)
+bypasses those hooks and is not seen, nor is a registration made inside torch.compiled
+code; nor is a new view of the same memory (``p.data = p.data.t()``), whose address is
+unchanged. In-place
 updates (``p.copy_(new)``, ``load_state_dict`` without ``assign``) keep every slot and
 address, so replays see them, as eager does.
 
@@ -37,6 +41,8 @@ from graphcap import compat
 
 _PTR = torch.Tensor.data_ptr
 _MODULE_DICTS = ("_parameters", "_buffers", "_modules")  # compared slot by slot
+_PARAM_CONTAINERS = (nn.ParameterList, nn.ParameterDict)
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, *_PARAM_CONTAINERS)
 _REGISTRATIONS = [0]  # registrations of a module, parameter or buffer anywhere, so far
 
 
@@ -62,6 +68,35 @@ def _slots(model: nn.Module):
         buffers += [(module._buffers, name, dot + name)
                     for name, t in module._buffers.items() if t is not None]
     return modules, params, buffers
+
+
+class _Containers:
+    """Each container module's dict of entries and how many it held at capture."""
+
+    def __init__(self, model: nn.Module):
+        found = [(name, m) for name, m in model.named_modules(remove_duplicate=True)
+                 if isinstance(m, _CONTAINERS)]
+        self.names = [name or "the model" for name, _ in found]
+        self.owners = [m for _, m in found]
+        self.attrs = ["_parameters" if isinstance(m, _PARAM_CONTAINERS) else "_modules"
+                      for m in self.owners]
+        self.dicts = list(map(getattr, self.owners, self.attrs))
+        self.sizes = list(map(len, self.dicts))
+
+    def same(self) -> bool:
+        now = list(map(getattr, self.owners, self.attrs))
+        return all(map(operator.is_, now, self.dicts)) and \
+            list(map(len, now)) == self.sizes
+
+    def changes(self) -> list[str]:
+        out = []
+        for name, owner, attr, d, size in zip(self.names, self.owners, self.attrs,
+                                              self.dicts, self.sizes, strict=True):
+            now = getattr(owner, attr)
+            if now is not d or len(now) != size:
+                out.append(f"{name}: {type(owner).__name__} edited ({len(now)} entries, "
+                           f"{size} at capture)")
+        return out
 
 
 def _plain_tensors(model: nn.Module) -> list[torch.Tensor]:
@@ -113,6 +148,7 @@ class ModelSnapshot:
         modules, params, buffers = _slots(model)
         self._modules, self._params, self._buffers = (
             _Slots(modules), _Slots(params), _Slots(buffers))
+        self._containers = _Containers(model)
         tensors = self._params.held + self._buffers.held
         ptrs = [_ptr(t) for t in tensors]
         self._ptr_at_capture = {id(t): p for t, p in zip(tensors, ptrs, strict=True)}
@@ -129,7 +165,7 @@ class ModelSnapshot:
             if not (self._modules.same() and self._params.same()):
                 return False
             self._registrations = _REGISTRATIONS[0]  # a registration elsewhere
-        if not self._buffers.same():
+        if not (self._buffers.same() and self._containers.same()):
             return False
         try:
             return compat.data_ptrs_equal(self._stored, self._stored_ptrs)
@@ -138,7 +174,7 @@ class ModelSnapshot:
 
     def changes(self, limit: int = 5) -> list[str]:
         """What differs from capture, one line per slot (at most ``limit`` of them)."""
-        out = []
+        out = self._containers.changes()
         for d, k, name, held in zip(self._modules.dicts, self._modules.keys,
                                     self._modules.names, self._modules.held, strict=True):
             now = d.get(k)

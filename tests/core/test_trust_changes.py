@@ -78,13 +78,23 @@ def replace_block(m):
     m.blocks[1] = Decoder(m.args).blocks[0].to(DEVICE, m.norm.dtype)
 
 
+def insert_block(m):  # no registration hook runs: ModuleList writes its dict itself
+    m.blocks.insert(1, Decoder(m.args).blocks[0].to(DEVICE, m.norm.dtype))
+
+
+def delete_block(m):  # ModuleList builds a new dict of the blocks left
+    del m.blocks[0]
+
+
 CHANGES = {"reassigned parameter": (reassign, "lm_head.weight: another tensor"),
            "load_state_dict(assign=True)": (load_assign, "another tensor"),
            "p.data = ...": (swap_data, "blocks.0.attn.qkv.weight: its storage moved"),
            "torch.utils.swap_tensors": (swap_tensors,
                                         "blocks.1.mlp.down.weight: its storage moved"),
            "model.to(dtype)": (to_half, "its storage moved"),
-           "replaced submodule": (replace_block, "blocks.1: another module")}
+           "replaced submodule": (replace_block, "blocks.1: another module"),
+           "ModuleList.insert": (insert_block, r"blocks: ModuleList edited \(3 entries, 2"),
+           "del ModuleList[i]": (delete_block, r"blocks: ModuleList edited \(1 entries, 2")}
 
 
 @pytest.mark.parametrize("strategy", GRAPHED)
@@ -273,3 +283,32 @@ def test_the_address_check_sees_one_moved_tensor_anywhere_among_many():
     assert compat.data_ptrs_equal(tensors, ptrs)
     tensors[-1] = base[9:]  # the same storage at another offset: another address
     assert not compat.data_ptrs_equal(tensors, ptrs)
+
+
+@pytest.mark.parametrize("edit", ["append", "pop", "insert", "del", "extend", "clear",
+                                  "dict pop", "dict set", "sequential del", "param append"])
+def test_every_edit_of_a_container_module_reads_as_a_change(edit):
+    # The snapshot alone, no capture: containers edited in place, most of them without
+    # a registration (their entries written into their dicts directly).
+    from graphcap.core.snapshot import ModelSnapshot
+
+    m = torch.nn.Module()
+    m.layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(3))
+    m.heads = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
+    m.seq = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    m.scales = torch.nn.ParameterList([torch.nn.Parameter(torch.ones(2))])
+    snapshot = ModelSnapshot(m)
+    assert snapshot.current() and not snapshot.changes()
+    edits = {"append": lambda: m.layers.append(torch.nn.Linear(2, 2)),
+             "pop": lambda: m.layers.pop(1),
+             "insert": lambda: m.layers.insert(0, torch.nn.Linear(2, 2)),
+             "del": lambda: m.layers.__delitem__(slice(0, 2)),
+             "extend": lambda: m.layers.extend([torch.nn.Linear(2, 2)]),
+             "clear": lambda: m.heads.clear(),
+             "dict pop": lambda: m.heads.pop("a"),
+             "dict set": lambda: m.heads.update({"c": torch.nn.Linear(2, 2)}),
+             "sequential del": lambda: m.seq.__delitem__(0),
+             "param append": lambda: m.scales.append(torch.nn.Parameter(torch.ones(2)))}
+    edits[edit]()
+    assert not snapshot.current()
+    assert any(" edited (" in line for line in snapshot.changes()), snapshot.changes()
