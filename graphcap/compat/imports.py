@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -94,7 +95,10 @@ def complete(steps: tuple[Step, ...]) -> None:
 @contextlib.contextmanager
 def sigint_held():
     """On the main thread, hold SIGINT back inside the block and deliver it, to the
-    handler that was installed (put back as it was), as soon as the block ends.
+    handler that was installed (put back as it was), as soon as the block ends: once,
+    however many arrived. An event loop that learns of signals through the wakeup fd
+    (asyncio's ``loop.add_signal_handler``) hears it once too, and every other signal
+    that arrived meanwhile when the block ends.
 
     Elsewhere a plain block: Python runs signal handlers on the main thread only, so a
     Ctrl-C never interrupts another thread's imports. So is it where the handler was
@@ -106,8 +110,30 @@ def sigint_held():
     held: list[int] = []
     signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     try:
-        yield
+        with _wakeups_without_sigint():
+            yield
     finally:
         signal.signal(signal.SIGINT, previous)
         if held:  # through the handler that was installed: KeyboardInterrupt by default
             signal.raise_signal(signal.SIGINT)
+
+
+@contextlib.contextmanager
+def _wakeups_without_sigint():
+    """Inside the block, the signals' wakeup bytes go to a pipe of its own; when it ends
+    they are passed on to the wakeup fd that was set, SIGINT's left out (delivered again
+    after the block, it writes its own)."""
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)  # one swap: no byte lost
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(fd)
+        with contextlib.suppress(OSError):  # nothing arrived; or the fd's buffer is full
+            others = bytes(b for b in os.read(r, 4096) if b != signal.SIGINT)
+            if others and fd != -1:
+                os.write(fd, others)
+        os.close(r)
+        os.close(w)
