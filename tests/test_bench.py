@@ -622,6 +622,24 @@ def test_the_read_kernel_reads_every_block_once():
         read(x.view(-1, 2).t(), out)
 
 
+def test_every_size_of_the_launch_line_is_timed_over_as_many_launches(monkeypatch):
+    # A graph's replay is timed whole and shared among its launches: with fewer launches
+    # at large sizes, the graph's own launch would weigh on them alone and bend the line.
+    from graphcap.bench import launch_line, timing
+
+    counts = []
+
+    def timed(calls, **_):
+        counts.append((len(calls), len(set(calls))))
+        return 1.0
+
+    monkeypatch.setattr(timing, "cycled_ms", timed)
+    monkeypatch.setattr(launch_line, "CYCLED_MB", 8)
+    with pytest.raises(ValueError, match="no rate"):  # every point 1 ms: a flat line
+        launch_line.measure("cpu", sizes_mb=(1, 4))
+    assert counts == [(launch_line.LAUNCHES, 8), (launch_line.LAUNCHES, 2)]
+
+
 @requires_cuda
 @pytest.mark.gpu
 def test_the_launch_line_of_this_gpu_is_a_few_microseconds_and_terabytes_a_second():

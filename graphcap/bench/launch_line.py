@@ -24,6 +24,7 @@ import triton.language as tl
 
 SIZES_MB = (4, 16, 64, 256)
 CYCLED_MB = 512  # bytes a size's graph cycles through, several times the L2
+LAUNCHES = 128  # launches in every size's graph: its own launch shared alike
 _BLOCK = 4096  # elements a program sums
 
 
@@ -63,8 +64,10 @@ def fit(points: list[tuple[float, float]]) -> dict:
 
 
 def measure(device="cuda", sizes_mb=SIZES_MB) -> dict:
-    """The line of one bare read on ``device`` (CUDA): each size's launches over distinct
-    bf16 buffers, :data:`CYCLED_MB` in all, captured in one CUDA graph and replayed."""
+    """The line of one bare read on ``device`` (CUDA): for each size, :data:`LAUNCHES`
+    launches cycling over distinct bf16 buffers, :data:`CYCLED_MB` in all, captured in
+    one CUDA graph and replayed; the replay's time over its launches. Every size's graph
+    has as many launches, so the graph's own launch adds the same to each point."""
     from graphcap.bench.timing import cycled_ms
 
     points = []
@@ -74,7 +77,8 @@ def measure(device="cuda", sizes_mb=SIZES_MB) -> dict:
         xs = [torch.ones(n, dtype=torch.bfloat16, device=device) for _ in range(copies)]
         outs = [torch.empty(triton.cdiv(n, _BLOCK), dtype=torch.float32, device=device)
                 for _ in range(copies)]
-        calls = [lambda x=x, o=o: read(x, o) for x, o in zip(xs, outs, strict=True)]
+        each = [lambda x=x, o=o: read(x, o) for x, o in zip(xs, outs, strict=True)]
+        calls = [each[i % copies] for i in range(LAUNCHES)]
         points.append((2 * n, cycled_ms(calls) * 1e3))
         del xs, outs, calls
     return fit(points)
