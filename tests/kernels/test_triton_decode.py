@@ -124,3 +124,23 @@ def test_the_kernel_rotating_the_projections_rows_equals_the_qkv_kernel_then_att
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5  # the reference's own roundings
     torch.testing.assert_close(fused, reference, atol=tol, rtol=tol)
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("rows,max_len,want", [
+    (1, 1025, ({"BLOCK_N": 128, "num_stages": 5}, 9)),  # qwen3-0.6b batch 1, context 1024
+    (1, 4096, ({"BLOCK_N": 128, "num_stages": 5}, 16)),  # one wave of 8 x 16 programs
+    (8, 1025, ({"BLOCK_N": 128, "num_stages": 5}, 2)),  # 128 programs, one an SM
+    (16, 1025, ({"BLOCK_N": 128, "num_stages": 3}, 3)),  # 128 programs: no room to split
+    (64, 1025, ({"BLOCK_N": 64, "num_stages": 2}, 1)),  # 512 programs fill the SMs
+])
+def test_the_tiles_follow_how_much_of_the_gpu_the_rows_fill(rows, max_len, want):
+    # The H200's 132 SMs and 227 KB a program; 8 key/value heads in GQA groups of 2.
+    from graphcap.opsdb.triton.decode import programs_of, tiles_for
+
+    programs = programs_of(rows, 16, 8)
+    cfg, splits = tiles_for(programs, max_len, 132, 227 * 1024)
+    assert ({k: cfg[k] for k in want[0]}, splits) == want
+    assert programs * splits <= 132 or cfg["num_stages"] < 5  # deep tiles: one wave
+    # Where a program cannot have 140 KB of shared memory, the 3-stage tiles instead.
+    cfg, _ = tiles_for(programs, max_len, 132, 99 * 1024)
+    assert cfg["num_stages"] < 5

@@ -30,6 +30,7 @@ def interpreting() -> bool:
 
 
 _NUM_SMS: dict[int, int] = {}
+_SHARED: dict[int, int] = {}
 
 
 def num_sms(device: torch.device) -> int:
@@ -40,6 +41,18 @@ def num_sms(device: torch.device) -> int:
     if index not in _NUM_SMS:
         _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _NUM_SMS[index]
+
+
+def shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may ask for on ``device`` (its opt-in limit; 0
+    off CUDA, or where torch does not say), cached per device."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SHARED:
+        props = torch.cuda.get_device_properties(index)
+        _SHARED[index] = int(getattr(props, "shared_memory_per_block_optin", 0))
+    return _SHARED[index]
 
 
 @triton.jit

@@ -19,7 +19,8 @@ score before the online softmax. Handed the q/k/v projection's rows with their p
 :mod:`graphcap.opsdb.triton.qkv`'s kernel would (its ``norm_rope``), so a decode step's
 layer needs no kernel between the projection and this one. The split count follows from
 host shapes only (rows, heads, the block table's width, the SMs), so the grid is fixed at
-capture and a replay's lengths change only the work inside it. No host synchronisation.
+capture and a replay's lengths change only the work inside it (the tiles follow the
+device's shared memory too: :func:`tiles_for`). No host synchronisation.
 
 Under programmatic dependent launch (:mod:`graphcap.opsdb.triton.common`) the kernel
 lets the next one start at once (the output projection, which asks L2 for its weight
@@ -33,7 +34,15 @@ import triton
 import triton.language as tl
 
 from graphcap.opsdb.triton import counters
-from graphcap.opsdb.triton.common import cast, dot, interpreting, num_sms, pdl_args, pdl_start
+from graphcap.opsdb.triton.common import (
+    cast,
+    dot,
+    interpreting,
+    num_sms,
+    pdl_args,
+    pdl_start,
+    shared_memory,
+)
 from graphcap.opsdb.triton.qkv import norm_rope, rope_at
 
 _MAX_SPLITS = 32
@@ -266,6 +275,30 @@ def programs_of(rows: int, heads: int, kv_heads: int) -> int:
     return rows * kv_heads * triton.cdiv(group, head_block(group))
 
 
+# Two key/value buffers of 128-token blocks (the block table's lookup takes half the
+# stages: (num_stages - 1) // 2 buffers), 140 KB of shared memory a program at head dim 128.
+DEEP = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 5}
+DEEP_SHARED = 144 * 1024
+
+
+def tiles_for(programs: int, max_len: int, sms: int, shared: int) -> tuple[dict, int]:
+    """The kernel's tiles and split count for ``programs`` (row, head block)s of rows
+    reading up to ``max_len`` tokens, on ``sms`` SMs of ``shared`` bytes of shared memory a
+    program. From the H200 sweeps (``docs/results/2026-12-05-decode-attention-stages-
+    f89bd59-h200.json``; ``...-sweep-0d8ba81-...``): where the rows and heads fill at most
+    half the SMs (decode at batch 1 to 8), :data:`DEEP`, one program an SM, split into as
+    many as fill the SMs once (qwen3-0.6b at batch 8 and context 1024: 14.4 us against
+    16.0 with 3 stages and 5 splits; batch 1 at 4096: 11.5 against 13.6); else 128-token
+    blocks at 3 stages where the grid is split to fill the SMs, 64 at 2 where it is not."""
+    if 2 * programs <= sms and shared >= DEEP_SHARED:
+        blocks = triton.cdiv(max(max_len, 1), DEEP["BLOCK_N"])
+        splits = min(blocks, sms // programs, _MAX_SPLITS)
+        return dict(DEEP), splits if programs <= counters.CAPACITY else 1
+    cfg = ({"BLOCK_N": 128, "num_warps": 4, "num_stages": 3} if programs < sms else
+           {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2})
+    return cfg, splits_for(programs, max_len, cfg["BLOCK_N"], sms)
+
+
 def splits_for(programs: int, max_len: int, block_n: int, sms: int) -> int:
     """Splits per (row, head block) for ``programs`` of them: enough programs to fill the
     SMs twice over, no split shorter than one block, at most ``_MAX_SPLITS``, and one
@@ -307,16 +340,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_h = head_block(group)
     programs = programs_of(B, Hq, Hk)
     sms = num_sms(q.device)
-    # From the H200 sweep (docs/results/2026-12-03-decode-attention-sweep-0d8ba81-h200.json):
-    # 128-token blocks where the rows and heads leave SMs idle (the grid is split), 64
-    # otherwise.
-    cfg = ({"BLOCK_N": 16, "num_warps": 4, "num_stages": 2} if interpret else
-           {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3} if programs < sms else
-           {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2})
+    if interpret:  # several splits, so that the merge is exercised
+        cfg = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+        auto = max(1, min(triton.cdiv(max_len, cfg["BLOCK_N"]), 4))
+    else:
+        cfg, auto = tiles_for(programs, max_len, sms, shared_memory(q.device))
     cfg.update(tiles or {})
-    if num_splits is None:  # the interpreter: several splits, so the merge is exercised
-        num_splits = (max(1, min(triton.cdiv(max_len, cfg["BLOCK_N"]), 4)) if interpret
-                      else splits_for(programs, max_len, cfg["BLOCK_N"], sms))
+    if not interpret and set(tiles or ()) & {"BLOCK_N", "num_stages"}:  # other tiles
+        auto = splits_for(programs, max_len, cfg["BLOCK_N"], sms)
+    if num_splits is None:
+        num_splits = auto
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     if num_splits > 1 and programs > counters.CAPACITY:
@@ -359,4 +392,5 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         **cfg)
 
 
-__all__ = ["decode_attention", "head_block", "programs_of", "splits_for"]
+__all__ = ["DEEP", "decode_attention", "head_block", "programs_of", "splits_for",
+           "tiles_for"]
