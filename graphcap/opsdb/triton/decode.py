@@ -285,12 +285,13 @@ def tiles_for(programs: int, max_len: int, sms: int, shared: int) -> tuple[dict,
     """The kernel's tiles and split count for ``programs`` (row, head block)s of rows
     reading up to ``max_len`` tokens, on ``sms`` SMs of ``shared`` bytes of shared memory a
     program. From the H200 sweeps (``docs/results/2026-12-05-decode-attention-stages-
-    f89bd59-h200.json``; ``...-sweep-0d8ba81-...``): where the rows and heads fill at most
-    half the SMs (decode at batch 1 to 8), :data:`DEEP`, one program an SM, split into as
-    many as fill the SMs once (qwen3-0.6b at batch 8 and context 1024: 14.4 us against
-    16.0 with 3 stages and 5 splits; batch 1 at 4096: 11.5 against 13.6); else 128-token
-    blocks at 3 stages where the grid is split to fill the SMs, 64 at 2 where it is not."""
-    if 2 * programs <= sms and shared >= DEEP_SHARED:
+    f89bd59-h200.json``, ``...-batches-bd1c1e8-...``): where the rows and heads leave SMs
+    idle (decode at batch 1 to 16), :data:`DEEP`, one program an SM, split into as many as
+    fill the SMs once (qwen3-0.6b at context 1024: batch 8 14.5 us against 16.2 with 3
+    stages and 5 splits, batch 16 22.1 against 26.0; batch 1 at 4096 11.3 against 13.7);
+    else 64-token blocks at 2 stages. Where a program cannot have :data:`DEEP_SHARED`
+    bytes, 128-token blocks at 3 stages (one buffer) with the grid split to fill the SMs."""
+    if programs <= sms and shared >= DEEP_SHARED:
         blocks = triton.cdiv(max(max_len, 1), DEEP["BLOCK_N"])
         splits = min(blocks, sms // programs, _MAX_SPLITS)
         return dict(DEEP), splits if programs <= counters.CAPACITY else 1
