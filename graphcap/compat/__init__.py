@@ -269,23 +269,6 @@ def stream_of(key: tuple) -> torch.cuda.Stream:
     return torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
 
 
-_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)  # CUDA builds
-_PTR = torch.Tensor.data_ptr
-_EVERY: dict[int, list[int]] = {}  # range(n) as the list the C++ call takes, per n
-
-
-def data_ptrs_equal(tensors: list, ptrs: list[int]) -> bool:
-    """Whether ``tensors[i].data_ptr() == ptrs[i]`` for every ``i``: in one C++ call where
-    torch has the one cudagraph trees check their static inputs with (CUDA builds), else
-    a C-level map."""
-    if _PTRS_EQUAL is None:
-        return list(map(_PTR, tensors)) == ptrs
-    every = _EVERY.get(len(tensors))
-    if every is None:
-        every = _EVERY[len(tensors)] = list(range(len(tensors)))
-    return len(ptrs) == len(tensors) and _PTRS_EQUAL(tensors, ptrs, every)
-
-
 def on_module_registrations(hook) -> bool:
     """Call ``hook(module, name, value)`` on every registration of a submodule, parameter
     or buffer by any ``nn.Module`` (``setattr``, ``register_*``), through torch's global

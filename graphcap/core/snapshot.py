@@ -6,9 +6,8 @@ assign=True)``), nor a tensor whose storage moved (``m.to(dtype)``, ``p.data = .
 and the memory it reads may have been freed. :class:`ModelSnapshot` records, at capture,
 every submodule, parameter and buffer slot of the model with the tensor it held and that
 tensor's address; :meth:`~ModelSnapshot.current` says on the host whether they still
-hold. Per call it compares the addresses (one C++ call on a CUDA build of torch,
-:func:`graphcap.compat.data_ptrs_equal`; a C-level map of ``data_ptr`` took 23-47 us
-for qwen3-0.6b's 228 tensors on the H200's hosts) and the buffers' slots
+hold. Per call it compares the addresses (a C-level map of ``data_ptr``: 15-18 us for
+qwen3-0.6b's 228 tensors on the H200's host at f89bd59) and the buffers' slots
 (``Module._apply`` replaces buffers in their dicts); the other slots change only
 through ``nn.Module``'s registration (``setattr``, ``register_parameter``,
 ``load_state_dict(assign=True)``, a replaced submodule), whose global hooks count every
@@ -112,6 +111,11 @@ def _plain_tensors(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def ptrs_equal(tensors: list, ptrs: list[int]) -> bool:
+    """Whether ``tensors[i].data_ptr() == ptrs[i]`` for every ``i`` (a C-level map)."""
+    return list(map(_PTR, tensors)) == ptrs
+
+
 def _describe(t) -> str:
     if t is None:
         return "removed"
@@ -168,7 +172,7 @@ class ModelSnapshot:
         if not (self._buffers.same() and self._containers.same()):
             return False
         try:
-            return compat.data_ptrs_equal(self._stored, self._stored_ptrs)
+            return ptrs_equal(self._stored, self._stored_ptrs)
         except (RuntimeError, TypeError, ValueError):  # a tensor that lost its storage
             return False
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import graphcap
-from graphcap import compat
 from graphcap.api import GRAPHED
 from graphcap.errors import ModelChanged
 from graphcap.models import PRESETS, Decoder
@@ -270,19 +269,20 @@ def test_a_plain_tensor_attribute_stays_as_captured_never_freed_memory(strategy)
 
 
 def test_the_address_check_sees_one_moved_tensor_anywhere_among_many():
-    # compat.data_ptrs_equal: one C++ call on a CUDA build of torch, a map elsewhere.
+    from graphcap.core.snapshot import ptrs_equal
+
     base = torch.zeros(64, device=DEVICE)
     tensors = [torch.zeros(4, device=DEVICE) for _ in range(300)] + [base[8:]]
     ptrs = [t.data_ptr() for t in tensors]
-    assert compat.data_ptrs_equal(tensors, ptrs)
+    assert ptrs_equal(tensors, ptrs)
     for moved in (0, 137, len(tensors) - 1):
         kept = tensors[moved]
         tensors[moved] = kept.clone()
-        assert not compat.data_ptrs_equal(tensors, ptrs)
+        assert not ptrs_equal(tensors, ptrs)
         tensors[moved] = kept
-    assert compat.data_ptrs_equal(tensors, ptrs)
+    assert ptrs_equal(tensors, ptrs)
     tensors[-1] = base[9:]  # the same storage at another offset: another address
-    assert not compat.data_ptrs_equal(tensors, ptrs)
+    assert not ptrs_equal(tensors, ptrs)
 
 
 @pytest.mark.parametrize("edit", ["append", "pop", "insert", "del", "extend", "clear",

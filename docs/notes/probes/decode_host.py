@@ -7,10 +7,10 @@ replay timed interleaved with CUDA events (as ``graphcap bench decode`` times a 
 each one's host microseconds from an idle GPU until it returns, each phase of the call's
 host path timed alone from an idle GPU (the model's snapshot check, the inputs' check,
 the route, staging, the replay's launch, the outputs' copy, the commit), the model's
-address check alone in its two forms (one C++ call, the map of ``data_ptr``), and a cProfile
-of back-to-back calls (own time per function). With ``prefill``: a full runner of a
-prefill of ``batch`` tokens (one request, Triton attention), as ``graphcap bench
-prefill``'s full arm calls it. JSON in $OUT/<kind>-host-<preset>-<batch>.json."""
+check alone, and a cProfile of back-to-back calls (own time per function). With
+``prefill``: a full runner of a prefill of ``batch`` tokens (one request, Triton
+attention), as ``graphcap bench prefill``'s full arm calls it. JSON in
+$OUT/<kind>-host-<preset>-<batch>.json."""
 
 import cProfile
 import json
@@ -24,7 +24,6 @@ import torch
 from probe_common import prefilled_decode
 
 import graphcap
-from graphcap import compat
 from graphcap.bench.common import environment, host_us, time_interleaved
 from graphcap.inputs import DecodeInputs
 from graphcap.models import build_model
@@ -72,19 +71,10 @@ def phases(runner, call, reps: int = 200) -> dict:
     return out
 
 
-def snapshot_forms(runner, reps: int = 500) -> dict:
-    """The model's address check alone: one C++ call where torch has it (CUDA builds),
-    and the C-level map of ``data_ptr`` it replaced."""
-    out = {"tensors": len(runner._snapshot._stored),
-           "one_call": host_us(runner._snapshot.current, reps)}
-    helper = compat._PTRS_EQUAL
-    compat._PTRS_EQUAL = None
-    try:
-        out["map"] = host_us(runner._snapshot.current, reps)
-    finally:
-        compat._PTRS_EQUAL = helper
-    out["one_call_available"] = helper is not None
-    return out
+def snapshot_check(runner, reps: int = 500) -> dict:
+    """The model's check alone: host microseconds of ``ModelSnapshot.current``."""
+    return {"tensors": len(runner._snapshot._stored),
+            "us": host_us(runner._snapshot.current, reps)}
 
 
 def main(preset: str, batch: int, kind: str) -> dict:
@@ -112,7 +102,7 @@ def main(preset: str, batch: int, kind: str) -> dict:
            "call_ms": times["call"]["median_ms"], "replay_ms": times["replay"]["median_ms"],
            "host_call_us": host_us(call, 200), "host_replay_us": host_us(entry.replay, 200)}
     out["phases_us"] = phases(runner, call)
-    out["snapshot_check_us"] = snapshot_forms(runner)
+    out["snapshot_check_us"] = snapshot_check(runner)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(500):
