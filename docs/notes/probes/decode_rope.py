@@ -13,6 +13,7 @@ kernels a step and the GPU's idle share from the profiler (PDL on, as shipped); 
 of each against ``two kernels``; the registers and spills of every decode kernel
 compiled. JSON in $OUT/decode-rope.json."""
 
+import functools
 import json
 import os
 import sys
@@ -49,7 +50,7 @@ decode._decode_kernel = _Late(KERNEL)
 
 
 def variant(name: str, call):
-    """``call`` as variant ``name`` (a runner captures a shape at its first call)."""
+    """``call`` under variant ``name``'s settings (captures, and calls that may capture)."""
     rotates, late = VARIANTS[name]
 
     def run():
@@ -82,9 +83,12 @@ def _registers() -> list:
 
 def one(preset: str) -> dict:
     model, cache, tokens = prefilled_decode(preset, max(BATCHES), CONTEXT)
-    runners = {name: graphcap.capture(model, "full", buckets=list(BATCHES),
-                                      inputs=DecodeInputs(cache))
-               for name in VARIANTS}
+    # graphcap.capture captures every bucket before it returns: each under its variant.
+    runners = {}
+    for name in VARIANTS:
+        capture = functools.partial(graphcap.capture, model, "full", buckets=list(BATCHES),
+                                    inputs=DecodeInputs(cache))
+        runners[name] = variant(name, capture)()
     cases = {key: variant(key[1], call)
              for key, call in decode_cases(runners, tokens, BATCHES, CONTEXT).items()}
     times = time_interleaved(cases, reps=60, rounds=6)
