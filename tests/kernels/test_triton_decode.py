@@ -135,12 +135,15 @@ def test_the_kernel_rotating_the_projections_rows_equals_the_qkv_kernel_then_att
 ])
 def test_the_tiles_follow_how_much_of_the_gpu_the_rows_fill(rows, max_len, want):
     # The H200's 132 SMs and 227 KB a program; 8 key/value heads in GQA groups of 2.
-    from graphcap.opsdb.triton.decode import programs_of, tiles_for
+    from graphcap.opsdb.triton.decode_grid import deep_bytes, programs_of, tiles_for
 
     programs = programs_of(rows, 16, 8)
     cfg, splits = tiles_for(programs, max_len, 132, 227 * 1024)
     assert ({k: cfg[k] for k in want[0]}, splits) == want
     assert programs * splits <= 132 or cfg["num_stages"] < 5  # deep tiles: one wave
-    # Where a program cannot have 140 KB of shared memory, the 3-stage tiles instead.
-    cfg, _ = tiles_for(programs, max_len, 132, 99 * 1024)
-    assert cfg["num_stages"] < 5
+    # Where a program cannot have the deep tiles' shared memory (a smaller GPU; head dim
+    # 256 in bf16 or a float32 cache on the H200), the 3-stage tiles instead.
+    for shared, row_bytes in ((99 * 1024, 256), (227 * 1024, 512)):
+        cfg, _ = tiles_for(programs, max_len, 132, shared, row_bytes)
+        assert cfg["num_stages"] < 5
+    assert deep_bytes(256) <= 227 * 1024 < deep_bytes(512)

@@ -24,7 +24,7 @@ import torch
 from graphcap.bench.common import environment
 from graphcap.bench.decode_attention import HEADS, case
 from graphcap.opsdb.triton.common import num_sms
-from graphcap.opsdb.triton.decode import programs_of, splits_for
+from graphcap.opsdb.triton.decode_grid import programs_of, splits_for
 
 TILES = [{"BLOCK_N": n, "num_warps": w, "num_stages": s}
          for n, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3))]

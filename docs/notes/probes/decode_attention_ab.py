@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 docs/notes/probes/decode_attention_ab.py [preset...]
 
-Alone the deep tiles (:data:`graphcap.opsdb.triton.decode.DEEP`: two key/value buffers,
+Alone the deep tiles (:data:`graphcap.opsdb.triton.decode_grid.DEEP`: two key/value buffers,
 one program an SM, split to fill the SMs once) read qwen3-0.6b's K/V at batch 8 in 14.5
 us against 16.2, yet the bench's step profile gave the kernel 17.0 us a launch at batch 8
 (under PDL a kernel's time counts its wait). A full runner of ``DecodeInputs`` (context
@@ -24,6 +24,7 @@ from graphcap.bench.decode import profile_steps
 from graphcap.inputs import DecodeInputs
 from graphcap.opsdb.triton import decode
 from graphcap.opsdb.triton.common import programmatic_launch
+from graphcap.opsdb.triton.decode_grid import splits_for
 
 CONTEXT, BATCHES = 1024, (1, 8, 16)
 TODAY = decode.tiles_for
@@ -33,7 +34,7 @@ def shallow(programs: int, max_len: int, sms: int, shared: int):
     """The tiles before the deep ones: one key/value buffer whatever the stages."""
     cfg = ({"BLOCK_N": 128, "num_warps": 4, "num_stages": 3} if programs < sms else
            {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2})
-    return cfg, decode.splits_for(programs, max_len, cfg["BLOCK_N"], sms)
+    return cfg, splits_for(programs, max_len, cfg["BLOCK_N"], sms)
 
 
 def one(preset: str) -> dict:

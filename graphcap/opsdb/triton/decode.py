@@ -43,9 +43,8 @@ from graphcap.opsdb.triton.common import (
     pdl_start,
     shared_memory,
 )
+from graphcap.opsdb.triton.decode_grid import head_block, programs_of, splits_for, tiles_for
 from graphcap.opsdb.triton.qkv import norm_rope, rope_at
-
-_MAX_SPLITS = 32
 
 
 @triton.jit
@@ -263,54 +262,6 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
                        INTERPRET)
 
 
-def head_block(group: int) -> int:
-    """Query heads a program takes: its whole GQA group up to 64, at least 16 rows (the
-    tensor-core products' least)."""
-    return max(16, triton.next_power_of_2(min(group, 64)))
-
-
-def programs_of(rows: int, heads: int, kv_heads: int) -> int:
-    """Programs of one split of the grid: a (row, key/value head, head block) each."""
-    group = heads // kv_heads
-    return rows * kv_heads * triton.cdiv(group, head_block(group))
-
-
-# Two key/value buffers of 128-token blocks (the block table's lookup takes half the
-# stages: (num_stages - 1) // 2 buffers), 140 KB of shared memory a program at head dim 128.
-DEEP = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 5}
-DEEP_SHARED = 144 * 1024
-
-
-def tiles_for(programs: int, max_len: int, sms: int, shared: int) -> tuple[dict, int]:
-    """The kernel's tiles and split count for ``programs`` (row, head block)s of rows
-    reading up to ``max_len`` tokens, on ``sms`` SMs of ``shared`` bytes of shared memory a
-    program. From the H200 sweeps (``docs/results/2026-12-05-decode-attention-stages-
-    f89bd59-h200.json``, ``...-batches-bd1c1e8-...``): where the rows and heads leave SMs
-    idle (decode at batch 1 to 16), :data:`DEEP`, one program an SM, split into as many as
-    fill the SMs once (qwen3-0.6b at context 1024: batch 8 14.5 us against 16.2 with 3
-    stages and 5 splits, batch 16 22.1 against 26.0; batch 1 at 4096 11.3 against 13.7);
-    else 64-token blocks at 2 stages. Where a program cannot have :data:`DEEP_SHARED`
-    bytes, 128-token blocks at 3 stages (one buffer) with the grid split to fill the SMs."""
-    if programs <= sms and shared >= DEEP_SHARED:
-        blocks = triton.cdiv(max(max_len, 1), DEEP["BLOCK_N"])
-        splits = min(blocks, sms // programs, _MAX_SPLITS)
-        return dict(DEEP), splits if programs <= counters.CAPACITY else 1
-    cfg = ({"BLOCK_N": 128, "num_warps": 4, "num_stages": 3} if programs < sms else
-           {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2})
-    return cfg, splits_for(programs, max_len, cfg["BLOCK_N"], sms)
-
-
-def splits_for(programs: int, max_len: int, block_n: int, sms: int) -> int:
-    """Splits per (row, head block) for ``programs`` of them: enough programs to fill the
-    SMs twice over, no split shorter than one block, at most ``_MAX_SPLITS``, and one
-    where the merge's counters would not fit (:data:`counters.CAPACITY`)."""
-    if programs > counters.CAPACITY:
-        return 1
-    blocks = triton.cdiv(max(max_len, 1), block_n)
-    wanted = triton.cdiv(2 * sms, max(programs, 1))
-    return max(1, min(blocks, wanted, _MAX_SPLITS))
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
                      scale: float, window: int = 0, softcap: float = 0.0,
@@ -345,7 +296,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         cfg = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
         auto = max(1, min(triton.cdiv(max_len, cfg["BLOCK_N"]), 4))
     else:
-        cfg, auto = tiles_for(programs, max_len, sms, shared_memory(q.device))
+        cfg, auto = tiles_for(programs, max_len, sms, shared_memory(q.device),
+                              max(16, triton.next_power_of_2(D)) * k_cache.element_size())
     cfg.update(tiles or {})
     if not interpret and set(tiles or ()) & {"BLOCK_N", "num_stages"}:  # other tiles
         auto = splits_for(programs, max_len, cfg["BLOCK_N"], sms)
@@ -393,5 +345,4 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         **cfg)
 
 
-__all__ = ["DEEP", "decode_attention", "head_block", "programs_of", "splits_for",
-           "tiles_for"]
+__all__ = ["decode_attention"]

@@ -1,0 +1,71 @@
+"""The decode attention kernel's grid and tiles (:mod:`graphcap.opsdb.triton.decode`): the
+query heads a program takes, the programs a split of the grid has, how many splits each
+(row, head block) gets and at which tiles, all from host values (rows, heads, the block
+table's width, the device's SMs and shared memory), so a captured grid never changes."""
+
+from __future__ import annotations
+
+import triton
+
+from graphcap.opsdb.triton import counters
+
+_MAX_SPLITS = 32
+
+
+def head_block(group: int) -> int:
+    """Query heads a program takes: its whole GQA group up to 64, at least 16 rows (the
+    tensor-core products' least)."""
+    return max(16, triton.next_power_of_2(min(group, 64)))
+
+
+def programs_of(rows: int, heads: int, kv_heads: int) -> int:
+    """Programs of one split of the grid: a (row, key/value head, head block) each."""
+    group = heads // kv_heads
+    return rows * kv_heads * triton.cdiv(group, head_block(group))
+
+
+# Two key/value buffers of 128-token blocks (the block table's lookup takes half the
+# stages: (num_stages - 1) // 2 buffers): 140 KB of shared memory a program at head dim
+# 128 in bf16, the buffers and 9 KB besides.
+DEEP = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 5}
+
+
+def deep_bytes(row_bytes: int) -> int:
+    """Shared memory a program of :data:`DEEP` tiles asks for, ``row_bytes`` a token's key
+    (head dim, padded to a power of two, times the cache's element size)."""
+    return 2 * 2 * DEEP["BLOCK_N"] * row_bytes + 16 * 1024
+
+
+def tiles_for(programs: int, max_len: int, sms: int, shared: int, row_bytes: int = 256
+              ) -> tuple[dict, int]:
+    """The kernel's tiles and split count for ``programs`` (row, head block)s of rows
+    reading up to ``max_len`` tokens of ``row_bytes`` a key, on ``sms`` SMs of ``shared``
+    bytes of shared memory a program. From the H200 sweeps
+    (``docs/results/2026-12-05-decode-attention-stages-f89bd59-h200.json``,
+    ``...-batches-bd1c1e8-...``): where the rows and heads leave SMs
+    idle (decode at batch 1 to 16), :data:`DEEP`, one program an SM, split into as many as
+    fill the SMs once (qwen3-0.6b at context 1024: batch 8 14.5 us against 16.2 with 3
+    stages and 5 splits, batch 16 22.1 against 26.0; batch 1 at 4096 11.3 against 13.7);
+    else 64-token blocks at 2 stages. Where a program cannot have :func:`deep_bytes` (head
+    dim 256 in bf16, float32 caches), 128-token blocks at 3 stages (one buffer), split."""
+    if programs <= sms and shared >= deep_bytes(row_bytes):
+        blocks = triton.cdiv(max(max_len, 1), DEEP["BLOCK_N"])
+        splits = min(blocks, sms // programs, _MAX_SPLITS)
+        return dict(DEEP), splits if programs <= counters.CAPACITY else 1
+    cfg = ({"BLOCK_N": 128, "num_warps": 4, "num_stages": 3} if programs < sms else
+           {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2})
+    return cfg, splits_for(programs, max_len, cfg["BLOCK_N"], sms)
+
+
+def splits_for(programs: int, max_len: int, block_n: int, sms: int) -> int:
+    """Splits per (row, head block) for ``programs`` of them: enough programs to fill the
+    SMs twice over, no split shorter than one block, at most ``_MAX_SPLITS``, and one
+    where the merge's counters would not fit (:data:`counters.CAPACITY`)."""
+    if programs > counters.CAPACITY:
+        return 1
+    blocks = triton.cdiv(max(max_len, 1), block_n)
+    wanted = triton.cdiv(2 * sms, max(programs, 1))
+    return max(1, min(blocks, wanted, _MAX_SPLITS))
+
+
+__all__ = ["DEEP", "deep_bytes", "head_block", "programs_of", "splits_for", "tiles_for"]
