@@ -30,7 +30,7 @@ CONTEXT, BATCHES = 1024, (1, 8, 16)
 TODAY = decode.tiles_for
 
 
-def shallow(programs: int, max_len: int, sms: int, shared: int):
+def shallow(programs: int, max_len: int, sms: int, shared: int, row_bytes: int = 256):
     """The tiles before the deep ones: one key/value buffer whatever the stages."""
     cfg = ({"BLOCK_N": 128, "num_warps": 4, "num_stages": 3} if programs < sms else
            {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2})
