@@ -13,15 +13,12 @@ import os
 import sys
 
 import torch
-from probe_common import prefilled_decode
+from probe_common import captured_under, prefilled_decode
 
-import graphcap
 from graphcap.bench.common import environment, time_interleaved
 from graphcap.bench.decode import profile_steps, step_bytes
 from graphcap.bench.decode_attention import PEAK_BYTES_PER_S
-from graphcap.inputs import DecodeInputs
 from graphcap.opsdb.triton import linear
-from graphcap.opsdb.triton.common import programmatic_launch
 
 CONTEXT, BATCHES = 1024, (1, 8, 64)
 TODAY = linear.fused_rows
@@ -34,16 +31,7 @@ POLICIES = {
 
 def one(preset: str) -> dict:
     model, cache, tokens = prefilled_decode(preset, max(BATCHES), CONTEXT)
-    runners = {}
-    for name, policy in POLICIES.items():
-        for pdl in (True, False):
-            linear.fused_rows = policy
-            try:
-                with programmatic_launch(pdl):
-                    runners[name, pdl] = graphcap.capture(
-                        model, "full", buckets=list(BATCHES), inputs=DecodeInputs(cache))
-            finally:
-                linear.fused_rows = TODAY
+    runners = captured_under(model, cache, BATCHES, linear, "fused_rows", POLICIES)
     cases = {}
     for b in BATCHES:
         for key, r in runners.items():

@@ -16,14 +16,11 @@ import os
 import sys
 
 import torch
-from probe_common import prefilled_decode
+from probe_common import captured_under, prefilled_decode
 
-import graphcap
 from graphcap.bench.common import environment, time_interleaved
 from graphcap.bench.decode import profile_steps
-from graphcap.inputs import DecodeInputs
 from graphcap.opsdb.triton import decode
-from graphcap.opsdb.triton.common import programmatic_launch
 from graphcap.opsdb.triton.decode_grid import splits_for
 
 CONTEXT, BATCHES = 1024, (1, 8, 16)
@@ -39,16 +36,8 @@ def shallow(programs: int, max_len: int, sms: int, shared: int, row_bytes: int =
 
 def one(preset: str) -> dict:
     model, cache, tokens = prefilled_decode(preset, max(BATCHES), CONTEXT)
-    runners = {}
-    for name, tiles in (("deep", TODAY), ("shallow", shallow)):
-        for pdl in (True, False):
-            decode.tiles_for = tiles
-            try:
-                with programmatic_launch(pdl):
-                    runners[name, pdl] = graphcap.capture(
-                        model, "full", buckets=list(BATCHES), inputs=DecodeInputs(cache))
-            finally:
-                decode.tiles_for = TODAY
+    runners = captured_under(model, cache, BATCHES, decode, "tiles_for",
+                             {"deep": TODAY, "shallow": shallow})
     cases = {(b, *key): (lambda r=r, b=b: r(tokens[:b], positions=[CONTEXT] * b,
                                             slots=list(range(b))))
              for b in BATCHES for key, r in runners.items()}

@@ -2,11 +2,14 @@
 
 import torch
 
+import graphcap
 from graphcap.bench.common import time_interleaved
 from graphcap.bench.prefill import SETTLE_MS
 from graphcap.engine.eager import prefill
+from graphcap.inputs import DecodeInputs
 from graphcap.kv import PagedKVCache
 from graphcap.models import build_model
+from graphcap.opsdb.triton.common import programmatic_launch
 
 
 def diffs_vs(runners: dict, inputs: dict, lengths, base: str = "default") -> dict:
@@ -55,3 +58,21 @@ def decode_cases(runners: dict, tokens, batches, context: int) -> dict:
     return {(b, name): (lambda r=r, b=b: r(tokens[:b], positions=[context] * b,
                                            slots=list(range(b))))
             for b in batches for name, r in runners.items()}
+
+
+def captured_under(model, cache, batches, module, attr: str, values: dict) -> dict:
+    """Full decode runners of ``model`` over ``cache`` at ``batches``, one per (name, PDL
+    on or off), each captured with ``module.attr`` set to ``values[name]`` (put back
+    after each capture)."""
+    shipped = getattr(module, attr)
+    runners = {}
+    for name, value in values.items():
+        for pdl in (True, False):
+            setattr(module, attr, value)
+            try:
+                with programmatic_launch(pdl):
+                    runners[name, pdl] = graphcap.capture(
+                        model, "full", buckets=list(batches), inputs=DecodeInputs(cache))
+            finally:
+                setattr(module, attr, shipped)
+    return runners
