@@ -18,9 +18,8 @@ that each one still has the dict and the number of entries it had. A slot of any
 module written directly (``module._parameters[name] = ...``, ``del module.weight``)
 bypasses those hooks and is not seen, nor is a registration made inside torch.compiled
 code; nor is a new view of the same memory (``p.data = p.data.t()``), whose address is
-unchanged. In-place
-updates (``p.copy_(new)``, ``load_state_dict`` without ``assign``) keep every slot and
-address, so replays see them, as eager does.
+unchanged. In-place updates (``p.copy_(new)``, ``load_state_dict`` without ``assign``)
+keep every slot and address, so replays see them, as eager does.
 
 Python attributes (an ``eps``, a flag, ``training``, a plain tensor attribute that is no
 parameter or buffer) are not compared: they are baked into the graphs at capture, as in
