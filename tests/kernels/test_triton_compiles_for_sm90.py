@@ -317,3 +317,61 @@ COMPILE_MOE = BUILD_SM90 + textwrap.dedent('''
 
 def test_the_moe_kernels_compile_for_sm90_with_and_without_gpt_oss_experts_and_mxfp4():
     compiles(COMPILE_MOE)
+
+
+# A GPU whose program may have 99 KB of shared memory (sm_86, sm_89): the tiles chosen
+# for it, compiled for sm_89, fit. Before, the few-row linear's 160 KB budget and head dim
+# 256's attention tiles made such GPUs refuse the launch.
+COMPILE_SMALL_GPU = textwrap.dedent('''
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from graphcap.opsdb.triton import linear
+    from graphcap.opsdb.triton.attention import _attn_varlen_fwd, _config
+
+    SHARED = 99 * 1024  # what an sm_89 program may have (opt-in)
+
+    def shared_of(kernel, types, consts, warps, stages):
+        sig = {**types, **{n: "constexpr" for n in consts}}
+        sig = {name: sig[name] for name in kernel.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+                 if sig[n][0] in "*i" and n not in ("M", "T", "NUM_REQ", "window")}
+        out = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+                             target=GPUTarget("cuda", 89, 32),
+                             options={"num_warps": warps, "num_stages": stages})
+        return out.metadata.shared
+
+    ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_rm")
+    # qwen3-0.6b's gate/up (normed, SwiGLU) and down (residual), llama3-8b's gate/up
+    for m, (n, k), norm, swiglu in ((16, (3072, 1024), True, True),
+                                    (64, (1024, 3072), False, False),
+                                    (64, (14336, 4096), True, True)):
+        cfg = linear.config(m, n, k, norm=norm, swiglu=swiglu, sms=128, shared=SHARED)
+        types = {**{x: "*bf16" for x in ("X", "W", "Y", "NORM_W", "RES", "BIAS")},
+                 "PARTIAL": "*fp32", "COUNTS": "*i32", "eps": "fp32",
+                 **{x: "i32" for x in ints}}
+        consts = {x: cfg[x] for x in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")}
+        consts.update(NORM=norm, SWIGLU=swiglu, RESIDUAL=not swiglu, HAS_BIAS=False,
+                      IEEE=False, INTERPRET=False, PDL=False, PREFETCH=False, LINE=64)
+        got = shared_of(linear._skinny_linear_kernel, types, consts, cfg["num_warps"],
+                        cfg["num_stages"])
+        assert got <= SHARED, (m, n, k, cfg, got)
+    strides = {f"stride_{t}{d}": "i32" for t in "qkvo" for d in "th"}
+    for d, length in ((256, 512), (128, 2048), (128, 512)):
+        bm, bn, warps, stages = _config(d, torch.bfloat16, 10_000, 128, False, length,
+                                        SHARED)
+        types = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "CU": "*i32",
+                 "SINKS": "*bf16", "T": "i32", "qk_scale": "fp32", "sm_scale": "fp32",
+                 "window": "i32", "softcap": "fp32", "NUM_REQ": "i32", **strides}
+        consts = {"GROUP": 2, "HEAD_DIM": d, "BLOCK_M": bm, "BLOCK_N": bn, "CAUSAL": True,
+                  "DOT_PRECISION": "tf32", "INTERPRET": False, "PDL": False,
+                  "WINDOW": False, "SOFTCAP": False, "HAS_SINKS": False}
+        got = shared_of(_attn_varlen_fwd, types, consts, warps, stages)
+        assert got <= SHARED, (d, length, (bm, bn, warps, stages), got)
+    print("compiled")
+''')
+
+
+def test_the_few_row_linear_and_prefill_attention_fit_a_gpu_of_99_kb():
+    compiles(COMPILE_SMALL_GPU)

@@ -38,7 +38,13 @@ import torch
 import triton
 import triton.language as tl
 
-from graphcap.opsdb.triton.common import interpreting, num_sms, pdl_args, pdl_start
+from graphcap.opsdb.triton.common import (
+    interpreting,
+    num_sms,
+    pdl_args,
+    pdl_start,
+    shared_memory,
+)
 from graphcap.opsdb.triton.decode import soft_cap
 
 _LOG2E = 1.4426950408889634
@@ -235,19 +241,22 @@ def _attn_varlen_fwd(
 
 
 def _config(head_dim: int, dtype: torch.dtype, programs_at_128: int, num_sms: int,
-            interpret: bool, max_seqlen: int = 1 << 30) -> tuple[int, int, int, int]:
+            interpret: bool, max_seqlen: int = 1 << 30, shared: int = 0
+            ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for one launch.
 
     ``programs_at_128``: query-block programs the grid would have at BLOCK_M = 128 (host
-    values only). Tiles were checked against ptxas for sm_90a: no spills (fp32 D=128: 32
-    bytes), no serialised wgmma, shared memory <= 160 KiB.
+    values only); ``shared``: the bytes a program may have (0: unknown). Tiles were
+    checked against ptxas for sm_90a: no spills (fp32 D=128: 32 bytes), no serialised
+    wgmma, shared memory <= 160 KiB; compiled for sm_89, every tile fits its 99 KB but
+    head dim 256's, halved there.
     """
     if interpret:
         return 32, 16, 4, 1  # small tiles: fast on the CPU, still several blocks per request
     if dtype == torch.float32:
         return (64, 32, 8, 2) if head_dim <= 128 else (32, 16, 8, 2)
-    if head_dim > 128:
-        return 64, 64, 8, 2
+    if head_dim > 128:  # 104 KB of shared memory: half the tiles where a program has less
+        return (64, 64, 8, 2) if not shared or shared >= 112 * 1024 else (32, 32, 4, 2)
     # Short buckets: a query tile no taller than the bucket, so no program computes rows
     # that are all padding (BLOCK_N must divide BLOCK_M: the causal loop starts its
     # unmasked blocks at the tile's first row).
@@ -317,7 +326,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
         window = 0
     programs_at_128 = triton.cdiv(max_seqlen, 128) * num_req * Hq
     block_m, block_n, num_warps, num_stages = _config(
-        D, q.dtype, programs_at_128, num_sms(q.device), interpret, max_seqlen)
+        D, q.dtype, programs_at_128, num_sms(q.device), interpret, max_seqlen,
+        shared_memory(q.device))
     num_m = triton.cdiv(max_seqlen, block_m)
     grid = (Hq, num_m, num_req + 1)
     _attn_varlen_fwd[grid](

@@ -50,10 +50,12 @@ from graphcap.opsdb.triton.common import (
     pdl_wait,
     prefetch_l2,
     prefetches,
+    shared_memory,
 )
 
 MAX_ROWS = 64  # the fused kernel's row limit: beyond it cuBLAS's tiles win
-_SMEM_BUDGET = 160 * 1024
+_SMEM_BUDGET = 160 * 1024  # of a program's shared memory, where the device has more
+_SMEM_SPARE = 8 * 1024  # left to what the stages' tiles do not count (the epilogue's)
 
 
 @triton.jit
@@ -204,10 +206,12 @@ def _skinny_linear_kernel(
 
 
 def config(m: int, n: int, k: int, *, norm: bool, swiglu: bool, sms: int,
-           element_size: int = 2) -> dict:
+           element_size: int = 2, shared: int = _SMEM_BUDGET + _SMEM_SPARE) -> dict:
     """Tiles for ``m`` rows, ``n`` output columns, ``k`` inputs of ``element_size``
     bytes: all rows in one tile and as many pipeline stages as fit the shared memory
-    (at least two; BLOCK_K shrinks until two do, for float32). From the H200 sweep
+    (at most 160 KB of the ``shared`` bytes a program may have, 0 where unknown; at least
+    two stages: BLOCK_K shrinks until two fit, for float32 or a GPU of 99 KB). From the
+    H200 sweep
     (qwen3-0.6b and llama3-8b projections at 16 and 64 rows, bf16, weights cycled through
     more memory than L2 holds): 32 columns a program, 64 for very wide outputs (LM
     heads); K split until the grid covers the SMs, each split keeping two BLOCK_K slices
@@ -220,7 +224,8 @@ def config(m: int, n: int, k: int, *, norm: bool, swiglu: bool, sms: int,
     def per_stage(bk: int) -> int:  # the x tile and the weight tile(s) of one stage
         return element_size * bk * (block_m + block_n * (2 if swiglu else 1))
 
-    while block_k > 32 and 2 * per_stage(block_k) > _SMEM_BUDGET:
+    budget = min(_SMEM_BUDGET, shared - _SMEM_SPARE) if shared else _SMEM_BUDGET
+    while block_k > 32 and 2 * per_stage(block_k) > budget:
         block_k //= 2
     blocks = triton.cdiv(n, block_n)
     slices = triton.cdiv(k, block_k)
@@ -230,7 +235,7 @@ def config(m: int, n: int, k: int, *, norm: bool, swiglu: bool, sms: int,
     split = 1
     while not norm and blocks * split < sms and slices >= 2 * least * split and split < 8:
         split *= 2
-    stages = max(2, min(4, _SMEM_BUDGET // per_stage(block_k)))
+    stages = max(2, min(4, budget // per_stage(block_k)))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split,
             "num_warps": 4, "num_stages": stages}
 
@@ -296,7 +301,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
     if m == 0 or n == 0:
         return y
     cfg = dict(tiles or config(m, n, k, norm=norm_weight is not None, swiglu=swiglu,
-                               sms=num_sms(x.device), element_size=x.element_size()))
+                               sms=num_sms(x.device), element_size=x.element_size(),
+                               shared=shared_memory(x.device)))
     split = cfg["SPLIT_K"]
     blocks = triton.cdiv(n, cfg["BLOCK_N"])
     partial = (torch.empty((2 if swiglu else 1) * split * cfg["BLOCK_M"] * n,
