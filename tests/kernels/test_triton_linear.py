@@ -277,3 +277,24 @@ def test_a_capture_by_other_means_on_a_stream_without_counters_brings_its_own(mo
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(y, want(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_gpu_with_more_shared_memory_than_the_budget_keeps_the_measured_tiles():
+    # The H200 (227 KB a program) gets the tiles its sweeps chose; a GPU of 99 KB fewer
+    # stages or shorter slices, never more than it has (compiled for sm_89:
+    # tests/kernels/test_triton_compiles_for_sm90.py).
+    from graphcap.opsdb.triton.attention import _config
+    from graphcap.opsdb.triton.linear import config
+
+    for m, n, k, norm, swiglu in ((1, 4096, 1024, True, False), (16, 3072, 1024, True, True),
+                                  (64, 1024, 2048, False, False),
+                                  (64, 14336, 4096, True, True)):
+        h200 = config(m, n, k, norm=norm, swiglu=swiglu, sms=132, shared=227 * 1024)
+        assert h200 == config(m, n, k, norm=norm, swiglu=swiglu, sms=132)
+        small = config(m, n, k, norm=norm, swiglu=swiglu, sms=128, shared=99 * 1024)
+        per_stage = 2 * small["BLOCK_K"] * (small["BLOCK_M"]
+                                            + small["BLOCK_N"] * (2 if swiglu else 1))
+        assert small["num_stages"] >= 2 and per_stage * small["num_stages"] <= 91 * 1024
+    for d, length in ((256, 512), (128, 2048), (64, 16)):
+        assert _config(d, torch.bfloat16, 10_000, 132, False, length, 227 * 1024) == \
+            _config(d, torch.bfloat16, 10_000, 132, False, length)
