@@ -47,13 +47,17 @@ def tiles_for(programs: int, max_len: int, sms: int, shared: int, row_bytes: int
     fill the SMs once (qwen3-0.6b at context 1024: batch 8 14.5 us against 16.2 with 3
     stages and 5 splits, batch 16 22.1 against 26.0; batch 1 at 4096 11.3 against 13.7);
     else 64-token blocks at 2 stages. Where a program cannot have :func:`deep_bytes` (head
-    dim 256 in bf16, float32 caches), 128-token blocks at 3 stages (one buffer), split."""
+    dim 256 in bf16, float32 caches), 128-token blocks at 3 stages (one buffer), split;
+    shorter blocks where even one key and one value block would not fit (``shared`` 0:
+    unknown, taken as enough)."""
     if programs <= sms and shared >= deep_bytes(row_bytes):
         blocks = triton.cdiv(max(max_len, 1), DEEP["BLOCK_N"])
         splits = min(blocks, sms // programs, _MAX_SPLITS)
         return dict(DEEP), splits if programs <= counters.CAPACITY else 1
     cfg = ({"BLOCK_N": 128, "num_warps": 4, "num_stages": 3} if programs < sms else
            {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2})
+    while shared and cfg["BLOCK_N"] > 16 and 2 * cfg["BLOCK_N"] * row_bytes > shared - 16384:
+        cfg = {**cfg, "BLOCK_N": cfg["BLOCK_N"] // 2}  # one key and one value block fit
     return cfg, splits_for(programs, max_len, cfg["BLOCK_N"], sms)
 
 
