@@ -211,12 +211,11 @@ def config(m: int, n: int, k: int, *, norm: bool, swiglu: bool, sms: int,
     bytes: all rows in one tile and as many pipeline stages as fit the shared memory
     (at most 160 KB of the ``shared`` bytes a program may have, 0 where unknown; at least
     two stages: BLOCK_K shrinks until two fit, for float32 or a GPU of 99 KB). From the
-    H200 sweep
-    (qwen3-0.6b and llama3-8b projections at 16 and 64 rows, bf16, weights cycled through
-    more memory than L2 holds): 32 columns a program, 64 for very wide outputs (LM
-    heads); K split until the grid covers the SMs, each split keeping two BLOCK_K slices
-    or more (one at up to 16 rows), only without the norm (the normed projections are
-    wide: split, their gate/up took 13.4 us against 8.5)."""
+    H200 sweep (qwen3-0.6b and llama3-8b projections at 16 and 64 rows, bf16, weights
+    cycled through more memory than L2 holds): 32 columns a program, 64 for very wide
+    outputs (LM heads); K split until the grid covers the SMs, each split keeping two
+    BLOCK_K slices or more (one at up to 16 rows), only without the norm (the normed
+    projections are wide: split, their gate/up took 13.4 us against 8.5)."""
     block_m = max(16, triton.next_power_of_2(m))
     block_k = 256 if k >= 512 else max(16, min(128, triton.next_power_of_2(k)))
     block_n = 64 if n >= 8192 else 32
