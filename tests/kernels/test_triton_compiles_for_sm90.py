@@ -369,16 +369,20 @@ COMPILE_SMALL_GPU = textwrap.dedent('''
                   "WINDOW": False, "SOFTCAP": False, "HAS_SINKS": False}
         got = shared_of(_attn_varlen_fwd, types, consts, warps, stages)
         assert got <= SHARED, (d, length, (bm, bn, warps, stages), got)
-    # Decode attention at batch 1 and 64, qwen3-0.6b's heads and Gemma's head dim 256, a
-    # float32 cache; the last also where a program has the H200's 227 KB (sm_90).
+    # Decode attention: qwen3-0.6b's heads and Gemma's head dim 256, float32 caches, groups
+    # of 64 query heads; on sm_89 (99 KB), sm_80 (163 KB) and the H200 (227 KB).
     from graphcap.opsdb.triton.decode import _decode_kernel
-    from graphcap.opsdb.triton.decode_grid import programs_of, tiles_for
+    from graphcap.opsdb.triton.decode_grid import head_block, programs_of, tiles_for
 
-    for dt, d, rows, shared, cc in (("bf16", 128, 1, SHARED, 89), ("bf16", 256, 1, SHARED, 89),
-                                    ("fp32", 128, 1, SHARED, 89), ("bf16", 256, 64, SHARED, 89),
-                                    ("fp32", 256, 1, 227 * 1024, 90)):
-        cfg, _ = tiles_for(programs_of(rows, 16, 8), 1025, 128, shared,
-                           d * (4 if dt == "fp32" else 2))
+    for dt, d, group, rows, shared, cc in (
+            ("bf16", 128, 2, 1, SHARED, 89), ("bf16", 256, 2, 1, SHARED, 89),
+            ("fp32", 128, 2, 1, SHARED, 89), ("bf16", 256, 2, 64, SHARED, 89),
+            ("fp32", 128, 64, 1, SHARED, 89), ("bf16", 256, 64, 1, 163 * 1024, 80),
+            ("fp32", 64, 64, 1, 163 * 1024, 80), ("fp32", 256, 2, 1, 227 * 1024, 90),
+            ("bf16", 256, 64, 1, 227 * 1024, 90)):
+        block_h = head_block(group)
+        cfg, _ = tiles_for(programs_of(rows, 8 * group, 8), 1025, 128, shared,
+                           d * (4 if dt == "fp32" else 2), block_h, d)
         types = {**{x: f"*{dt}" for x in ("q_ptr", "kc_ptr", "vc_ptr", "out_ptr", "k_ptr",
                                           "v_ptr", "qw_ptr", "kw_ptr")},
                  "sinks_ptr": "*fp32", "table_ptr": "*i32", "lens_ptr": "*i32",
@@ -390,7 +394,7 @@ COMPILE_SMALL_GPU = textwrap.dedent('''
                                        "v_stride_b", "v_stride_h", "table_stride",
                                        "pos_stride", "cs_stride", "width", "kv_heads",
                                        "head_dim", "split_len", "window", "half")}}
-        consts = {"PAGE": 16, "GROUP": 2, "BLOCK_H": 16, "SPLITS": 4,
+        consts = {"PAGE": 16, "GROUP": group, "BLOCK_H": block_h, "SPLITS": 4,
                   "BLOCK_N": cfg["BLOCK_N"], "BLOCK_D": d, "WINDOW": False,
                   "SOFTCAP": False, "SINKS": False, "WRITE": True, "ROPE": False,
                   "HAS_NORM": False, "IEEE": dt == "fp32", "INTERPRET": False, "PDL": False,
@@ -401,7 +405,7 @@ COMPILE_SMALL_GPU = textwrap.dedent('''
                              target=GPUTarget("cuda", cc, 32),
                              options={"num_warps": cfg["num_warps"],
                                       "num_stages": cfg["num_stages"]})
-        assert out.metadata.shared <= shared, (dt, d, rows, cfg, out.metadata.shared)
+        assert out.metadata.shared <= shared, (dt, d, group, rows, cfg, out.metadata.shared)
     print("compiled")
 ''')
 

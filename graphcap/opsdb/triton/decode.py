@@ -289,7 +289,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     max_len = window or width * page  # the most tokens a row reads
     interpret = interpreting()
     group = Hq // Hk
-    block_h = head_block(group)
+    block_h, block_d = head_block(group), max(16, triton.next_power_of_2(D))
     programs = programs_of(B, Hq, Hk)
     sms = num_sms(q.device)
     if interpret:  # several splits, so that the merge is exercised
@@ -297,7 +297,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         auto = max(1, min(triton.cdiv(max_len, cfg["BLOCK_N"]), 4))
     else:
         cfg, auto = tiles_for(programs, max_len, sms, shared_memory(q.device),
-                              max(16, triton.next_power_of_2(D)) * k_cache.element_size())
+                              block_d * k_cache.element_size(), block_h, block_d)
     cfg.update(tiles or {})
     if not interpret and set(tiles or ()) & {"BLOCK_N", "num_stages"}:  # other tiles
         auto = splits_for(programs, max_len, cfg["BLOCK_N"], sms)
@@ -309,7 +309,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"num_splits {num_splits} over {programs} (row, head block)s: "
                          f"a split launch merges at most {counters.CAPACITY}")
     split_len = triton.cdiv(triton.cdiv(max_len, num_splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
-    block_d = max(16, triton.next_power_of_2(D))
     launch = pdl_args(q.device, B, "decode_attention")
     if num_splits > 1:
         mid_o = torch.empty((programs * num_splits * block_h, block_d), dtype=torch.float32,
