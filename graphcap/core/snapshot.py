@@ -80,20 +80,27 @@ class _Containers:
                       for m in self.owners]
         self.dicts = list(map(getattr, self.owners, self.attrs))
         self.sizes = list(map(len, self.dicts))
+        self.orders = list(map(list, self.dicts))
 
     def same(self) -> bool:
         now = list(map(getattr, self.owners, self.attrs))
         return all(map(operator.is_, now, self.dicts)) and \
             list(map(len, now)) == self.sizes
 
+    def same_order(self) -> bool:
+        """Whether each container's entries are in the order they were (an entry popped
+        and set again keeps the size; setting it is a registration)."""
+        return list(map(list, self.dicts)) == self.orders
+
     def changes(self) -> list[str]:
         out = []
-        for name, owner, attr, d, size in zip(self.names, self.owners, self.attrs,
-                                              self.dicts, self.sizes, strict=True):
+        for name, owner, attr, d, size, order in zip(
+                self.names, self.owners, self.attrs, self.dicts, self.sizes, self.orders,
+                strict=True):
             now = getattr(owner, attr)
-            if now is not d or len(now) != size:
+            if now is not d or len(now) != size or list(now) != order:
                 out.append(f"{name}: {type(owner).__name__} edited ({len(now)} entries, "
-                           f"{size} at capture)")
+                           f"{size} at capture{'' if list(now) == order else ', reordered'})")
         return out
 
 
@@ -165,7 +172,8 @@ class ModelSnapshot:
         """Whether every slot holds the tensor (or module) it held at capture, at the same
         address. Cheap enough for every call."""
         if self._registrations != _REGISTRATIONS[0] or not _HOOKED:
-            if not (self._modules.same() and self._params.same()):
+            if not (self._modules.same() and self._params.same()
+                    and self._containers.same_order()):
                 return False
             self._registrations = _REGISTRATIONS[0]  # a registration elsewhere
         if not (self._buffers.same() and self._containers.same()):

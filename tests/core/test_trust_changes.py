@@ -286,7 +286,8 @@ def test_the_address_check_sees_one_moved_tensor_anywhere_among_many():
 
 
 @pytest.mark.parametrize("edit", ["append", "pop", "insert", "del", "extend", "clear",
-                                  "dict pop", "dict set", "sequential del", "param append"])
+                                  "dict pop", "dict set", "dict reorder", "sequential del",
+                                  "param append"])
 def test_every_edit_of_a_container_module_reads_as_a_change(edit):
     # The snapshot alone, no capture: containers edited in place, most of them without
     # a registration (their entries written into their dicts directly).
@@ -307,6 +308,7 @@ def test_every_edit_of_a_container_module_reads_as_a_change(edit):
              "clear": lambda: m.heads.clear(),
              "dict pop": lambda: m.heads.pop("a"),
              "dict set": lambda: m.heads.update({"c": torch.nn.Linear(2, 2)}),
+             "dict reorder": lambda: m.heads.update({"a": m.heads.pop("a")}),
              "sequential del": lambda: m.seq.__delitem__(0),
              "param append": lambda: m.scales.append(torch.nn.Parameter(torch.ones(2)))}
     edits[edit]()
