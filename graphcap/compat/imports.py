@@ -130,10 +130,23 @@ def _wakeups_without_sigint():
     try:
         yield
     finally:
-        signal.set_wakeup_fd(fd)
+        try:
+            # Python cannot say how the fd was set; restored without a warning when its
+            # buffer is full (as trio sets it), so no new noise either way.
+            signal.set_wakeup_fd(fd, warn_on_full_buffer=False)
+        except (OSError, ValueError):  # the fd was closed meanwhile: none, as it is gone
+            signal.set_wakeup_fd(-1)
         with contextlib.suppress(OSError):  # nothing arrived; or the fd's buffer is full
-            others = bytes(b for b in os.read(r, 4096) if b != signal.SIGINT)
+            others = b"".join(iter(lambda: _read_some(r), b""))
+            others = bytes(b for b in others if b != signal.SIGINT)
             if others and fd != -1:
                 os.write(fd, others)
         os.close(r)
         os.close(w)
+
+
+def _read_some(fd: int) -> bytes:
+    try:
+        return os.read(fd, 4096)
+    except BlockingIOError:
+        return b""

@@ -118,3 +118,43 @@ def test_off_the_main_thread_it_is_a_plain_block(calls):
     thread.start()
     thread.join()
     assert installed == [signal.getsignal(signal.SIGINT)]  # nothing swapped
+
+
+def test_a_wakeup_fd_closed_inside_the_block_leaks_nothing_and_masks_nothing(calls):
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    previous = signal.set_wakeup_fd(w)
+    fds = set(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    try:
+        with pytest.raises(RuntimeError, match="the block's own"), sigint_held():
+            os.close(w)  # the event loop that owned it shut down meanwhile
+            raise RuntimeError("the block's own error")
+        assert signal.set_wakeup_fd(-1) == -1  # no fd of the block's left behind
+        if fds is not None:
+            assert set(os.listdir("/proc/self/fd")) <= fds  # its pipe closed
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(r)
+
+
+def test_a_full_wakeup_fd_set_not_to_warn_stays_quiet_after_the_block(calls, capfd):
+    import socket
+
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    while True:  # fill its buffer, as a loop that fell behind leaves it
+        try:
+            a.send(b"x" * 4096)
+        except BlockingIOError:
+            break
+    previous = signal.set_wakeup_fd(a.fileno(), warn_on_full_buffer=False)
+    try:
+        with sigint_held():
+            pass
+        send(signal.SIGINT)
+    finally:
+        signal.set_wakeup_fd(previous)
+        a.close()
+        b.close()
+    assert calls == [signal.SIGINT]
+    assert "wakeup fd" not in capfd.readouterr().err
