@@ -80,7 +80,7 @@ def measure(device="cuda", sizes_mb=SIZES_MB) -> dict:
         each = [lambda x=x, o=o: read(x, o) for x, o in zip(xs, outs, strict=True)]
         calls = [each[i % copies] for i in range(LAUNCHES)]
         points.append((2 * n, cycled_ms(calls) * 1e3))
-        del xs, outs, calls
+        del xs, outs, each, calls
     return fit(points)
 
 
