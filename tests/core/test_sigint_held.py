@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from graphcap.compat.imports import sigint_held
+from graphcap.compat.imports import _read_some, sigint_held
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "set_wakeup_fd") or os.name != "posix",
                                 reason="POSIX signals")
@@ -52,10 +52,8 @@ def wakeup():
 
 
 def woken(fd: int) -> bytes:
-    try:
-        return os.read(fd, 100)
-    except BlockingIOError:
-        return b""
+    """Every byte waiting in ``fd`` (non-blocking)."""
+    return b"".join(iter(lambda: _read_some(fd), b""))
 
 
 def test_a_ctrl_c_held_back_reaches_the_handler_once_when_the_block_ends(calls):
