@@ -11,10 +11,12 @@ qwen3-0.6b's 228 tensors on the H200's host at f89bd59) and the buffers' slots
 (``Module._apply`` replaces buffers in their dicts); the other slots change only
 through ``nn.Module``'s registration (``setattr``, ``register_parameter``,
 ``load_state_dict(assign=True)``, a replaced submodule), whose global hooks count every
-registration in the process, so they are compared again only after one. Containers
-(``ModuleList``, ``ModuleDict``, ``Sequential``, ``ParameterList``, ``ParameterDict``)
-write their dicts themselves (``insert``, ``pop``, ``del``, ``clear``): each call checks
-that each one still has the dict and the number of entries it had. A slot of any other
+registration in the process, so they are compared again only after one, with the names
+of every slot that holds one (a slot filled since: ``lin.bias = Parameter(...)``, a new
+submodule). Containers (``ModuleList``, ``ModuleDict``, ``Sequential``,
+``ParameterList``, ``ParameterDict``) write their dicts themselves (``insert``, ``pop``,
+``del``, ``clear``): each call checks that each one still has the dict and the number of
+entries it had. A slot of any other
 module written directly (``module._parameters[name] = ...``, ``del module.weight``)
 bypasses those hooks and is not seen, nor is a registration made inside torch.compiled
 code; nor is a new view of the same memory (``p.data = p.data.t()``), whose address is
@@ -104,6 +106,11 @@ class _Containers:
         return out
 
 
+def _names(model: nn.Module) -> tuple[list[str], ...]:
+    """The qualified names of every submodule, parameter and buffer slot that holds one."""
+    return tuple([name for _, _, name in slots] for slots in _slots(model))
+
+
 def _plain_tensors(model: nn.Module) -> list[torch.Tensor]:
     """Tensors a module holds as plain attributes, directly or in a list, tuple or dict."""
     out = []
@@ -158,6 +165,7 @@ class ModelSnapshot:
         modules, params, buffers = _slots(model)
         self._modules, self._params, self._buffers = (
             _Slots(modules), _Slots(params), _Slots(buffers))
+        self._names = (self._modules.names, self._params.names, self._buffers.names)
         self._containers = _Containers(model)
         tensors = self._params.held + self._buffers.held
         ptrs = [_ptr(t) for t in tensors]
@@ -173,7 +181,7 @@ class ModelSnapshot:
         address. Cheap enough for every call."""
         if self._registrations != _REGISTRATIONS[0] or not _HOOKED:
             if not (self._modules.same() and self._params.same()
-                    and self._containers.same_order()):
+                    and self._containers.same_order() and _names(self.model) == self._names):
                 return False
             self._registrations = _REGISTRATIONS[0]  # a registration elsewhere
         if not (self._buffers.same() and self._containers.same()):
@@ -186,6 +194,8 @@ class ModelSnapshot:
     def changes(self, limit: int = 5) -> list[str]:
         """What differs from capture, one line per slot (at most ``limit`` of them)."""
         out = self._containers.changes()
+        for now, then in zip(_names(self.model), map(set, self._names), strict=True):
+            out += [f"{name}: added" for name in now if name not in then]
         for d, k, name, held in zip(self._modules.dicts, self._modules.keys,
                                     self._modules.names, self._modules.held, strict=True):
             now = d.get(k)

@@ -314,3 +314,21 @@ def test_every_edit_of_a_container_module_reads_as_a_change(edit):
     edits[edit]()
     assert not snapshot.current()
     assert any(" edited (" in line for line in snapshot.changes()), snapshot.changes()
+
+
+def test_a_slot_filled_after_capture_reads_as_a_change():
+    # A registration where the capture saw no slot: a bias given to a Linear built
+    # without one, a submodule set on a plain module.
+    from graphcap.core.snapshot import ModelSnapshot
+
+    m = torch.nn.Module()
+    m.proj = torch.nn.Linear(2, 2, bias=False)
+    snapshot = ModelSnapshot(m)
+    assert snapshot.current()
+    m.proj.bias = torch.nn.Parameter(torch.zeros(2))
+    assert not snapshot.current() and snapshot.changes() == ["proj.bias: added"]
+    snapshot = ModelSnapshot(m)
+    m.extra = torch.nn.Linear(2, 2)
+    assert not snapshot.current()
+    assert snapshot.changes()[:3] == ["extra: added", "extra.weight: added",
+                                      "extra.bias: added"]
