@@ -29,30 +29,29 @@ def interpreting() -> bool:
     return env.settings().triton_interpret
 
 
-_NUM_SMS: dict[int, int] = {}
-_SHARED: dict[int, int] = {}
+_PROPS: dict[int, tuple[int, int]] = {}  # per CUDA device: (SMs, shared memory a program)
+
+
+def _props(device: torch.device) -> tuple[int, int]:
+    """(streaming multiprocessors, the shared memory one program may ask for: its opt-in
+    limit, 0 where torch does not say) of CUDA ``device``, read once per device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PROPS:
+        props = torch.cuda.get_device_properties(index)
+        _PROPS[index] = (props.multi_processor_count,
+                         int(getattr(props, "shared_memory_per_block_optin", 0)))
+    return _PROPS[index]
 
 
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (1 off CUDA), cached per device."""
-    if device.type != "cuda":
-        return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _NUM_SMS[index]
+    return _props(device)[0] if device.type == "cuda" else 1
 
 
 def shared_memory(device: torch.device) -> int:
     """Bytes of shared memory one program may ask for on ``device`` (its opt-in limit; 0
     off CUDA, or where torch does not say), cached per device."""
-    if device.type != "cuda":
-        return 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SHARED:
-        props = torch.cuda.get_device_properties(index)
-        _SHARED[index] = int(getattr(props, "shared_memory_per_block_optin", 0))
-    return _SHARED[index]
+    return _props(device)[1] if device.type == "cuda" else 0
 
 
 @triton.jit
