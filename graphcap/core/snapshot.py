@@ -16,12 +16,12 @@ of every slot that holds one (a slot filled since: ``lin.bias = Parameter(...)``
 submodule). Containers (``ModuleList``, ``ModuleDict``, ``Sequential``,
 ``ParameterList``, ``ParameterDict``) write their dicts themselves (``insert``, ``pop``,
 ``del``, ``clear``): each call checks that each one still has the dict and the number of
-entries it had. A slot of any other
-module written directly (``module._parameters[name] = ...``, ``del module.weight``)
-bypasses those hooks and is not seen, nor is a registration made inside torch.compiled
-code; nor is a new view of the same memory (``p.data = p.data.t()``), whose address is
-unchanged. In-place updates (``p.copy_(new)``, ``load_state_dict`` without ``assign``)
-keep every slot and address, so replays see them, as eager does.
+entries it had (and, after a registration, their order). A slot of any other module
+written directly (``module._parameters[name] = ...``, ``del module.weight``) bypasses
+those hooks and is not seen, nor is a registration made inside torch.compiled code; nor
+is a new view of the same memory (``p.data = p.data.t()``), whose address is unchanged.
+In-place updates (``p.copy_(new)``, ``load_state_dict`` without ``assign``) keep every
+slot and address, so replays see them, as eager does.
 
 Python attributes (an ``eps``, a flag, ``training``, a plain tensor attribute that is no
 parameter or buffer) are not compared: they are baked into the graphs at capture, as in
@@ -100,9 +100,10 @@ class _Containers:
                 self.names, self.owners, self.attrs, self.dicts, self.sizes, self.orders,
                 strict=True):
             now = getattr(owner, attr)
-            if now is not d or len(now) != size or list(now) != order:
-                out.append(f"{name}: {type(owner).__name__} edited ({len(now)} entries, "
-                           f"{size} at capture{'' if list(now) == order else ', reordered'})")
+            keys = list(now)
+            if now is not d or len(keys) != size or keys != order:
+                out.append(f"{name}: {type(owner).__name__} edited ({len(keys)} entries, "
+                           f"{size} at capture{'' if keys == order else ', reordered'})")
         return out
 
 
