@@ -129,7 +129,7 @@ COMPILE_GEMV = textwrap.dedent('''
                   "BLOCK_N": 2, "BLOCK_K": 1024, "NORM": norm, "SWIGLU": swiglu,
                   "RESIDUAL": residual, "HAS_BIAS": bias, "INTERPRET": False,
                   "PDL": pdl, "PREFETCH": pdl, "LINE": 64 if dt == "bf16" else 32,
-                  "PRELOAD": pre}
+                  "PRELOAD": pre, "W_CACHE": ".cg" if norm and pre else ""}
         sig.update({n: "constexpr" for n in consts})
         sig = {name: sig[name] for name in kernel.arg_names}
         out = triton.compile(ASTSource(kernel, sig, constexprs=consts),
@@ -139,6 +139,8 @@ COMPILE_GEMV = textwrap.dedent('''
         ptx = out.asm["ptx"]
         assert ("griddepcontrol.launch_dependents" in ptx) == pdl
         assert ("prefetch.global.L2" in ptx) == (pdl and not pre)
+        # W_CACHE=".cg": the weight slices loaded past L1 (ld.global.cg), x as before
+        assert ("ld.global.cg" in ptx) == (consts["W_CACHE"] == ".cg"), consts
         if pdl:
             early = ptx[:ptx.index("griddepcontrol.wait")]
             # nothing written before the wait, nothing but a parameter's weights read

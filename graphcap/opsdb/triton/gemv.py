@@ -55,14 +55,16 @@ _SLICE_ELEMENTS = 4096  # weight elements a program holds per slice (per half, S
 
 @triton.jit
 def _load_slice(w_rows, k0, col_ok, K, N, stride_wn, BLOCK_K: tl.constexpr,
-                SWIGLU: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] weight slice at k0 (and its up half's, for SwiGLU)."""
+                SWIGLU: tl.constexpr, W_CACHE: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight slice at k0 (and its up half's, for SwiGLU), loaded
+    with the cache modifier ``W_CACHE`` ("" for the default; ".cg" keeps it out of L1)."""
     ks = k0 + tl.arange(0, BLOCK_K)
     mask = col_ok[:, None] & (ks < K)[None, :]
-    w = tl.load(w_rows + ks[None, :], mask=mask, other=0.0)
+    w = tl.load(w_rows + ks[None, :], mask=mask, other=0.0, cache_modifier=W_CACHE)
     w_up = w
     if SWIGLU:
-        w_up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=mask, other=0.0)
+        w_up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=mask, other=0.0,
+                       cache_modifier=W_CACHE)
     return w, w_up
 
 
@@ -73,6 +75,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, PRELOAD: tl.constexpr,
+    W_CACHE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pdl_launch_dependents(PDL)
@@ -82,7 +85,7 @@ def _gemv_kernel(
     if PRELOAD:
         # The weights are parameters, no kernel's output: the first slice is read while
         # the kernel before finishes.
-        w, w_up = _load_slice(w_rows, 0, col_ok, K, N, stride_wn, BLOCK_K, SWIGLU)
+        w, w_up = _load_slice(w_rows, 0, col_ok, K, N, stride_wn, BLOCK_K, SWIGLU, W_CACHE)
         pdl_wait(PDL)
     else:
         if PREFETCH:
@@ -91,7 +94,7 @@ def _gemv_kernel(
             _prefetch_weights(W, W + cols[None, :].to(tl.int64) * stride_wn, col_ok, 0, K,
                               N, stride_wn, BLOCK_K, SWIGLU, LINE)
         pdl_wait(PDL)
-        w, w_up = _load_slice(w_rows, 0, col_ok, K, N, stride_wn, BLOCK_K, SWIGLU)
+        w, w_up = _load_slice(w_rows, 0, col_ok, K, N, stride_wn, BLOCK_K, SWIGLU, W_CACHE)
     rows = tl.arange(0, ROWS_P2)
     row_ok = rows < ROWS
     x_rows = X + rows[:, None] * stride_xm
@@ -117,7 +120,7 @@ def _gemv_kernel(
                 acc_up = tl.where(here, acc_up + tl.sum(wf_up * xf, axis=1)[None, :], acc_up)
         # the next slice (past K: every lane masked, nothing read)
         w, w_up = _load_slice(w_rows, k0 + BLOCK_K, col_ok, K, N, stride_wn, BLOCK_K,
-                              SWIGLU)
+                              SWIGLU, W_CACHE)
     _epilogue(acc, acc_up, rows, cols, row_ok, col_ok, Y, RES, BIAS, stride_ym, stride_rm,
               SWIGLU, RESIDUAL, HAS_BIAS, INTERPRET)
 
@@ -141,7 +144,7 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
     y, (m, n, k) = new_output("gemv_linear", x, weight, swiglu, GEMV_ROWS)
     if m == 0 or n == 0:
         return y
-    cfg = dict(tiles or gemv_config(k))
+    cfg = {"W_CACHE": "", **(tiles or gemv_config(k))}
     res = residual if residual is not None else y
     launch = pdl_args(x.device, m, "gemv")
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
