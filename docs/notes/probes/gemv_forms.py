@@ -14,8 +14,9 @@ difference is what part 1 measures.
 Part 1, single launches: each projection of each preset as ``gemv_linear`` runs it in a
 step (q/k/v normed, gate/up normed with SwiGLU, o and down with the residual), captured
 as a CUDA graph of ``LAUNCHES`` launches, each over its own weight copy (more bytes than
-L2 holds), PDL on. Arms: the form with each of ``VARIANTS`` (tiles, and ``W_CACHE=".cg"``:
-weights loaded past L1, so x and the norm weight stay there); the form without its
+L2 holds), PDL on. Arms: the form with each of ``VARIANTS`` (tiles; ``W_CACHE=".cg"``:
+weights loaded past L1, so x and the norm weight stay there; ``NORM_LATE``: no pass over
+x before the products, the norm's scale applied to the sums); the form without its
 prologue and epilogue (``bare``: what linear_floor timed); the unfused ops around cuBLAS
 (``composite``, today's dispatch for llama3-8b's weights).
 
@@ -54,23 +55,23 @@ PROJECTIONS = {  # preset: {name: (N, K, kind)}; kind as the step calls the form
 ORDER = ("qkv", "o", "gate_up", "down")
 
 
-def variant(block_n=2, slice_elements=4096, warps=4, w_cache=""):
+def variant(block_n=2, slice_elements=4096, warps=4, w_cache="", late=False):
     def config(k: int) -> dict:
         block_k = max(16, min(triton.next_power_of_2(k), slice_elements // block_n))
         return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps,
-                "W_CACHE": w_cache}
+                "W_CACHE": w_cache, "NORM_LATE": late}
     return config
 
 
 VARIANTS = {
     "today": gemv.gemv_config,
     "cg": variant(w_cache=".cg"),
-    "w8": variant(warps=8),
-    "w8-cg": variant(warps=8, w_cache=".cg"),
-    "n4-cg": variant(block_n=4, w_cache=".cg"),
+    "late": variant(late=True),
+    "late-cg": variant(late=True, w_cache=".cg"),
+    "w8-late-cg": variant(warps=8, late=True, w_cache=".cg"),
+    "n4-late-cg": variant(block_n=4, late=True, w_cache=".cg"),
     "n8": variant(block_n=8),
-    "n8-cg": variant(block_n=8, w_cache=".cg"),
-    "n8-w8-cg": variant(block_n=8, warps=8, w_cache=".cg"),
+    "n8-late-cg": variant(block_n=8, late=True, w_cache=".cg"),
 }
 
 

@@ -168,7 +168,7 @@ def gemv_kernel() -> list:
         consts = {"ROWS": 1, "ROWS_P2": 2, "BLOCK_N": t["BLOCK_N"], "BLOCK_K": t["BLOCK_K"],
                   "NORM": norm, "SWIGLU": swiglu, "RESIDUAL": residual, "HAS_BIAS": False,
                   "INTERPRET": False, "PDL": True, "PREFETCH": False, "LINE": 64,
-                  "PRELOAD": True, "W_CACHE": ""}
+                  "PRELOAD": True, "W_CACHE": "", "NORM_LATE": False}
         got = compiled(gemv._gemv_kernel, sig, consts,
                        {"num_warps": t["num_warps"], "launch_pdl": True})
         rows.append({"kernel": "gemv", "mode": mode, "k": k, "tiles": t, **got})

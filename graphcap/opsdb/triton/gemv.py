@@ -75,7 +75,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, PRELOAD: tl.constexpr,
-    W_CACHE: tl.constexpr,
+    W_CACHE: tl.constexpr, NORM_LATE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pdl_launch_dependents(PDL)
@@ -98,7 +98,10 @@ def _gemv_kernel(
     rows = tl.arange(0, ROWS_P2)
     row_ok = rows < ROWS
     x_rows = X + rows[:, None] * stride_xm
-    rstd = _row_rstd(x_rows, row_ok, K, eps, ROWS_P2, BLOCK_K, NORM)
+    # NORM_LATE: no pass over x before the products; they take x * g in float32 and
+    # each row's sum of squares comes with them, its 1 / rms scaling the sums at the end.
+    rstd = _row_rstd(x_rows, row_ok, K, eps, ROWS_P2, BLOCK_K, NORM and not NORM_LATE)
+    squares = tl.zeros([ROWS_P2], dtype=tl.float32)
     acc = tl.zeros([ROWS_P2, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([ROWS_P2, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -110,7 +113,11 @@ def _gemv_kernel(
             g = tl.load(NORM_W + ks, mask=k_ok, other=0.0).to(tl.float32)
         for m in tl.static_range(ROWS):
             x = tl.load(X + m * stride_xm + ks, mask=k_ok, other=0.0)
-            if NORM:
+            if NORM and NORM_LATE:
+                x = x.to(tl.float32)
+                squares = tl.where(rows == m, squares + tl.sum(x * x, axis=0), squares)
+                x = x * g
+            elif NORM:
                 r = tl.sum(tl.where(rows == m, rstd, 0.0), axis=0)
                 x = cast(x.to(tl.float32) * r * g, X.dtype.element_ty, INTERPRET)
             xf = x.to(tl.float32)[None, :]
@@ -121,6 +128,10 @@ def _gemv_kernel(
         # the next slice (past K: every lane masked, nothing read)
         w, w_up = _load_slice(w_rows, k0 + BLOCK_K, col_ok, K, N, stride_wn, BLOCK_K,
                               SWIGLU, W_CACHE)
+    if NORM and NORM_LATE:
+        late = tl.rsqrt(squares / K + eps)[:, None]
+        acc = acc * late
+        acc_up = acc_up * late
     _epilogue(acc, acc_up, rows, cols, row_ok, col_ok, Y, RES, BIAS, stride_ym, stride_rm,
               SWIGLU, RESIDUAL, HAS_BIAS, INTERPRET)
 
@@ -144,7 +155,7 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
     y, (m, n, k) = new_output("gemv_linear", x, weight, swiglu, GEMV_ROWS)
     if m == 0 or n == 0:
         return y
-    cfg = {"W_CACHE": "", **(tiles or gemv_config(k))}
+    cfg = {"W_CACHE": "", "NORM_LATE": False, **(tiles or gemv_config(k))}
     res = residual if residual is not None else y
     launch = pdl_args(x.device, m, "gemv")
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
