@@ -59,6 +59,10 @@ def test_the_tiles_keep_a_programs_slice_in_registers():
     assert gemv.gemv_config(1024) == {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4}
     assert gemv.gemv_config(14336)["BLOCK_K"] == 2048  # 32 elements a thread
     assert gemv.gemv_config(96)["BLOCK_K"] == 128
+    # normed, K up to 1024: four columns over all of K, the norm's scale on the sums
+    assert gemv.gemv_config(1024, norm=True) == {"BLOCK_N": 4, "BLOCK_K": 1024,
+                                                 "num_warps": 4, "NORM_LATE": True}
+    assert gemv.gemv_config(4096, norm=True) == gemv.gemv_config(4096)
 
 
 def test_the_dispatch_takes_the_gemv_form_at_one_row_and_small_weights_only():

@@ -32,7 +32,7 @@ TODAY_BYTES, TODAY_CONFIG = gemv.DISPATCH_BYTES, gemv.gemv_config
 
 
 def tiles(warps: int, slice_elements: int):
-    def config(k: int) -> dict:
+    def config(k: int, norm: bool = False) -> dict:
         block_k = max(16, min(triton.next_power_of_2(k), slice_elements // 2))
         return {"BLOCK_N": 2, "BLOCK_K": block_k, "num_warps": warps}
     return config

@@ -20,9 +20,9 @@ x before the products, the norm's scale applied to the sums); the form without i
 prologue and epilogue (``bare``: what linear_floor timed); the unfused ops around cuBLAS
 (``composite``, today's dispatch for llama3-8b's weights).
 
-Part 2, the step: the preset's batch-1 decode step (context 1024, ``full``) with
-today's dispatch, and with the form on every projection up to 256 MiB using today's
-tiles and each projection's best variant of part 1; PDL on and off, calls interleaved;
+Part 2, the step: the preset's batch-1 decode step (context 1024, ``full``, today's
+dispatch) with today's tiles, the tiles before 2026-12-05 (``before``) and each
+projection's best variant of part 1 (``best``); PDL on and off, calls interleaved;
 with PDL off each projection's kernel time inside the step from the profiler (the form's
 launches in order: q/k/v, o, gate/up, down a layer). JSON in $OUT/gemv-forms.json."""
 
@@ -56,22 +56,21 @@ ORDER = ("qkv", "o", "gate_up", "down")
 
 
 def variant(block_n=2, slice_elements=4096, warps=4, w_cache="", late=False):
-    def config(k: int) -> dict:
+    def config(k: int, norm: bool = False) -> dict:
         block_k = max(16, min(triton.next_power_of_2(k), slice_elements // block_n))
         return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps,
                 "W_CACHE": w_cache, "NORM_LATE": late}
     return config
 
 
-VARIANTS = {
+VARIANTS = {  # the first run (at 76d3d00) also had .cg ones, 8 warps, n8 without late
+    "before": variant(),  # the tiles of every projection until 2026-12-05
     "today": gemv.gemv_config,
-    "cg": variant(w_cache=".cg"),
     "late": variant(late=True),
-    "late-cg": variant(late=True, w_cache=".cg"),
-    "w8-late-cg": variant(warps=8, late=True, w_cache=".cg"),
+    "n4": variant(block_n=4),
+    "n4-late": variant(block_n=4, late=True),
     "n4-late-cg": variant(block_n=4, late=True, w_cache=".cg"),
-    "n8": variant(block_n=8),
-    "n8-late-cg": variant(block_n=8, late=True, w_cache=".cg"),
+    "n8-late": variant(block_n=8, late=True),
 }
 
 
@@ -113,7 +112,8 @@ def projection_row(label: str, n: int, k: int, kind: str, gen) -> dict:
 
     with programmatic_launch(True):
         for arm, config in VARIANTS.items():
-            put(arm, lambda i, c=config: gemv.gemv_linear(x, weights[i], tiles=c(k), **kw))
+            put(arm, lambda i, c=config: gemv.gemv_linear(
+                x, weights[i], tiles=c(k, norm=kind != "residual"), **kw))
         put("bare", lambda i: gemv.gemv_linear(x, weights[i]), check=False)
         put("composite", lambda i: composite(kind, x, g, weights[i], res))
     row["best"] = min(VARIANTS, key=lambda a: row[a]["us"])
@@ -132,8 +132,8 @@ def launches(preset: str) -> dict:
 
 @contextlib.contextmanager
 def dispatch(max_bytes: int, tiles_of=None):
-    """The form on every weight up to ``max_bytes``, its tiles ``tiles_of(n, k, kind)``
-    (today's where None)."""
+    """The form on every weight up to ``max_bytes``, its tiles ``tiles_of(weight rows, k,
+    kind)`` (today's where None)."""
     saved_bytes, saved_linear = gemv.DISPATCH_BYTES, gemv.gemv_linear
 
     def linear(x, weight, **kw):
@@ -141,8 +141,7 @@ def dispatch(max_bytes: int, tiles_of=None):
             return saved_linear(x, weight, **kw)
         kind = ("swiglu" if kw.get("swiglu") else "norm" if kw.get("norm_weight") is not None
                 else "residual")
-        n = weight.shape[0] // (2 if kind == "swiglu" else 1)
-        return saved_linear(x, weight, tiles=tiles_of(n, weight.shape[1], kind), **kw)
+        return saved_linear(x, weight, tiles=tiles_of(*weight.shape, kind), **kw)
 
     gemv.DISPATCH_BYTES, gemv.gemv_linear = max_bytes, linear
     try:
@@ -179,10 +178,14 @@ def step(preset: str, best: dict) -> dict:
              for (n, k, kind), row in ((PROJECTIONS[preset][p], best[p]) for p in ORDER)}
 
     def tiles_best(n, k, kind):
-        return table.get((n, k, kind), gemv.gemv_config)(k)
+        return table.get((n, k, kind), gemv.gemv_config)(k, norm=kind != "residual")
 
-    policies = {"today": (gemv.DISPATCH_BYTES, None), "gemv-256M": (256 << 20, None),
-                "gemv-256M-best": (256 << 20, tiles_best)}
+    def tiles_before(n, k, kind):
+        return VARIANTS["before"](k)
+
+    policies = {"today": (gemv.DISPATCH_BYTES, None),
+                "before": (gemv.DISPATCH_BYTES, tiles_before),
+                "best": (gemv.DISPATCH_BYTES, tiles_best)}
     runners = {}
     for name, (max_bytes, tiles_of) in policies.items():
         for pdl in (True, False):
@@ -212,7 +215,8 @@ if __name__ == "__main__":
     out = {"what": "the one-row GEMV form as a step runs it: per projection by tile and "
                    "weight cache policy, then the batch-1 step with it on every projection",
            **environment(), "context": CONTEXT, "variants": {
-               name: {k: c(k) for k in (1024, 4096, 14336)} for name, c in VARIANTS.items()},
+               name: {f"{k}{' norm' * norm}": c(k, norm=norm) for k in (1024, 4096, 14336)
+                      for norm in (False, True)} for name, c in VARIANTS.items()},
            "launches": {}, "steps": []}
     for preset in presets:
         out["launches"][preset] = launches(preset)
