@@ -143,9 +143,10 @@ def gemv_config(k: int, norm: bool = False) -> dict:
     to 1024, four columns a program with all of K in one slice, the norm's scale applied
     to the sums (``NORM_LATE``): each program reads x once for twice the columns, and
     no pass over x comes before its products. On the H200, single launches over
-    weights cycled past L2 (``docs/notes/probes/gemv_forms.py``): qwen3-0.6b's q/k/v
-    4.7 us against 6.6, gate/up 6.3 against 8.6; the residual projections and K of
-    4096 were as fast or faster as before."""
+    weights cycled past L2 (``docs/notes/probes/gemv_forms.py``,
+    ``docs/results/2026-12-05-gemv-forms-43639f3-h200.json``): qwen3-0.6b's q/k/v 4.7 us
+    against 6.5, gate/up 6.2 against 8.5, and its batch-1 step 4% faster; the residual
+    projections (o, down) and llama3-8b's K of 4096 ran no faster in any other form."""
     if norm and k <= 1024:
         return {"BLOCK_N": 4, "BLOCK_K": max(16, triton.next_power_of_2(k)),
                 "num_warps": 4, "NORM_LATE": True}
