@@ -78,7 +78,8 @@ COMPILE_LINEAR = textwrap.dedent('''
             consts = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": split,
                       "NORM": norm, "SWIGLU": swiglu, "RESIDUAL": residual,
                       "HAS_BIAS": bias, "IEEE": dt == "fp32", "INTERPRET": False,
-                      "PDL": pdl, "PREFETCH": prefetch, "LINE": 64 if dt == "bf16" else 32}
+                      "PDL": pdl, "PREFETCH": prefetch, "LINE": 64 if dt == "bf16" else 32,
+                      "NORM_LATE": norm and split == 1 and not bias}
             sig.update({n: "constexpr" for n in consts})
             sig = {name: sig[name] for name in kernel.arg_names}
             src = ASTSource(kernel, sig, constexprs=consts)
@@ -356,7 +357,8 @@ COMPILE_SMALL_GPU = textwrap.dedent('''
                  **{x: "i32" for x in ints}}
         consts = {x: cfg[x] for x in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")}
         consts.update(NORM=norm, SWIGLU=swiglu, RESIDUAL=not swiglu, HAS_BIAS=False,
-                      IEEE=False, INTERPRET=False, PDL=False, PREFETCH=False, LINE=64)
+                      IEEE=False, INTERPRET=False, PDL=False, PREFETCH=False, LINE=64,
+                      NORM_LATE=False)
         got = shared_of(linear._skinny_linear_kernel, types, consts, cfg["num_warps"],
                         cfg["num_stages"])
         assert got <= SHARED, (m, n, k, cfg, got)

@@ -65,6 +65,26 @@ def test_every_mode_and_k_split_matches_the_reference(mode, m, nk, split, dtype,
     torch.testing.assert_close(got, want(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@settings(max_examples=12, deadline=None)
+@given(mode=st.sampled_from(["norm", "bias", "swiglu"]), m=st.sampled_from([1, 5, 16, 33]),
+       nk=st.sampled_from([(48, 320), (200, 96), (16, 16)]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**20))
+def test_the_norms_scale_applied_to_the_sums_matches_the_reference(mode, m, nk, dtype, seed):
+    # NORM_LATE: no pass over x before the products; 1 / rms scales the float32 sums
+    n, k = nk
+    args, want, x = case(mode, m, n, k, dtype, seed)
+    tiles = dict(config(mode, m, n, k), BLOCK_K=32, SPLIT_K=1, NORM_LATE=True)
+    got = kernel.skinny_linear(x, tiles=tiles, **args)
+    torch.testing.assert_close(got, want(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_the_norms_scale_on_the_sums_refuses_a_split_of_k():
+    args, _, x = case("norm", 3, 48, 320, torch.float32, 0)
+    tiles = dict(config("norm", 3, 48, 320), BLOCK_K=32, SPLIT_K=2, NORM_LATE=True)
+    with pytest.raises(ValueError, match="NORM_LATE needs the whole of K"):
+        kernel.skinny_linear(x, tiles=tiles, **args)
+
+
 @pytest.mark.parametrize("m", [1, 16, 64])
 @pytest.mark.parametrize("mode", ["norm", "swiglu", "residual"])
 @pytest.mark.parametrize("element_size", [2, 4])

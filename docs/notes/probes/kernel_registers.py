@@ -84,7 +84,7 @@ def skinny() -> list:
                       "BLOCK_K": t["BLOCK_K"], "SPLIT_K": t["SPLIT_K"], "NORM": norm,
                       "SWIGLU": swiglu, "RESIDUAL": residual, "HAS_BIAS": False,
                       "IEEE": False, "INTERPRET": False, "PDL": True, "PREFETCH": True,
-                      "LINE": 64}
+                      "LINE": 64, "NORM_LATE": False}
             got = compiled(linear._skinny_linear_kernel, sig, consts,
                            {"num_warps": t["num_warps"], "num_stages": t["num_stages"],
                             "launch_pdl": True}, plain=() if m % 16 == 0 else ("M",))

@@ -76,14 +76,20 @@ def _row_rstd(x_rows, row_ok, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constex
 
 
 @triton.jit
-def _k_step(acc, acc_up, k0, x_rows, w_cols, NORM_W, rstd, row_ok, col_ok, K, N,
-            stride_wn, BLOCK_K: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
-            IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-    """One BLOCK_K slice of the product (and of the up half's, for SwiGLU)."""
+def _k_step(acc, acc_up, squares, k0, x_rows, w_cols, NORM_W, rstd, row_ok, col_ok, K,
+            N, stride_wn, BLOCK_K: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
+            IEEE: tl.constexpr, INTERPRET: tl.constexpr, NORM_LATE: tl.constexpr):
+    """One BLOCK_K slice of the product (and of the up half's, for SwiGLU); with
+    ``NORM_LATE`` the rows' sums of squares so far too, x * g the product's operand."""
     ks = k0 + tl.arange(0, BLOCK_K)
     k_ok = ks < K
     x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-    if NORM:
+    if NORM and NORM_LATE:
+        g = tl.load(NORM_W + ks, mask=k_ok, other=0.0).to(tl.float32)
+        xf = x.to(tl.float32)
+        squares += tl.sum(xf * xf, axis=1)
+        x = cast(xf * g[None, :], x_rows.dtype.element_ty, INTERPRET)
+    elif NORM:
         g = tl.load(NORM_W + ks, mask=k_ok, other=0.0).to(tl.float32)
         x = cast(x.to(tl.float32) * rstd[:, None] * g[None, :], x_rows.dtype.element_ty,
                  INTERPRET)
@@ -93,7 +99,7 @@ def _k_step(acc, acc_up, k0, x_rows, w_cols, NORM_W, rstd, row_ok, col_ok, K, N,
     if SWIGLU:
         w_up = tl.load(w_cols + N * stride_wn + ks[:, None], mask=w_mask, other=0.0)
         acc_up = dot(x, w_up, acc_up, IEEE, INTERPRET)
-    return acc, acc_up
+    return acc, acc_up, squares
 
 
 @triton.jit
@@ -139,7 +145,7 @@ def _skinny_linear_kernel(
     SPLIT_K: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
     INTERPRET: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-    LINE: tl.constexpr,
+    LINE: tl.constexpr, NORM_LATE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -159,23 +165,29 @@ def _skinny_linear_kernel(
         _prefetch_weights(W, w_cols, col_ok, k_lo, k_hi, N, stride_wn, BLOCK_K, SWIGLU,
                           LINE)
     pdl_wait(PDL)
-    rstd = _row_rstd(x_rows, row_ok, K, eps, BLOCK_M, BLOCK_K, NORM)
-
+    # NORM_LATE (one split only): no pass over x before the products, which take x * g;
+    # each row's 1 / rms, from the sums of squares gathered with them, scales the sums.
+    rstd = _row_rstd(x_rows, row_ok, K, eps, BLOCK_M, BLOCK_K, NORM and not NORM_LATE)
+    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if INTERPRET:  # the interpreter takes no tensor bounds in range()
         k0 = k_lo
         while k0 < k_hi:
-            acc, acc_up = _k_step(acc, acc_up, k0, x_rows, w_cols, NORM_W, rstd, row_ok,
-                                  col_ok, K, N, stride_wn, BLOCK_K, NORM, SWIGLU, IEEE,
-                                  INTERPRET)
+            acc, acc_up, squares = _k_step(acc, acc_up, squares, k0, x_rows, w_cols, NORM_W,
+                                           rstd, row_ok, col_ok, K, N, stride_wn, BLOCK_K,
+                                           NORM, SWIGLU, IEEE, INTERPRET, NORM_LATE)
             k0 += BLOCK_K
     else:  # a for loop, so that Triton pipelines the weight loads (num_stages)
         for k0 in tl.range(k_lo, k_hi, BLOCK_K):
-            acc, acc_up = _k_step(acc, acc_up, k0, x_rows, w_cols, NORM_W, rstd, row_ok,
-                                  col_ok, K, N, stride_wn, BLOCK_K, NORM, SWIGLU, IEEE,
-                                  INTERPRET)
+            acc, acc_up, squares = _k_step(acc, acc_up, squares, k0, x_rows, w_cols, NORM_W,
+                                           rstd, row_ok, col_ok, K, N, stride_wn, BLOCK_K,
+                                           NORM, SWIGLU, IEEE, INTERPRET, NORM_LATE)
 
+    if NORM and NORM_LATE:
+        late = tl.rsqrt(squares / K + eps)[:, None]
+        acc = acc * late
+        acc_up = acc_up * late
     if SPLIT_K == 1:
         _epilogue(acc, acc_up, rows, cols, row_ok, col_ok, Y, RES, BIAS, stride_ym,
                   stride_rm, SWIGLU, RESIDUAL, HAS_BIAS, INTERPRET)
@@ -299,10 +311,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
     y, (m, n, k) = new_output("skinny_linear", x, weight, swiglu, MAX_ROWS)
     if m == 0 or n == 0:
         return y
-    cfg = dict(tiles or config(m, n, k, norm=norm_weight is not None, swiglu=swiglu,
-                               sms=num_sms(x.device), element_size=x.element_size(),
-                               shared=shared_memory(x.device)))
+    cfg = {"NORM_LATE": False,
+           **(tiles or config(m, n, k, norm=norm_weight is not None, swiglu=swiglu,
+                              sms=num_sms(x.device), element_size=x.element_size(),
+                              shared=shared_memory(x.device)))}
     split = cfg["SPLIT_K"]
+    if cfg["NORM_LATE"] and split > 1:
+        raise ValueError("skinny_linear: NORM_LATE needs the whole of K in one program "
+                         f"(SPLIT_K 1), got SPLIT_K {split}")
     blocks = triton.cdiv(n, cfg["BLOCK_N"])
     partial = (torch.empty((2 if swiglu else 1) * split * cfg["BLOCK_M"] * n,
                            dtype=torch.float32, device=x.device) if split > 1 else y)
