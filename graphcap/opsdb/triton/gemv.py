@@ -21,7 +21,10 @@ cuBLAS's 5.1-10.7, about the speed of a bare read of the same bytes in one launc
 
 Numerics as the few-row kernel's: the normed x is rounded to x's dtype before the
 products, float32 sums, SwiGLU's halves and the residual's product rounded first.
-float32 inputs are multiplied in IEEE float32.
+float32 inputs are multiplied in IEEE float32. With ``NORM_LATE`` (the tiles of normed
+projections of K up to 1024, :func:`gemv_config`) the products take x times the norm's
+weight unrounded, in float32, and each row's 1 / rms scales its sums: nearer float32's
+result than rounding the normed x first.
 """
 
 from __future__ import annotations
