@@ -1,7 +1,7 @@
 """The few-row linear with the RMSNorm's scale applied to its sums (``NORM_LATE``: no
 pass over x before the products), against today's prologue and the unfused ops:
 
-    PYTHONPATH=. python3 docs/notes/probes/skinny_norm_late.py
+    PYTHONPATH=. python3 docs/notes/probes/skinny_norm_late.py [preset...]
 
 Past one row q/k/v runs as an RMSNorm launch and cuBLAS (the fused prologue measured
 slower: qwen3-0.6b at 16 rows 7.9 us against 7.3), gate/up as the few-row kernel with
@@ -12,11 +12,13 @@ norm kernel, cuBLAS; for gate/up the norm, cuBLAS and SiLU-and-mul), ``skinny`` 
 kernel with today's prologue), ``late`` (the kernel with ``NORM_LATE``). Part 2, the
 qwen3-0.6b decode step at batches 2, 4, 8 (context 1024, ``full``), calls interleaved:
 today; gate/up with ``NORM_LATE``; that and q/k/v on the kernel with ``NORM_LATE`` up to 16
-rows (one launch a layer fewer). JSON in $OUT/skinny-norm-late.json."""
+rows (one launch a layer fewer). Part 1 covers the presets named (both by default).
+JSON in $OUT/skinny-norm-late.json."""
 
 import contextlib
 import json
 import os
+import sys
 
 import torch
 from linear_floor import per_launch_us
@@ -121,7 +123,8 @@ if __name__ == "__main__":
     out = {"what": "the few-row linear with the norm's scale on its sums (NORM_LATE) "
                    "against today's prologue and the unfused ops; the qwen3-0.6b step with it",
            **environment(), "context": CONTEXT,
-           "launches": {name: [projection(name, m, gen) for m in ROWS] for name in PROJECTIONS},
+           "launches": {name: [projection(name, m, gen) for m in ROWS] for name in PROJECTIONS
+                        if not sys.argv[1:] or name.split()[0] in sys.argv[1:]},
            "step": step()}
     with open(os.path.join(os.environ.get("OUT", "."), "skinny-norm-late.json"), "w") as f:
         json.dump(out, f, indent=1)
