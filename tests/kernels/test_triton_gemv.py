@@ -21,6 +21,9 @@ from tests.kernels.test_triton_linear import (
     replays_like_the_reference,
 )
 
+# On a CUDA machine these properties run on the GPU: the suite selects them.
+pytestmark = [pytest.mark.gpu] if torch.cuda.is_available() else []
+
 
 @settings(max_examples=15, deadline=None)
 @given(mode=st.sampled_from(MODES), m=st.integers(1, gemv.GEMV_ROWS),

@@ -15,6 +15,9 @@ from graphcap.opsdb import linear as ops
 from graphcap.opsdb.triton import linear as kernel
 from tests.conftest import requires_cuda
 
+# On a CUDA machine these properties run on the GPU: the suite selects them.
+pytestmark = [pytest.mark.gpu] if torch.cuda.is_available() else []
+
 device = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 

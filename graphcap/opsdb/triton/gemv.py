@@ -42,7 +42,7 @@ from graphcap.opsdb.triton.common import (
     pdl_wait,
     prefetches,
 )
-from graphcap.opsdb.triton.linear import _epilogue, _prefetch_weights, _row_rstd, new_output
+from graphcap.opsdb.triton.linear import _epilogue, _prefetch_weights, new_output
 
 GEMV_ROWS = 8  # the most rows a launch takes: each row's products are its own pass
 # Where the dispatch runs it (fused_linear): where a decode step measured faster on the
@@ -69,6 +69,26 @@ def _load_slice(w_rows, k0, col_ok, K, N, stride_wn, BLOCK_K: tl.constexpr,
         w_up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=mask, other=0.0,
                        cache_modifier=W_CACHE)
     return w, w_up
+
+
+@triton.jit
+def _rows_rstd(X, stride_xm, rows, K, eps, ROWS: tl.constexpr, ROWS_P2: tl.constexpr,
+               BLOCK_K: tl.constexpr, NORM: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of each row in float32 (zeros, unread, without
+    ``NORM``), each row summed on its own over [BLOCK_K] slices: the same sums in the
+    same order whatever ``ROWS`` a launch has, so a row's result does not depend on the
+    rows beside it (a [ROWS_P2, BLOCK_K] reduction's order follows its shape on CUDA)."""
+    rstd = tl.zeros([ROWS_P2], dtype=tl.float32)
+    if NORM:
+        offs = tl.arange(0, BLOCK_K)
+        for m in tl.static_range(ROWS):
+            squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                x = tl.load(X + m * stride_xm + k0 + offs, mask=k0 + offs < K,
+                            other=0.0).to(tl.float32)
+                squares += x * x
+            rstd = tl.where(rows == m, tl.rsqrt(tl.sum(squares, axis=0) / K + eps), rstd)
+    return rstd
 
 
 @triton.jit
@@ -100,10 +120,10 @@ def _gemv_kernel(
         w, w_up = _load_slice(w_rows, 0, col_ok, K, N, stride_wn, BLOCK_K, SWIGLU, W_CACHE)
     rows = tl.arange(0, ROWS_P2)
     row_ok = rows < ROWS
-    x_rows = X + rows[:, None] * stride_xm
     # NORM_LATE: no pass over x before the products; they take x * g in float32 and
     # each row's sum of squares comes with them, its 1 / rms scaling the sums at the end.
-    rstd = _row_rstd(x_rows, row_ok, K, eps, ROWS_P2, BLOCK_K, NORM and not NORM_LATE)
+    rstd = _rows_rstd(X, stride_xm, rows, K, eps, ROWS, ROWS_P2, BLOCK_K,
+                      NORM and not NORM_LATE)
     squares = tl.zeros([ROWS_P2], dtype=tl.float32)
     acc = tl.zeros([ROWS_P2, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([ROWS_P2, BLOCK_N], dtype=tl.float32)
