@@ -17,10 +17,10 @@ import sys
 
 import torch
 import triton
-from probe_common import prefilled_decode
+from probe_common import prefilled_decode, timed_batch1
 
 import graphcap
-from graphcap.bench.common import environment, time_interleaved
+from graphcap.bench.common import environment
 from graphcap.bench.decode import profile_steps, step_bytes
 from graphcap.bench.decode_attention import PEAK_BYTES_PER_S
 from graphcap.inputs import DecodeInputs
@@ -65,9 +65,7 @@ def one(preset: str) -> dict:
             with policy(name), programmatic_launch(pdl):
                 runners[name, pdl] = graphcap.capture(model, "full", buckets=[1],
                                                       inputs=DecodeInputs(cache))
-    cases = {key: (lambda r=r: r(tokens[:1], positions=[CONTEXT], slots=[0]))
-             for key, r in runners.items()}
-    times = time_interleaved(cases, reps=50, rounds=5)
+    cases, times = timed_batch1(runners, tokens, CONTEXT)
     want = cases["today", True]().float()
     rows = []
     for (name, pdl), call in cases.items():

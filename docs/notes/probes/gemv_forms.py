@@ -34,10 +34,10 @@ import sys
 import torch
 import triton
 from linear_floor import per_launch_us
-from probe_common import prefilled_decode
+from probe_common import prefilled_decode, timed_batch1
 
 import graphcap
-from graphcap.bench.common import environment, time_interleaved
+from graphcap.bench.common import environment
 from graphcap.bench.prefill import kernel_spans
 from graphcap.inputs import DecodeInputs
 from graphcap.opsdb import linear as linear_ops
@@ -192,9 +192,7 @@ def step(preset: str, best: dict) -> dict:
             with dispatch(max_bytes, tiles_of), programmatic_launch(pdl):
                 runners[name, pdl] = graphcap.capture(model, "full", buckets=[1],
                                                       inputs=DecodeInputs(cache))
-    cases = {key: (lambda r=r: r(tokens[:1], positions=[CONTEXT], slots=[0]))
-             for key, r in runners.items()}
-    times = time_interleaved(cases, reps=50, rounds=5)
+    cases, times = timed_batch1(runners, tokens, CONTEXT)
     want = cases["today", True]().float()
     rows = []
     layers = model.args.layers

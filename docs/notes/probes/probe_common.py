@@ -76,3 +76,12 @@ def captured_under(model, cache, batches, module, attr: str, values: dict) -> di
             finally:
                 setattr(module, attr, shipped)
     return runners
+
+
+def timed_batch1(runners: dict, tokens, context: int) -> tuple[dict, dict]:
+    """Each runner's batch-1 decode call (request 0 at position ``context``) and their
+    times, interleaved: ``(cases, times)`` keyed as ``runners``."""
+    cases = {key: (lambda r=r: r(tokens[:1], positions=[context], slots=[0]))
+             for key, r in runners.items()}
+    return cases, time_interleaved(cases, reps=50, rounds=5)
+
