@@ -292,14 +292,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_h, block_d = head_block(group), max(16, triton.next_power_of_2(D))
     programs = programs_of(B, Hq, Hk)
     sms = num_sms(q.device)
-    if interpret:  # several splits, so that the merge is exercised
+    if interpret:
         cfg = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
-        auto = max(1, min(triton.cdiv(max_len, cfg["BLOCK_N"]), 4))
     else:
         cfg, auto = tiles_for(programs, max_len, sms, shared_memory(q.device),
                               block_d * k_cache.element_size(), block_h, block_d)
     cfg.update(tiles or {})
-    if not interpret and set(tiles or ()) & {"BLOCK_N", "num_stages"}:  # other tiles
+    if interpret:  # several splits of the block size given, so that the merge is exercised
+        auto = max(1, min(triton.cdiv(max_len, cfg["BLOCK_N"]), 4))
+    elif set(tiles or ()) & {"BLOCK_N", "num_stages"}:  # other tiles
         auto = splits_for(programs, max_len, cfg["BLOCK_N"], sms)
     if num_splits is None:
         num_splits = auto
