@@ -22,6 +22,8 @@ from graphcap.errors import CaptureError
 from graphcap.models import PRESETS, Decoder
 from tests.support.runner_helpers import DEVICE, batch
 
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+
 FORMS = {
     "int(t)": lambda t: int(t),
     "float(t)": lambda t: float(t),

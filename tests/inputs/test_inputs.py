@@ -15,6 +15,8 @@ from graphcap.errors import BadBatch, UnsupportedStrategy
 from graphcap.models import MLP
 from tests.support.runner_helpers import DEVICE, model
 
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+
 
 class Masked(Inputs):
     """A toy third kind: ``runner(x, valid=n)``, the model given ``x`` and the mask of its

@@ -16,6 +16,8 @@ from graphcap.inputs.accept import greedy_accept, sampled_accept
 from graphcap.opsdb.sample import probabilities
 from tests.support.runner_helpers import DEVICE, prefilled_tiny
 
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+
 VOCAB = 6
 
 

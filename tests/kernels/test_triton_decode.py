@@ -66,6 +66,7 @@ def test_decode_step_replays_from_short_capture_to_the_longest_lengths(dtype):
 ROPE_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.mark.gpu if ROPE_DEVICE == "cuda" else (lambda test: test)
 @pytest.mark.parametrize("hq,hk,d,rot,norm,splits", [
     (4, 2, 128, 128, True, 3), (4, 2, 64, 32, False, 1), (2, 1, 128, 128, False, 2)],
     ids=["qwen3-like, qk-norm, 3 splits", "partial rotary, no norm", "llama-like, 2 splits"])

@@ -17,6 +17,8 @@ from graphcap.opsdb.triton import moe, moe_routing
 from tests.conftest import requires_cuda
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
+# On a CUDA machine every test here runs its kernels there, so the GPU suite runs them all.
+pytestmark = [pytest.mark.gpu] if device == "cuda" else []
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
