@@ -148,3 +148,18 @@ def test_the_tiles_follow_how_much_of_the_gpu_the_rows_fill(rows, max_len, want)
         cfg, _ = tiles_for(programs, max_len, 132, shared, row_bytes)
         assert cfg["num_stages"] < 5
     assert deep_bytes(256) <= 227 * 1024 < deep_bytes(512)
+
+
+@pytest.mark.parametrize("rows,max_len", [(1, 1025), (1, 4096), (8, 1025), (16, 1025),
+                                          (64, 1025), (2, 300)])
+@pytest.mark.parametrize("shared", [227 * 1024, 99 * 1024])
+def test_tiles_given_by_hand_split_as_the_chosen_tiles_do(rows, max_len, shared):
+    # A benchmark's tiles= that names the tiles tiles_for would pick gets its split count
+    # too: one wave of programs for the deep tiles (a program an SM), two otherwise.
+    from graphcap.opsdb.triton.decode_grid import DEEP, programs_of, splits_of_tiles, tiles_for
+
+    programs = programs_of(rows, 16, 8)
+    cfg, splits = tiles_for(programs, max_len, 132, shared)
+    assert splits_of_tiles(cfg, programs, max_len, 132) == splits
+    forced = splits_of_tiles(DEEP, programs, max_len, 132)  # where tiles_for would not
+    assert programs * forced <= 132 or forced == 1

@@ -43,7 +43,7 @@ from graphcap.opsdb.triton.common import (
     pdl_start,
     shared_memory,
 )
-from graphcap.opsdb.triton.decode_grid import head_block, programs_of, splits_for, tiles_for
+from graphcap.opsdb.triton.decode_grid import head_block, programs_of, splits_of_tiles, tiles_for
 from graphcap.opsdb.triton.qkv import norm_rope, rope_at
 
 
@@ -301,7 +301,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if interpret:  # several splits of the block size given, so that the merge is exercised
         auto = max(1, min(triton.cdiv(max_len, cfg["BLOCK_N"]), 4))
     elif set(tiles or ()) & {"BLOCK_N", "num_stages"}:  # other tiles
-        auto = splits_for(programs, max_len, cfg["BLOCK_N"], sms)
+        auto = splits_of_tiles(cfg, programs, max_len, sms)
     if num_splits is None:
         num_splits = auto
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:

@@ -61,9 +61,7 @@ def tiles_for(programs: int, max_len: int, sms: int, shared: int, row_bytes: int
     buffer), split; shorter blocks where even one key and one value block would not fit
     (``shared`` 0: unknown, taken as enough)."""
     if programs <= sms and shared >= deep_bytes(row_bytes, block_h, block_d):
-        blocks = triton.cdiv(max(max_len, 1), DEEP["BLOCK_N"])
-        splits = min(blocks, sms // programs, _MAX_SPLITS)
-        return dict(DEEP), splits if programs <= counters.CAPACITY else 1
+        return dict(DEEP), splits_for(programs, max_len, DEEP["BLOCK_N"], sms, waves=1)
     cfg = ({"BLOCK_N": 128, "num_warps": 4, "num_stages": 3} if programs < sms else
            {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2})
     while shared and cfg["BLOCK_N"] > 16 and \
@@ -72,16 +70,26 @@ def tiles_for(programs: int, max_len: int, sms: int, shared: int, row_bytes: int
     return cfg, splits_for(programs, max_len, cfg["BLOCK_N"], sms)
 
 
-def splits_for(programs: int, max_len: int, block_n: int, sms: int) -> int:
+def splits_for(programs: int, max_len: int, block_n: int, sms: int, waves: int = 2) -> int:
     """Splits per (row, head block) for ``programs`` of them: enough programs to fill the
-    SMs twice over, no split shorter than one block, at most ``_MAX_SPLITS``, and one
-    where the merge's counters would not fit (:data:`counters.CAPACITY`)."""
+    SMs ``waves`` times over (one wave: no more programs than SMs), no split shorter than
+    one block, at most ``_MAX_SPLITS``, and one where the merge's counters would not fit
+    (:data:`counters.CAPACITY`)."""
     if programs > counters.CAPACITY:
         return 1
     blocks = triton.cdiv(max(max_len, 1), block_n)
-    wanted = triton.cdiv(2 * sms, max(programs, 1))
+    programs = max(programs, 1)
+    wanted = sms // programs if waves == 1 else triton.cdiv(waves * sms, programs)
     return max(1, min(blocks, wanted, _MAX_SPLITS))
 
 
+def splits_of_tiles(cfg: dict, programs: int, max_len: int, sms: int) -> int:
+    """:func:`splits_for` of tiles given by hand (a benchmark's ``tiles=``), as
+    :func:`tiles_for` splits the tiles it picks: one wave for two key/value buffers or more
+    (``(num_stages - 1) // 2``, :data:`DEEP`'s: a program an SM), else two."""
+    deep = (cfg["num_stages"] - 1) // 2 >= 2
+    return splits_for(programs, max_len, cfg["BLOCK_N"], sms, waves=1 if deep else 2)
+
+
 __all__ = ["DEEP", "deep_bytes", "head_block", "program_bytes", "programs_of", "splits_for",
-           "tiles_for"]
+           "splits_of_tiles", "tiles_for"]
