@@ -71,6 +71,11 @@ VARIANTS = {  # the first run (at 76d3d00) also had .cg ones, 8 warps, n8 withou
     "n4-late": variant(block_n=4, late=True),
     "n4-late-cg": variant(block_n=4, late=True, w_cache=".cg"),
     "n8-late": variant(block_n=8, late=True),
+    # All of K = 4096 in one load (qwen3's win at K = 1024 was four columns over all of K):
+    # 94-119 registers at two columns, 103 (norm) and 202 (SwiGLU) at four with 8 warps,
+    # no spills (ptxas for sm_90).
+    "wide-late": variant(slice_elements=8192, late=True),
+    "n4-wide-late-w8": variant(block_n=4, slice_elements=16384, warps=8, late=True),
 }
 
 
