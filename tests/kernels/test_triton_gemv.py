@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from graphcap.opsdb import linear as ops
 from graphcap.opsdb.triton import gemv
 from graphcap.opsdb.triton import linear as kernel
 from tests.conftest import requires_cuda
@@ -17,6 +18,7 @@ from tests.kernels.test_triton_linear import (
     MODES,
     TOL,
     case,
+    device,
     randn,
     replays_like_the_reference,
 )
@@ -140,3 +142,27 @@ def test_a_weight_the_kernel_before_wrote_is_read_after_it_finished():
         torch.cuda.synchronize()
         w2 = gemv.gemv_linear(x1, w1).view(2, 2048)
         assert torch.equal(y, gemv.gemv_linear(x2, w2)), seed
+
+
+@pytest.mark.parametrize("late", [False, True])
+@pytest.mark.parametrize("mode", ["norm", "bias", "swiglu"])
+def test_a_normed_projection_of_no_inputs_gives_the_references_values(mode, late):
+    # K = 0: no sums of squares at all; the norm's scale on the (zero) sums stays finite.
+    m, n = 2, 6
+    x = torch.empty(m, 0, device=device)
+    w = torch.empty(2 * n if mode == "swiglu" else n, 0, device=device)
+    g = torch.empty(0, device=device)
+    bias = torch.arange(n, dtype=torch.float32, device=device) if mode == "bias" else None
+    if mode == "swiglu":
+        args, want = dict(swiglu=True), ops.rms_norm_swiglu_reference(x, g, 1e-6, w)
+    else:
+        args, want = dict(bias=bias), ops.rms_norm_linear_reference(x, g, 1e-6, w, bias)
+    got = gemv.gemv_linear(x, w, norm_weight=g, tiles={"BLOCK_N": 2, "BLOCK_K": 32,
+                                                       "num_warps": 4, "NORM_LATE": late},
+                           **args)
+    skinny = kernel.skinny_linear(x, w, norm_weight=g, tiles=dict(
+        kernel.config(m, n, 0, norm=True, swiglu=mode == "swiglu", sms=1), SPLIT_K=1,
+        NORM_LATE=late), **args)
+    assert not want.isnan().any()
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(skinny, want, atol=0, rtol=0)

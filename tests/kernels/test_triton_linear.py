@@ -88,6 +88,14 @@ def test_the_norms_scale_on_the_sums_refuses_a_split_of_k():
         kernel.skinny_linear(x, tiles=tiles, **args)
 
 
+def test_the_norms_scale_on_the_sums_refuses_float16_rows():
+    # x * g is rounded to x's dtype before 1 / rms scales it: float16 would overflow.
+    args, _, x = case("norm", 3, 48, 64, torch.float16, 0)
+    tiles = dict(config("norm", 3, 48, 64), SPLIT_K=1, NORM_LATE=True)
+    with pytest.raises(ValueError, match="overflows float16"):
+        kernel.skinny_linear(x * 2e4, tiles=tiles, **args)
+
+
 @pytest.mark.parametrize("m", [1, 16, 64])
 @pytest.mark.parametrize("mode", ["norm", "swiglu", "residual"])
 @pytest.mark.parametrize("element_size", [2, 4])

@@ -152,7 +152,7 @@ def _gemv_kernel(
         w, w_up = _load_slice(w_rows, k0 + BLOCK_K, col_ok, K, N, stride_wn, BLOCK_K,
                               SWIGLU, W_CACHE)
     if NORM and NORM_LATE:
-        late = tl.rsqrt(squares / K + eps)[:, None]
+        late = tl.rsqrt(squares / tl.maximum(K, 1) + eps)[:, None]  # K 0: sums of 0
         acc = acc * late
         acc_up = acc_up * late
     _epilogue(acc, acc_up, rows, cols, row_ok, col_ok, Y, RES, BIAS, stride_ym, stride_rm,

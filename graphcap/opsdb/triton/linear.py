@@ -187,7 +187,7 @@ def _skinny_linear_kernel(
                                            NORM, SWIGLU, IEEE, INTERPRET, NORM_LATE)
 
     if NORM and NORM_LATE:
-        late = tl.rsqrt(squares / K + eps)[:, None]
+        late = tl.rsqrt(squares / tl.maximum(K, 1) + eps)[:, None]  # K 0: sums of 0
         acc = acc * late
         acc_up = acc_up * late
     if SPLIT_K == 1:
@@ -321,6 +321,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
     if cfg["NORM_LATE"] and split > 1:
         raise ValueError("skinny_linear: NORM_LATE needs the whole of K in one program "
                          f"(SPLIT_K 1), got SPLIT_K {split}")
+    if cfg["NORM_LATE"] and norm_weight is not None and x.dtype == torch.float16:
+        raise ValueError("skinny_linear: NORM_LATE rounds x * g, not yet normalised, to "
+                         "x's dtype for the products, which overflows float16 past 65504: "
+                         "give bfloat16 or float32 rows, or leave NORM_LATE off")
     blocks = triton.cdiv(n, cfg["BLOCK_N"])
     partial = (torch.empty((2 if swiglu else 1) * split * cfg["BLOCK_M"] * n,
                            dtype=torch.float32, device=x.device) if split > 1 else y)
