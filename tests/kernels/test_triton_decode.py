@@ -163,3 +163,29 @@ def test_tiles_given_by_hand_split_as_the_chosen_tiles_do(rows, max_len, shared)
     assert splits_of_tiles(cfg, programs, max_len, 132) == splits
     forced = splits_of_tiles(DEEP, programs, max_len, 132)  # where tiles_for would not
     assert programs * forced <= 132 or forced == 1
+
+
+def test_a_kernel_too_large_for_the_gpus_shared_memory_is_refused_naming_what_serves(
+        monkeypatch):
+    # Triton refuses the launch on the host, before anything runs (a float32 cache at head
+    # dim 256 for 64 query heads a key/value head, on a GPU of 99 KB a program, asks
+    # 102,720 B): the op says what would serve instead.
+    from triton.runtime.errors import OutOfResources
+
+    from graphcap.errors import KernelUnavailable
+    from graphcap.opsdb.triton import decode
+
+    class TooLarge:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise OutOfResources(102720, 101376, "shared memory")
+            return launch
+
+    monkeypatch.setattr(decode, "_decode_kernel", TooLarge())
+    B, page, hk, d = 1, 16, 1, 16
+    k_cache, v_cache = (torch.zeros(2, page, hk, d) for _ in range(2))
+    q, out = torch.zeros(B, 4, d), torch.empty(B, 4, d)
+    table, lens = torch.ones(B, 1, dtype=torch.int32), torch.ones(B, dtype=torch.int32)
+    with pytest.raises(KernelUnavailable, match=r"102720 B of shared memory.*gives 101376"
+                                                r".*bfloat16.*attention='flashinfer'"):
+        decode.decode_attention(q, k_cache, v_cache, table, lens, out, d ** -0.5)

@@ -32,7 +32,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
+from graphcap.errors import KernelUnavailable
 from graphcap.opsdb.triton import counters
 from graphcap.opsdb.triton.common import (
     cast,
@@ -332,17 +334,25 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     has_norm = rope and q_weight is not None
     if not has_norm:
         q_weight = k_weight = out
-    _decode_kernel[(B, programs // B, num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, sinks, out,
-        mid_o, mid_lse, counts, k, v, cache_loc, positions, q_weight, k_weight,
-        cos_sin_cache, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0),
-        k.stride(1), v.stride(0), v.stride(1), block_table.stride(0), positions.stride(0),
-        cos_sin_cache.stride(0), width, Hk, D, split_len, float(scale), int(window),
-        float(softcap), cos_sin_cache.shape[-1] // 2, float(eps), PAGE=page, GROUP=group,
-        BLOCK_H=block_h, SPLITS=num_splits, BLOCK_D=block_d, WINDOW=window > 0,
-        SOFTCAP=softcap > 0, SINKS=sinks is not out, WRITE=write, ROPE=rope,
-        HAS_NORM=has_norm, IEEE=q.dtype == torch.float32, INTERPRET=interpret, **launch,
-        **cfg)
+    try:
+        _decode_kernel[(B, programs // B, num_splits)](
+            q, k_cache, v_cache, block_table, seq_lens, sinks, out, mid_o, mid_lse, counts,
+            k, v, cache_loc, positions, q_weight, k_weight, cos_sin_cache, q.stride(0),
+            q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), block_table.stride(0), positions.stride(0), cos_sin_cache.stride(0),
+            width, Hk, D, split_len, float(scale), int(window), float(softcap),
+            cos_sin_cache.shape[-1] // 2, float(eps), PAGE=page, GROUP=group,
+            BLOCK_H=block_h, SPLITS=num_splits, BLOCK_D=block_d, WINDOW=window > 0,
+            SOFTCAP=softcap > 0, SINKS=sinks is not out, WRITE=write, ROPE=rope,
+            HAS_NORM=has_norm, IEEE=q.dtype == torch.float32, INTERPRET=interpret,
+            **launch, **cfg)
+    except OutOfResources as exc:  # raised before anything is launched
+        raise KernelUnavailable(
+            f"graphcap::decode_attention: the Triton kernel needs {exc.required} B of "
+            f"{exc.name} a program for {group} query heads a key/value head at head dim "
+            f"{D} over a {k_cache.dtype} cache in {cfg['BLOCK_N']}-token blocks, and this "
+            f"GPU gives {exc.limit}: keep the cache in bfloat16 or float16, or decode with "
+            "FlashInfer (DecodeInputs(attention='flashinfer'))") from exc
 
 
 __all__ = ["decode_attention"]

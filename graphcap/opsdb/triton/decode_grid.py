@@ -59,7 +59,7 @@ def tiles_for(programs: int, max_len: int, sms: int, shared: int, row_bytes: int
     at 2 stages. Where a program cannot have :func:`deep_bytes` (head dim 256 in bf16,
     float32 caches, groups of more than 16 query heads), 128-token blocks at 3 stages (one
     buffer), split; shorter blocks where even one key and one value block would not fit
-    (``shared`` 0: unknown, taken as enough)."""
+    (``shared`` 0, unknown: no deep tiles, no block shortened)."""
     if programs <= sms and shared >= deep_bytes(row_bytes, block_h, block_d):
         return dict(DEEP), splits_for(programs, max_len, DEEP["BLOCK_N"], sms, waves=1)
     cfg = ({"BLOCK_N": 128, "num_warps": 4, "num_stages": 3} if programs < sms else
