@@ -5,6 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.graphcap-installed
 CPU_TORCH ?= torch==2.13.0
+# The suite draws fixed hypothesis examples (tests/conftest.py): fixed for one version.
+HYPOTHESIS ?= hypothesis==6.170.27
 
 .PHONY: demo test lint venv clean
 
@@ -18,7 +20,7 @@ $(STAMP): pyproject.toml
 	else \
 		$(PY) -m pip install -q "$(CPU_TORCH)"; \
 	fi
-	$(PY) -m pip install -q -e ".[test,hf]"
+	$(PY) -m pip install -q -e ".[test,hf]" "$(HYPOTHESIS)"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -32,6 +32,15 @@ settings.register_profile(
 settings.register_profile("gpu", max_examples=10, deadline=None, derandomize=True)
 settings.register_profile("dev", max_examples=100, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+if settings.default.derandomize:
+    # Hypothesis also draws numbers and strings it finds in the project's loaded modules
+    # (6.1xx), and which are loaded depends on the tests a worker ran before: with none,
+    # a test's draw follows its code alone.
+    from hypothesis.internal.conjecture import providers as _providers
+
+    if hasattr(_providers, "_get_local_constants") and \
+            hasattr(_providers, "_local_constants"):
+        _providers._get_local_constants = lambda: _providers._local_constants
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -11,9 +11,11 @@ within ``timeout_s`` fails it too, and the world is started anew for the next te
 from __future__ import annotations
 
 import multiprocessing as mp
+import random
 import tempfile
 import time
 import traceback
+import zlib
 
 import pytest
 
@@ -36,6 +38,9 @@ def _serve(rank: int, size: int, init: str, backend: str, conn) -> None:
             if job is None:
                 return
             fn, args = job
+            seed = zlib.crc32(fn.__qualname__.encode())  # as tests/conftest.py seeds a test
+            torch.manual_seed(seed)
+            random.seed(seed)
             try:
                 fn(rank, *args)
             except BaseException:  # noqa: BLE001  every failure goes back to the test
