@@ -66,10 +66,12 @@ class DraftModel:
                              "smaller max_len")
         s = self.shape
         device = next(self.model.parameters()).device
+        # Every page kept, windowed layers or not: a slot is admitted once for max_len
+        # (its pages held throughout), and is rewound, to any token it shares with the
+        # target's, or to 0 for a new request.
         self.cache = PagedKVCache(s.layers, s.kv_heads, s.head_dim, max_requests=max_batch,
                                   max_len=max_len, page_size=self.page_size,
-                                  dtype=model_dtype(self.model), device=device,
-                                  window=s.window)
+                                  dtype=model_dtype(self.model), device=device)
         self.engine = Engine(self.model, self.cache, self.strategy, max_batch,
                              min(self.prefill_tokens, max_len), chunked=True,
                              progress=progress)

@@ -59,6 +59,9 @@ class DraftStepsInputs(PagedInputs):
         batch.host = ends
         return batch
 
+    def commit(self, batch: Batch) -> None:
+        self.cache.wrote(batch.host, self.steps)  # k tokens; the first may be all kept
+
     def allocate(self, max_tokens: int, batch: Batch | None) -> None:
         super().allocate(max_tokens, batch)
         self.moved = [torch.zeros_like(self.buffers[1]) for _ in range(self.steps - 1)]

@@ -178,8 +178,8 @@ class PagedInputs(Inputs):
 
     def commit(self, batch: Batch) -> None:
         """The cache counts each request's tokens up to its last one as written (what
-        follows in its pages is stale)."""
-        self.cache.wrote(batch.host)
+        follows in its pages is stale); a step's may be rewound to its first token."""
+        self.cache.wrote(batch.host, self.step or 1)
 
     def describe(self, batch: Batch) -> str:
         head = f"{batch.tokens} requests" if self.step == 1 else \

@@ -193,17 +193,19 @@ class PagedKVCache:
                 f"tokens: continue from position {freed + self.window - 1} on, or build the "
                 "cache with window=0 to keep every page")
 
-    def wrote(self, ends) -> None:
+    def wrote(self, ends, tokens: int = 1) -> None:
         """A forward that ran wrote each ``(slot, end)`` of ``ends``: the request's
         tokens ``0 .. end - 1`` are cached now (whatever its pages hold after them is
         stale, and a later step may not read it). Called only once the forward has run:
-        a step that raised counts nothing."""
+        a step that raised counts nothing. ``tokens``: what the call wrote a request (a
+        verify step's 1 + k, a draft's k steps), of which a :meth:`rewind` may keep only
+        the first: pages behind the window are freed as of that one."""
         for slot, end in ends:  # slots a call's check took: a dict lookup each, per step
             if slot not in self._written:
                 raise ValueError(f"request slot {slot!r} holds no request")
             self._written[slot] = end
             if self.window:
-                self._free_behind(slot, end)
+                self._free_behind(slot, end - tokens + 1)
 
     def rewind(self, slot: int, end: int) -> None:
         """Keep only tokens ``0 .. end - 1`` of request slot ``slot``'s (a verify step's
@@ -213,14 +215,20 @@ class PagedKVCache:
         slot = self._slot(slot)
         if slot not in self._written:
             raise ValueError(f"rewind of slot {slot}: it holds no request")
-        written = self._written[slot]
-        freed = self._dropped.get(slot, 0) * self.page_size
+        written, least = self._written[slot], self.least_kept(slot)
         if isinstance(end, bool) or not isinstance(end, int) or \
-                not freed <= end <= written:
-            raise ValueError(f"rewind of slot {slot} to {end!r}: keep between {freed} (its "
-                             f"pages before that were freed) and the {written} tokens "
-                             "written")
+                not least <= end <= written:
+            raise ValueError(f"rewind of slot {slot} to {end!r}: keep between {least} (a "
+                             "step after fewer would attend to pages freed behind the "
+                             f"window) and the {written} tokens written")
         self._written[slot] = end
+
+    def least_kept(self, slot: int) -> int:
+        """The fewest tokens a :meth:`rewind` of ``slot`` may keep: 0, or, once pages were
+        freed behind the window, as many as a step after them needs to find its window's
+        pages all there."""
+        freed = self._dropped.get(slot, 0) * self.page_size
+        return freed + self.window - 1 if freed else 0
 
     def _free_behind(self, slot: int, written: int) -> None:
         """Free the pages of ``slot`` wholly behind the window of a step at ``written - 1``

@@ -60,6 +60,18 @@ def test_the_target_as_its_own_draft_has_everything_accepted_on_graphs(strategy)
     assert spec["proposer"]["catch_up_calls"] > 0  # all accepted: the last proposal's K/V
 
 
+@pytest.mark.parametrize("k", [1, K])
+def test_a_draft_windowed_on_every_layer_keeps_its_pages_for_rewinds_and_new_requests(k):
+    # The draft's slots are rewound below tokens its window has passed (a refused
+    # proposal; a new request in the slot, from 0): its cache frees no page behind it.
+    draft = other_draft(window=4)
+    llm = LLM(model(), strategy="full", max_batch=1, max_len=64, prefill_tokens=8,
+              progress=False, speculative=DraftModel(draft, k))
+    for prompt in ([1, 2, 3, 4, 5], [9, 8, 7]):  # the second reuses the first's slot
+        plain = llm.generate([prompt], 40, speculate=False)[0].tokens
+        assert llm.generate([prompt], 40)[0].tokens == plain
+
+
 def test_a_draft_that_is_often_wrong_still_gives_the_targets_greedy_tokens():
     llm = with_draft("full", other_draft())
     for _ in range(2):  # the second call's prompts meet the first call's caches

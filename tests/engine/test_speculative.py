@@ -6,6 +6,7 @@ and leave the LLM usable."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -15,6 +16,7 @@ import graphcap
 from graphcap import LLM, Sampling
 from graphcap.api import GRAPHED
 from graphcap.engine.proposers import NgramProposer
+from graphcap.models import PRESETS, Decoder
 from tests.engine.test_generate import NEW, PROMPTS, model
 from tests.engine.test_llm import cut, truth
 from tests.inputs.test_sampled_accept import critical
@@ -75,6 +77,20 @@ def test_proposals_that_are_never_right_still_give_plain_greedy_tokens():
     wrong = speculative_llm("full", RandomProposer(K, model().args.vocab_size))
     assert [c.tokens for c in wrong.generate(PROMPTS, NEW)] == [t[:NEW] for t in truth()]
     assert wrong.report()["speculative"]["accepted"] == 0
+
+
+def test_a_model_windowed_on_every_layer_speculates_past_the_pages_freed_behind_it():
+    # Pages behind every layer's window are freed as tokens are written; verify steps
+    # whose proposals are refused rewind to their first tokens, whose windows' pages must
+    # all be there still, page after page.
+    torch.manual_seed(0)
+    windowed = Decoder(dataclasses.replace(PRESETS["tiny"], window=8)).to(DEVICE).eval()
+    llm = LLM(windowed, strategy="full", max_batch=2, max_len=96, progress=False,
+              speculative=RandomProposer(K, windowed.args.vocab_size))
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8] * 3, [9, 10, 11]]
+    plain = [c.tokens for c in llm.generate(prompts, 48, speculate=False)]
+    assert [c.tokens for c in llm.generate(prompts, 48)] == plain
+    assert llm.report()["speculative"]["verify_steps"] >= 48 // (K + 1)
 
 
 def test_a_stop_token_in_the_middle_of_a_steps_gained_tokens_ends_the_request_there():

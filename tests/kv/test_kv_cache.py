@@ -133,6 +133,26 @@ def test_a_windowed_cache_frees_the_pages_behind_the_window_as_tokens_are_writte
     assert c.free_pages == c.pages and c.block_table.eq(NULL_PAGE).all()
 
 
+def test_a_step_of_several_tokens_frees_pages_only_behind_its_first_token():
+    """A verify step of 1 + k tokens may be rewound to its first (every proposal refused):
+    its pages are freed only behind that token's window, so the step after the rewind
+    finds them all; a rewind to fewer tokens than a step after them could attend over is
+    refused, nothing changed."""
+    c = cache(window=4, page_size=2)
+    pages = c.admit(0, 24)
+    c.wrote([(0, 10)])
+    c.check_step([0], [10], 4)
+    c.wrote([(0, 14)], tokens=4)  # positions 10..13; it may keep only 10
+    assert c.pages_of(0)[:4] == [NULL_PAGE] * 3 + [pages[3]]  # tokens 0..5 behind 7..10
+    assert c.least_kept(0) == 9
+    c.rewind(0, 11)  # one token of the step kept
+    c.check_step([0], [11], 4)  # reads 8..14: all there
+    c.wrote([(0, 15)], tokens=4)
+    with pytest.raises(ValueError, match="keep between 11 .* and the 15 tokens written"):
+        c.rewind(0, 10)
+    assert c.written(0) == 15 and c.least_kept(0) == 11
+
+
 def test_a_cache_with_a_layer_of_full_attention_keeps_every_page():
     c = cache()  # window=0: some layer attends to every key
     pages = c.admit(1, 40)
