@@ -84,11 +84,24 @@ def window_refusal(config, window: int | None = None) -> str:
             "own attention (no PrefillLM)")
 
 
+def layer_window(module, config) -> int | None:
+    """The window of a layer whose attention call passes none: its module's own (Qwen2-MoE
+    sets it on sliding layers), else the config's where every layer is windowed (no
+    ``layer_types``: PhiMoE). Those models apply it through the mask transformers builds
+    and graphcap does not, so graphcap's ops take it instead."""
+    window = getattr(module, "sliding_window", None)
+    if window is None and not getattr(config, "layer_types", None):
+        window = getattr(config, "sliding_window", None)
+    return window
+
+
 def variant_of(module, sliding_window, softcap, sinks) -> tuple[int, float, object]:
     """The (window, softcap, sinks) of graphcap's attention ops for one of transformers'
-    attention calls: a window only where it can bind, soft-capping where given, the
-    module's learned sinks (``s_aux``)."""
+    attention calls: a window only where it can bind (the layer's own where the call
+    passes none), soft-capping where given, the module's learned sinks (``s_aux``)."""
     config = getattr(module, "config", None)
+    if sliding_window is None:
+        sliding_window = layer_window(module, config)
     window = int(sliding_window) if window_binds(config, sliding_window) else 0
     return window, float(softcap or 0.0), sinks
 

@@ -1,6 +1,7 @@
 """Stock transformers families whose attention uses a sliding window, soft-capped scores
 or learned sinks (Gemma 2, Gemma 3, Cohere2, OLMo 3, gpt-oss, Mistral with a window)
-run under graphcap.hf as they are built: their logits equal transformers' own eager
+run under graphcap.hf as they are built (Qwen2-MoE and PhiMoE too, whose windows come
+only from the masks transformers builds): their logits equal transformers' own eager
 attention, and greedy generation equals transformers' ``generate()`` token for token under
 the strategies, with prompts longer than the windows and prefilled in chunks. On the
 emulator in CI, on CUDA graphs on the GPU (float32 both)."""
@@ -31,6 +32,8 @@ FAMILIES = {
     "olmo3": ({}, ("window",)),
     "gpt_oss": ({}, ("window", "sinks")),
     "mistral": ({"sliding_window": 8}, ("window",)),
+    "qwen2_moe": ({"initializer_range": 0.5}, ("window",)),
+    "phimoe": ({"initializer_range": 0.5}, ("window",)),
 }
 LENS = [19, 12]  # past the window
 PROMPTS = [[5, 9, 2, 7, 1, 8, 8, 4, 11, 6], [3, 4], [8, 8, 4, 11, 6, 2, 9, 10, 13, 1, 2, 3]]

@@ -45,6 +45,16 @@ OTHER_FAMILIES = {
     "gpt_oss": lambda: transformers.GptOssConfig(**COMMON, head_dim=16, sliding_window=8,
                                                  num_local_experts=4, num_experts_per_tok=2,
                                                  **TOKENS),
+    # Windows their attention calls do not pass (the mask transformers builds applies
+    # them): Qwen2-MoE's first layer, every layer of PhiMoE.
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, **TOKENS),
+    "phimoe": lambda: transformers.PhimoeConfig(**COMMON, sliding_window=8,
+                                                num_local_experts=4, num_experts_per_tok=2,
+                                                bos_token_id=1, eos_token_id=None,
+                                                pad_token_id=0),  # it draws 2 early
     # MLA: keys (and queries) of head dim qk_nope + qk_rope = 16 for every query head.
     # The checkpoints' layout: values of another head dim (v_head_dim).
     "deepseek_v3": lambda: transformers.DeepseekV3Config(
