@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import copy
 import types
+import warnings
 
 import torch
 
-from graphcap.engine.arguments import eos_ids
+from graphcap.engine.arguments import DefaultsNotApplied, eos_ids, set_defaults
 from graphcap.engine.llm import LLM
 from graphcap.inputs.sampling import Sampling
 
@@ -53,7 +54,9 @@ def accelerate(model, tokenizer=None, **options):
         raise TypeError(f"accelerate() takes a transformers causal LM, not "
                         f"{type(model).__name__}; graphcap.LLM takes graphcap's own models")
     options.setdefault("progress", False)
-    llm = LLM(model, tokenizer, **options)
+    with warnings.catch_warnings():  # each generate() call applies the config, or refuses
+        warnings.simplefilter("ignore", DefaultsNotApplied)
+        llm = LLM(model, tokenizer, **options)
     model.__dict__[_LLM] = llm
     model.generate = types.MethodType(_generate, model)
     return model
@@ -103,20 +106,9 @@ def _generate(self, input_ids=None, attention_mask=None, generation_config=None,
     return torch.cat([input_ids, out], dim=-1)
 
 
-def _neutral(config) -> dict:
-    """Each field's values that change nothing: the class's default and transformers'
-    global default (what ``generate`` fills an unset field with: ``num_beams=1``,
-    ``repetition_penalty=1.0``, ...; some versions write these into the config)."""
-    blank = type(config)()
-    fill = getattr(type(config), "_get_default_generation_params", dict)()
-    return {k: (getattr(blank, k, None), fill.get(k)) for k in config.to_dict()}
-
-
 def _refuse(config, unused: dict) -> None:
     """A ``ValueError`` naming what graphcap's generate does not serve."""
-    neutral = _neutral(config)
-    odd = sorted(k for k, v in config.to_diff_dict().items()
-                 if k not in SERVED and v and v not in neutral.get(k, (None,)))
+    odd = list(set_defaults(config, SERVED))
     odd += sorted(k for k, v in unused.items() if not (k in INERT and not v))
     if odd:
         raise ValueError(

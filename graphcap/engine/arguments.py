@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import warnings
 
 import torch
 
@@ -85,3 +86,55 @@ def sampling_of(sampling, count: int) -> list[Sampling]:
         if not isinstance(s, Sampling):
             raise ValueError(f"sampling[{i}] must be a graphcap.Sampling, got {s!r}")
     return sampling
+
+
+# A generation config's fields that set no decoding choice graphcap's engine makes: ids,
+# lengths (LLM.generate takes max_new_tokens), cache settings, bookkeeping.
+NOT_DECODING = {"max_new_tokens", "max_length", "eos_token_id", "pad_token_id",
+                "bos_token_id", "use_cache", "cache_implementation", "cache_config",
+                "return_legacy_cache", "transformers_version", "_from_model_config",
+                "decoder_start_token_id"}
+
+
+class DefaultsNotApplied(UserWarning):
+    """A transformers model's generation config sets decoding defaults ``graphcap.LLM``
+    does not apply: its tokens follow ``generate``'s own ``sampling=``."""
+
+
+def neutral_values(config) -> dict:
+    """Each field's values that change nothing: the class's default and transformers'
+    global default (what ``generate`` fills an unset field with: ``num_beams=1``,
+    ``repetition_penalty=1.0``, ...; some versions write these into the config)."""
+    blank = type(config)()
+    fill = getattr(type(config), "_get_default_generation_params", dict)()
+    return {k: (getattr(blank, k, None), fill.get(k)) for k in config.to_dict()}
+
+
+def set_defaults(config, served: set[str]) -> dict:
+    """The fields of a generation config outside ``served`` set to a value that changes
+    decoding, with their values."""
+    neutral = neutral_values(config)
+    return {k: v for k, v in sorted(config.to_diff_dict().items())
+            if k not in served and v and v not in neutral.get(k, (None,))}
+
+
+def eos_of(model, tokenizer) -> set[int]:
+    """The end-of-sequence ids of a transformers model's generation config and of the
+    tokenizer (none for graphcap's reference decoders without a tokenizer)."""
+    config = getattr(getattr(model, "hf_model", None), "generation_config", None)
+    return eos_ids(getattr(config, "eos_token_id", None)) | \
+        eos_ids(getattr(tokenizer, "eos_token_id", None))
+
+
+def warn_unapplied_defaults(model) -> None:
+    """Warn (:class:`DefaultsNotApplied`) where a transformers model's generation config
+    sets decoding defaults (``do_sample``, ``temperature``, ``repetition_penalty``, ...):
+    ``graphcap.LLM`` follows ``generate``'s own arguments, not these."""
+    config = getattr(getattr(model, "hf_model", None), "generation_config", None)
+    unapplied = set_defaults(config, NOT_DECODING) if config is not None else {}
+    if unapplied:
+        given = ", ".join(f"{k}={v!r}" for k, v in unapplied.items())
+        warnings.warn(f"the model's generation_config sets {given}: graphcap.LLM applies "
+                      "none of these; its requests decode greedily, or as generate()'s "
+                      "sampling=graphcap.Sampling(temperature, top_k, top_p) says",
+                      DefaultsNotApplied, stacklevel=3)

@@ -26,7 +26,13 @@ import torch
 
 from graphcap.api import STRATEGIES, model_dtype
 from graphcap.core.checks import positive_int
-from graphcap.engine.arguments import check_prompts, eos_ids, sampling_of, stop_tokens_of
+from graphcap.engine.arguments import (
+    check_prompts,
+    eos_of,
+    sampling_of,
+    stop_tokens_of,
+    warn_unapplied_defaults,
+)
 from graphcap.engine.engine import Engine, Request, cache_shape
 from graphcap.engine.loading import resolve
 from graphcap.engine.speculative import check_proposer, graph_calls
@@ -100,7 +106,8 @@ class LLM:
         self.model, self.tokenizer, self.strategy = model, tokenizer, strategy
         self.shape = cache_shape(model)
         # End every request, as transformers' generate does (unless stop_at_eos=False).
-        self.eos = _eos(model, tokenizer) if stop_at_eos else set()
+        self.eos = eos_of(model, tokenizer) if stop_at_eos else set()
+        warn_unapplied_defaults(model)
         self.max_batch = positive_int(max_batch, "max_batch")
         bound = self.shape.max_position
         self.max_len = positive_int(max_len, "max_len") if max_len is not None else \
@@ -371,14 +378,6 @@ def _stop_prefix(text: str, stops: tuple[str, ...]) -> int:
     """The length of the longest end of ``text`` that begins a stop string."""
     return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])),
                default=0)
-
-
-def _eos(model, tokenizer) -> set[int]:
-    """The end-of-sequence ids of a transformers model's generation config and of the
-    tokenizer (none for graphcap's reference decoders without a tokenizer)."""
-    config = getattr(getattr(model, "hf_model", None), "generation_config", None)
-    return eos_ids(getattr(config, "eos_token_id", None)) | \
-        eos_ids(getattr(tokenizer, "eos_token_id", None))
 
 
 class _Fetch:

@@ -115,3 +115,23 @@ def test_what_it_does_not_serve_is_refused_by_name_and_restore_gives_the_model_b
         torch.testing.assert_close(fast(ids).logits, ref(ids).logits)
     with pytest.raises(ValueError, match="is not accelerated"):
         graphcap.restore(fast)
+
+
+def test_an_llm_of_a_model_whose_generation_config_sets_decoding_defaults_says_it_ignores_them(
+        recwarn):
+    # transformers' generate applies them (a checkpoint's repetition_penalty, do_sample,
+    # ...); graphcap.LLM decodes as its own generate() is told, and says so once, naming
+    # them. accelerate() applies them per call or refuses them, so it says nothing.
+    from graphcap.engine.arguments import DefaultsNotApplied
+
+    ref = hf_model("qwen2").to(DEVICE)
+    ref.generation_config.repetition_penalty = 1.3
+    ref.generation_config.do_sample, ref.generation_config.temperature = True, 0.7
+    with pytest.warns(DefaultsNotApplied, match=r"do_sample=True, repetition_penalty=1\.3, "
+                                                r"temperature=0\.7: graphcap\.LLM applies none"):
+        graphcap.LLM(copy.deepcopy(ref), **OPTIONS)
+    recwarn.clear()
+    graphcap.accelerate(copy.deepcopy(ref), **OPTIONS)
+    assert not [w for w in recwarn if issubclass(w.category, DefaultsNotApplied)]
+    graphcap.LLM(hf_model("qwen2").to(DEVICE), **OPTIONS)  # eos and pad ids only: quiet
+    assert not [w for w in recwarn if issubclass(w.category, DefaultsNotApplied)]
