@@ -165,7 +165,9 @@ def graphcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     if attention_mask is not None:
         raise UnsupportedModel(
             f"{name}: graphcap attention got an attention mask; request boundaries come "
-            "from seq_lens (the forward context), so call the model without attention_mask")
+            "from seq_lens (the forward context), so call the model without attention_mask "
+            "(a model that builds a mask of its own, as Doge's dynamic one, cannot run on "
+            "graphcap attention: run it with transformers' own, no PrefillLM)")
     if dropout:
         raise UnsupportedModel(f"{name}: attention dropout {dropout} in training mode; "
                                "graphcap runs inference only, call model.eval()")

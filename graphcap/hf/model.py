@@ -49,6 +49,11 @@ def _check_attention_features(model) -> None:
     if not getattr(config, "is_causal", True):
         raise UnsupportedModel(f"{kind}: config.is_causal=False (bidirectional); "
                                "graphcap prefill attention is causal")
+    if getattr(config, "alibi", False) is True:
+        raise UnsupportedModel(
+            f"{kind}: ALiBi (config.alibi=True) adds a bias per head and distance to the "
+            "attention scores, through the mask graphcap does not build; graphcap::attention "
+            "takes no bias: run it with transformers' own attention (no PrefillLM)")
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if "chunked_attention" in kinds:
         raise UnsupportedModel(

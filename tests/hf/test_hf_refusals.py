@@ -120,6 +120,12 @@ def test_other_families_on_transformers_attention_interface_run_exactly(family):
                                    atol=1e-5, rtol=1e-5)
 
 
+def test_falcon_with_alibi_is_refused_naming_the_bias_graphcap_attention_lacks():
+    with pytest.raises(UnsupportedModel, match=r"FalconForCausalLM: ALiBi \(config.alibi="
+                                               r"True\) adds a bias"):
+        PrefillLM(hf_model("falcon", alibi=True))
+
+
 def test_bloom_whose_attention_does_not_use_the_attention_interface_is_refused():
     """Bloom computes attention in its own modules (transformers 5.24 and 5.25; Falcon
     did until 5.25, which moved it onto the interface)."""
