@@ -1,5 +1,5 @@
 """What ``graphcap.generate`` is given, checked before anything runs: prompts, stop
-tokens, sampling parameters."""
+tokens, sampling parameters; and what a transformers model's generation config sets."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ class DefaultsNotApplied(UserWarning):
     does not apply: its tokens follow ``generate``'s own ``sampling=``."""
 
 
-def neutral_values(config) -> dict:
+def _neutral_values(config) -> dict:
     """Each field's values that change nothing: the class's default and transformers'
     global default (what ``generate`` fills an unset field with: ``num_beams=1``,
     ``repetition_penalty=1.0``, ...; some versions write these into the config)."""
@@ -113,7 +113,7 @@ def neutral_values(config) -> dict:
 def set_defaults(config, served: set[str]) -> dict:
     """The fields of a generation config outside ``served`` set to a value that changes
     decoding, with their values."""
-    neutral = neutral_values(config)
+    neutral = _neutral_values(config)
     return {k: v for k, v in sorted(config.to_diff_dict().items())
             if k not in served and v and v not in neutral.get(k, (None,))}
 

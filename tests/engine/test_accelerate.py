@@ -122,7 +122,7 @@ def test_an_llm_of_a_model_whose_generation_config_sets_decoding_defaults_says_i
     # transformers' generate applies them (a checkpoint's repetition_penalty, do_sample,
     # ...); graphcap.LLM decodes as its own generate() is told, and says so once, naming
     # them. accelerate() applies them per call or refuses them, so it says nothing.
-    from graphcap.engine.arguments import DefaultsNotApplied
+    from graphcap.engine import DefaultsNotApplied
 
     ref = hf_model("qwen2").to(DEVICE)
     ref.generation_config.repetition_penalty = 1.3
