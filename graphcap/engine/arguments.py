@@ -66,6 +66,23 @@ def stop_tokens_of(stop_tokens, vocab: int) -> set[int]:
     return stops
 
 
+def stops_of(stop, has_tokenizer: bool, vocab: int) -> tuple[set[int], tuple[str, ...]]:
+    """``generate``'s ``stop`` (a token id, a string, or a list, set or 1-d tensor of
+    them) as its token ids and its strings (which need a tokenizer)."""
+    if isinstance(stop, (bytes, dict)) or isinstance(stop, torch.Tensor) and stop.dim() > 1:
+        raise ValueError(f"stop must be a token id, a string, or a list, set or 1-d tensor "
+                         f"of them, got {type(stop).__name__} {stop!r}")
+    given = [] if stop is None else [stop] if isinstance(stop, (str, int)) else \
+        stop.reshape(-1).tolist() if isinstance(stop, torch.Tensor) else list(stop)
+    strings = tuple(s for s in given if isinstance(s, str))
+    if strings and not has_tokenizer:
+        raise ValueError(f"stop strings {list(strings)} need a tokenizer: LLM(model, "
+                         "tokenizer), or stop on token ids")
+    if any(not s for s in strings):
+        raise ValueError("a stop string must not be empty")
+    return stop_tokens_of([s for s in given if not isinstance(s, str)], vocab), strings
+
+
 def sampling_of(sampling, count: int) -> list[Sampling]:
     """One Sampling per prompt. One given for all: each prompt draws with a seed of its
     own, derived from it and the prompt's index (the same prompt twice draws twice)."""

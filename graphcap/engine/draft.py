@@ -118,6 +118,8 @@ class DraftModel:
         request sharing a few first tokens with the last), prefilled anew."""
         held = self.held.get(slot)
         if held is None:
+            if self.cache.capacity(slot):  # admitted by a call that raised before its prefill
+                self.cache.release(slot)
             self.cache.admit(slot, self.cache.max_len)
             held = []
         same = 0

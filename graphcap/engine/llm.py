@@ -30,7 +30,7 @@ from graphcap.engine.arguments import (
     check_prompts,
     eos_of,
     sampling_of,
-    stop_tokens_of,
+    stops_of,
     warn_unapplied_defaults,
 )
 from graphcap.engine.engine import Engine, Request, cache_shape
@@ -313,7 +313,7 @@ class LLM:
             text = None
             if self.tokenizer is not None:
                 text, hit = self._delta(request, texts[request.index], reason is not None)
-                if hit and reason is None:
+                if hit and reason != "stop":  # a stop string ends it, at length or not
                     reason = "stop_string"
             if reason is not None:
                 self.engine.release(slot)
@@ -356,17 +356,8 @@ class LLM:
         return self._stops(stop)[1]
 
     def _stops(self, stop) -> tuple[set[int], tuple[str, ...]]:
-        given = [] if stop is None else [stop] if isinstance(stop, (str, int)) else list(stop)
-        strings = tuple(s for s in given if isinstance(s, str))
-        if strings and self.tokenizer is None:
-            raise ValueError(f"stop strings {list(strings)} need a tokenizer: LLM(model, "
-                             "tokenizer), or stop on token ids")
-        if any(not s for s in strings):
-            raise ValueError("a stop string must not be empty")
-        ids = stop_tokens_of([s for s in given if not isinstance(s, str)],
-                             self.shape.vocab_size)
+        ids, strings = stops_of(stop, self.tokenizer is not None, self.shape.vocab_size)
         return ids | self.eos, strings
-
 
 def _ends(token: int, made: int, stops: set[int], max_new: int) -> str | None:
     """Why a request ends on ``token``, its ``made``-th new one: a stop token, its length,

@@ -72,6 +72,28 @@ def test_a_draft_windowed_on_every_layer_keeps_its_pages_for_rewinds_and_new_req
         assert llm.generate([prompt], 40)[0].tokens == plain
 
 
+def test_a_call_interrupted_in_the_drafts_first_prefill_leaves_speculation_usable(
+        monkeypatch):
+    # Ctrl-C (or an out-of-memory error) after the draft admitted a slot, before it
+    # prefilled it: the next call admits that slot again from scratch.
+    draft = DraftModel(other_draft(), K)
+    llm = LLM(model(), max_batch=3, max_len=32, prefill_tokens=8, progress=False,
+              speculative=draft)
+    real, calls = draft.engine.prefill, []
+
+    def interrupted(slots):
+        calls.append(slots)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(slots)
+
+    monkeypatch.setattr(draft.engine, "prefill", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS[:1], NEW)
+    assert llm.cache.owned() == {}
+    assert llm.generate(PROMPTS[:1], NEW)[0].tokens == truth()[0][:NEW]
+
+
 def test_a_draft_that_is_often_wrong_still_gives_the_targets_greedy_tokens():
     llm = with_draft("full", other_draft())
     for _ in range(2):  # the second call's prompts meet the first call's caches

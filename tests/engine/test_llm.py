@@ -145,6 +145,25 @@ def test_text_in_and_text_out_through_a_tokenizer_ending_at_a_stop_string():
     assert streamed == ended.text
 
 
+def test_a_stop_string_completed_by_the_last_allowed_token_is_why_the_request_ended():
+    tok = byte_tokenizer()
+    engine = LLM(model(), tok, max_batch=2, max_len=48, prefill_tokens=16, progress=False)
+    plain = engine.generate(["graphs!"], 8)[0]
+    n = next(i for i in range(1, 8)  # the first new token whose text is new
+             if tok.decode(plain.tokens[i:i + 1]) not in tok.decode(plain.tokens[:i]))
+    stop = tok.decode(plain.tokens[n:n + 1])
+    cut = engine.generate(["graphs!"], n + 1, stop=[stop])[0]  # its last token has it
+    assert (cut.finish_reason, cut.tokens) == ("stop_string", plain.tokens[:n + 1])
+    assert cut.text == plain.text[:plain.text.find(stop)]
+
+
+@pytest.mark.parametrize("stop", [b"H", {72: 0}, torch.tensor([[72]])])
+def test_a_stop_that_is_no_token_id_string_or_list_of_them_is_refused(stop):
+    with pytest.raises(ValueError, match="stop must be a token id, a string, or a list"):
+        llm().generate(PROMPTS[:1], 2, stop=stop)
+    assert llm().generate(PROMPTS[:1], 2, stop=torch.tensor(72))[0].tokens  # 0-d: one id
+
+
 def test_a_stock_transformers_model_is_wrapped_and_gives_its_own_greedy_tokens():
     pytest.importorskip("transformers")
     from tests.hf.test_hf_generate import transformers_greedy
