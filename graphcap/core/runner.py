@@ -154,11 +154,12 @@ class Runner:
         if bucket is not None:
             return self.entries[bucket], "replay"
         if not self.config.fallback:
+            fix = "add a smaller bucket (buckets=)" if reason == "padding" else \
+                "enlarge max_tokens (or max_requests)"
             raise BadBatch(
                 f"this batch cannot replay a graph ({reason.replace('_', ' ')}: buckets "
                 f"up to {self.max_tokens} tokens{self.inputs.limits()}) and "
-                "fallback=False; enlarge max_tokens (or max_requests) or allow the eager "
-                "fallback")
+                f"fallback=False; {fix} or allow the eager fallback")
         return None, reason  # a counted fallback
 
     def _replay(self, entry: ShapeEntry, batch: Batch):
@@ -185,12 +186,12 @@ class Runner:
         if reason == "eager":
             with torch.no_grad():
                 return run()
-        self.stats.fallbacks[reason] += 1
         # A fallback runs in inference mode, as capture did: a compiled forward
         # (tc_piecewise) traced in it would otherwise recompile under no_grad, and its new
         # pieces capture graphs inside fallbacks. Outputs are cloned outside it, as replays.
         with torch.inference_mode():
             out = run()
+        self.stats.fallbacks[reason] += 1  # once it ran (one that raised is a failure)
         flat, spec = tree_flatten(out)
         return tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t
                                for t in flat], spec)

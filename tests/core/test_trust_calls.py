@@ -271,3 +271,40 @@ def test_every_accepted_call_is_a_replay_a_fallback_or_a_failure(strategy):
     assert rep["calls"] == 4 and rep["failed"] == 1
     assert rep["calls"] == sum(rep["replays"].values()) + sum(rep["fallbacks"].values()) \
         + rep["failed"]
+
+
+def test_a_fallback_that_raises_is_counted_as_a_failure_only():
+    class Flaky(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.fail = torch.nn.Linear(8, 8), False
+
+        def forward(self, x):
+            if self.fail:  # Python: an eager run sees it
+                raise RuntimeError("the model failed")
+            return self.lin(x)
+
+    m = Flaky().to(DEVICE)
+    r = graphcap.capture(m, "full", buckets=[4],
+                         example_inputs=(torch.randn(4, 8, device=DEVICE),))
+    past = torch.randn(6, 8, device=DEVICE)  # past the one bucket: an eager fallback
+    m.fail = True
+    with pytest.raises(RuntimeError, match="the model failed"):
+        r(past)
+    rep = r.report()
+    assert (rep["calls"], rep["failed"], sum(rep["fallbacks"].values())) == (1, 1, 0)
+    m.fail = False
+    with torch.no_grad():
+        close(r(past), m(past))  # the next fallback runs, counted
+    assert sum(r.report()["fallbacks"].values()) == 1
+
+
+def test_a_batch_too_small_for_the_buckets_is_refused_naming_a_smaller_bucket():
+    m = graphcap.models.build_model("tiny", device=DEVICE)
+    r = graphcap.capture(m, "full", buckets=[8, 16], max_requests=2, attention=ATTN,
+                         fallback=False)
+    ids, pos = batch([1])  # padded 8x into the smallest bucket: past max_pad_ratio 2
+    with pytest.raises(BadBatch, match=r"padding: .* add a smaller bucket"):
+        r(ids, pos, seq_lens=[1])
+    ids, pos = batch([5])
+    r(ids, pos, seq_lens=[5])  # usable
