@@ -22,6 +22,20 @@ def test_prefill_batches_are_valid_packed_requests(batch):
 
 
 @settings(max_examples=10, deadline=None)
+@given(batch=prefill_batches(2, 4, 10, min_len=1))
+def test_requests_of_min_len_tokens_each_are_only_as_many_as_fit(batch):
+    # 4 request slots, 2 tokens, a token each at least: at most 2 requests (the draw
+    # had halved lengths forever).
+    _, _, lens = batch
+    assert 1 <= len(lens) <= 2 and min(lens) >= 1 and sum(lens) <= 2
+
+
+def test_requests_longer_than_every_batch_are_refused():
+    with pytest.raises(ValueError, match="min_len 5 exceeds max_tokens 4"):
+        prefill_batches(4, 2, 10, min_len=5)
+
+
+@settings(max_examples=10, deadline=None)
 @given(args=op_inputs("rms_norm", dtype=torch.float16, max_tokens=5))
 def test_op_inputs_follow_the_constraints(args):
     x, w, eps = args
@@ -247,3 +261,11 @@ def test_check_op_takes_inputs_for_an_opsdb_op_registered_without_them():
     report = check_op("graphcap_test::no_inputs", kernel="torch", inputs=_rows,
                       dtypes=(torch.float32,), examples=3, opchecks=1)
     assert report == {"torch": 0.0} and report.opchecked == 1
+
+
+def test_check_op_refuses_to_check_nothing_or_on_a_gpu_it_does_not_have():
+    with pytest.raises(ValueError, match="dtypes is empty"):
+        check_op("rms_norm", dtypes=())
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees no CUDA GPU here"):
+            check_op("rms_norm", device="cuda")

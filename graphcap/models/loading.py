@@ -95,8 +95,9 @@ def _tensors(folder: Path) -> dict[str, tuple[str, object]]:
     from safetensors import safe_open
 
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) \
-        if index.exists() else sorted(p.name for p in folder.glob("*.safetensors"))
+    where = json.loads(index.read_text())["weight_map"] if index.exists() else None
+    files = sorted(set(where.values())) if where is not None else \
+        sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder}: no *.safetensors files")
     table = {}
@@ -105,9 +106,17 @@ def _tensors(folder: Path) -> dict[str, tuple[str, object]]:
         if not path.exists():
             raise CheckpointError(f"{index}: lists {name}, which is missing")
         handle = safe_open(str(path), framework="pt")
-        for key in handle.keys():
-            table[key] = (name, handle)
+        for key in handle.keys():  # with an index, each key from the file it names
+            if where is None or where.get(key) == name:
+                table[key] = (name, handle)
+    if where is not None and (lost := sorted(set(where) - set(table))):
+        raise CheckpointError(f"{index}: {lost[0]!r} is not in {where[lost[0]]}, which it "
+                              f"names as its file ({len(lost)} such keys)")
     return table
+
+
+# Tensors a checkpoint may hold that the model derives itself: rotary frequencies.
+DERIVED = ("rotary_emb.inv_freq",)
 
 
 def _hf_names(a: ModelArgs, i: int) -> dict[str, list[str]]:
@@ -140,6 +149,33 @@ def _hf_names(a: ModelArgs, i: int) -> dict[str, list[str]]:
                                               p + "mlp.up_proj.weight"]
         names[ours + "mlp.down.weight"] = [p + "mlp.down_proj.weight"]
     return names
+
+
+def _rows(a: ModelArgs, key: str) -> int | None:
+    """The rows a Hugging Face tensor that graphcap joins with others must have."""
+    if key.endswith(("q_proj.weight", "q_proj.bias")):
+        return a.heads * a.head_dim
+    if key.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
+        return a.kv_heads * a.head_dim
+    if ".experts." in key and key.endswith(("gate_proj.weight", "up_proj.weight",
+                                            "down_proj.weight")):
+        return a.moe_intermediate if "down" not in key else a.hidden
+    if key.endswith(("gate_proj.weight", "up_proj.weight")):
+        return a.intermediate
+    return None
+
+
+def _joined(folder, ours: str, keys: list[str], get, a: ModelArgs) -> torch.Tensor:
+    """The tensors of ``keys`` joined along dim 0, each checked first (its rows, and the
+    same trailing shape as the first): ``CheckpointError`` naming the key."""
+    parts = [get(k) for k in keys]
+    for key, t in zip(keys, parts, strict=True):
+        rows = _rows(a, key)
+        if t.shape[1:] != parts[0].shape[1:] or rows is not None and t.shape[0] != rows:
+            want = (rows if rows is not None else "?", *parts[0].shape[1:])
+            raise CheckpointError(f"{folder}: {key} has shape {tuple(t.shape)}, expected "
+                                  f"{want} (a part of {ours})")
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype) -> torch.Tensor:
@@ -202,10 +238,17 @@ def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32,
         args = dataclasses.replace(args, moe_mxfp4=True)
     table = _tensors(folder)
 
+    used = set()
+
     def get(key: str) -> torch.Tensor:
         if key not in table:
             raise CheckpointError(f"{folder}: tensor {key!r} is missing from the checkpoint")
-        return table[key][1].get_tensor(key)
+        used.add(key)
+        tensor = table[key][1].get_tensor(key)
+        if not tensor.is_floating_point() and not key.endswith(("_blocks", "_scales")):
+            raise CheckpointError(f"{folder}/{table[key][0]}: tensor {key!r} is "
+                                  f"{tensor.dtype}; a weight is floating point")
+        return tensor
 
     with torch.device("meta"):
         model = Decoder(args)
@@ -214,7 +257,7 @@ def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32,
         names["lm_head.weight"] = ["lm_head.weight"]
     for i in range(args.layers):
         names.update(_hf_names(args, i))
-    state = {ours: torch.cat([get(k) for k in keys]) for ours, keys in names.items()}
+    state = {ours: _joined(folder, ours, keys, get, args) for ours, keys in names.items()}
     for i in range(args.layers):
         if args.moe_mxfp4:
             state.update(_gpt_oss_mxfp4_experts(get, table, f"model.layers.{i}.mlp.experts.",
@@ -224,11 +267,19 @@ def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32,
                                           f"blocks.{i}.mlp.", dtype))
         elif args.experts:
             e = f"model.layers.{i}.mlp.experts."
-            state[f"blocks.{i}.mlp.w13"] = torch.stack([torch.cat(
-                [get(f"{e}{j}.gate_proj.weight"), get(f"{e}{j}.up_proj.weight")])
+            state[f"blocks.{i}.mlp.w13"] = torch.stack([_joined(
+                folder, "experts' gate and up", [f"{e}{j}.{p}_proj.weight" for p in
+                                                 ("gate", "up")], get, args)
                 for j in range(args.experts)])
             state[f"blocks.{i}.mlp.w2"] = torch.stack(
-                [get(f"{e}{j}.down_proj.weight") for j in range(args.experts)])
+                [_joined(folder, "experts' down", [f"{e}{j}.down_proj.weight"], get, args)
+                 for j in range(args.experts)])
+    extra = sorted(k for k in set(table) - used if not k.endswith(DERIVED)
+                   and not (args.tie_embeddings and k == "lm_head.weight"))
+    if extra:  # another model's (more layers, other projections): refused, not dropped
+        raise CheckpointError(f"{folder}/{table[extra[0]][0]}: tensor {extra[0]!r} has no "
+                              f"place in the model config.json describes ({len(extra)} "
+                              "such tensors)")
     expected = dict(model.named_parameters())
     for name, tensor in state.items():
         want = tuple(expected[name].shape)

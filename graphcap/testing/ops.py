@@ -210,7 +210,13 @@ def check_op(op, kernel: str | None = None, *, reference=None, inputs=None, devi
     if kernel is not None and kernel not in spec.kernels:
         raise ValueError(f"{spec.qualname} has no kernel {kernel!r}; it has "
                          f"{sorted(spec.kernels)}")
-    device = torch.device(device)
+    device, dtypes = torch.device(device), list(dtypes)
+    if not dtypes:
+        raise ValueError("check_op: dtypes is empty, so nothing would be checked; give one "
+                         "or more, e.g. dtypes=(torch.float32,)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"check_op: device={str(device)!r}, but torch sees no CUDA GPU "
+                         "here; check on 'cpu' (Triton's interpreter), or on a GPU machine")
     report = CheckReport(spec.qualname)
     for dtype in dtypes:
         names = []

@@ -26,6 +26,11 @@ def prefill_batches(max_tokens: int, max_requests: int, vocab: int, *, device="c
     ``max_tokens``) favoured. ``min_len=1`` for models that return a row per request."""
     from hypothesis import strategies as st
 
+    if min_len > max_tokens:
+        raise ValueError(f"prefill_batches: min_len {min_len} exceeds max_tokens "
+                         f"{max_tokens}: no request fits")
+    if min_len:  # as many requests as fit min_len tokens each
+        max_requests = min(max_requests, max_tokens // min_len)
     edges = sorted({0, 1, 2, 3, 4, 7, 8, 15, 16, 31, 32, max_tokens} & set(
         range(min_len, max_tokens + 1)))
 

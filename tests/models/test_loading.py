@@ -86,6 +86,50 @@ def test_a_misshapen_tensor_is_named_with_both_shapes(tmp_path):
         load_checkpoint(tmp_path)
 
 
+def test_a_tensor_the_config_has_no_place_for_is_refused_not_dropped(tmp_path):
+    saved(tmp_path, "llama")  # a third layer's tensors beside the config's two
+    _rewrite(tmp_path, lambda t: t.update({"model.layers.2.input_layernorm.weight":
+                                           torch.ones(64)}))
+    with pytest.raises(CheckpointError, match=r"'model.layers.2.input_layernorm.weight' "
+                                              r"has no place in the model config.json"):
+        load_checkpoint(tmp_path)
+
+
+def test_each_part_of_a_joined_projection_is_checked_by_name(tmp_path):
+    # q [48, 64] and k [48, 64]: 96 rows together, as q (64) and k (32) should have.
+    saved(tmp_path, "llama")
+    key = "model.layers.0.self_attn."
+    _rewrite(tmp_path, lambda t: t.update({key + "q_proj.weight": torch.ones(48, 64),
+                                           key + "k_proj.weight": torch.ones(48, 64)}))
+    with pytest.raises(CheckpointError, match=r"q_proj.weight has shape \(48, 64\), "
+                                              r"expected \(64, 64\)"):
+        load_checkpoint(tmp_path)
+
+
+def test_a_weight_stored_as_integers_is_refused(tmp_path):
+    saved(tmp_path, "llama")
+    _rewrite(tmp_path, lambda t: t.update(
+        {"model.norm.weight": torch.ones(64, dtype=torch.int64)}))
+    with pytest.raises(CheckpointError, match="'model.norm.weight' is torch.int64"):
+        load_checkpoint(tmp_path)
+
+
+def test_a_sharded_checkpoint_reads_each_tensor_from_the_file_its_index_names(tmp_path):
+    # A listed shard that also holds model.norm.weight, which the index puts elsewhere
+    # (an older copy of it, here 7s): the index decides.
+    saved(tmp_path, "qwen3", max_shard_size="40KB")
+    path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    moved = "model.embed_tokens.weight"
+    tensor = safetensors_torch.load_file(str(tmp_path / index["weight_map"][moved]))[moved]
+    safetensors_torch.save_file({moved: tensor, "model.norm.weight": torch.full((64,), 7.0)},
+                                str(tmp_path / "zzz-moved.safetensors"))
+    index["weight_map"][moved] = "zzz-moved.safetensors"
+    path.write_text(json.dumps(index))
+    ours = load_checkpoint(tmp_path)
+    assert not (ours.norm == 7).any() and torch.equal(ours.embed.weight, tensor)
+
+
 def test_an_unsupported_family_names_its_model_type(tmp_path):
     saved(tmp_path, "llama")
     config = json.loads((tmp_path / "config.json").read_text())
