@@ -135,10 +135,15 @@ def set_defaults(config, served: set[str]) -> dict:
             if k not in served and v and v not in neutral.get(k, (None,))}
 
 
+def _generation_config(model):
+    """A wrapped transformers model's generation config (None for other models)."""
+    return getattr(getattr(model, "hf_model", None), "generation_config", None)
+
+
 def eos_of(model, tokenizer) -> set[int]:
     """The end-of-sequence ids of a transformers model's generation config and of the
     tokenizer (none for graphcap's reference decoders without a tokenizer)."""
-    config = getattr(getattr(model, "hf_model", None), "generation_config", None)
+    config = _generation_config(model)
     return eos_ids(getattr(config, "eos_token_id", None)) | \
         eos_ids(getattr(tokenizer, "eos_token_id", None))
 
@@ -147,7 +152,7 @@ def warn_unapplied_defaults(model) -> None:
     """Warn (:class:`DefaultsNotApplied`) where a transformers model's generation config
     sets decoding defaults (``do_sample``, ``temperature``, ``repetition_penalty``, ...):
     ``graphcap.LLM`` follows ``generate``'s own arguments, not these."""
-    config = getattr(getattr(model, "hf_model", None), "generation_config", None)
+    config = _generation_config(model)
     unapplied = set_defaults(config, NOT_DECODING) if config is not None else {}
     if unapplied:
         given = ", ".join(f"{k}={v!r}" for k, v in unapplied.items())

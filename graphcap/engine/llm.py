@@ -359,6 +359,7 @@ class LLM:
         ids, strings = stops_of(stop, self.tokenizer is not None, self.shape.vocab_size)
         return ids | self.eos, strings
 
+
 def _ends(token: int, made: int, stops: set[int], max_new: int) -> str | None:
     """Why a request ends on ``token``, its ``made``-th new one: a stop token, its length,
     or not (None)."""

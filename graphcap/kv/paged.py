@@ -185,13 +185,14 @@ class PagedKVCache:
     def check_reach(self, slot: int, position: int) -> None:
         """Refuse (``BadBatch``) a token at ``position`` of ``slot`` whose window reaches
         back to pages freed behind it."""
-        freed = self._dropped.get(slot, 0) * self.page_size
-        if freed and position - self.window + 1 < freed:
+        least = self.least_kept(slot)
+        if least and position < least:
+            freed = self._dropped[slot] * self.page_size
             raise BadBatch(
                 f"position {position} of slot {slot} attends back to tokens before {freed}, "
                 f"whose pages were freed behind every layer's window of {self.window} "
-                f"tokens: continue from position {freed + self.window - 1} on, or build the "
-                "cache with window=0 to keep every page")
+                f"tokens: continue from position {least} on, or build the cache with "
+                "window=0 to keep every page")
 
     def wrote(self, ends, tokens: int = 1) -> None:
         """A forward that ran wrote each ``(slot, end)`` of ``ends``: the request's
