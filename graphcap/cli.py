@@ -87,8 +87,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 # The options of bench, their defaults, and which each suite reads (another given is an
 # error, not ignored).
-BENCH_DEFAULTS = {"models": None, "arms": None, "lengths": None, "reps": 30,
-                  "batches": None, "context": "128", "window": 0, "attention": None,
+BENCH_DEFAULTS = {"models": None, "arms": None, "lengths": None, "reps": None,
+                  "batches": None, "context": None, "window": 0, "attention": None,
                   "speculative": 0}
 BENCH_READS = {"ops": set(), "decode": {"models", "arms", "batches", "context", "window",
                                         "reps", "speculative"},
@@ -127,9 +127,17 @@ def _check_bench_args(args: argparse.Namespace) -> None:
     if ladders and len(models) > 1:
         raise GraphcapError(f"--models: bench {args.suite} runs one model, not {len(models)}; "
                             "run it once per model")
-    if args.speculative and (args.context != BENCH_DEFAULTS["context"] or args.window):
+    if args.speculative and (args.context is not None or args.window):
         raise GraphcapError("bench decode --speculative generates from prompts of its own "
                             "length: leave out --context and --window")
+    if args.suite == "decode" and not args.speculative:
+        context = max(map(int, (args.context or str(decode.CONTEXT)).split(",")))
+        for name in models or ["qwen3-0.6b"]:
+            if context >= PRESETS[name].max_position:
+                raise GraphcapError(
+                    f"--context {context}: {name} has {PRESETS[name].max_position} "
+                    f"positions, and a step after {context} tokens writes position "
+                    f"{context}; give contexts below {PRESETS[name].max_position}")
     arms = {"decode": decode.ARMS, "prefill": ARMS + HF_ARMS, "build": ladder.BUILD_ARMS,
             "memory": ladder.MEMORY_ARMS, "generate": generate.STRATEGIES}[args.suite]
     if args.speculative:
@@ -287,13 +295,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "transformers model of the preset's config)")
     bench.add_argument("--lengths", default=None, type=_positives,
                        help="comma-separated prompt lengths (default 16..2048)")
-    bench.add_argument("--reps", type=_positive, default=30,
-                       help="timed calls per arm and length")
+    bench.add_argument("--reps", type=_positive, default=None,
+                       help="timed calls per arm and length, spread over the rounds of "
+                            "the timing (a multiple of them, one a round at least; "
+                            "default 30, generate and decode --speculative 3)")
     bench.add_argument("--batches", default=None, type=_positives,
                        help="decode: comma-separated batch sizes (default 1,8)")
-    bench.add_argument("--context", type=_positives, default="128",
+    bench.add_argument("--context", type=_positives, default=None,
                        help="decode: tokens in the cache of every request, comma-separated "
-                            "for several contexts")
+                            "for several contexts (default 128)")
     bench.add_argument("--window", type=_positive, default=0,
                        help="decode: a sliding window of this many tokens on every layer "
                             "(its step reads only the window's K/V)")

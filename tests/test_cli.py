@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.metadata
 import json
@@ -177,11 +178,28 @@ def test_ops_names_a_device_torch_does_not_know(capsys):
     (["ops", "--reps", "3"], "bench ops does not take --reps"),
     (["decode", "--speculative", "4", "--arms", "full"], "no arm 'full'"),
     (["decode", "--speculative", "4", "--context", "512"], "leave out --context"),
+    (["decode", "--speculative", "4", "--context", "128"], "leave out --context"),
+    (["ops", "--reps", "30"], "bench ops does not take --reps"),
+    (["decode", "--context", "1024,8192"], "qwen3-0.6b has 8192 positions"),
+    (["decode", "--models", "tiny", "--context", "4096"], "tiny has 4096 positions"),
     (["prefill", "--speculative", "4"], "bench prefill does not take --speculative")])
 def test_bench_refuses_a_preset_or_arm_its_suite_lacks_before_it_needs_a_gpu(
         capsys, argv, needle):
     err = refused(capsys, "bench", *argv)
     assert err.startswith("graphcap bench: ") and needle in err, err
+
+
+@pytest.mark.parametrize("given, runs", [(None, 3), (30, 30), (31, 31)])
+def test_bench_generate_runs_the_reps_given_and_three_where_none_is(
+        monkeypatch, tmp_path, given, runs):
+    from graphcap.bench import generate
+    from graphcap.bench.suites import run_suite
+
+    seen = []
+    monkeypatch.setattr(generate, "run", lambda *a, reps: seen.append(reps) or {"models": []})
+    args = argparse.Namespace(suite="generate", speculative=0, models=None, arms=None,
+                              reps=given, out=str(tmp_path / "out.json"))
+    assert run_suite(args) == 0 and seen == [runs]
 
 
 def test_bench_without_cuda_says_it_needs_a_gpu(capsys, monkeypatch):
@@ -249,7 +267,7 @@ def test_check_fails_a_model_whose_attention_cannot_see_the_packed_requests(caps
 def test_every_command_s_help_shows_its_defaults_and_choices(capsys):
     for command, needles in {"check": ["(default: 10)", "{breakable,full,tc_piecewise}",
                                        "torch_masked"],
-                             "bench": ["(default: 30)",
+                             "bench": ["default 30,",
                                        "{ops,prefill,decode,generate,build,memory}"],
                              "demo": ["(default: 5)", "{cuda,cpu}"],
                              "ops": ["--json"]}.items():

@@ -8,10 +8,11 @@ a context of ``context`` tokens), per context, batch size and arm, bf16 on CUDA:
   decode (``DecodeInputs(attention="flashinfer")``, planned on the host each call);
   ``full-no-pdl``: full captured without programmatic dependent launch;
 - ``gpt-fast`` (CUDA only): the peer to beat, the gpt-fast recipe on the same weights
-  (:mod:`graphcap.bench.gptfast`: a static K/V cache of ``context + 1`` positions, SDPA,
-  ``torch.compile(mode="reduce-overhead", fullgraph=True)``), one step per call;
-  ``gpt-fast-gqa``: the same with SDPA's ``enable_gqa`` (no heads repeated), faster at
-  batch 8; the targets take the faster of the two;
+  (:mod:`graphcap.bench.gptfast`: a static K/V cache of ``context + 1`` positions rounded
+  up to a multiple of 8, SDPA's math backend with the key/value heads repeated,
+  ``torch.compile(mode="reduce-overhead", fullgraph=True)`` with coordinate-descent
+  tuning), one step per call; ``gpt-fast-gqa``: the same with SDPA's ``enable_gqa`` (no
+  heads repeated) and SDPA's own choice of kernel; the targets take the faster of the two;
 - ``hf-static-compile`` (CUDA only): the stock transformers model of the preset's config
   with transformers' ``generate(cache_implementation="static")``, which compiles its
   forward itself: its step time is the time of generating ``1 + steps`` tokens less that
@@ -27,7 +28,7 @@ arm, the host microseconds of a call from an idle device until it returns (its c
 copies and launches; the part before the replay's launch is what a call alone waits for
 and a call fed back to back hides). Each row gives the bytes a
 step must read (every weight once, each request's ``context`` tokens of K/V) and the
-floor they set at :data:`~graphcap.bench.decode_attention.PEAK_BYTES_PER_S`; on CUDA
+floor they set at :func:`~graphcap.bench.decode_attention.peak_bytes_per_s`; on CUDA
 each graphcap arm's kernels per step and GPU idle share (and gpt-fast's) come from
 ``torch.profiler`` over back-to-back calls. On CUDA the run also measures one streaming
 launch's cost on its device (``launch_line``: fixed microseconds and a rate,
@@ -47,15 +48,19 @@ import torch
 import graphcap
 from graphcap.api import GRAPHED
 from graphcap.bench.common import back_to_back_ms, environment, host_us, time_interleaved
-from graphcap.bench.decode_attention import PEAK_BYTES_PER_S
+from graphcap.bench.decode_attention import peak_bytes_per_s
 from graphcap.bench.launch_line import decode_floor_ms, measure
+from graphcap.bench.prefill import SETTLE_MS, WARMUP_S
 from graphcap.engine.eager import decode_step, prefill
 from graphcap.inputs import DecodeInputs
 from graphcap.kv import PagedKVCache
 from graphcap.models import PRESETS, build_model
 
 FLASHINFER = tuple(f"{s}-flashinfer" for s in GRAPHED)
-PEERS = {"gpt-fast": False, "gpt-fast-gqa": True}  # arm: SDPA's enable_gqa
+# The recipe as gpt-fast runs it (heads repeated, SDPA's math backend), and with SDPA's
+# enable_gqa and its own choice of kernel (faster at every batch measured).
+PEERS = {"gpt-fast": {"gqa": False, "math": True},
+         "gpt-fast-gqa": {"gqa": True, "math": False}}
 ARMS = ("eager", *GRAPHED, *FLASHINFER, "full-no-pdl", *PEERS, "hf-static-compile")
 BATCHES = (1, 8)
 CONTEXT = 128
@@ -172,10 +177,8 @@ def bench_model(name: str, arms, batches, context: int, reps: int, device: str,
             start = time.perf_counter()
             try:
                 for b in batches:
-                    step = compiled_step(model, b, context + 1, gqa=PEERS[arm])
                     ids, pos = tokens[:b, None].clone(), torch.tensor([context], device=device)
-                    for _ in range(3):  # compiles, records the graph
-                        step(ids, pos)
+                    step = compiled_step(model, ids, pos, context + 1, **PEERS[arm])
                     peers[arm, b] = (lambda s=step, i=ids, p=pos: s(i, p))
             except Exception as exc:  # noqa: BLE001  (recorded, named)
                 skipped[arm] = f"{type(exc).__name__}: {exc}"[:500]
@@ -209,13 +212,15 @@ def bench_model(name: str, arms, batches, context: int, reps: int, device: str,
                                  r(tokens[:b], positions=positions, slots=rows))
             elif (arm, b) in peers:
                 cases[b, arm] = peers[arm, b]
-    times = time_interleaved(cases, reps=reps, rounds=5) if cases else {}
+    # Paced as prefill's cases are: an arm's time then does not depend on the arm before it.
+    pacing = {"settle_ms": SETTLE_MS, "warmup_s": WARMUP_S} if device == "cuda" else {}
+    times = time_interleaved(cases, reps=reps, rounds=5, **pacing) if cases else {}
     out_rows = []
     for b in batches:
         read = min(context + 1, window or context + 1)  # the tokens a row's step reads
         nbytes = step_bytes(model, b, read)
         row = {"batch": b, "bytes": nbytes,
-               "floor_ms": round(nbytes / PEAK_BYTES_PER_S * 1e3, 4),
+               "floor_ms": round(nbytes / peak_bytes_per_s() * 1e3, 4),
                "ms": {arm: times[b, arm]["median_ms"] for arm in arms if (b, arm) in times},
                "ms_back_to_back": {arm: round(back_to_back_ms(cases[b, arm]), 4)
                                    for arm in arms if (b, arm) in cases and arm != "eager"},
@@ -306,7 +311,7 @@ def run(models=("qwen3-0.6b",), arms=ARMS, batches=BATCHES, contexts=(CONTEXT,),
                     "cache filled to the context), CUDA-event wall time per call, "
                     "median of repetitions interleaved over batch sizes and arms",
             **environment(), "arms": list(arms), "batches": list(batches),
-            "contexts": list(contexts), "peak_bytes_per_s": PEAK_BYTES_PER_S,
+            "contexts": list(contexts), "peak_bytes_per_s": peak_bytes_per_s(),
             "launch_line": line,
             "models": [bench_model(m, arms, batches, c, reps, device, window, line)
                        for m in models for c in contexts]}

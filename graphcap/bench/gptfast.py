@@ -9,8 +9,11 @@ written so far, the key/value heads repeated to the query heads as gpt-fast does
 (``gqa=True``: SDPA's ``enable_gqa`` instead); plain torch ops for the rest (RMSNorm in
 float32, neox rotary, SwiGLU); the step compiled with
 ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (Inductor's kernels, replayed
-from CUDA graphs). Dense presets only: windows, sinks, soft-capping and experts are not
-part of the recipe.
+from CUDA graphs). As gpt-fast's ``generate.py`` runs it: Inductor's coordinate-descent
+tuning on while it compiles, the cache's length rounded up to a multiple of 8, and each
+step under SDPA's math backend (``math=True``; "better for Inductor to codegen attention
+here"), or under SDPA's own choice of kernel (``math=False``). Dense presets only:
+windows, sinks, soft-capping and experts are not part of the recipe.
 
 Every layer's cache as a slice of one ``[layers, batch, ...]`` buffer made Inductor copy
 whole slices of it each step: qwen3-0.6b at batch 8 took 12.2 ms a step against 2.67 with
@@ -20,9 +23,12 @@ a buffer per layer (1.64 with ``enable_gqa``;
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from graphcap.models.decoder import Decoder
 
@@ -49,6 +55,7 @@ class StaticCacheDecoder(nn.Module):
             raise ValueError(f"the gpt-fast recipe covers dense decoders; this preset has "
                              f"{', '.join(refused) or 'tensor parallelism'}")
         self.model, self.a, self.gqa = model, a, gqa
+        max_len = -(-max_len // 8) * 8  # as gpt-fast's setup_caches rounds it
         dev, dtype = model.norm.device, model.norm.dtype
         shape = (batch, a.kv_heads, max_len, a.head_dim)
         for i in range(a.layers):
@@ -111,21 +118,29 @@ class StaticCacheDecoder(nn.Module):
         return F.linear(_rms_norm(x, m.norm, a.eps), m.lm_head.weight)[:, 0]
 
 
-def compiled_step(model: Decoder, batch: int, max_len: int, gqa: bool = False):
+def compiled_step(model: Decoder, ids: torch.Tensor, pos: torch.Tensor, max_len: int,
+                  gqa: bool = False, math: bool = True, warmup: int = 3):
     """``step(ids [batch, 1], pos [1])``: the recipe's decode step, compiled as gpt-fast
-    compiles it."""
-    module = StaticCacheDecoder(model, batch, max_len, gqa)
+    compiles it, on ``ids`` and ``pos`` ``warmup`` times (compiling, recording the graph)
+    before it is returned."""
+    module = StaticCacheDecoder(model, ids.shape[0], max_len, gqa)
     # One compiled module per batch size and context shares the forward's code: room for
     # each (Dynamo otherwise runs it eagerly past its recompile limit, silently).
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), 64))
     compiled = torch.compile(module, mode="reduce-overhead", fullgraph=True)
+    backend = (lambda: sdpa_kernel(SDPBackend.MATH)) if math else contextlib.nullcontext
 
     def step(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():  # as gpt-fast decodes: the cache is written in place
+        # as gpt-fast decodes: the cache written in place, attention's backend per step
+        with torch.no_grad(), backend():
             return compiled(ids, pos)
 
+    # gpt-fast sets the tuning for its whole process; here only while the step compiles.
+    with torch._inductor.config.patch(coordinate_descent_tuning=True):
+        for _ in range(warmup):
+            step(ids, pos)
     return step
 
 

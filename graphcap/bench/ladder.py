@@ -12,9 +12,12 @@ apart (``kernel_warmup_s``), so no arm is charged for them by running first; eac
 first shape is reported too (``first_shape_s``).
 memory: graph pool bytes of the 42 shapes; the transient activation peak (allocated bytes
 above what was allocated before the call) of the largest prefill with and without graphs;
-the total peak (reserved bytes: what the process holds from the device) against the
-no-graph baseline, each from an emptied cache with no cuBLAS workspace left by an
-earlier arm, so each counts the workspaces it makes itself.
+the serving peak (reserved bytes: what the process holds from the device, over the
+largest prefill once the build is done) against the no-graph baseline's, each from an
+emptied cache with no cuBLAS workspace left by an earlier arm, so each counts the
+workspaces it makes itself; and the build's own peak (``build_peak_bytes``: over the
+capture of every shape and the first call), which the serving peak does not see (the
+build empties the allocator's cache when it ends).
 """
 
 from __future__ import annotations
@@ -173,11 +176,14 @@ def memory(model_name: str = "qwen3-0.6b", arms=MEMORY_ARMS, max_tokens: int = 2
         torch.cuda.reset_peak_memory_stats()
         runner, _ = _capture(model, arm, max_tokens, attention)
         call_of(runner)(max_tokens)
+        torch.cuda.synchronize()
+        build_peak = torch.cuda.max_memory_reserved()  # before the statistics restart
         arm_transient, _ = _largest_prefill(call_of(runner), max_tokens)
         pool = runner.report()["graph_pool_bytes"]
         parts = runner.pool.breakdown()
         out[arm] = {"graph_pool_bytes": pool, "transient_bytes": arm_transient,
                     "peak_bytes": torch.cuda.max_memory_reserved(),
+                    "build_peak_bytes": build_peak,
                     "reserved_outside_pool_bytes": torch.cuda.memory_reserved() - pool,
                     "pool_live_bytes": parts["live"], "pool_segments": parts["segments"],
                     "pool_largest_segment_bytes": parts["largest_segment"]}

@@ -45,7 +45,7 @@ def run_suite(args: argparse.Namespace) -> int:
                                  _csv(args.arms, speculative.ARMS),
                                  _csv(args.batches, speculative.BATCHES, int),
                                  args.speculative,
-                                 reps=3 if args.reps == 30 else args.reps)  # 30: not given
+                                 reps=args.reps or 3)
         return _judged(result, args.out, "bench-decode-speculative")
     if args.suite == "decode":
         from graphcap.bench import decode
@@ -53,7 +53,8 @@ def run_suite(args: argparse.Namespace) -> int:
         models = _csv(args.models, ["qwen3-0.6b"])
         arms = _csv(args.arms, decode.ARMS)  # names checked by the command line
         batches = _csv(args.batches, decode.BATCHES, int)
-        result = decode.run(models, arms, batches, _csv(args.context, [], int), args.reps,
+        result = decode.run(models, arms, batches, _csv(args.context, [decode.CONTEXT], int),
+                            args.reps or 30,
                             window=args.window)
         show_decode(result)
         path = write_result(result, args.out, f"{today()}-bench-decode.json")
@@ -65,7 +66,7 @@ def run_suite(args: argparse.Namespace) -> int:
 
         result = generate.run(_csv(args.models, ["qwen3-0.6b"]),
                               _csv(args.arms, generate.STRATEGIES),
-                              reps=3 if args.reps == 30 else args.reps)  # 30: not given
+                              reps=args.reps or 3)
         return _judged(result, args.out, "bench-generate")
     if args.suite == "prefill":
         models = _csv(args.models, prefill.MODELS)
@@ -74,13 +75,13 @@ def run_suite(args: argparse.Namespace) -> int:
         if getattr(args, "tp", 1) > 1:
             from graphcap.bench import tp
 
-            result = tp.run(models, arms, lengths, args.reps, args.tp, args.attention)
+            result = tp.run(models, arms, lengths, args.reps or 30, args.tp, args.attention)
             show_tp(result)
             path = write_result(result, args.out, f"{today()}-bench-prefill-tp{args.tp}.json")
             print(f"wrote {path}")
             return 0 if all(t["met"] for m in result["models"] for t in m["targets"]) else 1
         with progress(len(models) * (len(arms) + prefill.ROUNDS), "prefill") as step:
-            result = prefill.run(models, arms, lengths, args.reps, progress=step,
+            result = prefill.run(models, arms, lengths, args.reps or 30, progress=step,
                                  attention=args.attention)
         show_prefill(result)
         path = write_result(result, args.out, f"{today()}-bench-prefill.json")
