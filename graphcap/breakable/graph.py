@@ -56,6 +56,23 @@ def _own(value):
                           spec)
 
 
+def _refuse_views_of_arguments(fn, output, arguments) -> None:
+    """A break's results are copied into buffers of graphcap's own, which the graph after
+    it reads: one that is its argument, or a view of it, would no longer see a write
+    through the other, as it does eagerly."""
+    given = {t.untyped_storage().data_ptr() for t in tensor_leaves(arguments)
+             if t.untyped_storage().nbytes()}
+    if any(t.untyped_storage().data_ptr() in given for t in tensor_leaves(output)
+           if t.untyped_storage().nbytes()):
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise CaptureError(
+            f"eager break {name} returned one of its arguments or a view of one: graphcap "
+            "copies a break's results into buffers of its own (the graph after it reads "
+            "them), so a write through the result or the argument would not reach the "
+            "other as it does eagerly. Return a new tensor (x.clone()), or make the write "
+            "inside the function")
+
+
 @dataclass
 class Break:
     fn: Callable
@@ -130,7 +147,9 @@ class BreakableCapture:
         # No handler inside a break: a break calling another marked function just runs it.
         with self.pool.warmup(), break_handler(None):  # the capture stream, no capture
             self.items[-1].replay()  # the break's inputs: real values, not capture garbage
-            output = _own(fn(*args, **kwargs))
+            output = fn(*args, **kwargs)
+            _refuse_views_of_arguments(fn, output, (args, kwargs))
+            output = _own(output)
         leaves = tree_flatten(output)[0]
         if any(not isinstance(x, torch.Tensor) and x is not None for x in leaves):
             name = getattr(fn, "__qualname__", repr(fn))

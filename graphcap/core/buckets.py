@@ -23,14 +23,15 @@ def prefill_ladder(max_tokens: int) -> list[int]:
     return ladder + [max_tokens]
 
 
-def check_ladder(buckets) -> list[int]:
-    """Validate user buckets: positive integers (no float is rounded), returned sorted
-    without duplicates."""
+def check_ladder(buckets, name: str = "buckets", item: str = "bucket") -> list[int]:
+    """Validate user buckets (``name``, each an ``item``): positive integers (no float is
+    rounded), returned sorted without duplicates."""
     if isinstance(buckets, (str, bytes)) or not hasattr(buckets, "__iter__"):
-        raise ValueError(f"buckets must be a list of positive integers, got {buckets!r}")
-    ladder = sorted({as_int(b, "every bucket") for b in buckets})
+        raise ValueError(f"{name} must be a list of positive integers, got {buckets!r}")
+    ladder = sorted({as_int(b, f"every {item}") for b in buckets})
     if not ladder or ladder[0] < 1:
-        raise ValueError(f"buckets must be a non-empty list of positive integers, got {buckets!r}")
+        raise ValueError(f"{name} must be a non-empty list of positive integers, got "
+                         f"{buckets!r}")
     return ladder
 
 

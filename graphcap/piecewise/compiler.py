@@ -44,6 +44,7 @@ from graphcap.piecewise.split import (
     token_arg,
 )
 from graphcap.piecewise.whole import Call
+from graphcap.piecewise.writes import aliased_outputs
 
 OPTIONS = ("capture_sizes", "max_tokens", "compiler", "split_ops", "copy_outputs", "pool")
 COMPILERS = ("eager", "inductor")
@@ -92,18 +93,28 @@ class PiecewiseCompiler:
 
     def __init__(self, options: dict | None = None, mode: str | None = None):
         opts = own_options(options, mode)
-        sizes = opts.get("capture_sizes")
-        self.capture_sizes = set(check_ladder(sizes)) if sizes else set(
-            prefill_ladder(opts.get("max_tokens", 2048)))
+        if "capture_sizes" in opts and "max_tokens" in opts:
+            raise GraphcapError("sgl_piecewise: give capture_sizes or max_tokens, not both "
+                                "(max_tokens is the top of the default capture sizes)")
+        self.capture_sizes = set(check_ladder(
+            opts["capture_sizes"], "sgl_piecewise: capture_sizes", "capture size")
+            if "capture_sizes" in opts else prefill_ladder(opts.get("max_tokens", 2048)))
         self.compiler = opts.get("compiler", "eager")
         if self.compiler not in COMPILERS:
             raise GraphcapError(f"sgl_piecewise: compiler={self.compiler!r}; use one of "
                                 f"{COMPILERS}")
-        self.split_names = split_op_names(opts.get("split_ops", ()))
-        self.copy_outputs = bool(opts.get("copy_outputs", True))
+        self.split_names = split_op_names(_split_ops(opts.get("split_ops", ())))
+        self.copy_outputs = opts.get("copy_outputs", True)
+        if not isinstance(self.copy_outputs, bool):
+            raise GraphcapError(f"sgl_piecewise: copy_outputs={self.copy_outputs!r}; give "
+                                "True or False")
         self.pool: GraphPool | None = opts.get("pool")
+        if self.pool is not None and not isinstance(self.pool, GraphPool):
+            raise GraphcapError(f"sgl_piecewise: pool={self.pool!r} is no graphcap GraphPool;"
+                                " leave it out (each compile makes its own)")
         self.stats: Counter = Counter()  # see counters()
         self.serial: Serial | None = None  # one call at a time: the pieces' static buffers
+        self.device: torch.device | None = None  # where its graphs run: the first compile's
         self.static_ptrs: set[int] = set()  # outputs of captured pieces: fixed addresses
         self.traces = Traces()
         self._told_eager: set[str] = set()  # the kinds of reason ran_eagerly() told
@@ -133,10 +144,18 @@ class PiecewiseCompiler:
         if builds_autograd_graph(gm):
             self.traces.record(example_inputs, gm)
             return self._eager_for_autograd(gm)
+        device = _normal(device_of(example_inputs))
         if self.serial is None:
-            self.serial = Serial(device_of(example_inputs))
+            self.device, self.serial = device, Serial(device)
+        elif device != self.device:
+            raise GraphcapError(
+                f"sgl_piecewise: this compile captures its graphs on {self.device}, and a "
+                f"call on {device} needs graphs (a pool, an order of calls) of its own: "
+                "compile for that device with a PiecewiseCompiler of its own, or with "
+                "backend='sgl_piecewise' (one for each graph Dynamo compiles)")
         scalars = host_scalars(gm)
         token = token_arg(gm)
+        aliased = aliased_outputs(gm.graph)
         split, pieces = split_graph(gm, self.split_names)
         static = True  # every split op can be captured inside a graph
         for piece in pieces:
@@ -184,9 +203,12 @@ class PiecewiseCompiler:
                 watch.call.outputs = out
             if not self.copy_outputs:
                 return out
-            # The last piece's outputs are static and overwritten by the next call.
-            return type(out)(o.clone() if isinstance(o, torch.Tensor) else o for o in out) \
-                if isinstance(out, (tuple, list)) else out
+            # The last piece's outputs are static and overwritten by the next call; views
+            # of the call's own tensors are returned as eager returns them.
+            if not isinstance(out, (tuple, list)):
+                return out
+            return type(out)(o.clone() if isinstance(o, torch.Tensor) and k not in aliased
+                             else o for k, o in enumerate(out))
 
         return forward
 
@@ -206,6 +228,28 @@ class PiecewiseCompiler:
             return gm(*args)
 
         return forward
+
+
+def _normal(device: torch.device) -> torch.device:
+    """``device`` with its index: ``cuda`` is the current CUDA device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _split_ops(names) -> list[str]:
+    """``split_ops`` checked: a list of registered ops' names, ``namespace::op``."""
+    if isinstance(names, (str, bytes)) or not isinstance(names, (list, tuple, set,
+                                                                 frozenset)):
+        raise GraphcapError(f"sgl_piecewise: split_ops={names!r}; give a list of op names "
+                            "('namespace::op'), e.g. ['mylib::attention']")
+    for name in names:
+        namespace, _, op = str(name).partition("::")
+        if not op or not hasattr(getattr(torch.ops, namespace), op):
+            raise GraphcapError(f"sgl_piecewise: split_ops names {name!r}, which is no "
+                                "registered op ('namespace::op', as torch.library defines "
+                                "it); register the op before compiling")
+    return list(names)
 
 
 def own_options(options: dict | None, mode: str | None = None) -> dict:

@@ -14,7 +14,7 @@ from graphcap.errors import CaptureError
 from graphcap.piecewise import phase as phases
 from graphcap.piecewise.inductor import OneOpPiece
 from graphcap.piecewise.phase import Phase
-from graphcap.piecewise.split import mutated_inputs
+from graphcap.piecewise.writes import mutated_inputs
 
 
 @dataclass
@@ -29,7 +29,17 @@ class PieceEntry:
     # Arguments read in place that graphcap does not own (parameters): index -> the
     # address the graph reads (``p.data = new`` keeps the Parameter, not the address).
     foreign: dict[int, int]
+    # Arguments read in place that were earlier pieces' static outputs: index -> address.
+    shared: dict[int, int]
+    # Outputs that are views of a copied argument: output index -> (argument index, offset
+    # from the copy's): after each replay, the same view of the caller's tensor.
+    aliases: dict[int, tuple[int, int]]
     state: Any = None  # split pieces: a weak reference to the state read at capture
+
+    @property
+    def viewed(self) -> set[int]:
+        """The arguments of which an output is a view."""
+        return {i for i, _ in self.aliases.values()}
 
 
 class PieceGraphs(torch.nn.Module):
@@ -40,7 +50,11 @@ class PieceGraphs(torch.nn.Module):
     refreshed before each replay and, when the piece writes it, copied back after. A
     replay never writes a tensor it did not allocate: where a parameter read in place at
     capture is another tensor now (a weight reassigned after capture, another Parameter
-    passed in), the size is captured again (``recaptures``), never copied into the old one.
+    passed in), the size is captured again (``recaptures``), never copied into the old one;
+    so is a size whose earlier piece's output read in place is another static output now
+    (that piece captured again), and one given another tensor there runs eagerly. An
+    output that is a view of a copied argument is returned as the same view of the
+    caller's tensor, as eager returns it (a write through it reaches that tensor).
 
     ``opaque``: ``fn`` runs kernels the dispatcher never sees (Inductor's), so an emulated
     graph captures it as one op (:class:`~graphcap.piecewise.inductor.OneOpPiece`).
@@ -130,8 +144,22 @@ class PieceGraphs(torch.nn.Module):
                     if a.data_ptr() != entry.foreign[i]:
                         return self._recapture(size, args)
                     continue
+                if i in entry.shared:  # an earlier piece's, read in place: never written
+                    if a.data_ptr() == entry.shared[i]:
+                        continue
+                    if a.data_ptr() in owner.static_ptrs:  # that piece captured again
+                        return self._recapture(size, args)
+                    owner.ran_eagerly(f"input {i} of a piece at size {size} is not the "
+                                      "static output of the piece before it that its "
+                                      "capture read in place")
+                    return self.fn(*args)
                 if buf is a or buf.data_ptr() == a.data_ptr():
                     continue
+                if i in entry.viewed and a.stride() != buf.stride():
+                    owner.ran_eagerly(f"input {i} of a piece at size {size}, of which it "
+                                      f"returns a view, has strides {a.stride()}, captured "
+                                      f"as {buf.stride()}")
+                    return self.fn(*args)
                 buf.copy_(a)
                 copied.append(i)
             elif buf != a:  # a baked host value changed: this replay would be wrong
@@ -142,7 +170,9 @@ class PieceGraphs(torch.nn.Module):
         for i in copied:
             if i in self.writes:
                 args[i].copy_(entry.static[i])
-        return entry.outputs
+        if not entry.aliases:
+            return entry.outputs
+        return _rebased(entry, args)
 
     def _recapture(self, size: int, args):
         entry = self.entries.pop(size)
@@ -157,9 +187,10 @@ class PieceGraphs(torch.nn.Module):
         # (graphcap's); any other tensor from a static copy of its own.
         foreign = {i: a.data_ptr() for i, a in enumerate(args)
                    if isinstance(a, torch.nn.Parameter)}
-        static = [a if i in foreign or not isinstance(a, torch.Tensor)
-                  or a.data_ptr() in self.owner.static_ptrs else a.clone()
-                  for i, a in enumerate(args)]
+        shared = {i: a.data_ptr() for i, a in enumerate(args) if i not in foreign
+                  and isinstance(a, torch.Tensor) and a.data_ptr() in self.owner.static_ptrs}
+        static = [a if i in foreign or i in shared or not isinstance(a, torch.Tensor)
+                  else a.clone() for i, a in enumerate(args)]
         graph = pool.graph()
         captured = OneOpPiece(self.fn, self.writes) if self.opaque and graph.emulated \
             else self.fn
@@ -176,12 +207,43 @@ class PieceGraphs(torch.nn.Module):
             return self._per_size(args)
         self.owner.stats["split_captures" if self.static_state else "captures"] += 1
         flat = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
-        self.owner.static_ptrs |= {o.data_ptr() for o in flat if isinstance(o, torch.Tensor)}
+        aliases = _views_of_copies(flat, args, static)
+        if any(static[i].stride() != args[i].stride() for i, _ in aliases.values()):
+            self.uncapturable[size] = (f"a piece of size {size} returns a view of an input "
+                                       "that is not dense (its copy's layout differs)")
+            return self._per_size(args)
+        self.owner.static_ptrs |= {o.data_ptr() for k, o in enumerate(flat)
+                                   if isinstance(o, torch.Tensor) and k not in aliases}
         # Weakly: a user's loop preparing new metadata per call must not keep the first
         # one (and its workspace) alive; once it is gone the split runs eagerly.
         state = weakref.ref(self.static_state()) if self.static_state is not None else None
-        self.entries[size] = PieceEntry(graph, static, outputs, captured, foreign, state)
+        self.entries[size] = PieceEntry(graph, static, outputs, captured, foreign, shared,
+                                        aliases, state)
         return self._per_size(args)
+
+
+def _views_of_copies(flat, args, static) -> dict[int, tuple[int, int]]:
+    """The outputs in ``flat`` that are views of an argument's static copy: output index ->
+    (argument index, the view's offset from the copy's)."""
+    copies = {s.untyped_storage().data_ptr(): (i, s) for i, s in enumerate(static)
+              if isinstance(s, torch.Tensor) and s is not args[i]}
+    out = {}
+    for k, o in enumerate(flat):
+        if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in copies:
+            i, s = copies[o.untyped_storage().data_ptr()]
+            out[k] = (i, o.storage_offset() - s.storage_offset())
+    return out
+
+
+def _rebased(entry: PieceEntry, args):
+    """``entry``'s outputs, each view of a copied argument made the same view of the
+    caller's tensor."""
+    outputs = entry.outputs
+    flat = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    for k, (i, offset) in entry.aliases.items():
+        o, a = flat[k], args[i]
+        flat[k] = a.as_strided(o.shape, o.stride(), a.storage_offset() + offset)
+    return type(outputs)(flat) if isinstance(outputs, (tuple, list)) else flat[0]
 
 
 def run_boxed(fn, box: list):

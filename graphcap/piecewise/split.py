@@ -1,6 +1,6 @@
 """The FX graph Dynamo hands the backend: split at split ops (each alone in its piece,
-order kept), and what the backend reads of it (the token argument, the inputs a piece
-writes, host scalars, whether it records autograd history)."""
+order kept), and what the backend reads of it (the token argument, host scalars, whether
+it records autograd history; the inputs a piece writes: :mod:`graphcap.piecewise.writes`)."""
 
 from __future__ import annotations
 
@@ -101,34 +101,6 @@ def box_piece_calls(split: torch.fx.GraphModule, names: set[str]) -> None:
             box = graph.call_function(_box, tuple(node.args))
         node.args = (box,)
     split.recompile()
-
-
-def mutated_inputs(module: torch.nn.Module) -> set[int]:
-    """Indices of the placeholders a piece writes in place (``Tensor(a!)`` arguments of
-    the ops it calls, and in-place methods)."""
-    graph = getattr(module, "graph", None)
-    if graph is None:
-        return set()
-    slots = {n: i for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder")}
-    written = set()
-    for node in graph.nodes:
-        targets = []
-        if node.op == "call_method" and node.target.endswith("_") and node.args:
-            targets = [node.args[0]]
-        elif node.op == "call_function":
-            op = node.target
-            if isinstance(op, torch._ops.OpOverloadPacket):
-                op = op.default
-            if isinstance(op, torch._ops.OpOverload):
-                for i, arg in enumerate(op._schema.arguments):
-                    if arg.alias_info is not None and arg.alias_info.is_write:
-                        value = node.args[i] if i < len(node.args) else node.kwargs.get(
-                            arg.name)
-                        targets.append(value)
-            elif getattr(op, "__name__", "").endswith("_") and node.args:
-                targets = [node.args[0]]
-        written |= {slots[t] for t in targets if t in slots}
-    return written
 
 
 def device_of(args) -> torch.device:

@@ -219,6 +219,33 @@ def test_a_break_that_returns_a_host_value_is_refused_at_capture():
                          example_inputs=(torch.randn(4, 2),))
 
 
+@pytest.mark.parametrize("returns", ["its argument", "a view of it"])
+def test_a_break_that_returns_its_argument_is_refused_at_capture_naming_the_fix(
+        returns):
+    # Its result is copied into graphcap's buffers: a write through the result (or the
+    # argument) would not reach the other, as it does eagerly.
+    head = graphcap.eager_on_graph(lambda h: h if returns == "its argument" else h[:, :1])
+    fixed = graphcap.eager_on_graph(lambda h: h[:, :1].clone())
+
+    class WritesThrough(torch.nn.Module):
+        def __init__(self, break_fn):
+            super().__init__()
+            self.break_fn = break_fn
+
+        def forward(self, x):
+            y = x * 2
+            self.break_fn(y).mul_(10)
+            return y + 1
+
+    with pytest.raises(CaptureError, match="returned one of its arguments or a view"):
+        graphcap.capture(WritesThrough(head), "breakable", buckets=[4],
+                         example_inputs=(torch.randn(4, 2),))
+    m = WritesThrough(fixed)  # what the error says to do: a new tensor
+    r = graphcap.capture(m, "breakable", buckets=[4], example_inputs=(torch.randn(4, 2),))
+    x = torch.randn(4, 2)
+    torch.testing.assert_close(r(x), m(x))
+
+
 def test_a_breakable_capture_used_directly_runs_eagerly_under_other_metadata():
     # Without the runner: the capture itself checks the state its segments read.
     from graphcap.breakable import BreakableCapture

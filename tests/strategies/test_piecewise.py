@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import gc
 import importlib.metadata
+import re
 import subprocess
 import sys
 import textwrap
@@ -161,6 +162,25 @@ def test_options_are_checked():
         PiecewiseCompiler({"capture_size": [8]})
     with pytest.raises(graphcap.GraphcapError, match="compiler"):
         PiecewiseCompiler({"compiler": "tvm"})
+
+
+@pytest.mark.parametrize("options, needle", [
+    ({"split_ops": "graphcap_test::split_a"}, "give a list of op names"),  # not its letters
+    ({"split_ops": ["graphcap_test::no_such_op"]}, "'graphcap_test::no_such_op', which is no"),
+    ({"split_ops": ["attention"]}, "'attention', which is no registered op"),
+    ({"copy_outputs": "no"}, "copy_outputs='no'; give True or False"),
+    ({"pool": "mine"}, "pool='mine' is no graphcap GraphPool"),
+    ({"capture_sizes": []}, "capture_sizes must be a non-empty list"),  # not the default
+    ({"capture_sizes": [4], "max_tokens": 64}, "capture_sizes or max_tokens, not both"),
+    ({"capture_sizes": [4.0]}, "every capture size must be an integer")])
+def test_an_option_of_the_wrong_kind_is_refused_naming_it(options, needle):
+    with pytest.raises((graphcap.GraphcapError, ValueError), match=re.escape(needle)):
+        PiecewiseCompiler(options)
+
+
+def test_split_ops_may_name_a_registered_op_in_a_list():
+    compiler = PiecewiseCompiler({"split_ops": ("graphcap_test::split_a",)})
+    assert "graphcap_test::split_a" in compiler.split_names
 
 
 def test_a_forward_dynamo_cannot_trace_whole_fails_naming_the_cause_and_breakable():

@@ -101,6 +101,118 @@ def test_a_parameter_passed_in_is_never_overwritten_by_a_replay():
     assert all(torch.equal(p, k) for p, k in zip(prompts, kept, strict=True))
 
 
+class Writes(nn.Module):
+    """Writes its buffer, or the caller's tensor, each way a K/V cache is written."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("cache", torch.zeros(16, 4))
+
+    def forward(self, x, acc):
+        y = self.lin(x)
+        n = x.shape[0]
+        if self.how == "setitem":
+            self.cache[:n] = y
+        elif self.how == "view-copy":
+            self.cache.narrow(0, 0, n).copy_(y)
+        elif self.how == "view-method":
+            self.cache[:n].add_(y)
+        elif self.how == "float-view":
+            self.cache.float()[:n].add_(y)  # float() of a float tensor is itself
+        elif self.how == "out":
+            torch.add(y, 1, out=acc)
+        elif self.how == "out-view":
+            torch.mul(y[:, :2], 3, out=acc[:, :2].unsqueeze(0).squeeze(0))
+        return y * 2
+
+
+@pytest.mark.parametrize("how", ["setitem", "view-copy", "view-method", "float-view", "out",
+                                 "out-view"])
+def test_every_write_of_a_buffer_or_an_input_reaches_it_on_every_replay(how):
+    torch.manual_seed(0)
+    m, twin = Writes(how).to(DEVICE), Writes(how).to(DEVICE)
+    twin.load_state_dict(m.state_dict())
+    c = torch.compile(m, backend=PiecewiseCompiler({"capture_sizes": [8]}))
+    with torch.no_grad():
+        for seed in range(4):  # warm-up, capture, replays
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+            acc, acc_twin = torch.zeros(8, 4, device=DEVICE), torch.zeros(8, 4, device=DEVICE)
+            torch.testing.assert_close(c(x, acc), twin(x, acc_twin))
+            torch.testing.assert_close(m.cache, twin.cache, msg=f"call {seed}: the cache")
+            torch.testing.assert_close(acc, acc_twin, msg=f"call {seed}: the caller's tensor")
+
+
+def test_a_view_of_a_weight_across_a_split_is_never_written_when_the_weight_moves():
+    """A piece passes ``w.t()`` (a view of a weight) to the piece after a split op, which
+    reads it in place; once ``w.data`` is new memory, neither weight is ever written."""
+    class Split(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            wt = self.w.t()
+            out = torch.empty_like(x)
+            torch.ops.graphcap_trust.split_b(x @ wt, out)
+            return out @ wt
+
+    torch.manual_seed(0)
+    m = Split().to(DEVICE)
+    a, b = m.w.data.clone(), torch.randn(4, 4, device=DEVICE)
+    kept = a.clone(), b.clone()
+    c = torch.compile(m, backend=PiecewiseCompiler(
+        {"capture_sizes": [8], "split_ops": ["graphcap_trust::split_b"]}))
+    with torch.no_grad():
+        for seed, w in enumerate([a, a, a, b, b, a, b]):
+            m.w.data = w
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+            torch.testing.assert_close(c(x), m(x))
+            assert torch.equal(a, kept[0]) and torch.equal(b, kept[1]), seed
+
+
+def test_a_split_op_writing_a_view_of_the_callers_tensor_writes_that_tensor():
+    """The piece before the split returns a view of the caller's tensor; the split op
+    writes it, the piece after reads it: as eager, on every replay."""
+    class SplitWrites(nn.Module):
+        def forward(self, x, acc):
+            view = acc[:, :2]
+            torch.ops.graphcap_trust.split_b(x[:, :2] * 2, view)
+            return view.sum(1) + x.sum(1)
+
+    c = torch.compile(SplitWrites(), backend=PiecewiseCompiler(
+        {"capture_sizes": [8], "split_ops": ["graphcap_trust::split_b"]}))
+    with torch.no_grad():
+        for seed in range(4):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+            acc, want = torch.zeros(8, 4, device=DEVICE), torch.zeros(8, 4, device=DEVICE)
+            torch.testing.assert_close(c(x, acc), SplitWrites()(x, want))
+            torch.testing.assert_close(acc, want, msg=f"call {seed}")
+
+
+def test_one_backend_instance_refuses_a_second_device_naming_what_to_do():
+    compiler = PiecewiseCompiler({"capture_sizes": [4]})
+    lin = nn.Linear(4, 4)
+    c = torch.compile(lin, backend=compiler)
+    with torch.no_grad():
+        c(torch.randn(4, 4))
+        lin.to("meta")  # Dynamo compiles again, with the same backend instance
+        with pytest.raises(Exception, match="captures its graphs on cpu, and a call on meta"):
+            c(torch.randn(4, 4, device="meta"))
+
+
+_LIB = torch.library.Library("graphcap_trust", "FRAGMENT")
+_LIB.define("split_b(Tensor x, Tensor(a!) out) -> ()")
+
+
+def _split_b(x, out):
+    out.copy_(x * 3 + 1)
+
+
+_LIB.impl("split_b", _split_b, "CompositeExplicitAutograd")
+
+
 def test_under_grad_mode_the_forward_runs_eagerly_and_backward_gives_eagers_gradients():
     m = net()
     c = compiled(m)

@@ -1,0 +1,112 @@
+"""Which inputs a piece of Dynamo's FX graph writes: in place, through a view of them, by
+item assignment or into an ``out=`` tensor. A captured piece reads a static copy of such
+an input, so what it writes there is copied back to the caller's tensor after each replay.
+
+The graph is torch-level (Dynamo's, before any decomposition): a write names the tensor it
+writes, which may be a view of an input several ops away (``cache[:n].add_(y)``,
+``cache.narrow(0, 0, n).copy_(y)``). A node made from an input by an op that may return a
+view of it (or the input itself: ``x.float()`` of a float tensor) counts as that input.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+# Tensor methods and torch functions that may return their first argument or a view of it.
+VIEWS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "narrow", "select", "t", "transpose",
+    "permute", "expand", "expand_as", "unsqueeze", "squeeze", "flatten", "unflatten",
+    "as_strided", "diagonal", "unbind", "split", "split_with_sizes", "chunk",
+    "tensor_split", "hsplit", "vsplit", "movedim", "moveaxis", "swapaxes", "swapdims",
+    "unfold", "detach", "contiguous", "to", "type", "type_as", "float", "half", "bfloat16",
+    "double", "int", "long", "bool", "cpu", "cuda", "view_as_real", "view_as_complex",
+    "real", "imag", "alias", "align_as", "refine_names", "rename", "__getitem__",
+    "getitem", "requires_grad_", "data"})
+# operator's in-place forms (x += y): they write their first argument.
+IN_PLACE_OPERATORS = frozenset({
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+    operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
+    operator.ixor, operator.ilshift, operator.irshift, operator.imatmul})
+
+
+def _name(node: torch.fx.Node) -> str:
+    target = node.target
+    return target if isinstance(target, str) else getattr(target, "__name__", "")
+
+
+def _overload(target):
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target.default
+    return target if isinstance(target, torch._ops.OpOverload) else None
+
+
+def _may_alias(node: torch.fx.Node) -> bool:
+    """Whether ``node`` may be (a view of) its first tensor argument."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    op = _overload(node.target)
+    if op is not None:
+        return any(r.alias_info is not None for r in op._schema.returns)
+    return node.target is operator.getitem or _name(node) in VIEWS
+
+
+def _in_place(name: str) -> bool:
+    """``add_``, ``copy_``, ``__iadd__``, ``__setitem__``: a method writing its tensor."""
+    if name.startswith("__"):
+        return name == "__setitem__" or name.startswith("__i") and name not in (
+            "__index__", "__init__", "__invert__", "__iter__")
+    return name.endswith("_")
+
+
+def _written(node: torch.fx.Node) -> list:
+    """The argument nodes ``node`` writes."""
+    if node.op not in ("call_method", "call_function"):
+        return []
+    out = node.kwargs.get("out")
+    targets = list(out) if isinstance(out, (tuple, list)) else [out] if out is not None else []
+    op = _overload(node.target)
+    if op is not None:
+        for i, arg in enumerate(op._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                targets.append(node.args[i] if i < len(node.args)
+                               else node.kwargs.get(arg.name))
+    elif node.args and (node.target in IN_PLACE_OPERATORS or _in_place(_name(node))):
+        targets.append(node.args[0])
+    return targets
+
+
+def _roots(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
+    """Each node that may be (a view of) an input -> that input's index."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    root = {n: i for i, n in enumerate(placeholders)}
+    for node in graph.nodes:
+        first = node.args[0] if node.op != "placeholder" and node.args else None
+        if isinstance(first, torch.fx.Node) and first in root and _may_alias(node):
+            root[node] = root[first]
+    return root
+
+
+def mutated_inputs(module: torch.nn.Module) -> set[int]:
+    """Indices of the placeholders of ``module``'s graph that it may write."""
+    graph = getattr(module, "graph", None)
+    if graph is None:
+        return set()
+    root = _roots(graph)
+    return {root[t] for node in graph.nodes for t in _written(node)
+            if isinstance(t, torch.fx.Node) and t in root}
+
+
+def aliased_outputs(graph: torch.fx.Graph) -> set[int]:
+    """Indices of the graph's outputs (a tuple or list) that may be (views of) its inputs:
+    eager returns them aliased, so a copy of them would not be what eager returns."""
+    root = _roots(graph)
+    (output,) = [n for n in graph.nodes if n.op == "output"]
+    values = output.args[0]
+    values = values if isinstance(values, (tuple, list)) else [values]
+    return {k for k, v in enumerate(values) if isinstance(v, torch.fx.Node) and v in root}
+
+
+__all__ = ["aliased_outputs", "mutated_inputs"]
