@@ -36,10 +36,8 @@ class PieceEntry:
     aliases: dict[int, tuple[int, int]]
     state: Any = None  # split pieces: a weak reference to the state read at capture
 
-    @property
-    def viewed(self) -> set[int]:
-        """The arguments of which an output is a view."""
-        return {i for i, _ in self.aliases.values()}
+    def __post_init__(self):
+        self.viewed = frozenset(i for i, _ in self.aliases.values())  # read every replay
 
 
 class PieceGraphs(torch.nn.Module):
