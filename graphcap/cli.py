@@ -32,6 +32,10 @@ def _ops(args: argparse.Namespace) -> int:
     import graphcap.opsdb  # noqa: F401  (registers the built-in ops)
     from graphcap.opsdb.listing import render
 
+    missing = _no_cuda() if args.device and args.device.startswith("cuda") else None
+    if missing:
+        raise GraphcapError(f"--device {args.device}, but {missing}: what runs here is "
+                            "graphcap ops --device cpu (or leave --device out)")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     print(render(device, as_json=args.json))
     return 0
@@ -232,7 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="capture a small model, replay it, check it against eager")
     demo.add_argument("--device", default=None, choices=["cuda", "cpu"],
                       help="where to run (default: cuda if present)")
-    demo.add_argument("--steps", type=_positive, default=5, help="replays with fresh inputs")
+    demo.add_argument("--steps", type=_positive, default=5,
+                      help="replays with fresh inputs (the strategies table checks up to 5 "
+                           "batches each)")
     demo.set_defaults(func=_demo)
     ops = sub.add_parser("ops", formatter_class=defaults,
                          help="the op registry and the attention backends: what runs here")

@@ -9,6 +9,11 @@ import torch
 from graphcap.core.graphs import new_pool
 
 
+def _worse(worst: float, err: float) -> float:
+    """The larger error, NaN the largest (``max(0.0, nan)`` is 0.0)."""
+    return err if err != err or err > worst else worst
+
+
 def _ms(fn, device: torch.device, reps: int = 20) -> float:
     fn()
     if device.type == "cuda":
@@ -89,7 +94,7 @@ def strategies_table(device: torch.device, steps: int) -> bool:
                 ids = ids.to(device)
                 pos = torch.cat([torch.arange(n) for n in lens]).to(device)
                 got = runner(ids, pos, seq_lens=lens)
-                worst = max(worst, (got - truth(ids, pos, seq_lens=lens)).abs().max().item())
+                worst = _worse(worst, (got - truth(ids, pos, seq_lens=lens)).abs().max().item())
             replay = _ms(lambda r=runner: r(ids64, pos64, seq_lens=[64]), device, 5)
             rep = runner.report()
             top = rep["shapes"][-1]
@@ -133,7 +138,7 @@ def run_demo(device: str | None = None, steps: int = 5, tokens: int = 64) -> int
             static_x.copy_(fresh)
             graph.replay()
             err = (static_y - model(fresh)).abs().max().item()
-            worst = max(worst, err)
+            worst = _worse(worst, err)
             print(f"{step:>4}  {err:>20.3e}  {'yes' if err < 1e-4 else 'NO':>5}")
 
         eager_ms = _ms(lambda: model(static_x), device)

@@ -10,6 +10,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+pytest_plugins = ["pytester"]  # tests of graphcap's own pytest plugin
+
 # Without a GPU, Triton kernels run in Triton's interpreter (numpy on the CPU). It is read
 # when a kernel is defined, so it must be set before any kernel module is imported.
 if not torch.cuda.is_available():

@@ -160,6 +160,12 @@ def test_demo_on_cuda_where_torch_sees_no_gpu_says_what_to_do(capsys, monkeypatc
     assert err.startswith("graphcap demo: --device cuda") and "--device cpu" in err
 
 
+def test_ops_on_cuda_where_torch_sees_no_gpu_says_what_to_do(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = refused(capsys, "ops", "--device", "cuda")
+    assert err.startswith("graphcap ops: --device cuda") and "--device cpu" in err
+
+
 def test_ops_names_a_device_torch_does_not_know(capsys):
     err = refused(capsys, "ops", "--device", "tpu")
     assert "argument --device: 'tpu' is no torch device" in err

@@ -269,3 +269,79 @@ def test_check_op_refuses_to_check_nothing_or_on_a_gpu_it_does_not_have():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="torch sees no CUDA GPU here"):
             check_op("rms_norm", device="cuda")
+
+
+def test_check_op_refuses_to_pass_a_kernel_it_was_asked_for_and_never_ran():
+    from graphcap.opsdb import Kernel
+
+    name = _register_once("graphcap_test::cuda_only_double", "(Tensor x) -> Tensor",
+                          reference=lambda x: x * 2, inputs=_rows,
+                          kernels={"mine": Kernel(lambda x: x * 3, devices=("cuda",))})
+    with pytest.raises(ValueError, match="kernel 'mine' of .* was not checked: it runs on"):
+        check_op(name, kernel="mine", device="cpu", dtypes=(torch.float32,), examples=3,
+                 opcheck=False)
+
+
+def test_check_op_takes_a_fake_right_where_an_optional_written_argument_is_none():
+    from hypothesis import strategies as st
+
+    def twice(x, out=None):
+        if out is not None:
+            out.copy_(x * 2)
+        return x * 2
+
+    name = _register_once(
+        "graphcap_test::twice_maybe_out", "(Tensor x, Tensor(a!)? out) -> Tensor",
+        reference=twice,
+        inputs=lambda device, dtype: st.tuples(_rows(device, dtype), st.just(None)).map(
+            lambda both: (*both[0], both[1])))
+    report = check_op(name, dtypes=(torch.float32,), examples=3, opcheck=False)
+    assert report.examples == 3
+
+
+class TwoOutputs(torch.nn.Module):
+    """The tiny decoder returning (logits, hidden): an output of several tensors."""
+
+    def __init__(self):
+        super().__init__()
+        from graphcap.models import build_model
+
+        self.inner = build_model("tiny")
+        self.args = self.inner.args
+
+    def forward(self, input_ids, positions):
+        return self.inner(input_ids, positions, hidden=True)
+
+
+def test_assert_replay_equivalent_compares_each_tensor_of_a_nested_output():
+    got = assert_replay_equivalent(TwoOutputs(), "full", buckets=[8, 16], max_requests=2,
+                                   attention="torch_masked", examples=3, sequences=1)
+    assert set(got) == {"full"}  # one strategy named as a string
+
+
+def test_assert_replay_equivalent_draws_up_to_the_largest_bucket_given_in_any_order():
+    from graphcap.models import build_model
+
+    got = assert_replay_equivalent(build_model("tiny"), ("full",), buckets=[32, 8, 16],
+                                   max_requests=2, attention="torch_masked", examples=30,
+                                   sequences=1)["full"]
+    assert got["replays"].get(32), got["replays"]
+
+
+def test_assert_replay_equivalent_takes_a_model_without_parameters():
+    class Buffers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.randn(50, 8))
+
+        def forward(self, input_ids, positions):
+            return self.table[input_ids] * (positions[:, None] + 1)
+
+    assert assert_replay_equivalent(Buffers(), ("full",), buckets=[8], max_requests=1,
+                                    vocab=50, examples=3, sequences=1)["full"]["replays"]
+
+
+def test_the_plugin_skips_by_the_gpu_marker_not_by_a_directory_named_gpu(pytester):
+    pytester.makepyfile(**{"gpu/test_plain": "def test_math():\n    assert 1 + 1 == 2\n"})
+    result = pytester.runpytest()  # the plugin, loaded by its entry point
+    result.assert_outcomes(passed=1)

@@ -246,6 +246,14 @@ class Block(nn.Module):
         return self.mlp(h, self.mlp_norm)
 
 
+def _plain(block: Block) -> bool:
+    """Whether calling ``block`` is :meth:`Block.forward` and nothing else: no hooks, no
+    ``forward`` set on it or in a subclass, no ``block.compile()``."""
+    return (not compat.runs_hooks(block)
+            and getattr(block.forward, "__func__", None) is Block.forward
+            and getattr(block, "_compiled_call_impl", None) is None)
+
+
 class Decoder(nn.Module):
     """Token ids [T] and positions [T] of packed requests -> logits [T, vocab], or with
     ``logits="last"`` (prefill producing one token) logits [requests, vocab] of each
@@ -324,7 +332,7 @@ class Decoder(nn.Module):
         # index_select is several times slower than a gather.
         h = self.embed.weight[input_ids]
         for block in self.blocks:
-            if compat.runs_hooks(block):  # they see the block's call
+            if not _plain(block):  # hooks, a forward of its own, a compile: its call
                 h = block(h, positions, self.cos_sin)
                 continue
             # Else half by half, as Block.forward: each half's input is freed as its

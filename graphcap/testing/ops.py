@@ -138,7 +138,7 @@ def _check_fake(spec: OpSpec, args, want: list[torch.Tensor]) -> None:
     fakes = tree_map(lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a, args)
     with mode:
         out = tensor_leaves(_overload(spec)(*fakes))
-    real = want[:len(want) - len(_written(spec))]
+    real = want[:len(want) - sum(args[i] is not None for i in _written(spec))]
     got = [(tuple(t.shape), t.dtype, t.device.type) for t in out]
     expected = [(tuple(t.shape), t.dtype, t.device.type) for t in real]
     assert got == expected, (
@@ -237,6 +237,10 @@ def check_op(op, kernel: str | None = None, *, reference=None, inputs=None, devi
     for name, count in report.declined.items():
         if name not in report and count:
             report.skipped[name] = f"declined all {count} examples it was offered"
+    if kernel is not None and kernel not in report:
+        raise ValueError(f"check_op: kernel {kernel!r} of {spec.qualname} was not checked: "
+                         f"it {report.skipped.get(kernel, 'ran on no example')}; check it "
+                         "where it runs (its device, dtypes and inputs)")
     return report
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 import graphcap
-from graphcap.api import GRAPHED, model_dtype
+from graphcap.api import GRAPHED, _device_of, model_dtype
 from graphcap.testing.strategies import prefill_batches
 
 
@@ -17,10 +18,16 @@ def _default_tolerance(dtype: torch.dtype) -> float:
 
 
 def _close(got, want, label: str, atol: float, worst: list) -> None:
-    if got.numel():
-        worst[0] = max(worst[0], (got.double() - want.double()).abs().max().item())
-    torch.testing.assert_close(got, want, atol=atol, rtol=atol,
-                               msg=lambda m: f"{label}: captured output differs: {m}")
+    """Each tensor of a (nested) output against eager's, which has the same structure."""
+    got_leaves, got_spec = tree_flatten(got)
+    want_leaves, want_spec = tree_flatten(want)
+    assert got_spec == want_spec, (f"{label}: captured output is {got_spec}, eager's "
+                                   f"{want_spec}")
+    for g, w in zip(got_leaves, want_leaves, strict=True):
+        if isinstance(g, torch.Tensor) and g.numel() and w.shape == g.shape:
+            worst[0] = max(worst[0], (g.double() - w.double()).abs().max().item())
+        torch.testing.assert_close(g, w, atol=atol, rtol=atol,
+                                   msg=lambda m: f"{label}: captured output differs: {m}")
 
 
 def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None, *,
@@ -42,7 +49,8 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
     (``"eager"`` or ``"inductor"``)."""
     model = model_or_factory() if not isinstance(model_or_factory, torch.nn.Module) \
         else model_or_factory
-    device = next(model.parameters()).device
+    strategies = (strategies,) if isinstance(strategies, str) else tuple(strategies)
+    device = _device_of(model)
     dtype = model_dtype(model) or torch.float32
     tol = atol if atol is not None else _default_tolerance(dtype)
     if attention is None:
@@ -51,7 +59,7 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
         attention = get_backend(None, device, strategy="full", dtype=dtype).name
     vocab = vocab or getattr(model, "vocab_size", None) or getattr(
         getattr(model, "args", None), "vocab_size", None) or 2
-    top = buckets[-1] if buckets else max_tokens
+    top = max(buckets) if buckets else max_tokens
     # Sequences also draw batches past the largest bucket and the slots: fallbacks.
     # A model with a row per request (last-token logits) takes no empty requests.
     min_len = 1 if getattr(model, "output_rows", "tokens") == "requests" else 0

@@ -162,3 +162,28 @@ def test_a_blocks_hooks_see_its_call_and_the_forward_is_the_same_without_them():
         handle.remove()
     assert seen == [(torch.Size([9, m.args.hidden]), torch.Size([9, m.args.hidden]))]
     torch.testing.assert_close(hooked, plain, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("how", ["instance forward", "subclass forward", "block.compile()"])
+def test_a_block_given_another_forward_or_compiled_is_called_as_a_module(how):
+    import types
+
+    from graphcap.models.decoder import Block
+
+    m = build_model("tiny", logits="last")
+    block, called = m.blocks[0], []
+
+    def forward(self, h, positions, cos_sin):
+        called.append(h.shape)
+        return Block.forward(self, h, positions, cos_sin)
+
+    if how == "instance forward":
+        block.forward = types.MethodType(forward, block)
+    elif how == "subclass forward":
+        block.__class__ = type("Counted", (Block,), {"forward": forward})
+    else:
+        block.compile(backend=lambda gm, example: called.append("compiled") or gm)
+    ids, positions = torch.randint(1, 256, (9,)), torch.arange(9)
+    with torch.inference_mode():
+        m(ids, positions, seq_lens=[9])
+    assert called, "the block's call was bypassed"
