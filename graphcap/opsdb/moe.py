@@ -30,6 +30,10 @@ def check_experts(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0
         checks.tensor(op, "w2", w2, ndim=3, dtypes=weights, device=x.device)
         e, two_i, h = w13.shape
         packing = 2 if quantized else 1  # values a byte
+        if two_i % (2 * packing):
+            raise checks.OpInputError(
+                f"{op}: w13 has {two_i} rows an expert; it needs gate and up rows alike "
+                f"(an even count{', a multiple of 4 for MXFP4' if quantized else ''})")
         h *= packing
         checks.same(op, "the hidden size", h, x.shape[1], "w13", "x")
         checks.same(op, "the expert shape", (e, h, two_i // 2 // packing),
@@ -94,12 +98,18 @@ def topk_inputs(device, dtype, max_tokens: int = 48):
 
     @st.composite
     def draw(d):
-        t, e = d(st.integers(0, max_tokens)), d(st.sampled_from([4, 8, 16]))
-        # Distinct logits, exact in every dtype: top-k has no ties to break.
+        t, e = d(st.integers(0, max_tokens)), d(st.sampled_from([4, 6, 8, 16]))
+        # Logits exact in every dtype, distinct or with ties (broken by the lowest expert
+        # id); now and then a NaN or infinite one (every id must still name an expert).
         gen = torch.Generator().manual_seed(d(st.integers(0, 2**31 - 1)))
         ranks = torch.stack([torch.randperm(e, generator=gen) for _ in range(t)]) if t else (
             torch.zeros(0, e, dtype=torch.long))
+        if d(st.booleans()):
+            ranks = ranks // 2  # pairs of equal logits
         logits = ((ranks - e / 2) * 0.25).to(device=device, dtype=dtype)
+        if t and d(st.integers(0, 3)) == 0:
+            row, col = d(st.integers(0, t - 1)), d(st.integers(0, e - 1))
+            logits[row, col] = d(st.sampled_from([float("nan"), float("inf"), -float("inf")]))
         return logits, d(st.integers(1, min(e, 4))), d(st.booleans())
 
     return draw()
@@ -158,7 +168,7 @@ MOE_TOPK_SOFTMAX = register_op(
 
 def _experts_fake(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0.0,
                   limit=0.0, interleaved=False, w13_scale=None, w2_scale=None):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, as every kernel returns it
 
 
 def _operand_order(x, w13, *args) -> str | None:
@@ -180,7 +190,7 @@ MOE_EXPERTS = register_op(
     "bool interleaved=False, Tensor? w13_scale=None, Tensor? w2_scale=None) -> Tensor",
     reference=reference.moe_experts,
     kernels={"cuda": Kernel("graphcap.opsdb.cuda.moe:moe_experts", requires=("triton", "ninja"),
-                            accepts=_operand_order),
+                            accepts=_operand_order, interpretable=False),
              "triton": Kernel("graphcap.opsdb.triton.moe:moe_experts", requires=("triton",),
                               accepts=_published_order)},
     fake=_experts_fake,

@@ -119,9 +119,12 @@ def softmax_v(scores: torch.Tensor, seen: torch.Tensor, v: torch.Tensor, softcap
 
 def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over experts, then the top-k: weights [T, k] float32, ids [T, k] int32."""
+    """Softmax over experts, then the top-k: weights [T, k] float32, ids [T, k] int32, by
+    decreasing probability, ties to the lowest expert id, NaN (from a NaN or infinite
+    logit) above every probability."""
     probs = router_logits.float().softmax(dim=-1)
-    weights, ids = probs.topk(top_k, dim=-1)
+    weights, ids = probs.sort(dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)
@@ -162,8 +165,9 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     x and the activation between the projections are rounded to bfloat16, the products
     of the dequantized values accumulate in float32.
 
-    Dense over experts (every expert sees every token, weighted 0 where not routed):
-    slow but free of data-dependent shapes, so the reference itself can be captured."""
+    Dense over experts (every expert sees every token, and adds nothing where it is not
+    routed): slow but free of data-dependent shapes, so the reference itself can be
+    captured."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     quantized = w13_scale is not None
     if quantized and mxfp4.is_operand_order(w13):
@@ -172,7 +176,8 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     x32 = x.to(torch.bfloat16).float() if quantized else x.float()
     inter = w13.shape[1] // 2
     for e in range(w13.shape[0]):
-        weight = (topk_weights.float() * (topk_ids == e)).sum(dim=-1, keepdim=True)  # [T, 1]
+        routed = topk_ids == e  # [T, k]
+        weight = (topk_weights.float() * routed).sum(dim=-1, keepdim=True)  # [T, 1]
         w13_e = mxfp4_dequantize(w13[e], w13_scale[e]) if quantized else w13[e].float()
         w2_e = mxfp4_dequantize(w2[e], w2_scale[e]) if quantized else w2[e].float()
         gate_up = x32 @ w13_e.t()
@@ -189,7 +194,8 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         y = h @ w2_e.t()
         if b2 is not None:
             y = y + b2[e].float()
-        out += weight * y
+        # A token not routed here takes nothing of it, even where y is not finite.
+        out += torch.where(routed.any(dim=-1, keepdim=True), weight * y, 0.0)
     return out.to(x.dtype)
 
 

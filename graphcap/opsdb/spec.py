@@ -45,8 +45,6 @@ from graphcap.errors import GraphcapError, KernelUnavailable, OpInputError
 HALF = (torch.float16, torch.bfloat16)  # what most vendor kernels (FlashInfer) accept
 
 
-
-
 @functools.cache
 def _importable(module: str) -> bool:
     """Whether ``module`` can be imported (asked on every op call: cached, since a
@@ -77,13 +75,15 @@ class Kernel:
     ``devices`` the device types it runs on; ``dtypes`` (None: any) the floating dtypes
     it accepts; ``accepts(*args)`` (optional) returns why it cannot take these arguments
     (a shape it has no variant for, say), or None: automatic selection then passes over
-    it for that call."""
+    it for that call; ``interpretable``: a kernel requiring Triton that Triton's
+    interpreter runs on CPU tensors (False: one that also launches compiled CUDA code)."""
 
     fn: Callable | str
     devices: tuple[str, ...] = ("cuda",)
     requires: tuple[str, ...] = ()
     dtypes: tuple[torch.dtype, ...] | None = None
     accepts: Callable[..., str | None] | None = None
+    interpretable: bool = True
     _resolved: Callable | None = field(default=None, repr=False)
 
     def unavailable(self, device: torch.device, dtype: torch.dtype | None = None,
@@ -93,7 +93,8 @@ class Kernel:
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
             return f"takes {names}, not {str(dtype).removeprefix('torch.')}"
-        return unavailable(device, self.devices, self.requires, interpreted)
+        return unavailable(device, self.devices, self.requires,
+                           interpreted and self.interpretable)
 
     def declines(self, args) -> str | None:
         """Why this kernel cannot take ``args`` (host-side shape checks), or None."""

@@ -112,6 +112,27 @@ def test_topk_softmax_wide_and_odd_expert_counts(num_experts, top_k):
     torch.testing.assert_close(weights.sum(-1), torch.ones(7, device=device))
 
 
+@pytest.mark.parametrize("num_experts", [4, 6])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_topk_softmax_of_a_non_finite_logit_names_real_experts_for_that_token_alone(
+        num_experts, bad):
+    # torch's sort ranks NaN first; a NaN or +inf logit makes its row's softmax NaN.
+    logits = torch.randn(3, num_experts, generator=_gen(5)).to(device)
+    logits[1, 1] = bad
+    weights, ids = moe.moe_topk_softmax(logits, 2, renormalize=True)
+    ref_w, ref_ids = reference.moe_topk_softmax(logits, 2, renormalize=True)
+    assert torch.equal(ids, ref_ids) and bool(((ids >= 0) & (ids < num_experts)).all())
+    assert ids[1].tolist() == [0, 1] and weights[1].isnan().all()
+    torch.testing.assert_close(weights[::2], ref_w[::2], rtol=1e-5, atol=1e-6)
+
+
+def test_topk_softmax_breaks_ties_by_the_lowest_expert_id_as_the_reference():
+    logits = torch.tensor([[1.0, 2.0, 2.0, 0.0, 2.0], [0.5] * 5]).to(device)
+    _, ids = moe.moe_topk_softmax(logits, 3, renormalize=False)
+    _, ref_ids = reference.moe_topk_softmax(logits, 3, renormalize=False)
+    assert ids.tolist() == ref_ids.tolist() == [[1, 2, 4], [0, 1, 2]]
+
+
 def test_topk_softmax_reads_strided_logits():
     logits = torch.randn(9, 16, generator=_gen(3)).to(device)[:, ::2]
     weights, ids = moe.moe_topk_softmax(logits, 2, renormalize=False)
@@ -267,3 +288,54 @@ def test_experts_model_sized_bf16(num_experts):
     out32 = moe.moe_experts(x32, w13_32, w2_32, weights, ids)
     _assert_close_to_scale(out32, reference.moe_experts(x32, w13_32, w2_32, weights, ids),
                            1e-4)
+
+
+def test_experts_fake_has_the_layout_of_the_kernels_output_for_a_transposed_input():
+    # The fake is what torch.compile plans with: the output's strides must be the
+    # kernels' (contiguous), not the input's.
+    tokens, hidden, inter, experts, k = 5, 32, 32, 4, 2
+    x = torch.randn(hidden, tokens, generator=_gen(1)).to(device).t()
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=_gen(2)) * 0.1).to(device)
+    w2 = (torch.randn(experts, hidden, inter, generator=_gen(3)) * 0.1).to(device)
+    ids = torch.randint(0, experts, (tokens, k), generator=_gen(4), dtype=torch.int32)
+    weights = torch.rand(tokens, k, generator=_gen(5))
+    torch.library.opcheck(torch.ops.graphcap.moe_experts.default,
+                          (x, w13, w2, weights.to(device), ids.to(device)),
+                          test_utils=("test_faketensor",))
+
+
+def _experts_case(tokens=6, hidden=32, inter=32, experts=4, k=2):
+    x = torch.randn(tokens, hidden, generator=_gen(11)).to(device)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=_gen(12)) * 0.1).to(device)
+    w2 = (torch.randn(experts, hidden, inter, generator=_gen(13)) * 0.1).to(device)
+    ids = torch.stack([torch.randperm(experts - 1, generator=_gen(14 + t))[:k]
+                       for t in range(tokens)]).to(torch.int32).to(device)  # never the last
+    weights = torch.rand(tokens, k, generator=_gen(15)).to(device)
+    return x, w13, w2, weights, ids
+
+
+def test_experts_take_a_broadcast_bias():
+    x, w13, w2, weights, ids = _experts_case()
+    b13 = torch.randn(w13.shape[1], generator=_gen(16)).to(device).expand(w13.shape[:2])
+    b2 = torch.randn(w2.shape[1], generator=_gen(17)).to(device).expand(w2.shape[:2])
+    got = moe.moe_experts(x, w13, w2, weights, ids, b13=b13, b2=b2)
+    want = reference.moe_experts(x, w13, w2, weights, ids, b13=b13, b2=b2)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_an_expert_no_token_is_routed_to_changes_nothing_even_if_its_weights_are_not_finite():
+    x, w13, w2, weights, ids = _experts_case()
+    want = reference.moe_experts(x, w13, w2, weights, ids)
+    w13[-1], w2[-1] = float("inf"), float("nan")  # the expert no token is routed to
+    torch.testing.assert_close(reference.moe_experts(x, w13, w2, weights, ids), want)
+    torch.testing.assert_close(moe.moe_experts(x, w13, w2, weights, ids), want,
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_experts_refuse_an_odd_gate_and_up_row_count():
+    from graphcap.opsdb.checks import OpInputError
+    from graphcap.opsdb.moe import MOE_EXPERTS
+
+    x, w13, w2, weights, ids = _experts_case(inter=32)
+    with pytest.raises(OpInputError, match="w13 has 65 rows an expert"):
+        MOE_EXPERTS(x, torch.cat([w13, w13[:, :1]], dim=1), w2, weights, ids)

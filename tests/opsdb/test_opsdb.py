@@ -299,3 +299,15 @@ def test_rows_an_example_writes_to_one_slot_carry_one_key_and_value(name):
                     f"{key}")
 
     check()
+
+
+def test_a_kernel_launching_compiled_cuda_code_is_not_offered_on_cpu_tensors(monkeypatch):
+    # Even with its packages installed and Triton's interpreter on: the interpreter runs
+    # Triton code, not the CUDA extension beside it.
+    from graphcap.opsdb import REGISTRY, spec
+
+    monkeypatch.setattr(spec, "_importable", lambda module: True)
+    kernels = REGISTRY["graphcap::moe_experts"].kernels
+    assert "runs on cuda tensors, not cpu" in kernels["cuda"].unavailable(torch.device("cpu"))
+    if spec.env.settings().triton_interpret:
+        assert kernels["triton"].unavailable(torch.device("cpu")) is None

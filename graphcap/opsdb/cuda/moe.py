@@ -35,7 +35,7 @@ def moe_experts(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0.0
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     inter_size, hidden = 8 * w13.shape[1], 16 * w2.shape[1]
     if num_tokens == 0 or top_k == 0:
-        return (torch.empty_like(x) if out is None else out).zero_()
+        return (x.new_empty(x.shape) if out is None else out).zero_()
     aligned = x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     xb = x if x.dtype == torch.bfloat16 and aligned else torch.empty(
         x.shape, dtype=torch.bfloat16, device=x.device).copy_(x)
@@ -55,6 +55,6 @@ def moe_experts(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0.0
     # inter freed before out is made: the two may share memory (as the Triton kernels').
     del inter
     if out is None and x.dtype == torch.bfloat16:
-        return sum_slots(pairs, top_k, torch.empty_like(x))
+        return sum_slots(pairs, top_k, x.new_empty(x.shape))
     summed = sum_slots(pairs, top_k, torch.empty_like(xb))
     return summed.to(x.dtype) if out is None else out.copy_(summed)

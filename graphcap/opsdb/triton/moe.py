@@ -317,7 +317,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError(f"out must be {tuple(x.shape)} {x.dtype}, got "
                          f"{tuple(out.shape)} {out.dtype}")
     if num_tokens == 0 or hidden == 0 or inter_size == 0 or top_k == 0:
-        out = torch.empty_like(x) if out is None else out
+        out = x.new_empty(x.shape) if out is None else out
         return out.zero_()  # no expert adds anything (or there is nothing to write)
 
     device = x.device
@@ -349,9 +349,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if quantized and MXFP4_TILES:
         block_n1, block_n2 = MXFP4_TILES["n1"], MXFP4_TILES["n2"]
         block_k, warps, stages = (MXFP4_TILES[key] for key in ("k", "warps", "stages"))
-    for name, bias in (("b13", b13), ("b2", b2)):
-        if bias is not None and not bias.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
+    b13, b2 = (None if b is None else b.contiguous() for b in (b13, b2))  # a broadcast one
     _moe_gate_up_kernel[(max_tiles, triton.cdiv(inter_size, block_n1))](
         x, w13, w13 if b13 is None else b13, inter, sorted_pairs, cum_padded, s13,
         num_pairs, num_experts, float(alpha), float(limit),
@@ -382,7 +380,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     # inter freed before out is made: the two may share memory (a forward's peak holds
     # inter and pairs, not the three at once).
     del inter
-    return sum_slots(pairs, top_k, torch.empty_like(x) if out is None else out)
+    return sum_slots(pairs, top_k, x.new_empty(x.shape) if out is None else out)
 
 
 def sum_slots(pairs: torch.Tensor, top_k: int, out: torch.Tensor) -> torch.Tensor:

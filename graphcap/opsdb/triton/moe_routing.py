@@ -1,9 +1,10 @@
 """MoE routing in Triton: softmax over the experts, then the top-k, one program per token
 (specification: :func:`graphcap.opsdb.reference.moe_topk_softmax`). The softmax runs
 over the E router logits in float32 registers, then k rounds of arg-max (ties go to the
-lowest expert id). And the grouping of the routed (token, slot) pairs by expert that the
-expert kernels tile (:func:`align_pairs`). No host synchronisation: safe to capture in a
-CUDA graph."""
+lowest expert id; a NaN probability, from a NaN or infinite logit, ranks first with a NaN
+weight, so every id names an expert). And the grouping of the routed (token, slot) pairs
+by expert that the expert kernels tile (:func:`align_pairs`). No host synchronisation:
+safe to capture in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -30,7 +31,10 @@ def _topk_softmax_kernel(
     p = tl.exp(x - m)
     p = tl.where(emask, p, 0.0)
     probs = p / tl.sum(p, axis=0)
-    # Padding lanes must never win a round: -1 is below any probability.
+    # NaN (a NaN or infinite logit) ranks above every probability, as in torch's sorts: 2
+    # stands for it in the rounds, and NaN is its weight. Padding lanes must never win a
+    # round: -1 is below any probability.
+    probs = tl.where(probs != probs, 2.0, probs)
     probs = tl.where(emask, probs, -1.0)
 
     offs_k = tl.arange(0, BLOCK_K)
@@ -40,7 +44,7 @@ def _topk_softmax_kernel(
         best = tl.max(probs, axis=0)
         # lowest expert id among the maxima
         idx = tl.min(tl.where(probs == best, offs_e, BLOCK_E), axis=0)
-        top_w = tl.where(offs_k == j, best, top_w)
+        top_w = tl.where(offs_k == j, tl.where(best > 1.5, float("nan"), best), top_w)
         top_i = tl.where(offs_k == j, idx, top_i)
         probs = tl.where(offs_e == idx, -2.0, probs)
     kmask = offs_k < TOP_K
