@@ -187,9 +187,11 @@ class GraphPool:
         into = compat.allocate_to(self._mempools[-1], self.device) \
             if self._mempools and not self._captured_into and not sizes \
             else contextlib.nullcontext()
-        with torch.cuda.stream(self.stream), into:
-            yield
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        try:
+            with torch.cuda.stream(self.stream), into:
+                yield
+        finally:  # a warm-up that raised still orders later work after what it launched
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
         if sizes:
             self._size_from(before)
         elif self._captured_into:
