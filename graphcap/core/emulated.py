@@ -203,8 +203,11 @@ class _Recorder(TorchDispatchMode):
             _check_recordable(func, out)
         if kind in ("functional", "alloc"):
             step.outs = tensor_leaves(out)
+            # New memory, unless the op returned an argument's (as _unsafe_view can).
+            given = {a.untyped_storage().data_ptr() for a in tensor_leaves((args, kwargs))}
             for t in step.outs:
-                graph._allocated(t)
+                if t.untyped_storage().data_ptr() not in given:
+                    graph._allocated(t)
         elif kind == "mutate":  # and what it returns beside the written arguments
             written = {t.untyped_storage().data_ptr() for t in _written(func, args, kwargs)}
             returned = tensor_leaves(out)

@@ -26,7 +26,7 @@ from graphcap.core.graphs import new_pool
 from graphcap.core.inputs import Batch, Inputs
 from graphcap.core.outputs import check_outputs
 from graphcap.core.serial import Serial
-from graphcap.core.snapshot import ModelSnapshot
+from graphcap.core.snapshot import ModelSnapshot, held_tensors
 from graphcap.core.stats import CountFailures, Stats, report_of
 from graphcap.core.strategy import Strategy
 from graphcap.errors import (
@@ -71,6 +71,10 @@ class ShapeEntry:
     segments: int = 1
     breaks: int = 0
     splits_in_graph: int = 0
+    # The model's tensors while this shape was captured, which its graph may read: held,
+    # so that one the model replaces while later shapes build (a mask made lazily for
+    # each size) is never freed under this graph.
+    kept: tuple = ()
 
 
 class Runner:
@@ -298,6 +302,11 @@ class Runner:
             self.inputs.derive(state)
             flat, spec = tree_flatten(self.inputs.forward(self.model, bucket, state))
             check_outputs(flat, bucket, self.inputs, self._outputs)
+            if self._out_spec is not None and spec != self._out_spec:
+                raise UnsupportedStrategy(
+                    f"the model returned {spec} for {bucket} tokens but {self._out_spec} "
+                    "for the first shape: a captured model must return outputs of one "
+                    "structure for every shape")
             self._out_spec = spec
             for buf, out in zip(self._outputs, flat, strict=True):
                 buf[:rows].copy_(out)
@@ -305,6 +314,11 @@ class Runner:
         return fn
 
     def _capture_one(self, bucket: int, first: bool) -> None:
+        kept = held_tensors(self.source)
+        self._capture_shape(bucket, first)
+        self.entries[bucket].kept = (*kept, *held_tensors(self.source))
+
+    def _capture_shape(self, bucket: int, first: bool) -> None:
         state = self.inputs.prepare(bucket)
         direct_failure = None
         # A split model warms every shape up: a direct capture that failed would be warmed

@@ -125,6 +125,11 @@ def _plain_tensors(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def held_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every tensor ``model`` holds: parameters, buffers and plain tensor attributes."""
+    return [*model.parameters(), *model.buffers(), *_plain_tensors(model)]
+
+
 def ptrs_equal(tensors: list, ptrs: list[int]) -> bool:
     """Whether ``tensors[i].data_ptr() == ptrs[i]`` for every ``i`` (a C-level map)."""
     return list(map(_PTR, tensors)) == ptrs

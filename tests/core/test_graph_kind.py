@@ -112,3 +112,18 @@ def test_a_pool_captures_again_after_all_its_graphs_died():
         graph.replay()
         assert torch.equal(y, torch.full((8,), factor, device="cuda"))
         del graph, y
+
+
+def test_an_op_returning_an_arguments_memory_leaves_that_memory_as_it_was():
+    pool = new_pool("cpu")
+    # aten._unsafe_view returns a new tensor by its schema, on its argument's memory: the
+    # emulator must not take that memory for the capture's own (and fill it with NaN).
+    w = torch.arange(6.0, device=pool.device).reshape(2, 3)
+    x = torch.ones(2, 3, device=pool.device)
+    graph = pool.graph()
+    with torch.inference_mode():
+        out = graph.capture(lambda t: t.sum() + torch.ops.aten._unsafe_view(w, [3, 2]).sum(),
+                            x)
+        graph.replay()
+    assert torch.equal(w, torch.arange(6.0, device=pool.device).reshape(2, 3))
+    assert out.item() == 21.0

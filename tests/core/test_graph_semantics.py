@@ -220,6 +220,7 @@ HOST_SYNCS = {
                           lambda t: t.repeat_interleave(t.long().clamp(max=2))),
     "allclose": ("host synchronisation", lambda t: torch.allclose(t, t + 1)),
     "histc": ("host synchronisation", lambda t: torch.histc(t, bins=4)),
+    "multinomial": ("host synchronisation", lambda t: torch.multinomial(t + 1, 1)),
 }
 # The runner captures under inference_mode, where a dispatch mode sees composite ops
 # (int(t) as aten.item) whole: each sync must be refused there as under no_grad.
@@ -408,4 +409,3 @@ def test_a_warm_up_whose_peak_an_earlier_one_hides_leaves_the_pool_to_grow(pool)
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(y, want)
-

@@ -282,3 +282,18 @@ def test_pool_sizing_stands_aside_where_the_allocator_would_not_split_one_block(
     environ.set("PYTORCH_CUDA_ALLOC_CONF", conf)
     environ.unset("PYTORCH_ALLOC_CONF")
     assert _one_block_splits() is splits
+
+
+def test_outputs_of_another_structure_for_another_shape_are_refused_at_capture():
+    class Reordered(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            a, b = self.lin(x), -x
+            return {"a": a, "b": b} if x.shape[0] > 4 else {"b": b, "a": a}
+
+    with pytest.raises(UnsupportedStrategy, match="outputs of one structure"):
+        graphcap.capture(Reordered(), "full", buckets=[4, 8],
+                         example_inputs=(torch.randn(8, 4),))

@@ -308,3 +308,39 @@ def test_a_batch_too_small_for_the_buckets_is_refused_naming_a_smaller_bucket():
         r(ids, pos, seq_lens=[1])
     ids, pos = batch([5])
     r(ids, pos, seq_lens=[5])  # usable
+
+
+class LazyMask(torch.nn.Module):
+    """Makes a mask for each size it is called with, replacing the last one: a lazy
+    cache of the kind models keep (a causal mask, a rotary table)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.mask = None
+
+    def forward(self, x):
+        n = x.shape[0]
+        if self.mask is None or self.mask.shape[0] != n:
+            self.mask = torch.tril(torch.ones(n, n, device=x.device))
+        return self.mask @ self.lin(x)
+
+
+@pytest.mark.parametrize("strategy", ["breakable", "full"])
+def test_a_tensor_the_model_replaces_while_later_shapes_build_stays_what_graphs_read(strategy):
+    # Each shape warmed up makes its own mask; the graph of a shape captured before reads
+    # the one it saw, which must outlive the build (on CUDA its memory would be reused).
+    torch.manual_seed(0)
+    m = LazyMask().to(DEVICE)
+    r = graphcap.capture(m, strategy, buckets=[4, 8, 16], warmup="every",
+                         example_inputs=(torch.randn(16, 8, device=DEVICE),))
+    masks = {n: r.entries[n].kept for n in (4, 8, 16)}
+    for n in (16, 8, 4):
+        assert any(t.shape == (n, n) for t in masks[n]), n  # its own mask, held
+        scratch = [torch.randn(n, n, device=DEVICE) for _ in range(8)]  # memory reused
+        x = torch.randn(n, 8, device=DEVICE)
+        with torch.inference_mode():
+            want = torch.tril(torch.ones(n, n, device=DEVICE)) @ m.lin(x)
+        atol, rtol = tolerance()
+        torch.testing.assert_close(r(x), want, atol=atol, rtol=rtol)
+        del scratch
