@@ -9,7 +9,10 @@ What it serves of a ``generate`` call: ``input_ids`` ``[B, T]`` with an
 mask), ``max_new_tokens`` or ``max_length``, ``eos_token_id``, ``pad_token_id``, greedy
 and ``do_sample`` with ``temperature``, ``top_k`` and ``top_p`` (drawn with a seed taken
 from torch's generator, so ``torch.manual_seed`` makes them reproducible), the cache
-options (``use_cache``, ``cache_implementation``: graphcap keeps its own). It returns
+options (``use_cache``, ``cache_implementation``: graphcap keeps its own). The call's
+options are merged as transformers merges them (a ``generation_config`` given takes the
+model's fields it leaves unset, then transformers' defaults: ``top_k=50``), and the call
+ends at its own ``eos_token_id``, not at the model's or the tokenizer's. It returns
 what transformers returns: the input rows followed by the new tokens, rows that ended
 first padded with ``pad_token_id``. Anything else (beams, several sequences per prompt,
 logits processors, stopping criteria, streamers, assisted generation, scores, ...) is
@@ -54,9 +57,12 @@ def accelerate(model, tokenizer=None, **options):
         raise TypeError(f"accelerate() takes a transformers causal LM, not "
                         f"{type(model).__name__}; graphcap.LLM takes graphcap's own models")
     options.setdefault("progress", False)
+    if "stop_at_eos" in options:
+        raise ValueError("accelerate() takes no stop_at_eos: each generate() call ends at "
+                         "its own eos_token_id, as transformers' does")
     with warnings.catch_warnings():  # each generate() call applies the config, or refuses
         warnings.simplefilter("ignore", DefaultsNotApplied)
-        llm = LLM(model, tokenizer, **options)
+        llm = LLM(model, tokenizer, stop_at_eos=False, **options)
     model.__dict__[_LLM] = llm
     model.generate = types.MethodType(_generate, model)
     return model
@@ -75,9 +81,7 @@ def restore(model):
 def _generate(self, input_ids=None, attention_mask=None, generation_config=None, **kwargs):
     """transformers' ``generate`` on graphcap's engine (see the module's docstring)."""
     llm: LLM = self.__dict__[_LLM]
-    config = copy.deepcopy(generation_config if generation_config is not None
-                           else self.generation_config)
-    unused = config.update(**kwargs)
+    config, unused = _config(self, generation_config, kwargs)
     _refuse(config, unused)
     if input_ids is None:
         raise ValueError("graphcap's generate needs input_ids (a [batch, tokens] tensor of "
@@ -94,16 +98,35 @@ def _generate(self, input_ids=None, attention_mask=None, generation_config=None,
                          "max_new_tokens")
     sampling = None
     if config.do_sample:
+        temperature = 1.0 if config.temperature is None else config.temperature
+        if not temperature > 0:
+            raise ValueError(f"temperature (={temperature}) must be > 0 to sample "
+                             "(do_sample=True); greedy decoding is do_sample=False")
         seed = int(torch.randint(0, 2**62, (1,)))
-        sampling = Sampling(temperature=config.temperature if config.temperature else 1.0,
-                            top_k=config.top_k or 0, top_p=config.top_p or 1.0, seed=seed)
+        sampling = Sampling(temperature=temperature, top_k=config.top_k or 0,
+                            top_p=1.0 if config.top_p is None else config.top_p, seed=seed)
     done = llm.generate(prompts, new, sampling=sampling, stop=sorted(eos))
+    first_eos = config.eos_token_id if isinstance(config.eos_token_id, int) else \
+        next(iter(config.eos_token_id or []), None)
     pad = config.pad_token_id if config.pad_token_id is not None else \
-        (min(eos) if eos else 0)
+        (first_eos if first_eos is not None else 0)
     width = max(len(c.tokens) for c in done)
     rows = [c.tokens + [pad] * (width - len(c.tokens)) for c in done]
     out = torch.tensor(rows, dtype=input_ids.dtype, device=input_ids.device)
     return torch.cat([input_ids, out], dim=-1)
+
+
+def _config(model, generation_config, kwargs: dict):
+    """The generation config a call of transformers' ``generate`` runs with, and the
+    keyword arguments no field takes: the one given, else the model's, each unset field
+    from the model's and then transformers' global defaults (``top_k=50``), the call's
+    keyword arguments over all (transformers' own ``_prepare_generation_config``)."""
+    prepare = getattr(model, "_prepare_generation_config", None)
+    if prepare is not None:
+        return prepare(generation_config, **kwargs)
+    config = copy.deepcopy(generation_config if generation_config is not None
+                           else model.generation_config)
+    return config, config.update(**kwargs)
 
 
 def _refuse(config, unused: dict) -> None:

@@ -66,10 +66,13 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
     max_new_tokens = positive_int(max_new_tokens, "max_new_tokens")
     stops = stop_tokens_of(stop_tokens, shape.vocab_size)
     longest = max(map(len, prompts)) + max_new_tokens
-    if longest > shape.max_position:
+    ahead = getattr(speculative, "k", 0) if speculative is not None else 0
+    if longest + ahead > shape.max_position:
+        k = f" and the {ahead} proposals a verify step writes past them" if ahead else ""
         raise ValueError(f"a prompt of {longest - max_new_tokens} tokens plus "
-                         f"{max_new_tokens} new ones passes the model's max_position "
-                         f"{shape.max_position}")
+                         f"{max_new_tokens} new ones{k} pass the model's max_position "
+                         f"{shape.max_position}: generate fewer tokens, or from a shorter "
+                         "prompt")
     max_batch = positive_int(max_batch, "max_batch")
     prefill_tokens = positive_int(prefill_tokens, "prefill_tokens")
     llm = LLM(model, strategy=strategy, max_batch=min(max_batch, len(prompts)),

@@ -135,3 +135,53 @@ def test_an_llm_of_a_model_whose_generation_config_sets_decoding_defaults_says_i
     assert not [w for w in recwarn if issubclass(w.category, DefaultsNotApplied)]
     graphcap.LLM(hf_model("qwen2").to(DEVICE), **OPTIONS)  # eos and pad ids only: quiet
     assert not [w for w in recwarn if issubclass(w.category, DefaultsNotApplied)]
+
+
+IDS = [[5, 9, 3, 7, 1], [6, 6, 4, 8, 9]]
+
+
+def test_a_callers_eos_token_id_replaces_the_models_as_in_transformers():
+    ref = hf_model("llama").to(DEVICE)
+    ids = torch.tensor(IDS[:1], device=DEVICE)
+    first = ref.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)[0, -1]
+    ref.generation_config.eos_token_id = int(first)  # the model's: its 4th greedy token
+    fast = graphcap.accelerate(copy.deepcopy(ref), **OPTIONS)
+    for eos in (None, 127):  # the model's, then the caller's (never drawn) over it
+        args = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=eos)
+        if eos is None:
+            del args["eos_token_id"]
+        assert torch.equal(fast.generate(ids, **args), ref.generate(ids, **args)), eos
+
+
+def test_rows_that_end_first_are_padded_with_the_first_eos_id_without_a_pad_token():
+    ref, fast = pair("llama")
+    ids = torch.tensor(IDS, device=DEVICE)
+    ends = ref.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)[0, -1]
+    args = dict(max_new_tokens=8, do_sample=False, eos_token_id=[int(ends), 1],
+                attention_mask=torch.ones_like(ids))
+    assert torch.equal(fast.generate(ids, **args), ref.generate(ids, **args))
+
+
+def test_a_generation_config_given_takes_the_models_defaults_where_it_sets_none():
+    ref = hf_model("llama").to(DEVICE)
+    ref.generation_config.repetition_penalty = 5.0  # not served: refused, never ignored
+    fast = graphcap.accelerate(copy.deepcopy(ref), **OPTIONS)
+    config = transformers.GenerationConfig(max_new_tokens=8, pad_token_id=0)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        fast.generate(torch.tensor(IDS[:1], device=DEVICE), generation_config=config)
+
+
+def test_sampling_without_top_k_draws_from_transformers_default_top_50():
+    _, fast = pair("llama")
+    ids = torch.tensor(IDS[:1], device=DEVICE)
+    torch.manual_seed(0)
+    drawn = {int(fast.generate(ids, max_new_tokens=1, do_sample=True, temperature=50.0)[0, -1])
+             for _ in range(200)}
+    assert len(drawn) <= 50  # of 128: the 50 likeliest only
+
+
+def test_sampling_at_temperature_zero_is_refused_as_transformers_refuses_it():
+    _, fast = pair("llama")
+    with pytest.raises(ValueError, match="temperature"):
+        fast.generate(torch.tensor(IDS[:1], device=DEVICE), max_new_tokens=2, do_sample=True,
+                      temperature=0.0)

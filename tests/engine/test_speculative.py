@@ -189,6 +189,13 @@ def test_room_for_the_proposals_past_max_position_is_refused():
             progress=False)
 
 
+def test_generate_says_the_proposals_need_room_past_the_prompt_and_its_new_tokens():
+    m = model()
+    prompt = [[1] * (m.args.max_position - 6)]
+    with pytest.raises(ValueError, match="and the 3 proposals a verify step writes past"):
+        graphcap.generate(m, prompt, max_new_tokens=6, speculative=NgramProposer(K))
+
+
 def test_with_a_tokenizer_a_stop_string_ends_a_speculative_request_where_plain_ends_it():
     from tests.support.tokenizers import byte_tokenizer
 
