@@ -202,3 +202,19 @@ def test_cuda_graph_replays_new_batches(dtype):
         g.replay()
         torch.cuda.synchronize()
         check(out, q, k, v, cu, scale, True, dtype, used)
+
+
+@pytest.mark.parametrize("dtype, score", [(torch.float16, -20.0), (torch.bfloat16, -100.0),
+                                          (torch.float32, -100.0)])
+def test_a_small_window_keeps_every_row_exact_when_all_its_scores_are_low(dtype, score):
+    # Rows past the first key block of a tile see no key in the first block they visit: a
+    # stand-in running max of 0 there made later probabilities underflow in 16-bit.
+    t, d = 160, 16  # past the first key block of a tile at every tile size
+    q = torch.ones(t, 1, d, dtype=dtype, device=device)
+    k = torch.full((t, 1, d), score / d ** 0.5, dtype=dtype, device=device)  # each: score
+    v = torch.randn(t, 1, d, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    cu = torch.tensor([0, t], dtype=torch.int32, device=device)
+    out = torch.empty_like(q)
+    attention_varlen(q, k, v, out, cu, t, d ** -0.5, True, window=2)
+    want = ref.attention_varlen(q, k, v, cu, d ** -0.5, True, 2)
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -91,10 +91,11 @@ def _attn_step(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, o
     # masked blocks run first and start at a key <= every row of the tile, inside the
     # request), so m_new is finite from then on and no (-inf) - (-inf) NaN appears.
     m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_ref = m_new
     if WINDOW:  # a row may see no key of the block, nor of any block before it
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(qk - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk - m_ref[:, None])
+    alpha = tl.math.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if MASKED:
