@@ -70,13 +70,15 @@ heads_st = st.sampled_from([(1, 1), (2, 2), (2, 1), (4, 2), (8, 1)])
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lengths=lengths_st, pad=st.integers(0, 6), extra=st.integers(0, 20), heads=heads_st,
-       d=st.sampled_from([64, 128]), dtype=st.sampled_from(DTYPES),
+       d=st.sampled_from([64, 128, 80, 96, 8]), dtype=st.sampled_from(DTYPES),
        causal=st.sampled_from([True, True, True, False]), fused=st.booleans(),
        nan_padding=st.booleans(), seed=st.integers(0, 2**31 - 1))
 @example(lengths=[33, 0, 1, 17], pad=3, extra=0, heads=(8, 1), d=64, dtype=torch.float32,
          causal=True, fused=True, nan_padding=True, seed=0)
 @example(lengths=[0, 40, 0], pad=0, extra=7, heads=(4, 2), d=128, dtype=torch.bfloat16,
          causal=True, fused=False, nan_padding=False, seed=1)
+@example(lengths=[17, 0, 33], pad=2, extra=3, heads=(4, 2), d=80, dtype=torch.float16,
+         causal=True, fused=True, nan_padding=True, seed=2)  # Phi's head dim: padded to 128
 def test_matches_reference(lengths, pad, extra, heads, d, dtype, causal, fused, nan_padding,
                            seed):
     hq, hk = heads
@@ -134,8 +136,8 @@ def test_rejects_bad_arguments():
     q, k, v = make_qkv(4, 3, 2, 64, torch.float32, 0, fused=False)
     with pytest.raises(ValueError, match="multiple"):
         attention_varlen(q, k, v, torch.empty_like(q), cu_of([4]), 4, 0.125)
-    q, k, v = make_qkv(4, 2, 1, 48, torch.float32, 0, fused=False)
-    with pytest.raises(ValueError, match="power of two"):
+    q, k, v = make_qkv(4, 2, 1, 320, torch.float32, 0, fused=False)
+    with pytest.raises(ValueError, match="head dim 320 must be in 1..256"):
         attention_varlen(q, k, v, torch.empty_like(q), cu_of([4]), 4, 0.125)
 
 

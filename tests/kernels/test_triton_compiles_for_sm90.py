@@ -214,8 +214,9 @@ COMPILE_PDL_KERNELS = textwrap.dedent('''
                                      "T": "i32", "qk_scale": "fp32", "sm_scale": "fp32",
                                      "window": "i32", "softcap": "fp32", "NUM_REQ": "i32",
                                      **strides},
-                  {"GROUP": 2, "HEAD_DIM": 128, "BLOCK_M": 16, "BLOCK_N": 16,
-                   "CAUSAL": True, "DOT_PRECISION": "tf32", "INTERPRET": False, "PDL": pdl,
+                  {"GROUP": 2, "HEAD_DIM": 128, "BLOCK_D": 128, "EVEN_D": True,
+                   "BLOCK_M": 16, "BLOCK_N": 16, "CAUSAL": True, "DOT_PRECISION": "tf32",
+                   "INTERPRET": False, "PDL": pdl,
                    "WINDOW": variant, "SOFTCAP": variant, "HAS_SINKS": variant})
     print("compiled")
 ''')
@@ -363,13 +364,15 @@ COMPILE_SMALL_GPU = textwrap.dedent('''
                         cfg["num_stages"])
         assert got <= SHARED, (m, n, k, cfg, got)
     strides = {f"stride_{t}{d}": "i32" for t in "qkvo" for d in "th"}
-    for d, length in ((256, 512), (128, 2048), (128, 512)):
-        bm, bn, warps, stages = _config(d, torch.bfloat16, 10_000, 128, False, length,
+    for d, length in ((256, 512), (128, 2048), (128, 512), (80, 2048)):
+        block_d = max(16, 1 << (d - 1).bit_length())  # 80 runs in 128's registers
+        bm, bn, warps, stages = _config(block_d, torch.bfloat16, 10_000, 128, False, length,
                                         SHARED)
         types = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "CU": "*i32",
                  "SINKS": "*bf16", "T": "i32", "qk_scale": "fp32", "sm_scale": "fp32",
                  "window": "i32", "softcap": "fp32", "NUM_REQ": "i32", **strides}
-        consts = {"GROUP": 2, "HEAD_DIM": d, "BLOCK_M": bm, "BLOCK_N": bn, "CAUSAL": True,
+        consts = {"GROUP": 2, "HEAD_DIM": d, "BLOCK_D": block_d, "EVEN_D": block_d == d,
+                  "BLOCK_M": bm, "BLOCK_N": bn, "CAUSAL": True,
                   "DOT_PRECISION": "tf32", "INTERPRET": False, "PDL": False,
                   "WINDOW": False, "SOFTCAP": False, "HAS_SINKS": False}
         got = shared_of(_attn_varlen_fwd, types, consts, warps, stages)

@@ -52,10 +52,25 @@ _LOG2E_F = tl.constexpr(_LOG2E)
 
 
 @triton.jit
+def _load_keys(ptrs, rows, offs_d, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
+               EVEN_D: tl.constexpr):
+    """A block of keys (or values): ``rows`` the in-request mask where MASKED; columns
+    past HEAD_DIM (a head dim padded to a power of two) read as zeros."""
+    if MASKED:
+        if EVEN_D:
+            return tl.load(ptrs, mask=rows[:, None], other=0.0)
+        return tl.load(ptrs, mask=rows[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    if EVEN_D:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
 def _attn_step(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_n, offs_d,
                start_n, seqlen, qk_scale, sm_scale, window, softcap,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               INTERPRET: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+               INTERPRET: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+               HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr):
     """One key block ``[start_n, start_n + BLOCK_N)`` of the online softmax.
 
     MASKED: mask keys past ``seqlen`` (and above the diagonal when CAUSAL, and before the
@@ -67,9 +82,9 @@ def _attn_step(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, o
     v_ptrs = v_base + cols[:, None] * stride_vt + offs_d[None, :]
     if MASKED:
         in_req = cols < seqlen
-        k = tl.load(k_ptrs, mask=in_req[:, None], other=0.0)
+        k = _load_keys(k_ptrs, in_req, offs_d, True, HEAD_DIM, EVEN_D)
     else:
-        k = tl.load(k_ptrs)
+        k = _load_keys(k_ptrs, cols, offs_d, False, HEAD_DIM, EVEN_D)
     if INTERPRET:
         # Triton 3.6's interpreter multiplies bf16 dot operands as their uint16 bit patterns:
         # widen to float32 there (exact for 16-bit floats, as the tensor cores' products are).
@@ -100,9 +115,9 @@ def _attn_step(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, o
     acc = acc * alpha[:, None]
     if MASKED:
         # Masked keys have p == 0, but 0 * NaN is NaN: padding v must not be read.
-        v = tl.load(v_ptrs, mask=in_req[:, None], other=0.0)
+        v = _load_keys(v_ptrs, in_req, offs_d, True, HEAD_DIM, EVEN_D)
     else:
-        v = tl.load(v_ptrs)
+        v = _load_keys(v_ptrs, cols, offs_d, False, HEAD_DIM, EVEN_D)
     p = p.to(v.dtype)
     if INTERPRET:
         acc = tl.dot(p.to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
@@ -116,7 +131,7 @@ def _attn_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, 
                 lo, hi, seqlen, qk_scale, sm_scale, window, softcap,
                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, WINDOW: tl.constexpr,
-                SOFTCAP: tl.constexpr):
+                SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr):
     """Online softmax over key blocks ``[lo, hi)`` (``lo`` a multiple of ``BLOCK_N``)."""
     offs_n = tl.arange(0, BLOCK_N)
     if INTERPRET:
@@ -127,7 +142,8 @@ def _attn_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, 
             acc, l_i, m_i = _attn_step(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
                                        offs_m, offs_n, offs_d, start_n, seqlen, qk_scale,
                                        sm_scale, window, softcap, MASKED, CAUSAL,
-                                       DOT_PRECISION, INTERPRET, WINDOW, SOFTCAP)
+                                       DOT_PRECISION, INTERPRET, WINDOW, SOFTCAP, HEAD_DIM,
+                                       EVEN_D)
             start_n += BLOCK_N
     else:
         # A for loop, so that Triton software-pipelines the K/V loads (num_stages).
@@ -135,7 +151,8 @@ def _attn_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, 
             acc, l_i, m_i = _attn_step(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
                                        offs_m, offs_n, offs_d, start_n, seqlen, qk_scale,
                                        sm_scale, window, softcap, MASKED, CAUSAL,
-                                       DOT_PRECISION, INTERPRET, WINDOW, SOFTCAP)
+                                       DOT_PRECISION, INTERPRET, WINDOW, SOFTCAP, HEAD_DIM,
+                                       EVEN_D)
     return acc, l_i, m_i
 
 
@@ -143,7 +160,8 @@ def _attn_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, 
 def _attn_varlen_fwd(
     Q, K, V, Out, CU, SINKS, T, qk_scale, sm_scale, window, softcap,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    NUM_REQ, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_REQ, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
@@ -153,7 +171,8 @@ def _attn_varlen_fwd(
     num_m = tl.num_programs(1)
     m_block = num_m - 1 - tl.program_id(1)  # heaviest causal blocks first
     req = tl.program_id(2)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
     offs_r = tl.arange(0, BLOCK_M)
 
     if req == NUM_REQ:
@@ -161,20 +180,20 @@ def _attn_varlen_fwd(
         # to T, in BLOCK_M-row tiles strided over the grid's m programs.
         first = tl.load(CU)
         last = tl.load(CU + NUM_REQ)
-        zeros = tl.zeros([BLOCK_M, HEAD_DIM], dtype=Out.dtype.element_ty)
+        zeros = tl.zeros([BLOCK_M, BLOCK_D], dtype=Out.dtype.element_ty)
         o_head = Out + head * stride_oh
         step = num_m * BLOCK_M
         r0 = m_block * BLOCK_M
         while r0 < first:
             rows = r0 + offs_r
             tl.store(o_head + rows[:, None] * stride_ot + offs_d[None, :], zeros,
-                     mask=(rows < first)[:, None])
+                     mask=(rows < first)[:, None] & d_ok[None, :])
             r0 += step
         r0 = last + m_block * BLOCK_M
         while r0 < T:
             rows = r0 + offs_r
             tl.store(o_head + rows[:, None] * stride_ot + offs_d[None, :], zeros,
-                     mask=(rows < T)[:, None])
+                     mask=(rows < T)[:, None] & d_ok[None, :])
             r0 += step
         return
 
@@ -190,13 +209,13 @@ def _attn_varlen_fwd(
     start64 = start.to(tl.int64)
     q_ptrs = (Q + start64 * stride_qt + head * stride_qh
               + offs_m[:, None] * stride_qt + offs_d[None, :])
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     k_base = K + start64 * stride_kt + kv_head * stride_kh
     v_base = V + start64 * stride_vt + kv_head * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # Masked blocks first, then the unmasked ones (the softmax is order-free). This order
     # also keeps the wgmma pipeline unserialised on sm90 (ptxas warns C7515 the other way).
@@ -213,7 +232,7 @@ def _attn_varlen_fwd(
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
                                 offs_m, offs_d, full_hi, diag_hi, seqlen, qk_scale, sm_scale,
                                 window, softcap, BLOCK_N, True, CAUSAL, DOT_PRECISION,
-                                INTERPRET, WINDOW, SOFTCAP)
+                                INTERPRET, WINDOW, SOFTCAP, HEAD_DIM, EVEN_D)
     if WINDOW:
         # Keys before m0 - window + 1 are out of every row's window: never visited. The
         # blocks from there up to the first one inside every row's window are masked.
@@ -223,11 +242,12 @@ def _attn_varlen_fwd(
         acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
                                     offs_m, offs_d, win_lo, full_lo, seqlen, qk_scale,
                                     sm_scale, window, softcap, BLOCK_N, True, CAUSAL,
-                                    DOT_PRECISION, INTERPRET, WINDOW, SOFTCAP)
+                                    DOT_PRECISION, INTERPRET, WINDOW, SOFTCAP, HEAD_DIM,
+                                    EVEN_D)
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
                                 offs_m, offs_d, full_lo, full_hi, seqlen, qk_scale, sm_scale,
                                 window, softcap, BLOCK_N, False, CAUSAL, DOT_PRECISION,
-                                INTERPRET, WINDOW, SOFTCAP)
+                                INTERPRET, WINDOW, SOFTCAP, HEAD_DIM, EVEN_D)
 
     if HAS_SINKS:  # the head's sink logit joins each row's softmax, with no value
         sink = tl.load(SINKS + head).to(tl.float32) * _LOG2E_F
@@ -238,7 +258,7 @@ def _attn_varlen_fwd(
     acc = acc / l_i[:, None]
     o_ptrs = (Out + start64 * stride_ot + head * stride_oh
               + offs_m[:, None] * stride_ot + offs_d[None, :])
-    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 def _config(head_dim: int, dtype: torch.dtype, programs_at_128: int, num_sms: int,
@@ -282,7 +302,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     :mod:`graphcap.opsdb.attention.variant`.
 
     q [T, Hq, D]; k, v [T, Hk, D] with ``Hq % Hk == 0``; out [T, Hq, D], allocated by the
-    caller. D a power of two in 16..256; float32, float16 or bfloat16. The last dim of each
+    caller. D in 1..256 (padded to a power of two of at least 16 in registers, the columns
+    past D read as zeros); float32, float16 or bfloat16. The last dim of each
     tensor must be contiguous; the other strides are free (q/k/v may be views of one fused
     qkv tensor). ``cu_seqlens`` [R + 1] int32 on the device: request ``i`` owns rows
     ``cu_seqlens[i]:cu_seqlens[i+1]`` (zero-length sentinel requests allowed anywhere).
@@ -300,8 +321,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
                          f"v {tuple(v.shape)}, out {tuple(out.shape)} do not match")
     if Hk == 0 or Hq % Hk:
         raise ValueError(f"query heads {Hq} must be a multiple of key/value heads {Hk}")
-    if D < 16 or D > 256 or D & (D - 1):
-        raise ValueError(f"head dim {D} must be a power of two in 16..256")
+    if not 1 <= D <= 256:
+        raise ValueError(f"head dim {D} must be in 1..256")
     if not (q.dtype == k.dtype == v.dtype == out.dtype):
         raise ValueError("q, k, v and out must share one dtype")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -326,8 +347,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     if window >= max_seqlen:  # it cannot bind: no request is that long
         window = 0
     programs_at_128 = triton.cdiv(max_seqlen, 128) * num_req * Hq
+    block_d = max(16, triton.next_power_of_2(D))
     block_m, block_n, num_warps, num_stages = _config(
-        D, q.dtype, programs_at_128, num_sms(q.device), interpret, max_seqlen,
+        block_d, q.dtype, programs_at_128, num_sms(q.device), interpret, max_seqlen,
         shared_memory(q.device))
     num_m = triton.cdiv(max_seqlen, block_m)
     grid = (Hq, num_m, num_req + 1)
@@ -336,7 +358,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
         float(scale) * _LOG2E, float(scale), int(window), float(softcap),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
-        num_req, GROUP=Hq // Hk, HEAD_DIM=D,
+        num_req, GROUP=Hq // Hk, HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=block_d == D,
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET=interpret, WINDOW=window > 0, SOFTCAP=softcap > 0,
