@@ -63,9 +63,10 @@ def decode_attention_reference(q, k_cache, v_cache, block_table, seq_lens, out,
     keys = k_cache[pages].reshape(B, L, Hk, D)
     values = v_cache[pages].reshape(B, L, Hk, D)
     t = torch.arange(L, device=q.device)[None, :]
-    valid = t < seq_lens[:, None]  # [B, L]
-    if window > 0:  # the row's token sits at seq_lens - 1
-        valid &= t > seq_lens[:, None] - 1 - window
+    lens = seq_lens.clamp(max=L)[:, None]  # a length past the table: its pages' tokens
+    valid = t < lens  # [B, L]
+    if window > 0:  # the row's token sits at lens - 1
+        valid &= t > lens - 1 - window
     zero = torch.zeros((), dtype=keys.dtype, device=q.device)
     keys = torch.where(valid[:, :, None, None], keys, zero).float()  # 0 x NaN stays out
     values = torch.where(valid[:, :, None, None], values, zero).float()
@@ -159,12 +160,13 @@ def decode_attention_inputs(device, dtype, max_rows: int = 5):
             table = table.to(torch.int32)
         else:
             table = torch.randint(0, pages, (b, width), generator=gen, dtype=torch.int32)
-        lens = torch.randint(0, width * page_size + 1, (b,), generator=gen,
+        # Without a write, lengths past the table too (a row reads its pages' tokens).
+        lens = torch.randint(0, width * page_size + (1 if write else 3), (b,), generator=gen,
                              dtype=torch.int32)
         window = d(st.sampled_from([0, 0, 1, 3, 8, 100]))
         attended = torch.zeros(pages * page_size, dtype=torch.bool)
         for row in range(b):
-            n = int(lens[row])
+            n = min(int(lens[row]), width * page_size)
             for t in range(max(0, n - window) if window else 0, n):
                 attended[int(table[row, t // page_size]) * page_size + t % page_size] = True
         unread = ~attended.view(pages, page_size).to(device)

@@ -38,11 +38,12 @@ def attention_backends(device: torch.device | str) -> list[dict]:
 
     rows = []
     for name, cls in BACKENDS.items():
-        why = cls().unavailable(device)
+        backend = cls()
+        why = backend.unavailable(device)
         rows.append({"backend": name, "kind": "prefill", "available": why is None,
                      "why_not": why, "static_metadata": cls.static_metadata,
                      "dtypes": [str(d).removeprefix("torch.") for d in cls.dtypes],
-                     "options": [o for o in OPTIONS if o in cls.options]})
+                     "options": [o for o in OPTIONS if o in backend.options]})
     for name, cls in DECODE_BACKENDS.items():
         rows.append({"backend": name, "kind": "decode", "available": None,
                      "why_not": "checked against a cache (get_backend(kind='decode'))",

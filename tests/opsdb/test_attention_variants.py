@@ -237,6 +237,34 @@ def test_the_automatic_choice_passes_over_backends_without_the_options(monkeypat
         get_backend(None, "cpu", options=("sinks",))
 
 
+def test_flash_attn_says_it_computes_sinks_only_where_fa4_is_installed(monkeypatch):
+    from graphcap.opsdb.attention import flash_attn_backend, serving
+    from graphcap.opsdb.attention.variant import Variant
+    from graphcap.opsdb.listing import attention_backends
+
+    monkeypatch.setattr(flash_attn_backend, "_fa2_or_fa3_only", lambda: True)
+    monkeypatch.setattr(flash_attn_backend.FlashAttention, "devices", ("cuda", "cpu"))
+    monkeypatch.setattr(flash_attn_backend.FlashAttention, "requires", ())
+    assert flash_attn_backend.FlashAttention().options == {"window", "softcap"}
+    sinks = Variant(0, 0.0, torch.zeros(2))
+    assert "flash_attn" not in serving(sinks, torch.device("cpu"))
+    assert "flash_attn" in serving(Variant(4, 0.0, None), torch.device("cpu"))
+    row = next(r for r in attention_backends("cpu") if r["backend"] == "flash_attn")
+    assert row["options"] == ["window", "softcap"]
+
+
+def test_flashinfer_decode_refuses_a_layer_of_another_scale_than_it_planned_with():
+    # It plans the first run's heads and scale for every layer (no GPU needed to refuse).
+    from graphcap.opsdb.attention.flashinfer_decode import FlashInferDecode
+
+    backend = FlashInferDecode()
+    backend.heads = (4, 0.125)
+    q = torch.zeros(2, 4, 16)
+    with pytest.raises(OpInputError, match="planned its kernels for 4 query heads at "
+                                           "softmax scale 0.125, and this layer has 4 at 0.25"):
+        backend.forward(q, None, None, SimpleNamespace(plan=None), torch.empty_like(q), 0.25)
+
+
 def test_flashinfer_prefill_refuses_a_layer_of_another_scale_than_it_planned_with():
     """FlashInfer fixes the softmax scale when it plans (from the first layer it runs):
     a layer asking for another is refused, never run at the planned one."""

@@ -78,7 +78,7 @@ def get_backend(name: str | None = None, device="cpu", strategy: str | None = No
 def serving(variant: Variant, device: torch.device) -> list[str]:
     """The prefill backends available on ``device`` that compute ``variant``."""
     return [name for name, cls in BACKENDS.items()
-            if set(variant.used) <= cls.options and cls().unavailable(device) is None]
+            if set(variant.used) <= cls().options and cls().unavailable(device) is None]
 
 
 def _decode_backend(name: str | None, cache) -> DecodeBackend:

@@ -7,12 +7,14 @@ Its TMA loads read whole K/V tiles past a request's end (the next request's rows
 padding), so k and v pass through ``guard_kv`` first: no request sees another's values.
 
 The variant options: a window as FlashAttention's ``window_size=(window - 1, 0)``,
-``softcap``, and sinks as FA4's ``learnable_sink`` (FA2/3 have no sinks: a layer with
-sinks is refused there, naming the backends that compute them).
+``softcap``, and sinks as FA4's ``learnable_sink`` (FA2/3 have no sinks: where only they
+are installed the backend's options leave sinks out, so selection passes it over and a
+layer with sinks is refused there, naming the backends that compute them).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -23,7 +25,14 @@ from graphcap.opsdb.attention.base import (
     guard_kv,
     zero_padding_rows,
 )
-from graphcap.opsdb.attention.variant import OPTIONS, PLAIN, Variant, refuse
+from graphcap.opsdb.attention.variant import OPTIONS, PLAIN, Variant
+
+
+@functools.cache
+def _fa2_or_fa3_only() -> bool:
+    """Whether FlashAttention is installed without FA4 (``flash_attn.cute``)."""
+    return (importlib.util.find_spec("flash_attn") is not None
+            and importlib.util.find_spec("flash_attn.cute") is None)
 
 
 def _varlen_func():
@@ -41,16 +50,16 @@ class FlashAttention(AttentionBackend):
     devices = ("cuda",)
     requires = ("flash_attn",)
     dtypes = (torch.float16, torch.bfloat16)
-    options = frozenset(OPTIONS)  # FA4's; FA2/3 compute the window and softcap only
+
+    @property
+    def options(self) -> frozenset[str]:
+        """FA4's (also where FlashAttention is not installed); FA2/3 compute the window
+        and softcap only."""
+        return frozenset({"window", "softcap"}) if _fa2_or_fa3_only() else frozenset(OPTIONS)
 
     def forward(self, q, k, v, out, meta: AttentionMetadata, scale: float,
                 variant: Variant = PLAIN) -> None:
-        fn, is_fa4 = _varlen_func()
-        if variant.sinks is not None and not is_fa4:
-            from graphcap.opsdb.attention import serving
-
-            refuse("prefill attention", "flash_attn (FA2/3; FA4 has sinks)",
-                   frozenset({"window", "softcap"}), variant, serving(variant, q.device))
+        fn, is_fa4 = _varlen_func()  # sinks reach FA4 only (run_attention refuses by options)
         k, v = guard_kv(k, v, meta)
         cu, n = meta.cu_seqlens, meta.num_tokens
         kwargs = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, softmax_scale=scale)

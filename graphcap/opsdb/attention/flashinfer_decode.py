@@ -24,10 +24,12 @@ logits in after it (:func:`~graphcap.opsdb.attention.variant.add_sinks`).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from graphcap.core.checks import staged
-from graphcap.errors import BackendUnavailable
+from graphcap.errors import BackendUnavailable, OpInputError
 from graphcap.kv.paged import NULL_PAGE, PagedKVCache
 from graphcap.opsdb.attention.paged import DecodeBackend, DecodePlan
 from graphcap.opsdb.attention.variant import (
@@ -79,6 +81,13 @@ class FlashInferDecode(DecodeBackend):
         plan, pair = kv.plan, (variant.window, variant.softcap)
         if self.heads is None:  # the first run of any shape, eager (a warm-up)
             self.heads = (q.shape[1], scale)
+        if q.shape[1] != self.heads[0] or not math.isclose(scale, self.heads[1],
+                                                           rel_tol=1e-6):
+            raise OpInputError(
+                f"decode attention {NAME!r} planned its kernels for {self.heads[0]} query "
+                f"heads at softmax scale {self.heads[1]:g}, and this layer has {q.shape[1]} "
+                f"at {scale:g}: FlashInfer fixes both when it plans, so it serves models "
+                "whose layers agree; use decode attention 'graphcap' for this one")
         if pair not in self.variants:
             refuse_first_in_capture(
                 "FlashInfer decode attention", variant, "Run a decode step eagerly before "
