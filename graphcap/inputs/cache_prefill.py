@@ -14,7 +14,10 @@ among the new tokens (the attention backend's kernel).
 With ``extend=True`` a request may continue one already in the cache (chunked prefill of a
 long prompt, or a prompt on a cached prefix): ``runner(..., slots=[...], starts=[...])``,
 ``starts[r]`` the tokens of request ``r`` already cached (its first position; at most
-what its slot holds), its positions ``starts[r] .. starts[r] + seq_lens[r] - 1``. Every
+what its slot holds), its positions ``starts[r] .. starts[r] + seq_lens[r] - 1``. (The
+graphs take every token's position from ``starts`` and ``seq_lens``, as the cache counts
+what is written: positions given otherwise are not what runs; ``check_inputs=True``
+refuses them.) Every
 token then attends over its request's pages up to itself (``graphcap::decode_attention``
 with a row per token, its pages and length computed in the graph like a decode step's),
 so one graph serves fresh prompts and continuations alike, under every strategy.
@@ -33,10 +36,12 @@ class CachePrefillInputs(PagedInputs):
     ``slots`` request slots per shape; ``output_rows`` (None: the model's) 'tokens' or
     'requests' (the model takes each request's last row and returns one row each);
     ``hidden``: ``(logits, hidden)``, the hidden states of the same rows (a draft head's
-    start)."""
+    start); ``check_inputs``: token ids checked against the vocabulary and the positions
+    given against the requests' starts (one host sync a call)."""
 
     def __init__(self, cache: PagedKVCache, attention, slots: int,
                  output_rows: str | None = None, name: str = "the model", extend: bool = False,
-                 hidden: bool = False):
+                 hidden: bool = False, check_inputs: bool = False):
         super().__init__(cache, None, attention=attention, slots=slots,
-                         output_rows=output_rows, extend=extend, name=name, hidden=hidden)
+                         output_rows=output_rows, extend=extend, name=name, hidden=hidden,
+                         check_inputs=check_inputs)

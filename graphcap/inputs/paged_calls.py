@@ -100,10 +100,16 @@ def check_requests(inputs: PagedInputs, args: tuple, kwargs: dict) -> Batch:
         check_packing(inputs.name, inputs.attention.name, lens)
     slots = inputs.cache.requests(kwargs["slots"], len(lens))
     starts = _starts(inputs, kwargs.get("starts"), slots, lens)
+    # Each token's position and request slot, from the host values the cache's counts
+    # follow (the positions given must be the same; check_inputs compares them).
+    positions = [b + j for b, n in zip(starts, lens, strict=True) for j in range(n)]
     per_token = [s for s, n in zip(slots, lens, strict=True) for _ in range(n)]
-    token_slots = checks.staged(per_token, torch.long, inputs.device)  # pinned: no sync
+    host = checks.staged([positions, per_token], torch.long, inputs.device)  # pinned
+    if inputs.check_inputs and not torch.equal(args[1].cpu(), host[0]):  # one host sync
+        raise BadBatch(f"positions must run from each request's start: starts {starts} and "
+                       f"seq_lens {lens} give {positions[:8]}{'...' * (len(positions) > 8)}")
     ends = [(s, b + n) for s, b, n in zip(slots, starts, lens, strict=True) if n]
-    return Batch((*args, token_slots), args[0].shape[0], lens, host=ends)
+    return Batch((args[0], host[0], host[1]), args[0].shape[0], lens, host=ends)
 
 
 def starts_of(given, requests: int) -> list[int]:
@@ -127,5 +133,9 @@ def _starts(inputs: PagedInputs, given, slots: list[int], lens: list[int]) -> li
                            f"pages hold {written} tokens; a request continues at most "
                            "from its last written token")
         inputs.cache.check_reach(slot, start)
-    inputs.cache.check_prompts(slots, [b + n for b, n in zip(starts, lens, strict=True)])
+    ends = [b + n for b, n in zip(starts, lens, strict=True)]
+    if inputs.max_position is not None and max(ends) > inputs.max_position:
+        raise BadBatch(f"requests ending at positions {ends} reach past the model's "
+                       f"max_position {inputs.max_position}")
+    inputs.cache.check_prompts(slots, ends)
     return starts

@@ -77,7 +77,8 @@ KV_WRITE = register_op(
     f"graphcap::{OP}",
     "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_loc) -> ()",
     reference=kv_write_reference,
-    kernels={"triton": Kernel("graphcap.opsdb.triton.kv:kv_write", requires=("triton",))},
+    kernels={"triton": Kernel("graphcap.opsdb.triton.kv:kv_write", requires=("triton",),
+                              dtypes=(torch.float16, torch.bfloat16, torch.float32))},
     check=check_kv_write, inputs=kv_write_inputs,
     doc="k, v [T, Hk, D] into a paged cache layer [P, S, Hk, D] at cache_loc [T]",
 )

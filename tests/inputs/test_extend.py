@@ -150,3 +150,43 @@ def test_bad_starts_are_refused_and_the_runner_stays_usable():
     ids, positions, lens, slots, starts = call_of(CHUNKS[0])
     runner(ids, positions, seq_lens=lens, slots=slots, starts=starts)
     assert cache.written(0) == 4 and cache.written(1) == 3 and cache.written(2) == 2
+
+
+def test_each_token_runs_at_the_position_its_start_gives_and_other_positions_are_refused():
+    # The cache counts a request's tokens from its start: the graphs write and read them
+    # at those positions, whatever the call's positions say; check_inputs refuses those.
+    m, cache = setup(nan=True)
+    backend = get_backend(None, DEVICE, strategy="full", dtype=torch.float32)
+    runner = graphcap.capture(m, "full", buckets=[8],
+                              inputs=CachePrefillInputs(cache, backend, slots=3))
+    ids, positions, lens, slots, _ = call_of([(0, 0, 4)])
+    got = runner(ids, positions + 6, seq_lens=lens, slots=slots)  # positions 6..9
+    torch.testing.assert_close(got, runner(ids, positions, seq_lens=lens, slots=slots))
+    step = decode_step(m, cache, torch.tensor([3], device=DEVICE),
+                       torch.tensor([4], device=DEVICE), [0])
+    assert not step.isnan().any()  # positions 0..3 were written
+    checked = graphcap.capture(m, "full", buckets=[8], inputs=CachePrefillInputs(
+        cache, backend, slots=3, check_inputs=True))
+    with pytest.raises(BadBatch, match=r"positions must run from each request's start"):
+        checked(ids, positions + 6, seq_lens=lens, slots=slots)
+    checked(ids, positions, seq_lens=lens, slots=slots)  # usable after
+
+
+def test_a_prompt_past_the_models_positions_is_refused_before_anything_runs():
+    import dataclasses
+
+    torch.manual_seed(0)
+    m = Decoder(dataclasses.replace(PRESETS["tiny"], max_position=16)).to(DEVICE).eval()
+    a = m.args
+    cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=1, max_len=24,
+                         page_size=4, device=DEVICE)
+    cache.admit(0, 24)
+    backend = get_backend(None, DEVICE, strategy="full", dtype=torch.float32)
+    runner = graphcap.capture(m, "full", buckets=[24], inputs=CachePrefillInputs(
+        cache, backend, slots=1, extend=True))
+    ids = torch.ones(20, dtype=torch.long, device=DEVICE)
+    with pytest.raises(BadBatch, match=r"ending at positions \[20\] reach past the model's "
+                                       "max_position 16"):
+        runner(ids, torch.arange(20, device=DEVICE), seq_lens=[20], slots=[0])
+    assert cache.written(0) == 0
+    runner(ids[:16], torch.arange(16, device=DEVICE), seq_lens=[16], slots=[0])  # usable

@@ -311,3 +311,18 @@ def test_a_kernel_launching_compiled_cuda_code_is_not_offered_on_cpu_tensors(mon
     assert "runs on cuda tensors, not cpu" in kernels["cuda"].unavailable(torch.device("cpu"))
     if spec.env.settings().triton_interpret:
         assert kernels["triton"].unavailable(torch.device("cpu")) is None
+
+
+def test_the_interpreters_bfloat16_rounding_keeps_every_nan_a_nan():
+    # NaN payloads the rounding's carry would turn into inf or -0 (the GPU's cast keeps
+    # them NaN): a property test poisoning memory with NaN must see NaN.
+    import graphcap.env
+    from graphcap.opsdb.triton.kv import kv_write
+
+    if not graphcap.env.settings().triton_interpret:
+        pytest.skip("Triton's interpreter only (TRITON_INTERPRET=1)")
+    bits = torch.tensor([0x7F800001, 0x7FFFFFFF, -8388607], dtype=torch.int32)
+    k = bits.view(torch.float32).view(3, 1, 1).expand(3, 1, 2).contiguous()
+    caches = [torch.zeros(3, 1, 1, 2, dtype=torch.bfloat16) for _ in range(2)]
+    kv_write(k, k, *caches, torch.arange(3))
+    assert caches[0].isnan().all() and caches[1].isnan().all()

@@ -62,7 +62,8 @@ def cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     if INTERPRET and dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
+        # A NaN stays NaN (its payload could carry into inf, or truncate to it).
+        x = tl.where(x != x, float("nan"), bits.to(tl.float32, bitcast=True))
     return x.to(dtype)
 
 
