@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from graphcap.core import checks
@@ -102,12 +103,15 @@ def check_requests(inputs: PagedInputs, args: tuple, kwargs: dict) -> Batch:
     starts = _starts(inputs, kwargs.get("starts"), slots, lens)
     # Each token's position and request slot, from the host values the cache's counts
     # follow (the positions given must be the same; check_inputs compares them).
-    positions = [b + j for b, n in zip(starts, lens, strict=True) for j in range(n)]
-    per_token = [s for s, n in zip(slots, lens, strict=True) for _ in range(n)]
-    host = checks.staged([positions, per_token], torch.long, inputs.device)  # pinned
+    counts = np.array(lens)
+    positions = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts - starts,
+                                                    counts)
+    host = checks.staged(np.stack([positions, np.repeat(slots, counts)]), torch.long,
+                         inputs.device)  # pinned: no host sync
     if inputs.check_inputs and not torch.equal(args[1].cpu(), host[0]):  # one host sync
         raise BadBatch(f"positions must run from each request's start: starts {starts} and "
-                       f"seq_lens {lens} give {positions[:8]}{'...' * (len(positions) > 8)}")
+                       f"seq_lens {lens} give {positions[:8].tolist()}"
+                       f"{'...' * (len(positions) > 8)}")
     ends = [(s, b + n) for s, b, n in zip(slots, starts, lens, strict=True) if n]
     return Batch((args[0], host[0], host[1]), args[0].shape[0], lens, host=ends)
 
