@@ -77,7 +77,7 @@ def _from_the_model(exc: BaseException) -> bool:
     frames = [f.filename for f in traceback.extract_tb(exc.__traceback__)]
     torch_dir = os.path.dirname(torch.__file__)
     ours = [f for f in frames if not f.startswith(torch_dir)]
-    return bool(ours) and not ours[-1].startswith(_PACKAGE)
+    return bool(ours) and not ours[-1].startswith(_PACKAGE + os.sep)
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))

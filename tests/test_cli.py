@@ -63,6 +63,26 @@ def test_check_flags_a_python_side_effect_that_capture_freezes(capsys):
     assert "FAIL" in out and "frozen" in out
 
 
+def test_check_says_replays_differ_where_they_differ_in_several_ways(capsys):
+    code, out, err = cli(capsys, "check", "tests.support.check_models:cycling",
+                         "--examples", "5", "--sequences", "2", "--strategies", "full",
+                         "breakable")
+    assert code == 1, out + err
+    assert "Replays differ from eager" in out and "ExceptionGroup" not in out, out
+
+
+def test_check_takes_code_in_a_directory_named_like_graphcap_for_the_models():
+    # graphcap_user/ beside the package is the user's: its error is the model's, not ours.
+    from graphcap import check
+
+    namespace = {}
+    exec(compile("def forward():\n    raise ValueError('a bug')\n",
+                 check._PACKAGE + "_user/model.py", "exec"), namespace)
+    with pytest.raises(ValueError) as info:
+        namespace["forward"]()
+    assert check._from_the_model(info.value)
+
+
 def cli(capsys, *argv):
     """``graphcap ARGV`` in this process: its exit status, stdout and stderr."""
     try:

@@ -268,17 +268,22 @@ def _probe_kwargs(model, h, pos):
 
 def _layer(model, name: str, layer, hidden: int, cos_sin, sub: Substitution, shared):
     """Recognise and probe one decoder layer; patch it if any half runs graphcap's."""
-    if why := _foreign_forward(layer) or _shared(layer, *shared) or \
-            patterns.pre_norm_layer(layer):
+    h = probe.hidden(hidden, next(layer.parameters()), seed=2)
+    pos = probe.positions(cos_sin.shape[0] if cos_sin is not None else probe.TOKENS,
+                          h.device, seed=3)
+    kw = None
+    if not (why := _foreign_forward(layer) or _shared(layer, *shared)
+            or patterns.pre_norm_layer(layer)):
+        try:
+            kw = _probe_kwargs(model, h, pos)
+        except (TypeError, ValueError, RuntimeError) as exc:  # a rotary of its own call
+            why = f"its rotary embedding is called otherwise ({type(exc).__name__}: {exc})"
+    if kw is None:
         for half, kind in (("self_attn", "attention"), ("mlp", "mlp")):
             sub.parts.append(Part(f"{name}.{half}", kind, False, why))
         return
     attention, attention_why = patterns.recognise_attention(layer, hidden, cos_sin)
     mlp, mlp_why = patterns.recognise_mlp(layer, hidden)
-    h = probe.hidden(hidden, next(layer.parameters()), seed=2)
-    pos = probe.positions(cos_sin.shape[0] if cos_sin is not None else probe.TOKENS,
-                          h.device, seed=3)
-    kw = _probe_kwargs(model, h, pos)
     stock = LayerKernels(None, None)
     if why := probe.mismatch(stock.forward(layer, h[None], (), kw),
                              type(layer).forward(layer, h[None], **kw), "the layer"):

@@ -262,3 +262,31 @@ def test_bad_eager_calls_are_refused_with_what_was_wrong(ids, pos, lens, logits,
     lm = PrefillLM(hf_model("llama"), logits=logits)
     with pytest.raises(BadBatch, match=match), torch.no_grad():
         lm(ids, pos, seq_lens=lens)
+
+
+@pytest.mark.parametrize("family", ["laguna", "mellum"])
+def test_a_rotary_embedding_of_another_call_leaves_its_layers_stock_and_matches(family):
+    # These call their rotary embedding with a layer type: no probe can run their layers,
+    # so neither half takes graphcap's kernels (the wrap raised TypeError), and the model
+    # still computes what it computes stock.
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if family not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    config = AutoConfig.for_model(
+        family, vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                          dtype=torch.float32).eval()
+    ids = torch.randint(3, VOCAB, (9,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids[None], position_ids=torch.arange(9)[None]).logits[0]
+    lm = PrefillLM(copy.deepcopy(hf))
+    parts = [p for p in lm.kernels.parts if p.kind in ("attention", "mlp")]
+    assert parts and not any(p.graphcap for p in parts)
+    assert all("rotary embedding is called otherwise" in p.what for p in parts)
+    with torch.no_grad():
+        torch.testing.assert_close(lm(ids, torch.arange(9), seq_lens=[9]), want,
+                                   atol=1e-4, rtol=1e-4)

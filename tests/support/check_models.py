@@ -25,6 +25,29 @@ def counting():
     return Counting()
 
 
+class Cycling(torch.nn.Module):
+    """A frozen counter that scales the output by 1, 2 or 3 in turn: its replays differ
+    from eager in more than one way (hypothesis finds several distinct failures)."""
+
+    graphcap_inputs = "prefill"
+    vocab_size = 50
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 8)
+        self.head = torch.nn.Linear(8, 50)
+        self.calls = 0
+
+    def forward(self, input_ids, positions):
+        self.calls += 1
+        return self.head(self.emb(input_ids)) * (1 + self.calls % 3)
+
+
+def cycling():
+    torch.manual_seed(0)
+    return Cycling().eval()
+
+
 class SdpaDecoder(torch.nn.Module):
     """A decoder of packed requests whose attention is its own SDPA: blind to where the
     requests begin and end."""
