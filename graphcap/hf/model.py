@@ -128,16 +128,17 @@ def _switch_attention(model: PreTrainedModel) -> None:
 
 def _experts_for(model: PreTrainedModel, experts: str | None) -> str | None:
     """The capturable experts implementation to use, or None for a dense model."""
+    if experts is not None and experts not in CAPTURABLE_EXPERTS:
+        why = ("the eager experts loop finds the experts hit with nonzero, a host sync"
+               if experts == "eager" else "no experts implementation of that name")
+        raise UnsupportedModel(f"experts={experts!r} cannot be captured ({why}); choose "
+                               f"one of {CAPTURABLE_EXPERTS}")
     if not any(hasattr(m, "experts") for m in model.modules()):
         return None
     if experts is None:  # grouped_mm falls back to a host loop off CUDA bf16 when compiled
         p = next(model.parameters())
         cuda_bf16 = p.device.type == "cuda" and p.dtype == torch.bfloat16
         experts = "grouped_mm" if cuda_bf16 else "batched_mm"
-    if experts not in CAPTURABLE_EXPERTS:
-        raise UnsupportedModel(
-            f"experts={experts!r} cannot be captured (the eager experts loop finds the "
-            f"experts hit with nonzero, a host sync); choose one of {CAPTURABLE_EXPERTS}")
     return experts
 
 

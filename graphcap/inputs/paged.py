@@ -128,6 +128,8 @@ class PagedInputs(Inputs):
             raise ValueError("extend=True continues requests of any length: it needs "
                              "tokens_per_request=None (fixed steps always extend)")
         self.kind = "decode" if self.step is not None else "prefill"
+        if isinstance(attention, str):  # a prefill attention backend by its name
+            attention = get_backend(attention, cache.device)
         self.attention, self.slots, self.name = attention, slots, name
         self.pages = decode_attention if isinstance(decode_attention, DecodeBackend) \
             else get_backend(decode_attention, kind="decode", cache=cache)
@@ -284,7 +286,7 @@ class PagedInputs(Inputs):
             return out, h
         if h is not None:  # each request's row of its last accepted token
             rows = out.shape[0]
-            h = h[:rows * self.step].view(rows, self.step, -1)
+            h = h[:rows * self.step].view(rows, self.step, h.shape[-1])
             return out, h.gather(1, out[:, :1, None].expand(-1, 1, h.shape[-1]))[:, 0]
         return out
 

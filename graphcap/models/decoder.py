@@ -186,9 +186,10 @@ class MoE(nn.Module):
             return "the experts are not MXFP4"
         if mxfp4.is_operand_order(self.w13):
             return None
-        why = (mxfp4.why_not(self.w13, self.w13_scale) or mxfp4.why_not(self.w2, self.w2_scale)
-               or ("the experts are not on a CUDA device" if self.w13.device.type != "cuda"
-                   else cuda_kernels.unavailable()))
+        why = (("the experts are not on a CUDA device" if self.w13.device.type != "cuda"
+                else None)  # first: a meta or CPU tensor's scales are not read
+               or mxfp4.why_not(self.w13, self.w13_scale) or mxfp4.why_not(self.w2, self.w2_scale)
+               or cuda_kernels.unavailable())
         if why is None and not cuda_kernels.builds("moe_mxfp4"):
             why = "its CUDA kernel did not build"
         if why:

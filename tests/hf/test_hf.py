@@ -172,6 +172,13 @@ def test_an_experts_implementation_that_syncs_is_rejected_before_anything_change
     assert model.config._attn_implementation == "eager"
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_an_experts_implementation_of_no_name_is_refused_on_any_model(family):
+    with pytest.raises(UnsupportedModel, match="experts='grouped' cannot be captured "
+                                               r"\(no experts implementation of that name"):
+        PrefillLM(hf_model(family), experts="grouped")
+
+
 @pytest.mark.gpu
 def test_a_qwen3_0_6b_shaped_model_replays_like_eager_on_cuda_graphs():
     config = transformers.Qwen3Config(

@@ -228,6 +228,20 @@ def test_a_verify_step_returns_each_requests_hidden_state_at_its_last_accepted_t
         torch.testing.assert_close(hidden[i], h[-1], rtol=1e-4, atol=1e-4)
 
 
+def test_a_verify_step_with_hidden_states_captures_buckets_smaller_than_a_request():
+    # A bucket of fewer tokens than a request's 1 + K holds no request: its graph returns
+    # no rows (it failed to capture, reshaping no rows of hidden states).
+    m, _, first = setup()
+    _, cache, _ = setup()
+    runner = graphcap.capture(m, "full", buckets=[2, 1 + K, 2 * (1 + K)],
+                              inputs=PagedInputs(cache, tokens_per_request=1 + K,
+                                                 accept="greedy", hidden=True))
+    slot = sorted(first)[0]
+    out, hidden = runner(torch.tensor([first[slot]] + [0] * K, device=DEVICE),
+                         positions=[cache.written(slot)], slots=[slot])
+    assert out.shape[0] == hidden.shape[0] == 1
+
+
 def test_hidden_states_of_a_decode_step_need_a_verify_step():
     _, cache, _ = setup()
     with pytest.raises(ValueError, match="a verify step: accept="):

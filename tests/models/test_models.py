@@ -22,6 +22,13 @@ def test_presets_have_the_shapes_of_the_models_they_name(name, billions):
                                                                               abs=0.01)
 
 
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_builds_on_the_meta_device(name):
+    # Shapes only: nothing reads a value (MXFP4 experts' scales included).
+    model = build_model(name, device="meta")
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
 def test_the_gpt_oss_120b_slice_has_its_layers_and_their_pattern():
     """All 36 layers of the slice's shape are gpt-oss-120b's 116.83 B parameters (bf16
     experts; the published checkpoint's are MXFP4); windows alternate with full layers."""
