@@ -190,3 +190,14 @@ def test_a_prompt_past_the_models_positions_is_refused_before_anything_runs():
         runner(ids, torch.arange(20, device=DEVICE), seq_lens=[20], slots=[0])
     assert cache.written(0) == 0
     runner(ids[:16], torch.arange(16, device=DEVICE), seq_lens=[16], slots=[0])  # usable
+
+
+def test_the_prefill_attention_backend_may_be_given_by_its_name():
+    m, cache = setup()
+    backend = get_backend(None, DEVICE, strategy="full", dtype=torch.float32)
+    named = CachePrefillInputs(cache, backend.name, slots=3)
+    assert type(named.attention) is type(backend)
+    runner = graphcap.capture(m, "full", buckets=[8], inputs=named)
+    ids, positions, lens, slots, _ = call_of(CHUNKS[0])
+    runner(ids, positions, seq_lens=lens, slots=slots)
+    assert cache.written(0) == 4
