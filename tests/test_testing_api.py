@@ -345,3 +345,29 @@ def test_the_plugin_skips_by_the_gpu_marker_not_by_a_directory_named_gpu(pyteste
     pytester.makepyfile(**{"gpu/test_plain": "def test_math():\n    assert 1 + 1 == 2\n"})
     result = pytester.runpytest()  # the plugin, loaded by its entry point
     result.assert_outcomes(passed=1)
+
+
+def test_assert_replay_equivalent_draws_token_ids_over_the_embedding_without_a_vocab_size(
+        monkeypatch):
+    import graphcap.testing.replay as replay
+
+    vocabs = []
+
+    def spy(max_tokens, max_requests, vocab, **kw):
+        vocabs.append(vocab)
+        return prefill_batches(max_tokens, max_requests, vocab, **kw)
+
+    monkeypatch.setattr(replay, "prefill_batches", spy)
+    embeds = torch.nn.Embedding(40, 8)  # a model of token ids with no vocab_size
+    assert_replay_equivalent(lambda: _Embeds(embeds), ("full",), buckets=[8],
+                             max_requests=1, examples=3, sequences=1)
+    assert vocabs and set(vocabs) == {40}  # not ids of 1 alone
+
+
+class _Embeds(torch.nn.Module):
+    def __init__(self, embed):
+        super().__init__()
+        self.embed = embed
+
+    def forward(self, input_ids, positions):
+        return self.embed(input_ids)

@@ -30,6 +30,12 @@ def _close(got, want, label: str, atol: float, worst: list) -> None:
                                    msg=lambda m: f"{label}: captured output differs: {m}")
 
 
+def _embedding_rows(model) -> int:
+    """The rows of the model's first embedding table (its vocabulary), else 2 (ids 1)."""
+    table = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    return table.num_embeddings if table is not None else 2
+
+
 def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None, *,
                              max_tokens: int = 64, max_requests: int = 4,
                              buckets=None, attention: str | None = None,
@@ -44,7 +50,8 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
     with the shrunk failing batch.
 
     ``batches``: a hypothesis strategy of ``(input_ids, positions, seq_lens)`` (default
-    :func:`prefill_batches`). ``attention``: the backend (default: the best one allowed
+    :func:`prefill_batches`, token ids below ``vocab``: the model's ``vocab_size``, else
+    its first embedding table's rows). ``attention``: the backend (default: the best one allowed
     under every strategy asked for). ``compiler``: tc_piecewise's piece compiler
     (``"eager"`` or ``"inductor"``)."""
     model = model_or_factory() if not isinstance(model_or_factory, torch.nn.Module) \
@@ -58,7 +65,7 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
 
         attention = get_backend(None, device, strategy="full", dtype=dtype).name
     vocab = vocab or getattr(model, "vocab_size", None) or getattr(
-        getattr(model, "args", None), "vocab_size", None) or 2
+        getattr(model, "args", None), "vocab_size", None) or _embedding_rows(model)
     top = max(buckets) if buckets else max_tokens
     # Sequences also draw batches past the largest bucket and the slots: fallbacks.
     # A model with a row per request (last-token logits) takes no empty requests.
