@@ -129,6 +129,7 @@ class DraftModel:
             same += 1
         if want and (same == 0 or len(want) - same > self.k + 1):
             self.cache.rewind(slot, 0)
+            self.held[slot] = []  # nothing kept, also if the prefill raises part-way
             self._prefill(slot, want)
             return
         self.cache.rewind(slot, same)

@@ -94,6 +94,28 @@ def test_a_call_interrupted_in_the_drafts_first_prefill_leaves_speculation_usabl
     assert llm.generate(PROMPTS[:1], NEW)[0].tokens == truth()[0][:NEW]
 
 
+def test_a_call_interrupted_in_a_slots_new_prefill_keeps_none_of_its_old_tokens(
+        monkeypatch):
+    # The slot held the last request's tokens; its new prefill starts from 0 and raises
+    # part-way: the draft holds nothing of the slot, so the next call prefills it anew.
+    draft = DraftModel(other_draft(), K)
+    llm = LLM(model(), max_batch=1, max_len=32, prefill_tokens=8, progress=False,
+              speculative=draft)
+    llm.generate(PROMPTS[:1], NEW)
+    (slot,) = draft.held
+    real = draft.engine.prefill
+
+    def interrupted(slots):
+        monkeypatch.setattr(draft.engine, "prefill", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(draft.engine, "prefill", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS[1:2], NEW)
+    assert draft.held[slot] == []
+    assert llm.generate(PROMPTS[:1], NEW)[0].tokens == truth()[0][:NEW]
+
+
 def test_a_draft_that_is_often_wrong_still_gives_the_targets_greedy_tokens():
     llm = with_draft("full", other_draft())
     for _ in range(2):  # the second call's prompts meet the first call's caches
