@@ -299,15 +299,8 @@ def test_check_op_takes_a_fake_right_where_an_optional_written_argument_is_none(
     assert report.examples == 3
 
 
-class TwoOutputs(torch.nn.Module):
+class TwoOutputs(LeakyDecoder):
     """The tiny decoder returning (logits, hidden): an output of several tensors."""
-
-    def __init__(self):
-        super().__init__()
-        from graphcap.models import build_model
-
-        self.inner = build_model("tiny")
-        self.args = self.inner.args
 
     def forward(self, input_ids, positions):
         return self.inner(input_ids, positions, hidden=True)
