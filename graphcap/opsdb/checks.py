@@ -34,3 +34,13 @@ def last_dim_contiguous(op: str, name: str, t: torch.Tensor) -> None:
     if t.numel() and t.stride(-1) != 1:
         raise OpInputError(f"{op}: {name} must be contiguous in its last dim; "
                            "call .contiguous() first")
+
+
+def writable(op: str, name: str, t: torch.Tensor) -> None:
+    """``t``, which ``op`` writes in place, has no two elements at one place (an
+    ``expand``ed tensor: several writes would race there)."""
+    if any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride(),
+                                                             strict=True)):
+        raise OpInputError(f"{op}: {name} is written in place but repeats its memory "
+                           f"(strides {t.stride()}, an expanded tensor); pass a copy "
+                           "(.contiguous())")

@@ -12,6 +12,7 @@ def _check_rms(op, x, weight, eps):
     checks.tensor(op, "x", x, ndim=2)
     checks.last_dim_contiguous(op, "x", x)
     checks.tensor(op, "weight", weight, ndim=1, device=x.device)
+    checks.last_dim_contiguous(op, "weight", weight)
     checks.same(op, "the hidden size", x.shape[-1], weight.shape[0], "x", "weight")
     if not eps > 0:
         raise checks.OpInputError(f"{op}: eps must be > 0, got {eps}")
@@ -27,6 +28,8 @@ def check_fused_add_rms_norm(x, residual, weight, eps):
     checks.same("fused_add_rms_norm", "the shape", tuple(x.shape), tuple(residual.shape),
                 "x", "residual")
     checks.last_dim_contiguous("fused_add_rms_norm", "residual", residual)
+    for name, t in (("x", x), ("residual", residual)):  # both written in place
+        checks.writable("fused_add_rms_norm", name, t)
 
 
 def rms_norm_inputs(device, dtype, max_tokens: int = 64):

@@ -72,6 +72,7 @@ def check_rope(op: str, q, positions, q_weight, k_weight, cos_sin_cache,
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         if w is not None:
             checks.tensor(op, name, w, ndim=1, device=device)
+            checks.last_dim_contiguous(op, name, w)  # the kernels read it as contiguous
             checks.same(op, "the size", w.shape[0], head_size, name, "head_size")
     if q_weight is not None:
         checks.same(op, "the dtype", k_weight.dtype, q_weight.dtype, "k_weight", "q_weight")

@@ -19,8 +19,10 @@ def check_rotary(positions, query, key, cos_sin_cache, head_size):
     checks.same(OP, "the token count", query.shape[0], positions.shape[0], "query",
                 "positions")
     checks.same(OP, "the token count", key.shape[0], positions.shape[0], "key", "positions")
+    checks.last_dim_contiguous(OP, "cos_sin_cache", cos_sin_cache)
     for name, t in (("query", query), ("key", key)):
         checks.last_dim_contiguous(OP, name, t)
+        checks.writable(OP, name, t)
         if head_size <= 0 or t.shape[1] % head_size:
             raise checks.OpInputError(
                 f"{OP}: {name} width {t.shape[1]} is not a multiple of head_size {head_size}")

@@ -326,3 +326,42 @@ def test_the_interpreters_bfloat16_rounding_keeps_every_nan_a_nan():
     caches = [torch.zeros(3, 1, 1, 2, dtype=torch.bfloat16) for _ in range(2)]
     kv_write(k, k, *caches, torch.arange(3))
     assert caches[0].isnan().all() and caches[1].isnan().all()
+
+
+def test_op_checks_refuse_what_the_kernels_cannot_read_by_name():
+    # Strided weights the kernels would read as contiguous, a transposed rotary table,
+    # and in-place outputs repeating their memory: OpInputError, naming the argument.
+    from graphcap.errors import OpInputError
+    from graphcap.opsdb import reference as ref
+    from graphcap.opsdb.norm import FUSED_ADD_RMS_NORM, RMS_NORM
+    from graphcap.opsdb.qkv import QKV_NORM_ROPE
+    from graphcap.opsdb.rotary import ROTARY_EMBEDDING
+
+    cache = ref.rope_cache(16, 8, 1e4)
+    qkv, pos = torch.randn(2, 64), torch.tensor([0, 3])
+    cases = [
+        ("q_weight must be contiguous", lambda: QKV_NORM_ROPE(
+            qkv, pos, torch.randn(32)[::2], torch.randn(32)[::2], cache, 2, 1, 16, 1e-6)),
+        ("weight must be contiguous", lambda: RMS_NORM(torch.randn(2, 8),
+                                                       torch.randn(16)[::2], 1e-6)),
+        ("cos_sin_cache must be contiguous", lambda: ROTARY_EMBEDDING(
+            pos, torch.randn(2, 16), torch.randn(2, 16), cache.t().contiguous().t(), 16)),
+        ("x is written in place but repeats its memory", lambda: FUSED_ADD_RMS_NORM(
+            torch.randn(1, 8).expand(3, 8), torch.randn(3, 8), torch.ones(8), 1e-6)),
+        ("query is written in place but repeats its memory", lambda: ROTARY_EMBEDDING(
+            pos, torch.randn(1, 16).expand(2, 16), torch.randn(2, 16), cache, 16)),
+    ]
+    for needle, call in cases:
+        with pytest.raises(OpInputError, match=needle):
+            call()
+
+
+def test_the_few_row_linear_takes_an_empty_input_of_any_strides():
+    import graphcap.env
+    from graphcap.opsdb.linear import RMS_NORM_SWIGLU
+
+    if not graphcap.env.settings().triton_interpret:
+        pytest.skip("the Triton kernel on CPU tensors: Triton's interpreter only")
+    x = torch.randn(0, 1) * 1.0  # strides (1, 0): torch's own, for no rows
+    out = RMS_NORM_SWIGLU(x, torch.ones(1), 1e-6, torch.randn(4, 1), kernel="triton")
+    assert out.shape == (0, 2)

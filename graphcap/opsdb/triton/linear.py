@@ -297,7 +297,7 @@ def new_output(name: str, x: torch.Tensor, weight: torch.Tensor, swiglu: bool,
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     if m > max_rows:
         raise ValueError(f"{name} takes at most {max_rows} rows, got {m}")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
+    if (x.numel() and x.stride(1) != 1) or (weight.numel() and weight.stride(1) != 1):
         raise ValueError("x and weight need a contiguous last dim")
     return torch.empty(m, n, dtype=x.dtype, device=x.device), (m, n, k)
 
