@@ -81,9 +81,9 @@ class LLM:
     nothing is downloaded), or a model of one's own that declares what it caches
     (docs/models.md, "Generate with your model"). ``strategy`` captures the graphs (any of
     :data:`graphcap.api.STRATEGIES`); ``max_batch`` requests decode together, each of up
-    to ``max_len`` tokens (prompt and new ones; default the model's ``max_position``, at
-    most 4096); ``prefill_tokens`` bounds a prefill graph (a longer prompt prefills in
-    chunks of it); ``attention`` names the prefill attention backend and
+    to ``max_len`` tokens (prompt and new ones; default the model's ``max_position``, less
+    a proposer's ``k``, at most 4096); ``prefill_tokens`` bounds a prefill graph (a longer
+    prompt prefills in chunks of it); ``attention`` names the prefill attention backend and
     ``decode_attention`` the decode one (:class:`~graphcap.engine.engine.Engine`);
     ``progress`` shows the captures; ``stop_at_eos``: the model's and the tokenizer's
     end-of-sequence ids end every request; ``long_prompts``: prompts longer than
@@ -110,12 +110,12 @@ class LLM:
         warn_unapplied_defaults(model)
         self.max_batch = positive_int(max_batch, "max_batch")
         bound = self.shape.max_position
-        self.max_len = positive_int(max_len, "max_len") if max_len is not None else \
-            min(bound, DEFAULT_MAX_LEN)
-        if self.max_len > bound:
-            raise ValueError(f"max_len {self.max_len} passes the model's max_position {bound}")
         # A verify step writes its k proposals past a request's last token: room for them.
         self.room = check_proposer(speculative) if speculative is not None else 0
+        self.max_len = positive_int(max_len, "max_len") if max_len is not None else \
+            min(bound - self.room, DEFAULT_MAX_LEN)
+        if self.max_len > bound:
+            raise ValueError(f"max_len {self.max_len} passes the model's max_position {bound}")
         if self.max_len + self.room > bound:
             raise ValueError(f"max_len {self.max_len} plus the proposer's k = {self.room} "
                              f"passes the model's max_position {bound}: a verify step "
@@ -243,10 +243,11 @@ class LLM:
             while True:  # the same requests step on, each step launched before the read
                 ending = any(len(engine.live[s].new) + 1 >= max_new for s in slots)
                 ahead = None if ending else _Fetch(engine.launch(slots, drawn.device))
-                joined = self._fill(filling) if filling and ahead is not None else []
+                joined = self._fill(filling) if filling else []  # a chunk every step
                 read = list(zip(slots, drawn.tokens(), strict=True))
                 ended = yield from self._take(read, max_new, stops, texts)
                 if ahead is None:
+                    yield from self._take(joined, max_new, stops, texts)
                     break
                 if ended or joined:  # the requests in flight change: the step ahead's
                     # tokens are those of the requests still live, then the joined one's

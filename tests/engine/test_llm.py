@@ -236,3 +236,14 @@ def test_a_long_prompt_prefills_a_chunk_between_two_decode_steps_of_the_others()
         [truth()[0][:6], truth()[2][:6]]
     report = llm().report()
     assert not report["prefill"]["fallbacks"] and not report["extend"]["fallbacks"]
+
+
+def test_a_long_prompt_prefills_its_chunks_beside_requests_that_end_every_other_step():
+    # Short requests of two new tokens end each decode run after one step: the long
+    # prompt's chunks still go in one a step, not after the queue of short ones drains.
+    engine = LLM(model(), max_batch=2, max_len=40, prefill_tokens=8, progress=False)
+    long, short = list(range(10, 27)), [5, 9, 2]
+    order = [d.index for d in engine.stream([long] + [short] * 6, 2)]
+    assert order.index(0) < order.index(5), order
+    want = engine.generate([long], 2, speculate=False)[0].tokens
+    assert [c.tokens for c in engine.generate([long] + [short] * 6, 2)][0] == want

@@ -189,6 +189,12 @@ def test_room_for_the_proposals_past_max_position_is_refused():
             progress=False)
 
 
+def test_the_default_max_len_leaves_the_proposals_room_below_max_position():
+    m = model()
+    llm = LLM(m, max_batch=1, speculative=NgramProposer(K), progress=False)
+    assert llm.max_len == min(m.args.max_position - K, 4096)
+
+
 def test_generate_says_the_proposals_need_room_past_the_prompt_and_its_new_tokens():
     m = model()
     prompt = [[1] * (m.args.max_position - 6)]
