@@ -44,7 +44,7 @@ from graphcap.piecewise.split import (
     token_arg,
 )
 from graphcap.piecewise.whole import Call
-from graphcap.piecewise.writes import aliased_outputs
+from graphcap.piecewise.writes import aliased_outputs, views_of_inputs
 
 OPTIONS = ("capture_sizes", "max_tokens", "compiler", "split_ops", "copy_outputs", "pool")
 COMPILERS = ("eager", "inductor")
@@ -207,7 +207,8 @@ class PiecewiseCompiler:
             # of the call's own tensors are returned as eager returns them.
             if not isinstance(out, (tuple, list)):
                 return out
-            return type(out)(o.clone() if isinstance(o, torch.Tensor) and k not in aliased
+            views = views_of_inputs(out, args, aliased) if aliased else ()
+            return type(out)(o.clone() if isinstance(o, torch.Tensor) and k not in views
                              else o for k, o in enumerate(out))
 
         return forward

@@ -14,7 +14,7 @@ from graphcap.errors import CaptureError
 from graphcap.piecewise import phase as phases
 from graphcap.piecewise.inductor import OneOpPiece
 from graphcap.piecewise.phase import Phase
-from graphcap.piecewise.writes import mutated_inputs
+from graphcap.piecewise.writes import mutated_inputs, repeats_memory
 
 
 @dataclass
@@ -166,7 +166,7 @@ class PieceGraphs(torch.nn.Module):
                 return self.fn(*args)
         entry.graph.replay()
         for i in copied:
-            if i in self.writes:
+            if i in self.writes and not repeats_memory(args[i]):
                 args[i].copy_(entry.static[i])
         if not entry.aliases:
             return entry.outputs
@@ -229,7 +229,8 @@ def _views_of_copies(flat, args, static) -> dict[int, tuple[int, int]]:
     for k, o in enumerate(flat):
         if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in copies:
             i, s = copies[o.untyped_storage().data_ptr()]
-            out[k] = (i, o.storage_offset() - s.storage_offset())
+            if o.dtype == s.dtype:  # a view of another dtype stays the copy's (its values)
+                out[k] = (i, o.storage_offset() - s.storage_offset())
     return out
 
 

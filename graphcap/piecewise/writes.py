@@ -99,14 +99,31 @@ def mutated_inputs(module: torch.nn.Module) -> set[int]:
             if isinstance(t, torch.fx.Node) and t in root}
 
 
-def aliased_outputs(graph: torch.fx.Graph) -> set[int]:
-    """Indices of the graph's outputs (a tuple or list) that may be (views of) its inputs:
-    eager returns them aliased, so a copy of them would not be what eager returns."""
+def aliased_outputs(graph: torch.fx.Graph) -> dict[int, int]:
+    """The graph's outputs (a tuple or list) that may be (views of) its inputs: output
+    index -> the input's. Whether one is (``x.float()`` of a float ``x``, not of a bf16
+    one) the call's tensors say: :func:`views_of_inputs`."""
     root = _roots(graph)
     (output,) = [n for n in graph.nodes if n.op == "output"]
     values = output.args[0]
     values = values if isinstance(values, (tuple, list)) else [values]
-    return {k for k, v in enumerate(values) if isinstance(v, torch.fx.Node) and v in root}
+    return {k: root[v] for k, v in enumerate(values)
+            if isinstance(v, torch.fx.Node) and v in root}
 
 
-__all__ = ["aliased_outputs", "mutated_inputs"]
+def views_of_inputs(out, args, aliased: dict[int, int]) -> set[int]:
+    """Which of ``aliased``'s outputs of ``out`` share memory with their input in ``args``
+    (eager returns them aliased: a copy would not be what eager returns)."""
+    return {k for k, i in aliased.items()
+            if isinstance(out[k], torch.Tensor) and isinstance(args[i], torch.Tensor)
+            and out[k].untyped_storage().data_ptr() == args[i].untyped_storage().data_ptr()}
+
+
+def repeats_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` has two elements at one place (an expanded tensor): eager cannot
+    write it in place, so a write the graph analysis found there is none."""
+    return any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride(),
+                                                                strict=True))
+
+
+__all__ = ["aliased_outputs", "mutated_inputs", "repeats_memory", "views_of_inputs"]

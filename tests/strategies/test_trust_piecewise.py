@@ -202,6 +202,39 @@ def test_one_backend_instance_refuses_a_second_device_naming_what_to_do():
             c(torch.randn(4, 4, device="meta"))
 
 
+class Converts(nn.Module):
+    """Conversions of its inputs that copy them here (bf16 to float32): no alias."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, scale):
+        s = scale.float()  # a copy of a bf16 scale, written in place: not a write of it
+        s.mul_(2.0)
+        return self.lin(x.float()) * s, x.float(), x.view(torch.int16)
+
+
+def test_conversions_that_copy_are_neither_aliases_nor_writes_of_the_inputs():
+    # Outputs kept across calls stay their own (a copy is returned, not the static
+    # buffer); a view of another dtype keeps it; an expanded input is never written back.
+    torch.manual_seed(0)
+    m = Converts().to(DEVICE)
+    c = torch.compile(m, backend=PiecewiseCompiler({"capture_sizes": [4]}))
+    kept = []
+    with torch.no_grad():
+        for seed in range(4):
+            gen = torch.Generator().manual_seed(seed)
+            x = torch.randn(4, 8, generator=gen).to(DEVICE, torch.bfloat16)
+            scale = torch.rand(1, 8, generator=gen).to(DEVICE, torch.bfloat16).expand(4, 8)
+            got, want = c(x, scale), m(x, scale)
+            for g, w in zip(got, want, strict=True):
+                assert g.dtype == w.dtype and torch.equal(g, w), seed
+            kept.append((got, want))
+    for got, want in kept:  # later calls changed nothing returned before
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
 _LIB = torch.library.Library("graphcap_trust", "FRAGMENT")
 _LIB.define("split_b(Tensor x, Tensor(a!) out) -> ()")
 
