@@ -71,7 +71,7 @@ class ShapeEntry:
     segments: int = 1
     breaks: int = 0
     splits_in_graph: int = 0
-    # The model's tensors while this shape was captured, which its graph may read: held,
+    # The model's tensors as this shape's capture began, which its graph may read: held,
     # so that one the model replaces while later shapes build (a mask made lazily for
     # each size) is never freed under this graph.
     kept: tuple = ()
@@ -314,11 +314,6 @@ class Runner:
         return fn
 
     def _capture_one(self, bucket: int, first: bool) -> None:
-        kept = held_tensors(self.source)
-        self._capture_shape(bucket, first)
-        self.entries[bucket].kept = (*kept, *held_tensors(self.source))
-
-    def _capture_shape(self, bucket: int, first: bool) -> None:
         state = self.inputs.prepare(bucket)
         direct_failure = None
         # A split model warms every shape up: a direct capture that failed would be warmed
@@ -364,13 +359,16 @@ class Runner:
         self.stats.warmup_s += time.perf_counter() - start
 
     def _capture_timed(self, bucket: int, state) -> None:
+        # What the model holds as the graph begins (its warm-up's tensors included); those
+        # it makes inside the capture are the graph's own, remade by every replay.
+        kept = tuple(held_tensors(self.source))
         start = time.perf_counter()
         try:
             captured = self.strategy.capture(self._captured_fn(bucket, state), bucket,
                                              self.pool)
         finally:
             self.stats.capture_s += time.perf_counter() - start
-        self.entries[bucket] = ShapeEntry(bucket, state, **vars(captured))
+        self.entries[bucket] = ShapeEntry(bucket, state, **vars(captured), kept=kept)
         if self.stats.first_shape_s is None:
             self.stats.first_shape_s = self.stats.warmup_s + self.stats.capture_s
 
