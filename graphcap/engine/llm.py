@@ -147,8 +147,10 @@ class LLM:
         decode graphs are captured too)."""
         done: dict[int, Completion] = {}
         tokens: dict[int, list[int]] = {}
-        for delta in self.stream(prompts, max_new_tokens, sampling=sampling, stop=stop,
-                                 speculate=speculate):
+        # Text a step only to find stop strings: the completions' text is decoded once.
+        deltas = self._stream(prompts, max_new_tokens, sampling, stop, speculate,
+                              texts=bool(self._stop_strings(stop)))
+        for delta in deltas:
             tokens.setdefault(delta.index, []).extend(delta.tokens)
             if delta.finish_reason is not None:
                 done[delta.index] = Completion(delta.index, tokens[delta.index],
@@ -164,6 +166,11 @@ class LLM:
         step (text deltas hold back a partial character and what may begin a stop
         string), the last one of each request saying why it ended. The arguments are
         checked here, before the first delta is asked for."""
+        return self._stream(prompts, max_new_tokens, sampling, stop, speculate, texts=True)
+
+    def _stream(self, prompts, max_new_tokens, sampling, stop, speculate: bool,
+                texts: bool) -> Iterator[Delta]:
+        """:meth:`stream`, its deltas' text decoded each step only with ``texts``."""
         ids = self._prompts(prompts)
         params = sampling_of(sampling, len(ids))
         max_new_tokens = positive_int(max_new_tokens, "max_new_tokens")
@@ -176,11 +183,11 @@ class LLM:
         requests = [Request(i, p, params[i]) for i, p in enumerate(ids)]
         if not isinstance(speculate, bool):
             raise ValueError(f"speculate must be True or False, got {speculate!r}")
-        return self._serve(requests, max_new_tokens, stops, strings, speculate)
+        return self._serve(requests, max_new_tokens, stops, strings, speculate, texts)
 
     def _serve(self, requests, max_new_tokens: int, stops: set[int],
-               strings: tuple[str, ...], speculate: bool) -> Iterator[Delta]:
-        texts = {r.index: _Text(stops=strings) for r in requests}
+               strings: tuple[str, ...], speculate: bool, text: bool) -> Iterator[Delta]:
+        texts = {r.index: _Text(stops=strings) for r in requests} if text else None
         if not self._idle.acquire(blocking=False):
             raise GraphcapError("this LLM is serving another call (a stream not yet "
                                 "finished, or another thread's): one call at a time; finish "
@@ -312,7 +319,7 @@ class LLM:
             request.new.append(token)
             reason = _ends(token, len(request.new), stops, max_new)
             text = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and texts is not None:
                 text, hit = self._delta(request, texts[request.index], reason is not None)
                 if hit and reason != "stop":  # a stop string ends it, at length or not
                     reason = "stop_string"

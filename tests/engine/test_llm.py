@@ -157,6 +157,21 @@ def test_a_stop_string_completed_by_the_last_allowed_token_is_why_the_request_en
     assert cut.text == plain.text[:plain.text.find(stop)]
 
 
+def test_generate_without_stop_strings_decodes_each_completions_text_once(monkeypatch):
+    # Its steps need no text (nothing to find in it): one decode per completion, not one
+    # a step of everything drawn so far.
+    tok = byte_tokenizer()
+    engine = LLM(model(), tok, max_batch=2, max_len=48, prefill_tokens=16, progress=False)
+    decodes = []
+    real = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda *a, **k: decodes.append(1) or real(*a, **k))
+    done = engine.generate(["graphs!", "hi"], 12)
+    assert len(decodes) == 2 and all(c.text == real(c.tokens, skip_special_tokens=True)
+                                     for c in done)
+    assert engine.generate(["graphs!"], 12, stop=[done[0].text[4:6]])[0].finish_reason \
+        == "stop_string"  # with one, each step's text is read for it
+
+
 @pytest.mark.parametrize("stop", [b"H", {72: 0}, torch.tensor([[72]])])
 def test_a_stop_that_is_no_token_id_string_or_list_of_them_is_refused(stop):
     with pytest.raises(ValueError, match="stop must be a token id, a string, or a list"):
