@@ -126,8 +126,14 @@ def capture(model: torch.nn.Module, strategy: str = "breakable",
         raise TypeError(f"capture(model, strategy, config): config must be a "
                         f"graphcap.CaptureConfig, got {type(config).__name__}; give options "
                         "as keywords")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"capture(model, ...): model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}")
+    if isinstance(strategy, CaptureConfig):
+        raise TypeError("capture(model, strategy, config): the config came where the "
+                        "strategy goes; give capture(model, 'full', config)")
     c = (config or CaptureConfig()).with_options(options)
-    if strategy not in STRATEGIES:
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise UnsupportedStrategy(
             f"unknown strategy {strategy!r}: choose one of {sorted(STRATEGIES)}")
     imports.complete(imports.for_capture(strategy, c.compiler))  # a Ctrl-C leaves none half done

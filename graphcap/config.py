@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from graphcap.core.checks import boolean, progress_option
 from graphcap.core.inputs import Inputs
 
 WARMUP = ("first", "every")
@@ -54,6 +55,14 @@ class CaptureConfig:
     check_inputs: bool = False
 
     def __post_init__(self):
+        for name in ("debug", "fallback", "copy_outputs", "check_inputs"):
+            boolean(getattr(self, name), name)
+        progress_option(self.progress)
+        if self.example_inputs is not None and not isinstance(self.example_inputs,
+                                                              (tuple, list)):
+            raise ValueError(f"example_inputs must be a tuple of the model's arguments "
+                             f"(tensors), got {type(self.example_inputs).__name__}: write "
+                             "(x,) for one")
         if self.warmup not in WARMUP:
             raise ValueError(f"warmup={self.warmup!r}: use 'first' (warm up the first shape, "
                              "capture the rest directly) or 'every' (warm up every shape)")

@@ -50,3 +50,31 @@ def test_what_is_not_an_option_is_refused_where_it_is_given():
     # What an option means for the strategy is checked by capture, config or keyword.
     with pytest.raises(UnsupportedStrategy, match="debug= is an option of strategy"):
         graphcap.capture(model(), "full", CaptureConfig(debug=True, buckets=[8]))
+
+
+@pytest.mark.parametrize("field, value", [("copy_outputs", None), ("fallback", "no"),
+                                          ("debug", "no"), ("check_inputs", 1)])
+def test_a_flag_takes_true_or_false_only(field, value):
+    # "no" is true to Python, None and 1 are not bools: none of them says what it means.
+    with pytest.raises(ValueError, match=f"{field} must be True or False, got {value!r}"):
+        CaptureConfig(**{field: value})
+    with pytest.raises(ValueError, match=f"{field} must be True or False"):
+        graphcap.capture(model(), "full", buckets=[8], **{field: value})
+
+
+@pytest.mark.parametrize("options, needle", [
+    ({"progress": 1}, "progress must be True, False, None or a callable"),
+    ({"example_inputs": torch.zeros(2)}, "example_inputs must be a tuple"),
+    ({"example_inputs": {"x": 1}}, "example_inputs must be a tuple")])
+def test_progress_and_example_inputs_of_the_wrong_kind_are_refused(options, needle):
+    with pytest.raises(ValueError, match=needle):
+        CaptureConfig(**options)
+
+
+def test_capture_names_a_model_or_strategy_of_the_wrong_kind():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        graphcap.capture("tiny", "full")
+    with pytest.raises(TypeError, match="the config came where the strategy goes"):
+        graphcap.capture(model(), CaptureConfig(buckets=[8]))
+    with pytest.raises(UnsupportedStrategy, match=r"unknown strategy \['full'\]"):
+        graphcap.capture(model(), ["full"], buckets=[8])

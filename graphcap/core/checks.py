@@ -54,6 +54,24 @@ def as_int(value, what: str, error: type[Exception] = ValueError) -> int:
     raise error(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
 
 
+def boolean(value, what: str, error: type[Exception] = ValueError) -> bool:
+    """``value`` if it is True or False (a numpy bool too); anything else (None, 0, a
+    string such as "no", which Python would take as true) raises ``error`` naming
+    ``what``."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise error(f"{what} must be True or False, got {value!r}")
+
+
+def progress_option(value, what: str = "progress"):
+    """A progress option: None or a bool (a bar, or none), or a callable ``(done,
+    total)``; anything else raises ``ValueError`` naming ``what``."""
+    if value is None or isinstance(value, (bool, np.bool_)) or callable(value):
+        return value
+    raise ValueError(f"{what} must be True, False, None or a callable (done, total), got "
+                     f"{value!r}")
+
+
 def positive_int(value, what: str, error: type[Exception] = ValueError) -> int:
     """``value`` as an int >= 1 (an integer as :func:`as_int` takes it); ``error`` naming
     ``what`` otherwise."""

@@ -9,9 +9,25 @@ import warnings
 
 import torch
 
+from graphcap.core.checks import boolean, progress_option
 from graphcap.errors import BadBatch
 from graphcap.inputs.sampling import Sampling
 
+
+def check_options(strategy, tokenizer, stop_at_eos, long_prompts, progress) -> None:
+    """``LLM``'s options that need no model: a strategy's name, a tokenizer object (one
+    with ``decode``), True or False where a flag is asked, a bar or a callback."""
+    from graphcap.api import STRATEGIES
+
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r}: unknown strategy, choose one of "
+                         f"{sorted(STRATEGIES)}")
+    if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+        raise TypeError(f"tokenizer must be a tokenizer object (transformers' "
+                        f"AutoTokenizer.from_pretrained(...)), got {tokenizer!r}")
+    boolean(stop_at_eos, "stop_at_eos")
+    boolean(long_prompts, "long_prompts")
+    progress_option(progress)
 
 def check_prompts(prompts, vocab: int) -> list[list[int]]:
     if not isinstance(prompts, (list, tuple)) or not prompts:

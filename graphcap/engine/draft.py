@@ -69,16 +69,27 @@ class DraftModel:
         # Every page kept, windowed layers or not: a slot is admitted once for max_len
         # (its pages held throughout), and is rewound, to any token it shares with the
         # target's, or to 0 for a new request.
-        self.cache = PagedKVCache(s.layers, s.kv_heads, s.head_dim, max_requests=max_batch,
-                                  max_len=max_len, page_size=self.page_size,
-                                  dtype=model_dtype(self.model), device=device)
-        self.engine = Engine(self.model, self.cache, self.strategy, max_batch,
-                             min(self.prefill_tokens, max_len), chunked=True,
-                             progress=progress)
-        if self.strategy in DraftStepsInputs.strategies:
-            self.stepper = capture(self.model, self.strategy,
-                                   buckets=decode_ladder(max_batch), progress=progress,
-                                   inputs=DraftStepsInputs(self.cache, self.k))
+        try:
+            self.cache = PagedKVCache(s.layers, s.kv_heads, s.head_dim,
+                                      max_requests=max_batch, max_len=max_len,
+                                      page_size=self.page_size,
+                                      dtype=model_dtype(self.model), device=device)
+            self.engine = Engine(self.model, self.cache, self.strategy, max_batch,
+                                 min(self.prefill_tokens, max_len), chunked=True,
+                                 progress=progress)
+            if self.strategy in DraftStepsInputs.strategies:
+                self.stepper = capture(self.model, self.strategy,
+                                       buckets=decode_ladder(max_batch), progress=progress,
+                                       inputs=DraftStepsInputs(self.cache, self.k))
+        except BaseException:
+            self.unbind()
+            raise
+
+    def unbind(self) -> None:
+        """Free the draft's graphs and cache (an LLM that failed to build after binding
+        it): it may serve another LLM."""
+        self.engine = self.cache = self.stepper = None
+        self.held = {}
 
     def propose_batch(self, slots: list[int], histories: list[list[int]]
                       ) -> list[list[int]]:

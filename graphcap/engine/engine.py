@@ -19,6 +19,7 @@ from graphcap.inputs.cache_prefill import CachePrefillInputs
 from graphcap.inputs.decode import DecodeInputs
 from graphcap.inputs.sampling import Sampling, draw, pick
 from graphcap.kv.paged import PagedKVCache
+from graphcap.opsdb.attention import DECODE_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,10 @@ class Engine:
                  prefill_tokens: int, *, chunked: bool = False, attention: str | None = None,
                  decode_attention: str | None = None, progress=None, speculative=None,
                  vocab: int | None = None):
+        if decode_attention is not None and decode_attention not in DECODE_BACKENDS:
+            raise ValueError(f"decode_attention={decode_attention!r}: None (graphcap's "
+                             "kernel, chosen per device) or one of "
+                             f"{sorted(set(DECODE_BACKENDS) - {'graphcap'})}")
         self.cache, self.max_batch, self.prefill_tokens = cache, max_batch, prefill_tokens
         self.device, self.rows_of = cache.device, getattr(model, "output_rows", "tokens")
         name = type(model).__name__
@@ -116,6 +121,19 @@ class Engine:
                                                        progress=progress),
                                      speculative, cache, decode_ladder(max_batch),
                                      vocab or 2**63, decode_attention, progress)
+        try:
+            self._capture_prefill(model, strategy, prefill_tokens, chunked, attention,
+                                  progress, name)
+        except BaseException:  # the proposer may serve another LLM
+            if self.verifier is not None:
+                self.verifier.unbind()
+            raise
+        self.live: dict[int, Request] = {}  # request slot -> its request
+        self.steps = self.prefills = 0
+
+    def _capture_prefill(self, model, strategy, prefill_tokens, chunked, attention,
+                         progress, name) -> None:
+        cache, max_batch = self.cache, self.max_batch
         backend = backend_for(model, attention, cache.device, strategy, cache.dtype)
         ladder = decode_ladder(prefill_tokens)
         # A draft head starts from the hidden state of a prompt's last token.
@@ -130,8 +148,6 @@ class Engine:
                                     inputs=CachePrefillInputs(cache, backend, 1, self.rows_of,
                                                               name=name, extend=True,
                                                               hidden=self.hidden))
-        self.live: dict[int, Request] = {}  # request slot -> its request
-        self.steps = self.prefills = 0
 
     def admit(self, slot: int, request: Request, max_new_tokens: int) -> None:
         self.cache.admit(slot, len(request.prompt) + max_new_tokens)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
-from graphcap.core.checks import positive_int
+from graphcap.core.checks import boolean, positive_int
 from graphcap.engine.arguments import check_prompts, sampling_of, stop_tokens_of
 from graphcap.engine.engine import cache_shape
 from graphcap.engine.llm import LLM
@@ -73,6 +73,8 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
                          f"{max_new_tokens} new ones{k} pass the model's max_position "
                          f"{shape.max_position}: generate fewer tokens, or from a shorter "
                          "prompt")
+    if progress is not None:
+        boolean(progress, "progress")
     max_batch = positive_int(max_batch, "max_batch")
     prefill_tokens = positive_int(prefill_tokens, "prefill_tokens")
     llm = LLM(model, strategy=strategy, max_batch=min(max_batch, len(prompts)),

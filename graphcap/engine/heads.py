@@ -79,9 +79,19 @@ class HeadProposer:
                              f"{vocab}] (the target's token ids), its hidden [n, "
                              f"{self.hidden_size}]")
         steps = _Steps(self.head, self.k)
-        self.runner = graphcap.capture(steps, self.strategy, buckets=decode_ladder(max_batch),
-                                       progress=progress)
-        self.runner(hidden, tokens)  # the largest bucket's call captures the ladder
+        try:
+            self.runner = graphcap.capture(steps, self.strategy,
+                                           buckets=decode_ladder(max_batch),
+                                           progress=progress)
+            self.runner(hidden, tokens)  # the largest bucket's call captures the ladder
+        except BaseException:
+            self.unbind()
+            raise
+
+    def unbind(self) -> None:
+        """Drop the head's graphs (an LLM that failed to build after binding it): it may
+        serve another LLM."""
+        self.runner = None
 
     def propose_batch(self, slots: list[int], histories: list[list[int]],
                       hidden: torch.Tensor) -> list[list[int]]:

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from graphcap.api import STRATEGIES, model_dtype
+from graphcap.api import model_dtype
 from graphcap.core.checks import positive_int
 from graphcap.engine.arguments import (
+    check_options,
     check_prompts,
     eos_of,
     sampling_of,
@@ -99,9 +100,7 @@ class LLM:
                  attention: str | None = None, decode_attention: str | None = None,
                  page_size: int = 16, progress=True,
                  stop_at_eos: bool = True, long_prompts: bool = True, speculative=None):
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy={strategy!r}: unknown strategy, choose one of "
-                             f"{sorted(STRATEGIES)}")
+        check_options(strategy, tokenizer, stop_at_eos, long_prompts, progress)
         model, tokenizer = resolve(model, tokenizer)
         self.model, self.tokenizer, self.strategy = model, tokenizer, strategy
         self.shape = cache_shape(model)

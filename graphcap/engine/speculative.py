@@ -109,17 +109,27 @@ class Verifier:
                  decode_attention=None, progress=None):
         self.proposer, self.k = proposer, check_proposer(proposer)
         self.cache, self.vocab, self.counts = cache, vocab, Counts()
-        if callable(getattr(proposer, "bind", None)):  # a proposer with graphs of its own
+        self.bound = callable(getattr(proposer, "bind", None))  # graphs of its own
+        if self.bound:
             proposer.bind(cache.max_requests, cache.max_len, vocab, progress=progress)
         self.reads_hidden = getattr(proposer, "hidden", False) is True
-        self.runner, self.sampled = (
-            capture(buckets=[b * (1 + self.k) for b in buckets],
-                    inputs=PagedInputs(cache, 1 + self.k, accept=accept,
-                                       hidden=self.reads_hidden,
-                                       decode_attention=decode_attention))
-            for accept in ("greedy", "sampled"))
+        try:
+            self.runner, self.sampled = (
+                capture(buckets=[b * (1 + self.k) for b in buckets],
+                        inputs=PagedInputs(cache, 1 + self.k, accept=accept,
+                                           hidden=self.reads_hidden,
+                                           decode_attention=decode_attention))
+                for accept in ("greedy", "sampled"))
+        except BaseException:
+            self.unbind()
+            raise
         self.hidden: torch.Tensor | None = None  # [request slots, hidden size]
         self.owner: dict[int, object] = {}  # slot -> the request its hidden row is of
+
+    def unbind(self) -> None:
+        """Hand the proposer back (its graphs freed) where this verifier bound it."""
+        if self.bound and callable(getattr(self.proposer, "unbind", None)):
+            self.proposer.unbind()
 
     def step(self, requests: dict) -> dict[int, list[int]]:
         """One verify step of ``requests`` (request slot -> :class:`Request`, each with a

@@ -116,6 +116,16 @@ def test_a_call_interrupted_in_a_slots_new_prefill_keeps_none_of_its_old_tokens(
     assert llm.generate(PROMPTS[:1], NEW)[0].tokens == truth()[0][:NEW]
 
 
+def test_a_draft_given_to_an_llm_that_failed_to_build_serves_the_next_one():
+    draft = DraftModel(other_draft(), K)
+    with pytest.raises(Exception, match="no attention backend 'nope'"):
+        LLM(model(), max_batch=1, max_len=32, prefill_tokens=8, progress=False,
+            speculative=draft, attention="nope")
+    llm = LLM(model(), max_batch=1, max_len=32, prefill_tokens=8, progress=False,
+              speculative=draft)
+    assert llm.generate(PROMPTS[:1], NEW)[0].tokens == truth()[0][:NEW]
+
+
 def test_a_draft_that_is_often_wrong_still_gives_the_targets_greedy_tokens():
     llm = with_draft("full", other_draft())
     for _ in range(2):  # the second call's prompts meet the first call's caches

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 
 import pytest
 import torch
@@ -262,3 +263,15 @@ def test_a_long_prompt_prefills_its_chunks_beside_requests_that_end_every_other_
     assert order.index(0) < order.index(5), order
     want = engine.generate([long], 2, speculate=False)[0].tokens
     assert [c.tokens for c in engine.generate([long] + [short] * 6, 2)][0] == want
+
+
+@pytest.mark.parametrize("options, error, needle", [
+    ({"tokenizer": 3}, TypeError, "tokenizer must be a tokenizer object"),
+    ({"stop_at_eos": "no"}, ValueError, "stop_at_eos must be True or False"),
+    ({"long_prompts": None}, ValueError, "long_prompts must be True or False"),
+    ({"progress": 1}, ValueError, "progress must be True, False, None or a callable"),
+    ({"strategy": ["full"]}, ValueError, "unknown strategy"),
+    ({"decode_attention": "nope"}, ValueError, "decode_attention='nope'")])
+def test_llm_options_of_the_wrong_kind_are_refused_by_name(options, error, needle):
+    with pytest.raises(error, match=re.escape(needle)):
+        LLM(model(), max_batch=1, max_len=16, **options)
