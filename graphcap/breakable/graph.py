@@ -49,28 +49,22 @@ def _layout(value) -> tuple:
                   else type(t) for t in leaves]
 
 
-def _own(value):
-    """``value`` with every tensor leaf copied into a new tensor (of its strides)."""
+def _own(value, arguments):
+    """``value`` with every tensor leaf copied into a new tensor (of its strides), but
+    those on an argument's memory (the argument, a view of it, an ``out=`` it wrote):
+    kept as they are, so that a write through one reaches the other, as eagerly."""
+    given = _storages(arguments)
     leaves, spec = tree_flatten(value)
-    return tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t for t in leaves],
-                          spec)
+    return tree_unflatten([t.clone() if isinstance(t, torch.Tensor)
+                           and _storage(t) not in given else t for t in leaves], spec)
 
 
-def _refuse_views_of_arguments(fn, output, arguments) -> None:
-    """A break's results are copied into buffers of graphcap's own, which the graph after
-    it reads: one that is its argument, or a view of it, would no longer see a write
-    through the other, as it does eagerly."""
-    given = {t.untyped_storage().data_ptr() for t in tensor_leaves(arguments)
-             if t.untyped_storage().nbytes()}
-    if any(t.untyped_storage().data_ptr() in given for t in tensor_leaves(output)
-           if t.untyped_storage().nbytes()):
-        name = getattr(fn, "__qualname__", repr(fn))
-        raise CaptureError(
-            f"eager break {name} returned one of its arguments or a view of one: graphcap "
-            "copies a break's results into buffers of its own (the graph after it reads "
-            "them), so a write through the result or the argument would not reach the "
-            "other as it does eagerly. Return a new tensor (x.clone()), or make the write "
-            "inside the function")
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _storages(value) -> set[int]:
+    return {_storage(t) for t in tensor_leaves(value) if t.untyped_storage().nbytes()}
 
 
 @dataclass
@@ -83,15 +77,22 @@ class Break:
 
     def replay(self) -> None:
         fresh = self.fn(*self.args, **self.kwargs)
+        name = getattr(self.fn, "__qualname__", repr(self.fn))
         if self.layout is not None and _layout(fresh) != self.layout:
-            name = getattr(self.fn, "__qualname__", repr(self.fn))
             raise ReplayError(
                 f"eager break {name} returned {_layout(fresh)[1]} at replay but "
                 f"{self.layout[1]} at capture: the graph after it reads buffers of the "
                 "capture's shapes and dtypes. Return tensors of the same shapes, dtypes and "
                 "devices on every call (or write into an out= tensor you are given)")
+        given = _storages((self.args, self.kwargs))
         for kept, new in zip(tensor_leaves(self.output), tensor_leaves(fresh), strict=True):
-            kept.copy_(new)
+            if _storage(kept) not in given:  # graphcap's own buffer
+                kept.copy_(new)
+            elif (new.data_ptr(), new.stride()) != (kept.data_ptr(), kept.stride()):
+                raise ReplayError(
+                    f"eager break {name} returned a view of its arguments at capture, and "
+                    "another tensor at replay: the graph after it reads that view. Return "
+                    "the same view of the same argument on every call")
 
 
 def note_state(states: list, static_state: Callable[[], object], state: object) -> None:
@@ -147,9 +148,7 @@ class BreakableCapture:
         # No handler inside a break: a break calling another marked function just runs it.
         with self.pool.warmup(), break_handler(None):  # the capture stream, no capture
             self.items[-1].replay()  # the break's inputs: real values, not capture garbage
-            output = fn(*args, **kwargs)
-            _refuse_views_of_arguments(fn, output, (args, kwargs))
-            output = _own(output)
+            output = _own(fn(*args, **kwargs), (args, kwargs))
         leaves = tree_flatten(output)[0]
         if any(not isinstance(x, torch.Tensor) and x is not None for x in leaves):
             name = getattr(fn, "__qualname__", repr(fn))

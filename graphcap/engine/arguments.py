@@ -7,6 +7,7 @@ import dataclasses
 import operator
 import warnings
 
+import numpy as np
 import torch
 
 from graphcap.core.checks import boolean, progress_option
@@ -85,10 +86,14 @@ def stop_tokens_of(stop_tokens, vocab: int) -> set[int]:
 def stops_of(stop, has_tokenizer: bool, vocab: int) -> tuple[set[int], tuple[str, ...]]:
     """``generate``'s ``stop`` (a token id, a string, or a list, set or 1-d tensor of
     them) as its token ids and its strings (which need a tokenizer)."""
-    if isinstance(stop, (bytes, dict)) or isinstance(stop, torch.Tensor) and stop.dim() > 1:
+    single = isinstance(stop, (str, int, np.integer)) and not isinstance(stop, bool)
+    if isinstance(stop, (bytes, dict, bool, float)) or (
+            isinstance(stop, torch.Tensor) and stop.dim() > 1) or not (
+            stop is None or single or hasattr(stop, "__iter__")
+            or isinstance(stop, torch.Tensor)):
         raise ValueError(f"stop must be a token id, a string, or a list, set or 1-d tensor "
                          f"of them, got {type(stop).__name__} {stop!r}")
-    given = [] if stop is None else [stop] if isinstance(stop, (str, int)) else \
+    given = [] if stop is None else [stop] if single else \
         stop.reshape(-1).tolist() if isinstance(stop, torch.Tensor) else list(stop)
     strings = tuple(s for s in given if isinstance(s, str))
     if strings and not has_tokenizer:
@@ -108,6 +113,8 @@ def sampling_of(sampling, count: int) -> list[Sampling]:
         return [dataclasses.replace(sampling, seed=(sampling.seed * 1000003 + i) % 2**63)
                 for i in range(count)]
     try:
+        if isinstance(sampling, (str, bytes, dict)):  # iterable, but no list of Samplings
+            raise TypeError
         sampling = list(sampling)
     except TypeError:
         raise ValueError(f"sampling must be a graphcap.Sampling (one for all prompts), a "

@@ -21,6 +21,7 @@ from graphcap.engine.arguments import check_prompts, sampling_of, stop_tokens_of
 from graphcap.engine.engine import cache_shape
 from graphcap.engine.llm import LLM
 from graphcap.engine.loading import resolve
+from graphcap.engine.speculative import check_proposer
 from graphcap.progress import progress as progress_bar
 
 
@@ -66,7 +67,7 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
     max_new_tokens = positive_int(max_new_tokens, "max_new_tokens")
     stops = stop_tokens_of(stop_tokens, shape.vocab_size)
     longest = max(map(len, prompts)) + max_new_tokens
-    ahead = getattr(speculative, "k", 0) if speculative is not None else 0
+    ahead = check_proposer(speculative) if speculative is not None else 0
     if longest + ahead > shape.max_position:
         k = f" and the {ahead} proposals a verify step writes past them" if ahead else ""
         raise ValueError(f"a prompt of {longest - max_new_tokens} tokens plus "

@@ -173,7 +173,7 @@ def test_generate_without_stop_strings_decodes_each_completions_text_once(monkey
         == "stop_string"  # with one, each step's text is read for it
 
 
-@pytest.mark.parametrize("stop", [b"H", {72: 0}, torch.tensor([[72]])])
+@pytest.mark.parametrize("stop", [b"H", {72: 0}, torch.tensor([[72]]), 1.5, True])
 def test_a_stop_that_is_no_token_id_string_or_list_of_them_is_refused(stop):
     with pytest.raises(ValueError, match="stop must be a token id, a string, or a list"):
         llm().generate(PROMPTS[:1], 2, stop=stop)
@@ -275,3 +275,11 @@ def test_a_long_prompt_prefills_its_chunks_beside_requests_that_end_every_other_
 def test_llm_options_of_the_wrong_kind_are_refused_by_name(options, error, needle):
     with pytest.raises(error, match=re.escape(needle)):
         LLM(model(), max_batch=1, max_len=16, **options)
+
+
+def test_a_numpy_stop_id_is_one_id_and_sampling_given_as_text_is_refused():
+    import numpy as np
+
+    assert llm().generate(PROMPTS[:1], 2, stop=np.int64(72))[0].tokens
+    with pytest.raises(ValueError, match="sampling must be a graphcap.Sampling"):
+        llm().generate(PROMPTS[:2], 2, sampling="greedy")

@@ -225,3 +225,11 @@ def test_a_streamed_verify_step_brings_its_tokens_in_one_delta():
     assert max(len(d.tokens) for d in deltas) > 1  # accepted proposals and the next token
     assert sum((d.tokens for d in deltas), []) == truth()[0][:12]
     assert [d.finish_reason for d in deltas][-1] == "length"
+
+
+def test_generate_refuses_a_proposer_that_is_none_by_name_before_anything_runs():
+    class NotOne:
+        k = "x"
+
+    with pytest.raises(ValueError, match="a proposer needs k"):
+        graphcap.generate(model(), [[1, 2]], 2, speculative=NotOne())
