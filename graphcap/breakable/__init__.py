@@ -23,6 +23,10 @@ def eager_on_graph(fn):
             return logits.argmax(-1).cpu().cuda()   # a host round trip, fine here
     """
 
+    if not callable(fn):
+        raise TypeError(f"eager_on_graph marks a function, got {fn!r}: write "
+                        "@graphcap.eager_on_graph above a def")
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         return run_maybe_as_break(fn, args, kwargs)

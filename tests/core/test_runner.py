@@ -308,3 +308,8 @@ def test_outputs_of_another_structure_for_another_shape_are_refused_at_capture()
     with pytest.raises(UnsupportedStrategy, match="outputs of one structure"):
         graphcap.capture(Reordered(), "full", buckets=[4, 8],
                          example_inputs=(torch.randn(8, 4),))
+
+
+def test_eager_on_graph_refuses_what_is_no_function_where_it_is_marked():
+    with pytest.raises(TypeError, match="eager_on_graph marks a function, got 3"):
+        graphcap.eager_on_graph(3)

@@ -302,3 +302,12 @@ def test_sinks_folded_into_an_output_by_its_rows_log_sum_exp_are_the_references(
     empty = torch.randn(1, hq, 16).to(torch.bfloat16)  # a row without keys: zero
     add_sinks(empty, torch.full((1, hq), float("-inf")), sinks)
     assert torch.equal(empty, torch.zeros_like(empty))
+
+
+@pytest.mark.parametrize("options, needle", [
+    ({"dtype": "float32"}, "dtype must be a torch.dtype"),
+    ({"kv": 3}, "kv must be a graphcap.kv.CacheBatch"),
+    ({"options": "window"}, "options must be a list of the variant options")])
+def test_packed_names_an_argument_of_the_wrong_kind(options, needle):
+    with pytest.raises(TypeError, match=needle), graphcap.packed([3], "cpu", **options):
+        pass

@@ -9,6 +9,7 @@ import torch
 from graphcap.core.checks import host_lengths
 from graphcap.core.context import forward_context
 from graphcap.core.inputs import check_packing
+from graphcap.kv.batch import CacheBatch
 from graphcap.opsdb.attention import get_backend
 
 
@@ -32,6 +33,14 @@ def packed(seq_lens, device, attention: str | None = None, dtype: torch.dtype | 
     """
     device = torch.device(device)
     lens = host_lengths(seq_lens)
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (torch.bfloat16, ...), got {dtype!r}")
+    if kv is not None and not isinstance(kv, CacheBatch):
+        raise TypeError(f"kv must be a graphcap.kv.CacheBatch (a cache's writes for these "
+                        f"requests) or None, got {type(kv).__name__}")
+    if isinstance(options, (str, bytes)) or not hasattr(options, "__iter__"):
+        raise TypeError(f"options must be a list of the variant options the model's layers "
+                        f"use ('window', 'softcap', 'sinks'), got {options!r}")
     if attention is None and dtype is None:
         dtype = torch.float32  # the backends that run float32 run every dtype
     meta = get_backend(attention, device, dtype=dtype, options=options).prepare(lens, device)
