@@ -10,8 +10,11 @@ A break replays by calling its function again on the very argument objects of ca
 silent wrong output in the field) and copying the fresh result into the buffers the
 capture gave the next segment: copies, made at capture, of what the function returned
 then, so a replay writes only memory graphcap allocated (never a tensor the function
-returned that belongs to the model or the caller). A fresh result of another structure,
-shape, dtype or device than at capture raises :class:`~graphcap.errors.ReplayError`.
+returned that belongs to the model or the caller). A result on an argument's memory (the
+argument, a view of it, an ``out=`` it wrote) is no copy: the next segment reads that
+memory, as eager code would, and a replay must return the same view of it. A fresh result
+of another structure, shape, dtype or device than at capture, or another view where an
+argument's was, raises :class:`~graphcap.errors.ReplayError`.
 
 At capture each break runs on real values: the segment before it is replayed once as soon
 as it is captured (a captured segment has run nothing yet), so the break sees what an
@@ -37,7 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from graphcap.core.breaks import break_handler
 from graphcap.core.graphs import GraphPool
 from graphcap.core.strategy import Captured, Strategy
-from graphcap.core.trees import tensor_leaves
+from graphcap.core.trees import storage_key, storages, tensor_leaves
 from graphcap.errors import CaptureError, ReplayError
 from graphcap.tp.group import check_finished
 
@@ -49,22 +52,17 @@ def _layout(value) -> tuple:
                   else type(t) for t in leaves]
 
 
-def _own(value, arguments):
+def _own(value, arguments) -> tuple[Any, tuple[bool, ...]]:
     """``value`` with every tensor leaf copied into a new tensor (of its strides), but
     those on an argument's memory (the argument, a view of it, an ``out=`` it wrote):
-    kept as they are, so that a write through one reaches the other, as eagerly."""
-    given = _storages(arguments)
+    kept as they are, so that a write through one reaches the other, as eagerly; and
+    for each tensor leaf, whether it was kept."""
+    given = storages(arguments)
     leaves, spec = tree_flatten(value)
-    return tree_unflatten([t.clone() if isinstance(t, torch.Tensor)
-                           and _storage(t) not in given else t for t in leaves], spec)
-
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-def _storages(value) -> set[int]:
-    return {_storage(t) for t in tensor_leaves(value) if t.untyped_storage().nbytes()}
+    kept = tuple(storage_key(t) in given for t in leaves if isinstance(t, torch.Tensor))
+    flags = iter(kept)
+    return tree_unflatten([t if not isinstance(t, torch.Tensor) or next(flags)
+                           else t.clone() for t in leaves], spec), kept
 
 
 @dataclass
@@ -72,27 +70,32 @@ class Break:
     fn: Callable
     args: tuple
     kwargs: dict
-    output: Any  # the buffers the next segment reads: graphcap's own
+    output: Any  # the buffers the next segment reads: graphcap's own, or an argument's
     layout: tuple | None = None  # _layout(output)
+    on_args: tuple[bool, ...] = ()  # per tensor of output: on an argument's memory
 
     def replay(self) -> None:
         fresh = self.fn(*self.args, **self.kwargs)
-        name = getattr(self.fn, "__qualname__", repr(self.fn))
         if self.layout is not None and _layout(fresh) != self.layout:
             raise ReplayError(
-                f"eager break {name} returned {_layout(fresh)[1]} at replay but "
+                f"eager break {self.name} returned {_layout(fresh)[1]} at replay but "
                 f"{self.layout[1]} at capture: the graph after it reads buffers of the "
                 "capture's shapes and dtypes. Return tensors of the same shapes, dtypes and "
                 "devices on every call (or write into an out= tensor you are given)")
-        given = _storages((self.args, self.kwargs))
-        for kept, new in zip(tensor_leaves(self.output), tensor_leaves(fresh), strict=True):
-            if _storage(kept) not in given:  # graphcap's own buffer
-                kept.copy_(new)
-            elif (new.data_ptr(), new.stride()) != (kept.data_ptr(), kept.stride()):
+        kept = tensor_leaves(self.output)
+        for buf, new, on_args in zip(kept, tensor_leaves(fresh),
+                                     self.on_args or (False,) * len(kept), strict=True):
+            if not on_args:  # graphcap's own buffer
+                buf.copy_(new)
+            elif (new.data_ptr(), new.stride()) != (buf.data_ptr(), buf.stride()):
                 raise ReplayError(
-                    f"eager break {name} returned a view of its arguments at capture, and "
-                    "another tensor at replay: the graph after it reads that view. Return "
-                    "the same view of the same argument on every call")
+                    f"eager break {self.name} returned a view of its arguments at capture, "
+                    "and another tensor at replay: the graph after it reads that view. "
+                    "Return the same view of the same argument on every call")
+
+    @property
+    def name(self) -> str:
+        return getattr(self.fn, "__qualname__", repr(self.fn))
 
 
 def note_state(states: list, static_state: Callable[[], object], state: object) -> None:
@@ -148,7 +151,7 @@ class BreakableCapture:
         # No handler inside a break: a break calling another marked function just runs it.
         with self.pool.warmup(), break_handler(None):  # the capture stream, no capture
             self.items[-1].replay()  # the break's inputs: real values, not capture garbage
-            output = _own(fn(*args, **kwargs), (args, kwargs))
+            output, on_args = _own(fn(*args, **kwargs), (args, kwargs))
         leaves = tree_flatten(output)[0]
         if any(not isinstance(x, torch.Tensor) and x is not None for x in leaves):
             name = getattr(fn, "__qualname__", repr(fn))
@@ -156,7 +159,7 @@ class BreakableCapture:
                 f"eager break {name} returned a host value ({[type(x).__name__ for x in leaves]}"
                 "): replay could only reuse the value of capture. Return tensors (e.g. "
                 "torch.tensor on the device, or write into an out= tensor) instead")
-        self.items.append(Break(fn, args, kwargs, output, _layout(output)))
+        self.items.append(Break(fn, args, kwargs, output, _layout(output), on_args))
         self._open()
         return output
 

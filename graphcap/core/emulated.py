@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from graphcap.compat import imports
 from graphcap.core import hostsync
 from graphcap.core.graph_base import Graph
-from graphcap.core.trees import tensor_leaves
+from graphcap.core.trees import storage_key, storages, tensor_leaves
 from graphcap.tp.group import check_finished
 
 aten = torch.ops.aten
@@ -204,9 +204,9 @@ class _Recorder(TorchDispatchMode):
         if kind in ("functional", "alloc"):
             step.outs = tensor_leaves(out)
             # New memory, unless the op returned an argument's (as _unsafe_view can).
-            given = {a.untyped_storage().data_ptr() for a in tensor_leaves((args, kwargs))}
+            given = storages((args, kwargs))
             for t in step.outs:
-                if t.untyped_storage().data_ptr() not in given:
+                if storage_key(t) not in given:
                     graph._allocated(t)
         elif kind == "mutate":  # and what it returns beside the written arguments
             written = {t.untyped_storage().data_ptr() for t in _written(func, args, kwargs)}

@@ -147,8 +147,9 @@ class LLM:
         done: dict[int, Completion] = {}
         tokens: dict[int, list[int]] = {}
         # Text a step only to find stop strings: the completions' text is decoded once.
+        strings = self._stop_strings(stop) if self.tokenizer is not None else ()
         deltas = self._stream(prompts, max_new_tokens, sampling, stop, speculate,
-                              texts=bool(self._stop_strings(stop)))
+                              texts=bool(strings))
         for delta in deltas:
             tokens.setdefault(delta.index, []).extend(delta.tokens)
             if delta.finish_reason is not None:
@@ -156,7 +157,7 @@ class LLM:
                                                None, delta.finish_reason)
         if self.tokenizer is not None:
             for c in done.values():
-                c.text = self._text(c.tokens, self._stop_strings(stop))[0]
+                c.text = self._text(c.tokens, strings)[0]
         return [done[i] for i in range(len(done))]
 
     def stream(self, prompts, max_new_tokens: int = 64, *, sampling=None, stop=None,

@@ -323,17 +323,8 @@ class PagedInputs(Inputs):
         if state.kv.plan is not None and state.kv.plan.on_host:
             state.kv.plan.update(*self._planned(batch))
 
-    def _planned(self, batch: Batch) -> tuple[list[int], list[int]]:
-        """Each token's position and request slot, on the host."""
-        if self.step is None:
-            lens, ends = batch.lens, iter(batch.host)
-            positions, slots = [], []
-            for n in lens:
-                if n:
-                    slot, end = next(ends)
-                    positions += range(end - n, end)
-                    slots += [slot] * n
-            return positions, slots
+    def _planned(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's position and request slot, on the host (staged with the call)."""
         return batch.args[1], batch.args[2]
 
     def context(self, state: PagedState):

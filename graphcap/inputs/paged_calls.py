@@ -106,8 +106,7 @@ def check_requests(inputs: PagedInputs, args: tuple, kwargs: dict) -> Batch:
     counts = np.array(lens)
     positions = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts - starts,
                                                     counts)
-    host = checks.staged(np.stack([positions, np.repeat(slots, counts)]), torch.long,
-                         inputs.device)  # pinned: no host sync
+    host, _ = staged_places(inputs, positions, np.repeat(slots, counts))  # pinned
     if inputs.check_inputs and not torch.equal(args[1].cpu(), host[0]):  # one host sync
         raise BadBatch(f"positions must run from each request's start: starts {starts} and "
                        f"seq_lens {lens} give {positions[:8].tolist()}"

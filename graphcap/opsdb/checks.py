@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from graphcap.core.trees import repeats_memory
 from graphcap.opsdb.spec import OpInputError
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -39,8 +40,7 @@ def last_dim_contiguous(op: str, name: str, t: torch.Tensor) -> None:
 def writable(op: str, name: str, t: torch.Tensor) -> None:
     """``t``, which ``op`` writes in place, has no two elements at one place (an
     ``expand``ed tensor: several writes would race there)."""
-    if any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride(),
-                                                             strict=True)):
+    if repeats_memory(t):
         raise OpInputError(f"{op}: {name} is written in place but repeats its memory "
                            f"(strides {t.stride()}, an expanded tensor); pass a copy "
                            "(.contiguous())")

@@ -10,11 +10,12 @@ from typing import Any
 import torch
 
 from graphcap.core.graph_base import Graph
+from graphcap.core.trees import repeats_memory, storage_key
 from graphcap.errors import CaptureError
 from graphcap.piecewise import phase as phases
 from graphcap.piecewise.inductor import OneOpPiece
 from graphcap.piecewise.phase import Phase
-from graphcap.piecewise.writes import mutated_inputs, repeats_memory
+from graphcap.piecewise.writes import mutated_inputs
 
 
 @dataclass
@@ -166,6 +167,8 @@ class PieceGraphs(torch.nn.Module):
                 return self.fn(*args)
         entry.graph.replay()
         for i in copied:
+            # An expanded input: eager could not have written it (a conversion that
+            # copied it was written, which the graph analysis cannot tell apart).
             if i in self.writes and not repeats_memory(args[i]):
                 args[i].copy_(entry.static[i])
         if not entry.aliases:
@@ -223,12 +226,12 @@ class PieceGraphs(torch.nn.Module):
 def _views_of_copies(flat, args, static) -> dict[int, tuple[int, int]]:
     """The outputs in ``flat`` that are views of an argument's static copy: output index ->
     (argument index, the view's offset from the copy's)."""
-    copies = {s.untyped_storage().data_ptr(): (i, s) for i, s in enumerate(static)
+    copies = {storage_key(s): (i, s) for i, s in enumerate(static)
               if isinstance(s, torch.Tensor) and s is not args[i]}
     out = {}
     for k, o in enumerate(flat):
-        if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in copies:
-            i, s = copies[o.untyped_storage().data_ptr()]
+        if isinstance(o, torch.Tensor) and storage_key(o) in copies:
+            i, s = copies[storage_key(o)]
             if o.dtype == s.dtype:  # a view of another dtype stays the copy's (its values)
                 out[k] = (i, o.storage_offset() - s.storage_offset())
     return out

@@ -15,6 +15,8 @@ import operator
 import torch
 import torch.fx
 
+from graphcap.core.trees import storage_key
+
 # Tensor methods and torch functions that may return their first argument or a view of it.
 VIEWS = frozenset({
     "view", "view_as", "reshape", "reshape_as", "narrow", "select", "t", "transpose",
@@ -116,14 +118,7 @@ def views_of_inputs(out, args, aliased: dict[int, int]) -> set[int]:
     (eager returns them aliased: a copy would not be what eager returns)."""
     return {k for k, i in aliased.items()
             if isinstance(out[k], torch.Tensor) and isinstance(args[i], torch.Tensor)
-            and out[k].untyped_storage().data_ptr() == args[i].untyped_storage().data_ptr()}
+            and storage_key(out[k]) == storage_key(args[i])}
 
 
-def repeats_memory(t: torch.Tensor) -> bool:
-    """Whether ``t`` has two elements at one place (an expanded tensor): eager cannot
-    write it in place, so a write the graph analysis found there is none."""
-    return any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride(),
-                                                                strict=True))
-
-
-__all__ = ["aliased_outputs", "mutated_inputs", "repeats_memory", "views_of_inputs"]
+__all__ = ["aliased_outputs", "mutated_inputs", "views_of_inputs"]

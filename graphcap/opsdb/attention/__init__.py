@@ -77,8 +77,9 @@ def get_backend(name: str | None = None, device="cpu", strategy: str | None = No
 
 def serving(variant: Variant, device: torch.device) -> list[str]:
     """The prefill backends available on ``device`` that compute ``variant``."""
-    return [name for name, cls in BACKENDS.items()
-            if set(variant.used) <= cls().options and cls().unavailable(device) is None]
+    backends = {name: cls() for name, cls in BACKENDS.items()}
+    return [name for name, b in backends.items()
+            if set(variant.used) <= b.options and b.unavailable(device) is None]
 
 
 def _decode_backend(name: str | None, cache) -> DecodeBackend:
@@ -127,8 +128,9 @@ def run_attention(q, k, v, out, scale, window=0, softcap=0.0, sinks=None):
     if not variant.used:  # a backend written before the options takes six arguments
         backend.forward(q, k, v, out, meta, scale)
         return
-    refuse("prefill attention", backend.name, backend.options, variant,
-           serving(variant, q.device))
+    if not set(variant.used) <= backend.options:  # names the backends that would serve it
+        refuse("prefill attention", backend.name, backend.options, variant,
+               serving(variant, q.device))
     backend.forward(q, k, v, out, meta, scale, variant)
 
 
