@@ -34,6 +34,7 @@ from graphcap.engine.arguments import (
     stops_of,
     warn_unapplied_defaults,
 )
+from graphcap.engine.detokenize import Detokenizer, cut
 from graphcap.engine.engine import Engine, Request, cache_shape
 from graphcap.engine.loading import resolve
 from graphcap.engine.speculative import check_proposer, graph_calls
@@ -65,14 +66,6 @@ class Delta:
     tokens: list[int]
     text: str | None = None
     finish_reason: str | None = None
-
-
-@dataclass
-class _Text:
-    """A request's decoded text so far (streams hold back a partial character)."""
-
-    sent: str = ""
-    stops: tuple[str, ...] = ()
 
 
 class LLM:
@@ -157,7 +150,8 @@ class LLM:
                                                None, delta.finish_reason)
         if self.tokenizer is not None:
             for c in done.values():
-                c.text = self._text(c.tokens, strings)[0]
+                c.text = cut(self.tokenizer.decode(c.tokens, skip_special_tokens=True),
+                             strings)[0]
         return [done[i] for i in range(len(done))]
 
     def stream(self, prompts, max_new_tokens: int = 64, *, sampling=None, stop=None,
@@ -187,7 +181,8 @@ class LLM:
 
     def _serve(self, requests, max_new_tokens: int, stops: set[int],
                strings: tuple[str, ...], speculate: bool, text: bool) -> Iterator[Delta]:
-        texts = {r.index: _Text(stops=strings) for r in requests} if text else None
+        texts = {r.index: Detokenizer(self.tokenizer, strings) for r in requests} \
+            if text else None
         if not self._idle.acquire(blocking=False):
             raise GraphcapError("this LLM is serving another call (a stream not yet "
                                 "finished, or another thread's): one call at a time; finish "
@@ -320,7 +315,7 @@ class LLM:
             reason = _ends(token, len(request.new), stops, max_new)
             text = None
             if self.tokenizer is not None and texts is not None:
-                text, hit = self._delta(request, texts[request.index], reason is not None)
+                text, hit = texts[request.index].add([token], reason is not None)
                 if hit and reason != "stop":  # a stop string ends it, at length or not
                     reason = "stop_string"
             if reason is not None:
@@ -328,27 +323,6 @@ class LLM:
                 ended = True
             yield Delta(request.index, [token], text, reason)
         return ended
-
-    # -- text ------------------------------------------------------------------------
-    def _delta(self, request: Request, state: _Text, final: bool) -> tuple[str, bool]:
-        """The text the request's new token adds (up to a stop string), and whether a
-        stop string has appeared."""
-        full, hit = self._text(request.new, state.stops)
-        if hit:
-            final = True
-        elif not final:  # hold back a partial character, and what may begin a stop string
-            if full.endswith("\ufffd"):
-                return "", False
-            full = full[:len(full) - _stop_prefix(full, state.stops)]
-        delta, state.sent = full[len(state.sent):], full
-        return delta, hit
-
-    def _text(self, tokens: list[int], strings: tuple[str, ...]) -> tuple[str, bool]:
-        """The text of ``tokens``, cut before the first of ``strings`` in it, and whether
-        one was."""
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        cuts = [text.find(s) for s in strings if s in text]
-        return (text[:min(cuts)], True) if cuts else (text, False)
 
     def _prompts(self, prompts) -> list[list[int]]:
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
@@ -372,12 +346,6 @@ def _ends(token: int, made: int, stops: set[int], max_new: int) -> str | None:
     """Why a request ends on ``token``, its ``made``-th new one: a stop token, its length,
     or not (None)."""
     return "stop" if token in stops else "length" if made == max_new else None
-
-
-def _stop_prefix(text: str, stops: tuple[str, ...]) -> int:
-    """The length of the longest end of ``text`` that begins a stop string."""
-    return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])),
-               default=0)
 
 
 class _Fetch:

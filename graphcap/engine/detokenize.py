@@ -1,0 +1,72 @@
+"""Text of a request's tokens as they come, at a cost per token that does not grow with
+the text: each step decodes a window of a few tokens, not the whole request.
+
+The window holds the tokens from the one before the last text was taken to the end
+(``start`` to the end, the last text from ``read``): its first token is decoded again so
+that a tokenizer which drops a leading space, or joins pieces across a boundary, gives
+the same text for it both times, and only what follows it is new. New text that ends in
+a partial character (``"\\ufffd"``) waits for the tokens that complete it; the last call
+takes it as it is, as a whole decode would.
+
+Stop strings are looked for in the new text and the ``longest - 1`` characters before
+it, so each is found at its first place; text that may begin a stop string is held back
+until it cannot.
+"""
+
+from __future__ import annotations
+
+PARTIAL = "\ufffd"  # what a tokenizer's decode shows for an incomplete UTF-8 sequence
+
+
+class Detokenizer:
+    """One request's text: :meth:`add` its new token (or tokens) and get the text they
+    add, cut at the first stop string, and whether one has appeared."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...] = ()):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.longest = max(map(len, stops), default=0)
+        self.tokens: list[int] = []
+        self.text = ""  # all text taken so far
+        self.sent = 0  # characters of ``text`` handed out
+        self.start = self.read = 0  # the window: tokens[start:read] gave the last text
+        self.ended = False
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def add(self, tokens: list[int], final: bool = False) -> tuple[str, bool]:
+        """The text ``tokens`` add (none held back when ``final``), and whether a stop
+        string has appeared (then the text ends before it and the request is over)."""
+        if self.ended:
+            raise ValueError("this request's text ended at a stop string: no tokens follow")
+        self.tokens.extend(tokens)
+        before = self._decode(self.tokens[self.start:self.read])
+        after = self._decode(self.tokens[self.start:])
+        searched = len(self.text)
+        if len(after) > len(before) and (final or not after.endswith(PARTIAL)):
+            self.text += after[len(before):]
+            self.start, self.read = self.read, len(self.tokens)
+        end, hit = len(self.text), False
+        if self.stops:
+            begin = max(0, searched - self.longest + 1)
+            cuts = [i for i in (self.text.find(s, begin) for s in self.stops) if i >= 0]
+            if cuts:
+                end, hit = min(cuts), True
+            elif not final:
+                end -= held(self.text, self.stops)
+        end = max(end, self.sent)
+        delta, self.sent = self.text[self.sent:end], end
+        self.ended = hit
+        return delta, hit
+
+
+def held(text: str, stops: tuple[str, ...]) -> int:
+    """The length of the longest end of ``text`` that begins a stop string."""
+    return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])),
+               default=0)
+
+
+def cut(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
+    """``text`` up to the first of ``stops`` in it, and whether one was."""
+    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return (text[:min(cuts)], True) if cuts else (text, False)

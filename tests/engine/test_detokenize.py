@@ -1,0 +1,94 @@
+"""A stream's text, decoded a few tokens at a time: the same text a whole decode gives,
+cut at the same stop string, at a cost per token that does not grow with the text."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphcap.engine.detokenize import Detokenizer, cut
+from tests.support.tokenizers import byte_tokenizer
+
+pytest.importorskip("tokenizers")
+
+
+def _streamed(tok, tokens, stops=()):
+    """The deltas' text, whether a stop string ended it, and how many tokens were
+    decoded in all."""
+    decoded = []
+    real = tok.decode
+
+    class Counting:
+        def decode(self, ids, **kw):
+            decoded.append(len(ids))
+            return real(ids, **kw)
+
+    text = Detokenizer(Counting(), tuple(stops))
+    out, hit = [], False
+    for i, t in enumerate(tokens):
+        delta, hit = text.add([t], final=i == len(tokens) - 1)
+        out.append(delta)
+        if hit:
+            break
+    return "".join(out), hit, sum(decoded)
+
+
+def _metaspace_tokenizer():
+    """A sentencepiece-like tokenizer: words carry their leading space as "▁", which a
+    decode drops at the start of the text."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    words = ["<pad>", "<s>", "</s>", "▁the", "▁graph", "s", "▁is", "▁fast", ",", "▁a", "b",
+             "▁", "é"]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    tok.decoder = tokenizers.decoders.Metaspace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
+                                                bos_token="<s>", eos_token="</s>")
+
+
+BYTES = byte_tokenizer()
+WORDS = _metaspace_tokenizer()
+# Bytes of text with two- to four-byte characters, stray continuation bytes and specials.
+TEXT_BYTES = st.lists(st.one_of(
+    st.text(alphabet="ab c,é€😀", min_size=1, max_size=3).map(lambda s: list(s.encode())),
+    st.lists(st.sampled_from([0, 1, 2, 0x80, 0xC3, 0xFF]), min_size=1, max_size=2)),
+    min_size=1, max_size=20).map(lambda parts: [b for p in parts for b in p])
+
+
+@settings(max_examples=60)
+@given(TEXT_BYTES)
+def test_streamed_text_is_the_whole_decode(tokens):
+    text, hit, _ = _streamed(BYTES, tokens)
+    assert text == BYTES.decode(tokens, skip_special_tokens=True) and not hit
+
+
+@settings(max_examples=60)
+@given(st.lists(st.integers(0, 12), min_size=1, max_size=30))
+def test_a_tokenizer_that_drops_a_leading_space_streams_its_whole_decode(tokens):
+    text, _, _ = _streamed(WORDS, tokens)
+    assert text == WORDS.decode(tokens, skip_special_tokens=True)
+
+
+@settings(max_examples=60)
+@given(TEXT_BYTES, st.lists(st.text(alphabet="ab c,é", min_size=1, max_size=3),
+                            min_size=1, max_size=3))
+def test_streamed_text_ends_where_the_whole_decode_first_shows_a_stop_string(tokens, stops):
+    whole = BYTES.decode(tokens, skip_special_tokens=True)
+    text, hit, _ = _streamed(BYTES, tokens, stops)
+    assert (text, hit) == cut(whole, tuple(stops))
+
+
+def test_each_token_costs_the_same_however_long_the_text():
+    tokens = list(("graphs capture once, replay often. " * 40).encode())
+    _, _, decoded = _streamed(BYTES, tokens, stops=["never"])
+    assert decoded <= 4 * len(tokens)  # a whole decode a step: len(tokens)**2 / 2
+
+
+def test_no_tokens_after_a_stop_string():
+    text = Detokenizer(BYTES, ("b",))
+    assert text.add(list(b"ab")) == ("a", True)
+    with pytest.raises(ValueError, match="stop string"):
+        text.add(list(b"c"))
