@@ -167,8 +167,8 @@ class PieceGraphs(torch.nn.Module):
                 return self.fn(*args)
         entry.graph.replay()
         for i in copied:
-            # An expanded input: eager could not have written it (a conversion that
-            # copied it was written, which the graph analysis cannot tell apart).
+            # An expanded input: eager could not have written it (a write the analysis
+            # could not tell from one of a copy: a conversion without example values).
             if i in self.writes and not repeats_memory(args[i]):
                 args[i].copy_(entry.static[i])
         if not entry.aliases:

@@ -5,7 +5,8 @@ an input, so what it writes there is copied back to the caller's tensor after ea
 The graph is torch-level (Dynamo's, before any decomposition): a write names the tensor it
 writes, which may be a view of an input several ops away (``cache[:n].add_(y)``,
 ``cache.narrow(0, 0, n).copy_(y)``). A node made from an input by an op that may return a
-view of it (or the input itself: ``x.float()`` of a float tensor) counts as that input.
+view of it (or the input itself: ``x.float()`` of a float tensor) counts as that input; a
+conversion to another dtype or device (Dynamo's example values say) is a new tensor.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ VIEWS = frozenset({
     "double", "int", "long", "bool", "cpu", "cuda", "view_as_real", "view_as_complex",
     "real", "imag", "alias", "align_as", "refine_names", "rename", "__getitem__",
     "getitem", "requires_grad_", "data"})
+# Of those, the ones that convert: a view only where the dtype and device stay the same.
+CONVERSIONS = frozenset({"to", "type", "type_as", "float", "half", "bfloat16", "double",
+                         "int", "long", "bool", "cpu", "cuda"})
 # operator's in-place forms (x += y): they write their first argument.
 IN_PLACE_OPERATORS = frozenset({
     operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
@@ -52,7 +56,22 @@ def _may_alias(node: torch.fx.Node) -> bool:
     op = _overload(node.target)
     if op is not None:
         return any(r.alias_info is not None for r in op._schema.returns)
-    return node.target is operator.getitem or _name(node) in VIEWS
+    if node.target is operator.getitem:
+        return True
+    name = _name(node)
+    if name in CONVERSIONS:
+        return _same_kind(node, node.args[0])
+    return name in VIEWS
+
+
+def _same_kind(node: torch.fx.Node, source) -> bool:
+    """Whether Dynamo's example values of ``node`` and ``source`` have one dtype and
+    device (True where it recorded none: the conversion may return its input)."""
+    new = node.meta.get("example_value")
+    old = source.meta.get("example_value") if isinstance(source, torch.fx.Node) else None
+    if not isinstance(new, torch.Tensor) or not isinstance(old, torch.Tensor):
+        return True
+    return new.dtype == old.dtype and new.device == old.device
 
 
 def _in_place(name: str) -> bool:

@@ -24,6 +24,7 @@ from graphcap.piecewise import PiecewiseCompiler
 from graphcap.piecewise import compiler as piecewise_compiler
 from graphcap.piecewise.inductor import compile_piece
 from graphcap.piecewise.split import split_graph, split_op_names
+from graphcap.piecewise.writes import mutated_inputs
 from graphcap.testing.strategies import prefill_batches
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,6 +114,35 @@ def test_split_ops_are_matched_as_packet_and_overload_and_sit_alone_in_order():
     assert [p.is_split for p in pieces] == [False, True, False, True, False]
     x, out = torch.randn(4), torch.zeros(4)
     torch.testing.assert_close(split(x, out.clone()), f(x, out.clone()))
+
+
+def test_a_conversion_to_another_dtype_is_a_new_tensor_not_a_write_of_the_input():
+    # x.float() of a bf16 x is a copy: writing it leaves x alone (nothing to copy back);
+    # y.float() of a float y is y itself, and so is a write of it, in every piece.
+    def f(x, y, out):
+        z = x.float()
+        z.add_(1)
+        torch.ops.graphcap_test.split_a(z, out)
+        w = y.float()
+        w.mul_(2)
+        return out + w
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        _, pieces = split_graph(gm, split_op_names({"graphcap_test::split_a"}))
+        for piece in pieces:
+            if not piece.is_split:
+                names = [n.name for n in piece.module.graph.nodes if n.op == "placeholder"]
+                seen.append({names[i] for i in mutated_inputs(piece.module)})
+        seen.append({i for i in mutated_inputs(gm)})
+        return gm
+
+    x, y = torch.randn(4, dtype=torch.bfloat16), torch.randn(4)
+    torch.compile(f, backend=backend, fullgraph=True)(x, y, torch.zeros(4))
+    first, second, whole = seen
+    assert first == set() and len(second) == 1 and "y" in next(iter(second))
+    assert whole == {1, 2}  # y, and out (the split op writes it)
 
 
 def test_sizes_outside_the_capture_sizes_run_the_pieces_eagerly_and_are_counted(caplog):
