@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from graphcap.api import model_dtype
-from graphcap.core.checks import positive_int
+from graphcap.core.checks import boolean, positive_int
 from graphcap.engine.arguments import (
     check_options,
     check_prompts,
@@ -175,9 +175,8 @@ class LLM:
                              f"{max_new_tokens} new ones passes this LLM's max_len "
                              f"{self.max_len}: build it with a larger max_len")
         requests = [Request(i, p, params[i]) for i, p in enumerate(ids)]
-        if not isinstance(speculate, bool):
-            raise ValueError(f"speculate must be True or False, got {speculate!r}")
-        return self._serve(requests, max_new_tokens, stops, strings, speculate, texts)
+        return self._serve(requests, max_new_tokens, stops, strings,
+                           boolean(speculate, "speculate"), texts)
 
     def _serve(self, requests, max_new_tokens: int, stops: set[int],
                strings: tuple[str, ...], speculate: bool, text: bool) -> Iterator[Delta]:

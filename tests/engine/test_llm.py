@@ -283,3 +283,11 @@ def test_a_numpy_stop_id_is_one_id_and_sampling_given_as_text_is_refused():
     assert llm().generate(PROMPTS[:1], 2, stop=np.int64(72))[0].tokens
     with pytest.raises(ValueError, match="sampling must be a graphcap.Sampling"):
         llm().generate(PROMPTS[:2], 2, sampling="greedy")
+
+
+def test_speculate_takes_a_numpy_bool_as_the_other_flags_do_and_refuses_a_string():
+    import numpy as np
+
+    assert llm().generate(PROMPTS[:1], 2, speculate=np.bool_(False))[0].tokens
+    with pytest.raises(ValueError, match="speculate must be True or False, got 'no'"):
+        llm().generate(PROMPTS[:1], 2, speculate="no")
