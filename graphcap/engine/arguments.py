@@ -31,24 +31,40 @@ def check_options(strategy, tokenizer, stop_at_eos, long_prompts, progress) -> N
     progress_option(progress)
 
 def check_prompts(prompts, vocab: int) -> list[list[int]]:
+    """``prompts`` as lists of ints: a list or tuple of token-id sequences (lists, 1-d
+    tensors or numpy arrays; numpy and tensor ints taken), or a 2-d tensor or array, a
+    prompt a row."""
+    if isinstance(prompts, (torch.Tensor, np.ndarray)):
+        if getattr(prompts, "ndim", None) != 2:
+            raise ValueError(f"prompts given as a tensor or array must be 2-d, a prompt a "
+                             f"row; got {getattr(prompts, 'ndim', '?')}-d: for one prompt "
+                             "pass [ids]")
+        prompts = list(prompts)
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of token-id lists")
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+    if all(_is_id(t) for t in prompts):
         head = ", ".join(map(str, prompts[:6])) + (", ..." if len(prompts) > 6 else "")
         raise ValueError(f"prompts is a list of token-id lists, one per prompt: for one "
                          f"prompt pass [[{head}]], not [{head}]")
     out = []
     for i, p in enumerate(prompts):
         try:
-            ids = p.tolist() if isinstance(p, torch.Tensor) and p.dim() == 1 else list(p)
-        except TypeError:  # a number, or a 0-d tensor
+            ids = [_token_id(t) for t in (p.tolist() if hasattr(p, "tolist") else p)]
+        except TypeError:  # a number, a 0-d tensor, a float or bool among the ids
             ids = None
-        if not ids or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
-                          for t in ids):  # before anything launches (BadBatch: a ValueError)
+        if not ids or not all(0 <= t < vocab for t in ids):  # BadBatch: a ValueError
             raise BadBatch(f"prompt {i} must be a non-empty list of token ids in "
                            f"[0, {vocab}), got {p!r}")
         out.append(ids)
     return out
+
+
+def _is_id(value) -> bool:
+    try:
+        _token_id(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _token_id(value) -> int:

@@ -291,3 +291,19 @@ def test_speculate_takes_a_numpy_bool_as_the_other_flags_do_and_refuses_a_string
     assert llm().generate(PROMPTS[:1], 2, speculate=np.bool_(False))[0].tokens
     with pytest.raises(ValueError, match="speculate must be True or False, got 'no'"):
         llm().generate(PROMPTS[:1], 2, speculate="no")
+
+
+def test_prompts_as_numpy_or_tensor_rows_are_the_same_prompts_as_lists():
+    import numpy as np
+
+    want = [c.tokens for c in llm().generate(PROMPTS[:2], 3)]
+    assert [c.tokens for c in llm().generate([np.array(p) for p in PROMPTS[:2]], 3)] == want
+    assert [c.tokens for c in llm().generate(
+        [[np.int64(t) for t in p] for p in PROMPTS[:2]], 3)] == want
+    rows = [PROMPTS[0], PROMPTS[0]]
+    assert [c.tokens for c in llm().generate(np.array(rows), 3)] == \
+        [c.tokens for c in llm().generate(torch.tensor(rows), 3)] == [want[0]] * 2
+    with pytest.raises(ValueError, match="must be 2-d, a prompt a row; got 1-d"):
+        llm().generate(np.array(PROMPTS[0]), 3)
+    with pytest.raises(ValueError, match="prompt 0 must be a non-empty list of token ids"):
+        llm().generate([np.array(PROMPTS[0], dtype=np.float32)], 3)
