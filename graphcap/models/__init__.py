@@ -21,7 +21,7 @@ def _gpt_oss(layers: int, experts: int) -> ModelArgs:
                      max_position=131072, experts=experts, top_k=4, moe_intermediate=2880,
                      qkv_bias=True, o_bias=True, moe_bias=True, glu_alpha=1.702,
                      glu_limit=7.0, window=128, global_every=2, sinks=True,
-                     yarn=Yarn(32.0, 4096, truncate=False))
+                     rope_scaling=Yarn(32.0, 4096, truncate=False))
 
 
 # Presets as data. The large ones have the shapes of the public models (random weights).
@@ -50,7 +50,7 @@ PRESETS = {
     "tiny-gpt-oss": ModelArgs(experts=8, top_k=2, moe_intermediate=32, qkv_bias=True,
                               o_bias=True, moe_bias=True, glu_alpha=1.702, glu_limit=7.0,
                               window=8, global_every=2, sinks=True,
-                              yarn=Yarn(4.0, 64, truncate=False)),
+                              rope_scaling=Yarn(4.0, 64, truncate=False)),
 }
 PRESETS["tiny-gpt-oss-mxfp4"] = replace(PRESETS["tiny-gpt-oss"], moe_mxfp4=True)
 

@@ -25,7 +25,7 @@ from graphcap.models.blocks import (
     moe_half,
     swiglu_half,
 )
-from graphcap.models.rope import Yarn, rotary_cache
+from graphcap.models.rope import Scaling, rotary_cache
 from graphcap.opsdb import cuda as cuda_kernels
 from graphcap.opsdb import mxfp4
 from graphcap.opsdb.attention.packed import packed
@@ -61,12 +61,13 @@ class ModelArgs:
     softcap: float = 0.0
     sinks: bool = False
     # gpt-oss: a bias on the output projection, biases on the router and the experts, the
-    # experts' clamped GLU (glu_alpha > 0; reference.clamped_glu), YaRN rotary.
+    # experts' clamped GLU (glu_alpha > 0; reference.clamped_glu). ``rope_scaling``: the
+    # rotary frequencies scaled (graphcap.models.rope: YaRN for gpt-oss, Llama 3.1's).
     o_bias: bool = False
     moe_bias: bool = False
     glu_alpha: float = 0.0
     glu_limit: float = 0.0
-    yarn: Yarn | None = None
+    rope_scaling: Scaling | None = None
     # gpt-oss as shipped: the experts' weights in MXFP4 (4-bit values, a power-of-two
     # scale per 32; gate and up rows interleaved), everything else in the model's dtype.
     moe_mxfp4: bool = False
@@ -282,13 +283,14 @@ class Decoder(nn.Module):
         if a.tie_embeddings and tp is None:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("cos_sin", rotary_cache(a.head_dim, a.max_position,
-                                                     a.rope_theta, a.yarn), persistent=False)
+                                                     a.rope_theta, a.rope_scaling),
+                             persistent=False)
 
     def reset_rope(self, device) -> None:
         """Recompute the rotary cache (after building on the meta device)."""
         a = self.args
         self.cos_sin = rotary_cache(a.head_dim, a.max_position, a.rope_theta,
-                                    a.yarn).to(device)
+                                    a.rope_scaling).to(device)
 
     graphcap_inputs = "prefill"
 

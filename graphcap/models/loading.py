@@ -3,9 +3,10 @@
 A checkpoint is a folder with ``config.json`` and ``*.safetensors`` (one file, or shards
 listed by ``model.safetensors.index.json``), with Hugging Face parameter names. Supported
 families: Llama, Qwen2, Qwen3, Qwen3-MoE, gpt-oss (its experts in bf16/float32 or as
-published, MXFP4 ``*_blocks``/``*_scales``, dequantized on load). Every expected tensor
-must be present with the expected shape; anything else is an error naming the file and
-key.
+published, MXFP4 ``*_blocks``/``*_scales``, dequantized on load), with the rotary
+scalings and options docs/models.md lists; a config option the decoders do not build is
+refused. Every expected tensor must be present with the expected shape; anything else is
+an error naming the file and key.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from graphcap.errors import GraphcapError
 from graphcap.models.decoder import Decoder, ModelArgs, experts_to_operand_order
-from graphcap.models.rope import Yarn
+from graphcap.models.rope import Linear, Llama3, Scaling, Yarn, mscale
 from graphcap.models.shard import shard_model
 from graphcap.opsdb.reference import mxfp4_dequantize
 
@@ -29,27 +30,90 @@ class CheckpointError(GraphcapError, ValueError):
     """A checkpoint that cannot be loaded; the message names the file and key."""
 
 
+# Defaults of the keys read below where a family's transformers config differs from
+# graphcap's (a config.json written by hand may leave them out).
+DEFAULTS = {"qwen3_moe": {"norm_topk_prob": False},
+            "gpt_oss": {"sliding_window": 128, "rms_norm_eps": 1e-5,
+                        "attention_bias": True}}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _rope_scaling(config: dict, source: str) -> Scaling | None:
+    """The rotary scaling a config names (``rope_parameters``, or ``rope_scaling`` as
+    configs written before transformers 5 say), as transformers computes it."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    if rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise CheckpointError(f"{source}: partial_rotary_factor (rotary over part of a "
+                              "head) is not supported")
+    if kind == "default":
+        return None
+    if kind == "linear":
+        return Linear(rope["factor"])
+    if kind == "llama3":
+        return Llama3(rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+                      rope["original_max_position_embeddings"])
+    if kind != "yarn":
+        raise CheckpointError(f"{source}: rope_type {kind!r} is not supported; supported: "
+                              f"{', '.join(ROPE_TYPES)}")
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or config["max_position_embeddings"] / original
+    attention = rope.get("attention_factor")
+    if attention is None and rope.get("mscale") and rope.get("mscale_all_dim"):
+        attention = mscale(factor, rope["mscale"]) / mscale(factor, rope["mscale_all_dim"])
+    return Yarn(factor, original, rope.get("beta_fast") or 32.0,
+                rope.get("beta_slow") or 1.0, rope.get("truncate", True), attention)
+
+
 def _gpt_oss_args(config: dict, source: str) -> dict:
-    """The fields gpt-oss adds: alternating windows (``layer_types``), sinks, biases, the
-    clamped GLU and YaRN."""
+    """The fields gpt-oss adds: alternating windows (``layer_types``), sinks, biases and
+    the clamped GLU."""
     expected = ["sliding_attention" if i % 2 == 0 else "full_attention"
                 for i in range(config["num_hidden_layers"])]
     kinds = config.get("layer_types") or expected
     if list(kinds) != expected:
         raise CheckpointError(f"{source}: layer_types {kinds} are not gpt-oss's alternation "
                               "(sliding_attention on even layers, full_attention on odd)")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    yarn = None
-    if rope.get("rope_type", rope.get("type")) == "yarn":
-        yarn = Yarn(rope["factor"], rope["original_max_position_embeddings"],
-                    rope.get("beta_fast") or 32.0, rope.get("beta_slow") or 1.0,
-                    rope.get("truncate", True))
     return dict(experts=config["num_local_experts"], top_k=config["num_experts_per_tok"],
                 moe_intermediate=config["intermediate_size"], moe_bias=True,
                 glu_alpha=config.get("swiglu_alpha", 1.702),
-                glu_limit=config.get("swiglu_limit", 7.0), o_bias=True,
-                window=config.get("sliding_window") or 0, global_every=2, sinks=True,
-                yarn=yarn)
+                glu_limit=config.get("swiglu_limit", 7.0),
+                window=config.get("sliding_window") or 0, global_every=2, sinks=True)
+
+
+def _window(config: dict, family: str, source: str) -> int:
+    """Llama and the Qwen families: a sliding window on every layer, or none; a window
+    on some layers only is refused. Without ``layer_types`` (configs written before
+    transformers 5), Qwen2's layers from ``max_window_layers`` on are windowed."""
+    windowed = config.get("use_sliding_window") and config.get("sliding_window")
+    if family == "qwen3_moe" and windowed:
+        raise CheckpointError(f"{source}: use_sliding_window is not supported for qwen3_moe")
+    kinds = config.get("layer_types")
+    if kinds is None and windowed:
+        first = config.get("max_window_layers", 0)
+        kinds = ["sliding_attention" if i >= first else "full_attention"
+                 for i in range(config["num_hidden_layers"])]
+    kinds = set(kinds or ())
+    if kinds <= {"full_attention"}:
+        return 0
+    if kinds == {"sliding_attention"}:
+        return config["sliding_window"]
+    raise CheckpointError(f"{source}: sliding windows on some layers only (layer_types "
+                          f"{sorted(kinds)}, max_window_layers) are not supported: every "
+                          "layer windowed or none")
+
+
+def _refuse_unsupported(config: dict, family: str, source: str) -> None:
+    if family == "qwen3_moe" and (config.get("mlp_only_layers") or
+                                  config.get("decoder_sparse_step", 1) != 1):
+        raise CheckpointError(f"{source}: dense layers among MoE layers (mlp_only_layers, "
+                              "decoder_sparse_step) are not supported")
+    act = config.get("hidden_act", "silu")
+    if family != "gpt_oss" and act != "silu":  # gpt-oss's experts: their own clamped GLU
+        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (SiLU only)")
+    if config.get("mlp_bias"):
+        raise CheckpointError(f"{source}: mlp_bias (biases on the MLP's projections) is not "
+                              "supported")
 
 
 def args_from_config(config: dict, source: str = "config.json") -> ModelArgs:
@@ -57,14 +121,14 @@ def args_from_config(config: dict, source: str = "config.json") -> ModelArgs:
     if family not in FAMILIES:
         raise CheckpointError(f"{source}: model_type {family!r} is not supported; "
                               f"supported: {', '.join(FAMILIES)}")
-    if family == "qwen3_moe" and (config.get("mlp_only_layers") or
-                                  config.get("decoder_sparse_step", 1) != 1):
-        raise CheckpointError(f"{source}: dense layers among MoE layers (mlp_only_layers, "
-                              "decoder_sparse_step) are not supported")
+    _refuse_unsupported(config, family, source)
+    config = {**DEFAULTS.get(family, {}), **config}
     try:
         heads = config["num_attention_heads"]
         hidden = config["hidden_size"]
         rope = config.get("rope_parameters") or {}
+        # Qwen2: biases on q, k and v always, none on o; the others: attention_bias on all.
+        attention_bias = bool(config.get("attention_bias", False))
         fields = dict(
             vocab_size=config["vocab_size"], hidden=hidden,
             layers=config["num_hidden_layers"], heads=heads,
@@ -75,16 +139,20 @@ def args_from_config(config: dict, source: str = "config.json") -> ModelArgs:
             rope_theta=config.get("rope_theta", rope.get("rope_theta", 10000.0)),
             max_position=config.get("max_position_embeddings", 4096),
             qk_norm=family in ("qwen3", "qwen3_moe"),
-            qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
+            qkv_bias=family == "qwen2" or attention_bias,
+            o_bias=family != "qwen2" and attention_bias,
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             experts=(config.get("num_experts") or config.get("num_local_experts", 0))
             if family == "qwen3_moe" else 0,
             top_k=config.get("num_experts_per_tok", 0) if family == "qwen3_moe" else 0,
             moe_intermediate=config.get("moe_intermediate_size", 0),
             norm_topk=bool(config.get("norm_topk_prob", True)),
+            rope_scaling=_rope_scaling(config, source),
         )
         if family == "gpt_oss":
             fields.update(_gpt_oss_args(config, source))
+        else:
+            fields["window"] = _window(config, family, source)
         return ModelArgs(**fields)
     except KeyError as exc:
         raise CheckpointError(f"{source}: missing key {exc.args[0]!r}") from exc

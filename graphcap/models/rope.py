@@ -1,6 +1,7 @@
-"""The rotary cache of a reference decoder: plain neox rotary, or scaled by YaRN
-(gpt-oss), in the ``[max_position, rot_dim]`` cos/sin layout ``graphcap::qkv_norm_rope``
-reads."""
+"""The rotary cache of a reference decoder: plain neox rotary, or with its frequencies
+scaled as Hugging Face configs name it (``rope_type``): ``linear``, ``llama3`` (Llama 3.1
+to 3.3), ``yarn`` (gpt-oss, long-context Qwen), in the ``[max_position, rot_dim]`` cos/sin
+layout ``graphcap::qkv_norm_rope`` reads. Each computes what transformers does."""
 
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ class Yarn:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
+    attention: float | None = None  # the cos/sin scale a config gives (else the formula)
 
     @property
     def attention_factor(self) -> float:
-        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+        return self.attention if self.attention is not None else mscale(self.factor)
 
     def inv_freq(self, dim: int, theta: float) -> torch.Tensor:
         """The ``dim / 2`` scaled inverse frequencies of a ``dim``-wide rotation."""
@@ -49,12 +51,61 @@ class Yarn:
         return (1.0 / (self.factor * base)) * ramp + (1.0 / base) * keep
 
 
+def mscale(factor: float, scale: float = 1.0) -> float:
+    """YaRN's cos/sin scale for a context ``factor`` times longer: ``0.1 scale ln(factor)
+    + 1`` (1 where nothing is stretched)."""
+    return 0.1 * scale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def _plain(dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+
+
+@dataclass(frozen=True)
+class Linear:
+    """Every frequency divided by ``factor`` (positions interpolated)."""
+
+    factor: float
+    attention_factor = 1.0
+
+    def inv_freq(self, dim: int, theta: float) -> torch.Tensor:
+        return _plain(dim, theta) / self.factor
+
+
+@dataclass(frozen=True)
+class Llama3:
+    """Llama 3.1's scaling: wavelengths longer than ``original_max_position /
+    low_freq_factor`` divided by ``factor``, those shorter than ``original_max_position /
+    high_freq_factor`` kept, a smooth blend between."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position: int
+    attention_factor = 1.0
+
+    def inv_freq(self, dim: int, theta: float) -> torch.Tensor:
+        plain = _plain(dim, theta)
+        wavelen = 2 * math.pi / plain
+        old = self.original_max_position
+        scaled = torch.where(wavelen > old / self.low_freq_factor, plain / self.factor, plain)
+        smooth = (old / wavelen - self.low_freq_factor) / \
+            (self.high_freq_factor - self.low_freq_factor)
+        blend = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = (wavelen >= old / self.high_freq_factor) & \
+            (wavelen <= old / self.low_freq_factor)
+        return torch.where(medium, blend, scaled)
+
+
+Scaling = Yarn | Linear | Llama3
+
+
 def rotary_cache(dim: int, max_position: int, theta: float,
-                 yarn: Yarn | None = None) -> torch.Tensor:
+                 scaling: Scaling | None = None) -> torch.Tensor:
     """The neox cos/sin cache ``[max_position, dim]`` (cos in the first half, sin in the
-    second), float32; with ``yarn``, its frequencies and scale."""
-    if yarn is None:
+    second), float32; with ``scaling``, its frequencies and scale."""
+    if scaling is None:
         return rope_cache(dim, max_position, theta)
     freqs = torch.arange(max_position, dtype=torch.float32)[:, None] \
-        * yarn.inv_freq(dim, theta)[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * yarn.attention_factor
+        * scaling.inv_freq(dim, theta)[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * scaling.attention_factor

@@ -4,11 +4,12 @@ logits match transformers' own model; bad checkpoints fail naming the file and k
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
-from graphcap.models.loading import CheckpointError, load_checkpoint
+from graphcap.models.loading import CheckpointError, args_from_config, load_checkpoint
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -31,9 +32,9 @@ CONFIGS = {
 }
 
 
-def saved(tmp_path, family, **save_kwargs):
+def saved(tmp_path, family, config=None, **save_kwargs):
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(CONFIGS[family](),
+    hf = transformers.AutoModelForCausalLM.from_config(config or CONFIGS[family](),
                                                        attn_implementation="eager").eval()
     with torch.no_grad():  # nonzero biases and sinks, where transformers starts them at 0
         for name, p in hf.named_parameters():
@@ -52,6 +53,83 @@ def test_logits_match_transformers_with_identical_weights(tmp_path, family):
         want = hf(ids).logits[0]
         got = ours(ids[0], torch.arange(17), seq_lens=[17])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+QWEN3 = dict(COMMON, head_dim=16)
+# Rotary scalings over short original contexts (they bind within the 17-token prompt),
+# biases on every attention projection, windows on every layer.
+VARIANTS = {
+    "llama3 rope": lambda: transformers.LlamaConfig(**COMMON, rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=32)),
+    "linear rope": lambda: transformers.Qwen3Config(**QWEN3, rope_parameters=dict(
+        rope_type="linear", rope_theta=10000.0, factor=4.0)),
+    "yarn, its attention factor": lambda: transformers.Qwen2Config(
+        **COMMON, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                       original_max_position_embeddings=16,
+                                       attention_factor=0.8)),
+    "yarn, mscale": lambda: transformers.Qwen3Config(**QWEN3, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=16,
+        mscale=1.0, mscale_all_dim=0.5)),
+    "llama attention_bias": lambda: transformers.LlamaConfig(**COMMON, attention_bias=True),
+    "qwen3 attention_bias": lambda: transformers.Qwen3Config(**QWEN3, attention_bias=True),
+    "qwen2 windows": lambda: transformers.Qwen2Config(
+        **COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=0),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_config_variants_load_as_transformers_builds_them(tmp_path, variant):
+    config = VARIANTS[variant]()
+    hf = saved(tmp_path, config.model_type, config)
+    ours = load_checkpoint(tmp_path)
+    ids = torch.randint(0, 128, (1, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits[0]
+        got = ours(ids[0], torch.arange(17), seq_lens=[17])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_config_written_before_transformers_5_names_its_rope_scaling(tmp_path):
+    # Llama 3.1 as published: rope_theta and rope_scaling, no rope_parameters.
+    hf = saved(tmp_path, "llama", VARIANTS["llama3 rope"]())
+    path = tmp_path / "config.json"
+    config = json.loads(path.read_text())
+    scaling = config.pop("rope_parameters")
+    config["rope_theta"] = scaling.pop("rope_theta")
+    config["rope_scaling"] = scaling
+    path.write_text(json.dumps(config))
+    ids = torch.randint(0, 128, (1, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = load_checkpoint(tmp_path)(ids[0], torch.arange(17), seq_lens=[17])
+        torch.testing.assert_close(got, hf(ids).logits[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+     "rope_type 'dynamic' is not supported; supported: default, linear, llama3, yarn"),
+    ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8,
+      "max_window_layers": 1}, "sliding windows on some layers only"),
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8},
+     "sliding windows on some layers only")])
+def test_config_fields_that_change_the_model_are_refused_not_ignored(change, needle):
+    config = dict(model_type="llama", vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                  num_attention_heads=4)
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        args_from_config({**config, **change})
+
+
+def test_a_family_default_a_config_leaves_out_is_the_familys_not_graphcaps():
+    base = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                intermediate_size=64, num_local_experts=8)
+    assert not args_from_config({**base, "model_type": "qwen3_moe"}).norm_topk
+    oss = args_from_config({**base, "model_type": "gpt_oss"})
+    assert (oss.window, oss.eps, oss.o_bias) == (128, 1e-5, True)
 
 
 def test_a_sharded_checkpoint_loads_through_its_index(tmp_path):
