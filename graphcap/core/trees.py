@@ -22,7 +22,21 @@ def storages(value) -> set[int]:
 
 
 def repeats_memory(t: torch.Tensor) -> bool:
-    """Whether ``t`` has two elements at one place (an expanded tensor): nothing may write
-    it in place."""
-    return any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride(),
-                                                                strict=True))
+    """Whether ``t`` has two elements at one place (an expanded tensor, overlapping
+    windows of ``unfold``): nothing may write it in place."""
+    if t.numel() == 0:
+        return False
+    dims = sorted((stride, size) for size, stride in zip(t.shape, t.stride(), strict=True)
+                  if size > 1)
+    reach = 0  # the furthest element offset the dims of smaller strides reach
+    for stride, size in dims:
+        if stride <= reach:
+            break
+        reach += (size - 1) * stride
+    else:
+        return False
+    # Strides that interleave (or repeat): count the distinct offsets.
+    offsets = torch.zeros((), dtype=torch.int64)
+    for stride, size in dims:
+        offsets = (offsets[..., None] + torch.arange(size) * stride).flatten()
+    return bool(offsets.unique().numel() < offsets.numel())

@@ -120,6 +120,7 @@ def check_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, scal
     checks.same(OP, "the shape", tuple(v_cache.shape), tuple(k_cache.shape), "v_cache",
                 "k_cache")
     checks.same(OP, "the shape", tuple(out.shape), tuple(q.shape), "out", "q")
+    checks.writable(OP, "out", out)
     checks.same(OP, "the head dim", k_cache.shape[3], q.shape[2], "k_cache", "q")
     checks.same(OP, "the row count", block_table.shape[0], q.shape[0], "block_table", "q")
     checks.same(OP, "the row count", seq_lens.shape[0], q.shape[0], "seq_lens", "q")
@@ -127,7 +128,7 @@ def check_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, scal
                     ("seq_lens", seq_lens)):
         checks.last_dim_contiguous(OP, name, t)
     hk = k_cache.shape[2]
-    if hk == 0 or q.shape[1] % hk:
+    if hk == 0 or q.shape[1] == 0 or q.shape[1] % hk:
         raise checks.OpInputError(f"{OP}: {q.shape[1]} query heads are not a multiple of "
                                   f"{hk} key/value heads (GQA needs Hq % Hk == 0)")
 

@@ -333,12 +333,15 @@ def test_op_checks_refuse_what_the_kernels_cannot_read_by_name():
     # and in-place outputs repeating their memory: OpInputError, naming the argument.
     from graphcap.errors import OpInputError
     from graphcap.opsdb import reference as ref
+    from graphcap.opsdb.decode import DECODE_ATTENTION
     from graphcap.opsdb.norm import FUSED_ADD_RMS_NORM, RMS_NORM
     from graphcap.opsdb.qkv import QKV_NORM_ROPE
     from graphcap.opsdb.rotary import ROTARY_EMBEDDING
 
     cache = ref.rope_cache(16, 8, 1e4)
     qkv, pos = torch.randn(2, 64), torch.tensor([0, 3])
+    q, k_cache = torch.randn(3, 2, 8), torch.randn(4, 2, 1, 8)
+    table, lens = torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, dtype=torch.int32)
     cases = [
         ("q_weight must be contiguous", lambda: QKV_NORM_ROPE(
             qkv, pos, torch.randn(32)[::2], torch.randn(32)[::2], cache, 2, 1, 16, 1e-6)),
@@ -350,6 +353,12 @@ def test_op_checks_refuse_what_the_kernels_cannot_read_by_name():
             torch.randn(1, 8).expand(3, 8), torch.randn(3, 8), torch.ones(8), 1e-6)),
         ("query is written in place but repeats its memory", lambda: ROTARY_EMBEDDING(
             pos, torch.randn(1, 16).expand(2, 16), torch.randn(2, 16), cache, 16)),
+        ("x is written in place but repeats its memory", lambda: FUSED_ADD_RMS_NORM(
+            torch.randn(10).unfold(0, 8, 1), torch.randn(3, 8), torch.ones(8), 1e-6)),
+        ("out is written in place but repeats its memory", lambda: DECODE_ATTENTION(
+            q, k_cache, k_cache, table, lens, torch.zeros(1, 2, 8).expand(3, 2, 8), 1.0)),
+        ("0 query heads are not a multiple", lambda: DECODE_ATTENTION(
+            q[:, :0], k_cache, k_cache, table, lens, torch.zeros(3, 0, 8), 1.0)),
     ]
     for needle, call in cases:
         with pytest.raises(OpInputError, match=needle):

@@ -106,9 +106,10 @@ def check_attention(q, k, v, out, scale, window=0, softcap=0.0, sinks=None):
         checks.tensor(op, name, t, ndim=3, dtypes=(q.dtype,), device=q.device)
     checks.same(op, "the shape", tuple(k.shape), tuple(v.shape), "k", "v")
     checks.same(op, "the shape", tuple(out.shape), tuple(q.shape), "out", "q")
+    checks.writable(op, "out", out)
     checks.same(op, "the token count", k.shape[0], q.shape[0], "k", "q")
     checks.same(op, "the head dim", k.shape[2], q.shape[2], "k", "q")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+    if k.shape[1] == 0 or q.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise checks.OpInputError(
             f"attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} "
             "key/value heads (GQA needs Hq % Hk == 0)")
