@@ -43,12 +43,22 @@ OP = "cached_attention"
 QKV_OP = "qkv_cached_attention"
 
 
-def _layer_of(kv, layer: int, op: str):
-    """Layer ``layer``'s (k_cache, v_cache), noted as written."""
+def _layer_of(kv, layer: int, op: str, window: int):
+    """Layer ``layer``'s (k_cache, v_cache), noted as written. A layer that attends
+    further back than the cache keeps pages for (full attention, or a longer window) is
+    refused: it would read freed pages as its request's."""
     if not 0 <= layer < kv.cache.layers:
         raise UnsupportedModel(
             f"{op}: layer {layer} of a K/V cache of {kv.cache.layers} layers; make the "
             "cache with as many layers as the model, and pass each attention its own index")
+    kept = kv.cache.window
+    if kept and not 0 < window <= kept:
+        reach = f"a window of {window}" if window else "full attention"
+        raise UnsupportedModel(
+            f"{op}: layer {layer} attends with {reach}, but the K/V cache frees pages "
+            f"behind a window of {kept} (the model's graphcap_kv_window, or the cache's "
+            "window=): declare the longest window of its layers, or 0 where any layer "
+            "attends to every token (graphcap.kv.paged.longest_window)")
     kv.written.add(layer)
     return kv.cache.layer(layer)
 
@@ -59,7 +69,7 @@ def _run(q, k, v, out, scale, layer, window, softcap, sinks, attention, kernel=N
     if kv is None:
         attention(q, k, v, out, scale, window, softcap, sinks)
         return
-    k_cache, v_cache = _layer_of(kv, layer, OP)
+    k_cache, v_cache = _layer_of(kv, layer, OP, window)
     variant = Variant(window, softcap, sinks)
     if kv.decode and backend_of(kv).writes_own:  # the write in the attention kernel
         attend_pages(q, k_cache, v_cache, kv, out, scale, kernel, variant, own=(k, v))
@@ -107,7 +117,7 @@ def _run_rows(qkv, positions, q_weight, k_weight, cos_sin_cache, out, num_heads,
               kernel=None) -> None:
     kv = current_kv()
     if kv is not None and kv.decode and backend_of(kv).rotates:  # one kernel
-        k_cache, v_cache = _layer_of(kv, layer, QKV_OP)
+        k_cache, v_cache = _layer_of(kv, layer, QKV_OP, window)
         q, k, v = heads_of(qkv, num_heads, num_kv_heads, head_size)
         attend_pages(q, k_cache, v_cache, kv, out, scale, kernel,
                      Variant(window, softcap, sinks), own=(k, v),

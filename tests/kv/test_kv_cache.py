@@ -332,3 +332,28 @@ def test_the_old_slots_method_still_gives_each_tokens_place_and_says_its_new_nam
     with pytest.warns(DeprecationWarning, match="cache_loc"):
         old = c.slots(rows, positions)
     assert torch.equal(old, c.cache_loc(rows, positions))
+
+
+@pytest.mark.parametrize("layer_window", [0, 12])
+def test_a_layer_attending_further_back_than_the_cache_keeps_pages_is_refused(layer_window):
+    """A cache windowed to 4 frees the pages behind that window: a layer of full attention
+    or of a longer window would read the null page as its request's first tokens."""
+    from graphcap.core.context import forward_context
+    from graphcap.errors import UnsupportedModel
+    from graphcap.kv import CacheBatch
+    from graphcap.opsdb.cached import CACHED_ATTENTION
+
+    c = cache(layers=1, max_requests=1, max_len=16, page_size=4, window=4)
+    c.admit(0, 16)
+    kv = CacheBatch.paged(c, torch.tensor([0]), torch.tensor([0]))
+    kv.decode = True
+    q, k, out = torch.randn(1, HEADS, DIM), torch.randn(1, KV_HEADS, DIM), \
+        torch.zeros(1, HEADS, DIM)
+    reach = "full attention" if layer_window == 0 else "a window of 12"
+    with forward_context(kv=kv), pytest.raises(
+            UnsupportedModel, match=f"layer 0 attends with {reach}, but the K/V cache frees "
+                                    "pages behind a window of 4"):
+        CACHED_ATTENTION(q, k, k, out, DIM ** -0.5, 0, layer_window, 0.0, None)
+    with forward_context(kv=kv):  # a layer within the cache's window
+        CACHED_ATTENTION(q, k, k, out, DIM ** -0.5, 0, 3, 0.0, None)
+    assert out.isfinite().all()
