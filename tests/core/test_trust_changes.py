@@ -332,3 +332,24 @@ def test_a_slot_filled_after_capture_reads_as_a_change():
     assert not snapshot.current()
     assert snapshot.changes()[:3] == ["extra: added", "extra.weight: added",
                                       "extra.bias: added"]
+
+
+def test_a_parameter_set_to_none_after_capture_reads_as_a_change():
+    # lin.bias = None empties the slot through no registration hook.
+    from graphcap.core.snapshot import ModelSnapshot
+
+    m = torch.nn.Module()
+    m.proj = torch.nn.Linear(2, 2)
+    snapshot = ModelSnapshot(m)
+    m.proj.bias = None
+    assert not snapshot.current() and snapshot.changes() == ["proj.bias: removed"]
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_a_bias_removed_after_capture_is_recaptured_without_it(strategy):
+    m = fresh_model()
+    m.blocks[0].attn.o.bias = torch.nn.Parameter(torch.ones_like(m.norm))
+    r = capture(m, strategy)
+    assert_matches_eager(r, m)
+    m.blocks[0].attn.o.bias = None
+    assert_matches_eager(r, m)
