@@ -120,16 +120,20 @@ class CudaGraph(Graph):
         if self._graph is not None:
             raise CaptureError("this graph is captured already: reset() it or make a new one")
         stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(self.device))
-        self.pool.stream.wait_stream(torch.cuda.current_stream(self.device))
-        stack.enter_context(torch.cuda.stream(self.pool.stream))
-        stack.enter_context(_FrozenGC())
-        _blas_handles(self.pool)
-        self.pool.begin_capture()
-        for make in _STREAM_STATE:
-            make(self.device)
-        self._reserved_before = torch.cuda.memory_reserved(self.device)
-        graph = torch.cuda.CUDAGraph()
+        try:  # a set-up step that fails (out of memory) gives back the stream and gc
+            stack.enter_context(torch.cuda.device(self.device))
+            self.pool.stream.wait_stream(torch.cuda.current_stream(self.device))
+            stack.enter_context(torch.cuda.stream(self.pool.stream))
+            stack.enter_context(_FrozenGC())
+            _blas_handles(self.pool)
+            self.pool.begin_capture()
+            for make in _STREAM_STATE:
+                make(self.device)
+            self._reserved_before = torch.cuda.memory_reserved(self.device)
+            graph = torch.cuda.CUDAGraph()
+        except BaseException:
+            stack.close()
+            raise
         try:
             graph.capture_begin(pool=self.pool.handle, capture_error_mode="thread_local")
         except BaseException:
