@@ -85,10 +85,16 @@ def window_refusal(config, window: int | None = None) -> str:
 
 
 def layer_window(module, config) -> int | None:
-    """The window of a layer whose attention call passes none: its module's own (Qwen2-MoE
-    sets it on sliding layers), else the config's where every layer is windowed (no
-    ``layer_types``: PhiMoE). Those models apply it through the mask transformers builds
-    and graphcap does not, so graphcap's ops take it instead."""
+    """The window of a layer whose attention call passes none: none where ``layer_types``
+    names the layer's kind and it is not windowed (EXAONE 4 keeps ``sliding_window`` on
+    its full-attention layers too); else its module's own (Qwen2-MoE sets it on sliding
+    layers), else the config's where every layer is windowed (no ``layer_types``:
+    PhiMoE). Those models apply it through the mask transformers builds and graphcap does
+    not, so graphcap's ops take it instead."""
+    kinds, layer = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if kinds and isinstance(layer, int) and 0 <= layer < len(kinds) \
+            and kinds[layer] not in WINDOWED:
+        return None
     window = getattr(module, "sliding_window", None)
     if window is None and not getattr(config, "layer_types", None):
         window = getattr(config, "sliding_window", None)
@@ -114,8 +120,7 @@ def attention_options(model) -> tuple[str, ...]:
     for module in model.modules():
         if not hasattr(module, "layer_idx") or not hasattr(module, "config"):
             continue
-        window = getattr(module, "sliding_window", None)
-        if window_binds(config, window):
+        if window_binds(config, layer_window(module, config)):
             found.add("window")
         if getattr(module, "sinks", None) is not None:
             found.add("sinks")

@@ -1,5 +1,6 @@
 """Stock transformers families whose attention uses a sliding window, soft-capped scores
-or learned sinks (Gemma 2, Gemma 3, Cohere2, OLMo 3, gpt-oss, Mistral with a window)
+or learned sinks (Gemma 2, Gemma 3, Cohere2, OLMo 3, EXAONE 4, gpt-oss, Mistral with a
+window)
 run under graphcap.hf as they are built (Qwen2-MoE and PhiMoE too, whose windows come
 only from the masks transformers builds): their logits equal transformers' own eager
 attention, and greedy generation equals transformers' ``generate()`` token for token under
@@ -30,6 +31,7 @@ FAMILIES = {
     "gemma3_text": ({"initializer_range": 0.5}, ("window",)),
     "cohere2": ({}, ("window",)),
     "olmo3": ({}, ("window",)),
+    "exaone4": ({"initializer_range": 0.5}, ("window",)),
     "gpt_oss": ({}, ("window", "sinks")),
     "mistral": ({"sliding_window": 8}, ("window",)),
     "qwen2_moe": ({"initializer_range": 0.5}, ("window",)),

@@ -42,6 +42,10 @@ OTHER_FAMILIES = {
                                                          sliding_window=8, **TOKENS),
     "cohere2": lambda: transformers.Cohere2Config(**COMMON, sliding_window=8, **TOKENS),
     "olmo3": lambda: transformers.Olmo3Config(**COMMON, sliding_window=8, **TOKENS),
+    # Every layer keeps sliding_window, the full-attention one too (its call passes None).
+    "exaone4": lambda: transformers.Exaone4Config(
+        **COMMON, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        **TOKENS),
     "gpt_oss": lambda: transformers.GptOssConfig(**COMMON, head_dim=16, sliding_window=8,
                                                  num_local_experts=4, num_experts_per_tok=2,
                                                  **TOKENS),
