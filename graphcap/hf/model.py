@@ -23,6 +23,7 @@ CAPTURABLE_EXPERTS = ("grouped_mm", "batched_mm")
 KERNELS = ("graphcap", "stock")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SUBSTITUTION = "_graphcap_substitution"  # on the wrapped model: its Substitution
+_CAME_AS = "_graphcap_came_as"  # and how it came to its first wrapper
 log = logging.getLogger("graphcap")
 # Rotary scalings recomputed from max(position_ids) of the whole (packed) batch.
 DYNAMIC_ROPE = ("dynamic", "longrope")
@@ -166,6 +167,21 @@ def _probe(model: PreTrainedModel, dtype: torch.dtype
             {layer: window for layer, _, window in layers})
 
 
+def _give_back(model: nn.Module, came_as: tuple) -> nn.Module:
+    """``model`` as it came (``came_as``: attention and experts implementations, train
+    mode): its own forwards, graphcap's attention and experts switched back."""
+    substitution.restore(model)
+    model.__dict__.pop(_SUBSTITUTION, None)
+    model.__dict__.pop(_CAME_AS, None)
+    attention, experts, training = came_as
+    if attention is not None and model.config._attn_implementation != attention:
+        model.set_attn_implementation(attention)
+    if experts is not None and getattr(model.config, "_experts_implementation",
+                                       None) != experts:
+        model.set_experts_implementation(experts)
+    return model.train(training)
+
+
 class PrefillLM(nn.Module):
     """A transformers causal LM as a graphcap prefill model: ``forward(input_ids[T],
     positions[T]) -> logits[T, vocab]`` over requests packed along dim 0.
@@ -208,10 +224,12 @@ class PrefillLM(nn.Module):
         self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
         # What its attention layers compute beyond causal attention (a backend must too).
         self.graphcap_attention_options = attention_options(hf_model)
-        previous = hf_model.config._attn_implementation
-        # What release() gives back: attention and experts implementations, train mode.
-        self._came_as = (previous, getattr(hf_model.config, "_experts_implementation", None),
-                         hf_model.training)
+        # What release() gives back: attention and experts implementations, train mode,
+        # as the model came to its first wrapper.
+        first = _CAME_AS not in hf_model.__dict__
+        self._came_as = hf_model.__dict__.get(_CAME_AS) or (
+            hf_model.config._attn_implementation,
+            getattr(hf_model.config, "_experts_implementation", None), hf_model.training)
         try:
             _switch_attention(hf_model)
             if experts is not None:
@@ -223,28 +241,18 @@ class PrefillLM(nn.Module):
                                                None)
             self.kv_shapes, self.kv_windows = _probe(hf_model, dtype)
             self._substitute(kernels, dtype)
-        except BaseException:  # the model goes back as it came (its forwards, attention)
-            substitution.restore(hf_model)
-            hf_model.__dict__.pop(_SUBSTITUTION, None)
-            if previous is not None and hf_model.config._attn_implementation != previous:
-                hf_model.set_attn_implementation(previous)
+        except BaseException:  # the model goes back as it came to its first wrapper
+            if first:
+                _give_back(hf_model, self._came_as)
             raise
+        hf_model.__dict__[_CAME_AS] = self._came_as
         log.info("graphcap.hf: %s: %s", type(hf_model).__name__, self.kernels.summary())
 
     def release(self) -> nn.Module:
-        """The wrapped model as it came: its own module forwards (graphcap's kernels
-        taken out, for every wrapper of it), its attention and experts implementations
-        and its train or eval mode. This wrapper is not usable after."""
-        model = self.hf_model
-        substitution.restore(model)
-        model.__dict__.pop(_SUBSTITUTION, None)
-        attention, experts, training = self._came_as
-        if attention is not None and model.config._attn_implementation != attention:
-            model.set_attn_implementation(attention)
-        if experts is not None and getattr(model.config, "_experts_implementation",
-                                           None) != experts:
-            model.set_experts_implementation(experts)
-        return model.train(training)
+        """The wrapped model as it came to its first wrapper: its own module forwards
+        (graphcap's kernels taken out, for every wrapper of it), its attention and experts
+        implementations and its train or eval mode. No wrapper of it is usable after."""
+        return _give_back(self.hf_model, self._came_as)
 
     def _substitute(self, kernels: str, dtype: torch.dtype) -> None:
         """One substitution per model, shared by every PrefillLM of it: a second wrapper
@@ -269,7 +277,12 @@ class PrefillLM(nn.Module):
     def kernels(self) -> substitution.Substitution:
         """Which modules run graphcap's kernels and which their stock code
         (``summary()``, ``table()``): the model's, shared by its wrappers."""
-        return self.hf_model.__dict__[_SUBSTITUTION]
+        held = self.hf_model.__dict__.get(_SUBSTITUTION)
+        if held is None:
+            raise UnsupportedModel(
+                f"this {type(self.hf_model).__name__} was released (PrefillLM.release(), "
+                "by this wrapper or another of the model): wrap it again, PrefillLM(model)")
+        return held
 
     def graphcap_before_capture(self) -> None:
         """Called by a runner outside any graph before it captures: weights the kernels
@@ -282,6 +295,7 @@ class PrefillLM(nn.Module):
         """Refuse a model whose attention implementation (or, for a capture, whose experts
         implementation) is no longer the one PrefillLM set."""
         kind, config = type(self.hf_model).__name__, self.hf_model.config
+        self.kernels  # noqa: B018 (refuses a released model, whatever it runs now)
         if (now := config._attn_implementation) != NAME:
             raise UnsupportedModel(
                 f"{kind}'s attention implementation is {now!r}, not graphcap's: it was "

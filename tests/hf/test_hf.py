@@ -250,3 +250,36 @@ def test_last_token_logits_are_the_last_rows_of_every_token_s_logits(strategy):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="choose 'all'"):
         PrefillLM(hf_model("qwen3"), logits="first")
+
+
+def _came_as(hf):
+    config = hf.config
+    return (config._attn_implementation, getattr(config, "_experts_implementation", None),
+            hf.training)
+
+
+def test_release_gives_the_model_back_as_it_came_to_its_first_wrapper():
+    hf = hf_model("llama").to(DEVICE).train()
+    came = _came_as(hf)
+    ids = torch.tensor([[5, 9, 2, 7]], device=DEVICE)
+    first, second = PrefillLM(hf), PrefillLM(hf)
+    second.release()  # the second came on graphcap's attention: the model goes back as
+    assert _came_as(hf) == came  # it came to the first
+    with pytest.raises(UnsupportedModel, match="was released .*wrap it again"):
+        first(ids[0], torch.arange(4, device=DEVICE), seq_lens=[4])
+    with pytest.raises(UnsupportedModel, match="was released"):
+        first.kernels.summary()
+    hf.eval()
+    with torch.no_grad():
+        stock = hf(ids).logits
+        lm = PrefillLM(hf)  # wrapped again: serves
+        torch.testing.assert_close(lm(ids[0], torch.arange(4, device=DEVICE), seq_lens=[4]),
+                                   stock[0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_refused_model_keeps_its_experts_implementation_and_train_mode():
+    hf = hf_model("deepseek_v3").to(DEVICE).train()  # MLA: keys and values of two head dims
+    came = _came_as(hf)
+    with pytest.raises(UnsupportedModel):
+        PrefillLM(hf)
+    assert _came_as(hf) == came
