@@ -189,3 +189,25 @@ def test_a_kernel_too_large_for_the_gpus_shared_memory_is_refused_naming_what_se
     with pytest.raises(KernelUnavailable, match=r"102720 B of shared memory.*gives 101376"
                                                 r".*bfloat16.*attention='flashinfer'"):
         decode.decode_attention(q, k_cache, v_cache, table, lens, out, d ** -0.5)
+
+
+@pytest.mark.gpu if ROPE_DEVICE == "cuda" else (lambda test: test)
+def test_more_rows_than_a_split_launch_merges_run_in_one_split():
+    """Past 1025 (row, head block)s a launch cannot merge splits: the kernel's own choice is
+    one split there, on the GPU and under Triton's interpreter alike."""
+    import graphcap.env
+    from graphcap.opsdb.triton.decode import decode_attention
+
+    if not torch.cuda.is_available() and not graphcap.env.settings().triton_interpret:
+        pytest.skip("the Triton kernel on CPU tensors: Triton's interpreter only")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    rows, page = 1025, 16
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, 1, 16, generator=g).to(dev)
+    caches = [torch.randn(3, page, 1, 16, generator=g).to(dev) for _ in range(2)]
+    table = torch.randint(1, 3, (rows, 2), generator=g, dtype=torch.int32).to(dev)
+    lens = torch.randint(1, 2 * page + 1, (rows,), generator=g, dtype=torch.int32).to(dev)
+    out, want = torch.empty_like(q), torch.empty_like(q)
+    decode_attention(q, *caches, table, lens, out, 0.25)
+    decode_attention_reference(q, *caches, table, lens, want, 0.25)
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)

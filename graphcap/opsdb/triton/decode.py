@@ -301,7 +301,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                               block_d * k_cache.element_size(), block_h, block_d)
     cfg.update(tiles or {})
     if interpret:  # several splits of the block size given, so that the merge is exercised
-        auto = max(1, min(triton.cdiv(max_len, cfg["BLOCK_N"]), 4))
+        auto = max(1, min(triton.cdiv(max_len, cfg["BLOCK_N"]), 4)) \
+            if programs <= counters.CAPACITY else 1
     elif set(tiles or ()) & {"BLOCK_N", "num_stages"}:  # other tiles
         auto = splits_of_tiles(cfg, programs, max_len, sms)
     if num_splits is None:
