@@ -113,8 +113,10 @@ class Runner:
             with CountFailures(self.stats):
                 if stale:
                     self._on_change(batch)
+                    start = time.perf_counter()  # a replay's host time, not the capture's
                 elif self.strategy.captures and not self.entries:
                     self._capture_all(batch, None)  # on the first call (tensors)
+                    start = time.perf_counter()
                 entry, reason = self._agreed(self._route, batch)
                 ranks = self.config.ranks
                 if ranks is not None:  # every rank replays one graph, or runs one batch

@@ -185,6 +185,33 @@ def test_a_generic_model_is_captured_on_its_first_call_and_padded_rows_stay_out(
         r(torch.randn(4, 32))
 
 
+def test_a_replays_host_time_leaves_out_the_capture_before_it(monkeypatch):
+    # A clock that moves a second a reading, and a thousand through each capture: the
+    # first call captures, then replays; its replay time counts the readings only.
+    import types
+
+    from graphcap.core import runner as runner_module
+
+    clock = [0.0]
+
+    def tick():
+        clock[0] += 1.0
+        return clock[0]
+
+    monkeypatch.setattr(runner_module, "time", types.SimpleNamespace(perf_counter=tick))
+    r = graphcap.capture(MLP(), "full", buckets=[4])
+    capture_all = r._capture_all
+
+    def slow_capture(*args):
+        clock[0] += 1000.0
+        return capture_all(*args)
+
+    monkeypatch.setattr(r, "_capture_all", slow_capture)
+    with torch.no_grad():
+        r(torch.randn(4, 64))
+    assert sum(r.stats.replays.values()) == 1 and r.stats.replay_host_s < 1000
+
+
 def test_unknown_strategies_and_backends_are_named_in_the_error():
     with pytest.raises(UnsupportedStrategy, match="choose one of"):
         graphcap.capture(model(), "cudagraph")
