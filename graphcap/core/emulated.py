@@ -58,7 +58,11 @@ _NO_KERNEL = {
 
 
 def _kind(func) -> str:
-    """How an op replays: 'mutate' (re-run), 'view'/'alloc' (skip), 'functional' (re-run, copy)."""
+    """How an op replays: 'mutate' (re-run), 'view'/'alloc' (skip), 'functional' (re-run, copy).
+    An in-place view (``unsqueeze_``, ``t_``) changes a tensor's shape, which a replay
+    leaves alone, as CUDA's does: 'view'."""
+    if torch.Tag.inplace_view in func.tags:
+        return "view"
     schema = func._schema
     if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
         return "mutate"
@@ -267,8 +271,8 @@ class EmulatedGraph(Graph):
         self._exit_modes()
         self._restore_snapshots()
         for storage, is_bool in self._internal.values():
-            if not is_bool:  # NaN in every float dtype, -1 in ints: garbage until replay
-                storage.fill_(0xFF)
+            # NaN in every float dtype, -1 in ints, True in bools: garbage until replay
+            storage.fill_(0x01 if is_bool else 0xFF)
         self._segments += 1
 
     def abort(self, exc: BaseException) -> BaseException:

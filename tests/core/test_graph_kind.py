@@ -59,6 +59,30 @@ def test_emulated_outputs_hold_garbage_until_the_first_replay_as_on_cuda():
     assert torch.equal(y, torch.full((4,), 2.0))
 
 
+def test_an_emulated_mask_holds_garbage_until_the_first_replay_too():
+    x = torch.arange(6.0)
+    graph = new_pool("cpu").graph()
+    mask = graph.capture(lambda t: t > 2, x)
+    assert mask.all()  # not the capture's values
+    graph.replay()
+    assert mask.tolist() == [False, False, False, True, True, True]
+
+
+def test_an_in_place_view_changes_a_shape_once_as_on_cuda():
+    # unsqueeze_ and t_ change metadata only: a replay runs kernels and leaves shapes.
+    x, w = torch.ones(4), torch.ones(2, 3)
+    graph = new_pool("cpu").graph()
+    graph.begin()
+    y = x * 2
+    y.unsqueeze_(0)
+    w.t_()
+    z = w * 3
+    graph.end()
+    for _ in range(3):
+        graph.replay()
+    assert y.shape == (1, 4) and w.shape == (3, 2) and torch.equal(z, torch.full((3, 2), 3.0))
+
+
 def test_begin_and_end_capture_the_code_between_once_as_on_cuda():
     x = torch.ones(4)
     graph = new_pool("cpu").graph()
