@@ -173,6 +173,13 @@ class _HostMethodGuard(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         hostsync.check_method(func, args, kwargs, self.device)
+        if func is torch.Tensor.__setitem__ and self.device.type == "cpu" and \
+                isinstance(args[2] if len(args) > 2 else None, (int, float, bool)):
+            token = hostsync.SCALAR_ASSIGNMENT.set(True)  # x[i] = 0.0: no host data
+            try:
+                return func(*args, **kwargs)
+            finally:
+                hostsync.SCALAR_ASSIGNMENT.reset(token)
         return func(*args, **kwargs)
 
 

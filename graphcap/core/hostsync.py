@@ -10,6 +10,7 @@ the CUDA graph translates the driver's failure (``translate_cuda_failure``). Bot
 
 from __future__ import annotations
 
+import contextvars
 import os
 import traceback
 from collections.abc import Iterable
@@ -48,6 +49,10 @@ _HOST_DATA = {
     aten.lift_fresh.default: "torch.tensor(python_data)",
     aten.lift_fresh_copy.default: "torch.tensor(python_data)",
 }
+# Set while ``x[i] = 0.0`` runs on the CPU: indexing lifts the Python number into a 0-d
+# tensor there (on CUDA it fills the device memory, which a graph captures).
+SCALAR_ASSIGNMENT: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "graphcap_scalar_assignment", default=False)
 # Tensor methods that read device memory from the host without any aten op.
 HOST_METHODS = {
     torch.Tensor.cpu: ("Tensor.cpu", "Tensor.cpu()"),
@@ -147,7 +152,8 @@ def check_op(func, args, kwargs, device: torch.device) -> None:
     if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
         _raise("aten.repeat_interleave", "torch.repeat_interleave without output_size",
                "has an output size that depends on the data")
-    if func in _HOST_DATA and any(t.device == device for t in tensor_leaves(args)):
+    if func in _HOST_DATA and any(t.device == device for t in tensor_leaves(args)) \
+            and not (SCALAR_ASSIGNMENT.get() and all(t.dim() == 0 for t in tensor_leaves(args))):
         _raise(str(func.overloadpacket), _HOST_DATA[func], "copies host data into the graph")
     if _moves_to_host(func, args, kwargs, device):
         _raise(str(func.overloadpacket), "a copy between host and device",

@@ -151,3 +151,23 @@ def test_an_op_returning_an_arguments_memory_leaves_that_memory_as_it_was():
         graph.replay()
     assert torch.equal(w, torch.arange(6.0, device=pool.device).reshape(2, 3))
     assert out.item() == 21.0
+
+
+def test_a_number_assigned_through_indexing_is_captured_on_the_cpu_as_on_cuda():
+    # On the CPU, x[i] = 0.0 lifts the number into a tensor (a fill on CUDA); a tensor
+    # made from Python data is still refused.
+    x = torch.arange(8.0).view(2, 4)
+    graph = new_pool("cpu").graph()
+
+    def region(t):
+        y = t * 2
+        y[:, 0] = 0.0
+        y[1] = 5
+        return y
+
+    y = graph.capture(region, x)
+    x.fill_(1.0)
+    graph.replay()
+    assert y.tolist() == [[0.0, 2.0, 2.0, 2.0], [5.0] * 4]
+    with pytest.raises(CaptureError, match="torch.tensor"):
+        new_pool("cpu").graph().capture(lambda t: t + torch.tensor(3.0), x)
