@@ -184,10 +184,16 @@ def check_packed_call(args: tuple, kwargs: dict, keywords: set[str], device: tor
                        f"seq_lens=[...]); got {len(args)} arguments"
                        + (f" and keywords {unknown}" if unknown else ""))
     lens = check_prefill(*args, kwargs.get("seq_lens"), device)
-    if per_request and 0 in lens:
-        raise BadBatch(f"seq_lens {lens} has a zero-length request, which has no last "
-                       "token: this model returns one row per request; drop empty requests")
+    if per_request:
+        check_last_tokens(lens)
     return lens
+
+
+def check_last_tokens(lens) -> None:
+    """Every request of a model that returns one row per request has a last token."""
+    if 0 in lens:
+        raise BadBatch(f"seq_lens {list(lens)} has a zero-length request, which has no last "
+                       "token: this model returns one row per request; drop empty requests")
 
 
 def check_ranges(input_ids, positions, vocab_size: int, max_position: int | None) -> None:

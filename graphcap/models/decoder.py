@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from graphcap import compat
+from graphcap.core.checks import check_last_tokens
 from graphcap.errors import UnsupportedModel
 from graphcap.kv import longest_window
 from graphcap.models.blocks import (
@@ -329,6 +330,7 @@ class Decoder(nn.Module):
             with packed(seq_lens, input_ids.device, dtype=self.norm.dtype,
                         options=self.graphcap_attention_options) as meta:
                 if self.output_rows == "requests":
+                    check_last_tokens(seq_lens)
                     last_rows = meta.last_token_rows()
                 return self.forward(input_ids, positions, last_rows, hidden=hidden)
         # Indexing, not F.embedding: for a few rows of a large table F.embedding's

@@ -155,6 +155,16 @@ def test_the_old_graphcap_models_tiny_import_still_works_and_says_where_it_went(
     assert old.Decoder is Decoder
 
 
+def test_an_eager_call_for_last_token_logits_refuses_an_empty_request_as_a_runner_does():
+    from graphcap.errors import BadBatch
+
+    last = build_model("tiny", logits="last")
+    ids, pos = torch.randint(0, 256, (10,)), torch.cat([torch.arange(4), torch.arange(6)])
+    with pytest.raises(BadBatch, match=r"seq_lens \[4, 0, 6\] has a zero-length request"):
+        last(ids, pos, seq_lens=[4, 0, 6])  # its row would be another request's logits
+    assert build_model("tiny")(ids, pos, seq_lens=[4, 0, 6]).shape[0] == 10
+
+
 def test_a_blocks_hooks_see_its_call_and_the_forward_is_the_same_without_them():
     """The decoder runs a block without hooks half by half (freeing its input after the
     attention half), one with hooks as a module call, so its hooks see every call."""
