@@ -246,6 +246,18 @@ def _joined(folder, ours: str, keys: list[str], get, a: ModelArgs) -> torch.Tens
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
+def _stacked(folder, experts: list[list[str]], get, a: ModelArgs,
+             want: tuple[int, int]) -> torch.Tensor:
+    """Each expert's tensors joined (:func:`_joined`), the experts stacked: each joined
+    of shape ``want``, else ``CheckpointError`` naming its keys."""
+    parts = [_joined(folder, "an expert's projection", keys, get, a) for keys in experts]
+    for keys, t in zip(experts, parts, strict=True):
+        if tuple(t.shape) != want:
+            raise CheckpointError(f"{folder}: {', '.join(keys)} joined have shape "
+                                  f"{tuple(t.shape)}, expected {want}")
+    return torch.stack(parts)
+
+
 def mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype) -> torch.Tensor:
     """MXFP4 to ``dtype``: ``blocks`` [..., G, 16] uint8 (two 4-bit values a byte, the low
     nibble first) and ``scales`` [..., G] uint8 (a power of two, biased by 127), one scale
@@ -261,7 +273,13 @@ def _gpt_oss_experts(get, table, hf: str, ours: str, dtype) -> dict[str, torch.T
             return get(hf + name).transpose(1, 2)
         if hf + name + "_blocks" not in table:
             get(hf + name)  # names the tensor that is missing
-        return mxfp4(get(hf + name + "_blocks"), get(hf + name + "_scales"), dtype)
+        blocks, scales = get(hf + name + "_blocks"), get(hf + name + "_scales")
+        if blocks.dim() != 4 or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+            raise CheckpointError(
+                f"{hf}{name}_blocks has shape {tuple(blocks.shape)} and {hf}{name}_scales "
+                f"{tuple(scales.shape)}: MXFP4 blocks are [experts, rows, groups, 16] bytes, "
+                "their scales [experts, rows, groups]")
+        return mxfp4(blocks, scales, dtype)
 
     gate_up, bias = weight("gate_up_proj"), get(hf + "gate_up_proj_bias")
     return {ours + "w13": torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), 1).contiguous(),
@@ -335,13 +353,13 @@ def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32,
                                           f"blocks.{i}.mlp.", dtype))
         elif args.experts:
             e = f"model.layers.{i}.mlp.experts."
-            state[f"blocks.{i}.mlp.w13"] = torch.stack([_joined(
-                folder, "experts' gate and up", [f"{e}{j}.{p}_proj.weight" for p in
-                                                 ("gate", "up")], get, args)
-                for j in range(args.experts)])
-            state[f"blocks.{i}.mlp.w2"] = torch.stack(
-                [_joined(folder, "experts' down", [f"{e}{j}.down_proj.weight"], get, args)
-                 for j in range(args.experts)])
+            state[f"blocks.{i}.mlp.w13"] = _stacked(folder, [
+                [f"{e}{j}.{p}_proj.weight" for p in ("gate", "up")]
+                for j in range(args.experts)], get, args,
+                (2 * args.moe_intermediate, args.hidden))
+            state[f"blocks.{i}.mlp.w2"] = _stacked(folder, [
+                [f"{e}{j}.down_proj.weight"] for j in range(args.experts)], get, args,
+                (args.hidden, args.moe_intermediate))
     extra = sorted(k for k in set(table) - used if not k.endswith(DERIVED)
                    and not (args.tie_embeddings and k == "lm_head.weight"))
     if extra:  # another model's (more layers, other projections): refused, not dropped

@@ -184,6 +184,18 @@ def test_each_part_of_a_joined_projection_is_checked_by_name(tmp_path):
         load_checkpoint(tmp_path)
 
 
+@pytest.mark.parametrize("part, shape", [("gate_proj", (32, 63)), ("down_proj", (64, 31))])
+def test_an_experts_misshapen_projection_is_named(tmp_path, part, shape):
+    saved(tmp_path, "qwen3_moe")
+    e = "model.layers.1.mlp.experts.3."
+    parts = {e + part + ".weight": torch.ones(shape)}
+    if part == "gate_proj":
+        parts[e + "up_proj.weight"] = torch.ones(shape)  # the pair agrees, the model not
+    _rewrite(tmp_path, lambda t: t.update(parts))
+    with pytest.raises(CheckpointError, match=re.escape(f"{e}{part}.weight")):
+        load_checkpoint(tmp_path)
+
+
 def test_a_weight_stored_as_integers_is_refused(tmp_path):
     saved(tmp_path, "llama")
     _rewrite(tmp_path, lambda t: t.update(
