@@ -88,10 +88,14 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
     bar = progress_bar(total, "generating") if show else \
         contextlib.nullcontext(lambda label="": None)
     tokens: list[list[int]] = [[] for _ in prompts]
-    with bar as step:
-        for delta in llm.stream(prompts, max_new_tokens, sampling=params,
-                                stop=sorted(stops)):
-            tokens[delta.index] += delta.tokens
-            for _ in delta.tokens:  # a verify step's delta may bring several
-                step()
-    return Generation(tokens, llm.engine.report())  # with a proposer, its counts too
+    try:
+        with bar as step:
+            for delta in llm.stream(prompts, max_new_tokens, sampling=params,
+                                    stop=sorted(stops)):
+                tokens[delta.index] += delta.tokens
+                for _ in delta.tokens:  # a verify step's delta may bring several
+                    step()
+        return Generation(tokens, llm.engine.report())  # with a proposer, its counts too
+    finally:  # a draft model or head goes back, its graphs and cache freed: reusable
+        if llm.engine.verifier is not None:
+            llm.engine.verifier.unbind()

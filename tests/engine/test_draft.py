@@ -126,6 +126,16 @@ def test_a_draft_given_to_an_llm_that_failed_to_build_serves_the_next_one():
     assert llm.generate(PROMPTS[:1], NEW)[0].tokens == truth()[0][:NEW]
 
 
+def test_graphcap_generate_hands_its_draft_back_for_the_next_call():
+    import graphcap
+
+    draft = DraftModel(other_draft(), K)
+    for _ in range(2):  # the LLM each call builds binds the draft, then lets it go
+        out = graphcap.generate(model(), PROMPTS[:1], NEW, max_batch=1, speculative=draft)
+        assert out.tokens == [truth()[0][:NEW]]
+        assert draft.engine is None and draft.cache is None
+
+
 def test_a_draft_that_is_often_wrong_still_gives_the_targets_greedy_tokens():
     llm = with_draft("full", other_draft())
     for _ in range(2):  # the second call's prompts meet the first call's caches
