@@ -15,14 +15,20 @@ from graphcap.errors import BadBatch
 from graphcap.inputs.sampling import Sampling
 
 
-def check_options(strategy, tokenizer, stop_at_eos, long_prompts, progress) -> None:
-    """``LLM``'s options that need no model: a strategy's name, a tokenizer object (one
-    with ``decode``), True or False where a flag is asked, a bar or a callback."""
+def check_strategy(strategy, what: str = "strategy") -> str:
+    """A strategy's name (:data:`graphcap.api.STRATEGIES`); ValueError naming ``what``."""
     from graphcap.api import STRATEGIES
 
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r}: unknown strategy, choose one of "
+        raise ValueError(f"{what}={strategy!r}: unknown strategy, choose one of "
                          f"{sorted(STRATEGIES)}")
+    return strategy
+
+
+def check_options(strategy, tokenizer, stop_at_eos, long_prompts, progress) -> None:
+    """``LLM``'s options that need no model: a strategy's name, a tokenizer object (one
+    with ``decode``), True or False where a flag is asked, a bar or a callback."""
+    check_strategy(strategy)
     if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
         raise TypeError(f"tokenizer must be a tokenizer object (transformers' "
                         f"AutoTokenizer.from_pretrained(...)), got {tokenizer!r}")

@@ -12,7 +12,8 @@ the tokens the step before chose, on the device: under ``full`` one replay of a 
 all ``k`` (:class:`~graphcap.inputs.draft_steps.DraftStepsInputs`), under the other
 strategies ``k`` replays of the draft's decode graph; one host sync a step, to read the
 ``k`` proposals. A request that reuses a slot keeps the K/V of the tokens it shares from
-the start with what the slot held.
+the start with what the slot held where at most ``k + 1`` of its tokens follow them;
+with more it is prefilled anew.
 
 Greedy proposals are deterministic, so rejection sampling against them keeps sampled
 tokens distributed as plain sampling's (:mod:`graphcap.inputs.accept`); a draft that is
@@ -26,6 +27,7 @@ import torch
 from graphcap.api import capture, model_dtype
 from graphcap.core.buckets import decode_ladder
 from graphcap.core.checks import positive_int
+from graphcap.engine.arguments import check_strategy
 from graphcap.engine.engine import Engine, Request, cache_shape
 from graphcap.engine.loading import resolve
 from graphcap.inputs.draft_steps import DraftStepsInputs
@@ -45,7 +47,8 @@ class DraftModel:
         self.model, _ = resolve(model)
         self.shape = cache_shape(self.model)
         self.k = positive_int(k, "k")
-        self.strategy, self.page_size = strategy, page_size
+        self.strategy = check_strategy(strategy, "the DraftModel's strategy")
+        self.page_size = positive_int(page_size, "the DraftModel's page_size")
         self.prefill_tokens = positive_int(prefill_tokens, "prefill_tokens")
         self.engine: Engine | None = None
         self.stepper = None  # the k steps in one graph, where the strategy keeps them

@@ -24,6 +24,7 @@ from torch import nn
 
 from graphcap.core.buckets import decode_ladder
 from graphcap.core.checks import positive_int
+from graphcap.engine.arguments import check_strategy
 
 
 class _Steps(nn.Module):
@@ -57,7 +58,7 @@ class HeadProposer:
             raise ValueError("the head has no parameters: give the module that computes "
                              "(logits, hidden) from (hidden, tokens)")
         self.device, self.dtype = parameter.device, parameter.dtype
-        self.strategy = strategy
+        self.strategy = check_strategy(strategy, "the HeadProposer's strategy")
         self.runner = None
         self.steps = 0
 

@@ -46,6 +46,13 @@ def check_proposer(proposer) -> int:
                          "graphcap.engine.proposers.NgramProposer(k=4) has (or "
                          "propose_batch(slots, histories), as graphcap.engine.draft"
                          ".DraftModel)")
+    if getattr(proposer, "hidden", False) is True:  # reads the target's hidden states
+        if not callable(getattr(proposer, "propose_batch", None)):
+            raise ValueError(f"speculative={proposer!r} reads hidden states (hidden = "
+                             "True): it needs propose_batch(slots, histories, hidden), as "
+                             "graphcap.engine.heads.HeadProposer has")
+        positive_int(getattr(proposer, "hidden_size", None), "the proposer's hidden_size "
+                     "(the target's hidden width, which it reads)")
     return positive_int(k, "the proposer's k")
 
 
@@ -187,7 +194,12 @@ class Verifier:
         """The hidden states of the prompts' last tokens (the prefill's), where a draft
         head starts from for the requests in ``slots``."""
         index = torch.tensor(slots, device=hidden.device)
-        self._buffer()[index] = hidden
+        width = self._buffer().shape[1]
+        if hidden.shape[-1] != width:
+            raise ValueError(f"the proposer's hidden_size is {width}, but the target's "
+                             f"hidden states are {hidden.shape[-1]} wide: give the "
+                             "proposer the target's hidden width")
+        self.hidden[index] = hidden
         for slot, request in zip(slots, live, strict=True):
             self.owner[slot] = request
 

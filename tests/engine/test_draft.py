@@ -162,6 +162,11 @@ def test_a_draft_of_other_token_ids_or_serving_two_llms_is_refused():
         LLM(model(), max_batch=2, max_len=16, progress=False, speculative=draft)
     with pytest.raises(TypeError, match="propose_batch"):
         DraftModel(other_draft(), K).propose([1, 2])
+    # Its own options, where it is made, naming it (the LLM's own may be fine).
+    with pytest.raises(ValueError, match="the DraftModel's strategy='nope': unknown"):
+        DraftModel(other_draft(), K, strategy="nope")
+    with pytest.raises(ValueError, match="the DraftModel's page_size"):
+        DraftModel(other_draft(), K, page_size=0)
 
 
 def test_prompts_prefilled_in_chunks_speculate_as_short_ones_do():

@@ -96,7 +96,7 @@ def test_a_stop_token_ends_its_request_and_is_kept():
     ({"max_new_tokens": 5000}, ValueError, "max_position 4096"),
     ({"prompts": [5, 6, 7]}, ValueError, r"list of token-id lists.*\[\[5, 6, 7\]\]"),
     ({"prompts": [[5, 6], 7]}, ValueError, r"prompt 1 .*list of token ids.*got 7"),
-    ({"prompts": [torch.tensor(5)]}, ValueError, r"prompt 0 .*list of token ids"),
+    ({"prompts": [torch.tensor(5)]}, ValueError, r"list of token-id lists, one per prompt"),
     ({"stop_tokens": True}, ValueError, "stop_tokens must be token ids"),
     ({"stop_tokens": [3, False]}, ValueError, "stop_tokens must be token ids"),
     ({"stop_tokens": torch.tensor([True])}, ValueError, "stop_tokens must be token ids"),

@@ -26,12 +26,12 @@ class TinyHead(nn.Module):
     """A randomly initialised head: the hidden state and the next token's embedding,
     mixed, give the logits of the token after and the next hidden state."""
 
-    def __init__(self, vocab: int = VOCAB, record: bool = False):
+    def __init__(self, vocab: int = VOCAB, record: bool = False, width: int = HIDDEN):
         super().__init__()
         torch.manual_seed(3)
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.mix = nn.Linear(2 * HIDDEN, HIDDEN)
-        self.out = nn.Linear(HIDDEN, vocab)
+        self.embed = nn.Embedding(VOCAB, width)
+        self.mix = nn.Linear(2 * width, width)
+        self.out = nn.Linear(width, vocab)
         self.calls = [] if record else None  # eager only: what each call was given
 
     def forward(self, hidden, tokens):
@@ -99,3 +99,27 @@ def test_a_model_without_hidden_states_or_a_head_of_other_token_ids_is_refused()
             speculative=HeadProposer(TinyHead().to(DEVICE), K, HIDDEN))
     with pytest.raises(ValueError, match=f"its logits must be \\[n, {VOCAB}\\]"):
         head_llm("full", TinyHead(vocab=VOCAB + 50))
+
+
+def test_a_head_of_another_hidden_width_or_a_hidden_proposer_without_batches_is_refused():
+    llm = LLM(model(), max_batch=2, max_len=32, prefill_tokens=8, progress=False,
+              speculative=HeadProposer(TinyHead(width=32).to(DEVICE), K, 32))
+    for _ in range(2):  # at the prefill of each call, which reads the hidden states
+        with pytest.raises(ValueError, match=f"hidden_size is 32, but the target's hidden "
+                                             f"states are {HIDDEN} wide"):
+            llm.generate(PROMPTS[:1], NEW)
+    assert llm.cache.owned() == {}
+
+    class OnlyPropose:
+        k, hidden, hidden_size = 2, True, HIDDEN
+
+        def propose(self, tokens):
+            return [1, 2]
+
+    with pytest.raises(ValueError, match=r"reads hidden states .*needs propose_batch"):
+        LLM(model(), max_batch=2, max_len=32, progress=False, speculative=OnlyPropose())
+    OnlyPropose.propose_batch, OnlyPropose.hidden_size = OnlyPropose.propose, None
+    with pytest.raises(ValueError, match="the proposer's hidden_size"):
+        LLM(model(), max_batch=2, max_len=32, progress=False, speculative=OnlyPropose())
+    with pytest.raises(ValueError, match="the HeadProposer's strategy='nope': unknown"):
+        HeadProposer(TinyHead(), K, HIDDEN, strategy="nope")
