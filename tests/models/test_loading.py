@@ -46,12 +46,15 @@ def saved(tmp_path, family, config=None, **save_kwargs):
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_logits_match_transformers_with_identical_weights(tmp_path, family):
-    hf = saved(tmp_path, family)
-    ours = load_checkpoint(tmp_path)
+    assert_loads_as_transformers(tmp_path, saved(tmp_path, family))
+
+
+def assert_loads_as_transformers(folder, hf):
+    """The checkpoint in ``folder`` loads to the logits ``hf`` gives, 17 tokens."""
     ids = torch.randint(0, 128, (1, 17), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = hf(ids).logits[0]
-        got = ours(ids[0], torch.arange(17), seq_lens=[17])
+        got = load_checkpoint(folder)(ids[0], torch.arange(17), seq_lens=[17])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -81,13 +84,7 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_config_variants_load_as_transformers_builds_them(tmp_path, variant):
     config = VARIANTS[variant]()
-    hf = saved(tmp_path, config.model_type, config)
-    ours = load_checkpoint(tmp_path)
-    ids = torch.randint(0, 128, (1, 17), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = hf(ids).logits[0]
-        got = ours(ids[0], torch.arange(17), seq_lens=[17])
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert_loads_as_transformers(tmp_path, saved(tmp_path, config.model_type, config))
 
 
 def test_a_config_written_before_transformers_5_names_its_rope_scaling(tmp_path):
@@ -99,10 +96,7 @@ def test_a_config_written_before_transformers_5_names_its_rope_scaling(tmp_path)
     config["rope_theta"] = scaling.pop("rope_theta")
     config["rope_scaling"] = scaling
     path.write_text(json.dumps(config))
-    ids = torch.randint(0, 128, (1, 17), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        got = load_checkpoint(tmp_path)(ids[0], torch.arange(17), seq_lens=[17])
-        torch.testing.assert_close(got, hf(ids).logits[0], atol=1e-5, rtol=1e-5)
+    assert_loads_as_transformers(tmp_path, hf)
 
 
 @pytest.mark.parametrize("change, needle", [
