@@ -17,17 +17,19 @@ region, with CUDA-graph semantics:
 
 Two details make capture itself behave as on CUDA, where capture launches nothing:
 memory the region mutated that existed before capture is restored when capture ends, and
-memory allocated during capture is filled with 0xFF bytes (NaN in floats, -1 in ints),
-since on CUDA it holds garbage until the first replay. Host synchronisations raise ``CaptureError``
-(:mod:`graphcap.core.hostsync`). Composite ops are recorded as the ops they are made of,
-under ``torch.inference_mode`` as under ``no_grad`` (so ``int(t)`` is seen as the
-``Tensor.item`` it is).
+memory allocated during capture is filled with 0xFF bytes (NaN in floats, -1 in ints;
+True in bools), since on CUDA it holds garbage until the first replay. Host
+synchronisations raise ``CaptureError`` (:mod:`graphcap.core.hostsync`). Composite ops
+are recorded as the ops they are made of, under ``torch.inference_mode`` as under
+``no_grad`` (so ``int(t)`` is seen as the ``Tensor.item`` it is).
 
 Differences from CUDA that stay: memory freed inside the region is not handed to later
 captures on the same pool (the emulator never reuses a block), and a custom op's Python
 implementation runs again on every replay (CUDA replays only the kernels it launched),
 inside the ``contextvars`` context of its capture (so it sees the forward context it saw
-then, whose buffers hold the current batch).
+then, whose buffers hold the current batch). A custom op is one kernel to the emulator: a
+host sync inside its implementation is not seen (its torch reference may read values on
+the CPU, where its CUDA kernel reads none), nor does a replay check its host reads.
 """
 
 from __future__ import annotations
@@ -147,22 +149,6 @@ class _Step:
         return self.func(*self.args, **self.kwargs)
 
 
-class _HostSyncGuard(TorchDispatchMode):
-    """Rejects host syncs without recording (inside custom ops, whose kernels replay whole)."""
-
-    def __init__(self, device: torch.device):
-        super().__init__()
-        self.device = device
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = _decompose(self, func, args, kwargs)
-        if out is not NotImplemented:
-            return out
-        hostsync.check_op(func, args, kwargs, self.device)
-        return func(*args, **kwargs)
-
-
 class _HostMethodGuard(TorchFunctionMode):
     """Rejects Tensor methods that read device memory without dispatching an aten op."""
 
@@ -201,11 +187,7 @@ class _Recorder(TorchDispatchMode):
         if kind == "mutate":
             for t in _written(func, args, kwargs):
                 graph._snapshot(t)
-        if _is_builtin(func):
-            out = func(*args, **kwargs)
-        else:
-            with _HostSyncGuard(graph.device):
-                out = func(*args, **kwargs)
+        out = func(*args, **kwargs)  # a custom op: one kernel, its insides unseen
         if kind == "view" and not _aliases_an_input(out, args, kwargs):
             kind = "functional"  # contiguous/reshape/to: an alias by schema, here a copy
         step = _Step(func, args, kwargs, kind,
