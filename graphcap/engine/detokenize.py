@@ -6,7 +6,9 @@ The window holds the tokens from the one before the last text was taken to the e
 that a tokenizer which drops a leading space, or joins pieces across a boundary, gives
 the same text for it both times, and only what follows it is new. New text that ends in
 a partial character (``"\\ufffd"``) waits for the tokens that complete it; the last call
-takes it as it is, as a whole decode would.
+takes it as it is, as a whole decode would. A tokenizer whose decode changes text before
+the new token (a clean-up of ``" ."`` into ``"."``) has that step's text decoded whole;
+what was already handed out stays as it was.
 
 Stop strings are looked for in the new text and the ``longest - 1`` characters before
 it, so each is found at its first place; text that may begin a stop string is held back
@@ -43,7 +45,12 @@ class Detokenizer:
         before = self._decode(self.tokens[self.start:self.read])
         after = self._decode(self.tokens[self.start:])
         searched = len(self.text)
-        if len(after) > len(before) and (final or not after.endswith(PARTIAL)):
+        if not after.startswith(before):  # the decode changed earlier text (" ." to "."):
+            whole = self._decode(self.tokens)  # the whole text anew, searched anew
+            if final or not whole.endswith(PARTIAL):
+                self.text, searched = whole, 0
+                self.start, self.read = self.read, len(self.tokens)
+        elif len(after) > len(before) and (final or not after.endswith(PARTIAL)):
             self.text += after[len(before):]
             self.start, self.read = self.read, len(self.tokens)
         end, hit = len(self.text), False

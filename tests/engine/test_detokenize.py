@@ -4,7 +4,7 @@ cut at the same stop string, at a cost per token that does not grow with the tex
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from graphcap.engine.detokenize import Detokenizer, cut
@@ -49,7 +49,22 @@ def _metaspace_tokenizer():
                                                 bos_token="<s>", eos_token="</s>")
 
 
+def _cleanup_tokenizer():
+    """Words joined by spaces, whose decode cleans up " ." into "." (transformers'
+    clean_up_tokenization_spaces): a token may change the text before it."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    words = ["<pad>", "<s>", "</s>", "the", "cat", ".", "x", "Ġ", ",", "!"]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+        clean_up_tokenization_spaces=True)
+
+
 BYTES = byte_tokenizer()
+CLEANUP = _cleanup_tokenizer()
 WORDS = _metaspace_tokenizer()
 # Bytes of text with two- to four-byte characters, stray continuation bytes and specials.
 TEXT_BYTES = st.lists(st.one_of(
@@ -92,3 +107,21 @@ def test_no_tokens_after_a_stop_string():
     assert text.add(list(b"ab")) == ("a", True)
     with pytest.raises(ValueError, match="stop string"):
         text.add(list(b"c"))
+
+
+@settings(max_examples=60)
+@example([3, 7, 4, 7, 5, 7, 6], ["cat."])  # "the cat . x", cleaned up: "the cat. x"
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=20),
+       st.lists(st.sampled_from(["cat.", "t.", "x,", ". x", "!"]), min_size=1, max_size=2))
+def test_a_stop_string_a_clean_up_completes_is_found_where_a_whole_decode_shows_it(tokens,
+                                                                                    stops):
+    # The step a stop string first shows in the whole decode of the tokens so far.
+    first = next((i for i in range(len(tokens)) if cut(CLEANUP.decode(
+        tokens[:i + 1], skip_special_tokens=True), tuple(stops))[1]), None)
+    text = Detokenizer(CLEANUP, tuple(stops))
+    hits = []
+    for i, t in enumerate(tokens):
+        hits.append(text.add([t], final=i == len(tokens) - 1)[1])
+        if hits[-1]:
+            break
+    assert (len(hits) - 1 if hits[-1] else None) == first
