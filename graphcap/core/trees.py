@@ -28,6 +28,10 @@ def repeats_memory(t: torch.Tensor) -> bool:
         return False
     dims = sorted((stride, size) for size, stride in zip(t.shape, t.stride(), strict=True)
                   if size > 1)
+    if any(stride == 0 for stride, _ in dims):  # expanded
+        return True
+    if t.numel() > sum((size - 1) * stride for stride, size in dims) + 1:
+        return True  # more elements than places they reach
     reach = 0  # the furthest element offset the dims of smaller strides reach
     for stride, size in dims:
         if stride <= reach:

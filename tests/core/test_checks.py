@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphcap.core.checks import host_lengths, staged
@@ -48,3 +48,18 @@ def test_lengths_of_ints_come_back_as_a_new_list_of_them(lens):
 def test_lengths_that_are_not_ints_or_negative_are_refused_by_name(lens, match):
     with pytest.raises(BadBatch, match=match):
         host_lengths(lens, "positions")
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 6)), min_size=1, max_size=3))
+def test_repeats_memory_is_whether_two_elements_share_a_place(dims):
+    import itertools
+
+    from graphcap.core.trees import repeats_memory
+
+    sizes, strides = zip(*dims, strict=True)
+    span = sum((n - 1) * s for n, s in dims if n) + 1
+    t = torch.as_strided(torch.zeros(span), sizes, strides)
+    places = [sum(i * s for i, s in zip(index, strides, strict=True))
+              for index in itertools.product(*map(range, sizes))]
+    assert repeats_memory(t) == (len(set(places)) < len(places)), (sizes, strides)
