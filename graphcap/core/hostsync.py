@@ -31,8 +31,9 @@ _SCALAR_READS = {
     aten.is_nonzero.default: "Tensor.is_nonzero / bool(t)",
     aten.allclose.default: "torch.allclose",
     aten._linalg_check_errors.default:
-        "the error check of torch.linalg.inv, cholesky, solve or torch.inverse (their "
-        "*_ex forms, torch.linalg.inv_ex, return the error codes on the device instead)",
+        "the error check of a torch.linalg function (inv, cholesky, solve, lu_factor, "
+        "matrix_power of a negative power, torch.inverse; their *_ex forms, such as "
+        "torch.linalg.inv_ex, return the error codes on the device instead)",
 }
 # Ops whose output shape depends on the data: the host must read the device to size it.
 _DATA_DEPENDENT = {

@@ -32,16 +32,36 @@ class CheckpointError(GraphcapError, ValueError):
 
 # Defaults of the keys read below where a family's transformers config differs from
 # graphcap's (a config.json written by hand may leave them out).
-DEFAULTS = {"qwen3_moe": {"norm_topk_prob": False},
+DEFAULTS = {"qwen2": {"max_window_layers": 28, "sliding_window": 4096},
+            "qwen3": {"max_window_layers": 28, "sliding_window": 4096},
+            "qwen3_moe": {"norm_topk_prob": False},
             "gpt_oss": {"sliding_window": 128, "rms_norm_eps": 1e-5,
                         "attention_bias": True}}
+# The rotary a family's config gives where config.json names none (gpt-oss's YaRN).
+ROPE_DEFAULTS = {"gpt_oss": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                             "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False}}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+def _rope(config: dict) -> dict:
+    """The rotary parameters a config names: ``rope_parameters``, or ``rope_scaling`` as
+    configs written before transformers 5 say, else its family's; ``rope_theta`` and
+    ``original_max_position_embeddings`` taken where transformers takes them."""
+    given = config.get("rope_parameters") or config.get("rope_scaling")
+    rope = dict(given or ROPE_DEFAULTS.get(config.get("model_type"), {}))
+    if not given and "rope_theta" in config:
+        rope["rope_theta"] = config["rope_theta"]
+    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    if "original_max_position_embeddings" in config:  # Phi-3 keeps it outside
+        rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+    rope.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
+    return rope
+
+
 def _rope_scaling(config: dict, source: str) -> Scaling | None:
-    """The rotary scaling a config names (``rope_parameters``, or ``rope_scaling`` as
-    configs written before transformers 5 say), as transformers computes it."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    """The rotary scaling a config names (:func:`_rope`), as transformers computes it."""
+    rope = _rope(config)
     kind = rope.get("rope_type", rope.get("type")) or "default"
     if rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
         raise CheckpointError(f"{source}: partial_rotary_factor (rotary over part of a "
@@ -126,7 +146,6 @@ def args_from_config(config: dict, source: str = "config.json") -> ModelArgs:
     try:
         heads = config["num_attention_heads"]
         hidden = config["hidden_size"]
-        rope = config.get("rope_parameters") or {}
         # Qwen2: biases on q, k and v always, none on o; the others: attention_bias on all.
         attention_bias = bool(config.get("attention_bias", False))
         fields = dict(
@@ -136,7 +155,7 @@ def args_from_config(config: dict, source: str = "config.json") -> ModelArgs:
             head_dim=config.get("head_dim") or hidden // heads,
             intermediate=config.get("intermediate_size", 0),
             eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=config.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_theta=_rope(config)["rope_theta"],
             max_position=config.get("max_position_embeddings", 4096),
             qk_norm=family in ("qwen3", "qwen3_moe"),
             qkv_bias=family == "qwen2" or attention_bias,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from graphcap.models.loading import CheckpointError, args_from_config, load_checkpoint
+from graphcap.models.rope import Yarn
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -123,7 +124,17 @@ def test_a_family_default_a_config_leaves_out_is_the_familys_not_graphcaps():
                 intermediate_size=64, num_local_experts=8)
     assert not args_from_config({**base, "model_type": "qwen3_moe"}).norm_topk
     oss = args_from_config({**base, "model_type": "gpt_oss"})
-    assert (oss.window, oss.eps, oss.o_bias) == (128, 1e-5, True)
+    assert (oss.window, oss.eps, oss.o_bias, oss.rope_theta) == (128, 1e-5, True, 150000.0)
+    assert oss.rope_scaling == Yarn(32.0, 4096, 32.0, 1.0, truncate=False)
+    # Qwen2/3 windows from layer max_window_layers (28) on: none of 24 layers, some of 32.
+    windowed = {**base, "model_type": "qwen2", "use_sliding_window": True}
+    assert args_from_config({**windowed, "num_hidden_layers": 24}).window == 0
+    with pytest.raises(CheckpointError, match="sliding windows on some layers only"):
+        args_from_config({**windowed, "num_hidden_layers": 32})
+    # YaRN's original context: the config's max_position_embeddings where it names none.
+    yarn = args_from_config({**base, "model_type": "qwen3", "max_position_embeddings": 256,
+                             "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    assert yarn.rope_scaling.original_max_position == 256
 
 
 def test_a_sharded_checkpoint_loads_through_its_index(tmp_path):
