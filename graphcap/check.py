@@ -131,12 +131,18 @@ def run_check(spec: str, strategies=GRAPHED, examples: int = 10, sequences: int 
 
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         try:
-            get_backend(attention, device)
+            backend = get_backend(attention, device)
         except BackendUnavailable as exc:
             here = sorted(n for n, cls in BACKENDS.items() if not cls().unavailable(device))
             raise BackendUnavailable(f"--attention {attention}: {exc}; on {device.type} "
                                      f"choose one of {here}, or leave --attention out (the "
                                      "best here)") from None
+        for strategy in strategies:  # one it cannot run under: a bad pair of arguments
+            try:
+                backend.check_strategy(strategy)
+            except GraphcapError as exc:
+                raise type(exc)(f"--attention {attention} with strategy {strategy}: "
+                                f"{exc}") from None
     print(f"graphcap check {spec}: {type(model).__name__}{wrapped}, {examples} batches and "
           f"{sequences} call sequences per strategy, buckets to {max_tokens} tokens\n")
     print(f"{'strategy':>12}  {'attention':>12}  {'result':>6}  {'max err':>9}  "

@@ -358,6 +358,13 @@ def test_check_names_an_attention_backend_this_machine_cannot_run_once(capsys):
     assert "choose one of" in message and "torch_masked" in message
 
 
+def test_check_refuses_a_backend_a_strategy_cannot_run_before_running_any(capsys):
+    message = refused(capsys, "check", "tests.support.check_models:good", "--attention",
+                      "torch_varlen", "--strategies", "breakable", "full")
+    assert "--attention torch_varlen with strategy full: attention backend 'torch_varlen' " \
+        "cannot run under strategy 'full'" in message
+
+
 def test_check_names_a_model_whose_forward_raises_and_where(capsys, user_module):
     user_module("raising_model", """
         import torch

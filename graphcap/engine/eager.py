@@ -58,17 +58,20 @@ def last_token_logits(out: torch.Tensor, lens: list[int], output_rows: str) -> t
 
 
 @torch.inference_mode()
-def decode_step(model, cache: PagedKVCache, input_ids: torch.Tensor,
-                positions: torch.Tensor, slots) -> torch.Tensor:
+def decode_step(model, cache: PagedKVCache, input_ids: torch.Tensor, positions,
+                slots) -> torch.Tensor:
     """One decode step: row ``b`` is token ``input_ids[b]`` at position ``positions[b]``
-    of the request in slot ``slots[b]`` (its previous tokens in the cache). Writes the
-    tokens' K/V and returns their logits ``[B, vocab]``."""
-    if positions.shape != input_ids.shape:
-        raise BadBatch(f"input_ids {tuple(input_ids.shape)} and positions "
-                       f"{tuple(positions.shape)} must be [B], one token per row")
+    (host ints, as a runner takes them, or a tensor) of the request in slot ``slots[b]``
+    (its previous tokens in the cache). Writes the tokens' K/V and returns their logits
+    ``[B, vocab]``."""
+    if isinstance(positions, torch.Tensor):
+        if positions.shape != input_ids.shape:
+            raise BadBatch(f"input_ids {tuple(input_ids.shape)} and positions "
+                           f"{tuple(positions.shape)} must be [B], one token per row")
+        positions = positions.tolist()
     inputs = DecodeInputs(cache, check_inputs=True)  # eager: the host may read the ids
     inputs.bind(model)
-    batch = inputs.check((input_ids,), {"positions": positions.tolist(), "slots": slots})
+    batch = inputs.check((input_ids,), {"positions": positions, "slots": slots})
     out = inputs.eager(model, batch)()
     inputs.commit(batch)
     return out

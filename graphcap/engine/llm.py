@@ -38,7 +38,7 @@ from graphcap.engine.detokenize import Detokenizer, cut
 from graphcap.engine.engine import Engine, Request, cache_shape
 from graphcap.engine.loading import resolve
 from graphcap.engine.speculative import check_proposer, graph_calls
-from graphcap.errors import GraphcapError
+from graphcap.errors import BadBatch, GraphcapError
 from graphcap.kv.paged import PagedKVCache
 
 DEFAULT_MAX_LEN = 4096  # tokens per request when neither max_len nor the model bounds it
@@ -331,6 +331,9 @@ class LLM:
                                  "give lists of token ids")
             texts = [prompts] if isinstance(prompts, str) else list(prompts)
             prompts = [self.tokenizer(t)["input_ids"] for t in texts]
+            if (empty := next((i for i, p in enumerate(prompts) if not p), None)) is not None:
+                raise BadBatch(f"prompt {empty} is text that tokenizes to no ids "
+                               f"({texts[empty]!r}): give each prompt some text")
         return check_prompts(prompts, self.shape.vocab_size)
 
     def _stop_strings(self, stop) -> tuple[str, ...]:

@@ -181,8 +181,8 @@ RMS_NORM_LINEAR = _register(
     "(Tensor x, Tensor norm_weight, float eps, Tensor weight, Tensor? bias) -> Tensor",
     rms_norm_linear_reference, _rms_norm_linear_composite, check_rms_norm_linear,
     kind="plain",
-    doc="linear(rms_norm(x)): the RMSNorm prologue kernel, or the norm and cuBLAS apart "
-        "(faster on the H200 at every measured size)")
+    doc="linear(rms_norm(x)): the RMSNorm prologue kernel at one row, or the norm and "
+        "cuBLAS apart (faster on the H200 past one row)")
 
 RMS_NORM_SWIGLU = _register(
     "rms_norm_swiglu", "(Tensor x, Tensor norm_weight, float eps, Tensor weight) -> Tensor",

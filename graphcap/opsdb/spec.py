@@ -134,6 +134,15 @@ class OpSpec:
     def name(self) -> str:
         return split_qualname(self.qualname)[1]
 
+    def _from_environment(self) -> str | None:
+        """The kernel ``GRAPHCAP_<OP>_KERNEL`` names, for graphcap's own ops (another
+        namespace's op of the same name is not picked by it)."""
+        chosen = env.settings().kernels
+        if not chosen:
+            return None
+        _unknown_variables(chosen)
+        return chosen.get(self.name) if self.qualname.startswith("graphcap::") else None
+
     @property
     def env_var(self) -> str:
         """The variable that picks this op's kernel (``GRAPHCAP_RMS_NORM_KERNEL``)."""
@@ -150,7 +159,7 @@ class OpSpec:
         """The kernel a call on ``device`` runs: ``kernel``, else the one its environment
         variable names, else the best that runs here (and takes ``args``, when given)."""
         device = torch.device(device)
-        wanted = kernel or env.settings().kernels.get(self.name)
+        wanted = kernel or self._from_environment()
         if wanted is not None:
             if wanted not in self.kernels:
                 source = "kernel=" if kernel else f"{self.env_var}="
@@ -219,6 +228,19 @@ def dtype_of(args) -> torch.dtype | None:
 
 
 REGISTRY: dict[str, OpSpec] = {}
+
+
+def _unknown_variables(chosen: dict[str, str]) -> None:
+    """Warn, once a variable, of ``GRAPHCAP_<OP>_KERNEL`` naming no op of graphcap's."""
+    ours = {spec.name for q, spec in REGISTRY.items() if q.startswith("graphcap::")}
+    for name in sorted(set(chosen) - ours - _WARNED):
+        _WARNED.add(name)
+        warnings.warn(f"{env.kernel_variable(name)}: graphcap has no op {name!r}; the "
+                      f"variable is ignored (its ops: {', '.join(sorted(ours))})",
+                      stacklevel=4)
+
+
+_WARNED: set[str] = set()
 
 
 def register_op(qualname: str, schema: str, *, reference: Callable,

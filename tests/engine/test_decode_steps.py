@@ -49,7 +49,7 @@ def cached(m, cache, prompts, steps, slots):
             s.append(t)
         if step == steps - 1:
             break
-        positions = torch.tensor(lens) + step
+        positions = [n + step for n in lens]  # host ints, as a runner takes them
         out = decode_step(m, cache, tokens, positions, slots)
         logits.append(out)
     return seqs, logits

@@ -137,6 +137,8 @@ def test_text_in_and_text_out_through_a_tokenizer_ending_at_a_stop_string():
     for c, p in zip(plain, prompts, strict=True):
         assert c.tokens == engine.generate([tok(p)["input_ids"]], 12)[0].tokens
         assert c.text == tok.decode(c.tokens, skip_special_tokens=True)
+    with pytest.raises(ValueError, match=r"prompt 1 is text that tokenizes to no ids \(''\)"):
+        engine.generate(["hi", ""], 4)
     text = plain[0].text
     stop = text[4:6]  # two characters from the middle of what it says
     ended = engine.generate(prompts[:1], 12, stop=[stop])[0]

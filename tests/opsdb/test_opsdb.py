@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 import graphcap.opsdb as opsdb
-from graphcap.opsdb import OpInputError, get_op
+from graphcap.opsdb import OpInputError, get_op, register_op
 from graphcap.testing import check_op
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,6 +54,29 @@ def test_kernel_choice_is_explicit_then_environment_then_best(environ):
     with pytest.raises(opsdb.KernelUnavailable, match="GRAPHCAP_RMS_NORM_KERNEL"):
         spec.select("cpu")
     assert spec.select("cpu", kernel="torch") == "torch"
+
+
+def test_a_kernel_variable_picks_graphcaps_op_only_and_a_misspelt_one_is_told(environ):
+    # myproj::rms_norm is not picked by GRAPHCAP_RMS_NORM_KERNEL; GRAPHCAP_RMSNORM_KERNEL
+    # names no op of graphcap's: a warning, once.
+    from graphcap.opsdb import spec as spec_module
+
+    mine = register_op("graphcap_envtest::rms_norm", "(Tensor x) -> Tensor",
+                       reference=lambda x: x * 2, kernels={"other": lambda x: x * 2})
+    try:
+        environ.set("GRAPHCAP_RMS_NORM_KERNEL", "other")
+        assert mine.select("cpu") == "torch"
+    finally:  # out of the registry the listings read
+        opsdb.REGISTRY.pop("graphcap_envtest::rms_norm")
+    environ.unset("GRAPHCAP_RMS_NORM_KERNEL")
+    environ.set("GRAPHCAP_RMSNORM_KERNEL", "torch")
+    spec_module._WARNED.discard("rmsnorm")
+    with pytest.warns(UserWarning, match="GRAPHCAP_RMSNORM_KERNEL: graphcap has no op "
+                                         "'rmsnorm'; the variable is ignored"):
+        get_op("rms_norm").select("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        get_op("rms_norm").select("cpu")  # once
 
 
 def test_an_unavailable_kernel_says_why():
