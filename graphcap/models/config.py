@@ -1,0 +1,165 @@
+"""A Hugging Face ``config.json`` as the :class:`~graphcap.models.decoder.ModelArgs` of a
+reference decoder, read as transformers reads it: each family's defaults for keys it
+leaves out, rotary scaling (``rope_parameters``, or ``rope_scaling`` of configs written
+before transformers 5), windows, biases; an option the decoders do not build is refused
+(:class:`CheckpointError`), never ignored.
+"""
+
+from __future__ import annotations
+
+from graphcap.errors import GraphcapError
+from graphcap.models.decoder import ModelArgs
+from graphcap.models.rope import Linear, Llama3, Scaling, Yarn, mscale
+
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
+
+
+class CheckpointError(GraphcapError, ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and key."""
+
+
+# Defaults of the keys read below where a family's transformers config differs from
+# graphcap's (a config.json written by hand may leave them out).
+DEFAULTS = {"qwen2": {"max_window_layers": 28, "sliding_window": 4096},
+            "qwen3": {"max_window_layers": 28, "sliding_window": 4096},
+            "qwen3_moe": {"norm_topk_prob": False},
+            "gpt_oss": {"sliding_window": 128, "rms_norm_eps": 1e-5,
+                        "attention_bias": True}}
+# The rotary a family's config gives where config.json names none (gpt-oss's YaRN).
+ROPE_DEFAULTS = {"gpt_oss": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                             "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False}}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _rope(config: dict) -> dict:
+    """The rotary parameters a config names: ``rope_parameters``, or ``rope_scaling`` as
+    configs written before transformers 5 say, else its family's; ``rope_theta`` and
+    ``original_max_position_embeddings`` taken where transformers takes them."""
+    given = config.get("rope_parameters") or config.get("rope_scaling")
+    rope = dict(given or ROPE_DEFAULTS.get(config.get("model_type"), {}))
+    if not given and "rope_theta" in config:
+        rope["rope_theta"] = config["rope_theta"]
+    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    if "original_max_position_embeddings" in config:  # Phi-3 keeps it outside
+        rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+    rope.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
+    return rope
+
+
+def _rope_scaling(config: dict, source: str) -> Scaling | None:
+    """The rotary scaling a config names (:func:`_rope`), as transformers computes it."""
+    rope = _rope(config)
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    if rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise CheckpointError(f"{source}: partial_rotary_factor (rotary over part of a "
+                              "head) is not supported")
+    if kind == "default":
+        return None
+    if kind == "linear":
+        return Linear(rope["factor"])
+    if kind == "llama3":
+        return Llama3(rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+                      rope["original_max_position_embeddings"])
+    if kind != "yarn":
+        raise CheckpointError(f"{source}: rope_type {kind!r} is not supported; supported: "
+                              f"{', '.join(ROPE_TYPES)}")
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or config["max_position_embeddings"] / original
+    attention = rope.get("attention_factor")
+    if attention is None and rope.get("mscale") and rope.get("mscale_all_dim"):
+        attention = mscale(factor, rope["mscale"]) / mscale(factor, rope["mscale_all_dim"])
+    return Yarn(factor, original, rope.get("beta_fast") or 32.0,
+                rope.get("beta_slow") or 1.0, rope.get("truncate", True), attention)
+
+
+def _gpt_oss_args(config: dict, source: str) -> dict:
+    """The fields gpt-oss adds: alternating windows (``layer_types``), sinks, biases and
+    the clamped GLU."""
+    expected = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                for i in range(config["num_hidden_layers"])]
+    kinds = config.get("layer_types") or expected
+    if list(kinds) != expected:
+        raise CheckpointError(f"{source}: layer_types {kinds} are not gpt-oss's alternation "
+                              "(sliding_attention on even layers, full_attention on odd)")
+    return dict(experts=config["num_local_experts"], top_k=config["num_experts_per_tok"],
+                moe_intermediate=config["intermediate_size"], moe_bias=True,
+                glu_alpha=config.get("swiglu_alpha", 1.702),
+                glu_limit=config.get("swiglu_limit", 7.0),
+                window=config.get("sliding_window") or 0, global_every=2, sinks=True)
+
+
+def _window(config: dict, family: str, source: str) -> int:
+    """Llama and the Qwen families: a sliding window on every layer, or none; a window
+    on some layers only is refused. Without ``layer_types`` (configs written before
+    transformers 5), Qwen2's layers from ``max_window_layers`` on are windowed."""
+    windowed = config.get("use_sliding_window") and config.get("sliding_window")
+    if family == "qwen3_moe" and windowed:
+        raise CheckpointError(f"{source}: use_sliding_window is not supported for qwen3_moe")
+    kinds = config.get("layer_types")
+    if kinds is None and windowed:
+        first = config.get("max_window_layers", 0)
+        kinds = ["sliding_attention" if i >= first else "full_attention"
+                 for i in range(config["num_hidden_layers"])]
+    kinds = set(kinds or ())
+    if kinds <= {"full_attention"}:
+        return 0
+    if kinds == {"sliding_attention"}:
+        return config["sliding_window"]
+    raise CheckpointError(f"{source}: sliding windows on some layers only (layer_types "
+                          f"{sorted(kinds)}, max_window_layers) are not supported: every "
+                          "layer windowed or none")
+
+
+def _refuse_unsupported(config: dict, family: str, source: str) -> None:
+    if family == "qwen3_moe" and (config.get("mlp_only_layers") or
+                                  config.get("decoder_sparse_step", 1) != 1):
+        raise CheckpointError(f"{source}: dense layers among MoE layers (mlp_only_layers, "
+                              "decoder_sparse_step) are not supported")
+    act = config.get("hidden_act", "silu")
+    if family != "gpt_oss" and act != "silu":  # gpt-oss's experts: their own clamped GLU
+        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (SiLU only)")
+    if config.get("mlp_bias"):
+        raise CheckpointError(f"{source}: mlp_bias (biases on the MLP's projections) is not "
+                              "supported")
+
+
+def args_from_config(config: dict, source: str = "config.json") -> ModelArgs:
+    family = config.get("model_type")
+    if family not in FAMILIES:
+        raise CheckpointError(f"{source}: model_type {family!r} is not supported; "
+                              f"supported: {', '.join(FAMILIES)}")
+    _refuse_unsupported(config, family, source)
+    config = {**DEFAULTS.get(family, {}), **config}
+    try:
+        heads = config["num_attention_heads"]
+        hidden = config["hidden_size"]
+        # Qwen2: biases on q, k and v always, none on o; the others: attention_bias on all.
+        attention_bias = bool(config.get("attention_bias", False))
+        fields = dict(
+            vocab_size=config["vocab_size"], hidden=hidden,
+            layers=config["num_hidden_layers"], heads=heads,
+            kv_heads=config.get("num_key_value_heads", heads),
+            head_dim=config.get("head_dim") or hidden // heads,
+            intermediate=config.get("intermediate_size", 0),
+            eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope(config)["rope_theta"],
+            max_position=config.get("max_position_embeddings", 4096),
+            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qkv_bias=family == "qwen2" or attention_bias,
+            o_bias=family != "qwen2" and attention_bias,
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            experts=(config.get("num_experts") or config.get("num_local_experts", 0))
+            if family == "qwen3_moe" else 0,
+            top_k=config.get("num_experts_per_tok", 0) if family == "qwen3_moe" else 0,
+            moe_intermediate=config.get("moe_intermediate_size", 0),
+            norm_topk=bool(config.get("norm_topk_prob", True)),
+            rope_scaling=_rope_scaling(config, source),
+        )
+        if family == "gpt_oss":
+            fields.update(_gpt_oss_args(config, source))
+        else:
+            fields["window"] = _window(config, family, source)
+        return ModelArgs(**fields)
+    except KeyError as exc:
+        raise CheckpointError(f"{source}: missing key {exc.args[0]!r}") from exc
