@@ -58,6 +58,12 @@ def check_experts(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0
         if not value >= 0:
             raise checks.OpInputError(f"{op}: {name} must be >= 0 (0: SwiGLU; alpha > 0: "
                                       f"gpt-oss's clamped GLU), got {value!r}")
+    if limit > 0 and alpha == 0:
+        raise checks.OpInputError(f"{op}: limit={limit} clamps gpt-oss's GLU, which alpha > 0 "
+                                  "chooses; SwiGLU (alpha=0) clamps nothing: give alpha or "
+                                  "leave limit 0")
+    if two_i == 0:
+        raise checks.OpInputError(f"{op}: experts of no intermediate rows (w13 {tuple(w13.shape)})")
 
 
 def _check_operand_order(op, x, w13, w2, w13_scale, w2_scale) -> tuple[int, int, int]:
@@ -67,6 +73,8 @@ def _check_operand_order(op, x, w13, w2, w13_scale, w2_scale) -> tuple[int, int,
         checks.tensor(op, name, t, ndim=ndim, dtypes=(torch.uint8,), device=x.device)
     e, blocks, chunks = w13.shape[:3]
     two_i, h = 16 * blocks, 64 * chunks
+    checks.same(op, "the block shape", tuple(w13.shape[3:]), (32, 16), "w13",
+                "operand order (512 bytes a block)")
     checks.same(op, "the hidden size", h, x.shape[1], "w13 (operand order)", "x")
     checks.same(op, "the expert shape", (e, h // 16, two_i // 2 // 64, 32, 16),
                 tuple(w2.shape), "w13", "w2 (operand order)")

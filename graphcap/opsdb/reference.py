@@ -120,14 +120,14 @@ def softmax_v(scores: torch.Tensor, seen: torch.Tensor, v: torch.Tensor, softcap
 def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts, then the top-k: weights [T, k] float32, ids [T, k] int32, by
-    decreasing probability, ties to the lowest expert id, NaN (from a NaN or infinite
-    logit) above every probability."""
+    decreasing probability, ties to the lowest expert id, NaN (from a NaN or +inf logit)
+    above every probability."""
     probs = router_logits.float().softmax(dim=-1)
     weights, ids = probs.sort(dim=-1, descending=True, stable=True)
-    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    weights, ids = weights[:, :top_k].contiguous(), ids[:, :top_k]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids.to(torch.int32)
+    return weights, ids.to(torch.int32)  # both [T, k] contiguous, as the kernels give
 
 
 # MXFP4's 4-bit values (E2M1), by code: the low 3 bits the magnitude, the high bit the sign.

@@ -124,6 +124,14 @@ BAD_CALLS = {
         torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.long),
         torch.zeros(1, 3, dtype=torch.int32), 4, torch.empty(2, dtype=torch.long),
         torch.empty(2, 3, dtype=torch.int32), None), "table and seq_lens go together"),
+    "moe experts clamping SwiGLU": (lambda: torch.ops.graphcap.moe_experts(
+        torch.ones(2, 8), torch.ones(4, 8, 8), torch.ones(4, 8, 4), torch.ones(2, 1),
+        torch.zeros(2, 1, dtype=torch.int32), None, None, 0.0, 7.0, False),
+        "limit=7.0 clamps gpt-oss's GLU"),
+    "moe experts of no intermediate rows": (lambda: torch.ops.graphcap.moe_experts(
+        torch.ones(2, 8), torch.ones(4, 0, 8), torch.ones(4, 8, 0), torch.ones(2, 1),
+        torch.zeros(2, 1, dtype=torch.int32), None, torch.ones(4, 8), 0.0, 0.0, False),
+        "no intermediate rows"),
     "moe experts with gate/up rows of another count": (lambda: torch.ops.graphcap.moe_experts(
         torch.ones(2, 8), torch.ones(4, 6, 8), torch.ones(4, 8, 4), torch.ones(2, 1),
         torch.zeros(2, 1, dtype=torch.int32), None, None, 0.0, 0.0, True), "expert shape"),
@@ -399,3 +407,15 @@ def test_the_few_row_linear_takes_an_empty_input_of_any_strides():
     x = torch.randn(0, 1) * 1.0  # strides (1, 0): torch's own, for no rows
     out = RMS_NORM_SWIGLU(x, torch.ones(1), 1e-6, torch.randn(4, 1), kernel="triton")
     assert out.shape == (0, 2)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_moe_routing_passes_opcheck_with_and_without_renormalizing(renormalize, environ):
+    # Without it the top-k weights are a slice of the sorted [T, E]: the fake must give
+    # the Triton kernel's contiguous [T, k] (Inductor checks the strides it was told).
+    if get_op("moe_topk_softmax").available(DEVICE)["triton"] is not None:
+        pytest.skip("the Triton kernel: on a GPU or under Triton's interpreter")
+    environ.set("GRAPHCAP_MOE_TOPK_SOFTMAX_KERNEL", "triton")
+    logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    torch.library.opcheck(torch.ops.graphcap.moe_topk_softmax.default,
+                          (logits, 2, renormalize))

@@ -1,7 +1,7 @@
 """MoE routing in Triton: softmax over the experts, then the top-k, one program per token
 (specification: :func:`graphcap.opsdb.reference.moe_topk_softmax`). The softmax runs
 over the E router logits in float32 registers, then k rounds of arg-max (ties go to the
-lowest expert id; a NaN probability, from a NaN or infinite logit, ranks first with a NaN
+lowest expert id; a NaN probability, from a NaN or +inf logit, ranks first with a NaN
 weight, so every id names an expert). And the grouping of the routed (token, slot) pairs
 by expert that the expert kernels tile (:func:`align_pairs`). No host synchronisation:
 safe to capture in a CUDA graph."""
@@ -31,7 +31,7 @@ def _topk_softmax_kernel(
     p = tl.exp(x - m)
     p = tl.where(emask, p, 0.0)
     probs = p / tl.sum(p, axis=0)
-    # NaN (a NaN or infinite logit) ranks above every probability, as in torch's sorts: 2
+    # NaN (a NaN or +inf logit) ranks above every probability, as in torch's sorts: 2
     # stands for it in the rounds, and NaN is its weight. Padding lanes must never win a
     # round: -1 is below any probability.
     probs = tl.where(probs != probs, 2.0, probs)
