@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from graphcap.breakable.graph import BreakableCapture, BreakableStrategy, DebugStrategy
 from graphcap.core.breaks import run_maybe_as_break
 
@@ -11,9 +13,10 @@ from graphcap.core.breaks import run_maybe_as_break
 def eager_on_graph(fn):
     """Mark ``fn`` to run eagerly between graph segments under ``strategy="breakable"``.
 
-    Outside a breakable capture it is a plain call. During capture it closes the current
-    segment, runs ``fn`` once, and opens a new one; every replay calls ``fn`` again on the
-    same argument tensors and copies its result into the tensors it returned at capture.
+    Outside a breakable capture (and under torch.compile's tracing) it is a plain call.
+    During capture it closes the current segment, runs ``fn`` once, and opens a new one;
+    every replay calls ``fn`` again on the same argument tensors and copies its result
+    into graphcap's copies of what it returned at capture, which the next segment reads.
     So ``fn`` must return tensors of the same shapes each time (or write into an ``out``
     it is given and return it), and may do anything a graph cannot: host syncs, Python
     control flow on data, host-side libraries.
@@ -29,6 +32,8 @@ def eager_on_graph(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling():  # Dynamo traces it; no breakable capture there
+            return fn(*args, **kwargs)
         return run_maybe_as_break(fn, args, kwargs)
 
     wrapper.__graphcap_eager_on_graph__ = True

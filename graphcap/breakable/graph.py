@@ -5,16 +5,17 @@ During capture a break handler is installed (``graphcap.core.breaks``). Each cal
 segment, runs the function once eagerly, records it, and begins a new segment on the same
 pool and stream. Replay walks the record: segment, break, segment, ...
 
-A break replays by calling its function again on the very argument objects of capture
+A break replays by calling its function again on the very argument tensors of capture
 (held strongly here: a weak reference let later captures reuse their memory and gave
-silent wrong output in the field) and copying the fresh result into the buffers the
-capture gave the next segment: copies, made at capture, of what the function returned
-then, so a replay writes only memory graphcap allocated (never a tensor the function
-returned that belongs to the model or the caller). A result on an argument's memory (the
-argument, a view of it, an ``out=`` it wrote) is no copy: the next segment reads that
-memory, as eager code would, and a replay must return the same view of it. A fresh result
-of another structure, shape, dtype or device than at capture, or another view where an
-argument's was, raises :class:`~graphcap.errors.ReplayError`.
+silent wrong output in the field), in lists, tuples and dicts rebuilt as they were at
+the call (other objects, a module, are the same object), and copying the fresh result
+into the buffers the capture gave the next segment: copies, made at capture, of what the
+function returned then, so a replay writes only memory graphcap allocated (never a
+tensor the function returned that belongs to the model or the caller). A result on an
+argument's memory (the argument, a view of it, an ``out=`` it wrote) is no copy: the next
+segment reads that memory, as eager code would, and a replay must return the same view of
+it. A fresh result of another structure, shape, dtype or device than at capture, or
+another view where an argument's was, raises :class:`~graphcap.errors.ReplayError`.
 
 At capture each break runs on real values: the segment before it is replayed once as soon
 as it is captured (a captured segment has run nothing yet), so the break sees what an
@@ -52,30 +53,46 @@ def _layout(value) -> tuple:
                   else type(t) for t in leaves]
 
 
-def _own(value, arguments) -> tuple[Any, tuple[bool, ...]]:
+def _own(value, given: set[int]) -> tuple[Any, tuple[bool, ...]]:
     """``value`` with every tensor leaf copied into a new tensor (of its strides), but
-    those on an argument's memory (the argument, a view of it, an ``out=`` it wrote):
-    kept as they are, so that a write through one reaches the other, as eagerly; and
-    for each tensor leaf, whether it was kept."""
-    given = storages(arguments)
+    those on an argument's memory (``given``: the arguments' storages before the call;
+    the argument, a view of it, an ``out=`` it wrote): kept as they are, so that a write
+    through one reaches the other, as eagerly; and for each tensor leaf, whether it was
+    kept. Leaves sharing new memory (a tensor returned twice, a tensor and its view)
+    share their copy's, as they share theirs."""
     leaves, spec = tree_flatten(value)
-    kept = tuple(storage_key(t) in given for t in leaves if isinstance(t, torch.Tensor))
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    kept = tuple(storage_key(t) in given for t in tensors)
+    keys = [storage_key(t) for t, k in zip(tensors, kept, strict=True) if not k]
+    shared = {key: None for key in keys if keys.count(key) > 1}
     flags = iter(kept)
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key not in shared:
+            return t.clone()
+        if shared[key] is None:
+            shared[key] = t.untyped_storage().clone()
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            shared[key], t.storage_offset(), t.shape, t.stride())
+
     return tree_unflatten([t if not isinstance(t, torch.Tensor) or next(flags)
-                           else t.clone() for t in leaves], spec), kept
+                           else copy(t) for t in leaves], spec), kept
 
 
 @dataclass
 class Break:
     fn: Callable
-    args: tuple
-    kwargs: dict
+    arguments: tuple  # tree_flatten((args, kwargs)) at the call: (leaves, spec)
     output: Any  # the buffers the next segment reads: graphcap's own, or an argument's
     layout: tuple | None = None  # _layout(output)
     on_args: tuple[bool, ...] = ()  # per tensor of output: on an argument's memory
 
     def replay(self) -> None:
-        fresh = self.fn(*self.args, **self.kwargs)
+        # Containers rebuilt each call: a list the forward appended to after the call
+        # (hidden states layer by layer) holds at replay what it held then.
+        args, kwargs = tree_unflatten(*self.arguments)
+        fresh = self.fn(*args, **kwargs)
         if self.layout is not None and _layout(fresh) != self.layout:
             raise ReplayError(
                 f"eager break {self.name} returned {_layout(fresh)[1]} at replay but "
@@ -127,6 +144,7 @@ class BreakableCapture:
         self.states: list[tuple[Callable[[], object], object]] = []  # (static_state, its state)
         self.in_graph = 0  # graphable split ops captured inside a segment
         self._segment = None
+        self._raised: tuple | None = None  # a break's exception the forward caught
         self._fn: Callable[[], Any] | None = None
         self._outputs: Any = None
 
@@ -146,25 +164,43 @@ class BreakableCapture:
             note_state(self.states, static_state, state)
             with break_handler(None):
                 return fn(*args, **kwargs)
-        check_finished((args, kwargs), f"eager break {getattr(fn, '__qualname__', fn)!r}")
+        name = getattr(fn, "__qualname__", repr(fn))
+        check_finished((args, kwargs), f"eager break {name!r}")
+        arguments = tree_flatten((args, kwargs))
+        given = storages(arguments[0])
         self._close()
-        # No handler inside a break: a break calling another marked function just runs it.
-        with self.pool.warmup(), break_handler(None):  # the capture stream, no capture
-            self.items[-1].replay()  # the break's inputs: real values, not capture garbage
-            output, on_args = _own(fn(*args, **kwargs), (args, kwargs))
+        try:  # no handler inside a break: one calling another marked function runs it
+            with self.pool.warmup(), break_handler(None):  # the capture stream, no capture
+                self.items[-1].replay()  # its inputs: real values, not capture garbage
+                output, on_args = _own(fn(*args, **kwargs), given)
+        except BaseException as exc:  # the forward may catch it: its ops need a segment
+            self._raised = (name, exc)
+            self._open()
+            raise
         leaves = tree_flatten(output)[0]
         if any(not isinstance(x, torch.Tensor) and x is not None for x in leaves):
-            name = getattr(fn, "__qualname__", repr(fn))
             raise CaptureError(
                 f"eager break {name} returned a host value ({[type(x).__name__ for x in leaves]}"
                 "): replay could only reuse the value of capture. Return tensors (e.g. "
-                "torch.tensor on the device, or write into an out= tensor) instead")
-        self.items.append(Break(fn, args, kwargs, output, _layout(output), on_args))
+                "torch.tensor on the device, or write into an out= tensor) instead; a "
+                "dataclass or class of your own is a leaf to torch's pytree: return a "
+                "tuple or dict, or register it with torch.utils._pytree")
+        elsewhere = [t.device for t in leaves if isinstance(t, torch.Tensor)
+                     and t.device != self.pool.device]
+        if elsewhere:
+            raise CaptureError(
+                f"eager break {name} returned a tensor on {elsewhere[0]}, not on the graph's "
+                f"{self.pool.device}: a kernel reads a host scalar when it is launched, so "
+                "the graph would replay the value of capture. Return it on the device")
+        self.items.append(Break(fn, arguments, output, _layout(output), on_args))
         self._open()
         return output
 
     def run(self, fn: Callable[[], Any]) -> Any:
+        if self._fn is not None:
+            raise CaptureError("this BreakableCapture has run already: make a new one")
         self._fn = fn
+        self._raised = None
         self._open()
         try:
             with break_handler(self._on_break):
@@ -177,6 +213,12 @@ class BreakableCapture:
                     raise err from exc
             raise
         self._close()
+        if self._raised is not None:
+            name, exc = self._raised
+            raise CaptureError(
+                f"eager break {name} raised {type(exc).__name__} ({exc}) at capture and the "
+                "forward caught it: the graphs would replay the path it took then on every "
+                "call. Decide before the break (or inside it) without raising") from exc
         self._outputs = out
         return out
 
@@ -225,5 +267,5 @@ class DebugStrategy(Strategy):
     sizes_pool = False  # no graph is captured into the pool
 
     def capture(self, fn, key, pool: GraphPool) -> Captured:
-        brk = Break(fn, (), {}, fn())
+        brk = Break(fn, tree_flatten(((), {})), fn())
         return Captured(brk.replay, segments=0, breaks=1)

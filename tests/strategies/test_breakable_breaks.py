@@ -1,0 +1,116 @@
+"""What a break of the breakable strategy is given and gives back, replayed as eagerly:
+its lists and dicts as they were at the call, results sharing memory sharing it again,
+an exception the forward caught refused, and a marked function under torch.compile a
+plain call. On the emulator in CI and on CUDA graphs on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphcap
+from graphcap.errors import CaptureError
+from tests.support.runner_helpers import DEVICE
+
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+
+
+@graphcap.eager_on_graph
+def newest_doubled(hidden_states):
+    return hidden_states[-1] * 2
+
+
+class Collects(torch.nn.Module):
+    """Every layer's output in a list (output_hidden_states), a break reading the newest
+    one after the first layer, then more appended."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        hidden_states, h = [x], x
+        for i, layer in enumerate(self.layers):
+            h = layer(h)
+            hidden_states.append(h)
+            if i == 0:
+                h = newest_doubled(hidden_states)
+        return h
+
+
+@graphcap.eager_on_graph
+def doubled_and_first_column(h):
+    y = h * 2
+    return y, y[:, :1]  # a new tensor and a view of it
+
+
+class WritesThroughTheView(torch.nn.Module):
+    def forward(self, x):
+        y, first = doubled_and_first_column(x + 0)
+        first.mul_(10)  # eagerly: y's first column too
+        return y + 0
+
+
+@pytest.mark.parametrize("model", [Collects, WritesThroughTheView])
+def test_a_break_replays_on_what_it_was_given_and_gives_what_eager_gives(model):
+    m = model().to(DEVICE)
+    r = graphcap.capture(m, "breakable", buckets=[4],
+                         example_inputs=(torch.randn(4, 4, device=DEVICE),))
+    for seed in range(3):
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+        with torch.no_grad():
+            torch.testing.assert_close(r(x), m(x))
+
+
+@graphcap.eager_on_graph
+def route(h):
+    if not h.any():  # a zero batch (as capture's) is refused
+        raise ValueError("nothing to route")
+    return h * 2
+
+
+class CatchesTheBreak(torch.nn.Module):
+    def forward(self, x):
+        try:
+            return route(x) + 1
+        except ValueError:
+            return x - 1
+
+
+def test_a_breaks_exception_the_forward_caught_at_capture_is_refused_by_name():
+    with pytest.raises(CaptureError, match=r"eager break route raised ValueError \(nothing "
+                                           r"to route\) at capture and the forward caught"):
+        graphcap.capture(CatchesTheBreak(), "breakable", buckets=[4],
+                         example_inputs=(torch.zeros(4, 2, device=DEVICE),))
+
+
+def test_a_marked_function_is_a_plain_call_under_torch_compile():
+    m = WritesThroughTheView()
+    x = torch.randn(4, 2, device=DEVICE)
+    compiled = torch.compile(m, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), m(x))
+
+
+def test_a_breakable_capture_runs_once():
+    from graphcap.breakable import BreakableCapture
+    from graphcap.core import new_pool
+
+    bcg = BreakableCapture(new_pool(DEVICE))
+    x = torch.randn(4, device=DEVICE)
+    bcg.run(lambda: newest_doubled([x]) + 1)
+    with pytest.raises(CaptureError, match="has run already"):
+        bcg.run(lambda: x + 1)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a graph on the GPU, a result on the host")
+def test_a_break_result_off_the_graphs_device_is_refused():
+    host = graphcap.eager_on_graph(lambda h: h.abs().amax().cpu())
+
+    class Scales(torch.nn.Module):
+        def forward(self, x):
+            return x / host(x)
+
+    with pytest.raises(CaptureError, match="returned a tensor on cpu, not on the graph's"):
+        graphcap.capture(Scales(), "breakable", buckets=[4],
+                         example_inputs=(torch.randn(4, 2, device=DEVICE),))
