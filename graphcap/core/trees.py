@@ -44,3 +44,21 @@ def repeats_memory(t: torch.Tensor) -> bool:
     for stride, size in dims:
         offsets = (offsets[..., None] + torch.arange(size) * stride).flatten()
     return bool(offsets.unique().numel() < offsets.numel())
+
+
+def span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``t``'s elements lie within: [first, past the last)."""
+    start = t.data_ptr()
+    reach = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride(), strict=True))
+    return start, start + (reach + 1) * t.element_size()
+
+
+def overlapping(tensors: dict[int, torch.Tensor]) -> tuple[int, int] | None:
+    """Two keys of ``tensors`` whose elements lie within the same bytes (an overlapping
+    slice, a transpose of the other), else None."""
+    spans = [(k, *span(t)) for k, t in tensors.items() if t.numel()]
+    for n, (i, start, end) in enumerate(spans):
+        for j, other_start, other_end in spans[:n]:
+            if start < other_end and other_start < end:
+                return j, i
+    return None

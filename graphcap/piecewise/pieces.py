@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from graphcap.core.graph_base import Graph
-from graphcap.core.trees import repeats_memory, storage_key
+from graphcap.core.trees import overlapping, repeats_memory, storage_key
 from graphcap.errors import CaptureError
 from graphcap.piecewise import phase as phases
 from graphcap.piecewise.inductor import OneOpPiece
@@ -118,6 +118,11 @@ class PieceGraphs(torch.nn.Module):
                     "[batch, tokens] ids runs on graphs under graphcap.accelerate(model) or "
                     "graphcap.LLM(model)")
             return self.fn(*args)
+        if (why := self._aliased_write(args)) is not None:
+            owner.ran_eagerly(f"{why} at size {size}: static copies of them would part "
+                              "them, so a write through one would miss the other",
+                              kind="aliased")
+            return self.fn(*args)
         entry = self.entries.get(size)
         if entry is None:
             if size not in self.seen:  # warm-up: lazy init and JIT outside any capture
@@ -130,6 +135,21 @@ class PieceGraphs(torch.nn.Module):
         if self.static_state is not None and self.static_state() is not entry.state():
             return self.fn(*args)  # the graph would read the captured state's buffers
         return self._replay(size, entry, args)
+
+    def _aliased_write(self, args) -> str | None:
+        """Why the piece cannot run from static copies of ``args``: two tensor inputs it
+        would copy share memory (an overlapping slice, a transpose) and it writes one."""
+        if not self.writes:
+            return None
+        copied = {i: a for i, a in enumerate(args) if isinstance(a, torch.Tensor)
+                  and not isinstance(a, torch.nn.Parameter)
+                  and a.data_ptr() not in self.owner.static_ptrs}
+        while (pair := overlapping(copied)) is not None:
+            if self.writes & set(pair):
+                return f"inputs {pair[0]} and {pair[1]} of a piece share memory and it " \
+                    "writes one"
+            del copied[pair[1]]  # read only: no harm; look on
+        return None
 
     def _replay(self, size: int, entry: PieceEntry, args):
         owner, copied = self.owner, []
@@ -268,3 +288,4 @@ def _sizes(sizes) -> str:
     ordered = sorted(sizes)
     return str(ordered) if len(ordered) <= 8 else \
         f"[{', '.join(map(str, ordered[:4]))}, ..., {', '.join(map(str, ordered[-2:]))}]"
+

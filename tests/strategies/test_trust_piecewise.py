@@ -375,3 +375,21 @@ def test_dropped_runners_leave_the_device_memory_where_it_was():
 
     readings = [once() for _ in range(5)]  # the first runner's build leaves some cache
     assert readings[2:] == [readings[1]] * 3 and readings[1] <= readings[0]
+
+
+class WritesOneOfTwo(torch.nn.Module):
+    def forward(self, a, b):
+        a.mul_(2)  # b overlapping a sees it, eagerly
+        return a + b
+
+
+def test_inputs_sharing_memory_that_a_piece_writes_run_eagerly_as_eager_gives():
+    compiled = torch.compile(WritesOneOfTwo(), backend=PiecewiseCompiler(
+        {"capture_sizes": [4]}), fullgraph=True, dynamic=True)
+    with torch.inference_mode():
+        for overlap in (False, False, True, True, False):
+            x, y = torch.arange(8.0, device=DEVICE), torch.arange(8.0, device=DEVICE)
+            cut = 2 if overlap else 4  # b from x[2:6] overlaps a = x[:4]
+            got = compiled(x[:4], x[cut:cut + 4])
+            torch.testing.assert_close(got, WritesOneOfTwo()(y[:4], y[cut:cut + 4]))
+            torch.testing.assert_close(x, y)  # the caller's tensor written as eagerly
