@@ -7,8 +7,8 @@ pool and stream. Replay walks the record: segment, break, segment, ...
 
 A break replays by calling its function again on the very argument tensors of capture
 (held strongly here: a weak reference let later captures reuse their memory and gave
-silent wrong output in the field), in lists, tuples and dicts rebuilt as they were at
-the call (other objects, a module, are the same object), and copying the fresh result
+silent wrong output in the field; lists, tuples and dicts the forward changed after the
+call are rebuilt as they were at it), and copying the fresh result
 into the buffers the capture gave the next segment: copies, made at capture, of what the
 function returned then, so a replay writes only memory graphcap allocated (never a
 tensor the function returned that belongs to the model or the caller). A result on an
@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from graphcap.core.breaks import break_handler
 from graphcap.core.graphs import GraphPool
 from graphcap.core.strategy import Captured, Strategy
-from graphcap.core.trees import storage_key, storages, tensor_leaves
+from graphcap.core.trees import repeats_memory, span, storage_key, storages, tensor_leaves
 from graphcap.errors import CaptureError, ReplayError
 from graphcap.tp.group import check_finished
 
@@ -58,40 +58,69 @@ def _own(value, given: set[int]) -> tuple[Any, tuple[bool, ...]]:
     those on an argument's memory (``given``: the arguments' storages before the call;
     the argument, a view of it, an ``out=`` it wrote): kept as they are, so that a write
     through one reaches the other, as eagerly; and for each tensor leaf, whether it was
-    kept. Leaves sharing new memory (a tensor returned twice, a tensor and its view)
-    share their copy's, as they share theirs."""
+    kept. Leaves of one dtype sharing new memory (a tensor returned twice, a tensor and
+    its view) are views of one copy of the bytes they span, as they are of theirs; an
+    expanded one among them is a copy of its own (a replay cannot write it)."""
     leaves, spec = tree_flatten(value)
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
     kept = tuple(storage_key(t) in given for t in tensors)
-    keys = [storage_key(t) for t, k in zip(tensors, kept, strict=True) if not k]
-    shared = {key: None for key in keys if keys.count(key) > 1}
+    groups: dict[int, list[torch.Tensor]] = {}
+    for t, k in zip(tensors, kept, strict=True):
+        if not k:
+            groups.setdefault(storage_key(t), []).append(t)
+    shared = {key: _span_copy(ts) for key, ts in groups.items()
+              if len(ts) > 1 and len({t.dtype for t in ts}) == 1
+              and all(t.numel() and not repeats_memory(t) for t in ts)}
     flags = iter(kept)
 
     def copy(t: torch.Tensor) -> torch.Tensor:
         key = storage_key(t)
         if key not in shared:
             return t.clone()
-        if shared[key] is None:
-            shared[key] = t.untyped_storage().clone()
+        storage, first = shared[key]
         return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-            shared[key], t.storage_offset(), t.shape, t.stride())
+            storage, t.storage_offset() - first, t.shape, t.stride())
 
     return tree_unflatten([t if not isinstance(t, torch.Tensor) or next(flags)
                            else copy(t) for t in leaves], spec), kept
 
 
+def _span_copy(tensors: list[torch.Tensor]) -> tuple[torch.UntypedStorage, int]:
+    """A copy of the elements ``tensors`` (views of one storage, one dtype) span, and the
+    storage offset it begins at."""
+    first = min(t.storage_offset() for t in tensors)
+    end = max(t.storage_offset() + (span(t)[1] - span(t)[0]) // t.element_size()
+              for t in tensors)
+    flat = tensors[0].as_strided((end - first,), (1,), first)
+    return flat.clone().untyped_storage(), first
+
+
 @dataclass
 class Break:
     fn: Callable
-    arguments: tuple  # tree_flatten((args, kwargs)) at the call: (leaves, spec)
+    args: tuple
+    kwargs: dict
     output: Any  # the buffers the next segment reads: graphcap's own, or an argument's
     layout: tuple | None = None  # _layout(output)
     on_args: tuple[bool, ...] = ()  # per tensor of output: on an argument's memory
+    # tree_flatten((args, kwargs)) at the call, and after it: where the forward changed
+    # the lists and dicts after the call (a list of hidden states appended to), replays
+    # rebuild them as at the call (``rebuild``); else they are the same objects, so the
+    # break's own changes to them (a log it appends to) happen as eagerly.
+    at_call: tuple | None = None
+    after: tuple | None = None
+    rebuild: bool = False
+
+    def settle(self) -> None:
+        """At the end of capture: rebuild the arguments at replay if the forward changed
+        them after the call."""
+        now = tree_flatten((self.args, self.kwargs))
+        self.rebuild = not _same(now, self.after)
+        self.after = None
 
     def replay(self) -> None:
-        # Containers rebuilt each call: a list the forward appended to after the call
-        # (hidden states layer by layer) holds at replay what it held then.
-        args, kwargs = tree_unflatten(*self.arguments)
+        args, kwargs = tree_unflatten(*self.at_call) if self.rebuild else \
+            (self.args, self.kwargs)
         fresh = self.fn(*args, **kwargs)
         if self.layout is not None and _layout(fresh) != self.layout:
             raise ReplayError(
@@ -113,6 +142,31 @@ class Break:
     @property
     def name(self) -> str:
         return getattr(self.fn, "__qualname__", repr(self.fn))
+
+
+def _same(a: tuple, b: tuple | None) -> bool:
+    """Whether two ``tree_flatten`` results hold the same objects in the same places."""
+    return b is not None and a[1] == b[1] and len(a[0]) == len(b[0]) and all(
+        x is y for x, y in zip(a[0], b[0], strict=True))
+
+
+def _check_result(name: str, output, device: torch.device) -> None:
+    """A break's result is tensors (or None) on the graph's device: CaptureError else."""
+    leaves = tree_flatten(output)[0]
+    if any(not isinstance(x, torch.Tensor) and x is not None for x in leaves):
+        raise CaptureError(
+            f"eager break {name} returned a host value ({[type(x).__name__ for x in leaves]}"
+            "): replay could only reuse the value of capture. Return tensors (e.g. "
+            "torch.tensor on the device, or write into an out= tensor) instead; a "
+            "dataclass or class of your own is a leaf to torch's pytree: return a tuple "
+            "or dict, or register it with torch.utils._pytree")
+    elsewhere = [t.device for t in leaves if isinstance(t, torch.Tensor)
+                 and t.device != device]
+    if elsewhere:
+        raise CaptureError(
+            f"eager break {name} returned a tensor on {elsewhere[0]}, not on the graph's "
+            f"{device}: a kernel reads a host scalar when it is launched, so the graph "
+            "would replay the value of capture. Return it on the device")
 
 
 def note_state(states: list, static_state: Callable[[], object], state: object) -> None:
@@ -166,33 +220,19 @@ class BreakableCapture:
                 return fn(*args, **kwargs)
         name = getattr(fn, "__qualname__", repr(fn))
         check_finished((args, kwargs), f"eager break {name!r}")
-        arguments = tree_flatten((args, kwargs))
-        given = storages(arguments[0])
+        at_call = tree_flatten((args, kwargs))
         self._close()
         try:  # no handler inside a break: one calling another marked function runs it
             with self.pool.warmup(), break_handler(None):  # the capture stream, no capture
                 self.items[-1].replay()  # its inputs: real values, not capture garbage
-                output, on_args = _own(fn(*args, **kwargs), given)
+                output, on_args = _own(fn(*args, **kwargs), storages(at_call[0]))
+            _check_result(name, output, self.pool.device)
         except BaseException as exc:  # the forward may catch it: its ops need a segment
             self._raised = (name, exc)
             self._open()
             raise
-        leaves = tree_flatten(output)[0]
-        if any(not isinstance(x, torch.Tensor) and x is not None for x in leaves):
-            raise CaptureError(
-                f"eager break {name} returned a host value ({[type(x).__name__ for x in leaves]}"
-                "): replay could only reuse the value of capture. Return tensors (e.g. "
-                "torch.tensor on the device, or write into an out= tensor) instead; a "
-                "dataclass or class of your own is a leaf to torch's pytree: return a "
-                "tuple or dict, or register it with torch.utils._pytree")
-        elsewhere = [t.device for t in leaves if isinstance(t, torch.Tensor)
-                     and t.device != self.pool.device]
-        if elsewhere:
-            raise CaptureError(
-                f"eager break {name} returned a tensor on {elsewhere[0]}, not on the graph's "
-                f"{self.pool.device}: a kernel reads a host scalar when it is launched, so "
-                "the graph would replay the value of capture. Return it on the device")
-        self.items.append(Break(fn, arguments, output, _layout(output), on_args))
+        self.items.append(Break(fn, args, kwargs, output, _layout(output), on_args,
+                                at_call, tree_flatten((args, kwargs))))
         self._open()
         return output
 
@@ -213,6 +253,9 @@ class BreakableCapture:
                     raise err from exc
             raise
         self._close()
+        for item in self.items:
+            if isinstance(item, Break):
+                item.settle()
         if self._raised is not None:
             name, exc = self._raised
             raise CaptureError(
@@ -267,5 +310,5 @@ class DebugStrategy(Strategy):
     sizes_pool = False  # no graph is captured into the pool
 
     def capture(self, fn, key, pool: GraphPool) -> Captured:
-        brk = Break(fn, tree_flatten(((), {})), fn())
+        brk = Break(fn, (), {}, fn())
         return Captured(brk.replay, segments=0, breaks=1)

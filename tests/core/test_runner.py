@@ -250,8 +250,7 @@ def test_a_break_holds_its_arguments_and_output_strongly():
     bcg = BreakableCapture(new_pool("cpu"))
     bcg.run(lambda: double(x + 1) - 1)
     (brk,) = [i for i in bcg.items if isinstance(i, Break)]
-    leaves = brk.arguments[0]
-    assert all(type(a) is torch.Tensor for a in leaves) and type(brk.output) is torch.Tensor
+    assert all(type(a) is torch.Tensor for a in brk.args) and type(brk.output) is torch.Tensor
 
 
 def test_a_break_that_returns_a_host_value_is_refused_at_capture():

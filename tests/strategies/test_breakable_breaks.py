@@ -114,3 +114,61 @@ def test_a_break_result_off_the_graphs_device_is_refused():
     with pytest.raises(CaptureError, match="returned a tensor on cpu, not on the graph's"):
         graphcap.capture(Scales(), "breakable", buckets=[4],
                          example_inputs=(torch.randn(4, 2, device=DEVICE),))
+
+
+LOG: list = []
+
+
+@graphcap.eager_on_graph
+def logged(h, log):
+    log.append(1)  # a break's own change to what it was given: every replay, as eagerly
+    return h * 2
+
+
+class Logs(torch.nn.Module):
+    def forward(self, x):
+        return logged(x + 1, LOG) - 1
+
+
+@graphcap.eager_on_graph
+def with_its_expansion(h):
+    y = h * 2
+    return y, y[:1].expand(4, -1), y[1:3]  # views of one new tensor, one expanded
+
+
+class ReadsViews(torch.nn.Module):
+    def forward(self, x):
+        y, rows, middle = with_its_expansion(x + 0)
+        return y + rows + middle.sum()
+
+
+@pytest.mark.parametrize("model", [Logs, ReadsViews])
+def test_breaks_side_effects_and_expanded_results_replay_as_eagerly(model):
+    m = model().to(DEVICE)
+    r = graphcap.capture(m, "breakable", buckets=[4],
+                         example_inputs=(torch.randn(4, 4, device=DEVICE),))
+    LOG.clear()
+    for seed in range(3):
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+        with torch.no_grad():
+            torch.testing.assert_close(r(x), m(x))
+    assert LOG == ([1] * 6 if model is Logs else [])  # three replays, three eager calls
+
+
+@graphcap.eager_on_graph
+def on_host(h):
+    return float(h.sum())
+
+
+class CatchesARefusal(torch.nn.Module):
+    def forward(self, x):
+        try:
+            return x * on_host(x)
+        except CaptureError:
+            return x
+
+
+def test_a_refusal_of_a_breaks_result_the_forward_caught_is_raised_at_the_end():
+    with pytest.raises(CaptureError, match="eager break on_host raised CaptureError"):
+        graphcap.capture(CatchesARefusal(), "breakable", buckets=[4],
+                         example_inputs=(torch.ones(4, 2, device=DEVICE),))
