@@ -249,8 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", formatter_class=defaults,
                            help="replay equivalence of your model under every strategy")
     check.add_argument("factory", help="MODULE:FUNCTION returning the model")
-    check.add_argument("--strategies", nargs="+", default=list(GRAPHED), choices=GRAPHED,
-                       help="the strategies to check")
+    check.add_argument("--strategies", nargs="+", default=None, choices=GRAPHED,
+                       help="the strategies to check (default: every one the attention "
+                            "backend runs under)")
     check.add_argument("--examples", type=_positive, default=10, help="batches per strategy")
     check.add_argument("--sequences", type=_positive, default=3, help="call sequences")
     check.add_argument("--max-tokens", type=_positive, default=64, help="the largest bucket")

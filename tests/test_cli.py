@@ -388,3 +388,14 @@ def test_check_names_a_model_whose_forward_raises_and_where(capsys, user_module)
     assert any(line.split()[:3] == ["full", "-", "FAIL"] for line in out.splitlines()), out
     assert "full: Raising's forward raised KeyError: 'no such layer' at " in out, out
     assert "raising_model.py:12" in out, out
+
+
+def test_check_without_strategies_checks_those_the_backend_runs_under(capsys):
+    code, out, err = cli(capsys, "check", "tests.support.check_models:good", "--attention",
+                         "torch_varlen", "--examples", "2", "--sequences", "1")
+    assert code == 0, out + err
+    assert "--attention torch_varlen runs under breakable, tc_piecewise only: full left out" \
+        in out
+    rows = [line.split()[:3] for line in out.splitlines()]
+    assert ["breakable", "torch_varlen", "pass"] in rows and \
+        not any(r[:1] == ["full"] for r in rows)

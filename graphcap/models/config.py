@@ -20,11 +20,16 @@ class CheckpointError(GraphcapError, ValueError):
 
 # Defaults of the keys read below where a family's transformers config differs from
 # graphcap's (a config.json written by hand may leave them out).
-DEFAULTS = {"qwen2": {"max_window_layers": 28, "sliding_window": 4096},
-            "qwen3": {"max_window_layers": 28, "sliding_window": 4096},
-            "qwen3_moe": {"norm_topk_prob": False},
+DEFAULTS = {"llama": {"max_position_embeddings": 2048},
+            "qwen2": {"max_window_layers": 28, "sliding_window": 4096,
+                      "max_position_embeddings": 32768},
+            "qwen3": {"max_window_layers": 28, "sliding_window": 4096,
+                      "max_position_embeddings": 32768},
+            "qwen3_moe": {"norm_topk_prob": False, "max_position_embeddings": 32768},
             "gpt_oss": {"sliding_window": 128, "rms_norm_eps": 1e-5,
-                        "attention_bias": True}}
+                        "attention_bias": True, "max_position_embeddings": 131072,
+                        "head_dim": 64, "num_key_value_heads": 8}}
+THETA = {"gpt_oss": 150000.0}  # a family's rotary base where the config names none
 # The rotary a family's config gives where config.json names none (gpt-oss's YaRN).
 ROPE_DEFAULTS = {"gpt_oss": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
                              "original_max_position_embeddings": 4096, "beta_fast": 32.0,
@@ -40,7 +45,8 @@ def _rope(config: dict) -> dict:
     rope = dict(given or ROPE_DEFAULTS.get(config.get("model_type"), {}))
     if not given and "rope_theta" in config:
         rope["rope_theta"] = config["rope_theta"]
-    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    rope.setdefault("rope_theta", config.get(
+        "rope_theta", THETA.get(config.get("model_type"), 10000.0)))
     if "original_max_position_embeddings" in config:  # Phi-3 keeps it outside
         rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
     rope.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))

@@ -126,6 +126,10 @@ def test_a_family_default_a_config_leaves_out_is_the_familys_not_graphcaps():
     oss = args_from_config({**base, "model_type": "gpt_oss"})
     assert (oss.window, oss.eps, oss.o_bias, oss.rope_theta) == (128, 1e-5, True, 150000.0)
     assert oss.rope_scaling == Yarn(32.0, 4096, 32.0, 1.0, truncate=False)
+    assert (oss.max_position, oss.head_dim, oss.kv_heads) == (131072, 64, 8)
+    yarn_only = args_from_config({**base, "model_type": "gpt_oss", "rope_parameters": {
+        "rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096}})
+    assert yarn_only.rope_theta == 150000.0  # the family's base, as transformers takes it
     # Qwen2/3 windows from layer max_window_layers (28) on: none of 24 layers, some of 32.
     windowed = {**base, "model_type": "qwen2", "use_sliding_window": True}
     assert args_from_config({**windowed, "num_hidden_layers": 24}).window == 0
