@@ -7,8 +7,8 @@ pool and stream. Replay walks the record: segment, break, segment, ...
 
 A break replays by calling its function again on the very argument tensors of capture
 (held strongly here: a weak reference let later captures reuse their memory and gave
-silent wrong output in the field; lists, tuples and dicts the forward changed after the
-call are rebuilt as they were at it), and copying the fresh result
+silent wrong output in the field; lists and dicts that changed after the call are
+rebuilt as they were at it), and copying the fresh result
 into the buffers the capture gave the next segment: copies, made at capture, of what the
 function returned then, so a replay writes only memory graphcap allocated (never a
 tensor the function returned that belongs to the model or the caller). A result on an
@@ -58,41 +58,42 @@ def _own(value, given: set[int]) -> tuple[Any, tuple[bool, ...]]:
     those on an argument's memory (``given``: the arguments' storages before the call;
     the argument, a view of it, an ``out=`` it wrote): kept as they are, so that a write
     through one reaches the other, as eagerly; and for each tensor leaf, whether it was
-    kept. Leaves of one dtype sharing new memory (a tensor returned twice, a tensor and
-    its view) are views of one copy of the bytes they span, as they are of theirs; an
-    expanded one among them is a copy of its own (a replay cannot write it)."""
+    kept. Leaves sharing new memory (a tensor returned twice, a tensor and its view) are
+    views of one copy of the bytes they span, as they are of theirs; an expanded or empty
+    one among them is a copy of its own (a replay cannot write it)."""
     leaves, spec = tree_flatten(value)
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
     kept = tuple(storage_key(t) in given for t in tensors)
     groups: dict[int, list[torch.Tensor]] = {}
     for t, k in zip(tensors, kept, strict=True):
-        if not k:
+        if not k and t.numel() and not repeats_memory(t):  # else a copy of its own
             groups.setdefault(storage_key(t), []).append(t)
-    shared = {key: _span_copy(ts) for key, ts in groups.items()
-              if len(ts) > 1 and len({t.dtype for t in ts}) == 1
-              and all(t.numel() and not repeats_memory(t) for t in ts)}
+    shared = {key: _span_copy(ts) for key, ts in groups.items() if len(ts) > 1}
     flags = iter(kept)
 
     def copy(t: torch.Tensor) -> torch.Tensor:
         key = storage_key(t)
-        if key not in shared:
+        if key not in shared or not t.numel() or repeats_memory(t):
             return t.clone()
         storage, first = shared[key]
+        size = t.element_size()
         return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-            storage, t.storage_offset() - first, t.shape, t.stride())
+            storage, (t.storage_offset() * size - first) // size, t.shape, t.stride())
 
     return tree_unflatten([t if not isinstance(t, torch.Tensor) or next(flags)
                            else copy(t) for t in leaves], spec), kept
 
 
 def _span_copy(tensors: list[torch.Tensor]) -> tuple[torch.UntypedStorage, int]:
-    """A copy of the elements ``tensors`` (views of one storage, one dtype) span, and the
-    storage offset it begins at."""
-    first = min(t.storage_offset() for t in tensors)
-    end = max(t.storage_offset() + (span(t)[1] - span(t)[0]) // t.element_size()
+    """A copy of the bytes ``tensors`` (views of one storage) span, from a byte offset
+    every one of their element sizes divides, and that offset."""
+    align = max(t.element_size() for t in tensors)
+    first = min(t.storage_offset() * t.element_size() for t in tensors) // align * align
+    end = max(t.storage_offset() * t.element_size() + span(t)[1] - span(t)[0]
               for t in tensors)
-    flat = tensors[0].as_strided((end - first,), (1,), first)
-    return flat.clone().untyped_storage(), first
+    raw = torch.empty(0, dtype=torch.uint8, device=tensors[0].device).set_(
+        tensors[0].untyped_storage(), first, (end - first,), (1,))
+    return raw.clone().untyped_storage(), first
 
 
 @dataclass
@@ -103,20 +104,16 @@ class Break:
     output: Any  # the buffers the next segment reads: graphcap's own, or an argument's
     layout: tuple | None = None  # _layout(output)
     on_args: tuple[bool, ...] = ()  # per tensor of output: on an argument's memory
-    # tree_flatten((args, kwargs)) at the call, and after it: where the forward changed
-    # the lists and dicts after the call (a list of hidden states appended to), replays
-    # rebuild them as at the call (``rebuild``); else they are the same objects, so the
-    # break's own changes to them (a log it appends to) happen as eagerly.
+    # tree_flatten((args, kwargs)) at the call: where the lists and dicts changed after
+    # it (by the forward: a list of hidden states appended to; or by the break), replays
+    # rebuild them as at the call (``rebuild``), else pass the same objects.
     at_call: tuple | None = None
-    after: tuple | None = None
     rebuild: bool = False
 
     def settle(self) -> None:
-        """At the end of capture: rebuild the arguments at replay if the forward changed
-        them after the call."""
-        now = tree_flatten((self.args, self.kwargs))
-        self.rebuild = not _same(now, self.after)
-        self.after = None
+        """At the end of capture: rebuild the arguments at replay if they changed since
+        the call."""
+        self.rebuild = not _same(tree_flatten((self.args, self.kwargs)), self.at_call)
 
     def replay(self) -> None:
         args, kwargs = tree_unflatten(*self.at_call) if self.rebuild else \
@@ -232,7 +229,7 @@ class BreakableCapture:
             self._open()
             raise
         self.items.append(Break(fn, args, kwargs, output, _layout(output), on_args,
-                                at_call, tree_flatten((args, kwargs))))
+                                at_call))
         self._open()
         return output
 

@@ -160,9 +160,8 @@ class Runner:
         if bucket is not None:
             return self.entries[bucket], "replay"
         if not self.config.fallback:
-            fix = {"padding": "add a smaller bucket (buckets=)",
-                   "aliased_inputs": "pass inputs that share no memory (copies)"}.get(
-                reason, "enlarge max_tokens (or max_requests)")
+            fix = "add a smaller bucket (buckets=)" if reason == "padding" else \
+                "enlarge max_tokens (or max_requests)"
             raise BadBatch(
                 f"this batch cannot replay a graph ({reason.replace('_', ' ')}: buckets "
                 f"up to {self.max_tokens} tokens{self.inputs.limits()}) and "

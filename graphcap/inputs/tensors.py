@@ -7,7 +7,6 @@ import torch
 
 from graphcap.core import checks
 from graphcap.core.inputs import Batch, Inputs
-from graphcap.core.trees import overlapping
 from graphcap.errors import BadBatch, CaptureError
 
 
@@ -40,12 +39,6 @@ class TensorInputs(Inputs):
         specs = self.specs or [(a.dtype, tuple(a.shape[1:])) for a in args
                                if isinstance(a, torch.Tensor)]
         return Batch(tuple(args), checks.check_tensors(args, specs, self.device))
-
-    def fits(self, batch: Batch) -> str | None:
-        """Inputs sharing memory run eagerly: static copies of them would part them (a
-        write through one would miss the other)."""
-        tensors = {i: a for i, a in enumerate(batch.args) if isinstance(a, torch.Tensor)}
-        return "aliased_inputs" if overlapping(tensors) is not None else None
 
     def forget(self) -> None:
         self.specs = []

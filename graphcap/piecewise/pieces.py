@@ -144,11 +144,11 @@ class PieceGraphs(torch.nn.Module):
         copied = {i: a for i, a in enumerate(args) if isinstance(a, torch.Tensor)
                   and not isinstance(a, torch.nn.Parameter)
                   and a.data_ptr() not in self.owner.static_ptrs}
-        while (pair := overlapping(copied)) is not None:
-            if self.writes & set(pair):
-                return f"inputs {pair[0]} and {pair[1]} of a piece share memory and it " \
-                    "writes one"
-            del copied[pair[1]]  # read only: no harm; look on
+        for w in self.writes & copied.keys():
+            for i, a in copied.items():
+                if i != w and overlapping({w: copied[w], i: a}) is not None:
+                    return f"inputs {min(i, w)} and {max(i, w)} of a piece share memory " \
+                        "and it writes one"
         return None
 
     def _replay(self, size: int, entry: PieceEntry, args):

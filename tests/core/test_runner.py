@@ -212,25 +212,6 @@ def test_a_replays_host_time_leaves_out_the_capture_before_it(monkeypatch):
     assert sum(r.stats.replays.values()) == 1 and r.stats.replay_host_s < 1000
 
 
-def test_inputs_sharing_memory_run_eagerly_and_give_what_eager_gives():
-    # Static copies would part an overlapping slice from the tensor it slices.
-    class WritesOneOfTwo(torch.nn.Module):
-        def forward(self, a, b):
-            a.mul_(2)
-            return a + b
-
-    m = WritesOneOfTwo()
-    example = (torch.zeros(4, 1), torch.zeros(4, 1))
-    r = graphcap.capture(m, "full", buckets=[4], example_inputs=example)
-    x, y = torch.arange(8.0).view(8, 1), torch.arange(8.0).view(8, 1)
-    torch.testing.assert_close(r(x[:4], x[2:6]), m(y[:4], y[2:6]))
-    assert r.report()["fallbacks"] == {"aliased_inputs": 1}
-    strict = graphcap.capture(m, "full", buckets=[4], example_inputs=example,
-                              fallback=False)
-    with pytest.raises(BadBatch, match="pass inputs that share no memory"):
-        strict(x[:4], x[2:6])
-
-
 def test_unknown_strategies_and_backends_are_named_in_the_error():
     with pytest.raises(UnsupportedStrategy, match="choose one of"):
         graphcap.capture(model(), "cudagraph")

@@ -383,6 +383,23 @@ class WritesOneOfTwo(torch.nn.Module):
         return a + b
 
 
+class WritesTheMiddleOfThree(torch.nn.Module):
+    def forward(self, a, b, c):
+        t = a + 1  # a first among the piece's inputs, then b and c
+        b.mul_(2)  # c overlaps a (read only) and b
+        return t + c
+
+
+def test_an_input_overlapping_a_written_one_is_found_past_a_read_only_overlap():
+    compiled = torch.compile(WritesTheMiddleOfThree(), backend=PiecewiseCompiler(
+        {"capture_sizes": [4]}), fullgraph=True, dynamic=True)
+    with torch.inference_mode():
+        for _ in range(3):
+            x, y = torch.arange(12.0, device=DEVICE), torch.arange(12.0, device=DEVICE)
+            torch.testing.assert_close(compiled(x[0:4], x[5:9], x[3:7]),
+                                       WritesTheMiddleOfThree()(y[0:4], y[5:9], y[3:7]))
+
+
 def test_inputs_sharing_memory_that_a_piece_writes_run_eagerly_as_eager_gives():
     compiled = torch.compile(WritesOneOfTwo(), backend=PiecewiseCompiler(
         {"capture_sizes": [4]}), fullgraph=True, dynamic=True)
