@@ -59,21 +59,22 @@ def _own(value, given: set[int]) -> tuple[Any, tuple[bool, ...]]:
     the argument, a view of it, an ``out=`` it wrote): kept as they are, so that a write
     through one reaches the other, as eagerly; and for each tensor leaf, whether it was
     kept. Leaves sharing new memory (a tensor returned twice, a tensor and its view) are
-    views of one copy of the bytes they span, as they are of theirs; an expanded or empty
-    one among them is a copy of its own (a replay cannot write it)."""
+    views of one copy of the bytes they span, as they are of theirs; an expanded, empty,
+    conjugate or negative view among them is a copy of its own (a replay cannot write
+    it, or its flag would not follow)."""
     leaves, spec = tree_flatten(value)
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
     kept = tuple(storage_key(t) in given for t in tensors)
     groups: dict[int, list[torch.Tensor]] = {}
     for t, k in zip(tensors, kept, strict=True):
-        if not k and t.numel() and not repeats_memory(t):  # else a copy of its own
+        if not k and _shareable(t):  # else a copy of its own
             groups.setdefault(storage_key(t), []).append(t)
     shared = {key: _span_copy(ts) for key, ts in groups.items() if len(ts) > 1}
     flags = iter(kept)
 
     def copy(t: torch.Tensor) -> torch.Tensor:
         key = storage_key(t)
-        if key not in shared or not t.numel() or repeats_memory(t):
+        if key not in shared or not _shareable(t):
             return t.clone()
         storage, first = shared[key]
         size = t.element_size()
@@ -82,6 +83,12 @@ def _own(value, given: set[int]) -> tuple[Any, tuple[bool, ...]]:
 
     return tree_unflatten([t if not isinstance(t, torch.Tensor) or next(flags)
                            else copy(t) for t in leaves], spec), kept
+
+
+def _shareable(t: torch.Tensor) -> bool:
+    """Whether ``t`` can be a plain view of a shared copy: not empty, not expanded, not a
+    conjugate or negative view (their flags would not follow)."""
+    return bool(t.numel()) and not (repeats_memory(t) or t.is_conj() or t.is_neg())
 
 
 def _span_copy(tensors: list[torch.Tensor]) -> tuple[torch.UntypedStorage, int]:

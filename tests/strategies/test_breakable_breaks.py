@@ -171,3 +171,24 @@ def test_a_refusal_of_a_breaks_result_the_forward_caught_is_raised_at_the_end():
     with pytest.raises(CaptureError, match="eager break on_host raised CaptureError"):
         graphcap.capture(CatchesARefusal(), "breakable", buckets=[4],
                          example_inputs=(torch.ones(4, 2, device=DEVICE),))
+
+
+@graphcap.eager_on_graph
+def with_its_conjugate(h):
+    z = torch.complex(h, h * 2)
+    return z, z.conj()
+
+
+class ReadsAConjugate(torch.nn.Module):
+    def forward(self, x):
+        z, zc = with_its_conjugate(x + 0)
+        return torch.view_as_real(z + zc * 2)
+
+
+def test_a_conjugate_view_among_a_breaks_results_keeps_its_flag():
+    m = ReadsAConjugate().to(DEVICE)
+    r = graphcap.capture(m, "breakable", buckets=[4],
+                         example_inputs=(torch.randn(4, 4, device=DEVICE),))
+    for seed in range(3):
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+        torch.testing.assert_close(r(x), m(x))
