@@ -140,18 +140,17 @@ def run_check(spec: str, strategies=None, examples: int = 10, sequences: int = 3
             raise BackendUnavailable(f"--attention {attention}: {exc}; on {device.type} "
                                      f"choose one of {here}, or leave --attention out (the "
                                      "best here)") from None
-        runs = [s for s in strategies if backend.runs_under(s)]
-        if chosen and runs != strategies:  # one it cannot run under: a bad pair
-            strategy = next(s for s in strategies if s not in runs)
+        left = [s for s in strategies if not backend.runs_under(s)]
+        if left and chosen:  # asked for one it cannot run under: a bad pair
             try:
-                backend.check_strategy(strategy)
+                backend.check_strategy(left[0])
             except GraphcapError as exc:
-                raise type(exc)(f"--attention {attention} with strategy {strategy}: "
+                raise type(exc)(f"--attention {attention} with strategy {left[0]}: "
                                 f"{exc}") from None
-        if not chosen and runs != strategies:
-            print(f"--attention {attention} runs under {', '.join(runs)} only: "
-                  f"{', '.join(s for s in strategies if s not in runs)} left out")
-        strategies = runs
+        strategies = [s for s in strategies if s not in left]
+        if left:
+            print(f"--attention {attention} runs under {', '.join(strategies)} only: "
+                  f"{', '.join(left)} left out")
     print(f"graphcap check {spec}: {type(model).__name__}{wrapped}, {examples} batches and "
           f"{sequences} call sequences per strategy, buckets to {max_tokens} tokens\n")
     print(f"{'strategy':>12}  {'attention':>12}  {'result':>6}  {'max err':>9}  "

@@ -53,12 +53,10 @@ def span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (reach + 1) * t.element_size()
 
 
-def overlapping(tensors: dict[int, torch.Tensor]) -> tuple[int, int] | None:
-    """Two keys of ``tensors`` whose elements lie within the same bytes (an overlapping
-    slice, a transpose of the other), else None."""
-    spans = [(k, *span(t)) for k, t in tensors.items() if t.numel()]
-    for n, (i, start, end) in enumerate(spans):
-        for j, other_start, other_end in spans[:n]:
-            if start < other_end and other_start < end:
-                return j, i
-    return None
+def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the elements of ``a`` and ``b`` lie within some of the same bytes (an
+    overlapping slice, a transpose of the other)."""
+    if not (a.numel() and b.numel()):
+        return False
+    (a_start, a_end), (b_start, b_end) = span(a), span(b)
+    return a_start < b_end and b_start < a_end

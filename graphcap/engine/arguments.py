@@ -36,6 +36,7 @@ def check_options(strategy, tokenizer, stop_at_eos, long_prompts, progress) -> N
     boolean(long_prompts, "long_prompts")
     progress_option(progress)
 
+
 def check_prompts(prompts, vocab: int) -> list[list[int]]:
     """``prompts`` as lists of ints: a list or tuple of token-id sequences (lists, 1-d
     tensors or numpy arrays; numpy and tensor ints taken), or a 2-d tensor or array, a

@@ -181,7 +181,7 @@ class LLM:
     def _serve(self, requests, max_new_tokens: int, stops: set[int],
                strings: tuple[str, ...], speculate: bool, text: bool) -> Iterator[Delta]:
         texts = {r.index: Detokenizer(self.tokenizer, strings) for r in requests} \
-            if text else None
+            if text and self.tokenizer is not None else None
         if not self._idle.acquire(blocking=False):
             raise GraphcapError("this LLM is serving another call (a stream not yet "
                                 "finished, or another thread's): one call at a time; finish "
@@ -313,7 +313,7 @@ class LLM:
             request.new.append(token)
             reason = _ends(token, len(request.new), stops, max_new)
             text = None
-            if self.tokenizer is not None and texts is not None:
+            if texts is not None:
                 text, hit = texts[request.index].add([token], reason is not None)
                 if hit and reason != "stop":  # a stop string ends it, at length or not
                     reason = "stop_string"

@@ -231,16 +231,20 @@ REGISTRY: dict[str, OpSpec] = {}
 
 
 def _unknown_variables(chosen: dict[str, str]) -> None:
-    """Warn, once a variable, of ``GRAPHCAP_<OP>_KERNEL`` naming no op of graphcap's."""
+    """Warn, once a variable, of ``GRAPHCAP_<OP>_KERNEL`` naming no op of graphcap's
+    (each variable looked at once: ops call this at every kernel choice)."""
+    new = set(chosen) - _SEEN
+    if not new:
+        return
+    _SEEN.update(new)
     ours = {spec.name for q, spec in REGISTRY.items() if q.startswith("graphcap::")}
-    for name in sorted(set(chosen) - ours - _WARNED):
-        _WARNED.add(name)
+    for name in sorted(new - ours):
         warnings.warn(f"{env.kernel_variable(name)}: graphcap has no op {name!r}; the "
                       f"variable is ignored (its ops: {', '.join(sorted(ours))})",
                       stacklevel=4)
 
 
-_WARNED: set[str] = set()
+_SEEN: set[str] = set()  # the variables looked at
 
 
 def register_op(qualname: str, schema: str, *, reference: Callable,

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from graphcap.core.graph_base import Graph
-from graphcap.core.trees import overlapping, repeats_memory, storage_key
+from graphcap.core.trees import overlap, repeats_memory, storage_key
 from graphcap.errors import CaptureError
 from graphcap.piecewise import phase as phases
 from graphcap.piecewise.inductor import OneOpPiece
@@ -146,7 +146,7 @@ class PieceGraphs(torch.nn.Module):
                   and a.data_ptr() not in self.owner.static_ptrs}
         for w in self.writes & copied.keys():
             for i, a in copied.items():
-                if i != w and overlapping({w: copied[w], i: a}) is not None:
+                if i != w and overlap(copied[w], a):
                     return f"inputs {min(i, w)} and {max(i, w)} of a piece share memory " \
                         "and it writes one"
         return None
