@@ -37,6 +37,7 @@ from graphcap.piecewise.split import (
     box_piece_calls,
     builds_autograd_graph,
     device_of,
+    held_args,
     host_scalars,
     split_graph,
     split_op_names,
@@ -164,16 +165,18 @@ class PiecewiseCompiler:
                 self.stats["split_pieces"] += 1
                 check = static_state_of(piece.module, self.split_names)
                 if check is not None:  # replayed as a graph while its state is static
-                    setattr(split, piece.name, PieceGraphs(self, piece.module, piece.module,
-                                                           static_state=check))
+                    setattr(split, piece.name, PieceGraphs(
+                        self, piece.module, piece.module, static_state=check,
+                        held=held_args(split, piece.name)))
                 static &= check is not None
                 continue
             self.stats["captured_pieces"] += 1
+            held = held_args(split, piece.name)
             if self.compiler == "inductor":
                 graphs = PieceGraphs(self, compile_piece(piece.module), piece.module,
-                                     opaque=True)
+                                     opaque=True, held=held)
             else:
-                graphs = PieceGraphs(self, piece.module, piece.module)
+                graphs = PieceGraphs(self, piece.module, piece.module, held=held)
             setattr(split, piece.name, graphs)
         split.graphcap_split_pieces = sum(p.is_split for p in pieces)
         # Each piece frees what it uses last (PieceGraphs.forward); a split op run as

@@ -27,8 +27,8 @@ class PieceEntry:
     static: list
     outputs: Any
     captured: Any
-    # Arguments read in place that graphcap does not own (parameters): index -> the
-    # address the graph reads (``p.data = new`` keeps the Parameter, not the address).
+    # Arguments read in place that graphcap does not own (parameters, buffers): index ->
+    # the address the graph reads (``p.data = new`` keeps the Parameter, not the address).
     foreign: dict[int, int]
     # Arguments read in place that were earlier pieces' static outputs: index -> address.
     shared: dict[int, int]
@@ -44,12 +44,14 @@ class PieceEntry:
 class PieceGraphs(torch.nn.Module):
     """One piece: eager warm-up, then one graph per capture size, replayed.
 
-    Captured inputs: parameters and the static outputs of earlier captured pieces are
-    read in place; any other tensor (the caller's inputs, buffers) gets a static copy,
+    Captured inputs: parameters, the arguments ``held`` names (a module's buffers: see
+    :func:`~graphcap.piecewise.split.held_args`) and the static outputs of earlier captured
+    pieces are read in place; any other tensor (the caller's inputs) gets a static copy,
     refreshed before each replay and, when the piece writes it, copied back after. A
-    replay never writes a tensor it did not allocate: where a parameter read in place at
-    capture is another tensor now (a weight reassigned after capture, another Parameter
-    passed in), the size is captured again (``recaptures``), never copied into the old one;
+    replay writes no tensor but the ones eager would: where a parameter or buffer read in
+    place at capture is another tensor now (a weight or table reassigned after capture,
+    another Parameter passed in), the size is captured again (``recaptures``), never
+    copied into the old one;
     so is a size whose earlier piece's output read in place is another static output now
     (that piece captured again), and one given another tensor there runs eagerly. An
     output that is a view of a copied argument is returned as the same view of the
@@ -64,10 +66,10 @@ class PieceGraphs(torch.nn.Module):
     compiled model owns it, so every replay checks); otherwise the split op runs eagerly."""
 
     def __init__(self, owner, fn, module: torch.nn.Module, opaque: bool = False,
-                 static_state=None):
+                 static_state=None, held: frozenset[int] = frozenset()):
         super().__init__()
         self.owner, self.fn, self.opaque = owner, fn, opaque
-        self.static_state = static_state
+        self.static_state, self.held = static_state, held
         self.writes = mutated_inputs(module)
         self.seen: set[int] = set()
         self.eager_sizes: set[int] = set()  # split pieces whose state was not static
@@ -137,19 +139,25 @@ class PieceGraphs(torch.nn.Module):
         return self._replay(size, entry, args)
 
     def _aliased_write(self, args) -> str | None:
-        """Why the piece cannot run from static copies of ``args``: two tensor inputs it
-        would copy share memory (an overlapping slice, a transpose) and it writes one."""
+        """Why the piece cannot run from static copies of ``args``: a tensor input it would
+        copy shares memory (an overlapping slice, a transpose) with another input, and it
+        writes one of the two."""
         if not self.writes:
             return None
-        copied = {i: a for i, a in enumerate(args) if isinstance(a, torch.Tensor)
-                  and not isinstance(a, torch.nn.Parameter)
-                  and a.data_ptr() not in self.owner.static_ptrs}
-        for w in self.writes & copied.keys():
-            for i, a in copied.items():
-                if i != w and overlap(copied[w], a):
+        tensors = {i: a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+        copied = {i for i, a in tensors.items() if not self._in_place(i, a)}
+        for w in self.writes & tensors.keys():
+            for i, a in tensors.items():
+                if i != w and (i in copied or w in copied) and overlap(tensors[w], a):
                     return f"inputs {min(i, w)} and {max(i, w)} of a piece share memory " \
                         "and it writes one"
         return None
+
+    def _in_place(self, i: int, a: torch.Tensor) -> bool:
+        """Whether argument ``i`` is read in place: the caller's parameter or held tensor,
+        or an earlier piece's static output."""
+        return isinstance(a, torch.nn.Parameter) or i in self.held \
+            or a.data_ptr() in self.owner.static_ptrs
 
     def _replay(self, size: int, entry: PieceEntry, args):
         owner, copied = self.owner, []
@@ -204,10 +212,10 @@ class PieceGraphs(torch.nn.Module):
 
     def _capture(self, size: int, args):
         pool = self.owner.pool_for(args)
-        # Read in place: parameters (the caller's) and earlier pieces' static outputs
-        # (graphcap's); any other tensor from a static copy of its own.
-        foreign = {i: a.data_ptr() for i, a in enumerate(args)
-                   if isinstance(a, torch.nn.Parameter)}
+        # Read in place: parameters and buffers (the caller's) and earlier pieces' static
+        # outputs (graphcap's); any other tensor from a static copy of its own.
+        foreign = {i: a.data_ptr() for i, a in enumerate(args) if isinstance(a, torch.Tensor)
+                   and (isinstance(a, torch.nn.Parameter) or i in self.held)}
         shared = {i: a.data_ptr() for i, a in enumerate(args) if i not in foreign
                   and isinstance(a, torch.Tensor) and a.data_ptr() in self.owner.static_ptrs}
         static = [a if i in foreign or i in shared or not isinstance(a, torch.Tensor)

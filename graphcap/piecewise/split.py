@@ -160,10 +160,26 @@ def token_arg(gm: torch.fx.GraphModule) -> int | None:
                                                                          torch.SymInt):
             return i
     # A graph of static shapes: the first input that is not a module's parameter or
-    # buffer (Dynamo names those after their attribute path).
+    # buffer.
     for i, node in enumerate(placeholders):
         value = node.meta.get("example_value")
-        if isinstance(value, torch.Tensor) and value.dim() and not any(
-                part in node.name for part in ("_parameters_", "_buffers_")):
+        if isinstance(value, torch.Tensor) and value.dim() and not is_held(node):
             return i
     return None
+
+
+def is_held(node: torch.fx.Node) -> bool:
+    """Whether a placeholder of Dynamo's graph is a tensor at a fixed address: a module's
+    parameter or buffer (Dynamo marks them static and names them after their attribute
+    path), or a tensor given ``torch._dynamo.mark_static_address``."""
+    marked = node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")
+    return bool(marked) or any(part in node.name for part in ("_parameters_", "_buffers_"))
+
+
+def held_args(split: torch.fx.GraphModule, name: str) -> frozenset[int]:
+    """The arguments of piece ``name`` of ``split`` that are held tensors of the traced
+    graph (:func:`is_held`), passed as they are: a piece reads them in place."""
+    held = {n.name for n in split.graph.nodes if n.op == "placeholder" and is_held(n)}
+    call = next(n for n in split.graph.nodes if n.op == "call_module" and n.target == name)
+    return frozenset(i for i, a in enumerate(call.args) if isinstance(a, torch.fx.Node)
+                     and a.op == "placeholder" and a.name in held)

@@ -410,3 +410,60 @@ def test_inputs_sharing_memory_that_a_piece_writes_run_eagerly_as_eager_gives():
             got = compiled(x[:4], x[cut:cut + 4])
             torch.testing.assert_close(got, WritesOneOfTwo()(y[:4], y[cut:cut + 4]))
             torch.testing.assert_close(x, y)  # the caller's tensor written as eagerly
+
+
+class Tabled(nn.Module):
+    """A table held as a buffer (a rotary cos/sin table), read whole by the piece after a
+    split op, as graphcap's decoders hand theirs to each layer's attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("table", torch.randn(64, 4), persistent=False)
+
+    def forward(self, x, pos):
+        out = torch.empty_like(x)
+        torch.ops.graphcap_trust.split_b(self.lin(x), out)
+        return out + self.table[pos]
+
+
+def test_a_buffer_is_read_in_place_and_a_reassigned_one_recaptured_never_written():
+    # A copy per piece and capture size (refreshed every replay) would cost a 21 MB table
+    # 28 layers x 42 sizes of memory: a buffer is read where it is, as a weight is.
+    torch.manual_seed(0)
+    m = Tabled().to(DEVICE)
+    c = torch.compile(m, backend=PiecewiseCompiler(
+        {"capture_sizes": [8], "split_ops": ["graphcap_trust::split_b"]}), fullgraph=True)
+    pos = torch.arange(8, device=DEVICE) * 3
+    with torch.no_grad():
+        for seed in range(3):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+            torch.testing.assert_close(c(x, pos), m(x, pos))
+        before, old = counters(), m.table
+        kept = old.clone()
+        m.table = torch.randn(64, 4, device=DEVICE)  # a new table: no recompile
+        for seed in range(2):
+            torch.testing.assert_close(c(x + seed, pos), m(x + seed, pos))
+    assert torch.equal(old, kept)
+    assert counters()["recaptures"] - before["recaptures"] == 1  # read in place, not copied
+    assert counters()["graphs"] == before["graphs"]
+
+
+class WritesItsCache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(4, 3))
+
+    def forward(self, x, view):
+        self.cache.add_(x)  # the buffer, written in place
+        return view * 2  # the caller's view of it, read after the write
+
+
+def test_a_callers_view_of_a_buffer_the_piece_writes_runs_eagerly_as_eager_gives():
+    m, twin = WritesItsCache().to(DEVICE), WritesItsCache().to(DEVICE)
+    c = torch.compile(m, backend=PiecewiseCompiler({"capture_sizes": [4]}), fullgraph=True)
+    with torch.inference_mode():
+        for seed in range(4):
+            x = torch.randn(4, 3, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+            torch.testing.assert_close(c(x, m.cache[:, :2]), twin(x, twin.cache[:, :2]))
+            torch.testing.assert_close(m.cache, twin.cache, msg=f"call {seed}")
