@@ -307,7 +307,7 @@ def counters() -> Counter:
     - ``eager_runs``: pieces run eagerly at a size outside the capture sizes (or on
       inputs the capture cannot take);
     - ``recaptures``: pieces captured again because a tensor they read in place (a
-      weight) is another one now;
+      weight, a buffer) is another one now;
     - ``grad_graphs``, ``grad_runs``: compiles traced with grad enabled and inputs that
       require grad, and their calls, which run eagerly (no graphs).
 

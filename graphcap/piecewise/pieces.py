@@ -51,7 +51,8 @@ class PieceGraphs(torch.nn.Module):
     replay writes no tensor but the ones eager would: where a parameter or buffer read in
     place at capture is another tensor now (a weight or table reassigned after capture,
     another Parameter passed in), the size is captured again (``recaptures``), never
-    copied into the old one;
+    copied into the old one; a held argument that moved twice (a buffer the forward
+    reassigns on every call) is copied from then on, as the caller's inputs are;
     so is a size whose earlier piece's output read in place is another static output now
     (that piece captured again), and one given another tensor there runs eagerly. An
     output that is a view of a copied argument is returned as the same view of the
@@ -70,6 +71,7 @@ class PieceGraphs(torch.nn.Module):
         super().__init__()
         self.owner, self.fn, self.opaque = owner, fn, opaque
         self.static_state, self.held = static_state, held
+        self.moves: dict[int, int] = {}  # held argument -> the times it moved
         self.writes = mutated_inputs(module)
         self.seen: set[int] = set()
         self.eager_sizes: set[int] = set()  # split pieces whose state was not static
@@ -120,12 +122,12 @@ class PieceGraphs(torch.nn.Module):
                     "[batch, tokens] ids runs on graphs under graphcap.accelerate(model) or "
                     "graphcap.LLM(model)")
             return self.fn(*args)
-        if (why := self._aliased_write(args)) is not None:
+        entry = self.entries.get(size)
+        if (why := self._aliased_write(args, entry)) is not None:
             owner.ran_eagerly(f"{why} at size {size}: static copies of them would part "
                               "them, so a write through one would miss the other",
                               kind="aliased")
             return self.fn(*args)
-        entry = self.entries.get(size)
         if entry is None:
             if size not in self.seen:  # warm-up: lazy init and JIT outside any capture
                 self.seen.add(size)
@@ -138,14 +140,15 @@ class PieceGraphs(torch.nn.Module):
             return self.fn(*args)  # the graph would read the captured state's buffers
         return self._replay(size, entry, args)
 
-    def _aliased_write(self, args) -> str | None:
+    def _aliased_write(self, args, entry: PieceEntry | None) -> str | None:
         """Why the piece cannot run from static copies of ``args``: a tensor input it would
-        copy shares memory (an overlapping slice, a transpose) with another input, and it
-        writes one of the two."""
+        copy (``entry``'s copies, else what a capture would copy) shares memory (an
+        overlapping slice, a transpose) with another input, and it writes one of the two."""
         if not self.writes:
             return None
         tensors = {i: a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
-        copied = {i for i, a in tensors.items() if not self._in_place(i, a)}
+        copied = {i for i, a in tensors.items() if not self._in_place(i, a)} \
+            if entry is None else tensors.keys() - entry.foreign.keys() - entry.shared.keys()
         for w in self.writes & tensors.keys():
             for i, a in tensors.items():
                 if i != w and (i in copied or w in copied) and overlap(tensors[w], a):
@@ -154,10 +157,13 @@ class PieceGraphs(torch.nn.Module):
         return None
 
     def _in_place(self, i: int, a: torch.Tensor) -> bool:
-        """Whether argument ``i`` is read in place: the caller's parameter or held tensor,
-        or an earlier piece's static output."""
-        return isinstance(a, torch.nn.Parameter) or i in self.held \
-            or a.data_ptr() in self.owner.static_ptrs
+        """Whether a capture now reads argument ``i`` in place: the caller's (a parameter,
+        a held tensor that stays put) or an earlier piece's static output."""
+        return self._foreign(i, a) or a.data_ptr() in self.owner.static_ptrs
+
+    def _foreign(self, i: int, a: torch.Tensor) -> bool:
+        return isinstance(a, torch.nn.Parameter) or (i in self.held
+                                                     and self.moves.get(i, 0) < 2)
 
     def _replay(self, size: int, entry: PieceEntry, args):
         owner, copied = self.owner, []
@@ -167,8 +173,10 @@ class PieceGraphs(torch.nn.Module):
                     owner.ran_eagerly(f"input {i} of a piece is {tuple(a.shape)} at size "
                                       f"{size}, captured as {tuple(buf.shape)}")
                     return self.fn(*args)
-                if i in entry.foreign:  # the caller's, read in place: never written
+                if i in entry.foreign:  # the caller's, read in place
                     if a.data_ptr() != entry.foreign[i]:
+                        if not isinstance(a, torch.nn.Parameter):
+                            self.moves[i] = self.moves.get(i, 0) + 1
                         return self._recapture(size, args)
                     continue
                 if i in entry.shared:  # an earlier piece's, read in place: never written
@@ -214,8 +222,8 @@ class PieceGraphs(torch.nn.Module):
         pool = self.owner.pool_for(args)
         # Read in place: parameters and buffers (the caller's) and earlier pieces' static
         # outputs (graphcap's); any other tensor from a static copy of its own.
-        foreign = {i: a.data_ptr() for i, a in enumerate(args) if isinstance(a, torch.Tensor)
-                   and (isinstance(a, torch.nn.Parameter) or i in self.held)}
+        foreign = {i: a.data_ptr() for i, a in enumerate(args)
+                   if isinstance(a, torch.Tensor) and self._foreign(i, a)}
         shared = {i: a.data_ptr() for i, a in enumerate(args) if i not in foreign
                   and isinstance(a, torch.Tensor) and a.data_ptr() in self.owner.static_ptrs}
         static = [a if i in foreign or i in shared or not isinstance(a, torch.Tensor)

@@ -160,20 +160,21 @@ def token_arg(gm: torch.fx.GraphModule) -> int | None:
                                                                          torch.SymInt):
             return i
     # A graph of static shapes: the first input that is not a module's parameter or
-    # buffer.
+    # buffer (Dynamo names those after their attribute path; a caller's input marked
+    # static is still the caller's batch).
     for i, node in enumerate(placeholders):
         value = node.meta.get("example_value")
-        if isinstance(value, torch.Tensor) and value.dim() and not is_held(node):
+        if isinstance(value, torch.Tensor) and value.dim() and not any(
+                part in node.name for part in ("_parameters_", "_buffers_")):
             return i
     return None
 
 
 def is_held(node: torch.fx.Node) -> bool:
-    """Whether a placeholder of Dynamo's graph is a tensor at a fixed address: a module's
-    parameter or buffer (Dynamo marks them static and names them after their attribute
-    path), or a tensor given ``torch._dynamo.mark_static_address``."""
-    marked = node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")
-    return bool(marked) or any(part in node.name for part in ("_parameters_", "_buffers_"))
+    """Whether a placeholder of Dynamo's graph is a tensor Dynamo marked static: a module's
+    parameter, buffer or tensor attribute, or a tensor given
+    ``torch._dynamo.mark_static_address``."""
+    return bool(node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type"))
 
 
 def held_args(split: torch.fx.GraphModule, name: str) -> frozenset[int]:

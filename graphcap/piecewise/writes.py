@@ -96,7 +96,9 @@ def _written(node: torch.fx.Node) -> list:
                                else node.kwargs.get(arg.name))
     elif node.args and (node.target in IN_PLACE_OPERATORS or _in_place(_name(node))):
         targets.append(node.args[0])
-    return targets
+    # A list written as a whole (``torch._foreach_add_([a, b], ...)``) writes each tensor.
+    return [t for target in targets
+            for t in (target if isinstance(target, (tuple, list)) else (target,))]
 
 
 def _roots(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:

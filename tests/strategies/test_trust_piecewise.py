@@ -467,3 +467,142 @@ def test_a_callers_view_of_a_buffer_the_piece_writes_runs_eagerly_as_eager_gives
             x = torch.randn(4, 3, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
             torch.testing.assert_close(c(x, m.cache[:, :2]), twin(x, twin.cache[:, :2]))
             torch.testing.assert_close(m.cache, twin.cache, msg=f"call {seed}")
+
+
+def _calls(module, args_of, calls: int, **options):
+    """``module`` compiled (capture size 4, ``split_b`` a split op) beside an eager twin,
+    each call's outputs and buffers compared; the counters' change at each call."""
+    torch.manual_seed(0)
+    m = module().to(DEVICE)
+    twin = module().to(DEVICE)
+    twin.load_state_dict(m.state_dict())
+    c = torch.compile(m, backend=PiecewiseCompiler({
+        "capture_sizes": [4], "split_ops": ["graphcap_trust::split_b"], **options}),
+        fullgraph=True)
+    changes = []
+    with torch.no_grad():
+        for k in range(calls):
+            before = counters()
+            torch.testing.assert_close(c(*args_of(m, k)), twin(*args_of(twin, k)),
+                                       msg=lambda s, k=k: f"call {k}: {s}")
+            changes.append({key: n for key, n in (counters() - before).items() if n})
+            for (name, got), (_, want) in zip(m.named_buffers(), twin.named_buffers(),
+                                              strict=True):
+                torch.testing.assert_close(got, want, msg=f"call {k}: buffer {name}")
+    return changes
+
+
+class WritesAfterAView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(4, 3))
+
+    def forward(self, x, u):
+        head = self.cache[:2]  # the first piece's output: a view of the buffer
+        out = torch.empty_like(x)
+        torch.ops.graphcap_trust.split_b(x, out)
+        self.cache.add_(out)  # the piece after the split writes the buffer
+        return u * 2 + head.sum()  # and reads the caller's u, after the write
+
+
+def test_an_input_captured_as_a_copy_stays_one_when_it_aliases_a_buffer_the_piece_writes():
+    # The size was captured with u a copy; u a view of the buffer later must not be taken
+    # for a tensor read in place (the buffer's address is an earlier piece's output's).
+    def args_of(m, k):
+        u = torch.full((4, 3), float(k), device=DEVICE) if k < 3 else m.cache.view(4, 3)
+        return torch.ones(4, 3, device=DEVICE), u
+
+    _calls(WritesAfterAView, args_of, calls=5)
+
+
+class Decays(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("state", torch.zeros(4, 3))
+
+    def forward(self, x):
+        out = torch.empty_like(x)
+        torch.ops.graphcap_trust.split_b(self.lin(x), out)
+        self.state = self.state * 0.5 + out  # a new tensor every call
+        return self.state + 1
+
+
+@pytest.mark.parametrize("copy_outputs", [True, False])
+def test_a_buffer_the_forward_reassigns_every_call_is_copied_after_moving_twice(copy_outputs):
+    changes = _calls(Decays, lambda m, k: (torch.full((4, 3), k + 1.0, device=DEVICE),),
+                     calls=7, copy_outputs=copy_outputs)
+    assert sum(c.get("recaptures", 0) for c in changes) == 2
+    assert all(not c for c in changes[-3:])  # replays from then on
+
+
+class Marked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.randn(64, 3))
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, pos, x):
+        out = torch.empty(pos.shape[0], 3, device=pos.device)
+        torch.ops.graphcap_trust.split_b(self.table[pos] + x, out)
+        return self.lin(out) + self.table[pos]
+
+
+def test_inputs_marked_static_are_still_the_calls_size_and_are_read_in_place():
+    # mark_static_address, as torch suggests to CUDA-graph users: the caller's batch.
+    held = {}
+
+    def args_of(m, k):
+        pos, x = held.setdefault(id(m), (torch.zeros(4, dtype=torch.long, device=DEVICE),
+                                         torch.zeros(4, 3, device=DEVICE)))
+        torch._dynamo.mark_static_address(pos)
+        torch._dynamo.mark_static_address(x)
+        pos.copy_(torch.arange(4) * 2 + k)
+        x.fill_(k)
+        return pos, x
+
+    changes = _calls(Marked, args_of, calls=5)
+    assert not any(c.get("eager_runs") for c in changes)
+    assert all(not c for c in changes[2:])  # replays, nothing captured again
+
+
+class NamedLikeAttributes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x, scratch_buffers):
+        out = torch.empty_like(x)
+        torch.ops.graphcap_trust.split_b(self.lin(x), out)
+        return out * scratch_buffers
+
+
+def test_an_argument_named_like_a_modules_buffers_is_the_callers_and_copied():
+    changes = _calls(NamedLikeAttributes, lambda m, k: (
+        torch.ones(4, 3, device=DEVICE), torch.full((4, 3), float(k), device=DEVICE)), calls=5)
+    assert all(not c for c in changes[2:])  # no capture per call
+
+
+class WritesAList(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("a", torch.zeros(4, 3))
+
+    def forward(self, x, u):
+        torch._foreach_add_([self.a, u], [x, x])  # a buffer and the caller's tensor
+        out = torch.empty_like(x)
+        torch.ops.graphcap_trust.split_b(self.lin(x), out)
+        return out + self.a + u
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_tensors_written_through_a_list_are_written_on_every_replay(compiler):
+    held = {}
+
+    def args_of(m, k):
+        u = held.setdefault(id(m), torch.zeros(4, 3, device=DEVICE))
+        return torch.full((4, 3), k + 1.0, device=DEVICE), u
+
+    _calls(WritesAList, args_of, calls=5, compiler=compiler)
+    torch.testing.assert_close(*held.values())  # the caller's tensor, as eager wrote it
