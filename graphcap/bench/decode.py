@@ -55,6 +55,7 @@ from graphcap.engine.eager import decode_step, prefill
 from graphcap.inputs import DecodeInputs
 from graphcap.kv import PagedKVCache
 from graphcap.models import PRESETS, build_model
+from graphcap.models.decoder import MoE
 
 FLASHINFER = tuple(f"{s}-flashinfer" for s in GRAPHED)
 # The recipe as gpt-fast runs it (heads repeated, SDPA's math backend), and with SDPA's
@@ -74,15 +75,28 @@ OVER_GPT_FAST = {"qwen3-0.6b": {1: 3.0}, "llama3-8b": {1: 1.2, 8: 1.2, 64: 1.2}}
 
 
 def step_bytes(model, batch: int, context: int) -> int:
-    """Bytes a decode step must read: every weight once (of the embedding, only the
-    batch's rows, unless the LM head shares it) and each request's K/V."""
+    """Bytes a decode step must read: every weight once, as stored (MXFP4 experts' bytes
+    and scales included), each request's K/V, and no more than the step looks up: of the
+    embedding the batch's rows (unless the LM head shares it), of the rotary table none
+    to speak of, of each layer's experts the ``min(experts, batch x top_k)`` the batch's
+    tokens can route to."""
     a = model.args
     size = model.norm.element_size()
-    weights = sum(p.numel() for p in model.parameters()) * size
+    routed = min(a.experts, batch * a.top_k) / a.experts if a.experts else 1.0
+    seen, weights = set(), 0.0
+    for module in model.modules():
+        share = routed if isinstance(module, MoE) else 1.0
+        tensors = [*module.named_parameters(recurse=False),
+                   *module.named_buffers(recurse=False)]
+        for name, t in tensors:
+            if t is None or id(t) in seen or name == "cos_sin":
+                continue
+            seen.add(id(t))
+            weights += t.numel() * t.element_size() * share
     if model.lm_head.weight is not model.embed.weight:
-        weights -= (a.vocab_size - batch) * a.hidden * size
+        weights -= (a.vocab_size - batch) * a.hidden * model.embed.weight.element_size()
     kv = batch * context * a.layers * a.kv_heads * a.head_dim * 2 * size
-    return weights + kv
+    return round(weights) + kv
 
 
 def _hf_step_ms(preset: str, batch: int, context: int, device, dtype) -> dict:
@@ -282,11 +296,8 @@ def targets(model: dict) -> list[dict]:
             out.append({"target": f"batch {b}: ms per step, fastest graphcap arm ({arm})",
                         "measured": t, "limit": f"<= {limit}", "met": t <= limit})
         over = OVER_GPT_FAST.get(model["model"], {}).get(b)
-        peer = min((p for p in PEERS if p in ms), key=ms.get, default=None)
-        if over is not None and peer is not None:  # the faster form of the recipe
-            ratio = round(ms[peer] / t, 3)
-            out.append({"target": f"batch {b}: {peer} ms / {arm} ms", "measured": ratio,
-                        "limit": f">= {over}", "met": ratio >= over})
+        if over is not None:
+            out += _over_peer(row, over)
         eager, full = ms.get("eager"), ms.get("full")
         for strategy, share in (("breakable", 0.95), ("tc_piecewise", 0.9)):
             if eager and full and strategy in ms:
@@ -294,6 +305,21 @@ def targets(model: dict) -> list[dict]:
                 out.append({"target": f"batch {b}: {strategy} speed-up / full's",
                             "measured": value, "limit": f">= {share}", "met": value >= share})
     return out
+
+
+def _over_peer(row: dict, over: float) -> list[dict]:
+    """The fastest graphcap arm over the faster form of the gpt-fast recipe: both fed back
+    to back (the recipe's steps as gpt-fast's loop feeds them, graphcap's alike), where
+    the row has those times, else both timed a call alone."""
+    for key, how in (("ms_back_to_back", "both fed back to back"), ("ms", "a call alone each")):
+        ms = row.get(key, {})
+        best = _best_graphcap(ms)
+        peer = min((p for p in PEERS if p in ms), key=ms.get, default=None)
+        if best is not None and peer is not None:
+            ratio = round(ms[peer] / best[1], 3)
+            return [{"target": f"batch {row['batch']}: {peer} ms / {best[0]} ms, {how}",
+                     "measured": ratio, "limit": f">= {over}", "met": ratio >= over}]
+    return []
 
 
 def run(models=("qwen3-0.6b",), arms=ARMS, batches=BATCHES, contexts=(CONTEXT,),

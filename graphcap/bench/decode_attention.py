@@ -49,7 +49,7 @@ CYCLE_BYTES = 160 << 20
 
 def _cache(batch: int, context: int, hk: int, d: int, dev, dtype=torch.bfloat16):
     per_layer = batch * context * hk * d * 2 * 2
-    layers = max(1, min(32, -(-CYCLE_BYTES // per_layer)))
+    layers = max(1, min(256, -(-CYCLE_BYTES // per_layer)))  # 160 MB: past L2
     cache = PagedKVCache(layers, hk, d, max_requests=batch, max_len=context, dtype=dtype,
                          device=dev)
     for slot in range(batch):

@@ -6,6 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def style(i: int) -> dict:
+    """Arm ``i``'s colour and marker: matplotlib's ten colours, then the next marker, so no
+    two arms of a plot look alike."""
+    return {"color": f"C{i % 10}", "marker": "os^Dv"[i // 10 % 5]}
+
+
 def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     try:
         from rich.console import Console
@@ -145,11 +151,10 @@ def plot_prefill(result: dict, path: Path) -> Path | None:
         arms = list(model["rows"][0]["ms"])
         for i, arm in enumerate(arms):  # one colour per arm in both panels
             ms = [r["ms"][arm] for r in model["rows"]]
-            axes[0][col].plot(lengths, ms, marker="o", label=arm, color=f"C{i}")
+            axes[0][col].plot(lengths, ms, label=arm, **style(i))
             if arm != "eager" and "eager" in arms:
                 axes[1][col].plot(lengths, [r["ms"]["eager"] / r["ms"][arm]
-                                            for r in model["rows"]], marker="o", label=arm,
-                                  color=f"C{i}")
+                                            for r in model["rows"]], label=arm, **style(i))
         for ax, ylabel in ((axes[0][col], "ms per prefill"), (axes[1][col], "x over eager")):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("prompt tokens")
@@ -186,7 +191,7 @@ def plot_decode(result: dict, path: Path) -> Path | None:
         for i, arm in enumerate(arms):  # one colour per arm in every panel
             points = [(r["batch"], r["ms"][arm]) for r in model["rows"] if arm in r["ms"]]
             if points:
-                ax.plot(*zip(*points, strict=True), marker="o", label=arm, color=f"C{i}")
+                ax.plot(*zip(*points, strict=True), label=arm, **style(i))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(batches, [str(b) for b in batches])

@@ -5,8 +5,9 @@ Prefill (qwen3-0.6b, 16 to 512 tokens): full at least 5x over eager; breakable a
 0.93 and tc_piecewise with inductor pieces at least 0.9 of full's speed-up (full with the
 attention backend eager, breakable and tc_piecewise ran: the same kernels); the fastest
 graphcap arm at least 10% faster than torch.compile reduce-overhead at every length
-(every preset), and at most 1.0 ms at 16 tokens (qwen3-0.6b); runner overhead at most 10%
-of the replay at 16 tokens; GPU idle at most 10% of a full replay. Build (42 shapes):
+(every preset), and at most 1.0 ms at 16 tokens (qwen3-0.6b; the decode issue asks 0.70
+ms of short prefill, its own verdict); runner overhead at most 10% of the replay at 16
+tokens; GPU idle at most 10% of a full replay. Build (42 shapes):
 breakable at least 5.2x faster than tc_piecewise with inductor pieces and under 10 s.
 Memory: the 42 shapes hold at most 1 GiB of graph pool; the transient peak of the largest
 prefill cut by at least 95%; the serving peak (the largest prefill after the build) below
@@ -78,6 +79,8 @@ def prefill_targets(result: dict) -> list[dict]:
         if n == 16 and fastest and result.get("model") == "qwen3-0.6b":  # its shape only
             out.append(verdict(f"16 tokens: fastest arm ({fastest[0]}) ms", fastest[1], 1.0,
                                at_least=False))
+            out.append(verdict(f"16 tokens: fastest arm ({fastest[0]}) ms, the decode "
+                               "issue's short prefill", fastest[1], 0.70, at_least=False))
     for key in ("runner_overhead", "runner_overhead_fastest"):
         if key in result:
             o = result[key]
