@@ -145,6 +145,7 @@ def capture(model: torch.nn.Module, strategy: str = "breakable",
              "attention": c.attention is not None, "max_requests": c.max_requests is not None,
              "check_inputs": c.check_inputs}
     if isinstance(inputs, Inputs):
+        inputs.check_free()
         if inputs.strategies is not None and strategy not in inputs.strategies:
             raise UnsupportedStrategy(
                 f"{type(inputs).__name__} runs under {', '.join(inputs.strategies)}, not "
@@ -187,6 +188,7 @@ def capture(model: torch.nn.Module, strategy: str = "breakable",
                 runner.capture_all(c.example_inputs, lambda done, total: step())
         else:
             runner.capture_all(c.example_inputs, c.progress)
+    inputs.claim(runner)
     return runner
 
 

@@ -39,6 +39,7 @@ methods only:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,7 @@ class Inputs:
     needs_batch = False  # allocate() needs the first call's batch (its shapes)
     strategies: tuple[str, ...] | None = None  # the strategies it runs under (None: all)
     why_not = ""  # what the others lack, for the error
+    _runner: weakref.ref | None = None  # the live runner graphcap.capture made of it
 
     def __init__(self, device: torch.device):
         device = torch.device(device)
@@ -109,6 +111,22 @@ class Inputs:
 
     def commit(self, batch: Batch) -> None:
         pass
+
+    def check_free(self) -> None:
+        """``ValueError`` while a live runner holds this inputs object: its graphs read
+        the object's buffers, which another capture would replace under them."""
+        owner = self._runner() if self._runner is not None else None
+        if owner is not None:
+            raise ValueError(f"this {type(self).__name__} already serves a live runner "
+                             f"({owner.strategy.name}), whose graphs read its buffers: "
+                             "make one inputs object per runner (or drop that runner first)")
+
+    def claim(self, runner) -> None:
+        """``runner`` (made of this object by ``graphcap.capture``) holds it now."""
+        self._runner = weakref.ref(runner)
+
+    def abandon(self, batch: Batch) -> None:
+        """A call of ``batch`` raised once it was checked: part of it may have run."""
 
     def describe(self, batch: Batch) -> str:
         """What of a call makes a split model's ranks run different graphs or kernels:

@@ -110,7 +110,7 @@ class Runner:
                 self.inputs.forget()  # a model of tensors that changed may take others
             batch = self._agreed(self.inputs.check, args, kwargs)  # before anything runs
             self.stats.calls += 1
-            with CountFailures(self.stats):
+            with CountFailures(self.stats, lambda: self.inputs.abandon(batch)):
                 if stale:
                     self._on_change(batch)
                     start = time.perf_counter()  # a replay's host time, not the capture's

@@ -59,8 +59,9 @@ class DraftStepsInputs(PagedInputs):
         batch.host = ends
         return batch
 
-    def commit(self, batch: Batch) -> None:
-        self.cache.wrote(batch.host, self.steps)  # k tokens; the first may be all kept
+    @property
+    def span(self) -> int:
+        return self.steps  # k tokens; the first may be all kept
 
     def allocate(self, max_tokens: int, batch: Batch | None) -> None:
         super().allocate(max_tokens, batch)

@@ -114,6 +114,8 @@ class PagedInputs(Inputs):
             raise ValueError("requests of any length (tokens_per_request=None) need the "
                              "prefill attention backend (attention=) and request slots "
                              "per shape (slots=)")
+        else:
+            checks.positive_int(slots, "slots")
         if sample and self.step != 1:
             raise ValueError("sample=True draws one token per request: it needs "
                              "tokens_per_request=1")
@@ -182,7 +184,21 @@ class PagedInputs(Inputs):
     def commit(self, batch: Batch) -> None:
         """The cache counts each request's tokens up to its last one as written (what
         follows in its pages is stale); a step's may be rewound to its first token."""
-        self.cache.wrote(batch.host, self.step or 1)
+        self.cache.wrote(batch.host, self.span or 1)
+
+    @property
+    def span(self) -> int | None:
+        """The tokens a call writes a request (None: its length, a prefill's)."""
+        return self.step
+
+    def abandon(self, batch: Batch) -> None:
+        """A call that raised may have written part of its K/V (some layers, before a
+        later one failed): each request keeps only its tokens before the call's first,
+        so no later step reads what the call left, where it rewrote earlier tokens too."""
+        spans = [n for n in batch.lens if n] if self.span is None else \
+            [self.span] * len(batch.host)
+        self.cache.unwrite([(s, end - n) for (s, end), n in zip(batch.host, spans,
+                                                                 strict=True)])
 
     def describe(self, batch: Batch) -> str:
         head = f"{batch.tokens} requests" if self.step == 1 else \

@@ -208,6 +208,14 @@ class PagedKVCache:
             if self.window:
                 self._free_behind(slot, end - tokens + 1)
 
+    def unwrite(self, starts) -> None:
+        """A forward that raised may have written each ``(slot, start)`` of ``starts``
+        from ``start`` on: the request keeps only its tokens before ``start`` (fewer, if
+        it had fewer), and its next step goes on from there."""
+        for slot, start in starts:
+            if slot in self._written:
+                self._written[slot] = min(self._written[slot], start)
+
     def rewind(self, slot: int, end: int) -> None:
         """Keep only tokens ``0 .. end - 1`` of request slot ``slot``'s (a verify step's
         accepted ones): the K/V after them are stale, never read, and the next step
@@ -270,6 +278,10 @@ class PagedKVCache:
         if type(slots) is list and slots and set(map(type, slots)) == {int} and \
                 min(slots) >= 0 and max(slots) < self.max_requests:
             slots = slots[:]  # every one a request slot's int: none to convert
+        elif not hasattr(slots, "__getitem__") or isinstance(slots, (dict, str, bytes)):
+            raise BadBatch(f"slots must be a sequence of ints (a list, a tuple, a 1-D "
+                           f"tensor), one per request in their order, got "
+                           f"{type(slots).__name__}")
         else:
             slots = [self._slot(s, BadBatch) for s in slots]
         distinct = set(slots)

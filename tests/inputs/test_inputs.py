@@ -114,3 +114,14 @@ def test_options_an_inputs_object_carries_are_refused_beside_it():
     for kwargs in ({"max_requests": 8}, {"attention": "torch_varlen"}, {"check_inputs": True}):
         with pytest.raises(UnsupportedStrategy, match="inputs object"):
             graphcap.capture(MaskedSum(), "full", buckets=[4], inputs=inputs, **kwargs)
+
+
+@pytest.mark.parametrize("slots", [0, -1, 2.5, True])
+def test_prefill_into_the_cache_needs_a_positive_count_of_request_slots(slots):
+    from graphcap.inputs import CachePrefillInputs
+    from graphcap.kv import PagedKVCache
+    from graphcap.opsdb.attention import get_backend
+
+    cache = PagedKVCache(1, 2, 16, max_requests=2, max_len=16)
+    with pytest.raises(ValueError, match="slots must be a positive int"):
+        CachePrefillInputs(cache, get_backend(None, torch.device("cpu")), slots=slots)

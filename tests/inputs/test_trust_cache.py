@@ -121,6 +121,74 @@ def test_a_prefill_that_raised_leaves_its_tokens_unwritten(strategy):
     assert torch.equal(logits[0], logits[1])
 
 
+class FailsAfterItsLayers:
+    """A hook on the model's last block: raises while ``on`` (an error late in the
+    forward, every layer's K/V written: out of memory in the LM head, say)."""
+
+    on = False
+
+    def __call__(self, module, args, out):
+        if self.on:
+            raise MemoryError("the LM head ran out of memory")
+
+
+def test_a_step_that_rewrote_an_earlier_position_and_raised_leaves_the_later_ones_unread():
+    # A step may rewrite a position before the written ones; one that raised after its
+    # layers wrote must leave what follows that position unreadable, not count it good.
+    model = build_model("tiny", device=DEVICE)
+    truth = used_cache(model, [7] * 12)
+    prefill(model, truth, tokens(1, 2, 3, 4, 5, 6), [6], [0])
+    want = decode_step(model, truth, tokens(7), [6], [0])
+    cache = used_cache(model, [7] * 12)
+    prefill(model, cache, tokens(1, 2, 3, 4, 5, 6), [6], [0])
+    runner = graphcap.capture(model, "eager", buckets=[1], inputs=DecodeInputs(cache))
+    fails = FailsAfterItsLayers()
+    handle = model.blocks[-1].register_forward_hook(fails)
+    try:
+        fails.on = True
+        with pytest.raises(MemoryError):
+            runner(tokens(99), positions=[2], slots=[0])
+    finally:
+        handle.remove()
+    assert cache.written(0) == 2  # position 2 on may hold the failed step's K/V
+    with pytest.raises(BadBatch, match="position 6 of slot 0 skips past the 2 tokens"):
+        runner(tokens(7), positions=[6], slots=[0])
+    for position, token in enumerate((3, 4, 5, 6), start=2):  # written again, in turn
+        runner(tokens(token), positions=[position], slots=[0])
+    torch.testing.assert_close(runner(tokens(7), positions=[6], slots=[0]), want)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_an_interrupted_rewrite_of_an_earlier_position_keeps_only_the_tokens_before_it(
+        strategy):
+    model = build_model("tiny", device=DEVICE)
+    cache = used_cache(model, [7] * 12)
+    prefill(model, cache, tokens(1, 2, 3, 4, 5, 6), [6], [0])
+    inputs = InterruptedDecode(cache)
+    runner = graphcap.capture(model, strategy, buckets=[1, 2], inputs=inputs)
+    inputs.arm()
+    with pytest.raises(Interrupted):
+        runner(tokens(99), positions=[2], slots=[0])
+    assert cache.written(0) == 2
+    runner(tokens(3), positions=[2], slots=[0])  # the retry goes on from there
+    assert cache.written(0) == 3
+
+
+def test_an_inputs_object_serves_one_live_runner():
+    model = build_model("tiny", device=DEVICE)
+    cache, twin = used_cache(model, [7] * 12), used_cache(model, [7] * 12)
+    for c in (cache, twin):
+        prefill(model, c, tokens(1, 2, 3), [3], [0])
+    inputs = DecodeInputs(cache)
+    runner = graphcap.capture(model, "full", buckets=[1], inputs=inputs)
+    with pytest.raises(ValueError, match="already serves a live runner"):
+        graphcap.capture(model, "breakable", buckets=[1], inputs=inputs)
+    torch.testing.assert_close(runner(tokens(4), positions=[3], slots=[0]),
+                               decode_step(model, twin, tokens(4), [3], [0]))
+    del runner
+    graphcap.capture(model, "breakable", buckets=[1], inputs=inputs)  # once it is gone
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="an id past the vocabulary is a device-side "
                     "assert on CUDA, which ends the process's CUDA context")
 def test_a_step_that_failed_in_the_model_counts_no_token():

@@ -357,3 +357,13 @@ def test_a_layer_attending_further_back_than_the_cache_keeps_pages_is_refused(la
     with forward_context(kv=kv):  # a layer within the cache's window
         CACHED_ATTENTION(q, k, k, out, DIM ** -0.5, 0, 3, 0.0, None)
     assert out.isfinite().all()
+
+
+def test_request_slots_come_in_the_callers_order_a_set_is_refused():
+    c = cache()
+    c.admit(0, 4)
+    c.admit(3, 4)
+    assert c.requests((3, 0), 2) == [3, 0]
+    assert c.requests(torch.tensor([3, 0]), 2) == [3, 0]
+    with pytest.raises(BadBatch, match="slots must be a sequence of ints .* got set"):
+        c.requests({3, 0}, 2)  # no order: tokens would pair with slots by a set's order
