@@ -110,7 +110,7 @@ class Runner:
                 self.inputs.forget()  # a model of tensors that changed may take others
             batch = self._agreed(self.inputs.check, args, kwargs)  # before anything runs
             self.stats.calls += 1
-            with CountFailures(self.stats, lambda: self.inputs.abandon(batch)):
+            with CountFailures(self.stats):
                 if stale:
                     self._on_change(batch)
                     start = time.perf_counter()  # a replay's host time, not the capture's
@@ -124,10 +124,13 @@ class Runner:
                     ranks.agree(f"{route}: {self.inputs.describe(batch)}",
                                 "a call of the runner")
                 with self._together("a call of the runner"):
-                    if entry is None:
-                        out = self._eager(batch, reason)
-                    else:
-                        out = self._replay(entry, batch)
+                    try:
+                        out = self._replay(entry, batch) if entry else \
+                            self._eager(batch, reason)
+                    except BaseException:  # the model may have run in part
+                        self.inputs.abandon(batch)
+                        raise
+                    if entry is not None:
                         self.stats.replay_host_s += time.perf_counter() - start
                 self.inputs.commit(batch)  # it ran: what it wrote counts (not if it raised)
                 return out
@@ -262,16 +265,17 @@ class Runner:
         # A model that derives state from its parameters (fused weights) brings it up to
         # date here, outside any graph: graphcap.hf.PrefillLM.
         before = getattr(self.source, "graphcap_before_capture", None)
-        if before is not None:
-            with torch.inference_mode():
-                before()
-        self.inputs.allocate(self.max_tokens, batch)
-        try:
-            with torch.inference_mode(), self._together("a capture"):
-                for done, bucket in enumerate(reversed(self.config.buckets), 1):
-                    self._capture_one(bucket, first=done == 1)
-                    if progress is not None:
-                        progress(done, len(self.config.buckets))
+        try:  # a rank failing in the set-up (out of memory) stops the others too
+            with self._together("a capture"):
+                if before is not None:
+                    with torch.inference_mode():
+                        before()
+                self.inputs.allocate(self.max_tokens, batch)  # no inference tensors
+                with torch.inference_mode():
+                    for done, bucket in enumerate(reversed(self.config.buckets), 1):
+                        self._capture_one(bucket, first=done == 1)
+                        if progress is not None:
+                            progress(done, len(self.config.buckets))
             self.pool.release_cache()  # what later warm-ups left outside the pool
             if ranks is not None:  # a rank that failed after its last collective says so
                 ranks.agree("captured", "the end of a capture")

@@ -23,11 +23,10 @@ class Stats:
 
 class CountFailures:
     """Counts a call that raises after it was accepted (``report()["failed"]``), so that
-    every call is a replay, a fallback or a failure; ``failed()``, if given, is called
-    then (what the call may have half done is undone or marked)."""
+    every call is a replay, a fallback or a failure."""
 
-    def __init__(self, stats: Stats, failed=None):
-        self.stats, self.failed = stats, failed
+    def __init__(self, stats: Stats):
+        self.stats = stats
 
     def __enter__(self):
         return self
@@ -35,8 +34,6 @@ class CountFailures:
     def __exit__(self, kind, exc, tb) -> None:
         if kind is not None:
             self.stats.failed += 1
-            if self.failed is not None:
-                self.failed()
 
 
 def report_of(runner) -> dict:

@@ -43,9 +43,19 @@ def prefill(model, cache: PagedKVCache, input_ids: torch.Tensor, seq_lens, slots
                            for b, n in zip(begin, lens, strict=True)])
     extra = {} if starts is None else {"starts": begin}
     batch = inputs.check((input_ids, positions), {"seq_lens": lens, "slots": slots, **extra})
-    out = inputs.eager(model, batch)()
-    inputs.commit(batch)  # it ran: its tokens count as written
-    return last_token_logits(out, lens, rows)
+    return last_token_logits(_run(inputs, model, batch), lens, rows)
+
+
+def _run(inputs, model, batch):
+    """``batch`` run eagerly: its tokens count as written once it ran; a run that raised
+    keeps each request's tokens before the call's only (it may have written some)."""
+    try:
+        out = inputs.eager(model, batch)()
+    except BaseException:
+        inputs.abandon(batch)
+        raise
+    inputs.commit(batch)
+    return out
 
 
 def last_token_logits(out: torch.Tensor, lens: list[int], output_rows: str) -> torch.Tensor:
@@ -72,6 +82,4 @@ def decode_step(model, cache: PagedKVCache, input_ids: torch.Tensor, positions,
     inputs = DecodeInputs(cache, check_inputs=True)  # eager: the host may read the ids
     inputs.bind(model)
     batch = inputs.check((input_ids,), {"positions": positions, "slots": slots})
-    out = inputs.eager(model, batch)()
-    inputs.commit(batch)
-    return out
+    return _run(inputs, model, batch)

@@ -23,6 +23,7 @@ from graphcap.engine.llm import LLM
 from graphcap.engine.loading import resolve
 from graphcap.engine.speculative import check_proposer
 from graphcap.progress import progress as progress_bar
+from graphcap.tp.group import entry
 
 
 @dataclass
@@ -61,23 +62,25 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
         out.report            # steps, replays, fallbacks, graph pool bytes
     """
     model, _ = resolve(model)  # wrapped once, here: the LLM below takes it as it is
-    shape = cache_shape(model)
-    prompts = check_prompts(prompts, shape.vocab_size)
-    params = sampling_of(sampling, len(prompts))
-    max_new_tokens = positive_int(max_new_tokens, "max_new_tokens")
-    stops = stop_tokens_of(stop_tokens, shape.vocab_size)
-    longest = max(map(len, prompts)) + max_new_tokens
-    ahead = check_proposer(speculative) if speculative is not None else 0
-    if longest + ahead > shape.max_position:
-        k = f" and the {ahead} proposals a verify step writes past them" if ahead else ""
-        raise ValueError(f"a prompt of {longest - max_new_tokens} tokens plus "
-                         f"{max_new_tokens} new ones{k} pass the model's max_position "
-                         f"{shape.max_position}: generate fewer tokens, or from a shorter "
-                         "prompt")
-    if progress is not None:
-        boolean(progress, "progress")
-    max_batch = positive_int(max_batch, "max_batch")
-    prefill_tokens = positive_int(prefill_tokens, "prefill_tokens")
+    with entry(model, "generate()") as key:  # a split model's ranks refuse together
+        shape = cache_shape(model)
+        prompts = check_prompts(prompts, shape.vocab_size)
+        params = sampling_of(sampling, len(prompts))
+        max_new_tokens = positive_int(max_new_tokens, "max_new_tokens")
+        stops = stop_tokens_of(stop_tokens, shape.vocab_size)
+        longest = max(map(len, prompts)) + max_new_tokens
+        ahead = check_proposer(speculative) if speculative is not None else 0
+        if longest + ahead > shape.max_position:
+            k = f" and the {ahead} proposals a verify step writes past them" if ahead else ""
+            raise ValueError(f"a prompt of {longest - max_new_tokens} tokens plus "
+                             f"{max_new_tokens} new ones{k} pass the model's max_position "
+                             f"{shape.max_position}: generate fewer tokens, or from a "
+                             "shorter prompt")
+        if progress is not None:
+            boolean(progress, "progress")
+        max_batch = positive_int(max_batch, "max_batch")
+        prefill_tokens = positive_int(prefill_tokens, "prefill_tokens")
+        key.append(repr((strategy, max_batch, page_size, prefill_tokens, ahead)))
     llm = LLM(model, strategy=strategy, max_batch=min(max_batch, len(prompts)),
               max_len=longest, prefill_tokens=prefill_tokens, page_size=page_size,
               progress=False, stop_at_eos=False,

@@ -40,6 +40,7 @@ from graphcap.engine.loading import resolve
 from graphcap.engine.speculative import check_proposer, graph_calls
 from graphcap.errors import BadBatch, GraphcapError
 from graphcap.kv.paged import PagedKVCache
+from graphcap.tp.group import entry
 
 DEFAULT_MAX_LEN = 4096  # tokens per request when neither max_len nor the model bounds it
 
@@ -165,15 +166,18 @@ class LLM:
     def _stream(self, prompts, max_new_tokens, sampling, stop, speculate: bool,
                 texts: bool) -> Iterator[Delta]:
         """:meth:`stream`, its deltas' text decoded each step only with ``texts``."""
-        ids = self._prompts(prompts)
-        params = sampling_of(sampling, len(ids))
-        max_new_tokens = positive_int(max_new_tokens, "max_new_tokens")
-        stops, strings = self._stops(stop)
-        longest = max(map(len, ids)) + max_new_tokens
-        if longest > self.max_len:
-            raise ValueError(f"a prompt of {longest - max_new_tokens} tokens plus "
-                             f"{max_new_tokens} new ones passes this LLM's max_len "
-                             f"{self.max_len}: build it with a larger max_len")
+        with entry(self.model, "a stream of the LLM") as key:  # a split model's ranks
+            ids = self._prompts(prompts)
+            params = sampling_of(sampling, len(ids))
+            max_new_tokens = positive_int(max_new_tokens, "max_new_tokens")
+            stops, strings = self._stops(stop)
+            longest = max(map(len, ids)) + max_new_tokens
+            if longest > self.max_len:
+                raise ValueError(f"a prompt of {longest - max_new_tokens} tokens plus "
+                                 f"{max_new_tokens} new ones passes this LLM's max_len "
+                                 f"{self.max_len}: build it with a larger max_len")
+            key.append(repr((ids, params, max_new_tokens, sorted(stops), strings,
+                             speculate)))
         requests = [Request(i, p, params[i]) for i, p in enumerate(ids)]
         return self._serve(requests, max_new_tokens, stops, strings,
                            boolean(speculate, "speculate"), texts)

@@ -24,7 +24,8 @@ device from its staged position and request slot, inside the graph), the decode 
 backend's plan (rewritten on the host before each replay) and, for requests of any
 length, the prefill metadata. Padded rows have no request slot (``-1``): they write only
 the null page and come out zero. The cache counts a call's tokens as written once it has
-run (a call that raised counts nothing, so no later call reads a place nobody wrote).
+run; one that raised running keeps each request's tokens before the call's only
+(:meth:`PagedInputs.abandon`): no later call reads a place nobody or a failed call wrote.
 
 :class:`~graphcap.inputs.DecodeInputs` and :class:`~graphcap.inputs.CachePrefillInputs`
 are this kind with the decode and prefill calls' arguments.
@@ -192,9 +193,8 @@ class PagedInputs(Inputs):
         return self.step
 
     def abandon(self, batch: Batch) -> None:
-        """A call that raised may have written part of its K/V (some layers, before a
-        later one failed): each request keeps only its tokens before the call's first,
-        so no later step reads what the call left, where it rewrote earlier tokens too."""
+        """A call that raised running may have written part of its K/V (some layers):
+        each request keeps only its tokens before the call's, which it may have rewritten."""
         spans = [n for n in batch.lens if n] if self.span is None else \
             [self.span] * len(batch.host)
         self.cache.unwrite([(s, end - n) for (s, end), n in zip(batch.host, spans,

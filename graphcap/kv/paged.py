@@ -278,10 +278,9 @@ class PagedKVCache:
         if type(slots) is list and slots and set(map(type, slots)) == {int} and \
                 min(slots) >= 0 and max(slots) < self.max_requests:
             slots = slots[:]  # every one a request slot's int: none to convert
-        elif not hasattr(slots, "__getitem__") or isinstance(slots, (dict, str, bytes)):
-            raise BadBatch(f"slots must be a sequence of ints (a list, a tuple, a 1-D "
-                           f"tensor), one per request in their order, got "
-                           f"{type(slots).__name__}")
+        elif isinstance(slots, (set, frozenset, dict, str, bytes)):
+            raise BadBatch(f"slots must be ints in the requests' order (a list, a tuple, a "
+                           f"1-D tensor), got a {type(slots).__name__}")
         else:
             slots = [self._slot(s, BadBatch) for s in slots]
         distinct = set(slots)

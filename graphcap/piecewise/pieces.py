@@ -72,6 +72,7 @@ class PieceGraphs(torch.nn.Module):
         self.owner, self.fn, self.opaque = owner, fn, opaque
         self.static_state, self.held = static_state, held
         self.moves: dict[int, int] = {}  # held argument -> the times it moved
+        self.seen_at: dict[int, int] = {}  # held argument -> its last address seen
         self.writes = mutated_inputs(module)
         self.seen: set[int] = set()
         self.eager_sizes: set[int] = set()  # split pieces whose state was not static
@@ -161,6 +162,13 @@ class PieceGraphs(torch.nn.Module):
         a held tensor that stays put) or an earlier piece's static output."""
         return self._foreign(i, a) or a.data_ptr() in self.owner.static_ptrs
 
+    def _moved(self, i: int, a: torch.Tensor) -> None:
+        """A held argument read in place at some size is another tensor now: one move
+        more, counted once whatever the sizes that see it."""
+        if not isinstance(a, torch.nn.Parameter) and self.seen_at.get(i) != a.data_ptr():
+            self.seen_at[i] = a.data_ptr()
+            self.moves[i] = self.moves.get(i, 0) + 1
+
     def _foreign(self, i: int, a: torch.Tensor) -> bool:
         return isinstance(a, torch.nn.Parameter) or (i in self.held
                                                      and self.moves.get(i, 0) < 2)
@@ -175,8 +183,7 @@ class PieceGraphs(torch.nn.Module):
                     return self.fn(*args)
                 if i in entry.foreign:  # the caller's, read in place
                     if a.data_ptr() != entry.foreign[i]:
-                        if not isinstance(a, torch.nn.Parameter):
-                            self.moves[i] = self.moves.get(i, 0) + 1
+                        self._moved(i, a)
                         return self._recapture(size, args)
                     continue
                 if i in entry.shared:  # an earlier piece's, read in place: never written

@@ -151,6 +151,23 @@ class TPGroup:
                 "replays the same graph or runs the same batch eagerly")
 
     @contextlib.contextmanager
+    def entry(self, what: str):
+        """The checks of ``what``, a public call of a split model (``generate()``,
+        ``LLM.stream``) that every rank makes: a rank refusing it (a ``GraphcapError``,
+        ``ValueError`` or ``TypeError`` raised inside) says so, and the others raise
+        ``RankError`` (ranks all refusing alike raise their own errors); else the ranks
+        agree on the call's arguments, which the block appends to the list it gets (prompts
+        of the same lengths per rank would otherwise pass every runner's agreement and
+        each rank run another request's collectives). The group stays usable."""
+        key: list[str] = []
+        try:
+            yield key
+        except (GraphcapError, ValueError, TypeError) as exc:
+            self.agree(f"refused ({type(exc).__name__}: {exc})", what)
+            raise
+        self.agree(hashlib.sha256(repr(key).encode()).hexdigest(), what)
+
+    @contextlib.contextmanager
     def together(self, what: str):
         """The ranks' collectives of ``what`` (a warm-up, a capture, a replay, an eager
         run): when it raises on this rank, the group closes (see the module docstring)
@@ -247,6 +264,13 @@ def release_all() -> None:
 
 _CLOSED = ("A closed group cannot be used again: restart the ranks (or make a new "
            "TPGroup on every rank, and build and capture the model again)")
+
+
+def entry(model, what: str):
+    """:meth:`TPGroup.entry` of ``model``'s group where it is split, else a block that
+    checks alone."""
+    tp = getattr(model, "tp", None)
+    return tp.entry(what) if isinstance(tp, TPGroup) else contextlib.nullcontext([])
 
 
 def group_named(name: str) -> TPGroup:

@@ -158,6 +158,33 @@ def test_a_step_that_rewrote_an_earlier_position_and_raised_leaves_the_later_one
     torch.testing.assert_close(runner(tokens(7), positions=[6], slots=[0]), want)
 
 
+def test_the_eager_step_that_rewrote_and_raised_leaves_the_later_positions_unread():
+    model = build_model("tiny", device=DEVICE)
+    cache = used_cache(model, [7] * 12)
+    prefill(model, cache, tokens(1, 2, 3, 4, 5, 6), [6], [0])
+    fails = FailsAfterItsLayers()
+    fails.on = True
+    handle = model.blocks[-1].register_forward_hook(fails)
+    try:
+        with pytest.raises(MemoryError):
+            decode_step(model, cache, tokens(99), [2], [0])
+    finally:
+        handle.remove()
+    assert cache.written(0) == 2
+
+
+def test_a_call_refused_before_it_ran_keeps_every_token():
+    model = build_model("tiny", device=DEVICE)
+    cache = used_cache(model, [7] * 12)
+    cache.admit(1, 12)
+    prefill(model, cache, tokens(1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6), [6, 6], [0, 1])
+    runner = graphcap.capture(model, "full", buckets=[1], inputs=DecodeInputs(cache),
+                              fallback=False)
+    with pytest.raises(BadBatch, match="cannot replay a graph"):
+        runner(tokens(9, 9), positions=[2, 6], slots=[0, 1])  # a rewrite, never run
+    assert (cache.written(0), cache.written(1)) == (6, 6)
+
+
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_an_interrupted_rewrite_of_an_earlier_position_keeps_only_the_tokens_before_it(
         strategy):

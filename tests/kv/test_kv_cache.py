@@ -365,5 +365,6 @@ def test_request_slots_come_in_the_callers_order_a_set_is_refused():
     c.admit(3, 4)
     assert c.requests((3, 0), 2) == [3, 0]
     assert c.requests(torch.tensor([3, 0]), 2) == [3, 0]
-    with pytest.raises(BadBatch, match="slots must be a sequence of ints .* got set"):
+    assert c.requests({3: "a", 0: "b"}.keys(), 2) == [3, 0]  # ordered
+    with pytest.raises(BadBatch, match="slots must be ints in the requests. order .* got a set"):
         c.requests({3, 0}, 2)  # no order: tokens would pair with slots by a set's order

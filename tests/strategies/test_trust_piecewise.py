@@ -606,3 +606,31 @@ def test_tensors_written_through_a_list_are_written_on_every_replay(compiler):
 
     _calls(WritesAList, args_of, calls=5, compiler=compiler)
     torch.testing.assert_close(*held.values())  # the caller's tensor, as eager wrote it
+
+
+def test_one_move_of_a_buffer_is_one_move_at_every_capture_size():
+    # Each size sees the move: counted once, the table stays read in place at every size
+    # (each captured again), and only a second move makes it a copy.
+    torch.manual_seed(0)
+    m = Tabled().to(DEVICE)
+    c = torch.compile(m, backend=PiecewiseCompiler(
+        {"capture_sizes": [2, 4, 8], "split_ops": ["graphcap_trust::split_b"]}),
+        fullgraph=True, dynamic=True)  # one graph, its pieces captured at each size
+
+    def round_of_calls():
+        before = counters()["recaptures"]
+        for n in (2, 4, 8):
+            for seed in range(3):
+                x = torch.randn(n, 4, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+                pos = torch.arange(n, device=DEVICE) * 2
+                torch.testing.assert_close(c(x, pos), m(x, pos))
+        return counters()["recaptures"] - before
+
+    with torch.no_grad():
+        assert round_of_calls() == 0
+        m.table = torch.randn(64, 4, device=DEVICE)
+        assert round_of_calls() == 3  # every size, in place
+        m.table = torch.randn(64, 4, device=DEVICE)
+        assert round_of_calls() == 3  # the second move: every size, a copy from now on
+        m.table = torch.randn(64, 4, device=DEVICE)
+        assert round_of_calls() == 0

@@ -186,11 +186,22 @@ def _disagreement(rank: int) -> None:
             runner(torch.ones(6, dtype=torch.long), torch.arange(6), seq_lens=[5])
     out = call(runner, [6])  # the runner and the group are still usable
     assert out.shape == (6, model.args.vocab_size) and tp.closed is None
-    # generate() with other prompts per rank: refused on both, never other tokens.
-    prompts = [[5, 9, 2], [3]] if rank == 0 else [[5, 9, 2, 7], [3]]
-    with pytest.raises(RankError, match="disagree"):
+    # generate() with other prompts per rank, even of the same lengths: refused on both,
+    # never other tokens.
+    for other in ([[5, 9, 2, 7], [3]], [[7, 1, 8], [6]]):
+        prompts = [[5, 9, 2], [3]] if rank == 0 else other
+        with pytest.raises(RankError, match="disagree"):
+            graphcap.generate(model, prompts, 3, strategy="full", max_batch=2,
+                              prefill_tokens=8)
+    # One rank refusing its arguments: every rank raises, and the next call is in step.
+    prompts = [[5, 9, 2], [3]] if rank == 0 else [[5, 9, 2], [10**6]]
+    with pytest.raises(RankError, match=r"rank 1: refused \((BadBatch|ValueError)"):
         graphcap.generate(model, prompts, 3, strategy="full", max_batch=2,
                           prefill_tokens=8)
+    got = graphcap.generate(model, [[5, 9, 2], [3]], 3, strategy="full", max_batch=2,
+                            prefill_tokens=8).tokens
+    assert got == graphcap.generate(build_model("tiny"), [[5, 9, 2], [3]], 3,
+                                    strategy="eager", max_batch=2).tokens
 
 
 def test_ranks_that_disagree_on_a_call_all_raise_at_once_and_stay_usable():
@@ -273,6 +284,25 @@ def _failure_in_capture(rank: int, strategy: str) -> None:
 @pytest.mark.parametrize("strategy", ["breakable", "full"])
 def test_a_rank_that_raises_during_capture_stops_every_rank_within_seconds(strategy):
     spawn(_failure_in_capture, strategy)
+
+
+def _failure_in_the_set_up_of_a_capture(rank: int) -> None:
+    tp = TPGroup(timeout_s=PATIENT, collective_timeout_s=2 * PATIENT)  # fail-fast: never waited
+    model = build_model("tiny", tp=tp)
+    if rank == 1:  # as an out-of-memory error in the static buffers' allocation would
+
+        def before():
+            raise Boom("rank 1 ran out of memory before its capture")
+        model.graphcap_before_capture = before
+    start = time.monotonic()
+    with pytest.raises(Boom if rank == 1 else RankError, match="rank 1 ran out of memory"):
+        graphcap.capture(model, "full", buckets=[8, 16], max_requests=2)
+    assert time.monotonic() - start < PATIENT / 2
+    assert tp.closed is not None
+
+
+def test_a_rank_that_fails_setting_up_a_capture_stops_every_rank_within_seconds():
+    spawn(_failure_in_the_set_up_of_a_capture)
 
 
 def _failure_in_a_call(rank: int) -> None:
