@@ -45,10 +45,13 @@ _ONLY = {"debug": ("strategy", "breakable"), "compiler": ("strategy", "tc_piecew
          "max_requests": ("inputs", "prefill"), "check_inputs": ("inputs", "prefill")}
 
 
-def _device_of(model: torch.nn.Module) -> torch.device:
+def _device_of(model: torch.nn.Module, example=None) -> torch.device:
+    """Where ``model`` runs: its tensors' device; a model without parameters or buffers,
+    its ``example`` inputs' (``example_inputs``), else the CPU."""
     for t in list(model.parameters()) + list(model.buffers()):
         return t.device
-    return torch.device("cpu")
+    tensors = [a for a in example or () if isinstance(a, torch.Tensor)]
+    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype | None:
@@ -164,7 +167,8 @@ def capture(model: torch.nn.Module, strategy: str = "breakable",
     slots = (positive_int(c.max_requests, "max_requests") if c.max_requests is not None
              else max(ladder[-1] // 512, 1))
     if not isinstance(inputs, Inputs):
-        inputs = _inputs(model, kind, strategy, c.attention, slots, c.check_inputs)
+        inputs = _inputs(model, kind, strategy, c.attention, slots, c.check_inputs,
+                         c.example_inputs)
     inputs.bind(model)
     tp = getattr(model, "tp", None)  # a model split across a graphcap.tp.TPGroup
     tp = tp if isinstance(tp, TPGroup) else None
@@ -202,8 +206,9 @@ def _ladder(max_tokens, buckets) -> list[int]:
     return ladder
 
 
-def _inputs(model, kind: str, strategy: str, attention, slots: int, check: bool) -> Inputs:
-    device = _device_of(model)
+def _inputs(model, kind: str, strategy: str, attention, slots: int, check: bool,
+            example=None) -> Inputs:
+    device = _device_of(model, example)
     rows = getattr(model, "output_rows", "tokens")
     if rows not in ("tokens", "requests") or (rows == "requests" and kind != "prefill"):
         raise UnsupportedStrategy(
@@ -211,7 +216,10 @@ def _inputs(model, kind: str, strategy: str, attention, slots: int, check: bool)
             "or, for prefill models only, 'requests' (a row per request, e.g. last-token "
             "logits)")
     if kind == "tensors":
-        return TensorInputs(device, captured=strategy != "eager")
+        held = next(model.parameters(), None) is not None or \
+            next(model.buffers(), None) is not None
+        return TensorInputs(device, captured=strategy != "eager",
+                            placed=held or example is not None)
     backend = backend_for(model, attention, device, strategy)
     return PrefillInputs(device, backend, slots, rows, _input_bounds(model) if check else None,
                          name=type(model).__name__)

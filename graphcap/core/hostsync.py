@@ -129,14 +129,6 @@ def _histc_from_data(args, kwargs) -> bool:
     return low == high and args[0].numel() > 0
 
 
-def _multinomial_checks(args, kwargs) -> bool:
-    """``torch.multinomial`` of one sample, or without replacement: torch reads whether
-    every probability is finite and non-negative (``.item()``) before drawing."""
-    samples = args[1] if len(args) > 1 else kwargs.get("num_samples")
-    replacement = args[2] if len(args) > 2 else kwargs.get("replacement", False)
-    return samples == 1 or not replacement
-
-
 def check_op(func, args, kwargs, device: torch.device) -> None:
     """Raise CaptureError if the aten op ``func`` would synchronise with the host."""
     if func in _SCALAR_READS:
@@ -147,9 +139,6 @@ def check_op(func, args, kwargs, device: torch.device) -> None:
     if func is aten.histc.default and _histc_from_data(args, kwargs):
         _raise("aten.histc", "torch.histc without min and max",
                "reads the data's minimum and maximum on the host")
-    if func is aten.multinomial.default and _multinomial_checks(args, kwargs):
-        _raise("aten.multinomial", "torch.multinomial of one sample or without replacement",
-               "checks the probabilities on the host first")
     if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
         _raise("aten.repeat_interleave", "torch.repeat_interleave without output_size",
                "has an output size that depends on the data")

@@ -17,8 +17,9 @@ class TensorInputs(Inputs):
     kind = "tensors"
     needs_batch = True
 
-    def __init__(self, device: torch.device, captured: bool = True):
+    def __init__(self, device: torch.device, captured: bool = True, placed: bool = True):
         super().__init__(device)
+        self.placed = placed  # False: a model of no tensors, no example: the CPU, guessed
         self.specs: list[tuple[torch.dtype, tuple[int, ...]]] = []
         # False (the eager strategy): nothing is captured, so a call may pass the model
         # anything it takes.
@@ -38,6 +39,12 @@ class TensorInputs(Inputs):
                            "tensors is called as runner(*tensors)")
         specs = self.specs or [(a.dtype, tuple(a.shape[1:])) for a in args
                                if isinstance(a, torch.Tensor)]
+        if not self.placed and any(isinstance(a, torch.Tensor) and a.device != self.device
+                                   for a in args):
+            raise BadBatch(f"the model has no parameters or buffers to say where it runs, "
+                           f"so its runner captures on {self.device}: give "
+                           "graphcap.capture(..., example_inputs=(...)) on the device it "
+                           "runs on")
         return Batch(tuple(args), checks.check_tensors(args, specs, self.device))
 
     def forget(self) -> None:

@@ -20,6 +20,7 @@ import graphcap
 from graphcap.api import GRAPHED
 from graphcap.errors import CaptureError
 from graphcap.models import PRESETS, Decoder
+from graphcap.piecewise.compiler import sgl_piecewise
 from tests.support.runner_helpers import DEVICE, batch
 
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
@@ -78,6 +79,9 @@ def test_int_of_an_input_a_parameter_or_a_buffer_is_refused_at_capture(strategy,
 
 def test_tc_piecewise_names_the_tensor_dynamo_read_on_the_host():
     err = _refused(Reads("int(t)", "buffer").to(DEVICE).eval(), "tc_piecewise")
+    if "data-dependent expression" in str(err):  # a Dynamo that cannot trace the read
+        assert "use strategy='breakable'" in str(err), str(err)  # (torch 2.11's)
+        return
     assert "_buffers['count'].item()" in str(err), str(err)
     assert str(err).startswith("host synchronisation"), str(err)  # as the backend said it
 
@@ -85,9 +89,9 @@ def test_tc_piecewise_names_the_tensor_dynamo_read_on_the_host():
 def test_sgl_piecewise_on_its_own_follows_a_value_dynamo_guards_on():
     # Outside graphcap.capture Dynamo's guards run before every call: a changed value
     # compiles again, so the compiled model keeps matching eager.
+    # (A Dynamo that cannot trace the read whole breaks the graph there instead.)
     model = Reads("int(t)", "buffer").to(DEVICE).eval()
-    compiled = torch.compile(model, backend="sgl_piecewise", fullgraph=True,
-                             options={"capture_sizes": [8]})
+    compiled = torch.compile(model, backend=sgl_piecewise, options={"capture_sizes": [8]})
     x = torch.randn(8, 8, device=DEVICE)
     with torch.inference_mode():
         for value in (1, 1, -1, -1, 2):

@@ -125,3 +125,19 @@ def test_prefill_into_the_cache_needs_a_positive_count_of_request_slots(slots):
     cache = PagedKVCache(1, 2, 16, max_requests=2, max_len=16)
     with pytest.raises(ValueError, match="slots must be a positive int"):
         CachePrefillInputs(cache, get_backend(None, torch.device("cpu")), slots=slots)
+
+
+class NoTensors(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def test_a_model_of_no_tensors_runs_where_its_example_inputs_are():
+    example = torch.ones(4, 2, device="meta")
+    runner = graphcap.capture(NoTensors(), "eager", buckets=[4], example_inputs=(example,))
+    assert runner.device == torch.device("meta")
+    runner = graphcap.capture(NoTensors(), "breakable", buckets=[4])  # no example: guessed
+    with pytest.raises(BadBatch, match="no parameters or buffers to say where it runs, "
+                                       "so its runner captures on cpu: give .*example_inputs"):
+        runner(example)
+    assert runner(torch.ones(4, 2)).sum().item() == 16  # still usable
