@@ -18,7 +18,7 @@ from graphcap.core.strategy import EagerStrategy
 from graphcap.errors import UnsupportedModel, UnsupportedStrategy
 from graphcap.full import FullStrategy
 from graphcap.inputs import PrefillInputs, TensorInputs
-from graphcap.tp.group import TPGroup
+from graphcap.tp.group import TPGroup, entry
 
 
 def _tc_piecewise(model, ladder: list[int], options: dict):
@@ -125,6 +125,33 @@ def capture(model: torch.nn.Module, strategy: str = "breakable",
         logits = runner(input_ids, positions, seq_lens=[100, 23])
         print(runner.report())
     """
+    # A split model's ranks refuse together, else agree on what they capture.
+    with entry(model, "a capture", warm=True) as key:
+        c, inputs, ladder, debug = _plan(model, strategy, config, options)
+        key.append(repr((strategy, ladder, inputs.kind, c.fallback, c.copy_outputs)))
+    tp = getattr(model, "tp", None)  # a model split across a graphcap.tp.TPGroup
+    tp = tp if isinstance(tp, TPGroup) else None
+    run = RunnerConfig(ladder, c.fallback, c.copy_outputs, warmup=c.warmup,
+                       on_change=c.on_change, ranks=tp)
+    how, called = STRATEGIES[strategy](model, ladder, {"debug": debug,
+                                                       "compiler": c.compiler or "eager"})
+    runner = Runner(called, how, run, inputs, source=model)
+    if how.captures and (not inputs.needs_batch or c.example_inputs is not None):
+        if c.progress is True:
+            from graphcap.progress import progress as bar
+
+            with bar(len(ladder), f"capturing {type(model).__name__} ({strategy})") as step:
+                runner.capture_all(c.example_inputs, lambda done, total: step())
+        else:
+            runner.capture_all(c.example_inputs, c.progress)
+    inputs.claim(runner)
+    return runner
+
+
+
+def _plan(model, strategy, config, options):
+    """``capture()``'s arguments checked: the config with the options, the inputs object,
+    the ladder of buckets, and whether breakable captures in debug mode."""
     if config is not None and not isinstance(config, CaptureConfig):
         raise TypeError(f"capture(model, strategy, config): config must be a "
                         f"graphcap.CaptureConfig, got {type(config).__name__}; give options "
@@ -170,31 +197,12 @@ def capture(model: torch.nn.Module, strategy: str = "breakable",
         inputs = _inputs(model, kind, strategy, c.attention, slots, c.check_inputs,
                          c.example_inputs)
     inputs.bind(model)
-    tp = getattr(model, "tp", None)  # a model split across a graphcap.tp.TPGroup
-    tp = tp if isinstance(tp, TPGroup) else None
-    if tp is not None:
-        tp.warm_up()  # the data group's communicator exists before any capture
-    run = RunnerConfig(ladder, c.fallback, c.copy_outputs, warmup=c.warmup,
-                       on_change=c.on_change, ranks=tp)
-    how, called = STRATEGIES[strategy](model, ladder, {"debug": debug,
-                                                       "compiler": c.compiler or "eager"})
-    runner = Runner(called, how, run, inputs, source=model)
-    now = not inputs.needs_batch or c.example_inputs is not None
-    if how.captures and not now and c.progress not in (None, False):
+    if strategy != "eager" and inputs.needs_batch and c.example_inputs is None and \
+            c.progress not in (None, False):
         raise UnsupportedStrategy(
             "progress= shows a capture made by capture(), and this model of tensors is "
             "captured at its first call: give example_inputs=(...) to capture it now")
-    if how.captures and now:
-        if c.progress is True:
-            from graphcap.progress import progress as bar
-
-            with bar(len(ladder), f"capturing {type(model).__name__} ({strategy})") as step:
-                runner.capture_all(c.example_inputs, lambda done, total: step())
-        else:
-            runner.capture_all(c.example_inputs, c.progress)
-    inputs.claim(runner)
-    return runner
-
+    return c, inputs, ladder, debug
 
 def _ladder(max_tokens, buckets) -> list[int]:
     if buckets is None:

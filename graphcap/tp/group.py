@@ -151,20 +151,26 @@ class TPGroup:
                 "replays the same graph or runs the same batch eagerly")
 
     @contextlib.contextmanager
-    def entry(self, what: str):
+    def entry(self, what: str, warm: bool = False):
         """The checks of ``what``, a public call of a split model (``generate()``,
         ``LLM.stream``) that every rank makes: a rank refusing it (a ``GraphcapError``,
         ``ValueError`` or ``TypeError`` raised inside) says so, and the others raise
         ``RankError`` (ranks all refusing alike raise their own errors); else the ranks
         agree on the call's arguments, which the block appends to the list it gets (prompts
         of the same lengths per rank would otherwise pass every runner's agreement and
-        each rank run another request's collectives). The group stays usable."""
+        each rank run another request's collectives). The group stays usable. ``warm``:
+        warm the group up first (a capture: its collective waits for ranks still
+        loading their model, longer than an agreement does)."""
         key: list[str] = []
         try:
             yield key
         except (GraphcapError, ValueError, TypeError) as exc:
+            if warm:
+                self.warm_up()
             self.agree(f"refused ({type(exc).__name__}: {exc})", what)
             raise
+        if warm:
+            self.warm_up()
         self.agree(hashlib.sha256(repr(key).encode()).hexdigest(), what)
 
     @contextlib.contextmanager
@@ -266,11 +272,11 @@ _CLOSED = ("A closed group cannot be used again: restart the ranks (or make a ne
            "TPGroup on every rank, and build and capture the model again)")
 
 
-def entry(model, what: str):
+def entry(model, what: str, warm: bool = False):
     """:meth:`TPGroup.entry` of ``model``'s group where it is split, else a block that
     checks alone."""
     tp = getattr(model, "tp", None)
-    return tp.entry(what) if isinstance(tp, TPGroup) else contextlib.nullcontext([])
+    return tp.entry(what, warm) if isinstance(tp, TPGroup) else contextlib.nullcontext([])
 
 
 def group_named(name: str) -> TPGroup:

@@ -286,6 +286,25 @@ def test_a_rank_that_raises_during_capture_stops_every_rank_within_seconds(strat
     spawn(_failure_in_capture, strategy)
 
 
+def _refused_capture(rank: int) -> None:
+    tp = TPGroup(timeout_s=PATIENT, collective_timeout_s=2 * PATIENT)  # fail-fast: never waited
+    model = build_model("tiny", tp=tp)
+    start = time.monotonic()
+    # The first capture, refused on rank 1 (its arguments): every rank raises at once.
+    with pytest.raises(RankError, match=r"rank 1: refused \(ValueError: max_tokens=32"):
+        graphcap.capture(model, "full", buckets=[8, 16], max_requests=2,
+                         **({"max_tokens": 32} if rank == 1 else {}))
+    with pytest.raises(RankError, match="disagree"):  # another ladder per rank
+        graphcap.capture(model, "full", buckets=[8, 16] if rank == 0 else [8], max_requests=2)
+    assert time.monotonic() - start < PATIENT / 2 and tp.closed is None
+    runner = graphcap.capture(model, "full", buckets=[8, 16], max_requests=2)  # in step
+    assert call(runner, [6]).shape == (6, model.args.vocab_size)
+
+
+def test_a_capture_one_rank_refuses_is_refused_on_every_rank_at_once():
+    spawn(_refused_capture)
+
+
 def _failure_in_the_set_up_of_a_capture(rank: int) -> None:
     tp = TPGroup(timeout_s=PATIENT, collective_timeout_s=2 * PATIENT)  # fail-fast: never waited
     model = build_model("tiny", tp=tp)
