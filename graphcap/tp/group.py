@@ -209,8 +209,8 @@ class TPGroup:
         """Done with the group: destroy its process groups now, their gloo threads
         joined while the interpreter is whole (call it on every rank before
         ``torch.distributed.destroy_process_group()``). The group cannot be used after."""
-        if self.closed is None:
-            self.closed = "released"
+        if self.closed is None:  # said to the other ranks, whose next use fails now
+            self._close(f"rank {self.rank} released the group")
         self._drop()
         _GROUPS.pop(self.name, None)
 

@@ -196,7 +196,9 @@ def test_graphcap_leaves_other_compiles_their_diff_guards_and_its_own_none_where
     r(i, p, seq_lens=[3])
     code = r.model.compiled.__wrapped__.__code__
     diff = entries(code)[0].guard_manager.diff_guard_root
-    assert (diff is None) == guards.clone_leaks()
+    leaks = guards.clone_leaks()
+    assert leaks is not None, "this torch's guard API is one the probe does not know"
+    assert (diff is None) == leaks
 
 
 def test_a_call_under_the_unsafe_guard_stance_is_refused_where_graphcap_keeps_no_diff_guards(

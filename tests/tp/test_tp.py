@@ -240,10 +240,23 @@ def _release(rank: int) -> None:
     call(runner, [6])
     tp.release()
     assert tp.data is None and tp.control is None  # destroyed now, not at exit
-    with pytest.raises(RankError, match=r"closed \(released\)"):
+    with pytest.raises(RankError, match=rf"closed \(rank {rank} released the group\)"):
         call(runner, [6])
     with pytest.raises(GraphcapError, match="no TP group named"):
         group_named(tp.name)
+    # One rank releasing: the other's next call says so, at once (no timeout blamed).
+    tp = TPGroup(timeout_s=PATIENT)
+    runner = graphcap.capture(build_model("tiny", tp=tp), "full", buckets=[8],
+                              max_requests=1)
+    dist.barrier()
+    if rank == 1:
+        tp.release()
+    dist.barrier()
+    if rank == 0:
+        start = time.monotonic()
+        with pytest.raises(RankError, match="rank 1 released the group"):
+            call(runner, [6])
+        assert time.monotonic() - start < PATIENT / 2
 
 
 def test_a_released_group_destroys_its_process_groups_and_refuses_every_later_use():
