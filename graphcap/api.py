@@ -128,7 +128,8 @@ def capture(model: torch.nn.Module, strategy: str = "breakable",
     # A split model's ranks refuse together, else agree on what they capture.
     with entry(model, "a capture", warm=True) as key:
         c, inputs, ladder, debug = _plan(model, strategy, config, options)
-        key.append(repr((strategy, ladder, inputs.kind, c.fallback, c.copy_outputs)))
+        if key is not None:  # a split model's
+            key.append(repr((strategy, ladder, inputs.kind, c.fallback, c.copy_outputs)))
     tp = getattr(model, "tp", None)  # a model split across a graphcap.tp.TPGroup
     tp = tp if isinstance(tp, TPGroup) else None
     run = RunnerConfig(ladder, c.fallback, c.copy_outputs, warmup=c.warmup,

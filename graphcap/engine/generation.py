@@ -80,7 +80,9 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
             boolean(progress, "progress")
         max_batch = positive_int(max_batch, "max_batch")
         prefill_tokens = positive_int(prefill_tokens, "prefill_tokens")
-        key.append(repr((strategy, max_batch, page_size, prefill_tokens, ahead)))
+        if key is not None:  # a split model's: the LLM built for the call alike
+            key.append(repr((strategy, max_batch, page_size, prefill_tokens, ahead,
+                             [len(p) for p in prompts], max_new_tokens)))
     llm = LLM(model, strategy=strategy, max_batch=min(max_batch, len(prompts)),
               max_len=longest, prefill_tokens=prefill_tokens, page_size=page_size,
               progress=False, stop_at_eos=False,

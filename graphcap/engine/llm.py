@@ -141,9 +141,9 @@ class LLM:
         done: dict[int, Completion] = {}
         tokens: dict[int, list[int]] = {}
         # Text a step only to find stop strings: the completions' text is decoded once.
-        strings = self._stop_strings(stop) if self.tokenizer is not None else ()
         deltas = self._stream(prompts, max_new_tokens, sampling, stop, speculate,
-                              texts=bool(strings))
+                              texts=None)  # checked there, a split model's ranks together
+        strings = self._stop_strings(stop) if self.tokenizer is not None else ()
         for delta in deltas:
             tokens.setdefault(delta.index, []).extend(delta.tokens)
             if delta.finish_reason is not None:
@@ -164,8 +164,9 @@ class LLM:
         return self._stream(prompts, max_new_tokens, sampling, stop, speculate, texts=True)
 
     def _stream(self, prompts, max_new_tokens, sampling, stop, speculate: bool,
-                texts: bool) -> Iterator[Delta]:
-        """:meth:`stream`, its deltas' text decoded each step only with ``texts``."""
+                texts: bool | None) -> Iterator[Delta]:
+        """:meth:`stream`, its deltas' text decoded each step only with ``texts`` (None:
+        where there are stop strings to find)."""
         with entry(self.model, "a stream of the LLM") as key:  # a split model's ranks
             ids = self._prompts(prompts)
             params = sampling_of(sampling, len(ids))
@@ -176,8 +177,10 @@ class LLM:
                 raise ValueError(f"a prompt of {longest - max_new_tokens} tokens plus "
                                  f"{max_new_tokens} new ones passes this LLM's max_len "
                                  f"{self.max_len}: build it with a larger max_len")
-            key.append(repr((ids, params, max_new_tokens, sorted(stops), strings,
-                             speculate)))
+            if key is not None:  # a split model's
+                key.append(repr((ids, params, max_new_tokens, sorted(stops), strings,
+                                 speculate)))
+        texts = bool(strings) and self.tokenizer is not None if texts is None else texts
         requests = [Request(i, p, params[i]) for i, p in enumerate(ids)]
         return self._serve(requests, max_new_tokens, stops, strings,
                            boolean(speculate, "speculate"), texts)

@@ -182,20 +182,6 @@ def _give_back(model: nn.Module, came_as: tuple) -> nn.Module:
     return model.train(training)
 
 
-def _rotary_attributes_on_device(model: torch.nn.Module) -> None:
-    """A rotary module's plain-attribute inverse frequencies (LongRoPE's
-    ``original_inv_freq``, ``long_inv_freq``) on its ``inv_freq`` buffer's device:
-    ``model.to()`` leaves them behind, and the forward's copy cannot be captured."""
-    for module in model.modules():
-        buffer = module._buffers.get("inv_freq")
-        if buffer is None:
-            continue
-        for name, value in list(vars(module).items()):
-            if name.endswith("inv_freq") and isinstance(value, torch.Tensor) and \
-                    value.device != buffer.device:
-                setattr(module, name, value.to(buffer.device))
-
-
 class PrefillLM(nn.Module):
     """A transformers causal LM as a graphcap prefill model: ``forward(input_ids[T],
     positions[T]) -> logits[T, vocab]`` over requests packed along dim 0.
@@ -304,7 +290,6 @@ class PrefillLM(nn.Module):
         other attention or experts since wrapping is refused."""
         self._check_switched(capture=True)
         self.kernels.ensure()
-        _rotary_attributes_on_device(self.hf_model)
 
     def _check_switched(self, capture: bool = False) -> None:
         """Refuse a model whose attention implementation (or, for a capture, whose experts

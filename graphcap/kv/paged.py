@@ -278,9 +278,10 @@ class PagedKVCache:
         if type(slots) is list and slots and set(map(type, slots)) == {int} and \
                 min(slots) >= 0 and max(slots) < self.max_requests:
             slots = slots[:]  # every one a request slot's int: none to convert
-        elif isinstance(slots, (set, frozenset, dict, str, bytes)):
+        elif isinstance(slots, (set, frozenset, dict, str, bytes)) or not hasattr(
+                slots, "__iter__") or (isinstance(slots, torch.Tensor) and slots.dim() != 1):
             raise BadBatch(f"slots must be ints in the requests' order (a list, a tuple, a "
-                           f"1-D tensor), got a {type(slots).__name__}")
+                           f"1-D tensor), got {slots!r}")
         else:
             slots = [self._slot(s, BadBatch) for s in slots]
         distinct = set(slots)

@@ -37,6 +37,7 @@ import gc
 import hashlib
 import itertools
 import math
+import re
 from collections import Counter
 from datetime import timedelta
 
@@ -153,8 +154,8 @@ class TPGroup:
     @contextlib.contextmanager
     def entry(self, what: str, warm: bool = False):
         """The checks of ``what``, a public call of a split model (``generate()``,
-        ``LLM.stream``) that every rank makes: a rank refusing it (a ``GraphcapError``,
-        ``ValueError`` or ``TypeError`` raised inside) says so, and the others raise
+        ``LLM.stream``, ``capture``) that every rank makes: a rank refusing it (any
+        exception raised inside) says so, and the others raise
         ``RankError`` (ranks all refusing alike raise their own errors); else the ranks
         agree on the call's arguments, which the block appends to the list it gets (prompts
         of the same lengths per rank would otherwise pass every runner's agreement and
@@ -164,10 +165,11 @@ class TPGroup:
         key: list[str] = []
         try:
             yield key
-        except (GraphcapError, ValueError, TypeError) as exc:
+        except Exception as exc:  # any refusal: the others must hear of it
             if warm:
                 self.warm_up()
-            self.agree(f"refused ({type(exc).__name__}: {exc})", what)
+            self.agree(f"refused ({type(exc).__name__}: {_ADDRESS.sub('', str(exc))})",
+                       what)  # (an object's address differs from rank to rank)
             raise
         if warm:
             self.warm_up()
@@ -268,15 +270,16 @@ def release_all() -> None:
         group.release()
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # an object's repr: its address
 _CLOSED = ("A closed group cannot be used again: restart the ranks (or make a new "
            "TPGroup on every rank, and build and capture the model again)")
 
 
 def entry(model, what: str, warm: bool = False):
     """:meth:`TPGroup.entry` of ``model``'s group where it is split, else a block that
-    checks alone."""
+    checks alone (its key None: nothing to agree on)."""
     tp = getattr(model, "tp", None)
-    return tp.entry(what, warm) if isinstance(tp, TPGroup) else contextlib.nullcontext([])
+    return tp.entry(what, warm) if isinstance(tp, TPGroup) else contextlib.nullcontext()
 
 
 def group_named(name: str) -> TPGroup:

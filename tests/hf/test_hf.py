@@ -284,21 +284,3 @@ def test_a_refused_model_keeps_its_experts_implementation_and_train_mode():
         PrefillLM(hf)
     assert _came_as(hf) == came
 
-
-def test_a_rotary_modules_plain_frequency_attributes_follow_its_buffer():
-    # LongRoPE (PhiMoE) keeps original_inv_freq and long_inv_freq as plain attributes:
-    # model.to() leaves them on the host, and the forward's copy cannot be captured.
-    from graphcap.hf.model import _rotary_attributes_on_device
-
-    class Rotary(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.register_buffer("inv_freq", torch.ones(4, device="meta"), persistent=False)
-            self.original_inv_freq = torch.ones(4)  # (meta: the device here)
-            self.long_inv_freq = torch.ones(4)
-            self.other = torch.ones(4)
-
-    module = Rotary()
-    _rotary_attributes_on_device(torch.nn.Sequential(module))
-    assert module.original_inv_freq.device == module.long_inv_freq.device == module.inv_freq.device
-    assert module.other.device == torch.device("cpu")  # not a frequency table

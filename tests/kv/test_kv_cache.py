@@ -366,5 +366,8 @@ def test_request_slots_come_in_the_callers_order_a_set_is_refused():
     assert c.requests((3, 0), 2) == [3, 0]
     assert c.requests(torch.tensor([3, 0]), 2) == [3, 0]
     assert c.requests({3: "a", 0: "b"}.keys(), 2) == [3, 0]  # ordered
-    with pytest.raises(BadBatch, match="slots must be ints in the requests. order .* got a set"):
+    with pytest.raises(BadBatch, match="slots must be ints in the requests. order .* got {"):
         c.requests({3, 0}, 2)  # no order: tokens would pair with slots by a set's order
+    for bad in (0, None, torch.tensor(0)):
+        with pytest.raises(BadBatch, match="slots must be ints in the requests. order"):
+            c.requests(bad, 1)

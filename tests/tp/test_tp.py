@@ -198,6 +198,16 @@ def _disagreement(rank: int) -> None:
     with pytest.raises(RankError, match=r"rank 1: refused \((BadBatch|ValueError)"):
         graphcap.generate(model, prompts, 3, strategy="full", max_batch=2,
                           prefill_tokens=8)
+    # LLM.generate with a stop one rank refuses (past the vocabulary): the same.
+    from tests.support.tokenizers import byte_tokenizer
+
+    llm = graphcap.LLM(model, tokenizer=byte_tokenizer(), strategy="eager", max_batch=2)
+    with pytest.raises(RankError, match=r"rank 1: refused \(ValueError: stop_tokens"):
+        llm.generate([[5, 9, 2]], 2, stop=["x"] + ([10**6] if rank == 1 else []))
+    whole = graphcap.LLM(build_model("tiny"), tokenizer=byte_tokenizer(), strategy="eager",
+                         max_batch=2)
+    assert [c.tokens for c in llm.generate([[5, 9, 2]], 2)] == \
+        [c.tokens for c in whole.generate([[5, 9, 2]], 2)]  # the next call in step
     got = graphcap.generate(model, [[5, 9, 2], [3]], 3, strategy="full", max_batch=2,
                             prefill_tokens=8).tokens
     assert got == graphcap.generate(build_model("tiny"), [[5, 9, 2], [3]], 3,
