@@ -77,6 +77,17 @@ def tokens(*ids):
     return torch.tensor(ids, device=DEVICE)
 
 
+def interrupted(model, strategy: str, cache: PagedKVCache, token: int, position: int):
+    """A decode runner of ``model`` over ``cache`` whose step of ``token`` at ``position``
+    of slot 0 was interrupted once staged, before its replay."""
+    inputs = InterruptedDecode(cache)
+    runner = graphcap.capture(model, strategy, buckets=[1, 2], inputs=inputs)
+    inputs.arm()
+    with pytest.raises(Interrupted):
+        runner(tokens(token), positions=[position], slots=[0])
+    return runner
+
+
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_a_decode_step_that_raised_leaves_the_next_position_unreadable(strategy):
     model = build_model("tiny", device=DEVICE)
@@ -84,11 +95,7 @@ def test_a_decode_step_that_raised_leaves_the_next_position_unreadable(strategy)
     for leftover in ([7] * 12, [3] * 12):  # two previous owners of slot 0's pages
         cache = used_cache(model, leftover)
         prefill(model, cache, tokens(1, 2, 3), [3], [0])
-        inputs = InterruptedDecode(cache)
-        runner = graphcap.capture(model, strategy, buckets=[1, 2], inputs=inputs)
-        inputs.arm()
-        with pytest.raises(Interrupted):
-            runner(tokens(4), positions=[3], slots=[0])
+        runner = interrupted(model, strategy, cache, 4, position=3)
         assert cache.written(0) == 3
         with pytest.raises(BadBatch, match="position 4 of slot 0 skips past the 3 tokens"):
             runner(tokens(5), positions=[4], slots=[0])
@@ -191,11 +198,7 @@ def test_an_interrupted_rewrite_of_an_earlier_position_keeps_only_the_tokens_bef
     model = build_model("tiny", device=DEVICE)
     cache = used_cache(model, [7] * 12)
     prefill(model, cache, tokens(1, 2, 3, 4, 5, 6), [6], [0])
-    inputs = InterruptedDecode(cache)
-    runner = graphcap.capture(model, strategy, buckets=[1, 2], inputs=inputs)
-    inputs.arm()
-    with pytest.raises(Interrupted):
-        runner(tokens(99), positions=[2], slots=[0])
+    runner = interrupted(model, strategy, cache, 99, position=2)
     assert cache.written(0) == 2
     runner(tokens(3), positions=[2], slots=[0])  # the retry goes on from there
     assert cache.written(0) == 3
