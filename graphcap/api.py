@@ -129,7 +129,8 @@ def capture(model: torch.nn.Module, strategy: str = "breakable",
     with entry(model, "a capture", warm=True) as key:
         c, inputs, ladder, debug = _plan(model, strategy, config, options)
         if key is not None:  # a split model's
-            key.append(repr((strategy, ladder, inputs.kind, c.fallback, c.copy_outputs)))
+            key.append(repr((strategy, ladder, inputs.kind, c.fallback, c.copy_outputs,
+                             c.on_change, c.max_requests, c.attention)))
     tp = getattr(model, "tp", None)  # a model split across a graphcap.tp.TPGroup
     tp = tp if isinstance(tp, TPGroup) else None
     run = RunnerConfig(ladder, c.fallback, c.copy_outputs, warmup=c.warmup,

@@ -141,6 +141,8 @@ class LLM:
         done: dict[int, Completion] = {}
         tokens: dict[int, list[int]] = {}
         # Text a step only to find stop strings: the completions' text is decoded once.
+        if hasattr(stop, "__next__"):  # an iterator: read once, here
+            stop = list(stop)
         deltas = self._stream(prompts, max_new_tokens, sampling, stop, speculate,
                               texts=None)  # checked there, a split model's ranks together
         strings = self._stop_strings(stop) if self.tokenizer is not None else ()

@@ -207,12 +207,14 @@ class TPGroup:
                             f"{_CLOSED}") from exc
 
     # -- closing ---------------------------------------------------------------------
-    def release(self) -> None:
+    def release(self, tell: bool = True) -> None:
         """Done with the group: destroy its process groups now, their gloo threads
         joined while the interpreter is whole (call it on every rank before
-        ``torch.distributed.destroy_process_group()``). The group cannot be used after."""
-        if self.closed is None:  # said to the other ranks, whose next use fails now
+        ``torch.distributed.destroy_process_group()``). The group cannot be used after.
+        ``tell``: leave the reason for the other ranks (whose next use fails at once)."""
+        if self.closed is None and tell:
             self._close(f"rank {self.rank} released the group")
+        self.closed = self.closed or "released"
         self._drop()
         _GROUPS.pop(self.name, None)
 
@@ -267,7 +269,7 @@ def release_all() -> None:
     finalization began: the process aborted ('terminate called without an active
     exception') when a group outlived ``destroy_process_group()`` and died only then."""
     for group in list(_GROUPS.values()):
-        group.release()
+        group.release(tell=False)  # the world's store may be gone with its host rank
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # an object's repr: its address

@@ -146,6 +146,8 @@ def test_text_in_and_text_out_through_a_tokenizer_ending_at_a_stop_string():
     assert ended.tokens == plain[0].tokens[:len(ended.tokens)]
     streamed = "".join(d.text for d in engine.stream(prompts[:1], 12, stop=[stop]))
     assert streamed == ended.text
+    once = engine.generate(prompts[:1], 12, stop=iter([stop]))[0]  # read once
+    assert (once.finish_reason, once.text) == ("stop_string", ended.text)
 
 
 def test_a_stop_string_completed_by_the_last_allowed_token_is_why_the_request_ended():

@@ -319,6 +319,9 @@ def _refused_capture(rank: int) -> None:
                          **({"max_tokens": 32} if rank == 1 else {}))
     with pytest.raises(RankError, match="disagree"):  # another ladder per rank
         graphcap.capture(model, "full", buckets=[8, 16] if rank == 0 else [8], max_requests=2)
+    with pytest.raises(RankError, match="disagree"):  # another answer to a changed model
+        graphcap.capture(model, "full", buckets=[8, 16], max_requests=2,
+                         on_change="error" if rank == 1 else "recapture")
     assert time.monotonic() - start < PATIENT / 2 and tp.closed is None
     runner = graphcap.capture(model, "full", buckets=[8, 16], max_requests=2)  # in step
     assert call(runner, [6]).shape == (6, model.args.vocab_size)
