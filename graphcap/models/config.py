@@ -111,10 +111,24 @@ def _window(config: dict, family: str, source: str) -> int:
     if kinds <= {"full_attention"}:
         return 0
     if kinds == {"sliding_attention"}:
-        return config["sliding_window"]
+        return config.get("sliding_window") or 0  # null: no window, as transformers has it
     raise CheckpointError(f"{source}: sliding windows on some layers only (layer_types "
                           f"{sorted(kinds)}, max_window_layers) are not supported: every "
                           "layer windowed or none")
+
+
+def _given(config: dict, key: str, default):
+    """``config[key]``, or ``default`` where it is missing or null (as transformers reads
+    a null of these keys)."""
+    value = config.get(key)
+    return default if value is None else value
+
+
+def _experts(config: dict, source: str) -> int:
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if not experts:
+        raise CheckpointError(f"{source}: a qwen3_moe config names no num_experts")
+    return experts
 
 
 def _refuse_unsupported(config: dict, family: str, source: str) -> None:
@@ -145,18 +159,17 @@ def args_from_config(config: dict, source: str = "config.json") -> ModelArgs:
         fields = dict(
             vocab_size=config["vocab_size"], hidden=hidden,
             layers=config["num_hidden_layers"], heads=heads,
-            kv_heads=config.get("num_key_value_heads", heads),
+            kv_heads=_given(config, "num_key_value_heads", heads),
             head_dim=config.get("head_dim") or hidden // heads,
-            intermediate=config.get("intermediate_size", 0),
-            eps=config.get("rms_norm_eps", 1e-6),
+            intermediate=_given(config, "intermediate_size", 0),
+            eps=_given(config, "rms_norm_eps", 1e-6),
             rope_theta=_rope(config)["rope_theta"],
-            max_position=config.get("max_position_embeddings", 4096),
+            max_position=_given(config, "max_position_embeddings", 4096),
             qk_norm=family in ("qwen3", "qwen3_moe"),
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=family != "qwen2" and attention_bias,
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-            experts=(config.get("num_experts") or config.get("num_local_experts", 0))
-            if family == "qwen3_moe" else 0,
+            experts=_experts(config, source) if family == "qwen3_moe" else 0,
             top_k=config.get("num_experts_per_tok", 0) if family == "qwen3_moe" else 0,
             moe_intermediate=config.get("moe_intermediate_size", 0),
             norm_topk=bool(config.get("norm_topk_prob", True)),

@@ -26,15 +26,19 @@ __all__ = ["FAMILIES", "CheckpointError", "args_from_config", "load_checkpoint"]
 
 
 def _tensors(folder: Path) -> dict[str, tuple[str, object]]:
-    """Every tensor name -> (file, safe_open handle) of the checkpoint."""
+    """Every tensor name -> (file, safe_open handle) of the checkpoint: the shards
+    ``model.safetensors.index.json`` lists, else ``model.safetensors`` (as transformers
+    reads it: another ``*.safetensors`` beside it, an older copy, is no part of it)."""
     from safetensors import safe_open
 
     index = folder / "model.safetensors.index.json"
     where = json.loads(index.read_text())["weight_map"] if index.exists() else None
-    files = sorted(set(where.values())) if where is not None else \
-        sorted(p.name for p in folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{folder}: no *.safetensors files")
+    files = sorted(set(where.values())) if where is not None else ["model.safetensors"]
+    if where is None and not (folder / files[0]).exists():
+        others = sorted(p.name for p in folder.glob("*.safetensors"))
+        raise CheckpointError(f"{folder}: no model.safetensors (nor an index of shards)"
+                              + (f"; it holds {others}: name the model's file "
+                                 "model.safetensors" if others else ""))
     table = {}
     for name in files:
         path = folder / name
@@ -227,6 +231,12 @@ def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32,
             state[f"blocks.{i}.mlp.w2"] = _stacked(folder, [
                 [f"{e}{j}.down_proj.weight"] for j in range(args.experts)], get, args,
                 (args.hidden, args.moe_intermediate))
+    if args.tie_embeddings and "lm_head.weight" in table and not torch.equal(
+            get("lm_head.weight"), get("model.embed_tokens.weight")):
+        raise CheckpointError(f"{folder}: config.json ties the LM head to the embedding "
+                              "(tie_word_embeddings), but the checkpoint's lm_head.weight "
+                              "differs from model.embed_tokens.weight: set "
+                              "tie_word_embeddings to false to load it as the LM head")
     extra = sorted(k for k in set(table) - used if not k.endswith(DERIVED)
                    and not (args.tie_embeddings and k == "lm_head.weight"))
     if extra:  # another model's (more layers, other projections): refused, not dropped

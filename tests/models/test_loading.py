@@ -158,6 +158,43 @@ def _rewrite(tmp_path, edit):
     safetensors_torch.save_file(tensors, str(path))
 
 
+def test_another_safetensors_file_beside_an_unsharded_checkpoint_is_no_part_of_it(tmp_path):
+    # An older copy of the weights (an EMA, a conversion) beside model.safetensors: as
+    # transformers reads the folder, only model.safetensors is the model.
+    hf = saved(tmp_path, "llama")
+    tensors = safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
+    safetensors_torch.save_file({k: v + 0.1 for k, v in tensors.items()},
+                                str(tmp_path / "model_ema.safetensors"))
+    assert_loads_as_transformers(tmp_path, hf)
+    (tmp_path / "model.safetensors").rename(tmp_path / "weights.safetensors")
+    with pytest.raises(CheckpointError, match=r"no model.safetensors \(nor an index of "
+                                              r"shards\); it holds \['model_ema"):
+        load_checkpoint(tmp_path)
+
+
+def test_a_tied_config_with_an_lm_head_of_its_own_is_refused_not_dropped(tmp_path):
+    config = CONFIGS["qwen3"]()
+    config.tie_word_embeddings = True
+    saved(tmp_path, "qwen3", config)
+    _rewrite(tmp_path, lambda t: t.update({"lm_head.weight": torch.randn(128, 64)}))
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from "
+                                              "model.embed_tokens.weight"):
+        load_checkpoint(tmp_path)
+    _rewrite(tmp_path, lambda t: t.update({"lm_head.weight":
+                                           t["model.embed_tokens.weight"].clone()}))
+    load_checkpoint(tmp_path)  # the same values: tied
+
+
+def test_null_config_values_take_what_transformers_takes():
+    config = dict(model_type="qwen2", vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=None, rms_norm_eps=None,
+                  layer_types=["sliding_attention"] * 2, sliding_window=None)
+    args = args_from_config(config)
+    assert (args.kv_heads, args.eps, args.window) == (4, 1e-6, 0)
+    with pytest.raises(CheckpointError, match="names no num_experts"):
+        args_from_config({**config, "model_type": "qwen3_moe", "layer_types": None})
+
+
 def test_a_missing_tensor_is_named(tmp_path):
     saved(tmp_path, "llama")
     _rewrite(tmp_path, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
