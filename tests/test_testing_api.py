@@ -364,3 +364,13 @@ class _Embeds(torch.nn.Module):
 
     def forward(self, input_ids, positions):
         return self.embed(input_ids)
+
+
+def test_the_reported_fallbacks_are_every_runners_the_check_made():
+    # The call sequences' runners get the batches past the buckets and the slots: their
+    # fallbacks count too (the batches' runner alone never falls back for those).
+    from graphcap.models import build_model
+
+    report = assert_replay_equivalent(build_model("tiny"), ["full"], examples=3,
+                                      sequences=6)["full"]
+    assert {"too_many_tokens", "too_many_requests"} <= report["fallbacks"].keys()

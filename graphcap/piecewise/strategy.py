@@ -63,6 +63,11 @@ def _release(code: types.CodeType, compiler: weakref.ref, traces: Traces) -> Non
         _FREE.append(code)
 
 
+# Dynamo's refusal to compile a frame again (fullgraph): a subclass of Exception only on
+# some torch versions.
+_RECOMPILE_LIMIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
+
+
 class CompiledForward:
     """The model compiled once with ``fullgraph=True``, dim 0 of every tensor input
     dynamic; a forward Dynamo cannot trace whole fails with a clear error. A call outside
@@ -115,6 +120,12 @@ class CompiledForward:
             if self.compiler.stats["graphs"] != graphs:
                 compat.forget_finished_compiles()
             return out
+        except _RECOMPILE_LIMIT as exc:  # no TorchDynamoException on every torch
+            raise CaptureError(
+                "strategy='tc_piecewise' compiled the forward again at every call until "
+                "Dynamo's recompile limit: Python state it reads changes between calls (a "
+                "counter, a flag), which a replay would freeze; keep such state in tensors, "
+                f"or use strategy='breakable' ({str(exc).strip().splitlines()[0]})") from exc
         except torch._dynamo.exc.TorchDynamoException as exc:
             if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed):
                 inner = getattr(exc, "inner_exception", exc)

@@ -4,6 +4,7 @@ for sequences of calls, under each strategy."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -46,7 +47,8 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
     every generated batch, and every call of random call sequences (fallbacks included),
     equals the same model run eagerly with the same attention backend. Returns by
     strategy the runner's report (its ``attention``: the backend the model's forward
-    called, None if none) plus ``max_error`` and ``build_wall_s``; raises AssertionError
+    called, None if none; its ``fallbacks``: those of every runner the check made, the
+    call sequences' included) plus ``max_error`` and ``build_wall_s``; raises AssertionError
     with the shrunk failing batch.
 
     ``batches``: a hypothesis strategy of ``(input_ids, positions, seq_lens)`` (default
@@ -94,6 +96,7 @@ def _check_strategy(model, strategy, kwargs, truth, batches, wide, tol, examples
     build_s = time.perf_counter() - start
     label = f"{strategy}/{attention}"
     worst = [0.0]
+    fallbacks = Counter()  # the sequences' runners', beside the batches' runner's
     # One failure, shrunk: several distinct ones would come as an ExceptionGroup.
     quiet = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck),
                  report_multiple_bugs=False)
@@ -114,6 +117,7 @@ def _check_strategy(model, strategy, kwargs, truth, batches, wide, tol, examples
             _close(fresh(ids, pos, seq_lens=lens), truth(ids, pos, seq_lens=lens),
                    f"{label} call {i} of {[c[2] for c in calls]}", tol, worst)
         stats = fresh.stats
+        fallbacks.update(stats.fallbacks)
         assert stats.calls == sum(stats.replays.values()) + sum(
             stats.fallbacks.values()) + stats.failed, (
             f"{label}: a call neither replayed, fell back nor failed")
@@ -121,4 +125,6 @@ def _check_strategy(model, strategy, kwargs, truth, batches, wide, tol, examples
     one_batch()
     call_sequence()
     # "attention": the backend the model's forward called (None: it called none).
-    return {**runner.report(), "max_error": worst[0], "build_wall_s": round(build_s, 3)}
+    report = runner.report()
+    report["fallbacks"] = dict(Counter(report["fallbacks"]) + fallbacks)
+    return {**report, "max_error": worst[0], "build_wall_s": round(build_s, 3)}
