@@ -325,6 +325,15 @@ def _refused_capture(rank: int) -> None:
     assert time.monotonic() - start < PATIENT / 2 and tp.closed is None
     runner = graphcap.capture(model, "full", buckets=[8, 16], max_requests=2)  # in step
     assert call(runner, [6]).shape == (6, model.args.vocab_size)
+    # A model changed on one rank only, its runner refusing changes: every rank raises.
+    runner = graphcap.capture(model, "full", buckets=[8], max_requests=2, on_change="error")
+    call(runner, [6])
+    if rank == 1:
+        model.norm = torch.nn.Parameter(model.norm.detach().clone())
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 1: refused \(ModelChanged"):
+        call(runner, [6])
+    assert time.monotonic() - start < PATIENT / 2 and tp.closed is None
 
 
 def test_a_capture_one_rank_refuses_is_refused_on_every_rank_at_once():
