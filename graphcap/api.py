@@ -18,7 +18,7 @@ from graphcap.core.strategy import EagerStrategy
 from graphcap.errors import UnsupportedModel, UnsupportedStrategy
 from graphcap.full import FullStrategy
 from graphcap.inputs import PrefillInputs, TensorInputs
-from graphcap.tp.group import TPGroup, entry
+from graphcap.tp.group import entry, group_of
 
 
 def _tc_piecewise(model, ladder: list[int], options: dict):
@@ -131,10 +131,8 @@ def capture(model: torch.nn.Module, strategy: str = "breakable",
         if key is not None:  # a split model's
             key.append(repr((strategy, ladder, inputs.kind, c.fallback, c.copy_outputs,
                              c.on_change, c.max_requests, c.attention)))
-    tp = getattr(model, "tp", None)  # a model split across a graphcap.tp.TPGroup
-    tp = tp if isinstance(tp, TPGroup) else None
     run = RunnerConfig(ladder, c.fallback, c.copy_outputs, warmup=c.warmup,
-                       on_change=c.on_change, ranks=tp)
+                       on_change=c.on_change, ranks=group_of(model))
     how, called = STRATEGIES[strategy](model, ladder, {"debug": debug,
                                                        "compiler": c.compiler or "eager"})
     runner = Runner(called, how, run, inputs, source=model)
@@ -148,7 +146,6 @@ def capture(model: torch.nn.Module, strategy: str = "breakable",
             runner.capture_all(c.example_inputs, c.progress)
     inputs.claim(runner)
     return runner
-
 
 
 def _plan(model, strategy, config, options):
@@ -205,6 +202,7 @@ def _plan(model, strategy, config, options):
             "progress= shows a capture made by capture(), and this model of tensors is "
             "captured at its first call: give example_inputs=(...) to capture it now")
     return c, inputs, ladder, debug
+
 
 def _ladder(max_tokens, buckets) -> list[int]:
     if buckets is None:

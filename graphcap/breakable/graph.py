@@ -96,7 +96,7 @@ def _span_copy(tensors: list[torch.Tensor]) -> tuple[torch.UntypedStorage, int]:
     every one of their element sizes divides, and that offset."""
     align = max(t.element_size() for t in tensors)
     first = min(t.storage_offset() * t.element_size() for t in tensors) // align * align
-    end = max(t.storage_offset() * t.element_size() + span(t)[1] - span(t)[0]
+    end = max(t.storage_offset() * t.element_size() + span(t)[1] - t.data_ptr()
               for t in tensors)
     raw = torch.empty(0, dtype=torch.uint8, device=tensors[0].device).set_(
         tensors[0].untyped_storage(), first, (end - first,), (1,))

@@ -112,8 +112,8 @@ class Runner:
             self.stats.calls += 1
             with CountFailures(self.stats):
                 if stale:
-                    self._agreed(self._check_change)  # a split model's ranks refuse together
-                    self._on_change(batch)
+                    what = self._agreed(self._check_change)  # a split model's ranks together
+                    self._on_change(batch, what)
                     start = time.perf_counter()  # a replay's host time, not the capture's
                 elif self.strategy.captures and not self.entries:
                     self._capture_all(batch, None)  # on the first call (tensors)
@@ -206,9 +206,9 @@ class Runner:
         return tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t
                                for t in flat], spec)
 
-    def _check_change(self) -> None:
-        """The model is not the one captured: ``ModelChanged`` where it moved to another
-        device, or where the runner refuses changes (``on_change="error"``)."""
+    def _check_change(self) -> str:
+        """The model is not the one captured: what changed, or ``ModelChanged`` where it
+        moved to another device or the runner refuses changes (``on_change="error"``)."""
         changes = self._snapshot.changes()
         name, what = type(self.source).__name__, "; ".join(changes)
         devices = self._snapshot.devices()
@@ -224,13 +224,13 @@ class Runner:
                 "capture: call runner.recapture() to capture the model as it is now, or "
                 "update weights in place (with torch.no_grad(): p.copy_(new)), which replays "
                 "see (or capture with on_change='recapture')", changes)
+        return what
 
-    def _on_change(self, batch: Batch) -> None:
-        """The model is not the one captured (:meth:`_check_change` let it pass): capture
-        it again, from this call's shapes for inputs that take them from a call."""
-        name, what = type(self.source).__name__, "; ".join(self._snapshot.changes())
+    def _on_change(self, batch: Batch, what: str) -> None:
+        """The model is not the one captured (``what`` changed; :meth:`_check_change` let
+        it pass): capture it again, from this call's shapes for inputs that take them."""
         log.warning("graphcap: %s changed since capture (%s); capturing its %d shapes again",
-                    name, what, len(self.config.buckets))
+                    type(self.source).__name__, what, len(self.config.buckets))
         self._capture_all(batch, None)  # shapes taken from this call, where inputs take any
         self.stats.recaptures += 1
 

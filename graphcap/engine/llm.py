@@ -141,11 +141,8 @@ class LLM:
         done: dict[int, Completion] = {}
         tokens: dict[int, list[int]] = {}
         # Text a step only to find stop strings: the completions' text is decoded once.
-        if hasattr(stop, "__next__"):  # an iterator: read once, here
-            stop = list(stop)
-        deltas = self._stream(prompts, max_new_tokens, sampling, stop, speculate,
-                              texts=None)  # checked there, a split model's ranks together
-        strings = self._stop_strings(stop) if self.tokenizer is not None else ()
+        deltas, strings = self._stream(prompts, max_new_tokens, sampling, stop, speculate,
+                                       texts=None)
         for delta in deltas:
             tokens.setdefault(delta.index, []).extend(delta.tokens)
             if delta.finish_reason is not None:
@@ -163,12 +160,14 @@ class LLM:
         step (text deltas hold back a partial character and what may begin a stop
         string), the last one of each request saying why it ended. The arguments are
         checked here, before the first delta is asked for."""
-        return self._stream(prompts, max_new_tokens, sampling, stop, speculate, texts=True)
+        return self._stream(prompts, max_new_tokens, sampling, stop, speculate,
+                            texts=True)[0]
 
     def _stream(self, prompts, max_new_tokens, sampling, stop, speculate: bool,
-                texts: bool | None) -> Iterator[Delta]:
+                texts: bool | None) -> tuple[Iterator[Delta], tuple[str, ...]]:
         """:meth:`stream`, its deltas' text decoded each step only with ``texts`` (None:
-        where there are stop strings to find)."""
+        where there are stop strings to find), and the stop strings. The arguments are
+        checked here (a split model's ranks together), each read once."""
         with entry(self.model, "a stream of the LLM") as key:  # a split model's ranks
             ids = self._prompts(prompts)
             params = sampling_of(sampling, len(ids))
@@ -182,10 +181,10 @@ class LLM:
             if key is not None:  # a split model's
                 key.append(repr((ids, params, max_new_tokens, sorted(stops), strings,
                                  speculate)))
-        texts = bool(strings) and self.tokenizer is not None if texts is None else texts
+        texts = bool(strings) if texts is None else texts  # strings need a tokenizer
         requests = [Request(i, p, params[i]) for i, p in enumerate(ids)]
         return self._serve(requests, max_new_tokens, stops, strings,
-                           boolean(speculate, "speculate"), texts)
+                           boolean(speculate, "speculate"), texts), strings
 
     def _serve(self, requests, max_new_tokens: int, stops: set[int],
                strings: tuple[str, ...], speculate: bool, text: bool) -> Iterator[Delta]:
@@ -344,9 +343,6 @@ class LLM:
                 raise BadBatch(f"prompt {empty} is text that tokenizes to no ids "
                                f"({texts[empty]!r}): give each prompt some text")
         return check_prompts(prompts, self.shape.vocab_size)
-
-    def _stop_strings(self, stop) -> tuple[str, ...]:
-        return self._stops(stop)[1]
 
     def _stops(self, stop) -> tuple[set[int], tuple[str, ...]]:
         ids, strings = stops_of(stop, self.tokenizer is not None, self.shape.vocab_size)

@@ -60,7 +60,7 @@ class DraftStepsInputs(PagedInputs):
         return batch
 
     @property
-    def span(self) -> int:
+    def tokens_each(self) -> int:
         return self.steps  # k tokens; the first may be all kept
 
     def allocate(self, max_tokens: int, batch: Batch | None) -> None:

@@ -185,19 +185,19 @@ class PagedInputs(Inputs):
     def commit(self, batch: Batch) -> None:
         """The cache counts each request's tokens up to its last one as written (what
         follows in its pages is stale); a step's may be rewound to its first token."""
-        self.cache.wrote(batch.host, self.span or 1)
+        self.cache.wrote(batch.host, self.tokens_each or 1)
 
     @property
-    def span(self) -> int | None:
+    def tokens_each(self) -> int | None:
         """The tokens a call writes a request (None: its length, a prefill's)."""
         return self.step
 
     def abandon(self, batch: Batch) -> None:
         """A call that raised running may have written part of its K/V (some layers):
         each request keeps only its tokens before the call's, which it may have rewritten."""
-        spans = [n for n in batch.lens if n] if self.span is None else \
-            [self.span] * len(batch.host)
-        self.cache.unwrite([(s, end - n) for (s, end), n in zip(batch.host, spans,
+        counts = [n for n in batch.lens if n] if self.tokens_each is None else \
+            [self.tokens_each] * len(batch.host)
+        self.cache.unwrite([(s, end - n) for (s, end), n in zip(batch.host, counts,
                                                                  strict=True)])
 
     def describe(self, batch: Batch) -> str:

@@ -159,6 +159,7 @@ class PiecewiseCompiler:
         aliased = aliased_outputs(gm.graph)
         split, pieces = split_graph(gm, self.split_names)
         static = True  # every split op can be captured inside a graph
+        held = held_args(split)
         for piece in pieces:
             self.stats["pieces"] += 1
             if piece.is_split:
@@ -167,16 +168,15 @@ class PiecewiseCompiler:
                 if check is not None:  # replayed as a graph while its state is static
                     setattr(split, piece.name, PieceGraphs(
                         self, piece.module, piece.module, static_state=check,
-                        held=held_args(split, piece.name)))
+                        held=held[piece.name]))
                 static &= check is not None
                 continue
             self.stats["captured_pieces"] += 1
-            held = held_args(split, piece.name)
             if self.compiler == "inductor":
                 graphs = PieceGraphs(self, compile_piece(piece.module), piece.module,
-                                     opaque=True, held=held)
+                                     opaque=True, held=held[piece.name])
             else:
-                graphs = PieceGraphs(self, piece.module, piece.module, held=held)
+                graphs = PieceGraphs(self, piece.module, piece.module, held=held[piece.name])
             setattr(split, piece.name, graphs)
         split.graphcap_split_pieces = sum(p.is_split for p in pieces)
         # Each piece frees what it uses last (PieceGraphs.forward); a split op run as

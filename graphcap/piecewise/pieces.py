@@ -311,4 +311,3 @@ def _sizes(sizes) -> str:
     ordered = sorted(sizes)
     return str(ordered) if len(ordered) <= 8 else \
         f"[{', '.join(map(str, ordered[:4]))}, ..., {', '.join(map(str, ordered[-2:]))}]"
-

@@ -177,10 +177,10 @@ def is_held(node: torch.fx.Node) -> bool:
     return bool(node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type"))
 
 
-def held_args(split: torch.fx.GraphModule, name: str) -> frozenset[int]:
-    """The arguments of piece ``name`` of ``split`` that are held tensors of the traced
-    graph (:func:`is_held`), passed as they are: a piece reads them in place."""
-    held = {n.name for n in split.graph.nodes if n.op == "placeholder" and is_held(n)}
-    call = next(n for n in split.graph.nodes if n.op == "call_module" and n.target == name)
-    return frozenset(i for i, a in enumerate(call.args) if isinstance(a, torch.fx.Node)
-                     and a.op == "placeholder" and a.name in held)
+def held_args(split: torch.fx.GraphModule) -> dict[str, frozenset[int]]:
+    """Per piece of ``split`` (its name): the arguments that are held tensors of the
+    traced graph (:func:`is_held`), passed as they are: a piece reads them in place."""
+    return {n.target: frozenset(i for i, a in enumerate(n.args)
+                                if isinstance(a, torch.fx.Node) and a.op == "placeholder"
+                                and is_held(a))
+            for n in split.graph.nodes if n.op == "call_module"}

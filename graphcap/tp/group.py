@@ -277,11 +277,17 @@ _CLOSED = ("A closed group cannot be used again: restart the ranks (or make a ne
            "TPGroup on every rank, and build and capture the model again)")
 
 
+def group_of(model) -> TPGroup | None:
+    """The :class:`TPGroup` ``model`` is split across (its ``tp``), or None."""
+    tp = getattr(model, "tp", None)
+    return tp if isinstance(tp, TPGroup) else None
+
+
 def entry(model, what: str, warm: bool = False):
     """:meth:`TPGroup.entry` of ``model``'s group where it is split, else a block that
     checks alone (its key None: nothing to agree on)."""
-    tp = getattr(model, "tp", None)
-    return tp.entry(what, warm) if isinstance(tp, TPGroup) else contextlib.nullcontext()
+    tp = group_of(model)
+    return tp.entry(what, warm) if tp is not None else contextlib.nullcontext()
 
 
 def group_named(name: str) -> TPGroup:
