@@ -13,6 +13,7 @@ from graphcap.core import checks
 from graphcap.errors import BadBatch
 from graphcap.hf import attention as hf_attention
 from graphcap.hf import kernels as substitution
+from graphcap.hf import rotary
 from graphcap.hf.attention import NAME, UnsupportedModel, attention_options, window_refusal
 from graphcap.kv import longest_window
 from graphcap.opsdb.attention.packed import packed
@@ -171,6 +172,7 @@ def _give_back(model: nn.Module, came_as: tuple) -> nn.Module:
     """``model`` as it came (``came_as``: attention and experts implementations, train
     mode): its own forwards, graphcap's attention and experts switched back."""
     substitution.restore(model)
+    rotary.unpatch(model)
     model.__dict__.pop(_SUBSTITUTION, None)
     model.__dict__.pop(_CAME_AS, None)
     attention, experts, training = came_as
@@ -232,6 +234,7 @@ class PrefillLM(nn.Module):
             getattr(hf_model.config, "_experts_implementation", None), hf_model.training)
         try:
             _switch_attention(hf_model)
+            rotary.patch(hf_model)
             if experts is not None:
                 hf_model.set_experts_implementation(experts)
             hf_model.eval()
@@ -290,6 +293,7 @@ class PrefillLM(nn.Module):
         other attention or experts since wrapping is refused."""
         self._check_switched(capture=True)
         self.kernels.ensure()
+        rotary.ensure(self.hf_model)
 
     def _check_switched(self, capture: bool = False) -> None:
         """Refuse a model whose attention implementation (or, for a capture, whose experts

@@ -1,0 +1,68 @@
+"""Rotary embeddings whose forward copies host tensors to the device, made capturable.
+
+transformers' PhiMoE rotary embedding (``PhimoeRotaryEmbedding``) calls its
+``rope_init_fn(config)`` in every forward: the inverse frequencies are computed again on
+the host and copied to the model's device, a copy CUDA graph capture refuses. While the
+model is wrapped, :func:`patch` gives such a module an ``rope_init_fn`` that returns the
+stock function's own result, computed once and kept on the device of the module's
+``inv_freq`` buffer; the stock forward runs unchanged around it, so cos and sin are the
+same bits. Only the default rope type is patched (PhiMoE's others pick their scale from
+the largest position on the host, and graphcap refuses them). :func:`unpatch` puts the
+stock function back.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# Rotary embeddings that recompute their frequencies from the config in every forward.
+HOST_FREQUENCIES = ("PhimoeRotaryEmbedding",)
+
+
+class Frequencies:
+    """A rotary module's ``rope_init_fn`` while wrapped: the stock function's result for
+    the module's config, one float32 copy per device the module's buffers were on."""
+
+    def __init__(self, module: nn.Module, stock):
+        self.module, self.stock = module, stock
+        inv_freq, self.scaling = stock(module.config)
+        self.held = {inv_freq.device: inv_freq}
+
+    def __call__(self, config, *args, **kwargs):
+        if args or kwargs or config is not self.module.config:
+            return self.stock(config, *args, **kwargs)
+        device = self.module.inv_freq.device
+        if device not in self.held:  # moved since: ensure() copies it before a capture
+            self.held[device] = next(iter(self.held.values())).to(device)
+        return self.held[device], self.scaling
+
+
+def _recomputes(module: nn.Module) -> bool:
+    return (type(module).__name__ in HOST_FREQUENCIES
+            and getattr(module, "rope_type", None) == "default"
+            and isinstance(getattr(module, "inv_freq", None), torch.Tensor)
+            and callable(module.__dict__.get("rope_init_fn")))
+
+
+def patch(model: nn.Module) -> None:
+    """Every rotary module of ``model`` that recomputes its frequencies per forward reads
+    them from the device instead (idempotent)."""
+    for module in model.modules():
+        if _recomputes(module) and not isinstance(module.rope_init_fn, Frequencies):
+            module.rope_init_fn = Frequencies(module, module.rope_init_fn)
+
+
+def ensure(model: nn.Module) -> None:
+    """The patched modules' frequencies on their current devices (host work: a runner
+    calls it before capturing)."""
+    for module in model.modules():
+        if isinstance(fn := module.__dict__.get("rope_init_fn"), Frequencies):
+            fn(module.config)
+
+
+def unpatch(model: nn.Module) -> None:
+    """Every patched module back on its stock ``rope_init_fn``."""
+    for module in model.modules():
+        if isinstance(fn := module.__dict__.get("rope_init_fn"), Frequencies):
+            module.rope_init_fn = fn.stock

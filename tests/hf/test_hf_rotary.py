@@ -1,0 +1,71 @@
+"""PhiMoE's rotary embedding computes its frequencies on the host in every forward and
+copies them to the device, a copy CUDA graph capture refuses. Wrapped, it reads them from
+the device: no host computation per forward, the same cos and sin bits, and the stock
+function back on release."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from graphcap.hf import PrefillLM, rotary  # noqa: E402  (needs transformers)
+from tests.support.hf_families import hf_model  # noqa: E402
+from tests.support.runner_helpers import DEVICE  # noqa: E402
+
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+
+
+class Counting:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+def phimoe():
+    model = hf_model("phimoe", initializer_range=0.5).to(DEVICE)
+    module = model.model.rotary_emb
+    module.rope_init_fn = Counting(module.rope_init_fn)
+    return model, module
+
+
+def test_a_wrapped_phimoe_computes_no_frequencies_on_the_host_per_forward():
+    model, module = phimoe()
+    stock = copy.deepcopy(model)
+    x = torch.zeros(1, dtype=torch.float32, device=DEVICE)
+    pos = torch.arange(19, device=DEVICE)[None]
+    want = stock.model.rotary_emb(x, pos)
+    assert stock.model.rotary_emb.rope_init_fn.calls == 1  # the stock forward, each call
+    lm = PrefillLM(model)
+    counting = module.rope_init_fn.stock
+    before = counting.calls
+    ids = torch.randint(0, 128, (19,), device=DEVICE)
+    with torch.no_grad():
+        lm(ids, pos[0], seq_lens=[19])
+        got = module(x, pos)
+    assert counting.calls == before
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_release_gives_the_stock_function_back_and_a_second_wrapper_keeps_one_patch():
+    model, module = phimoe()
+    counting = module.rope_init_fn
+    lm = PrefillLM(model)
+    PrefillLM(model)
+    assert isinstance(module.rope_init_fn, rotary.Frequencies)
+    assert module.rope_init_fn.stock is counting
+    lm.release()
+    assert module.rope_init_fn is counting
+
+
+def test_a_rope_type_other_than_the_default_is_left_as_it_is():
+    model, module = phimoe()
+    module.rope_type = "linear"  # its scale comes from the largest position, on the host
+    rotary.patch(model)
+    assert isinstance(module.rope_init_fn, Counting)
