@@ -21,7 +21,12 @@ cuBLAS's 5.1-10.7, about the speed of a bare read of the same bytes in one launc
 
 Numerics as the few-row kernel's: the normed x is rounded to x's dtype before the
 products, float32 sums, SwiGLU's halves and the residual's product rounded first.
-float32 inputs are multiplied in IEEE float32. With ``NORM_LATE`` (the tiles of normed
+float32 inputs are multiplied in IEEE float32, compiled without fused multiply-adds: with
+them, how the compiler pairs a float32 row's products and squares into FMAs follows the
+launch's row count, and on the H100 the normed rows of a 7- or 8-row launch differed in
+their last bits from the same rows alone (``docs/notes/probes/gemv_bitwise.py``,
+``docs/results/2026-12-05-gpu-suite-1f51601-h100.json``; bf16 rows agreed either way,
+and keep them). With ``NORM_LATE`` (the tiles of normed
 projections of K up to 1024, :func:`gemv_config`) the products take x times the norm's
 weight unrounded, in float32, and each row's 1 / rms scales its sums: nearer float32's
 result than rounding the normed x first.
@@ -199,7 +204,8 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
         HAS_BIAS=bias is not None, INTERPRET=interpreting(),
         PREFETCH=launch["PDL"] and prefetches(weight),
         PRELOAD=launch["PDL"] and preloads(weight),
-        LINE=min(line_elements(weight), cfg["BLOCK_K"]), **launch, **cfg)
+        LINE=min(line_elements(weight), cfg["BLOCK_K"]),
+        enable_fp_fusion=x.dtype != torch.float32, **launch, **cfg)
     return y
 
 
