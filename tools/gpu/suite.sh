@@ -18,8 +18,9 @@
 # 2026-12-04-gpu-suite-edd8c81-h200.json.)
 # Each process has SUITE_TIMEOUT seconds, then an interrupt (pytest still prints what
 # failed so far, by name); the script exits non-zero if any failed or ran out of time.
-# Logs land in $OUT/gpu-examples.log and $OUT/gpu-suite-{1,...,7}.log (with the caller's
-# stdout, the nine files a run brings back); record the run in
+# Logs land in $OUT/gpu-examples.log and $OUT/gpu-suite-{1,...,7}.log, then go into
+# $OUT/gpu-suite-logs.tgz (a run brings back at most eight files; with the caller's stdout
+# the logs are nine); record the run in
 # docs/results/.
 set -o pipefail
 # Where the wheel parts arrive, where unpack.sh installs them, FlashInfer's JIT cache.
@@ -88,5 +89,7 @@ for log in gpu-examples.log gpu-suite-{1,2,7,3,5,6,4}.log; do
 done
 echo "suite wall s: $(( $(date +%s) - start ))"
 echo "exit codes: examples $rc_examples, groups $rc1 $rc2 $rc7 $rc3 $rc5 $rc6 $rc4 (124: out of time)"
+(cd "$OUT" && tar czf gpu-suite-logs.tgz gpu-examples.log gpu-suite-*.log \
+  && rm gpu-examples.log gpu-suite-*.log)
 [ "$rc_examples" -eq 0 ] && [ "$rc1" -eq 0 ] && [ "$rc2" -eq 0 ] && [ "$rc7" -eq 0 ] \
   && [ "$rc3" -eq 0 ] && [ "$rc5" -eq 0 ] && [ "$rc6" -eq 0 ] && [ "$rc4" -eq 0 ]
