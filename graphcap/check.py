@@ -12,7 +12,7 @@ import traceback
 import torch
 
 from graphcap.api import GRAPHED
-from graphcap.errors import GraphcapError
+from graphcap.errors import GraphcapError, UnsupportedModel
 
 
 def load_factory(spec: str):
@@ -151,8 +151,9 @@ def run_check(spec: str, strategies=None, examples: int = 10, sequences: int = 3
         if left:
             print(f"--attention {attention} runs under {', '.join(strategies)} only: "
                   f"{', '.join(left)} left out")
-    print(f"graphcap check {spec}: {type(model).__name__}{wrapped}, {examples} batches and "
-          f"{sequences} call sequences per strategy, buckets to {max_tokens} tokens\n")
+    print(f"graphcap check {spec}: {type(model).__name__}{wrapped}, the fullest batch, "
+          f"{examples} drawn batches and {sequences} call sequences per strategy, buckets "
+          f"to {max_tokens} tokens\n")
     print(f"{'strategy':>12}  {'attention':>12}  {'result':>6}  {'max err':>9}  "
           f"{'fallbacks':>9}  {'build s':>7}")
     failed = []
@@ -177,6 +178,9 @@ def run_check(spec: str, strategies=None, examples: int = 10, sequences: int = 3
     for strategy, exc in failed:
         first = str(exc).strip().splitlines()[0]
         print(f"\n{strategy}: {first}")
+    if max_requests > 1 and any(isinstance(exc, UnsupportedModel) for _, exc in failed):
+        print(f"\nThe fullest batch packs {max_requests} requests: a model that runs no "
+              "graphcap attention takes one request a call; check it with --max-requests 1.")
     if any(isinstance(exc, AssertionError) for _, exc in failed):
         print("\nReplays differ from eager: Python in forward (a side effect, a counter, a "
               "host value read from a tensor) runs only at capture and is frozen there. "

@@ -6,7 +6,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from graphcap.testing import assert_replay_equivalent, check_op, op_inputs, prefill_batches
+from graphcap.testing import (
+    assert_replay_equivalent,
+    check_op,
+    full_batch,
+    op_inputs,
+    prefill_batches,
+)
 
 
 @settings(max_examples=10, deadline=None)
@@ -28,6 +34,31 @@ def test_requests_of_min_len_tokens_each_are_only_as_many_as_fit(batch):
     # had halved lengths forever).
     _, _, lens = batch
     assert 1 <= len(lens) <= 2 and min(lens) >= 1 and sum(lens) <= 2
+
+
+@pytest.mark.parametrize("max_tokens,max_requests,min_len,want", [
+    (64, 4, 0, 4), (64, 4, 1, 4), (3, 4, 1, 3), (3, 4, 0, 3), (10, 4, 3, 3), (1, 4, 0, 1)])
+def test_the_full_batch_packs_as_many_unequal_requests_as_fit(max_tokens, max_requests,
+                                                             min_len, want):
+    ids, pos, lens = full_batch(max_tokens, max_requests, 100, min_len=min_len)
+    assert len(lens) == want and sum(lens) == max_tokens == ids.shape[0]
+    assert min(lens) >= max(min_len, 1) and int(ids.min()) >= 1 and int(ids.max()) < 100
+    assert pos.tolist() == [p for n in lens for p in range(n)]
+    if max_tokens >= 2 * want * max(min_len, 1):  # room to spare: no two alike
+        assert len(set(lens)) == want
+
+
+def test_a_check_of_one_drawn_example_still_runs_the_fullest_batch():
+    """Hypothesis draws its simplest batch (one short request) first: a check of few
+    examples would never pack requests."""
+    from graphcap.models import build_model
+
+    seen = []
+    model = build_model("tiny")
+    model.register_forward_pre_hook(lambda _, args: seen.append(args[1].clone()))
+    assert_replay_equivalent(model, ("full",), buckets=[8, 16], max_requests=3,
+                             attention="torch_masked", examples=1, sequences=1)
+    assert any(p.shape[0] == 16 and int((p == 0).sum()) == 3 for p in seen)
 
 
 def test_requests_longer_than_every_batch_are_refused():

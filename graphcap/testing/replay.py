@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten
 
 import graphcap
 from graphcap.api import GRAPHED, _device_of, model_dtype
-from graphcap.testing.strategies import prefill_batches
+from graphcap.testing.strategies import full_batch, prefill_batches
 
 
 def _default_tolerance(dtype: torch.dtype) -> float:
@@ -53,7 +53,8 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
 
     ``batches``: a hypothesis strategy of ``(input_ids, positions, seq_lens)`` (default
     :func:`prefill_batches`, token ids below ``vocab``: the model's ``vocab_size``, else
-    its first embedding table's rows). ``attention``: the backend (default: the best one allowed
+    its first embedding table's rows; with it, :func:`full_batch` is checked before the
+    ``examples`` drawn). ``attention``: the backend (default: the best one allowed
     under every strategy asked for). ``compiler``: tc_piecewise's piece compiler
     (``"eager"`` or ``"inductor"``)."""
     model = model_or_factory() if not isinstance(model_or_factory, torch.nn.Module) \
@@ -73,6 +74,9 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
     # A model with a row per request (last-token logits) takes no empty requests.
     min_len = 1 if getattr(model, "output_rows", "tokens") == "requests" else 0
     wide = prefill_batches(2 * top, max_requests + 2, vocab, device=device, min_len=min_len)
+    # With the default batches, the fullest one is checked first, whatever is drawn.
+    full = None if batches else full_batch(top, max_requests, vocab, device=device,
+                                           min_len=min_len)
     batches = batches or prefill_batches(top, max_requests, vocab, device=device,
                                          min_len=min_len)
     kwargs = dict(buckets=buckets, max_tokens=None if buckets else max_tokens,
@@ -82,13 +86,13 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
     for strategy in strategies:
         opts = dict(kwargs, compiler=compiler) if strategy == "tc_piecewise" else kwargs
         reports[strategy] = _check_strategy(model, strategy, opts, truth, batches, wide,
-                                            tol, examples, sequences, attention)
+                                            full, tol, examples, sequences, attention)
     return reports
 
 
-def _check_strategy(model, strategy, kwargs, truth, batches, wide, tol, examples,
+def _check_strategy(model, strategy, kwargs, truth, batches, wide, full, tol, examples,
                     sequences, attention) -> dict:
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck, example, given, settings
     from hypothesis import strategies as st
 
     start = time.perf_counter()
@@ -122,6 +126,8 @@ def _check_strategy(model, strategy, kwargs, truth, batches, wide, tol, examples
             stats.fallbacks.values()) + stats.failed, (
             f"{label}: a call neither replayed, fell back nor failed")
 
+    if full is not None:
+        one_batch = example(batch=full)(one_batch)
     one_batch()
     call_sequence()
     # "attention": the backend the model's forward called (None: it called none).

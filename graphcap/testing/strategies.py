@@ -51,3 +51,21 @@ def prefill_batches(max_tokens: int, max_requests: int, vocab: int, *, device="c
         return ids.to(device), pos.to(device), lens
 
     return draw()
+
+
+def full_batch(max_tokens: int, max_requests: int, vocab: int, *, device="cpu",
+               min_token_id: int = 1, min_len: int = 0, seed: int = 0):
+    """One batch of :func:`prefill_batches`' range that packs the most: as many requests
+    as fit (``max_requests``, at least ``min_len`` and one token each), of unequal
+    lengths, ``max_tokens`` tokens in all. A check of few drawn examples runs it too:
+    hypothesis draws its simplest batch, one short request, first."""
+    n = max(1, min(max_requests, max_tokens // max(min_len, 1)))
+    base = max(min_len, 1)
+    spare = max_tokens - n * base
+    weights = range(1, n + 1)  # the i-th request takes i parts of what is left
+    lens = [base + spare * w // sum(weights) for w in weights]
+    lens[-1] += max_tokens - sum(lens)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(min_token_id, vocab, (max_tokens,), generator=gen)
+    pos = torch.cat([torch.arange(k) for k in lens])
+    return ids.to(device), pos.to(device), lens
