@@ -48,6 +48,11 @@ def test_the_full_batch_packs_as_many_unequal_requests_as_fit(max_tokens, max_re
         assert len(set(lens)) == want
 
 
+def test_a_full_batch_that_cannot_hold_one_request_is_refused():
+    with pytest.raises(ValueError, match="max_tokens 4 holds no request of min_len 5"):
+        full_batch(4, 2, 10, min_len=5)
+
+
 def test_a_check_of_one_drawn_example_still_runs_the_fullest_batch():
     """Hypothesis draws its simplest batch (one short request) first: a check of few
     examples would never pack requests."""

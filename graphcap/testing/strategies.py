@@ -59,6 +59,9 @@ def full_batch(max_tokens: int, max_requests: int, vocab: int, *, device="cpu",
     as fit (``max_requests``, at least ``min_len`` and one token each), of unequal
     lengths, ``max_tokens`` tokens in all. A check of few drawn examples runs it too:
     hypothesis draws its simplest batch, one short request, first."""
+    if max_tokens < max(min_len, 1):
+        raise ValueError(f"full_batch: max_tokens {max_tokens} holds no request of "
+                         f"min_len {max(min_len, 1)} tokens")
     n = max(1, min(max_requests, max_tokens // max(min_len, 1)))
     base = max(min_len, 1)
     spare = max_tokens - n * base
