@@ -242,7 +242,7 @@ class Runner:
         captures every shape again from scratch (the first shape warmed up again)."""
         with self._serial:
             self._captures("capture_all()")
-            batch = self.inputs.check(example, {}) if example is not None else None
+            batch = None if example is None else self._agreed(self.inputs.check, example, {})
             self._capture_all(batch, progress)
 
     def recapture(self) -> None:

@@ -325,6 +325,13 @@ def _refused_capture(rank: int) -> None:
     assert time.monotonic() - start < PATIENT / 2 and tp.closed is None
     runner = graphcap.capture(model, "full", buckets=[8, 16], max_requests=2)  # in step
     assert call(runner, [6]).shape == (6, model.args.vocab_size)
+    # capture_all(example) with an example one rank refuses: every rank raises at once.
+    ids = torch.ones(6, dtype=torch.long)
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 1: refused \(BadBatch"):
+        runner.capture_all((ids, torch.arange(5 if rank == 1 else 6)))
+    assert time.monotonic() - start < PATIENT / 2 and tp.closed is None
+    assert call(runner, [6]).shape == (6, model.args.vocab_size)
     # A model changed on one rank only, its runner refusing changes: every rank raises.
     runner = graphcap.capture(model, "full", buckets=[8], max_requests=2, on_change="error")
     call(runner, [6])
