@@ -26,7 +26,7 @@ from graphcap.core.graphs import new_pool
 from graphcap.core.inputs import Batch, Inputs
 from graphcap.core.outputs import check_outputs
 from graphcap.core.serial import Serial
-from graphcap.core.snapshot import ModelSnapshot, held_tensors
+from graphcap.core.snapshot import ModelSnapshot, held_tensors, settled
 from graphcap.core.stats import CountFailures, Stats, report_of
 from graphcap.core.strategy import Strategy
 from graphcap.errors import (
@@ -357,7 +357,8 @@ class Runner:
     def _warm_up(self, bucket: int, state, sizes: bool = False) -> None:
         start = time.perf_counter()
         with self.pool.warmup(sizes=sizes), self.strategy.watch(bucket):
-            flat, _ = tree_flatten(self.inputs.forward(self.model, bucket, state))
+            flat, _ = tree_flatten(settled(self.source, f"the warm-up of {bucket} tokens",
+                                           lambda: self.inputs.forward(self.model, bucket, state)))
             check_outputs(flat, bucket, self.inputs, self._outputs)
             outs = [(o.shape[1:], o.dtype, o.device) for o in flat]
             # Freed before the warm-up ends: a sizing warm-up counts them as transient,
@@ -387,14 +388,13 @@ class Runner:
     # -- report --------------------------------------------------------------------
     def report(self) -> dict:
         """The strategy (``debug``: its debug mode, which captures nothing); shapes; per
-        shape the graphs replayed (``segments``), the functions run eagerly
-        between them (``breaks``) and the split ops captured inside a graph
-        (``splits_in_graph``); graph memory, build seconds, counters; ``warmups``: eager
-        warm-up forwards before captures, ``warmup_retries``: shapes whose direct capture
-        failed and were warmed up and captured again; what the inputs report (prefill:
-        ``attention``, the backend the captured forward called, None if none);
-        ``host_us_per_replay``: the mean host time of a replayed call, from taking the
-        runner's lock to the graph's launch returning (checks, routing, staging; the GPU
-        runs after; a wait for another thread's call is not counted)."""
+        shape the graphs replayed (``segments``), the functions run eagerly between them
+        (``breaks``), the split ops captured in a graph (``splits_in_graph``); graph
+        memory, build seconds, counters; ``warmups``: eager warm-up forwards before
+        captures, ``warmup_retries``: shapes whose direct capture failed and were warmed
+        up and captured again; what the inputs report (prefill: ``attention``, the
+        backend the captured forward called, None if none); ``host_us_per_replay``: the
+        mean host time of a replayed call, from taking the runner's lock to the graph's
+        launch returning (checks, routing, staging; not the GPU's, nor a wait's)."""
         with self._serial:
             return report_of(self)

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from graphcap import compat
+from graphcap.errors import UnsupportedModel
 
 _PTR = torch.Tensor.data_ptr
 _MODULE_DICTS = ("_parameters", "_buffers", "_modules")  # compared slot by slot
@@ -229,3 +230,23 @@ class ModelSnapshot:
         now = [d.get(k) for slots in (self._params, self._buffers)
                for d, k in zip(slots.dicts, slots.keys, strict=True)]
         return {t.device for t in now if t is not None}
+
+
+
+def settled(model: nn.Module, what: str, run):
+    """``run()`` (an eager warm-up forward), once more where it replaced a parameter,
+    buffer or submodule of ``model`` (made lazily: at the first call, for a new size). A
+    forward that replaces one on every call (``self.state = f(self.state)``) is refused:
+    a graph reads the tensor each slot held as its capture began, so every replay would
+    read that one, and assign nothing."""
+    for _ in range(2):
+        before = ModelSnapshot(model)
+        out = run()
+        if before.current():
+            return out
+    raise UnsupportedModel(
+        f"{type(model).__name__}'s forward replaced what the model holds in {what}, and "
+        f"again when run once more ({'; '.join(before.changes())}): a graph reads the "
+        "tensor each slot held as its capture began, so every replay would read that one "
+        "and assign nothing. Update such state in place (self.state.copy_(new)), or keep "
+        "it outside the model and pass it in")

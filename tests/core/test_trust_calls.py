@@ -344,3 +344,59 @@ def test_a_tensor_the_model_replaces_while_later_shapes_build_stays_what_graphs_
         atol, rtol = tolerance()
         torch.testing.assert_close(r(x), want, atol=atol, rtol=rtol)
         del scratch
+
+
+class RunningState(torch.nn.Module):
+    """A forward that reassigns a buffer from itself on every call: a graph would read the
+    buffer of its capture for ever and assign nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("state", torch.zeros(4))
+
+    def forward(self, x):
+        y = self.lin(x) + self.state
+        self.state = self.state * 0.5 + 1.0
+        return y
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_a_forward_that_reassigns_its_buffer_on_every_call_is_refused(strategy):
+    torch._dynamo.reset()
+    m = RunningState().to(DEVICE)
+    r = graphcap.capture(m, strategy, buckets=[4])
+    with pytest.raises(UnsupportedModel, match=r"state: another tensor.*in place"):
+        r(torch.randn(4, 4, device=DEVICE))
+
+
+class LazyBufferMask(LazyMask):
+    """LazyMask's mask as a registered buffer, replaced for each new size."""
+
+    def __init__(self):
+        super().__init__()
+        del self.mask
+
+    def forward(self, x):
+        n = x.shape[0]
+        if "mask" not in self._buffers or self.mask.shape[0] != n:
+            self.register_buffer("mask", torch.tril(torch.ones(n, n, device=x.device)))
+        return self.mask @ self.lin(x)
+
+
+@pytest.mark.parametrize("strategy", ["breakable", "full"])  # a size in a branch: no Dynamo
+@pytest.mark.parametrize("warmup", ["first", "every"])
+def test_a_buffer_made_lazily_for_each_size_replays_right(strategy, warmup):
+    # Warmed up, each new size replaces the mask, and a warm-up once more finds it made;
+    # a shape captured directly makes its mask inside its graph, which every replay remakes.
+    torch.manual_seed(0)
+    m = LazyBufferMask().to(DEVICE)
+    r = graphcap.capture(m, strategy, buckets=[4, 8, 16], warmup=warmup,
+                         example_inputs=(torch.randn(16, 8, device=DEVICE),))
+    for n in (16, 8, 4, 8):
+        x = torch.randn(n, 8, device=DEVICE)
+        with torch.inference_mode():
+            want = torch.tril(torch.ones(n, n, device=DEVICE)) @ m.lin(x)
+        atol, rtol = tolerance()
+        torch.testing.assert_close(r(x), want, atol=atol, rtol=rtol)
+    assert r.report()["recaptures"] == 0
