@@ -12,6 +12,7 @@ import traceback
 import torch
 
 from graphcap.api import GRAPHED
+from graphcap.core.inputs import NO_ATTENTION
 from graphcap.errors import GraphcapError, UnsupportedModel
 
 
@@ -178,9 +179,9 @@ def run_check(spec: str, strategies=None, examples: int = 10, sequences: int = 3
     for strategy, exc in failed:
         first = str(exc).strip().splitlines()[0]
         print(f"\n{strategy}: {first}")
-    if max_requests > 1 and any(isinstance(exc, UnsupportedModel) for _, exc in failed):
-        print(f"\nThe fullest batch packs {max_requests} requests: a model that runs no "
-              "graphcap attention takes one request a call; check it with --max-requests 1.")
+    if any(isinstance(exc, UnsupportedModel) and NO_ATTENTION in str(exc) for _, exc in failed):
+        print("\nA model that runs no graphcap attention takes one request a call: check it "
+              "with --max-requests 1.")
     if any(isinstance(exc, AssertionError) for _, exc in failed):
         print("\nReplays differ from eager: Python in forward (a side effect, a counter, a "
               "host value read from a tensor) runs only at capture and is frozen there. "

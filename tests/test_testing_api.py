@@ -55,7 +55,8 @@ def test_a_full_batch_that_cannot_hold_one_request_is_refused():
 
 def test_a_check_of_one_drawn_example_still_runs_the_fullest_batch():
     """Hypothesis draws its simplest batch (one short request) first: a check of few
-    examples would never pack requests."""
+    examples would never pack requests. The fullest batch comes after the drawn ones, so
+    that a failure they find is shrunk."""
     from graphcap.models import build_model
 
     seen = []
@@ -64,6 +65,14 @@ def test_a_check_of_one_drawn_example_still_runs_the_fullest_batch():
     assert_replay_equivalent(model, ("full",), buckets=[8, 16], max_requests=3,
                              attention="torch_masked", examples=1, sequences=1)
     assert any(p.shape[0] == 16 and int((p == 0).sum()) == 3 for p in seen)
+
+
+def test_a_failure_on_every_batch_is_reported_shrunk_not_as_the_fullest_batch():
+    from tests.support.check_models import counting
+
+    with pytest.raises(AssertionError, match=r"full/torch_masked \[\d+\]: captured"):
+        assert_replay_equivalent(counting(), ("full",), buckets=[8, 16], max_requests=3,
+                                 attention="torch_masked", examples=5, sequences=1)
 
 
 def test_requests_longer_than_every_batch_are_refused():

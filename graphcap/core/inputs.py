@@ -165,12 +165,15 @@ class Inputs:
             buf.zero_()
 
 
+NO_ATTENTION = "ran no graphcap attention"  # check_packing's refusal (graphcap check)
+
+
 def check_packing(name: str, backend: str, lens: list[int]) -> None:
     """Packed requests need graphcap attention, which alone sees their boundaries: a call
     of several into a forward that ran none is refused."""
     if sum(n > 0 for n in lens) > 1:
         raise UnsupportedModel(
-            f"{name} ran no graphcap attention (graphcap::attention, backend {backend!r}) "
+            f"{name} {NO_ATTENTION} (graphcap::attention, backend {backend!r}) "
             f"in its forward, so its attention cannot see where the {len(lens)} packed "
             f"requests {lens} begin and end, and they would attend to each other. Route its "
             "attention through graphcap.opsdb.attention.ATTENTION (docs/models.md, 'Bring "

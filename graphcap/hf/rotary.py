@@ -6,15 +6,16 @@ the host and copied to the model's device, a copy CUDA graph capture refuses. Wh
 model is wrapped, :func:`patch` gives such a module an ``rope_init_fn`` that returns the
 stock function's own result, computed once and kept on the device of the module's
 ``inv_freq`` buffer; the stock forward runs unchanged around it, so cos and sin are the
-same bits. Only the default rope type is patched (PhiMoE's others pick their scale from
-the largest position on the host, and graphcap refuses them). :func:`unpatch` puts the
-stock function back.
+same bits. Its other rope types pick their scale from the largest position of the whole
+packed batch, on the host: refused. :func:`unpatch` puts the stock function back.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from graphcap.errors import UnsupportedModel
 
 # Rotary embeddings that recompute their frequencies from the config in every forward.
 HOST_FREQUENCIES = ("PhimoeRotaryEmbedding",)
@@ -26,7 +27,11 @@ class Frequencies:
 
     def __init__(self, module: nn.Module, stock):
         self.module, self.stock = module, stock
-        inv_freq, self.scaling = stock(module.config)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """The stock function's result for the config as it is now."""
+        inv_freq, self.scaling = self.stock(self.module.config)
         self.held = {inv_freq.device: inv_freq}
 
     def __call__(self, config, *args, **kwargs):
@@ -39,25 +44,34 @@ class Frequencies:
 
 
 def _recomputes(module: nn.Module) -> bool:
-    return (type(module).__name__ in HOST_FREQUENCIES
-            and getattr(module, "rope_type", None) == "default"
-            and isinstance(getattr(module, "inv_freq", None), torch.Tensor)
+    if type(module).__name__ not in HOST_FREQUENCIES:
+        return False
+    if (kind := getattr(module, "rope_type", None)) != "default":
+        raise UnsupportedModel(
+            f"{type(module).__name__} with rope_type {kind!r} scales its rotary by the "
+            "largest position of the whole batch, read on the host: packed requests would "
+            "change each other's logits, and a capture cannot read it; use rope_type "
+            "'default'")
+    return (isinstance(getattr(module, "inv_freq", None), torch.Tensor)
             and callable(module.__dict__.get("rope_init_fn")))
 
 
 def patch(model: nn.Module) -> None:
     """Every rotary module of ``model`` that recomputes its frequencies per forward reads
-    them from the device instead (idempotent)."""
+    them from the device instead (idempotent); one that scales them by the batch's
+    largest position is refused."""
     for module in model.modules():
         if _recomputes(module) and not isinstance(module.rope_init_fn, Frequencies):
             module.rope_init_fn = Frequencies(module, module.rope_init_fn)
 
 
 def ensure(model: nn.Module) -> None:
-    """The patched modules' frequencies on their current devices (host work: a runner
-    calls it before capturing)."""
+    """Before a capture (host work): a rotary module put in since wrapping patched, every
+    patched one's frequencies computed again from its config, on its current device."""
+    patch(model)
     for module in model.modules():
         if isinstance(fn := module.__dict__.get("rope_init_fn"), Frequencies):
+            fn.refresh()
             fn(module.config)
 
 

@@ -53,7 +53,7 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
 
     ``batches``: a hypothesis strategy of ``(input_ids, positions, seq_lens)`` (default
     :func:`prefill_batches`, token ids below ``vocab``: the model's ``vocab_size``, else
-    its first embedding table's rows; with it, :func:`full_batch` is checked before the
+    its first embedding table's rows; with it, :func:`full_batch` is checked after the
     ``examples`` drawn). ``attention``: the backend (default: the best one allowed
     under every strategy asked for). ``compiler``: tc_piecewise's piece compiler
     (``"eager"`` or ``"inductor"``)."""
@@ -92,7 +92,7 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
 
 def _check_strategy(model, strategy, kwargs, truth, batches, wide, full, tol, examples,
                     sequences, attention) -> dict:
-    from hypothesis import HealthCheck, example, given, settings
+    from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
     start = time.perf_counter()
@@ -105,12 +105,15 @@ def _check_strategy(model, strategy, kwargs, truth, batches, wide, full, tol, ex
     quiet = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck),
                  report_multiple_bugs=False)
 
-    @settings(max_examples=examples, **quiet)
-    @given(batch=batches)
-    def one_batch(batch):
+    def check(batch):
         ids, pos, lens = batch
         _close(runner(ids, pos, seq_lens=lens), truth(ids, pos, seq_lens=lens),
                f"{label} {lens}", tol, worst)
+
+    @settings(max_examples=examples, **quiet)
+    @given(batch=batches)
+    def one_batch(batch):
+        check(batch)
 
     @settings(max_examples=sequences, **quiet)
     @given(calls=st.lists(st.one_of(batches, wide), min_size=2, max_size=6))
@@ -126,9 +129,9 @@ def _check_strategy(model, strategy, kwargs, truth, batches, wide, full, tol, ex
             stats.fallbacks.values()) + stats.failed, (
             f"{label}: a call neither replayed, fell back nor failed")
 
+    one_batch()  # a failure drawn here comes shrunk
     if full is not None:
-        one_batch = example(batch=full)(one_batch)
-    one_batch()
+        check(full)
     call_sequence()
     # "attention": the backend the model's forward called (None: it called none).
     report = runner.report()

@@ -56,9 +56,9 @@ def prefill_batches(max_tokens: int, max_requests: int, vocab: int, *, device="c
 def full_batch(max_tokens: int, max_requests: int, vocab: int, *, device="cpu",
                min_token_id: int = 1, min_len: int = 0, seed: int = 0):
     """One batch of :func:`prefill_batches`' range that packs the most: as many requests
-    as fit (``max_requests``, at least ``min_len`` and one token each), of unequal
-    lengths, ``max_tokens`` tokens in all. A check of few drawn examples runs it too:
-    hypothesis draws its simplest batch, one short request, first."""
+    as fit (up to ``max_requests``, at least ``min_len`` and one token each), of unequal
+    lengths where there is room, ``max_tokens`` tokens in all. A check of few drawn
+    examples runs it too: hypothesis draws its simplest batch, one short request, first."""
     if max_tokens < max(min_len, 1):
         raise ValueError(f"full_batch: max_tokens {max_tokens} holds no request of "
                          f"min_len {max(min_len, 1)} tokens")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from graphcap.errors import UnsupportedModel  # noqa: E402
 from graphcap.hf import PrefillLM, rotary  # noqa: E402  (needs transformers)
 from tests.support.hf_families import hf_model  # noqa: E402
 from tests.support.runner_helpers import DEVICE  # noqa: E402
@@ -64,8 +65,23 @@ def test_release_gives_the_stock_function_back_and_a_second_wrapper_keeps_one_pa
     assert module.rope_init_fn is counting
 
 
-def test_a_rope_type_other_than_the_default_is_left_as_it_is():
+def test_a_rope_type_scaled_by_the_batchs_largest_position_is_refused():
     model, module = phimoe()
     module.rope_type = "linear"  # its scale comes from the largest position, on the host
-    rotary.patch(model)
-    assert isinstance(module.rope_init_fn, Counting)
+    with pytest.raises(UnsupportedModel, match="rope_type 'linear'.*largest position"):
+        PrefillLM(model)
+    assert isinstance(module.rope_init_fn, Counting)  # left as it came
+
+
+def test_a_capture_sees_the_config_as_it_is_and_a_rotary_module_put_in_since():
+    model, module = phimoe()
+    lm = PrefillLM(model)
+    model.config.rope_parameters["rope_theta"] = 500.0
+    lm.graphcap_before_capture()
+    want = module.rope_init_fn.stock(model.config)[0].to(DEVICE)
+    assert torch.equal(module.rope_init_fn(model.config)[0], want)
+    fresh = type(module)(model.config).to(DEVICE)
+    model.model.rotary_emb = fresh
+    lm.graphcap_before_capture()
+    assert isinstance(fresh.rope_init_fn, rotary.Frequencies)
+    assert torch.equal(fresh.rope_init_fn(model.config)[0], want)

@@ -89,7 +89,7 @@ for log in gpu-examples.log gpu-suite-{1,2,7,3,5,6,4}.log; do
 done
 echo "suite wall s: $(( $(date +%s) - start ))"
 echo "exit codes: examples $rc_examples, groups $rc1 $rc2 $rc7 $rc3 $rc5 $rc6 $rc4 (124: out of time)"
-(cd "$OUT" && tar czf gpu-suite-logs.tgz gpu-examples.log gpu-suite-*.log \
-  && rm gpu-examples.log gpu-suite-*.log)
+(cd "$OUT" && tar czf gpu-suite-logs.tgz gpu-examples.log gpu-suite-*.log; \
+  rm -f gpu-examples.log gpu-suite-*.log)
 [ "$rc_examples" -eq 0 ] && [ "$rc1" -eq 0 ] && [ "$rc2" -eq 0 ] && [ "$rc7" -eq 0 ] \
   && [ "$rc3" -eq 0 ] && [ "$rc5" -eq 0 ] && [ "$rc6" -eq 0 ] && [ "$rc4" -eq 0 ]
