@@ -24,6 +24,9 @@ is a new view of the same memory (``p.data = p.data.t()``), whose address is unc
 In-place updates (``p.copy_(new)``, ``load_state_dict`` without ``assign``) keep every
 slot and address, so replays see them, as eager does.
 
+It records autocast too (on the CPU and on CUDA): a graph computes in the dtypes of its
+capture, so a call under other autocast settings is a change like the others.
+
 Python attributes (an ``eps``, a flag, ``training``, a plain tensor attribute that is no
 parameter or buffer) are not compared: they are baked into the graphs at capture, as in
 any CUDA graph; capture again after changing one. The plain tensor attributes the model
@@ -127,6 +130,13 @@ def _plain_tensors(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def autocast_state() -> tuple:
+    """The dtype autocast runs a forward in on the CPU and on CUDA (None: off): the
+    graphs compute in the dtypes of their capture, whatever a later call runs under."""
+    return tuple(torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None
+                 for d in ("cpu", "cuda"))
+
+
 def held_tensors(model: nn.Module) -> list[torch.Tensor]:
     """Every tensor ``model`` holds: parameters, buffers and plain tensor attributes."""
     return [*model.parameters(), *model.buffers(), *_plain_tensors(model)]
@@ -182,11 +192,14 @@ class ModelSnapshot:
         self._stored_ptrs = [p for p in ptrs if p >= 0]
         self._registrations = _REGISTRATIONS[0]
         self._frozen = _plain_tensors(model)  # what the graphs read, kept alive
+        self._autocast = autocast_state()
         self.model = model
 
     def current(self) -> bool:
         """Whether every slot holds the tensor (or module) it held at capture, at the same
-        address. Cheap enough for every call."""
+        address, and autocast as it was. Cheap enough for every call."""
+        if autocast_state() != self._autocast:
+            return False
         if self._registrations != _REGISTRATIONS[0] or not _HOOKED:
             if not (self._modules.same() and self._containers.same_order()
                     and _names(self.model) == self._names):
@@ -202,6 +215,8 @@ class ModelSnapshot:
     def changes(self, limit: int = 5) -> list[str]:
         """What differs from capture, one line per slot (at most ``limit`` of them)."""
         out = self._containers.changes()
+        if (now := autocast_state()) != self._autocast:
+            out.append(f"autocast (cpu, cuda): {now}; at capture {self._autocast}")
         for now, then in zip(_names(self.model), map(set, self._names), strict=True):
             out += [f"{name}: added" for name in now if name not in then]
         for d, k, name, held in zip(self._modules.dicts, self._modules.keys,

@@ -353,3 +353,27 @@ def test_a_bias_removed_after_capture_is_recaptured_without_it(strategy):
     assert_matches_eager(r, m)
     m.blocks[0].attn.o.bias = None
     assert_matches_eager(r, m)
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_a_call_under_other_autocast_settings_than_the_capture_is_a_change(strategy):
+    # Graphs compute in the dtypes of their capture: captured under bf16 autocast, a call
+    # outside it would return bf16 (and another call's values), or the other way round.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 16).to(DEVICE)
+    r = graphcap.capture(lin, strategy, buckets=[4])
+    x = torch.randn(4, 16, device=DEVICE)
+    with torch.autocast(DEVICE, torch.bfloat16):
+        got = r(x)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, lin(x))
+    got = r(x)
+    assert got.dtype == torch.float32 and r.report()["recaptures"] == 1
+    atol, rtol = tolerance()
+    torch.testing.assert_close(got, lin(x), atol=atol, rtol=rtol)
+    strict = graphcap.capture(lin, strategy, buckets=[4], on_change="error")
+    strict(x)
+    with torch.autocast(DEVICE, torch.bfloat16), pytest.raises(
+            ModelChanged, match=r"autocast \(cpu, cuda\)"):
+        strict(x)
