@@ -195,6 +195,8 @@ def _plan(model, strategy, config, options):
     if not isinstance(inputs, Inputs):
         inputs = _inputs(model, kind, strategy, c.attention, slots, c.check_inputs,
                          c.example_inputs)
+        if kind == "prefill":  # by its forward's parameter names alone: refusals say so
+            inputs.guessed = c.inputs is None and getattr(model, "graphcap_inputs", None) is None
     inputs.bind(model)
     if strategy != "eager" and inputs.needs_batch and c.example_inputs is None and \
             c.progress not in (None, False):

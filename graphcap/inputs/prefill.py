@@ -8,6 +8,7 @@ import torch
 from graphcap.core import checks
 from graphcap.core.context import forward_context
 from graphcap.core.inputs import Batch, Inputs, check_packing
+from graphcap.errors import BadBatch
 
 
 class PrefillInputs(Inputs):
@@ -29,9 +30,19 @@ class PrefillInputs(Inputs):
         # and, with nothing captured (the eager strategy), in a call.
         self.attends: bool | None = None
         self.called = False
+        self.guessed = False  # a prefill model by its forward's parameter names alone
 
     def check(self, args: tuple, kwargs: dict) -> Batch:
-        lens = checks.check_packed_call(args, kwargs, set(), self.device, self.per_request)
+        try:
+            lens = checks.check_packed_call(args, kwargs, set(), self.device,
+                                            self.per_request)
+        except BadBatch as exc:
+            if self.guessed:
+                exc.add_note(f"graphcap: {self.name} is taken for a model of packed requests "
+                             "because its forward's first parameters are named input_ids, "
+                             "positions; a model of tensors along dim 0 (a [batch, seq] "
+                             "one) is captured with graphcap.capture(..., inputs='tensors')")
+            raise
         if self.bounds is not None:
             checks.check_ranges(*args, *self.bounds)
         if self.attends is False:

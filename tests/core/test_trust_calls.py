@@ -400,3 +400,24 @@ def test_a_buffer_made_lazily_for_each_size_replays_right(strategy, warmup):
         atol, rtol = tolerance()
         torch.testing.assert_close(r(x), want, atol=atol, rtol=rtol)
     assert r.report()["recaptures"] == 0
+
+
+def test_a_prefill_model_by_its_parameter_names_says_so_when_a_call_is_refused():
+    class Batched(torch.nn.Module):  # [batch, seq] ids, as most models take them
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(100, 8)
+
+        def forward(self, input_ids, positions):
+            return self.emb(input_ids) + positions[..., None]
+
+    m = Batched().to(DEVICE)
+    ids = torch.randint(0, 100, (2, 4), device=DEVICE)
+    pos = torch.arange(4, device=DEVICE).expand(2, 4)
+    r = graphcap.capture(m, "full", buckets=[4, 8])
+    with pytest.raises(BadBatch) as info:
+        r(ids, pos)
+    assert "named input_ids, positions" in str(info.value.__notes__)
+    assert "inputs='tensors'" in str(info.value.__notes__)
+    torch.testing.assert_close(graphcap.capture(m, "full", buckets=[4, 8],
+                                                inputs="tensors")(ids, pos), m(ids, pos))
