@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import re
 import traceback
 from collections.abc import Iterable
 
@@ -73,6 +74,7 @@ _ADVICE = (
 )
 
 _HERE = os.path.dirname(os.path.abspath(__file__))  # graphcap/core: the capture machinery
+_PIECES = os.path.join(os.path.dirname(_HERE), "piecewise")  # and what runs traced pieces
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 
@@ -81,15 +83,35 @@ def user_site(frames: Iterable[traceback.FrameSummary]) -> str | None:
     site = None
     for frame in frames:
         path = os.path.abspath(frame.filename)
-        if path.startswith(_TORCH) or path.startswith(_HERE) or "/contextlib.py" in path:
+        if path.startswith((_TORCH, _HERE, _PIECES)) or "/contextlib.py" in path \
+                or frame.filename.startswith("<eval_with_key>"):  # FX's generated code
             continue
         code = (frame.line or "").strip()
         site = f"{os.path.basename(path)}:{frame.lineno}" + (f" `{code}`" if code else "")
     return site
 
 
+def traced_site(node) -> str | None:
+    """The model's line an FX node was traced from (its ``stack_trace``), as
+    :func:`user_site` names one, or None."""
+    frames, lines = [], ((getattr(node, "meta", None) or {}).get("stack_trace") or "").splitlines()
+    for i, line in enumerate(lines):
+        if found := re.match(r'\s*File "(.+)", line (\d+), in (.+)$', line):
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            code = "" if code.startswith("File ") or set(code) <= set("^~ ") else code
+            frames.append(traceback.FrameSummary(found[1], int(found[2]), found[3],
+                                                 line=code))
+    return user_site(frames)
+
+
+# The FX node an interpreted piece runs now (graphcap.piecewise.pieces): its traced line is
+# the model's, where the stack holds only graphcap's frames.
+RUNNING_NODE: contextvars.ContextVar = contextvars.ContextVar("graphcap_running_node",
+                                                              default=None)
+
+
 def _raise(op: str, what: str, why: str) -> None:
-    site = user_site(traceback.extract_stack())
+    site = traced_site(RUNNING_NODE.get()) or user_site(traceback.extract_stack())
     where = f", at {site}" if site else ""
     raise CaptureError(
         f"host synchronisation in a captured region: {what} ({op}{where}) {why}, which "

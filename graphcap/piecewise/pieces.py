@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from graphcap.core.graph_base import Graph
+from graphcap.core.hostsync import RUNNING_NODE, traced_site
 from graphcap.core.trees import overlap, repeats_memory, storage_key
 from graphcap.errors import CaptureError
 from graphcap.piecewise import phase as phases
@@ -302,9 +303,26 @@ def run_boxed(fn, box: list):
         return fn(*args)
     env = dict(zip((n for n in fn.graph.nodes if n.op == "placeholder"), box, strict=True))
     box.clear()
-    interpreter = torch.fx.Interpreter(fn)
+    interpreter = _Interpreter(fn)
     interpreter.extra_traceback = False  # the piece's own errors, as its code raises them
     return interpreter.run(initial_env=env)
+
+
+class _Interpreter(torch.fx.Interpreter):
+    """A piece node by node: an error says the model's line the node was traced from
+    (the stack holds graphcap's frames, not the model's)."""
+
+    def run_node(self, n):
+        running = RUNNING_NODE.set(n)  # a refused host read names its line
+        try:
+            return super().run_node(n)
+        except Exception as exc:
+            site = traced_site(n)
+            if site is not None and not (isinstance(exc, CaptureError) and exc.site == site):
+                exc.add_note(f"graphcap: at {site} (the model's line this op was traced from)")
+            raise
+        finally:
+            RUNNING_NODE.reset(running)
 
 
 def _sizes(sizes) -> str:

@@ -120,3 +120,23 @@ def test_a_prefill_forward_that_reads_a_position_on_the_host_is_refused_at_captu
     ids, pos = batch([7])
     with graphcap.packed([7], DEVICE), torch.inference_mode():
         assert model(ids, pos).shape == (7, model.args.vocab_size)  # still runs eagerly
+
+
+class ItemOfOutput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * y.max().item()  # the line a refusal names
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_a_refused_host_read_names_the_models_line_under_every_strategy(strategy):
+    # Under tc_piecewise the op runs in an interpreted piece, whose stack holds graphcap's
+    # frames only: the line comes from the node's trace.
+    torch._dynamo.reset()
+    r = graphcap.capture(ItemOfOutput().to(DEVICE), strategy, buckets=[4])
+    with pytest.raises(CaptureError, match=r"test_hostsync_forms\.py:\d+ `return y \* y\.max"):
+        r(torch.randn(3, 8, device=DEVICE))
