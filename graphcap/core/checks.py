@@ -86,8 +86,13 @@ def positive_int(value, what: str, error: type[Exception] = ValueError) -> int:
 
 def host_lengths(seq_lens, what: str = "seq_lens", error: type[Exception] = BadBatch
                  ) -> list[int]:
-    """Request lengths given on the host (a list, tuple or CPU integer tensor) as ints,
-    each an integer >= 0; ``error`` names ``what`` otherwise."""
+    """Request lengths given on the host (a list, tuple, numpy array or CPU integer
+    tensor) as ints, each an integer >= 0; ``error`` names ``what`` otherwise."""
+    if isinstance(seq_lens, (torch.Tensor, np.ndarray)) and seq_lens.ndim != 1:
+        raise error(f"{what} must be one length per request (1-D), got a "
+                    f"{type(seq_lens).__name__} of shape {tuple(seq_lens.shape)}")
+    if isinstance(seq_lens, np.ndarray):
+        seq_lens = list(seq_lens)  # numpy integers, each checked as one
     if isinstance(seq_lens, torch.Tensor):
         if seq_lens.device.type != "cpu":
             raise error(f"{what} must be host values (a list or CPU tensor): reading them "

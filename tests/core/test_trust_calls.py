@@ -154,7 +154,8 @@ def test_a_break_returning_a_model_tensor_never_has_it_written_by_replays():
 # -- lengths, buckets, sizes -----------------------------------------------------------
 ODD_LENGTHS = {"floats": [5.9, 2.1], "integral floats": [5.0, 3.0], "strings": ["5", "3"],
                "bools": [True, 7], "a float tensor": torch.tensor([5.0, 3.0]),
-               "a bare int": 8, "a string": "53"}
+               "a bare int": 8, "a string": "53", "a 0-d tensor": torch.tensor(8),
+               "a float array": np.array([5.0, 3.0]), "a 2-d array": np.array([[5, 3]])}
 
 
 @pytest.mark.parametrize("case", sorted(ODD_LENGTHS))
@@ -164,6 +165,7 @@ def test_lengths_must_be_integers_and_are_never_rounded(case):
     with pytest.raises(BadBatch, match="seq_lens"):
         r(ids, pos, seq_lens=ODD_LENGTHS[case])
     close(r(ids, pos, seq_lens=[np.int64(5), torch.tensor(3)]), eager(ATTN, ids, pos, [5, 3]))
+    close(r(ids, pos, seq_lens=np.array([5, 3])), eager(ATTN, ids, pos, [5, 3]))
 
 
 @pytest.mark.parametrize("kwargs, needle", [
