@@ -74,7 +74,8 @@ _ADVICE = (
 )
 
 _HERE = os.path.dirname(os.path.abspath(__file__))  # graphcap/core: the capture machinery
-_PIECES = os.path.join(os.path.dirname(_HERE), "piecewise")  # and what runs traced pieces
+# and what runs traced pieces and feeds the model its static buffers
+_MACHINERY = tuple(os.path.join(os.path.dirname(_HERE), d) for d in ("piecewise", "inputs"))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 
@@ -83,7 +84,7 @@ def user_site(frames: Iterable[traceback.FrameSummary]) -> str | None:
     site = None
     for frame in frames:
         path = os.path.abspath(frame.filename)
-        if path.startswith((_TORCH, _HERE, _PIECES)) or "/contextlib.py" in path \
+        if path.startswith((_TORCH, _HERE, *_MACHINERY)) or "/contextlib.py" in path \
                 or frame.filename.startswith("<eval_with_key>"):  # FX's generated code
             continue
         code = (frame.line or "").strip()
@@ -228,7 +229,8 @@ def is_capture_failure(exc: BaseException) -> bool:
 
 def translate_cuda_failure(exc: BaseException) -> CaptureError:
     """Turn CUDA's capture failure into a CaptureError naming the user's line."""
-    site = user_site(traceback.extract_tb(exc.__traceback__))
+    site = getattr(exc, "graphcap_site", None) or user_site(
+        traceback.extract_tb(exc.__traceback__))
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     where = site or "an operation in the captured region"
     return CaptureError(

@@ -30,9 +30,17 @@ class Frequencies:
         self.refresh()
 
     def refresh(self) -> None:
-        """The stock function's result for the config as it is now."""
+        """The stock function's result for the config as it is now, written into the
+        tensors held (graphs captured before read them) where it has their shape."""
         inv_freq, self.scaling = self.stock(self.module.config)
-        self.held = {inv_freq.device: inv_freq}
+        held = getattr(self, "held", {})
+        if not held or any(t.shape != inv_freq.shape for t in held.values()):
+            self.held = {inv_freq.device: inv_freq}
+            return
+        with torch.inference_mode():  # the copies may be inference tensors
+            for t in held.values():
+                if not torch.equal(t, now := inv_freq.to(t.device)):
+                    t.copy_(now)
 
     def __call__(self, config, *args, **kwargs):
         if args or kwargs or config is not self.module.config:

@@ -319,6 +319,7 @@ class _Interpreter(torch.fx.Interpreter):
         except Exception as exc:
             site = traced_site(n)
             if site is not None and not (isinstance(exc, CaptureError) and exc.site == site):
+                exc.graphcap_site = site  # CUDA's refusal, translated later, names it too
                 exc.add_note(f"graphcap: at {site} (the model's line this op was traced from)")
             raise
         finally:

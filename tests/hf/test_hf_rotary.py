@@ -85,3 +85,18 @@ def test_a_capture_sees_the_config_as_it_is_and_a_rotary_module_put_in_since():
     lm.graphcap_before_capture()
     assert isinstance(fresh.rope_init_fn, rotary.Frequencies)
     assert torch.equal(fresh.rope_init_fn(model.config)[0], want)
+
+
+def test_the_frequencies_graphs_read_stay_the_same_tensors_capture_after_capture():
+    # generate() captures a prefill runner, then a decode runner: the second capture's
+    # set-up must not replace (and free) the tensor the first runner's graphs read.
+    model, module = phimoe()
+    lm = PrefillLM(model)
+    lm.graphcap_before_capture()
+    read = module.rope_init_fn(model.config)[0]
+    lm.graphcap_before_capture()
+    assert module.rope_init_fn(model.config)[0] is read
+    model.config.rope_parameters["rope_theta"] = 500.0  # a change: the same tensor, rewritten
+    lm.graphcap_before_capture()
+    assert module.rope_init_fn(model.config)[0] is read
+    assert torch.equal(read, module.rope_init_fn.stock(model.config)[0].to(DEVICE))
