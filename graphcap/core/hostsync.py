@@ -229,8 +229,12 @@ def is_capture_failure(exc: BaseException) -> bool:
 
 def translate_cuda_failure(exc: BaseException) -> CaptureError:
     """Turn CUDA's capture failure into a CaptureError naming the user's line."""
-    site = getattr(exc, "graphcap_site", None) or user_site(
-        traceback.extract_tb(exc.__traceback__))
+    frames = traceback.extract_tb(exc.__traceback__)
+    # Inside an interpreted piece: a frame of the model's below the interpreter (a custom
+    # op's), else the line the node was traced from.
+    inner = [i for i, f in enumerate(frames) if f.filename.endswith("fx/interpreter.py")]
+    site = (user_site(frames[inner[-1] + 1:]) if inner else None) or getattr(
+        exc, "graphcap_site", None) or user_site(frames)
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     where = site or "an operation in the captured region"
     return CaptureError(

@@ -24,8 +24,9 @@ is a new view of the same memory (``p.data = p.data.t()``), whose address is unc
 In-place updates (``p.copy_(new)``, ``load_state_dict`` without ``assign``) keep every
 slot and address, so replays see them, as eager does.
 
-It records autocast too (on the CPU and on CUDA): a graph computes in the dtypes of its
-capture, so a call under other autocast settings is a change like the others.
+It records autocast too (of the kinds of device the model's tensors are on): a graph
+computes in the dtypes of its capture, so a call under other autocast settings is a
+change like the others.
 
 Python attributes (an ``eps``, a flag, ``training``, a plain tensor attribute that is no
 parameter or buffer) are not compared: they are baked into the graphs at capture, as in
@@ -130,11 +131,11 @@ def _plain_tensors(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def autocast_state() -> tuple:
-    """The dtype autocast runs a forward in on the CPU and on CUDA (None: off): the
+def autocast_state(kinds: tuple[str, ...] = ("cpu", "cuda")) -> tuple:
+    """The dtype autocast runs a forward in on each kind of device (None: off): the
     graphs compute in the dtypes of their capture, whatever a later call runs under."""
     return tuple(torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None
-                 for d in ("cpu", "cuda"))
+                 for d in kinds)
 
 
 def held_tensors(model: nn.Module) -> list[torch.Tensor]:
@@ -192,13 +193,16 @@ class ModelSnapshot:
         self._stored_ptrs = [p for p in ptrs if p >= 0]
         self._registrations = _REGISTRATIONS[0]
         self._frozen = _plain_tensors(model)  # what the graphs read, kept alive
-        self._autocast = autocast_state()
+        # Autocast of the kinds of device the model's tensors are on (both: none).
+        self._kinds = tuple(sorted({t.device.type for t in tensors} & {"cpu", "cuda"})) \
+            or ("cpu", "cuda")
+        self._autocast = autocast_state(self._kinds)
         self.model = model
 
     def current(self) -> bool:
         """Whether every slot holds the tensor (or module) it held at capture, at the same
         address, and autocast as it was. Cheap enough for every call."""
-        if autocast_state() != self._autocast:
+        if autocast_state(self._kinds) != self._autocast:
             return False
         if self._registrations != _REGISTRATIONS[0] or not _HOOKED:
             if not (self._modules.same() and self._containers.same_order()
@@ -215,8 +219,9 @@ class ModelSnapshot:
     def changes(self, limit: int = 5) -> list[str]:
         """What differs from capture, one line per slot (at most ``limit`` of them)."""
         out = self._containers.changes()
-        if (now := autocast_state()) != self._autocast:
-            out.append(f"autocast (cpu, cuda): {now}; at capture {self._autocast}")
+        if (now := autocast_state(self._kinds)) != self._autocast:
+            out.append(f"autocast on {', '.join(self._kinds)}: {now} (None: off); at "
+                       f"capture {self._autocast}")
         for now, then in zip(_names(self.model), map(set, self._names), strict=True):
             out += [f"{name}: added" for name in now if name not in then]
         for d, k, name, held in zip(self._modules.dicts, self._modules.keys,
@@ -248,20 +253,38 @@ class ModelSnapshot:
 
 
 
+
+def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters(remove_duplicate=False)),
+            **dict(model.named_buffers(remove_duplicate=False))}
+
+
+def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+            and torch.equal(a, b))
+
+
 def settled(model: nn.Module, what: str, run):
-    """``run()`` (an eager warm-up forward), once more where it replaced a parameter,
-    buffer or submodule of ``model`` (made lazily: at the first call, for a new size). A
-    forward that replaces one on every call (``self.state = f(self.state)``) is refused:
-    a graph reads the tensor each slot held as its capture began, so every replay would
-    read that one, and assign nothing."""
-    for _ in range(2):
-        before = ModelSnapshot(model)
-        out = run()
-        if before.current():
-            return out
+    """``run()`` (an eager warm-up forward), once more where it replaced a parameter or
+    buffer of ``model`` (made lazily: at the first call, for a new size). A forward that
+    replaces one with another value on every call (``self.state = f(self.state)``) is
+    refused: a graph reads the tensor each slot held as its capture began, so every
+    replay would read that one, and assign nothing. One rebuilt alike on every call (a
+    mask made from constants) is rebuilt inside the graph by every replay: captured."""
+    before = _named_tensors(model)
+    out = run()
+    first = _named_tensors(model)
+    if first.keys() == before.keys() and all(first[n] is t for n, t in before.items()):
+        return out
+    out = run()
+    second = _named_tensors(model)
+    moving = [n for n, t in second.items() if n in first and t is not first[n]
+              and not _same_value(t, first[n])]
+    if not moving:
+        return out
     raise UnsupportedModel(
-        f"{type(model).__name__}'s forward replaced what the model holds in {what}, and "
-        f"again when run once more ({'; '.join(before.changes())}): a graph reads the "
-        "tensor each slot held as its capture began, so every replay would read that one "
-        "and assign nothing. Update such state in place (self.state.copy_(new)), or keep "
-        "it outside the model and pass it in")
+        f"{type(model).__name__}'s forward gives {', '.join(moving[:5])} another value on "
+        f"every call ({what}, run twice): a graph reads the tensor each slot held as its "
+        "capture began, so every replay would read that one and assign nothing. Update "
+        "such state in place (self.state.copy_(new)), or keep it outside the model and "
+        "pass it in")

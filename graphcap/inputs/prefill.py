@@ -36,8 +36,9 @@ class PrefillInputs(Inputs):
         try:
             lens = checks.check_packed_call(args, kwargs, set(), self.device,
                                             self.per_request)
-        except BadBatch as exc:
-            if self.guessed:
+        except BadBatch as exc:  # ids not 1-D, or no seq_lens: a model of tensors?
+            ids = args[0] if args else None
+            if self.guessed and (getattr(ids, "ndim", 1) != 1 or "seq_lens" not in kwargs):
                 exc.add_note(f"graphcap: {self.name} is taken for a model of packed requests "
                              "because its forward's first parameters are named input_ids, "
                              "positions; a model of tensors along dim 0 (a [batch, seq] "

@@ -140,3 +140,44 @@ def test_a_refused_host_read_names_the_models_line_under_every_strategy(strategy
     r = graphcap.capture(ItemOfOutput().to(DEVICE), strategy, buckets=[4])
     with pytest.raises(CaptureError, match=r"test_hostsync_forms\.py:\d+ `return y \* y\.max"):
         r(torch.randn(3, 8, device=DEVICE))
+
+
+_CALLS = [0]
+
+
+@torch.library.custom_op("graphcap_test::refused_at_capture", mutates_args=())
+def _refused_at_capture(y: torch.Tensor) -> torch.Tensor:
+    _CALLS[0] += 1
+    if _CALLS[0] >= 2:  # the capture, after the warm-up: CUDA's own refusal, as CUDA says it
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    return y * 2
+
+
+@_refused_at_capture.register_fake
+def _(y):
+    return torch.empty_like(y)
+
+
+class CallsARefusedOp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _refused_at_capture(self.lin(x))  # the node's traced line
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="simulates CUDA's refusal on the emulator")
+def test_cudas_refusal_in_a_piece_names_the_ops_own_line_before_the_traced_one():
+    from graphcap.core.hostsync import translate_cuda_failure
+
+    torch._dynamo.reset()
+    _CALLS[0] = 0
+    r = graphcap.capture(CallsARefusedOp(), "tc_piecewise", buckets=[4])
+    with pytest.raises(RuntimeError) as info:
+        r(torch.randn(3, 8))
+    assert "`return _refused_at_capture(self.lin(x))" in info.value.graphcap_site
+    message = str(translate_cuda_failure(info.value))
+    assert "`raise RuntimeError(\"CUDA error" in message, message
+    del info.value.__dict__["graphcap_site"]  # what the traceback alone says, past pieces
+    assert "test_hostsync_forms.py" in str(translate_cuda_failure(info.value))

@@ -368,7 +368,8 @@ def test_a_forward_that_reassigns_its_buffer_on_every_call_is_refused(strategy):
     torch._dynamo.reset()
     m = RunningState().to(DEVICE)
     r = graphcap.capture(m, strategy, buckets=[4])
-    with pytest.raises(UnsupportedModel, match=r"state: another tensor.*in place"):
+    with pytest.raises(UnsupportedModel, match=r"gives state another value on every call.*"
+                       r"in place"):
         r(torch.randn(4, 4, device=DEVICE))
 
 
@@ -423,3 +424,34 @@ def test_a_prefill_model_by_its_parameter_names_says_so_when_a_call_is_refused()
     assert "inputs='tensors'" in str(info.value.__notes__)
     torch.testing.assert_close(graphcap.capture(m, "full", buckets=[4, 8],
                                                 inputs="tensors")(ids, pos), m(ids, pos))
+
+
+class RebuiltMask(torch.nn.Module):
+    """A mask registered anew from constants on every call, at one size or two (an
+    hourglass block): each replay rebuilds it inside the graph."""
+
+    def __init__(self, sizes=1):
+        super().__init__()
+        self.lin, self.sizes = torch.nn.Linear(8, 8), sizes
+
+    def forward(self, x):
+        n = x.shape[0]
+        if self.sizes == 2:
+            self.register_buffer("mask", torch.tril(torch.ones(n // 2, n // 2,
+                                                               device=x.device)))
+        self.register_buffer("mask", torch.tril(torch.ones(n, n, device=x.device)))
+        return self.mask @ self.lin(x)
+
+
+@pytest.mark.parametrize("strategy", ["breakable", "full"])  # a size in a branch: no Dynamo
+@pytest.mark.parametrize("sizes", [1, 2])
+def test_a_buffer_rebuilt_alike_on_every_call_is_captured_and_replays_right(strategy, sizes):
+    torch.manual_seed(0)
+    m = RebuiltMask(sizes).to(DEVICE)
+    r = graphcap.capture(m, strategy, buckets=[4, 8])
+    for n in (8, 4, 8):
+        x = torch.randn(n, 8, device=DEVICE)
+        with torch.inference_mode():
+            want = torch.tril(torch.ones(n, n, device=DEVICE)) @ m.lin(x)
+        atol, rtol = tolerance()
+        torch.testing.assert_close(r(x), want, atol=atol, rtol=rtol)
