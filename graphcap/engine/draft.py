@@ -141,13 +141,15 @@ class DraftModel:
             if a != b:
                 break
             same += 1
+        # held first: interrupted between the two, it claims fewer tokens than the cache
+        # has written (rewritten by the next catch-up), never more
         if want and (same == 0 or len(want) - same > self.k + 1):
-            self.cache.rewind(slot, 0)
             self.held[slot] = []  # nothing kept, also if the prefill raises part-way
+            self.cache.rewind(slot, 0)
             self._prefill(slot, want)
             return
-        self.cache.rewind(slot, same)
         self.held[slot] = want[:same]
+        self.cache.rewind(slot, same)
 
     def _prefill(self, slot: int, tokens: list[int]) -> None:
         self.engine.live[slot] = Request(0, tokens, Sampling(), length=len(tokens))

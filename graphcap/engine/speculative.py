@@ -172,7 +172,7 @@ class Verifier:
                                sampling=[r.sampling for r in live])
         if self.reads_hidden:
             out, hidden = out
-            self.hidden[index] = hidden
+            self.hidden[index] = hidden.to(self.hidden.dtype)  # the head's dtype
         out = out.tolist()
         verified = time.perf_counter()
         gained = {}
@@ -199,7 +199,7 @@ class Verifier:
             raise ValueError(f"the proposer's hidden_size is {width}, but the target's "
                              f"hidden states are {hidden.shape[-1]} wide: give the "
                              "proposer the target's hidden width")
-        self.hidden[index] = hidden
+        self.hidden[index] = hidden.to(self.hidden.dtype)  # a head of its own dtype
         for slot, request in zip(slots, live, strict=True):
             self.owner[slot] = request
 

@@ -116,6 +116,27 @@ def test_a_call_interrupted_in_a_slots_new_prefill_keeps_none_of_its_old_tokens(
     assert llm.generate(PROMPTS[:1], NEW)[0].tokens == truth()[0][:NEW]
 
 
+def test_a_call_interrupted_as_the_draft_rewinds_a_slot_leaves_speculation_usable(
+        monkeypatch):
+    # Ctrl-C landing just after the draft's cache let go of the slot's old tokens: what the
+    # draft says it holds is never more than its cache has written.
+    draft = DraftModel(other_draft(), K)
+    llm = LLM(model(), max_batch=1, max_len=32, prefill_tokens=8, progress=False,
+              speculative=draft)
+    llm.generate(PROMPTS[:1], NEW)
+    real = draft.cache.rewind
+
+    def interrupted(slot, keep):
+        monkeypatch.setattr(draft.cache, "rewind", real)
+        real(slot, keep)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(draft.cache, "rewind", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS[1:2], NEW)
+    assert llm.generate(PROMPTS[:1], NEW)[0].tokens == truth()[0][:NEW]
+
+
 def test_a_draft_given_to_an_llm_that_failed_to_build_serves_the_next_one():
     draft = DraftModel(other_draft(), K)
     with pytest.raises(Exception, match="no attention backend 'nope'"):
