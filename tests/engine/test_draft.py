@@ -94,14 +94,20 @@ def test_a_call_interrupted_in_the_drafts_first_prefill_leaves_speculation_usabl
     assert llm.generate(PROMPTS[:1], NEW)[0].tokens == truth()[0][:NEW]
 
 
-def test_a_call_interrupted_in_a_slots_new_prefill_keeps_none_of_its_old_tokens(
-        monkeypatch):
-    # The slot held the last request's tokens; its new prefill starts from 0 and raises
-    # part-way: the draft holds nothing of the slot, so the next call prefills it anew.
+def served_once() -> tuple[DraftModel, LLM]:
+    """A draft and an LLM of one slot that served the first prompt."""
     draft = DraftModel(other_draft(), K)
     llm = LLM(model(), max_batch=1, max_len=32, prefill_tokens=8, progress=False,
               speculative=draft)
     llm.generate(PROMPTS[:1], NEW)
+    return draft, llm
+
+
+def test_a_call_interrupted_in_a_slots_new_prefill_keeps_none_of_its_old_tokens(
+        monkeypatch):
+    # The slot held the last request's tokens; its new prefill starts from 0 and raises
+    # part-way: the draft holds nothing of the slot, so the next call prefills it anew.
+    draft, llm = served_once()
     (slot,) = draft.held
     real = draft.engine.prefill
 
@@ -120,10 +126,7 @@ def test_a_call_interrupted_as_the_draft_rewinds_a_slot_leaves_speculation_usabl
         monkeypatch):
     # Ctrl-C landing just after the draft's cache let go of the slot's old tokens: what the
     # draft says it holds is never more than its cache has written.
-    draft = DraftModel(other_draft(), K)
-    llm = LLM(model(), max_batch=1, max_len=32, prefill_tokens=8, progress=False,
-              speculative=draft)
-    llm.generate(PROMPTS[:1], NEW)
+    draft, llm = served_once()
     real = draft.cache.rewind
 
     def interrupted(slot, keep):
