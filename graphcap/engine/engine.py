@@ -150,13 +150,22 @@ class Engine:
                                                               hidden=self.hidden))
 
     def admit(self, slot: int, request: Request, max_new_tokens: int) -> None:
-        self.cache.admit(slot, len(request.prompt) + max_new_tokens)
+        # live first, then the cache: interrupted anywhere (a Ctrl-C), the slot is live or
+        # free in both, or live alone, which release() frees
         request.length = len(request.prompt)
         self.live[slot] = request
+        try:
+            self.cache.admit(slot, len(request.prompt) + max_new_tokens)
+        except BaseException:  # refused (CacheFull), or interrupted once it admitted
+            self.release(slot)
+            raise
 
     def release(self, slot: int) -> Request:
-        self.cache.release(slot)
-        return self.live.pop(slot)
+        """The slot's request, its cache pages freed (none: admitted live alone)."""
+        request = self.live.pop(slot)
+        if self.cache.capacity(slot):
+            self.cache.release(slot)
+        return request
 
     def prefill(self, slots: list[int]) -> list[tuple[int, int]]:
         """The prompts of ``slots`` into the cache, on the prefill graphs, in calls of at

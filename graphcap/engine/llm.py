@@ -197,9 +197,11 @@ class LLM:
         try:
             yield from self._loop(requests, max_new_tokens, stops, texts, speculate)
         finally:
-            for slot in list(self.engine.live):  # an error, or a stream left unfinished
-                self.engine.release(slot)
-            self._idle.release()
+            try:
+                for slot in list(self.engine.live):  # an error, or a stream left unfinished
+                    self.engine.release(slot)
+            finally:
+                self._idle.release()
 
     def report(self) -> dict:
         """Per runner (decode, prefill, extend; verify and verify_sampled, speculation's

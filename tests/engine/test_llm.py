@@ -311,3 +311,24 @@ def test_prompts_as_numpy_or_tensor_rows_are_the_same_prompts_as_lists():
         llm().generate(np.array(PROMPTS[0]), 3)
     with pytest.raises(ValueError, match="prompt 0 must be a non-empty list of token ids"):
         llm().generate([np.array(PROMPTS[0], dtype=np.float32)], 3)
+
+
+@pytest.mark.parametrize("where", ["cache.admit", "cache.release"])
+def test_a_ctrl_c_inside_the_engines_bookkeeping_leaves_the_llm_serving(where, monkeypatch):
+    # A KeyboardInterrupt right after the cache admitted or released a slot, before the
+    # engine recorded it: the next calls are served, token for token.
+    fresh = LLM(model(), max_batch=2, max_len=32, prefill_tokens=8, progress=False)
+    cache = fresh.engine.cache
+    real = getattr(cache, where.split(".")[1])
+
+    def interrupted(*args):
+        monkeypatch.setattr(cache, real.__name__, real)
+        real(*args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cache, real.__name__, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        fresh.generate(PROMPTS[:2], NEW)
+    for _ in range(2):
+        assert [c.tokens for c in fresh.generate(PROMPTS[:2], NEW)] == \
+            [t[:NEW] for t in truth()[:2]]
