@@ -4,8 +4,8 @@ into its bucket, slicing outputs, eager fallback and its counters; a strategy de
 each shape is captured (:mod:`graphcap.core.strategy`), an inputs object what the model's
 arguments are (:mod:`graphcap.core.inputs`).
 
-A runner serves one call at a time (calls from several threads are serialised), and
-checks on every call that the model is the one it captured (:mod:`graphcap.core.snapshot`).
+A runner serves one call at a time (calls from several threads are serialised), and checks
+on every call that the model is the one it captured (:mod:`graphcap.core.snapshot`).
 """
 
 from __future__ import annotations
@@ -72,8 +72,7 @@ class ShapeEntry:
     breaks: int = 0
     splits_in_graph: int = 0
     # The model's tensors as this shape's capture began, which its graph may read: held,
-    # so that one the model replaces while later shapes build (a mask made lazily for
-    # each size) is never freed under this graph.
+    # so that one replaced as later shapes build (a lazy mask) is never freed under it.
     kept: tuple = ()
 
 
@@ -84,8 +83,7 @@ class Runner:
                  source: torch.nn.Module | None = None):
         self.model, self.strategy, self.config, self.inputs = model, strategy, config, inputs
         self.device = inputs.device
-        # The module whose parameters and buffers the graphs read (``model`` unless that
-        # is a compiled wrapper of it).
+        # The module whose tensors the graphs read (``model`` unless a compiled wrapper).
         self.source = source if source is not None else model
         self.pool = new_pool(self.device)
         self.stats = Stats()
@@ -151,7 +149,7 @@ class Runner:
     def _together(self, what: str):
         """Where a split model's ranks run collectives together (a no-op unsplit)."""
         ranks = self.config.ranks
-        return ranks.together(what) if ranks is not None else contextlib.nullcontext()
+        return contextlib.nullcontext() if ranks is None else ranks.together(what)
 
     def _route(self, batch: Batch) -> tuple[ShapeEntry | None, str]:
         """Replay a shape, run eagerly, or refuse, and why (one reason per branch)."""
@@ -357,8 +355,9 @@ class Runner:
     def _warm_up(self, bucket: int, state, sizes: bool = False) -> None:
         start = time.perf_counter()
         with self.pool.warmup(sizes=sizes), self.strategy.watch(bucket):
-            flat, _ = tree_flatten(settled(self.source, f"the warm-up of {bucket} tokens",
-                                           lambda: self.inputs.forward(self.model, bucket, state)))
+            out, runs = settled(self.source, f"the warm-up of {bucket} tokens",
+                                lambda: self.inputs.forward(self.model, bucket, state))
+            flat, _ = tree_flatten(out)
             check_outputs(flat, bucket, self.inputs, self._outputs)
             outs = [(o.shape[1:], o.dtype, o.device) for o in flat]
             # Freed before the warm-up ends: a sizing warm-up counts them as transient,
@@ -368,7 +367,7 @@ class Runner:
             rows = self.inputs.rows(self.max_tokens)
             self._outputs = [torch.empty((rows, *tail), dtype=dtype, device=device)
                              for tail, dtype, device in outs]
-        self.stats.warmups += 1
+        self.stats.warmups += runs
         self.stats.warmup_s += time.perf_counter() - start
 
     def _capture_timed(self, bucket: int, state) -> None:
@@ -391,10 +390,11 @@ class Runner:
         shape the graphs replayed (``segments``), the functions run eagerly between them
         (``breaks``), the split ops captured in a graph (``splits_in_graph``); graph
         memory, build seconds, counters; ``warmups``: eager warm-up forwards before
-        captures, ``warmup_retries``: shapes whose direct capture failed and were warmed
-        up and captured again; what the inputs report (prefill: ``attention``, the
-        backend the captured forward called, None if none); ``host_us_per_replay``: the
-        mean host time of a replayed call, from taking the runner's lock to the graph's
-        launch returning (checks, routing, staging; not the GPU's, nor a wait's)."""
+        captures (a warm-up that made a parameter or buffer counts twice: it ran again),
+        ``warmup_retries``: shapes whose direct capture failed and were warmed up and
+        captured again; what the inputs report (prefill: ``attention``, the backend the
+        captured forward called, None if none); ``host_us_per_replay``: the mean host time
+        of a replayed call, from taking the lock to the graph's launch returning (checks,
+        routing, staging; not the GPU's, nor a wait's)."""
         with self._serial:
             return report_of(self)

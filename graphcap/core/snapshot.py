@@ -271,25 +271,26 @@ def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
             and torch.equal(a, b))
 
 
-def settled(model: nn.Module, what: str, run):
-    """``run()`` (an eager warm-up forward), once more where it replaced a parameter or
-    buffer of ``model`` (made lazily: at the first call, for a new size). A forward that
-    replaces one with another value on every call (``self.state = f(self.state)``) is
-    refused: a graph reads the tensor each slot held as its capture began, so every
-    replay would read that one, and assign nothing. One rebuilt alike on every call (a
-    mask made from constants) is rebuilt inside the graph by every replay: captured."""
+def settled(model: nn.Module, what: str, run) -> tuple[object, int]:
+    """``run()`` (an eager warm-up forward) and how many times it ran: once more where it
+    replaced a parameter or buffer of ``model`` (made lazily: at the first call, for a new
+    size). A forward that replaces one with another value on every call (``self.state =
+    f(self.state)``) is refused: a graph reads the tensor each slot held as its capture
+    began, so every replay would read that one, and assign nothing. One rebuilt alike on
+    every call (a mask made from constants) is rebuilt inside the graph by every replay:
+    captured."""
     before = _held(model)
     out = run()
     after = _held(model)
     if len(after) == len(before) and all(map(operator.is_, after, before)):
-        return out
+        return out, 1
     first = _named_tensors(model)
     out = run()
     second = _named_tensors(model)
     moving = [n for n, t in second.items() if n in first and t is not first[n]
               and not _same_value(t, first[n])]
     if not moving:
-        return out
+        return out, 2
     raise UnsupportedModel(
         f"{type(model).__name__}'s forward gives {', '.join(moving[:5])} another value on "
         f"every call ({what}, run twice): a graph reads the tensor each slot held as its "
