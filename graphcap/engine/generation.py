@@ -55,13 +55,29 @@ def generate(model, prompts, max_new_tokens: int, *, strategy: str = "full",
     id unless given). ``progress``: a bar of the tokens generated (``None``: on runs of at
     least ``LONG_RUN`` tokens). ``speculative``: a proposer (``k`` and
     ``propose(tokens)``) whose proposals verify graphs check (``LLM``'s). Build an ``LLM``
-    once to generate many times.
+    once to generate many times. A transformers model passed as it is is wrapped for the
+    call (``graphcap.hf.PrefillLM``) and goes back as it came, unless a wrapper of it
+    lives.
 
         out = graphcap.generate(model, [[1, 5, 9], [1, 7]], max_new_tokens=32)
         out.tokens            # [[...], [...]]
         out.report            # steps, replays, fallbacks, graph pool bytes
     """
+    given = model
     model, _ = resolve(model)  # wrapped once, here: the LLM below takes it as it is
+    # A transformers model wrapped for this call alone goes back as it came, to be called
+    # or to generate() on its own again.
+    wrapped = model is not given and getattr(model, "first_wrapper", False)
+    try:
+        return _generate(model, prompts, max_new_tokens, strategy, max_batch, stop_tokens,
+                         sampling, page_size, prefill_tokens, progress, speculative)
+    finally:
+        if wrapped:
+            model.release()
+
+
+def _generate(model, prompts, max_new_tokens, strategy, max_batch, stop_tokens, sampling,
+              page_size, prefill_tokens, progress, speculative) -> Generation:
     with entry(model, "generate()") as key:  # a split model's ranks refuse together
         shape = cache_shape(model)
         prompts = check_prompts(prompts, shape.vocab_size)

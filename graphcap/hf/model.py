@@ -249,6 +249,7 @@ class PrefillLM(nn.Module):
                 _give_back(hf_model, self._came_as)
             raise
         hf_model.__dict__[_CAME_AS] = self._came_as
+        self.first_wrapper = first  # no other wrapper of the model held it as this began
         log.info("graphcap.hf: %s: %s", type(hf_model).__name__, self.kernels.summary())
 
     def release(self) -> nn.Module:

@@ -71,3 +71,28 @@ def test_breakable_generates_what_eager_generates_for_a_stock_model():
     got = graphcap.generate(lm, PROMPTS, NEW, strategy="breakable", sampling=sampling,
                             prefill_tokens=16)
     assert got.tokens == want.tokens
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_generate_gives_a_stock_model_it_wrapped_back_as_it_came(family):
+    # Passed as it is, the model is wrapped for the call; after it, its own forward and
+    # transformers' generate() run as before (graphcap attention and kernels taken out).
+    ref = hf_model(family).to(DEVICE)
+    model = copy.deepcopy(ref)
+    attention = model.config._attn_implementation
+    got = graphcap.generate(model, PROMPTS, NEW, strategy="full", max_batch=2,
+                            prefill_tokens=16)
+    assert model.config._attn_implementation == attention
+    ids = torch.tensor([PROMPTS[2]], device=DEVICE)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits)
+    assert [transformers_greedy(model, p) for p in PROMPTS] == got.tokens
+
+
+def test_generate_leaves_a_model_another_wrapper_holds_as_that_wrapper_set_it():
+    model = hf_model("llama").to(DEVICE)
+    lm = PrefillLM(model, logits="last")
+    graphcap.generate(model, PROMPTS[:1], NEW, strategy="eager")
+    assert model.config._attn_implementation == "graphcap"
+    assert lm.kernels.summary()  # still wrapped: the wrapper is usable
+    graphcap.generate(lm, PROMPTS[:1], NEW, strategy="eager")
