@@ -201,6 +201,56 @@ def test_check_op_fails_on_a_kernel_that_writes_an_undeclared_argument():
         check_op(name, kernel="sneaky", dtypes=(torch.float32,), examples=10, opcheck=False)
 
 
+def _column_major_double(x):
+    return (x * 2).t().contiguous().t()  # the right values, column-major
+
+
+def test_check_op_fails_on_a_kernel_or_fake_whose_strides_are_not_the_references():
+    # Inductor asserts the strides the fake gave (assert_size_stride), so a kernel that
+    # returns the right values column-major fails a compiled model: check_op says so.
+    from graphcap.opsdb import Kernel
+
+    name = _register_once(
+        "graphcap_test::column_major", "(Tensor x) -> Tensor", reference=lambda x: x * 2,
+        kernels={"colmajor": Kernel(_column_major_double, devices=("cpu", "cuda"))},
+        inputs=_rows)
+    with pytest.raises(AssertionError, match=r"strides \(1, "):
+        check_op(name, kernel="colmajor", dtypes=(torch.float32,), examples=10,
+                 opcheck=False)
+    name = _register_once(
+        "graphcap_test::column_major_fake", "(Tensor x) -> Tensor",
+        reference=lambda x: x * 2, fake=lambda x: x.new_empty(x.shape[::-1]).t(),
+        inputs=_rows)
+    with pytest.raises(AssertionError, match="its fake returns"):
+        check_op(name, dtypes=(torch.float32,), examples=10, opcheck=False)
+
+
+def _rows_nan_when_long(device, dtype):
+    """Rows of 2 to 8 tokens; from 6 tokens on (the largest examples) one value NaN."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def draw(d):
+        t = d(st.integers(2, 8))
+        gen = torch.Generator().manual_seed(d(st.integers(0, 2**31 - 1)))
+        x = torch.randn(t, 4, generator=gen)
+        if t >= 6:
+            x[-1, -1] = float("nan")
+        return (x.to(device, dtype),)
+
+    return draw()
+
+
+def test_opcheck_prefers_examples_whose_outputs_are_finite():
+    # opcheck compares the traced op's outputs with eager's by assert_close, NaN unequal
+    # to NaN: an op that passes NaN on (moe_topk_softmax on a NaN logit) must not fail
+    # check_op for it when finite examples were drawn too.
+    name = _register_once("graphcap_test::nan_through", "(Tensor x) -> Tensor",
+                          reference=lambda x: x * 2, inputs=_rows_nan_when_long)
+    report = check_op(name, kernel="torch", dtypes=(torch.float32,), examples=20)
+    assert report.opchecked == 3
+
+
 def test_opcheck_runs_on_several_non_degenerate_examples():
     calls = []
     import graphcap.testing.ops as ops

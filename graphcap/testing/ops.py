@@ -138,12 +138,25 @@ def _check_fake(spec: OpSpec, args, want: list[torch.Tensor]) -> None:
     fakes = tree_map(lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a, args)
     with mode:
         out = tensor_leaves(_overload(spec)(*fakes))
-    real = want[:len(want) - sum(args[i] is not None for i in _written(spec))]
-    got = [(tuple(t.shape), t.dtype, t.device.type) for t in out]
-    expected = [(tuple(t.shape), t.dtype, t.device.type) for t in real]
+    real = _outputs(spec, args, want)
+    got, expected = [_layout(t) for t in out], [_layout(t) for t in real]
     assert got == expected, (
-        f"{spec.qualname}: its fake returns {got} but the op returns {expected} on inputs "
-        f"{describe(args)}: fix the fake (torch.compile and the graphs trust it)")
+        f"{spec.qualname}: its fake returns {got} but the op returns {expected} (shape, "
+        f"dtype, device, strides) on inputs {describe(args)}: fix the fake (torch.compile "
+        f"and the graphs trust it; Inductor asserts the strides it was told)")
+
+
+def _outputs(spec: OpSpec, args, results: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The returned tensors of ``_results``' list (the written arguments left out)."""
+    return results[:len(results) - sum(args[i] is not None for i in _written(spec))]
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """What Inductor checks of an op's output (``assert_size_stride``): its shape, dtype,
+    device, and the stride of each dim of more than one element (none of an empty one)."""
+    strides = () if t.numel() == 0 else tuple(
+        st if n > 1 else None for n, st in zip(t.shape, t.stride(), strict=True))
+    return tuple(t.shape), t.dtype, t.device.type, strides
 
 
 def compare(spec: OpSpec, kernel: str, args, atol: float, rtol: float) -> float:
@@ -153,9 +166,10 @@ def compare(spec: OpSpec, kernel: str, args, atol: float, rtol: float) -> float:
     assert len(got) == len(want), f"{spec.qualname}[{kernel}]: {len(got)} results"
     worst = 0.0
     for g, w in zip(got, want, strict=True):
-        assert g.shape == w.shape and g.dtype == w.dtype, (
-            f"{spec.qualname}[{kernel}]: got {g.dtype}{tuple(g.shape)}, "
-            f"want {w.dtype}{tuple(w.shape)}")
+        assert _layout(g) == _layout(w), (
+            f"{spec.qualname}[{kernel}]: got {g.dtype}{tuple(g.shape)} strides {g.stride()}, "
+            f"want {w.dtype}{tuple(w.shape)} strides {w.stride()} (the reference's, which "
+            f"the fake must give) on inputs {describe(args)}")
         diff = (g.double() - w.double()).abs()[~(g.isnan() & w.isnan())]
         err = diff.max().item() if diff.numel() else 0.0
         worst = max(worst, err)
@@ -166,10 +180,13 @@ def compare(spec: OpSpec, kernel: str, args, atol: float, rtol: float) -> float:
     return worst
 
 
-def _richness(args) -> tuple[bool, int]:
-    """How well an example exercises opcheck: every tensor with two or more elements
-    along each dim and values that are not all equal (a mutation of a constant or empty
-    tensor can leave it as it was), then its size."""
+def _richness(args, outputs=()) -> tuple[bool, bool, int]:
+    """How well an example exercises opcheck: finite outputs first (opcheck compares the
+    traced op's outputs with eager's by ``assert_close``, for which NaN differs from NaN),
+    then every tensor with two or more elements along each dim and values that are not
+    all equal (a mutation of a constant or empty tensor can leave it as it was), then its
+    size."""
+    finite = all(bool(t.isfinite().all()) for t in outputs if t.is_floating_point())
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
 
     def rich(t: torch.Tensor) -> bool:
@@ -177,7 +194,7 @@ def _richness(args) -> tuple[bool, int]:
             return True
         return min(t.shape) >= 2 and bool((t != t.flatten()[0]).any())
 
-    return bool(tensors) and all(map(rich, tensors)), sum(t.numel() for t in tensors)
+    return finite, bool(tensors) and all(map(rich, tensors)), sum(t.numel() for t in tensors)
 
 
 def check_op(op, kernel: str | None = None, *, reference=None, inputs=None, device="cpu",
@@ -247,16 +264,17 @@ def check_op(op, kernel: str | None = None, *, reference=None, inputs=None, devi
 def _check_dtype(spec, strategy, names, examples, atol, rtol, opchecks, report):
     from hypothesis import HealthCheck, given, settings
 
-    candidates: list[tuple[tuple[bool, int], tuple]] = []
+    candidates: list[tuple[tuple[bool, bool, int], tuple]] = []
 
     @settings(max_examples=examples, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
     @given(strategy)
     def run(args):
         report.examples += 1
-        _check_fake(spec, args, _results(spec, "torch", spec.reference, args))
+        want = _results(spec, "torch", spec.reference, args)
+        _check_fake(spec, args, want)
         if opchecks:
-            candidates.append((_richness(args), _clone(args)))
+            candidates.append((_richness(args, _outputs(spec, args, want)), _clone(args)))
             candidates.sort(key=lambda c: c[0], reverse=True)
             del candidates[opchecks:]
         for name in names:
