@@ -105,6 +105,10 @@ class LLM:
         bound = self.shape.max_position
         # A verify step writes its k proposals past a request's last token: room for them.
         self.room = check_proposer(speculative) if speculative is not None else 0
+        if self.room >= bound:
+            raise ValueError(f"the proposer's k = {self.room} leaves no room under the "
+                             f"model's max_position {bound} (a verify step writes k "
+                             "tokens past a request's last): give it a smaller k")
         self.max_len = positive_int(max_len, "max_len") if max_len is not None else \
             min(bound - self.room, DEFAULT_MAX_LEN)
         if self.max_len > bound:

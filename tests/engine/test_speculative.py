@@ -189,6 +189,12 @@ def test_room_for_the_proposals_past_max_position_is_refused():
             progress=False)
 
 
+def test_a_proposer_whose_k_leaves_no_room_under_max_position_is_refused_naming_k():
+    m = model()
+    with pytest.raises(ValueError, match=f"k = {m.args.max_position} leaves no room"):
+        LLM(m, speculative=NgramProposer(m.args.max_position), progress=False)
+
+
 def test_the_default_max_len_leaves_the_proposals_room_below_max_position():
     m = model()
     llm = LLM(m, max_batch=1, speculative=NgramProposer(K), progress=False)
