@@ -56,7 +56,7 @@ def check_prompts(prompts, vocab: int) -> list[list[int]]:
     out = []
     for i, p in enumerate(prompts):
         try:
-            ids = [_token_id(t) for t in (p.tolist() if hasattr(p, "tolist") else p)]
+            ids = token_ids(p)
         except TypeError:  # a number, a 0-d tensor, a float or bool among the ids
             ids = None
         if not ids or not all(0 <= t < vocab for t in ids):  # BadBatch: a ValueError
@@ -72,6 +72,12 @@ def _is_id(value) -> bool:
     except TypeError:
         return False
     return True
+
+
+def token_ids(values) -> list[int]:
+    """``values`` (a sequence, 1-d tensor or numpy array of integers; numpy and tensor
+    ints taken) as a list of ints; TypeError where one is no integer (a float, a bool)."""
+    return [_token_id(t) for t in (values.tolist() if hasattr(values, "tolist") else values)]
 
 
 def _token_id(value) -> int:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from graphcap.core.checks import positive_int, staged
+from graphcap.engine.arguments import token_ids
 from graphcap.inputs.paged import PagedInputs
 from graphcap.opsdb.sample import GREEDY_BELOW
 
@@ -223,11 +224,13 @@ class Verifier:
         return self.hidden[index]
 
     def _checked(self, proposal) -> list[int]:
-        proposed = list(proposal)
-        if len(proposed) != self.k or any(isinstance(t, bool) or not isinstance(t, int)
-                                          for t in proposed):
+        try:  # ints, numpy or tensor ints; a tensor or array of them
+            proposed = token_ids(proposal)
+        except TypeError:
+            proposed = None
+        if proposed is None or len(proposed) != self.k:
             raise ValueError(f"the proposer {type(self.proposer).__name__} gave "
-                             f"{proposed!r}: propose(tokens) must give k = {self.k} ints")
+                             f"{proposal!r}: propose(tokens) must give k = {self.k} ints")
         if any(not 0 <= t < self.vocab for t in proposed):
             raise ValueError(f"the proposer {type(self.proposer).__name__} proposed "
                              f"{proposed!r}: token ids must be in [0, {self.vocab})")

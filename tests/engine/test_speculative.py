@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -179,8 +180,13 @@ def test_bad_proposals_are_refused_and_leave_the_llm_usable():
     proposer.proposal = [1, 10**6]
     with pytest.raises(ValueError, match="token ids must be in"):
         llm.generate(PROMPTS, NEW)
-    proposer.proposal = [1, 2]
-    assert [c.tokens for c in llm.generate(PROMPTS, NEW)] == [t[:NEW] for t in truth()]
+    proposer.proposal = [1, 2.0]
+    with pytest.raises(ValueError, match="must give k = 2 ints"):
+        llm.generate(PROMPTS, NEW)
+    # ints as a list, a numpy array, a tensor, or numpy ints in a list: the same tokens
+    for proposal in ([1, 2], np.array([1, 2]), torch.tensor([1, 2]), [np.int32(1), 2]):
+        proposer.proposal = proposal
+        assert [c.tokens for c in llm.generate(PROMPTS, NEW)] == [t[:NEW] for t in truth()]
 
 
 def test_room_for_the_proposals_past_max_position_is_refused():
