@@ -348,6 +348,11 @@ class LLM:
             if (empty := next((i for i, p in enumerate(prompts) if not p), None)) is not None:
                 raise BadBatch(f"prompt {empty} is text that tokenizes to no ids "
                                f"({texts[empty]!r}): give each prompt some text")
+        elif isinstance(prompts, (list, tuple)) and any(isinstance(p, str) for p in prompts):
+            text = next(i for i, p in enumerate(prompts) if isinstance(p, str))
+            ids = next(i for i, p in enumerate(prompts) if not isinstance(p, str))
+            raise BadBatch(f"the prompts mix text (prompt {text}) and token ids (prompt "
+                           f"{ids}): give every prompt as text, or every one as token ids")
         return check_prompts(prompts, self.shape.vocab_size)
 
     def _stops(self, stop) -> tuple[set[int], tuple[str, ...]]:

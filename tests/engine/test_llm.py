@@ -139,6 +139,8 @@ def test_text_in_and_text_out_through_a_tokenizer_ending_at_a_stop_string():
         assert c.text == tok.decode(c.tokens, skip_special_tokens=True)
     with pytest.raises(ValueError, match=r"prompt 1 is text that tokenizes to no ids \(''\)"):
         engine.generate(["hi", ""], 4)
+    with pytest.raises(ValueError, match=r"mix text \(prompt 1\) and token ids \(prompt 0\)"):
+        engine.generate([[5, 6], "hi"], 4)
     text = plain[0].text
     stop = text[4:6]  # two characters from the middle of what it says
     ended = engine.generate(prompts[:1], 12, stop=[stop])[0]
