@@ -336,10 +336,9 @@ class Runner:
             except UnsupportedStrategy:
                 raise  # the model's outputs do not fit a graph: no warm-up changes that
             except Exception as exc:
-                # Something this shape runs for the first time cannot run under capture
-                # (a library's lazy set-up; a kernel's module load a driver refuses during
-                # capture): warm it up eagerly, as the first shape was, and capture again.
-                # An error of the model itself recurs there and is raised.
+                # Something this shape runs first cannot run under capture (a library's
+                # lazy set-up; a module load a driver refuses during capture): warm it up
+                # eagerly, and capture again. An error of the model recurs there: raised.
                 self.stats.warmup_retries += 1
                 direct_failure = exc
         try:
@@ -356,7 +355,8 @@ class Runner:
         start = time.perf_counter()
         with self.pool.warmup(sizes=sizes), self.strategy.watch(bucket):
             out, runs = settled(self.source, f"the warm-up of {bucket} tokens",
-                                lambda: self.inputs.forward(self.model, bucket, state))
+                                lambda: self.inputs.forward(self.model, bucket, state),
+                                self.config.ranks and self.config.ranks.agree)
             flat, _ = tree_flatten(out)
             check_outputs(flat, bucket, self.inputs, self._outputs)
             outs = [(o.shape[1:], o.dtype, o.device) for o in flat]

@@ -347,6 +347,27 @@ def test_a_capture_one_rank_refuses_is_refused_on_every_rank_at_once():
     spawn(_refused_capture)
 
 
+def _lazy_slot_on_one_rank(rank: int) -> None:
+    tp = TPGroup(timeout_s=PATIENT, collective_timeout_s=2 * PATIENT)  # fail-fast: never waited
+    model = build_model("tiny", tp=tp)
+
+    def make(mod, args):  # rank 0's first forward makes a buffer: its warm-up runs twice
+        if rank == 0 and "lazy" not in mod._buffers:
+            mod.register_buffer("lazy", torch.zeros(1))
+    model.blocks[0].register_forward_pre_hook(make)
+    start = time.monotonic()
+    with pytest.raises(RankError, match="made or replaced a slot"):
+        graphcap.capture(model, "full", buckets=[8, 16], max_requests=2)
+    assert time.monotonic() - start < PATIENT / 2
+    runner = graphcap.capture(model, "full", buckets=[8, 16], max_requests=2)  # in step now
+    assert call(runner, [6]).shape == (6, model.args.vocab_size)
+
+
+def test_a_warm_up_that_makes_a_slot_on_one_rank_only_is_refused_on_every_rank_at_once():
+    # The rank that made it would run its forward (and its collectives) once more alone.
+    spawn(_lazy_slot_on_one_rank)
+
+
 def _failure_in_the_set_up_of_a_capture(rank: int) -> None:
     tp = TPGroup(timeout_s=PATIENT, collective_timeout_s=2 * PATIENT)  # fail-fast: never waited
     model = build_model("tiny", tp=tp)
