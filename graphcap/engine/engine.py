@@ -167,6 +167,14 @@ class Engine:
             self.cache.release(slot)
         return request
 
+    def clear(self) -> None:
+        """Release every request, and every slot the cache holds with none (a release a
+        Ctrl-C cut short)."""
+        for slot in list(self.live):
+            self.release(slot)
+        for slot in self.cache.owned():
+            self.cache.release(slot)
+
     def prefill(self, slots: list[int]) -> list[tuple[int, int]]:
         """The prompts of ``slots`` into the cache, on the prefill graphs, in calls of at
         most ``prefill_tokens`` tokens (with an extender, a longer prompt alone, in

@@ -17,7 +17,6 @@ waits for the step in flight, releases and admits, and starts again.
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -124,7 +123,7 @@ class LLM:
                                   max_len=self.max_len + self.room,
                                   page_size=page_size, dtype=model_dtype(model), device=device,
                                   window=self.shape.window)
-        self._idle = threading.Lock()  # held by the call being served
+        self._serving: dict[str, object] = {}  # "call": the call being served
         self.engine = Engine(model, self.cache, strategy, self.max_batch,
                              positive_int(prefill_tokens, "prefill_tokens"),
                              chunked=long_prompts,
@@ -147,11 +146,14 @@ class LLM:
         # Text a step only to find stop strings: the completions' text is decoded once.
         deltas, strings = self._stream(prompts, max_new_tokens, sampling, stop, speculate,
                                        texts=None)
-        for delta in deltas:
-            tokens.setdefault(delta.index, []).extend(delta.tokens)
-            if delta.finish_reason is not None:
-                done[delta.index] = Completion(delta.index, tokens[delta.index],
-                                               None, delta.finish_reason)
+        try:
+            for delta in deltas:
+                tokens.setdefault(delta.index, []).extend(delta.tokens)
+                if delta.finish_reason is not None:
+                    done[delta.index] = Completion(delta.index, tokens[delta.index],
+                                                   None, delta.finish_reason)
+        finally:  # a Ctrl-C between deltas: the stream lets go of the LLM now, not once
+            deltas.close()  # the traceback holding it (the REPL's last one) is freed
         if self.tokenizer is not None:
             for c in done.values():
                 c.text = cut(self.tokenizer.decode(c.tokens, skip_special_tokens=True),
@@ -194,18 +196,22 @@ class LLM:
                strings: tuple[str, ...], speculate: bool, text: bool) -> Iterator[Delta]:
         texts = {r.index: Detokenizer(self.tokenizer, strings) for r in requests} \
             if text and self.tokenizer is not None else None
-        if not self._idle.acquire(blocking=False):
-            raise GraphcapError("this LLM is serving another call (a stream not yet "
-                                "finished, or another thread's): one call at a time; finish "
-                                "or close the stream first")
-        try:
-            yield from self._loop(requests, max_new_tokens, stops, texts, speculate)
-        finally:
+        call = object()  # the LLM is this call's once it claims it, in one step, inside
+        try:             # the try: a Ctrl-C anywhere leaves it this call's to let go, or not
             try:
-                for slot in list(self.engine.live):  # an error, or a stream left unfinished
-                    self.engine.release(slot)
+                if self._serving.setdefault("call", call) is not call:
+                    raise GraphcapError("this LLM is serving another call (a stream not "
+                                        "yet finished, or another thread's): one call at a "
+                                        "time; finish or close the stream first")
+                self.engine.clear()  # what a clean-up a Ctrl-C cut short left
+                yield from self._loop(requests, max_new_tokens, stops, texts, speculate)
             finally:
-                self._idle.release()
+                if self._serving.get("call") is call:  # not a refused call's
+                    self.engine.clear()  # an error, or a stream left unfinished
+                    del self._serving["call"]
+        finally:  # again, where an error or a Ctrl-C cut the clean-up short
+            if self._serving.get("call") is call:
+                del self._serving["call"]
 
     def report(self) -> dict:
         """Per runner (decode, prefill, extend; verify and verify_sampled, speculation's

@@ -106,12 +106,16 @@ class PagedKVCache:
                 f"{len(self._free)} of {self.pages} are free ({len(self._owned)} requests "
                 "hold the rest): release finished requests, or build the cache with more "
                 "pages")
-        pages = [self._free.pop() for _ in range(need)]
-        row = torch.full((self.max_pages,), NULL_PAGE, dtype=torch.int32)
-        row[:need] = torch.tensor(pages, dtype=torch.int32)
-        self.block_table[slot].copy_(row)
-        self._owned[slot], self._capacity[slot], self._written[slot] = pages, tokens, 0
-        self._dropped[slot] = 0
+        try:  # the slot owns its pages last: interrupted before, it is admitted for none
+            pages = [self._free.pop() for _ in range(need)]
+            row = torch.full((self.max_pages,), NULL_PAGE, dtype=torch.int32)
+            row[:need] = torch.tensor(pages, dtype=torch.int32)
+            self.block_table[slot].copy_(row)
+            self._capacity[slot], self._written[slot], self._dropped[slot] = tokens, 0, 0
+            self._owned[slot] = pages
+        except BaseException:  # a Ctrl-C, at any point
+            self._settle()
+            raise
         return list(pages)
 
     def release(self, slot: int) -> None:
@@ -120,9 +124,14 @@ class PagedKVCache:
         slot = self._slot(slot)
         if slot not in self._owned:
             raise ValueError(f"request slot {slot} holds no request")
-        self._free.extend(reversed(self._owned.pop(slot)[self._dropped[slot]:]))
-        del self._capacity[slot], self._written[slot], self._dropped[slot]
-        self.block_table[slot].fill_(NULL_PAGE)
+        try:  # the slot owns its pages no more first: interrupted after, it is released
+            pages = self._owned.pop(slot)
+            self._free.extend(reversed(pages[self._dropped.pop(slot):]))
+            del self._capacity[slot], self._written[slot]
+            self.block_table[slot].fill_(NULL_PAGE)
+        except BaseException:
+            self._settle()
+            raise
 
     def capacity(self, slot: int) -> int:
         """Tokens request slot ``slot`` was admitted for (0 when it is free)."""
@@ -247,10 +256,30 @@ class PagedKVCache:
         if behind <= dropped:
             return
         owned = self._owned[slot]
-        self._free.extend(reversed(owned[dropped:behind]))
-        owned[dropped:behind] = [NULL_PAGE] * (behind - dropped)
-        self.block_table[slot, dropped:behind].fill_(NULL_PAGE)
-        self._dropped[slot] = behind
+        try:  # the pages are the slot's until its list says they are not
+            self._free.extend(reversed(owned[dropped:behind]))
+            owned[dropped:behind] = [NULL_PAGE] * (behind - dropped)
+            self.block_table[slot, dropped:behind].fill_(NULL_PAGE)
+            self._dropped[slot] = behind
+        except BaseException:
+            self._settle()
+            raise
+
+    def _settle(self) -> None:
+        """The cache as the slots' page lists say, after an admission, release or freeing
+        an exception (a Ctrl-C) cut short: a slot that owns no pages holds no request, and
+        every page no slot owns is free, once; each block-table row lists its slot's."""
+        owned = self._owned
+        for record in (self._capacity, self._written, self._dropped):
+            for slot in [s for s in record if s not in owned]:
+                del record[slot]
+        held = {page for pages in owned.values() for page in pages}
+        self._free = [p for p in range(self.pages, NULL_PAGE, -1) if p not in held]
+        table = torch.full(self.block_table.shape, NULL_PAGE, dtype=torch.int32)
+        for slot, pages in owned.items():
+            self._dropped[slot] = pages.count(NULL_PAGE)  # its first pages, freed
+            table[slot, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        self.block_table.copy_(table)
 
     @property
     def free_pages(self) -> int:

@@ -334,3 +334,28 @@ def test_a_ctrl_c_inside_the_engines_bookkeeping_leaves_the_llm_serving(where, m
     for _ in range(2):
         assert [c.tokens for c in fresh.generate(PROMPTS[:2], NEW)] == \
             [t[:NEW] for t in truth()[:2]]
+
+
+@pytest.mark.parametrize("where", ["serving", "admitting", "releasing"])
+def test_a_ctrl_c_at_any_instruction_of_a_call_leaves_nothing_held(where):
+    # At each instruction in turn of generate and its stream, of the engine's and the
+    # cache's admission, or of their releases: the call lets go of the LLM, every slot
+    # and every page, and the next call is served, token for token.
+    from graphcap.engine.engine import Engine
+    from graphcap.kv import PagedKVCache
+    from tests.support.interrupts import code_of, instructions, interrupted
+
+    codes = code_of(*{"serving": (LLM.generate, LLM._serve),
+                      "admitting": (Engine.admit, PagedKVCache.admit),
+                      "releasing": (Engine.release, Engine.clear,
+                                    PagedKVCache.release)}[where])
+    fresh = LLM(model(), max_batch=2, max_len=32, prefill_tokens=8, progress=False)
+    cache, want = fresh.cache, [t[:1] for t in truth()[:2]]
+    count = instructions(codes, fresh.generate, PROMPTS[:2], 1)  # each ends at its prefill
+    assert count > 50
+    for n in range(1, count + 1):
+        _, out = interrupted(codes, n, fresh.generate, PROMPTS[:2], 1)
+        assert isinstance(out, KeyboardInterrupt), (n, out)
+        assert not fresh.engine.live and cache.owned() == {}, n
+        assert cache.free_pages == cache.pages, n
+        assert [c.tokens for c in fresh.generate(PROMPTS[:2], 1)] == want, n

@@ -1,0 +1,55 @@
+"""A KeyboardInterrupt at a chosen bytecode instruction: :func:`interrupted` runs a call
+with one raised at the ``n``-th instruction executed in the frames of the code objects
+given (every instruction a Ctrl-C could land before, ``sys.settrace`` opcode events), so a
+test can try every point of a method in turn (:func:`instructions` counts them)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def interrupted(codes, n: int | None, call, *args):
+    """``call(*args)`` with KeyboardInterrupt raised before the ``n``-th instruction of the
+    frames of ``codes`` (code objects; None: none raised); returns the instructions
+    counted and what ``call`` returned or raised."""
+    codes, count = set(codes), 0
+
+    def local(frame, event, arg):
+        nonlocal count
+        if event == "opcode":
+            count += 1
+            if count == n:
+                raise KeyboardInterrupt(f"instruction {n}")
+        return local
+
+    def enter(frame, event, arg):
+        if frame.f_code not in codes:
+            return None
+        frame.f_trace_opcodes = True
+        return local
+
+    previous = sys.gettrace()
+    sys.settrace(enter)
+    try:
+        out = call(*args)
+    except BaseException as exc:  # the test looks at it
+        out = exc
+    finally:
+        sys.settrace(previous)
+    return count, out
+
+
+def instructions(codes, call, *args) -> int:
+    """The instructions ``call(*args)`` runs in the frames of ``codes``."""
+    return interrupted(codes, None, call, *args)[0]
+
+
+def code_of(function, *more) -> set:
+    """The code objects of ``function`` (a function or method) and of ``more``, with
+    their comprehensions'."""
+    out, todo = set(), [getattr(f, "__func__", f).__code__ for f in (function, *more)]
+    while todo:
+        code = todo.pop()
+        out.add(code)
+        todo += [c for c in code.co_consts if isinstance(c, type(code))]
+    return out
