@@ -76,13 +76,15 @@ OVER_GPT_FAST = {"qwen3-0.6b": {1: 3.0}, "llama3-8b": {1: 1.2, 8: 1.2, 64: 1.2}}
 
 def step_bytes(model, batch: int, context: int) -> int:
     """Bytes a decode step must read: every weight once, as stored (MXFP4 experts' bytes
-    and scales included), each request's K/V, and no more than the step looks up: of the
+    and scales included), each request's K/V (``context`` tokens, or a windowed layer's
+    window of them), and no more than the step looks up: of the
     embedding the batch's rows (unless the LM head shares it), of the rotary table none
-    to speak of, of each layer's experts the ``min(experts, batch x top_k)`` the batch's
-    tokens can route to."""
+    to speak of, of each layer's experts those ``batch`` tokens routed uniformly at random
+    (``top_k`` distinct each) reach on average: ``experts x (1 - (1 - top_k /
+    experts)^batch)``."""
     a = model.args
     size = model.norm.element_size()
-    routed = min(a.experts, batch * a.top_k) / a.experts if a.experts else 1.0
+    routed = 1 - (1 - a.top_k / a.experts) ** batch if a.experts else 1.0
     seen, weights = set(), 0.0
     for module in model.modules():
         share = routed if isinstance(module, MoE) else 1.0
@@ -95,7 +97,8 @@ def step_bytes(model, batch: int, context: int) -> int:
             weights += t.numel() * t.element_size() * share
     if model.lm_head.weight is not model.embed.weight:
         weights -= (a.vocab_size - batch) * a.hidden * model.embed.weight.element_size()
-    kv = batch * context * a.layers * a.kv_heads * a.head_dim * 2 * size
+    tokens = sum(min(context, a.window_of(i) or context) for i in range(a.layers))
+    kv = batch * tokens * a.kv_heads * a.head_dim * 2 * size
     return round(weights) + kv
 
 
@@ -164,7 +167,8 @@ def bench_model(name: str, arms, batches, context: int, reps: int, device: str,
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build_model(name, device=device, dtype=dtype)
     if window:  # every layer windowed: a step reads the last `window` tokens of each row
-        model.args = model.local_args = dataclasses.replace(model.args, window=window)
+        model.args = model.local_args = dataclasses.replace(model.args, window=window,
+                                                            global_every=0)
         for block in model.blocks:
             block.attn.window = window
     a = model.args
@@ -231,7 +235,7 @@ def bench_model(name: str, arms, batches, context: int, reps: int, device: str,
     times = time_interleaved(cases, reps=reps, rounds=5, **pacing) if cases else {}
     out_rows = []
     for b in batches:
-        read = min(context + 1, window or context + 1)  # the tokens a row's step reads
+        read = context + 1  # the tokens a row's step reads (a windowed layer's window)
         nbytes = step_bytes(model, b, read)
         row = {"batch": b, "bytes": nbytes,
                "floor_ms": round(nbytes / peak_bytes_per_s() * 1e3, 4),

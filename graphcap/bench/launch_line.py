@@ -87,15 +87,17 @@ def measure(device="cuda", sizes_mb=SIZES_MB) -> dict:
 def decode_floor_ms(args, batch: int, context: int, line: dict,
                     dtype_bytes: int = 2) -> float | None:
     """The least a dense decoder's step (``args``: a preset's ``ModelArgs``) takes at
-    ``batch`` requests of ``context`` tokens when its q/k/v, o, gate/up and down
-    projections and its decode attention are each a launch, every launch at ``line``
-    (:func:`measure`), and the LM head one more; None for experts (routed, not dense)."""
+    ``batch`` requests of ``context`` tokens (a windowed layer's window) when its q/k/v,
+    o, gate/up and down projections and its decode attention are each a launch, every
+    launch at ``line`` (:func:`measure`), and the LM head one more; None for experts
+    (routed, not dense)."""
     if args.experts:
         return None
     q, kv = args.heads * args.head_dim, args.kv_heads * args.head_dim
-    layer = [(q + 2 * kv) * args.hidden, args.hidden * q, 2 * args.intermediate * args.hidden,
-             args.hidden * args.intermediate, batch * context * 2 * kv]
-    reads = [n * dtype_bytes for n in layer] * args.layers
+    reads = [n * dtype_bytes for i in range(args.layers) for n in (
+        (q + 2 * kv) * args.hidden, args.hidden * q, 2 * args.intermediate * args.hidden,
+        args.hidden * args.intermediate,
+        batch * min(context, args.window_of(i) or context) * 2 * kv)]
     reads.append(args.vocab_size * args.hidden * dtype_bytes)
     us = sum(line["fixed_us"] + b / line["bytes_per_s"] * 1e6 for b in reads)
     return round(us / 1e3, 4)
