@@ -9,8 +9,10 @@ import torch
 from graphcap.bench.arms import build_arms, prompts
 from graphcap.bench.common import time_interleaved, write_result
 from graphcap.bench.targets import build_targets, memory_targets, prefill_targets
+from graphcap.errors import GraphcapError
 from graphcap.models import build_model
 from tests.conftest import requires_cuda
+from tests.support.runner_helpers import DEVICE
 
 
 def test_every_arm_returns_the_eager_last_token_logits_for_every_length():
@@ -390,6 +392,26 @@ def test_bench_decode_times_every_arm_per_batch_and_context_and_says_what_did_no
     # The launch line is measured on CUDA only: no launch floor here.
     assert result["launch_line"] is None
     assert all("launch_floor_ms" not in row for row in model["rows"])
+
+
+def test_a_bench_arm_never_times_an_eager_fallback_as_its_own():
+    # A step its graphs do not hold raises: it is never timed under the arm's name.
+    from graphcap.bench import decode
+    from graphcap.kv import PagedKVCache
+
+    model = build_model("tiny", device=DEVICE)
+    a = model.args
+    cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=4, max_len=16,
+                         dtype=torch.float32, device=DEVICE)
+    for slot in range(4):
+        cache.admit(slot, 16)
+    runner = decode._capture(model, "full", cache, [1, 2])
+    tokens = torch.ones(4, dtype=torch.long, device=DEVICE)
+    positions = torch.zeros(4, dtype=torch.long, device=DEVICE)
+    runner(tokens[:2], positions=positions[:2], slots=[0, 1])  # a captured batch: replayed
+    with pytest.raises(GraphcapError, match="fallback"):
+        runner(tokens, positions=positions, slots=[0, 1, 2, 3])  # 4 rows: no graph holds it
+    assert runner.report()["fallbacks"] == {}
 
 
 def test_bench_decode_plots_each_arm_beside_the_floor_or_says_why_not(tmp_path, capsys):

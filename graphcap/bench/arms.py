@@ -62,7 +62,8 @@ def unavailable(name: str, device) -> str | None:
 
 def _graphcap_arm(name, model, lengths, max_requests, attention, inputs) -> Arm:
     strategy, _, variant = name.partition("-")
-    kwargs = {"buckets": sorted(lengths), "max_requests": max_requests}
+    # No eager fallback: a call that did not replay raises, never timed as the arm's.
+    kwargs = {"buckets": sorted(lengths), "max_requests": max_requests, "fallback": False}
     if strategy == "full":
         kwargs["attention"] = variant
     else:

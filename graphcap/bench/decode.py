@@ -154,12 +154,14 @@ def profile_steps(fn, calls: int = PROFILED_CALLS) -> dict:
 def _capture(model, arm: str, cache, batches):
     strategy, _, kind = arm.partition("-")
     inputs = DecodeInputs(cache, attention="flashinfer" if kind == "flashinfer" else None)
+    # No eager fallback: a step that did not replay raises, never timed as the arm's.
+    options = {"buckets": sorted(batches), "inputs": inputs, "fallback": False}
     if kind == "no-pdl":
         from graphcap.opsdb.triton.common import programmatic_launch
 
         with programmatic_launch(False):
-            return graphcap.capture(model, strategy, buckets=sorted(batches), inputs=inputs)
-    return graphcap.capture(model, strategy, buckets=sorted(batches), inputs=inputs)
+            return graphcap.capture(model, strategy, **options)
+    return graphcap.capture(model, strategy, **options)
 
 
 def bench_model(name: str, arms, batches, context: int, reps: int, device: str,

@@ -110,7 +110,7 @@ def _graphcap_arm(name, lm, lengths, attention, inputs) -> Arm:
     kwargs = {"compiler": "inductor"} if strategy == "tc_piecewise" else {}
     start = time.perf_counter()
     runner = graphcap.capture(lm, strategy, buckets=sorted(lengths), max_requests=1,
-                              attention=attention, **kwargs)
+                              attention=attention, fallback=False, **kwargs)
     build = time.perf_counter() - start
     report = runner.report()
 
