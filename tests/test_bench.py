@@ -51,6 +51,9 @@ def test_timing_interleaves_arms_round_by_round_and_takes_medians():
     # timed calls: a a b b a a b b -> a got 0, 1, 4, 5 and b 2, 3, 6, 7
     assert times["a"] == {"median_ms": 2.5, "p10_ms": 0.3, "p90_ms": 4.7, "n": 4}
     assert times["b"]["median_ms"] == 4.5
+    # reps not a multiple of the rounds: at least reps timed calls, never fewer
+    times = time_interleaved(arms, reps=7, rounds=5, warmup=0, timer=timer)
+    assert times["a"]["n"] == 10
 
 
 def test_settling_runs_an_arm_untimed_until_the_time_passed_before_its_timed_calls(
@@ -243,6 +246,8 @@ def test_results_are_never_overwritten_silently(tmp_path, monkeypatch):
     second = write_result({"a": 2}, None, "r.json")
     assert first.name == "r.json" and second.name == "r-2.json"
     assert first.read_text().strip().endswith("}")
+    given = write_result({"a": 3}, str(tmp_path / "r.json"), "unused.json")  # --out too
+    assert given.name == "r-3.json" and '"a": 1' in first.read_text()
 
 
 def test_the_linear_cases_time_both_kernels_and_judge_only_where_dispatch_fuses(

@@ -95,7 +95,8 @@ def time_interleaved(arms: dict[object, Callable[[], object]], *, reps: int = 30
                      settle_calls: int = 0, warmup_s: float = 0.0, timer=None, sync=None,
                      on_round=None) -> dict[object, dict]:
     """Median (and p10/p90) milliseconds of one call of each arm: ``warmup`` untimed calls
-    each, then ``rounds`` rounds in which every arm runs ``reps // rounds`` timed calls;
+    each, then ``rounds`` rounds in which every arm runs ``ceil(reps / rounds)`` timed
+    calls (``reps`` at least; ``n`` of each result says how many);
     ``on_round(done)`` after each round (a progress bar).
 
     ``warmup_s``: after the warm-up calls, untimed passes over every arm, each call
@@ -122,7 +123,7 @@ def time_interleaved(arms: dict[object, Callable[[], object]], *, reps: int = 30
             fn()
             sync()
     samples: dict[str, list[float]] = {name: [] for name in arms}
-    per_round = max(reps // rounds, 1)
+    per_round = max(-(-reps // rounds), 1)
     for done in range(1, rounds + 1):
         for name, fn in arms.items():
             if settle_ms > 0:
@@ -192,9 +193,10 @@ def cuda_event_ms(fn: Callable[[], object]) -> float:
 
 def write_result(record: dict, out: str | None, default: str) -> Path:
     """Write ``record`` as JSON to ``out`` (default: ``default`` in the working directory)
-    and return the path; never overwrites an existing file silently."""
+    and return the path; never overwrites a file: where one is there, the next free
+    ``<stem>-2``, ``-3``, ... (the caller prints the path written)."""
     path = Path(out or default)
-    if path.exists() and out is None:
+    if path.exists():
         stem, n = path.stem, 2
         while path.exists():
             path = path.with_name(f"{stem}-{n}{path.suffix}")
