@@ -174,12 +174,13 @@ def _transformers(name: str, case, reps: int, device: str, dtype) -> dict:
 
     _, length, new = case
     hf = stock_model(name, device, dtype)
+    hf.generation_config.eos_token_id = None  # every arm makes its `new` tokens
     ids = torch.tensor(_prompts(1, length, hf.config.vocab_size, 3), device=device)
     mask = torch.ones_like(ids)
 
     def static() -> int:
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                          do_sample=False, cache_implementation="static", pad_token_id=0)
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                          cache_implementation="static", pad_token_id=0)
         return out.shape[1] - length
 
     static()  # compiles
