@@ -133,9 +133,11 @@ def idle_share(arm, length: int, reps: int = 20) -> dict:
 
 
 def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,
-                device: str = "cuda", attention: str | None = None, tp=None) -> dict:
+                device: str = "cuda", attention: str | None = None, tp=None,
+                counted: bool = False) -> dict:
     """``tp`` (a :class:`graphcap.tp.TPGroup`): the preset split across its ranks
-    (every rank runs this with the same arguments: :mod:`graphcap.bench.tp`)."""
+    (every rank runs this with the same arguments: :mod:`graphcap.bench.tp`), paced by
+    counts of calls, as ``counted`` paces an unsplit run beside it."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build_model(name, device=device, dtype=dtype, logits="last", tp=tp)
     device = str(next(model.parameters()).device)  # a rank's own GPU under TP
@@ -155,8 +157,8 @@ def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,
              for a, arm in arms.items()}
     # Split across ranks, every rank makes the same calls: counts, not seconds.
     pacing = {"settle_ms": SETTLE_MS, "warmup_s": WARMUP_S if device.startswith("cuda")
-              else 0.0} if tp is None else {"settle_calls": SETTLE_CALLS,
-                                            "warmup": WARMUP_CALLS}
+              else 0.0} if tp is None and not counted else {"settle_calls": SETTLE_CALLS,
+                                                            "warmup": WARMUP_CALLS}
     times = time_interleaved(
         cases, reps=reps, rounds=ROUNDS, **pacing,
         on_round=None if progress is None else (lambda done: progress(f"{name} {done}")))

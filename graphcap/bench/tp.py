@@ -3,8 +3,9 @@ ranks (one process and one GPU each, NCCL), beside the same arms unsplit (TP=1, 
 process) in the same job, so the ratios are within one run.
 
 Every rank runs the same calls in the same order (the runners agree on each call's
-route, :meth:`graphcap.tp.TPGroup.agree`); rank 0's CUDA-event times are recorded,
-and every rank's graph pool and build seconds. NVLink multicast stays off
+route, :meth:`graphcap.tp.TPGroup.agree`), paced by counts of calls, TP=1 too (the
+ratios compare runs paced alike); rank 0's CUDA-event times are recorded, and every
+rank's graph pool and build seconds. NVLink multicast stays off
 (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, set for the workers
 unless the caller set them). On CPU (tests) the workers use gloo and the emulator.
 """
@@ -40,7 +41,7 @@ def _worker(rank: int, size: int, init: str, job: dict, queue) -> None:
         tp = TPGroup(timeout_s=job["timeout_s"]) if size > 1 else None
         results = [prefill.bench_model(m, job["arms"], job["lengths"], job["reps"],
                                        device=job["device"], attention=job["attention"],
-                                       tp=tp) for m in job["models"]]
+                                       tp=tp, counted=True) for m in job["models"]]
         per_rank = [{a: {k: b[k] for k in ("build_s", "graph_pool_bytes") if k in b}
                      for a, b in r["build"].items()} for r in results]
         gathered: list = [None] * size
