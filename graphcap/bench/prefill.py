@@ -177,8 +177,10 @@ def bench_model(name: str, arms_wanted, lengths, reps: int, progress=None,
                                                 **runner_overhead(arms[fastest], small)}
         extra["idle"] = [{"arm": first, **idle_share(arms[first], n)}
                          for n in (small, max(lengths))]
-    result = {"model": name, "attention": attention, "params_billions": round(
-                  sum(p.numel() for p in model.parameters()) / 1e9, 3),
+    params = sum(p.numel() for p in model.parameters())  # a rank's share under TP
+    result = {"model": name, "attention": attention,
+              ("rank_params_billions" if tp is not None else "params_billions"):
+                  round(params / 1e9, 3),
               "rows": rows, "skipped": skipped,
               "build": {a: {"build_s": round(arm.build_s, 3), **arm.detail}
                         for a, arm in arms.items()}, **extra}
