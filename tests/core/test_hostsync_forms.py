@@ -181,3 +181,33 @@ def test_cudas_refusal_in_a_piece_names_the_ops_own_line_before_the_traced_one()
     assert "`raise RuntimeError(\"CUDA error" in message, message
     del info.value.__dict__["graphcap_site"]  # what the traceback alone says, past pieces
     assert "test_hostsync_forms.py" in str(translate_cuda_failure(info.value))
+
+
+class HostScalar(torch.nn.Module):
+    """``lin(x) * torch.tensor(2.0)``: a CPU scalar made from Python data in the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) * torch.tensor(2.0)
+
+
+@pytest.mark.parametrize("strategy", ["breakable", "full"])
+def test_a_cpu_scalar_made_in_the_forward_is_captured_on_cuda_and_refused_on_the_emulator(
+        strategy):
+    # On CUDA the scalar is a kernel argument (docs/architecture.md: the emulator cannot
+    # tell it from the same data put on the device, which CUDA capture refuses).
+    model = HostScalar().to(DEVICE).eval()
+    x = torch.randn(8, 8, device=DEVICE)
+    if DEVICE == "cpu":
+        with pytest.raises(CaptureError, match=r"torch.tensor\(python_data\)"):
+            graphcap.capture(model, strategy, buckets=[8], example_inputs=(x,))
+        return
+    runner = graphcap.capture(model, strategy, buckets=[8], example_inputs=(x,))
+    for _ in range(2):
+        x = torch.randn(8, 8, device=DEVICE)
+        with torch.inference_mode():
+            torch.testing.assert_close(runner(x), model(x))
+    assert runner.report()["fallbacks"] == {}
