@@ -241,7 +241,7 @@ def _rows_nan_when_long(device, dtype):
     return draw()
 
 
-def test_opcheck_prefers_examples_whose_outputs_are_finite():
+def test_opcheck_prefers_examples_whose_outputs_hold_no_nan():
     # opcheck compares the traced op's outputs with eager's by assert_close, NaN unequal
     # to NaN: an op that passes NaN on (moe_topk_softmax on a NaN logit) must not fail
     # check_op for it when finite examples were drawn too.

@@ -141,9 +141,10 @@ def _check_fake(spec: OpSpec, args, want: list[torch.Tensor]) -> None:
     real = _outputs(spec, args, want)
     got, expected = [_layout(t) for t in out], [_layout(t) for t in real]
     assert got == expected, (
-        f"{spec.qualname}: its fake returns {got} but the op returns {expected} (shape, "
-        f"dtype, device, strides) on inputs {describe(args)}: fix the fake (torch.compile "
-        f"and the graphs trust it; Inductor asserts the strides it was told)")
+        f"{spec.qualname}: its fake returns {got} but the reference returns {expected} "
+        f"(shape, dtype, device, strides) on inputs {describe(args)}: make them agree "
+        f"(torch.compile and the graphs trust the fake, Inductor asserts its strides, and "
+        f"the reference runs as kernel 'torch')")
 
 
 def _outputs(spec: OpSpec, args, results: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -181,12 +182,12 @@ def compare(spec: OpSpec, kernel: str, args, atol: float, rtol: float) -> float:
 
 
 def _richness(args, outputs=()) -> tuple[bool, bool, int]:
-    """How well an example exercises opcheck: finite outputs first (opcheck compares the
-    traced op's outputs with eager's by ``assert_close``, for which NaN differs from NaN),
+    """How well an example exercises opcheck: outputs without NaN first (opcheck compares
+    the traced op's outputs with eager's by ``assert_close``, for which NaN differs from NaN),
     then every tensor with two or more elements along each dim and values that are not
     all equal (a mutation of a constant or empty tensor can leave it as it was), then its
     size."""
-    finite = all(bool(t.isfinite().all()) for t in outputs if t.is_floating_point())
+    no_nan = not any(bool(t.isnan().any()) for t in outputs if t.is_floating_point())
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
 
     def rich(t: torch.Tensor) -> bool:
@@ -194,7 +195,7 @@ def _richness(args, outputs=()) -> tuple[bool, bool, int]:
             return True
         return min(t.shape) >= 2 and bool((t != t.flatten()[0]).any())
 
-    return finite, bool(tensors) and all(map(rich, tensors)), sum(t.numel() for t in tensors)
+    return no_nan, bool(tensors) and all(map(rich, tensors)), sum(t.numel() for t in tensors)
 
 
 def check_op(op, kernel: str | None = None, *, reference=None, inputs=None, device="cpu",
@@ -210,11 +211,13 @@ def check_op(op, kernel: str | None = None, *, reference=None, inputs=None, devi
     one kernel ``"op"``, compared with ``reference`` (a plain torch function of the op's
     arguments), over ``inputs`` (``(device, dtype)`` -> a hypothesis strategy of argument
     tuples; for an opsdb op it replaces the registered strategy). On every
-    example the op's fake must give the reference's output shapes and dtypes, and no
-    kernel may write an argument the schema does not declare written; with ``opcheck``,
-    ``torch.library.opcheck`` (schema, fake tensors, autograd registration, aot dispatch)
-    runs on the ``opchecks`` richest examples of each dtype (tensors of two or more
-    elements along each dim, not constant), not only hypothesis's minimal one.
+    example the op's fake must give the reference's output shapes, dtypes and strides,
+    and every kernel its strides (Inductor asserts what the fake gave; the reference runs
+    as kernel ``"torch"``), and no kernel may write an argument the schema does not
+    declare written; with ``opcheck``, ``torch.library.opcheck`` (schema, fake tensors,
+    autograd registration, aot dispatch) runs on the ``opchecks`` richest examples of
+    each dtype (outputs without NaN first, then tensors of two or more elements along
+    each dim, not constant), not only hypothesis's minimal one.
 
     Returns a :class:`CheckReport`: the max error per compared kernel, and the kernels it
     skipped with the reason (not runnable here, or declining every example). Raises with
