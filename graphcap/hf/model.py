@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ KERNELS = ("graphcap", "stock")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SUBSTITUTION = "_graphcap_substitution"  # on the wrapped model: its Substitution
 _CAME_AS = "_graphcap_came_as"  # and how it came to its first wrapper
+_WRAPPERS = "_graphcap_wrappers"  # and its wrappers alive (a WeakSet)
 log = logging.getLogger("graphcap")
 # Rotary scalings recomputed from max(position_ids) of the whole (packed) batch.
 DYNAMIC_ROPE = ("dynamic", "longrope")
@@ -175,6 +177,7 @@ def _give_back(model: nn.Module, came_as: tuple) -> nn.Module:
     rotary.unpatch(model)
     model.__dict__.pop(_SUBSTITUTION, None)
     model.__dict__.pop(_CAME_AS, None)
+    model.__dict__.pop(_WRAPPERS, None)
     attention, experts, training = came_as
     if attention is not None and model.config._attn_implementation != attention:
         model.set_attn_implementation(attention)
@@ -249,7 +252,9 @@ class PrefillLM(nn.Module):
                 _give_back(hf_model, self._came_as)
             raise
         hf_model.__dict__[_CAME_AS] = self._came_as
-        self.first_wrapper = first  # no other wrapper of the model held it as this began
+        alive = hf_model.__dict__.setdefault(_WRAPPERS, weakref.WeakSet())
+        self.first_wrapper = not alive  # no other wrapper of the model lives
+        alive.add(self)
         log.info("graphcap.hf: %s: %s", type(hf_model).__name__, self.kernels.summary())
 
     def release(self) -> nn.Module:

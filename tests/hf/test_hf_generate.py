@@ -6,6 +6,7 @@ emulator in CI, on CUDA graphs on the GPU (float32 both)."""
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -87,6 +88,16 @@ def test_generate_gives_a_stock_model_it_wrapped_back_as_it_came(family):
     with torch.inference_mode():
         torch.testing.assert_close(model(ids).logits, ref(ids).logits)
     assert [transformers_greedy(model, p) for p in PROMPTS] == got.tokens
+
+
+def test_generate_gives_back_a_model_whose_earlier_wrapper_is_gone():
+    model = hf_model("llama").to(DEVICE)
+    attention = model.config._attn_implementation
+    llm = graphcap.LLM(model, max_batch=1, max_len=16, prefill_tokens=8, progress=False)
+    del llm
+    gc.collect()
+    graphcap.generate(model, PROMPTS[:1], NEW, strategy="eager")
+    assert model.config._attn_implementation == attention
 
 
 def test_generate_leaves_a_model_another_wrapper_holds_as_that_wrapper_set_it():
