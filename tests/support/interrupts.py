@@ -1,7 +1,9 @@
 """A KeyboardInterrupt at a chosen bytecode instruction: :func:`interrupted` runs a call
 with one raised at the ``n``-th instruction executed in the frames of the code objects
-given (every instruction a Ctrl-C could land before, ``sys.settrace`` opcode events), so a
-test can try every point of a method in turn (:func:`instructions` counts them)."""
+given (every instruction a Ctrl-C could land before: ``sys.monitoring`` instruction events
+from Python 3.12, ``sys.settrace`` opcode events before it), so a test can try every point
+of a method in turn (:func:`instructions` counts them). (From 3.12, settrace's opcode
+events start only once some frame asked for them: a process's first call counted none.)"""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ def interrupted(codes, n: int | None, call, *args):
     frames of ``codes`` (code objects; None: none raised); returns the instructions
     counted and what ``call`` returned or raised."""
     codes, count = set(codes), 0
+    if hasattr(sys, "monitoring"):
+        return _monitored(codes, n, call, args)
 
     def local(frame, event, arg):
         nonlocal count
@@ -36,6 +40,33 @@ def interrupted(codes, n: int | None, call, *args):
         out = exc
     finally:
         sys.settrace(previous)
+    return count, out
+
+
+def _monitored(codes, n, call, args):
+    mon = sys.monitoring
+    tool = next(i for i in range(6) if mon.get_tool(i) is None)
+    mon.use_tool_id(tool, "graphcap tests: interrupts")
+    count = 0
+
+    def instruction(code, offset):
+        nonlocal count
+        count += 1
+        if count == n:
+            raise KeyboardInterrupt(f"instruction {n}")
+
+    mon.register_callback(tool, mon.events.INSTRUCTION, instruction)
+    for code in codes:
+        mon.set_local_events(tool, code, mon.events.INSTRUCTION)
+    try:
+        out = call(*args)
+    except BaseException as exc:  # the test looks at it
+        out = exc
+    finally:
+        for code in codes:
+            mon.set_local_events(tool, code, 0)
+        mon.register_callback(tool, mon.events.INSTRUCTION, None)
+        mon.free_tool_id(tool)
     return count, out
 
 
