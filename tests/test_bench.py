@@ -56,6 +56,17 @@ def test_timing_interleaves_arms_round_by_round_and_takes_medians():
     assert times["a"]["n"] == 10
 
 
+def test_back_to_back_times_runs_of_calls_round_by_round_and_gives_a_call_s_share():
+    from graphcap.bench.common import back_to_back
+
+    order = []
+    cases = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    got = back_to_back(cases, calls=4, reps=2, rounds=2, warmup=0,
+                       timer=lambda fn: (fn(), 8.0)[1])
+    assert got == {"a": 2.0, "b": 2.0}  # a run of 4 calls in 8 ms
+    assert order == ["a"] * 4 + ["b"] * 4 + ["a"] * 4 + ["b"] * 4  # interleaved
+
+
 def test_settling_runs_an_arm_untimed_until_the_time_passed_before_its_timed_calls(
         monkeypatch):
     import time

@@ -153,18 +153,15 @@ def wall_ms(fn: Callable[[], object]) -> float:
     return (time.perf_counter() - start) * 1000
 
 
-def back_to_back_ms(fn: Callable[[], object], calls: int = 20, repeats: int = 3) -> float:
-    """Milliseconds a call of ``fn`` when ``calls`` calls are fed back to back with no
-    wait between them (the host may run ahead of the device, as in a serving loop), the
-    median of ``repeats`` such runs; ``cuda_event_ms`` times a call alone, its host work
-    included."""
-    cuda = torch.cuda.is_available()
-    timer = cuda_event_ms if cuda else wall_ms
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    return statistics.median(timer(lambda: [fn() for _ in range(calls)]) / calls
-                             for _ in range(repeats))
+def back_to_back(cases: dict, calls: int = 20, **timing) -> dict:
+    """Milliseconds a call of each of ``cases`` when ``calls`` calls are fed back to back
+    with no wait between them (the host may run ahead of the device, as in a serving
+    loop): runs of ``calls`` calls timed as :func:`time_interleaved` times one call
+    (``timing``: its rounds, warm-up and pacing, so no case's figure depends on the case
+    run before it), the median run over ``calls``."""
+    runs = {key: (lambda fn=fn: [fn() for _ in range(calls)]) for key, fn in cases.items()}
+    return {key: round(t["median_ms"] / calls, 4)
+            for key, t in time_interleaved(runs, **timing).items()}
 
 
 def host_us(fn: Callable[[], object], reps: int = 50) -> float:
