@@ -356,7 +356,7 @@ class Runner:
         with self.pool.warmup(sizes=sizes), self.strategy.watch(bucket):
             out, runs = settled(self.source, f"the warm-up of {bucket} tokens",
                                 lambda: self.inputs.forward(self.model, bucket, state),
-                                self.config.ranks and self.config.ranks.agree)
+                                self.config.ranks and self.config.ranks.gather)
             flat, _ = tree_flatten(out)
             check_outputs(flat, bucket, self.inputs, self._outputs)
             outs = [(o.shape[1:], o.dtype, o.device) for o in flat]

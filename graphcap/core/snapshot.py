@@ -271,20 +271,21 @@ def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
             and torch.equal(a, b))
 
 
-def settled(model: nn.Module, what: str, run, agree=None) -> tuple[object, int]:
+def settled(model: nn.Module, what: str, run, gather=None) -> tuple[object, int]:
     """``run()`` (an eager warm-up forward) and how many times it ran: once more where it
     replaced a parameter or buffer of ``model`` (made lazily: at the first call, for a new
     size). A forward that replaces one with another value on every call (``self.state =
     f(self.state)``) is refused: a graph reads the tensor each slot held as its capture
     began, so every replay would read that one, and assign nothing. One rebuilt alike on
     every call (a mask made from constants) is rebuilt inside the graph by every replay:
-    captured. ``agree(key, what)``: a split model's ranks run it again together, or raise."""
+    captured. ``gather(key, what)`` (every rank's key): a split model's ranks run it again
+    together where any rank must."""
     before = _held(model)
     out = run()
     after = _held(model)
     kept = len(after) == len(before) and all(map(operator.is_, after, before))
-    if agree is not None:  # a rank running its forward once more alone would hang the rest
-        agree("kept every slot" if kept else "made or replaced a slot: runs again", what)
+    if gather is not None:  # a rank running its forward once more alone would hang the rest
+        kept = all(k == "kept" for k in gather("kept" if kept else "made a slot", what))
     if kept:
         return out, 1
     first = _named_tensors(model)

@@ -126,6 +126,17 @@ class TPGroup:
         :class:`RankError` on every rank naming each rank's key (the group stays
         usable). A rank that does not come within ``timeout_s``, or that closed the
         group, closes it here too, and ``RankError`` says why."""
+        keys, mine = self.gather(key, what), _decode(_encode(key))  # a long key: cut
+        if any(k != mine for k in keys):
+            seen = ", ".join(f"rank {r}: {k}" for r, k in enumerate(keys))
+            raise RankError(
+                f"TP group {self.name}: the ranks disagree ({seen}) on {what}: every rank "
+                "must make the same calls with inputs of the same shapes, so that each "
+                "replays the same graph or runs the same batch eagerly")
+
+    def gather(self, key: str, what: str) -> list[str]:
+        """Every rank's ``key`` for ``what``, by rank (each rank passes one); a rank that
+        does not come, or closed the group, as :meth:`agree`."""
         self._check_open(what)
         mine = _encode(key)
         keys = [torch.empty_like(mine) for _ in range(self.size)]
@@ -144,12 +155,7 @@ class TPGroup:
                            "same calls of a split model, in the same order")
             self._close(f"rank {self.rank}: {message}")
             raise RankError(f"TP group {self.name}: {message}. {_CLOSED}") from exc
-        if any(not torch.equal(k, mine) for k in keys):
-            seen = ", ".join(f"rank {r}: {_decode(k)}" for r, k in enumerate(keys))
-            raise RankError(
-                f"TP group {self.name}: the ranks disagree ({seen}) on {what}: every rank "
-                "must make the same calls with inputs of the same shapes, so that each "
-                "replays the same graph or runs the same batch eagerly")
+        return [_decode(k) for k in keys]
 
     @contextlib.contextmanager
     def entry(self, what: str, warm: bool = False):
