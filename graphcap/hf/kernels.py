@@ -285,12 +285,17 @@ def _layer(model, name: str, layer, hidden: int, cos_sin, sub: Substitution, sha
     attention, attention_why = patterns.recognise_attention(layer, hidden, cos_sin)
     mlp, mlp_why = patterns.recognise_mlp(layer, hidden)
     stock = LayerKernels(None, None)
+    small = h * probe.BRANCH  # the halves' branches, not the residual, dominate
+    # On h and, by its branches, on small: in half precision the residual hides a layer
+    # that scales its branches (Granite's residual_multiplier) within the tolerance.
     if why := probe.mismatch(stock.forward(layer, h[None], (), kw),
-                             type(layer).forward(layer, h[None], **kw), "the layer"):
+                             type(layer).forward(layer, h[None], **kw), "the layer") or \
+            probe.branch(stock.forward(layer, small[None], (), kw)[0],
+                         _tensor(type(layer).forward(layer, small[None], **kw))[0], small,
+                         "the layer's branches"):
         why = "not the pre-norm layer h + self_attn(input_layernorm(h)), h + " \
               f"mlp(post_attention_layernorm(h)) ({why})"
         attention_why, mlp_why, attention, mlp = why, why, None, None
-    small = h * probe.BRANCH  # the halves' branches, not the residual, dominate
     if attention is not None:
         attention_why = probe.attention(layer, attention, small, pos, kw)
     if mlp is not None:
@@ -304,6 +309,11 @@ def _layer(model, name: str, layer, hidden: int, cos_sin, sub: Substitution, sha
     if lk.attention is not None or lk.mlp is not None:
         _patch(layer, _layer_forward, lk)
         sub.layers.append((layer, lk))
+
+
+def _tensor(out):
+    """A decoder layer's hidden states (older layers return a tuple)."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _modules(model, sub: Substitution, skip: set[int]) -> None:
