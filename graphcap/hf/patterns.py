@@ -286,6 +286,12 @@ def _recognise_moe(layer, mlp, hidden: int, eps: float):
     if not isinstance(weight, nn.Parameter) or weight.dim() != 2 or \
             getattr(router, "bias", None) is not None or not isinstance(top_k, int):
         return None, f"{kind}.gate is not a top-k router with a [experts, hidden] weight"
+    # A router's other state (Ernie 4.5's moe_statics.e_score_correction_bias, a
+    # DeepSeek-style correction bias buffer) steers its choice, which moe_topk_softmax
+    # does not read; the half-precision probe lets up to half the tokens route otherwise.
+    if state := _extra(router, {"weight"}) + [n for n, _ in router.named_buffers()]:
+        return None, f"{kind}.gate holds {', '.join(state)} beyond its weight (routing " \
+                     "state graphcap's top-k softmax does not read)"
     w13 = experts._parameters.get("gate_up_proj")
     w2 = experts._parameters.get("down_proj")
     count = weight.shape[0]
