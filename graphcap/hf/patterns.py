@@ -278,9 +278,10 @@ def recognise_mlp(layer, hidden: int):
 def _recognise_moe(layer, mlp, hidden: int, eps: float):
     kind = type(mlp).__name__
     router, experts = getattr(mlp, "gate", None), mlp.experts
-    if extra := _extra(mlp, {"gate", "experts"}):
+    if extra := _extra(mlp, {"gate", "experts"}) + [n for n, _ in
+                                                    mlp.named_buffers(recurse=False)]:
         return None, f"{kind} has {', '.join(extra)} beyond a router and experts (e.g. a " \
-                     "shared expert)"
+                     "shared expert, MiniMax-M2's correction bias)"
     weight = getattr(router, "weight", None)
     top_k = getattr(router, "top_k", getattr(mlp, "top_k", None))
     if not isinstance(weight, nn.Parameter) or weight.dim() != 2 or \
