@@ -102,6 +102,49 @@ def test_a_module_that_does_not_fit_stays_stock_and_says_why(family, config, mod
                                    atol=1e-5, rtol=1e-5)
 
 
+def test_a_layer_scaling_its_branches_stays_stock_in_half_precision_too():
+    # Granite's residual_multiplier: in bf16 the residual hid it within the tolerance.
+    ref = hf_model("granite")
+    lm = PrefillLM(copy.deepcopy(ref).to(torch.bfloat16))
+    for half in ("self_attn", "mlp"):
+        assert lm.kernels.table()[f"model.layers.1.{half}"].startswith("stock: "), \
+            lm.kernels.table()
+    with torch.no_grad():
+        want = stock_logits(ref)
+        got = lm(IDS, POS, seq_lens=LENS).float()
+    assert (got - want).norm() / want.norm() < 0.02  # bf16 rounding, no branch dropped
+
+
+@pytest.mark.parametrize("where", ["router", "block"])
+def test_a_moe_block_with_routing_state_its_kernel_does_not_read_stays_stock(where):
+    # A correction bias (Ernie 4.5's router, MiniMax-M2's block) steers the routing.
+    ref = hf_model("qwen3_moe")
+    model = copy.deepcopy(ref)
+    for layer in model.model.layers:
+        owner = layer.mlp.gate if where == "router" else layer.mlp
+        owner.register_buffer("e_score_correction_bias", torch.zeros(4))
+    lm = PrefillLM(model)
+    assert lm.kernels.table()["model.layers.0.mlp"].startswith("stock: "), \
+        lm.kernels.table()
+    assert "e_score_correction_bias" in lm.kernels.table()["model.layers.0.mlp"]
+
+
+def test_a_window_set_in_the_config_after_wrapping_is_followed_by_the_kernels():
+    # Mistral's attention reads config.sliding_window on every call.
+    ids = torch.randint(0, VOCAB, (29,), generator=torch.Generator().manual_seed(0))
+    lens = [20, 9]
+    pos = torch.cat([torch.arange(n) for n in lens])
+    ref = hf_model("mistral")
+    lm = PrefillLM(copy.deepcopy(ref))
+    for model in (ref, lm.hf_model):
+        model.config.sliding_window = 4
+    runner = graphcap.capture(lm, "full", max_tokens=32, max_requests=2)
+    with torch.no_grad():
+        want = stock_logits(ref, ids, lens)
+        torch.testing.assert_close(runner(ids, pos, seq_lens=lens), want, atol=1e-5,
+                                   rtol=1e-5)
+
+
 def test_a_rotary_pairing_the_structure_cannot_show_is_caught_by_the_probe():
     # Helium's layers look like Llama's, but rotate interleaved pairs of q and k.
     config = transformers.HeliumConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
