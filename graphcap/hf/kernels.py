@@ -31,6 +31,7 @@ from graphcap.errors import CaptureError, UnsupportedModel
 from graphcap.hf import attention as hf_attention
 from graphcap.hf import patterns, probe
 from graphcap.hf.attention import NAME, outside_graphcap, unwrapped_call
+from graphcap.hf.patterns import structure
 from graphcap.opsdb.attention.packed import packed
 from graphcap.opsdb.norm import RMS_NORM
 
@@ -180,21 +181,6 @@ class Substitution:
             raise CaptureError(
                 f"graphcap.hf: {type(self.model).__name__} changed during a capture ({what});"
                 " change a model before capturing it, or call runner.recapture() after")
-
-
-# Config fields stock modules read on every call (Mistral's, Mixtral's and Phi-3's
-# attention pass config.sliding_window) or that size the rotary cache.
-CALL_TIME_CONFIG = ("sliding_window", "max_position_embeddings")
-
-
-def structure(model: nn.Module) -> tuple:
-    """What recognition read, by identity: every module, and the rotary embedding's
-    frequencies (the cos/sin cache is built from them); by value, the config fields the
-    stock modules read per call."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    inv_freq = getattr(getattr(decoder, "rotary_emb", None), "inv_freq", None)
-    config = tuple(repr(getattr(model.config, f, None)) for f in CALL_TIME_CONFIG)
-    return (*map(id, model.modules()), id(inv_freq), config)
 
 
 def _patch(module: nn.Module, forward, state) -> None:

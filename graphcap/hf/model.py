@@ -14,7 +14,7 @@ from graphcap.core import checks
 from graphcap.errors import BadBatch
 from graphcap.hf import attention as hf_attention
 from graphcap.hf import kernels as substitution
-from graphcap.hf import rotary
+from graphcap.hf import patterns, rotary
 from graphcap.hf.attention import NAME, UnsupportedModel, attention_options, window_refusal
 from graphcap.kv import longest_window
 from graphcap.opsdb.attention.packed import packed
@@ -229,8 +229,8 @@ class PrefillLM(nn.Module):
         self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
         # What its attention layers compute beyond causal attention (a backend must too).
         self.graphcap_attention_options = attention_options(hf_model)
-        # What release() gives back: attention and experts implementations, train mode,
-        # as the model came to its first wrapper.
+        self._config = patterns.call_time_config(hf_model)  # and the cache's window
+        # What release() gives back: attention, experts, train mode, as at the first wrapper
         first = _CAME_AS not in hf_model.__dict__
         self._came_as = hf_model.__dict__.get(_CAME_AS) or (
             hf_model.config._attn_implementation,
@@ -241,8 +241,7 @@ class PrefillLM(nn.Module):
             if experts is not None:
                 hf_model.set_experts_implementation(experts)
             hf_model.eval()
-            # What the experts run once switched (a model whose experts do not take the
-            # switch keeps its own), None for a dense model.
+            # What the experts run once switched (or their own), None for a dense model.
             self.experts = experts and getattr(hf_model.config, "_experts_implementation",
                                                None)
             self.kv_shapes, self.kv_windows = _probe(hf_model, dtype)
@@ -302,10 +301,16 @@ class PrefillLM(nn.Module):
         rotary.ensure(self.hf_model)
 
     def _check_switched(self, capture: bool = False) -> None:
-        """Refuse a model whose attention implementation (or, for a capture, whose experts
-        implementation) is no longer the one PrefillLM set."""
+        """Refuse a model whose attention implementation (for a capture, experts
+        implementation) is no longer PrefillLM's, or whose call-time config changed."""
         kind, config = type(self.hf_model).__name__, self.hf_model.config
         self.kernels  # noqa: B018 (refuses a released model, whatever it runs now)
+        if (changed := patterns.call_time_config(self.hf_model)) != self._config:
+            fields = ", ".join(patterns.CALL_TIME_CONFIG)
+            raise UnsupportedModel(
+                f"{kind}'s config changed since PrefillLM wrapped it ({fields}: "
+                f"{self._config}, now {changed}): its windows and cache were found at "
+                "wrapping; wrap the model again, PrefillLM(hf_model)")
         if (now := config._attn_implementation) != NAME:
             raise UnsupportedModel(
                 f"{kind}'s attention implementation is {now!r}, not graphcap's: it was "
@@ -348,8 +353,8 @@ class PrefillLM(nn.Module):
 
     @property
     def graphcap_kv_window(self) -> int:
-        """Every attention layer windowed: the longest window (its cache frees pages
-        behind it), else 0."""
+        """Every attention layer windowed: the longest window (pages behind it freed), else 0."""
+        self._check_switched()
         return longest_window(self.kv_windows.values())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_rows=None,

@@ -342,3 +342,22 @@ def _recognise_gpt_oss_moe(layer, mlp, hidden: int, eps: float):
         return None, f"{type(experts).__name__} has no clamped GLU's alpha > 0 and limit"
     return MoeKernels(layer, eps, top_k, True, router="router",
                       glu=(float(alpha), float(limit))), None
+
+
+# Config fields stock modules read on every call (Mistral's, Mixtral's and Phi-3's
+# attention pass config.sliding_window) or that size the rotary cache.
+CALL_TIME_CONFIG = ("sliding_window", "max_position_embeddings")
+
+
+def structure(model: nn.Module) -> tuple:
+    """What recognition read, by identity: every module, and the rotary embedding's
+    frequencies (the cos/sin cache is built from them); by value, the config fields the
+    stock modules read per call."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    inv_freq = getattr(getattr(decoder, "rotary_emb", None), "inv_freq", None)
+    return (*map(id, model.modules()), id(inv_freq), call_time_config(model))
+
+
+def call_time_config(model: nn.Module) -> tuple:
+    """The values of ``CALL_TIME_CONFIG`` in ``model``'s config."""
+    return tuple(repr(getattr(model.config, f, None)) for f in CALL_TIME_CONFIG)

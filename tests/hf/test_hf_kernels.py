@@ -129,8 +129,10 @@ def test_a_moe_block_with_routing_state_its_kernel_does_not_read_stays_stock(whe
     assert "e_score_correction_bias" in lm.kernels.table()["model.layers.0.mlp"]
 
 
-def test_a_window_set_in_the_config_after_wrapping_is_followed_by_the_kernels():
-    # Mistral's attention reads config.sliding_window on every call.
+def test_a_window_set_in_the_config_after_wrapping_is_refused_until_wrapped_again():
+    # Mistral's attention reads config.sliding_window on every call; the cache's window
+    # and the attention options were found at wrapping: a capture refuses the change
+    # (an LLM would free pages a global layer reads), a call's kernels follow it.
     ids = torch.randint(0, VOCAB, (29,), generator=torch.Generator().manual_seed(0))
     lens = [20, 9]
     pos = torch.cat([torch.arange(n) for n in lens])
@@ -138,11 +140,16 @@ def test_a_window_set_in_the_config_after_wrapping_is_followed_by_the_kernels():
     lm = PrefillLM(copy.deepcopy(ref))
     for model in (ref, lm.hf_model):
         model.config.sliding_window = 4
+    with pytest.raises(UnsupportedModel, match="config changed since PrefillLM wrapped"):
+        graphcap.capture(lm, "full", max_tokens=32, max_requests=2)
+    with pytest.raises(UnsupportedModel, match="wrap the model again"):
+        graphcap.LLM(lm, max_batch=1, max_len=16, prefill_tokens=8, progress=False)
+    lm = PrefillLM(lm.hf_model)
     runner = graphcap.capture(lm, "full", max_tokens=32, max_requests=2)
     with torch.no_grad():
-        want = stock_logits(ref, ids, lens)
-        torch.testing.assert_close(runner(ids, pos, seq_lens=lens), want, atol=1e-5,
-                                   rtol=1e-5)
+        torch.testing.assert_close(runner(ids, pos, seq_lens=lens),
+                                   stock_logits(ref, ids, lens), atol=1e-5, rtol=1e-5)
+    assert "window" in lm.graphcap_attention_options
 
 
 def test_a_rotary_pairing_the_structure_cannot_show_is_caught_by_the_probe():
