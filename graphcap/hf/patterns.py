@@ -351,11 +351,12 @@ CALL_TIME_CONFIG = ("sliding_window", "max_position_embeddings")
 
 def structure(model: nn.Module) -> tuple:
     """What recognition read, by identity: every module, and the rotary embedding's
-    frequencies (the cos/sin cache is built from them); by value, the config fields the
-    stock modules read per call."""
+    frequencies (the cos/sin cache is built from them; written in place too, by their
+    version counter); by value, the config fields the stock modules read per call."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     inv_freq = getattr(getattr(decoder, "rotary_emb", None), "inv_freq", None)
-    return (*map(id, model.modules()), id(inv_freq), call_time_config(model))
+    return (*map(id, model.modules()), id(inv_freq), getattr(inv_freq, "_version", None),
+            call_time_config(model))
 
 
 def call_time_config(model: nn.Module) -> tuple:

@@ -152,6 +152,20 @@ def test_a_window_set_in_the_config_after_wrapping_is_refused_until_wrapped_agai
     assert "window" in lm.graphcap_attention_options
 
 
+def test_rotary_frequencies_written_in_place_after_wrapping_reach_the_kernels():
+    # e.g. a linear rope scale applied by hand: the stock forward reads inv_freq each call
+    ref = hf_model("llama")
+    lm = PrefillLM(copy.deepcopy(ref))
+    with torch.no_grad():
+        for model in (ref, lm.hf_model):
+            model.model.rotary_emb.inv_freq.mul_(0.5)
+        runner = graphcap.capture(lm, "full", max_tokens=16, max_requests=2)
+        torch.testing.assert_close(runner(IDS, POS, seq_lens=LENS), stock_logits(ref),
+                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lm(IDS, POS, seq_lens=LENS), stock_logits(ref),
+                                   atol=1e-5, rtol=1e-5)
+
+
 def test_a_rotary_pairing_the_structure_cannot_show_is_caught_by_the_probe():
     # Helium's layers look like Llama's, but rotate interleaved pairs of q and k.
     config = transformers.HeliumConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
