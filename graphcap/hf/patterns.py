@@ -355,8 +355,15 @@ def structure(model: nn.Module) -> tuple:
     version counter); by value, the config fields the stock modules read per call."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     inv_freq = getattr(getattr(decoder, "rotary_emb", None), "inv_freq", None)
-    return (*map(id, model.modules()), id(inv_freq), getattr(inv_freq, "_version", None),
+    return (*map(id, model.modules()), id(inv_freq), _version(inv_freq),
             call_time_config(model))
+
+
+def _version(t) -> int | None:
+    """``t``'s version counter (None: no tensor, or an inference tensor, which has none)."""
+    if not isinstance(t, torch.Tensor) or t.is_inference():
+        return None
+    return t._version
 
 
 def call_time_config(model: nn.Module) -> tuple:

@@ -166,6 +166,15 @@ def test_rotary_frequencies_written_in_place_after_wrapping_reach_the_kernels():
                                    atol=1e-5, rtol=1e-5)
 
 
+def test_a_model_made_under_inference_mode_wraps_and_runs():
+    # Its buffers are inference tensors, which keep no version counter.
+    with torch.inference_mode():
+        ref = hf_model("llama")
+        lm = PrefillLM(copy.deepcopy(ref))
+        torch.testing.assert_close(lm(IDS, POS, seq_lens=LENS), stock_logits(ref),
+                                   atol=1e-5, rtol=1e-5)
+
+
 def test_a_rotary_pairing_the_structure_cannot_show_is_caught_by_the_probe():
     # Helium's layers look like Llama's, but rotate interleaved pairs of q and k.
     config = transformers.HeliumConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
