@@ -2,7 +2,8 @@
 ``graphcap.LLM`` (full strategy, the preset's random bf16 weights), per batch size:
 
 - the verify step of ``1 + K`` tokens per request against the plain decode step, both
-  runner calls over the same cache at the same context (CUDA-event time, interleaved);
+  runner calls over the same cache at the same context (CUDA-event time, interleaved and
+  paced as the decode suite's steps);
 - ``llm.generate`` end to end (wall time, median of ``reps`` calls on the same graphs),
   tokens per second and milliseconds per token of a request, plain decode
   (``speculate=False``) beside each proposer, the acceptance controlled:
@@ -40,6 +41,7 @@ import torch
 
 from graphcap.api import GRAPHED
 from graphcap.bench.common import environment, time_interleaved
+from graphcap.bench.prefill import SETTLE_MS, WARMUP_S
 from graphcap.engine.draft import DraftModel
 from graphcap.engine.eager import prefill
 from graphcap.engine.llm import LLM
@@ -108,7 +110,9 @@ def step_times(llm: LLM, model, batches, k: int, context: int, reps: int, device
         cases[b, "verify_sampled"] = (lambda b=b, at=at: engine.verifier.sampled(
             tokens[:b * (1 + k)], positions=at, slots=slots[:b],
             sampling=[Sampling(temperature=1.0, top_p=0.9)] * b))
-    times = time_interleaved(cases, reps=reps, rounds=5)
+    # Paced as the decode suite's steps: no case's time depends on the case before it.
+    pacing = {"settle_ms": SETTLE_MS, "warmup_s": WARMUP_S} if device == "cuda" else {}
+    times = time_interleaved(cases, reps=reps, rounds=5, **pacing)
     for slot in slots:
         cache.release(slot)
     out = {}
