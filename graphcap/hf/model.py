@@ -26,7 +26,7 @@ KERNELS = ("graphcap", "stock")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SUBSTITUTION = "_graphcap_substitution"  # on the wrapped model: its Substitution
 _CAME_AS = "_graphcap_came_as"  # and how it came to its first wrapper
-_WRAPPERS = "_graphcap_wrappers"  # and its wrappers alive (a WeakSet)
+_WRAPPERS = weakref.WeakKeyDictionary()  # model -> its live wrappers (kept off the model)
 log = logging.getLogger("graphcap")
 # Rotary scalings recomputed from max(position_ids) of the whole (packed) batch.
 DYNAMIC_ROPE = ("dynamic", "longrope")
@@ -177,7 +177,7 @@ def _give_back(model: nn.Module, came_as: tuple) -> nn.Module:
     rotary.unpatch(model)
     model.__dict__.pop(_SUBSTITUTION, None)
     model.__dict__.pop(_CAME_AS, None)
-    model.__dict__.pop(_WRAPPERS, None)
+    _WRAPPERS.pop(model, None)
     attention, experts, training = came_as
     if attention is not None and model.config._attn_implementation != attention:
         model.set_attn_implementation(attention)
@@ -251,7 +251,7 @@ class PrefillLM(nn.Module):
                 _give_back(hf_model, self._came_as)
             raise
         hf_model.__dict__[_CAME_AS] = self._came_as
-        alive = hf_model.__dict__.setdefault(_WRAPPERS, weakref.WeakSet())
+        alive = _WRAPPERS.setdefault(hf_model, weakref.WeakSet())
         self.first_wrapper = not alive  # no other wrapper of the model lives
         alive.add(self)
         log.info("graphcap.hf: %s: %s", type(hf_model).__name__, self.kernels.summary())

@@ -100,6 +100,16 @@ def test_generate_gives_back_a_model_whose_earlier_wrapper_is_gone():
     assert model.config._attn_implementation == attention
 
 
+def test_a_wrapped_model_saves_and_its_copy_is_given_back_by_generate(tmp_path):
+    model = hf_model("llama").to(DEVICE)
+    lm = PrefillLM(model)  # noqa: F841  (alive: the model stays wrapped)
+    torch.save(model, tmp_path / "model.pt")  # what graphcap keeps of it is off the model
+    twin = copy.deepcopy(model)
+    graphcap.generate(twin, PROMPTS[:1], NEW, strategy="eager")
+    assert twin.config._attn_implementation == "eager"  # no wrapper of the copy lives
+    assert model.config._attn_implementation == "graphcap"
+
+
 def test_generate_leaves_a_model_another_wrapper_holds_as_that_wrapper_set_it():
     model = hf_model("llama").to(DEVICE)
     lm = PrefillLM(model, logits="last")

@@ -131,8 +131,8 @@ def test_a_moe_block_with_routing_state_its_kernel_does_not_read_stays_stock(whe
 
 def test_a_window_set_in_the_config_after_wrapping_is_refused_until_wrapped_again():
     # Mistral's attention reads config.sliding_window on every call; the cache's window
-    # and the attention options were found at wrapping: a capture refuses the change
-    # (an LLM would free pages a global layer reads), a call's kernels follow it.
+    # and the attention options were found at wrapping: calls, captures and an LLM refuse
+    # the change (an LLM would free pages a global layer reads) until wrapped again.
     ids = torch.randint(0, VOCAB, (29,), generator=torch.Generator().manual_seed(0))
     lens = [20, 9]
     pos = torch.cat([torch.arange(n) for n in lens])
