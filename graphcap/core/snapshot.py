@@ -252,8 +252,6 @@ class ModelSnapshot:
         return {t.device for t in now if t is not None}
 
 
-
-
 def _held(model: nn.Module) -> list:
     """What every parameter and buffer slot holds, in one walk (half the time of
     naming them: 50 ms for 24k modules)."""

@@ -284,7 +284,7 @@ def _layer(model, name: str, layer, hidden: int, cos_sin, sub: Substitution, sha
     if why := probe.mismatch(stock.forward(layer, h[None], (), kw),
                              type(layer).forward(layer, h[None], **kw), "the layer") or \
             probe.branch(stock.forward(layer, small[None], (), kw)[0],
-                         _tensor(type(layer).forward(layer, small[None], **kw))[0], small,
+                         type(layer).forward(layer, small[None], **kw)[0], small,
                          "the layer's branches"):
         why = "not the pre-norm layer h + self_attn(input_layernorm(h)), h + " \
               f"mlp(post_attention_layernorm(h)) ({why})"
@@ -302,11 +302,6 @@ def _layer(model, name: str, layer, hidden: int, cos_sin, sub: Substitution, sha
     if lk.attention is not None or lk.mlp is not None:
         _patch(layer, _layer_forward, lk)
         sub.layers.append((layer, lk))
-
-
-def _tensor(out):
-    """A decoder layer's hidden states (older layers return a tuple)."""
-    return out[0] if isinstance(out, tuple) else out
 
 
 def _modules(model, sub: Substitution, skip: set[int]) -> None:
