@@ -50,8 +50,8 @@ import graphcap
 from graphcap.api import GRAPHED
 from graphcap.bench.common import back_to_back, environment, host_us, time_interleaved
 from graphcap.bench.decode_attention import peak_bytes_per_s
-from graphcap.bench.launch_line import decode_floor_ms, measure
-from graphcap.bench.prefill import SETTLE_MS, WARMUP_S
+from graphcap.bench.launch_line import decode_floor_ms, kv_tokens, measure
+from graphcap.bench.prefill import step_pacing
 from graphcap.engine.eager import decode_step, prefill
 from graphcap.inputs import DecodeInputs
 from graphcap.kv import PagedKVCache
@@ -98,7 +98,7 @@ def step_bytes(model, batch: int, context: int) -> int:
             weights += t.numel() * t.element_size() * share
     if model.lm_head.weight is not model.embed.weight:
         weights -= (a.vocab_size - batch) * a.hidden * model.embed.weight.element_size()
-    tokens = sum(min(context, a.window_of(i) or context) for i in range(a.layers))
+    tokens = sum(kv_tokens(a, i, context) for i in range(a.layers))
     kv = batch * tokens * a.kv_heads * a.head_dim * 2 * size
     return round(weights) + kv
 
@@ -234,7 +234,7 @@ def bench_model(name: str, arms, batches, context: int, reps: int, device: str,
             elif (arm, b) in peers:
                 cases[b, arm] = peers[arm, b]
     # Paced as prefill's cases are: an arm's time then does not depend on the arm before it.
-    pacing = {"settle_ms": SETTLE_MS, "warmup_s": WARMUP_S} if device == "cuda" else {}
+    pacing = step_pacing(device)
     times = time_interleaved(cases, reps=reps, rounds=5, **pacing) if cases else {}
     fed = back_to_back({k: fn for k, fn in cases.items() if k[1] != "eager"}, reps=5,
                        rounds=5, **pacing)

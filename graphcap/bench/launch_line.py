@@ -84,6 +84,12 @@ def measure(device="cuda", sizes_mb=SIZES_MB) -> dict:
     return fit(points)
 
 
+def kv_tokens(args, layer: int, context: int) -> int:
+    """The K/V tokens layer ``layer`` of a preset (``args``) reads of a ``context``-token
+    request: its window of them where it is windowed."""
+    return min(context, args.window_of(layer) or context)
+
+
 def decode_floor_ms(args, batch: int, context: int, line: dict,
                     dtype_bytes: int = 2) -> float | None:
     """The least a dense decoder's step (``args``: a preset's ``ModelArgs``) takes at
@@ -97,10 +103,10 @@ def decode_floor_ms(args, batch: int, context: int, line: dict,
     reads = [n * dtype_bytes for i in range(args.layers) for n in (
         (q + 2 * kv) * args.hidden, args.hidden * q, 2 * args.intermediate * args.hidden,
         args.hidden * args.intermediate,
-        batch * min(context, args.window_of(i) or context) * 2 * kv)]
+        batch * kv_tokens(args, i, context) * 2 * kv)]
     reads.append(args.vocab_size * args.hidden * dtype_bytes)
     us = sum(line["fixed_us"] + b / line["bytes_per_s"] * 1e6 for b in reads)
     return round(us / 1e3, 4)
 
 
-__all__ = ["SIZES_MB", "decode_floor_ms", "fit", "measure", "read"]
+__all__ = ["SIZES_MB", "decode_floor_ms", "fit", "kv_tokens", "measure", "read"]

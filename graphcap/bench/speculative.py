@@ -41,7 +41,7 @@ import torch
 
 from graphcap.api import GRAPHED
 from graphcap.bench.common import environment, time_interleaved
-from graphcap.bench.prefill import SETTLE_MS, WARMUP_S
+from graphcap.bench.prefill import step_pacing
 from graphcap.engine.draft import DraftModel
 from graphcap.engine.eager import prefill
 from graphcap.engine.llm import LLM
@@ -111,8 +111,7 @@ def step_times(llm: LLM, model, batches, k: int, context: int, reps: int, device
             tokens[:b * (1 + k)], positions=at, slots=slots[:b],
             sampling=[Sampling(temperature=1.0, top_p=0.9)] * b))
     # Paced as the decode suite's steps: no case's time depends on the case before it.
-    pacing = {"settle_ms": SETTLE_MS, "warmup_s": WARMUP_S} if device == "cuda" else {}
-    times = time_interleaved(cases, reps=reps, rounds=5, **pacing)
+    times = time_interleaved(cases, reps=reps, rounds=5, **step_pacing(device))
     for slot in slots:
         cache.release(slot)
     out = {}
