@@ -262,8 +262,7 @@ def _probe_kwargs(model, h, pos):
 def _layer(model, name: str, layer, hidden: int, cos_sin, sub: Substitution, shared):
     """Recognise and probe one decoder layer; patch it if any half runs graphcap's."""
     h = probe.hidden(hidden, next(layer.parameters()), seed=2)
-    pos = probe.positions(cos_sin.shape[0] if cos_sin is not None else probe.TOKENS,
-                          h.device, seed=3)
+    pos = probe.positions(probe.span(model.config), h.device, seed=3)
     kw = None
     if not (why := _foreign_forward(layer) or _shared(layer, *shared)
             or patterns.pre_norm_layer(layer)):
@@ -345,7 +344,8 @@ def substitute(model: nn.Module, dtype: torch.dtype) -> Substitution:
         ids = torch.randint(0, model.get_output_embeddings().weight.shape[0],
                             (1, probe.TOKENS), generator=torch.Generator().manual_seed(4)
                             ).to(device)
-        want = _logits(model, ids)
+        pos = probe.spread(probe.span(model.config), probe.TOKENS, device)[None]
+        want = _logits(model, ids, pos)
         if isinstance(layers, nn.ModuleList) and isinstance(hidden, int):
             cos_sin = rotary_cache(model)
             for layer in layers:
@@ -359,7 +359,7 @@ def substitute(model: nn.Module, dtype: torch.dtype) -> Substitution:
                 if lk.mlp is not None:
                     skip.add(id(layer.post_attention_layernorm))
         _modules(model, sub, skip)
-        why = _check_model(model, sub, ids, want)
+        why = _check_model(model, sub, ids, pos, want)
     if why:
         restore(model)
         log.warning("graphcap.hf: %s runs its stock kernels: %s", type(model).__name__, why)
@@ -369,16 +369,15 @@ def substitute(model: nn.Module, dtype: torch.dtype) -> Substitution:
     return sub
 
 
-def _logits(model, ids):
-    pos = torch.arange(ids.shape[1], device=ids.device)[None]
+def _logits(model, ids, pos):
     return model(input_ids=ids, position_ids=pos, use_cache=False).logits
 
 
-def _check_model(model, sub: Substitution, ids, want) -> str | None:
+def _check_model(model, sub: Substitution, ids, pos, want) -> str | None:
     global _RAN
     _RAN = []
     try:
-        got = _logits(model, ids)
+        got = _logits(model, ids, pos)
         ran = set(map(id, _RAN))
     finally:
         _RAN = None

@@ -14,7 +14,7 @@ from graphcap.core import checks
 from graphcap.errors import BadBatch
 from graphcap.hf import attention as hf_attention
 from graphcap.hf import kernels as substitution
-from graphcap.hf import patterns, rotary
+from graphcap.hf import patterns, probe, rotary
 from graphcap.hf.attention import NAME, UnsupportedModel, attention_options, window_refusal
 from graphcap.kv import longest_window
 from graphcap.opsdb.attention.packed import packed
@@ -153,7 +153,7 @@ def _probe(model: PreTrainedModel, dtype: torch.dtype
     forward (what a K/V cache of the model holds, whatever its config's fields say).
     What the attention function refuses on any layer is refused here, naming the model."""
     device = next(model.parameters()).device
-    pos = torch.arange(PROBE_TOKENS, device=device)
+    pos = probe.spread(probe.span(model.config), PROBE_TOKENS, device)
     ids = pos % model.get_output_embeddings().weight.shape[0]
     hf_attention.SEEN = []
     try:

@@ -78,11 +78,28 @@ def hidden(size: int, like: torch.Tensor, seed: int, tokens: int = TOKENS) -> to
     return torch.randn(tokens, size, generator=gen).to(device=like.device, dtype=like.dtype)
 
 
+def span(config) -> int:
+    """The positions a probe may use, ``[0, span)``: ``config.max_position_embeddings``
+    (the rotary cache's length, and where calls' positions are checked to lie), else
+    ``TOKENS``."""
+    top = getattr(config, "max_position_embeddings", None)
+    return top if isinstance(top, int) and not isinstance(top, bool) and top > 0 else TOKENS
+
+
+def spread(top: int, tokens: int, device) -> torch.Tensor:
+    """``tokens`` ascending positions below ``top`` from 0: ``0..tokens-1``, or where ``top``
+    is smaller, each of ``0..top-1`` in turn (a probe of ``tokens`` tokens on a model of
+    fewer positions, every one of them read)."""
+    return (torch.arange(tokens) * min(top, tokens) // tokens).to(device)
+
+
 def positions(max_position: int, device, seed: int, tokens: int = TOKENS) -> torch.Tensor:
-    """Ascending positions over the model's whole range: the rotary cache is read far out."""
+    """Ascending positions over the model's whole range: the rotary cache is read far out
+    (below ``max_position``: a model of fewer positions than ``tokens`` has each repeated)."""
+    if max_position < tokens:
+        return spread(max_position, tokens, device)
     gen = torch.Generator().manual_seed(seed)
-    top = max(max_position, tokens)
-    return torch.randperm(top, generator=gen)[:tokens].sort().values.to(device)
+    return torch.randperm(max_position, generator=gen)[:tokens].sort().values.to(device)
 
 
 def norm(module, eps: float) -> str | None:

@@ -175,6 +175,26 @@ def test_a_model_made_under_inference_mode_wraps_and_runs():
                                    atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("family", "top"), [("llama", 4), ("qwen3", 8), ("gpt2", 4)])
+def test_a_model_of_fewer_positions_than_the_probes_tokens_wraps_and_runs(family, top):
+    # The probes run 16 tokens (the K/V shape probe 8): their positions stay below
+    # max_position_embeddings, the rotary cache's length (GPT-2's position table's).
+    ref = hf_model(family, **{"n_positions" if family == "gpt2" else
+                              "max_position_embeddings": top})
+    lm = PrefillLM(copy.deepcopy(ref))
+    lm = PrefillLM(lm.hf_model)  # a second wrapper probes the substituted model
+    if family != "gpt2":
+        assert "0/" not in lm.kernels.summary(), lm.kernels.table()
+    lens = [top, top - 1]
+    ids = torch.randint(0, VOCAB, (sum(lens),), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(n) for n in lens])
+    runner = graphcap.capture(lm, "full", max_tokens=16, max_requests=2)
+    with torch.no_grad():
+        for got in (lm(ids, pos, seq_lens=lens), runner(ids, pos, seq_lens=lens)):
+            torch.testing.assert_close(got, stock_logits(ref, ids, lens), atol=1e-5,
+                                       rtol=1e-5)
+
+
 def test_a_rotary_pairing_the_structure_cannot_show_is_caught_by_the_probe():
     # Helium's layers look like Llama's, but rotate interleaved pairs of q and k.
     config = transformers.HeliumConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
