@@ -352,11 +352,16 @@ CALL_TIME_CONFIG = ("sliding_window", "max_position_embeddings")
 def structure(model: nn.Module) -> tuple:
     """What recognition read, by identity: every module, and the rotary embedding's
     frequencies (the cos/sin cache is built from them; written in place too, by their
-    version counter); by value, the config fields the stock modules read per call."""
+    version counter); by value, the rotary embedding's ``attention_scaling`` (its stock
+    forward multiplies cos and sin by it on every call) and the config fields the stock
+    modules read per call."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    inv_freq = getattr(getattr(decoder, "rotary_emb", None), "inv_freq", None)
+    rotary = getattr(decoder, "rotary_emb", None)
+    inv_freq = getattr(rotary, "inv_freq", None)
+    scaling = getattr(rotary, "attention_scaling", None)
     return (*map(id, model.modules()), id(inv_freq), _version(inv_freq),
-            call_time_config(model))
+            (id(scaling), _version(scaling)) if isinstance(scaling, torch.Tensor)
+            else repr(scaling), call_time_config(model))
 
 
 def _version(t) -> int | None:

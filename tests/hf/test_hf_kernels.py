@@ -152,13 +152,22 @@ def test_a_window_set_in_the_config_after_wrapping_is_refused_until_wrapped_agai
     assert "window" in lm.graphcap_attention_options
 
 
-def test_rotary_frequencies_written_in_place_after_wrapping_reach_the_kernels():
-    # e.g. a linear rope scale applied by hand: the stock forward reads inv_freq each call
+def _halve_frequencies(rotary):
+    rotary.inv_freq.mul_(0.5)  # e.g. a linear rope scale applied by hand
+
+
+def _scale_attention(rotary):
+    rotary.attention_scaling = 2.0  # e.g. a YaRN-style mscale set by hand
+
+
+@pytest.mark.parametrize("edit", [_halve_frequencies, _scale_attention])
+def test_rotary_frequencies_or_scaling_changed_after_wrapping_reach_the_kernels(edit):
+    # The stock forward reads inv_freq and attention_scaling on every call.
     ref = hf_model("llama")
     lm = PrefillLM(copy.deepcopy(ref))
     with torch.no_grad():
         for model in (ref, lm.hf_model):
-            model.model.rotary_emb.inv_freq.mul_(0.5)
+            edit(model.model.rotary_emb)
         runner = graphcap.capture(lm, "full", max_tokens=16, max_requests=2)
         torch.testing.assert_close(runner(IDS, POS, seq_lens=LENS), stock_logits(ref),
                                    atol=1e-5, rtol=1e-5)
