@@ -13,8 +13,8 @@ from transformers import PreTrainedModel
 from graphcap.core import checks
 from graphcap.errors import BadBatch
 from graphcap.hf import attention as hf_attention
+from graphcap.hf import changes, probe, rotary
 from graphcap.hf import kernels as substitution
-from graphcap.hf import patterns, probe, rotary
 from graphcap.hf.attention import NAME, UnsupportedModel, attention_options, window_refusal
 from graphcap.kv import longest_window
 from graphcap.opsdb.attention.packed import packed
@@ -229,7 +229,7 @@ class PrefillLM(nn.Module):
         self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
         # What its attention layers compute beyond causal attention (a backend must too).
         self.graphcap_attention_options = attention_options(hf_model)
-        self._config = patterns.call_time_config(hf_model)  # and the cache's window
+        self._taken = changes.taken(hf_model)  # the cache's window, the vocabulary
         # What release() gives back: attention, experts, train mode, as at the first wrapper
         first = _CAME_AS not in hf_model.__dict__
         self._came_as = hf_model.__dict__.get(_CAME_AS) or (
@@ -302,15 +302,12 @@ class PrefillLM(nn.Module):
 
     def _check_switched(self, capture: bool = False) -> None:
         """Refuse a model whose attention implementation (for a capture, experts
-        implementation) is no longer PrefillLM's, or whose call-time config changed."""
+        implementation) is no longer PrefillLM's, or whose call-time config or vocabulary
+        changed (``graphcap.hf.changes``)."""
         kind, config = type(self.hf_model).__name__, self.hf_model.config
         self.kernels  # noqa: B018 (refuses a released model, whatever it runs now)
-        if (changed := patterns.call_time_config(self.hf_model)) != self._config:
-            fields = ", ".join(patterns.CALL_TIME_CONFIG)
-            raise UnsupportedModel(
-                f"{kind}'s config changed since PrefillLM wrapped it ({fields}: "
-                f"{self._config}, now {changed}): its windows and cache were found at "
-                "wrapping; wrap the model again, PrefillLM(hf_model)")
+        if why := changes.refusal(self.hf_model, self._taken):
+            raise UnsupportedModel(why)
         if (now := config._attn_implementation) != NAME:
             raise UnsupportedModel(
                 f"{kind}'s attention implementation is {now!r}, not graphcap's: it was "

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from graphcap.hf.changes import call_time_config
 from graphcap.hf.fuse import Fused, check_fusable
 from graphcap.models.blocks import (
     AttentionLayer,
@@ -344,17 +345,12 @@ def _recognise_gpt_oss_moe(layer, mlp, hidden: int, eps: float):
                       glu=(float(alpha), float(limit))), None
 
 
-# Config fields stock modules read on every call (Mistral's, Mixtral's and Phi-3's
-# attention pass config.sliding_window) or that size the rotary cache.
-CALL_TIME_CONFIG = ("sliding_window", "max_position_embeddings")
-
-
 def structure(model: nn.Module) -> tuple:
     """What recognition read, by identity: every module, and the rotary embedding's
     frequencies (the cos/sin cache is built from them; written in place too, by their
     version counter); by value, the rotary embedding's ``attention_scaling`` (its stock
     forward multiplies cos and sin by it on every call) and the config fields the stock
-    modules read per call."""
+    modules read per call (``changes.CALL_TIME_CONFIG``)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     rotary = getattr(decoder, "rotary_emb", None)
     inv_freq = getattr(rotary, "inv_freq", None)
@@ -370,7 +366,3 @@ def _version(t) -> int | None:
         return None
     return t._version
 
-
-def call_time_config(model: nn.Module) -> tuple:
-    """The values of ``CALL_TIME_CONFIG`` in ``model``'s config."""
-    return tuple(repr(getattr(model.config, f, None)) for f in CALL_TIME_CONFIG)

@@ -152,6 +152,33 @@ def test_a_window_set_in_the_config_after_wrapping_is_refused_until_wrapped_agai
     assert "window" in lm.graphcap_attention_options
 
 
+@pytest.mark.parametrize("vocab", [160, 100])
+def test_a_vocabulary_resized_after_wrapping_is_refused_until_wrapped_again(vocab):
+    # Token ids are checked against the vocabulary of wrapping (an eager call,
+    # check_inputs, an LLM's prompts): grown, its new ids were refused as out of range;
+    # shrunk, ids past its end passed and faulted in the embedding.
+    ref = hf_model("llama")
+    lm = PrefillLM(copy.deepcopy(ref))
+    runner = graphcap.capture(lm, "full", max_tokens=16, max_requests=2)
+    for model in (lm.hf_model, ref):
+        model.resize_token_embeddings(vocab, mean_resizing=False)
+    ref.load_state_dict(lm.hf_model.state_dict())  # the same new rows
+    with torch.no_grad(), pytest.raises(UnsupportedModel, match=r"vocabulary changed since "
+                                        r"PrefillLM wrapped it .*wrap the model again"):
+        lm(IDS, POS, seq_lens=LENS)
+    with pytest.raises(UnsupportedModel, match="vocabulary changed"):
+        runner(IDS, POS, seq_lens=LENS)  # it captures again: the model changed
+    with pytest.raises(UnsupportedModel, match="vocabulary changed"):
+        graphcap.LLM(lm, max_batch=1, max_len=16, prefill_tokens=8, progress=False)
+    lm = PrefillLM(lm.hf_model)
+    ids = IDS % vocab
+    ids[1] = vocab - 1
+    with torch.no_grad():
+        got = lm(ids, POS, seq_lens=LENS)
+    assert got.shape == (8, vocab) and lm.vocab_size == vocab
+    torch.testing.assert_close(got, stock_logits(ref, ids), atol=1e-5, rtol=1e-5)
+
+
 def _halve_frequencies(rotary):
     rotary.inv_freq.mul_(0.5)  # e.g. a linear rope scale applied by hand
 
