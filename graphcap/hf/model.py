@@ -384,7 +384,10 @@ class PrefillLM(nn.Module):
                         options=self.graphcap_attention_options) as meta:
                 if self.output_rows == "requests":
                     last_rows = meta.last_token_rows()
-                return self.forward(input_ids, positions, last_rows)
+                return self._logits(input_ids, positions, last_rows)
+        return self._logits(input_ids, positions, last_rows)
+
+    def _logits(self, input_ids, positions, last_rows):
         keep = {}
         if self.output_rows == "requests":
             if last_rows is None:
