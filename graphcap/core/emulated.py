@@ -8,7 +8,8 @@ region, with CUDA-graph semantics:
   input are read, a new tensor object passed later is not;
 - Python scalars and control flow are baked at capture;
 - view ops are not re-run (a view stays a view of the same storage); ops that may alias
-  or copy (``contiguous``, ``reshape``) re-run when they copied;
+  or copy (``contiguous``, ``reshape``) re-run when they copied; an in-place view
+  (``t_``, ``unsqueeze_``) leaves the ops recorded before it the shape they saw;
 - in-place and ``out=`` ops re-run on the recorded tensors;
 - functional ops re-run and their results are copied into the recorded outputs, so outputs
   are the same objects every replay and are overwritten by the next one;
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 from graphcap.compat import imports
 from graphcap.core import hostsync
@@ -184,6 +186,8 @@ class _Recorder(TorchDispatchMode):
         graph = self.graph
         hostsync.check_op(func, args, kwargs, graph.device)
         kind = _kind(func)
+        if torch.Tag.inplace_view in func.tags:
+            graph._freeze(args[0])
         if kind == "mutate":
             for t in _written(func, args, kwargs):
                 graph._snapshot(t)
@@ -281,6 +285,19 @@ class EmulatedGraph(Graph):
         modes, self._modes = self._modes, []
         for mode in reversed(modes):
             mode.__exit__(None, None, None)
+
+    def _freeze(self, t: torch.Tensor) -> None:
+        """``t``'s shape is about to change in place (``t_``, ``unsqueeze_``): the steps
+        recorded so far keep reading and writing it as it is now, through a view of its
+        present shape in their place (a replay runs them on the recorded objects, which by
+        then have the last shape; CUDA's kernels keep the layout they were launched with)."""
+        def frozen(x):
+            return (t.as_strided(t.size(), t.stride(), t.storage_offset())
+                    if x is t else x)
+
+        for step in self._steps:
+            step.args, step.kwargs = tree_map(frozen, (step.args, step.kwargs))
+            step.outs = [frozen(out) for out in step.outs]
 
     def _snapshot(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()

@@ -124,6 +124,31 @@ def test_ops_that_copy_or_alias_by_layout_replay_with_new_inputs(pool):
     assert region.calls == 1
 
 
+def test_a_tensor_reshaped_in_place_keeps_for_each_op_its_shape_of_the_time(pool):
+    """``t_()``, ``unsqueeze_()``, ``resize_()`` on tensors the region made change their
+    shape in place: the ops before read and write them in the shape they had then."""
+    x = torch.arange(12, device=pool.device, dtype=torch.float32).view(3, 4)
+
+    def body(t):
+        square = t[:, :3] * 2  # not symmetric: a replay reading it transposed differs
+        square.t_()
+        mask = (t[:, 0] > 0).to(t.dtype)
+        mask.unsqueeze_(-1)
+        flat = t + 1
+        flat.resize_(12)
+        return square @ t[:, :3], t * mask, flat
+
+    region = Region(body)
+    graph = pool.graph()
+    outs = graph.capture(region, x)
+    fresh = torch.randn(3, 4, device=pool.device)
+    x.copy_(fresh)
+    graph.replay()
+    for got, want in zip(outs, body(fresh.clone()), strict=True):
+        torch.testing.assert_close(got, want)
+    assert region.calls == 1
+
+
 def test_out_variant_ops_write_their_given_buffers_on_replay(pool):
     x = full(pool, 6, 1.0)
     given = torch.zeros(6, device=pool.device)
