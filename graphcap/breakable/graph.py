@@ -15,7 +15,8 @@ tensor the function returned that belongs to the model or the caller). A result 
 argument's memory (the argument, a view of it, an ``out=`` it wrote) is no copy: the next
 segment reads that memory, as eager code would, and a replay must return the same view of
 it. A fresh result of another structure, shape, dtype or device than at capture, or
-another view where an argument's was, raises :class:`~graphcap.errors.ReplayError`.
+another view where an argument's was, or results apart that shared memory at capture,
+raises :class:`~graphcap.errors.ReplayError`.
 
 At capture each break runs on real values: the segment before it is replayed once as soon
 as it is captured (a captured segment has run nothing yet), so the break sees what an
@@ -85,6 +86,17 @@ def _own(value, given: set[int]) -> tuple[Any, tuple[bool, ...]]:
                            else copy(t) for t in leaves], spec), kept
 
 
+def _shares(tensors: list[torch.Tensor], kept: tuple[bool, ...]) -> tuple:
+    """Per tensor leaf of a break's result: the earlier leaf whose new memory it shares
+    (``_own`` made the two views of one copy) and its byte offset from it, else None."""
+    first: dict[int, int] = {}
+    out = []
+    for i, (t, k) in enumerate(zip(tensors, kept, strict=True)):
+        j = i if k or not _shareable(t) else first.setdefault(storage_key(t), i)
+        out.append(None if j == i else (j, t.data_ptr() - tensors[j].data_ptr()))
+    return tuple(out)
+
+
 def _shareable(t: torch.Tensor) -> bool:
     """Whether ``t`` can be a plain view of a shared copy: not empty, not expanded, not a
     conjugate or negative view (their flags would not follow)."""
@@ -116,6 +128,7 @@ class Break:
     # rebuild them as at the call (``rebuild``), else pass the same objects.
     at_call: tuple | None = None
     rebuild: bool = False
+    shares: tuple = ()  # _shares of the result at capture
 
     def settle(self) -> None:
         """At the end of capture: rebuild the arguments at replay if they changed since
@@ -132,7 +145,16 @@ class Break:
                 f"{self.layout[1]} at capture: the graph after it reads buffers of the "
                 "capture's shapes and dtypes. Return tensors of the same shapes, dtypes and "
                 "devices on every call (or write into an out= tensor you are given)")
-        kept = tensor_leaves(self.output)
+        kept, fresh_leaves = tensor_leaves(self.output), tensor_leaves(fresh)
+        for i, share in enumerate(self.shares):
+            if share is not None and _shares([fresh_leaves[share[0]], fresh_leaves[i]],
+                                             (False, False))[1] != (0, share[1]):
+                raise ReplayError(
+                    f"eager break {self.name} returned results {share[0]} and {i} on one "
+                    "memory at capture (a tensor returned twice, or a tensor and its "
+                    "view), and apart at replay: the graph after it reads them from one "
+                    "buffer. Return results that share memory alike on every call (or "
+                    ".clone() one of them)")
         for buf, new, on_args in zip(kept, tensor_leaves(fresh),
                                      self.on_args or (False,) * len(kept), strict=True):
             if not on_args:  # graphcap's own buffer
@@ -229,14 +251,16 @@ class BreakableCapture:
         try:  # no handler inside a break: one calling another marked function runs it
             with self.pool.warmup(), break_handler(None):  # the capture stream, no capture
                 self.items[-1].replay()  # its inputs: real values, not capture garbage
-                output, on_args = _own(fn(*args, **kwargs), storages(at_call[0]))
+                raw = fn(*args, **kwargs)
+                output, on_args = _own(raw, storages(at_call[0]))
+                shares = _shares(tensor_leaves(raw), on_args)
             _check_result(name, output, self.pool.device)
         except BaseException as exc:  # the forward may catch it: its ops need a segment
             self._raised = (name, exc)
             self._open()
             raise
         self.items.append(Break(fn, args, kwargs, output, _layout(output), on_args,
-                                at_call))
+                                at_call, shares=shares))
         self._open()
         return output
 

@@ -284,6 +284,30 @@ def test_a_break_returning_another_view_at_replay_than_at_capture_is_an_error():
         r(torch.randn(4, 2))
 
 
+def test_a_break_whose_results_shared_memory_at_capture_but_not_at_replay_is_an_error():
+    apart = [False]
+
+    @graphcap.eager_on_graph
+    def twice(h):
+        y = h * 2
+        return (y, -y) if apart[0] else (y, y)
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            a, b = twice(x + 0)
+            return a + 10 * b
+
+    m = Model()
+    r = graphcap.capture(m, "breakable", buckets=[4], example_inputs=(torch.randn(4, 2),))
+    x = torch.randn(4, 2)
+    torch.testing.assert_close(r(x), m(x))
+    apart[0] = True  # the same shapes, two tensors: one buffer cannot hold both
+    with pytest.raises(ReplayError, match="on one memory at capture.*apart at replay"):
+        r(x)
+    apart[0] = False
+    torch.testing.assert_close(r(x), m(x))  # the runner stays usable
+
+
 def test_a_breakable_capture_used_directly_runs_eagerly_under_other_metadata():
     # Without the runner: the capture itself checks the state its segments read.
     from graphcap.breakable import BreakableCapture
