@@ -100,7 +100,7 @@ class Runner:
 
     # -- calls ---------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        with self._serial:
+        with self._serial.only("a call of the runner"):
             start = time.perf_counter()  # after the lock: another call's wait is not ours
             stale = self.strategy.captures and self._snapshot is not None \
                 and not self._snapshot.current()
@@ -238,7 +238,7 @@ class Runner:
         ``example``: arguments of a call, for inputs whose buffers take their shapes from
         one; ``progress(done, total)`` is called after each shape. Called again, it
         captures every shape again from scratch (the first shape warmed up again)."""
-        with self._serial:
+        with self._serial.only("capture_all()"):
             self._captures("capture_all()")
             batch = None if example is None else self._agreed(self.inputs.check, example, {})
             self._capture_all(batch, progress)
@@ -247,7 +247,7 @@ class Runner:
         """Capture every shape again from the model as it is now: after a change the
         runner cannot see (a Python attribute its forward reads), or to pick up a changed
         one before the next call does."""
-        with self._serial:
+        with self._serial.only("recapture()"):
             self._captures("recapture()")
             if not self.entries and self.inputs.needs_batch:
                 raise CaptureError(

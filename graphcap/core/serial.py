@@ -13,11 +13,13 @@ that replay (the lock alone orders the host, not the device).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
 
 from graphcap import compat
+from graphcap.errors import BadBatch
 
 
 class Serial:
@@ -30,9 +32,26 @@ class Serial:
             self._index = device.index if device.index is not None else \
                 torch.cuda.current_device()
         self._stream: tuple | None = None  # where the last holder issued its work
+        self._depth = 0  # how often its holder holds it
+
+    @contextlib.contextmanager
+    def only(self, what: str):
+        """Held as ``with serial``, but ``BadBatch`` where its holder holds it already:
+        ``what`` (a call, a capture) made inside a call of the same runner (an eager break
+        or op of the model calls it) would overwrite the buffers the outer call's graphs
+        read."""
+        with self:
+            if self._depth > 1:
+                raise BadBatch(
+                    f"{what} was made inside a call of the same runner (an eager break or "
+                    "op of its model makes it): it would overwrite the input and output "
+                    "buffers the outer call's graphs read. Call the model itself there, or "
+                    "capture it a second time for the inner calls")
+            yield self
 
     def __enter__(self):
         self._lock.acquire()
+        self._depth += 1
         if self._index is not None:
             try:
                 stream = compat.current_stream_key(self._index)
@@ -43,9 +62,10 @@ class Serial:
                     compat.stream_of(stream).wait_stream(compat.stream_of(self._stream))
                 self._stream = stream
             except BaseException:
-                self._lock.release()
+                self.__exit__()
                 raise
         return self
 
     def __exit__(self, *exc) -> None:
+        self._depth -= 1
         self._lock.release()

@@ -308,6 +308,36 @@ def test_a_break_whose_results_shared_memory_at_capture_but_not_at_replay_is_an_
     torch.testing.assert_close(r(x), m(x))  # the runner stays usable
 
 
+def test_a_runner_called_from_inside_its_own_call_refuses_and_stays_usable():
+    inner = {"runner": None}
+
+    @graphcap.eager_on_graph
+    def calls_the_runner(h):
+        if inner["runner"] is not None:
+            inner["runner"](torch.ones(6, 8))  # would restage the outer call's inputs
+        return h * 1
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.b(calls_the_runner(self.a(x))) + x
+
+    m = Model()
+    r = graphcap.capture(m, "breakable", buckets=[4, 8])
+    x = torch.randn(5, 8)
+    r(x)
+    inner["runner"] = r
+    for call in (lambda: r(x), r.recapture):
+        with pytest.raises(BadBatch, match="inside a call of the same runner"):
+            call()
+    inner["runner"] = None
+    with torch.no_grad():
+        torch.testing.assert_close(r(x), m(x))
+
+
 def test_a_breakable_capture_used_directly_runs_eagerly_under_other_metadata():
     # Without the runner: the capture itself checks the state its segments read.
     from graphcap.breakable import BreakableCapture
