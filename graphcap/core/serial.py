@@ -19,7 +19,8 @@ import threading
 import torch
 
 from graphcap import compat
-from graphcap.errors import BadBatch
+from graphcap.core import graphs
+from graphcap.errors import BadBatch, CaptureError
 
 
 class Serial:
@@ -36,11 +37,19 @@ class Serial:
 
     @contextlib.contextmanager
     def only(self, what: str):
-        """Held as ``with serial``, but ``BadBatch`` where its holder holds it already:
-        ``what`` (a call, a capture) made inside a call of the same runner (an eager break
-        or op of the model calls it) would overwrite the buffers the outer call's graphs
-        read."""
+        """Held as ``with serial``, but refusing ``what`` (a runner's call or capture)
+        where it would corrupt another: made inside a call of the same runner (an eager
+        break or op of the model makes it), it would overwrite the buffers the outer call's
+        graphs read (``BadBatch``); made while a graph captures (a captured model calls a
+        runner), the outer graph would replay the runner's buffers with none of its checks
+        (``CaptureError``)."""
         with self:
+            if graphs.capturing():
+                raise CaptureError(
+                    f"{what} was made while a graph captures (a captured model calls a "
+                    "runner): the outer graph would replay the runner's buffers without its "
+                    "checks, and miss its recaptures. Call the runner's model itself in the "
+                    "captured forward")
             if self._depth > 1:
                 raise BadBatch(
                     f"{what} was made inside a call of the same runner (an eager break or "

@@ -338,6 +338,28 @@ def test_a_runner_called_from_inside_its_own_call_refuses_and_stays_usable():
         torch.testing.assert_close(r(x), m(x))
 
 
+@pytest.mark.parametrize("outer", ["full", "breakable"])
+def test_a_runner_called_while_another_model_captures_is_refused(outer):
+    inner = torch.nn.Linear(8, 8)
+    inner_runner = graphcap.capture(inner, "full", buckets=[8])
+    inner_runner(torch.randn(5, 8))
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.head = torch.nn.Linear(8, 8), [inner_runner]
+
+        def forward(self, x):  # its graph would replay the inner runner's buffers unchecked
+            return self.head[0](self.lin(x)) + 1
+
+    r = graphcap.capture(Outer(), outer, buckets=[8])
+    with pytest.raises(CaptureError, match="made while a graph captures"):
+        r(torch.randn(5, 8))
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(inner_runner(x), inner(x))
+
+
 def test_a_breakable_capture_used_directly_runs_eagerly_under_other_metadata():
     # Without the runner: the capture itself checks the state its segments read.
     from graphcap.breakable import BreakableCapture
