@@ -66,6 +66,8 @@ def _release(code: types.CodeType, compiler: weakref.ref, traces: Traces) -> Non
 # Dynamo's refusal to compile a frame again (fullgraph): a subclass of Exception only on
 # some torch versions.
 _RECOMPILE_LIMIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
+# A dim marked dynamic that the traced Python specialised (a RuntimeError, not Dynamo's).
+_SPECIALISED = torch.fx.experimental.symbolic_shapes.ConstraintViolationError
 
 
 class CompiledForward:
@@ -126,6 +128,13 @@ class CompiledForward:
                 "Dynamo's recompile limit: Python state it reads changes between calls (a "
                 "counter, a flag), which a replay would freeze; keep such state in tensors, "
                 f"or use strategy='breakable' ({str(exc).strip().splitlines()[0]})") from exc
+        except _SPECIALISED as exc:
+            raise CaptureError(
+                "strategy='tc_piecewise' compiles the forward once for every token count "
+                "(dim 0 of its arguments dynamic), and this forward's Python specialises on "
+                "it (it branches on x.shape[0], or builds a buffer for each size): use "
+                "strategy='breakable' or 'full', which capture each shape as it runs "
+                f"({str(exc).strip().splitlines()[0]})") from exc
         except torch._dynamo.exc.TorchDynamoException as exc:
             if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed):
                 inner = getattr(exc, "inner_exception", exc)

@@ -455,3 +455,28 @@ def test_python_state_that_changes_every_call_is_a_capture_error_naming_it():
                              example_inputs=(torch.randn(4, 4),))
         for n in range(1, 12):
             r(torch.randn(n, 4))
+
+
+class BuildsPerSize(torch.nn.Module):
+    """Rebuilds a buffer for each new token count: its Python reads the size."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("ramp", None)
+
+    def forward(self, x):
+        if self.ramp is None or self.ramp.shape[0] != x.shape[0]:
+            self.ramp = torch.arange(x.shape[0], dtype=x.dtype)[:, None] * 0.01
+        return self.lin(x) + self.ramp
+
+
+def test_a_forward_specialising_on_the_token_count_is_a_capture_error_naming_the_others():
+    with pytest.raises(CaptureError, match="specialises on it.*'breakable' or 'full'"):
+        graphcap.capture(BuildsPerSize(), "tc_piecewise", buckets=[4, 8])(torch.randn(5, 8))
+    for strategy in ("breakable", "full"):
+        m = BuildsPerSize()
+        x = torch.randn(5, 8)
+        got = graphcap.capture(m, strategy, buckets=[4, 8])(x)
+        with torch.no_grad():
+            torch.testing.assert_close(got, m(x))
