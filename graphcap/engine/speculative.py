@@ -84,7 +84,8 @@ class Counts:
     """What speculation did: verify steps, the requests' rows they verified (a request in
     a step), proposals made and accepted, and seconds in the proposer (draft), in the
     verify step up to its tokens on the host (verify) and in the bookkeeping after it
-    (host)."""
+    (host). Accepted means the target verified it: a request that ends inside a step
+    (``max_new_tokens``, a stop) keeps fewer tokens than it accepted there."""
 
     steps: int = 0
     rows: int = 0
@@ -99,7 +100,7 @@ class Counts:
                 "proposals": self.proposals,
                 "accepted": self.accepted,
                 "acceptance_rate": self.accepted / self.proposals if self.proposals else 0.0,
-                # tokens a request gains per verify step: its accepted proposals plus one
+                # tokens a request's verify step gives: its accepted proposals plus one
                 "mean_acceptance_length": self.accepted / self.rows + 1 if self.rows
                 else 0.0,
                 "draft_s": self.draft_s, "verify_s": self.verify_s, "host_s": self.host_s}
