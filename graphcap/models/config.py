@@ -25,7 +25,8 @@ DEFAULTS = {"llama": {"max_position_embeddings": 2048},
                       "max_position_embeddings": 32768},
             "qwen3": {"max_window_layers": 28, "sliding_window": 4096,
                       "max_position_embeddings": 32768, "head_dim": 128},
-            "qwen3_moe": {"norm_topk_prob": False, "max_position_embeddings": 32768},
+            "qwen3_moe": {"norm_topk_prob": False, "max_position_embeddings": 32768,
+                          "num_experts_per_tok": 8, "moe_intermediate_size": 768},
             "gpt_oss": {"sliding_window": 128, "rms_norm_eps": 1e-5,
                         "attention_bias": True, "max_position_embeddings": 131072,
                         "head_dim": 64, "num_key_value_heads": 8}}
@@ -92,11 +93,12 @@ def _gpt_oss_args(config: dict, source: str) -> dict:
                 moe_intermediate=config["intermediate_size"], moe_bias=True,
                 glu_alpha=config.get("swiglu_alpha", 1.702),
                 glu_limit=config.get("swiglu_limit", 7.0),
-                window=config.get("sliding_window") or 0, global_every=2, sinks=True)
+                window=config.get("sliding_window") or 0, global_every=2, sinks=True,
+                norm_topk=True)  # its router: a softmax over the top k, whatever the config
 
 
 def _window(config: dict, family: str, source: str) -> int:
-    """Llama and the Qwen families: a sliding window on every layer, or none; a window
+    """The Qwen families: a sliding window on every layer, or none; a window
     on some layers only is refused. Without ``layer_types`` (configs written before
     transformers 5), Qwen2's layers from ``max_window_layers`` on are windowed."""
     windowed = config.get("use_sliding_window") and config.get("sliding_window")
@@ -137,7 +139,8 @@ def _refuse_unsupported(config: dict, family: str, source: str) -> None:
         raise CheckpointError(f"{source}: dense layers among MoE layers (mlp_only_layers, "
                               "decoder_sparse_step) are not supported")
     act = config.get("hidden_act", "silu")
-    if family != "gpt_oss" and act != "silu":  # gpt-oss's experts: their own clamped GLU
+    # transformers: "swish" is SiLU too; gpt-oss's experts have their own clamped GLU
+    if family != "gpt_oss" and act not in ("silu", "swish"):
         raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (SiLU only)")
     if config.get("mlp_bias"):
         raise CheckpointError(f"{source}: mlp_bias (biases on the MLP's projections) is not "
@@ -177,8 +180,8 @@ def args_from_config(config: dict, source: str = "config.json") -> ModelArgs:
         )
         if family == "gpt_oss":
             fields.update(_gpt_oss_args(config, source))
-        else:
-            fields["window"] = _window(config, family, source)
+        else:  # transformers' Llama reads no window field
+            fields["window"] = 0 if family == "llama" else _window(config, family, source)
         return ModelArgs(**fields)
     except KeyError as exc:
         raise CheckpointError(f"{source}: missing key {exc.args[0]!r}") from exc

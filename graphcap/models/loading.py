@@ -26,13 +26,16 @@ __all__ = ["FAMILIES", "CheckpointError", "args_from_config", "load_checkpoint"]
 
 
 def _tensors(folder: Path) -> dict[str, tuple[str, object]]:
-    """Every tensor name -> (file, safe_open handle) of the checkpoint: the shards
-    ``model.safetensors.index.json`` lists, else ``model.safetensors`` (as transformers
-    reads it: another ``*.safetensors`` beside it, an older copy, is no part of it)."""
+    """Every tensor name -> (file, safe_open handle) of the checkpoint, as transformers
+    reads the folder: ``model.safetensors``, else the shards
+    ``model.safetensors.index.json`` lists (an index or a ``*.safetensors`` beside the
+    one file, left by an earlier ``save_pretrained``, is no part of it)."""
     from safetensors import safe_open
 
     index = folder / "model.safetensors.index.json"
-    where = json.loads(index.read_text())["weight_map"] if index.exists() else None
+    single = (folder / "model.safetensors").exists()
+    where = json.loads(index.read_text())["weight_map"] if index.exists() and not single \
+        else None
     files = sorted(set(where.values())) if where is not None else ["model.safetensors"]
     if where is None and not (folder / files[0]).exists():
         others = sorted(p.name for p in folder.glob("*.safetensors"))

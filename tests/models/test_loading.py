@@ -37,10 +37,15 @@ def saved(tmp_path, family, config=None, **save_kwargs):
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config or CONFIGS[family](),
                                                        attn_implementation="eager").eval()
-    with torch.no_grad():  # nonzero biases and sinks, where transformers starts them at 0
-        for name, p in hf.named_parameters():
-            if name.endswith(("bias", "sinks")):
-                p.normal_(0, 0.5)
+    with torch.no_grad():  # nonzero biases and sinks, where transformers starts them at 0;
+        for name, p in hf.named_parameters():  # norms of their own, peaked attention and
+            if name.endswith(("bias", "sinks")):  # routing: a swapped norm or a dropped
+                p.normal_(0, 0.5)  # scaling moves the logits
+            elif name.endswith("norm.weight"):
+                p.normal_(1.0, 0.5)
+            elif name.endswith(("q_proj.weight", "k_proj.weight", "router.weight",
+                                "mlp.gate.weight")):
+                p.mul_(4.0)
     hf.save_pretrained(tmp_path, **save_kwargs)
     return hf
 
@@ -109,8 +114,8 @@ def test_a_config_written_before_transformers_5_names_its_rope_scaling(tmp_path)
      "partial_rotary_factor"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8,
       "max_window_layers": 1}, "sliding windows on some layers only"),
-    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8},
-     "sliding windows on some layers only")])
+    ({"model_type": "qwen3", "layer_types": ["sliding_attention", "full_attention"],
+      "sliding_window": 8}, "sliding windows on some layers only")])
 def test_config_fields_that_change_the_model_are_refused_not_ignored(change, needle):
     config = dict(model_type="llama", vocab_size=128, hidden_size=64, num_hidden_layers=2,
                   num_attention_heads=4)
@@ -123,6 +128,18 @@ def test_a_family_default_a_config_leaves_out_is_the_familys_not_graphcaps():
                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                 intermediate_size=64, num_local_experts=8)
     assert not args_from_config({**base, "model_type": "qwen3_moe"}).norm_topk
+    moe = {k: v for k, v in base.items() if k not in ("num_experts_per_tok",
+                                                      "moe_intermediate_size")}
+    moe = args_from_config({**moe, "model_type": "qwen3_moe"})
+    assert (moe.top_k, moe.moe_intermediate) == (8, 768)
+    # Fields a family's transformers code never reads: gpt-oss's router renormalises its
+    # top k always; Llama has no windows.
+    assert args_from_config({**base, "model_type": "gpt_oss", "norm_topk_prob": False}
+                            ).norm_topk
+    for window in ({"use_sliding_window": True, "sliding_window": 5},
+                   {"layer_types": ["sliding_attention"] * 2, "sliding_window": 5}):
+        assert args_from_config({**base, "model_type": "llama", **window}).window == 0
+    assert args_from_config({**base, "model_type": "llama", "hidden_act": "swish"})
     oss = args_from_config({**base, "model_type": "gpt_oss"})
     assert (oss.window, oss.eps, oss.o_bias, oss.rope_theta) == (128, 1e-5, True, 150000.0)
     assert oss.rope_scaling == Yarn(32.0, 4096, 32.0, 1.0, truncate=False)
@@ -149,6 +166,22 @@ def test_a_sharded_checkpoint_loads_through_its_index(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(ours(ids[0], torch.arange(5), seq_lens=[5]),
                                    hf(ids).logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_folder_of_one_file_and_an_index_loads_as_transformers_reads_it(tmp_path):
+    # save_pretrained leaves the other layout's index (or file) behind: transformers reads
+    # model.safetensors where there is one, whatever index lies beside it.
+    first = saved(tmp_path, "qwen3")
+    torch.manual_seed(1)
+    second = transformers.AutoModelForCausalLM.from_config(CONFIGS["qwen3"]()).eval()
+    second.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors").exists()
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert torch.equal(reference.lm_head.weight, first.lm_head.weight)
+    assert_loads_as_transformers(tmp_path, reference)
+    (tmp_path / "model.safetensors").unlink()  # the shards, as transformers then reads
+    assert_loads_as_transformers(tmp_path, second)
 
 
 def _rewrite(tmp_path, edit):
