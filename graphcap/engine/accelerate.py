@@ -6,7 +6,8 @@ keep working, and :func:`restore` gives the model back as it came.
 
 What it serves of a ``generate`` call: ``input_ids`` ``[B, T]`` with an
 ``attention_mask`` (left or right padding: each row's prompt is its tokens under the
-mask), ``max_new_tokens`` or ``max_length``, ``eos_token_id``, ``pad_token_id``, greedy
+mask), ``max_new_tokens`` or ``max_length`` (neither: 20 new tokens, as transformers),
+``eos_token_id``, ``pad_token_id``, greedy
 and ``do_sample`` with ``temperature``, ``top_k`` and ``top_p`` (drawn with a seed taken
 from torch's generator, so ``torch.manual_seed`` makes them reproducible), the cache
 options (``use_cache``, ``cache_implementation``: graphcap keeps its own). The call's
@@ -16,7 +17,8 @@ ends at its own ``eos_token_id``, not at the model's or the tokenizer's. It retu
 what transformers returns: the input rows followed by the new tokens, rows that ended
 first padded with ``pad_token_id``. Anything else (beams, several sequences per prompt,
 logits processors, stopping criteria, streamers, assisted generation, scores, ...) is
-refused with a ``ValueError`` naming it: ``restore(model)`` first to run transformers' own.
+refused with a ``ValueError`` naming it, as is a model in training mode: ``restore(model)``
+first to run transformers' own.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ SERVED = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "
 INERT = {"streamer", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
          "synced_gpus", "assistant_model", "negative_prompt_ids",
          "negative_prompt_attention_mask", "use_model_defaults", "custom_generate",
-         "tokenizer"}
+         "tokenizer", "past_key_values"}
 
 
 def accelerate(model, tokenizer=None, **options):
@@ -78,20 +80,39 @@ def restore(model):
     return llm.model.release()
 
 
-def _generate(self, input_ids=None, attention_mask=None, generation_config=None, **kwargs):
+def _generate(self, inputs=None, generation_config=None, *, input_ids=None,
+              attention_mask=None, **kwargs):
     """transformers' ``generate`` on graphcap's engine (see the module's docstring)."""
     llm: LLM = self.__dict__[_LLM]
+    if inputs is not None and input_ids is not None:
+        raise ValueError("generate() got the prompts twice, as inputs and as input_ids: give "
+                         "one")
+    input_ids = inputs if input_ids is None else input_ids
+    # transformers: with no max_length anywhere, 20 new tokens (within the positions)
+    default_length = kwargs.get("max_length") is None and all(
+        getattr(c, "max_length", None) is None for c in (generation_config,
+                                                          self.generation_config))
     config, unused = _config(self, generation_config, kwargs)
     _refuse(config, unused)
+    if self.training:
+        raise ValueError(f"{type(self).__name__} is in training mode: transformers' generate "
+                         "would decode with its dropout, graphcap's graphs run as in eval "
+                         "mode; call model.eval() first")
     if input_ids is None:
         raise ValueError("graphcap's generate needs input_ids (a [batch, tokens] tensor of "
                          "the prompts, as the tokenizer gives)")
+    if isinstance(config.eos_token_id, torch.Tensor):
+        config.eos_token_id = config.eos_token_id.reshape(-1).tolist()
     prompts = _prompts(input_ids, attention_mask, config.pad_token_id, config.eos_token_id)
     eos = eos_ids(config.eos_token_id)
+    length = input_ids.shape[-1]
     if config.max_new_tokens is not None:
         new = config.max_new_tokens
+    elif default_length:
+        top = getattr(self.config, "max_position_embeddings", None)
+        new = min(length + (config.max_length or 20), top or 2**62) - length
     else:
-        new = (config.max_length or 20) - input_ids.shape[-1]
+        new = config.max_length - length
     if new < 1:
         raise ValueError(f"nothing to generate: max_length {config.max_length} leaves no new "
                          f"token after {input_ids.shape[-1]} input tokens; give "
@@ -132,7 +153,7 @@ def _config(model, generation_config, kwargs: dict):
 def _refuse(config, unused: dict) -> None:
     """A ``ValueError`` naming what graphcap's generate does not serve."""
     odd = list(set_defaults(config, SERVED))
-    odd += sorted(k for k, v in unused.items() if not (k in INERT and not v))
+    odd += sorted(k for k, v in unused.items() if not (k in INERT and not v) and k not in odd)
     if odd:
         raise ValueError(
             f"graphcap's generate does not serve {', '.join(odd)}: it serves greedy and "

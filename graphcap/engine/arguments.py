@@ -181,10 +181,13 @@ def _neutral_values(config) -> dict:
 
 def set_defaults(config, served: set[str]) -> dict:
     """The fields of a generation config outside ``served`` set to a value that changes
-    decoding, with their values."""
+    decoding, with their values: a number of 0 too (``forced_eos_token_id=0`` forces id
+    0, ``guidance_scale=0.0`` changes the logits), not a switch off (False) nor an empty
+    list or dict (they apply nothing)."""
     neutral = _neutral_values(config)
     return {k: v for k, v in sorted(config.to_diff_dict().items())
-            if k not in served and v and v not in neutral.get(k, (None,))}
+            if k not in served and v is not None and v is not False
+            and v not in ([], {}, "") and v not in neutral.get(k, (None,))}
 
 
 def _generation_config(model):

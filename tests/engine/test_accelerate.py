@@ -185,3 +185,43 @@ def test_sampling_at_temperature_zero_is_refused_as_transformers_refuses_it():
     with pytest.raises(ValueError, match="temperature"):
         fast.generate(torch.tensor(IDS[:1], device=DEVICE), max_new_tokens=2, do_sample=True,
                       temperature=0.0)
+
+
+def test_with_no_length_anywhere_it_generates_transformers_default_20_new_tokens():
+    ref, fast = pair("llama")
+    for length in (5, 18):  # 20 new tokens after each prompt, not 20 in all
+        ids = torch.arange(1, length + 1, device=DEVICE)[None] % 100 + 3
+        want = ref.generate(ids, do_sample=False, pad_token_id=0)
+        assert torch.equal(fast.generate(ids, do_sample=False, pad_token_id=0), want)
+
+
+def test_a_generation_config_as_second_argument_the_prompts_as_inputs_and_a_tensor_eos():
+    ref, fast = pair("llama")
+    ids = torch.tensor([[5, 9, 2, 7, 1]], device=DEVICE)
+    config = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = ref.generate(ids, config)
+    assert torch.equal(fast.generate(ids, config), want)
+    assert torch.equal(fast.generate(inputs=ids, generation_config=config), want)
+    eos = want[0, -2:].clone()  # stops at the first of them, as transformers does
+    args = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    assert torch.equal(fast.generate(ids, **args), ref.generate(ids, **args))
+
+
+@pytest.mark.parametrize("option", [{"forced_eos_token_id": 0}, {"guidance_scale": 0.0},
+                                    {"max_time": 0.0}])
+def test_an_option_set_to_zero_that_changes_transformers_decoding_is_refused(option):
+    _, fast = pair("llama")
+    ids = torch.tensor([[5, 9, 2, 7, 1]], device=DEVICE)
+    with pytest.raises(ValueError, match=f"does not serve {next(iter(option))}"):
+        fast.generate(ids, max_new_tokens=4, do_sample=False, **option)
+
+
+def test_a_model_put_in_training_mode_is_refused_until_eval():
+    ref, fast = pair("llama")
+    ids = torch.tensor([[5, 9, 2, 7, 1]], device=DEVICE)
+    args = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    fast.train()  # transformers' generate would decode with dropout
+    with pytest.raises(ValueError, match="in training mode.*model.eval"):
+        fast.generate(ids, **args)
+    fast.eval()
+    assert torch.equal(fast.generate(ids, **args), ref.generate(ids, **args))
