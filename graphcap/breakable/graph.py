@@ -88,12 +88,14 @@ def _own(value, given: set[int]) -> tuple[Any, tuple[bool, ...]]:
 
 def _shares(tensors: list[torch.Tensor], kept: tuple[bool, ...]) -> tuple:
     """Per tensor leaf of a break's result: the earlier leaf whose new memory it shares
-    (``_own`` made the two views of one copy) and its byte offset from it, else None."""
+    (``_own`` made the two views of one copy), its byte offset from it and both one's
+    strides, else None."""
     first: dict[int, int] = {}
     out = []
     for i, (t, k) in enumerate(zip(tensors, kept, strict=True)):
         j = i if k or not _shareable(t) else first.setdefault(storage_key(t), i)
-        out.append(None if j == i else (j, t.data_ptr() - tensors[j].data_ptr()))
+        out.append(None if j == i else (j, t.data_ptr() - tensors[j].data_ptr(),
+                                        tensors[j].stride(), t.stride()))
     return tuple(out)
 
 
@@ -148,13 +150,13 @@ class Break:
         kept, fresh_leaves = tensor_leaves(self.output), tensor_leaves(fresh)
         for i, share in enumerate(self.shares):
             if share is not None and _shares([fresh_leaves[share[0]], fresh_leaves[i]],
-                                             (False, False))[1] != (0, share[1]):
+                                             (False, False))[1] != (0, *share[1:]):
                 raise ReplayError(
                     f"eager break {self.name} returned results {share[0]} and {i} on one "
                     "memory at capture (a tensor returned twice, or a tensor and its "
-                    "view), and apart at replay: the graph after it reads them from one "
-                    "buffer. Return results that share memory alike on every call (or "
-                    ".clone() one of them)")
+                    "view), and apart or as other views at replay: the graph after it "
+                    "reads them from one buffer. Return results that share memory alike "
+                    "on every call (or .clone() one of them)")
         for buf, new, on_args in zip(kept, tensor_leaves(fresh),
                                      self.on_args or (False,) * len(kept), strict=True):
             if not on_args:  # graphcap's own buffer

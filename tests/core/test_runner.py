@@ -290,6 +290,8 @@ def test_a_break_whose_results_shared_memory_at_capture_but_not_at_replay_is_an_
     @graphcap.eager_on_graph
     def twice(h):
         y = h * 2
+        if apart[0] == "views":
+            return y, y.t()
         return (y, -y) if apart[0] else (y, y)
 
     class Model(torch.nn.Module):
@@ -302,8 +304,17 @@ def test_a_break_whose_results_shared_memory_at_capture_but_not_at_replay_is_an_
     x = torch.randn(4, 2)
     torch.testing.assert_close(r(x), m(x))
     apart[0] = True  # the same shapes, two tensors: one buffer cannot hold both
-    with pytest.raises(ReplayError, match="on one memory at capture.*apart at replay"):
+    with pytest.raises(ReplayError, match="on one memory at capture.*apart or as other"):
         r(x)
+
+    apart[0] = False  # captured as (y, y); then (y, y.t()): the same memory, other views
+    square = graphcap.capture(m, "breakable", buckets=[2],
+                              example_inputs=(torch.randn(2, 2),))
+    x = torch.randn(2, 2)
+    torch.testing.assert_close(square(x), m(x))
+    apart[0] = "views"
+    with pytest.raises(ReplayError, match="apart or as other views"):
+        square(x)
     apart[0] = False
     torch.testing.assert_close(r(x), m(x))  # the runner stays usable
 
