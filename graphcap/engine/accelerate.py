@@ -43,7 +43,9 @@ SERVED = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "
 INERT = {"streamer", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
          "synced_gpus", "assistant_model", "negative_prompt_ids",
          "negative_prompt_attention_mask", "use_model_defaults", "custom_generate",
-         "tokenizer", "past_key_values"}
+         "tokenizer"}
+# ... and those that change nothing only when None (an empty cache given is filled).
+INERT_NONE = {"past_key_values"}
 
 
 def accelerate(model, tokenizer=None, **options):
@@ -153,7 +155,8 @@ def _config(model, generation_config, kwargs: dict):
 def _refuse(config, unused: dict) -> None:
     """A ``ValueError`` naming what graphcap's generate does not serve."""
     odd = list(set_defaults(config, SERVED))
-    odd += sorted(k for k, v in unused.items() if not (k in INERT and not v) and k not in odd)
+    odd += sorted(k for k, v in unused.items() if k not in odd and not (
+        (k in INERT and not v) or (k in INERT_NONE and v is None)))
     if odd:
         raise ValueError(
             f"graphcap's generate does not serve {', '.join(odd)}: it serves greedy and "

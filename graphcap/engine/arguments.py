@@ -179,15 +179,19 @@ def _neutral_values(config) -> dict:
     return {k: (getattr(blank, k, None), fill.get(k)) for k in config.to_dict()}
 
 
+# Fields a 0 of which changes transformers' decoding (id 0 forced, no guidance, no time).
+ZERO_ACTS = {"forced_bos_token_id", "forced_eos_token_id", "guidance_scale", "max_time"}
+
+
 def set_defaults(config, served: set[str]) -> dict:
     """The fields of a generation config outside ``served`` set to a value that changes
-    decoding, with their values: a number of 0 too (``forced_eos_token_id=0`` forces id
-    0, ``guidance_scale=0.0`` changes the logits), not a switch off (False) nor an empty
-    list or dict (they apply nothing)."""
-    neutral = _neutral_values(config)
+    decoding, with their values: a 0 only where it acts (``ZERO_ACTS``); keys that are no
+    field of its class (``presence_penalty`` in some published configs) transformers
+    never reads."""
+    neutral, fields = _neutral_values(config), set(type(config)().to_dict())
     return {k: v for k, v in sorted(config.to_diff_dict().items())
-            if k not in served and v is not None and v is not False
-            and v not in ([], {}, "") and v not in neutral.get(k, (None,))}
+            if k in fields and k not in served and v not in neutral.get(k, (None,))
+            and (v or (k in ZERO_ACTS and v == 0 and v is not False))}
 
 
 def _generation_config(model):

@@ -225,3 +225,16 @@ def test_a_model_put_in_training_mode_is_refused_until_eval():
         fast.generate(ids, **args)
     fast.eval()
     assert torch.equal(fast.generate(ids, **args), ref.generate(ids, **args))
+
+
+def test_zeros_that_change_nothing_and_keys_transformers_never_reads_are_served():
+    ref, fast = pair("llama")
+    ids = torch.tensor([[5, 9, 2, 7, 1]], device=DEVICE)
+    args = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    config = copy.deepcopy(ref.generation_config)
+    config.presence_penalty = 0.5  # no field of GenerationConfig: transformers ignores it
+    for extra in ({"min_p": 0.0}, {"min_new_tokens": 0}, {"generation_config": config}):
+        assert torch.equal(fast.generate(ids, **args, **extra), ref.generate(ids, **args,
+                                                                             **extra))
+    with pytest.raises(ValueError, match="does not serve past_key_values"):
+        fast.generate(ids, **args, past_key_values=transformers.DynamicCache())
