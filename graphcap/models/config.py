@@ -127,6 +127,8 @@ def _given(config: dict, key: str, default):
 
 
 def _experts(config: dict, source: str) -> int:
+    if "num_experts" not in config and "num_local_experts" not in config:
+        return 128  # transformers' default
     experts = config.get("num_experts") or config.get("num_local_experts")
     if not experts:
         raise CheckpointError(f"{source}: a qwen3_moe config names no num_experts")

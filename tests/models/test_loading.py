@@ -128,10 +128,10 @@ def test_a_family_default_a_config_leaves_out_is_the_familys_not_graphcaps():
                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                 intermediate_size=64, num_local_experts=8)
     assert not args_from_config({**base, "model_type": "qwen3_moe"}).norm_topk
-    moe = {k: v for k, v in base.items() if k not in ("num_experts_per_tok",
-                                                      "moe_intermediate_size")}
+    moe = {k: v for k, v in base.items() if k not in (
+        "num_experts_per_tok", "moe_intermediate_size", "num_experts", "num_local_experts")}
     moe = args_from_config({**moe, "model_type": "qwen3_moe"})
-    assert (moe.top_k, moe.moe_intermediate) == (8, 768)
+    assert (moe.top_k, moe.moe_intermediate, moe.experts) == (8, 768, 128)
     # Fields a family's transformers code never reads: gpt-oss's router renormalises its
     # top k always; Llama has no windows.
     assert args_from_config({**base, "model_type": "gpt_oss", "norm_topk_prob": False}
@@ -225,7 +225,8 @@ def test_null_config_values_take_what_transformers_takes():
     args = args_from_config(config)
     assert (args.kv_heads, args.eps, args.window) == (4, 1e-6, 0)
     with pytest.raises(CheckpointError, match="names no num_experts"):
-        args_from_config({**config, "model_type": "qwen3_moe", "layer_types": None})
+        args_from_config({**config, "model_type": "qwen3_moe", "layer_types": None,
+                          "num_experts": None})
 
 
 def test_a_missing_tensor_is_named(tmp_path):
