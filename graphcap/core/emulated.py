@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_map
 
 from graphcap.compat import imports
@@ -220,8 +220,6 @@ class _Recorder(TorchDispatchMode):
 def recording() -> bool:
     """Whether an emulated graph is recording on this thread (its recorder is on the
     dispatch mode stack)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
     return any(isinstance(m, _Recorder) for m in _get_current_dispatch_mode_stack())
 
 

@@ -131,8 +131,8 @@ class CompiledForward:
         except _SPECIALISED as exc:
             raise CaptureError(
                 "strategy='tc_piecewise' compiles the forward once for every token count "
-                "(dim 0 of its arguments dynamic), and this forward's Python specialises on "
-                "it (it branches on x.shape[0], or builds a buffer for each size): use "
+                "(dim 0 of its arguments dynamic), and this forward's Python pins it to a "
+                "constant (a branch on x.shape[0] == n, a buffer built for each size): use "
                 "strategy='breakable' or 'full', which capture each shape as it runs "
                 f"({str(exc).strip().splitlines()[0]})") from exc
         except torch._dynamo.exc.TorchDynamoException as exc:

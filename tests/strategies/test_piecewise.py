@@ -472,7 +472,7 @@ class BuildsPerSize(torch.nn.Module):
 
 
 def test_a_forward_specialising_on_the_token_count_is_a_capture_error_naming_the_others():
-    with pytest.raises(CaptureError, match="specialises on it.*'breakable' or 'full'"):
+    with pytest.raises(CaptureError, match="pins it to a constant.*'breakable' or 'full'"):
         graphcap.capture(BuildsPerSize(), "tc_piecewise", buckets=[4, 8])(torch.randn(5, 8))
     for strategy in ("breakable", "full"):
         m = BuildsPerSize()
