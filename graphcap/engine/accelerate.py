@@ -126,8 +126,10 @@ def _generate(self, inputs=None, generation_config=None, *, input_ids=None,
             raise ValueError(f"temperature (={temperature}) must be > 0 to sample "
                              "(do_sample=True); greedy decoding is do_sample=False")
         seed = int(torch.randint(0, 2**62, (1,)))
-        sampling = Sampling(temperature=temperature, top_k=config.top_k or 0,
-                            top_p=1.0 if config.top_p is None else config.top_p, seed=seed)
+        top_k, top_p = config.top_k or 0, 1.0 if config.top_p is None else config.top_p
+        if top_p == 0:  # transformers keeps the most likely token alone
+            top_k, top_p = 1, 1.0
+        sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     done = llm.generate(prompts, new, sampling=sampling, stop=sorted(eos))
     first_eos = config.eos_token_id if isinstance(config.eos_token_id, int) else \
         next(iter(config.eos_token_id or []), None)

@@ -67,6 +67,8 @@ def test_sampling_draws_with_the_given_parameters_and_torchs_seed():
     ids = torch.tensor([[5, 9, 2, 7, 1]], device=DEVICE)
     greedy = fast.generate(ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(fast.generate(ids, max_new_tokens=8, do_sample=True, top_k=1), greedy)
+    # top_p=0.0: transformers keeps the most likely token alone
+    assert torch.equal(fast.generate(ids, max_new_tokens=8, do_sample=True, top_p=0.0), greedy)
     torch.manual_seed(3)
     hot = fast.generate(ids, max_new_tokens=8, do_sample=True, temperature=5.0, top_k=0)
     torch.manual_seed(3)
