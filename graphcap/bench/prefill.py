@@ -34,13 +34,13 @@ ROUNDS = 5
 # runs in the steady state (performance-history item 35).
 WARMUP_S = 5.0
 SETTLE_CALLS, WARMUP_CALLS = 3, 20  # the same, by calls: the ranks of a split model
+MODELS = ("qwen3-0.6b", "llama3-8b", "qwen3-30b-a3b-4l")
 
 
 def step_pacing(device: str) -> dict:
     """``time_interleaved``'s pacing of a suite's steps on ``device``: settling and warm-up
     seconds on CUDA, none elsewhere (smoke runs)."""
     return {"settle_ms": SETTLE_MS, "warmup_s": WARMUP_S} if device == "cuda" else {}
-MODELS = ("qwen3-0.6b", "llama3-8b", "qwen3-30b-a3b-4l")
 
 
 def _full_arm(arms, attention: str):

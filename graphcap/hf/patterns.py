@@ -365,4 +365,3 @@ def _version(t) -> int | None:
     if not isinstance(t, torch.Tensor) or t.is_inference():
         return None
     return t._version
-
