@@ -94,9 +94,16 @@ def _shares(tensors: list[torch.Tensor], kept: tuple[bool, ...]) -> tuple:
     out = []
     for i, (t, k) in enumerate(zip(tensors, kept, strict=True)):
         j = i if k or not _shareable(t) else first.setdefault(storage_key(t), i)
-        out.append(None if j == i else (j, t.data_ptr() - tensors[j].data_ptr(),
-                                        tensors[j].stride(), t.stride()))
+        out.append(None if j == i else (j, *_lies_on(t, tensors[j])))
     return tuple(out)
+
+
+def _lies_on(t: torch.Tensor, first: torch.Tensor) -> tuple | None:
+    """How ``t`` lies on ``first``'s memory (both shareable, one storage): its byte offset
+    from ``first`` and both one's strides; else None."""
+    if not (_shareable(t) and _shareable(first) and storage_key(t) == storage_key(first)):
+        return None
+    return t.data_ptr() - first.data_ptr(), first.stride(), t.stride()
 
 
 def _shareable(t: torch.Tensor) -> bool:
@@ -149,8 +156,8 @@ class Break:
                 "devices on every call (or write into an out= tensor you are given)")
         kept, fresh_leaves = tensor_leaves(self.output), tensor_leaves(fresh)
         for i, share in enumerate(self.shares):
-            if share is not None and _shares([fresh_leaves[share[0]], fresh_leaves[i]],
-                                             (False, False))[1] != (0, *share[1:]):
+            if share is not None and \
+                    _lies_on(fresh_leaves[i], fresh_leaves[share[0]]) != share[1:]:
                 raise ReplayError(
                     f"eager break {self.name} returned results {share[0]} and {i} on one "
                     "memory at capture (a tensor returned twice, or a tensor and its "
