@@ -202,9 +202,10 @@ def test_a_proposer_whose_k_leaves_no_room_under_max_position_is_refused_naming_
 
 
 def test_the_default_max_len_leaves_the_proposals_room_below_max_position():
-    m = model()
-    llm = LLM(m, max_batch=1, speculative=NgramProposer(K), progress=False)
+    m = model()  # eager: the bound is set before anything captures
+    llm = LLM(m, strategy="eager", max_batch=1, speculative=NgramProposer(K), progress=False)
     assert llm.max_len == min(m.args.max_position - K, 4096)
+    assert llm.cache.max_len == llm.max_len + K
 
 
 def test_generate_says_the_proposals_need_room_past_the_prompt_and_its_new_tokens():
