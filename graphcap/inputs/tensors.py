@@ -67,3 +67,16 @@ class TensorInputs(Inputs):
 
     def eager(self, model, batch: Batch):
         return lambda: model(*batch.args, **batch.kwargs)
+
+    def describe(self, batch: Batch) -> str:
+        """Each argument's dtype and shape (another type: its name): ranks that pass
+        tensors of one dim 0 but other trailing sizes or dtypes would capture (or run)
+        other shapes, their collectives of other sizes (NCCL: undefined; gloo: an abort,
+        or a dtype of the same width silently reinterpreted)."""
+        def one(a) -> str:
+            if isinstance(a, torch.Tensor):
+                return f"{str(a.dtype).removeprefix('torch.')}{list(a.shape)}"
+            return type(a).__name__
+        parts = [one(a) for a in batch.args]
+        parts += [f"{k}={one(v)}" for k, v in sorted(batch.kwargs.items())]
+        return f"{batch.tokens} tokens ({', '.join(parts)})"

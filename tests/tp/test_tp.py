@@ -424,6 +424,40 @@ def test_a_group_needs_torch_distributed_initialised():
 
 
 
+class _SplitOfTensors(torch.nn.Module):
+    """A model of tensors along dim 0 whose output is summed over the ranks."""
+
+    def __init__(self, tp):
+        super().__init__()
+        self.tp = tp
+        self.w = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return torch.ops.graphcap.all_reduce(x * self.w.to(x.dtype), self.tp.name)
+
+
+def _tensor_shapes(rank: int) -> None:
+    tp = TPGroup(timeout_s=PATIENT, collective_timeout_s=2 * PATIENT)
+    model = _SplitOfTensors(tp)
+    # One dim 0, other trailing sizes or dtypes (of one width: gloo would sum the bits):
+    # refused on every rank at once, never captured or run out of step.
+    for mine in (torch.ones(4, 8 if rank == 0 else 4),
+                 torch.ones(4, 8, dtype=torch.float16 if rank == 0 else torch.bfloat16)):
+        start = time.monotonic()
+        with pytest.raises(RankError, match="disagree"):
+            graphcap.capture(model, "full", buckets=[4], example_inputs=(mine,))
+        with pytest.raises(RankError, match="disagree"):
+            graphcap.capture(model, "eager")(mine)
+        assert time.monotonic() - start < PATIENT / 2 and tp.closed is None
+    x = torch.full((4, 8), float(rank + 1))
+    runner = graphcap.capture(model, "full", buckets=[4], example_inputs=(x,))
+    assert torch.equal(runner(x), torch.full((4, 8), 3.0))  # in step
+
+
+def test_ranks_calling_a_model_of_tensors_with_other_shapes_or_dtypes_all_raise():
+    spawn(_tensor_shapes)
+
+
 class _AsyncAcrossABreak(torch.nn.Module):
     """An all-reduce launched asynchronously, its result handed to an eager break before
     anyone waits on it."""
