@@ -288,6 +288,11 @@ def register_op(qualname: str, schema: str, *, reference: Callable,
         raise GraphcapError(
             f"op {qualname!r} is registered already; pick another name or reuse "
             f"graphcap.opsdb.get_op({qualname!r})")
+    if "torch" in (kernels or {}):  # the reference's name: it would replace the kernel
+        raise GraphcapError(
+            f"register_op({qualname!r}): kernels names a kernel 'torch', the name of the "
+            "reference (always a kernel, and the last preferred); give your kernel "
+            "another name")
     parsed = parse_schema(qualname, schema)
     table: dict[str, Kernel] = {}
     for name, kernel in (kernels or {}).items():

@@ -168,6 +168,18 @@ def test_registering_a_name_twice_is_an_error():
                           reference=lambda x: x)
 
 
+def test_a_kernel_named_torch_is_refused_not_replaced_by_the_reference():
+    # It was replaced silently, and the reference took its place first in the preference
+    # order, ahead of every other kernel.
+    fast = opsdb.Kernel(lambda x: x * 2, devices=("cpu",))
+    with pytest.raises(opsdb.spec.GraphcapError, match="kernel 'torch'"):
+        opsdb.register_op("graphcap_test::named_torch", "(Tensor x) -> Tensor",
+                          reference=lambda x: x * 2,
+                          kernels={"torch": opsdb.Kernel(lambda x: x * 2, devices=("cpu",)),
+                                   "fast": fast})
+    assert "graphcap_test::named_torch" not in opsdb.spec.REGISTRY
+
+
 def test_op_names_must_be_qualified():
     with pytest.raises(ValueError, match="namespace::op_name"):
         opsdb.register_op("no_namespace", "(Tensor x) -> Tensor", reference=lambda x: x)
