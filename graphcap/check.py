@@ -126,6 +126,12 @@ def run_check(spec: str, strategies=None, examples: int = 10, sequences: int = 3
     under); 0 when every strategy matches eager, else 1."""
     chosen = strategies is not None
     strategies = list(strategies) if chosen else list(GRAPHED)
+    try:  # a test extra, not a dependency: else a traceback, as if graphcap had failed
+        import hypothesis  # noqa: F401
+    except ImportError:
+        raise GraphcapError("graphcap check draws its batches with hypothesis, which is not "
+                            "installed here: pip install hypothesis (or "
+                            "torch-graphcap[test])") from None
     from graphcap.testing import assert_replay_equivalent
 
     model, wrapped = checkable(model_from(load_factory(spec), spec))

@@ -126,6 +126,12 @@ def user_module(tmp_path, monkeypatch):
         sys.modules.pop(name, None)
 
 
+def test_check_without_hypothesis_says_to_install_it_not_a_traceback(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "hypothesis", None)  # as if not installed
+    err = refused(capsys, "check", "tests.support.check_models:good")
+    assert "hypothesis, which is not installed" in err
+
+
 def test_check_names_a_factory_it_cannot_import(capsys):
     assert "cannot import 'no_such_module'" in refused(capsys, "check", "no_such_module:build")
 
