@@ -130,6 +130,9 @@ class PagedInputs(Inputs):
         if extend and self.step is not None:
             raise ValueError("extend=True continues requests of any length: it needs "
                              "tokens_per_request=None (fixed steps always extend)")
+        if output_rows not in (None, "tokens", "requests"):
+            raise ValueError(f"output_rows={output_rows!r}: None (the model's), 'tokens' or "
+                             "'requests' (one row per request)")
         self.kind = "decode" if self.step is not None else "prefill"
         if isinstance(attention, str):  # a prefill attention backend by its name
             attention = get_backend(attention, cache.device)

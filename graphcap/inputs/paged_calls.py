@@ -120,6 +120,10 @@ def starts_of(given, requests: int) -> list[int]:
     ``BadBatch`` naming what is wrong."""
     if given is None:
         return [0] * requests
+    if isinstance(given, (str, bytes)) or not hasattr(given, "__iter__") or (
+            isinstance(given, torch.Tensor) and given.dim() != 1):
+        raise BadBatch(f"starts must be one int per request (a list, or a 1-D CPU "
+                       f"tensor), got {given!r}")
     starts = [checks.as_int(b, "starts", BadBatch) for b in given]
     if len(starts) != requests:
         raise BadBatch(f"starts has {len(starts)} entries for {requests} requests")

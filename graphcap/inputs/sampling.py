@@ -64,8 +64,15 @@ class Sampling:
 
 def per_row(given, rows: int) -> list[Sampling]:
     """A step's sampling argument: one :class:`Sampling` per row, or None (greedy)."""
-    params = [Sampling()] * rows if given is None else list(given)
-    if len(params) != rows or not all(isinstance(p, Sampling) for p in params):
+    if isinstance(given, Sampling):  # one for all would give every row one seed's noise
+        raise BadBatch(f"sampling must be {rows} graphcap.Sampling in a list (one per row, "
+                       f"each with its own seed) or None (greedy), got one: {given!r}")
+    try:
+        params = [Sampling()] * rows if given is None else list(given)
+    except TypeError:  # not iterable
+        params = None
+    if params is None or len(params) != rows or \
+            not all(isinstance(p, Sampling) for p in params):
         raise BadBatch(f"sampling must be {rows} graphcap.Sampling (one per row) or None "
                        f"(greedy), got {given!r}")
     return params

@@ -140,6 +140,9 @@ def test_bad_starts_are_refused_and_the_runner_stays_usable():
         runner(ids, positions, seq_lens=lens, slots=slots, starts=starts)
     with pytest.raises(BadBatch, match="starts must be an integer"):
         runner(ids, positions, seq_lens=lens, slots=slots, starts=[0.5])
+    for given in (0, torch.tensor(0), "0"):  # not one int per request: a BadBatch too
+        with pytest.raises(BadBatch, match="starts must be"):
+            runner(ids, positions, seq_lens=lens, slots=slots, starts=given)
     with pytest.raises(BadBatch, match="starts has 2 entries for 1 requests"):
         runner(ids, positions, seq_lens=lens, slots=slots, starts=[0, 0])
     ids, positions, lens, slots, starts = call_of([(2, 0, 2)])

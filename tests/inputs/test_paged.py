@@ -117,6 +117,8 @@ def test_what_a_paged_kind_refuses_to_be_built_as():
         PagedInputs(cache, tokens_per_request=None)
     with pytest.raises(ValueError, match="tokens_per_request must be a positive int"):
         PagedInputs(cache, tokens_per_request=0)
+    with pytest.raises(ValueError, match="output_rows='request'"):  # its own, not the model's
+        PagedInputs(cache, tokens_per_request=2, output_rows="request")
 
 
 def test_decode_attention_is_picked_through_get_backend_as_prefills_is():

@@ -143,5 +143,8 @@ def test_a_sampled_verify_step_takes_one_sampling_per_request():
     tokens = torch.tensor([1, 2, 3], device=DEVICE)
     with pytest.raises(BadBatch, match="sampling must be 1 graphcap.Sampling"):
         runner(tokens, positions=[2], slots=[0], sampling=[Sampling(), Sampling()])
+    for given in (Sampling(temperature=0.7), 3):  # one for all, or no list: refused too
+        with pytest.raises(BadBatch, match="sampling must be 1 graphcap.Sampling"):
+            runner(tokens, positions=[2], slots=[0], sampling=given)
     assert cache.written(0) == 2  # refused before anything ran
     assert runner(tokens, positions=[2], slots=[0]).shape == (1, 2)  # None: greedy
