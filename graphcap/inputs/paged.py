@@ -43,8 +43,8 @@ from graphcap.core.context import forward_context
 from graphcap.core.inputs import Batch, Inputs, check_packing
 from graphcap.core.pinned import HOST_BUFFERS, HostRows
 from graphcap.errors import UnsupportedModel
-from graphcap.inputs.accept import ACCEPTS, greedy_accept, sampled_accept
-from graphcap.inputs.paged_calls import check_requests, check_steps
+from graphcap.inputs.accept import greedy_accept, sampled_accept
+from graphcap.inputs.paged_calls import check_options, check_requests, check_steps
 from graphcap.kv.batch import CacheBatch
 from graphcap.kv.paged import PagedKVCache
 from graphcap.opsdb.attention import DecodeBackend, get_backend
@@ -101,38 +101,13 @@ class PagedInputs(Inputs):
                  hidden: bool = False, decode_attention=None, check_inputs: bool = False,
                  name: str = "the model"):
         super().__init__(cache.device)
-        self.cache, self.step = cache, tokens_per_request
+        self.cache = cache
         self.extend, self.sample, self.accept = extend, sample, accept
         self.draws = sample or accept == "sampled"  # takes sampling= per request
         self.hidden = hidden
-        if hidden and not accept and tokens_per_request is not None:
-            raise ValueError("hidden=True returns each request's hidden state at its last "
-                             "accepted token (a verify step: accept=) or the prefill rows' "
-                             "(tokens_per_request=None)")
-        if self.step is not None:
-            self.step = checks.positive_int(tokens_per_request, "tokens_per_request")
-        elif attention is None or slots is None:
-            raise ValueError("requests of any length (tokens_per_request=None) need the "
-                             "prefill attention backend (attention=) and request slots "
-                             "per shape (slots=)")
-        else:
-            checks.positive_int(slots, "slots")
-        if sample and self.step != 1:
-            raise ValueError("sample=True draws one token per request: it needs "
-                             "tokens_per_request=1")
-        if accept is not None and accept not in ACCEPTS:
-            raise ValueError(f"accept={accept!r}: None (logits out), 'greedy' or 'sampled' "
-                             "(a verify step's accepted proposals and next token)")
-        if accept and (self.step is None or self.step < 2):
-            raise ValueError(f"accept={accept!r} verifies proposals: it needs "
-                             "tokens_per_request=1 + k, k >= 1 (the last accepted token, "
-                             "then the proposals)")
-        if extend and self.step is not None:
-            raise ValueError("extend=True continues requests of any length: it needs "
-                             "tokens_per_request=None (fixed steps always extend)")
-        if output_rows not in (None, "tokens", "requests"):
-            raise ValueError(f"output_rows={output_rows!r}: None (the model's), 'tokens' or "
-                             "'requests' (one row per request)")
+        self.step = check_options(tokens_per_request, attention=attention, slots=slots,
+                                  output_rows=output_rows, extend=extend, sample=sample,
+                                  accept=accept, hidden=hidden)
         self.kind = "decode" if self.step is not None else "prefill"
         if isinstance(attention, str):  # a prefill attention backend by its name
             attention = get_backend(attention, cache.device)

@@ -14,12 +14,48 @@ import torch
 from graphcap.core import checks
 from graphcap.core.inputs import Batch, check_packing
 from graphcap.errors import BadBatch
+from graphcap.inputs.accept import ACCEPTS
 from graphcap.inputs.sampling import host_tensors, per_row
 
 if TYPE_CHECKING:
     from graphcap.inputs.paged import PagedInputs
 
 _INTS = (torch.int32, torch.int64)
+
+
+def check_options(step: int | None, *, attention, slots, output_rows, extend: bool,
+                  sample: bool, accept, hidden: bool) -> int | None:
+    """:class:`~graphcap.inputs.paged.PagedInputs`' options checked together
+    (``ValueError`` naming the one at fault); its ``tokens_per_request`` back, checked."""
+    if hidden and not accept and step is not None:
+        raise ValueError("hidden=True returns each request's hidden state at its last "
+                         "accepted token (a verify step: accept=) or the prefill rows' "
+                         "(tokens_per_request=None)")
+    if step is not None:
+        step = checks.positive_int(step, "tokens_per_request")
+    elif attention is None or slots is None:
+        raise ValueError("requests of any length (tokens_per_request=None) need the "
+                         "prefill attention backend (attention=) and request slots "
+                         "per shape (slots=)")
+    else:
+        checks.positive_int(slots, "slots")
+    if sample and step != 1:
+        raise ValueError("sample=True draws one token per request: it needs "
+                         "tokens_per_request=1")
+    if accept is not None and accept not in ACCEPTS:
+        raise ValueError(f"accept={accept!r}: None (logits out), 'greedy' or 'sampled' "
+                         "(a verify step's accepted proposals and next token)")
+    if accept and (step is None or step < 2):
+        raise ValueError(f"accept={accept!r} verifies proposals: it needs "
+                         "tokens_per_request=1 + k, k >= 1 (the last accepted token, "
+                         "then the proposals)")
+    if extend and step is not None:
+        raise ValueError("extend=True continues requests of any length: it needs "
+                         "tokens_per_request=None (fixed steps always extend)")
+    if output_rows not in (None, "tokens", "requests"):
+        raise ValueError(f"output_rows={output_rows!r}: None (the model's), 'tokens' or "
+                         "'requests' (one row per request)")
+    return step
 
 
 def check_steps(inputs: PagedInputs, args: tuple, kwargs: dict) -> Batch:
