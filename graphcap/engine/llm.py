@@ -232,6 +232,11 @@ class LLM:
                                      spec.get("proposer", {})]))
         return out
 
+    def __reduce_ex__(self, protocol):  # deepcopy and pickle (of an accelerated model)
+        raise TypeError("an LLM holds its captured graphs and K/V cache: it is not copied "
+                        "or pickled; build another LLM of the model (an accelerated "
+                        "transformers model: graphcap.restore(model) first)")
+
     # -- the loop --------------------------------------------------------------------
     def _loop(self, requests, max_new: int, stops: set[int], texts, speculate: bool
               ) -> Iterator[Delta]:

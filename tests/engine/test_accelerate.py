@@ -107,6 +107,10 @@ def test_what_it_does_not_serve_is_refused_by_name_and_restore_gives_the_model_b
         fast.generate(ids, max_new_tokens=4, logits_processor=[lambda i, s: s])
     with pytest.raises(ValueError, match="accelerated already"):
         graphcap.accelerate(fast)
+    with pytest.raises(TypeError, match="not copied or pickled.*graphcap.restore"):
+        copy.deepcopy(fast)  # its graphs and cache are the device's
+    args = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(fast.generate(ids, **args), ref.generate(ids, **args))
     back = graphcap.restore(fast)
     assert back is fast and "generate" not in fast.__dict__
     assert fast.config._attn_implementation == ref.config._attn_implementation
@@ -117,6 +121,8 @@ def test_what_it_does_not_serve_is_refused_by_name_and_restore_gives_the_model_b
         torch.testing.assert_close(fast(ids).logits, ref(ids).logits)
     with pytest.raises(ValueError, match="is not accelerated"):
         graphcap.restore(fast)
+    copied = copy.deepcopy(fast)  # restored: a stock model again
+    assert torch.equal(copied.generate(ids, **beams), ref.generate(ids, **beams))
 
 
 def test_an_llm_of_a_model_whose_generation_config_sets_decoding_defaults_says_it_ignores_them(
