@@ -236,6 +236,30 @@ def test_build_and_memory_targets():
     assert [t["met"] for t in mem] == [True, True, True]
 
 
+def test_a_build_records_what_it_took_from_torch_compile_s_caches(monkeypatch, capsys):
+    # An Inductor build served from the on-disk caches an earlier process left is several
+    # times faster than a cold one: the record says which it was.
+    from torch._dynamo.utils import counters
+
+    from graphcap.bench import ladder
+    from graphcap.bench.report import show_ladder
+
+    def capture(model, strategy, **kwargs):  # two pieces from the cache, one compiled
+        counters["inductor"]["fxgraph_cache_hit"] += 2
+        counters["inductor"]["fxgraph_cache_miss"] += 1
+        return object()
+
+    monkeypatch.setattr(ladder.graphcap, "capture", capture)
+    monkeypatch.setattr(ladder.torch.cuda, "synchronize", lambda: None)
+    cache = {}
+    ladder._capture(None, "tc_piecewise-inductor", 64, "triton", cache)
+    assert cache == {"hit": 2, "miss": 1}
+    show_ladder({"what": "build", "targets": [], "arms": {
+        "breakable": {"total_s": 1.0, "pt2_cache": {"hit": 0, "miss": 0}},
+        "tc_piecewise-inductor": {"total_s": 9.0, "pt2_cache": cache}}})
+    assert "tc_piecewise-inductor 2 hit, 1 miss" in capsys.readouterr().out
+
+
 def test_attention_variants_are_judged_against_plain_triton_and_fa4_doing_the_same():
     from graphcap.bench.ops import _verdicts
 
@@ -536,6 +560,34 @@ def test_decode_targets_judge_the_fastest_graphcap_arm_and_the_strategies_shares
     assert found["batch 1: breakable speed-up / full's"]["measured"] == pytest.approx(0.968)
     assert not found["batch 1: tc_piecewise speed-up / full's"]["met"]
     assert targets({**model, "context": 128}) == []
+
+
+def test_a_target_whose_arm_did_not_run_is_not_judged_and_not_met(capsys):
+    # The arm a target needs was asked for and failed: the verdict says so (the run's exit
+    # status with it), it does not vanish from the targets.
+    from graphcap.bench.decode import targets
+    from graphcap.bench.report import show_targets
+
+    why = "RuntimeError: Inductor failed"
+    result = {"model": "qwen3-0.6b", "attention": "triton",
+              "skipped": {"compile-reduce-overhead": why, "breakable": why},
+              "rows": [_row(16, eager=10.0, **{"full-triton": 1.0})]}
+    got = {t["target"]: t for t in prefill_targets(result)}
+    for what, arm in (("reduce-overhead ms / fastest graphcap arm on its kernels",
+                       "compile-reduce-overhead"), ("breakable speed-up / full's", "breakable")):
+        assert not got[what]["met"] and arm in got[what]["not_judged"]
+    assert "tc_piecewise-inductor speed-up / full's" not in got  # not asked for
+    show_targets(list(got.values()))
+    assert "NOT JUDGED" in capsys.readouterr().out
+    decode = {"model": "qwen3-0.6b", "context": 1024, "window": 0,
+              "skipped": {"gpt-fast": why, "gpt-fast-gqa": why},
+              "rows": [{"batch": 1, "ms": {"full": 0.4}, "ms_back_to_back": {"full": 0.35}}]}
+    peer = [t for t in targets(decode) if "gpt-fast" in t["target"]]
+    assert len(peer) == 1 and not peer[0]["met"] and why in peer[0]["not_judged"]
+    # one form of the recipe running judges it
+    decode["skipped"].pop("gpt-fast")
+    decode["rows"][0]["ms_back_to_back"]["gpt-fast"] = 1.5
+    assert [t["met"] for t in targets(decode) if "gpt-fast" in t["target"]] == [True]
 
 
 @pytest.mark.parametrize("gqa", [False, True], ids=["repeated-heads", "enable_gqa"])

@@ -52,6 +52,7 @@ from graphcap.bench.common import back_to_back, environment, host_us, time_inter
 from graphcap.bench.decode_attention import peak_bytes_per_s
 from graphcap.bench.launch_line import decode_floor_ms, kv_tokens, measure
 from graphcap.bench.prefill import step_pacing
+from graphcap.bench.targets import unjudged
 from graphcap.engine.eager import decode_step, prefill
 from graphcap.inputs import DecodeInputs
 from graphcap.kv import PagedKVCache
@@ -305,7 +306,9 @@ def targets(model: dict) -> list[dict]:
                         "measured": t, "limit": f"<= {limit}", "met": t <= limit})
         over = OVER_GPT_FAST.get(model["model"], {}).get(b)
         if over is not None:
-            out += _over_peer(row, over)
+            out += _over_peer(row, over) or unjudged(
+                model, [(f"batch {b}: the gpt-fast recipe's ms / fastest graphcap arm's",
+                         list(PEERS))])
         eager, full = ms.get("eager"), ms.get("full")
         for strategy, share in (("breakable", 0.95), ("tc_piecewise", 0.9)):
             if eager and full and strategy in ms:

@@ -3,7 +3,10 @@ ladder (to 2048 tokens) captured under each strategy.
 
 build: wall seconds to capture every shape, split into compile-and-warm-up seconds (the
 eager warm-up forwards: tc_piecewise's of every shape, where it compiles its pieces, the
-other strategies' of the first shape only, unless ``-warm-every``) and capture seconds.
+other strategies' of the first shape only, unless ``-warm-every``) and capture seconds;
+``pt2_cache``, the lookups of Inductor's on-disk FX graph cache the arm made: hits with
+no miss are code an earlier process (the GPU tests, an earlier suite) compiled, a warm
+build, several times faster than a cold one.
 Before any arm, one eager forward per shape JIT-compiles the kernels (Triton, FA4's CuTe
 DSL) that every arm, eager included, would otherwise build on first use, and one full
 capture of the ladder pays the process's first CUDA graph and builds the kernels as the
@@ -62,16 +65,30 @@ def load(model_name: str):
     return lm, PRESETS[preset].vocab_size
 
 
-def _capture(model, arm: str, max_tokens: int, attention: str):
+def _cache_counts() -> dict:
+    """Lookups of Inductor's FX graph cache so far: ``hit`` (code served from the disk,
+    compiled by an earlier process or piece) and ``miss`` (compiled here)."""
+    from torch._dynamo.utils import counters
+
+    return {kind: counters["inductor"][f"fxgraph_cache_{kind}"] for kind in ("hit", "miss")}
+
+
+def _capture(model, arm: str, max_tokens: int, attention: str, cache: dict | None = None):
+    """The runner of ``arm`` and its build seconds; ``cache``: gets the FX graph cache
+    lookups the build made (:func:`_cache_counts`)."""
     strategy, _, variant = arm.partition("-")
     kwargs = ({"warmup": "every"} if variant == "warm-every"
               else {"compiler": variant} if variant else {})
     torch.cuda.synchronize()
+    before = _cache_counts()
     start = time.perf_counter()
     runner = graphcap.capture(model, strategy, max_tokens=max_tokens, attention=attention,
                               **kwargs)
     torch.cuda.synchronize()
-    return runner, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if cache is not None:
+        cache.update({k: n - before[k] for k, n in _cache_counts().items()})
+    return runner, seconds
 
 
 def _collect(workspaces: bool = True) -> None:
@@ -111,9 +128,11 @@ def build(model_name: str = "qwen3-0.6b", arms=BUILD_ARMS, max_tokens: int = 204
     kernel_warmup = warm_kernels(model, vocab, prefill_ladder(max_tokens), attention)
     out = {}
     for arm in arms:
-        runner, total = _capture(model, arm, max_tokens, attention)
+        cache = {}
+        runner, total = _capture(model, arm, max_tokens, attention, cache)
         report = runner.report()
-        out[arm] = {"total_s": round(total, 3), "shapes": len(report["shapes"]),
+        out[arm] = {"total_s": round(total, 3), "pt2_cache": cache,
+                    "shapes": len(report["shapes"]),
                     "compile_and_warmup_s": report["build_s"]["warmup"],
                     "capture_s": report["build_s"]["capture"],
                     "first_shape_s": report["build_s"]["first_shape"],

@@ -33,8 +33,12 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
 
 def show_targets(targets: list[dict]) -> None:
     print_table("targets", ["target", "measured", "limit", "met"],
-                 [[t["target"], str(t["measured"]), t["limit"], "yes" if t["met"] else "MISS"]
+                 [[t["target"], str(t["measured"]), t["limit"],
+                   "NOT JUDGED" if "not_judged" in t else "yes" if t["met"] else "MISS"]
                   for t in targets])
+    for t in targets:
+        if "not_judged" in t:
+            print(f"  not judged: {t['target']}: {t['not_judged']}")
 
 
 def show_prefill(result: dict) -> None:
@@ -121,6 +125,11 @@ def show_ladder(result: dict) -> None:
     keys = [k for k, v in first.items() if not isinstance(v, list | dict)]
     print_table(result["what"], ["arm", *keys],
                  [[arm, *(str(v[k]) for k in keys)] for arm, v in result["arms"].items()])
+    cached = {arm: v["pt2_cache"] for arm, v in result["arms"].items()
+              if v.get("pt2_cache", {}).get("hit")}
+    if cached:
+        print("torch.compile cache lookups (code an earlier process compiled): " + ", ".join(
+            f"{arm} {c['hit']} hit, {c['miss']} miss" for arm, c in cached.items()))
     if "kernel_warmup_s" in result:
         print(f"kernels JIT-compiled before the arms (one eager forward per shape, "
               f"no arm charged): {result['kernel_warmup_s']} s")

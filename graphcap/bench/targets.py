@@ -1,5 +1,6 @@
 """The performance targets, evaluated on a benchmark's own figures. Each verdict says what
-was measured, the limit, and whether it held, so a miss reads with its size.
+was measured, the limit, and whether it held, so a miss reads with its size; a target
+whose arms were asked for and did not run is there too, not judged and so not met.
 
 Prefill (qwen3-0.6b, 16 to 512 tokens): full at least 5x over eager; breakable at least
 0.93 and tc_piecewise with inductor pieces at least 0.9 of full's speed-up (full with the
@@ -41,6 +42,23 @@ def verdict(what: str, measured: float, limit: float, *, at_least: bool) -> dict
     met = measured >= limit if at_least else measured <= limit
     return {"target": what, "measured": round(measured, 4),
             "limit": f"{'>=' if at_least else '<='} {limit}", "met": bool(met)}
+
+
+def not_judged(what: str, arms: list[str], skipped: dict) -> dict:
+    """A target the run could not judge: ``arms``, which it needs, were asked for and did
+    not run (``skipped`` says why). Not met: the run's exit status says a claim went
+    unmeasured rather than that every target held."""
+    why = "; ".join(f"{arm}: {skipped[arm]}" for arm in arms)
+    return {"target": what, "measured": None, "limit": "-", "met": False,
+            "not_judged": f"did not run: {why}"}
+
+
+def unjudged(result: dict, needs: list[tuple[str, list[str]]]) -> list[dict]:
+    """A :func:`not_judged` entry for each ``(target, arms)`` of ``needs`` whose arms were
+    all asked for and all skipped (one of them running judges it)."""
+    skipped = result.get("skipped", {})
+    return [not_judged(what, arms, skipped) for what, arms in needs
+            if arms and all(arm in skipped for arm in arms)]
 
 
 def _best(ms: dict, names) -> tuple[str, float] | None:
@@ -98,7 +116,19 @@ def prefill_targets(result: dict) -> list[dict]:
         out.append(verdict(f"{idle['tokens']} tokens: GPU idle share of a "
                            f"{idle.get('arm', 'full')} replay",
                            idle["idle_share"], 0.10, at_least=False))
-    return out + hf_targets(result)
+    small = any(row["tokens"] in SMALL for row in result["rows"])
+    asked_full = [a for a in full_names if a in result.get("skipped", {}) or
+                  any(a in row["ms"] for row in result["rows"])]
+    needs = [("reduce-overhead ms / fastest graphcap arm on its kernels",
+              ["compile-reduce-overhead"])]
+    if small:
+        needs += [("full's speed-up over eager", asked_full),
+                  *((f"{arm} speed-up / full's", [arm])
+                    for arm in ("breakable", "tc_piecewise-inductor"))]
+    if result.get("model") in HF_VS_REDUCE_OVERHEAD:
+        needs.append(("hf-compile-reduce-overhead ms / the stock model's graphcap arms' ms",
+                      ["hf-compile-reduce-overhead"]))
+    return out + hf_targets(result) + unjudged(result, needs)
 
 
 # Stock transformers arms (graphcap.bench.hf): graphcap kernels in the stock model against
