@@ -184,6 +184,16 @@ def test_the_gpt_oss_slice_is_judged_on_the_seed_s_table():
         True, False, True]  # not the slice's 99%
 
 
+def test_the_5x_speed_up_is_qwen3_0_6b_s_target_and_the_shares_every_preset_s():
+    ms = {"eager": 4.0, "full-triton": 1.0, "breakable": 1.2}  # 4x: short of 5x
+    for model, judged in (("qwen3-0.6b", True), ("llama3-8b", False)):
+        result = {"model": model, "attention": "triton", "rows": [_row(64, **ms)]}
+        got = {t["target"]: t for t in prefill_targets(result)}
+        speed_up = "64 tokens: full (full-triton) speed-up over eager"
+        assert (speed_up in got) == judged and not got.get(speed_up, {}).get("met")
+        assert not got["64 tokens: breakable speed-up / full-triton's"]["met"]  # 0.83
+
+
 def test_strategies_are_judged_against_full_with_the_attention_they_ran():
     ms = {"eager": 10.0, "full-triton": 1.0, "full-flash_attn": 1.2, "breakable": 1.25}
     result = {"model": "qwen3-0.6b", "attention": "flash_attn", "rows": [_row(16, **ms)]}

@@ -2,9 +2,10 @@
 was measured, the limit, and whether it held, so a miss reads with its size; a target
 whose arms were asked for and did not run is there too, not judged and so not met.
 
-Prefill (qwen3-0.6b, 16 to 512 tokens): full at least 5x over eager; breakable at least
-0.93 and tc_piecewise with inductor pieces at least 0.9 of full's speed-up (full with the
-attention backend eager, breakable and tc_piecewise ran: the same kernels); the fastest
+Prefill, 16 to 512 tokens: full at least 5x over eager (qwen3-0.6b: the other presets
+have no speed-up target but the gpt-oss slice's below); breakable at least 0.93 and
+tc_piecewise with inductor pieces at least 0.9 of full's speed-up (every preset; full with
+the attention backend eager, breakable and tc_piecewise ran: the same kernels); the fastest
 graphcap arm on the peer's kernels (its attention backend) at least 10% faster than
 torch.compile reduce-overhead at every length (every preset), and at most 1.0 ms at 16
 tokens (qwen3-0.6b; the decode issue asks 0.70 ms of short prefill, its own verdict);
@@ -28,10 +29,11 @@ transient peak of the largest prefill at most 1% of eager's (cut by 99%).
 from __future__ import annotations
 
 SMALL = (16, 32, 64, 128, 256, 512)
-# Full's speed-up over eager at SMALL lengths, then breakable's and tc_piecewise-inductor's
-# shares of it; by preset, else DEFAULT_SPEEDUP.
-SPEEDUP = {"gpt-oss-120b-4l": (1.93, 0.95, 0.9), "gpt-oss-120b-4l-mxfp4": (1.93, 0.95, 0.9)}
-DEFAULT_SPEEDUP = (5.0, 0.93, 0.9)
+# Full's speed-up over eager at SMALL lengths (None: not a target of the preset), then
+# breakable's and tc_piecewise-inductor's shares of it; by preset, else DEFAULT_SPEEDUP.
+SPEEDUP = {"qwen3-0.6b": (5.0, 0.93, 0.9), "gpt-oss-120b-4l": (1.93, 0.95, 0.9),
+           "gpt-oss-120b-4l-mxfp4": (1.93, 0.95, 0.9)}
+DEFAULT_SPEEDUP = (None, 0.93, 0.9)
 # The least cut of the largest prefill's transient peak against eager's, by preset.
 TRANSIENT_CUT = {"gpt-oss-120b-4l": 0.99, "gpt-oss-120b-4l-mxfp4": 0.99}
 GRAPHCAP = ("tc_piecewise-eager", "tc_piecewise-inductor", "breakable", "full-triton",
@@ -88,8 +90,9 @@ def prefill_targets(result: dict) -> list[dict]:
                              + ([name] if name else []))
         if n in SMALL and full and "eager" in ms:
             full_x = ms["eager"] / full[1]
-            out.append(verdict(f"{n} tokens: full ({full[0]}) speed-up over eager",
-                               full_x, least, at_least=True))
+            if least is not None:
+                out.append(verdict(f"{n} tokens: full ({full[0]}) speed-up over eager",
+                                   full_x, least, at_least=True))
             for arm, share in zip(("breakable", "tc_piecewise-inductor"), shares,
                                   strict=True):
                 if arm in ms:
@@ -122,7 +125,7 @@ def prefill_targets(result: dict) -> list[dict]:
     needs = [("reduce-overhead ms / fastest graphcap arm on its kernels",
               ["compile-reduce-overhead"])]
     if small:
-        needs += [("full's speed-up over eager", asked_full),
+        needs += [("full's speed-up over eager and the shares of it", asked_full),
                   *((f"{arm} speed-up / full's", [arm])
                     for arm in ("breakable", "tc_piecewise-inductor"))]
     if result.get("model") in HF_VS_REDUCE_OVERHEAD:
