@@ -2,8 +2,8 @@
 request slot and position: ``cache_places``, what a graph recomputes on every replay.
 
 ``block_table`` ``[R, W]`` int32 is the cache's table (row ``r``: request slot ``r``'s
-pages in order); token ``i`` is position ``positions[i]`` of the request in slot
-``token_slots[i]``. The op writes, in place:
+pages in order; at least one row and one page, else refused); token ``i`` is position
+``positions[i]`` of the request in slot ``token_slots[i]``. The op writes, in place:
 
 - ``cache_loc`` ``[T]`` int64: ``page * page_size + position % page_size``, the page being
   the request's page ``position // page_size``; the null page (:data:`graphcap.kv.NULL_PAGE`)
@@ -48,6 +48,10 @@ def check_cache_places(token_slots, positions, block_table, page_size, cache_loc
     checks.tensor(OP, "block_table", block_table, ndim=2, dtypes=(torch.int32,),
                   device=device)
     checks.tensor(OP, "cache_loc", cache_loc, ndim=1, dtypes=(torch.int64,), device=device)
+    if 0 in block_table.shape:  # every token's row and page index clamp into the table
+        raise checks.OpInputError(
+            f"{OP}: block_table {tuple(block_table.shape)} has no rows or no pages; a "
+            "table holds one row per request slot and at least one page a row")
     tokens = token_slots.shape[0]
     checks.same(OP, "the token count", positions.shape[0], tokens, "positions",
                 "token_slots")

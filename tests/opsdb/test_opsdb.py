@@ -124,6 +124,16 @@ BAD_CALLS = {
         torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.long),
         torch.zeros(1, 3, dtype=torch.int32), 4, torch.empty(2, dtype=torch.long),
         torch.empty(2, 3, dtype=torch.int32), None), "table and seq_lens go together"),
+    # The reference indexed row -1 of no rows (IndexError); the Triton kernel read
+    # before the table.
+    "cache places of a block table of no rows": (lambda: torch.ops.graphcap.cache_places(
+        torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.long),
+        torch.zeros(0, 3, dtype=torch.int32), 4, torch.empty(2, dtype=torch.long)),
+        r"block_table \(0, 3\) has no rows or no pages"),
+    "cache places of a block table of no pages": (lambda: torch.ops.graphcap.cache_places(
+        torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.long),
+        torch.zeros(2, 0, dtype=torch.int32), 4, torch.empty(2, dtype=torch.long)),
+        r"block_table \(2, 0\) has no rows or no pages"),
     "moe experts clamping SwiGLU": (lambda: torch.ops.graphcap.moe_experts(
         torch.ones(2, 8), torch.ones(4, 8, 8), torch.ones(4, 8, 4), torch.ones(2, 1),
         torch.zeros(2, 1, dtype=torch.int32), None, None, 0.0, 7.0, False),
