@@ -90,15 +90,18 @@ class ModelArgs:
 def shard_args(a: ModelArgs, size: int) -> ModelArgs:
     """The layer shapes of one rank's share of a model of ``ModelArgs`` ``a`` split
     ``size`` ways; ``UnsupportedModel`` naming the first size ``size`` does not divide
-    (``kv_heads`` first: the tightest bound)."""
+    (``kv_heads`` first: the tightest bound). The feed-forward a model has is split: the
+    dense ``intermediate``, or the experts' ``moe_intermediate`` (the other, unused, is
+    neither checked nor split)."""
     if a.moe_mxfp4 and size > 1:
         raise UnsupportedModel(
             "tensor parallelism does not split MXFP4 experts yet: run the MXFP4 model on "
             "one GPU, or its bfloat16 twin (moe_mxfp4=False) across ranks")
-    sizes = {"kv_heads": a.kv_heads, "heads": a.heads, "intermediate": a.intermediate,
-             "vocab_size": a.vocab_size}
-    if a.experts:
-        sizes["moe_intermediate"] = a.moe_intermediate
+    # An MoE model's layers have no dense feed-forward: its experts' columns are split.
+    ffn = ("moe_intermediate", a.moe_intermediate) if a.experts else \
+        ("intermediate", a.intermediate)
+    sizes = dict([("kv_heads", a.kv_heads), ("heads", a.heads), ffn,
+                  ("vocab_size", a.vocab_size)])
     for field, value in sizes.items():
         if value % size:
             raise UnsupportedModel(
@@ -106,7 +109,7 @@ def shard_args(a: ModelArgs, size: int) -> ModelArgs:
                 f"use a TP size that divides {field} (whole heads and columns per rank)")
     return dataclasses.replace(
         a, heads=a.heads // size, kv_heads=a.kv_heads // size,
-        intermediate=a.intermediate // size,
+        intermediate=a.intermediate if a.experts else a.intermediate // size,
         moe_intermediate=a.moe_intermediate // size if a.experts else a.moe_intermediate)
 
 

@@ -415,6 +415,20 @@ def test_a_tp_size_that_does_not_divide_the_heads_is_refused():
     assert shard_tensor(t, 1, [2], 0, 2).tolist() == [[0], [2], [4], [6], [8], [10]]
 
 
+def test_only_the_feed_forward_a_model_has_must_divide_the_tp_size():
+    from dataclasses import replace
+
+    # An MoE model's dense intermediate is unused: it was refused all the same.
+    moe = replace(PRESETS["tiny-moe"], intermediate=127)
+    local = shard_args(moe, 2)
+    assert (local.moe_intermediate, local.intermediate) == (16, 127)
+    with pytest.raises(UnsupportedModel, match="does not divide moe_intermediate 33"):
+        shard_args(replace(moe, moe_intermediate=33), 2)
+    with pytest.raises(UnsupportedModel, match="does not divide intermediate 127"):
+        shard_args(replace(PRESETS["tiny"], intermediate=127), 2)  # dense: split, checked
+    assert shard_args(replace(PRESETS["tiny"], moe_intermediate=33), 2).intermediate == 64
+
+
 def test_a_group_needs_torch_distributed_initialised():
     if dist.is_available() and dist.is_initialized():
         pytest.skip("a process group exists in this process")
