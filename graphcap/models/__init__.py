@@ -9,7 +9,7 @@ import torch
 from graphcap.models.decoder import MLP, Decoder, ModelArgs, experts_to_operand_order, shard_args
 from graphcap.models.loading import CheckpointError, load_checkpoint
 from graphcap.models.rope import Yarn
-from graphcap.models.shard import shard_model, shard_tensor
+from graphcap.models.shard import shard_model, shard_tensor, shard_whole
 
 
 def _gpt_oss(layers: int, experts: int) -> ModelArgs:
@@ -61,7 +61,8 @@ def build_model(name: str, device="cpu", dtype=torch.float32, seed: int = 0,
     ``device``; ``"meta"`` gives shapes without memory). ``logits="last"``: logits of
     each request's last token only (prefill producing one token). ``tp`` (a
     :class:`graphcap.tp.TPGroup`): this rank's share of the model split across the
-    group (every rank builds the same weights from ``seed``, then keeps its share)."""
+    group (every rank builds the same weights from ``seed``, then keeps its share; ranks
+    that built others, from another seed or dtype, all raise ``RankError``)."""
     if name not in PRESETS:
         raise KeyError(f"no model preset {name!r}; choose one of {sorted(PRESETS)}")
     torch.manual_seed(seed)
@@ -78,7 +79,7 @@ def build_model(name: str, device="cpu", dtype=torch.float32, seed: int = 0,
     if tp is None:
         experts_to_operand_order(model)
         return model
-    return shard_model(model, tp)
+    return shard_whole(model, tp, f"build_model({name!r}, seed={seed}, dtype={dtype})")
 
 
 __all__ = ["MLP", "PRESETS", "CheckpointError", "Decoder", "ModelArgs", "Yarn", "build_model",

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from graphcap.errors import UnsupportedModel
@@ -52,7 +54,14 @@ def shard_model(model, tp):
     """This rank's share of the reference decoder ``model`` (a ``Decoder`` built whole,
     on any device) across ``tp``: a new ``Decoder`` whose split weights are copies of
     the rank's slices and whose replicated ones are ``model``'s own tensors; drop
-    ``model`` to free the rest."""
+    ``model`` to free the rest. The ranks agree first that they split the same whole
+    model (a fingerprint of its weights), else ``RankError`` on every rank."""
+    return shard_whole(model, tp, "shard_model")
+
+
+def shard_whole(model, tp, origin: str):
+    """:func:`shard_model`; ``origin``, how every rank made the whole model
+    (``build_model``: its preset, seed and dtype), is part of what the ranks agree on."""
     if not isinstance(model, Decoder) or model.tp is not None:
         raise UnsupportedModel(
             f"shard_model splits a whole graphcap reference decoder (build_model or "
@@ -61,6 +70,9 @@ def shard_model(model, tp):
     a = model.args
     shard_args(a, tp.size)  # refuse a size that does not divide the model first
     logits = "all" if model.output_rows == "tokens" else "last"
+    key = f"{origin}: logits {logits}, weights {fingerprint(model)[:16]}"
+    tp.meet("the split of a model", "the meeting before a split")  # one may load slower
+    tp.agree(key, "the whole model each rank splits", _SAME_MODEL)
     with torch.device("meta"):
         split = Decoder(a, logits=logits, tp=tp)
     layouts = _layouts(a)
@@ -78,3 +90,31 @@ def shard_model(model, tp):
     split.load_state_dict(state, strict=True, assign=True)
     split.cos_sin = model.cos_sin
     return split.eval()
+
+
+_SAME_MODEL = ("every rank must split the same whole model, built with the same preset, "
+               "seed and dtype (build_model) or loaded from the same checkpoint: a share "
+               "of another model on each rank gives the logits of no model")
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(model: torch.nn.Module) -> str:
+    """A digest of every tensor of ``model``'s state: its name, dtype, shape and bits. On
+    the host the bits are hashed (no copy); elsewhere two integer sums of them (all,
+    every third) are taken where they are, and only those go to the host. A meta tensor:
+    its name, dtype and shape."""
+    digest, sums = hashlib.sha256(), {}
+    for name, t in model.state_dict().items():
+        digest.update(f"{name} {t.dtype} {tuple(t.shape)};".encode())
+        if t.is_meta or not t.numel():
+            continue
+        flat = t.detach().contiguous().reshape(-1)
+        if t.device.type == "cpu":
+            digest.update(flat.view(torch.uint8).numpy())
+            continue
+        flat = flat.view(_INTS.get(flat.element_size(), torch.uint8))
+        sums.setdefault(t.device, []).append(
+            torch.stack([flat.sum(dtype=torch.int64), flat[::3].sum(dtype=torch.int64)]))
+    for device in sorted(sums, key=str):
+        digest.update(torch.stack(sums[device]).cpu().numpy().tobytes())
+    return digest.hexdigest()

@@ -112,27 +112,32 @@ class TPGroup:
         waits for ranks still loading their model (up to ``collective_timeout_s``)."""
         if self._warm:
             return
-        probe = torch.ones(1, device=self.device)
-        with self.together("the group's warm-up"):
-            self.collective(lambda: dist.all_reduce(probe, group=self.data), "warm-up")
-            if probe.is_cuda:
-                torch.cuda.synchronize(probe.device)
+        self.meet("the group's warm-up", "warm-up")
         self.agree("warm-up", "the group's warm-up")
         self._warm = True
 
+    def meet(self, what: str, op: str) -> None:
+        """Return once every rank came to ``what``: one collective ``op`` on the data
+        group, which waits up to ``collective_timeout_s`` (ranks still building or loading
+        their model), where an agreement waits ``timeout_s``."""
+        probe = torch.ones(1, device=self.device)
+        with self.together(what):
+            self.collective(lambda: dist.all_reduce(probe, group=self.data), op)
+            if probe.is_cuda:
+                torch.cuda.synchronize(probe.device)
+
     # -- agreement -------------------------------------------------------------------
-    def agree(self, key: str, what: str) -> None:
+    def agree(self, key: str, what: str, advice: str | None = None) -> None:
         """Return once every rank passed the same ``key`` for ``what``; else raise
-        :class:`RankError` on every rank naming each rank's key (the group stays
-        usable). A rank that does not come within ``timeout_s``, or that closed the
-        group, closes it here too, and ``RankError`` says why."""
+        :class:`RankError` on every rank naming each rank's key and ``advice``, what to
+        do (by default: make the same calls of a runner; the group stays usable). A rank
+        that does not come within ``timeout_s``, or that closed the group, closes it here
+        too, and ``RankError`` says why."""
         keys, mine = self.gather(key, what), _decode(_encode(key))  # a long key: cut
         if any(k != mine for k in keys):
             seen = ", ".join(f"rank {r}: {k}" for r, k in enumerate(keys))
-            raise RankError(
-                f"TP group {self.name}: the ranks disagree ({seen}) on {what}: every rank "
-                "must make the same calls with inputs of the same shapes, so that each "
-                "replays the same graph or runs the same batch eagerly")
+            raise RankError(f"TP group {self.name}: the ranks disagree ({seen}) on {what}: "
+                            f"{advice or _SAME_CALLS}")
 
     def gather(self, key: str, what: str) -> list[str]:
         """Every rank's ``key`` for ``what``, by rank (each rank passes one); a rank that
@@ -279,6 +284,8 @@ def release_all() -> None:
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # an object's repr: its address
+_SAME_CALLS = ("every rank must make the same calls with inputs of the same shapes, so that "
+               "each replays the same graph or runs the same batch eagerly")
 _CLOSED = ("A closed group cannot be used again: restart the ranks (or make a new "
            "TPGroup on every rank, and build and capture the model again)")
 

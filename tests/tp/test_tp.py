@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 import graphcap
 from graphcap.api import STRATEGIES
 from graphcap.errors import CaptureError, GraphcapError, RankError, UnsupportedModel
-from graphcap.models import PRESETS, build_model, shard_args, shard_tensor
+from graphcap.models import PRESETS, build_model, shard_args, shard_model, shard_tensor
 from graphcap.tp import TPGroup, group_named, release_all
 from tests.support import tp_world
 
@@ -152,6 +152,50 @@ def test_a_hugging_face_checkpoint_loads_as_each_rank_s_share(tmp_path):
                                       max_position_embeddings=256, tie_word_embeddings=True)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     spawn(_checkpoint, str(tmp_path))
+
+
+def _other_models(rank: int) -> None:
+    tp = TPGroup(timeout_s=PATIENT)
+    start = time.monotonic()
+    # Another seed per rank: the shares of two models, which gave the logits of neither.
+    with pytest.raises(RankError, match=r"rank 0: build_model\('tiny', seed=0, dtype="
+                       r"torch.float32\): logits all, weights \w+, rank 1: build_model\("
+                       r"'tiny', seed=1, .*every rank must split the same whole model"):
+        build_model("tiny", tp=tp, seed=rank)
+    with pytest.raises(RankError, match=r"dtype=torch.float64"):  # another dtype
+        build_model("tiny", tp=tp, dtype=torch.float64 if rank else torch.float32)
+    # The same arguments, another whole model (edited on rank 1): the weights differ.
+    whole = build_model("tiny")
+    if rank == 1:
+        with torch.no_grad():
+            whole.blocks[1].mlp.down.weight[3, 5] += 1
+    with pytest.raises(RankError, match=r"rank 0: shard_model: logits all, weights (\w+), "
+                       r"rank 1: shard_model: logits all, weights (?!\1)"):
+        shard_model(whole, tp)
+    assert time.monotonic() - start < PATIENT / 2 and tp.closed is None
+    model = build_model("tiny", tp=tp, seed=3)  # in step: the share of the whole model
+    ids, pos = torch.arange(1, 12), torch.arange(11)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, pos, seq_lens=[11]),
+                                   build_model("tiny", seed=3)(ids, pos, seq_lens=[11]),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_ranks_that_split_other_whole_models_all_raise():
+    spawn(_other_models)
+
+
+def test_a_fingerprint_names_the_weights_bits_and_shapes():
+    from graphcap.models.shard import fingerprint
+
+    a, b = build_model("tiny"), build_model("tiny")
+    assert fingerprint(a) == fingerprint(b) != fingerprint(build_model("tiny", seed=1))
+    with torch.no_grad():
+        b.norm[0] = -b.norm[0]  # one bit: the sign
+    assert fingerprint(a) != fingerprint(b)
+    meta = build_model("tiny", device="meta")
+    assert fingerprint(meta) == fingerprint(build_model("tiny", device="meta", seed=1))
+    assert fingerprint(meta) != fingerprint(build_model("tiny-moe", device="meta"))
 
 
 def call(runner, lens):
@@ -512,6 +556,4 @@ def test_the_old_graphcap_dist_import_still_works_and_says_where_each_part_went(
     with pytest.warns(DeprecationWarning, match="graphcap.tp.*graphcap.models"):
         old = importlib.import_module("graphcap.dist")
     assert old.TPGroup is TPGroup and old.shard_args is shard_args
-    from graphcap.models import shard_model
-
     assert old.shard_model is shard_model
