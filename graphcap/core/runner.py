@@ -55,8 +55,8 @@ class RunnerConfig:
     on_change: str = "recapture"
     # A model split across ranks: its graphcap.tp.TPGroup. agree(key, what) returns when
     # every rank passed the same key (a capture's shapes, a call's route and batch, a
-    # refusal), else raises on every rank; together(what) wraps the work that runs the
-    # ranks' collectives, so that a rank raising there stops the others at once.
+    # refusal; agree_change: a changed model), else raises on every rank; together(what)
+    # wraps the ranks' collectives, so that a rank raising there stops the others at once.
     ranks: Any = None
 
 
@@ -109,16 +109,14 @@ class Runner:
             batch = self._agreed(self.inputs.check, args, kwargs)  # before anything runs
             self.stats.calls += 1
             with CountFailures(self.stats):
-                if stale:
-                    what = self._agreed(self._check_change)  # a split model's ranks together
-                    self._on_change(batch, what)
+                if stale:  # a split model's ranks: all refuse, or agree in _on_change
+                    self._on_change(batch, self._agreed(self._check_change))
                     start = time.perf_counter()  # a replay's host time, not the capture's
                 elif self.strategy.captures and not self.entries:
                     self._capture_all(batch, None)  # on the first call (tensors)
                     start = time.perf_counter()
                 entry, reason = self._agreed(self._route, batch)
-                ranks = self.config.ranks
-                if ranks is not None:  # every rank replays one graph, or runs one batch
+                if (ranks := self.config.ranks) is not None:  # one graph, or one batch
                     route = f"replay {entry.bucket}" if entry else f"eager ({reason})"
                     ranks.agree(f"{route}: {self.inputs.describe(batch)}",
                                 "a call of the runner")
@@ -227,6 +225,8 @@ class Runner:
     def _on_change(self, batch: Batch, what: str) -> None:
         """The model is not the one captured (``what`` changed; :meth:`_check_change` let
         it pass): capture it again, from this call's shapes for inputs that take them."""
+        if self.config.ranks is not None:  # every rank's changed alike, or all raise
+            self.config.ranks.agree_change(type(self.source).__name__, what)
         log.warning("graphcap: %s changed since capture (%s); capturing its %d shapes again",
                     type(self.source).__name__, what, len(self.config.buckets))
         self._capture_all(batch, None)  # shapes taken from this call, where inputs take any

@@ -136,8 +136,18 @@ class TPGroup:
         keys, mine = self.gather(key, what), _decode(_encode(key))  # a long key: cut
         if any(k != mine for k in keys):
             seen = ", ".join(f"rank {r}: {k}" for r, k in enumerate(keys))
+            changed = any(_CHANGED in k for k in keys)  # a model changed on some ranks
             raise RankError(f"TP group {self.name}: the ranks disagree ({seen}) on {what}: "
-                            f"{advice or _SAME_CALLS}")
+                            f"{advice or (_CHANGES if changed else _SAME_CALLS)}")
+
+    def agree_change(self, model: str, what: str) -> None:
+        """A runner's call found this rank's model (``model``, its type) changed since
+        capture (``what``): return once every rank's changed alike (each captures its
+        share again), else :class:`RankError` on every rank naming each rank's change or,
+        on a rank whose model did not change, its call's route (the group stays
+        usable). Each rank's own GPU in ``what`` is not compared."""
+        what = _DEVICE_INDEX.sub(r"\1", what)
+        self.agree(f"{model}{_CHANGED}{what})", "a call of the runner")
 
     def gather(self, key: str, what: str) -> list[str]:
         """Every rank's ``key`` for ``what``, by rank (each rank passes one); a rank that
@@ -284,6 +294,12 @@ def release_all() -> None:
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # an object's repr: its address
+_CHANGED = " changed since capture ("  # a rank's key naming its changed model
+_DEVICE_INDEX = re.compile(r"\b(on [a-z_]+):\d+")  # "on cuda:1": each rank's own GPU
+_CHANGES = ("a split model must change alike on every rank (each rank's share of the same "
+            "new weights, in the same slots) or not at all: change the others' likewise, or "
+            "undo the change, and call again on every rank (each captures its share again), "
+            "or call runner.recapture() on every rank")
 _SAME_CALLS = ("every rank must make the same calls with inputs of the same shapes, so that "
                "each replays the same graph or runs the same batch eagerly")
 _CLOSED = ("A closed group cannot be used again: restart the ranks (or make a new "

@@ -391,6 +391,51 @@ def test_a_capture_one_rank_refuses_is_refused_on_every_rank_at_once():
     spawn(_refused_capture)
 
 
+def _changed_on_some_ranks(rank: int) -> None:
+    tp = TPGroup(timeout_s=PATIENT, collective_timeout_s=2 * PATIENT)
+    model = build_model("tiny", tp=tp)
+    runner = graphcap.capture(model, "full", buckets=[8], max_requests=2)  # recapture
+    want, norm = call(runner, [6]), model.norm
+    if rank == 1:  # replaced on one rank only
+        model.norm = torch.nn.Parameter(norm.detach().clone())
+    start = time.monotonic()
+    for _ in range(2):  # every call, until the ranks' models agree again
+        # It was "rank 1: capture [8]": make the same calls with the same shapes.
+        with pytest.raises(RankError, match=r"rank 0: replay 8: 6 tokens, requests \[6\], "
+                           r"rank 1: Decoder changed since capture \(norm: another tensor "
+                           r".*a split model must change alike on every rank"):
+            call(runner, [6])
+    assert time.monotonic() - start < PATIENT / 2 and tp.closed is None
+    model.norm = norm  # undone: in step, the graphs of capture
+    assert torch.equal(call(runner, [6]), want) and runner.stats.recaptures == 0
+    # Replaced alike on every rank: every rank captures its share again.
+    model.norm = torch.nn.Parameter(norm.detach() * 2)
+    got = call(runner, [6])
+    assert runner.stats.recaptures == 1
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(torch.ones(6, dtype=torch.long),
+                                              torch.arange(6), seq_lens=[6]))
+    # Replaced on every rank, but not alike (another slot per rank): refused too.
+    o = model.blocks[rank].attn.o
+    o.weight = torch.nn.Parameter(o.weight.detach().clone())
+    with pytest.raises(RankError, match=r"rank 0: Decoder changed since capture \(blocks\.0\."
+                       r"attn\.o\.weight.*rank 1: Decoder changed since capture \(blocks\.1\."):
+        call(runner, [6])
+    assert tp.closed is None
+
+
+def test_a_model_changed_on_some_ranks_only_is_refused_on_every_rank_naming_the_change():
+    spawn(_changed_on_some_ranks)
+
+
+def test_a_change_is_compared_without_each_rank_s_own_gpu():
+    from graphcap.tp.group import _DEVICE_INDEX
+
+    what = "norm: another tensor (bfloat16 (64,) on cuda:1; was bfloat16 (64,) on cuda:1)"
+    assert _DEVICE_INDEX.sub(r"\1", what) == \
+        "norm: another tensor (bfloat16 (64,) on cuda; was bfloat16 (64,) on cuda)"
+
+
 def _lazy_slot_on_one_rank(rank: int) -> None:
     tp = TPGroup(timeout_s=PATIENT, collective_timeout_s=2 * PATIENT)  # fail-fast: never waited
     model = build_model("tiny", tp=tp)
