@@ -185,11 +185,19 @@ def test_ranks_that_split_other_whole_models_all_raise():
     spawn(_other_models)
 
 
-def test_a_fingerprint_names_the_weights_bits_and_shapes():
+@pytest.mark.parametrize("device,dtype", [
+    ("cpu", torch.float32),
+    *(pytest.param("cuda", dtype, marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU")])
+      for dtype in (torch.float32, torch.bfloat16))])
+def test_a_fingerprint_names_the_weights_bits_and_shapes(device, dtype):
     from graphcap.models.shard import fingerprint
 
-    a, b = build_model("tiny"), build_model("tiny")
-    assert fingerprint(a) == fingerprint(b) != fingerprint(build_model("tiny", seed=1))
+    def built(seed=0):
+        return build_model("tiny", device=device, dtype=dtype, seed=seed)
+
+    a, b = built(), built()
+    assert fingerprint(a) == fingerprint(b) != fingerprint(built(seed=1))
     with torch.no_grad():
         b.norm[0] = -b.norm[0]  # one bit: the sign
     assert fingerprint(a) != fingerprint(b)
