@@ -70,8 +70,9 @@ class PagedKVCache:
         if self.window < 0:
             raise ValueError(f"window={window}: the longest attention window of a model "
                              "whose every layer is windowed, or 0 (keep every page)")
-        if not dtype.is_floating_point:
-            raise ValueError(f"a K/V cache holds floating-point keys and values, not {dtype}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"a K/V cache holds floating-point keys and values: dtype must "
+                             f"be a floating torch.dtype (torch.bfloat16), not {dtype!r}")
         self.device = torch.device(device)
         self.dtype = dtype
         shape = (layers, self.pages + 1, page_size, kv_heads, head_dim)
@@ -139,7 +140,8 @@ class PagedKVCache:
 
     def written(self, slot: int) -> int:
         """Tokens of request slot ``slot`` whose K/V are in the cache (positions 0 ..
-        written - 1): a step may write the next position or one before it, never past."""
+        written - 1): a step may start at the next position or any before it (from
+        :meth:`least_kept` on), never past."""
         return self._written.get(self._slot(slot), 0)
 
     def check_step(self, slots, positions, tokens: int = 1, *, checked: bool = False
@@ -158,8 +160,13 @@ class PagedKVCache:
                     self.check_reach(slot, position)
             return
         over = []
+        slots, positions = list(slots), list(positions)
+        if len(slots) != len(positions):
+            raise BadBatch(f"{len(slots)} request slots and {len(positions)} positions: "
+                           "give one position per request")
         for slot, position in zip(slots, positions, strict=True):
             slot = self._slot(slot, BadBatch)
+            position = as_int(position, f"a position (slot {slot})", BadBatch)
             capacity = capacities.get(slot, 0)
             if not 0 <= position < capacity:
                 raise BadBatch(
@@ -234,11 +241,12 @@ class PagedKVCache:
         if slot not in self._written:
             raise ValueError(f"rewind of slot {slot}: it holds no request")
         written, least = self._written[slot], self.least_kept(slot)
-        if isinstance(end, bool) or not isinstance(end, int) or \
-                not least <= end <= written:
-            raise ValueError(f"rewind of slot {slot} to {end!r}: keep between {least} (a "
-                             "step after fewer would attend to pages freed behind the "
-                             f"window) and the {written} tokens written")
+        end = as_int(end, f"rewind of slot {slot}: the tokens to keep")  # numpy, 0-d too
+        if not least <= end <= written:
+            why = " (a step after fewer would attend to pages freed behind the window)" \
+                if least else ""
+            raise ValueError(f"rewind of slot {slot} to {end}: keep between {least}{why} "
+                             f"and the {written} tokens written")
         self._written[slot] = end
 
     def least_kept(self, slot: int) -> int:

@@ -371,3 +371,29 @@ def test_request_slots_come_in_the_callers_order_a_set_is_refused():
     for bad in (0, None, torch.tensor(0)):
         with pytest.raises(BadBatch, match="slots must be ints in the requests. order"):
             c.requests(bad, 1)
+
+
+def test_bad_numbers_given_to_the_cache_are_named_not_misreported():
+    """A rewind to a numpy or 0-d host integer keeps that many tokens (a float is refused
+    as no integer, not as out of range); a step's positions that are no ints, or fewer
+    than its slots, are refused naming them; a dtype that is no torch.dtype is named."""
+    import numpy as np
+
+    c = cache()
+    c.admit(0, 10)
+    c.wrote([(0, 5)])
+    c.rewind(0, np.int64(4))
+    c.rewind(0, torch.tensor(3))
+    assert c.written(0) == 3
+    with pytest.raises(ValueError, match=r"rewind of slot 0: the tokens to keep must be an "
+                                         r"integer, got 2\.0"):
+        c.rewind(0, 2.0)
+    with pytest.raises(ValueError, match=r"rewind of slot 0 to 4: keep between 0 and the 3 "
+                                         r"tokens written$"):
+        c.rewind(0, 4)  # no window: nothing was freed behind one
+    with pytest.raises(BadBatch, match=r"a position \(slot 0\) must be an integer, got 1\.5"):
+        c.check_step([0], [1.5])
+    with pytest.raises(BadBatch, match="1 request slots and 2 positions"):
+        c.check_step([0], [1, 2])
+    with pytest.raises(ValueError, match="dtype must be a floating torch.dtype .*'float16'"):
+        cache(dtype="float16")
