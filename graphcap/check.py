@@ -158,9 +158,9 @@ def run_check(spec: str, strategies=None, examples: int = 10, sequences: int = 3
         if left:
             print(f"--attention {attention} runs under {', '.join(strategies)} only: "
                   f"{', '.join(left)} left out")
-    print(f"graphcap check {spec}: {type(model).__name__}{wrapped}, the fullest batch, "
-          f"{examples} drawn batches and {sequences} call sequences per strategy, buckets "
-          f"to {max_tokens} tokens\n")
+    print(f"graphcap check {spec}: {type(model).__name__}{wrapped}, {examples} drawn "
+          f"batches, the fullest batch, each bucket's most padded and full batches and "
+          f"{sequences} call sequences per strategy, buckets to {max_tokens} tokens\n")
     print(f"{'strategy':>12}  {'attention':>12}  {'result':>6}  {'max err':>9}  "
           f"{'fallbacks':>9}  {'build s':>7}")
     failed = []
@@ -190,7 +190,9 @@ def run_check(spec: str, strategies=None, examples: int = 10, sequences: int = 3
               "with --max-requests 1.")
     if any(isinstance(exc, AssertionError) for _, exc in failed):
         print("\nReplays differ from eager: Python in forward (a side effect, a counter, a "
-              "host value read from a tensor) runs only at capture and is frozen there. "
-              "Move it out of forward, or mark the function @graphcap.eager_on_graph and "
-              "use strategy='breakable'.")
+              "host value read from a tensor) runs only at capture and is frozen there: "
+              "move it out of forward, or mark the function @graphcap.eager_on_graph and "
+              "use strategy='breakable'. Or its rows depend on other rows (a reduction over "
+              "every token, the token count): a replay pads the batch to its bucket, so "
+              "each output row must depend on its own request's tokens only.")
     return 1 if failed else 0

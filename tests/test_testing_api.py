@@ -70,7 +70,7 @@ def test_a_check_of_one_drawn_example_still_runs_the_fullest_batch():
 def test_a_failure_on_every_batch_is_reported_shrunk_not_as_the_fullest_batch():
     from tests.support.check_models import counting
 
-    with pytest.raises(AssertionError, match=r"full/torch_masked \[\d+\]: captured"):
+    with pytest.raises(AssertionError, match=r"full/torch_masked \[\d+\], [^:]*: captured"):
         assert_replay_equivalent(counting(), ("full",), buckets=[8, 16], max_requests=3,
                                  attention="torch_masked", examples=5, sequences=1)
 
@@ -469,3 +469,150 @@ def test_the_reported_fallbacks_are_every_runners_the_check_made():
     report = assert_replay_equivalent(build_model("tiny"), ["full"], examples=3,
                                       sequences=6)["full"]
     assert {"too_many_tokens", "too_many_requests"} <= report["fallbacks"].keys()
+
+
+class _Bucket28(LeakyDecoder):
+    """Wrong only where 25 to 27 tokens replay the 28-token graph: a path picked for
+    M == 28 that reads across rows (padding rows included)."""
+
+    def forward(self, input_ids, positions):
+        logits = self.inner(input_ids, positions)
+        if input_ids.shape[0] == 28:
+            logits = logits + logits.mean(0, keepdim=True)
+        return logits
+
+
+def test_a_bug_of_one_bucket_fails_every_run_not_only_when_hypothesis_draws_it():
+    # Drawn batches replay the 28 bucket in about a fifth of runs of 10 examples.
+    for _ in range(3):
+        with pytest.raises(AssertionError, match=r"replayed the 28-token graph: captured"):
+            assert_replay_equivalent(_Bucket28(), ("full",), max_tokens=64,
+                                     attention="torch_masked", examples=2, sequences=1)
+
+
+def test_every_bucket_replays_padded_and_full():
+    from graphcap.core.buckets import pick_bucket, prefill_ladder
+    from graphcap.testing import bucket_batches
+
+    ladder = prefill_ladder(64)
+    got = [sum(lens) for _, _, lens in bucket_batches(ladder, 4, 50)]
+    assert {pick_bucket(t, ladder)[0] for t in got} == set(ladder)
+    assert got[:6] == [2, 4, 5, 8, 9, 12] and got[-4:] == [33, 48, 49, 64]
+
+
+def test_a_check_in_which_nothing_replays_fails_instead_of_passing():
+    # Every batch given is padded more than twice over: all run eagerly, and a model
+    # whose padding rows leak into real ones would pass unseen.
+    with pytest.raises(AssertionError, match="no call replayed a graph"):
+        assert_replay_equivalent(LeakyDecoder(), ("full",), buckets=[64, 128],
+                                 max_requests=2, attention="torch_masked",
+                                 batches=prefill_batches(24, 2, 100), examples=5,
+                                 sequences=1)
+
+
+class _NextToken(torch.nn.Module):
+    """A next-token id of a 150k vocabulary, off by one on every padded replay."""
+
+    graphcap_inputs = "prefill"
+    vocab_size = 151_936
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Embedding(64, 8)
+
+    def forward(self, input_ids, positions):
+        ids = torch.full_like(input_ids, 150_000) + (input_ids.shape[0] % 4 != 0)
+        return self.head(positions % 64), ids
+
+
+def test_integer_outputs_are_compared_exactly_not_within_a_float_tolerance():
+    with pytest.raises(AssertionError, match="captured output differs"):
+        assert_replay_equivalent(_NextToken(), ("full",), buckets=[4, 8, 16],
+                                 max_requests=1, examples=5, sequences=1)
+
+
+class _NaNRows(torch.nn.Module):
+    graphcap_inputs = "prefill"
+    vocab_size = 50
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 8)
+
+    def forward(self, input_ids, positions):
+        return torch.where((input_ids % 2 == 0)[:, None], float("nan"), self.emb(input_ids))
+
+
+def test_nan_where_eager_has_nan_is_equal():
+    report = assert_replay_equivalent(_NaNRows(), ("full", "breakable"), buckets=[4, 8, 16],
+                                      max_requests=1, examples=5, sequences=2)
+    assert all(r["max_error"] == 0.0 for r in report.values())
+
+
+class _Calibrated(torch.nn.Module):
+    """A scale calibrated on the first batch seen: for a runner, its warm-up's."""
+
+    graphcap_inputs = "prefill"
+    vocab_size = 50
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 8)
+        self.scale = None
+
+    def forward(self, input_ids, positions):
+        h = self.emb(input_ids)
+        if self.scale is None:
+            self.scale = h.abs().amax().detach()
+        return h / self.scale
+
+
+def test_eager_is_a_copy_of_the_model_from_before_capture_not_the_captured_one():
+    with pytest.raises(AssertionError, match="captured output differs"):
+        assert_replay_equivalent(_Calibrated(), ("full",), buckets=[4, 8, 16],
+                                 max_requests=1, examples=3, sequences=1)
+
+
+class _WritesIds(_NaNRows):
+    def forward(self, input_ids, positions):
+        input_ids.clamp_(max=10)  # eager writes the caller's ids; a replay does not
+        return self.emb(input_ids)
+
+
+def test_a_forward_that_writes_its_inputs_fails():
+    with pytest.raises(AssertionError, match="writes its input_ids in place"):
+        assert_replay_equivalent(_WritesIds(), ("full",), buckets=[4, 8, 16],
+                                 max_requests=1, examples=5, sequences=1)
+
+
+def test_a_model_without_graphcap_attention_passes_with_one_request_a_call():
+    # The call sequences drew more requests than slots, which such a model refuses: it
+    # failed whatever max_requests, and graphcap check told it to use --max-requests 1.
+    from tests.support.check_models import sdpa
+
+    assert assert_replay_equivalent(sdpa(), ("full",), buckets=[4, 8, 16], max_requests=1,
+                                    examples=3, sequences=6)["full"]["replays"]
+
+
+class _EverySeventh(_NaNRows):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, input_ids, positions):
+        self.calls += 1
+        return self.emb(input_ids) * (2 if self.calls % 7 == 0 else 1)
+
+
+def test_a_mismatch_that_does_not_recur_is_an_assertion_that_says_so():
+    with pytest.raises(AssertionError, match="on some calls only"):
+        assert_replay_equivalent(_EverySeventh(), ("full",), buckets=[4, 8, 16],
+                                 max_requests=1, examples=10, sequences=2)
+
+
+@pytest.mark.parametrize("strategies", [(), ("eager",)])
+def test_checking_no_graphed_strategy_is_refused(strategies):
+    from graphcap.models import build_model
+
+    with pytest.raises(ValueError, match="name one or more of"):
+        assert_replay_equivalent(build_model("tiny"), strategies)

@@ -3,7 +3,9 @@ for sequences of calls, under each strategy."""
 
 from __future__ import annotations
 
+import copy
 import time
+import warnings
 from collections import Counter
 
 import torch
@@ -11,7 +13,7 @@ from torch.utils._pytree import tree_flatten
 
 import graphcap
 from graphcap.api import GRAPHED, _device_of, model_dtype
-from graphcap.testing.strategies import full_batch, prefill_batches
+from graphcap.testing.strategies import bucket_batches, full_batch, prefill_batches
 
 
 def _default_tolerance(dtype: torch.dtype) -> float:
@@ -19,16 +21,50 @@ def _default_tolerance(dtype: torch.dtype) -> float:
 
 
 def _close(got, want, label: str, atol: float, worst: list) -> None:
-    """Each tensor of a (nested) output against eager's, which has the same structure."""
+    """Each tensor of a (nested) output against eager's, which has the same structure:
+    floats within ``atol`` (NaN where eager has NaN), integers and booleans exactly (a
+    token id within a float tolerance of eager's is another token)."""
     got_leaves, got_spec = tree_flatten(got)
     want_leaves, want_spec = tree_flatten(want)
     assert got_spec == want_spec, (f"{label}: captured output is {got_spec}, eager's "
                                    f"{want_spec}")
     for g, w in zip(got_leaves, want_leaves, strict=True):
+        exact = not (isinstance(g, torch.Tensor) and (g.is_floating_point() or g.is_complex()))
         if isinstance(g, torch.Tensor) and g.numel() and w.shape == g.shape:
-            worst[0] = max(worst[0], (g.double() - w.double()).abs().max().item())
-        torch.testing.assert_close(g, w, atol=atol, rtol=atol,
+            diff = (g.double() - w.double()).abs()
+            diff = diff[~diff.isnan()]  # NaN on both sides: equal (on one: assert_close)
+            if diff.numel():
+                worst[0] = max(worst[0], diff.max().item())
+        tol = 0.0 if exact else atol
+        torch.testing.assert_close(g, w, atol=tol, rtol=tol, equal_nan=True,
                                    msg=lambda m: f"{label}: captured output differs: {m}")
+
+
+def _eager_copy(model):
+    """The reference: a copy of the model as it was before any capture, so that what a
+    capture's warm-up leaves in it (a scale calibrated on the warm-up's dummy batch, a
+    counter) is not shared by eager. None where the model cannot be copied (the check
+    then runs eager on the model itself)."""
+    try:
+        return copy.deepcopy(model)
+    except Exception as exc:  # a process group, a lock: not copyable
+        warnings.warn(f"assert_replay_equivalent: {type(model).__name__} cannot be copied "
+                      f"({type(exc).__name__}: {exc}); eager runs on the captured model "
+                      "itself, and state its captures leave in it goes unchecked",
+                      stacklevel=3)
+        return None
+
+
+def _flaky(exc, label: str) -> AssertionError:
+    """A mismatch hypothesis saw once and not again on the same batch, as an
+    AssertionError that says so (not a hypothesis error from the model's forward)."""
+    inner = [e for e in getattr(exc, "exceptions", ()) if isinstance(e, AssertionError)]
+    first = str(inner[0] if inner else exc).strip().splitlines()[0]
+    return AssertionError(
+        f"{label}: replays differ from eager on some calls only, not again on the same "
+        f"batch ({first}): the forward keeps state that changes from call to call (a "
+        "counter, a cache) or is nondeterministic (random ops, dropout: call "
+        "model.eval())")
 
 
 def _embedding_rows(model) -> int:
@@ -45,21 +81,30 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
                              compiler: str = "eager") -> dict:
     """Check a prefill model (``forward(input_ids, positions)``) under each strategy:
     every generated batch, and every call of random call sequences (fallbacks included),
-    equals the same model run eagerly with the same attention backend. Returns by
+    equals the same model run eagerly with the same attention backend: a copy of the
+    model taken before any capture (so that state a capture's warm-up leaves in the
+    model is not shared by the reference), floats within ``atol``, NaN as NaN, integer
+    and boolean outputs exactly; a forward that writes its inputs fails too. Returns by
     strategy the runner's report (its ``attention``: the backend the model's forward
     called, None if none; its ``fallbacks``: those of every runner the check made, the
-    call sequences' included) plus ``max_error`` and ``build_wall_s``; raises AssertionError
-    with the shrunk failing batch.
+    call sequences' included; ``unreplayed``: buckets no call replayed) plus
+    ``max_error`` and ``build_wall_s``; raises AssertionError with the shrunk failing
+    batch, and where no call replayed a graph at all.
 
     ``batches``: a hypothesis strategy of ``(input_ids, positions, seq_lens)`` (default
     :func:`prefill_batches`, token ids below ``vocab``: the model's ``vocab_size``, else
-    its first embedding table's rows; with it, :func:`full_batch` is checked after the
-    ``examples`` drawn). ``attention``: the backend (default: the best one allowed
+    its first embedding table's rows; with it, :func:`full_batch` and each bucket's
+    :func:`bucket_batches` are checked after the ``examples`` drawn, so that every
+    bucket replays, padded and full). ``attention``: the backend (default: the best one allowed
     under every strategy asked for). ``compiler``: tc_piecewise's piece compiler
     (``"eager"`` or ``"inductor"``)."""
     model = model_or_factory() if not isinstance(model_or_factory, torch.nn.Module) \
         else model_or_factory
     strategies = (strategies,) if isinstance(strategies, str) else tuple(strategies)
+    if not strategies or "eager" in strategies:
+        raise ValueError(f"strategies={strategies!r}: name one or more of {list(GRAPHED)} "
+                         "(eager is the reference every strategy is checked against)")
+    pristine = _eager_copy(model)  # before any capture runs the model
     device = _device_of(model)
     dtype = model_dtype(model) or torch.float32
     tol = atol if atol is not None else _default_tolerance(dtype)
@@ -73,27 +118,38 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
     # Sequences also draw batches past the largest bucket and the slots: fallbacks.
     # A model with a row per request (last-token logits) takes no empty requests.
     min_len = 1 if getattr(model, "output_rows", "tokens") == "requests" else 0
-    wide = prefill_batches(2 * top, max_requests + 2, vocab, device=device, min_len=min_len)
-    # With the default batches, the fullest one is checked first, whatever is drawn.
-    full = None if batches else full_batch(top, max_requests, vocab, device=device,
-                                           min_len=min_len)
-    batches = batches or prefill_batches(top, max_requests, vocab, device=device,
-                                         min_len=min_len)
+
+    # More requests than slots only for a model that runs graphcap attention: one that
+    # runs none takes one request a call (max_requests=1), eagerly too.
+    def wide(extra):
+        return prefill_batches(2 * top, max_requests + extra, vocab, device=device,
+                               min_len=min_len)
+    # With the default batches, the fullest one, and a most padded and a full batch of
+    # every bucket, are checked after those drawn, whatever is drawn.
+    fixed = None
+    if batches is None:
+        fixed = [full_batch(top, max_requests, vocab, device=device, min_len=min_len)]
+    if batches is None:
+        batches = prefill_batches(top, max_requests, vocab, device=device, min_len=min_len)
     kwargs = dict(buckets=buckets, max_tokens=None if buckets else max_tokens,
                   max_requests=max_requests, attention=attention)
-    truth = graphcap.capture(model, "eager", **kwargs)
     reports = {}
     for strategy in strategies:
+        # A fresh reference per strategy: eager's state has only the calls it was given.
+        reference = copy.deepcopy(pristine) if pristine is not None else model
+        truth = graphcap.capture(reference, "eager", **kwargs)
         opts = dict(kwargs, compiler=compiler) if strategy == "tc_piecewise" else kwargs
-        reports[strategy] = _check_strategy(model, strategy, opts, truth, batches, wide,
-                                            full, tol, examples, sequences, attention)
+        reports[strategy] = _check_strategy(
+            model, strategy, opts, truth, batches, wide, fixed, tol, examples, sequences,
+            attention, dict(vocab=vocab, device=device, min_len=min_len))
     return reports
 
 
-def _check_strategy(model, strategy, kwargs, truth, batches, wide, full, tol, examples,
-                    sequences, attention) -> dict:
+def _check_strategy(model, strategy, kwargs, truth, batches, wide, fixed, tol, examples,
+                    sequences, attention, draw) -> dict:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
+    from hypothesis.errors import Flaky
 
     start = time.perf_counter()
     runner = graphcap.capture(model, strategy, **kwargs)
@@ -105,35 +161,84 @@ def _check_strategy(model, strategy, kwargs, truth, batches, wide, full, tol, ex
     quiet = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck),
                  report_multiple_bugs=False)
 
+    def call(run, ids, pos, lens, label):
+        """The runner's call and eager's, each on its own copy of the inputs (a forward
+        that writes them, which eager does and a replay does not, is a difference too);
+        the label says how the runner ran the batch."""
+        before = Counter(run.stats.replays)
+        ids_r, pos_r, ids_e, pos_e = ids.clone(), pos.clone(), ids.clone(), pos.clone()
+        got = run(ids_r, pos_r, seq_lens=lens)
+        replayed = list(Counter(run.stats.replays) - before)
+        label += (f", replayed the {replayed[0]}-token graph" if replayed
+                  else ", ran eagerly as a fallback")
+        _close(got, truth(ids_e, pos_e, seq_lens=lens), label, tol, worst)
+        for name, mine, eager in (("input_ids", ids_r, ids_e), ("positions", pos_r, pos_e)):
+            assert torch.equal(mine, eager), (
+                f"{label}: the forward writes its {name} in place, which eager does and a "
+                "replay does not (graphcap never writes a caller's inputs): compute on a "
+                "copy instead")
+
     def check(batch):
         ids, pos, lens = batch
-        _close(runner(ids, pos, seq_lens=lens), truth(ids, pos, seq_lens=lens),
-               f"{label} {lens}", tol, worst)
+        call(runner, ids, pos, lens, f"{label} {lens}")
 
     @settings(max_examples=examples, **quiet)
     @given(batch=batches)
     def one_batch(batch):
         check(batch)
 
-    @settings(max_examples=sequences, **quiet)
-    @given(calls=st.lists(st.one_of(batches, wide), min_size=2, max_size=6))
-    def call_sequence(calls):
+    attends = runner.report()["attention"] is not None
+    replays = Counter()  # the sequences' runners'
+
+    def sequence(calls):
         # A fresh runner per sequence: a failure depends on this sequence alone.
         fresh = graphcap.capture(model, strategy, **kwargs)
         for i, (ids, pos, lens) in enumerate(calls):
-            _close(fresh(ids, pos, seq_lens=lens), truth(ids, pos, seq_lens=lens),
-                   f"{label} call {i} of {[c[2] for c in calls]}", tol, worst)
+            call(fresh, ids, pos, lens, f"{label} call {i} of {[c[2] for c in calls]}")
         stats = fresh.stats
         fallbacks.update(stats.fallbacks)
+        replays.update(stats.replays)
         assert stats.calls == sum(stats.replays.values()) + sum(
             stats.fallbacks.values()) + stats.failed, (
             f"{label}: a call neither replayed, fell back nor failed")
 
-    one_batch()  # a failure drawn here comes shrunk
-    if full is not None:
-        check(full)
-    call_sequence()
+    call_sequence = settings(max_examples=sequences, **quiet)(given(calls=st.lists(
+        st.one_of(batches, wide(2 if attends else 0)), min_size=2, max_size=6))(sequence))
+
+    try:
+        one_batch()  # a failure drawn here comes shrunk
+        if fixed is not None:  # the fullest batch, then each bucket's
+            ladder = runner.config.buckets
+            for batch in fixed + bucket_batches(
+                    ladder, kwargs["max_requests"], draw["vocab"], device=draw["device"],
+                    min_len=draw["min_len"], max_pad_ratio=runner.config.max_pad_ratio):
+                check(batch)
+            # Replays around every kind of fallback, whatever hypothesis draws: past the
+            # largest bucket, past the slots (a model of graphcap attention), padded more
+            # than twice over (where a bucket is that large).
+            def make(tokens, requests):
+                return full_batch(tokens, requests, draw["vocab"], device=draw["device"],
+                                  min_len=draw["min_len"], seed=tokens + requests)
+            top, slots = ladder[-1], kwargs["max_requests"]
+            calls = [fixed[0], make(2 * top, slots)]
+            if attends and top >= slots + 1:
+                calls.append(make(top, slots + 1))
+            if ladder[0] > 2 * max(draw["min_len"], 1):
+                calls.append(make(max(draw["min_len"], 1), 1))
+            sequence(calls + [fixed[0]])
+        call_sequence()
+    except Flaky as exc:  # seen once, not again on the same batch
+        raise _flaky(exc, label) from exc
     # "attention": the backend the model's forward called (None: it called none).
     report = runner.report()
     report["fallbacks"] = dict(Counter(report["fallbacks"]) + fallbacks)
+    unreplayed = [b for b in runner.config.buckets
+                  if not report["replays"].get(b) and not replays[b]]
+    if len(unreplayed) == len(runner.config.buckets):
+        raise AssertionError(
+            f"{label}: no call replayed a graph (every batch ran eagerly: "
+            f"{report['fallbacks']}), so nothing was checked: give batches= that fill the "
+            f"buckets {runner.config.buckets} to more than half (a batch padded more than "
+            "twice over runs eagerly), or buckets= that fit the batches")
+    report["unreplayed"] = unreplayed  # buckets no call replayed (custom batches=)
     return {**report, "max_error": worst[0], "build_wall_s": round(build_s, 3)}

@@ -72,3 +72,24 @@ def full_batch(max_tokens: int, max_requests: int, vocab: int, *, device="cpu",
     ids = torch.randint(min_token_id, vocab, (max_tokens,), generator=gen)
     pos = torch.cat([torch.arange(k) for k in lens])
     return ids.to(device), pos.to(device), lens
+
+
+def bucket_batches(buckets, max_requests: int, vocab: int, *, device="cpu",
+                   min_token_id: int = 1, min_len: int = 0, max_pad_ratio: float = 2.0,
+                   seed: int = 0) -> list:
+    """Per bucket (ascending), two batches of :func:`full_batch`'s packing that replay it:
+    the most padded one (the fewest tokens it takes: one past the bucket below, and no
+    more than ``max_pad_ratio`` times padded) and one that fills it. Hypothesis draws
+    few of a ladder's buckets (a bug of one bucket, a tile config picked for its size,
+    passes most runs); these reach each of them, on every run."""
+    ladder = sorted(set(buckets))
+    out = []
+    for i, bucket in enumerate(ladder):
+        below = ladder[i - 1] if i else 0
+        fewest = max(below + 1, -(-bucket // max_pad_ratio), max(min_len, 1))
+        for tokens in dict.fromkeys((int(fewest), bucket)):
+            if tokens <= bucket:
+                out.append(full_batch(tokens, max_requests, vocab, device=device,
+                                      min_token_id=min_token_id, min_len=min_len,
+                                      seed=seed + tokens))
+    return out
