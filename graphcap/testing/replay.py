@@ -129,15 +129,13 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
     fixed = None
     if batches is None:
         fixed = [full_batch(top, max_requests, vocab, device=device, min_len=min_len)]
-    if batches is None:
         batches = prefill_batches(top, max_requests, vocab, device=device, min_len=min_len)
     kwargs = dict(buckets=buckets, max_tokens=None if buckets else max_tokens,
                   max_requests=max_requests, attention=attention)
     reports = {}
+    # One reference for every strategy: a second copy of the model at most.
+    truth = graphcap.capture(pristine if pristine is not None else model, "eager", **kwargs)
     for strategy in strategies:
-        # A fresh reference per strategy: eager's state has only the calls it was given.
-        reference = copy.deepcopy(pristine) if pristine is not None else model
-        truth = graphcap.capture(reference, "eager", **kwargs)
         opts = dict(kwargs, compiler=compiler) if strategy == "tc_piecewise" else kwargs
         reports[strategy] = _check_strategy(
             model, strategy, opts, truth, batches, wide, fixed, tol, examples, sequences,
