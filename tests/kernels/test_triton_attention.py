@@ -132,6 +132,37 @@ def test_causal_mask_is_applied():
     assert not torch.allclose(out1[-1], out2[-1])
 
 
+@pytest.mark.parametrize("lengths", [[33], [30]], ids=["a request", "padding rows"])
+def test_row_offsets_past_two_to_the_31_elements_do_not_wrap(lengths):
+    """A row index times a row stride passes 2**31 elements in a long request of wide rows
+    (a 256K-token prompt of 64 query heads of 128 from a fused projection): computed in
+    int32, the offset wrapped and the kernel read q, k, v and wrote out 4 GiB before them
+    (another tensor), leaving the row unwritten. Here q, k, v and out are column slices of
+    rows 2**26 + 64 elements apart, so row 32's offset passes 2**31 (with lengths [30],
+    row 32 is a padding row the kernel zeroes). They lie 2**31 elements into a buffer
+    (lazily mapped on the CPU: only the touched pages cost memory) where sentinels wait
+    at the wrapped addresses."""
+    T, D, S, OFF = 33, 16, (1 << 26) + 64, 1 << 31
+    try:
+        big = torch.empty(OFF + T * S, dtype=torch.float16, device=device)
+    except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError
+        pytest.skip("no room for an 8.7 GB buffer (virtual, on the CPU)")
+    view = big[OFF:].view(T, S)
+    g = torch.Generator().manual_seed(0)
+    view[:, :4 * D] = torch.randn(T, 4 * D, generator=g).half().to(device)
+    q, k, v, out = (view[:, i * D:(i + 1) * D].view(T, 1, D) for i in range(4))
+    out.fill_(float("nan"))
+    wrapped = OFF + 32 * S - (1 << 32)  # row 32's elements, offset by -2**32
+    big[wrapped:wrapped + 3 * D] = 1.0  # where row 32's q, k and v wrapped to
+    sentinels = big[wrapped + 3 * D:wrapped + 4 * D]  # and its out
+    sentinels.fill_(7.0)
+    cu = cu_of(lengths)
+    attention_varlen(q, k, v, out, cu, T, D ** -0.5)
+    assert torch.equal(sentinels, torch.full_like(sentinels, 7.0)), "wrote out of bounds"
+    check(out, q, k, v, cu, D ** -0.5, True, torch.float16, sum(lengths))
+    del q, k, v, out, view, sentinels, big
+
+
 def test_rejects_bad_arguments():
     q, k, v = make_qkv(4, 3, 2, 64, torch.float32, 0, fused=False)
     with pytest.raises(ValueError, match="multiple"):

@@ -217,7 +217,8 @@ COMPILE_PDL_KERNELS = textwrap.dedent('''
                   {"GROUP": 2, "HEAD_DIM": 128, "BLOCK_D": 128, "EVEN_D": True,
                    "BLOCK_M": 16, "BLOCK_N": 16, "CAUSAL": True, "DOT_PRECISION": "tf32",
                    "INTERPRET": False, "PDL": pdl,
-                   "WINDOW": variant, "SOFTCAP": variant, "HAS_SINKS": variant})
+                   "WINDOW": variant, "SOFTCAP": variant, "HAS_SINKS": variant,
+                   "WIDE": variant})  # int64 row offsets (long requests of wide rows)
     print("compiled")
 ''')
 
@@ -374,7 +375,7 @@ COMPILE_SMALL_GPU = textwrap.dedent('''
         consts = {"GROUP": 2, "HEAD_DIM": d, "BLOCK_D": block_d, "EVEN_D": block_d == d,
                   "BLOCK_M": bm, "BLOCK_N": bn, "CAUSAL": True,
                   "DOT_PRECISION": "tf32", "INTERPRET": False, "PDL": False,
-                  "WINDOW": False, "SOFTCAP": False, "HAS_SINKS": False}
+                  "WINDOW": False, "SOFTCAP": False, "HAS_SINKS": False, "WIDE": False}
         got = shared_of(_attn_varlen_fwd, types, consts, warps, stages)
         assert got <= SHARED, (d, length, (bm, bn, warps, stages), got)
     # Decode attention: qwen3-0.6b's heads and Gemma's head dim 256, float32 caches, groups

@@ -52,6 +52,16 @@ _LOG2E_F = tl.constexpr(_LOG2E)
 
 
 @triton.jit
+def _rows(index, WIDE: tl.constexpr):
+    """Row indices to multiply by a row stride: in int64 where the launch's rows times its
+    widest row stride pass 2**31 elements (``WIDE``; in int32 they would wrap, and the
+    kernel read and write out of bounds), else as they are (int32, the faster code)."""
+    if WIDE:  # one return: the GPU compiler refuses two of different types
+        index = index.to(tl.int64)
+    return index
+
+
+@triton.jit
 def _load_keys(ptrs, rows, offs_d, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
                EVEN_D: tl.constexpr):
     """A block of keys (or values): ``rows`` the in-request mask where MASKED; columns
@@ -70,7 +80,7 @@ def _attn_step(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, o
                start_n, seqlen, qk_scale, sm_scale, window, softcap,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
                INTERPRET: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-               HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr):
+               HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr):
     """One key block ``[start_n, start_n + BLOCK_N)`` of the online softmax.
 
     MASKED: mask keys past ``seqlen`` (and above the diagonal when CAUSAL, and before the
@@ -78,8 +88,8 @@ def _attn_step(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, o
     mask is built at all. SOFTCAP: each score is soft-capped (in natural units) first.
     """
     cols = start_n + offs_n
-    k_ptrs = k_base + cols[:, None] * stride_kt + offs_d[None, :]
-    v_ptrs = v_base + cols[:, None] * stride_vt + offs_d[None, :]
+    k_ptrs = k_base + _rows(cols, WIDE)[:, None] * stride_kt + offs_d[None, :]
+    v_ptrs = v_base + _rows(cols, WIDE)[:, None] * stride_vt + offs_d[None, :]
     if MASKED:
         in_req = cols < seqlen
         k = _load_keys(k_ptrs, in_req, offs_d, True, HEAD_DIM, EVEN_D)
@@ -131,7 +141,8 @@ def _attn_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, 
                 lo, hi, seqlen, qk_scale, sm_scale, window, softcap,
                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, WINDOW: tl.constexpr,
-                SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr):
+                SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+                WIDE: tl.constexpr):
     """Online softmax over key blocks ``[lo, hi)`` (``lo`` a multiple of ``BLOCK_N``)."""
     offs_n = tl.arange(0, BLOCK_N)
     if INTERPRET:
@@ -143,7 +154,7 @@ def _attn_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, 
                                        offs_m, offs_n, offs_d, start_n, seqlen, qk_scale,
                                        sm_scale, window, softcap, MASKED, CAUSAL,
                                        DOT_PRECISION, INTERPRET, WINDOW, SOFTCAP, HEAD_DIM,
-                                       EVEN_D)
+                                       EVEN_D, WIDE)
             start_n += BLOCK_N
     else:
         # A for loop, so that Triton software-pipelines the K/V loads (num_stages).
@@ -152,7 +163,7 @@ def _attn_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, 
                                        offs_m, offs_n, offs_d, start_n, seqlen, qk_scale,
                                        sm_scale, window, softcap, MASKED, CAUSAL,
                                        DOT_PRECISION, INTERPRET, WINDOW, SOFTCAP, HEAD_DIM,
-                                       EVEN_D)
+                                       EVEN_D, WIDE)
     return acc, l_i, m_i
 
 
@@ -165,6 +176,7 @@ def _attn_varlen_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     pdl_start(PDL)
     head = tl.program_id(0)
@@ -186,13 +198,13 @@ def _attn_varlen_fwd(
         r0 = m_block * BLOCK_M
         while r0 < first:
             rows = r0 + offs_r
-            tl.store(o_head + rows[:, None] * stride_ot + offs_d[None, :], zeros,
+            tl.store(o_head + _rows(rows, WIDE)[:, None] * stride_ot + offs_d[None, :], zeros,
                      mask=(rows < first)[:, None] & d_ok[None, :])
             r0 += step
         r0 = last + m_block * BLOCK_M
         while r0 < T:
             rows = r0 + offs_r
-            tl.store(o_head + rows[:, None] * stride_ot + offs_d[None, :], zeros,
+            tl.store(o_head + _rows(rows, WIDE)[:, None] * stride_ot + offs_d[None, :], zeros,
                      mask=(rows < T)[:, None] & d_ok[None, :])
             r0 += step
         return
@@ -208,7 +220,7 @@ def _attn_varlen_fwd(
     row_ok = offs_m < seqlen
     start64 = start.to(tl.int64)
     q_ptrs = (Q + start64 * stride_qt + head * stride_qh
-              + offs_m[:, None] * stride_qt + offs_d[None, :])
+              + _rows(offs_m, WIDE)[:, None] * stride_qt + offs_d[None, :])
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     k_base = K + start64 * stride_kt + kv_head * stride_kh
     v_base = V + start64 * stride_vt + kv_head * stride_vh
@@ -232,7 +244,7 @@ def _attn_varlen_fwd(
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
                                 offs_m, offs_d, full_hi, diag_hi, seqlen, qk_scale, sm_scale,
                                 window, softcap, BLOCK_N, True, CAUSAL, DOT_PRECISION,
-                                INTERPRET, WINDOW, SOFTCAP, HEAD_DIM, EVEN_D)
+                                INTERPRET, WINDOW, SOFTCAP, HEAD_DIM, EVEN_D, WIDE)
     if WINDOW:
         # Keys before m0 - window + 1 are out of every row's window: never visited. The
         # blocks from there up to the first one inside every row's window are masked.
@@ -243,11 +255,11 @@ def _attn_varlen_fwd(
                                     offs_m, offs_d, win_lo, full_lo, seqlen, qk_scale,
                                     sm_scale, window, softcap, BLOCK_N, True, CAUSAL,
                                     DOT_PRECISION, INTERPRET, WINDOW, SOFTCAP, HEAD_DIM,
-                                    EVEN_D)
+                                    EVEN_D, WIDE)
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
                                 offs_m, offs_d, full_lo, full_hi, seqlen, qk_scale, sm_scale,
                                 window, softcap, BLOCK_N, False, CAUSAL, DOT_PRECISION,
-                                INTERPRET, WINDOW, SOFTCAP, HEAD_DIM, EVEN_D)
+                                INTERPRET, WINDOW, SOFTCAP, HEAD_DIM, EVEN_D, WIDE)
 
     if HAS_SINKS:  # the head's sink logit joins each row's softmax, with no value
         sink = tl.load(SINKS + head).to(tl.float32) * _LOG2E_F
@@ -257,7 +269,7 @@ def _attn_varlen_fwd(
         acc = acc * alpha[:, None]
     acc = acc / l_i[:, None]
     o_ptrs = (Out + start64 * stride_ot + head * stride_oh
-              + offs_m[:, None] * stride_ot + offs_d[None, :])
+              + _rows(offs_m, WIDE)[:, None] * stride_ot + offs_d[None, :])
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -353,6 +365,10 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
         shared_memory(q.device))
     num_m = triton.cdiv(max_seqlen, block_m)
     grid = (Hq, num_m, num_req + 1)
+    # A row index (of q, k, v or out, up to T plus a tile past it) times a row stride:
+    # int32 where it cannot pass 2**31, int64 past that (long requests of wide rows).
+    widest = max(t.stride(0) for t in (q, k, v, out))
+    wide = (max(T, max_seqlen) + block_m + block_n) * widest >= 2**31
     _attn_varlen_fwd[grid](
         q, k, v, out, cu_seqlens, cu_seqlens if sinks is None else sinks.contiguous(), T,
         float(scale) * _LOG2E, float(scale), int(window), float(softcap),
@@ -362,7 +378,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET=interpret, WINDOW=window > 0, SOFTCAP=softcap > 0,
-        HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages,
+        HAS_SINKS=sinks is not None, WIDE=wide, num_warps=num_warps, num_stages=num_stages,
         **pdl_args(q.device, T, "attention"),
     )
     return out
