@@ -816,3 +816,17 @@ def test_no_two_arms_of_a_plot_share_a_colour_and_a_marker():
 
     looks = [tuple(style(i).values()) for i in range(max(len(ARMS), 20))]
     assert len(set(looks)) == len(looks)
+
+
+def test_a_peer_target_whose_one_asked_form_failed_is_not_judged():
+    # --arms full,gpt-fast-gqa: the one form of the recipe asked for failed. The target
+    # vanished (every form had to be skipped), and the run exited 0.
+    from graphcap.bench.decode import targets
+
+    why = "RuntimeError: Inductor failed"
+    decode = {"model": "qwen3-0.6b", "context": 1024, "window": 0,
+              "skipped": {"gpt-fast-gqa": why},
+              "rows": [{"batch": 1, "ms": {"full": 0.4}, "ms_back_to_back": {"full": 0.35}}]}
+    peer = [t for t in targets(decode) if "gpt-fast" in t["target"]]
+    assert len(peer) == 1 and not peer[0]["met"] and "gpt-fast-gqa" in peer[0]["not_judged"]
+    assert "gpt-fast:" not in peer[0]["not_judged"]  # not asked for: not named

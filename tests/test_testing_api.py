@@ -616,3 +616,43 @@ def test_checking_no_graphed_strategy_is_refused(strategies):
 
     with pytest.raises(ValueError, match="name one or more of"):
         assert_replay_equivalent(build_model("tiny"), strategies)
+
+
+class _Lazy(_NaNRows):
+    """Weights drawn on the first forward (a runner's: its warm-up's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.LazyLinear(8)
+
+    def forward(self, input_ids, positions):
+        return self.proj(self.emb(input_ids))
+
+
+def test_a_lazy_module_is_checked_on_its_own_weights_not_a_copy_s_other_ones():
+    # A copy of a lazy module draws other weights on its first call: every batch differed.
+    with pytest.warns(UserWarning, match="lazy module proj has no weights yet"):
+        report = assert_replay_equivalent(_Lazy(), ("full",), buckets=[4, 8, 16],
+                                          max_requests=1, examples=3, sequences=1)
+    assert report["full"]["max_error"] < 1e-5
+
+
+class _RaisesOnce(_NaNRows):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, input_ids, positions):
+        self.calls += 1
+        if self.calls == 7:
+            raise RuntimeError("a transient kernel failure")
+        return self.emb(input_ids)
+
+
+def test_a_forward_that_raises_on_some_calls_only_is_not_called_a_mismatch():
+    from hypothesis.errors import Flaky
+
+    with pytest.raises(Flaky) as info:
+        assert_replay_equivalent(_RaisesOnce(), ("full",), buckets=[4, 8, 16],
+                                 max_requests=1, examples=10, sequences=1)
+    assert any("transient kernel failure" in str(e) for e in info.value.exceptions)

@@ -56,11 +56,17 @@ def not_judged(what: str, arms: list[str], skipped: dict) -> dict:
 
 
 def unjudged(result: dict, needs: list[tuple[str, list[str]]]) -> list[dict]:
-    """A :func:`not_judged` entry for each ``(target, arms)`` of ``needs`` whose arms were
-    all asked for and all skipped (one of them running judges it)."""
+    """A :func:`not_judged` entry for each ``(target, arms)`` of ``needs`` whose arms the
+    run asked for (those it ran or skipped; any of ``arms`` judges the target) all
+    skipped: one of them running judges it, an arm not asked for is no claim."""
     skipped = result.get("skipped", {})
-    return [not_judged(what, arms, skipped) for what, arms in needs
-            if arms and all(arm in skipped for arm in arms)]
+    ran = {arm for row in result.get("rows", []) for arm in row.get("ms", {})}
+    out = []
+    for what, arms in needs:
+        asked = [arm for arm in arms if arm in skipped or arm in ran]
+        if asked and all(arm in skipped for arm in asked):
+            out.append(not_judged(what, asked, skipped))
+    return out
 
 
 def _best(ms: dict, names) -> tuple[str, float] | None:
@@ -120,12 +126,10 @@ def prefill_targets(result: dict) -> list[dict]:
                            f"{idle.get('arm', 'full')} replay",
                            idle["idle_share"], 0.10, at_least=False))
     small = any(row["tokens"] in SMALL for row in result["rows"])
-    asked_full = [a for a in full_names if a in result.get("skipped", {}) or
-                  any(a in row["ms"] for row in result["rows"])]
     needs = [("reduce-overhead ms / fastest graphcap arm on its kernels",
               ["compile-reduce-overhead"])]
     if small:
-        needs += [("full's speed-up over eager and the shares of it", asked_full),
+        needs += [("full's speed-up over eager and the shares of it", full_names),
                   *((f"{arm} speed-up / full's", [arm])
                     for arm in ("breakable", "tc_piecewise-inductor"))]
     if result.get("model") in HF_VS_REDUCE_OVERHEAD:

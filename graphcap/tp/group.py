@@ -132,7 +132,9 @@ class TPGroup:
         :class:`RankError` on every rank naming each rank's key and ``advice``, what to
         do (by default: make the same calls of a runner; the group stays usable). A rank
         that does not come within ``timeout_s``, or that closed the group, closes it here
-        too, and ``RankError`` says why."""
+        too, and ``RankError`` says why. What differs from rank to rank whatever the
+        ranks do (each rank's own GPU, ``cuda:1``; an object's address) is not compared."""
+        key = _rank_neutral(key)
         keys, mine = self.gather(key, what), _decode(_encode(key))  # a long key: cut
         if any(k != mine for k in keys):
             seen = ", ".join(f"rank {r}: {k}" for r, k in enumerate(keys))
@@ -145,8 +147,7 @@ class TPGroup:
         capture (``what``): return once every rank's changed alike (each captures its
         share again), else :class:`RankError` on every rank naming each rank's change or,
         on a rank whose model did not change, its call's route (the group stays
-        usable). Each rank's own GPU in ``what`` is not compared."""
-        what = _DEVICE_INDEX.sub(r"\1", what)
+        usable). Each rank's own GPU in ``what`` is not compared (:meth:`agree`)."""
         self.agree(f"{model}{_CHANGED}{what})", "a call of the runner")
 
     def gather(self, key: str, what: str) -> list[str]:
@@ -189,8 +190,7 @@ class TPGroup:
         except Exception as exc:  # any refusal: the others must hear of it
             if warm:
                 self.warm_up()
-            self.agree(f"refused ({type(exc).__name__}: {_ADDRESS.sub('', str(exc))})",
-                       what)  # (an object's address differs from rank to rank)
+            self.agree(f"refused ({type(exc).__name__}: {exc})", what)
             raise
         if warm:
             self.warm_up()
@@ -295,11 +295,17 @@ def release_all() -> None:
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # an object's repr: its address
 _CHANGED = " changed since capture ("  # a rank's key naming its changed model
-_DEVICE_INDEX = re.compile(r"\b(on [a-z_]+):\d+")  # "on cuda:1": each rank's own GPU
+# "cuda:1": each rank's own GPU (a refusal, a change since capture naming a tensor's)
+_DEVICE_INDEX = re.compile(r"\b(cuda|xpu|hpu|mps|npu|privateuseone):\d+\b")
+
+
+def _rank_neutral(key: str) -> str:
+    """``key`` less what differs from rank to rank however alike the ranks' calls are."""
+    return _DEVICE_INDEX.sub(r"\1", _ADDRESS.sub("", key))
 _CHANGES = ("a split model must change alike on every rank (each rank's share of the same "
             "new weights, in the same slots) or not at all: change the others' likewise, or "
-            "undo the change, and call again on every rank (each captures its share again), "
-            "or call runner.recapture() on every rank")
+            "undo the change, and call again on every rank (each captures its share again, "
+            "unless on_change='error'), or call runner.recapture() on every rank")
 _SAME_CALLS = ("every rank must make the same calls with inputs of the same shapes, so that "
                "each replays the same graph or runs the same batch eagerly")
 _CLOSED = ("A closed group cannot be used again: restart the ranks (or make a new "

@@ -23,7 +23,13 @@ import torch.multiprocessing as mp
 
 import graphcap
 from graphcap.api import STRATEGIES
-from graphcap.errors import CaptureError, GraphcapError, RankError, UnsupportedModel
+from graphcap.errors import (
+    CaptureError,
+    GraphcapError,
+    ModelChanged,
+    RankError,
+    UnsupportedModel,
+)
 from graphcap.models import PRESETS, build_model, shard_args, shard_model, shard_tensor
 from graphcap.tp import TPGroup, group_named, release_all
 from tests.support import tp_world
@@ -437,11 +443,39 @@ def test_a_model_changed_on_some_ranks_only_is_refused_on_every_rank_naming_the_
 
 
 def test_a_change_is_compared_without_each_rank_s_own_gpu():
-    from graphcap.tp.group import _DEVICE_INDEX
+    from graphcap.tp.group import _rank_neutral
 
     what = "norm: another tensor (bfloat16 (64,) on cuda:1; was bfloat16 (64,) on cuda:1)"
-    assert _DEVICE_INDEX.sub(r"\1", what) == \
+    assert _rank_neutral(what) == \
         "norm: another tensor (bfloat16 (64,) on cuda; was bfloat16 (64,) on cuda)"
+    assert _rank_neutral("moved from ['cuda:1'] to ['cpu'] (<X object at 0x7f00>)") == \
+        "moved from ['cuda'] to ['cpu'] (<X object>)"
+
+
+def _refused_alike_on_each_gpu(rank: int) -> None:
+    import graphcap.core.snapshot as snapshot
+
+    # Each rank's tensors on its own GPU, as under NCCL: cuda:0 on rank 0, cuda:1 on 1.
+    plain = snapshot._describe
+    snapshot._describe = lambda t: plain(t).replace("on cpu", f"on cuda:{rank}")
+    try:
+        tp = TPGroup(timeout_s=PATIENT, collective_timeout_s=2 * PATIENT)
+        model = build_model("tiny", tp=tp)
+        runner = graphcap.capture(model, "full", buckets=[8], max_requests=2,
+                                  on_change="error")
+        call(runner, [6])
+        model.norm = torch.nn.Parameter(model.norm.detach().clone())  # alike on each rank
+        # Each rank refuses the change as it would unsplit (it was RankError: "the ranks
+        # disagree ... must change alike", naming cuda:0 against cuda:1).
+        with pytest.raises(ModelChanged, match="norm: another tensor"):
+            call(runner, [6])
+        assert tp.closed is None
+    finally:
+        snapshot._describe = plain
+
+
+def test_a_change_refused_alike_on_each_rank_s_own_gpu_raises_model_changed():
+    spawn(_refused_alike_on_each_gpu)
 
 
 def _lazy_slot_on_one_rank(rank: int) -> None:
