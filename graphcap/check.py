@@ -133,6 +133,7 @@ def run_check(spec: str, strategies=None, examples: int = 10, sequences: int = 3
                             "installed here: pip install hypothesis (or "
                             "torch-graphcap[test])") from None
     from graphcap.testing import assert_replay_equivalent
+    from graphcap.testing.replay import eager_copy
 
     model, wrapped = checkable(model_from(load_factory(spec), spec))
     if attention is not None:  # a backend this machine cannot run: one error, not a row each
@@ -164,12 +165,14 @@ def run_check(spec: str, strategies=None, examples: int = 10, sequences: int = 3
     print(f"{'strategy':>12}  {'attention':>12}  {'result':>6}  {'max err':>9}  "
           f"{'fallbacks':>9}  {'build s':>7}")
     failed = []
+    reference = eager_copy(model)  # before any strategy captures: the same for each
     for strategy in strategies:
         start = time.perf_counter()
         try:
             report = assert_replay_equivalent(
                 model, (strategy,), max_tokens=max_tokens, max_requests=max_requests,
-                attention=attention, examples=examples, sequences=sequences)[strategy]
+                attention=attention, examples=examples, sequences=sequences,
+                reference=reference)[strategy]
         except Exception as exc:
             if not isinstance(exc, (AssertionError, GraphcapError)):
                 if not _from_the_model(exc):

@@ -63,6 +63,18 @@ def test_check_flags_a_python_side_effect_that_capture_freezes(capsys):
     assert "FAIL" in out and "frozen" in out
 
 
+def test_check_compares_every_strategy_with_the_model_from_before_any_capture(capsys):
+    # Each strategy's check against a copy taken before the first capture: one taken
+    # after the first strategy's captures had the warm-up's scale, and the later
+    # strategies passed the defect the first failed.
+    code, out, err = cli(capsys, "check", "tests.support.check_models:calibrated",
+                         "--examples", "2", "--sequences", "1", "--max-tokens", "16",
+                         "--max-requests", "1", "--strategies", "full", "breakable")
+    assert code == 1, out + err
+    rows = [line.split() for line in out.splitlines()]
+    assert [r[2] for r in rows if r[:1] in (["full"], ["breakable"])] == ["FAIL", "FAIL"]
+
+
 def test_check_says_replays_differ_where_they_differ_in_several_ways(capsys):
     code, out, err = cli(capsys, "check", "tests.support.check_models:cycling",
                          "--examples", "5", "--sequences", "2", "--strategies", "full",

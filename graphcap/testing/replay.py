@@ -40,7 +40,7 @@ def _close(got, want, label: str, atol: float, worst: list) -> None:
                                    msg=lambda m: f"{label}: captured output differs: {m}")
 
 
-def _eager_copy(model):
+def eager_copy(model):
     """The reference: a copy of the model as it was before any capture, so that what a
     capture's warm-up leaves in it (a scale calibrated on the warm-up's dummy batch, a
     counter) is not shared by eager. None where the model cannot be copied, or where a
@@ -84,7 +84,7 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
                              buckets=None, attention: str | None = None,
                              vocab: int | None = None, examples: int = 20,
                              sequences: int = 5, atol: float | None = None,
-                             compiler: str = "eager") -> dict:
+                             compiler: str = "eager", reference=None) -> dict:
     """Check a prefill model (``forward(input_ids, positions)``) under each strategy:
     every generated batch, and every call of random call sequences (fallbacks included),
     equals the same model run eagerly with the same attention backend: a copy of the
@@ -103,14 +103,16 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
     :func:`bucket_batches` are checked after the ``examples`` drawn, so that every
     bucket replays, padded and full). ``attention``: the backend (default: the best one allowed
     under every strategy asked for). ``compiler``: tc_piecewise's piece compiler
-    (``"eager"`` or ``"inductor"``)."""
+    (``"eager"`` or ``"inductor"``). ``reference``: the model eager runs (default: the
+    copy, :func:`eager_copy`), for checks of one model called strategy by strategy (the
+    same copy for each: ``graphcap check``)."""
     model = model_or_factory() if not isinstance(model_or_factory, torch.nn.Module) \
         else model_or_factory
     strategies = (strategies,) if isinstance(strategies, str) else tuple(strategies)
     if not strategies or "eager" in strategies:
         raise ValueError(f"strategies={strategies!r}: name one or more of {list(GRAPHED)} "
                          "(eager is the reference every strategy is checked against)")
-    pristine = _eager_copy(model)  # before any capture runs the model
+    pristine = reference if reference is not None else eager_copy(model)  # before capture
     device = _device_of(model)
     dtype = model_dtype(model) or torch.float32
     tol = atol if atol is not None else _default_tolerance(dtype)
