@@ -549,27 +549,11 @@ def test_nan_where_eager_has_nan_is_equal():
     assert all(r["max_error"] == 0.0 for r in report.values())
 
 
-class _Calibrated(torch.nn.Module):
-    """A scale calibrated on the first batch seen: for a runner, its warm-up's."""
-
-    graphcap_inputs = "prefill"
-    vocab_size = 50
-
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(50, 8)
-        self.scale = None
-
-    def forward(self, input_ids, positions):
-        h = self.emb(input_ids)
-        if self.scale is None:
-            self.scale = h.abs().amax().detach()
-        return h / self.scale
-
-
 def test_eager_is_a_copy_of_the_model_from_before_capture_not_the_captured_one():
+    from tests.support.check_models import calibrated
+
     with pytest.raises(AssertionError, match="captured output differs"):
-        assert_replay_equivalent(_Calibrated(), ("full",), buckets=[4, 8, 16],
+        assert_replay_equivalent(calibrated(), ("full",), buckets=[4, 8, 16],
                                  max_requests=1, examples=3, sequences=1)
 
 
