@@ -302,6 +302,8 @@ _DEVICE_INDEX = re.compile(r"\b(cuda|xpu|hpu|mps|npu|privateuseone):\d+\b")
 def _rank_neutral(key: str) -> str:
     """``key`` less what differs from rank to rank however alike the ranks' calls are."""
     return _DEVICE_INDEX.sub(r"\1", _ADDRESS.sub("", key))
+
+
 _CHANGES = ("a split model must change alike on every rank (each rank's share of the same "
             "new weights, in the same slots) or not at all: change the others' likewise, or "
             "undo the change, and call again on every rank (each captures its share again, "
