@@ -525,6 +525,20 @@ class _NextToken(torch.nn.Module):
         return self.head(positions % 64), ids
 
 
+def test_each_float_output_is_compared_within_its_own_dtype_s_tolerance():
+    from graphcap.testing.replay import _close
+
+    want = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+    got = torch.tensor([1.0, 2.015625], dtype=torch.bfloat16)  # an ulp of bfloat16 at 2
+    worst = [0.0]
+    # A float32 model's bfloat16 output: bfloat16's tolerance, not float32's 1e-5.
+    _close((got,), (want,), "bf16 out", None, worst, base=1e-5)
+    with pytest.raises(AssertionError, match="captured output differs"):
+        _close((got,), (want,), "atol given", 1e-5, worst, base=1e-5)
+    with pytest.raises(AssertionError, match="captured output differs"):  # float32 out
+        _close((got.float() + 1e-3,), (want.float(),), "f32 out", None, worst, base=1e-5)
+
+
 def test_integer_outputs_are_compared_exactly_not_within_a_float_tolerance():
     with pytest.raises(AssertionError, match="captured output differs"):
         assert_replay_equivalent(_NextToken(), ("full",), buckets=[4, 8, 16],

@@ -17,10 +17,12 @@ from graphcap.testing.strategies import bucket_batches, full_batch, prefill_batc
 
 
 def _default_tolerance(dtype: torch.dtype) -> float:
-    return {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 3e-2}.get(dtype, 0.0)
+    return {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-2,
+            torch.bfloat16: 3e-2}.get(dtype, 0.0)
 
 
-def _close(got, want, label: str, atol: float, worst: list) -> None:
+def _close(got, want, label: str, atol: float | None, worst: list, base: float = 0.0
+           ) -> None:
     """Each tensor of a (nested) output against eager's, which has the same structure:
     floats within ``atol`` (NaN where eager has NaN), integers and booleans exactly (a
     token id within a float tolerance of eager's is another token)."""
@@ -35,7 +37,10 @@ def _close(got, want, label: str, atol: float, worst: list) -> None:
             diff = diff[~diff.isnan()]  # NaN on both sides: equal (on one: assert_close)
             if diff.numel():
                 worst[0] = max(worst[0], diff.max().item())
-        tol = 0.0 if exact else atol
+        # The caller's atol, else the looser of the model's dtype's and the output's own
+        # (a bfloat16 output of a float32 model rounds a 1e-6 difference to an ulp).
+        tol = 0.0 if exact else atol if atol is not None else \
+            max(base, _default_tolerance(g.dtype))
         torch.testing.assert_close(g, w, atol=tol, rtol=tol, equal_nan=True,
                                    msg=lambda m: f"{label}: captured output differs: {m}")
 
@@ -89,7 +94,8 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
     every generated batch, and every call of random call sequences (fallbacks included),
     equals the same model run eagerly with the same attention backend: a copy of the
     model taken before any capture (so that state a capture's warm-up leaves in the
-    model is not shared by the reference), floats within ``atol``, NaN as NaN, integer
+    model is not shared by the reference), floats within ``atol`` (default: the looser
+    of the model's dtype's tolerance and each output's), NaN as NaN, integer
     and boolean outputs exactly; a forward that writes its inputs fails too. Returns by
     strategy the runner's report (its ``attention``: the backend the model's forward
     called, None if none; its ``fallbacks``: those of every runner the check made, the
@@ -115,7 +121,7 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
     pristine = reference if reference is not None else eager_copy(model)  # before capture
     device = _device_of(model)
     dtype = model_dtype(model) or torch.float32
-    tol = atol if atol is not None else _default_tolerance(dtype)
+    tol = (atol, _default_tolerance(dtype))  # the caller's (or None), the model dtype's
     if attention is None:
         from graphcap.opsdb.attention import get_backend
 
@@ -177,7 +183,7 @@ def _check_strategy(model, strategy, kwargs, truth, batches, wide, fixed, tol, e
         replayed = list(Counter(run.stats.replays) - before)
         label += (f", replayed the {replayed[0]}-token graph" if replayed
                   else ", ran eagerly as a fallback")
-        _close(got, truth(ids_e, pos_e, seq_lens=lens), label, tol, worst)
+        _close(got, truth(ids_e, pos_e, seq_lens=lens), label, tol[0], worst, tol[1])
         for name, mine, eager in (("input_ids", ids_r, ids_e), ("positions", pos_r, pos_e)):
             assert torch.equal(mine, eager), (
                 f"{label}: the forward writes its {name} in place, which eager does and a "
