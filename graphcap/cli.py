@@ -33,6 +33,10 @@ def _ops(args: argparse.Namespace) -> int:
     from graphcap.opsdb.listing import render
 
     missing = _no_cuda() if args.device and args.device.startswith("cuda") else None
+    index = torch.device(args.device).index if args.device and not missing else None
+    if index is not None and args.device.startswith("cuda") and \
+            index >= torch.cuda.device_count():
+        missing = f"this machine has {torch.cuda.device_count()} CUDA GPU(s)"
     if missing:
         raise GraphcapError(f"--device {args.device}, but {missing}: what runs here is "
                             "graphcap ops --device cpu (or leave --device out)")

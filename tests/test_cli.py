@@ -213,6 +213,13 @@ def test_ops_on_cuda_where_torch_sees_no_gpu_says_what_to_do(capsys, monkeypatch
     assert err.startswith("graphcap ops: --device cuda") and "--device cpu" in err
 
 
+def test_ops_refuses_a_gpu_index_this_machine_lacks(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    err = refused(capsys, "ops", "--device", "cuda:7")
+    assert err.startswith("graphcap ops: --device cuda:7, but this machine has 1 CUDA GPU")
+
+
 def test_ops_names_a_device_torch_does_not_know(capsys):
     err = refused(capsys, "ops", "--device", "tpu")
     assert "argument --device: 'tpu' is no torch device" in err
