@@ -525,6 +525,12 @@ class _NextToken(torch.nn.Module):
         return self.head(positions % 64), ids
 
 
+def test_integer_outputs_are_compared_exactly_not_within_a_float_tolerance():
+    with pytest.raises(AssertionError, match="captured output differs"):
+        assert_replay_equivalent(_NextToken(), ("full",), buckets=[4, 8, 16],
+                                 max_requests=1, examples=5, sequences=1)
+
+
 def test_each_float_output_is_compared_within_its_own_dtype_s_tolerance():
     from graphcap.testing.replay import _close
 
@@ -537,12 +543,6 @@ def test_each_float_output_is_compared_within_its_own_dtype_s_tolerance():
         _close((got,), (want,), "atol given", 1e-5, worst, base=1e-5)
     with pytest.raises(AssertionError, match="captured output differs"):  # float32 out
         _close((got.float() + 1e-3,), (want.float(),), "f32 out", None, worst, base=1e-5)
-
-
-def test_integer_outputs_are_compared_exactly_not_within_a_float_tolerance():
-    with pytest.raises(AssertionError, match="captured output differs"):
-        assert_replay_equivalent(_NextToken(), ("full",), buckets=[4, 8, 16],
-                                 max_requests=1, examples=5, sequences=1)
 
 
 class _NaNRows(torch.nn.Module):

@@ -140,9 +140,9 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
                                min_len=min_len)
     # With the default batches, the fullest one, and a most padded and a full batch of
     # every bucket, are checked after those drawn, whatever is drawn.
-    fixed = None
+    full = None
     if batches is None:
-        fixed = [full_batch(top, max_requests, vocab, device=device, min_len=min_len)]
+        full = full_batch(top, max_requests, vocab, device=device, min_len=min_len)
         batches = prefill_batches(top, max_requests, vocab, device=device, min_len=min_len)
     kwargs = dict(buckets=buckets, max_tokens=None if buckets else max_tokens,
                   max_requests=max_requests, attention=attention)
@@ -152,12 +152,12 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
     for strategy in strategies:
         opts = dict(kwargs, compiler=compiler) if strategy == "tc_piecewise" else kwargs
         reports[strategy] = _check_strategy(
-            model, strategy, opts, truth, batches, wide, fixed, tol, examples, sequences,
+            model, strategy, opts, truth, batches, wide, full, tol, examples, sequences,
             attention, dict(vocab=vocab, device=device, min_len=min_len))
     return reports
 
 
-def _check_strategy(model, strategy, kwargs, truth, batches, wide, fixed, tol, examples,
+def _check_strategy(model, strategy, kwargs, truth, batches, wide, full, tol, examples,
                     sequences, attention, draw) -> dict:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
@@ -219,11 +219,11 @@ def _check_strategy(model, strategy, kwargs, truth, batches, wide, fixed, tol, e
 
     try:
         one_batch()  # a failure drawn here comes shrunk
-        if fixed is not None:  # the fullest batch, then each bucket's
+        if full is not None:  # the fullest batch, then each bucket's
             ladder = runner.config.buckets
-            for batch in fixed + bucket_batches(
+            for batch in [full, *bucket_batches(
                     ladder, kwargs["max_requests"], draw["vocab"], device=draw["device"],
-                    min_len=draw["min_len"], max_pad_ratio=runner.config.max_pad_ratio):
+                    min_len=draw["min_len"], max_pad_ratio=runner.config.max_pad_ratio)]:
                 check(batch)
             # Replays around every kind of fallback, whatever hypothesis draws: past the
             # largest bucket, past the slots (a model of graphcap attention), padded more
@@ -232,12 +232,12 @@ def _check_strategy(model, strategy, kwargs, truth, batches, wide, fixed, tol, e
                 return full_batch(tokens, requests, draw["vocab"], device=draw["device"],
                                   min_len=draw["min_len"], seed=tokens + requests)
             top, slots = ladder[-1], kwargs["max_requests"]
-            calls = [fixed[0], make(2 * top, slots)]
+            calls = [full, make(2 * top, slots)]
             if attends and top >= slots + 1:
                 calls.append(make(top, slots + 1))
             if ladder[0] > 2 * max(draw["min_len"], 1):
                 calls.append(make(max(draw["min_len"], 1), 1))
-            sequence(calls + [fixed[0]])
+            sequence([*calls, full])
         call_sequence()
     except Flaky as exc:  # seen once, not again on the same batch
         if any(not isinstance(e, AssertionError) for e in getattr(exc, "exceptions", ())):
