@@ -74,7 +74,9 @@ COMPILE_LINEAR = textwrap.dedent('''
             sig = {**{n: f"*{dt}" for n in ("X", "W", "Y", "NORM_W", "RES", "BIAS")},
                    "PARTIAL": "*fp32", "COUNTS": "*i32", "eps": "fp32",
                    **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn",
-                                          "stride_ym", "stride_rm")}}
+                                          "stride_ym", "stride_rm")},
+                   # the up half's offset: int64 past 2**31 elements
+                   "UP": "i64" if swiglu else "i32"}
             consts = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": split,
                       "NORM": norm, "SWIGLU": swiglu, "RESIDUAL": residual,
                       "HAS_BIAS": bias, "IEEE": dt == "fp32", "INTERPRET": False,
@@ -125,7 +127,8 @@ COMPILE_GEMV = textwrap.dedent('''
         sig = {**{n: f"*{dt}" for n in ("X", "W", "Y", "NORM_W", "RES", "BIAS")},
                "eps": "fp32", **{n: "i32" for n in ("N", "K", "stride_xm",
                                                      "stride_wn", "stride_ym",
-                                                     "stride_rm")}}
+                                                     "stride_rm")},
+               "UP": "i64" if swiglu else "i32"}
         consts = {"ROWS": rows, "ROWS_P2": max(2, triton.next_power_of_2(rows)),
                   "BLOCK_N": 2, "BLOCK_K": 1024, "NORM": norm, "SWIGLU": swiglu,
                   "RESIDUAL": residual, "HAS_BIAS": bias, "INTERPRET": False,
@@ -356,7 +359,7 @@ COMPILE_SMALL_GPU = textwrap.dedent('''
         cfg = linear.config(m, n, k, norm=norm, swiglu=swiglu, sms=128, shared=SHARED)
         types = {**{x: "*bf16" for x in ("X", "W", "Y", "NORM_W", "RES", "BIAS")},
                  "PARTIAL": "*fp32", "COUNTS": "*i32", "eps": "fp32",
-                 **{x: "i32" for x in ints}}
+                 **{x: "i32" for x in ints}, "UP": "i32"}
         consts = {x: cfg[x] for x in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")}
         consts.update(NORM=norm, SWIGLU=swiglu, RESIDUAL=not swiglu, HAS_BIAS=False,
                       IEEE=False, INTERPRET=False, PDL=False, PREFETCH=False, LINE=64,

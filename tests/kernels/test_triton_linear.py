@@ -329,3 +329,32 @@ def test_a_gpu_with_more_shared_memory_than_the_budget_keeps_the_measured_tiles(
     for d, length in ((256, 512), (128, 2048), (64, 16)):
         assert _config(d, torch.bfloat16, 10_000, 132, False, length, 227 * 1024) == \
             _config(d, torch.bfloat16, 10_000, 132, False, length)
+
+
+@pytest.mark.parametrize("form", ["skinny", "gemv"])
+def test_an_up_half_past_two_to_the_31_elements_is_read_where_it_lies(form):
+    # Two gate rows and their up rows, the row stride 2**30 (an int32 each, N = 2): the
+    # kernels took the up half's offset as N * stride_wn in int32, which wrapped to 2**31
+    # elements before the gate rows. The weight sits 2**31 elements into a 10 GB buffer
+    # (virtual on the CPU: only the rows written are touched), so the wrapped read lands
+    # in it, on rows of zeros, and the output shows it.
+    from graphcap.opsdb.triton.gemv import gemv_linear
+
+    k, n, stride = 16, 2, 1 << 30
+    off = 1 << 31
+    try:
+        big = torch.zeros(off + (2 * n - 1) * stride + k, dtype=torch.bfloat16,
+                          device=device)
+    except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError
+        pytest.skip("no room for a 10 GB buffer (virtual, on the CPU)")
+    w = big[off:].as_strided((2 * n, k), (stride, 1))
+    for row in range(2 * n):
+        w[row] = randn(k, dtype=torch.bfloat16, seed=row, scale=k ** -0.5)
+    x = randn(1, k, dtype=torch.bfloat16, seed=9)
+    g = randn(k, dtype=torch.bfloat16, seed=10, scale=0.5) + 1
+    run = gemv_linear if form == "gemv" else kernel.skinny_linear
+    got = run(x, w, norm_weight=g, eps=1e-6, swiglu=True)
+    want = ops.rms_norm_swiglu_reference(x, g, 1e-6, w.contiguous())
+    assert want.abs().min() > 1e-3
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    del w, big

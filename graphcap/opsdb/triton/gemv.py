@@ -47,7 +47,12 @@ from graphcap.opsdb.triton.common import (
     pdl_wait,
     prefetches,
 )
-from graphcap.opsdb.triton.linear import _epilogue, _prefetch_weights, new_output
+from graphcap.opsdb.triton.linear import (
+    _epilogue,
+    _prefetch_weights,
+    new_output,
+    up_offset,
+)
 
 GEMV_ROWS = 8  # the most rows a launch takes: each row's products are its own pass
 # Where the dispatch runs it (fused_linear): where a decode step measured faster on the
@@ -62,7 +67,7 @@ _SLICE_ELEMENTS = 4096  # weight elements a program holds per slice (per half, S
 
 
 @triton.jit
-def _load_slice(w_rows, k0, col_ok, K, N, stride_wn, BLOCK_K: tl.constexpr,
+def _load_slice(w_rows, k0, col_ok, K, UP, BLOCK_K: tl.constexpr,
                 SWIGLU: tl.constexpr, W_CACHE: tl.constexpr):
     """The [BLOCK_N, BLOCK_K] weight slice at k0 (and its up half's, for SwiGLU), loaded
     with the cache modifier ``W_CACHE`` ("" for the default; ".cg" keeps it out of L1)."""
@@ -71,7 +76,7 @@ def _load_slice(w_rows, k0, col_ok, K, N, stride_wn, BLOCK_K: tl.constexpr,
     w = tl.load(w_rows + ks[None, :], mask=mask, other=0.0, cache_modifier=W_CACHE)
     w_up = w
     if SWIGLU:
-        w_up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=mask, other=0.0,
+        w_up = tl.load(w_rows + UP + ks[None, :], mask=mask, other=0.0,
                        cache_modifier=W_CACHE)
     return w, w_up
 
@@ -98,7 +103,7 @@ def _rows_rstd(X, stride_xm, rows, K, eps, ROWS: tl.constexpr, ROWS_P2: tl.const
 
 @triton.jit
 def _gemv_kernel(
-    X, W, Y, NORM_W, RES, BIAS, N, K, eps, stride_xm, stride_wn, stride_ym, stride_rm,
+    X, W, Y, NORM_W, RES, BIAS, N, K, eps, stride_xm, stride_wn, stride_ym, stride_rm, UP,
     ROWS: tl.constexpr, ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
@@ -113,16 +118,16 @@ def _gemv_kernel(
     if PRELOAD:
         # The weights are parameters, no kernel's output: the first slice is read while
         # the kernel before finishes.
-        w, w_up = _load_slice(w_rows, 0, col_ok, K, N, stride_wn, BLOCK_K, SWIGLU, W_CACHE)
+        w, w_up = _load_slice(w_rows, 0, col_ok, K, UP, BLOCK_K, SWIGLU, W_CACHE)
         pdl_wait(PDL)
     else:
         if PREFETCH:
             # While the kernel before finishes, ask L2 for this program's weights; read
             # them only after the wait (they may be that kernel's output).
             _prefetch_weights(W, W + cols[None, :].to(tl.int64) * stride_wn, col_ok, 0, K,
-                              N, stride_wn, BLOCK_K, SWIGLU, LINE)
+                              UP, BLOCK_K, SWIGLU, LINE)
         pdl_wait(PDL)
-        w, w_up = _load_slice(w_rows, 0, col_ok, K, N, stride_wn, BLOCK_K, SWIGLU, W_CACHE)
+        w, w_up = _load_slice(w_rows, 0, col_ok, K, UP, BLOCK_K, SWIGLU, W_CACHE)
     rows = tl.arange(0, ROWS_P2)
     row_ok = rows < ROWS
     # NORM_LATE: no pass over x before the products; they take x * g in float32 and
@@ -154,7 +159,7 @@ def _gemv_kernel(
             if SWIGLU:
                 acc_up = tl.where(here, acc_up + tl.sum(wf_up * xf, axis=1)[None, :], acc_up)
         # the next slice (past K: every lane masked, nothing read)
-        w, w_up = _load_slice(w_rows, k0 + BLOCK_K, col_ok, K, N, stride_wn, BLOCK_K,
+        w, w_up = _load_slice(w_rows, k0 + BLOCK_K, col_ok, K, UP, BLOCK_K,
                               SWIGLU, W_CACHE)
     if NORM and NORM_LATE:
         late = tl.rsqrt(squares / tl.maximum(K, 1) + eps)[:, None]  # K 0: sums of 0
@@ -199,7 +204,8 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, weight, y, norm_weight if norm_weight is not None else x, res,
         bias if bias is not None else x, n, k, float(eps), x.stride(0), weight.stride(0),
-        y.stride(0), res.stride(0), ROWS=m, ROWS_P2=max(2, triton.next_power_of_2(m)),
+        y.stride(0), res.stride(0), up_offset(n, weight, swiglu), ROWS=m,
+        ROWS_P2=max(2, triton.next_power_of_2(m)),
         NORM=norm_weight is not None, SWIGLU=swiglu, RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None, INTERPRET=interpreting(),
         PREFETCH=launch["PDL"] and prefetches(weight),

@@ -77,7 +77,7 @@ def _row_rstd(x_rows, row_ok, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constex
 
 @triton.jit
 def _k_step(acc, acc_up, squares, k0, x_rows, w_cols, NORM_W, rstd, row_ok, col_ok, K,
-            N, stride_wn, BLOCK_K: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
+            UP, BLOCK_K: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
             IEEE: tl.constexpr, INTERPRET: tl.constexpr, NORM_LATE: tl.constexpr):
     """One BLOCK_K slice of the product (and of the up half's, for SwiGLU); with
     ``NORM_LATE`` the rows' sums of squares so far too, x * g the product's operand."""
@@ -97,13 +97,13 @@ def _k_step(acc, acc_up, squares, k0, x_rows, w_cols, NORM_W, rstd, row_ok, col_
     w = tl.load(w_cols + ks[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
     acc = dot(x, w, acc, IEEE, INTERPRET)
     if SWIGLU:
-        w_up = tl.load(w_cols + N * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+        w_up = tl.load(w_cols + UP + ks[:, None], mask=w_mask, other=0.0)
         acc_up = dot(x, w_up, acc_up, IEEE, INTERPRET)
     return acc, acc_up, squares
 
 
 @triton.jit
-def _prefetch_weights(W, w_cols, col_ok, k_lo, k_hi, N, stride_wn, BLOCK_K: tl.constexpr,
+def _prefetch_weights(W, w_cols, col_ok, k_lo, k_hi, UP, BLOCK_K: tl.constexpr,
                       SWIGLU: tl.constexpr, LINE: tl.constexpr):
     """An L2 prefetch of every 128-byte line (``LINE`` elements) of the weight columns
     ``w_cols`` over K in [k_lo, k_hi), and of the up half's for SwiGLU."""
@@ -113,7 +113,7 @@ def _prefetch_weights(W, w_cols, col_ok, k_lo, k_hi, N, stride_wn, BLOCK_K: tl.c
         ok = col_ok[None, :] & (ks < k_hi)[:, None]
         prefetch_l2(tl.where(ok, w_cols + ks[:, None], W))
         if SWIGLU:
-            prefetch_l2(tl.where(ok, w_cols + N * stride_wn + ks[:, None], W))
+            prefetch_l2(tl.where(ok, w_cols + UP + ks[:, None], W))
 
 
 @triton.jit
@@ -140,7 +140,7 @@ def _epilogue(acc, acc_up, rows, cols, row_ok, col_ok, Y, RES, BIAS, stride_ym, 
 @triton.jit
 def _skinny_linear_kernel(
     X, W, Y, NORM_W, RES, BIAS, PARTIAL, COUNTS,
-    M, N, K, eps, stride_xm, stride_wn, stride_ym, stride_rm,
+    M, N, K, eps, stride_xm, stride_wn, stride_ym, stride_rm, UP,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
@@ -162,7 +162,7 @@ def _skinny_linear_kernel(
     if PREFETCH:
         # The weights are no earlier kernel's output: while that kernel finishes, ask L2
         # for this program's slice of them, then wait for x.
-        _prefetch_weights(W, w_cols, col_ok, k_lo, k_hi, N, stride_wn, BLOCK_K, SWIGLU,
+        _prefetch_weights(W, w_cols, col_ok, k_lo, k_hi, UP, BLOCK_K, SWIGLU,
                           LINE)
     pdl_wait(PDL)
     # NORM_LATE (one split only; a tile option, off: 2.6x slower for qwen3-0.6b's q/k/v
@@ -177,13 +177,13 @@ def _skinny_linear_kernel(
         k0 = k_lo
         while k0 < k_hi:
             acc, acc_up, squares = _k_step(acc, acc_up, squares, k0, x_rows, w_cols, NORM_W,
-                                           rstd, row_ok, col_ok, K, N, stride_wn, BLOCK_K,
+                                           rstd, row_ok, col_ok, K, UP, BLOCK_K,
                                            NORM, SWIGLU, IEEE, INTERPRET, NORM_LATE)
             k0 += BLOCK_K
     else:  # a for loop, so that Triton pipelines the weight loads (num_stages)
         for k0 in tl.range(k_lo, k_hi, BLOCK_K):
             acc, acc_up, squares = _k_step(acc, acc_up, squares, k0, x_rows, w_cols, NORM_W,
-                                           rstd, row_ok, col_ok, K, N, stride_wn, BLOCK_K,
+                                           rstd, row_ok, col_ok, K, UP, BLOCK_K,
                                            NORM, SWIGLU, IEEE, INTERPRET, NORM_LATE)
 
     if NORM and NORM_LATE:
@@ -302,6 +302,13 @@ def new_output(name: str, x: torch.Tensor, weight: torch.Tensor, swiglu: bool,
     return torch.empty(m, n, dtype=x.dtype, device=x.device), (m, n, k)
 
 
+def up_offset(n: int, weight: torch.Tensor, swiglu: bool) -> int:
+    """Elements from a gate row of ``weight`` to its up row (``n`` rows on; 0 without
+    SwiGLU), a host int: past 2**31 the kernels take it as int64, where ``N *
+    stride_wn`` in the kernel wrapped in int32."""
+    return n * weight.stride(0) if swiglu else 0
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
                   eps: float = 1e-6, residual=None, bias=None, swiglu: bool = False,
                   tiles: dict | None = None) -> torch.Tensor:
@@ -335,7 +342,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
         x, weight, y, norm_weight if norm_weight is not None else x, res,
         bias if bias is not None else x, partial, counts,
         m, n, k, float(eps), x.stride(0), weight.stride(0), y.stride(0), res.stride(0),
-        NORM=norm_weight is not None, SWIGLU=swiglu, RESIDUAL=residual is not None,
+        up_offset(n, weight, swiglu), NORM=norm_weight is not None, SWIGLU=swiglu,
+        RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
         INTERPRET=interpreting(), LINE=min(line_elements(weight), cfg["BLOCK_K"]),
         PREFETCH=launch["PDL"] and _prefetches(weight), **launch, **cfg)
