@@ -8,7 +8,7 @@
   output and MLP down projections, closing a residual branch).
 
 Kernels, best first: ``triton``, one kernel per op for few rows: every op at one row
-(decode at batch 1) with weights of up to 16 MB in GEMV form
+(decode at batch 1) with weights of up to 32 MB in GEMV form
 (:mod:`graphcap.opsdb.triton.gemv`), else the tensor-core kernel for ``rms_norm_swiglu``
 and ``linear_residual`` (:func:`graphcap.opsdb.triton.linear.fused_rows` says where each
 pays on the H200; past one row ``rms_norm_linear`` measured slower than the unfused ops

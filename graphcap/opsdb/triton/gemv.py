@@ -56,13 +56,16 @@ from graphcap.opsdb.triton.linear import (
 
 GEMV_ROWS = 8  # the most rows a launch takes: each row's products are its own pass
 # Where the dispatch runs it (fused_linear): where a decode step measured faster on the
-# H200: one row, weights of up to 16 MB (qwen3-0.6b's step at batch 1 0.953 ms against
-# 1.176, docs/results/2026-12-03-bench-decode-gemv1-8b57f42-h200.json). Run at up to 8
+# H200: one row, weights of up to 32 MB (qwen3-0.6b's step at batch 1 0.953 ms against
+# 1.176, docs/results/2026-12-03-bench-decode-gemv1-8b57f42-h200.json; llama3-8b's, its
+# 32 MB o projection moved to the form alone, 4.624 / 4.738 ms against 4.737 / 4.898 in
+# two runs, where q/k/v's 48 MB, gate/up's or down's moved made it no faster or slower:
+# docs/results/2026-12-06-projection-dispatch-07837b8-h200.json). Run at up to 8
 # rows it made qwen3-0.6b's step at batch 8 1.8x slower (the per-row reductions across
 # warps), and llama3-8b's linears at one row took 4.66 ms of kernels against 4.14
 # (docs/results/2026-12-03-bench-decode-gemv-1fe2f13-h200.json).
 DISPATCH_ROWS = 1
-DISPATCH_BYTES = 16 << 20
+DISPATCH_BYTES = 32 << 20
 _SLICE_ELEMENTS = 4096  # weight elements a program holds per slice (per half, SwiGLU)
 
 

@@ -262,7 +262,7 @@ def _prefetches(weight: torch.Tensor) -> bool:
 def fused_rows(weight: torch.Tensor, kind: str) -> int:
     """Up to how many rows the fused kernels beat the unfused ops around cuBLAS on the
     H200 (bf16, weights cycled past L2), for ``kind`` "plain" (``rms_norm_linear``),
-    "swiglu" or "residual". At one row and weights of up to 16 MB the GEMV form runs
+    "swiglu" or "residual". At one row and weights of up to 32 MB the GEMV form runs
     (:mod:`graphcap.opsdb.triton.gemv`: qwen3-0.6b's decode step at batch 1 0.953 ms
     against 1.176, ``docs/results/2026-12-03-bench-decode-gemv1-8b57f42-h200.json``); else
     the tensor-core kernel here (``docs/results/2026-12-01-bench-ops-linear-*``):
