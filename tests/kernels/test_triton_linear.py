@@ -190,13 +190,16 @@ def test_the_ops_take_the_fused_kernel_only_where_it_was_measured_to_win():
             (torch.empty(m, 1024, dtype=args[0].dtype), *args)) is None]
 
     small = torch.empty(1024, 2048, dtype=torch.bfloat16)  # 4 MiB
-    large = torch.empty(4096, 4096, dtype=torch.bfloat16)  # 32 MiB
+    o = torch.empty(4096, 4096, dtype=torch.bfloat16)  # 32 MiB, llama3-8b's o
+    large = torch.empty(6144, 4096, dtype=torch.bfloat16)  # 48 MiB, its q/k/v
     g = torch.empty(1024, dtype=torch.bfloat16)
     assert rows("LINEAR_RESIDUAL", (small, None)) == [1, 16, 17, 64]
+    assert rows("LINEAR_RESIDUAL", (o, None)) == [1, 16]
     assert rows("LINEAR_RESIDUAL", (large, None)) == [1, 16]
     # Past the GEMV form's rows the norm prologue slowed the tensor-core matmul more than
     # the launch it saved, at every size.
     assert rows("RMS_NORM_LINEAR", (g, 1e-6, small, None)) == [1]  # the GEMV form
+    assert rows("RMS_NORM_LINEAR", (g, 1e-6, o, None)) == [1]  # up to 32 MiB
     assert rows("RMS_NORM_LINEAR", (g, 1e-6, large, None)) == []
     gate_up = torch.empty(2048, 1024, dtype=torch.bfloat16)  # 4 MiB
     assert rows("RMS_NORM_SWIGLU", (g, 1e-6, gate_up)) == [1, 16]
