@@ -4,13 +4,17 @@ an input, so what it writes there is copied back to the caller's tensor after ea
 
 The graph is torch-level (Dynamo's, before any decomposition): a write names the tensor it
 writes, which may be a view of an input several ops away (``cache[:n].add_(y)``,
-``cache.narrow(0, 0, n).copy_(y)``). A node made from an input by an op that may return a
-view of it (or the input itself: ``x.float()`` of a float tensor) counts as that input; a
-conversion to another dtype or device (Dynamo's example values say) is a new tensor.
+``cache.narrow(0, 0, n).copy_(y)``, ``x.T.mul_(-1)``), or is a functional call given
+``inplace=True`` (``F.relu(x, inplace=True)``, as Dynamo keeps it). A node made from an
+input by an op that may return a view of it (or the input itself: ``x.float()`` of a
+float tensor), or whose example value shares its first argument's memory, counts as that
+input; a conversion to another dtype or device (Dynamo's example values say) is a new
+tensor.
 """
 
 from __future__ import annotations
 
+import inspect
 import operator
 
 import torch
@@ -27,7 +31,10 @@ VIEWS = frozenset({
     "unfold", "detach", "contiguous", "to", "type", "type_as", "float", "half", "bfloat16",
     "double", "int", "long", "bool", "cpu", "cuda", "view_as_real", "view_as_complex",
     "real", "imag", "alias", "align_as", "refine_names", "rename", "__getitem__",
-    "getitem", "requires_grad_", "data"})
+    "getitem", "requires_grad_", "data", "_get_data_attr", "ravel", "broadcast_to",
+    "positive", "conj", "adjoint", "atleast_1d", "atleast_2d", "atleast_3d"})
+# Attributes that are views of their tensor: Dynamo traces ``x.T`` as ``getattr(x, "T")``.
+VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag", "data"})
 # Of those, the ones that convert: a view only where the dtype and device stay the same.
 CONVERSIONS = frozenset({"to", "type", "type_as", "float", "half", "bfloat16", "double",
                          "int", "long", "bool", "cpu", "cuda"})
@@ -53,10 +60,16 @@ def _may_alias(node: torch.fx.Node) -> bool:
     """Whether ``node`` may be (a view of) its first tensor argument."""
     if node.op not in ("call_method", "call_function"):
         return False
+    if node.args and _shares_memory(node, node.args[0]):  # as traced: whatever the op
+        return True
     op = _overload(node.target)
     if op is not None:
         return any(r.alias_info is not None for r in op._schema.returns)
     if node.target is operator.getitem:
+        return True
+    if node.target is getattr:
+        return len(node.args) > 1 and node.args[1] in VIEW_ATTRIBUTES
+    if _inplace_call(node):  # returns its input, written
         return True
     name = _name(node)
     if name in CONVERSIONS:
@@ -72,6 +85,37 @@ def _same_kind(node: torch.fx.Node, source) -> bool:
     if not isinstance(new, torch.Tensor) or not isinstance(old, torch.Tensor):
         return True
     return new.dtype == old.dtype and new.device == old.device
+
+
+def _shares_memory(node: torch.fx.Node, source) -> bool:
+    """Whether Dynamo's example values of ``node`` and ``source`` share one storage (a
+    view, or the tensor itself: ``x.ravel()``, ``getattr(x, "mT")``)."""
+    new = node.meta.get("example_value")
+    old = source.meta.get("example_value") if isinstance(source, torch.fx.Node) else None
+    if not isinstance(new, torch.Tensor) or not isinstance(old, torch.Tensor):
+        return False
+    try:
+        return new.untyped_storage()._cdata == old.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):  # a tensor subclass without a storage
+        return False
+
+
+def _inplace_call(node: torch.fx.Node) -> bool:
+    """Whether ``node`` calls a function with ``inplace=True``, by keyword or position
+    (``F.relu(x, inplace=True)``, ``F.dropout(x, 0.1, False, True)``): it writes its
+    first argument and returns it."""
+    if node.op != "call_function" or not node.args or _overload(node.target) is not None:
+        return False
+    if node.kwargs.get("inplace") is True:
+        return True
+    try:
+        signature = inspect.signature(node.target)
+        if "inplace" not in signature.parameters:
+            return False
+        bound = signature.bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):  # a builtin without a signature, or other arguments
+        return False
+    return bound.arguments.get("inplace") is True
 
 
 def _in_place(name: str) -> bool:
@@ -94,7 +138,8 @@ def _written(node: torch.fx.Node) -> list:
             if arg.alias_info is not None and arg.alias_info.is_write:
                 targets.append(node.args[i] if i < len(node.args)
                                else node.kwargs.get(arg.name))
-    elif node.args and (node.target in IN_PLACE_OPERATORS or _in_place(_name(node))):
+    elif node.args and (node.target in IN_PLACE_OPERATORS or _in_place(_name(node))
+                        or _inplace_call(node)):
         targets.append(node.args[0])
     # A list written as a whole (``torch._foreach_add_([a, b], ...)``) writes each tensor.
     return [t for target in targets

@@ -1,0 +1,76 @@
+"""sgl_piecewise: every way a forward writes its caller's tensor, as Dynamo traces it,
+reaches that tensor on every replay, and the pieces after the write read what it wrote."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graphcap
+from graphcap.piecewise import PiecewiseCompiler
+
+SPLIT = "graphcap_test::scale_into"
+
+
+def _scale_into(x, out):
+    out.copy_(x * 2)
+
+
+if SPLIT not in graphcap.opsdb.REGISTRY:  # a split op without static state: pieces
+    graphcap.register_op(SPLIT, "(Tensor x, Tensor(a!) out) -> ()", reference=_scale_into,
+                         fake=lambda x, out: None, split=True)
+
+
+class WritesItsInput(nn.Module):
+    """Writes ``x`` in a piece, then reads it again in the piece after a split op."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if self.how == "inplace-keyword":
+            F.relu(x, inplace=True)  # Dynamo keeps the call, inplace=True and all
+        elif self.how == "inplace-positional":
+            F.hardtanh(x, -0.5, 0.5, True)
+        elif self.how == "module-inplace":
+            nn.ReLU(inplace=True)(x)
+        elif self.how == "attribute-view":
+            x.T.mul_(-1)  # getattr(x, "T") in Dynamo's graph
+        elif self.how == "ravel":
+            x.ravel()[:4].fill_(3.0)
+        out = torch.empty_like(x)
+        torch.ops.graphcap_test.scale_into(self.lin(x), out)
+        return out + x
+
+
+HOWS = ["inplace-keyword", "inplace-positional", "module-inplace", "attribute-view", "ravel"]
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_a_write_of_the_callers_tensor_reaches_it_and_the_next_piece_on_every_replay(how):
+    torch.manual_seed(0)
+    m = WritesItsInput(how)
+    c = torch.compile(m, backend=PiecewiseCompiler({"capture_sizes": [8]}), fullgraph=True)
+    with torch.no_grad():
+        for call in range(4):  # warm-up, capture, replays
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(call))
+            x_eager = x.clone()
+            torch.testing.assert_close(c(x), m(x_eager), msg=lambda s, n=call: f"{n}: {s}")
+            torch.testing.assert_close(x, x_eager, msg=lambda s, n=call: f"{n}: x: {s}")
+
+
+@pytest.mark.parametrize("how", ["inplace-keyword", "attribute-view"])
+def test_a_runner_whose_forward_writes_its_input_between_pieces_returns_eagers_output(how):
+    torch.manual_seed(0)
+    m = WritesItsInput(how)
+    r = graphcap.capture(m, "tc_piecewise", buckets=[8], example_inputs=(torch.randn(8, 4),))
+    assert r.report()["breaks"] == {8: 1}  # captured piece by piece
+    for call in range(3):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(call))
+        with torch.no_grad():
+            want = m(x.clone())
+        torch.testing.assert_close(r(x), want)
