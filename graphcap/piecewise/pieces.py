@@ -138,9 +138,16 @@ class PieceGraphs(torch.nn.Module):
                 self.eager_sizes.add(size)
                 return self.fn(*args)
             return self._capture(size, args)
-        if self.static_state is not None and self.static_state() is not entry.state():
+        if self.static_state is not None and not self._state_current(entry):
             return self.fn(*args)  # the graph would read the captured state's buffers
         return self._replay(size, entry, args)
+
+    def _state_current(self, entry: PieceEntry) -> bool:
+        """Whether the state the split op reads now is the one ``entry`` captured: alive
+        (a state that is gone, while the op reads none now, is not: its graph would read
+        freed buffers) and the same object."""
+        captured = entry.state()
+        return captured is not None and self.static_state() is captured
 
     def _aliased_write(self, args, entry: PieceEntry | None) -> str | None:
         """Why the piece cannot run from static copies of ``args``: a tensor input it would
