@@ -144,7 +144,7 @@ class CompiledForward:
                     f"strategy='tc_piecewise' traced the forward but could not compile its "
                     f"pieces with compiler={self.compiler.compiler!r}: "
                     f"{type(inner).__name__}: {inner}") from exc
-            self._raise_the_models_own_error(args, exc)
+            self._raise_the_models_own_error(args, options, exc)
             cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc)
             raise CaptureError(
                 f"strategy='tc_piecewise' needs torch.compile to trace the whole forward "
@@ -152,11 +152,12 @@ class CompiledForward:
                 "control flow and graph breaks cannot be compiled whole: use "
                 "strategy='breakable', which needs no compiler.") from exc
 
-    def _raise_the_models_own_error(self, args, exc: BaseException) -> None:
+    def _raise_the_models_own_error(self, args, options, exc: BaseException) -> None:
         """Dynamo reports an exception the forward raises itself as a failure to trace:
-        run the forward eagerly, and raise what it raises (the model's own error)."""
+        run the forward eagerly, as it was called (its options too), and raise what it
+        raises (the model's own error)."""
         try:
-            self.model(*args)
+            self.model(*args, **(options or {}))
         except Exception as own:
             own.add_note("graphcap: raised by the model's forward, run eagerly after "
                          f"torch.compile failed on it ({type(exc).__name__})")
