@@ -17,6 +17,7 @@ from graphcap.errors import CaptureError, GraphcapError
 from graphcap.piecewise import phase as phases
 from graphcap.piecewise.compiler import PiecewiseCompiler, Traces
 from graphcap.piecewise.phase import Phase, Watch
+from graphcap.piecewise.pieces import PieceGraphs
 from graphcap.piecewise.whole import WholeCapture
 
 
@@ -209,6 +210,11 @@ class PiecewiseStrategy(Strategy):
             with phases.phase(Phase.PIECES):
                 fn()
 
-        splits = getattr(call.module, "graphcap_split_pieces", 0) if call else 0
-        return Captured(replay, segments=self.compiler.stats["captures"] - before,
-                        breaks=splits)
+        if call is None:  # no record of the pieces: those this capture made
+            return Captured(replay, segments=self.compiler.stats["captures"] - before)
+        # The pieces with a graph of this size, those captured before included (a
+        # recapture of the runner replays the graphs of pieces that did not change).
+        graphs = sum(isinstance(p, PieceGraphs) and p.static_state is None
+                     and key in p.entries for p in call.module.children())
+        return Captured(replay, segments=graphs,
+                        breaks=getattr(call.module, "graphcap_split_pieces", 0))
