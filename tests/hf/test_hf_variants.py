@@ -67,9 +67,10 @@ def test_packed_requests_give_transformers_own_logits(family, kernels):
     ids, pos = packed_input()
     with torch.no_grad():
         got = lm(ids, pos, seq_lens=LENS)
-    # float32 on both; on CUDA, 1e-4 (sums in another order than transformers' reach
-    # 1e-4 on Qwen2-MoE's and PhiMoE's logits at weights of scale 0.5)
-    tol = 1e-4 if DEVICE == "cuda" else 1e-5
+    # float32 on both: 1e-5, but 1e-4 on CUDA and for the MoE families, whose logits at
+    # weights of scale 0.5 are 2e-4 from float64's in either float32 forward
+    # (transformers' grouped_mm experts sum in another order than graphcap's)
+    tol = 1e-4 if DEVICE == "cuda" or family in ("qwen2_moe", "phimoe") else 1e-5
     torch.testing.assert_close(got, stock_logits(ref, ids), atol=tol, rtol=tol)
 
 
