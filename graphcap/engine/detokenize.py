@@ -8,7 +8,7 @@ the same text for it both times, and only what follows it is new. New text that 
 a partial character (``"\\ufffd"``) waits for the tokens that complete it; the last call
 takes it as it is, as a whole decode would. A tokenizer whose decode changes text before
 the new token (a clean-up of ``" ."`` into ``"."``) has that step's text decoded whole;
-what was already handed out stays as it was.
+what was already handed out stays as it was, and the new text follows it (none dropped).
 
 Stop strings are looked for in the new text and the ``longest - 1`` characters before
 it, so each is found at its first place; text that may begin a stop string is held back
@@ -48,6 +48,7 @@ class Detokenizer:
         if not after.startswith(before):  # the decode changed earlier text (" ." to "."):
             whole = self._decode(self.tokens)  # the whole text anew, searched anew
             if final or not whole.endswith(PARTIAL):
+                self.sent = shown(self.text[:self.sent], whole)  # in the new text
                 self.text, searched = whole, 0
                 self.start, self.read = self.read, len(self.tokens)
         elif len(after) > len(before) and (final or not after.endswith(PARTIAL)):
@@ -65,6 +66,17 @@ class Detokenizer:
         delta, self.sent = self.text[self.sent:end], end
         self.ended = hit
         return delta, hit
+
+
+def shown(sent: str, whole: str) -> int:
+    """How much of ``whole`` the text ``sent`` (handed out before a decode changed it)
+    already shows: ``sent``'s characters matched in order, those the new decode dropped
+    (a clean-up's spaces) skipped. What follows is new text, to hand out."""
+    at = 0
+    for char in sent:
+        if at < len(whole) and whole[at] == char:
+            at += 1
+    return at
 
 
 def held(text: str, stops: tuple[str, ...]) -> int:

@@ -96,6 +96,18 @@ def test_streamed_text_ends_where_the_whole_decode_first_shows_a_stop_string(tok
     assert (text, hit) == cut(whole, tuple(stops))
 
 
+@settings(max_examples=60)
+@example([7, 9])  # " " handed out, then "!": the decode cleans " !" up into "!"
+@example([3, 7, 5, 6])  # "the " handed out, then ".": "the." and "x" after it
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=20))
+def test_a_clean_up_of_text_already_handed_out_loses_none_of_the_text_after_it(tokens):
+    # What was handed out stays as it was (a space the clean-up drops included): the
+    # stream is the decode without the clean-up, every later character in it.
+    text, _, _ = _streamed(CLEANUP, tokens)
+    assert text == CLEANUP.decode(tokens, skip_special_tokens=True,
+                                  clean_up_tokenization_spaces=False)
+
+
 def test_each_token_costs_the_same_however_long_the_text():
     tokens = list(("graphs capture once, replay often. " * 40).encode())
     _, _, decoded = _streamed(BYTES, tokens, stops=["never"])
