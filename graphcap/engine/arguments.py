@@ -97,9 +97,9 @@ def stop_tokens_of(stop_tokens, vocab: int) -> set[int]:
     if stop_tokens is None:
         return set()
     given = stop_tokens
-    if isinstance(stop_tokens, torch.Tensor):
+    if isinstance(stop_tokens, (torch.Tensor, np.ndarray)):
         stop_tokens = stop_tokens.reshape(-1).tolist()
-    elif isinstance(stop_tokens, int):
+    elif isinstance(stop_tokens, (int, np.integer)):  # one id (a bool is refused below)
         stop_tokens = [stop_tokens]
     try:
         stops = {_token_id(t.item() if isinstance(t, torch.Tensor) else t)

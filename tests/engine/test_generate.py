@@ -5,6 +5,7 @@ tokens end a request; bad arguments are refused."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -101,6 +102,8 @@ def test_a_stop_token_ends_its_request_and_is_kept():
     ({"stop_tokens": [3, False]}, ValueError, "stop_tokens must be token ids"),
     ({"stop_tokens": torch.tensor([True])}, ValueError, "stop_tokens must be token ids"),
     ({"stop_tokens": 2.0}, ValueError, "stop_tokens must be token ids"),
+    ({"stop_tokens": np.bool_(True)}, ValueError, "stop_tokens must be token ids"),
+    ({"stop_tokens": np.array([2.0])}, ValueError, "stop_tokens must be token ids"),
     ({"max_batch": True}, ValueError, "max_batch must be a positive int"),
     ({"page_size": True}, ValueError, "page_size must be a positive int"),
     ({"sampling": 0.5}, ValueError, "sampling must be a graphcap.Sampling"),
@@ -156,8 +159,8 @@ def test_one_sampling_for_all_prompts_draws_each_with_its_own_seed():
 
 
 @pytest.mark.parametrize("stops", [lambda t: torch.tensor([t]), lambda t: [torch.tensor(t)],
-                                   lambda t: t])
-def test_stop_tokens_may_be_tensors_or_one_int(stops):
+                                   lambda t: t, np.int64, np.array, lambda t: np.array([t])])
+def test_stop_tokens_may_be_tensors_arrays_or_one_int(stops):
     m = model()
     free = graphcap.generate(m, PROMPTS[:1], NEW).tokens[0]
     cut = graphcap.generate(m, PROMPTS[:1], NEW, stop_tokens=stops(free[1])).tokens[0]
