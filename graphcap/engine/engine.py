@@ -102,7 +102,8 @@ class Engine:
                  prefill_tokens: int, *, chunked: bool = False, attention: str | None = None,
                  decode_attention: str | None = None, progress=None, speculative=None,
                  vocab: int | None = None):
-        if decode_attention is not None and decode_attention not in DECODE_BACKENDS:
+        if decode_attention is not None and (not isinstance(decode_attention, str)
+                                             or decode_attention not in DECODE_BACKENDS):
             raise ValueError(f"decode_attention={decode_attention!r}: None (graphcap's "
                              "kernel, chosen per device) or one of "
                              f"{sorted(set(DECODE_BACKENDS) - {'graphcap'})}")

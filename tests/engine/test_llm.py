@@ -277,7 +277,8 @@ def test_a_long_prompt_prefills_its_chunks_beside_requests_that_end_every_other_
     ({"long_prompts": None}, ValueError, "long_prompts must be True or False"),
     ({"progress": 1}, ValueError, "progress must be True, False, None or a callable"),
     ({"strategy": ["full"]}, ValueError, "unknown strategy"),
-    ({"decode_attention": "nope"}, ValueError, "decode_attention='nope'")])
+    ({"decode_attention": "nope"}, ValueError, "decode_attention='nope'"),
+    ({"decode_attention": ["flashinfer"]}, ValueError, "decode_attention=['flashinfer']")])
 def test_llm_options_of_the_wrong_kind_are_refused_by_name(options, error, needle):
     with pytest.raises(error, match=re.escape(needle)):
         LLM(model(), max_batch=1, max_len=16, **options)
