@@ -113,17 +113,16 @@ def stop_tokens_of(stop_tokens, vocab: int) -> set[int]:
 
 
 def stops_of(stop, has_tokenizer: bool, vocab: int) -> tuple[set[int], tuple[str, ...]]:
-    """``generate``'s ``stop`` (a token id, a string, or a list, set or 1-d tensor of
-    them) as its token ids and its strings (which need a tokenizer)."""
+    """``generate``'s ``stop`` (a token id, a string, or a list, set or 1-d tensor or
+    array of them) as its token ids and its strings (which need a tokenizer)."""
     single = isinstance(stop, (str, int, np.integer)) and not isinstance(stop, bool)
-    if isinstance(stop, (bytes, dict, bool, float)) or (
-            isinstance(stop, torch.Tensor) and stop.dim() > 1) or not (
-            stop is None or single or hasattr(stop, "__iter__")
-            or isinstance(stop, torch.Tensor)):
+    array = isinstance(stop, (torch.Tensor, np.ndarray))  # 0-d: one id
+    if isinstance(stop, (bytes, dict, bool, float)) or (array and stop.ndim > 1) or not (
+            stop is None or single or array or hasattr(stop, "__iter__")):
         raise ValueError(f"stop must be a token id, a string, or a list, set or 1-d tensor "
-                         f"of them, got {type(stop).__name__} {stop!r}")
+                         f"or array of them, got {type(stop).__name__} {stop!r}")
     given = [] if stop is None else [stop] if single else \
-        stop.reshape(-1).tolist() if isinstance(stop, torch.Tensor) else list(stop)
+        stop.reshape(-1).tolist() if array else list(stop)
     strings = tuple(s for s in given if isinstance(s, str))
     if strings and not has_tokenizer:
         raise ValueError(f"stop strings {list(strings)} need a tokenizer: LLM(model, "

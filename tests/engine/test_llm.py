@@ -288,6 +288,9 @@ def test_a_numpy_stop_id_is_one_id_and_sampling_given_as_text_is_refused():
     import numpy as np
 
     assert llm().generate(PROMPTS[:1], 2, stop=np.int64(72))[0].tokens
+    assert llm().generate(PROMPTS[:1], 2, stop=np.array(72))[0].tokens  # 0-d: one id
+    with pytest.raises(ValueError, match="stop must be a token id, a string, or a list"):
+        llm().generate(PROMPTS[:1], 2, stop=np.array([[72]]))
     with pytest.raises(ValueError, match="sampling must be a graphcap.Sampling"):
         llm().generate(PROMPTS[:2], 2, sampling="greedy")
 
