@@ -30,7 +30,7 @@ from graphcap.core.graphs import capturing
 from graphcap.errors import CaptureError, UnsupportedModel
 from graphcap.hf import attention as hf_attention
 from graphcap.hf import patterns, probe
-from graphcap.hf.attention import NAME, outside_graphcap, unwrapped_call
+from graphcap.hf.attention import NAME, attention_options, outside_graphcap, unwrapped_call
 from graphcap.hf.patterns import structure
 from graphcap.opsdb.attention.packed import packed
 from graphcap.opsdb.norm import RMS_NORM
@@ -340,7 +340,10 @@ def substitute(model: nn.Module, dtype: torch.dtype) -> Substitution:
     skip: set[int] = set()
     shared = (Counter(id(m) for _, m in model.named_modules(remove_duplicate=False)),
               Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False)))
-    with torch.inference_mode(), packed([probe.TOKENS], device, dtype=dtype):
+    # On a backend computing the model's options, as its calls pick one (the best one for
+    # none may lack them: FlashAttention 2/3 has no sinks).
+    with torch.inference_mode(), packed([probe.TOKENS], device, dtype=dtype,
+                                        options=attention_options(model)):
         ids = torch.randint(0, model.get_output_embeddings().weight.shape[0],
                             (1, probe.TOKENS), generator=torch.Generator().manual_seed(4)
                             ).to(device)

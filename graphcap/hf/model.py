@@ -30,7 +30,6 @@ _WRAPPERS = weakref.WeakKeyDictionary()  # model -> its live wrappers (kept off 
 log = logging.getLogger("graphcap")
 # Rotary scalings recomputed from max(position_ids) of the whole (packed) batch.
 DYNAMIC_ROPE = ("dynamic", "longrope")
-PROBE_TOKENS = 8  # of the forward that finds each layer's K/V shape
 
 
 def _check_causal_lm(model) -> None:
@@ -146,30 +145,6 @@ def _experts_for(model: PreTrainedModel, experts: str | None) -> str | None:
     return experts
 
 
-def _probe(model: PreTrainedModel, dtype: torch.dtype
-           ) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
-    """Each attention layer's keys and values, ``layer_idx -> (heads, head dim)``, and its
-    window (0: none that binds), as the attention function receives them on a short
-    forward (what a K/V cache of the model holds, whatever its config's fields say).
-    What the attention function refuses on any layer is refused here, naming the model."""
-    device = next(model.parameters()).device
-    pos = probe.spread(probe.span(model.config), PROBE_TOKENS, device)
-    ids = pos % model.get_output_embeddings().weight.shape[0]
-    hf_attention.SEEN = []
-    try:
-        with torch.inference_mode(), packed([PROBE_TOKENS], device, dtype=dtype):
-            model(input_ids=ids[None], position_ids=pos[None], use_cache=False)
-        seen = hf_attention.SEEN
-    except UnsupportedModel as exc:
-        raise UnsupportedModel(f"{type(model).__name__}: {exc}") from exc
-    finally:
-        hf_attention.SEEN = None
-    layers = [(layer, k, variant[0]) for _, k, _, layer, variant in seen
-              if isinstance(layer, int) and not isinstance(layer, bool)]
-    return ({layer: tuple(k.shape[1:]) for layer, k, _ in layers},
-            {layer: window for layer, _, window in layers})
-
-
 def _give_back(model: nn.Module, came_as: tuple) -> nn.Module:
     """``model`` as it came (``came_as``: attention and experts implementations, train
     mode): its own forwards, graphcap's attention and experts switched back."""
@@ -244,7 +219,8 @@ class PrefillLM(nn.Module):
             # What the experts run once switched (or their own), None for a dense model.
             self.experts = experts and getattr(hf_model.config, "_experts_implementation",
                                                None)
-            self.kv_shapes, self.kv_windows = _probe(hf_model, dtype)
+            self.kv_shapes, self.kv_windows = probe.kv_layers(
+                hf_model, dtype, self.graphcap_attention_options)
             self._substitute(kernels, dtype)
         except BaseException:  # the model goes back as it came to its first wrapper
             if first:

@@ -1,4 +1,5 @@
-"""Each recognised part checked against the stock module on a probe input, when wrapping.
+"""Each recognised part checked against the stock module on a probe input, when wrapping;
+and what a model's attention layers hand the attention function (:func:`kv_layers`).
 
 A part runs graphcap's kernels only if, on random hidden states (and positions spread
 over the model's range), it gives what the stock module gives: within 1e-5 relative
@@ -11,12 +12,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from graphcap.errors import UnsupportedModel
 from graphcap.hf import attention as hf_attention
 from graphcap.hf import patterns
+from graphcap.opsdb.attention.packed import packed
 from graphcap.opsdb.moe import MOE_EXPERTS, MOE_TOPK_SOFTMAX
 from graphcap.opsdb.norm import RMS_NORM
 
 TOKENS = 16
+KV_TOKENS = 8  # of the forward that finds each layer's K/V shape
 BRANCH = 1e-2  # the residual stream's scale under a half's branch, in a probe
 
 
@@ -145,3 +149,29 @@ def moe(layer, kernels, h: torch.Tensor) -> str | None:
     if agree.sum() * 2 < agree.numel():
         return "the MoE half routed most probe tokens otherwise than the stock module"
     return mismatch(ours[agree], stock[agree], "the MoE half")
+
+
+def kv_layers(model, dtype: torch.dtype, options: tuple[str, ...]
+              ) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
+    """Each attention layer's keys and values, ``layer_idx -> (heads, head dim)``, and its
+    window (0: none that binds), as the attention function receives them on a short
+    forward (what a K/V cache of the model holds, whatever its config's fields say), on a
+    backend computing ``options`` (the model's, as its calls pick one). What the attention
+    function refuses on any layer is refused here, naming the model."""
+    device = next(model.parameters()).device
+    pos = spread(span(model.config), KV_TOKENS, device)
+    ids = pos % model.get_output_embeddings().weight.shape[0]
+    hf_attention.SEEN = []
+    try:
+        with torch.inference_mode(), packed([KV_TOKENS], device, dtype=dtype,
+                                            options=options):
+            model(input_ids=ids[None], position_ids=pos[None], use_cache=False)
+        seen = hf_attention.SEEN
+    except UnsupportedModel as exc:
+        raise UnsupportedModel(f"{type(model).__name__}: {exc}") from exc
+    finally:
+        hf_attention.SEEN = None
+    layers = [(layer, k, variant[0]) for _, k, _, layer, variant in seen
+              if isinstance(layer, int) and not isinstance(layer, bool)]
+    return ({layer: tuple(k.shape[1:]) for layer, k, _ in layers},
+            {layer: window for layer, _, window in layers})

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import graphcap
+from graphcap.opsdb.attention import get_backend
 
 transformers = pytest.importorskip("transformers")
 from graphcap.hf import PrefillLM  # noqa: E402  (needs transformers)
@@ -110,6 +111,23 @@ def test_gpt_oss_experts_run_on_opsdbs_moe_kernels_as_they_are_stored():
                                    atol=1e-4, rtol=1e-4)
         for m in (ref, lm.hf_model):
             m.model.layers[0].mlp.experts.gate_up_proj.mul_(1.5)
+        torch.testing.assert_close(lm(ids, pos, seq_lens=LENS), stock_logits(ref, ids),
+                                   atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kernels", ["graphcap", "stock"])
+def test_a_model_with_sinks_wraps_where_the_best_backend_for_none_lacks_them(
+        monkeypatch, kernels):
+    """Wrapping probes the model on a backend computing its options, as its calls pick
+    one: the best backend for no options may compute no sinks (flash_attn where only
+    FlashAttention 2/3 is installed), and gpt-oss still wraps and gives transformers'
+    logits."""
+    best = type(get_backend(None, DEVICE, dtype=torch.float32))
+    monkeypatch.setattr(best, "options", frozenset({"window", "softcap"}))
+    ref = model("gpt_oss")
+    lm = PrefillLM(copy.deepcopy(ref), kernels=kernels)
+    ids, pos = packed_input()
+    with torch.no_grad():
         torch.testing.assert_close(lm(ids, pos, seq_lens=LENS), stock_logits(ref, ids),
                                    atol=1e-4, rtol=1e-4)
 
