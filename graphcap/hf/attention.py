@@ -146,6 +146,26 @@ def unwrapped_call(name: str) -> UnsupportedModel:
         "model.set_attn_implementation('sdpa'), to call it or generate() as before")
 
 
+# transformers' warning of padded ids given without an attention mask, which GPT-2's
+# forward calls: without a mask it reads the ids on the host, a sync no graph captures.
+PADDING_CHECK = "warn_if_padding_and_no_attention_mask"
+
+
+def _no_padding(input_ids, attention_mask) -> None:
+    """Packed requests hold no padding: nothing to warn of (:func:`skip_padding_check`)."""
+
+
+def skip_padding_check(model, skip: bool = True) -> None:
+    """Every transformers model in ``model`` skips its padding warning (``skip``), or runs
+    it again as written: graphcap attention never takes an attention mask, and the check
+    without one reads ``pad_token_id in input_ids[:, [-1, 0]]`` on the host."""
+    for module in model.modules():
+        if skip and hasattr(type(module), PADDING_CHECK):
+            module.__dict__[PADDING_CHECK] = _no_padding
+        elif module.__dict__.get(PADDING_CHECK) is _no_padding:
+            del module.__dict__[PADDING_CHECK]
+
+
 def outside_graphcap() -> bool:
     """Whether the running forward has no graphcap forward context (a direct call)."""
     return not torch.compiler.is_compiling() and attention_if_any() is None and \

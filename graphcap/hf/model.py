@@ -127,6 +127,7 @@ def _switch_attention(model: PreTrainedModel) -> None:
             f"{kind} cannot switch its attention implementation (it is "
             f"{model.config._attn_implementation!r}): its attention modules do not call "
             "transformers' AttentionInterface, so graphcap attention cannot be plugged in")
+    hf_attention.skip_padding_check(model)  # it never gets a mask
 
 
 def _experts_for(model: PreTrainedModel, experts: str | None) -> str | None:
@@ -150,6 +151,7 @@ def _give_back(model: nn.Module, came_as: tuple) -> nn.Module:
     mode): its own forwards, graphcap's attention and experts switched back."""
     substitution.restore(model)
     rotary.unpatch(model)
+    hf_attention.skip_padding_check(model, skip=False)
     model.__dict__.pop(_SUBSTITUTION, None)
     model.__dict__.pop(_CAME_AS, None)
     _WRAPPERS.pop(model, None)

@@ -284,3 +284,24 @@ def test_a_refused_model_keeps_its_experts_implementation_and_train_mode():
         PrefillLM(hf)
     assert _came_as(hf) == came
 
+
+
+@pytest.mark.parametrize("strategy", ["full", "breakable"])
+def test_gpt2_naming_a_pad_token_captures_and_gets_its_padding_warning_back(strategy):
+    """GPT-2's forward, given no attention mask, looks for pad_token_id among the ids on
+    the host (to warn of padding): packed requests hold none, so a wrapped model skips
+    the look and captures; release() gives the model its warning back."""
+    ref = hf_model("gpt2", pad_token_id=0).to(DEVICE)
+    model = copy.deepcopy(ref)
+    lm = PrefillLM(model)
+    runner = graphcap.capture(lm, strategy, max_tokens=16, max_requests=2)
+    lens = [7, 5]
+    ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(3))
+    ids, pos = ids.to(DEVICE), torch.cat([torch.arange(n) for n in lens]).to(DEVICE)
+    with torch.no_grad():
+        want = torch.cat([ref(r[None]).logits[0] for r in ids.split(lens)])
+        torch.testing.assert_close(runner(ids, pos, seq_lens=lens), want, atol=1e-5,
+                                   rtol=1e-5)
+    lm.release()
+    assert not any("warn_if_padding_and_no_attention_mask" in vars(m)
+                   for m in model.modules())
