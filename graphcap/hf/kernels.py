@@ -18,8 +18,8 @@ forwards back.
 
 from __future__ import annotations
 
+import functools
 import logging
-import types
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -185,13 +185,15 @@ class Substitution:
 
 def _patch(module: nn.Module, forward, state) -> None:
     setattr(module, _MARK, state)
-    module.forward = types.MethodType(forward, module)
+    # A partial, not a bound method: a bound method pickles as a lookup of its function's
+    # name on the module, which has none, so a saved model would not load.
+    module.forward = functools.partial(forward, module)
 
 
 def _ours(module: nn.Module) -> bool:
     forward = module.__dict__.get("forward")
-    return _MARK in module.__dict__ and getattr(forward, "__func__", None) in (
-        _layer_forward, _norm_forward, _embedding_forward)
+    return _MARK in module.__dict__ and isinstance(forward, functools.partial) and \
+        forward.func in (_layer_forward, _norm_forward, _embedding_forward)
 
 
 def _foreign_forward(module: nn.Module) -> str | None:

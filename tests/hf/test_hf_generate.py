@@ -110,6 +110,17 @@ def test_a_wrapped_model_saves_and_its_copy_is_given_back_by_generate(tmp_path):
     assert model.config._attn_implementation == "graphcap"
 
 
+def test_a_wrapped_model_saved_loads_and_generates_what_its_wrapper_does(tmp_path):
+    model = hf_model("llama").to(DEVICE)
+    lm = PrefillLM(model, logits="last")
+    assert "2/2 attention" in lm.kernels.summary()  # its layers' forwards are patched
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    want = graphcap.generate(lm, PROMPTS, NEW, strategy="eager").tokens
+    assert graphcap.generate(loaded, PROMPTS, NEW, strategy="eager").tokens == want
+    assert [transformers_greedy(loaded, p) for p in PROMPTS] == want  # given back
+
+
 def test_generate_leaves_a_model_another_wrapper_holds_as_that_wrapper_set_it():
     model = hf_model("llama").to(DEVICE)
     lm = PrefillLM(model, logits="last")
