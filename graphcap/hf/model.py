@@ -147,8 +147,8 @@ def _experts_for(model: PreTrainedModel, experts: str | None) -> str | None:
 
 
 def _give_back(model: nn.Module, came_as: tuple) -> nn.Module:
-    """``model`` as it came (``came_as``: attention and experts implementations, train
-    mode): its own forwards, graphcap's attention and experts switched back."""
+    """``model`` as it came (``came_as``: attention and experts implementations, each
+    module's train mode): its own forwards, graphcap's attention and experts switched back."""
     substitution.restore(model)
     rotary.unpatch(model)
     hf_attention.skip_padding_check(model, skip=False)
@@ -161,7 +161,10 @@ def _give_back(model: nn.Module, came_as: tuple) -> nn.Module:
     if experts is not None and getattr(model.config, "_experts_implementation",
                                        None) != experts:
         model.set_experts_implementation(experts)
-    return model.train(training)
+    modes = dict(training)  # by name; a module put in since takes the model's
+    for name, module in model.train(modes[""]).named_modules():
+        module.training = modes.get(name, module.training)
+    return model
 
 
 class PrefillLM(nn.Module):
@@ -211,7 +214,8 @@ class PrefillLM(nn.Module):
         first = _CAME_AS not in hf_model.__dict__
         self._came_as = hf_model.__dict__.get(_CAME_AS) or (
             hf_model.config._attn_implementation,
-            getattr(hf_model.config, "_experts_implementation", None), hf_model.training)
+            getattr(hf_model.config, "_experts_implementation", None),
+            tuple((n, m.training) for n, m in hf_model.named_modules()))
         try:
             _switch_attention(hf_model)
             rotary.patch(hf_model)

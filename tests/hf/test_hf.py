@@ -286,6 +286,20 @@ def test_a_refused_model_keeps_its_experts_implementation_and_train_mode():
 
 
 
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "llama"])  # refused, wrapped
+def test_each_module_gets_its_own_train_mode_back(family):
+    """A model in train mode with a part in eval (frozen, say) comes back so: refused,
+    or released."""
+    hf = hf_model(family).to(DEVICE).train()
+    hf.model.layers[0].eval()
+    modes = [m.training for m in hf.modules()]
+    try:
+        PrefillLM(hf).release()
+    except UnsupportedModel:  # MLA: keys and values of two head dims
+        pass
+    assert [m.training for m in hf.modules()] == modes
+
 @pytest.mark.parametrize("strategy", ["full", "breakable"])
 def test_gpt2_naming_a_pad_token_captures_and_gets_its_padding_warning_back(strategy):
     """GPT-2's forward, given no attention mask, looks for pad_token_id among the ids on
