@@ -6,17 +6,20 @@ from __future__ import annotations
 import contextvars
 import gc
 
+import pytest
 import torch
 from torch import nn
 
 import graphcap
 from graphcap.piecewise import PiecewiseCompiler
+from tests.support.runner_helpers import DEVICE
 
 SPLIT = "graphcap_test::scaled_by_state"
 # What the op's state holds, read when it runs. The emulator replays a custom op in the
 # context of its capture: a replay reads the captured state's value, as a CUDA graph
 # reads the captured state's buffers.
 SCALE: contextvars.ContextVar[float] = contextvars.ContextVar("graphcap_test_scale")
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 HOLDER: dict = {}  # the state the op reads now, held by its caller alone
 
 
@@ -42,7 +45,7 @@ class Scales(nn.Module):
 
 
 def _call(compiled, model, scale: float):
-    x = torch.ones(8, 4)
+    x = torch.ones(8, 4, device=DEVICE)
     token = SCALE.set(scale)
     try:
         with torch.no_grad():

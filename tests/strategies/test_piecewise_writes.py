@@ -10,6 +10,9 @@ from torch import nn
 
 import graphcap
 from graphcap.piecewise import PiecewiseCompiler
+from tests.support.runner_helpers import DEVICE
+
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
 SPLIT = "graphcap_test::scale_into"
 
@@ -53,11 +56,11 @@ HOWS = ["inplace-keyword", "inplace-positional", "module-inplace", "attribute-vi
 @pytest.mark.parametrize("how", HOWS)
 def test_a_write_of_the_callers_tensor_reaches_it_and_the_next_piece_on_every_replay(how):
     torch.manual_seed(0)
-    m = WritesItsInput(how)
+    m = WritesItsInput(how).to(DEVICE)
     c = torch.compile(m, backend=PiecewiseCompiler({"capture_sizes": [8]}), fullgraph=True)
     with torch.no_grad():
         for call in range(4):  # warm-up, capture, replays
-            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(call))
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(call)).to(DEVICE)
             x_eager = x.clone()
             torch.testing.assert_close(c(x), m(x_eager), msg=lambda s, n=call: f"{n}: {s}")
             torch.testing.assert_close(x, x_eager, msg=lambda s, n=call: f"{n}: x: {s}")
@@ -66,11 +69,12 @@ def test_a_write_of_the_callers_tensor_reaches_it_and_the_next_piece_on_every_re
 @pytest.mark.parametrize("how", ["inplace-keyword", "attribute-view"])
 def test_a_runner_whose_forward_writes_its_input_between_pieces_returns_eagers_output(how):
     torch.manual_seed(0)
-    m = WritesItsInput(how)
-    r = graphcap.capture(m, "tc_piecewise", buckets=[8], example_inputs=(torch.randn(8, 4),))
+    m = WritesItsInput(how).to(DEVICE)
+    r = graphcap.capture(m, "tc_piecewise", buckets=[8],
+                         example_inputs=(torch.randn(8, 4, device=DEVICE),))
     assert r.report()["breaks"] == {8: 1}  # captured piece by piece
     for call in range(3):
-        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(call))
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(call)).to(DEVICE)
         with torch.no_grad():
             want = m(x.clone())
         torch.testing.assert_close(r(x), want)
