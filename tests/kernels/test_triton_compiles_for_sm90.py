@@ -134,7 +134,7 @@ COMPILE_GEMV = textwrap.dedent('''
                   "RESIDUAL": residual, "HAS_BIAS": bias, "INTERPRET": False,
                   "PDL": pdl, "PREFETCH": pdl, "LINE": 64 if dt == "bf16" else 32,
                   "PRELOAD": pre, "W_CACHE": ".cg" if norm and pre else "",
-                  "NORM_LATE": norm and not pre}
+                  "NORM_LATE": norm and not pre, "AHEAD": residual or rows == 5}
         sig.update({n: "constexpr" for n in consts})
         sig = {name: sig[name] for name in kernel.arg_names}
         out = triton.compile(ASTSource(kernel, sig, constexprs=consts),

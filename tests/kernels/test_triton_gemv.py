@@ -32,15 +32,16 @@ pytestmark = [pytest.mark.gpu] if torch.cuda.is_available() else []
        nk=st.sampled_from([(12, 320), (7, 96), (16, 16), (3, 40)]),
        block=st.sampled_from([(1, 32), (2, 32), (4, 64), (2, 512)]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**20),
-       norm_late=st.booleans(), w_cache=st.sampled_from(["", ".cg"]))
+       norm_late=st.booleans(), w_cache=st.sampled_from(["", ".cg"]), ahead=st.booleans())
 def test_every_mode_matches_the_reference_over_one_slice_of_k_or_many(mode, m, nk, block,
                                                                      dtype, seed, norm_late,
-                                                                     w_cache):
-    # NORM_LATE: the norm's scale applied to the sums, not to x (no pass over x first)
+                                                                     w_cache, ahead):
+    # NORM_LATE: the norm's scale applied to the sums, not to x (no pass over x first);
+    # AHEAD: the next weight slice loaded before this one's products
     n, k = nk
     args, want, x = case(mode, m, n, k, dtype, seed)
     tiles = {"BLOCK_N": block[0], "BLOCK_K": block[1], "num_warps": 4,
-             "NORM_LATE": norm_late, "W_CACHE": w_cache}
+             "NORM_LATE": norm_late, "W_CACHE": w_cache, "AHEAD": ahead}
     got = gemv.gemv_linear(x, tiles=tiles, **args)
     torch.testing.assert_close(got, want(), atol=TOL[dtype], rtol=TOL[dtype])
 

@@ -72,7 +72,7 @@ def skinny() -> list:
     sig = {**{n: "*bf16" for n in ("X", "W", "Y", "NORM_W", "RES", "BIAS")},
            "PARTIAL": "*fp32", "COUNTS": "*i32", "eps": "fp32",
            **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym",
-                                  "stride_rm")}}
+                                  "stride_rm", "UP")}}
     rows = []
     for (mode, (norm, swiglu, residual)), m in itertools.product(MODES.items(), (16, 64)):
         n, k = (3072, 1024) if swiglu else (1024, 2048) if residual else (4096, 1024)
@@ -160,18 +160,20 @@ def pipeline() -> list:
 def gemv_kernel() -> list:
     sig = {**{n: "*bf16" for n in ("X", "W", "Y", "NORM_W", "RES", "BIAS")},
            "eps": "fp32", **{n: "i32" for n in ("N", "K", "stride_xm", "stride_wn",
-                                                 "stride_ym", "stride_rm")}}
+                                                 "stride_ym", "stride_rm", "UP")}}
     rows = []
-    for mode, (norm, swiglu, residual) in MODES.items():
+    for (mode, (norm, swiglu, residual)), ahead in itertools.product(MODES.items(),
+                                                                     (False, True)):
         k = 2048 if residual else 1024
         t = gemv.gemv_config(k)
         consts = {"ROWS": 1, "ROWS_P2": 2, "BLOCK_N": t["BLOCK_N"], "BLOCK_K": t["BLOCK_K"],
                   "NORM": norm, "SWIGLU": swiglu, "RESIDUAL": residual, "HAS_BIAS": False,
                   "INTERPRET": False, "PDL": True, "PREFETCH": False, "LINE": 64,
-                  "PRELOAD": True, "W_CACHE": "", "NORM_LATE": False}
+                  "PRELOAD": True, "W_CACHE": "", "NORM_LATE": False, "AHEAD": ahead}
         got = compiled(gemv._gemv_kernel, sig, consts,
                        {"num_warps": t["num_warps"], "launch_pdl": True})
-        rows.append({"kernel": "gemv", "mode": mode, "k": k, "tiles": t, **got})
+        rows.append({"kernel": "gemv", "mode": mode, "k": k, "tiles": t, "ahead": ahead,
+                     **got})
         print(rows[-1], flush=True)
     return rows
 

@@ -111,7 +111,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, PRELOAD: tl.constexpr,
-    W_CACHE: tl.constexpr, NORM_LATE: tl.constexpr,
+    W_CACHE: tl.constexpr, NORM_LATE: tl.constexpr, AHEAD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pdl_launch_dependents(PDL)
@@ -143,6 +143,9 @@ def _gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
+        if AHEAD:  # the next slice asked for before this one's products (two in flight)
+            w_next, w_up_next = _load_slice(w_rows, k0 + BLOCK_K, col_ok, K, UP, BLOCK_K,
+                                            SWIGLU, W_CACHE)
         wf = w.to(tl.float32)
         wf_up = w_up.to(tl.float32)
         if NORM:
@@ -162,8 +165,11 @@ def _gemv_kernel(
             if SWIGLU:
                 acc_up = tl.where(here, acc_up + tl.sum(wf_up * xf, axis=1)[None, :], acc_up)
         # the next slice (past K: every lane masked, nothing read)
-        w, w_up = _load_slice(w_rows, k0 + BLOCK_K, col_ok, K, UP, BLOCK_K,
-                              SWIGLU, W_CACHE)
+        if AHEAD:
+            w, w_up = w_next, w_up_next
+        else:
+            w, w_up = _load_slice(w_rows, k0 + BLOCK_K, col_ok, K, UP, BLOCK_K,
+                                  SWIGLU, W_CACHE)
     if NORM and NORM_LATE:
         late = tl.rsqrt(squares / tl.maximum(K, 1) + eps)[:, None]  # K 0: sums of 0
         acc = acc * late
@@ -196,11 +202,14 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
                 tiles: dict | None = None) -> torch.Tensor:
     """``epilogue(prologue(x) @ weight^T)`` for ``x`` of at most :data:`GEMV_ROWS` rows,
     the arguments of :func:`graphcap.opsdb.triton.linear.skinny_linear`; a new [M, N]
-    tensor. ``tiles`` overrides :func:`gemv_config` (benchmarks and tests)."""
+    tensor. ``tiles`` overrides :func:`gemv_config` (benchmarks and tests), and may set
+    ``W_CACHE`` (".cg": weights loaded past L1), ``NORM_LATE`` and ``AHEAD`` (each
+    program asks for its next weight slice before it multiplies the one it holds, so two
+    are in flight; off: the next is asked for after the products)."""
     y, (m, n, k) = new_output("gemv_linear", x, weight, swiglu, GEMV_ROWS)
     if m == 0 or n == 0:
         return y
-    cfg = {"W_CACHE": "", "NORM_LATE": False,
+    cfg = {"W_CACHE": "", "NORM_LATE": False, "AHEAD": False,
            **(tiles or gemv_config(k, norm=norm_weight is not None))}
     res = residual if residual is not None else y
     launch = pdl_args(x.device, m, "gemv")
