@@ -12,7 +12,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 import graphcap
-from graphcap.api import GRAPHED, _device_of, model_dtype
+from graphcap.api import GRAPHED, _device_of, backend_for, model_dtype
 from graphcap.testing.strategies import bucket_batches, full_batch, prefill_batches
 
 
@@ -108,7 +108,8 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
     its first embedding table's rows; with it, :func:`full_batch` and each bucket's
     :func:`bucket_batches` are checked after the ``examples`` drawn, so that every
     bucket replays, padded and full). ``attention``: the backend (default: the best one allowed
-    under every strategy asked for). ``compiler``: tc_piecewise's piece compiler
+    under every strategy asked for, computing the model's ``graphcap_attention_options``).
+    ``compiler``: tc_piecewise's piece compiler
     (``"eager"`` or ``"inductor"``). ``reference``: the model eager runs (default: the
     copy, :func:`eager_copy`), for checks of one model called strategy by strategy (the
     same copy for each: ``graphcap check``)."""
@@ -122,10 +123,8 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
     device = _device_of(model)
     dtype = model_dtype(model) or torch.float32
     tol = (atol, _default_tolerance(dtype))  # the caller's (or None), the model dtype's
-    if attention is None:
-        from graphcap.opsdb.attention import get_backend
-
-        attention = get_backend(None, device, strategy="full", dtype=dtype).name
+    if attention is None:  # one the model's layers run on: computing their options
+        attention = backend_for(model, None, device, strategy="full", dtype=dtype).name
     vocab = vocab or getattr(model, "vocab_size", None) or getattr(
         getattr(model, "args", None), "vocab_size", None) or _embedding_rows(model)
     top = max(buckets) if buckets else max_tokens

@@ -79,3 +79,25 @@ def test_nan_in_padded_rows_never_reaches_real_rows(strategy, attention):
     finally:
         with torch.no_grad():
             m.embed.weight[0] = saved
+
+
+
+def test_the_default_backend_computes_the_options_the_models_layers_use(monkeypatch):
+    """A model with sinks is checked on a backend computing sinks, where the best backend
+    for no options computes none (flash_attn where only FlashAttention 2/3 is installed)."""
+    import dataclasses
+
+    from graphcap.models import PRESETS, Decoder
+    from graphcap.opsdb.attention import BACKENDS, TorchMasked
+
+    class PlainOnly(TorchMasked):
+        name = "plain_only"
+        options = frozenset()
+
+    monkeypatch.setattr("graphcap.opsdb.attention.BACKENDS",
+                        {"plain_only": PlainOnly, **BACKENDS})
+    torch.manual_seed(0)
+    m = Decoder(dataclasses.replace(PRESETS["tiny"], sinks=True)).to(DEVICE).eval()
+    report = assert_replay_equivalent(m, "full", buckets=[8], max_requests=2, examples=2,
+                                      sequences=1)["full"]
+    assert report["attention"] != "plain_only"
