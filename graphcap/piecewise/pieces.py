@@ -94,8 +94,10 @@ class PieceGraphs(torch.nn.Module):
             case Phase.WARMUP:  # the runner's warm-up of a shape: eager, the size seen
                 if self.static_state is not None and self.static_state() is None:
                     detail.call.static = False  # a split op on host state: no whole capture
-                self.seen.add(self._size(box))
-                return run_boxed(self.fn, box)
+                size = self._size(box)  # before run_boxed empties the box
+                out = run_boxed(self.fn, box)
+                self.seen.add(size)  # warmed up once it ran: one that raised is not
+                return out
         return self._per_size(tuple(box))
 
     @staticmethod
@@ -132,8 +134,9 @@ class PieceGraphs(torch.nn.Module):
             return self.fn(*args)
         if entry is None:
             if size not in self.seen:  # warm-up: lazy init and JIT outside any capture
-                self.seen.add(size)
-                return self.fn(*args)
+                out = self.fn(*args)
+                self.seen.add(size)  # only once it ran: a raising warm-up warmed nothing
+                return out
             if self.static_state is not None and self.static_state() is None:
                 self.eager_sizes.add(size)
                 return self.fn(*args)

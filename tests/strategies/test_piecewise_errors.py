@@ -1,4 +1,5 @@
-"""tc_piecewise: what the compiled forward raises says what went wrong."""
+"""tc_piecewise: what the compiled forward raises says what went wrong, and a call that
+raised leaves the backend as if it never ran."""
 
 from __future__ import annotations
 
@@ -27,3 +28,28 @@ def test_the_models_own_error_under_a_keyword_option_is_raised_as_it_is():
     forward = CompiledForward(RefusesHidden(), PiecewiseCompiler({"capture_sizes": [8]}))
     with torch.inference_mode(), pytest.raises(ValueError, match="need a final norm"):
         forward(torch.randn(8, 4), hidden=True)
+
+
+class Gathers(nn.Module):
+    """Raises at run time, past tracing: an index past the columns."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, idx):
+        return self.lin(x).index_select(1, idx)
+
+
+def test_a_warm_up_that_raised_leaves_the_size_to_warm_up_on_its_next_call():
+    m, compiler = Gathers(), PiecewiseCompiler({"capture_sizes": [8]})
+    compiled = torch.compile(m, backend=compiler, fullgraph=True)
+    x, good = torch.randn(8, 4), torch.tensor([0, 3])
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="out of"):
+            compiled(x, torch.tensor([0, 9]))  # the size's warm-up raises
+        torch.testing.assert_close(compiled(x, good), m(x, good))  # its warm-up, eager
+        assert compiler.stats["captures"] == 0
+        for _ in range(2):  # the capture, then a replay
+            torch.testing.assert_close(compiled(x, good), m(x, good))
+    assert compiler.stats["captures"] == 1
