@@ -6,7 +6,7 @@ import inspect
 
 import torch
 
-from graphcap import env
+from graphcap import compat, env
 from graphcap.breakable import BreakableStrategy, DebugStrategy
 from graphcap.compat import imports
 from graphcap.config import CaptureConfig
@@ -15,7 +15,7 @@ from graphcap.core.checks import as_int, positive_int
 from graphcap.core.inputs import Inputs
 from graphcap.core.runner import Runner, RunnerConfig
 from graphcap.core.strategy import EagerStrategy
-from graphcap.errors import UnsupportedModel, UnsupportedStrategy
+from graphcap.errors import CaptureError, UnsupportedModel, UnsupportedStrategy
 from graphcap.full import FullStrategy
 from graphcap.inputs import PrefillInputs, TensorInputs
 from graphcap.tp.group import entry, group_of
@@ -165,6 +165,8 @@ def _plan(model, strategy, config, options):
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise UnsupportedStrategy(
             f"unknown strategy {strategy!r}: choose one of {sorted(STRATEGIES)}")
+    if strategy in ("full", "breakable"):
+        _refuse_graphs_of_its_own(model, strategy)
     imports.complete(imports.for_capture(strategy, c.compiler))  # a Ctrl-C leaves none half done
     debug = c.debug or (env.settings().debug_cuda_graph and strategy == "breakable")
     inputs = c.inputs
@@ -204,6 +206,28 @@ def _plan(model, strategy, config, options):
             "progress= shows a capture made by capture(), and this model of tensors is "
             "captured at its first call: give example_inputs=(...) to capture it now")
     return c, inputs, ladder, debug
+
+
+def _refuse_graphs_of_its_own(model: torch.nn.Module, strategy: str) -> None:
+    """CaptureError where ``model`` or a module of it is compiled by the sgl_piecewise
+    backend: it captures graphs of its own, which cannot be captured inside ``strategy``'s
+    (the emulator's Dynamo skips it, and fullgraph=True raised torch's "found no compiled
+    frames")."""
+    for name, module in model.named_modules():
+        backend = compat.compiled_with(module)
+        if backend is None:
+            continue
+        from graphcap.piecewise.compiler import PiecewiseCompiler, sgl_piecewise
+
+        if backend is sgl_piecewise or isinstance(backend, PiecewiseCompiler):
+            what = "model" + (f".{name}" if name else "")
+            raise CaptureError(
+                f"{what} ({type(module).__name__}) is compiled with torch.compile(..., "
+                f"backend='sgl_piecewise'), which captures graphs of its own: strategy "
+                f"{strategy!r} would capture them inside its graphs, and graphs do not nest. "
+                f"Capture the module it compiled ({what}._orig_mod) under {strategy!r}, or "
+                "the model under strategy='tc_piecewise' (the same backend, the runner "
+                "capturing)")
 
 
 def _ladder(max_tokens, buckets) -> list[int]:

@@ -7,6 +7,7 @@ works the same.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 
 import torch
@@ -97,6 +98,23 @@ def forget_backend(backend) -> None:
     for key, held in list(cached.items()):
         if held is backend or getattr(held, "compiler_fn", None) is backend:
             cached.pop(key, None)
+
+
+def compiled_with(module: torch.nn.Module):
+    """The backend ``module`` was compiled with, where it is what ``torch.compile(m,
+    backend=...)`` returns: the callable given (or the one a name stands for), None for
+    any other module, and for a backend this torch keeps out of reach."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # no torch.compile yet: none
+    if eval_frame is None or not isinstance(module, eval_frame.OptimizedModule):
+        return None
+    backend = getattr(getattr(module, "dynamo_ctx", None), "callback", None)
+    for _ in range(16):  # Dynamo's wrappers around it, each naming the one it wraps
+        inner = getattr(backend, "_torchdynamo_orig_backend", None) or getattr(
+            backend, "compiler_fn", None)
+        if inner is None or inner is backend:
+            return backend
+        backend = inner
+    return None
 
 
 def forget_code(code) -> bool:

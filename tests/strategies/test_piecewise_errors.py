@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+import graphcap
+from graphcap.errors import CaptureError
 from graphcap.piecewise import CompiledForward, PiecewiseCompiler
 
 
@@ -53,3 +55,22 @@ def test_a_warm_up_that_raised_leaves_the_size_to_warm_up_on_its_next_call():
         for _ in range(2):  # the capture, then a replay
             torch.testing.assert_close(compiled(x, good), m(x, good))
     assert compiler.stats["captures"] == 1
+
+
+@pytest.mark.parametrize("strategy", ["full", "breakable"])
+@pytest.mark.parametrize("where", ["model", "model.1"])
+def test_a_module_compiled_by_the_backend_is_refused_where_a_graph_would_hold_its_graphs(
+        strategy, where):
+    """Its graphs cannot be captured inside the strategy's: a CaptureError naming the
+    module and what to capture instead, not torch's "found no compiled frames"."""
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    compiled = torch.compile(m[1] if where == "model.1" else m, backend="sgl_piecewise",
+                             options={"capture_sizes": [4]}, fullgraph=True)
+    model = nn.Sequential(m[0], compiled) if where == "model.1" else compiled
+    with pytest.raises(CaptureError, match=rf"{where} \(OptimizedModule\) is compiled .*"
+                                           rf"graphs do not nest.*{where}._orig_mod"):
+        graphcap.capture(model, strategy, buckets=[4], example_inputs=(torch.randn(4, 8),))
+    x = torch.randn(3, 8)
+    r = graphcap.capture(model, "tc_piecewise", buckets=[4], example_inputs=(x,))
+    with torch.inference_mode():
+        torch.testing.assert_close(r(x), m(x))
