@@ -86,8 +86,10 @@ def inputs_of(model: torch.nn.Module, inputs: str | None = None) -> str:
                          "forward(input_ids, positions), called with seq_lens) or 'tensors' "
                          "(tensors along dim 0)")
     if declared == "prefill":
-        params = [p for p in inspect.signature(model.forward).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        params = list(inspect.signature(model.forward).parameters.values())
+        if any(p.kind == p.VAR_POSITIONAL for p in params):  # a wrapper's: torch.compile's
+            return declared
+        params = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         if len(params) < 2:
             raise UnsupportedModel(
                 f"{type(model).__name__} is declared a prefill model, but its forward takes "

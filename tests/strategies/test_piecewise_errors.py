@@ -1,5 +1,6 @@
-"""tc_piecewise: what the compiled forward raises says what went wrong, and a call that
-raised leaves the backend as if it never ran."""
+"""tc_piecewise: what the compiled forward raises says what went wrong, a call that
+raised leaves the backend as if it never ran, and a module the backend compiled is
+captured where its graphs can be, refused where they cannot."""
 
 from __future__ import annotations
 
@@ -74,3 +75,19 @@ def test_a_module_compiled_by_the_backend_is_refused_where_a_graph_would_hold_it
     r = graphcap.capture(model, "tc_piecewise", buckets=[4], example_inputs=(x,))
     with torch.inference_mode():
         torch.testing.assert_close(r(x), m(x))
+
+
+@pytest.mark.parametrize("strategy", ["eager", "tc_piecewise"])
+def test_a_prefill_model_compiled_by_the_backend_captures_as_the_refusal_advises(strategy):
+    """torch.compile's module forwards ``*args``: the model it compiled is still a prefill
+    model (it was refused as one whose forward takes [])."""
+    from graphcap.models import Decoder, ModelArgs
+
+    torch.manual_seed(0)
+    m = Decoder(ModelArgs(layers=1)).eval()
+    compiled = torch.compile(m, backend="sgl_piecewise", options={"capture_sizes": [8]})
+    r = graphcap.capture(compiled, strategy, buckets=[8], max_requests=2,
+                         attention="torch_masked")
+    ids, pos = torch.randint(1, 256, (7,)), torch.cat([torch.arange(4), torch.arange(3)])
+    with torch.inference_mode():
+        torch.testing.assert_close(r(ids, pos, seq_lens=[4, 3]), m(ids, pos, seq_lens=[4, 3]))
