@@ -93,7 +93,10 @@ def eos_ids(value) -> set[int]:
     return {int(v) for v in ([value] if isinstance(value, int) else value or [])}
 
 
-def stop_tokens_of(stop_tokens, vocab: int) -> set[int]:
+def stop_tokens_of(stop_tokens, vocab: int, name: str = "stop_tokens",
+                   kinds: str = "token ids (ints)") -> set[int]:
+    """``stop_tokens`` (None, an id, or a list, set or tensor or array of ids) as a set of
+    ids below ``vocab``; refused as the argument ``name`` of ``kinds``."""
     if stop_tokens is None:
         return set()
     given = stop_tokens
@@ -105,10 +108,9 @@ def stop_tokens_of(stop_tokens, vocab: int) -> set[int]:
         stops = {_token_id(t.item() if isinstance(t, torch.Tensor) else t)
                  for t in stop_tokens}
     except TypeError:
-        raise ValueError(f"stop_tokens must be token ids (ints), got {given!r}") \
-            from None
+        raise ValueError(f"{name} must be {kinds}, got {given!r}") from None
     if any(not 0 <= t < vocab for t in stops):
-        raise ValueError(f"stop_tokens {sorted(stops)} must lie in [0, {vocab})")
+        raise ValueError(f"{name} {sorted(stops)} must lie in [0, {vocab})")
     return stops
 
 
@@ -129,7 +131,8 @@ def stops_of(stop, has_tokenizer: bool, vocab: int) -> tuple[set[int], tuple[str
                          "tokenizer), or stop on token ids")
     if any(not s for s in strings):
         raise ValueError("a stop string must not be empty")
-    return stop_tokens_of([s for s in given if not isinstance(s, str)], vocab), strings
+    ids = [s for s in given if not isinstance(s, str)]
+    return stop_tokens_of(ids, vocab, "stop", "token ids (ints) or strings"), strings
 
 
 def sampling_of(sampling, count: int) -> list[Sampling]:

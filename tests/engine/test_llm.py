@@ -186,6 +186,15 @@ def test_a_stop_that_is_no_token_id_string_or_list_of_them_is_refused(stop):
     assert llm().generate(PROMPTS[:1], 2, stop=torch.tensor(72))[0].tokens  # 0-d: one id
 
 
+@pytest.mark.parametrize(("stop", "match"), [
+    ([1.0], r"^stop must be token ids \(ints\) or strings, got \[1.0\]"),
+    ([10**6], r"^stop \[1000000\] must lie in \[0, ")])
+def test_a_stop_holding_no_token_id_is_refused_naming_stop(stop, match):
+    """Not stop_tokens: the argument of graphcap.generate, which LLM.generate lacks."""
+    with pytest.raises(ValueError, match=match):
+        llm().generate(PROMPTS[:1], 2, stop=stop)
+
+
 def test_a_stock_transformers_model_is_wrapped_and_gives_its_own_greedy_tokens():
     pytest.importorskip("transformers")
     from tests.hf.test_hf_generate import transformers_greedy
