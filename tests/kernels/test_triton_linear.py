@@ -339,17 +339,19 @@ def test_an_up_half_past_two_to_the_31_elements_is_read_where_it_lies(form):
     # Two gate rows and their up rows, the row stride 2**30 (an int32 each, N = 2): the
     # kernels took the up half's offset as N * stride_wn in int32, which wrapped to 2**31
     # elements before the gate rows. The weight sits 2**31 elements into a 10 GB buffer
-    # (virtual on the CPU: only the rows written are touched), so the wrapped read lands
-    # in it, on rows of zeros, and the output shows it.
+    # (empty, so lazily mapped on the CPU: only the pages touched cost memory; zeros
+    # would write all 10 GB), so the wrapped read lands in it, on rows of zeros, and the
+    # output shows it.
     from graphcap.opsdb.triton.gemv import gemv_linear
 
     k, n, stride = 16, 2, 1 << 30
     off = 1 << 31
     try:
-        big = torch.zeros(off + (2 * n - 1) * stride + k, dtype=torch.bfloat16,
+        big = torch.empty(off + (2 * n - 1) * stride + k, dtype=torch.bfloat16,
                           device=device)
     except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError
         pytest.skip("no room for a 10 GB buffer (virtual, on the CPU)")
+    big[:off].as_strided((n, k), (stride, 1)).zero_()  # where the up rows wrapped to
     w = big[off:].as_strided((2 * n, k), (stride, 1))
     for row in range(2 * n):
         w[row] = randn(k, dtype=torch.bfloat16, seed=row, scale=k ** -0.5)
