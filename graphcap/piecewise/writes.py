@@ -56,11 +56,19 @@ def _overload(target):
     return target if isinstance(target, torch._ops.OpOverload) else None
 
 
+def _first(node: torch.fx.Node):
+    """The tensor ``node`` works on: its first argument, or the ``input`` a torch function
+    was given by keyword (``F.relu(input=x, inplace=True)``, ``torch.flatten(input=x)``);
+    None if neither."""
+    return node.args[0] if node.args else node.kwargs.get("input")
+
+
 def _may_alias(node: torch.fx.Node) -> bool:
     """Whether ``node`` may be (a view of) its first tensor argument."""
     if node.op not in ("call_method", "call_function"):
         return False
-    if node.args and _shares_memory(node, node.args[0]):  # as traced: whatever the op
+    first = _first(node)
+    if first is not None and _shares_memory(node, first):  # as traced: whatever the op
         return True
     op = _overload(node.target)
     if op is not None:
@@ -73,7 +81,7 @@ def _may_alias(node: torch.fx.Node) -> bool:
         return True
     name = _name(node)
     if name in CONVERSIONS:
-        return _same_kind(node, node.args[0])
+        return _same_kind(node, first)
     return name in VIEWS
 
 
@@ -104,7 +112,8 @@ def _inplace_call(node: torch.fx.Node) -> bool:
     """Whether ``node`` calls a function with ``inplace=True``, by keyword or position
     (``F.relu(x, inplace=True)``, ``F.dropout(x, 0.1, False, True)``): it writes its
     first argument and returns it."""
-    if node.op != "call_function" or not node.args or _overload(node.target) is not None:
+    if node.op != "call_function" or _first(node) is None or \
+            _overload(node.target) is not None:
         return False
     if node.kwargs.get("inplace") is True:
         return True
@@ -138,9 +147,9 @@ def _written(node: torch.fx.Node) -> list:
             if arg.alias_info is not None and arg.alias_info.is_write:
                 targets.append(node.args[i] if i < len(node.args)
                                else node.kwargs.get(arg.name))
-    elif node.args and (node.target in IN_PLACE_OPERATORS or _in_place(_name(node))
-                        or _inplace_call(node)):
-        targets.append(node.args[0])
+    elif _first(node) is not None and (node.target in IN_PLACE_OPERATORS
+                                       or _in_place(_name(node)) or _inplace_call(node)):
+        targets.append(_first(node))
     # A list written as a whole (``torch._foreach_add_([a, b], ...)``) writes each tensor.
     return [t for target in targets
             for t in (target if isinstance(target, (tuple, list)) else (target,))]
@@ -151,7 +160,7 @@ def _roots(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     root = {n: i for i, n in enumerate(placeholders)}
     for node in graph.nodes:
-        first = node.args[0] if node.op != "placeholder" and node.args else None
+        first = _first(node) if node.op != "placeholder" else None
         if isinstance(first, torch.fx.Node) and first in root and _may_alias(node):
             root[node] = root[first]
     return root

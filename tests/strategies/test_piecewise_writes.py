@@ -45,12 +45,17 @@ class WritesItsInput(nn.Module):
             x.T.mul_(-1)  # getattr(x, "T") in Dynamo's graph
         elif self.how == "ravel":
             x.ravel()[:4].fill_(3.0)
+        elif self.how == "input-keyword":  # the tensor given by keyword: no args at all
+            F.relu(input=x, inplace=True)
+        elif self.how == "view-input-keyword":
+            torch.flatten(input=x)[:4].fill_(3.0)
         out = torch.empty_like(x)
         torch.ops.graphcap_test.scale_into(self.lin(x), out)
         return out + x
 
 
-HOWS = ["inplace-keyword", "inplace-positional", "module-inplace", "attribute-view", "ravel"]
+HOWS = ["inplace-keyword", "inplace-positional", "module-inplace", "attribute-view", "ravel",
+        "input-keyword", "view-input-keyword"]
 
 
 @pytest.mark.parametrize("how", HOWS)
