@@ -17,12 +17,10 @@ import sys
 
 import torch
 import triton
-from probe_common import prefilled_decode, timed_batch1
+from probe_common import policy_rows, prefilled_decode, timed_batch1
 
 import graphcap
 from graphcap.bench.common import environment
-from graphcap.bench.decode import profile_steps, step_bytes
-from graphcap.bench.decode_attention import PEAK_BYTES_PER_S
 from graphcap.inputs import DecodeInputs
 from graphcap.opsdb.triton import gemv
 from graphcap.opsdb.triton.common import programmatic_launch
@@ -66,20 +64,7 @@ def one(preset: str) -> dict:
                 runners[name, pdl] = graphcap.capture(model, "full", buckets=[1],
                                                       inputs=DecodeInputs(cache))
     cases, times = timed_batch1(runners, tokens, CONTEXT)
-    want = cases["today", True]().float()
-    rows = []
-    for (name, pdl), call in cases.items():
-        prof = profile_steps(call)
-        rows.append({"policy": name, "pdl": pdl, "ms": times[name, pdl]["median_ms"],
-                     "floor_ms": round(step_bytes(model, 1, CONTEXT + 1)
-                                       / PEAK_BYTES_PER_S * 1e3, 4),
-                     "max_logit_diff_vs_today": float((call().float() - want).abs().max()),
-                     **prof})
-        print(f"{preset} {name:>20} pdl={pdl!s:>5}: {rows[-1]['ms']:.4f} ms, "
-              f"{prof.get('kernels')} kernels, idle {prof.get('idle_share')}, diff "
-              f"{rows[-1]['max_logit_diff_vs_today']:.3g}", flush=True)
-        for k in prof.get("top_kernels", [])[:5]:
-            print(f"      {k['kernel'][:60]:60} {k['launches']:5.0f} {k['us']:9.1f} us")
+    rows = policy_rows(preset, model, cases, times, CONTEXT, top=5)
     del runners, cases, model, cache
     torch.cuda.empty_cache()
     return {"preset": preset, "rows": rows}

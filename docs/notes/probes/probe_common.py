@@ -85,3 +85,28 @@ def timed_batch1(runners: dict, tokens, context: int) -> tuple[dict, dict]:
              for key, r in runners.items()}
     return cases, time_interleaved(cases, reps=50, rounds=5)
 
+
+
+def policy_rows(preset: str, model, cases: dict, times: dict, context: int,
+                top: int = 5) -> list:
+    """One row per ``(policy, pdl)`` batch-1 case: its median time, the step's floor, its
+    logits' largest difference from ``("today", True)``'s, and the profiler's kernels and
+    GPU idle share; each printed with its ``top`` kernels."""
+    from graphcap.bench.decode import profile_steps, step_bytes
+    from graphcap.bench.decode_attention import PEAK_BYTES_PER_S
+
+    want = cases["today", True]().float()
+    rows = []
+    for (name, pdl), call in cases.items():
+        prof = profile_steps(call)
+        rows.append({"policy": name, "pdl": pdl, "ms": times[name, pdl]["median_ms"],
+                     "floor_ms": round(step_bytes(model, 1, context + 1)
+                                       / PEAK_BYTES_PER_S * 1e3, 4),
+                     "max_logit_diff_vs_today": float((call().float() - want).abs().max()),
+                     **prof})
+        print(f"{preset} {name:>20} pdl={pdl!s:>5}: {rows[-1]['ms']:.4f} ms, "
+              f"{prof.get('kernels')} kernels, idle {prof.get('idle_share')}, diff "
+              f"{rows[-1]['max_logit_diff_vs_today']:.3g}", flush=True)
+        for k in prof.get("top_kernels", [])[:top]:
+            print(f"      {k['kernel'][:60]:60} {k['launches']:5.0f} {k['us']:9.1f} us")
+    return rows

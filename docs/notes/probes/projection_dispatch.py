@@ -18,12 +18,10 @@ import os
 import sys
 
 import torch
-from probe_common import prefilled_decode, timed_batch1
+from probe_common import policy_rows, prefilled_decode, timed_batch1
 
 import graphcap
 from graphcap.bench.common import environment
-from graphcap.bench.decode import profile_steps, step_bytes
-from graphcap.bench.decode_attention import PEAK_BYTES_PER_S
 from graphcap.inputs import DecodeInputs
 from graphcap.opsdb.triton import gemv
 from graphcap.opsdb.triton.common import programmatic_launch
@@ -62,20 +60,7 @@ def one(preset: str) -> dict:
             finally:
                 gemv.gemv_rows = TODAY
     cases, times = timed_batch1(runners, tokens, CONTEXT)
-    want = cases["today", True]().float()
-    rows = []
-    for (name, pdl), call in cases.items():
-        prof = profile_steps(call)
-        rows.append({"policy": name, "pdl": pdl, "ms": times[name, pdl]["median_ms"],
-                     "floor_ms": round(step_bytes(model, 1, CONTEXT + 1)
-                                       / PEAK_BYTES_PER_S * 1e3, 4),
-                     "max_logit_diff_vs_today": float((call().float() - want).abs().max()),
-                     **prof})
-        print(f"{preset} {name:>8} pdl={pdl!s:>5}: {rows[-1]['ms']:.4f} ms, "
-              f"{prof.get('kernels')} kernels, idle {prof.get('idle_share')}, diff "
-              f"{rows[-1]['max_logit_diff_vs_today']:.3g}", flush=True)
-        for k in prof.get("top_kernels", [])[:8]:
-            print(f"      {k['kernel'][:60]:60} {k['launches']:5.0f} {k['us']:9.1f} us")
+    rows = policy_rows(preset, model, cases, times, CONTEXT, top=8)
     return {"preset": preset, "shapes": {k: list(v) for k, v in by.items()}, "rows": rows}
 
 
