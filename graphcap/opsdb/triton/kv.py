@@ -39,7 +39,7 @@ def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr,
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, cache_loc: torch.Tensor) -> None:
     T, heads, head_dim = k.shape
-    if T == 0:
+    if T == 0 or heads == 0 or head_dim == 0:  # nothing to write (tl.arange(0, 0) fails)
         return
     block_h = triton.next_power_of_2(heads)
     block_d = triton.next_power_of_2(head_dim)
