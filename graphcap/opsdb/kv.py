@@ -4,7 +4,9 @@ place in the cache (``cache_loc``), inside the graph.
 A layer's cache is ``k_cache``, ``v_cache`` ``[pages, page_size, kv_heads, head_dim]``;
 slot ``s`` is row ``s % page_size`` of page ``s // page_size``
 (:class:`graphcap.kv.PagedKVCache` hands them out). Every slot must lie in the cache:
-padded rows write the null page, which no request reads (see docs/decode.md). Two tokens
+padded rows write the null page, which no request reads (see docs/decode.md). (The
+reference refuses a slot outside it; the Triton kernel, which cannot tell the host
+without a sync, writes nothing there, never the memory around the cache.) Two tokens
 of one call never share a slot, except padded rows on the null page, where which write
 lands is unspecified.
 """

@@ -27,7 +27,8 @@ COMPILE_QKV = textwrap.dedent('''
             ptrs = {name: f"*{dt}" for name in ("qkv_ptr", "qw_ptr", "kw_ptr", "q_ptr",
                                                 "k_ptr", "v_ptr")}
             ints = {name: "i32" for name in ("qkv_stride", "pos_stride", "cache_stride",
-                                             "n_q", "n_k", "head_size", "half")}
+                                             "cache_rows", "n_q", "n_k", "head_size",
+                                             "half")}
             sig = {**ptrs, **ints, "pos_ptr": "*i64", "cache_ptr": "*fp32", "eps": "fp32",
                    "HAS_NORM": "constexpr", "BLOCK_H": "constexpr", "BLOCK_D": "constexpr",
                    "PDL": "constexpr"}
@@ -258,7 +259,7 @@ COMPILE_DECODE = BUILD_SM90 + textwrap.dedent('''
               {"k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}",
                "loc_ptr": "*i64", **{n: "i32" for n in (
                    "k_stride_t", "k_stride_h", "v_stride_t", "v_stride_h", "heads",
-                   "head_dim")}},
+                   "head_dim", "slots")}},
               {"BLOCK_H": 8, "BLOCK_D": 128, "INTERPRET": False, "PDL": dt == "bf16"},
               pdl=dt == "bf16")
         for (page, group, splits), variant in zip(((16, 2, 8), (1, 1, 1), (16, 8, 1)),
@@ -279,7 +280,8 @@ COMPILE_DECODE = BUILD_SM90 + textwrap.dedent('''
                            "q_stride_b", "q_stride_h", "out_stride_b", "out_stride_h",
                            "k_stride_b", "k_stride_h", "v_stride_b", "v_stride_h",
                            "table_stride", "pos_stride", "cs_stride", "width",
-                           "kv_heads", "head_dim", "split_len", "window", "half")}},
+                           "kv_heads", "head_dim", "split_len", "window", "half", "pages",
+                           "cs_rows")}},
                       {"PAGE": page, "GROUP": group, "BLOCK_H": 16, "SPLITS": splits,
                        "BLOCK_N": 64, "BLOCK_D": 128, "WINDOW": variant,
                        "SOFTCAP": variant, "SINKS": variant, "WRITE": pdl, "ROPE": rope,
@@ -405,7 +407,8 @@ COMPILE_SMALL_GPU = textwrap.dedent('''
                                        "out_stride_h", "k_stride_b", "k_stride_h",
                                        "v_stride_b", "v_stride_h", "table_stride",
                                        "pos_stride", "cs_stride", "width", "kv_heads",
-                                       "head_dim", "split_len", "window", "half")}}
+                                       "head_dim", "split_len", "window", "half", "pages",
+                                       "cs_rows")}}
         consts = {"PAGE": 16, "GROUP": group, "BLOCK_H": block_h, "SPLITS": 4,
                   "BLOCK_N": cfg["BLOCK_N"], "BLOCK_D": d, "WINDOW": False,
                   "SOFTCAP": False, "SINKS": False, "WRITE": True, "ROPE": False,

@@ -103,7 +103,7 @@ DECODE_SIG = {**{n: "*bf16" for n in ("q_ptr", "kc_ptr", "vc_ptr", "sinks_ptr", 
                "q_stride_b", "q_stride_h", "out_stride_b", "out_stride_h", "k_stride_b",
                "k_stride_h", "v_stride_b", "v_stride_h", "table_stride", "pos_stride",
                "cs_stride", "width", "kv_heads", "head_dim", "split_len", "window",
-               "half")}}
+               "half", "pages", "cs_rows")}}
 DECODE_PLAIN = ("table_stride", "pos_stride", "width", "kv_heads")
 
 

@@ -55,6 +55,16 @@ def shared_memory(device: torch.device) -> int:
 
 
 @triton.jit
+def table_row(index, rows):
+    """Row ``index`` of a table of ``rows`` (> 0) rows as torch's indexing reads it, a
+    negative index counting from the end (the references index their tables so: a rotary
+    position, a block table's page); an index torch would refuse (``rows`` or more, below
+    ``-rows``) reads the nearest row, never memory outside the table."""
+    index = tl.where(index < 0, index + rows, index)
+    return tl.minimum(tl.maximum(index, 0), rows - 1)
+
+
+@triton.jit
 def cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     """float32 ``x`` to ``dtype``, rounding to nearest even as the GPU does. Triton 3.6's
     interpreter truncates float32 to bfloat16 (half the values come out one unit low),

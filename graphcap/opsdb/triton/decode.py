@@ -20,7 +20,11 @@ score before the online softmax. Handed the q/k/v projection's rows with their p
 layer needs no kernel between the projection and this one. The split count follows from
 host shapes only (rows, heads, the block table's width, the SMs), so the grid is fixed at
 capture and a replay's lengths change only the work inside it (the tiles follow the
-device's shared memory too: :func:`tiles_for`). No host synchronisation.
+device's shared memory too: :func:`tiles_for`). No host synchronisation, so no index is
+checked on the host: a block table's page reads as the reference's ``k_cache[pages]``
+does (a negative one from the end; one past the cache, the nearest page), a rotary
+position likewise, and a row's own slot outside the cache is not written (the reference
+refuses both); nothing outside the cache or the table is read or written.
 
 Under programmatic dependent launch (:mod:`graphcap.opsdb.triton.common`) the kernel
 lets the next one start at once (the output projection, which asks L2 for its weight
@@ -44,6 +48,7 @@ from graphcap.opsdb.triton.common import (
     pdl_args,
     pdl_start,
     shared_memory,
+    table_row,
 )
 from graphcap.opsdb.triton.decode_grid import head_block, programs_of, splits_of_tiles, tiles_for
 from graphcap.opsdb.triton.qkv import norm_rope, rope_at
@@ -107,10 +112,11 @@ def _own_key(k_row, d, d_mask, pos, cs_ptr, cs_stride, kw_ptr, half, head_dim, e
 @triton.jit
 def _write_own(k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr, b, kvh, s, g, hb, d, d_mask, pos,
                cs_ptr, cs_stride, kw_ptr, half, head_dim, eps, k_stride_b, k_stride_h,
-               v_stride_b, v_stride_h, slot_stride, ROPE: tl.constexpr,
+               v_stride_b, v_stride_h, slot_stride, slots, ROPE: tl.constexpr,
                HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
     """The row's own key (normalised and rotated where ``ROPE``) and value in the cache's
-    dtype, written to its slot by one program per (row, key/value head)."""
+    dtype, written to its slot by one program per (row, key/value head); a slot outside
+    the cache's ``slots`` (which the reference refuses) is not written."""
     k_own = _own_key(k_ptr + b.to(tl.int64) * k_stride_b + kvh * k_stride_h, d, d_mask,
                      pos, cs_ptr, cs_stride, kw_ptr, half, head_dim, eps, ROPE, HAS_NORM,
                      BLOCK_D)
@@ -121,8 +127,9 @@ def _write_own(k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr, b, kvh, s, g, hb, d, d_mas
     if (s == 0) & (g % hb == 0):
         loc = tl.load(loc_ptr + b).to(tl.int64)
         k_row = kvh * head_dim + d
-        tl.store(kc_ptr + loc * slot_stride + k_row, k_own, mask=d_mask)
-        tl.store(vc_ptr + loc * slot_stride + k_row, v_own, mask=d_mask)
+        inside = d < tl.where((loc >= 0) & (loc < slots), head_dim, 0)
+        tl.store(kc_ptr + loc * slot_stride + k_row, k_own, mask=inside)
+        tl.store(vc_ptr + loc * slot_stride + k_row, v_own, mask=inside)
     return k_own, v_own
 
 
@@ -133,6 +140,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
                    q_stride_b, q_stride_h, out_stride_b, out_stride_h, k_stride_b,
                    k_stride_h, v_stride_b, v_stride_h, table_stride, pos_stride, cs_stride,
                    width, kv_heads, head_dim, split_len, scale, window, softcap, half, eps,
+                   pages, cs_rows,
                    PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
@@ -171,20 +179,22 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
         read_end = tl.minimum(end, own)
         pos = 0
         if ROPE:  # q as graphcap::qkv_norm_rope would leave it
-            pos = tl.load(pos_ptr + b.to(tl.int64) * pos_stride).to(tl.int64)
+            pos = table_row(tl.load(pos_ptr + b.to(tl.int64) * pos_stride).to(tl.int64),
+                            cs_rows)
             q = _norm_rotated(q, q_rows, h_ok[:, None], d, d_mask, pos, cs_ptr, cs_stride,
                               qw_ptr, half, head_dim, eps, HAS_NORM)
         if not KEY_LATE:
             k_own, v_own = _write_own(k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr, b, kvh, s, g,
                                       hb, d, d_mask, pos, cs_ptr, cs_stride, kw_ptr, half,
                                       head_dim, eps, k_stride_b, k_stride_h, v_stride_b,
-                                      v_stride_h, slot_stride, ROPE, HAS_NORM, BLOCK_D,
-                                      INTERPRET)
+                                      v_stride_h, slot_stride, pages * PAGE, ROPE,
+                                      HAS_NORM, BLOCK_D, INTERPRET)
     for n0 in range(start, read_end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         t_mask = t < read_end
         page = tl.load(table_ptr + b.to(tl.int64) * table_stride + t // PAGE, mask=t_mask,
                        other=0).to(tl.int64)
+        page = table_row(page, pages)  # as the reference's k_cache[pages] reads it
         offs = (page * PAGE + t % PAGE)[:, None] * slot_stride + kvh * head_dim + d[None, :]
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(kc_ptr + offs, mask=kv_mask, other=0.0)
@@ -208,8 +218,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
             k_own, v_own = _write_own(k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr, b, kvh, s, g,
                                       hb, d, d_mask, pos, cs_ptr, cs_stride, kw_ptr, half,
                                       head_dim, eps, k_stride_b, k_stride_h, v_stride_b,
-                                      v_stride_h, slot_stride, ROPE, HAS_NORM, BLOCK_D,
-                                      INTERPRET)
+                                      v_stride_h, slot_stride, pages * PAGE, ROPE,
+                                      HAS_NORM, BLOCK_D, INTERPRET)
         if (own >= start) & (own < end):  # the own token joins this split's softmax
             score = tl.sum(q.to(tl.float32) * k_own.to(tl.float32)[None, :], axis=1) * scale
             if SOFTCAP:
@@ -342,7 +352,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), v.stride(0),
             v.stride(1), block_table.stride(0), positions.stride(0), cos_sin_cache.stride(0),
             width, Hk, D, split_len, float(scale), int(window), float(softcap),
-            cos_sin_cache.shape[-1] // 2, float(eps), PAGE=page, GROUP=group,
+            cos_sin_cache.shape[-1] // 2, float(eps), k_cache.shape[0],
+            cos_sin_cache.shape[0], PAGE=page, GROUP=group,
             BLOCK_H=block_h, SPLITS=num_splits, BLOCK_D=block_d, WINDOW=window > 0,
             SOFTCAP=softcap > 0, SINKS=sinks is not out, WRITE=write, ROPE=rope,
             HAS_NORM=has_norm, IEEE=q.dtype == torch.float32, INTERPRET=interpret,

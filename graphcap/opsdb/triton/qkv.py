@@ -7,7 +7,9 @@ v); at 16 tokens each is launch-bound, so the six cost what one does.
 Contract (see :func:`graphcap.opsdb.qkv.reference`): ``qkv`` [T, (H + 2 Hk) * D] with a
 contiguous last dim and any row stride; ``positions`` [T] int32/int64; ``q_weight`` and
 ``k_weight`` [D] or both None; ``cos_sin_cache`` [max_position, rot] (cos then sin,
-rot even, <= D). Returns fresh contiguous q [T, H, D], k [T, Hk, D], v [T, Hk, D]. Like
+rot even, <= D; a position reads its row as the reference's indexing does, a negative one
+from the table's end, and one outside the table its nearest row, never memory outside it).
+Returns fresh contiguous q [T, H, D], k [T, Hk, D], v [T, Hk, D]. Like
 the unfused ops, normalised values are rounded to the input dtype before they rotate, so
 both paths give the same bits in the common case. One program per token and block of
 heads: one head for a few tokens, else up to TILE / D heads (all of a token's where they
@@ -21,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphcap.opsdb.triton.common import pdl_args, pdl_start
+from graphcap.opsdb.triton.common import pdl_args, pdl_start, table_row
 
 TILE = 4096  # elements a program at most: heads x head size
 PROGRAMS = 128  # about the SMs of a GPU
@@ -64,7 +66,8 @@ def norm_rope(raw, raw_p, w, wp, cos, sin, first, rotated, head_size, eps,
 
 @triton.jit
 def _qkv_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cache_ptr, q_ptr, k_ptr, v_ptr,
-                qkv_stride, pos_stride, cache_stride, n_q, n_k, head_size, half, eps,
+                qkv_stride, pos_stride, cache_stride, cache_rows, n_q, n_k, head_size, half,
+                eps,
                 HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                 PDL: tl.constexpr):
     pdl_start(PDL)
@@ -75,7 +78,7 @@ def _qkv_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cache_ptr, q_ptr, k_ptr, v_ptr
     is_k = (h >= n_q) & (h < n_q + n_k)
     is_v = h >= n_q + n_k
     mask = (h < n_q + 2 * n_k) & (d < head_size)
-    pos = tl.load(pos_ptr + t * pos_stride).to(tl.int64)
+    pos = table_row(tl.load(pos_ptr + t * pos_stride).to(tl.int64), cache_rows)
     cos, sin, first, rotated, partner = rope_at(cache_ptr + pos * cache_stride, d, half)
     row = qkv_ptr + t * qkv_stride + h * head_size
     raw = tl.load(row + d, mask=mask, other=0.0)
@@ -119,7 +122,8 @@ def qkv_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Te
     _qkv_kernel[(T, triton.cdiv(heads, block_h))](
         qkv, positions, q_weight if has_norm else qkv, k_weight if has_norm else qkv,
         cos_sin_cache, q, k, v, qkv.stride(0), positions.stride(0), cos_sin_cache.stride(0),
-        num_heads, num_kv_heads, head_size, cos_sin_cache.shape[-1] // 2, eps,
+        cos_sin_cache.shape[0], num_heads, num_kv_heads, head_size,
+        cos_sin_cache.shape[-1] // 2, eps,
         HAS_NORM=has_norm, BLOCK_H=block_h, BLOCK_D=block_d,
         num_warps=max(1 if block_d <= 128 else 2, min(8, block_h * block_d // 512)),
         **pdl_args(qkv.device, T, "qkv_norm_rope"))

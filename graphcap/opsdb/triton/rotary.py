@@ -4,11 +4,13 @@ Contract (see :mod:`graphcap.opsdb.reference`): ``query`` [T, Hq*D] and ``key`` 
 (or [T, H, D] views), contiguous within a row, any row stride; ``positions`` [T] int32 or
 int64; ``cos_sin_cache`` [max_position, rot_dim], cos in the first half and sin in the
 second. The first ``rot_dim <= head_size`` dims of every head rotate, dim i pairing with
-dim i + rot_dim/2; the rest are left untouched. Maths in float32, stored in each tensor's
-dtype. One program per token loads its cos/sin row once and rotates all query then key
-heads in ``[BLOCK_HEADS, BLOCK_R]`` tiles (a constexpr number of
-head blocks: usually one). No host synchronisation, grid from host shapes
-only, ``T == 0`` launches nothing: safe inside a CUDA graph.
+dim i + rot_dim/2; the rest are left untouched. A position reads the table's row as the
+reference's ``cos_sin_cache[positions]`` does (a negative one counting from its end);
+one outside the table (which the reference refuses) reads its nearest row, never memory
+outside it. Maths in float32, stored in each tensor's dtype. One program per token loads
+its cos/sin row once and rotates all query then key heads in ``[BLOCK_HEADS, BLOCK_R]``
+tiles (a constexpr number of head blocks: usually one). No host synchronisation, grid
+from host shapes only, ``T == 0`` launches nothing: safe inside a CUDA graph.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from graphcap.opsdb.triton.common import table_row
 
 # Elements of one [heads, rot_dim/2] tile at most.
 _MAX_TILE = 2048
@@ -39,11 +43,11 @@ def _rotate_heads(row_ptr, n_heads, head_size, half, cos, sin, r, rmask,
 
 @triton.jit
 def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, pos_stride, q_stride, k_stride,
-                   cache_stride, n_q_heads, n_k_heads, head_size, half,
+                   cache_stride, cache_rows, n_q_heads, n_k_heads, head_size, half,
                    BLOCK_HEADS: tl.constexpr, BLOCK_R: tl.constexpr,
                    Q_BLOCKS: tl.constexpr, K_BLOCKS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t * pos_stride).to(tl.int64)
+    pos = table_row(tl.load(pos_ptr + t * pos_stride).to(tl.int64), cache_rows)
     r = tl.arange(0, BLOCK_R)
     rmask = r < half
     cache_row = cache_ptr + pos * cache_stride
@@ -81,7 +85,8 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 
     positions [T] int32/int64; query [T, Hq*head_size]; key [T, Hk*head_size] (or None);
     cos_sin_cache [max_position, rot_dim] with rot_dim even and <= head_size. Positions are
-    not bounds-checked (that would need a host sync): they must be < max_position.
+    not bounds-checked (that would need a host sync): a negative one counts from the
+    table's end, as torch's indexing does; one outside the table reads its nearest row.
     """
     if positions.dim() != 1:
         raise ValueError(f"positions must be [T], got {tuple(positions.shape)}")
@@ -98,6 +103,8 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         k_stride, n_k = _heads("key", key, T, head_size)
     if T == 0 or rot == 0 or (n_q == 0 and n_k == 0):
         return
+    if cos_sin_cache.shape[0] == 0:
+        raise ValueError("cos_sin_cache has no rows (positions) to read")
     half = rot // 2
     block_r = triton.next_power_of_2(half)
     block_heads = min(triton.next_power_of_2(max(n_q, n_k)), max(_MAX_TILE // block_r, 1))
@@ -105,6 +112,6 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     num_warps = min(max(block_heads * block_r // 128, 1), 8)
     _rotary_kernel[(T,)](
         positions, query, key, cos_sin_cache, positions.stride(0), q_stride, k_stride,
-        cos_sin_cache.stride(0), n_q, n_k, head_size, half,
+        cos_sin_cache.stride(0), cos_sin_cache.shape[0], n_q, n_k, head_size, half,
         BLOCK_HEADS=block_heads, BLOCK_R=block_r, Q_BLOCKS=triton.cdiv(n_q, block_heads),
         K_BLOCKS=triton.cdiv(n_k, block_heads), num_warps=num_warps)
