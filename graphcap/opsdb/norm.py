@@ -32,6 +32,24 @@ def check_fused_add_rms_norm(x, residual, weight, eps):
         checks.writable("fused_add_rms_norm", name, t)
 
 
+def flashinfer_rms_accepts(x, weight, eps):
+    """FlashInfer's RMSNorm reads the weight as x's dtype, unchecked: a float32 weight of
+    bfloat16 rows would be misread (the reference and Triton take any float weight)."""
+    if weight.dtype != x.dtype:
+        return (f"FlashInfer's RMSNorm reads the weight as x's dtype {x.dtype}, not "
+                f"{weight.dtype}")
+    return None
+
+
+def flashinfer_fused_add_accepts(x, residual, weight, eps):
+    """FlashInfer's fused add reads the residual and the weight as x's dtype, unchecked."""
+    for name, t in (("residual", residual), ("weight", weight)):
+        if t.dtype != x.dtype:
+            return (f"FlashInfer's fused add RMSNorm reads the {name} as x's dtype "
+                    f"{x.dtype}, not {t.dtype}")
+    return None
+
+
 def rms_norm_inputs(device, dtype, max_tokens: int = 64):
     from hypothesis import strategies as st
 
@@ -68,7 +86,7 @@ RMS_NORM = register_op(
     kernels={
         "triton": Kernel("graphcap.opsdb.triton.norm:rms_norm", requires=TRITON),
         "flashinfer": Kernel("graphcap.opsdb.flashinfer:rms_norm", requires=("flashinfer",),
-                             dtypes=HALF),
+                             dtypes=HALF, accepts=flashinfer_rms_accepts),
     },
     check=check_rms_norm, inputs=rms_norm_inputs,
     doc="x / sqrt(mean(x^2) + eps) * weight over the last dim",
@@ -81,7 +99,8 @@ FUSED_ADD_RMS_NORM = register_op(
     kernels={
         "triton": Kernel("graphcap.opsdb.triton.norm:fused_add_rms_norm", requires=TRITON),
         "flashinfer": Kernel("graphcap.opsdb.flashinfer:fused_add_rms_norm",
-                             requires=("flashinfer",), dtypes=HALF),
+                             requires=("flashinfer",), dtypes=HALF,
+                             accepts=flashinfer_fused_add_accepts),
     },
     check=check_fused_add_rms_norm, inputs=fused_add_rms_norm_inputs,
     doc="in place: residual <- x + residual; x <- rms_norm(residual)",

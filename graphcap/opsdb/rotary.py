@@ -43,6 +43,12 @@ def flashinfer_accepts(positions, query, key, cos_sin_cache, head_size):
     if head_size not in (64, 128, 256, 512) or rot % 32:
         return (f"FlashInfer's rope takes head sizes 64/128/256/512 with rotary dims a "
                 f"multiple of 32, not head size {head_size} with {rot} rotary dims")
+    # It reads key as query's dtype, unchecked, and refuses strided positions and tables.
+    if key.dtype != query.dtype:
+        return (f"FlashInfer's rope reads key as query's dtype {query.dtype}, not "
+                f"{key.dtype}")
+    if not (positions.is_contiguous() and cos_sin_cache.is_contiguous()):
+        return "FlashInfer's rope takes contiguous positions and cos_sin_cache only"
     return None
 
 

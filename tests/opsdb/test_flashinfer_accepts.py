@@ -1,0 +1,39 @@
+"""FlashInfer's norm and rope kernels cast every tensor's pointer to the input's dtype
+without checking it (csrc/norm.cu, csrc/rope.cu), where the reference and the Triton
+kernels take any float weight, residual or key: such calls must never reach them (the
+kernel's ``accepts`` declines them, so automatic choice passes over it). Checked without
+FlashInfer or a GPU: ``declines`` runs on the host."""
+
+from __future__ import annotations
+
+import torch
+
+from graphcap.opsdb import get_op
+
+BF16 = torch.bfloat16
+
+
+def test_flashinfer_rms_norm_is_never_given_a_weight_of_another_dtype():
+    declines = get_op("rms_norm").kernels["flashinfer"].declines
+    x = torch.zeros(2, 64, dtype=BF16)
+    assert "not torch.float32" in declines((x, torch.ones(64), 1e-6))
+    assert declines((x, torch.ones(64, dtype=BF16), 1e-6)) is None
+
+
+def test_flashinfer_fused_add_rms_norm_is_never_given_a_residual_or_weight_of_another_dtype():
+    declines = get_op("fused_add_rms_norm").kernels["flashinfer"].declines
+    x, w = torch.zeros(2, 64, dtype=BF16), torch.ones(64, dtype=BF16)
+    assert "residual" in declines((x, torch.zeros(2, 64), w, 1e-6))
+    assert "weight" in declines((x, torch.zeros(2, 64, dtype=BF16), w.float(), 1e-6))
+    assert declines((x, torch.zeros(2, 64, dtype=BF16), w, 1e-6)) is None
+
+
+def test_flashinfer_rope_is_never_given_a_key_of_another_dtype_or_strided_indices():
+    declines = get_op("rotary_embedding").kernels["flashinfer"].declines
+    pos, q = torch.zeros(4, dtype=torch.long), torch.zeros(4, 64, dtype=BF16)
+    table = torch.zeros(8, 64)
+    assert "reads key as query's dtype" in declines((pos, q, torch.zeros(4, 64), table, 64))
+    strided = torch.zeros(8, dtype=torch.long)[::2]
+    assert "contiguous" in declines((strided, q, q.clone(), table, 64))
+    assert "contiguous" in declines((pos, q, q.clone(), torch.zeros(8, 128)[:, :64], 64))
+    assert declines((pos, q, q.clone(), table, 64)) is None
