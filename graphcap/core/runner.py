@@ -106,6 +106,7 @@ class Runner:
                 and not self._snapshot.current()
             if stale and self.config.on_change == "recapture":
                 self.inputs.forget()  # a model of tensors that changed may take others
+                self.entries.clear()  # and its graphs: a call after a refused one captures
             batch = self._agreed(self.inputs.check, args, kwargs)  # before anything runs
             self.stats.calls += 1
             with CountFailures(self.stats):
@@ -180,8 +181,7 @@ class Runner:
                 entry.replay()
         self.stats.replays[entry.bucket] += 1
         rows = self.inputs.out_rows(batch)
-        # Copied outside inference mode: callers get ordinary tensors, as from the model.
-        # (The buffers are contiguous: narrow_copy is clone's copy, in one op.)
+        # Copied outside inference mode (ordinary tensors); narrow_copy: a clone, one op.
         outs = [buf.narrow_copy(0, 0, rows) if self.config.copy_outputs else buf[:rows]
                 for buf in self._outputs]
         return tree_unflatten(outs, self._out_spec)

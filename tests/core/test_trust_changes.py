@@ -13,7 +13,7 @@ import torch
 
 import graphcap
 from graphcap.api import GRAPHED
-from graphcap.errors import ModelChanged
+from graphcap.errors import BadBatch, ModelChanged
 from graphcap.models import PRESETS, Decoder
 from tests.support.runner_helpers import DEVICE, batch, tolerance
 
@@ -214,6 +214,29 @@ def test_a_tensors_runner_recaptures_with_the_shapes_of_its_first_call():
         mlp.net[0].weight = torch.nn.Parameter(torch.randn_like(mlp.net[0].weight))
         torch.testing.assert_close(r(x), mlp(x))
     assert r.report()["recaptures"] == 1
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_a_call_refused_after_a_change_keeps_no_graph_of_shapes_forgotten(strategy):
+    # A changed model makes a tensors runner forget its shapes (the model may take others
+    # now). A call refused then (an empty batch) left the graphs of the old ones: back as
+    # captured (autocast off), a call of other sizes or dtype was staged into them,
+    # broadcast or cast, and replayed where eager raises.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4).to(DEVICE)
+    r = graphcap.capture(lin, strategy, buckets=[8],
+                         example_inputs=(torch.randn(8, 4, device=DEVICE),))
+    with torch.autocast(DEVICE, torch.bfloat16), pytest.raises(BadBatch, match="empty"):
+        r(torch.empty(0, 4, device=DEVICE))
+    for x in (torch.randn(5, 1, device=DEVICE), torch.randn(5, 4, device=DEVICE).double()):
+        with pytest.raises(RuntimeError):
+            lin(x)
+        with pytest.raises(RuntimeError):
+            r(x)
+    x = torch.randn(5, 4, device=DEVICE)
+    with torch.no_grad():
+        torch.testing.assert_close(r(x), lin(x))
 
 
 def test_python_attributes_are_frozen_at_capture_until_recapture():
