@@ -657,6 +657,20 @@ def test_bench_prefill_tp_times_the_split_preset_beside_the_whole_in_one_job():
     assert any("breakable rank 1: build s" in t["target"] for t in model["targets"])
 
 
+def test_the_split_breakable_share_is_judged_against_full_on_its_own_kernels():
+    # As the unsplit targets: full-<attention>, not whichever full arm is listed first.
+    from graphcap.bench.tp import tp_targets
+
+    ms = {"eager": 10.0, "full-triton": 2.0, "full-flashinfer": 1.0, "breakable": 1.2}
+    one = {"model": "llama3-8b", "attention": "flashinfer", "build": {},
+           "rows": [{"tokens": 16, "ms": ms}]}
+    split = {**one, "ranks": []}
+    share = [t for t in tp_targets(one, split, 2) if "breakable speed-up" in t["target"]]
+    assert [t["target"] for t in share] == [
+        "16 tokens, TP=2: breakable speed-up / full-flashinfer's"]
+    assert share[0]["measured"] == pytest.approx(0.8333) and not share[0]["met"]
+
+
 def test_bench_generate_judges_the_llm_against_its_own_decode_step():
     if torch.cuda.is_available():
         pytest.skip("the CPU form of the suite (the GPU runs it through the CLI)")

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graphcap.bench.common import environment
-from graphcap.bench.targets import verdict
+from graphcap.bench.targets import same_kernels_full, verdict
 from graphcap.errors import GraphcapError
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -114,9 +114,12 @@ def tp_targets(one: dict, split: dict, tp: int) -> list[dict]:
     if full and 16 in rows and limit and split.get("model") == "llama3-8b":
         out.append(verdict(f"16 tokens: {full} TP={tp} ms / TP=1 ms",
                            rows[16][full] / base[16][full], limit, at_least=False))
-    if full and 16 in rows and {"eager", "breakable"} <= set(rows[16]):
-        speedup = rows[16]["eager"] / rows[16][full]
-        out.append(verdict(f"16 tokens, TP={tp}: breakable speed-up / {full}'s",
+    # Breakable's share against the full arm on its own kernels (the run's attention
+    # backend), as the unsplit targets take it: not whichever full arm is listed first.
+    same = same_kernels_full(rows.get(16, {}), split.get("attention"))
+    if same and {"eager", "breakable"} <= set(rows[16]):
+        speedup = rows[16]["eager"] / rows[16][same]
+        out.append(verdict(f"16 tokens, TP={tp}: breakable speed-up / {same}'s",
                            rows[16]["eager"] / rows[16]["breakable"] / speedup, 0.93,
                            at_least=True))
     for arm, built in one["build"].items():
