@@ -88,8 +88,12 @@ class Inputs:
         self.buffers = []
         self._rows_of.clear()
 
-    def forget(self) -> None:
-        """After a capture that failed: forget what it learned of the call it came from."""
+    def forget(self) -> Any:
+        """After a capture that failed, or for a changed model: forget what it learned of
+        the call it came from; returns that, for :meth:`remember`."""
+
+    def remember(self, kept: Any) -> None:
+        """Take back what :meth:`forget` returned, where nothing was learned since."""
 
     def prepare(self, bucket: int) -> Any:
         return None

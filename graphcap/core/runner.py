@@ -104,39 +104,43 @@ class Runner:
             start = time.perf_counter()  # after the lock: another call's wait is not ours
             stale = self.strategy.captures and self._snapshot is not None \
                 and not self._snapshot.current()
-            if stale and self.config.on_change == "recapture":
-                self.inputs.forget()  # a model of tensors that changed may take others
-                self.entries.clear()  # and its graphs: a call after a refused one captures
-            batch = self._agreed(self.inputs.check, args, kwargs)  # before anything runs
-            self.stats.calls += 1
-            with CountFailures(self.stats):
-                if stale:  # a split model's ranks: all refuse, or agree in _on_change
-                    self._on_change(batch, self._agreed(self._check_change))
-                    start = time.perf_counter()  # a replay's host time, not the capture's
-                elif self.strategy.captures and not self.entries:
-                    self._capture_all(batch, None)  # on the first call (tensors)
-                    start = time.perf_counter()
-                entry, reason = self._agreed(self._route, batch)
-                if (ranks := self.config.ranks) is not None:  # one graph, or one batch
-                    route = f"replay {entry.bucket}" if entry else f"eager ({reason})"
-                    ranks.agree(f"{route}: {self.inputs.describe(batch)}",
-                                "a call of the runner")
-                with self._together("a call of the runner"):
-                    try:
-                        out = self._replay(entry, batch) if entry else \
-                            self._eager(batch, reason)
-                    except BaseException:  # the model may have run in part
-                        self.inputs.abandon(batch)
-                        raise
-                    if entry is not None:
-                        self.stats.replay_host_s += time.perf_counter() - start
-                self.inputs.commit(batch)  # it ran: what it wrote counts (not if it raised)
-                return out
+            kept = self.inputs.forget() if stale and self.config.on_change == "recapture" \
+                else None  # a changed model of tensors may take other shapes
+            try:
+                return self._call(start, stale, args, kwargs)
+            except BaseException:  # refused before a recapture: the shapes its graphs take
+                if kept is not None and self.entries:
+                    self.inputs.remember(kept)
+                raise
+
+    def _call(self, start: float, stale: bool, args, kwargs):
+        batch = self._agreed(self.inputs.check, args, kwargs)  # before anything runs
+        self.stats.calls += 1
+        with CountFailures(self.stats):
+            if stale:  # a split model's ranks: all refuse, or agree in _on_change
+                self._on_change(batch, self._agreed(self._check_change))
+                start = time.perf_counter()  # a replay's host time, not the capture's
+            elif self.strategy.captures and not self.entries:
+                self._capture_all(batch, None)  # on the first call (tensors)
+                start = time.perf_counter()
+            entry, reason = self._agreed(self._route, batch)
+            if (ranks := self.config.ranks) is not None:  # one graph, or one batch
+                route = f"replay {entry.bucket}" if entry else f"eager ({reason})"
+                ranks.agree(f"{route}: {self.inputs.describe(batch)}", "a call of the runner")
+            with self._together("a call of the runner"):
+                try:
+                    out = self._replay(entry, batch) if entry else self._eager(batch, reason)
+                except BaseException:  # the model may have run in part
+                    self.inputs.abandon(batch)
+                    raise
+                if entry is not None:
+                    self.stats.replay_host_s += time.perf_counter() - start
+            self.inputs.commit(batch)  # it ran: what it wrote counts (not if it raised)
+            return out
 
     def _agreed(self, check, *args):
-        """``check(*args)``, which may refuse the call (a ``GraphcapError``). A rank of a
-        split model that refuses tells the others, so that every rank raises (the others
-        would wait for it in vain)."""
+        """``check(*args)``, which may refuse the call (a ``GraphcapError``); a refusing rank
+        of a split model tells the others, so that every rank raises (none waits in vain)."""
         try:
             return check(*args)
         except GraphcapError as exc:
@@ -170,8 +174,7 @@ class Runner:
         return None, reason  # a counted fallback
 
     def _replay(self, entry: ShapeEntry, batch: Batch):
-        # Each torch op here costs host time the GPU waits for: the inputs stage one copy
-        # of the inputs and their host values; the rest is derived inside the graph.
+        # Host time here is what the GPU waits for: one staged copy, the rest in the graph.
         with torch.inference_mode():
             self.inputs.stage(batch, entry.bucket, entry.state)
             if entry.breaks:  # Python runs between graphs: in the shape's forward context
@@ -192,9 +195,8 @@ class Runner:
         if reason == "eager":
             with torch.no_grad():
                 return run()
-        # A fallback runs in inference mode, as capture did: a compiled forward
-        # (tc_piecewise) traced in it would otherwise recompile under no_grad, and its new
-        # pieces capture graphs inside fallbacks. Outputs are cloned outside it, as replays.
+        # A fallback runs in inference mode, as capture did (a compiled forward traced in it
+        # would recompile under no_grad, capturing in fallbacks); outputs cloned outside it.
         with torch.inference_mode():
             out = run()
         self.stats.fallbacks[reason] += 1  # once it ran (one that raised is a failure)
@@ -266,8 +268,7 @@ class Runner:
             ranks.agree(f"capture {self.config.buckets}" + (
                 f": {self.inputs.describe(batch)}" if batch is not None else ""), "a capture")
         self._reset()
-        # A model that derives state from its parameters (fused weights) brings it up to
-        # date here, outside any graph: graphcap.hf.PrefillLM.
+        # State derived from the parameters (fused weights) updated outside any graph.
         before = getattr(self.source, "graphcap_before_capture", None)
         try:  # a rank failing in the set-up (out of memory) stops the others too
             with self._together("a capture"):
@@ -284,8 +285,7 @@ class Runner:
             if ranks is not None:  # a rank that failed after its last collective says so
                 ranks.agree("captured", "the end of a capture")
         except BaseException:
-            # Leave no half-built state, nor what the inputs took from a call that could
-            # not be captured: a later call captures from scratch, from its own shapes.
+            # No half-built state, nor shapes of a call not captured: a later call starts over.
             self._reset()
             self.inputs.forget()
             raise

@@ -47,8 +47,13 @@ class TensorInputs(Inputs):
                            "runs on")
         return Batch(tuple(args), checks.check_tensors(args, specs, self.device))
 
-    def forget(self) -> None:
-        self.specs = []
+    def forget(self) -> list:
+        kept, self.specs = self.specs, []
+        return kept
+
+    def remember(self, kept: list) -> None:
+        if not self.specs:
+            self.specs = kept
 
     def allocate(self, max_tokens: int, batch: Batch | None) -> None:
         if batch is not None:

@@ -217,11 +217,11 @@ def test_a_tensors_runner_recaptures_with_the_shapes_of_its_first_call():
 
 
 @pytest.mark.parametrize("strategy", GRAPHED)
-def test_a_call_refused_after_a_change_keeps_no_graph_of_shapes_forgotten(strategy):
+def test_a_call_refused_after_a_change_leaves_the_shapes_its_graphs_take(strategy):
     # A changed model makes a tensors runner forget its shapes (the model may take others
-    # now). A call refused then (an empty batch) left the graphs of the old ones: back as
-    # captured (autocast off), a call of other sizes or dtype was staged into them,
-    # broadcast or cast, and replayed where eager raises.
+    # now). A call refused then (an empty batch) left them forgotten beside the graphs of
+    # the old ones: back as captured (autocast off), a call of other sizes or dtype was
+    # staged into those graphs, broadcast or cast, and replayed where eager raises.
     torch._dynamo.reset()
     torch.manual_seed(0)
     lin = torch.nn.Linear(4, 4).to(DEVICE)
@@ -232,11 +232,12 @@ def test_a_call_refused_after_a_change_keeps_no_graph_of_shapes_forgotten(strate
     for x in (torch.randn(5, 1, device=DEVICE), torch.randn(5, 4, device=DEVICE).double()):
         with pytest.raises(RuntimeError):
             lin(x)
-        with pytest.raises(RuntimeError):
+        with pytest.raises(BadBatch):
             r(x)
     x = torch.randn(5, 4, device=DEVICE)
     with torch.no_grad():
         torch.testing.assert_close(r(x), lin(x))
+    assert r.report()["recaptures"] == 0  # the model as captured: its graphs replay
 
 
 def test_python_attributes_are_frozen_at_capture_until_recapture():
