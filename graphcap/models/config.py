@@ -39,10 +39,11 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _rope(config: dict) -> dict:
-    """The rotary parameters a config names: ``rope_parameters``, or ``rope_scaling`` as
-    configs written before transformers 5 say, else its family's; ``rope_theta`` and
+    """The rotary parameters a config names: ``rope_scaling`` as configs written before
+    transformers 5 say, else ``rope_parameters`` (transformers takes the first where a
+    config names both), else its family's; ``rope_theta`` and
     ``original_max_position_embeddings`` taken where transformers takes them."""
-    given = config.get("rope_parameters") or config.get("rope_scaling")
+    given = config.get("rope_scaling") or config.get("rope_parameters")
     rope = dict(given or ROPE_DEFAULTS.get(config.get("model_type"), {}))
     if not given and "rope_theta" in config:
         rope["rope_theta"] = config["rope_theta"]
@@ -57,6 +58,10 @@ def _rope(config: dict) -> dict:
 def _rope_scaling(config: dict, source: str) -> Scaling | None:
     """The rotary scaling a config names (:func:`_rope`), as transformers computes it."""
     rope = _rope(config)
+    nested = sorted(k for k, v in rope.items() if isinstance(v, dict))
+    if nested:  # transformers 5's per-layer-type form: read flat, it would name nothing
+        raise CheckpointError(f"{source}: rotary parameters of each layer type ({nested}) "
+                              "are not supported: one rope_parameters for every layer")
     kind = rope.get("rope_type", rope.get("type")) or "default"
     if rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
         raise CheckpointError(f"{source}: partial_rotary_factor (rotary over part of a "

@@ -105,6 +105,15 @@ def test_a_config_written_before_transformers_5_names_its_rope_scaling(tmp_path)
     assert_loads_as_transformers(tmp_path, hf)
 
 
+def test_a_config_naming_rope_scaling_and_rope_parameters_reads_rope_scaling():
+    config = dict(model_type="llama", vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, rope_theta=10000.0,
+                  rope_parameters={"rope_type": "linear", "factor": 2.0},
+                  rope_scaling={"rope_type": "linear", "factor": 8.0})
+    want = transformers.AutoConfig.for_model(**config).rope_parameters["factor"]
+    assert args_from_config(config).rope_scaling.factor == want == 8.0
+
+
 @pytest.mark.parametrize("change, needle", [
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"mlp_bias": True}, "mlp_bias"),
@@ -112,6 +121,9 @@ def test_a_config_written_before_transformers_5_names_its_rope_scaling(tmp_path)
      "rope_type 'dynamic' is not supported; supported: default, linear, llama3, yarn"),
     ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
      "partial_rotary_factor"),
+    ({"layer_types": ["full_attention"] * 2, "rope_parameters": {"full_attention": {
+        "rope_type": "linear", "rope_theta": 1e6, "factor": 4.0}}},
+     "rotary parameters of each layer type (['full_attention'])"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8,
       "max_window_layers": 1}, "sliding windows on some layers only"),
     ({"model_type": "qwen3", "layer_types": ["sliding_attention", "full_attention"],
