@@ -45,6 +45,46 @@ def _close(got, want, label: str, atol: float | None, worst: list, base: float =
                                    msg=lambda m: f"{label}: captured output differs: {m}")
 
 
+def _buffers(model) -> dict:
+    """The model's buffers by name, as they are now (copies)."""
+    return {name: b.detach().clone() for name, b in model.named_buffers()}
+
+
+def _same_writes(model, reference, before: tuple, label: str, atol, base: float) -> None:
+    """What the call wrote into the model's buffers against what eager's wrote into the
+    reference's (a cache a forward fills, which its outputs need not read): wherever
+    either call changed a buffer, both hold the same after it, as outputs compare.
+    Elements neither changed may differ (a capture's warm-up wrote the model's)."""
+    mine, eager = dict(model.named_buffers()), dict(reference.named_buffers())
+    for name, old in before[0].items():
+        new, ref, ref_old = mine.get(name), eager.get(name), before[1].get(name)
+        if new is None or ref is None or ref_old is None or not (
+                new.shape == old.shape == ref.shape == ref_old.shape) or \
+                new.dtype != ref.dtype:
+            continue  # replaced or reshaped by Python code: the outputs show its effect
+        changed = (new != old) & ~(new.isnan() & old.isnan()) if new.is_floating_point() \
+            else new != old
+        changed |= (ref != ref_old) & ~(ref.isnan() & ref_old.isnan()) \
+            if ref.is_floating_point() else ref != ref_old
+        if not changed.any():
+            continue
+        exact = not (new.is_floating_point() or new.is_complex())
+        tol = 0.0 if exact else atol if atol is not None else \
+            max(base, _default_tolerance(new.dtype))
+        try:
+            torch.testing.assert_close(
+                new[changed], ref[changed], atol=tol, rtol=tol, equal_nan=True,
+                msg=lambda m, name=name: (
+                    f"{label}: the forward writes its buffer {name!r}, and the captured "
+                    f"call left other values in it than eager's ({m})"))
+        except AssertionError:
+            # Eager's from the captured one's: hypothesis calls the batch again to shrink
+            # it, which must see the same write differ, not a write of what is there.
+            with torch.no_grad():
+                ref.copy_(new)
+            raise
+
+
 def eager_copy(model):
     """The reference: a copy of the model as it was before any capture, so that what a
     capture's warm-up leaves in it (a scale calibrated on the warm-up's dummy batch, a
@@ -148,16 +188,18 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
     reports = {}
     # One reference for every strategy: a second copy of the model at most.
     truth = graphcap.capture(pristine if pristine is not None else model, "eager", **kwargs)
+    # The buffers the forward writes are compared too, where eager runs on another model.
+    models = (model, pristine) if pristine is not None and pristine is not model else None
     for strategy in strategies:
         opts = dict(kwargs, compiler=compiler) if strategy == "tc_piecewise" else kwargs
         reports[strategy] = _check_strategy(
             model, strategy, opts, truth, batches, wide, full, tol, examples, sequences,
-            attention, dict(vocab=vocab, device=device, min_len=min_len))
+            attention, dict(vocab=vocab, device=device, min_len=min_len), models)
     return reports
 
 
 def _check_strategy(model, strategy, kwargs, truth, batches, wide, full, tol, examples,
-                    sequences, attention, draw) -> dict:
+                    sequences, attention, draw, models) -> dict:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
     from hypothesis.errors import Flaky
@@ -178,11 +220,14 @@ def _check_strategy(model, strategy, kwargs, truth, batches, wide, full, tol, ex
         the label says how the runner ran the batch."""
         before = Counter(run.stats.replays)
         ids_r, pos_r, ids_e, pos_e = ids.clone(), pos.clone(), ids.clone(), pos.clone()
+        state = models and (_buffers(models[0]), _buffers(models[1]))
         got = run(ids_r, pos_r, seq_lens=lens)
         replayed = list(Counter(run.stats.replays) - before)
         label += (f", replayed the {replayed[0]}-token graph" if replayed
                   else ", ran eagerly as a fallback")
         _close(got, truth(ids_e, pos_e, seq_lens=lens), label, tol[0], worst, tol[1])
+        if state:
+            _same_writes(*models, state, label, tol[0], tol[1])
         for name, mine, eager in (("input_ids", ids_r, ids_e), ("positions", pos_r, pos_e)):
             assert torch.equal(mine, eager), (
                 f"{label}: the forward writes its {name} in place, which eager does and a "
