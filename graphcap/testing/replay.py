@@ -31,18 +31,24 @@ def _close(got, want, label: str, atol: float | None, worst: list, base: float =
     assert got_spec == want_spec, (f"{label}: captured output is {got_spec}, eager's "
                                    f"{want_spec}")
     for g, w in zip(got_leaves, want_leaves, strict=True):
-        exact = not (isinstance(g, torch.Tensor) and (g.is_floating_point() or g.is_complex()))
         if isinstance(g, torch.Tensor) and g.numel() and w.shape == g.shape:
             diff = (g.double() - w.double()).abs()
             diff = diff[~diff.isnan()]  # NaN on both sides: equal (on one: assert_close)
             if diff.numel():
                 worst[0] = max(worst[0], diff.max().item())
-        # The caller's atol, else the looser of the model's dtype's and the output's own
-        # (a bfloat16 output of a float32 model rounds a 1e-6 difference to an ulp).
-        tol = 0.0 if exact else atol if atol is not None else \
-            max(base, _default_tolerance(g.dtype))
+        tol = _tolerance(g, atol, base)
         torch.testing.assert_close(g, w, atol=tol, rtol=tol, equal_nan=True,
                                    msg=lambda m: f"{label}: captured output differs: {m}")
+
+
+def _tolerance(t, atol: float | None, base: float) -> float:
+    """How far a value of ``t`` may be from eager's: integers, booleans and non-tensors
+    exactly; floats within the caller's ``atol``, else the looser of the model dtype's
+    (``base``) and ``t``'s own (a bfloat16 output of a float32 model rounds a 1e-6
+    difference to an ulp)."""
+    if not (isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())):
+        return 0.0
+    return atol if atol is not None else max(base, _default_tolerance(t.dtype))
 
 
 def _buffers(model) -> dict:
@@ -62,15 +68,10 @@ def _same_writes(model, reference, before: tuple, label: str, atol, base: float)
                 new.shape == old.shape == ref.shape == ref_old.shape) or \
                 new.dtype != ref.dtype:
             continue  # replaced or reshaped by Python code: the outputs show its effect
-        changed = (new != old) & ~(new.isnan() & old.isnan()) if new.is_floating_point() \
-            else new != old
-        changed |= (ref != ref_old) & ~(ref.isnan() & ref_old.isnan()) \
-            if ref.is_floating_point() else ref != ref_old
+        changed = _changed(new, old) | _changed(ref, ref_old)
         if not changed.any():
             continue
-        exact = not (new.is_floating_point() or new.is_complex())
-        tol = 0.0 if exact else atol if atol is not None else \
-            max(base, _default_tolerance(new.dtype))
+        tol = _tolerance(new, atol, base)
         try:
             torch.testing.assert_close(
                 new[changed], ref[changed], atol=tol, rtol=tol, equal_nan=True,
@@ -83,6 +84,13 @@ def _same_writes(model, reference, before: tuple, label: str, atol, base: float)
             with torch.no_grad():
                 ref.copy_(new)
             raise
+
+
+def _changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Where ``new`` differs from ``old`` (NaN where both are NaN: unchanged)."""
+    if not new.is_floating_point():
+        return new != old
+    return (new != old) & ~(new.isnan() & old.isnan())
 
 
 def eager_copy(model):
