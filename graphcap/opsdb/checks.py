@@ -44,3 +44,11 @@ def writable(op: str, name: str, t: torch.Tensor) -> None:
         raise OpInputError(f"{op}: {name} is written in place but repeats its memory "
                            f"(strides {t.stride()}, an expanded tensor); pass a copy "
                            "(.contiguous())")
+
+
+def rows_for(op: str, table: torch.Tensor, indices: torch.Tensor, refusal: str) -> None:
+    """Refuse (``refusal``) a ``table`` of no rows where ``indices`` index it: a kernel
+    would read outside it (its indices clamp into the rows there are)."""
+    if table.shape[0] == 0 and indices.numel():
+        raise OpInputError(f"{op}: {refusal}")
+

@@ -127,8 +127,7 @@ def check_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, scal
     for name, t in (("q", q), ("out", out), ("block_table", block_table),
                     ("seq_lens", seq_lens)):
         checks.last_dim_contiguous(OP, name, t)
-    if k_cache.shape[0] == 0 and block_table.numel():
-        raise checks.OpInputError(f"{OP}: k_cache has no pages for block_table's entries")
+    checks.rows_for(OP, k_cache, block_table, "k_cache has no pages for block_table's entries")
     hk = k_cache.shape[2]
     if hk == 0 or q.shape[1] == 0 or q.shape[1] % hk:
         raise checks.OpInputError(f"{OP}: {q.shape[1]} query heads are not a multiple of "

@@ -76,8 +76,8 @@ def check_rope(op: str, q, positions, q_weight, k_weight, cos_sin_cache,
             checks.same(op, "the size", w.shape[0], head_size, name, "head_size")
     if q_weight is not None:
         checks.same(op, "the dtype", k_weight.dtype, q_weight.dtype, "k_weight", "q_weight")
-    if cos_sin_cache.shape[0] == 0 and positions.shape[0]:
-        raise checks.OpInputError(f"{op}: cos_sin_cache has no rows: no position to rotate by")
+    checks.rows_for(op, cos_sin_cache, positions,
+                    "cos_sin_cache has no rows: no position to rotate by")
     rot = cos_sin_cache.shape[1]
     if rot % 2 or rot > head_size or cos_sin_cache.stride(1) != 1:
         raise checks.OpInputError(

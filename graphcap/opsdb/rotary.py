@@ -26,8 +26,8 @@ def check_rotary(positions, query, key, cos_sin_cache, head_size):
         if head_size <= 0 or t.shape[1] % head_size:
             raise checks.OpInputError(
                 f"{OP}: {name} width {t.shape[1]} is not a multiple of head_size {head_size}")
-    if cos_sin_cache.shape[0] == 0 and positions.shape[0]:
-        raise checks.OpInputError(f"{OP}: cos_sin_cache has no rows: no position to rotate by")
+    checks.rows_for(OP, cos_sin_cache, positions,
+                    "cos_sin_cache has no rows: no position to rotate by")
     rot = cos_sin_cache.shape[1]
     if rot % 2 or rot > head_size:
         raise checks.OpInputError(
