@@ -71,6 +71,32 @@ def test_the_tiles_keep_a_programs_slice_in_registers():
     assert gemv.gemv_config(4096, norm=True) == gemv.gemv_config(4096)
 
 
+def test_a_tuned_device_keeps_two_slices_of_a_normed_projection_past_1024_in_flight():
+    assert gemv.gemv_config(4096, norm=True, ahead=True) == {  # q/k/v: slices of 1024
+        "BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "AHEAD": True}
+    assert gemv.gemv_config(4096, norm=True, swiglu=True, ahead=True) == {
+        "BLOCK_N": 2, "BLOCK_K": 2048, "num_warps": 4, "AHEAD": True}
+    # K up to 1024, or no norm (o, down): as on any device
+    assert gemv.gemv_config(1024, norm=True, ahead=True) == gemv.gemv_config(1024, norm=True)
+    assert gemv.gemv_config(14336, ahead=True) == gemv.gemv_config(14336)
+
+
+def test_the_dispatch_follows_the_devices_tuning_by_its_name(monkeypatch):
+    default = {"dispatch_bytes": gemv.DISPATCH_BYTES, "ahead": False}
+    assert gemv.tuning(torch.device("cpu")) == default
+    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200"}
+    monkeypatch.setattr(gemv, "_device_name", names.__getitem__)
+    assert gemv.tuning(torch.device("cuda", 0)) == gemv.TUNED["NVIDIA H100 80GB HBM3"]
+    assert gemv.tuning(torch.device("cuda", 1)) == default
+    # llama3-8b's gate/up (235 MB) takes the form on the tuned device alone; an LM head
+    # (qwen3-0.6b's, 311 MB) on neither
+    for shape, tuned in (((28672, 4096), True), ((151936, 1024), False)):
+        w = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+        for entry, rows in ((gemv.TUNED["NVIDIA H100 80GB HBM3"], int(tuned)), (default, 0)):
+            monkeypatch.setattr(gemv, "tuning", lambda device, entry=entry: entry)
+            assert gemv.gemv_rows(w) == rows, (shape, entry)
+
+
 def test_the_dispatch_takes_the_gemv_form_at_one_row_and_small_weights_only():
     w = randn(8, 16, dtype=torch.float32, seed=1)
     assert gemv.dispatches(randn(1, 16, dtype=torch.float32, seed=0), w)
@@ -106,9 +132,11 @@ def test_only_a_modules_parameters_are_read_before_the_pdl_wait():
 def test_model_sized_projections_replay_in_a_cuda_graph(m, parameter):
     from graphcap.core import new_pool
 
-    # qwen3-0.6b q/k/v, o, gate/up, down, LM head; llama3-8b's down (K past one slice).
+    # qwen3-0.6b q/k/v, o, gate/up, down, LM head; llama3-8b's q/k/v, gate/up and down
+    # (K past one slice; the first two at AHEAD tiles on a TUNED device).
     shapes = [("norm", 4096, 1024), ("residual", 1024, 2048), ("swiglu", 3072, 1024),
-              ("residual", 1024, 3072), ("norm", 151936, 1024), ("residual", 4096, 14336)]
+              ("residual", 1024, 3072), ("norm", 151936, 1024), ("norm", 6144, 4096),
+              ("swiglu", 14336, 4096), ("residual", 4096, 14336)]
     pool = new_pool("cuda")
     for mode, n, k in shapes:
         args, want, x = case(mode, m, n, k, torch.bfloat16, 0)

@@ -34,6 +34,8 @@ result than rounding the normed x first.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -66,6 +68,15 @@ GEMV_ROWS = 8  # the most rows a launch takes: each row's products are its own p
 # (docs/results/2026-12-03-bench-decode-gemv-1fe2f13-h200.json).
 DISPATCH_ROWS = 1
 DISPATCH_BYTES = 32 << 20
+# Devices whose recorded steps chose otherwise, by torch.cuda.get_device_name: the
+# largest weight the form takes there, and whether normed projections of K past 1024
+# keep two weight slices in flight (AHEAD; q/k/v in slices of 1024). On the H100 SXM
+# every llama3-8b projection in the form at those tiles made its batch-1 step 1.9-2.9%
+# faster in three runs (5.801-6.039 ms against 5.971-6.201; the form at the default
+# tiles 1.2-1.5%), and it runs 6 kernels a layer where the default runs 9
+# (docs/results/2026-12-06-projection-tiles-cfdb0b6-h100.json). Its largest weight is
+# gate/up's 235 MB; the LM heads of both presets (311 MB and 1 GB) stay on cuBLAS.
+TUNED = {"NVIDIA H100 80GB HBM3": {"dispatch_bytes": 256 << 20, "ahead": True}}
 _SLICE_ELEMENTS = 4096  # weight elements a program holds per slice (per half, SwiGLU)
 
 
@@ -178,7 +189,8 @@ def _gemv_kernel(
               SWIGLU, RESIDUAL, HAS_BIAS, INTERPRET)
 
 
-def gemv_config(k: int, norm: bool = False) -> dict:
+def gemv_config(k: int, norm: bool = False, swiglu: bool = False,
+                ahead: bool = False) -> dict:
     """Two columns a program, the slice as long as K up to :data:`_SLICE_ELEMENTS`
     weight elements a program and half (32 a thread: no spills beside their float32
     copies, several programs an SM), four warps. With the RMSNorm folded in and K of up
@@ -188,13 +200,33 @@ def gemv_config(k: int, norm: bool = False) -> dict:
     weights cycled past L2 (``docs/notes/probes/gemv_forms.py``,
     ``docs/results/2026-12-05-gemv-forms-43639f3-h200.json``): qwen3-0.6b's q/k/v 4.7 us
     against 6.5, gate/up 6.2 against 8.5, and its batch-1 step 4% faster; the residual
-    projections (o, down) and llama3-8b's K of 4096 ran no faster in any other form."""
+    projections (o, down) and llama3-8b's K of 4096 ran no faster in any other form.
+    ``ahead`` (a device of :data:`TUNED` that asks for it): normed projections of K past
+    1024 keep two slices in flight (``AHEAD``), those without SwiGLU in slices of at most
+    1024."""
     if norm and k <= 1024:
         return {"BLOCK_N": 4, "BLOCK_K": max(16, triton.next_power_of_2(k)),
                 "num_warps": 4, "NORM_LATE": True}
     block_n = 2
     block_k = max(16, min(triton.next_power_of_2(k), _SLICE_ELEMENTS // block_n))
+    if ahead and norm:
+        return {"BLOCK_N": block_n, "BLOCK_K": block_k if swiglu else min(block_k, 1024),
+                "num_warps": 4, "AHEAD": True}
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4}
+
+
+def tuning(device: torch.device) -> dict:
+    """:data:`TUNED`'s entry for ``device``, else the defaults (:data:`DISPATCH_BYTES`,
+    no ``AHEAD``)."""
+    default = {"dispatch_bytes": DISPATCH_BYTES, "ahead": False}
+    if device.type != "cuda":
+        return default
+    return TUNED.get(_device_name(device.index), default)
+
+
+@functools.cache
+def _device_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
 
 
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
@@ -210,7 +242,8 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
     if m == 0 or n == 0:
         return y
     cfg = {"W_CACHE": "", "NORM_LATE": False, "AHEAD": False,
-           **(tiles or gemv_config(k, norm=norm_weight is not None))}
+           **(tiles or gemv_config(k, norm=norm_weight is not None, swiglu=swiglu,
+                                   ahead=tuning(x.device)["ahead"]))}
     res = residual if residual is not None else y
     launch = pdl_args(x.device, m, "gemv")
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
@@ -237,8 +270,10 @@ def preloads(weight: torch.Tensor) -> bool:
 
 def gemv_rows(weight: torch.Tensor) -> int:
     """Up to how many rows the dispatch runs this form over ``weight``
-    (:data:`DISPATCH_ROWS` where it is at most :data:`DISPATCH_BYTES`, else none)."""
-    return DISPATCH_ROWS if weight.numel() * weight.element_size() <= DISPATCH_BYTES else 0
+    (:data:`DISPATCH_ROWS` where it is at most :data:`DISPATCH_BYTES`, or its device's
+    :data:`TUNED` bound, else none)."""
+    bound = tuning(weight.device)["dispatch_bytes"]
+    return DISPATCH_ROWS if weight.numel() * weight.element_size() <= bound else 0
 
 
 def dispatches(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -247,5 +282,5 @@ def dispatches(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.shape[0] <= gemv_rows(weight)
 
 
-__all__ = ["DISPATCH_BYTES", "DISPATCH_ROWS", "GEMV_ROWS", "dispatches", "gemv_config",
-           "gemv_linear", "gemv_rows", "preloads"]
+__all__ = ["DISPATCH_BYTES", "DISPATCH_ROWS", "GEMV_ROWS", "TUNED", "dispatches",
+           "gemv_config", "gemv_linear", "gemv_rows", "preloads", "tuning"]
