@@ -287,7 +287,7 @@ COMPILE_DECODE = BUILD_SM90 + textwrap.dedent('''
                        "SOFTCAP": variant, "SINKS": variant, "WRITE": pdl, "ROPE": rope,
                        "HAS_NORM": rope and group == 2, "IEEE": dt == "fp32",
                        "INTERPRET": False, "PDL": pdl, "EARLY_V": not pdl,
-                       "KEY_LATE": group == 2, "PAGES_FIRST": pdl}, pdl=pdl)
+                       "KEY_LATE": group == 2}, pdl=pdl)
     print("compiled")
 ''')
 
@@ -413,7 +413,7 @@ COMPILE_SMALL_GPU = textwrap.dedent('''
                   "BLOCK_N": cfg["BLOCK_N"], "BLOCK_D": d, "WINDOW": False,
                   "SOFTCAP": False, "SINKS": False, "WRITE": True, "ROPE": False,
                   "HAS_NORM": False, "IEEE": dt == "fp32", "INTERPRET": False, "PDL": False,
-                  "EARLY_V": False, "KEY_LATE": False, "PAGES_FIRST": False}
+                  "EARLY_V": False, "KEY_LATE": False}
         sig = {**types, **{n: "constexpr" for n in consts}}
         sig = {n: sig[n] for n in _decode_kernel.arg_names}
         out = triton.compile(ASTSource(_decode_kernel, sig, constexprs=consts),

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from graphcap.kv import PagedKVCache
 from graphcap.opsdb.decode import decode_attention_reference
@@ -213,45 +211,3 @@ def test_more_rows_than_a_split_launch_merges_run_in_one_split():
     decode_attention(q, *caches, table, lens, out, 0.25)
     decode_attention_reference(q, *caches, table, lens, want, 0.25)
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.gpu if ROPE_DEVICE == "cuda" else (lambda test: test)
-@settings(deadline=None)
-@given(lens=st.lists(st.integers(0, 64), min_size=1, max_size=3),
-       window=st.sampled_from([0, 5, 16, 40]), splits=st.integers(1, 4),
-       write=st.booleans(), seed=st.integers(0, 2**16))
-def test_pages_asked_for_a_block_ahead_give_the_same_bits(lens, window, splits, write,
-                                                          seed):
-    """``PAGES_FIRST`` (each block's pages read with the block before, the first's with
-    the row's length) changes when the block table is read, never what: outputs and
-    cache writes equal the default's bit for bit, windows, empty rows and page edges
-    included (on the CPU, Triton's interpreter)."""
-    from graphcap.opsdb.triton.decode import decode_attention
-
-    dev, page, width, hq, hk, d = ROPE_DEVICE, 8, 8, 4, 2, 32
-    g = torch.Generator().manual_seed(seed)
-    B = len(lens)
-    table = (torch.randperm(B * width, generator=g) + 1).view(B, width).to(torch.int32)
-    caches = [torch.randn(B * width + 1, page, hk, d, generator=g).to(dev, torch.bfloat16)
-              for _ in range(2)]
-    q = torch.randn(B, hq, d, generator=g).to(dev, torch.bfloat16)
-    seq = torch.tensor(lens, dtype=torch.int32)
-    kw = {}
-    if write:  # a decode step: each row's own token written at its last slot
-        last = (seq.long() - 1).clamp(min=0)
-        loc = table.long().gather(1, (last // page)[:, None])[:, 0] * page + last % page
-        kw = {"k": torch.randn(B, hk, d, generator=g).to(dev, torch.bfloat16),
-              "v": torch.randn(B, hk, d, generator=g).to(dev, torch.bfloat16),
-              "cache_loc": torch.where(seq > 0, loc, -1).to(dev)}
-    table, seq = table.to(dev), seq.to(dev)
-    runs = []
-    for first in (False, True):
-        cache = [t.clone() for t in caches]
-        out = torch.empty_like(q)
-        decode_attention(q, *cache, table, seq, out, d ** -0.5, window=window,
-                         num_splits=splits, tiles={"PAGES_FIRST": first}, **kw)
-        runs.append((out, cache))
-    (out, cache), (out_first, cache_first) = runs
-    assert torch.equal(out.view(torch.int16), out_first.view(torch.int16))
-    for a, b in zip(cache, cache_first, strict=True):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16))

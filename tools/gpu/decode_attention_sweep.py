@@ -7,9 +7,6 @@ and split counts (:data:`GRID`), where the defaults read 13-49% of the bandwidth
 ``python tools/gpu/decode_attention_sweep.py OUT.json early``: every model, batch 1, 8
 and 64 at contexts 1024 and 4096, the defaults against the same tiles with each block's
 values loaded with its keys (``EARLY_V``).
-``python tools/gpu/decode_attention_sweep.py OUT.json pages``: the same cases, the defaults
-against each block's pages read with the block before (``PAGES_FIRST``), alone and with
-``EARLY_V``.
 ``python tools/gpu/decode_attention_sweep.py OUT.json stages``: every model at batch 1 and
 8 (contexts 1024 and 4096) and batch 64 (256 and 1024), the defaults against each block
 size at the stage counts where Triton's pipeliner keeps more key and value blocks in
@@ -60,9 +57,6 @@ def main(path: str, mode: str = "") -> None:
             extra = [g for g in GRID if g["num_splits"] * g["tiles"]["BLOCK_N"] <= context]
         elif mode == "early":
             extra = [{"tiles": {"EARLY_V": True}}]
-        elif mode == "pages":
-            extra = [{"tiles": {"PAGES_FIRST": True}},
-                     {"tiles": {"PAGES_FIRST": True, "EARLY_V": True}}]
         elif mode == "stages":
             extra = []
             for t in STAGES:

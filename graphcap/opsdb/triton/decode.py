@@ -146,8 +146,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
                    WRITE: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
                    IEEE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
-                   EARLY_V: tl.constexpr = False, KEY_LATE: tl.constexpr = False,
-                   PAGES_FIRST: tl.constexpr = False):
+                   EARLY_V: tl.constexpr = False, KEY_LATE: tl.constexpr = False):
     pdl_start(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)  # key/value head, then block of its query heads
@@ -190,22 +189,11 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
                                       head_dim, eps, k_stride_b, k_stride_h, v_stride_b,
                                       v_stride_h, slot_stride, pages * PAGE, ROPE,
                                       HAS_NORM, BLOCK_D, INTERPRET)
-    table_row_ptr = table_ptr + b.to(tl.int64) * table_stride
-    page_next = tl.zeros([BLOCK_N], tl.int64)
-    if PAGES_FIRST:  # the first block's pages asked for with the length, not after it
-        t = start + tl.arange(0, BLOCK_N)
-        page_next = tl.load(table_row_ptr + t // PAGE, mask=t < width * PAGE,
-                            other=0).to(tl.int64)
     for n0 in range(start, read_end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         t_mask = t < read_end
-        if PAGES_FIRST:  # this block's pages came with the one before; the next's now
-            page = page_next
-            t_next = t + BLOCK_N
-            page_next = tl.load(table_row_ptr + t_next // PAGE, mask=t_next < width * PAGE,
-                                other=0).to(tl.int64)
-        else:
-            page = tl.load(table_row_ptr + t // PAGE, mask=t_mask, other=0).to(tl.int64)
+        page = tl.load(table_ptr + b.to(tl.int64) * table_stride + t // PAGE, mask=t_mask,
+                       other=0).to(tl.int64)
         page = table_row(page, pages)  # as the reference's k_cache[pages] reads it
         offs = (page * PAGE + t % PAGE)[:, None] * slot_stride + kvh * head_dim + d[None, :]
         kv_mask = t_mask[:, None] & d_mask[None, :]
@@ -301,9 +289,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     the same launch (no write kernel before it); with ``positions`` and ``cos_sin_cache``
     too, ``q`` and ``k`` are normalised (``q_weight``, ``k_weight``) and rotated there
     first. ``tiles`` overrides ``BLOCK_N``, ``num_warps``, ``num_stages``, ``EARLY_V``
-    (each block's values loaded with its keys), ``KEY_LATE`` (the own key's and value's
-    reads and write after the loop over the cache) and ``PAGES_FIRST`` (each block's
-    pages read with the block before, the first's with the row's length); benchmarks."""
+    (each block's values loaded with its keys) and ``KEY_LATE`` (the own key's and value's
+    reads and write after the loop over the cache); benchmarks."""
     B, Hq, D = q.shape
     _, page, Hk, _ = k_cache.shape
     if B == 0 or Hq == 0:
