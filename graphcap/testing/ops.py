@@ -6,20 +6,37 @@ same way, given its reference and input strategy."""
 
 from __future__ import annotations
 
+import math
+
+import sympy
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_map
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._pytree import tree_flatten, tree_map
 
 from graphcap.compat.library import device_types_of, overload_of
 from graphcap.core.trees import tensor_leaves
 from graphcap.opsdb.spec import REGISTRY, Kernel, OpSpec
 
-_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+_TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-4, torch.float16: 1e-2,
+              torch.bfloat16: 2e-2}
 
 
 def default_tolerance(dtype: torch.dtype) -> float:
-    """atol = rtol for comparing a kernel with its float32-accumulating reference."""
+    """atol = rtol for comparing a kernel with its float32-accumulating reference (0:
+    exactly, as integers and booleans)."""
     return _TOLERANCE.get(dtype, 0.0)
+
+
+def _tolerances(t: torch.Tensor, dtype: torch.dtype, atol, rtol) -> tuple[float, float]:
+    """(atol, rtol) for an output ``t`` of an example of ``dtype``: integers and booleans
+    exactly (an index within a float tolerance is another index); floats within the
+    caller's, else the looser of ``dtype``'s and ``t``'s own (a bfloat16 output of a
+    float32 example rounds a 1e-6 difference to an ulp)."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return 0.0, 0.0
+    base = max(default_tolerance(dtype), default_tolerance(t.dtype))
+    return (atol if atol is not None else base, rtol if rtol is not None else base)
 
 
 class CheckReport(dict):
@@ -46,8 +63,21 @@ class CheckReport(dict):
         return "\n".join(lines)
 
 
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its strides: a slice of a wider tensor (``qkv[:, :q]``), a
+    transpose, an expanded tensor stay so (``clone`` makes a tensor that is not dense
+    contiguous, and a kernel that ignores strides would pass)."""
+    if t.layout != torch.strided or t.numel() == 0:
+        return t.clone()
+    reach = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    with torch.no_grad():
+        elements = t.as_strided((reach + 1,), (1,)).clone()  # the span the view reads
+        copy = elements.as_strided(t.shape, t.stride())
+    return copy.requires_grad_(t.requires_grad)
+
+
 def _clone(args):
-    return tree_map(lambda a: a.clone() if isinstance(a, torch.Tensor) else a, args)
+    return tree_map(lambda a: _copy(a) if isinstance(a, torch.Tensor) else a, args)
 
 
 def _overload(spec: OpSpec) -> torch._ops.OpOverload:
@@ -101,45 +131,59 @@ def _outside(overload, reference, inputs) -> OpSpec:
     return spec
 
 
-def _results(spec: OpSpec, name: str, fn, args):
-    """What a call produces: its return value, plus every argument it may write (an
-    optional one where given). A tensor argument the schema does not declare written
-    (``Tensor(a!)``) must come back unchanged, bit for bit."""
+def _results(spec: OpSpec, name: str, fn, args) -> tuple[list, list[torch.Tensor]]:
+    """What a call produces: every leaf of its return value (tensors and host values),
+    and every tensor of the arguments it may write (an optional one where given). A tensor
+    argument the schema does not declare written (``Tensor(a!)``), in a list or not,
+    must come back unchanged, bit for bit."""
     args = _clone(args)
     before = _clone(args)
-    out = fn(*args)
+    try:
+        out = fn(*args)
+    except Exception as e:
+        e.add_note(f"raised by {spec.qualname}[{name}] on inputs {describe(args)}")
+        raise
     written = _written(spec)
     for i, (now, then) in enumerate(zip(args, before, strict=True)):
-        if i in written or not isinstance(now, torch.Tensor):
+        if i in written:
             continue
-        same = now.shape == then.shape and torch.equal(
-            now.isnan(), then.isnan()) and torch.equal(now.nan_to_num(), then.nan_to_num())
-        assert same, (f"{spec.qualname}[{name}] wrote its argument {i} "
-                      f"({_overload(spec)._schema.arguments[i].name}), which the schema "
-                      f"{spec.schema} does not declare written: mark it Tensor(a!), or "
-                      f"write into a copy on inputs {describe(args)}")
-    return tensor_leaves(out) + [args[i] for i in written if args[i] is not None]
+        for t, t0 in zip(tensor_leaves(now), tensor_leaves(then), strict=True):
+            same = t.shape == t0.shape and torch.equal(
+                t.isnan(), t0.isnan()) and torch.equal(t.nan_to_num(), t0.nan_to_num())
+            assert same, (f"{spec.qualname}[{name}] wrote its argument {i} "
+                          f"({_overload(spec)._schema.arguments[i].name}), which the "
+                          f"schema {spec.schema} does not declare written: mark it "
+                          f"Tensor(a!), or write into a copy on inputs {describe(args)}")
+    return tree_flatten(out)[0], [t for i in written for t in tensor_leaves(args[i])]
 
 
 def describe(args) -> str:
     """A short, readable account of an op's arguments (shapes, dtypes, host values)."""
-    parts = []
-    for a in args:
+    def one(a) -> str:
         if isinstance(a, torch.Tensor):
-            parts.append(f"Tensor({str(a.dtype).removeprefix('torch.')}, {tuple(a.shape)})")
-        else:
-            parts.append(repr(a))
-    return "(" + ", ".join(parts) + ")"
+            return f"Tensor({str(a.dtype).removeprefix('torch.')}, {tuple(a.shape)})"
+        if isinstance(a, (list, tuple)):
+            return f"[{', '.join(map(one, a))}]"
+        return repr(a)
+
+    return "(" + ", ".join(map(one, args)) + ")"
 
 
-def _check_fake(spec: OpSpec, args, want: list[torch.Tensor]) -> None:
-    """The op's fake (given or derived) must give the reference's output metadata."""
-    mode = FakeTensorMode()
-    fakes = tree_map(lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a, args)
+def _check_fake(spec: OpSpec, args, want: list) -> None:
+    """The op's fake (given or derived) must give the reference's output metadata; a size
+    it leaves to the data (``get_ctx().new_dynamic_size()``) takes the reference's."""
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = tree_map(lambda a: mode.from_tensor(a, static_shapes=True)
+                     if isinstance(a, torch.Tensor) else a, args)
     with mode:
         out = tensor_leaves(_overload(spec)(*fakes))
-    real = _outputs(spec, args, want)
-    got, expected = [_layout(t) for t in out], [_layout(t) for t in real]
+    real = [t for t in want if isinstance(t, torch.Tensor)]
+    sizes = {}  # each unbacked size of the fake's, as the reference's output has it
+    for f, r in zip(out, real, strict=False):
+        for n, m in zip(f.shape, r.shape, strict=False):
+            if isinstance(n, torch.SymInt) and n.node.expr.is_Symbol:
+                sizes.setdefault(n.node.expr, sympy.Integer(m))
+    got, expected = [_layout(t, sizes) for t in out], [_layout(t) for t in real]
     assert got == expected, (
         f"{spec.qualname}: its fake returns {got} but the reference returns {expected} "
         f"(shape, dtype, device, strides) on inputs {describe(args)}: make them agree "
@@ -147,38 +191,66 @@ def _check_fake(spec: OpSpec, args, want: list[torch.Tensor]) -> None:
         f"the reference runs as kernel 'torch')")
 
 
-def _outputs(spec: OpSpec, args, results: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The returned tensors of ``_results``' list (the written arguments left out)."""
-    return results[:len(results) - sum(args[i] is not None for i in _written(spec))]
-
-
-def _layout(t: torch.Tensor) -> tuple:
+def _layout(t: torch.Tensor, sizes=None) -> tuple:
     """What Inductor checks of an op's output (``assert_size_stride``): its shape, dtype,
-    device, and the stride of each dim of more than one element (none of an empty one)."""
-    strides = () if t.numel() == 0 else tuple(
-        st if n > 1 else None for n, st in zip(t.shape, t.stride(), strict=True))
-    return tuple(t.shape), t.dtype, t.device.type, strides
+    device, and the stride of each dim of more than one element (none of an empty one).
+    ``sizes``: values for a fake tensor's unbacked sizes (one left unknown stays so)."""
+    def known(n):
+        if isinstance(n, torch.SymInt):
+            expr = n.node.expr.xreplace(sizes or {})
+            return int(expr) if expr.is_number else str(expr)
+        return n
+
+    shape, stride = [known(n) for n in t.shape], [known(st) for st in t.stride()]
+    strides = () if 0 in shape else tuple(
+        st if n != 1 else None for n, st in zip(shape, stride, strict=True))
+    return tuple(shape), t.dtype, t.device.type, strides
 
 
-def compare(spec: OpSpec, kernel: str, args, atol: float, rtol: float) -> float:
-    """Run ``kernel`` and the reference on copies of ``args``; assert close; max error."""
-    want = _results(spec, "torch", spec.reference, args)
-    got = _results(spec, kernel, spec.kernels[kernel].resolve(), args)
-    assert len(got) == len(want), f"{spec.qualname}[{kernel}]: {len(got)} results"
+def compare(spec: OpSpec, kernel: str, args, atol: float | None, rtol: float | None,
+            dtype: torch.dtype = torch.float32) -> float:
+    """Run ``kernel`` and the reference on copies of ``args``; assert close (tolerances:
+    ``atol``/``rtol``, else by ``dtype`` and each output's own); max error."""
+    want_out, want_written = _results(spec, "torch", spec.reference, args)
+    got_out, got_written = _results(spec, kernel, spec.kernels[kernel].resolve(), args)
+    label = f"{spec.qualname}[{kernel}]"
+    assert len(got_out) == len(want_out), (
+        f"{label} returns {len(got_out)} values, the reference {len(want_out)} "
+        f"({_kinds(got_out)} against {_kinds(want_out)}) on inputs {describe(args)}")
+    pairs = [(f"output {i}", g, w) for i, (g, w) in enumerate(
+        zip(got_out, want_out, strict=True))]
+    names = [a.name for i, a in enumerate(_overload(spec)._schema.arguments)
+             if i in _written(spec) for _ in tensor_leaves(args[i])]
+    pairs += [(f"written argument {n}", g, w) for n, g, w in zip(
+        names, got_written, want_written, strict=True)]
     worst = 0.0
-    for g, w in zip(got, want, strict=True):
+    for what, g, w in pairs:
+        if not (isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor)):
+            same = not isinstance(g, torch.Tensor) and not isinstance(w, torch.Tensor) and (
+                g == w or isinstance(g, float) and isinstance(w, float)
+                and math.isnan(g) and math.isnan(w))
+            assert same, (f"{label}: {what} is {g!r}, the reference's {w!r} on inputs "
+                          f"{describe(args)}")
+            continue
         assert _layout(g) == _layout(w), (
-            f"{spec.qualname}[{kernel}]: got {g.dtype}{tuple(g.shape)} strides {g.stride()}, "
-            f"want {w.dtype}{tuple(w.shape)} strides {w.stride()} (the reference's, which "
+            f"{label}: {what} is {g.dtype}{tuple(g.shape)} strides {g.stride()}, want "
+            f"{w.dtype}{tuple(w.shape)} strides {w.stride()} (the reference's, which "
             f"the fake must give) on inputs {describe(args)}")
-        diff = (g.double() - w.double()).abs()[~(g.isnan() & w.isnan())]
+        same = (g == w) | (g.isnan() & w.isnan())  # inf where the reference has inf too
+        diff = (g.double() - w.double()).abs()[~same]
         err = diff.max().item() if diff.numel() else 0.0
         worst = max(worst, err)
+        tol_a, tol_r = _tolerances(w, dtype, atol, rtol)
         torch.testing.assert_close(  # NaN where the reference has NaN (an unread slot)
-            g, w, atol=atol, rtol=rtol, equal_nan=True,
-            msg=lambda m, e=err: f"{spec.qualname}[{kernel}] on inputs {describe(args)}: "
-                                 f"max error {e:.3g}. {m}")
+            g, w, atol=tol_a, rtol=tol_r, equal_nan=True,
+            msg=lambda m, e=err, what=what: f"{label} on inputs {describe(args)}: {what}, "
+                                            f"max error {e:.3g}. {m}")
     return worst
+
+
+def _kinds(values) -> str:
+    return "(" + ", ".join("Tensor" if isinstance(v, torch.Tensor) else type(v).__name__
+                           for v in values) + ")"
 
 
 def _richness(args, outputs=()) -> tuple[bool, bool, int]:
@@ -187,7 +259,8 @@ def _richness(args, outputs=()) -> tuple[bool, bool, int]:
     then every tensor with two or more elements along each dim and values that are not
     all equal (a mutation of a constant or empty tensor can leave it as it was), then its
     size."""
-    no_nan = not any(bool(t.isnan().any()) for t in outputs if t.is_floating_point())
+    no_nan = not any(bool(t.isnan().any()) for t in outputs
+                     if isinstance(t, torch.Tensor) and t.is_floating_point())
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
 
     def rich(t: torch.Tensor) -> bool:
@@ -210,7 +283,10 @@ def check_op(op, kernel: str | None = None, *, reference=None, inputs=None, devi
     ``OpOverload`` or ``OpOverloadPacket``, or its qualified name): that op is then the
     one kernel ``"op"``, compared with ``reference`` (a plain torch function of the op's
     arguments), over ``inputs`` (``(device, dtype)`` -> a hypothesis strategy of argument
-    tuples; for an opsdb op it replaces the registered strategy). On every
+    tuples; for an opsdb op it replaces the registered strategy). Every call gets copies
+    of the inputs with their strides; every output and written tensor is compared (floats
+    within ``atol``/``rtol``, else the looser of the example dtype's and their own
+    :func:`default_tolerance`; integers, booleans and host values exactly). On every
     example the op's fake must give the reference's output shapes, dtypes and strides,
     and every kernel its strides (Inductor asserts what the fake gave; the reference runs
     as kernel ``"torch"``), and no kernel may write an argument the schema does not
@@ -247,9 +323,7 @@ def check_op(op, kernel: str | None = None, *, reference=None, inputs=None, devi
                 names.append(name)
             else:
                 report.skipped.setdefault(name, why)
-        tol_a = atol if atol is not None else default_tolerance(dtype)
-        tol_r = rtol if rtol is not None else default_tolerance(dtype)
-        _check_dtype(spec, inputs(device, dtype), names, examples, tol_a, tol_r,
+        _check_dtype(spec, inputs(device, dtype), names, examples, (atol, rtol, dtype),
                      opchecks if opcheck else 0, report)
     for name in list(report.skipped):
         if name in report:  # runnable for another dtype
@@ -264,7 +338,7 @@ def check_op(op, kernel: str | None = None, *, reference=None, inputs=None, devi
     return report
 
 
-def _check_dtype(spec, strategy, names, examples, atol, rtol, opchecks, report):
+def _check_dtype(spec, strategy, names, examples, tolerance, opchecks, report):
     from hypothesis import HealthCheck, given, settings
 
     candidates: list[tuple[tuple[bool, bool, int], tuple]] = []
@@ -273,18 +347,22 @@ def _check_dtype(spec, strategy, names, examples, atol, rtol, opchecks, report):
               suppress_health_check=list(HealthCheck))
     @given(strategy)
     def run(args):
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"{spec.qualname}: its input strategy gave a "
+                            f"{type(args).__name__}, not a tuple of the op's arguments: "
+                            f"give (x,) for one argument (strategy.map(lambda x: (x,)))")
         report.examples += 1
-        want = _results(spec, "torch", spec.reference, args)
+        want, _ = _results(spec, "torch", spec.reference, args)
         _check_fake(spec, args, want)
         if opchecks:
-            candidates.append((_richness(args, _outputs(spec, args, want)), _clone(args)))
+            candidates.append((_richness(args, want), _clone(args)))
             candidates.sort(key=lambda c: c[0], reverse=True)
             del candidates[opchecks:]
         for name in names:
             if spec.kernels[name].declines(args):
                 report.declined[name] = report.declined.get(name, 0) + 1
                 continue  # a shape this kernel has no variant for: dispatch passes it over
-            err = compare(spec, name, args, atol, rtol)
+            err = compare(spec, name, args, *tolerance)
             report[name] = max(report.get(name, 0.0), err)
 
     run()

@@ -18,6 +18,18 @@ def op_inputs(op: str | OpSpec, *, device="cpu", dtype=torch.float32, **constrai
     return spec.inputs(torch.device(device), dtype, **constraints)
 
 
+def _refuse_empty(what: str, max_tokens: int, max_requests: int, vocab: int,
+                  min_token_id: int) -> None:
+    """A batch range that holds no request, or ids with no value to take, is refused
+    (rather than a batch past ``max_tokens`` or torch's error from ``randint``)."""
+    if max_tokens < 1 or max_requests < 1:
+        raise ValueError(f"{what}: max_tokens {max_tokens} and max_requests {max_requests} "
+                         "must be 1 or more: no batch holds a request")
+    if vocab <= min_token_id:
+        raise ValueError(f"{what}: vocab {vocab} leaves no token id from min_token_id "
+                         f"{min_token_id} (ids are drawn from [min_token_id, vocab))")
+
+
 def prefill_batches(max_tokens: int, max_requests: int, vocab: int, *, device="cpu",
                     min_token_id: int = 1, min_len: int = 0):
     """Batches of packed prefill requests: ``(input_ids, positions, seq_lens)`` with 1 to
@@ -26,6 +38,7 @@ def prefill_batches(max_tokens: int, max_requests: int, vocab: int, *, device="c
     ``max_tokens``) favoured. ``min_len=1`` for models that return a row per request."""
     from hypothesis import strategies as st
 
+    _refuse_empty("prefill_batches", max_tokens, max_requests, vocab, min_token_id)
     if min_len > max_tokens:
         raise ValueError(f"prefill_batches: min_len {min_len} exceeds max_tokens "
                          f"{max_tokens}: no request fits")
@@ -59,6 +72,7 @@ def full_batch(max_tokens: int, max_requests: int, vocab: int, *, device="cpu",
     as fit (up to ``max_requests``, at least ``min_len`` and one token each), of unequal
     lengths where there is room, ``max_tokens`` tokens in all. A check of few drawn
     examples runs it too: hypothesis draws its simplest batch, one short request, first."""
+    _refuse_empty("full_batch", max_tokens, max_requests, vocab, min_token_id)
     if max_tokens < max(min_len, 1):
         raise ValueError(f"full_batch: max_tokens {max_tokens} holds no request of "
                          f"min_len {max(min_len, 1)} tokens")
