@@ -57,8 +57,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.suite == "ops":
         from graphcap.bench.ops import run
 
-        run(args.out)
-        return 0
+        return 0 if all(t["met"] for t in run(args.out)["targets"]) else 1
     from graphcap.bench.suites import run_suite
 
     return run_suite(args)
@@ -111,7 +110,7 @@ def _check_bench_args(args: argparse.Namespace) -> None:
     runs: a wrong name would otherwise surface after minutes of other arms, or need a GPU)."""
     from graphcap.bench import decode, generate, ladder
     from graphcap.bench.arms import ARMS
-    from graphcap.bench.hf import HF_ARMS
+    from graphcap.bench.hf import HF_ARMS, unmirrored
     from graphcap.models import PRESETS
 
     if args.tp > 1 and args.suite != "prefill":
@@ -132,6 +131,8 @@ def _check_bench_args(args: argparse.Namespace) -> None:
             forms = ", or hf:PRESET or hf-stock:PRESET" if ladders else ""
             raise GraphcapError(f"--models: no preset {name!r} for bench {args.suite}; choose "
                                 f"from {', '.join(sorted(PRESETS))}{forms}")
+        if kind and (why := unmirrored(preset)):  # the stock model would be another one
+            raise GraphcapError(f"--models {name}: {why}")
     if ladders and len(models) > 1:
         raise GraphcapError(f"--models: bench {args.suite} runs one model, not {len(models)}; "
                             "run it once per model")
@@ -156,6 +157,9 @@ def _check_bench_args(args: argparse.Namespace) -> None:
         if arm not in arms:
             raise GraphcapError(f"--arms: no arm {arm!r} in bench {args.suite}; choose from "
                                 f"{', '.join(arms)}")
+        if args.tp > 1 and arm in HF_ARMS:  # it would run unsplit only: nothing to compare
+            raise GraphcapError(f"--arms {arm} with --tp {args.tp}: a stock transformers "
+                                "model is not split across ranks; leave its arms out")
 
 
 def _no_cuda() -> str | None:

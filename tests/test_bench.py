@@ -844,3 +844,162 @@ def test_a_peer_target_whose_one_asked_form_failed_is_not_judged():
     peer = [t for t in targets(decode) if "gpt-fast" in t["target"]]
     assert len(peer) == 1 and not peer[0]["met"] and "gpt-fast-gqa" in peer[0]["not_judged"]
     assert "gpt-fast:" not in peer[0]["not_judged"]  # not asked for: not named
+
+
+def _fake_gpu(monkeypatch):
+    """torch seeing one H100 (for the command line's checks and the run's record)."""
+    from graphcap.bench import common
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(common, "_pdl", lambda: True)
+
+
+def test_bench_ops_exits_1_on_a_miss_and_writes_every_suite_s_record(monkeypatch, tmp_path,
+                                                                      capsys):
+    # It exited 0 on a miss, wrote nothing without --out and over an earlier file with
+    # it, and recorded no command, library versions or PDL (docs/benchmarks.md).
+    from graphcap import cli
+    from graphcap.bench import decode_attention
+    from graphcap.bench import ops as bench_ops
+
+    _fake_gpu(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    rows = [{"op": "rms_norm", "tokens": 16, "hidden": 1024,
+             "ms": {"triton": 2.0, "flashinfer": 1.0}}]
+    for name in ("_attention_cases", "_variant_cases", "_linear_cases"):
+        monkeypatch.setattr(bench_ops, name, lambda dev: [])
+    monkeypatch.setattr(bench_ops, "_elementwise_cases", lambda dev: rows)
+    monkeypatch.setattr(decode_attention, "cases", lambda dev: [])
+    assert cli.main(["bench", "ops"]) == 1  # triton 2x flashinfer's time: 1.3x at most
+    (written,) = tmp_path.glob("*-bench-ops.json")
+    import json
+
+    record = json.loads(written.read_text())
+    assert record["device"] == "NVIDIA H100 80GB HBM3" and record["pdl"] is True
+    assert {"commit", "date", "torch", "triton", "flashinfer", "command"} <= set(record)
+    (tmp_path / "ops.json").write_text("an earlier run\n")
+    rows[0]["ms"]["triton"] = 1.2
+    assert cli.main(["bench", "ops", "--out", "ops.json"]) == 0  # met
+    assert (tmp_path / "ops.json").read_text() == "an earlier run\n"
+    assert json.loads((tmp_path / "ops-2.json").read_text())["targets"][0]["met"]
+    assert "wrote ops-2.json" in capsys.readouterr().out
+
+
+def test_bench_ops_targets_whose_peer_did_not_run_are_not_judged():
+    from graphcap.bench import decode_attention
+    from graphcap.bench.ops import _verdicts, not_judged
+
+    why = "flashinfer is not installed"
+    rows = [{"op": "rms_norm", "tokens": t, "hidden": 1024, "ms": {"triton": 1.0},
+             "skipped": {"flashinfer": why}} for t in (16, 128)]
+    rows += [{"op": "attention", "tokens": 512, "ms": {"triton": 1.0, "flashinfer": 0.9},
+              "skipped": {"flash_attn": "FA4 is not installed"}},
+             {"op": "decode attention", "model": "qwen3-0.6b", "batch": 1, "context": 256,
+              "ms": {"triton": 1.0}, "share": {"triton": 0.5}, "skipped": {"flashinfer": why}}]
+    judged = _verdicts(rows) + decode_attention.verdicts(rows)
+    assert [(t["op"], t["vs"]) for t in judged] == [("attention", "flashinfer")]
+    missing = not_judged(rows)
+    assert [(t["op"], t["vs"], t["met"]) for t in missing] == [  # one entry each
+        ("rms_norm", "flashinfer", False), ("attention", "flash_attn", False),
+        ("decode attention", "flashinfer", False)]
+    assert why in missing[0]["not_judged"]
+
+
+def test_decode_targets_whose_every_graphcap_arm_failed_are_not_judged():
+    # --arms eager,full-flashinfer,gpt-fast --context 1024, FlashInfer failing: the step
+    # and gpt-fast targets vanished, and the run exited 0 with nothing judged.
+    from graphcap.bench.decode import targets
+
+    why = "RuntimeError: FlashInfer plan failed"
+    model = {"model": "qwen3-0.6b", "context": 1024, "window": 0,
+             "skipped": {"full-flashinfer": why},
+             "rows": [{"batch": b, "ms": {"eager": 20.0, "gpt-fast": 1.5},
+                       "ms_back_to_back": {"gpt-fast": 1.4}} for b in (1, 8)]}
+    got = targets(model)
+    assert [t["target"] for t in got] == [
+        "batch 1: ms per step, fastest graphcap arm",
+        "batch 1: the gpt-fast recipe's ms / fastest graphcap arm's",
+        "batch 8: ms per step, fastest graphcap arm"]  # qwen3's 3x is batch 1's only
+    assert all(not t["met"] and why in t["not_judged"] for t in got)
+    model["skipped"] = {}  # none asked for: no claim
+    assert targets(model) == []
+
+
+def test_no_stock_model_stands_in_for_a_preset_of_another_architecture(monkeypatch, capsys):
+    # gpt-oss presets were mirrored as Qwen3-MoE (q/k norms, no biases, sinks, windows or
+    # YaRN), and its times judged against the preset's as the same model's.
+    pytest.importorskip("transformers")
+    from graphcap import cli
+    from graphcap.bench.hf import HF_ARMS, build_hf_arms, hf_config, unmirrored
+    from graphcap.errors import UnsupportedModel
+
+    assert unmirrored("qwen3-0.6b") is None and unmirrored("tiny-moe") is None
+    why = unmirrored("tiny-gpt-oss")
+    assert "sinks" in why and "sliding windows" in why and "q/k/v biases" in why
+    with pytest.raises(UnsupportedModel, match="no stock transformers model mirrors"):
+        hf_config("gpt-oss-120b-4l")
+    arms, skipped = build_hf_arms("tiny-gpt-oss", HF_ARMS[:2], [4], "torch_masked", "cpu",
+                                  torch.float32)
+    assert arms == {} and skipped == dict.fromkeys(HF_ARMS[:2], why)
+    _fake_gpu(monkeypatch)
+    assert cli.main(["bench", "build", "--models", "hf:gpt-oss-120b-4l"]) == 2
+    assert "--models hf:gpt-oss-120b-4l: no stock" in capsys.readouterr().err
+
+
+def _tp_run(monkeypatch, one_skipped, split_skipped, one_ms, split_ms, attention="triton"):
+    from graphcap.bench import tp
+
+    def result(skipped, ms):
+        return [{"model": "llama3-8b", "attention": attention, "build": {}, "ranks": [],
+                 "skipped": skipped, "rows": [{"tokens": 16, "ms": ms}]}]
+
+    env = {"commit": "abc", "device": "NVIDIA H100 80GB HBM3", "torch": "2.x"}
+    monkeypatch.setattr(tp, "environment", lambda: env)
+    monkeypatch.setattr(tp, "_spawn", lambda size, job: result(
+        one_skipped, one_ms) if size == 1 else result(split_skipped, split_ms))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    arms = sorted({*one_ms, *one_skipped, *split_ms, *split_skipped})
+    return tp.run(["llama3-8b"], arms, [16], tp=2, device="cuda")
+
+
+def test_bench_prefill_tp_records_the_gpu_and_does_not_judge_what_the_split_did_not_run(
+        monkeypatch, capsys):
+    # The record's device read "cuda"; an arm that failed split was neither shown nor
+    # judged, and the run exited 0.
+    from graphcap.bench.report import show_tp
+
+    why = "RuntimeError: NCCL error"
+    ms = {"eager": 10.0, "breakable": 1.2, "full-triton": 1.0}
+    result = _tp_run(monkeypatch, {}, {"breakable": why, "full-triton": why}, ms,
+                     {"eager": 8.0})
+    assert result["device"] == "NVIDIA H100 80GB HBM3"
+    targets = {t["target"]: t for t in result["models"][0]["targets"]}
+    assert set(targets) == {"breakable: TP=2 against TP=1", "full-triton: TP=2 against TP=1",
+                            "16 tokens: full TP=2 ms / TP=1 ms",
+                            "16 tokens, TP=2: breakable speed-up / full's"}
+    assert all(not t["met"] and why in t["not_judged"] for t in targets.values())
+    show_tp(result)
+    assert f"not run at TP=2: breakable: {why}" in capsys.readouterr().out
+    # An arm here at neither (a backend not installed): shown, not judged against itself.
+    result = _tp_run(monkeypatch, {"full-flash_attn": "no FA4"}, {"full-flash_attn": "no FA4"},
+                     ms, {"eager": 8.0, "breakable": 0.7, "full-triton": 0.6})
+    assert all("not_judged" not in t for t in result["models"][0]["targets"])
+    # The share is breakable's: full-triton failing split, breakable not asked for.
+    result = _tp_run(monkeypatch, {}, {"full-triton": why}, {"eager": 10.0, "full-triton": 1.0},
+                     {"eager": 8.0})
+    assert [t["target"] for t in result["models"][0]["targets"]] == [
+        "full-triton: TP=2 against TP=1", "16 tokens: full TP=2 ms / TP=1 ms"]
+
+
+def test_a_full_arm_only_the_split_run_has_is_not_compared_with_a_missing_one(monkeypatch):
+    # It took the first full arm of the split run and read the unsplit run's (KeyError,
+    # after every arm was timed and before anything was written).
+    why = "OutOfMemoryError: ..."
+    result = _tp_run(monkeypatch, {"full-flashinfer": why}, {},
+                     {"eager": 10.0, "full-triton": 1.0},
+                     {"eager": 8.0, "full-flashinfer": 0.5, "full-triton": 0.6})
+    targets = {t["target"]: t for t in result["models"][0]["targets"]}
+    assert targets["16 tokens: full-triton TP=2 ms / TP=1 ms"]["measured"] == 0.6
+    assert "not_judged" in targets["full-flashinfer: TP=2 against TP=1"]

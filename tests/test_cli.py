@@ -242,7 +242,9 @@ def test_ops_names_a_device_torch_does_not_know(capsys):
     (["ops", "--reps", "30"], "bench ops does not take --reps"),
     (["decode", "--context", "1024,8192"], "qwen3-0.6b has 8192 positions"),
     (["decode", "--models", "tiny", "--context", "4096"], "tiny has 4096 positions"),
-    (["prefill", "--speculative", "4"], "bench prefill does not take --speculative")])
+    (["prefill", "--speculative", "4"], "bench prefill does not take --speculative"),
+    (["memory", "--models", "hf-stock:tiny-gpt-oss"], "no stock transformers model mirrors"),
+    (["prefill", "--tp", "2", "--arms", "eager,hf-eager"], "not split across ranks")])
 def test_bench_refuses_a_preset_or_arm_its_suite_lacks_before_it_needs_a_gpu(
         capsys, argv, needle):
     err = refused(capsys, "bench", *argv)

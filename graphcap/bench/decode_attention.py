@@ -60,10 +60,11 @@ def _cache(batch: int, context: int, hk: int, d: int, dev, dtype=torch.bfloat16)
 
 
 def _flashinfer(cache, batch: int, context: int, hq: int, scale: float):
+    """FlashInfer's decode wrapper planned for the case, or why it cannot run here."""
     from graphcap.opsdb.attention.flashinfer_decode import FlashInferDecode, why_not
 
-    if why_not(cache):
-        return None
+    if why := why_not(cache):
+        return why
     backend = FlashInferDecode()
     backend.heads = (hq, scale)
     plan = backend.metadata(cache, batch)
@@ -90,13 +91,15 @@ def case(batch: int, context: int, heads: tuple[int, int, int], dev,
         arms[f"triton#{i}"] = [functools.partial(
             decode_attention, q, kc, vc, cache.block_table, lens, out, scale, **extra)
             for kc, vc in layers]
-    wrapper = _flashinfer(cache, batch, context, hq, scale)
-    if wrapper is not None:
+    wrapper, skipped = _flashinfer(cache, batch, context, hq, scale), {}
+    if isinstance(wrapper, str):
+        skipped["flashinfer"] = wrapper
+    else:
         arms["flashinfer"] = [functools.partial(wrapper.run, q, (kc, vc), out=out)
                               for kc, vc in layers]
     ms = {name: cycled_ms(calls) for name, calls in arms.items()}
     row = {"batch": batch, "context": context, "heads": list(heads), "bytes": nbytes,
-           "ms": {k: round(v, 5) for k, v in ms.items()},
+           "ms": {k: round(v, 5) for k, v in ms.items()}, "skipped": skipped,
            "share": {k: round(nbytes / (v * 1e-3) / peak_bytes_per_s(dev), 3)
                      for k, v in ms.items()}}
     if triton_tiles:

@@ -170,8 +170,10 @@ def _transformers(name: str, case, reps: int, device: str, dtype) -> dict:
     if device != "cuda":
         return {"skipped": "transformers' static cache compiles CUDA graphs: CUDA only"}
     import graphcap
-    from graphcap.bench.hf import stock_model
+    from graphcap.bench.hf import stock_model, unmirrored
 
+    if why := unmirrored(name):
+        return {"skipped": why}
     _, length, new = case
     hf = stock_model(name, device, dtype)
     hf.generation_config.eos_token_id = None  # every arm makes its `new` tokens

@@ -22,19 +22,39 @@ import torch
 import graphcap
 from graphcap.api import GRAPHED
 from graphcap.bench.arms import Arm, prompts
-from graphcap.errors import GraphcapError
+from graphcap.errors import GraphcapError, UnsupportedModel
 from graphcap.models import PRESETS
 
 HF_ARMS = ("hf-eager", "hf-compile-reduce-overhead",
            *(f"hf-{s}-{k}" for s in GRAPHED for k in ("stock", "graphcap")))
 
 
+def unmirrored(preset: str) -> str | None:
+    """Why :func:`hf_config` has no stock model of ``preset`` (what the preset has that
+    the config it would take, Llama, Qwen3 or Qwen3-MoE, does not), or None."""
+    a = PRESETS[preset]
+    has = [name for name, on in (
+        ("q/k/v biases", a.qkv_bias), ("an o bias", a.o_bias),
+        ("sliding windows", a.window), ("soft-capping", a.softcap), ("sinks", a.sinks),
+        ("scaled rotary frequencies", a.rope_scaling), ("expert biases", a.moe_bias),
+        ("the clamped GLU", a.glu_alpha or a.glu_limit), ("MXFP4 experts", a.moe_mxfp4),
+        ("experts without q/k norms (Qwen3-MoE has them)", a.experts and not a.qk_norm))
+        if on]
+    if not has:
+        return None
+    return (f"no stock transformers model mirrors {preset}: it has {', '.join(has)}, "
+            "which the Llama, Qwen3 and Qwen3-MoE configs do not")
+
+
 def hf_config(preset: str):
     """The transformers config of a preset's shape: Qwen3 (q/k norms), Qwen3-MoE
-    (experts) or Llama."""
+    (experts) or Llama; ``UnsupportedModel`` for a preset none of them mirrors
+    (:func:`unmirrored`: a stock model of another architecture is no peer of it)."""
     import transformers
 
     a = PRESETS[preset]
+    if why := unmirrored(preset):
+        raise UnsupportedModel(why)
     common = dict(vocab_size=a.vocab_size, hidden_size=a.hidden, num_hidden_layers=a.layers,
                   num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
                   head_dim=a.head_dim, intermediate_size=a.intermediate, rms_norm_eps=a.eps,
@@ -140,11 +160,14 @@ def build_hf_arms(preset: str, names, lengths, attention: str, device, dtype,
                                                                kernels=kind)
         return models[kind]
 
+    unknown = [name for name in names if name not in HF_ARMS]
+    if unknown:
+        raise ValueError(f"no stock transformers arm {unknown[0]!r}; choose from "
+                         f"{', '.join(HF_ARMS)}")
+    if why := unmirrored(preset):  # another architecture would be timed under its name
+        return {}, dict.fromkeys(names, why)
     arms, skipped = {}, {}
     for name in names:
-        if name not in HF_ARMS:
-            raise ValueError(f"no stock transformers arm {name!r}; choose from "
-                             f"{', '.join(HF_ARMS)}")
         try:
             if name == "hf-eager":
                 arms[name] = _eager_arm(name, model_for("sdpa"), inputs)

@@ -10,21 +10,21 @@ same kernel without them, and within 2x of FA4 computing the same variant. Decod
 attention (:mod:`graphcap.bench.decode_attention`): Triton within 1.1x of FlashInfer's
 paged decode at batch 1 to 64 and contexts 256 to 8192, and at least 80% of bandwidth
 at batch 64. Arms of one case run interleaved, so machine drift hits them alike. Each figure is
-kernel time: 20 calls captured in one CUDA graph, replayed, divided by 20.
+kernel time: 20 calls captured in one CUDA graph, replayed, divided by 20. A peer that
+cannot run here (FlashInfer or FA4 not installed) leaves its targets not judged, not met:
+``graphcap bench ops`` exits 1 where a target is missed or not judged, as every suite does.
 """
 
 from __future__ import annotations
 
-import datetime
 import functools
-import json
 import math
 
 import torch
 
 import graphcap.opsdb  # noqa: F401  (registers the ops)
 from graphcap.bench import decode_attention
-from graphcap.bench.common import commit
+from graphcap.bench.common import environment, today, write_result
 from graphcap.bench.timing import cycled_ms, graphed_ms
 from graphcap.core.context import forward_context
 from graphcap.opsdb import get_op
@@ -51,10 +51,12 @@ def _elementwise_cases(dev):
             gate = torch.randn(tokens, 2 * hidden, device=dev, dtype=DTYPE)
             for op, args in (("rms_norm", (x, w, 1e-6)), ("silu_and_mul", (gate,))):
                 spec = get_op(op)
-                ok = [b for b, why in spec.available(dev).items() if why is None]
+                available = spec.available(dev)
+                ok = [b for b, why in available.items() if why is None]
                 arms = {b: (lambda b=b, a=args, s=spec: s(*a, kernel=b)) for b in ok}
                 times = _interleaved(arms)
-                rows.append({"op": op, "tokens": tokens, "hidden": hidden, "ms": times})
+                rows.append({"op": op, "tokens": tokens, "hidden": hidden, "ms": times,
+                             "skipped": {b: why for b, why in available.items() if why}})
     return rows
 
 
@@ -66,10 +68,11 @@ def _attention_cases(dev):
         q = torch.randn(tokens, hq, d, device=dev, dtype=DTYPE)
         k, v = (torch.randn(tokens, hk, d, device=dev, dtype=DTYPE) for _ in range(2))
         out = torch.empty_like(q)
-        arms = {}
+        arms, skipped = {}, {}
         for name in ("triton", "flashinfer", "flash_attn"):
             backend = BACKENDS[name]()
-            if backend.unavailable(dev):
+            if why := backend.unavailable(dev):
+                skipped[name] = why
                 continue
             if name == "flashinfer":
                 backend.configure(hq, hk, d, DTYPE)
@@ -82,7 +85,7 @@ def _attention_cases(dev):
             call()
             arms[name] = call
         rows.append({"op": "attention", "tokens": tokens, "heads": [hq, hk, d],
-                     "ms": _interleaved(arms)})
+                     "ms": _interleaved(arms), "skipped": skipped})
     return rows
 
 
@@ -102,10 +105,11 @@ def _variant_cases(dev, tokens: int = VARIANT_TOKENS):
     out = torch.empty_like(q)
     rows = []
     for variant, (window, softcap, with_sinks) in VARIANTS.items():
-        arms = {}
+        arms, skipped = {}, {}
         for name in ("triton", "flash_attn"):
             backend = BACKENDS[name]()
-            if backend.unavailable(dev):
+            if why := backend.unavailable(dev):
+                skipped[name] = why
                 continue
             meta = backend.metadata(tokens, 1, dev).update([tokens])
             args = (q, k, v, out, d ** -0.5, window, softcap, sinks if with_sinks else None)
@@ -117,7 +121,7 @@ def _variant_cases(dev, tokens: int = VARIANT_TOKENS):
             call()
             arms[name] = call
         rows.append({"op": "attention variant", "variant": variant, "tokens": tokens,
-                     "heads": [hq, hk, d], "ms": _interleaved(arms)})
+                     "heads": [hq, hk, d], "ms": _interleaved(arms), "skipped": skipped})
     return rows
 
 
@@ -205,22 +209,43 @@ def _verdicts(rows):
     return out
 
 
+# The peers each op's targets name (:func:`_verdicts`, decode_attention.verdicts).
+PEERS = {"rms_norm": ("flashinfer",), "silu_and_mul": ("flashinfer",),
+         "attention": ("flashinfer", "flash_attn"), "attention variant": ("flash_attn",),
+         "decode attention": ("flashinfer",)}
+
+
+def not_judged(rows) -> list[dict]:
+    """One entry per (op, peer) whose targets no case could judge: the peer (or Triton)
+    did not run here (``skipped`` of its cases says why). Not met: a claim went
+    unmeasured, and the run's exit status says so."""
+    missing: dict[tuple[str, str], str] = {}
+    for row in rows:
+        skipped = row.get("skipped", {})
+        for peer in PEERS.get(row["op"], ()):
+            for arm in ("triton", peer):
+                if arm in skipped:
+                    missing.setdefault((row["op"], peer), f"{arm}: {skipped[arm]}")
+    return [{"op": op, "vs": peer, "met": False, "not_judged": f"did not run: {why}"}
+            for (op, peer), why in missing.items()]
+
+
 def run(out_path: str | None = None) -> dict:
+    """Every case, its targets judged, written as JSON (``out_path``, default a dated name
+    here; never over an earlier file) with the run's environment (commit, device, library
+    versions, command)."""
     dev = torch.device("cuda")
     rows = (_elementwise_cases(dev) + _attention_cases(dev) + _variant_cases(dev)
             + _linear_cases(dev) + decode_attention.cases(dev))
     result = {
-        "what": "graphcap bench ops", "date": datetime.date.today().isoformat(),
-        "commit": commit(), "device": torch.cuda.get_device_name(dev),
-        "torch": torch.__version__, "dtype": str(DTYPE), "cases": rows,
-        "targets": _verdicts(rows) + decode_attention.verdicts(rows),
+        "what": "graphcap bench ops", **environment(), "dtype": str(DTYPE), "cases": rows,
+        "targets": _verdicts(rows) + decode_attention.verdicts(rows) + not_judged(rows),
     }
-    text = json.dumps(result, indent=1)
-    if out_path:
-        with open(out_path, "w") as f:
-            f.write(text)
     for t in result["targets"]:
         verdict = "ok" if t["met"] else "MISS"
+        if "not_judged" in t:
+            print(f"{t['op']:>13} triton/{t['vs']}: NOT JUDGED ({t['not_judged']})")
+            continue
         if "case" in t:  # decode attention
             figure = (f"share of bandwidth {t['share']:.2f}" if t["vs"] == "bandwidth" else
                       f"triton/{t['vs']} = {t['triton_over_peer']:.2f}")
@@ -228,4 +253,5 @@ def run(out_path: str | None = None) -> dict:
             continue
         print(f"{t['op']:>13} T={t['tokens']:>5} H={t['hidden']}: triton/{t['vs']} = "
               f"{t['triton_over_peer']:.2f} (limit {t['limit']}) {verdict}")
+    print(f"wrote {write_result(result, out_path, f'{today()}-bench-ops.json')}")
     return result

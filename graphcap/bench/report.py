@@ -225,4 +225,7 @@ def show_tp(result: dict) -> None:
             else "-" for a in arms] for r in model["ratios"]]
         print_table(f"{model['model']}: ms per prefill at TP={tp} (its ratio to TP=1)",
                     ["tokens", *arms], rows)
+        for size in (1, tp):
+            for arm, why in model[f"tp{size}"].get("skipped", {}).items():
+                print(f"  not run at TP={size}: {arm}: {why}")
         show_targets(model["targets"])

@@ -21,10 +21,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graphcap.bench.common import environment
-from graphcap.bench.targets import same_kernels_full, verdict
+from graphcap.bench.targets import not_judged, same_kernels_full, verdict
 from graphcap.errors import GraphcapError
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+# The most the split full graph may take of the unsplit one's time at 16 tokens, by TP.
+SPLIT_LIMIT = {2: 0.70, 4: 0.45}
 
 
 def _worker(rank: int, size: int, init: str, job: dict, queue) -> None:
@@ -98,20 +100,33 @@ def run(models, arms, lengths, reps: int = 30, tp: int = 2, attention: str | Non
     return {"what": f"graphcap bench prefill --tp {tp}: one request, last-token logits, "
                     f"bf16, the preset split across {tp} ranks (one GPU each, NCCL) and "
                     "unsplit, rank 0's CUDA-event wall time per call",
-            **environment(), "tp": tp, "device": device, "lengths": list(lengths),
+            **environment(), "tp": tp, "lengths": list(lengths),
             "arms": list(arms), "models": out}
+
+
+def skipped_in(one: dict, split: dict, tp: int) -> dict[str, str]:
+    """Each arm asked for that did not run in the unsplit run or the split one, and why."""
+    out: dict[str, list[str]] = {}
+    for size, run in ((1, one), (tp, split)):
+        for arm, why in run.get("skipped", {}).items():
+            out.setdefault(arm, []).append(f"TP={size}: {why}")
+    return {arm: "; ".join(whys) for arm, whys in out.items()}
 
 
 def tp_targets(one: dict, split: dict, tp: int) -> list[dict]:
     """Issue 22's targets where the run has their arms: the split full graph's time
     against the unsplit one at 16 tokens (llama3-8b), breakable's share of full's
-    speed-up, and per rank the graph pool and the build against the unsplit run's."""
+    speed-up, and per rank the graph pool and the build against the unsplit run's. An
+    arm asked for that did not run at TP=1 or at TP=N: its comparisons not judged (not
+    met), not left out."""
     out = []
-    full = next((a for a in split["rows"][0]["ms"] if a.startswith("full-")), None)
     rows = {r["tokens"]: r["ms"] for r in split["rows"]}
     base = {r["tokens"]: r["ms"] for r in one["rows"]}
-    limit = {2: 0.70, 4: 0.45}.get(tp)
-    if full and 16 in rows and limit and split.get("model") == "llama3-8b":
+    # A full arm of both runs (one the unsplit run lacks has nothing to compare with).
+    full = next((a for a in rows.get(16, {}) if a.startswith("full-")
+                 and a in base.get(16, {})), None)
+    limit = SPLIT_LIMIT.get(tp)
+    if full and limit and split.get("model") == "llama3-8b":
         out.append(verdict(f"16 tokens: {full} TP={tp} ms / TP=1 ms",
                            rows[16][full] / base[16][full], limit, at_least=False))
     # Breakable's share against the full arm on its own kernels (the run's attention
@@ -135,4 +150,28 @@ def tp_targets(one: dict, split: dict, tp: int) -> list[dict]:
                 out.append(verdict(f"{arm} rank {rank}: build s / TP=1 build s",
                                    mine[arm]["build_s"] / built["build_s"], 1.15,
                                    at_least=False))
+    return out + _unjudged(one, split, tp, full, same)
+
+
+def _unjudged(one: dict, split: dict, tp: int, full, same) -> list[dict]:
+    """The targets above that an arm asked for and not run left unjudged: an arm's
+    TP=N against TP=1 where it ran in one of the two runs only (at neither: a backend
+    not here, shown as not run), the 16-token full ratio (llama3-8b) where no full arm ran
+    in both, breakable's share where it or full-<attention> did not run split."""
+    skipped, out = skipped_in(one, split, tp), []
+    ran = [set(r["rows"][0]["ms"]) if r["rows"] else set() for r in (one, split)]
+    out += [not_judged(f"{arm}: TP={tp} against TP=1", [arm], skipped)
+            for arm in skipped if (arm in ran[0]) != (arm in ran[1])]
+    rows = {r["tokens"]: r["ms"] for r in split["rows"]}
+    if 16 not in rows:
+        return out
+    fulls = [a for a in skipped if a.startswith("full-")]
+    if full is None and fulls and tp in SPLIT_LIMIT and split.get("model") == "llama3-8b":
+        out.append(not_judged(f"16 tokens: full TP={tp} ms / TP=1 ms", fulls, skipped))
+    needed = [a for a in ("breakable", f"full-{split.get('attention')}")
+              if a in split.get("skipped", {})]
+    asked = "breakable" in rows[16] or "breakable" in split.get("skipped", {})
+    if asked and not (same and "breakable" in rows[16]) and needed:
+        out.append(not_judged(f"16 tokens, TP={tp}: breakable speed-up / full's", needed,
+                              skipped))
     return out
