@@ -63,10 +63,12 @@ class DraftModel:
         if self.shape.vocab_size != vocab:
             raise ValueError(f"the draft model has {self.shape.vocab_size} token ids, the "
                              f"target {vocab}: a draft shares the target's tokenizer")
-        if max_len > self.shape.max_position:
+        if max_len > self.shape.max_position:  # max_len: the LLM's, plus its k proposals
             raise ValueError(f"the draft model reaches position {self.shape.max_position}, "
-                             f"the target's requests {max_len}: build the LLM with a "
-                             "smaller max_len")
+                             f"the target's requests {max_len} (max_len plus the k = "
+                             f"{self.k} proposals a verify step writes past it): give the "
+                             f"LLM max_len at most {self.shape.max_position - self.k} "
+                             "(generate(): a shorter prompt or fewer new tokens)")
         s = self.shape
         device = next(self.model.parameters()).device
         # Every page kept, windowed layers or not: a slot is admitted once for max_len

@@ -204,3 +204,15 @@ def test_prompts_prefilled_in_chunks_speculate_as_short_ones_do():
     spec = llm.report()["speculative"]
     assert spec["fallbacks"] == 0 and spec["accepted"] > 0
     assert sum(spec["proposer"]["runners"]["extend"]["replays"].values()) > 0
+
+
+def test_a_draft_of_fewer_positions_names_the_max_len_that_leaves_its_proposals_room():
+    # The draft caches max_len + k tokens a request: max_len = the draft's max_position
+    # is refused, naming the max_len that fits (which builds), not only "a smaller" one.
+    draft = DraftModel(other_draft(max_position=24), K, strategy="eager")
+    with pytest.raises(ValueError, match=f"requests {24 + K} \\(max_len plus the k = {K} "
+                                         f"proposals.*max_len at most {24 - K} "):
+        LLM(model(), strategy="eager", max_batch=1, max_len=24, progress=False,
+            speculative=draft)
+    LLM(model(), strategy="eager", max_batch=1, max_len=24 - K, progress=False,
+        speculative=draft)
