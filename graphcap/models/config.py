@@ -29,7 +29,10 @@ DEFAULTS = {"llama": {"max_position_embeddings": 2048},
                           "num_experts_per_tok": 8, "moe_intermediate_size": 768},
             "gpt_oss": {"sliding_window": 128, "rms_norm_eps": 1e-5,
                         "attention_bias": True, "max_position_embeddings": 131072,
-                        "head_dim": 64, "num_key_value_heads": 8}}
+                        "head_dim": 64, "num_key_value_heads": 8, "num_local_experts": 128,
+                        "num_experts_per_tok": 4, "intermediate_size": 2880}}
+# Keys a family's transformers config reads under another name (its attribute_map).
+ALIASES = {"gpt_oss": {"num_experts": "num_local_experts"}}
 THETA = {"gpt_oss": 150000.0}  # a family's rotary base where the config names none
 # The rotary a family's config gives where config.json names none (gpt-oss's YaRN).
 ROPE_DEFAULTS = {"gpt_oss": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
@@ -63,7 +66,9 @@ def _rope_scaling(config: dict, source: str) -> Scaling | None:
         raise CheckpointError(f"{source}: rotary parameters of each layer type ({nested}) "
                               "are not supported: one rope_parameters for every layer")
     kind = rope.get("rope_type", rope.get("type")) or "default"
-    if rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
+    # The dict's own, else the top-level one; null is none (transformers sets no null)
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial is not None and partial != 1.0:
         raise CheckpointError(f"{source}: partial_rotary_factor (rotary over part of a "
                               "head) is not supported")
     if kind == "default":
@@ -152,6 +157,13 @@ def _refuse_unsupported(config: dict, family: str, source: str) -> None:
     if config.get("mlp_bias"):
         raise CheckpointError(f"{source}: mlp_bias (biases on the MLP's projections) is not "
                               "supported")
+    quantized = config.get("quantization_config")
+    method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+    # transformers quantizes (or reads quantized) what such a config names: not this model
+    if quantized and not (family == "gpt_oss" and method == "mxfp4"):
+        raise CheckpointError(f"{source}: quantization_config (quant_method {method!r}) is "
+                              "not supported: only gpt-oss's MXFP4 experts are read; load an "
+                              "unquantized checkpoint")
 
 
 def args_from_config(config: dict, source: str = "config.json") -> ModelArgs:
@@ -160,7 +172,9 @@ def args_from_config(config: dict, source: str = "config.json") -> ModelArgs:
         raise CheckpointError(f"{source}: model_type {family!r} is not supported; "
                               f"supported: {', '.join(FAMILIES)}")
     _refuse_unsupported(config, family, source)
-    config = {**DEFAULTS.get(family, {}), **config}
+    aliased = {ours: config[theirs] for theirs, ours in ALIASES.get(family, {}).items()
+               if theirs in config and ours not in config}
+    config = {**DEFAULTS.get(family, {}), **config, **aliased}
     try:
         heads = config["num_attention_heads"]
         hidden = config["hidden_size"]

@@ -30,24 +30,37 @@ def _tensors(folder: Path) -> dict[str, tuple[str, object]]:
     reads the folder: ``model.safetensors``, else the shards
     ``model.safetensors.index.json`` lists (an index or a ``*.safetensors`` beside the
     one file, left by an earlier ``save_pretrained``, is no part of it)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     index = folder / "model.safetensors.index.json"
     single = (folder / "model.safetensors").exists()
-    where = json.loads(index.read_text())["weight_map"] if index.exists() and not single \
-        else None
+    where = _json(index).get("weight_map") if index.exists() and not single else None
+    if where is not None and not (isinstance(where, dict) and all(
+            isinstance(v, str) for v in where.values())):
+        raise CheckpointError(f"{index}: its weight_map is not a table of tensor names to "
+                              "shard files")
+    if index.exists() and not single and where is None:
+        raise CheckpointError(f"{index}: no weight_map (the table of tensor names to "
+                              "shard files)")
     files = sorted(set(where.values())) if where is not None else ["model.safetensors"]
     if where is None and not (folder / files[0]).exists():
         others = sorted(p.name for p in folder.glob("*.safetensors"))
+        pickled = sorted(p.name for p in folder.glob("pytorch_model*.bin"))
         raise CheckpointError(f"{folder}: no model.safetensors (nor an index of shards)"
                               + (f"; it holds {others}: name the model's file "
-                                 "model.safetensors" if others else ""))
+                                 "model.safetensors" if others else "")
+                              + (f"; {pickled} (PyTorch pickles) are not read: convert them "
+                                 "to safetensors" if pickled and not others else ""))
     table = {}
     for name in files:
         path = folder / name
         if not path.exists():
             raise CheckpointError(f"{index}: lists {name}, which is missing")
-        handle = safe_open(str(path), framework="pt")
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except (SafetensorError, OSError) as exc:  # truncated, or not safetensors at all
+            raise CheckpointError(f"{path}: not a readable safetensors file ({exc}): a "
+                                  "partial download, or a Git LFS pointer?") from exc
         for key in handle.keys():  # with an index, each key from the file it names
             if where is None or where.get(key) == name:
                 table[key] = (name, handle)
@@ -55,6 +68,18 @@ def _tensors(folder: Path) -> dict[str, tuple[str, object]]:
         raise CheckpointError(f"{index}: {lost[0]!r} is not in {where[lost[0]]}, which it "
                               f"names as its file ({len(lost)} such keys)")
     return table
+
+
+def _json(path: Path) -> dict:
+    """The JSON object in ``path``; ``CheckpointError`` naming the file where it is not
+    one (a truncated download, another kind of file)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{path}: not readable as JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: holds a JSON {type(value).__name__}, not an object")
+    return value
 
 
 # Tensors a checkpoint may hold that the model derives itself: rotary frequencies.
@@ -183,14 +208,22 @@ def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32,
     split there, and only the share moved to ``device``). ``experts="mxfp4"``: a gpt-oss
     checkpoint's MXFP4 experts stay MXFP4 (``moe_experts`` reads them so: a quarter of
     the memory); the default dequantizes them to ``dtype``."""
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype={dtype!r}: give a torch floating-point dtype, e.g. "
+                        "torch.bfloat16")
+    torch.device(device)  # a bad device fails here, not after the whole checkpoint is read
     folder = Path(folder)
     config_path = folder / "config.json"
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a directory (a checkpoint is a folder of "
+                              "config.json and *.safetensors)" if folder.exists() else
+                              f"{folder}: no such directory")
     if not config_path.exists():
         raise CheckpointError(f"{folder}: no config.json")
     if experts not in ("dequantized", "mxfp4"):
         raise CheckpointError(f"experts={experts!r}: choose 'dequantized' (the model's dtype) "
                               "or 'mxfp4' (gpt-oss's experts as published)")
-    args = args_from_config(json.loads(config_path.read_text()), str(config_path))
+    args = args_from_config(_json(config_path), str(config_path))
     if experts == "mxfp4":
         if not args.moe_bias:
             raise CheckpointError(f"{folder}: experts='mxfp4' keeps gpt-oss's MXFP4 experts; "

@@ -48,7 +48,8 @@ class Yarn:
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
         base = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
         keep = 1 - ramp  # the share of each frequency extrapolated
-        return (1.0 / (self.factor * base)) * ramp + (1.0 / base) * keep
+        # Written as transformers writes it (1 - keep, not ramp): the same bits
+        return (1.0 / (self.factor * base)) * (1 - keep) + (1.0 / base) * keep
 
 
 def mscale(factor: float, scale: float = 1.0) -> float:

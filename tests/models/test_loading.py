@@ -8,6 +8,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from graphcap.models.loading import CheckpointError, args_from_config, load_checkpoint
 from graphcap.models.rope import Yarn
@@ -127,7 +129,12 @@ def test_a_config_naming_rope_scaling_and_rope_parameters_reads_rope_scaling():
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8,
       "max_window_layers": 1}, "sliding windows on some layers only"),
     ({"model_type": "qwen3", "layer_types": ["sliding_attention", "full_attention"],
-      "sliding_window": 8}, "sliding windows on some layers only")])
+      "sliding_window": 8}, "sliding windows on some layers only"),
+    # transformers would quantize the weights (or read them quantized): another model
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     "quantization_config (quant_method 'fp8') is not supported"),
+    ({"model_type": "qwen3", "quantization_config": {"quant_method": "bitsandbytes"}},
+     "quantization_config (quant_method 'bitsandbytes')")])
 def test_config_fields_that_change_the_model_are_refused_not_ignored(change, needle):
     config = dict(model_type="llama", vocab_size=128, hidden_size=64, num_hidden_layers=2,
                   num_attention_heads=4)
@@ -375,3 +382,91 @@ def test_keeping_mxfp4_experts_needs_a_gpt_oss_checkpoint_that_stores_them(tmp_p
     saved(tmp_path / "llama", "llama")
     with pytest.raises(CheckpointError, match="this checkpoint is not gpt-oss"):
         load_checkpoint(tmp_path / "llama", experts="mxfp4")
+
+
+@settings(max_examples=80, deadline=None)
+@given(factor=st.sampled_from([2.0, 4.0, 8.0, 16.0, 32.0, 40.0]),
+       original=st.sampled_from([256, 2048, 4096, 8192, 32768]),
+       theta=st.sampled_from([1e4, 2.5e4, 150000.0, 5e5, 1e6]),
+       head_dim=st.sampled_from([32, 64, 80, 96, 128, 256]), truncate=st.booleans(),
+       beta_fast=st.sampled_from([16.0, 32.0]), beta_slow=st.sampled_from([1.0, 2.0]))
+def test_yarn_frequencies_are_transformers_bits(factor, original, theta, head_dim,
+                                                truncate, beta_fast, beta_slow):
+    # A last-bit difference in a frequency is a phase error that grows with the position
+    # (6e-5 at 32k positions): the same frequencies, bit for bit.
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = dict(rope_type="yarn", rope_theta=theta, factor=factor, truncate=truncate,
+                original_max_position_embeddings=original, beta_fast=beta_fast,
+                beta_slow=beta_slow)
+    config = dict(model_type="llama", vocab_size=8, hidden_size=2 * head_dim,
+                  num_attention_heads=2, head_dim=head_dim, num_hidden_layers=1,
+                  intermediate_size=8, max_position_embeddings=4 * original,
+                  rope_parameters=rope)
+    want, scale = ROPE_INIT_FUNCTIONS["yarn"](transformers.AutoConfig.for_model(**config),
+                                              "cpu")
+    args = args_from_config(config)
+    assert torch.equal(args.rope_scaling.inv_freq(head_dim, args.rope_theta), want)
+    assert args.rope_scaling.attention_factor == scale
+
+
+def test_config_values_transformers_reads_as_unset_are_unset():
+    config = dict(model_type="llama", vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, partial_rotary_factor=None)
+    transformers.AutoConfig.for_model(**config)  # transformers: rotary over the whole head
+    assert args_from_config(config).rope_scaling is None
+    # gpt-oss: num_experts is its config's name for num_local_experts; the keys a config
+    # leaves out take GptOssConfig's defaults
+    oss = dict(model_type="gpt_oss", vocab_size=128, hidden_size=64, num_hidden_layers=2,
+               num_attention_heads=4)
+    want = transformers.GptOssConfig()
+    args = args_from_config(oss)
+    assert (args.experts, args.top_k, args.moe_intermediate) == (
+        want.num_local_experts, want.num_experts_per_tok, want.intermediate_size)
+    assert args_from_config({**oss, "num_experts": 8}).experts == 8
+    # gpt-oss as published: its MXFP4 experts are the one quantization read
+    assert args_from_config({**oss, "quantization_config": {"quant_method": "mxfp4"}})
+
+
+def _shard_of(folder):
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    return folder / sorted(set(index["weight_map"].values()))[1]
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda d: (d / "config.json").write_text('{"model_type": "lla'),
+     r"config.json: not readable as JSON"),
+    (lambda d: (d / "config.json").write_text("[1, 2]"),
+     r"config.json: holds a JSON list, not an object"),
+    (lambda d: (d / "model.safetensors.index.json").write_text('{"metadata": {}}'),
+     r"model.safetensors.index.json: no weight_map"),
+    (lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": {"a": 1}}'),
+     r"model.safetensors.index.json: its weight_map is not a table"),
+    (lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": '),
+     r"model.safetensors.index.json: not readable as JSON"),
+    # a download cut short, a clone without Git LFS: the shard is named
+    (lambda d: _shard_of(d).write_bytes(_shard_of(d).read_bytes()[:1000]),
+     r"model-00002-of-\d+.safetensors: not a readable safetensors file"),
+    (lambda d: _shard_of(d).write_text("version https://git-lfs.github.com/spec/v1\n"),
+     r"model-00002-of-\d+.safetensors: not a readable safetensors file")])
+def test_a_damaged_file_is_refused_naming_it(tmp_path, damage, needle):
+    saved(tmp_path, "qwen3", max_shard_size="40KB")
+    assert _shard_of(tmp_path).name.startswith("model-00002-of-")
+    damage(tmp_path)
+    with pytest.raises(CheckpointError, match=needle):
+        load_checkpoint(tmp_path)
+
+
+def test_a_path_that_is_no_checkpoint_folder_says_what_it_is(tmp_path):
+    saved(tmp_path, "llama")
+    with pytest.raises(CheckpointError, match="config.json: not a directory"):
+        load_checkpoint(tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match="no such directory"):
+        load_checkpoint(tmp_path / "absent")
+    for dtype in ("bfloat16", torch.int8):  # refused before the checkpoint is read
+        with pytest.raises(TypeError, match=f"dtype={dtype!r}: give a torch floating"):
+            load_checkpoint(tmp_path, dtype=dtype)
+    (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"\['pytorch_model.bin'\] \(PyTorch pickles\) "
+                                              "are not read"):
+        load_checkpoint(tmp_path)
