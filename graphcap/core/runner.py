@@ -130,12 +130,12 @@ class Runner:
             with self._together("a call of the runner"):
                 try:
                     out = self._replay(entry, batch) if entry else self._eager(batch, reason)
+                    if entry is not None:
+                        self.stats.replay_host_s += time.perf_counter() - start
+                    self.inputs.commit(batch)  # it ran; a Ctrl-C before it is whole: none
                 except BaseException:  # the model may have run in part
                     self.inputs.abandon(batch)
                     raise
-                if entry is not None:
-                    self.stats.replay_host_s += time.perf_counter() - start
-            self.inputs.commit(batch)  # it ran: what it wrote counts (not if it raised)
             return out
 
     def _agreed(self, check, *args):

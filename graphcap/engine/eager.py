@@ -51,10 +51,10 @@ def _run(inputs, model, batch):
     keeps each request's tokens before the call's only (it may have written some)."""
     try:
         out = inputs.eager(model, batch)()
+        inputs.commit(batch)  # interrupted before it is whole: the call counts nothing
     except BaseException:
         inputs.abandon(batch)
         raise
-    inputs.commit(batch)
     return out
 
 

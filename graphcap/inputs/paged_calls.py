@@ -172,9 +172,10 @@ def _starts(inputs: PagedInputs, given, slots: list[int], lens: list[int]) -> li
     for slot, start in zip(slots, starts, strict=True):
         written = inputs.cache.written(slot)
         if not 0 <= start <= written:
+            why = "a position is never negative" if start < 0 else "a request continues " \
+                "at most from its last written token"
             raise BadBatch(f"starts: request slot {slot} starts at {start}, but its "
-                           f"pages hold {written} tokens; a request continues at most "
-                           "from its last written token")
+                           f"pages hold {written} tokens; {why}")
         inputs.cache.check_reach(slot, start)
     ends = [b + n for b, n in zip(starts, lens, strict=True)]
     if inputs.max_position is not None and max(ends) > inputs.max_position:

@@ -102,11 +102,12 @@ class PagedKVCache:
                              f"{self.max_len}; build the cache with a larger max_len")
         need = -(-tokens // self.page_size)
         if need > len(self._free):
+            fix = "release finished requests, or build" if need <= self.pages else \
+                f"no release frees that many, the cache has {self.pages} in all; build"
             raise CacheFull(
                 f"a request of {tokens} tokens needs {need} pages of {self.page_size} and "
                 f"{len(self._free)} of {self.pages} are free ({len(self._owned)} requests "
-                "hold the rest): release finished requests, or build the cache with more "
-                "pages")
+                f"hold the rest): {fix} the cache with more pages")
         try:  # the slot owns its pages last: interrupted before, it is admitted for none
             pages = [self._free.pop() for _ in range(need)]
             row = torch.full((self.max_pages,), NULL_PAGE, dtype=torch.int32)
@@ -204,11 +205,12 @@ class PagedKVCache:
         least = self.least_kept(slot)
         if least and position < least:
             freed = self._dropped[slot] * self.page_size
+            reach = "is one of" if position < freed else "attends back to"
             raise BadBatch(
-                f"position {position} of slot {slot} attends back to tokens before {freed}, "
+                f"position {position} of slot {slot} {reach} the tokens before {freed}, "
                 f"whose pages were freed behind every layer's window of {self.window} "
-                f"tokens: continue from position {least} on, or build the cache with "
-                "window=0 to keep every page")
+                f"tokens: continue from position {least} on, release({slot}) and admit it "
+                "again to start over, or build the cache with window=0 to keep every page")
 
     def wrote(self, ends, tokens: int = 1) -> None:
         """A forward that ran wrote each ``(slot, end)`` of ``ends``: the request's

@@ -138,6 +138,8 @@ def test_bad_starts_are_refused_and_the_runner_stays_usable():
     ids, positions, lens, slots, starts = call_of([(0, 4, 3)])
     with pytest.raises(BadBatch, match="starts at 4, but its pages hold 0 tokens"):
         runner(ids, positions, seq_lens=lens, slots=slots, starts=starts)
+    with pytest.raises(BadBatch, match="starts at -1, .*a position is never negative"):
+        runner(ids, positions, seq_lens=lens, slots=slots, starts=[-1])
     with pytest.raises(BadBatch, match="starts must be an integer"):
         runner(ids, positions, seq_lens=lens, slots=slots, starts=[0.5])
     for given in (0, torch.tensor(0), "0"):  # not one int per request: a BadBatch too

@@ -180,6 +180,49 @@ def test_the_eager_step_that_rewrote_and_raised_leaves_the_later_positions_unrea
     assert cache.written(0) == 2
 
 
+
+@pytest.mark.parametrize("strategy", ["eager", "full", "decode_step"])
+def test_a_ctrl_c_anywhere_in_a_call_that_rewrote_a_position_never_counts_it_as_it_was(
+        strategy):
+    """A Ctrl-C at any instruction of a call's bookkeeping (the runner's, or the eager
+    step's), the cache's count of what it wrote included: the cache counts the rewrite
+    of position 2 (3 tokens), or keeps only the tokens before it, or, the step never
+    run, all 6; never 6 over a position 2 the step rewrote (later steps would read the
+    old continuation of another token)."""
+    from graphcap.core.runner import Runner
+    from graphcap.engine import eager
+    from graphcap.inputs.paged import PagedInputs
+    from tests.support.interrupts import code_of, instructions
+    from tests.support.interrupts import interrupted as interrupted_at
+
+    model = build_model("tiny", device=DEVICE)
+    cache = used_cache(model, [7] * 12)
+    if strategy == "decode_step":
+        codes = code_of(eager._run, PagedInputs.commit, PagedKVCache.wrote)
+
+        def call():
+            return decode_step(model, cache, tokens(99), [2], [0])
+    else:
+        codes = code_of(Runner._call, PagedInputs.commit, PagedKVCache.wrote)
+        runner = graphcap.capture(model, strategy, buckets=[1], inputs=DecodeInputs(cache))
+
+        def call():
+            return runner(tokens(99), positions=[2], slots=[0])
+
+    def written_before():
+        prefill(model, cache, tokens(1, 2, 3, 4, 5, 6), [6], [0])
+        return cache.k.clone()
+
+    written_before()
+    count = instructions(codes, call)
+    assert count > 20
+    for n in range(1, count + 1):
+        k = written_before()
+        _, out = interrupted_at(codes, n, call)
+        assert isinstance(out, KeyboardInterrupt), (n, out)
+        ran = not torch.equal(cache.k, k)
+        assert cache.written(0) in ((2, 3) if ran else (2, 6)), (n, ran, cache.written(0))
+
 def test_a_call_refused_before_it_ran_keeps_every_token():
     model = build_model("tiny", device=DEVICE)
     cache = used_cache(model, [7] * 12)

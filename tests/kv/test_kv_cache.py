@@ -123,6 +123,9 @@ def test_a_windowed_cache_frees_the_pages_behind_the_window_as_tokens_are_writte
     c.check_step([1], [11])
     with pytest.raises(BadBatch, match="freed behind every layer's window of 8 tokens"):
         c.check_step([1], [10])  # would read token 3
+    with pytest.raises(BadBatch, match=r"position 0 of slot 1 is one of the tokens before "
+                                       r"4, .*release\(1\) and admit it again to start over"):
+        c.check_step([1], [0])  # a new prompt in the slot: its first page is gone
     c.wrote([(1, 30)])  # tokens 0..21 behind: pages 0..4
     assert c.free_pages == free + 5 and c.block_table[1].tolist()[:6] == \
         [NULL_PAGE] * 5 + [pages[5]]
@@ -170,6 +173,12 @@ def test_a_full_cache_refuses_admission_and_changes_nothing():
         c.admit(1, 9)
     assert torch.equal(c.block_table, before) and c.free_pages == 1
     c.admit(1, 8)  # one page still fits
+    c.release(0)
+    c.release(1)
+    with pytest.raises(CacheFull, match="needs 5 pages of 8 and 4 of 4 are free .*: no "
+                                        "release frees that many, the cache has 4 in all"):
+        c.admit(0, 40)  # more than the whole cache: releasing others cannot help
+    assert c.free_pages == 4 and c.block_table.eq(NULL_PAGE).all()
 
 
 @pytest.mark.parametrize(("call", "match"), [
