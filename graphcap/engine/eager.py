@@ -28,6 +28,9 @@ def prefill(model, cache: PagedKVCache, input_ids: torch.Tensor, seq_lens, slots
     returns each request's last-token logits ``[requests, vocab]``. Each prompt starts at
     position 0, or with ``starts`` at ``starts[r]`` on the request's cached tokens (an
     extend: a chunk of a long prompt), and must fit the request's admitted tokens."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
+        raise BadBatch(f"input_ids must be a 1-d tensor [T], the prompts' tokens packed "
+                       f"in one row, got {_described(input_ids)}")
     lens = host_lengths(seq_lens)
     slots = cache.requests(slots, len(lens))
     if 0 in lens or sum(lens) != input_ids.shape[0]:
@@ -35,8 +38,11 @@ def prefill(model, cache: PagedKVCache, input_ids: torch.Tensor, seq_lens, slots
                        " tokens of input_ids")
     device = input_ids.device
     rows = getattr(model, "output_rows", "tokens")
+    # eager: the host may read the ids (as decode_step does): one outside the vocabulary
+    # is refused, not wrapped around (negative) or faulting on the device (past its end)
     inputs = CachePrefillInputs(cache, backend_for(model, attention, device), len(lens),
-                                rows, name=type(model).__name__, extend=starts is not None)
+                                rows, name=type(model).__name__, extend=starts is not None,
+                                check_inputs=True)
     inputs.bind(model)
     begin = starts_of(starts, len(lens))  # checked against the cache by inputs.check
     positions = torch.cat([torch.arange(b, b + n, device=device)
@@ -44,6 +50,12 @@ def prefill(model, cache: PagedKVCache, input_ids: torch.Tensor, seq_lens, slots
     extra = {} if starts is None else {"starts": begin}
     batch = inputs.check((input_ids, positions), {"seq_lens": lens, "slots": slots, **extra})
     return last_token_logits(_run(inputs, model, batch), lens, rows)
+
+
+def _described(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"{type(value).__name__} {value!r}"[:120]
 
 
 def _run(inputs, model, batch):

@@ -98,6 +98,16 @@ def test_logits_last_models_decode_the_same():
     (lambda m, c: prefill(m, c, torch.tensor([1, 2]), [1, 1], [0, 0]), "distinct"),
     (lambda m, c: decode_step(m, c, torch.tensor([1]), torch.tensor([8]), [0]),
      "position 8 of slot 0 is outside the 8 tokens"),
+    # the eager prefill checks its ids as the eager decode step does: a negative one
+    # would wrap around the embedding table, one past it fault on the device
+    (lambda m, c: prefill(m, c, torch.tensor([1, -3]), [2], [0]),
+     r"range over \[-3, 1\], outside the vocabulary \[0, 256\)"),
+    (lambda m, c: prefill(m, c, torch.tensor([1, 256]), [2], [0]),
+     r"range over \[1, 256\], outside the vocabulary"),
+    (lambda m, c: prefill(m, c, torch.tensor([[1, 2, 3]]), [3], [0]),
+     r"input_ids must be a 1-d tensor \[T\].*got a tensor of shape \(1, 3\)"),
+    (lambda m, c: prefill(m, c, [1, 2, 3], [3], [0]),
+     r"input_ids must be a 1-d tensor \[T\].*got list \[1, 2, 3\]"),
 ])
 def test_bad_steps_are_refused_before_anything_runs(call, match):
     m = model("tiny")
