@@ -55,6 +55,9 @@ def check_prompts(prompts, vocab: int) -> list[list[int]]:
                          f"prompt pass [[{head}]], not [{head}]")
     out = []
     for i, p in enumerate(prompts):
+        if isinstance(p, (bytes, bytearray, set, frozenset, dict)):  # iterable, no ids
+            raise BadBatch(f"prompt {i} is {type(p).__name__} {p!r}: a prompt is a list of "
+                           "token ids in order (or, to an LLM with a tokenizer, a str)")
         try:
             ids = token_ids(p)
         except TypeError:  # a number, a 0-d tensor, a float or bool among the ids

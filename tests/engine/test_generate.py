@@ -98,6 +98,13 @@ def test_a_stop_token_ends_its_request_and_is_kept():
     ({"prompts": [5, 6, 7]}, ValueError, r"list of token-id lists.*\[\[5, 6, 7\]\]"),
     ({"prompts": [[5, 6], 7]}, ValueError, r"prompt 1 .*list of token ids.*got 7"),
     ({"prompts": [torch.tensor(5)]}, ValueError, r"list of token-id lists, one per prompt"),
+    # iterables of ints that are no prompt: text as bytes (its bytes are no token ids)
+    # and unordered collections
+    ({"prompts": [[5, 6], b"hi"]}, BadBatch, r"prompt 1 is bytes b'hi': a prompt is a list"),
+    ({"prompts": [bytearray(b"hi")]}, BadBatch, r"prompt 0 is bytearray"),
+    ({"prompts": [{5, 9, 2}]}, BadBatch, r"prompt 0 is set \{.*\}: a prompt is a list of "
+                                         "token ids in order"),
+    ({"prompts": [{5: 1}]}, BadBatch, r"prompt 0 is dict"),
     ({"stop_tokens": True}, ValueError, "stop_tokens must be token ids"),
     ({"stop_tokens": [3, False]}, ValueError, "stop_tokens must be token ids"),
     ({"stop_tokens": torch.tensor([True])}, ValueError, "stop_tokens must be token ids"),

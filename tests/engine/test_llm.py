@@ -141,6 +141,9 @@ def test_text_in_and_text_out_through_a_tokenizer_ending_at_a_stop_string():
         engine.generate(["hi", ""], 4)
     with pytest.raises(ValueError, match=r"mix text \(prompt 1\) and token ids \(prompt 0\)"):
         engine.generate([[5, 6], "hi"], 4)
+    with pytest.raises(ValueError, match=r"prompt 0 is bytes b'hi'.*or, to an LLM with a "
+                                         "tokenizer, a str"):
+        engine.generate([b"hi"], 4)  # not its bytes as token ids
     text = plain[0].text
     stop = text[4:6]  # two characters from the middle of what it says
     ended = engine.generate(prompts[:1], 12, stop=[stop])[0]
