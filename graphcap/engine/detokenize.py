@@ -13,24 +13,48 @@ what was already handed out stays as it was, and the new text follows it (none d
 Stop strings are looked for in the new text and the ``longest - 1`` characters before
 it, so each is found at its first place; text that may begin a stop string is held back
 until it cannot.
+
+A request's text follows its prompt: it is what its tokens add to the decode of the
+prompt's last ``CONTEXT`` tokens (:func:`text_of`), so a tokenizer that drops the leading
+space of the first token it decodes (SentencePiece's, Llama 2's and Mistral's) keeps the
+space before a completion's first word, as ``decode(prompt + new)`` shows it.
 """
 
 from __future__ import annotations
 
 PARTIAL = "\ufffd"  # what a tokenizer's decode shows for an incomplete UTF-8 sequence
+CONTEXT = 5  # the prompt's last tokens a request's text is decoded after
+
+
+def text_of(tokenizer, context: list[int], tokens: list[int]) -> str:
+    """The text ``tokens`` add after ``context`` (a prompt's last tokens): the decode of
+    both less the decode of ``context``, where the one begins with the other; else (the
+    tokens complete a character the context began, or a clean-up changes its text) the
+    decode of ``tokens`` alone."""
+    def decode(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    if context:
+        before, after = decode(context), decode(list(context) + list(tokens))
+        if after.startswith(before):
+            return after[len(before):]
+    return decode(tokens)
 
 
 class Detokenizer:
     """One request's text: :meth:`add` its new token (or tokens) and get the text they
-    add, cut at the first stop string, and whether one has appeared."""
+    add, cut at the first stop string, and whether one has appeared. ``context``: the
+    prompt's last tokens, whose text the request's follows (:func:`text_of`)."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stops: tuple[str, ...] = (), context=()):
         self.tokenizer, self.stops = tokenizer, stops
         self.longest = max(map(len, stops), default=0)
-        self.tokens: list[int] = []
+        self.context = list(context)
+        self.tokens: list[int] = list(context)  # the context, then the request's own
         self.text = ""  # all text taken so far
         self.sent = 0  # characters of ``text`` handed out
-        self.start = self.read = 0  # the window: tokens[start:read] gave the last text
+        # the window: tokens[start:read] gave the last text (at first, the context's)
+        self.start, self.read = 0, len(self.context)
         self.ended = False
 
     def _decode(self, tokens: list[int]) -> str:
@@ -46,7 +70,8 @@ class Detokenizer:
         after = self._decode(self.tokens[self.start:])
         searched = len(self.text)
         if not after.startswith(before):  # the decode changed earlier text (" ." to "."):
-            whole = self._decode(self.tokens)  # the whole text anew, searched anew
+            whole = text_of(self.tokenizer, self.context,  # the whole text anew,
+                            self.tokens[len(self.context):])  # searched anew
             if final or not whole.endswith(PARTIAL):
                 self.sent = shown(self.text[:self.sent], whole)  # in the new text
                 self.text, searched = whole, 0

@@ -33,7 +33,7 @@ from graphcap.engine.arguments import (
     stops_of,
     warn_unapplied_defaults,
 )
-from graphcap.engine.detokenize import Detokenizer, cut
+from graphcap.engine.detokenize import CONTEXT, Detokenizer, cut, text_of
 from graphcap.engine.engine import Engine, Request, cache_shape
 from graphcap.engine.loading import resolve
 from graphcap.engine.speculative import check_proposer, graph_calls
@@ -47,8 +47,9 @@ DEFAULT_MAX_LEN = 4096  # tokens per request when neither max_len nor the model 
 @dataclass
 class Completion:
     """One prompt's result: its new tokens (a stop token that ended it included), their
-    text where a tokenizer is known (up to a stop string that ended it), and why it
-    ended: ``"stop"`` (a stop token), ``"stop_string"`` or ``"length"``."""
+    text where a tokenizer is known (what they add to the prompt's text, up to a stop
+    string that ended it), and why it ended: ``"stop"`` (a stop token),
+    ``"stop_string"`` or ``"length"``."""
 
     index: int
     tokens: list[int]
@@ -144,8 +145,8 @@ class LLM:
         done: dict[int, Completion] = {}
         tokens: dict[int, list[int]] = {}
         # Text a step only to find stop strings: the completions' text is decoded once.
-        deltas, strings = self._stream(prompts, max_new_tokens, sampling, stop, speculate,
-                                       texts=None)
+        deltas, strings, ids = self._stream(prompts, max_new_tokens, sampling, stop,
+                                            speculate, texts=None)
         try:
             for delta in deltas:
                 tokens.setdefault(delta.index, []).extend(delta.tokens)
@@ -154,9 +155,9 @@ class LLM:
                                                    None, delta.finish_reason)
         finally:  # a Ctrl-C between deltas: the stream lets go of the LLM now, not once
             deltas.close()  # the traceback holding it (the REPL's last one) is freed
-        if self.tokenizer is not None:
+        if self.tokenizer is not None:  # what the tokens add to the prompt's text
             for c in done.values():
-                c.text = cut(self.tokenizer.decode(c.tokens, skip_special_tokens=True),
+                c.text = cut(text_of(self.tokenizer, ids[c.index][-CONTEXT:], c.tokens),
                              strings)[0]
         return [done[i] for i in range(len(done))]
 
@@ -170,10 +171,11 @@ class LLM:
                             texts=True)[0]
 
     def _stream(self, prompts, max_new_tokens, sampling, stop, speculate: bool,
-                texts: bool | None) -> tuple[Iterator[Delta], tuple[str, ...]]:
+                texts: bool | None) -> tuple[Iterator[Delta], tuple[str, ...],
+                                             list[list[int]]]:
         """:meth:`stream`, its deltas' text decoded each step only with ``texts`` (None:
-        where there are stop strings to find), and the stop strings. The arguments are
-        checked here (a split model's ranks together), each read once."""
+        where there are stop strings to find), the stop strings and the prompts' ids. The
+        arguments are checked here (a split model's ranks together), each read once."""
         with entry(self.model, "a stream of the LLM") as key:  # a split model's ranks
             ids = self._prompts(prompts)
             params = sampling_of(sampling, len(ids))
@@ -190,12 +192,12 @@ class LLM:
         texts = bool(strings) if texts is None else texts  # strings need a tokenizer
         requests = [Request(i, p, params[i]) for i, p in enumerate(ids)]
         return self._serve(requests, max_new_tokens, stops, strings,
-                           boolean(speculate, "speculate"), texts), strings
+                           boolean(speculate, "speculate"), texts), strings, ids
 
     def _serve(self, requests, max_new_tokens: int, stops: set[int],
                strings: tuple[str, ...], speculate: bool, text: bool) -> Iterator[Delta]:
-        texts = {r.index: Detokenizer(self.tokenizer, strings) for r in requests} \
-            if text and self.tokenizer is not None else None
+        texts = {r.index: Detokenizer(self.tokenizer, strings, r.prompt[-CONTEXT:])
+                 for r in requests} if text and self.tokenizer is not None else None
         call = object()  # the LLM is this call's once it claims it, in one step, inside
         try:             # the try: a Ctrl-C anywhere leaves it this call's to let go, or not
             try:

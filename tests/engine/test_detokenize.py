@@ -7,15 +7,15 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from graphcap.engine.detokenize import Detokenizer, cut
+from graphcap.engine.detokenize import Detokenizer, cut, text_of
 from tests.support.tokenizers import byte_tokenizer
 
 pytest.importorskip("tokenizers")
 
 
-def _streamed(tok, tokens, stops=()):
-    """The deltas' text, whether a stop string ended it, and how many tokens were
-    decoded in all."""
+def _streamed(tok, tokens, stops=(), context=()):
+    """The deltas' text (after the prompt's last tokens ``context``), whether a stop
+    string ended it, and how many tokens were decoded in all."""
     decoded = []
     real = tok.decode
 
@@ -24,7 +24,7 @@ def _streamed(tok, tokens, stops=()):
             decoded.append(len(ids))
             return real(ids, **kw)
 
-    text = Detokenizer(Counting(), tuple(stops))
+    text = Detokenizer(Counting(), tuple(stops), context)
     out, hit = [], False
     for i, t in enumerate(tokens):
         delta, hit = text.add([t], final=i == len(tokens) - 1)
@@ -137,3 +137,41 @@ def test_a_stop_string_a_clean_up_completes_is_found_where_a_whole_decode_shows_
         if hits[-1]:
             break
     assert (len(hits) - 1 if hits[-1] else None) == first
+
+
+def test_a_completion_keeps_the_space_a_tokenizer_drops_where_its_decode_starts():
+    # SentencePiece's decode (Llama 2's, Mistral's) drops the first token's leading
+    # space: "▁graph" alone is "graph". After the prompt it is " graph", what
+    # decode(prompt + new) adds to decode(prompt) (transformers' text-generation
+    # pipeline's completion): the stream's text, and where stop strings are looked for.
+    prompt, new = [1, 3], [4, 5, 6]  # "<s>", "▁the"; "▁graph", "s", "▁is"
+    assert WORDS.decode(new) == "graphs is"
+    assert text_of(WORDS, prompt, new) == " graphs is" == \
+        WORDS.decode(prompt + new)[len(WORDS.decode(prompt)):]
+    assert _streamed(WORDS, new, context=prompt)[0] == " graphs is"
+    assert Detokenizer(WORDS, (" graph",), prompt).add([4]) == ("", True)
+
+
+@settings(max_examples=60)
+@given(st.lists(st.integers(0, 12), max_size=6), st.lists(st.integers(0, 12), min_size=1,
+                                                           max_size=30))
+def test_a_stream_after_a_prompt_is_what_its_tokens_add_to_the_prompts_decode(context,
+                                                                                tokens):
+    text, _, _ = _streamed(WORDS, tokens, context=context)
+    before = WORDS.decode(context, skip_special_tokens=True)
+    whole = WORDS.decode(context + tokens, skip_special_tokens=True)
+    assert whole.startswith(before) and text == whole[len(before):] == \
+        text_of(WORDS, context, tokens)
+
+
+@settings(max_examples=60)
+@given(TEXT_BYTES, TEXT_BYTES.map(lambda b: b[:5]),
+       st.lists(st.text(alphabet="ab c,é", min_size=1, max_size=3), max_size=3))
+def test_bytes_streamed_after_a_prompt_end_where_their_text_after_it_shows_a_stop_string(
+        tokens, context, stops):
+    # a prompt that ends in a partial character its completion finishes included; the
+    # stream ends at the first token whose text shows a stop string
+    text, hit, _ = _streamed(BYTES, tokens, stops, context)
+    shown = [cut(text_of(BYTES, context, tokens[:n]), tuple(stops))
+             for n in range(1, len(tokens) + 1)]
+    assert (text, hit) == next((s for s in shown if s[1]), shown[-1])

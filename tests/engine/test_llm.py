@@ -167,16 +167,41 @@ def test_a_stop_string_completed_by_the_last_allowed_token_is_why_the_request_en
     assert cut.text == plain.text[:plain.text.find(stop)]
 
 
+def test_a_completions_text_follows_its_prompt_where_a_decode_drops_a_leading_space():
+    # A SentencePiece-like tokenizer (Llama 2's, Mistral's): "▁a" decoded alone is "a".
+    # A completion's text, streamed or not, is what its tokens add to its prompt's
+    # decode: " a", so prompt + text reads as decode(prompt + tokens) does.
+    from dataclasses import replace
+
+    from graphcap.models import PRESETS, Decoder
+    from tests.engine.test_detokenize import WORDS
+
+    torch.manual_seed(0)
+    m = Decoder(replace(PRESETS["tiny"], vocab_size=len(WORDS))).to(DEVICE).eval()
+    engine = LLM(m, WORDS, max_batch=2, max_len=32, prefill_tokens=8, progress=False,
+                 stop_at_eos=False)
+    prompts = ["the graphs is", "a b"]
+    done = engine.generate(prompts, 6)
+    assert WORDS.convert_ids_to_tokens(done[0].tokens[0]).startswith("▁")  # a space
+    for c, p in zip(done, prompts, strict=True):
+        ids = WORDS(p)["input_ids"]
+        whole, before = (WORDS.decode(t, skip_special_tokens=True)
+                         for t in (ids + c.tokens, ids))
+        assert c.text == whole[len(before):]
+        assert "".join(d.text for d in engine.stream([p], 6)) == c.text
+
+
 def test_generate_without_stop_strings_decodes_each_completions_text_once(monkeypatch):
-    # Its steps need no text (nothing to find in it): one decode per completion, not one
-    # a step of everything drawn so far.
+    # Its steps need no text (nothing to find in it): the text of each completion once
+    # (two decodes: its prompt's last tokens, and those with its own), not a decode a
+    # step of everything drawn so far.
     tok = byte_tokenizer()
     engine = LLM(model(), tok, max_batch=2, max_len=48, prefill_tokens=16, progress=False)
     decodes = []
     real = tok.decode
     monkeypatch.setattr(tok, "decode", lambda *a, **k: decodes.append(1) or real(*a, **k))
     done = engine.generate(["graphs!", "hi"], 12)
-    assert len(decodes) == 2 and all(c.text == real(c.tokens, skip_special_tokens=True)
+    assert len(decodes) == 4 and all(c.text == real(c.tokens, skip_special_tokens=True)
                                      for c in done)
     assert engine.generate(["graphs!"], 12, stop=[done[0].text[4:6]])[0].finish_reason \
         == "stop_string"  # with one, each step's text is read for it
