@@ -90,15 +90,21 @@ def checkable(model) -> tuple:
     else is refused, saying what a checkable model is."""
     from graphcap.api import inputs_of
 
+    if not isinstance(model, torch.nn.Module):
+        raise GraphcapError(f"the factory returned a {type(model).__name__}, not a "
+                            "torch.nn.Module")
+    meta = next((n for n, t in [*model.named_parameters(), *model.named_buffers()]
+                 if t.is_meta), None)
+    if meta is not None:  # no values to run: every strategy would FAIL on the device
+        raise GraphcapError(f"the factory returned a {type(model).__name__} whose {meta} is "
+                            "on the meta device (no values): load or initialise its weights "
+                            "on cpu or cuda before returning it")
     if _is_causal_lm(model):
         from graphcap.hf import PrefillLM
 
         name, lm = type(model).__name__, PrefillLM(model)
         return lm, (f" (a transformers {name}, wrapped in graphcap.hf.PrefillLM; "
                     f"{lm.kernels.summary()})")
-    if not isinstance(model, torch.nn.Module):
-        raise GraphcapError(f"the factory returned a {type(model).__name__}, not a "
-                            "torch.nn.Module")
     if inputs_of(model) != "prefill":
         params = list(inspect.signature(model.forward).parameters)
         raise GraphcapError(
@@ -159,7 +165,12 @@ def run_check(spec: str, strategies=None, examples: int = 10, sequences: int = 3
         if left:
             print(f"--attention {attention} runs under {', '.join(strategies)} only: "
                   f"{', '.join(left)} left out")
-    print(f"graphcap check {spec}: {type(model).__name__}{wrapped}, {examples} drawn "
+    from graphcap.api import _device_of
+    from graphcap.core.graphs import graph_kind
+
+    device = _device_of(model)  # where it runs, on which graphs: a CPU model, emulated ones
+    print(f"graphcap check {spec}: {type(model).__name__}{wrapped} on {device} "
+          f"({graph_kind(device)} graphs), {examples} drawn "
           f"batches, the fullest batch, each bucket's most padded and full batches and "
           f"{sequences} call sequences per strategy, buckets to {max_tokens} tokens\n")
     print(f"{'strategy':>12}  {'attention':>12}  {'result':>6}  {'max err':>9}  "
@@ -197,5 +208,11 @@ def run_check(spec: str, strategies=None, examples: int = 10, sequences: int = 3
               "move it out of forward, or mark the function @graphcap.eager_on_graph and "
               "use strategy='breakable'. Or its rows depend on other rows (a reduction over "
               "every token, the token count): a replay pads the batch to its bucket, so "
-              "each output row must depend on its own request's tokens only.")
+              "each output row must depend on its own request's tokens only. Or it is "
+              "nondeterministic (random ops): eager differs from eager.")
+        dropout = [n for n, m in model.named_modules() if m.training and isinstance(
+            m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
+        if dropout:  # it draws anew on each call, eager's and a fallback's too
+            print(f"\nIts dropout {dropout[0] or 'itself'} is in training mode: return the "
+                  "model from the factory in eval mode (model.eval()).")
     return 1 if failed else 0

@@ -435,3 +435,55 @@ def test_check_without_strategies_checks_those_the_backend_runs_under(capsys):
     rows = [line.split()[:3] for line in out.splitlines()]
     assert ["breakable", "torch_varlen", "pass"] in rows and \
         not any(r[:1] == ["full"] for r in rows)
+
+
+def test_check_refuses_a_model_on_the_meta_device_before_running_any_strategy(
+        capsys, user_module):
+    # It has no values to run: every strategy used to FAIL (exit 1) on "no attention
+    # backend runs on meta", as if a check had run.
+    user_module("meta_factory", """
+        import torch
+        from graphcap.models import build_model
+
+        def build():
+            return build_model("tiny").to("meta")
+    """)
+    err = refused(capsys, "check", "meta_factory:build")
+    assert "on the meta device" in err and "load or initialise its weights" in err, err
+
+
+def test_check_says_the_device_and_the_graphs_it_checks_on(capsys):
+    # A CPU model on a GPU machine is checked on the emulator: the header says so.
+    code, out, err = cli(capsys, "check", "tests.support.check_models:good", "--examples", "1",
+                         "--sequences", "1", "--strategies", "full")
+    assert code == 0, out + err
+    assert out.splitlines()[0].startswith(
+        "graphcap check tests.support.check_models:good: Decoder on cpu (emulated graphs), "), out
+
+
+def test_check_of_a_model_left_in_training_mode_says_to_call_eval(capsys, user_module):
+    # Dropout differs eager from eager (a fallback's call too): the frozen-at-capture
+    # advice alone sent the user looking for a side effect that is not there.
+    user_module("dropout_factory", """
+        import torch
+
+        class Dropping(torch.nn.Module):
+            graphcap_inputs = "prefill"
+            vocab_size = 50
+
+            def __init__(self):
+                super().__init__()
+                self.emb = torch.nn.Embedding(50, 8)
+                self.drop = torch.nn.Dropout(0.5)
+
+            def forward(self, input_ids, positions):
+                return self.drop(self.emb(input_ids))
+
+        def build():
+            return Dropping()
+    """)
+    code, out, err = cli(capsys, "check", "dropout_factory:build", "--strategies", "full",
+                         "--examples", "1", "--sequences", "1", "--max-requests", "1")
+    assert code == 1, out + err
+    assert "nondeterministic" in out and "Its dropout drop is in training mode" in out, out
+    assert "model.eval()" in out, out

@@ -142,8 +142,9 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
     every generated batch, and every call of random call sequences (fallbacks included),
     equals the same model run eagerly with the same attention backend: a copy of the
     model taken before any capture (so that state a capture's warm-up leaves in the
-    model is not shared by the reference), floats within ``atol`` (default: the looser
-    of the model's dtype's tolerance and each output's), NaN as NaN, integer
+    model is not shared by the reference), floats within ``atol`` absolute and relative
+    (``rtol=atol``; default: the looser of the model's dtype's tolerance and each
+    output's), NaN as NaN, integer
     and boolean outputs exactly; a forward that writes its inputs fails too. Returns by
     strategy the runner's report (its ``attention``: the backend the model's forward
     called, None if none; its ``fallbacks``: those of every runner the check made, the
