@@ -311,3 +311,25 @@ def test_sinks_folded_into_an_output_by_its_rows_log_sum_exp_are_the_references(
 def test_packed_names_an_argument_of_the_wrong_kind(options, needle):
     with pytest.raises(TypeError, match=needle), graphcap.packed([3], "cpu", **options):
         pass
+
+
+@settings(max_examples=15, deadline=None)
+@given(exponent=st.floats(0, 9), n=st.integers(1, 20), seed=st.integers(0, 2**16))
+def test_the_triton_kernels_soft_cap_as_the_reference_whatever_the_cap(exponent, n, seed):
+    """A cap far above the scores (``softcap * tanh(s / softcap)`` is then ``s``) leaves
+    them as they are: tanh computed as ``1 - 2 / (e^2x + 1)`` cancels to 0 there, which made
+    every score 0 (uniform attention) from a cap of about 1e8, and wrong from 1e4."""
+    from graphcap.opsdb.decode import DECODE_ATTENTION
+    from graphcap.opsdb.triton.attention import attention_varlen
+
+    softcap, d = 10.0 ** exponent, 16
+    q, k, v = qkv(n, 2, 1, d, seed, DEVICE)
+    want = ref.attention_varlen(q, k, v, cu_of([n]).to(DEVICE), 0.3, True, 0, softcap)
+    out = torch.empty_like(q)
+    attention_varlen(q, k, v, out, cu_of([n]).to(DEVICE), n, 0.3, True, 0, softcap)
+    torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+    step = torch.empty_like(q[-1:])
+    DECODE_ATTENTION(q[-1:], k[None], v[None], torch.zeros(1, 1, dtype=torch.int32,
+                     device=DEVICE), torch.tensor([n], dtype=torch.int32, device=DEVICE),
+                     step, 0.3, 0, softcap, kernel="triton")
+    torch.testing.assert_close(step, want[-1:], rtol=2e-5, atol=2e-5)

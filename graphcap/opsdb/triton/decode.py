@@ -56,8 +56,13 @@ from graphcap.opsdb.triton.qkv import norm_rope, rope_at
 
 @triton.jit
 def soft_cap(scores, softcap):
-    """``softcap * tanh(scores / softcap)``, tanh from exp (+-1 where exp overflows)."""
-    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * (scores / softcap)) + 1.0))
+    """``softcap * tanh(scores / softcap)``: tanh from exp (+-1 where exp overflows), and
+    near zero from its series (``1 - 2 / (e^2x + 1)`` cancels there: where scores are
+    small against the cap, e^2x rounds to 1 and every score would become 0)."""
+    x = scores / softcap
+    x2 = x * x
+    series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+    return softcap * tl.where(tl.abs(x) < 0.125, series, 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
 
 
 @triton.jit
