@@ -339,8 +339,8 @@ def _recognise_gpt_oss_moe(layer, mlp, hidden: int, eps: float):
                      "[E, I, H], [E, H]"
     alpha, limit = getattr(experts, "alpha", None), getattr(experts, "limit", None)
     if not isinstance(alpha, int | float) or not isinstance(limit, int | float) or \
-            not alpha > 0 or not limit >= 0:
-        return None, f"{type(experts).__name__} has no clamped GLU's alpha > 0 and limit"
+            not alpha > 0 or not limit > 0:  # its limit clamps at 0 too; moe_experts' not
+        return None, f"{type(experts).__name__} has no clamped GLU's alpha > 0 and limit > 0"
     return MoeKernels(layer, eps, top_k, True, router="router",
                       glu=(float(alpha), float(limit))), None
 

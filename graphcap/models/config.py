@@ -99,10 +99,16 @@ def _gpt_oss_args(config: dict, source: str) -> dict:
     if list(kinds) != expected:
         raise CheckpointError(f"{source}: layer_types {kinds} are not gpt-oss's alternation "
                               "(sliding_attention on even layers, full_attention on odd)")
+    alpha, limit = config.get("swiglu_alpha", 1.702), config.get("swiglu_limit", 7.0)
+    # transformers clamps at any limit (0 too) and gates by sigmoid(alpha * gate) at any
+    # alpha; moe_experts reads limit 0 as no clamp and alpha 0 as SwiGLU
+    if not (isinstance(alpha, int | float) and isinstance(limit, int | float)
+            and alpha > 0 and limit > 0):
+        raise CheckpointError(f"{source}: swiglu_alpha {alpha!r} and swiglu_limit {limit!r}: "
+                              "gpt-oss's clamped GLU is supported with both > 0")
     return dict(experts=config["num_local_experts"], top_k=config["num_experts_per_tok"],
                 moe_intermediate=config["intermediate_size"], moe_bias=True,
-                glu_alpha=config.get("swiglu_alpha", 1.702),
-                glu_limit=config.get("swiglu_limit", 7.0),
+                glu_alpha=alpha, glu_limit=limit,
                 window=config.get("sliding_window") or 0, global_every=2, sinks=True,
                 norm_topk=True)  # its router: a softmax over the top k, whatever the config
 

@@ -91,6 +91,8 @@ def test_an_unknown_kernels_choice_is_refused_naming_both():
     ("granite", {}, "model.layers.1.mlp", "not the pre-norm layer"),
     ("olmo2", {}, "model.layers.0.self_attn", "Olmo2DecoderLayer has no input_layernorm"),
     ("llama", {"mlp_bias": True}, "model.layers.0.mlp", "nn.Linear without a bias"),
+    # transformers clamps gpt-oss's GLU at a limit of 0 too; moe_experts reads 0 as none
+    ("gpt_oss", {"swiglu_limit": 0.0}, "model.layers.0.mlp", "alpha > 0 and limit > 0"),
 ])
 def test_a_module_that_does_not_fit_stays_stock_and_says_why(family, config, module, why):
     ref = hf_model(family, **config)

@@ -134,7 +134,12 @@ def test_a_config_naming_rope_scaling_and_rope_parameters_reads_rope_scaling():
     ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
      "quantization_config (quant_method 'fp8') is not supported"),
     ({"model_type": "qwen3", "quantization_config": {"quant_method": "bitsandbytes"}},
-     "quantization_config (quant_method 'bitsandbytes')")])
+     "quantization_config (quant_method 'bitsandbytes')"),
+    # transformers clamps gpt-oss's GLU at a limit of 0 too, and gates by sigmoid(0 * gate)
+    # at alpha 0: moe_experts would read them as no clamp and SwiGLU
+    ({"model_type": "gpt_oss", "swiglu_limit": 0.0}, "swiglu_limit 0.0"),
+    ({"model_type": "gpt_oss", "swiglu_alpha": 0.0}, "swiglu_alpha 0.0"),
+    ({"model_type": "gpt_oss", "swiglu_limit": -1.0}, "both > 0")])
 def test_config_fields_that_change_the_model_are_refused_not_ignored(change, needle):
     config = dict(model_type="llama", vocab_size=128, hidden_size=64, num_hidden_layers=2,
                   num_attention_heads=4)
@@ -470,3 +475,10 @@ def test_a_path_that_is_no_checkpoint_folder_says_what_it_is(tmp_path):
     with pytest.raises(CheckpointError, match=r"\['pytorch_model.bin'\] \(PyTorch pickles\) "
                                               "are not read"):
         load_checkpoint(tmp_path)
+
+
+def test_gpt_oss_clamped_glu_of_its_config_loads_as_transformers_computes_it(tmp_path):
+    """swiglu_alpha and swiglu_limit other than gpt-oss's reach the experts."""
+    config = CONFIGS["gpt_oss"]()
+    config.swiglu_alpha, config.swiglu_limit = 1.0, 0.5
+    assert_loads_as_transformers(tmp_path, saved(tmp_path, "gpt_oss", config))
