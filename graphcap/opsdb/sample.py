@@ -3,7 +3,8 @@ same tokens: ``sample``.
 
 Per row ``b``: ``temperature[b] <= 1e-5`` takes the argmax (greedy); otherwise the logits
 are divided by the temperature, restricted to the ``top_k[b]`` most likely tokens (0:
-all) and to the smallest set whose probability reaches ``top_p[b]`` (1: all), and one
+all; tokens tied with the k-th are kept too, as transformers' top-k keeps them) and to
+the smallest set whose probability reaches ``top_p[b]`` (1: all), and one
 token is drawn by the Gumbel-max trick with noise from a counter-based hash of
 ``(seed[b], counter[b], token id)``: the same inputs give the same token on any device,
 in any strategy, with no generator state. A request's counter is its position, so each
@@ -61,10 +62,14 @@ def _ranked(logits, temperature, top_k, top_p):
     order = scaled.argsort(dim=-1, descending=True, stable=True)
     ranked = scaled.gather(1, order)
     rank = torch.arange(V, device=logits.device)[None, :]
-    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    kth = ranked.gather(1, (top_k.long().clamp(1, V) - 1)[:, None])  # ties with it are kept too
+    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None]) | (ranked >= kth)
     probs = torch.softmax(ranked.masked_fill(~keep, float("-inf")), dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
-    keep &= (before < top_p.float()[:, None]) | (rank == 0) | (top_p[:, None] >= 1)
+    # The mass of each token and the less likely ones, as a share of the whole: a sum of
+    # small numbers (exact where top-p cuts the tail), not 1 minus a sum rounded near 1
+    after = probs.flip(-1).cumsum(dim=-1).flip(-1)
+    tail = after > (1 - top_p.float()[:, None]) * after[:, :1]
+    keep &= tail | (rank == 0) | (top_p[:, None] >= 1)
     return order, ranked, keep
 
 
