@@ -26,19 +26,22 @@ PARTIAL = "\ufffd"  # what a tokenizer's decode shows for an incomplete UTF-8 se
 CONTEXT = 5  # the prompt's last tokens a request's text is decoded after
 
 
+def decoded(tokenizer, ids: list[int]) -> str:
+    """The text of ``ids``, special tokens left out."""
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def text_of(tokenizer, context: list[int], tokens: list[int]) -> str:
     """The text ``tokens`` add after ``context`` (a prompt's last tokens): the decode of
     both less the decode of ``context``, where the one begins with the other; else (the
     tokens complete a character the context began, or a clean-up changes its text) the
     decode of ``tokens`` alone."""
-    def decode(ids):
-        return tokenizer.decode(ids, skip_special_tokens=True)
-
     if context:
-        before, after = decode(context), decode(list(context) + list(tokens))
+        before = decoded(tokenizer, context)
+        after = decoded(tokenizer, list(context) + list(tokens))
         if after.startswith(before):
             return after[len(before):]
-    return decode(tokens)
+    return decoded(tokenizer, tokens)
 
 
 class Detokenizer:
@@ -58,7 +61,7 @@ class Detokenizer:
         self.ended = False
 
     def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return decoded(self.tokenizer, tokens)
 
     def add(self, tokens: list[int], final: bool = False) -> tuple[str, bool]:
         """The text ``tokens`` add (none held back when ``final``), and whether a stop
