@@ -65,6 +65,13 @@ def table_row(index, rows):
 
 
 @triton.jit
+def in_table(index, rows):
+    """Whether ``index`` is a row of a table of ``rows`` rows (a cache's slot: what a write
+    outside it must not touch)."""
+    return (index >= 0) & (index < rows)
+
+
+@triton.jit
 def cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     """float32 ``x`` to ``dtype``, rounding to nearest even as the GPU does. Triton 3.6's
     interpreter truncates float32 to bfloat16 (half the values come out one unit low),

@@ -43,6 +43,7 @@ from graphcap.opsdb.triton import counters
 from graphcap.opsdb.triton.common import (
     cast,
     dot,
+    in_table,
     interpreting,
     num_sms,
     pdl_args,
@@ -132,7 +133,7 @@ def _write_own(k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr, b, kvh, s, g, hb, d, d_mas
     if (s == 0) & (g % hb == 0):
         loc = tl.load(loc_ptr + b).to(tl.int64)
         k_row = kvh * head_dim + d
-        inside = d < tl.where((loc >= 0) & (loc < slots), head_dim, 0)
+        inside = d < tl.where(in_table(loc, slots), head_dim, 0)
         tl.store(kc_ptr + loc * slot_stride + k_row, k_own, mask=inside)
         tl.store(vc_ptr + loc * slot_stride + k_row, v_own, mask=inside)
     return k_own, v_own

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphcap.opsdb.triton.common import cast, interpreting, pdl_args, pdl_start
+from graphcap.opsdb.triton.common import cast, in_table, interpreting, pdl_args, pdl_start
 
 
 @triton.jit
@@ -26,8 +26,7 @@ def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr,
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     # A place outside the cache writes no head (a scalar mask, folded into the heads').
-    inside = (loc >= 0) & (loc < slots)
-    mask = (h < tl.where(inside, heads, 0))[:, None] & (d < head_dim)[None, :]
+    mask = (h < tl.where(in_table(loc, slots), heads, 0))[:, None] & (d < head_dim)[None, :]
     src_k = k_ptr + t.to(tl.int64) * k_stride_t + h[:, None] * k_stride_h + d[None, :]
     src_v = v_ptr + t.to(tl.int64) * v_stride_t + h[:, None] * v_stride_h + d[None, :]
     # A token's place in the cache is heads * head_dim contiguous elements.
