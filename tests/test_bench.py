@@ -889,7 +889,7 @@ def test_bench_ops_exits_1_on_a_miss_and_writes_every_suite_s_record(monkeypatch
 
 def test_bench_ops_targets_whose_peer_did_not_run_are_not_judged():
     from graphcap.bench import decode_attention
-    from graphcap.bench.ops import _verdicts, not_judged
+    from graphcap.bench.ops import _verdicts, unmeasured_peers
 
     why = "flashinfer is not installed"
     rows = [{"op": "rms_norm", "tokens": t, "hidden": 1024, "ms": {"triton": 1.0},
@@ -900,7 +900,7 @@ def test_bench_ops_targets_whose_peer_did_not_run_are_not_judged():
               "ms": {"triton": 1.0}, "share": {"triton": 0.5}, "skipped": {"flashinfer": why}}]
     judged = _verdicts(rows) + decode_attention.verdicts(rows)
     assert [(t["op"], t["vs"]) for t in judged] == [("attention", "flashinfer")]
-    missing = not_judged(rows)
+    missing = unmeasured_peers(rows)
     assert [(t["op"], t["vs"], t["met"]) for t in missing] == [  # one entry each
         ("rms_norm", "flashinfer", False), ("attention", "flash_attn", False),
         ("decode attention", "flashinfer", False)]

@@ -215,7 +215,7 @@ PEERS = {"rms_norm": ("flashinfer",), "silu_and_mul": ("flashinfer",),
          "decode attention": ("flashinfer",)}
 
 
-def not_judged(rows) -> list[dict]:
+def unmeasured_peers(rows) -> list[dict]:
     """One entry per (op, peer) whose targets no case could judge: the peer (or Triton)
     did not run here (``skipped`` of its cases says why). Not met: a claim went
     unmeasured, and the run's exit status says so."""
@@ -239,7 +239,7 @@ def run(out_path: str | None = None) -> dict:
             + _linear_cases(dev) + decode_attention.cases(dev))
     result = {
         "what": "graphcap bench ops", **environment(), "dtype": str(DTYPE), "cases": rows,
-        "targets": _verdicts(rows) + decode_attention.verdicts(rows) + not_judged(rows),
+        "targets": _verdicts(rows) + decode_attention.verdicts(rows) + unmeasured_peers(rows),
     }
     for t in result["targets"]:
         verdict = "ok" if t["met"] else "MISS"
