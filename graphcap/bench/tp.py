@@ -150,19 +150,19 @@ def tp_targets(one: dict, split: dict, tp: int) -> list[dict]:
                 out.append(verdict(f"{arm} rank {rank}: build s / TP=1 build s",
                                    mine[arm]["build_s"] / built["build_s"], 1.15,
                                    at_least=False))
-    return out + _unjudged(one, split, tp, full, same)
+    return out + _unjudged(one, split, tp, rows, full, same)
 
 
-def _unjudged(one: dict, split: dict, tp: int, full, same) -> list[dict]:
+def _unjudged(one: dict, split: dict, tp: int, rows: dict, full, same) -> list[dict]:
     """The targets above that an arm asked for and not run left unjudged: an arm's
     TP=N against TP=1 where it ran in one of the two runs only (at neither: a backend
     not here, shown as not run), the 16-token full ratio (llama3-8b) where no full arm ran
-    in both, breakable's share where it or full-<attention> did not run split."""
+    in both, breakable's share where it or full-<attention> did not run split (``rows``:
+    the split run's times by token count)."""
     skipped, out = skipped_in(one, split, tp), []
     ran = [set(r["rows"][0]["ms"]) if r["rows"] else set() for r in (one, split)]
     out += [not_judged(f"{arm}: TP={tp} against TP=1", [arm], skipped)
             for arm in skipped if (arm in ran[0]) != (arm in ran[1])]
-    rows = {r["tokens"]: r["ms"] for r in split["rows"]}
     if 16 not in rows:
         return out
     fulls = [a for a in skipped if a.startswith("full-")]
