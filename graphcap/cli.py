@@ -125,6 +125,10 @@ def _check_bench_args(args: argparse.Namespace) -> None:
     ladders = args.suite in ("build", "memory")  # one model, perhaps a stock transformers one
     kinds = ("", "hf", "hf-stock") if ladders else ("",)
     models = args.models.split(",") if args.models else []
+    for option, items in (("models", models), ("arms", (args.arms or "").split(","))):
+        if (twice := _repeated(items)) is not None:
+            raise GraphcapError(f"--{option}: {twice!r} is given twice (its runs would "
+                                "overwrite each other's under one name); give each once")
     for name in models:
         kind, _, preset = name.rpartition(":")
         if kind not in kinds or preset not in PRESETS:
@@ -201,8 +205,21 @@ def _positive(text: str) -> int:
 
 
 def _positives(text: str) -> str:
-    """Comma-separated positive whole numbers, as the text bench's suites split."""
-    return ",".join(str(_positive(item)) for item in text.split(","))
+    """Comma-separated positive whole numbers, each once, as the text bench's suites split."""
+    values = [_positive(item) for item in text.split(",")]
+    if twice := _repeated(values):
+        raise argparse.ArgumentTypeError(f"{twice} is given twice: give each value once")
+    return ",".join(map(str, values))
+
+
+def _repeated(items: list):
+    """The first item that comes twice in ``items``, else None."""
+    seen = set()
+    for item in items:
+        if item in seen:
+            return item
+        seen.add(item)
+    return None
 
 
 def _device(text: str) -> str:

@@ -244,7 +244,12 @@ def test_ops_names_a_device_torch_does_not_know(capsys):
     (["decode", "--models", "tiny", "--context", "4096"], "tiny has 4096 positions"),
     (["prefill", "--speculative", "4"], "bench prefill does not take --speculative"),
     (["memory", "--models", "hf-stock:tiny-gpt-oss"], "no stock transformers model mirrors"),
-    (["prefill", "--tp", "2", "--arms", "eager,hf-eager"], "not split across ranks")])
+    (["prefill", "--tp", "2", "--arms", "eager,hf-eager"], "not split across ranks"),
+    (["decode", "--arms", "full,breakable,full"], "--arms: 'full' is given twice"),
+    (["prefill", "--models", "tiny,qwen3-0.6b,tiny"], "--models: 'tiny' is given twice"),
+    (["decode", "--batches", "1,8,1"], "--batches: 1 is given twice"),
+    (["prefill", "--lengths", "16,16"], "--lengths: 16 is given twice"),
+    (["decode", "--context", "256,0256"], "--context: 256 is given twice")])
 def test_bench_refuses_a_preset_or_arm_its_suite_lacks_before_it_needs_a_gpu(
         capsys, argv, needle):
     err = refused(capsys, "bench", *argv)
