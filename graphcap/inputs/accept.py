@@ -19,7 +19,10 @@ were chosen, not drawn (a deterministic proposer: n-gram lookup, a greedy draft)
 p(y) / (1 - p(x)) [y != x] = p(y)``. The noise is the seeded counter hash plain sampling
 uses (``seed``, the position the token takes), the acceptance draws on their own lane of
 counters: a request's tokens are reproducible from its seed. A greedy row's ``p`` is its
-argmax alone, so greedy rows accept exactly as :func:`greedy_accept`.
+argmax alone, so greedy rows accept exactly as :func:`greedy_accept`. Non-finite logits
+give ``p`` as sampling defines it (:mod:`graphcap.opsdb.sample`: +inf and NaN tokens
+share the mass), never NaN: a proposal with all of it is always accepted (the coin is
+below 1), so a refused one leaves the rest of ``p`` some mass to draw from.
 """
 
 from __future__ import annotations

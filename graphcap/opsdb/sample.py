@@ -10,6 +10,13 @@ token is drawn by the Gumbel-max trick with noise from a counter-based hash of
 in any strategy, with no generator state. A request's counter is its position, so each
 step draws fresh noise. Every parameter is a device tensor: they change between calls
 without a recapture, and nothing reads the device on the host.
+
+Non-finite logits give a defined draw, found on the device (no error can be raised
+inside a graph, nor the logits read on the host): a NaN logit counts as ``+inf``, as
+``torch.argmax`` (greedy) ranks it first; a row whose largest scaled logit is ``+inf`` (or
+overflows to it) draws one of its ``+inf`` tokens, each equally likely, as transformers'
+``remove_invalid_values=True`` does (its plain softmax is NaN, and ``multinomial``
+raises); a row of ``-inf`` only draws any token, each equally likely.
 """
 
 from __future__ import annotations
@@ -59,6 +66,13 @@ def _ranked(logits, temperature, top_k, top_p):
     V = logits.shape[1]
     t = temperature.float().clamp_min(GREEDY_BELOW)[:, None]
     scaled = logits.float() / t
+    # Non-finite logits (the module docstring), without a host sync: NaN ranks as
+    # torch.argmax ranks it, first; where a row's top is infinite, the tokens at it are
+    # equally likely and the others not at all (softmax would give NaN everywhere)
+    scaled = scaled.masked_fill(scaled.isnan(), float("inf"))
+    top = scaled.amax(dim=-1, keepdim=True)
+    at_top = torch.zeros_like(scaled).masked_fill_(scaled != top, float("-inf"))
+    scaled = torch.where(top.isinf(), at_top, scaled)
     order = scaled.argsort(dim=-1, descending=True, stable=True)
     ranked = scaled.gather(1, order)
     rank = torch.arange(V, device=logits.device)[None, :]
@@ -76,7 +90,8 @@ def _ranked(logits, temperature, top_k, top_p):
 def probabilities(logits, temperature, top_k, top_p) -> torch.Tensor:
     """``[B, V]`` float32: the distribution :func:`sample_reference` draws each row's
     token from (the kept tokens' softmax of the scaled logits, zero elsewhere; a greedy
-    row's argmax with probability 1)."""
+    row's argmax with probability 1); never NaN, whatever the logits (the module
+    docstring)."""
     order, ranked, keep = _ranked(logits, temperature, top_k, top_p)
     ranked_probs = torch.softmax(ranked.masked_fill(~keep, float("-inf")), dim=-1)
     probs = torch.zeros_like(ranked_probs).scatter_(1, order, ranked_probs)

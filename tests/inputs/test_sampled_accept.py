@@ -5,8 +5,10 @@ are the seed's, the same eagerly and in every graph."""
 
 from __future__ import annotations
 
+import hypothesis
 import pytest
 import torch
+from hypothesis import strategies as st
 
 import graphcap
 from graphcap.api import GRAPHED
@@ -14,6 +16,7 @@ from graphcap.errors import BadBatch
 from graphcap.inputs import PagedInputs, Sampling
 from graphcap.inputs.accept import greedy_accept, sampled_accept
 from graphcap.opsdb.sample import probabilities
+from tests.opsdb.test_sample import non_finite_rows
 from tests.support.runner_helpers import DEVICE, prefilled_tiny
 
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
@@ -55,13 +58,22 @@ def verify_batch(rows: torch.Tensor, proposals: list[int], requests: int, sampli
     return sampled_accept(logits, tokens, step, *params, seeds, positions)
 
 
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize("finite", [True, False], ids=["finite", "non-finite"])
 @pytest.mark.parametrize("sampling", [Sampling(temperature=1.0),
                                       Sampling(temperature=0.7, top_k=4),
                                       Sampling(temperature=1.3, top_p=0.8)],
                          ids=["t1", "t0.7-top4", "t1.3-topp0.8"])
-def test_each_token_gained_is_distributed_as_plain_sampling_draws_it(sampling):
+def test_each_token_gained_is_distributed_as_plain_sampling_draws_it(sampling, finite):
+    """Non-finite logits too: two +inf tokens share row 0's mass, a NaN token takes all
+    of row 1's, row 2 is -inf only (NaN probabilities refused every proposal and drew
+    token 0 whatever its chance)."""
     gen = torch.Generator().manual_seed(5)
     rows = torch.randn(3, VOCAB, generator=gen) * 1.5
+    if not finite:
+        rows[0, [1, 4]], rows[1, 2], rows[2] = INF, NAN, -INF
     probs = probabilities(rows, torch.full((3,), sampling.temperature),
                           torch.full((3,), sampling.top_k), torch.full((3,), sampling.top_p),)
     # The most likely token, then the second most likely that sampling keeps (if any)
@@ -96,6 +108,40 @@ def test_greedy_rows_accept_as_greedy_acceptance_does():
     for seed in range(4):
         got = sampled_accept(logits, tokens, 4, *greedy, torch.full((22,), seed), positions)
         assert torch.equal(got, greedy_accept(logits, tokens, 4))
+
+
+@hypothesis.given(st.data())
+def test_what_a_request_gains_is_what_its_rows_allow_whatever_the_logits(data):
+    """Logits with +inf, NaN and -inf entries, any proposals: a proposal is accepted only
+    where its row allows it, a refused one is never the next token, which its row allows;
+    greedy requests accept as greedy acceptance does; a request's result is its own,
+    alone or beside others."""
+    requests, k = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3))
+    vocab, step = data.draw(st.integers(2, 8)), k + 1
+    logits = data.draw(non_finite_rows(requests * step, vocab))
+    tokens = torch.tensor(data.draw(st.lists(st.integers(0, vocab - 1),
+                                             min_size=requests * step,
+                                             max_size=requests * step)))
+    sampling = [data.draw(st.builds(Sampling, st.sampled_from([0.0, 0.6, 1.0]),
+                                    st.integers(0, vocab), st.sampled_from([0.5, 1.0]),
+                                    st.integers(0, 2**40))) for _ in range(requests)]
+    params = [torch.tensor([getattr(p, name) for p in sampling]).repeat_interleave(step)
+              for name in ("temperature", "top_k", "top_p", "seed")]
+    positions = torch.arange(requests * step) + 5
+    out = sampled_accept(logits, tokens, step, *params, positions)
+    probs = probabilities(logits, *params[:3]).view(requests, step, vocab)
+    proposed = tokens.view(requests, step)[:, 1:]
+    for r, (n, following) in enumerate(out.tolist()):
+        assert 0 <= n <= k and probs[r, n, following] > 0, (r, n, following, probs[r])
+        assert all(probs[r, j, proposed[r, j]] > 0 for j in range(n))
+        if n < k:
+            assert following != proposed[r, n]
+        rows = slice(r * step, (r + 1) * step)
+        alone = sampled_accept(logits[rows], tokens[rows], step,
+                               *(p[rows] for p in params), positions[rows])
+        assert alone.tolist() == [[n, following]]
+        if sampling[r].temperature == 0.0:
+            assert alone.tolist() == greedy_accept(logits[rows], tokens[rows], step).tolist()
 
 
 def test_a_request_draws_the_same_tokens_from_the_same_seed_and_others_from_another():

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from transformers.generation.logits_process import (
+    InfNanRemoveLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -109,3 +110,78 @@ def test_a_row_draws_the_same_token_alone_and_in_any_batch(data):
     torch.testing.assert_close(SAMPLE(*(a[perm] for a in args)), batch[perm])
     for row in range(rows):
         assert SAMPLE(*(a[row:row + 1] for a in args))[0] == batch[row]
+
+
+INF, NAN = float("inf"), float("nan")
+
+
+@st.composite
+def non_finite_rows(draw, rows: int, vocab: int) -> torch.Tensor:
+    """``[rows, vocab]`` logits of small integers, each row with some +inf, NaN or -inf
+    entries, or -inf only, or none."""
+    out = []
+    for _ in range(rows):
+        kind = draw(st.sampled_from(["+inf", "nan", "both", "-inf only", "-inf", "finite"]))
+        row = [float(v) for v in draw(st.lists(st.integers(-3, 3), min_size=vocab,
+                                               max_size=vocab))]
+        bad = {"+inf": [INF], "nan": [NAN], "both": [INF, NAN], "-inf": [-INF]}.get(kind)
+        for i in draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=3)) \
+                if bad else []:
+            row[i] = draw(st.sampled_from(bad))
+        out.append([-INF] * vocab if kind == "-inf only" else row)
+    return torch.tensor(out)
+
+
+def warped_invalid(logits: torch.Tensor, temperature: float, top_k: int, top_p: float):
+    """transformers' distribution where its InfNanRemoveLogitsProcessor runs on the scaled
+    logits, NaN first made +inf (torch.argmax ranks it first): +inf the largest float32,
+    -inf the smallest."""
+    scores = TemperatureLogitsWarper(temperature)(None, logits.float())
+    scores = InfNanRemoveLogitsProcessor()(None, scores.nan_to_num(INF, INF, -INF))
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return scores.softmax(dim=-1)
+
+
+@given(st.data())
+def test_non_finite_logits_give_a_distribution_and_draws_inside_it(data):
+    """+inf logits (or NaN, ranked first as argmax ranks it) take all the mass, shared
+    equally; a row of -inf only is uniform; never NaN (which made every draw and
+    acceptance against it garbage); greedy rows take the argmax; the token drawn is one
+    the distribution allows."""
+    rows, vocab = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 10))
+    logits = data.draw(non_finite_rows(rows, vocab))
+    temperature = data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+                                     min_size=rows, max_size=rows))
+    top_k = data.draw(st.lists(st.integers(0, vocab + 1), min_size=rows, max_size=rows))
+    top_p = data.draw(st.lists(st.sampled_from([0.3, 0.9, 1.0]), min_size=rows,
+                               max_size=rows))
+    params = (torch.tensor(temperature), torch.tensor(top_k), torch.tensor(top_p))
+    probs = probabilities(logits, *params)
+    assert probs.isfinite().all() and (probs >= 0).all()
+    torch.testing.assert_close(probs.sum(dim=-1), torch.ones(rows))
+    for row in range(rows):
+        if temperature[row] == 0.0:
+            want = torch.zeros(vocab).index_fill_(0, logits[row].argmax(), 1.0)
+            torch.testing.assert_close(probs[row], want)
+        else:
+            want = warped_invalid(logits[row:row + 1], temperature[row], top_k[row],
+                                  top_p[row])[0]
+            torch.testing.assert_close(probs[row].sort().values, want.sort().values,
+                                       atol=1e-6, rtol=0)
+    seed = torch.tensor(data.draw(st.lists(st.integers(0, 2**40), min_size=rows,
+                                           max_size=rows)))
+    tokens = SAMPLE(logits, *params, seed, torch.full((rows,), 7))
+    assert (probs.gather(1, tokens[:, None]) > 0).all(), (tokens, probs)
+
+
+def test_draws_share_the_mass_of_the_infinite_logits_equally():
+    logits = torch.tensor([[INF, 1e30, INF, NAN, -INF]])
+    rows = 30000
+    tokens = SAMPLE(logits.expand(rows, 5), torch.full((rows,), 0.7),
+                    torch.zeros(rows, dtype=torch.long), torch.ones(rows),
+                    torch.arange(rows) * 7919, torch.full((rows,), 3))
+    seen = torch.bincount(tokens, minlength=5) / rows
+    assert seen[[1, 4]].sum() == 0 and (seen[[0, 2, 3]] - 1 / 3).abs().max() < 0.014, seen
