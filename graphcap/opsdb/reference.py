@@ -120,11 +120,16 @@ def softmax_v(scores: torch.Tensor, seen: torch.Tensor, v: torch.Tensor, softcap
 def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts, then the top-k: weights [T, k] float32, ids [T, k] int32, by
-    decreasing probability, ties to the lowest expert id, NaN (from a NaN or +inf logit)
-    above every probability."""
-    probs = router_logits.float().softmax(dim=-1)
-    weights, ids = probs.sort(dim=-1, descending=True, stable=True)
-    weights, ids = weights[:, :top_k].contiguous(), ids[:, :top_k]
+    decreasing logit (so by decreasing probability), ties to the lowest expert id, a NaN
+    logit above every other (as torch.topk ranks them). The experts are chosen by their
+    logits, not their float32 probabilities: two logits a few units in the last place
+    apart (or 0 and 1e-8) can round to one probability, which would hand the choice to
+    the lower id where torch.topk over the logits (gpt-oss's router) takes the larger one.
+    A NaN or +inf logit makes its row's weights NaN."""
+    logits = router_logits.float()
+    probs = logits.softmax(dim=-1)
+    ids = logits.sort(dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = probs.gather(-1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)  # both [T, k] contiguous, as the kernels give

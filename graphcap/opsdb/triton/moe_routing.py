@@ -1,10 +1,10 @@
 """MoE routing in Triton: softmax over the experts, then the top-k, one program per token
 (specification: :func:`graphcap.opsdb.reference.moe_topk_softmax`). The softmax runs
-over the E router logits in float32 registers, then k rounds of arg-max (ties go to the
-lowest expert id; a NaN probability, from a NaN or +inf logit, ranks first with a NaN
-weight, so every id names an expert). And the grouping of the routed (token, slot) pairs
-by expert that the expert kernels tile (:func:`align_pairs`). No host synchronisation:
-safe to capture in a CUDA graph."""
+over the E router logits in float32 registers, then k rounds of arg-max over the logits
+(ties go to the lowest expert id; a NaN logit ranks first, as in torch.topk, and a NaN
+or +inf logit makes the row's weights NaN; every id names an expert). And the grouping
+of the routed (token, slot) pairs by expert that the expert kernels tile
+(:func:`align_pairs`). No host synchronisation: safe to capture in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -31,22 +31,25 @@ def _topk_softmax_kernel(
     p = tl.exp(x - m)
     p = tl.where(emask, p, 0.0)
     probs = p / tl.sum(p, axis=0)
-    # NaN (a NaN or +inf logit) ranks above every probability, as in torch's sorts: 2
-    # stands for it in the rounds, and NaN is its weight. Padding lanes must never win a
-    # round: -1 is below any probability.
-    probs = tl.where(probs != probs, 2.0, probs)
-    probs = tl.where(emask, probs, -1.0)
 
+    # The rounds rank the logits, not the probabilities (two logits a few ulps apart can
+    # round to one probability, and the GPU's exp is not correctly rounded): a NaN logit
+    # first, as torch.topk ranks it, then the largest; ties to the lowest expert id.
+    # Padding lanes are never live.
+    nan = x != x
+    live = emask
     offs_k = tl.arange(0, BLOCK_K)
     top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
     top_i = tl.zeros([BLOCK_K], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(probs, axis=0)
-        # lowest expert id among the maxima
-        idx = tl.min(tl.where(probs == best, offs_e, BLOCK_E), axis=0)
-        top_w = tl.where(offs_k == j, tl.where(best > 1.5, float("nan"), best), top_w)
+        any_nan = tl.max((live & nan).to(tl.int32), axis=0) > 0
+        best = tl.max(tl.where(live & ~nan, x, -float("inf")), axis=0)
+        pick = live & tl.where(any_nan, nan, x == best)
+        idx = tl.min(tl.where(pick, offs_e, BLOCK_E), axis=0)
+        weight = tl.sum(tl.where(offs_e == idx, probs, 0.0), axis=0)
+        top_w = tl.where(offs_k == j, weight, top_w)
         top_i = tl.where(offs_k == j, idx, top_i)
-        probs = tl.where(offs_e == idx, -2.0, probs)
+        live = live & (offs_e != idx)
     kmask = offs_k < TOP_K
     if RENORMALIZE:
         top_w = top_w / tl.sum(tl.where(kmask, top_w, 0.0), axis=0)
@@ -60,8 +63,9 @@ def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool
 
     router_logits [T, E] (any float dtype, E <= 256 recommended; computed in float32).
     Returns ``(weights [T, top_k] float32, ids [T, top_k] int32)``, ordered by decreasing
-    probability (ties: lowest expert id first). With ``renormalize`` the k weights of a
-    token sum to 1. No host synchronisation: safe to capture in a CUDA graph.
+    logit (ties: lowest expert id first), the experts torch.topk over the logits picks.
+    With ``renormalize`` the k weights of a token sum to 1. No host synchronisation: safe
+    to capture in a CUDA graph.
     """
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
