@@ -137,6 +137,8 @@ def experts_inputs(device, dtype, max_tokens: int = 24):
         gen = torch.Generator().manual_seed(d(st.integers(0, 2**31 - 1)))
         logits = torch.randn(t, e, generator=gen)
         weights, ids = reference.moe_topk_softmax(logits, k, True)
+        if t and d(st.integers(0, 3)) == 0:  # a slot of no expert (-1, E): it adds nothing
+            ids[d(st.integers(0, t - 1)), d(st.integers(0, k - 1))] = d(st.sampled_from([-1, e]))
         b13 = b2 = None
         if d(st.booleans()):  # biases and gpt-oss's clamped GLU, or plain SwiGLU
             b13, b2 = (t * 0.3 for t in tensors(d, device, dtype, (e, 2 * i), (e, h)))
@@ -203,7 +205,8 @@ MOE_EXPERTS = register_op(
                               accepts=_published_order)},
     fake=_experts_fake,
     check=check_experts, inputs=experts_inputs,
-    doc="grouped gated experts weighted by the routing: SwiGLU, or gpt-oss's clamped GLU "
+    doc="grouped gated experts weighted by the routing (a slot of an id outside [0, E) adds "
+        "nothing): SwiGLU, or gpt-oss's clamped GLU "
         "(alpha, limit), with optional biases; gate/up halves or interleaved rows, weights "
         "of any strides in x's dtype, or MXFP4 with their scales (as gpt-oss ships, or in "
         "the CUDA kernel's operand order: graphcap.opsdb.mxfp4)",

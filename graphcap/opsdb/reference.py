@@ -170,6 +170,10 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     x and the activation between the projections are rounded to bfloat16, the products
     of the dequantized values accumulate in float32.
 
+    A slot whose id lies outside ``[0, E)`` (expert parallelism's -1, say) is routed to
+    no expert: it adds nothing (the kernels' contract too; the ids are not checked, which
+    would synchronise with the host).
+
     Dense over experts (every expert sees every token, and adds nothing where it is not
     routed): slow but free of data-dependent shapes, so the reference itself can be
     captured."""

@@ -245,6 +245,29 @@ def test_experts_in_operand_order_take_float32_or_strided_rows(rows):
                                atol=2e-2 * want.float().abs().max().item())
 
 
+@pytest.mark.parametrize("tokens", [9, 200])  # on the GPU: mma.sync, then warpgroup tiles
+def test_a_slot_of_an_id_outside_the_experts_adds_nothing_in_operand_order(tokens):
+    """-1, E or far past it: the slot is routed to no expert by the CUDA kernels (their
+    alignment skips it, the sum too; no device-side assert), as by the reference."""
+    e, h, i = OPERAND_SIZES[0]
+    w13, w2, s13, s2, b13, b2 = experts(e, h, i, seed=3)
+    b13, b2 = b13.bfloat16(), b2.bfloat16()
+    x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(4)).to(
+        DEVICE, torch.bfloat16)
+    weights, ids = routed(tokens, e, 2, seed=5)
+    strays = ids.long()
+    strays[0, 1], strays[1, 0], strays[2], strays[3, 1] = -1, e, -5, 2**40
+    kept = (strays >= 0) & (strays < e)
+    glu = (1.702, 7.0, True)
+    want = reference.moe_experts(x, w13, w2, weights * kept, ids, b13, b2, *glu, s13, s2)
+    ow13, os13 = mxfp4.operand_order(w13, s13, True, True)
+    ow2, os2 = mxfp4.operand_order(w2, s2, False, False)
+    got = MOE_EXPERTS(x, ow13, ow2, weights, strays, b13, b2, *glu, os13, os2)
+    assert (got[2] == 0).all()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2,
+                               atol=2e-2 * want.float().abs().max().item())
+
+
 @pytest.mark.skipif(DEVICE == "cpu", reason="the CUDA kernels need a GPU")
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("tokens,experts_n,block", [(1, 4, 8), (37, 8, 8), (512, 128, 32),
@@ -258,6 +281,8 @@ def test_the_cuda_alignment_groups_each_experts_pairs_as_the_torch_one(dtype, to
 
     _, ids = routed(tokens, experts_n, 4, seed=tokens)
     ids = ids.to(dtype)
+    ids[::3, 1] = -1  # ids of no expert: in no group
+    ids[1::5, 2] = experts_n
     got_pairs, got_ends = extension("moe_mxfp4").align(ids, experts_n, block)
     want_pairs, want_ends = moe_routing.align_pairs(ids, experts_n, block)
     assert torch.equal(got_ends, want_ends)

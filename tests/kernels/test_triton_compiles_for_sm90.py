@@ -297,7 +297,8 @@ def test_the_paged_cache_write_and_decode_attention_kernels_compile_for_sm90():
 
 
 COMPILE_MOE = BUILD_SM90 + textwrap.dedent('''
-    from graphcap.opsdb.triton.moe import _moe_down_kernel, _moe_gate_up_kernel
+    from graphcap.opsdb.triton.moe import _moe_down_kernel, _moe_gate_up_kernel, _moe_sum_kernel
+    from graphcap.opsdb.triton.moe_routing import _topk_softmax_kernel
 
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
     blocks = {"BLOCK_E": 4, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "EVEN_K": True,
@@ -322,6 +323,17 @@ COMPILE_MOE = BUILD_SM90 + textwrap.dedent('''
                       "stride_wn", "stride_wk", "stride_se", "stride_sn", "stride_sk",
                       "stride_pt", "stride_ph")},
               {"H": 128, "INTER": 128, **blocks, "HAS_BIAS": glu, "MXFP4": mx})
+    for ids in ("*i32", "*i64"):  # the sum over the slots skips those of no expert's id
+        build(_moe_sum_kernel,
+              {"pairs_ptr": "*bf16", "ids_ptr": ids, "out_ptr": "*bf16",
+               **ints("H", "num_experts", "stride_pt", "stride_ph", "stride_it",
+                      "stride_ik", "stride_ot", "stride_oh")},
+              {"TOP_K": 4, "BLOCK_H": 1024})
+    for logits in ("*bf16", "*fp32"):  # the routing ranks the logits, a NaN first
+        build(_topk_softmax_kernel,
+              {"logits_ptr": logits, "weights_ptr": "*fp32", "ids_ptr": "*i32",
+               **ints("num_experts", "stride_lt", "stride_le")},
+              {"TOP_K": 4, "BLOCK_E": 128, "BLOCK_K": 4, "RENORMALIZE": True})
     print("compiled")
 ''')
 

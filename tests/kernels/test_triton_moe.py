@@ -207,18 +207,26 @@ def test_experts_zero_tokens():
 def test_align_groups_every_pair_once_by_expert(num_tokens, num_experts, top_k, block_m,
                                                 seed):
     gen = _gen(seed)
-    ids = torch.randint(num_experts, (num_tokens, top_k), generator=gen, dtype=torch.int32)
+    # now and then an id of no expert (-1, E, far past E), in no group
+    ids = torch.randint(-2, num_experts + 2, (num_tokens, top_k), generator=gen) \
+        if seed % 2 else torch.randint(num_experts, (num_tokens, top_k), generator=gen)
+    ids = torch.where(ids == num_experts + 1, 2**40, ids).to(
+        torch.int64 if seed % 4 == 1 else torch.int32)
     sorted_pairs, cum_padded = moe_routing.align_pairs(ids.to(device), num_experts, block_m)
     sorted_pairs, cum_padded = sorted_pairs.cpu(), cum_padded.cpu().long()
     n = num_tokens * top_k
     assert sorted_pairs.shape == (n + num_experts * (block_m - 1),)
-    counts = torch.bincount(ids.flatten().long(), minlength=num_experts)
+    flat = ids.flatten()
+    routed = ((flat >= 0) & (flat < num_experts)).nonzero().flatten()
+    counts = torch.bincount(flat[routed].long(), minlength=num_experts)
     padded = (counts + block_m - 1) // block_m * block_m
     assert torch.equal(cum_padded, padded.cumsum(0))
-    real = sorted_pairs[sorted_pairs < n]
-    assert torch.equal(real.sort().values, torch.arange(n, dtype=torch.int32))
-    assert (sorted_pairs <= n).all() and (sorted_pairs[int(cum_padded[-1]):] == n).all()
-    flat = ids.flatten()
+    total = int(cum_padded[-1])
+    real = sorted_pairs[:total][sorted_pairs[:total] < n]
+    assert torch.equal(real.sort().values, routed.to(torch.int32))
+    assert (sorted_pairs <= n).all()
+    if routed.numel() == n:  # every id an expert's: padding (n) past the rows in use
+        assert (sorted_pairs[total:] == n).all()
     start = 0
     for e in range(num_experts):
         group = sorted_pairs[start:int(cum_padded[e])]
@@ -332,6 +340,28 @@ def test_an_expert_no_token_is_routed_to_changes_nothing_even_if_its_weights_are
     torch.testing.assert_close(reference.moe_experts(x, w13, w2, weights, ids), want)
     torch.testing.assert_close(moe.moe_experts(x, w13, w2, weights, ids), want,
                                rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_a_slot_of_an_id_outside_the_experts_adds_nothing_as_in_the_reference(ids_dtype):
+    """Expert parallelism's -1 (an expert held elsewhere), E, or far past it: the slot is
+    routed to no expert, in the kernel as in the reference (no error: the ids are read on
+    the device; before, a CUDA device-side assert, or an index error here)."""
+    from graphcap.opsdb.moe import MOE_EXPERTS
+
+    x, w13, w2, weights, ids = _experts_case()
+    ids = ids.to(ids_dtype)
+    strays = ids.clone()
+    strays[0, 1], strays[2, 0], strays[3] = -1, 4, -7
+    if ids_dtype == torch.int64:
+        strays[5, 0] = 2**40
+    kept = (strays >= 0) & (strays < 4)
+    want = reference.moe_experts(x, w13, w2, weights * kept, ids)  # the slots dropped
+    torch.testing.assert_close(reference.moe_experts(x, w13, w2, weights, strays), want)
+    for kernel in ("triton", "torch"):
+        got = MOE_EXPERTS(x, w13, w2, weights, strays, kernel=kernel)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert (got[3] == 0).all()
 
 
 def test_experts_refuse_an_odd_gate_and_up_row_count():

@@ -1,9 +1,9 @@
 """MXFP4 experts in operand order (:mod:`graphcap.opsdb.mxfp4`) by ``moe_mxfp4.cu``.
 
 The same contract as :func:`graphcap.opsdb.triton.moe.moe_experts` (its routing
-alignment, here by the extension's one-CTA ``align``, and its sum over the top-k slots):
-static shapes, no host synchronisation, so a call is captured once and replayed with new
-routing."""
+alignment, here by the extension's one-CTA ``align``, and its sum over the top-k slots;
+a slot of an id outside [0, E) adds nothing): static shapes, no host synchronisation, so
+a call is captured once and replayed with new routing."""
 
 from __future__ import annotations
 
@@ -55,6 +55,6 @@ def moe_experts(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0.0
     # inter freed before out is made: the two may share memory (as the Triton kernels').
     del inter
     if out is None and x.dtype == torch.bfloat16:
-        return sum_slots(pairs, top_k, x.new_empty(x.shape))
-    summed = sum_slots(pairs, top_k, torch.empty_like(xb))
+        return sum_slots(pairs, ids, num_experts, x.new_empty(x.shape))
+    summed = sum_slots(pairs, ids, num_experts, torch.empty_like(xb))
     return summed.to(x.dtype) if out is None else out.copy_(summed)

@@ -430,6 +430,7 @@ __global__ void __launch_bounds__(128 * WG) experts_wgmma_kernel(GRAPHCAP_EXPERT
 
 // moe_routing.align_pairs's contract in one CTA: each expert's pairs grouped (in any order
 // within the expert), its rows padded to a multiple of `block`; sorted_pairs' other rows n.
+// A pair of an id outside [0, num_experts) is in no group (the sum skips it).
 template <typename Id>
 __global__ void __launch_bounds__(1024) align_kernel(const Id* __restrict__ ids, int n,
                                                      int num_experts, int block,
@@ -439,9 +440,8 @@ __global__ void __launch_bounds__(1024) align_kernel(const Id* __restrict__ ids,
   for (int i = threadIdx.x; i < num_experts; i += blockDim.x) next[i] = 0;
   __syncthreads();
   for (int p = threadIdx.x; p < n; p += blockDim.x) {
-    const int e = (int)ids[p];
-    CUDA_KERNEL_ASSERT(e >= 0 && e < num_experts);
-    atomicAdd(&next[e], 1);
+    const Id e = ids[p];
+    if (e >= 0 && e < num_experts) atomicAdd(&next[e], 1);
   }
   for (int i = threadIdx.x; i < capacity; i += blockDim.x) sorted_pairs[i] = n;
   __syncthreads();
@@ -455,8 +455,10 @@ __global__ void __launch_bounds__(1024) align_kernel(const Id* __restrict__ ids,
     }
   }
   __syncthreads();
-  for (int p = threadIdx.x; p < n; p += blockDim.x)
-    sorted_pairs[atomicAdd(&next[(int)ids[p]], 1)] = p;
+  for (int p = threadIdx.x; p < n; p += blockDim.x) {
+    const Id e = ids[p];
+    if (e >= 0 && e < num_experts) sorted_pairs[atomicAdd(&next[e], 1)] = p;
+  }
 }
 
 }  // namespace

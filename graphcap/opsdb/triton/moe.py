@@ -12,7 +12,8 @@ slot ``p % k``, expert ``topk_ids.flatten()[p]``.
    ``cum_padded`` [E] (expert e owns rows ``[cum_padded[e-1], cum_padded[e])`` of the
    padded order); a stable ``torch.sort`` of the expert ids gives each pair its row, and
    ``sorted_pairs`` [T*k + E*(BLOCK_M-1)] holds the pair ids in that order with padding
-   rows set to N. Every BLOCK_M-row tile belongs to one expert.
+   rows set to N. Every BLOCK_M-row tile belongs to one expert. A pair of no expert (an
+   id outside [0, E)) sorts past the rows in use.
 2. ``_moe_gate_up_kernel``: grid (max tiles, I / BLOCK_N). A tile finds its expert by
    counting the ``cum_padded`` entries at or below its first row, exits early when it
    starts at or past ``cum_padded[E-1]`` (read from device memory), gathers its tokens'
@@ -22,8 +23,8 @@ slot ``p % k``, expert ``topk_ids.flatten()[p]``.
 3. ``_moe_down_kernel``: the same tiling over ``inter`` with w2 (grid (max tiles,
    H / BLOCK_N)); it scales each row by its routing weight and stores ``pairs``
    [T*k, H] at the pair ids (no atomics: deterministic).
-4. ``_moe_sum_kernel``: out[t] = sum over the k slots of ``pairs``, in float32, cast to
-   x.dtype.
+4. ``_moe_sum_kernel``: out[t] = sum over the k slots of ``pairs`` (but a pair of no
+   expert's), in float32, cast to x.dtype.
 
 Capture contract
 ----------------
@@ -250,19 +251,20 @@ def _moe_down_kernel(
 
 @triton.jit
 def _moe_sum_kernel(
-    pairs_ptr, out_ptr, H,
-    stride_pt, stride_ph, stride_ot, stride_oh,
+    pairs_ptr, ids_ptr, out_ptr, H, num_experts,
+    stride_pt, stride_ph, stride_it, stride_ik, stride_ot, stride_oh,
     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = offs < H
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * stride_it + j * stride_ik)  # no expert's: never written
+        routed = offs < tl.where((e >= 0) & (e < num_experts), H, 0)
         acc += tl.load(pairs_ptr + (t * TOP_K + j) * stride_pt + offs * stride_ph,
-                       mask=mask, other=0.0).to(tl.float32)
+                       mask=routed, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + offs * stride_oh,
-             acc.to(out_ptr.dtype.element_ty), mask=mask)
+             acc.to(out_ptr.dtype.element_ty), mask=offs < H)
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -278,7 +280,8 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     strided views (a transposed parameter: the weights are read where they lie).
 
     x [T, H]; w13 [E, 2*I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights
-    [T, k] (float32 or any float); topk_ids [T, k] int32/int64 in [0, E).
+    [T, k] (float32 or any float); topk_ids [T, k] int32/int64, a slot of an id outside
+    [0, E) (expert parallelism's -1, say) routed to no expert, adding nothing.
     ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(gate) * up)`` with
     ``e = topk_ids[t, j]`` and gate / up the halves of ``w13[e] @ x[t]``. Products
     accumulate in float32; the SwiGLU intermediate and the per-slot rows are kept in
@@ -377,20 +380,20 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         IEEE=ieee, INTERPRET=interpret, HAS_BIAS=b2 is not None, MXFP4=quantized,
         num_warps=warps, num_stages=stages,
     )
-    # inter freed before out is made: the two may share memory (a forward's peak holds
-    # inter and pairs, not the three at once).
-    del inter
-    return sum_slots(pairs, top_k, x.new_empty(x.shape) if out is None else out)
+    del inter  # before out is made, which may take its memory (a peak of inter and pairs)
+    return sum_slots(pairs, topk_ids, num_experts, x.new_empty(x.shape) if out is None else out)
 
 
-def sum_slots(pairs: torch.Tensor, top_k: int, out: torch.Tensor) -> torch.Tensor:
-    """``out[t]`` = the sum of ``pairs``' rows ``t * top_k`` .. ``t * top_k + top_k - 1``
-    (each expert's output times its routing weight), in float32."""
+def sum_slots(pairs: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+              out: torch.Tensor) -> torch.Tensor:
+    """``out[t]`` = the sum of ``pairs``' rows ``t * k`` .. ``t * k + k - 1`` (each
+    expert's output times its routing weight) in float32, but those of no expert's id."""
     num_tokens, hidden = out.shape
     block_h = min(1024, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-        pairs, out, hidden,
-        pairs.stride(0), pairs.stride(1), out.stride(0), out.stride(1),
-        TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+        pairs, topk_ids, out, hidden, num_experts,
+        pairs.stride(0), pairs.stride(1), topk_ids.stride(0), topk_ids.stride(1),
+        out.stride(0), out.stride(1),
+        TOP_K=topk_ids.shape[1], BLOCK_H=block_h, num_warps=4,
     )
     return out

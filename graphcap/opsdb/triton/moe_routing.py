@@ -105,13 +105,19 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
     Returns ``sorted_pairs`` [N + E*(block_m-1)] int32 (pair ids in expert order, N in
     padding rows) and ``cum_padded`` [E] int32 (end row of each expert's padded group;
-    the last entry is the number of rows in use). Static shapes, no host sync.
+    the last entry is the number of rows in use). A pair whose id names no expert
+    (outside ``[0, E)``: expert parallelism's -1, say) is in no group, only ever past the
+    rows in use. Static shapes, no host sync.
     """
     device = topk_ids.device
     ids = topk_ids.reshape(-1).to(torch.int64)
     n = ids.numel()
     capacity = n + num_experts * (block_m - 1)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    # An id of no expert to a group E after the others' (-1 and E to E, as any id past
+    # them): grouped as an expert's, its rows fall past the rows in use (and short of
+    # the capacity: the experts' padding is at most E*(block_m-1)).
+    ids = ids.clamp(-1, num_experts).remainder_(num_experts + 1)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, ids, torch.ones_like(ids))
     padded = (counts + (block_m - 1)) // block_m * block_m
     cum_padded = padded.cumsum(0)
@@ -121,4 +127,4 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int
     rows = torch.arange(n, device=device, dtype=torch.int64) + shift.index_select(0, sorted_ids)
     sorted_pairs = torch.full((capacity,), n, dtype=torch.int32, device=device)
     sorted_pairs.scatter_(0, rows, order.to(torch.int32))
-    return sorted_pairs, cum_padded.to(torch.int32)
+    return sorted_pairs, cum_padded[:num_experts].to(torch.int32)
