@@ -63,11 +63,17 @@ def backend_for(model: torch.nn.Module, attention: str | None, device,
                 strategy: str | None = None, dtype: torch.dtype | None = None):
     """The prefill attention backend ``attention`` (None: the best on ``device`` for
     ``strategy``) of ``model``: for its dtype (``dtype`` when given) and computing the
-    variant options its layers declare (``graphcap_attention_options``)."""
-    from graphcap.opsdb.attention import get_backend
+    variant options its layers declare (``graphcap_attention_options``): a named one that
+    does not is refused here, naming the model and the backends that would, before
+    anything is built."""
+    from graphcap.opsdb.attention import check_serves, get_backend
 
-    return get_backend(attention, device, strategy=strategy, dtype=dtype or model_dtype(model),
-                       options=getattr(model, "graphcap_attention_options", ()))
+    options = getattr(model, "graphcap_attention_options", ())
+    backend = get_backend(attention, device, strategy=strategy,
+                          dtype=dtype or model_dtype(model),
+                          options=options if attention is None else ())
+    check_serves(backend, options, device=device, whose=f"{type(model).__name__}'s layers")
+    return backend
 
 
 def inputs_of(model: torch.nn.Module, inputs: str | None = None) -> str:

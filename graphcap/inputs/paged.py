@@ -47,7 +47,7 @@ from graphcap.inputs.accept import greedy_accept, sampled_accept
 from graphcap.inputs.paged_calls import check_options, check_requests, check_steps
 from graphcap.kv.batch import CacheBatch
 from graphcap.kv.paged import PagedKVCache
-from graphcap.opsdb.attention import DecodeBackend, get_backend
+from graphcap.opsdb.attention import DecodeBackend, check_serves, get_backend
 from graphcap.opsdb.places import CACHE_PLACES
 from graphcap.opsdb.sample import SAMPLE
 
@@ -128,6 +128,15 @@ class PagedInputs(Inputs):
         self.host_places: HostRows | None = None  # steps' (paged_calls.staged_places)
 
     def bind(self, model) -> None:
+        # The backend its layers attend with computes their options, before anything is
+        # built: a decode step and an extend attend over the pages, a prefill among its
+        # new tokens.
+        options = getattr(model, "graphcap_attention_options", ())
+        whose = f"{type(model).__name__}'s layers"
+        if self.step is None and not self.extend:
+            check_serves(self.attention, options, device=self.device, whose=whose)
+        else:
+            check_serves(self.pages, options, cache=self.cache, whose=whose)
         rows = self.output_rows or getattr(model, "output_rows", "tokens")
         if rows not in ("tokens", "requests"):
             raise UnsupportedModel(f"{type(model).__name__}.output_rows is {rows!r}: "

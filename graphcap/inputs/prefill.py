@@ -9,6 +9,7 @@ from graphcap.core import checks
 from graphcap.core.context import forward_context
 from graphcap.core.inputs import Batch, Inputs, check_packing
 from graphcap.errors import BadBatch
+from graphcap.opsdb.attention import check_serves
 
 
 class PrefillInputs(Inputs):
@@ -31,6 +32,12 @@ class PrefillInputs(Inputs):
         self.attends: bool | None = None
         self.called = False
         self.guessed = False  # a prefill model by its forward's parameter names alone
+
+    def bind(self, model) -> None:
+        """Its attention backend computes the options the model's layers use (before
+        anything is built, not at their first call)."""
+        check_serves(self.attention, getattr(model, "graphcap_attention_options", ()),
+                     device=self.device, whose=f"{type(model).__name__}'s layers")
 
     def check(self, args: tuple, kwargs: dict) -> Batch:
         try:

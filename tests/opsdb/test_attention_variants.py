@@ -237,6 +237,24 @@ def test_the_automatic_choice_passes_over_backends_without_the_options(monkeypat
         get_backend(None, "cpu", options=("sinks",))
 
 
+def test_a_named_backend_is_refused_for_options_it_does_not_compute_before_any_call(
+        monkeypatch):
+    class PlainOnly(TorchMasked):
+        name = "plain_only"
+        options = frozenset({"window"})
+
+    monkeypatch.setitem(BACKENDS, "plain_only", PlainOnly)
+    assert get_backend("plain_only", "cpu", options=("window",)).name == "plain_only"
+    with pytest.raises(BackendUnavailable, match=r"the model's layers use soft-capped scores "
+                       r"and attention sinks \('softcap', 'sinks'\), which prefill attention "
+                       r"backend 'plain_only' does not compute; pick one that does: "
+                       r".*torch_masked"):
+        get_backend("plain_only", "cpu", options=("sinks", "window", "softcap"))
+    with pytest.raises(BackendUnavailable, match="'plain_only' does not compute"):
+        with graphcap.packed([3], "cpu", attention="plain_only", options=("sinks",)):
+            pass
+
+
 def test_flash_attn_says_it_computes_sinks_only_where_fa4_is_installed(monkeypatch):
     from graphcap.opsdb.attention import flash_attn_backend, serving
     from graphcap.opsdb.attention.variant import Variant
@@ -247,8 +265,8 @@ def test_flash_attn_says_it_computes_sinks_only_where_fa4_is_installed(monkeypat
     monkeypatch.setattr(flash_attn_backend.FlashAttention, "requires", ())
     assert flash_attn_backend.FlashAttention().options == {"window", "softcap"}
     sinks = Variant(0, 0.0, torch.zeros(2))
-    assert "flash_attn" not in serving(sinks, torch.device("cpu"))
-    assert "flash_attn" in serving(Variant(4, 0.0, None), torch.device("cpu"))
+    assert "flash_attn" not in serving(sinks.used, torch.device("cpu"))
+    assert "flash_attn" in serving(Variant(4, 0.0, None).used, torch.device("cpu"))
     row = next(r for r in attention_backends("cpu") if r["backend"] == "flash_attn")
     assert row["options"] == ["window", "softcap"]
 

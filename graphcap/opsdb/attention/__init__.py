@@ -27,7 +27,7 @@ from graphcap.opsdb.attention.flashinfer_decode import FlashInferDecode
 from graphcap.opsdb.attention.paged import DecodeBackend, OpsdbDecode
 from graphcap.opsdb.attention.torch_backends import TorchMasked, TorchVarlen
 from graphcap.opsdb.attention.triton_backend import TritonAttention
-from graphcap.opsdb.attention.variant import Variant, check_variant, refuse
+from graphcap.opsdb.attention.variant import OPTIONS, Variant, check_variant, refuse
 from graphcap.opsdb.spec import register_op
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
@@ -43,12 +43,15 @@ def get_backend(name: str | None = None, device="cpu", strategy: str | None = No
                 dtype: torch.dtype | None = None, *, kind: str = "prefill",
                 cache=None, options=()) -> AttentionBackend | DecodeBackend:
     """An attention backend by name, or the best available on ``device`` for ``strategy``
-    (and for q/k/v of ``dtype``, and computing the :mod:`.variant` ``options`` a model's
-    layers use, when given). ``kind="decode"``: a backend of attention over ``cache``'s
+    (and for q/k/v of ``dtype`` when given). ``options``: the :mod:`.variant` options a
+    model's layers use, which the best one computes and a named one must
+    (:func:`check_serves`). ``kind="decode"``: a backend of attention over ``cache``'s
     pages (a :class:`~graphcap.kv.PagedKVCache`), checked against it; None gives the
     default, ``graphcap::decode_attention``."""
     if kind == "decode":
-        return _decode_backend(name, cache)
+        backend = _decode_backend(name, cache)
+        check_serves(backend, options, cache=cache)
+        return backend
     if kind != "prefill":
         raise ValueError(f"get_backend(kind={kind!r}): 'prefill' or 'decode'")
     device = torch.device(device)
@@ -62,6 +65,7 @@ def get_backend(name: str | None = None, device="cpu", strategy: str | None = No
             raise BackendUnavailable(f"attention backend {name!r} {why}")
         if strategy:
             backend.check_strategy(strategy)
+        check_serves(backend, options, device=device)
         return backend
     for cls in BACKENDS.values():
         backend = cls()
@@ -75,11 +79,32 @@ def get_backend(name: str | None = None, device="cpu", strategy: str | None = No
                              + (f" computing {', '.join(options)}" if options else ""))
 
 
-def serving(variant: Variant, device: torch.device) -> list[str]:
-    """The prefill backends available on ``device`` that compute ``variant``."""
-    backends = {name: cls() for name, cls in BACKENDS.items()}
-    return [name for name, b in backends.items()
-            if set(variant.used) <= b.options and b.unavailable(device) is None]
+def serving(options, device=None, *, cache=None) -> list[str]:
+    """The backends that compute every one of ``options`` (:mod:`.variant` option names,
+    e.g. a variant's ``used``) and run here: prefill's on ``device``, or with ``cache``
+    decode's over it."""
+    if cache is not None:
+        backends = [cls() for cls in DECODE_BACKENDS.values()]
+        return [b.name for b in backends
+                if set(options) <= b.options and b.unavailable(cache) is None]
+    backends = [cls() for cls in BACKENDS.values()]
+    return [b.name for b in backends
+            if set(options) <= b.options and b.unavailable(torch.device(device)) is None]
+
+
+def check_serves(backend: AttentionBackend | DecodeBackend, options, *, device=None,
+                 cache=None, whose: str = "the model's layers") -> None:
+    """``BackendUnavailable`` where ``backend`` (prefill's on ``device``, or a decode
+    backend over ``cache``) does not compute every one of ``options``, the :mod:`.variant`
+    options ``whose`` layers declare (``graphcap_attention_options``): what the op would
+    refuse at their first call, said before anything is built, naming the backends here
+    that compute them. It reads what the backend says it computes (``options``, the
+    table of ``graphcap ops``): no backend's package is imported."""
+    if set(options) <= backend.options:
+        return
+    what = "decode attention" if isinstance(backend, DecodeBackend) else "prefill attention"
+    refuse(what, backend.name, backend.options, [o for o in OPTIONS if o in options],
+           serving(options, device, cache=cache), whose=whose, error=BackendUnavailable)
 
 
 def _decode_backend(name: str | None, cache) -> DecodeBackend:
@@ -130,8 +155,8 @@ def run_attention(q, k, v, out, scale, window=0, softcap=0.0, sinks=None):
         backend.forward(q, k, v, out, meta, scale)
         return
     if not set(variant.used) <= backend.options:  # names the backends that would serve it
-        refuse("prefill attention", backend.name, backend.options, variant,
-               serving(variant, q.device))
+        refuse("prefill attention", backend.name, backend.options, variant.used,
+               serving(variant.used, q.device))
     backend.forward(q, k, v, out, meta, scale, variant)
 
 
@@ -166,6 +191,6 @@ ATTENTION = register_op(
 )
 
 __all__ = ["ATTENTION", "BACKENDS", "DECODE_BACKENDS", "AttentionBackend",
-           "AttentionMetadata", "DecodeBackend", "Variant", "serving",
+           "AttentionMetadata", "DecodeBackend", "Variant", "check_serves", "serving",
            "get_backend", "reference_attention", "run_attention", "static_metadata",
            "validate_seq_lens"]

@@ -107,7 +107,7 @@ def attend_pages(q, k_cache, v_cache, kv: CacheBatch, out, scale: float,
     what it normalises and rotates ``q`` and that ``k`` by first (``rotates``)."""
     backend = backend_of(kv)
     if variant.used:
-        refuse("decode attention", backend.name, backend.options, variant,
+        refuse("decode attention", backend.name, backend.options, variant.used,
                [DEFAULT.name] if set(variant.used) <= DEFAULT.options else [])
     if rope is None:  # backends that take no rope keep their signature
         backend.forward(q, k_cache, v_cache, kv, out, scale, kernel, variant, own=own)

@@ -14,7 +14,8 @@ prefill (``graphcap::attention``), attention over a paged cache
   (gpt-oss's attention sinks).
 
 Backends say which options they serve (``options``); one that does not is refused by
-name, with the backends that would serve it.
+name, with the backends that would serve it: at capture, from the options a model
+declares (``graphcap_attention_options``), else at the op's call.
 """
 
 from __future__ import annotations
@@ -73,17 +74,20 @@ def check_variant(op: str, q: torch.Tensor, window, softcap, sinks) -> Variant:
     return Variant(window, float(softcap), sinks)
 
 
-def refuse(what: str, name: str, serves: frozenset[str], variant: Variant,
-           others: list[str]) -> None:
-    """``OpInputError`` when backend ``name`` of ``what`` (serving the options in
-    ``serves``) cannot run ``variant``; the message names ``others``, the backends that
-    would."""
-    missing = [o for o in variant.used if o not in serves]
+def refuse(what: str, name: str, serves: frozenset[str], used, others: list[str],
+           whose: str | None = None, error: type[Exception] = checks.OpInputError) -> None:
+    """``error`` when backend ``name`` of ``what`` (serving the options in ``serves``)
+    cannot run the options ``used`` (a :class:`Variant`'s ``used``, or those ``whose``
+    layers declare, said before anything runs); the message names ``others``, the
+    backends that would."""
+    missing = [o for o in used if o not in serves]
     if missing:
         wanted = " and ".join(MEANING[o] for o in missing)
-        raise checks.OpInputError(
-            f"{what} backend {name!r} does not compute {wanted}; pick one that does: "
-            f"{', '.join(others) or 'none is installed here'}")
+        head = (f"{whose} use {wanted} ({', '.join(map(repr, missing))}), which {what} "
+                f"backend {name!r} does not compute") if whose else \
+            f"{what} backend {name!r} does not compute {wanted}"
+        pick = ", ".join(others) or "none is installed here"
+        raise error(f"{head}; pick one that does: {pick}")
 
 
 def add_sinks(out: torch.Tensor, lse2: torch.Tensor, sinks: torch.Tensor) -> None:
