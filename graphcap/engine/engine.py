@@ -110,6 +110,8 @@ class Engine:
         self.cache, self.max_batch, self.prefill_tokens = cache, max_batch, prefill_tokens
         self.device, self.rows_of = cache.device, getattr(model, "output_rows", "tokens")
         name = type(model).__name__
+        # Refused before any capture: a backend without the options the layers use.
+        backend = backend_for(model, attention, cache.device, strategy, cache.dtype)
         # The decode graphs give logits, which each step's draw reads before the next
         # replay rewrites them (stream order): no copy.
         self.decoder = capture(model, strategy, buckets=decode_ladder(max_batch),
@@ -123,7 +125,7 @@ class Engine:
                                      speculative, cache, decode_ladder(max_batch),
                                      vocab or 2**63, decode_attention, progress)
         try:
-            self._capture_prefill(model, strategy, prefill_tokens, chunked, attention,
+            self._capture_prefill(model, strategy, prefill_tokens, chunked, backend,
                                   progress, name)
         except BaseException:  # the proposer may serve another LLM
             if self.verifier is not None:
@@ -132,10 +134,9 @@ class Engine:
         self.live: dict[int, Request] = {}  # request slot -> its request
         self.steps = self.prefills = 0
 
-    def _capture_prefill(self, model, strategy, prefill_tokens, chunked, attention,
+    def _capture_prefill(self, model, strategy, prefill_tokens, chunked, backend,
                          progress, name) -> None:
         cache, max_batch = self.cache, self.max_batch
-        backend = backend_for(model, attention, cache.device, strategy, cache.dtype)
         ladder = decode_ladder(prefill_tokens)
         # A draft head starts from the hidden state of a prompt's last token.
         self.hidden = self.verifier is not None and self.verifier.reads_hidden

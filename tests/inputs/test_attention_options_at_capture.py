@@ -131,3 +131,14 @@ def test_an_extend_is_checked_against_the_decode_backend_it_attends_with(registe
             cache, None, attention="torch_masked", slots=1, extend=True,
             decode_attention=PlainDecode()))
 
+
+def test_an_llm_is_refused_before_it_captures_anything(registered, monkeypatch):
+    from graphcap.engine import engine
+
+    captured = []
+    monkeypatch.setattr(engine, "capture", lambda *a, **k: captured.append(a))
+    with pytest.raises(BackendUnavailable, match=SINKS + " prefill attention backend "
+                       "'plain_only'"):
+        graphcap.LLM(sinks_model(), strategy="full", max_batch=2, max_len=16,
+                     prefill_tokens=8, attention="plain_only", progress=False)
+    assert captured == []
