@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphcap.core.context import forward_context
-from graphcap.errors import GraphcapError, UnsupportedStrategy
+from graphcap.errors import BackendUnavailable, GraphcapError, UnsupportedStrategy
 from graphcap.opsdb import OpInputError
 from graphcap.opsdb.attention import BACKENDS, get_backend
 from graphcap.opsdb.reference import attention_varlen
@@ -233,3 +233,10 @@ def test_packed_without_a_dtype_picks_a_backend_that_runs_every_dtype(monkeypatc
     with graphcap.packed([3], "cpu", dtype=torch.bfloat16) as meta:
         assert meta.backend.name == "half_only"
         torch.ops.graphcap.attention(*(t.bfloat16() for t in (q, k, v)), out.bfloat16(), 0.5)
+
+
+def test_a_dtype_no_backend_takes_is_refused_naming_those_they_take():
+    with pytest.raises(BackendUnavailable, match="for torch.float64; the backends take "
+                       "bfloat16, float16, float32: build the model in one of them"):
+        get_backend(None, "cpu", strategy="full", dtype=torch.float64)
+    assert get_backend(None, "cpu", strategy="full", dtype=torch.float32).name

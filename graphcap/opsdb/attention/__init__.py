@@ -74,9 +74,15 @@ def get_backend(name: str | None = None, device="cpu", strategy: str | None = No
                 and (dtype is None or dtype in backend.dtypes)
                 and set(options) <= backend.options):
             return backend
+    known = sorted({str(d).removeprefix("torch.") for cls in BACKENDS.values()
+                    for d in cls.dtypes})
+    advice = (f"; the backends take {', '.join(known)}: build the model in one of them"
+              if dtype is not None and str(dtype).removeprefix("torch.") not in known
+              else "")
     raise BackendUnavailable(f"no attention backend runs on {device} under {strategy}"
                              + (f" for {dtype}" if dtype is not None else "")
-                             + (f" computing {', '.join(options)}" if options else ""))
+                             + (f" computing {', '.join(options)}" if options else "")
+                             + advice)
 
 
 def serving(options, device=None, *, cache=None) -> list[str]:
