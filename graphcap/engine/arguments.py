@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import torch
 
-from graphcap.core.checks import boolean, progress_option
+from graphcap.core.checks import boolean, positive_int, progress_option
 from graphcap.errors import BadBatch
 from graphcap.inputs.sampling import Sampling
 
@@ -35,6 +35,28 @@ def check_options(strategy, tokenizer, stop_at_eos, long_prompts, progress) -> N
     boolean(stop_at_eos, "stop_at_eos")
     boolean(long_prompts, "long_prompts")
     progress_option(progress)
+
+
+def max_len_of(max_len, bound: int, room: int, default: int) -> int:
+    """``LLM``'s ``max_len`` (None: the model's ``bound``, its max_position, less the
+    ``room`` a proposer's ``k`` proposals take past a request's last token, at most
+    ``default``), checked against ``bound``; ValueError naming what fits."""
+    if room >= bound:
+        raise ValueError(f"the proposer's k = {room} leaves no room under the model's "
+                         f"max_position {bound} (a verify step writes k tokens past a "
+                         "request's last): give it a smaller k")
+    if max_len is None:
+        return min(bound - room, default)
+    max_len = positive_int(max_len, "max_len")
+    if max_len > bound:
+        raise ValueError(f"max_len {max_len} passes the model's max_position {bound}: "
+                         f"build the LLM with max_len at most {bound - room}")
+    if max_len + room > bound:
+        raise ValueError(f"max_len {max_len} plus the proposer's k = {room} passes the "
+                         f"model's max_position {bound}: a verify step writes k tokens "
+                         f"past a request's last; build the LLM with max_len at most "
+                         f"{bound - room}")
+    return max_len
 
 
 def check_prompts(prompts, vocab: int) -> list[list[int]]:

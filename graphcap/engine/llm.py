@@ -29,6 +29,7 @@ from graphcap.engine.arguments import (
     check_options,
     check_prompts,
     eos_of,
+    max_len_of,
     sampling_of,
     stops_of,
     warn_unapplied_defaults,
@@ -102,22 +103,10 @@ class LLM:
         self.eos = eos_of(model, tokenizer) if stop_at_eos else set()
         warn_unapplied_defaults(model)
         self.max_batch = positive_int(max_batch, "max_batch")
-        bound = self.shape.max_position
         # A verify step writes its k proposals past a request's last token: room for them.
         self.room = check_proposer(speculative) if speculative is not None else 0
-        if self.room >= bound:
-            raise ValueError(f"the proposer's k = {self.room} leaves no room under the "
-                             f"model's max_position {bound} (a verify step writes k "
-                             "tokens past a request's last): give it a smaller k")
-        self.max_len = positive_int(max_len, "max_len") if max_len is not None else \
-            min(bound - self.room, DEFAULT_MAX_LEN)
-        if self.max_len > bound:
-            raise ValueError(f"max_len {self.max_len} passes the model's max_position {bound}")
-        if self.max_len + self.room > bound:
-            raise ValueError(f"max_len {self.max_len} plus the proposer's k = {self.room} "
-                             f"passes the model's max_position {bound}: a verify step "
-                             "writes k tokens past a request's last; build the LLM with "
-                             f"max_len at most {bound - self.room}")
+        self.max_len = max_len_of(max_len, self.shape.max_position, self.room,
+                                  DEFAULT_MAX_LEN)
         device = next(model.parameters()).device
         self.cache = PagedKVCache(self.shape.layers, self.shape.kv_heads, self.shape.head_dim,
                                   max_requests=self.max_batch,

@@ -195,6 +195,16 @@ def test_room_for_the_proposals_past_max_position_is_refused():
             progress=False)
 
 
+def test_a_max_len_past_max_position_is_refused_naming_the_max_len_that_fits():
+    bound = model().args.max_position
+    with pytest.raises(ValueError, match=f"max_len {bound + 1} passes the model's "
+                                         f"max_position {bound}: build the LLM with "
+                                         f"max_len at most {bound}$"):
+        LLM(model(), max_len=bound + 1, progress=False)
+    with pytest.raises(ValueError, match=f"with max_len at most {bound - K}$"):
+        LLM(model(), max_len=bound + 1, speculative=NgramProposer(K), progress=False)
+
+
 def test_a_proposer_whose_k_leaves_no_room_under_max_position_is_refused_naming_k():
     m = model()
     with pytest.raises(ValueError, match=f"k = {m.args.max_position} leaves no room"):
