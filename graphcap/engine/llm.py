@@ -96,30 +96,34 @@ class LLM:
                  page_size: int = 16, progress=True,
                  stop_at_eos: bool = True, long_prompts: bool = True, speculative=None):
         check_options(strategy, tokenizer, stop_at_eos, long_prompts, progress)
-        model, tokenizer = resolve(model, tokenizer)
-        self.model, self.tokenizer, self.strategy = model, tokenizer, strategy
-        self.shape = cache_shape(model)
-        # End every request, as transformers' generate does (unless stop_at_eos=False).
-        self.eos = eos_of(model, tokenizer) if stop_at_eos else set()
-        warn_unapplied_defaults(model)
-        self.max_batch = positive_int(max_batch, "max_batch")
-        # A verify step writes its k proposals past a request's last token: room for them.
-        self.room = check_proposer(speculative) if speculative is not None else 0
-        self.max_len = max_len_of(max_len, self.shape.max_position, self.room,
-                                  DEFAULT_MAX_LEN)
-        device = next(model.parameters()).device
-        self.cache = PagedKVCache(self.shape.layers, self.shape.kv_heads, self.shape.head_dim,
-                                  max_requests=self.max_batch,
-                                  max_len=self.max_len + self.room,
-                                  page_size=page_size, dtype=model_dtype(model), device=device,
-                                  window=self.shape.window)
-        self._serving: dict[str, object] = {}  # "call": the call being served
-        self.engine = Engine(model, self.cache, strategy, self.max_batch,
-                             positive_int(prefill_tokens, "prefill_tokens"),
-                             chunked=long_prompts,
-                             attention=attention, decode_attention=decode_attention,
-                             progress=progress or None, speculative=speculative,
-                             vocab=self.shape.vocab_size)
+        given, (model, tokenizer) = model, resolve(model, tokenizer)
+        try:
+            self.model, self.tokenizer, self.strategy = model, tokenizer, strategy
+            self.shape = cache_shape(model)
+            # End every request, as transformers' generate does (unless stop_at_eos=False).
+            self.eos = eos_of(model, tokenizer) if stop_at_eos else set()
+            warn_unapplied_defaults(model)
+            self.max_batch = positive_int(max_batch, "max_batch")
+            # A verify step writes its k proposals past a request's last token: room for them.
+            self.room = check_proposer(speculative) if speculative is not None else 0
+            self.max_len = max_len_of(max_len, self.shape.max_position, self.room,
+                                      DEFAULT_MAX_LEN)
+            self.cache = PagedKVCache(self.shape.layers, self.shape.kv_heads,
+                                      self.shape.head_dim, max_requests=self.max_batch,
+                                      max_len=self.max_len + self.room, page_size=page_size,
+                                      dtype=model_dtype(model),
+                                      device=next(model.parameters()).device,
+                                      window=self.shape.window)
+            self._serving: dict[str, object] = {}  # "call": the call being served
+            self.engine = Engine(model, self.cache, strategy, self.max_batch,
+                                 positive_int(prefill_tokens, "prefill_tokens"),
+                                 chunked=long_prompts, attention=attention,
+                                 decode_attention=decode_attention, progress=progress or None,
+                                 speculative=speculative, vocab=self.shape.vocab_size)
+        except BaseException:  # a transformers model wrapped here goes back as it came
+            if model is not given and getattr(model, "first_wrapper", False):
+                model.release()
+            raise
 
     # -- calls -----------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens: int = 64, *, sampling=None, stop=None,

@@ -90,6 +90,35 @@ def test_generate_gives_a_stock_model_it_wrapped_back_as_it_came(family):
     assert [transformers_greedy(model, p) for p in PROMPTS] == got.tokens
 
 
+@pytest.mark.parametrize("options", [dict(max_len=10**6), dict(page_size=0),
+                                     dict(prefill_tokens=0)])
+def test_an_llm_that_fails_to_build_gives_a_stock_model_back_as_it_came(options):
+    # Wrapped first (its attention switched), then refused: the model runs on its own
+    # again, and a later LLM or accelerate() of it builds.
+    ref = hf_model("llama").to(DEVICE)
+    model = copy.deepcopy(ref)
+    attention = model.config._attn_implementation
+    options = dict(max_batch=1, max_len=16, progress=False) | options
+    with pytest.raises(ValueError):
+        graphcap.LLM(model, **options)
+    with pytest.raises(ValueError):
+        graphcap.accelerate(model, **options)
+    assert model.config._attn_implementation == attention
+    ids = torch.tensor([PROMPTS[2]], device=DEVICE)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits)
+    assert transformers_greedy(model, PROMPTS[0]) == transformers_greedy(ref, PROMPTS[0])
+
+
+def test_a_failed_llm_leaves_a_model_another_wrapper_holds_wrapped():
+    model = hf_model("llama").to(DEVICE)
+    lm = PrefillLM(model, logits="last")
+    with pytest.raises(ValueError, match="max_len"):
+        graphcap.LLM(model, max_batch=1, max_len=10**6, progress=False)
+    assert model.config._attn_implementation == "graphcap"
+    graphcap.generate(lm, PROMPTS[:1], NEW, strategy="eager")  # the wrapper is usable
+
+
 def test_generate_gives_back_a_model_whose_earlier_wrapper_is_gone():
     model = hf_model("llama").to(DEVICE)
     attention = model.config._attn_implementation
