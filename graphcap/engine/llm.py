@@ -96,6 +96,11 @@ class LLM:
                  page_size: int = 16, progress=True,
                  stop_at_eos: bool = True, long_prompts: bool = True, speculative=None):
         check_options(strategy, tokenizer, stop_at_eos, long_prompts, progress)
+        # The sizes too, before a checkpoint is loaded or a model wrapped for them.
+        max_batch = positive_int(max_batch, "max_batch")
+        prefill_tokens = positive_int(prefill_tokens, "prefill_tokens")
+        page_size = positive_int(page_size, "page_size")
+        max_len = max_len if max_len is None else positive_int(max_len, "max_len")
         given, (model, tokenizer) = model, resolve(model, tokenizer)
         try:
             self.model, self.tokenizer, self.strategy = model, tokenizer, strategy
@@ -103,7 +108,7 @@ class LLM:
             # End every request, as transformers' generate does (unless stop_at_eos=False).
             self.eos = eos_of(model, tokenizer) if stop_at_eos else set()
             warn_unapplied_defaults(model)
-            self.max_batch = positive_int(max_batch, "max_batch")
+            self.max_batch = max_batch
             # A verify step writes its k proposals past a request's last token: room for them.
             self.room = check_proposer(speculative) if speculative is not None else 0
             self.max_len = max_len_of(max_len, self.shape.max_position, self.room,
@@ -115,8 +120,7 @@ class LLM:
                                       device=next(model.parameters()).device,
                                       window=self.shape.window)
             self._serving: dict[str, object] = {}  # "call": the call being served
-            self.engine = Engine(model, self.cache, strategy, self.max_batch,
-                                 positive_int(prefill_tokens, "prefill_tokens"),
+            self.engine = Engine(model, self.cache, strategy, self.max_batch, prefill_tokens,
                                  chunked=long_prompts, attention=attention,
                                  decode_attention=decode_attention, progress=progress or None,
                                  speculative=speculative, vocab=self.shape.vocab_size)

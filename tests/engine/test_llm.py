@@ -321,6 +321,13 @@ def test_llm_options_of_the_wrong_kind_are_refused_by_name(options, error, needl
         LLM(model(), max_batch=1, max_len=16, **options)
 
 
+@pytest.mark.parametrize("size", ["max_batch", "max_len", "prefill_tokens", "page_size"])
+def test_a_size_that_is_no_positive_int_is_refused_before_a_checkpoint_is_loaded(size):
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=f"^{size} must be a positive int, got {bad}$"):
+            LLM("/nonexistent/checkpoint", progress=False, **{size: bad})
+
+
 def test_a_numpy_stop_id_is_one_id_and_sampling_given_as_text_is_refused():
     import numpy as np
 
