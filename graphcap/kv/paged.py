@@ -63,9 +63,9 @@ class PagedKVCache:
         self.max_requests = positive_int(max_requests, "max_requests")
         self.max_len = positive_int(max_len, "max_len")
         self.page_size = positive_int(page_size, "page_size")
-        self.max_pages = -(-max_len // page_size)  # a block-table row
+        self.max_pages = -(-self.max_len // self.page_size)  # a block-table row
         self.pages = positive_int(pages if pages is not None
-                               else max_requests * self.max_pages, "pages")
+                                  else self.max_requests * self.max_pages, "pages")
         self.window = as_int(window, "window (the longest window, every layer windowed)")
         if self.window < 0:
             raise ValueError(f"window={window}: the longest attention window of a model "
@@ -75,11 +75,11 @@ class PagedKVCache:
                              f"be a floating torch.dtype (torch.bfloat16), not {dtype!r}")
         self.device = torch.device(device)
         self.dtype = dtype
-        shape = (layers, self.pages + 1, page_size, kv_heads, head_dim)
+        shape = (self.layers, self.pages + 1, self.page_size, self.kv_heads, self.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
         self.device = self.k.device  # "cuda" made "cuda:0": what tensors compare against
-        self.block_table = torch.full((max_requests, self.max_pages), NULL_PAGE,
+        self.block_table = torch.full((self.max_requests, self.max_pages), NULL_PAGE,
                                       dtype=torch.int32, device=self.device)
         self._free = list(range(self.pages, NULL_PAGE, -1))  # pop() gives low pages first
         self._owned: dict[int, list[int]] = {}

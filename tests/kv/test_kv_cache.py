@@ -5,6 +5,7 @@ nobody owns hold, and writes touch no page but its own."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -163,6 +164,18 @@ def test_a_cache_with_a_layer_of_full_attention_keeps_every_page():
     assert c.pages_of(1) == pages and c.free_pages == c.pages - len(pages)
     with pytest.raises(ValueError, match="window=-1"):
         cache(window=-1)
+
+
+@pytest.mark.parametrize("integer", [int, np.uint8, np.int16, torch.tensor])
+def test_sizes_given_as_numpy_or_tensor_integers_size_the_cache_as_ints_do(integer):
+    # 200 tokens of pages of 16: 13 pages a request (uint8 arithmetic wrapped to 253),
+    # 20 requests of 13 pages: 260 (uint8: 4)
+    c = cache(max_requests=integer(20), max_len=integer(200), page_size=integer(16),
+              layers=integer(1), kv_heads=integer(1), head_dim=integer(4))
+    assert type(c.max_pages) is int and type(c.pages) is int
+    assert (c.max_pages, c.pages) == (13, 260)
+    assert c.k.shape == (1, 261, 16, 1, 4) and c.block_table.shape == (20, 13)
+    assert len([c.admit(slot, 200) for slot in range(20)]) == 20
 
 
 def test_a_full_cache_refuses_admission_and_changes_nothing():
