@@ -29,6 +29,7 @@ import torch
 
 from graphcap.core.checks import as_int, positive_int
 from graphcap.errors import BadBatch, CacheFull
+from graphcap.kv.sizing import check_storage
 
 NULL_PAGE = 0
 
@@ -44,7 +45,8 @@ def longest_window(windows) -> int:
 class PagedKVCache:
     """``layers`` layers of K and V in pages; ``max_requests`` request slots of up to
     ``max_len`` tokens each; ``pages`` real pages (default: enough for every slot at
-    ``max_len``), plus the null page.
+    ``max_len``), plus the null page; keys and values of ``dtype`` (float32, float16 or
+    bfloat16: what the cache ops take) on ``device``.
 
         cache = PagedKVCache(layers=28, kv_heads=8, head_dim=128, max_requests=8,
                              max_len=4096, page_size=16, dtype=torch.bfloat16,
@@ -70,11 +72,7 @@ class PagedKVCache:
         if self.window < 0:
             raise ValueError(f"window={window}: the longest attention window of a model "
                              "whose every layer is windowed, or 0 (keep every page)")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"a K/V cache holds floating-point keys and values: dtype must "
-                             f"be a floating torch.dtype (torch.bfloat16), not {dtype!r}")
-        self.device = torch.device(device)
-        self.dtype = dtype
+        self.dtype, self.device = check_storage(dtype, device)
         shape = (self.layers, self.pages + 1, self.page_size, self.kv_heads, self.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)

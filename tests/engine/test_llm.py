@@ -20,6 +20,7 @@ import graphcap
 from graphcap import LLM
 from graphcap.api import GRAPHED
 from graphcap.errors import UnsupportedModel
+from graphcap.models import PRESETS, Decoder
 from tests.engine.test_decode_steps import recomputed
 from tests.engine.test_generate import NEW, PROMPTS, SAMPLINGS, model
 from tests.support.runner_helpers import DEVICE
@@ -173,7 +174,6 @@ def test_a_completions_text_follows_its_prompt_where_a_decode_drops_a_leading_sp
     # decode: " a", so prompt + text reads as decode(prompt + tokens) does.
     from dataclasses import replace
 
-    from graphcap.models import PRESETS, Decoder
     from tests.engine.test_detokenize import WORDS
 
     torch.manual_seed(0)
@@ -326,6 +326,14 @@ def test_a_size_that_is_no_positive_int_is_refused_before_a_checkpoint_is_loaded
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match=f"^{size} must be a positive int, got {bad}$"):
             LLM("/nonexistent/checkpoint", progress=False, **{size: bad})
+
+
+def test_an_llm_of_a_model_on_the_meta_device_is_refused_naming_the_device():
+    # it was refused as a model whose attention wrote no K/V to the cache
+    with torch.device("meta"):
+        m = Decoder(PRESETS["tiny"])
+    with pytest.raises(ValueError, match="device='meta'"):
+        LLM(m, max_batch=1, max_len=16, prefill_tokens=8, progress=False)
 
 
 def test_a_numpy_stop_id_is_one_id_and_sampling_given_as_text_is_refused():
