@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 
 class GraphcapError(Exception):
     """Base class of every error graphcap raises on purpose."""
@@ -74,3 +76,14 @@ class CacheFull(GraphcapError, RuntimeError):
     message says how many it needs and has. Release finished requests, or build the cache
     with more pages."""
 
+
+class CacheTooLarge(GraphcapError, torch.OutOfMemoryError):
+    """A paged K/V cache the device's memory cannot hold, refused before anything is
+    allocated where the device says what is free (CUDA): the message says the bytes it
+    needs, those free and what fits. ``need`` and ``free`` are bytes (``free`` None where
+    the device does not say), ``pages`` the pages that fit (None where unknown). An
+    ``OutOfMemoryError`` too, as torch's own allocation would have raised."""
+
+    def __init__(self, message: str, *, need: int, free: int | None, pages: int | None):
+        super().__init__(message)
+        self.need, self.free, self.pages = need, free, pages

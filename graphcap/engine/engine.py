@@ -14,11 +14,12 @@ from graphcap.core.buckets import decode_ladder
 from graphcap.core.checks import positive_int
 from graphcap.engine.eager import last_token_logits
 from graphcap.engine.speculative import Verifier
-from graphcap.errors import UnsupportedModel
+from graphcap.errors import CacheTooLarge, UnsupportedModel
 from graphcap.inputs.cache_prefill import CachePrefillInputs
 from graphcap.inputs.decode import DecodeInputs
 from graphcap.inputs.sampling import Sampling, draw, pick
 from graphcap.kv.paged import PagedKVCache
+from graphcap.kv.sizing import size
 from graphcap.opsdb.attention import DECODE_BACKENDS
 
 
@@ -65,6 +66,39 @@ def cache_shape(model) -> CacheShape:
     return CacheShape(layers, heads, head_dim, positive_int(vocab, f"{name}.vocab_size"),
                       positive_int(max_position, f"{name}.max_position")
                       if max_position else 2**31, window)
+
+
+def llm_cache(shape: CacheShape, max_batch: int, max_len: int, room: int, page_size: int,
+              dtype, device) -> PagedKVCache:
+    """An LLM's paged cache: ``max_batch`` requests of ``max_len`` tokens and the ``room``
+    past them a proposer's ``k`` proposals take. One the device cannot hold is refused
+    (:class:`CacheTooLarge`) naming the ``max_len`` and ``max_batch`` that fit."""
+    try:
+        return PagedKVCache(shape.layers, shape.kv_heads, shape.head_dim,
+                            max_requests=max_batch, max_len=max_len + room,
+                            page_size=page_size, dtype=dtype, device=device,
+                            window=shape.window)
+    except CacheTooLarge as error:
+        k = f" (and the proposer's k = {room} past each)" if room else ""
+        raise CacheTooLarge(f"graphcap.LLM: {max_batch} requests (max_batch) of {max_len} "
+                            f"tokens (max_len){k} need a K/V cache of {size(error.need)}; "
+                            f"{_fits(error, max_batch, max_len, room, page_size, device)}: "
+                            "build the LLM with a smaller max_len or max_batch (the graphs "
+                            "take memory beside the cache too)", need=error.need,
+                            free=error.free, pages=error.pages) from error
+
+
+def _fits(error: CacheTooLarge, max_batch: int, max_len: int, room: int, page_size: int,
+          device) -> str:
+    """The max_len and the max_batch whose cache fits where ``error``'s did not."""
+    if error.pages is None:
+        return f"{device} could not allocate it"
+    longest = error.pages // max_batch * page_size - room
+    most = error.pages // -(-(max_len + room) // page_size)
+    fits = [f"max_len={longest} at max_batch={max_batch}"] * (longest > 0) + \
+        [f"max_batch={most} at max_len={max_len}"] * (most > 0)
+    return f"{device} has {size(error.free)} free, room for " + (
+        " or ".join(fits) or "not one request (free the device's memory first)")
 
 
 @dataclass

@@ -35,11 +35,10 @@ from graphcap.engine.arguments import (
     warn_unapplied_defaults,
 )
 from graphcap.engine.detokenize import CONTEXT, Detokenizer, cut, text_of
-from graphcap.engine.engine import Engine, Request, cache_shape
+from graphcap.engine.engine import Engine, Request, cache_shape, llm_cache
 from graphcap.engine.loading import resolve
 from graphcap.engine.speculative import check_proposer, graph_calls
 from graphcap.errors import BadBatch, GraphcapError
-from graphcap.kv.paged import PagedKVCache
 from graphcap.tp.group import entry
 
 DEFAULT_MAX_LEN = 4096  # tokens per request when neither max_len nor the model bounds it
@@ -113,12 +112,8 @@ class LLM:
             self.room = check_proposer(speculative) if speculative is not None else 0
             self.max_len = max_len_of(max_len, self.shape.max_position, self.room,
                                       DEFAULT_MAX_LEN)
-            self.cache = PagedKVCache(self.shape.layers, self.shape.kv_heads,
-                                      self.shape.head_dim, max_requests=self.max_batch,
-                                      max_len=self.max_len + self.room, page_size=page_size,
-                                      dtype=model_dtype(model),
-                                      device=next(model.parameters()).device,
-                                      window=self.shape.window)
+            self.cache = llm_cache(self.shape, max_batch, self.max_len, self.room, page_size,
+                                   model_dtype(model), next(model.parameters()).device)
             self._serving: dict[str, object] = {}  # "call": the call being served
             self.engine = Engine(model, self.cache, strategy, self.max_batch, prefill_tokens,
                                  chunked=long_prompts, attention=attention,

@@ -29,7 +29,7 @@ import torch
 
 from graphcap.core.checks import as_int, positive_int
 from graphcap.errors import BadBatch, CacheFull
-from graphcap.kv.sizing import check_storage
+from graphcap.kv.sizing import allocate, check_storage
 
 NULL_PAGE = 0
 
@@ -74,8 +74,7 @@ class PagedKVCache:
                              "whose every layer is windowed, or 0 (keep every page)")
         self.dtype, self.device = check_storage(dtype, device)
         shape = (self.layers, self.pages + 1, self.page_size, self.kv_heads, self.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k, self.v = allocate(shape, dtype, self.device)  # CacheTooLarge, or both
         self.device = self.k.device  # "cuda" made "cuda:0": what tensors compare against
         self.block_table = torch.full((self.max_requests, self.max_pages), NULL_PAGE,
                                       dtype=torch.int32, device=self.device)

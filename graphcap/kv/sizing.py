@@ -1,9 +1,12 @@
 """What a paged K/V cache is stored as: the dtypes and devices its keys and values may
-have (:func:`check_storage`)."""
+have (:func:`check_storage`), and their allocation, both or neither, a cache the device
+cannot hold refused naming the pages that fit (:func:`allocate`)."""
 
 from __future__ import annotations
 
 import torch
+
+from graphcap.errors import CacheTooLarge
 
 # What graphcap's cache ops (kv_write, decode_attention, cached_attention) take.
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -23,3 +26,54 @@ def check_storage(dtype, device) -> tuple[torch.dtype, torch.device]:
                          "(nothing would be written or read); build it on the model's real "
                          "device, a model on meta once its weights are loaded")
     return dtype, device
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes a new tensor may take on ``device``: on CUDA, the driver's free memory and
+    what torch's caching allocator holds unused; None elsewhere (a host that overcommits
+    its memory does not say)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def size(count: int) -> str:
+    """``count`` bytes in GiB, or MiB below one."""
+    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.2f} MiB"
+
+
+def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache's K and V, zeros of ``shape`` ``[layers, pages + 1, page_size, kv_heads,
+    head_dim]`` each: both, or :class:`CacheTooLarge` and neither held (checked before
+    anything is allocated where the device says what is free)."""
+    layers, stored, page_size, kv_heads, head_dim = shape  # stored: the null page too
+    page = 2 * layers * page_size * kv_heads * head_dim * dtype.itemsize  # K and V
+    need, free = stored * page, free_bytes(device)
+    try:
+        if free is None or need <= free:  # one expression: a V that fails holds no K
+            return (torch.zeros(shape, dtype=dtype, device=device),
+                    torch.zeros(shape, dtype=dtype, device=device))
+    except RuntimeError as error:  # torch.OutOfMemoryError, or the host's allocator's
+        if not isinstance(error, torch.OutOfMemoryError) and \
+                "can't allocate memory" not in str(error):
+            raise
+        raise _too_large(shape, dtype, device, need, free_bytes(device), page) from error
+    raise _too_large(shape, dtype, device, need, free, page)
+
+
+def _too_large(shape, dtype, device, need: int, free: int | None, page: int
+               ) -> CacheTooLarge:
+    """The error of a cache of ``shape`` needing ``need`` bytes, ``page`` a page, where
+    ``free`` are free (None: unknown)."""
+    layers, stored, page_size, kv_heads, head_dim = shape
+    fit = None if free is None else max(free // page - 1, 0)  # less the null page
+    has = f"{device} could not allocate it" if free is None else \
+        f"{device} has {size(free)} free, room for {fit} pages ({fit * page_size} tokens)"
+    return CacheTooLarge(
+        f"a K/V cache of {stored - 1} pages of {page_size} tokens (and the null page), "
+        f"{layers} layers of {kv_heads} x {head_dim} {str(dtype).removeprefix('torch.')}, "
+        f"needs {size(need)} for its keys and values; {has}: build it with fewer pages "
+        "(pages=, or fewer max_requests or a smaller max_len, which set the default)",
+        need=need, free=free, pages=fit)

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 import graphcap
 from graphcap import LLM
 from graphcap.api import GRAPHED
-from graphcap.errors import UnsupportedModel
+from graphcap.engine.proposers import NgramProposer
+from graphcap.errors import CacheTooLarge, UnsupportedModel
 from graphcap.models import PRESETS, Decoder
 from tests.engine.test_decode_steps import recomputed
 from tests.engine.test_generate import NEW, PROMPTS, SAMPLINGS, model
@@ -334,6 +335,30 @@ def test_an_llm_of_a_model_on_the_meta_device_is_refused_naming_the_device():
         m = Decoder(PRESETS["tiny"])
     with pytest.raises(ValueError, match="device='meta'"):
         LLM(m, max_batch=1, max_len=16, prefill_tokens=8, progress=False)
+
+
+def test_an_llm_whose_cache_the_device_cannot_hold_names_the_max_len_and_batch_that_fit(
+        monkeypatch):
+    # The tiny model's K and V of a page of 16 tokens: 2 layers x 16 x 2 heads x 16 x 4
+    # bytes, twice (8 KiB); 4 requests of 64 tokens take 16 pages and the null page.
+    page = 2 * 2 * 16 * 2 * 16 * 4
+    monkeypatch.setattr("graphcap.kv.sizing.free_bytes", lambda device: 10 * page)
+    with pytest.raises(CacheTooLarge, match=re.escape(
+            "graphcap.LLM: 4 requests (max_batch) of 64 tokens (max_len) need a K/V cache of "
+            "0.13 MiB; cpu has 0.08 MiB free, room for max_len=32 at max_batch=4 or "
+            "max_batch=2 at max_len=64: build the LLM with a smaller max_len or max_batch")):
+        LLM(model(), strategy="eager", max_batch=4, max_len=64, progress=False)
+    with pytest.raises(CacheTooLarge, match=re.escape(  # 5 pages a request of 64 + 3
+            "3 requests (max_batch) of 64 tokens (max_len) (and the proposer's k = 3 past "
+            "each) need a K/V cache of 0.12 MiB; cpu has 0.08 MiB free, room for max_len=45 "
+            "at max_batch=3 or max_batch=1 at max_len=64")):
+        LLM(model(), strategy="eager", max_batch=3, max_len=64, progress=False,
+            speculative=NgramProposer(3))
+    assert LLM(model(), strategy="eager", max_batch=4, max_len=32, progress=False).cache
+    assert LLM(model(), strategy="eager", max_batch=2, max_len=64, progress=False).cache
+    monkeypatch.setattr("graphcap.kv.sizing.free_bytes", lambda device: page)
+    with pytest.raises(CacheTooLarge, match="room for not one request"):
+        LLM(model(), strategy="eager", max_batch=1, max_len=16, progress=False)
 
 
 def test_a_numpy_stop_id_is_one_id_and_sampling_given_as_text_is_refused():

@@ -5,13 +5,15 @@ nobody owns hold, and writes touch no page but its own."""
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from graphcap.errors import BadBatch, CacheFull, OpInputError
+from graphcap.errors import BadBatch, CacheFull, CacheTooLarge, OpInputError
 from graphcap.kv import NULL_PAGE, PagedKVCache
 from graphcap.opsdb.decode import DECODE_ATTENTION
 from graphcap.opsdb.kv import KV_WRITE
@@ -193,6 +195,50 @@ def test_a_cache_on_the_meta_device_is_refused_naming_it():
         cache(device="meta")
     with pytest.raises(ValueError, match="device='meta'"):
         cache(device=torch.device("meta"))
+
+
+def test_a_cache_larger_than_the_device_has_free_is_refused_before_anything_is_allocated(
+        monkeypatch):
+    # K and V of a page: 2 layers x 8 tokens x 2 heads x 16 x 4 bytes, twice: 4 KiB
+    page = 2 * 2 * 8 * KV_HEADS * DIM * 4
+    monkeypatch.setattr("graphcap.kv.sizing.free_bytes", lambda device: 10 * page + 100)
+    monkeypatch.setattr(torch, "zeros", None)  # nothing allocated: no call of it
+    with pytest.raises(CacheTooLarge, match=r"a K/V cache of 20 pages of 8 tokens \(and the "
+                       r"null page\), 2 layers of 2 x 16 float32, needs 0.08 MiB .*; cpu has "
+                       r"0.04 MiB free, room for 9 pages \(72 tokens\): build it with fewer "
+                       r"pages \(pages=, or fewer max_requests or a smaller max_len") as info:
+        cache()  # 4 requests of 40 tokens: 5 pages each, and the null page
+    assert (info.value.need, info.value.free, info.value.pages) == (21 * page, 10 * page + 100,
+                                                                    9)
+    assert isinstance(info.value, torch.OutOfMemoryError)  # as torch's own would be
+    monkeypatch.undo()
+    monkeypatch.setattr("graphcap.kv.sizing.free_bytes", lambda device: 10 * page)
+    assert cache(pages=9).pages == 9  # what it said fits
+
+
+def test_a_cache_the_host_cannot_allocate_is_refused_naming_its_size():
+    with pytest.raises(CacheTooLarge, match=r"needs 134217728.00 GiB .*; cpu could not "
+                                            r"allocate it: build it with fewer pages"):
+        cache(layers=1 << 20, kv_heads=1 << 10, head_dim=1 << 10, max_requests=1,
+              max_len=1 << 13, page_size=1 << 13)
+
+
+def test_a_value_cache_that_fails_to_allocate_leaves_no_key_cache_held(monkeypatch):
+    # The traceback (a REPL keeps the last) holds no half of the cache: a smaller one
+    # built next finds the memory of the keys free.
+    made, zeros = [], torch.zeros
+
+    def zeros_then_out_of_memory(*args, **kwargs):
+        if made:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate ...")
+        made.append(weakref.ref(tensor := zeros(*args, **kwargs)))
+        return tensor
+
+    monkeypatch.setattr(torch, "zeros", zeros_then_out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        cache()
+    assert len(made) == 1 and made[0]() is None, "the keys' tensor is still held"
+    assert isinstance(info.value, CacheTooLarge) and "could not allocate it" in str(info.value)
 
 
 def test_a_full_cache_refuses_admission_and_changes_nothing():
