@@ -146,24 +146,28 @@ class Engine:
         name = type(model).__name__
         # Refused before any capture: a backend without the options the layers use.
         backend = backend_for(model, attention, cache.device, strategy, cache.dtype)
-        # The decode graphs give logits, which each step's draw reads before the next
-        # replay rewrites them (stream order): no copy.
-        self.decoder = capture(model, strategy, buckets=decode_ladder(max_batch),
-                               inputs=DecodeInputs(cache, attention=decode_attention),
-                               copy_outputs=False,
-                               progress=progress)
         self.verifier = None  # speculative decoding's verify graphs
-        if speculative is not None:
-            self.verifier = Verifier(functools.partial(capture, model, strategy,
-                                                       progress=progress),
-                                     speculative, cache, decode_ladder(max_batch),
-                                     vocab or 2**63, decode_attention, progress)
         try:
+            # The decode graphs give logits, which each step's draw reads before the next
+            # replay rewrites them (stream order): no copy.
+            self.decoder = capture(model, strategy, buckets=decode_ladder(max_batch),
+                                   inputs=DecodeInputs(cache, attention=decode_attention),
+                                   copy_outputs=False, progress=progress)
+            if speculative is not None:
+                self.verifier = Verifier(functools.partial(capture, model, strategy,
+                                                           progress=progress),
+                                         speculative, cache, decode_ladder(max_batch),
+                                         vocab or 2**63, decode_attention, progress)
             self._capture_prefill(model, strategy, prefill_tokens, chunked, backend,
                                   progress, name)
-        except BaseException:  # the proposer may serve another LLM
+        except BaseException as error:  # the proposer may serve another LLM
             if self.verifier is not None:
                 self.verifier.unbind()
+            if isinstance(error, torch.OutOfMemoryError):
+                error.add_note(f"graphcap: the paged K/V cache the graphs are captured over "
+                               f"takes {size(cache.nbytes)} of {cache.device} "
+                               f"({cache.max_requests} requests of {cache.max_len} tokens): "
+                               "a smaller max_batch or max_len leaves the graphs more")
             raise
         self.live: dict[int, Request] = {}  # request slot -> its request
         self.steps = self.prefills = 0

@@ -361,6 +361,19 @@ def test_an_llm_whose_cache_the_device_cannot_hold_names_the_max_len_and_batch_t
         LLM(model(), strategy="eager", max_batch=1, max_len=16, progress=False)
 
 
+def test_a_capture_out_of_memory_says_what_the_cache_takes_and_what_leaves_more(
+        monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr("graphcap.engine.engine.capture", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        LLM(model(), max_batch=4, max_len=64, progress=False)
+    assert info.value.__notes__ == [
+        "graphcap: the paged K/V cache the graphs are captured over takes 0.13 MiB of cpu "
+        "(4 requests of 64 tokens): a smaller max_batch or max_len leaves the graphs more"]
+
+
 def test_a_numpy_stop_id_is_one_id_and_sampling_given_as_text_is_refused():
     import numpy as np
 
