@@ -223,6 +223,23 @@ def test_a_cache_the_host_cannot_allocate_is_refused_naming_its_size():
               max_len=1 << 13, page_size=1 << 13)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cache_past_the_gpus_memory_is_refused_with_what_is_free_and_nothing_allocated():
+    total = torch.cuda.get_device_properties(0).total_memory
+    before = torch.cuda.memory_allocated()
+    tokens = total // (2 * 2 * KV_HEADS * DIM * 2) + 1024  # 2 layers of bf16 K and V
+    with pytest.raises(CacheTooLarge, match=r"cuda(:0)? has \d+\.\d\d GiB free, room for "
+                                            r"\d+ pages") as info:
+        cache(layers=2, max_requests=1, max_len=tokens, page_size=1024,
+              dtype=torch.bfloat16, device="cuda")
+    assert info.value.need > total > info.value.free
+    assert torch.cuda.memory_allocated() == before
+    fits = info.value.pages // 4  # a quarter of what it says fits
+    assert cache(layers=2, pages=fits, page_size=1024, max_requests=1, max_len=1024,
+                 dtype=torch.bfloat16, device="cuda").pages == fits
+
+
 def test_a_value_cache_that_fails_to_allocate_leaves_no_key_cache_held(monkeypatch):
     # The traceback (a REPL keeps the last) holds no half of the cache: a smaller one
     # built next finds the memory of the keys free.
