@@ -343,14 +343,15 @@ def test_an_llm_whose_cache_the_device_cannot_hold_names_the_max_len_and_batch_t
     # bytes, twice (8 KiB); 4 requests of 64 tokens take 16 pages and the null page.
     page = 2 * 2 * 16 * 2 * 16 * 4
     monkeypatch.setattr("graphcap.kv.sizing.free_bytes", lambda device: 10 * page)
+    where = next(model().parameters()).device  # cpu, or cuda:0 on a GPU
     with pytest.raises(CacheTooLarge, match=re.escape(
             "graphcap.LLM: 4 requests (max_batch) of 64 tokens (max_len) need a K/V cache of "
-            "0.13 MiB; cpu has 0.08 MiB free, room for max_len=32 at max_batch=4 or "
+            f"0.13 MiB; {where} has 0.08 MiB free, room for max_len=32 at max_batch=4 or "
             "max_batch=2 at max_len=64: build the LLM with a smaller max_len or max_batch")):
         LLM(model(), strategy="eager", max_batch=4, max_len=64, progress=False)
     with pytest.raises(CacheTooLarge, match=re.escape(  # 5 pages a request of 64 + 3
             "3 requests (max_batch) of 64 tokens (max_len) (and the proposer's k = 3 past "
-            "each) need a K/V cache of 0.12 MiB; cpu has 0.08 MiB free, room for max_len=45 "
+            f"each) need a K/V cache of 0.12 MiB; {where} has 0.08 MiB free, room for max_len=45 "
             "at max_batch=3 or max_batch=1 at max_len=64")):
         LLM(model(), strategy="eager", max_batch=3, max_len=64, progress=False,
             speculative=NgramProposer(3))
@@ -367,10 +368,12 @@ def test_a_capture_out_of_memory_says_what_the_cache_takes_and_what_leaves_more(
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr("graphcap.engine.engine.capture", out_of_memory)
+    m = model()
     with pytest.raises(torch.OutOfMemoryError) as info:
-        LLM(model(), max_batch=4, max_len=64, progress=False)
+        LLM(m, max_batch=4, max_len=64, progress=False)
     assert info.value.__notes__ == [
-        "graphcap: the paged K/V cache the graphs are captured over takes 0.13 MiB of cpu "
+        "graphcap: the paged K/V cache the graphs are captured over takes 0.13 MiB of "
+        f"{next(m.parameters()).device} "
         "(4 requests of 64 tokens): a smaller max_batch or max_len leaves the graphs more"]
 
 
