@@ -118,9 +118,9 @@ class PieceGraphs(torch.nn.Module):
         if size not in owner.capture_sizes or size in self.eager_sizes:
             if self.static_state is None:
                 owner.ran_eagerly(  # split ops run eagerly by design: not counted
-                    f"a call of size {size} (the compiled graph's first dynamic size, "
-                    "else its first input's dim 0: the batch of [batch, tokens] ids) is "
-                    "not one of the capture sizes "
+                    f"a call of size {size} (dim 0 of the first tensor argument the "
+                    "forward reads: the batch of [batch, tokens] ids) is not one of the "
+                    "capture sizes "
                     f"{_sizes(owner.capture_sizes)}: pad calls to a capture size, or give "
                     "options={'capture_sizes': [...]}; a transformers model called with "
                     "[batch, tokens] ids runs on graphs under graphcap.accelerate(model) or "

@@ -146,28 +146,59 @@ def host_scalars(gm: torch.fx.GraphModule) -> set[int]:
 
 
 def token_arg(gm: torch.fx.GraphModule) -> int | None:
-    """Which argument of Dynamo's graph gives the token count: the first placeholder that
-    is a dynamic size (a SymInt) or a tensor whose dim 0 is one (the token inputs are
-    marked dynamic in dim 0), else the first tensor input that is no parameter or buffer.
-    Pieces take it from the call, not from their own first tensor, which may be a weight
-    or the request rows of last-token logits."""
+    """Which argument of Dynamo's graph gives the token count: dim 0 of the first tensor of
+    the caller's the forward reads (an argument, or an item of one; no parameter, buffer
+    or tensor attribute), or, where that dim is static and another of its dims is dynamic
+    (``[batch, tokens]`` ids at batch 1), the placeholder giving that size. Pieces take it
+    from the call, not from their own first tensor, which may be a weight or the request
+    rows of last-token logits; nor from the first dynamic size of the graph, which may be
+    the caller's K/V cache's where Dynamo specialised a decode step's one token."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for i, node in enumerate(placeholders):
-        value = node.meta.get("example_value")
+    values = [n.meta.get("example_value") for n in placeholders]
+    callers = [i for i, (n, v) in enumerate(zip(placeholders, values, strict=True))
+               if isinstance(v, torch.Tensor) and v.dim() and _callers(n)]
+    if callers:
+        first = values[callers[0]]
+        if not isinstance(first.shape[0], torch.SymInt):
+            for size in first.shape[1:]:
+                if isinstance(size, torch.SymInt):
+                    return next((i for i, v in enumerate(values) if isinstance(v, torch.SymInt)
+                                 and v.node.expr == size.node.expr), callers[0])
+        return callers[0]
+    # No such tensor (a graph of module state, or sources Dynamo did not record): the
+    # first dynamic size, else the first input that is not named as a module's
+    # parameter or buffer.
+    for i, value in enumerate(values):
         if isinstance(value, torch.SymInt):
             return i
         if isinstance(value, torch.Tensor) and value.dim() and isinstance(value.shape[0],
                                                                          torch.SymInt):
             return i
-    # A graph of static shapes: the first input that is not a module's parameter or
-    # buffer (Dynamo names those after their attribute path; a caller's input marked
-    # static is still the caller's batch).
-    for i, node in enumerate(placeholders):
-        value = node.meta.get("example_value")
+    for i, (node, value) in enumerate(zip(placeholders, values, strict=True)):
         if isinstance(value, torch.Tensor) and value.dim() and not any(
                 part in node.name for part in ("_parameters_", "_buffers_")):
             return i
     return None
+
+
+# Links of a Dynamo source that reach a tensor through an object's attribute (a module's
+# parameter, buffer or tensor attribute), by the names of their classes across versions.
+_STATE_LINKS = ("Attr", "ParamBuffer", "NNModule")
+
+
+def _callers(node: torch.fx.Node) -> bool:
+    """Whether a placeholder is a tensor the caller passed: its source is a local of the
+    compiled frame (an argument), or an item of one (``args[0]``, ``kwargs["ids"]``),
+    reached through no attribute (``self.table``, ``self._buffers["cache"]``)."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    while source is not None:
+        if any(link in type(source).__name__ for link in _STATE_LINKS):
+            return False
+        base = getattr(source, "base", None)
+        if base is None:
+            return type(source).__name__ == "LocalSource"
+        source = base
+    return False
 
 
 def is_held(node: torch.fx.Node) -> bool:

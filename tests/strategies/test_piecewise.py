@@ -159,6 +159,69 @@ def test_sizes_outside_the_capture_sizes_run_the_pieces_eagerly_and_are_counted(
     assert "a call of size 5" in told[0] and "capture sizes [8]" in told[0]
 
 
+class RopeTable(torch.nn.Module):
+    """A plain tensor attribute (gpt-fast's ``freqs_cis``), read before the tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.randn(64, 8)
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, pos):
+        return self.lin(self.table[pos] + x)
+
+
+class DecodeStep(torch.nn.Module):
+    """One decode step writing a K/V cache its caller owns (64 rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, pos, cache):
+        cache[pos] = self.lin(x)
+        return self.lin(x) * 2 + cache.sum(0)
+
+
+@pytest.mark.parametrize("model, dynamic, sizes", [
+    (RopeTable, None, [4, 4, 4, 4]),
+    (DecodeStep, True, [1, 1, 1, 1]),  # one token: Dynamo specialises it, not the cache
+    (DecodeStep, True, [4, 4, 4, 4])])
+def test_the_size_is_dim_0_of_the_callers_tensor_not_of_an_attribute_or_a_cache(
+        model, dynamic, sizes, caplog):
+    torch.manual_seed(0)
+    m = model()
+    compiler = PiecewiseCompiler({"capture_sizes": [1, 4]})
+    compiled = torch.compile(m, backend=compiler, fullgraph=True, dynamic=dynamic)
+    cache, twin = torch.zeros(64, 8), torch.zeros(64, 8)
+    with torch.inference_mode(), caplog.at_level("WARNING", "graphcap"):
+        for k, n in enumerate(sizes):
+            x, pos = torch.randn(n, 8), torch.arange(n) + k * n
+            extra = ((cache,), (twin,)) if model is DecodeStep else ((), ())
+            torch.testing.assert_close(compiled(x, pos, *extra[0]), m(x, pos, *extra[1]))
+            torch.testing.assert_close(cache, twin)
+    assert "size 64" not in caplog.text
+    assert compiler.stats["eager_runs"] == 0 and compiler.stats["captures"] == 1
+
+
+def test_a_one_token_shape_of_a_per_request_model_replays_its_pieces_under_a_runner():
+    # At one token Dynamo compiles the token count static, and the request rows of the
+    # last-token logits (3 slots) were the graph's first dynamic size: the pieces of the
+    # one-token shape waited for a size 3 and ran eagerly at every replay.
+    last = graphcap.models.build_model("tiny", logits="last")
+    every = graphcap.models.build_model("tiny")
+    r = graphcap.capture(last, "tc_piecewise", buckets=[1, 2, 4], max_requests=3,
+                         attention="torch_varlen")
+    for lens in ([1], [1, 1], [2, 2], [1]):
+        ids = torch.randint(1, 256, (sum(lens),), generator=torch.Generator().manual_seed(0))
+        pos = torch.cat([torch.arange(n) for n in lens])
+        ends = torch.tensor(lens).cumsum(0) - 1
+        torch.testing.assert_close(r(ids, pos, seq_lens=lens),
+                                   every(ids, pos, seq_lens=lens)[ends])
+    assert r.report()["segments"] == {1: 3, 2: 3, 4: 3}
+    assert not r.model.compiler.stats["eager_runs"]
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
 def test_a_transformers_model_compiled_as_transformers_calls_it_runs_and_says_why_not_graphs(
