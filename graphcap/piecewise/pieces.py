@@ -40,6 +40,11 @@ class PieceEntry:
 
     def __post_init__(self):
         self.viewed = frozenset(i for i, _ in self.aliases.values())  # read every replay
+        # Copies that keep an expanded input's layout: refreshed through their distinct
+        # elements, from a tensor of the same strides only.
+        self.expanded = frozenset(i for i, s in enumerate(self.static)
+                                  if isinstance(s, torch.Tensor) and i not in self.foreign
+                                  and i not in self.shared and _expanded(s))
 
 
 class PieceGraphs(torch.nn.Module):
@@ -184,6 +189,19 @@ class PieceGraphs(torch.nn.Module):
         return isinstance(a, torch.nn.Parameter) or (i in self.held
                                                      and self.moves.get(i, 0) < 2)
 
+    def _copy(self, a: torch.Tensor) -> torch.Tensor:
+        """A static copy of the caller's ``a``. A compiled piece (Inductor's) checks that
+        its inputs have the sizes and strides it was traced with, so its copy keeps the
+        caller's layout (an expanded mask, a column slice) where a clone would be dense."""
+        copy = a.clone()
+        if not self.opaque or copy.stride() == a.stride():
+            return copy
+        same = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+        if _overlaps(_distinct(same)):  # beyond expanded dims (unfold): no copy refreshes it
+            return copy
+        _distinct(same).copy_(_distinct(a))
+        return same
+
     def _replay(self, size: int, entry: PieceEntry, args):
         owner, copied = self.owner, []
         for i, (buf, a) in enumerate(zip(entry.static, args, strict=True)):
@@ -213,7 +231,15 @@ class PieceGraphs(torch.nn.Module):
                                       f"returns a view, has strides {a.stride()}, captured "
                                       f"as {buf.stride()}")
                     return self.fn(*args)
-                buf.copy_(a)
+                if i in entry.expanded:
+                    if a.stride() != buf.stride():
+                        owner.ran_eagerly(f"input {i} of a piece at size {size} has strides "
+                                          f"{a.stride()}, captured expanded as "
+                                          f"{buf.stride()}")
+                        return self.fn(*args)
+                    _distinct(buf).copy_(_distinct(a))
+                else:
+                    buf.copy_(a)
                 copied.append(i)
             elif buf != a:  # a baked host value changed: this replay would be wrong
                 owner.ran_eagerly(f"host value {i} of a piece is {a!r}, captured as "
@@ -245,7 +271,7 @@ class PieceGraphs(torch.nn.Module):
         shared = {i: a.data_ptr() for i, a in enumerate(args) if i not in foreign
                   and isinstance(a, torch.Tensor) and a.data_ptr() in self.owner.static_ptrs}
         static = [a if i in foreign or i in shared or not isinstance(a, torch.Tensor)
-                  else a.clone() for i, a in enumerate(args)]
+                  else self._copy(a) for i, a in enumerate(args)]
         graph = pool.graph()
         captured = OneOpPiece(self.fn, self.writes) if self.opaque and graph.emulated \
             else self.fn
@@ -275,6 +301,30 @@ class PieceGraphs(torch.nn.Module):
         self.entries[size] = PieceEntry(graph, static, outputs, captured, foreign, shared,
                                         aliases, state)
         return self._per_size(args)
+
+
+def _expanded(t: torch.Tensor) -> bool:
+    return any(stride == 0 and n > 1 for n, stride in zip(t.shape, t.stride(), strict=True))
+
+
+def _distinct(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with each expanded dim (stride 0) narrowed to its one distinct element."""
+    for dim, (n, stride) in enumerate(zip(t.shape, t.stride(), strict=True)):
+        if stride == 0 and n > 1:
+            t = t.narrow(dim, 0, 1)
+    return t
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory: each dim's stride, smallest first,
+    must pass the furthest offset the smaller ones reach."""
+    reach = 0
+    for n, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride(), strict=True)
+                             if n > 1), key=lambda d: d[1]):
+        if stride <= reach:
+            return True
+        reach += (n - 1) * stride
+    return False
 
 
 def _views_of_copies(flat, args, static) -> dict[int, tuple[int, int]]:

@@ -235,6 +235,39 @@ def test_conversions_that_copy_are_neither_aliases_nor_writes_of_the_inputs():
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
+class Strided(nn.Module):
+    """Reads inputs of any layout (a column slice, an expanded scale) and writes one."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, scale, acc):
+        y = self.lin(x) * scale
+        acc.add_(y[:, :2])
+        return y
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_inputs_of_any_layout_are_captured_read_and_written_as_eager(compiler):
+    # Inductor's code checks each input's traced sizes and strides: a dense static copy
+    # of a strided or expanded input failed its capture (AssertionError) on every call.
+    torch.manual_seed(0)
+    m = Strided().to(DEVICE)
+    compiler = PiecewiseCompiler({"capture_sizes": [4], "compiler": compiler})
+    c = torch.compile(m, backend=compiler, fullgraph=True)
+    with torch.no_grad():
+        for seed in range(4):
+            gen = torch.Generator().manual_seed(seed)
+            x = torch.randn(4, 16, generator=gen).to(DEVICE)[:, ::2]
+            scale = torch.rand(1, 8, generator=gen).to(DEVICE).expand(4, 8)
+            acc, want = torch.zeros(2, 4, 6, device=DEVICE), torch.zeros(2, 4, 6, device=DEVICE)
+            torch.testing.assert_close(c(x, scale, acc[1, :, 3:5]),
+                                       m(x, scale, want[1, :, 3:5]))
+            torch.testing.assert_close(acc, want, msg=f"call {seed}: the caller's tensor")
+    assert compiler.stats["captures"] == 1 and not compiler.stats["eager_runs"]
+
+
 _LIB = torch.library.Library("graphcap_trust", "FRAGMENT")
 _LIB.define("split_b(Tensor x, Tensor(a!) out) -> ()")
 
