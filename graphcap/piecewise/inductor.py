@@ -45,6 +45,7 @@ def compile_piece(module: torch.fx.GraphModule) -> Callable:
     return compile_fx(copy.deepcopy(module), fakes)
 
 
+_ANCHOR = torch.empty(0)  # what a piece of no tensor passes the op (see OneOpPiece)
 _PIECES: weakref.WeakValueDictionary[int, OneOpPiece] = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
 
@@ -81,8 +82,10 @@ class OneOpPiece:
         slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         self.read_slots = [i for i in slots if i not in self.writes]
         self.write_slots = [i for i in slots if i in self.writes]
-        fresh = COMPILED_PIECE(self.key, [args[i] for i in self.read_slots],
-                               [args[i] for i in self.write_slots])
+        # A piece of no tensor (a mask made from the token count alone) still reads one:
+        # the dispatcher finds the op's kernel by its tensors.
+        reads = [args[i] for i in self.read_slots] if slots else [_ANCHOR]
+        fresh = COMPILED_PIECE(self.key, reads, [args[i] for i in self.write_slots])
         flat = list(self.flat)
         for i, t in zip(self.fresh_slots, fresh, strict=True):
             flat[i] = t
@@ -91,6 +94,8 @@ class OneOpPiece:
     def run(self, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> list:
         """The op's kernel: ``fn`` on these tensors; its outputs that alias no input."""
         args = list(self.args)
+        if not self.read_slots and not self.write_slots:
+            reads = []  # the anchor alone
         for i, t in zip(self.read_slots + self.write_slots, reads + writes, strict=True):
             args[i] = t
         self.flat, self.spec = tree_flatten(self.fn(*args))

@@ -329,6 +329,28 @@ def test_inductor_pieces_match_eager(batch):
     torch.testing.assert_close(r(ids, pos, seq_lens=lens), want, atol=1e-4, rtol=1e-4)
 
 
+def _made_from_the_size(x, first, second):
+    torch.ops.graphcap_test.split_a(x, first)
+    ramp = torch.arange(x.shape[0], dtype=x.dtype)[:, None].expand(-1, x.shape[1]) * 2.0
+    torch.ops.graphcap_test.split_a(ramp, second)  # the piece before it: no tensor input
+    return first + second
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_a_piece_of_no_tensor_input_is_captured(compiler):
+    # The CPU emulator runs an Inductor piece as one op, which the dispatcher routes by
+    # its tensors: one of none raised NotImplementedError ("no tensor arguments").
+    options = {"capture_sizes": [4], "compiler": compiler, "split_ops": ["graphcap_test::split_a"]}
+    compiled = torch.compile(_made_from_the_size, backend=PiecewiseCompiler(options),
+                             fullgraph=True, dynamic=True)
+    with torch.inference_mode():
+        for seed in range(4):
+            x = torch.randn(4, 3, generator=torch.Generator().manual_seed(seed))
+            got = compiled(x, torch.zeros(4, 3), torch.zeros(4, 3))
+            torch.testing.assert_close(got, _made_from_the_size(x, torch.zeros(4, 3),
+                                                                torch.zeros(4, 3)))
+
+
 def test_inductor_pieces_run_fused_kernels_not_the_traced_ops(monkeypatch):
     # The ops a piece dispatches when it runs: Inductor fuses the ReLU into its own kernel;
     # a piece left uncompiled (or compiled as the frames it calls) would dispatch it.
