@@ -105,6 +105,8 @@ def _generate(self, inputs=None, generation_config=None, *, input_ids=None,
                          "the prompts, as the tokenizer gives)")
     if isinstance(config.eos_token_id, torch.Tensor):
         config.eos_token_id = config.eos_token_id.reshape(-1).tolist()
+    if isinstance(config.pad_token_id, torch.Tensor):  # as an int: compared with the eos ids
+        config.pad_token_id = int(config.pad_token_id)
     prompts = _prompts(input_ids, attention_mask, config.pad_token_id, config.eos_token_id)
     eos = eos_ids(config.eos_token_id)
     length = input_ids.shape[-1]

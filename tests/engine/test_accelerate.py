@@ -246,3 +246,20 @@ def test_zeros_that_change_nothing_and_keys_transformers_never_reads_are_served(
                                                                              **extra))
     with pytest.raises(ValueError, match="does not serve past_key_values"):
         fast.generate(ids, **args, past_key_values=transformers.DynamicCache())
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """One tiny Llama and an accelerated copy, for the tests that leave both as they are."""
+    return pair("llama")
+
+
+def test_a_pad_token_id_given_as_a_tensor_is_the_id_transformers_compares_with_the_eos(
+        llama):
+    # pad 2 is the eos: transformers infers no mask from it, and token 2 in a prompt is
+    # the prompt's (as a tensor it was never found among the eos ids: rows lost their 2s)
+    ref, fast = llama
+    ids = torch.tensor([[5, 9, 2, 7, 1], [0, 0, 2, 3, 4]], device=DEVICE)
+    for pad, eos in ((torch.tensor(2), 2), (torch.tensor(0), torch.tensor([2]))):
+        args = dict(max_new_tokens=6, do_sample=False, pad_token_id=pad, eos_token_id=eos)
+        assert torch.equal(fast.generate(ids, **args), ref.generate(ids, **args)), pad
