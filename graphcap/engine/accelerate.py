@@ -139,7 +139,8 @@ def _generate(self, inputs=None, generation_config=None, *, input_ids=None,
         (first_eos if first_eos is not None else 0)
     width = max(len(c.tokens) for c in done)
     rows = [c.tokens + [pad] * (width - len(c.tokens)) for c in done]
-    out = torch.tensor(rows, dtype=input_ids.dtype, device=input_ids.device)
+    # int64, as transformers' (its new tokens are; cat promotes int32 input rows to them)
+    out = torch.tensor(rows, dtype=torch.int64, device=input_ids.device)
     return torch.cat([input_ids, out], dim=-1)
 
 

@@ -263,3 +263,11 @@ def test_a_pad_token_id_given_as_a_tensor_is_the_id_transformers_compares_with_t
     for pad, eos in ((torch.tensor(2), 2), (torch.tensor(0), torch.tensor([2]))):
         args = dict(max_new_tokens=6, do_sample=False, pad_token_id=pad, eos_token_id=eos)
         assert torch.equal(fast.generate(ids, **args), ref.generate(ids, **args)), pad
+
+
+def test_int32_prompts_give_int64_rows_as_transformers_gives(llama):
+    ref, fast = llama
+    ids = torch.tensor([[5, 9, 2, 7, 1]], device=DEVICE, dtype=torch.int32)
+    args = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    got, want = fast.generate(ids, **args), ref.generate(ids, **args)
+    assert got.dtype == want.dtype == torch.int64 and torch.equal(got, want)
