@@ -132,7 +132,9 @@ def _generate(self, inputs=None, generation_config=None, *, input_ids=None,
         if top_p == 0:  # transformers keeps the most likely token alone
             top_k, top_p = 1, 1.0
         sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    done = llm.generate(prompts, new, sampling=sampling, stop=sorted(eos))
+    # an eos id outside the vocabulary is never drawn: transformers ends no row on it
+    stop = sorted(t for t in eos if 0 <= t < llm.shape.vocab_size)
+    done = llm.generate(prompts, new, sampling=sampling, stop=stop)
     first_eos = config.eos_token_id if isinstance(config.eos_token_id, int) else \
         next(iter(config.eos_token_id or []), None)
     pad = config.pad_token_id if config.pad_token_id is not None else \

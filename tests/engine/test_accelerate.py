@@ -271,3 +271,13 @@ def test_int32_prompts_give_int64_rows_as_transformers_gives(llama):
     args = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
     got, want = fast.generate(ids, **args), ref.generate(ids, **args)
     assert got.dtype == want.dtype == torch.int64 and torch.equal(got, want)
+
+
+def test_eos_ids_outside_the_vocabulary_end_no_row_as_in_transformers(llama):
+    # some checkpoints list ids past the model's vocabulary (or -1): never drawn
+    ref, fast = llama
+    ids = torch.tensor(IDS, device=DEVICE)
+    ends = ref.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)[0, -1]
+    for eos in ([500, int(ends)], [-1, int(ends)], 128):
+        args = dict(max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=0)
+        assert torch.equal(fast.generate(ids, **args), ref.generate(ids, **args)), eos
