@@ -109,18 +109,7 @@ def _generate(self, inputs=None, generation_config=None, *, input_ids=None,
         config.pad_token_id = int(config.pad_token_id)
     prompts = _prompts(input_ids, attention_mask, config.pad_token_id, config.eos_token_id)
     eos = eos_ids(config.eos_token_id)
-    length = input_ids.shape[-1]
-    if config.max_new_tokens is not None:
-        new = config.max_new_tokens
-    elif default_length:
-        top = getattr(self.config, "max_position_embeddings", None)
-        new = min(length + (config.max_length or 20), top or 2**62) - length
-    else:
-        new = config.max_length - length
-    if new < 1:
-        raise ValueError(f"nothing to generate: max_length {config.max_length} leaves no new "
-                         f"token after {input_ids.shape[-1]} input tokens; give "
-                         "max_new_tokens")
+    new = _new_tokens(self, config, default_length, input_ids.shape[-1], prompts, llm.max_len)
     sampling = None
     if config.do_sample:
         temperature = 1.0 if config.temperature is None else config.temperature
@@ -144,6 +133,36 @@ def _generate(self, inputs=None, generation_config=None, *, input_ids=None,
     # int64, as transformers' (its new tokens are; cat promotes int32 input rows to them)
     out = torch.tensor(rows, dtype=torch.int64, device=input_ids.device)
     return torch.cat([input_ids, out], dim=-1)
+
+
+def _new_tokens(model, config, default_length: bool, length: int, prompts, max_len: int
+                ) -> int:
+    """How many new tokens transformers' ``generate`` draws after ``length`` input tokens
+    (``max_new_tokens``, else ``max_length`` less them, else 20 within the model's
+    positions); a ValueError where none, or where the longest prompt and they pass the
+    accelerated model's ``max_len``, naming the option that asks for them."""
+    if config.max_new_tokens is not None:
+        new, asked = config.max_new_tokens, f"max_new_tokens={config.max_new_tokens}"
+    elif default_length:
+        top = getattr(model.config, "max_position_embeddings", None)
+        new = min(length + (config.max_length or 20), top or 2**62) - length
+        asked = "transformers' default of 20 new tokens (no max_length or max_new_tokens)"
+    else:
+        new = config.max_length - length
+        asked = (f"max_length={config.max_length} (the call's, or a generation config's) "
+                 f"after {length} input tokens")
+    if new < 1:
+        raise ValueError(f"nothing to generate: max_length {config.max_length} leaves no new "
+                         f"token after {length} input tokens; give max_new_tokens")
+    longest = max(map(len, prompts))
+    if longest + new > max_len:
+        fewer = f"max_new_tokens={max_len - longest} or fewer, or " if longest < max_len else ""
+        raise ValueError(
+            f"{asked} asks {new} new tokens after a prompt of {longest}: {longest + new} "
+            f"tokens pass the max_len {max_len} the model was accelerated with; give "
+            f"{fewer}graphcap.restore(model) and graphcap.accelerate(model, "
+            f"max_len={longest + new}, ...)")
+    return new
 
 
 def _config(model, generation_config, kwargs: dict):

@@ -281,3 +281,20 @@ def test_eos_ids_outside_the_vocabulary_end_no_row_as_in_transformers(llama):
     for eos in ([500, int(ends)], [-1, int(ends)], 128):
         args = dict(max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=0)
         assert torch.equal(fast.generate(ids, **args), ref.generate(ids, **args)), eos
+
+
+def test_a_length_past_the_accelerated_max_len_is_refused_naming_what_asked_for_it(llama):
+    # OPTIONS' max_len is 40: the option that asks for the tokens, and accelerate's max_len
+    _, fast = llama
+    ids = torch.tensor(IDS[:1], device=DEVICE)
+    fits = r"max_new_tokens=35 or fewer, or graphcap.restore\(model\) and " \
+        r"graphcap.accelerate\(model, max_len=45"
+    with pytest.raises(ValueError, match=r"max_new_tokens=40 asks 40 new tokens after a "
+                                         r"prompt of 5: 45 tokens pass the max_len 40 the "
+                                         r"model was accelerated with; give " + fits):
+        fast.generate(ids, max_new_tokens=40, do_sample=False)
+    with pytest.raises(ValueError, match=r"max_length=45 .*asks 40 new tokens.*" + fits):
+        fast.generate(ids, max_length=45, do_sample=False)
+    long = torch.arange(3, 28, device=DEVICE)[None]  # 25 + transformers' default 20
+    with pytest.raises(ValueError, match="default of 20 new tokens.*max_len=45"):
+        fast.generate(long, do_sample=False)
