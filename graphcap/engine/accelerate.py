@@ -43,9 +43,10 @@ SERVED = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "
 INERT = {"streamer", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
          "synced_gpus", "assistant_model", "negative_prompt_ids",
          "negative_prompt_attention_mask", "use_model_defaults", "custom_generate",
-         "tokenizer"}
-# ... and those that change nothing only when None (an empty cache given is filled).
-INERT_NONE = {"past_key_values"}
+         "tokenizer", "trust_remote_code"}
+# ... and those that change nothing only when None (an empty cache given is filled):
+# transformers 5's cache, and past_key_values, its old name.
+INERT_NONE = {"cache", "past_key_values"}
 
 
 def accelerate(model, tokenizer=None, **options):

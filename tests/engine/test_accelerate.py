@@ -298,3 +298,15 @@ def test_a_length_past_the_accelerated_max_len_is_refused_naming_what_asked_for_
     long = torch.arange(3, 28, device=DEVICE)[None]  # 25 + transformers' default 20
     with pytest.raises(ValueError, match="default of 20 new tokens.*max_len=45"):
         fast.generate(long, do_sample=False)
+
+
+def test_no_cache_and_no_remote_code_change_nothing_and_a_cache_given_is_refused(llama):
+    # transformers 5 names the cache argument cache (past_key_values before)
+    ref, fast = llama
+    ids = torch.tensor(IDS[:1], device=DEVICE)
+    args = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    for extra in ({"cache": None}, {"trust_remote_code": False}):
+        assert torch.equal(fast.generate(ids, **args, **extra),
+                           ref.generate(ids, **args, **extra)), extra
+    with pytest.raises(ValueError, match="does not serve cache"):
+        fast.generate(ids, **args, cache=transformers.DynamicCache())
