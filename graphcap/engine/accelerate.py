@@ -6,16 +6,16 @@ keep working, and :func:`restore` gives the model back as it came.
 
 What it serves of a ``generate`` call: ``input_ids`` ``[B, T]`` with an
 ``attention_mask`` (left or right padding: each row's prompt is its tokens under the
-mask), ``max_new_tokens`` or ``max_length`` (neither: 20 new tokens, as transformers),
-``eos_token_id``, ``pad_token_id``, greedy
+mask), ``max_new_tokens`` or ``max_length`` (neither: 20 new tokens, as transformers;
+within the ``max_len`` it was accelerated with), ``eos_token_id``, ``pad_token_id``, greedy
 and ``do_sample`` with ``temperature``, ``top_k`` and ``top_p`` (drawn with a seed taken
 from torch's generator, so ``torch.manual_seed`` makes them reproducible), the cache
 options (``use_cache``, ``cache_implementation``: graphcap keeps its own). The call's
 options are merged as transformers merges them (a ``generation_config`` given takes the
 model's fields it leaves unset, then transformers' defaults: ``top_k=50``), and the call
 ends at its own ``eos_token_id``, not at the model's or the tokenizer's. It returns
-what transformers returns: the input rows followed by the new tokens, rows that ended
-first padded with ``pad_token_id``. Anything else (beams, several sequences per prompt,
+what transformers returns: the input rows followed by the new tokens (int64), rows that
+ended first padded with ``pad_token_id``. Anything else (beams, several sequences per prompt,
 logits processors, stopping criteria, streamers, assisted generation, scores, ...) is
 refused with a ``ValueError`` naming it, as is a model in training mode: ``restore(model)``
 first to run transformers' own.
