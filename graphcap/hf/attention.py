@@ -136,14 +136,16 @@ def unwrapped_call(name: str) -> UnsupportedModel:
     """The error of a model on graphcap attention called as a transformers model (its own
     ``forward`` or ``generate()``) rather than through graphcap."""
     return UnsupportedModel(
-        f"{name}: this model runs graphcap attention (PrefillLM set "
+        f"{name}: this model runs graphcap attention (PrefillLM or graphcap.accelerate set "
         f"attn_implementation={NAME!r} on it), which takes its packed requests from "
         "graphcap's forward context and keeps no transformers KV cache, so the model cannot "
-        "be called on its own nor generate with transformers' generate(). Generate with "
-        "graphcap.generate(PrefillLM(model, logits='last'), prompts, max_new_tokens); run "
-        "a prefill through the PrefillLM (lm(input_ids, positions, seq_lens=[...]) or its "
-        "runner); or give the model back its own attention, "
-        "model.set_attn_implementation('sdpa'), to call it or generate() as before")
+        "be called on its own. A model graphcap.accelerate gave a generate() generates "
+        "through model.generate(...) or a pipeline, and graphcap.restore(model) gives it "
+        "back as it was. Otherwise generate with graphcap.generate(PrefillLM(model, "
+        "logits='last'), prompts, max_new_tokens); run a prefill through the PrefillLM "
+        "(lm(input_ids, positions, seq_lens=[...]) or its runner); or give the model back "
+        "its own attention, model.set_attn_implementation('sdpa'), to call it or "
+        "generate() as before")
 
 
 # transformers' warning of padded ids given without an attention mask, which GPT-2's

@@ -310,3 +310,14 @@ def test_no_cache_and_no_remote_code_change_nothing_and_a_cache_given_is_refused
                            ref.generate(ids, **args, **extra)), extra
     with pytest.raises(ValueError, match="does not serve cache"):
         fast.generate(ids, **args, cache=transformers.DynamicCache())
+
+
+def test_an_accelerated_model_called_on_its_own_says_to_generate_or_restore_it(llama):
+    _, fast = llama
+    ids = torch.tensor([[5, 9, 2, 7, 1]], device=DEVICE)
+    with pytest.raises(graphcap.UnsupportedModel, match=r"accelerate gave a generate\(\) "
+                       r"generates through model\.generate\(\.\.\.\) or a pipeline, and "
+                       r"graphcap\.restore\(model\) gives it back as it was"):
+        fast(ids)
+    assert fast.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0).shape == (
+        1, 7)
