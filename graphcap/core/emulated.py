@@ -20,7 +20,8 @@ Two details make capture itself behave as on CUDA, where capture launches nothin
 memory the region mutated that existed before capture is restored when capture ends, and
 memory allocated during capture is filled with 0xFF bytes (NaN in floats, -1 in ints;
 True in bools), since on CUDA it holds garbage until the first replay. Host
-synchronisations raise ``CaptureError`` (:mod:`graphcap.core.hostsync`). Composite ops
+synchronisations raise ``CaptureError`` (:mod:`graphcap.core.hostsync`), and a region that
+catches one fails at ``end()`` all the same, as CUDA invalidates the capture. Composite ops
 are recorded as the ops they are made of, under ``torch.inference_mode`` as under
 ``no_grad`` (so ``int(t)`` is seen as the ``Tensor.item`` it is).
 
@@ -35,6 +36,7 @@ the CPU, where its CUDA kernel reads none), nor does a replay check its host rea
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,13 +156,15 @@ class _Step:
 class _HostMethodGuard(TorchFunctionMode):
     """Rejects Tensor methods that read device memory without dispatching an aten op."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, graph: EmulatedGraph):
         super().__init__()
-        self.device = device
+        self.graph = graph
+        self.device = graph.device
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        hostsync.check_method(func, args, kwargs, self.device)
+        with self.graph._refusing():
+            hostsync.check_method(func, args, kwargs, self.device)
         if func is torch.Tensor.__setitem__ and self.device.type == "cpu" and \
                 isinstance(args[2] if len(args) > 2 else None, (int, float, bool)):
             token = hostsync.SCALAR_ASSIGNMENT.set(True)  # x[i] = 0.0: no host data
@@ -184,7 +188,8 @@ class _Recorder(TorchDispatchMode):
         if out is not NotImplemented:
             return out
         graph = self.graph
-        hostsync.check_op(func, args, kwargs, graph.device)
+        with graph._refusing():
+            hostsync.check_op(func, args, kwargs, graph.device)
         kind = _kind(func)
         if torch.Tag.inplace_view in func.tags:
             graph._freeze(args[0])
@@ -197,7 +202,8 @@ class _Recorder(TorchDispatchMode):
         step = _Step(func, args, kwargs, kind,
                      context=None if _is_builtin(func) else _replay_context())
         if kind in ("functional", "alloc", "mutate"):
-            _check_recordable(func, out)
+            with graph._refusing():
+                _check_recordable(func, out)
         if kind in ("functional", "alloc"):
             step.outs = tensor_leaves(out)
             # New memory, unless the op returned an argument's (as _unsafe_view can).
@@ -237,6 +243,7 @@ class EmulatedGraph(Graph):
         self._internal: dict[int, tuple[torch.UntypedStorage, bool]] = {}
         self._bytes = 0
         self._segments = 0
+        self._refused: hostsync.CaptureError | None = None  # the first refusal met
 
     # -- capture -------------------------------------------------------------------
     @property
@@ -251,7 +258,7 @@ class EmulatedGraph(Graph):
             raise hostsync.CaptureError(
                 "this graph is captured already: reset() it or make a new one")
         imports.complete(imports.EMULATOR)  # what the modes import: whole before they run
-        self._modes = [_HostMethodGuard(self.device), _Recorder(self)]
+        self._modes = [_HostMethodGuard(self), _Recorder(self)]
         for mode in self._modes:
             mode.__enter__()
 
@@ -259,6 +266,15 @@ class EmulatedGraph(Graph):
         """Stop recording; undo capture-time writes to older memory, poison new memory."""
         if not self._modes:
             raise hostsync.CaptureError("end() without begin()")
+        if self._refused is not None:  # the region caught it and went on
+            refused = self._refused
+            self.abort(refused)
+            raise hostsync.CaptureError(
+                f"{refused} The captured region caught this error and went on: CUDA "
+                "invalidates a capture at such an operation (its end fails), so the "
+                "emulator refuses the capture too, rather than replay the path taken "
+                "after it. Let the error through, or decide before the capture",
+                op=refused.op, site=refused.site) from refused
         self._exit_modes()
         self._restore_snapshots()
         for storage, is_bool in self._internal.values():
@@ -272,6 +288,17 @@ class EmulatedGraph(Graph):
         self._restore_snapshots()
         self.reset()
         return exc
+
+    @contextlib.contextmanager
+    def _refusing(self):
+        """Remember a ``CaptureError`` raised in the block (the first one), so that a
+        region catching it cannot end its capture as if nothing had happened."""
+        try:
+            yield
+        except hostsync.CaptureError as exc:
+            if self._refused is None:
+                self._refused = exc
+            raise
 
     def _restore_snapshots(self) -> None:
         """Put back memory older than the capture that the region wrote."""
@@ -335,6 +362,7 @@ class EmulatedGraph(Graph):
         self._internal.clear()
         self._bytes = 0
         self._segments = 0
+        self._refused = None
 
     @property
     def num_ops(self) -> int:

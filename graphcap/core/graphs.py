@@ -16,7 +16,8 @@ Contract, the same for both kinds (``tests/core/test_graph_semantics.py`` pins i
 - every tensor a graph uses must stay alive as long as the graph (the graph holds them);
 - random ops draw fresh values on each replay;
 - host synchronisations in the region raise :class:`graphcap.errors.CaptureError`,
-  and leave the tensors and the model as they were before the capture.
+  and leave the tensors and the model as they were before the capture (a region that
+  catches the error fails at ``end()``: the capture was invalidated).
 
 Example::
 
