@@ -12,11 +12,11 @@ rebuilt as they were at it), and copying the fresh result
 into the buffers the capture gave the next segment: copies, made at capture, of what the
 function returned then, so a replay writes only memory graphcap allocated (never a
 tensor the function returned that belongs to the model or the caller). A result on an
-argument's memory (the argument, a view of it, an ``out=`` it wrote) is no copy: the next
-segment reads that memory, as eager code would, and a replay must return the same view of
-it. A fresh result of another structure, shape, dtype or device than at capture, or
-another view where an argument's was, or results apart that shared memory at capture,
-raises :class:`~graphcap.errors.ReplayError`.
+argument's memory (the argument, a view of it, an ``out=`` it wrote, a tensor a module
+argument holds) is no copy: the next segment reads that memory, as eager code would, and
+a replay must return the same view of it. A fresh result of another structure, shape,
+dtype or device than at capture, or another view where an argument's was, or results
+apart that shared memory at capture, raises :class:`~graphcap.errors.ReplayError`.
 
 At capture each break runs on real values: the segment before it is replayed once as soon
 as it is captured (a captured segment has run nothing yet), so the break sees what an
@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphcap.core.breaks import break_handler
 from graphcap.core.graphs import GraphPool
+from graphcap.core.snapshot import held_tensors
 from graphcap.core.strategy import Captured, Strategy
 from graphcap.core.trees import repeats_memory, span, storage_key, storages, tensor_leaves
 from graphcap.errors import CaptureError, ReplayError
@@ -52,6 +53,17 @@ def _layout(value) -> tuple:
     leaves, spec = tree_flatten(value)
     return spec, [(tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor)
                   else type(t) for t in leaves]
+
+
+def _given(leaves: list) -> set[int]:
+    """The memory a break is given: its tensor arguments' storages, and those of every
+    tensor a module among its arguments holds (parameters, buffers, plain tensor
+    attributes: a cache it returns is the module's, which writes through it reach)."""
+    given = storages(leaves)
+    for leaf in leaves:
+        if isinstance(leaf, torch.nn.Module):
+            given |= storages(held_tensors(leaf))
+    return given
 
 
 def _own(value, given: set[int]) -> tuple[Any, tuple[bool, ...]]:
@@ -170,9 +182,11 @@ class Break:
                 buf.copy_(new)
             elif (new.data_ptr(), new.stride()) != (buf.data_ptr(), buf.stride()):
                 raise ReplayError(
-                    f"eager break {self.name} returned a view of its arguments at capture, "
+                    f"eager break {self.name} returned a view of its arguments at capture "
+                    "(an argument, a view of one, or a tensor a module argument holds), "
                     "and another tensor at replay: the graph after it reads that view. "
-                    "Return the same view of the same argument on every call")
+                    "Return the same view of the same argument on every call, or a "
+                    ".clone() of it where the forward only reads it")
 
     @property
     def name(self) -> str:
@@ -256,12 +270,13 @@ class BreakableCapture:
         name = getattr(fn, "__qualname__", repr(fn))
         check_finished((args, kwargs), f"eager break {name!r}")
         at_call = tree_flatten((args, kwargs))
+        given = _given(at_call[0])  # before the call: what it makes is no argument's
         self._close()
         try:  # no handler inside a break: one calling another marked function runs it
             with self.pool.warmup(), break_handler(None):  # the capture stream, no capture
                 self.items[-1].replay()  # its inputs: real values, not capture garbage
                 raw = fn(*args, **kwargs)
-                output, on_args = _own(raw, storages(at_call[0]))
+                output, on_args = _own(raw, given)
                 shares = _shares(tensor_leaves(raw), on_args)
             _check_result(name, output, self.pool.device)
         except BaseException as exc:  # the forward may catch it: its ops need a segment

@@ -192,3 +192,34 @@ def test_a_conjugate_view_among_a_breaks_results_keeps_its_flag():
     for seed in range(3):
         x = torch.randn(4, 4, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
         torch.testing.assert_close(r(x), m(x))
+
+
+@graphcap.eager_on_graph
+def cache_of(module):
+    return module.cache  # a host-side lookup picking one of the module's tensors
+
+
+class AccumulatesIntoItsCache(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(4, 4))
+
+    def forward(self, x):
+        cache_of(self).add_(x)  # eagerly: into the module's cache
+        return self.cache * 1
+
+
+def test_writes_through_a_modules_tensor_a_break_returned_reach_the_module():
+    m = AccumulatesIntoItsCache().to(DEVICE)
+    r = graphcap.capture(m, "breakable", buckets=[4],
+                         example_inputs=(torch.zeros(4, 4, device=DEVICE),))
+    xs = [torch.randn(4, 4, generator=torch.Generator().manual_seed(s)).to(DEVICE)
+          for s in range(3)]
+    m.cache.zero_()
+    got = [r(x) for x in xs]
+    replayed = m.cache.clone()
+    m.cache.zero_()
+    with torch.no_grad():
+        want = [m(x) for x in xs]
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(replayed, m.cache)
