@@ -247,7 +247,7 @@ class BreakableCapture:
         self.states: list[tuple[Callable[[], object], object]] = []  # (static_state, its state)
         self.in_graph = 0  # graphable split ops captured inside a segment
         self._segment = None
-        self._raised: tuple | None = None  # a break's exception the forward caught
+        self._raised: tuple | None = None  # an exception at a break the forward caught
         self._fn: Callable[[], Any] | None = None
         self._outputs: Any = None
 
@@ -271,8 +271,11 @@ class BreakableCapture:
         check_finished((args, kwargs), f"eager break {name!r}")
         at_call = tree_flatten((args, kwargs))
         given = _given(at_call[0])  # before the call: what it makes is no argument's
-        self._close()
-        try:  # no handler inside a break: one calling another marked function runs it
+        what = f"the graph segment before eager break {name}"
+        try:
+            self._close()  # a capture invalidated earlier (a host sync caught) fails here
+            what = f"eager break {name}"
+            # No handler inside a break: one calling another marked function runs it.
             with self.pool.warmup(), break_handler(None):  # the capture stream, no capture
                 self.items[-1].replay()  # its inputs: real values, not capture garbage
                 raw = fn(*args, **kwargs)
@@ -280,7 +283,7 @@ class BreakableCapture:
                 shares = _shares(tensor_leaves(raw), on_args)
             _check_result(name, output, self.pool.device)
         except BaseException as exc:  # the forward may catch it: its ops need a segment
-            self._raised = (name, exc)
+            self._raised = (what, exc)
             self._open()
             raise
         self.items.append(Break(fn, args, kwargs, output, _layout(output), on_args,
@@ -309,9 +312,9 @@ class BreakableCapture:
             if isinstance(item, Break):
                 item.settle()
         if self._raised is not None:
-            name, exc = self._raised
+            what, exc = self._raised
             raise CaptureError(
-                f"eager break {name} raised {type(exc).__name__} ({exc}) at capture and the "
+                f"{what} raised {type(exc).__name__} ({exc}) at capture and the "
                 "forward caught it: the graphs would replay the path it took then on every "
                 "call. Decide before the break (or inside it) without raising") from exc
         self._outputs = out

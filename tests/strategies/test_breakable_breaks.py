@@ -223,3 +223,29 @@ def test_writes_through_a_modules_tensor_a_break_returned_reach_the_module():
         want = [m(x) for x in xs]
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(replayed, m.cache)
+
+
+@graphcap.eager_on_graph
+def doubled(h):
+    return h * 2
+
+
+class CatchesEverything(torch.nn.Module):
+    def forward(self, x):
+        try:
+            n = int(x.sum())  # refused at capture, and caught
+        except CaptureError:
+            n = 0
+        try:
+            y = doubled(x)  # the segment before it cannot end: caught too
+        except CaptureError:
+            y = x
+        return y + n
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the emulator's refusal, caught")
+def test_a_segment_that_cannot_end_at_a_break_is_refused_by_name_when_the_forward_catches_it():
+    with pytest.raises(CaptureError, match=r"the graph segment before eager break doubled "
+                                           r"raised CaptureError \(host synchronisation"):
+        graphcap.capture(CatchesEverything(), "breakable", buckets=[4],
+                         example_inputs=(torch.zeros(4, 2, device=DEVICE),))
