@@ -18,8 +18,11 @@ def eager_on_graph(fn):
     every replay calls ``fn`` again on the same argument tensors and copies its result
     into graphcap's copies of what it returned at capture, which the next segment reads.
     So ``fn`` must return tensors of the same shapes each time (or write into an ``out``
-    it is given and return it), and may do anything a graph cannot: host syncs, Python
-    control flow on data, host-side libraries.
+    it is given, or a module's tensor, and return it), and may do anything a graph cannot:
+    host syncs, Python control flow on data, host-side libraries. A replay runs none of
+    the forward's Python: ``fn`` reads Python state (a module's attribute) as the capture
+    left it, and the forward reads what ``fn`` leaves in Python at capture only; pass
+    what varies as arguments and results (docs/strategies.md, breakable).
 
         @graphcap.eager_on_graph
         def route(logits):
