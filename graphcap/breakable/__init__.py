@@ -29,6 +29,8 @@ def eager_on_graph(fn):
             return logits.argmax(-1).cpu().cuda()   # a host round trip, fine here
     """
 
+    if isinstance(fn, (staticmethod, classmethod)):  # marked above the descriptor
+        return type(fn)(eager_on_graph(fn.__func__))
     if not callable(fn):
         raise TypeError(f"eager_on_graph marks a function, got {fn!r}: write "
                         "@graphcap.eager_on_graph above a def")

@@ -427,3 +427,26 @@ def test_outputs_of_another_structure_for_another_shape_are_refused_at_capture()
 def test_eager_on_graph_refuses_what_is_no_function_where_it_is_marked():
     with pytest.raises(TypeError, match="eager_on_graph marks a function, got 3"):
         graphcap.eager_on_graph(3)
+
+
+class MarksAboveTheDescriptor(torch.nn.Module):
+    @graphcap.eager_on_graph
+    @staticmethod
+    def doubled(x):
+        return x * 2
+
+    @graphcap.eager_on_graph
+    @classmethod
+    def tripled(cls, x):
+        return x * 3
+
+    def forward(self, x):
+        return self.tripled(self.doubled(x + 1)) - 1
+
+
+def test_eager_on_graph_marks_a_static_or_class_method_above_its_decorator():
+    m = MarksAboveTheDescriptor()
+    r = graphcap.capture(m, "breakable", buckets=[4], example_inputs=(torch.zeros(4, 2),))
+    x = torch.randn(4, 2)
+    torch.testing.assert_close(r(x), m(x))
+    assert r.report()["breaks"] == {4: 2}
