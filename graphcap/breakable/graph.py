@@ -7,8 +7,8 @@ pool and stream. Replay walks the record: segment, break, segment, ...
 
 A break replays by calling its function again on the very argument tensors of capture
 (held strongly here: a weak reference let later captures reuse their memory and gave
-silent wrong output in the field; lists and dicts that changed after the call are
-rebuilt as they were at it), and copying the fresh result
+silent wrong output in the field; lists and dicts among them are rebuilt as they were
+at the call), and copying the fresh result
 into the buffers the capture gave the next segment: copies, made at capture, of what the
 function returned then, so a replay writes only memory graphcap allocated (never a
 tensor the function returned that belongs to the model or the caller). A result on an
@@ -144,17 +144,15 @@ class Break:
     output: Any  # the buffers the next segment reads: graphcap's own, or an argument's
     layout: tuple | None = None  # _layout(output)
     on_args: tuple[bool, ...] = ()  # per tensor of output: on an argument's memory
-    # tree_flatten((args, kwargs)) at the call: where the lists and dicts changed after
-    # it (by the forward: a list of hidden states appended to; or by the break), replays
-    # rebuild them as at the call (``rebuild``), else pass the same objects.
+    # tree_flatten((args, kwargs)) at the call: where it holds lists or dicts (which the
+    # forward may change after the call: a list of hidden states appended to; or the break
+    # itself, on some calls only), replays rebuild them as at the call, else pass the same
+    # objects.
     at_call: tuple | None = None
-    rebuild: bool = False
     shares: tuple = ()  # _shares of the result at capture
 
-    def settle(self) -> None:
-        """At the end of capture: rebuild the arguments at replay if they changed since
-        the call."""
-        self.rebuild = not _same(tree_flatten((self.args, self.kwargs)), self.at_call)
+    def __post_init__(self):
+        self.rebuild = self.at_call is not None and _holds_mutable(self.at_call[1])
 
     def replay(self) -> None:
         args, kwargs = tree_unflatten(*self.at_call) if self.rebuild else \
@@ -193,10 +191,19 @@ class Break:
         return getattr(self.fn, "__qualname__", repr(self.fn))
 
 
-def _same(a: tuple, b: tuple | None) -> bool:
-    """Whether two ``tree_flatten`` results hold the same objects in the same places."""
-    return b is not None and a[1] == b[1] and len(a[0]) == len(b[0]) and all(
-        x is y for x, y in zip(a[0], b[0], strict=True))
+def _holds_mutable(spec) -> bool:
+    """Whether the ``tree_flatten`` spec of ``(args, kwargs)`` has a node among the
+    arguments other than a tuple (a list, a dict, a registered class), which could change
+    in place between replays; the call's own tuple of arguments and dict of keywords
+    cannot."""
+    def children(node) -> list:  # a method in newer torch, a field before
+        return node.children() if callable(getattr(node, "children", None)) \
+            else node.children_specs
+
+    def mutable(node) -> bool:
+        return not node.is_leaf() and (not issubclass(node.type, tuple) or any(
+            map(mutable, children(node))))
+    return any(mutable(c) for part in children(spec) for c in children(part))
 
 
 def _check_result(name: str, output, device: torch.device) -> None:
@@ -308,9 +315,6 @@ class BreakableCapture:
                     raise err from exc
             raise
         self._close()
-        for item in self.items:
-            if isinstance(item, Break):
-                item.settle()
         if self._raised is not None:
             what, exc = self._raised
             raise CaptureError(

@@ -249,3 +249,24 @@ def test_a_segment_that_cannot_end_at_a_break_is_refused_by_name_when_the_forwar
                                            r"raised CaptureError \(host synchronisation"):
         graphcap.capture(CatchesEverything(), "breakable", buckets=[4],
                          example_inputs=(torch.zeros(4, 2, device=DEVICE),))
+
+
+@graphcap.eager_on_graph
+def gathered(h, found):
+    if (h > 100).any():  # on some calls only: not at capture
+        found.append(h * 10)
+    return torch.stack(found).sum(0)
+
+
+class GathersSometimes(torch.nn.Module):
+    def forward(self, x):
+        return gathered(x + 0, [x * 0]) + 1
+
+
+def test_a_list_a_break_appends_to_on_some_calls_only_is_given_afresh_at_every_replay():
+    m = GathersSometimes().to(DEVICE)
+    r = graphcap.capture(m, "breakable", buckets=[4],
+                         example_inputs=(torch.zeros(4, 2, device=DEVICE),))
+    x = torch.full((4, 2), 1000.0, device=DEVICE)
+    for _ in range(3):  # the capture's list, appended to at every replay, grew
+        torch.testing.assert_close(r(x), m(x))
