@@ -299,6 +299,9 @@ class BreakableCapture:
         return output
 
     def run(self, fn: Callable[[], Any]) -> Any:
+        """Capture ``fn()`` (once per capture) and return its outputs: as a graph's, the
+        tensors every :meth:`replay` writes, garbage until the first replay (but for a
+        break's result), overwritten by each replay after it."""
         if self._fn is not None:
             raise CaptureError("this BreakableCapture has run already: make a new one")
         self._fn = fn
