@@ -55,14 +55,19 @@ def _layout(value) -> tuple:
                   else type(t) for t in leaves]
 
 
-def _given(leaves: list) -> set[int]:
+def _given(leaves: list, seen: dict) -> set[int]:
     """The memory a break is given: its tensor arguments' storages, and those of every
     tensor a module among its arguments holds (parameters, buffers, plain tensor
-    attributes: a cache it returns is the module's, which writes through it reach)."""
+    attributes: a cache it returns is the module's, which writes through it reach).
+    ``seen``: each module's tensors and their storages, found once per capture (a whole
+    model passed to every layer's break is walked once), held meanwhile."""
     given = storages(leaves)
     for leaf in leaves:
         if isinstance(leaf, torch.nn.Module):
-            given |= storages(held_tensors(leaf))
+            if id(leaf) not in seen:
+                held = held_tensors(leaf)
+                seen[id(leaf)] = (leaf, held, storages(held))
+            given |= seen[id(leaf)][2]
     return given
 
 
@@ -257,6 +262,7 @@ class BreakableCapture:
         self._raised: tuple | None = None  # an exception at a break the forward caught
         self._fn: Callable[[], Any] | None = None
         self._outputs: Any = None
+        self._modules: dict = {}  # _given's modules of this capture
 
     def _open(self) -> None:
         self._segment = self.pool.graph()
@@ -277,11 +283,11 @@ class BreakableCapture:
         name = getattr(fn, "__qualname__", repr(fn))
         check_finished((args, kwargs), f"eager break {name!r}")
         at_call = tree_flatten((args, kwargs))
-        given = _given(at_call[0])  # before the call: what it makes is no argument's
         what = f"the graph segment before eager break {name}"
         try:
             self._close()  # a capture invalidated earlier (a host sync caught) fails here
             what = f"eager break {name}"
+            given = _given(at_call[0], self._modules)  # before the call: not what it makes
             # No handler inside a break: one calling another marked function runs it.
             with self.pool.warmup(), break_handler(None):  # the capture stream, no capture
                 self.items[-1].replay()  # its inputs: real values, not capture garbage
@@ -317,6 +323,8 @@ class BreakableCapture:
                 if err is not exc:
                     raise err from exc
             raise
+        finally:
+            self._modules.clear()  # their tensors, held no longer
         self._close()
         if self._raised is not None:
             what, exc = self._raised
