@@ -9,6 +9,8 @@ under the stock router's own ranking, and where that top-k is unique, the same o
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -68,32 +70,27 @@ def check_same_choice(logits, key, stock_ids, stock_weights, kernel):
     torch.testing.assert_close(ours[same], theirs[same], rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpt_oss_router_ties_choose_as_torch_topk_over_the_logits(kernel, dtype):
-    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
-
-    config = transformers.GptOssConfig(hidden_size=EXPERTS, num_local_experts=EXPERTS,
-                                       num_experts_per_tok=TOP_K)
-    router = identity_router(GptOssTopKRouter, config, dtype)
-    logits = tie_heavy_logits(dtype)
-    with torch.no_grad():
-        stock_logits, stock_weights, stock_ids = router(logits)
-    assert torch.equal(stock_logits, logits)
-    check_same_choice(logits, logits.float(), stock_ids, stock_weights, kernel)
+# The stock router, its config, the seed of its logits, and what its torch.topk ranks:
+# gpt-oss's the logits, Mixtral's their softmax (a top-k of which ours must be).
+STOCK = {
+    "gpt_oss": ("gpt_oss", "GptOssTopKRouter", "GptOssConfig", 0, lambda x: x.float()),
+    "mixtral": ("mixtral", "MixtralTopKRouter", "MixtralConfig", 1,
+                lambda x: torch.softmax(x.float(), dim=-1)),
+}
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixtral_router_ties_choose_a_top_k_of_its_softmax(kernel, dtype):
-    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
-
-    config = transformers.MixtralConfig(hidden_size=EXPERTS, num_local_experts=EXPERTS,
-                                        num_experts_per_tok=TOP_K)
-    router = identity_router(MixtralTopKRouter, config, dtype)
-    logits = tie_heavy_logits(dtype, seed=1)
+@pytest.mark.parametrize("family", STOCK)
+def test_router_ties_choose_a_top_k_of_what_the_stock_router_ranks(kernel, dtype, family):
+    module, router_name, config_name, seed, ranked = STOCK[family]
+    modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    config = getattr(transformers, config_name)(hidden_size=EXPERTS,
+                                                num_local_experts=EXPERTS,
+                                                num_experts_per_tok=TOP_K)
+    router = identity_router(getattr(modeling, router_name), config, dtype)
+    logits = tie_heavy_logits(dtype, seed=seed)
     with torch.no_grad():
         stock_logits, stock_weights, stock_ids = router(logits)
     assert torch.equal(stock_logits, logits)
-    probs = torch.softmax(stock_logits.float(), dim=-1)  # what Mixtral's torch.topk ranks
-    check_same_choice(logits, probs, stock_ids, stock_weights, kernel)
+    check_same_choice(logits, ranked(stock_logits), stock_ids, stock_weights, kernel)
