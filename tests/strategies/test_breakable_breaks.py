@@ -226,6 +226,30 @@ def test_writes_through_a_modules_tensor_a_break_returned_reach_the_module():
 
 
 @graphcap.eager_on_graph
+def scaled_by(h, module):
+    return h * module.scale
+
+
+class HoldsALazyLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(2.0))
+        self.later = torch.nn.LazyLinear(3)  # never called: a parameter of no storage
+
+    def forward(self, x):
+        return scaled_by(x + 1, self) + 1
+
+
+def test_a_module_given_to_a_break_may_hold_tensors_of_no_storage():
+    m = HoldsALazyLayer().to(DEVICE)
+    r = graphcap.capture(m, "breakable", buckets=[4],
+                         example_inputs=(torch.zeros(4, 2, device=DEVICE),))
+    x = torch.randn(4, 2, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    with torch.no_grad():
+        torch.testing.assert_close(r(x), m(x))
+
+
+@graphcap.eager_on_graph
 def doubled(h):
     return h * 2
 
