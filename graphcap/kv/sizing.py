@@ -31,11 +31,14 @@ def check_storage(dtype, device) -> tuple[torch.dtype, torch.device]:
 def free_bytes(device: torch.device) -> int | None:
     """Bytes a new tensor may take on ``device``: on CUDA, the driver's free memory and
     what torch's caching allocator holds unused; None elsewhere (a host that overcommits
-    its memory does not say)."""
+    its memory does not say) and under an allocator that keeps no statistics."""
     if device.type != "cuda":
         return None
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    except RuntimeError:  # an allocator that keeps no statistics (a pluggable one)
+        return None
 
 
 def size(count: int) -> str:
@@ -59,7 +62,9 @@ def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
         if not isinstance(error, torch.OutOfMemoryError) and \
                 "can't allocate memory" not in str(error):
             raise
-        raise _too_large(shape, dtype, device, need, free_bytes(device), page) from error
+        # What was free said it fit (memory a graph pool holds, a process fraction): a
+        # figure of what fits now would name this size or more
+        raise _too_large(shape, dtype, device, need, None, page) from error
     raise _too_large(shape, dtype, device, need, free, page)
 
 

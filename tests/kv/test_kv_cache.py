@@ -499,3 +499,31 @@ def test_bad_numbers_given_to_the_cache_are_named_not_misreported():
         c.check_step([0], [1, 2])
     with pytest.raises(ValueError, match="dtype must be torch.float32, .* not 'float16'"):
         cache(dtype="float16")
+
+
+def test_a_cache_that_fails_past_a_free_figure_that_said_it_fit_names_no_size_to_retry(
+        monkeypatch):
+    # Free memory a graph pool holds counted as free: a figure of what fits now would
+    # name the size that just failed, or a larger one
+    zeros = torch.zeros
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate ...")
+
+    monkeypatch.setattr("graphcap.kv.sizing.free_bytes", lambda device: 1 << 40)
+    monkeypatch.setattr(torch, "zeros", out_of_memory)
+    with pytest.raises(CacheTooLarge, match="cpu could not allocate it") as info:
+        cache()
+    assert info.value.pages is None and info.value.free is None
+    monkeypatch.setattr(torch, "zeros", zeros)
+
+
+def test_an_allocator_that_keeps_no_statistics_leaves_the_free_figure_unknown(monkeypatch):
+    from graphcap.kv.sizing import free_bytes
+
+    def unsupported(device=None):
+        raise RuntimeError("CUDAPluggableAllocator does not yet support getDeviceStats")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, 1 << 34))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", unsupported)
+    assert free_bytes(torch.device("cuda", 0)) is None
