@@ -240,3 +240,10 @@ def test_a_dtype_no_backend_takes_is_refused_naming_those_they_take():
                        "bfloat16, float16, float32: build the model in one of them"):
         get_backend(None, "cpu", strategy="full", dtype=torch.float64)
     assert get_backend(None, "cpu", strategy="full", dtype=torch.float32).name
+
+
+def test_an_option_name_no_backend_knows_is_refused_naming_those_there_are():
+    from graphcap.opsdb.attention import check_serves
+
+    with pytest.raises(ValueError, match=r"attention options \['sink'\], which are none of "):
+        check_serves(BACKENDS["torch_masked"](), ("window", "sink"), device="cpu")

@@ -106,6 +106,9 @@ def check_serves(backend: AttentionBackend | DecodeBackend, options, *, device=N
     refuse at their first call, said before anything is built, naming the backends here
     that compute them. It reads what the backend says it computes (``options``, the
     table of ``graphcap ops``): no backend's package is imported."""
+    if unknown := sorted(set(options) - set(OPTIONS)):
+        raise ValueError(f"{whose} declare attention options {unknown}, which are none of "
+                         f"{list(OPTIONS)}: declare only those")
     if set(options) <= backend.options:
         return
     what = "decode attention" if isinstance(backend, DecodeBackend) else "prefill attention"
