@@ -155,7 +155,7 @@ def _new_tokens(model, config, default_length: bool, length: int, prompts, max_l
     if new < 1:
         raise ValueError(f"nothing to generate: max_length {config.max_length} leaves no new "
                          f"token after {length} input tokens; give max_new_tokens")
-    longest = max(map(len, prompts))
+    longest = max(map(len, prompts), default=0)  # none: refused by generate's check
     if longest + new > max_len:
         fewer = f"max_new_tokens={max_len - longest} or fewer, or " if longest < max_len else ""
         raise ValueError(

@@ -321,3 +321,10 @@ def test_an_accelerated_model_called_on_its_own_says_to_generate_or_restore_it(l
         fast(ids)
     assert fast.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0).shape == (
         1, 7)
+
+
+def test_an_empty_batch_is_refused_as_generate_refuses_it(llama):
+    _, fast = llama
+    with pytest.raises(ValueError, match="non-empty"):
+        fast.generate(torch.zeros(0, 4, dtype=torch.long, device=DEVICE), max_new_tokens=2,
+                      do_sample=False, pad_token_id=0)
