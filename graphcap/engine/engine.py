@@ -163,7 +163,8 @@ class Engine:
         except BaseException as error:  # the proposer may serve another LLM
             if self.verifier is not None:
                 self.verifier.unbind()
-            if isinstance(error, torch.OutOfMemoryError):
+            if isinstance(error, torch.OutOfMemoryError) and \
+                    not isinstance(error, CacheTooLarge):  # a draft's cache: says its own
                 error.add_note(f"graphcap: the paged K/V cache the graphs are captured over "
                                f"takes {size(cache.nbytes)} of {cache.device} "
                                f"({cache.max_requests} requests of {cache.max_len} tokens): "

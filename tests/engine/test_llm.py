@@ -376,6 +376,14 @@ def test_a_capture_out_of_memory_says_what_the_cache_takes_and_what_leaves_more(
         f"{next(m.parameters()).device} "
         "(4 requests of 64 tokens): a smaller max_batch or max_len leaves the graphs more"]
 
+    def draft_cache_too_large(*args, **kwargs):  # a draft model's own cache, say
+        raise CacheTooLarge("a K/V cache of 9 pages ...", need=1, free=0, pages=0)
+
+    monkeypatch.setattr("graphcap.engine.engine.capture", draft_cache_too_large)
+    with pytest.raises(CacheTooLarge) as info:
+        LLM(m, max_batch=4, max_len=64, progress=False)
+    assert not getattr(info.value, "__notes__", None)  # its own message: not of our cache
+
 
 def test_a_numpy_stop_id_is_one_id_and_sampling_given_as_text_is_refused():
     import numpy as np
