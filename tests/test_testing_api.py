@@ -177,6 +177,28 @@ def _rows(device, dtype, max_tokens=16):
     return draw()
 
 
+def _zeros(device, dtype):
+    from hypothesis import strategies as st
+
+    return st.integers(1, 8).map(lambda n: (torch.zeros(n, 4, device=device, dtype=dtype),))
+
+
+def _negates_in_place(x):
+    x.neg_()  # 0.0 becomes -0.0: equal in value, another bit pattern in memory
+    return x * 2
+
+
+def test_check_op_compares_an_undeclared_argument_bit_for_bit():
+    from graphcap.opsdb import Kernel
+
+    name = _register_once(
+        "graphcap_test::signs", "(Tensor x) -> Tensor", reference=lambda x: x * 6,
+        kernels={"signs": Kernel(_negates_in_place, devices=("cpu", "cuda"))},
+        inputs=_zeros)
+    with pytest.raises(AssertionError, match="does not declare written"):
+        check_op(name, dtypes=(torch.float32,), examples=3, opcheck=False)
+
+
 def test_check_op_fails_on_a_fake_that_returns_the_wrong_shape():
     # Right on the minimal example (a 1 x 1 or empty input), wrong on any other.
     name = _register_once("graphcap_test::bad_fake", "(Tensor x) -> Tensor",

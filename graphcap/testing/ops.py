@@ -148,13 +148,25 @@ def _results(spec: OpSpec, name: str, fn, args) -> tuple[list, list[torch.Tensor
         if i in written:
             continue
         for t, t0 in zip(tensor_leaves(now), tensor_leaves(then), strict=True):
-            same = t.shape == t0.shape and torch.equal(
-                t.isnan(), t0.isnan()) and torch.equal(t.nan_to_num(), t0.nan_to_num())
+            same = t.shape == t0.shape and torch.equal(_bits(t), _bits(t0))
             assert same, (f"{spec.qualname}[{name}] wrote its argument {i} "
                           f"({_overload(spec)._schema.arguments[i].name}), which the "
                           f"schema {spec.schema} does not declare written: mark it "
                           f"Tensor(a!), or write into a copy on inputs {describe(args)}")
     return tree_flatten(out)[0], [t for i in written for t in tensor_leaves(args[i])]
+
+
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as integers (a float's NaN, inf and -0.0 each as it is stored), or
+    ``t`` itself where it holds integers or bools."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if not t.is_floating_point():
+        return t
+    return t.contiguous().view(_INTS[t.element_size()])
 
 
 def describe(args) -> str:
