@@ -205,6 +205,10 @@ def args_from_config(config: dict, source: str = "config.json") -> ModelArgs:
             norm_topk=bool(config.get("norm_topk_prob", True)),
             rope_scaling=_rope_scaling(config, source),
         )
+        scaling = fields["rope_scaling"]
+        if isinstance(scaling, Yarn):  # YaRN serves factor times its original context
+            fields["max_position"] = max(fields["max_position"], int(
+                scaling.factor * scaling.original_max_position))
         if family == "gpt_oss":
             fields.update(_gpt_oss_args(config, source))
         else:  # transformers' Llama reads no window field

@@ -180,6 +180,13 @@ def test_a_family_default_a_config_leaves_out_is_the_familys_not_graphcaps():
     yarn = args_from_config({**base, "model_type": "qwen3", "max_position_embeddings": 256,
                              "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
     assert yarn.rope_scaling.original_max_position == 256
+    # ... and the context it serves: factor times that (Qwen's long-context YaRN keeps
+    # max_position_embeddings at the original, as vLLM reads it)
+    assert yarn.max_position == 1024
+    named = args_from_config({**base, "model_type": "qwen3", "max_position_embeddings": 256,
+                              "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                                  "original_max_position_embeddings": 128}})
+    assert named.max_position == 512 and oss.max_position == 131072
 
 
 def test_a_sharded_checkpoint_loads_through_its_index(tmp_path):
