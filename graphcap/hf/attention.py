@@ -15,6 +15,8 @@ mask creation for it (``create_causal_mask`` returns ``None``) and never builds 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from transformers import AttentionInterface
 
@@ -84,19 +86,32 @@ def window_refusal(config, window: int | None = None) -> str:
             "own attention (no PrefillLM)")
 
 
+def builds_window_masks(module) -> bool:
+    """Whether the code of ``module``'s model can apply a window through the mask it
+    builds: a transformers model's modeling file imports
+    ``create_sliding_window_causal_mask`` (Llama's does not: a ``sliding_window`` its
+    config carries is read by nothing); code from elsewhere is taken to."""
+    name = type(module).__module__
+    if not name.startswith("transformers.models."):
+        return True
+    return hasattr(sys.modules.get(name), "create_sliding_window_causal_mask")
+
+
 def layer_window(module, config) -> int | None:
     """The window of a layer whose attention call passes none: none where ``layer_types``
     names the layer's kind and it is not windowed (EXAONE 4 keeps ``sliding_window`` on
     its full-attention layers too); else its module's own (Qwen2-MoE sets it on sliding
     layers), else the config's where every layer is windowed (no ``layer_types``:
-    PhiMoE). Those models apply it through the mask transformers builds and graphcap does
-    not, so graphcap's ops take it instead."""
+    PhiMoE) and the model builds window masks (:func:`builds_window_masks`). Those models
+    apply it through the mask transformers builds and graphcap does not, so graphcap's
+    ops take it instead."""
     kinds, layer = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
     if kinds and isinstance(layer, int) and 0 <= layer < len(kinds) \
             and kinds[layer] not in WINDOWED:
         return None
     window = getattr(module, "sliding_window", None)
-    if window is None and not getattr(config, "layer_types", None):
+    if window is None and not getattr(config, "layer_types", None) and \
+            builds_window_masks(module):
         window = getattr(config, "sliding_window", None)
     return window
 
@@ -125,7 +140,8 @@ def attention_options(model) -> tuple[str, ...]:
         if getattr(module, "sinks", None) is not None:
             found.add("sinks")
     if window_binds(config, getattr(config, "sliding_window", None)) and \
-            not getattr(config, "layer_types", None):  # Mistral: every layer, per call
+            not getattr(config, "layer_types", None) and builds_window_masks(model):
+        # Mistral: every layer, per call
         found.add("window")
     if getattr(config, "attn_logit_softcapping", None):
         found.add("softcap")

@@ -196,3 +196,19 @@ def test_accelerate_and_a_pipeline_give_transformers_tokens(family):
     want = transformers.pipeline("text-generation", model=ref, tokenizer=tok)("hello", **text)
     assert transformers.pipeline("text-generation", model=fast, tokenizer=tok)(
         "hello", **text) == want
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "olmo2"])
+@pytest.mark.parametrize("kernels", ["graphcap", "stock"])
+def test_a_window_in_the_config_of_a_family_that_reads_none_is_not_applied(family, kernels):
+    """Llama, Gemma and OLMo2 read no ``sliding_window`` (their modeling builds no window
+    mask, their attention passes none): one a config carries (as converted checkpoints
+    do) leaves transformers' logits as they are, and so graphcap's."""
+    ref = hf_model(family, sliding_window=8)
+    lm = PrefillLM(copy.deepcopy(ref), kernels=kernels)
+    assert lm.graphcap_attention_options == ()
+    assert set(lm.kv_windows.values()) == {0}
+    ids, pos = packed_input()
+    with torch.no_grad():
+        got = lm(ids, pos, seq_lens=LENS)
+    torch.testing.assert_close(got, stock_logits(ref, ids), atol=1e-5, rtol=1e-5)
