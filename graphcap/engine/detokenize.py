@@ -11,8 +11,9 @@ the new token (a clean-up of ``" ."`` into ``"."``) has that step's text decoded
 what was already handed out stays as it was, and the new text follows it (none dropped).
 
 Stop strings are looked for in the new text and the ``longest - 1`` characters before
-it, so each is found at its first place; text that may begin a stop string is held back
-until it cannot.
+it, so each is found at its first place (new text waiting for a character's last bytes
+too, up to that character: a token that ends a stop string and begins a character ends
+the request); text that may begin a stop string is held back until it cannot.
 
 A request's text follows its prompt: it is what its tokens add to the decode of the
 prompt's last ``CONTEXT`` tokens (:func:`text_of`), so a tokenizer that drops the leading
@@ -71,7 +72,7 @@ class Detokenizer:
         self.tokens.extend(tokens)
         before = self._decode(self.tokens[self.start:self.read])
         after = self._decode(self.tokens[self.start:])
-        searched = len(self.text)
+        searched, pending = len(self.text), ""
         if not after.startswith(before):  # the decode changed earlier text (" ." to "."):
             whole = text_of(self.tokenizer, self.context,  # the whole text anew,
                             self.tokens[len(self.context):])  # searched anew
@@ -82,12 +83,14 @@ class Detokenizer:
         elif len(after) > len(before) and (final or not after.endswith(PARTIAL)):
             self.text += after[len(before):]
             self.start, self.read = self.read, len(self.tokens)
+        elif len(after) > len(before):  # waits for a character's last bytes; the text
+            pending = after[len(before):].rstrip(PARTIAL)  # before it is whole already
         end, hit = len(self.text), False
         if self.stops:
-            begin = max(0, searched - self.longest + 1)
-            cuts = [i for i in (self.text.find(s, begin) for s in self.stops) if i >= 0]
-            if cuts:
-                end, hit = min(cuts), True
+            begin, text = max(0, searched - self.longest + 1), self.text + pending
+            cuts = [i for i in (text.find(s, begin) for s in self.stops) if i >= 0]
+            if cuts:  # a stop string in the text before a partial character ends it too
+                self.text, end, hit = text, min(cuts), True
             elif not final:
                 end -= held(self.text, self.stops)
         end = max(end, self.sent)

@@ -180,3 +180,50 @@ def test_bytes_streamed_after_a_prompt_end_where_their_text_after_it_shows_a_sto
     # a prompt that ends in a partial character its completion finishes included
     text, hit, _ = _streamed(BYTES, tokens, stops, context)
     assert (text, hit) == _first_cut(BYTES, tokens, stops, context)
+
+
+def _merged_bytes_tokenizer():
+    """Bytes, and tokens of an ASCII byte then a character's first byte (a byte-level
+    BPE's merges): such a token's text ends in a partial character."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    from tests.support.tokenizers import _byte_chars
+
+    chars = _byte_chars()
+    table = {chars[b]: b for b in range(256)}
+    merges = [(chars[a], chars[b]) for a in b"ab" for b in (0xC3, 0xE2)]
+    table.update({x + y: 256 + i for i, (x, y) in enumerate(merges)})
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=table, merges=merges))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+MERGED = _merged_bytes_tokenizer()
+
+
+@settings(max_examples=60)
+@example([ord("a"), 257], ["ab"])  # "a", then "b" and the first byte of "é"
+@given(st.lists(st.sampled_from([*b"ab ", 0xA9, 0x82, 0xAC, 256, 257, 258, 259]),
+                min_size=1, max_size=12),
+       st.lists(st.sampled_from(["ab", "b", "a é", "é", "€a"]), min_size=1, max_size=2))
+def test_a_stop_string_before_a_partial_character_ends_the_text_at_that_token(tokens,
+                                                                              stops):
+    # The step a stop string first shows in the whole decode, the partial character at
+    # its end aside: the tokens after it never come.
+    def shows(n: int) -> bool:
+        return cut(MERGED.decode(tokens[:n], skip_special_tokens=True).rstrip("\ufffd"),
+                   tuple(stops))[1]
+
+    first = next((i for i in range(len(tokens)) if shows(i + 1)), None)
+    text = Detokenizer(MERGED, tuple(stops))
+    hits, out = [], []
+    for i, t in enumerate(tokens):
+        delta, hit = text.add([t], final=i == len(tokens) - 1)
+        hits.append(hit)
+        out.append(delta)
+        if hit:
+            break
+    assert (len(hits) - 1 if hits[-1] else None) == first
+    whole = MERGED.decode(tokens[:len(hits)], skip_special_tokens=True)
+    assert "".join(out) == cut(whole, tuple(stops))[0]
