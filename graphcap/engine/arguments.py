@@ -59,6 +59,24 @@ def max_len_of(max_len, bound: int, room: int, default: int) -> int:
     return max_len
 
 
+def check_length(ids: list[list[int]], max_new: int, max_len: int, bound: int) -> None:
+    """The longest of a call's prompts ``ids`` plus ``max_new`` new tokens within the
+    LLM's ``max_len`` (``bound``: the largest it may be built with); ValueError naming
+    the prompt, and what fits: fewer new tokens, or a larger ``max_len`` where one may be."""
+    index = max(range(len(ids)), key=lambda i: len(ids[i]))
+    prompt = len(ids[index])
+    if prompt + max_new <= max_len:
+        return
+    room = max_len - prompt
+    fits = f"generate at most {room} new token{'s' * (room != 1)}" if room > 0 else \
+        f"give prompts of fewer than {max_len} tokens"
+    at_most = f" (at most {bound})" if bound < 2**31 else ""  # 2**31: the model has no bound
+    where = f"{fits}, or build it with a larger max_len{at_most}" if max_len < bound \
+        else f"{fits} (the model's max_position allows no larger max_len)"
+    raise ValueError(f"prompt {index} of {prompt} tokens plus {max_new} new ones passes "
+                     f"this LLM's max_len {max_len}: {where}")
+
+
 def check_prompts(prompts, vocab: int) -> list[list[int]]:
     """``prompts`` as lists of ints: a list or tuple of token-id sequences (lists, 1-d
     tensors or numpy arrays; numpy and tensor ints taken), or a 2-d tensor or array, a

@@ -26,6 +26,7 @@ import torch
 from graphcap.api import model_dtype
 from graphcap.core.checks import boolean, positive_int
 from graphcap.engine.arguments import (
+    check_length,
     check_options,
     check_prompts,
     eos_of,
@@ -173,11 +174,8 @@ class LLM:
             params = sampling_of(sampling, len(ids))
             max_new_tokens = positive_int(max_new_tokens, "max_new_tokens")
             stops, strings = self._stops(stop)
-            longest = max(map(len, ids)) + max_new_tokens
-            if longest > self.max_len:
-                raise ValueError(f"a prompt of {longest - max_new_tokens} tokens plus "
-                                 f"{max_new_tokens} new ones passes this LLM's max_len "
-                                 f"{self.max_len}: build it with a larger max_len")
+            check_length(ids, max_new_tokens, self.max_len,
+                         self.shape.max_position - self.room)
             if key is not None:  # a split model's
                 key.append(repr((ids, params, max_new_tokens, sorted(stops), strings,
                                  speculate)))

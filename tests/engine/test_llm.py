@@ -464,3 +464,22 @@ def test_a_ctrl_c_at_any_instruction_of_a_call_leaves_nothing_held(where):
         assert not fresh.engine.live and cache.owned() == {}, n
         assert cache.free_pages == cache.pages, n
         assert [c.tokens for c in fresh.generate(PROMPTS[:2], 1)] == want, n
+
+
+def test_a_call_past_max_len_names_the_prompt_and_what_fits_not_a_max_len_past_the_model():
+    # An LLM whose max_len is the model's max_position cannot be built larger: the error
+    # says how many new tokens fit (or that the prompt leaves room for none) instead.
+    import dataclasses
+
+    torch.manual_seed(0)
+    bounded = Decoder(dataclasses.replace(PRESETS["tiny"], max_position=24)).eval()
+    full = LLM(bounded.to(DEVICE), max_batch=1, prefill_tokens=8, progress=False)
+    with pytest.raises(ValueError, match=r"prompt 1 of 23 tokens plus 2 new ones passes "
+                       r"this LLM's max_len 24: generate at most 1 new token \(the model's "
+                       r"max_position allows no larger max_len\)"):
+        full.generate([[1] * 3, [1] * 23], 2)
+    with pytest.raises(ValueError, match=r"give prompts of fewer than 24 tokens \(the"):
+        full.generate([[1] * 24], 1)
+    with pytest.raises(ValueError, match=r"max_len 32: generate at most 2 new tokens, or "
+                       r"build it with a larger max_len \(at most 4096\)"):
+        llm().generate([[1] * 30], 4)
