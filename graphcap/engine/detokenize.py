@@ -72,24 +72,31 @@ class Detokenizer:
         self.tokens.extend(tokens)
         before = self._decode(self.tokens[self.start:self.read])
         after = self._decode(self.tokens[self.start:])
-        searched, pending = len(self.text), ""
+        # ``text``: the text so far, where it may end a request; with a character's
+        # first bytes last, up to it (the text before it is whole), but not yet taken
+        searched, text = len(self.text), None
         if not after.startswith(before):  # the decode changed earlier text (" ." to "."):
             whole = text_of(self.tokenizer, self.context,  # the whole text anew,
                             self.tokens[len(self.context):])  # searched anew
+            searched = 0
             if final or not whole.endswith(PARTIAL):
                 self.sent = shown(self.text[:self.sent], whole)  # in the new text
-                self.text, searched = whole, 0
+                self.text = whole
                 self.start, self.read = self.read, len(self.tokens)
+            else:
+                text = whole.rstrip(PARTIAL)
         elif len(after) > len(before) and (final or not after.endswith(PARTIAL)):
             self.text += after[len(before):]
             self.start, self.read = self.read, len(self.tokens)
-        elif len(after) > len(before):  # waits for a character's last bytes; the text
-            pending = after[len(before):].rstrip(PARTIAL)  # before it is whole already
+        elif len(after) > len(before):
+            text = self.text + after[len(before):].rstrip(PARTIAL)
         end, hit = len(self.text), False
         if self.stops:
-            begin, text = max(0, searched - self.longest + 1), self.text + pending
+            begin = max(0, searched - self.longest + 1)
+            text = self.text if text is None else text
             cuts = [i for i in (text.find(s, begin) for s in self.stops) if i >= 0]
-            if cuts:  # a stop string in the text before a partial character ends it too
+            if cuts:  # the text before a partial character ends a request too
+                self.sent = shown(self.text[:self.sent], text)
                 self.text, end, hit = text, min(cuts), True
             elif not final:
                 end -= held(self.text, self.stops)

@@ -49,12 +49,14 @@ def _metaspace_tokenizer():
                                                 bos_token="<s>", eos_token="</s>")
 
 
-def _cleanup_tokenizer():
+def _cleanup_tokenizer(partial: bool = False):
     """Words joined by spaces, whose decode cleans up " ." into "." (transformers'
-    clean_up_tokenization_spaces): a token may change the text before it."""
+    clean_up_tokenization_spaces): a token may change the text before it. ``partial``:
+    with the two bytes of "é" (ids 10, 11) and "." then the first of them (12)."""
     tokenizers = pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")
     words = ["<pad>", "<s>", "</s>", "the", "cat", ".", "x", "Ġ", ",", "!"]
+    words += ["Ã", "©", ".Ã"] * partial
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
         {w: i for i, w in enumerate(words)}, unk_token="<pad>"))
     tok.decoder = tokenizers.decoders.ByteLevel()
@@ -65,6 +67,7 @@ def _cleanup_tokenizer():
 
 BYTES = byte_tokenizer()
 CLEANUP = _cleanup_tokenizer()
+CLEANUP_BYTES = _cleanup_tokenizer(partial=True)
 WORDS = _metaspace_tokenizer()
 # Bytes of text with two- to four-byte characters, stray continuation bytes and specials.
 TEXT_BYTES = st.lists(st.one_of(
@@ -202,21 +205,18 @@ def _merged_bytes_tokenizer():
 MERGED = _merged_bytes_tokenizer()
 
 
-@settings(max_examples=60)
-@example([ord("a"), 257], ["ab"])  # "a", then "b" and the first byte of "é"
-@given(st.lists(st.sampled_from([*b"ab ", 0xA9, 0x82, 0xAC, 256, 257, 258, 259]),
-                min_size=1, max_size=12),
-       st.lists(st.sampled_from(["ab", "b", "a é", "é", "€a"]), min_size=1, max_size=2))
-def test_a_stop_string_before_a_partial_character_ends_the_text_at_that_token(tokens,
-                                                                              stops):
-    # The step a stop string first shows in the whole decode, the partial character at
-    # its end aside: the tokens after it never come.
+def _ends_where_the_whole_decode_shows_a_stop_string(tok, tokens, stops,
+                                                      cleans_up: bool = False) -> None:
+    """The step a stop string first shows in the whole decode, a partial character at its
+    end aside, is where the text ends: the tokens after it never come. The text is the
+    whole decode's up to the stop string (``cleans_up``: what was handed out before a
+    clean-up stays)."""
     def shows(n: int) -> bool:
-        return cut(MERGED.decode(tokens[:n], skip_special_tokens=True).rstrip("\ufffd"),
+        return cut(tok.decode(tokens[:n], skip_special_tokens=True).rstrip("\ufffd"),
                    tuple(stops))[1]
 
     first = next((i for i in range(len(tokens)) if shows(i + 1)), None)
-    text = Detokenizer(MERGED, tuple(stops))
+    text = Detokenizer(tok, tuple(stops))
     hits, out = [], []
     for i, t in enumerate(tokens):
         delta, hit = text.add([t], final=i == len(tokens) - 1)
@@ -225,5 +225,24 @@ def test_a_stop_string_before_a_partial_character_ends_the_text_at_that_token(to
         if hit:
             break
     assert (len(hits) - 1 if hits[-1] else None) == first
-    whole = MERGED.decode(tokens[:len(hits)], skip_special_tokens=True)
-    assert "".join(out) == cut(whole, tuple(stops))[0]
+    whole = tok.decode(tokens[:len(hits)], skip_special_tokens=True)
+    assert cleans_up or "".join(out) == cut(whole, tuple(stops))[0]
+
+
+@settings(max_examples=60)
+@example([ord("a"), 257], ["ab"])  # "a", then "b" and the first byte of "é"
+@given(st.lists(st.sampled_from([*b"ab ", 0xA9, 0x82, 0xAC, 256, 257, 258, 259]),
+                min_size=1, max_size=12),
+       st.lists(st.sampled_from(["ab", "b", "a é", "é", "€a"]), min_size=1, max_size=2))
+def test_a_stop_string_before_a_partial_character_ends_the_text_at_that_token(tokens,
+                                                                              stops):
+    _ends_where_the_whole_decode_shows_a_stop_string(MERGED, tokens, stops)
+
+
+@settings(max_examples=60)
+@example([3, 4, 7, 12, 11], ["cat."])  # "the cat ." cleaned up, and "é"'s first byte
+@given(st.lists(st.integers(3, 12), min_size=1, max_size=12),
+       st.lists(st.sampled_from(["cat.", "t.", ". x", "é", ".é"]), min_size=1, max_size=2))
+def test_a_stop_string_a_clean_up_completes_before_a_partial_character_ends_the_text_there(
+        tokens, stops):
+    _ends_where_the_whole_decode_shows_a_stop_string(CLEANUP_BYTES, tokens, stops, True)
