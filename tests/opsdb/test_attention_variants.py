@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import graphcap
@@ -351,3 +351,76 @@ def test_the_triton_kernels_soft_cap_as_the_reference_whatever_the_cap(exponent,
                      device=DEVICE), torch.tensor([n], dtype=torch.int32, device=DEVICE),
                      step, 0.3, 0, softcap, kernel="triton")
     torch.testing.assert_close(step, want[-1:], rtol=2e-5, atol=2e-5)
+
+
+SIXTEEN_BIT = {torch.float16: 2e-2, torch.bfloat16: 3e-2}
+# Gemma 3's head dim (256), Phi's (80: padded in registers), GQA groups of 1, 3 and 8.
+wide_heads = st.sampled_from([(8, 1, 256), (6, 2, 80), (4, 4, 256), (8, 1, 80)])
+
+
+@settings(max_examples=8, deadline=None)
+@given(lengths=st.lists(st.sampled_from([0, 1, 16, 17, 33, 40]), min_size=1, max_size=3),
+       heads=wide_heads, dtype=st.sampled_from(sorted(SIXTEEN_BIT, key=str)),
+       variant=st.tuples(st.sampled_from([1, 2, 16, 17, 33]), st.sampled_from([0.0, 1.0]),
+                         st.booleans()),
+       seed=st.integers(0, 2**16))
+def test_the_triton_prefill_kernel_computes_the_variants_in_16_bit_at_wide_heads(
+        lengths, heads, dtype, variant, seed):
+    """Windows of one token, at the kernel's block edges and across a packed request's
+    start, soft-capped, with sinks, in float16 and bfloat16 at head dims 256 and 80 and
+    GQA groups up to 8: within 16-bit rounding of the float32 reference over the same
+    16-bit values."""
+    from graphcap.opsdb.triton.attention import attention_varlen
+
+    (hq, hk, d), (window, softcap, with_sinks) = heads, variant
+    used = sum(lengths)
+    q, k, v = (t.to(dtype) for t in qkv(max(used, 1), hq, hk, d, seed, DEVICE))
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(seed)).to(DEVICE) * 2 \
+        if with_sinks else None
+    cu = cu_of(lengths).to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    attention_varlen(q, k, v, out, cu, max(lengths + [1]), d ** -0.5, True, window,
+                     softcap, sinks)
+    want = ref.attention_varlen(q.float(), k.float(), v.float(), cu, d ** -0.5, True, window,
+                                softcap, sinks)
+    tol = SIXTEEN_BIT[dtype]
+    torch.testing.assert_close(out[:used].float(), want[:used], rtol=tol, atol=tol)
+
+
+@settings(max_examples=10, deadline=None)
+@given(n=st.sampled_from([1, 4, 5, 9, 17, 31, 50]), page=st.sampled_from([1, 4, 8]),
+       heads=wide_heads, dtype=st.sampled_from([torch.float32, *sorted(SIXTEEN_BIT, key=str)]),
+       variant=st.tuples(st.sampled_from([1, 2, 3, 4, 5, 8, 9, 20, 33]),
+                         st.sampled_from([0.0, 1.0]), st.booleans()),
+       splits=st.sampled_from([1, 2, 3, 8]), seed=st.integers(0, 2**16))
+@example(n=50, page=4, heads=(6, 2, 80), dtype=torch.bfloat16, variant=(33, 1.0, True),
+         splits=3, seed=0)  # three splits of 16 tokens over 33, the first page cut
+def test_the_triton_decode_kernel_reads_a_window_across_pages_in_any_splits(
+        n, page, heads, dtype, variant, splits, seed):
+    """A window that starts inside a page, ends on a page's edge or spans one token; the
+    splits cover the window only, some of them empty (more splits than its blocks); every
+    slot outside the window NaN (one read there would show); at head dims 256 and 80, GQA
+    groups up to 8, in float32 and 16 bits."""
+    from graphcap.opsdb.triton.decode import decode_attention
+
+    (hq, hk, d), (window, softcap, with_sinks) = heads, variant
+    g = torch.Generator().manual_seed(seed)
+    width = -(-n // page) + 1  # a page past the row's tokens: the table is wider
+    pages = width + 2
+    table = (torch.randperm(pages - 1, generator=g)[:width] + 1).to(torch.int32)[None]
+    k_cache, v_cache = (torch.full((pages, page, hk, d), float("nan")) for _ in range(2))
+    for t in range(max(0, n - window), n):
+        k_cache[table[0, t // page], t % page] = torch.randn(hk, d, generator=g)
+        v_cache[table[0, t // page], t % page] = torch.randn(hk, d, generator=g)
+    q = torch.randn(1, hq, d, generator=g)
+    sinks = torch.randn(hq, generator=g) * 2 if with_sinks else None
+    q, k_cache, v_cache = (t.to(DEVICE, dtype) for t in (q, k_cache, v_cache))
+    table, lens = table.to(DEVICE), torch.tensor([n], dtype=torch.int32, device=DEVICE)
+    sinks = None if sinks is None else sinks.to(DEVICE)
+    out, want = torch.empty_like(q), torch.empty_like(q)
+    decode_attention(q, k_cache, v_cache, table, lens, out, d ** -0.5, window, softcap,
+                     sinks, num_splits=splits)
+    decode_attention_reference(q, k_cache, v_cache, table, lens, want, d ** -0.5, window,
+                               softcap, sinks)
+    tol = SIXTEEN_BIT.get(dtype, 2e-5)
+    torch.testing.assert_close(out.float(), want.float(), rtol=tol, atol=tol)
