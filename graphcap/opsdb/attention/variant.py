@@ -47,8 +47,9 @@ class Variant:
                                            ("sinks", self.sinks is not None)) if on)
 
     def binding(self, span: int) -> Variant:
-        """The same variant where keys never lie more than ``span`` positions apart: a
-        window at least that long cannot bind and is dropped (it costs nothing)."""
+        """The same variant for requests of at most ``span`` tokens (keys at most
+        ``span - 1`` positions apart): a window of ``span`` or more cannot bind and is
+        dropped (it costs nothing)."""
         if 0 < span <= self.window:
             return Variant(0, self.softcap, self.sinks)
         return self
