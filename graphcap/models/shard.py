@@ -43,6 +43,8 @@ def _layouts(a) -> dict[str, tuple[int, list[int]]]:
     q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
     out = {"attn.qkv.weight": (0, [q, kv, kv]), "attn.qkv.bias": (0, [q, kv, kv]),
            "attn.o.weight": (1, [q]), "attn.sinks": (0, [a.heads])}
+    if a.moe_mxfp4:  # one rank only (shard_args): its packed experts kept whole
+        return out
     if a.experts:
         out.update({"mlp.w13": (1, [a.moe_intermediate] * 2), "mlp.w2": (2, [a.moe_intermediate]),
                     "mlp.b13": (1, [a.moe_intermediate] * 2)})

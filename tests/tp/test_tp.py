@@ -560,6 +560,32 @@ def test_only_the_feed_forward_a_model_has_must_divide_the_tp_size():
     assert shard_args(replace(PRESETS["tiny"], moe_intermediate=33), 2).intermediate == 64
 
 
+class _OneRank:
+    """A one-rank group's face to the split (its agreements have no one to agree with)."""
+    size, rank, name = 1, 0, "one-rank"
+
+    def meet(self, what, op):
+        pass
+
+    def agree(self, key, what, advice=None):
+        pass
+
+
+def test_a_one_rank_group_takes_mxfp4_experts_whole():
+    from graphcap.models.shard import shard_whole
+
+    # It was ValueError: parts [32] do not add up to dim 2 of shape (8, 64, 16) (the
+    # packed bytes of w2 split as if they were values).
+    whole = build_model("tiny-gpt-oss-mxfp4")
+    share = shard_whole(whole, _OneRank(), "a test")
+    assert share.local_args == whole.args
+    mine, want = share.state_dict(), whole.state_dict()
+    assert mine.keys() == want.keys()
+    assert all(torch.equal(mine[k], want[k]) for k in want)
+    with pytest.raises(UnsupportedModel, match="does not split MXFP4 experts"):
+        shard_args(PRESETS["tiny-gpt-oss-mxfp4"], 2)
+
+
 def test_a_group_needs_torch_distributed_initialised():
     if dist.is_available() and dist.is_initialized():
         pytest.skip("a process group exists in this process")
