@@ -74,7 +74,10 @@ def shard_whole(model, tp, origin: str):
     a = model.args
     shard_args(a, tp.size)  # refuse a size that does not divide the model first
     logits = "all" if model.output_rows == "tokens" else "last"
-    key = f"{origin}: logits {logits}, weights {fingerprint(model)[:16]}"
+    # The config too: the same weights with another rotary base, window or routing on
+    # some rank would split without a word, each share computing another model.
+    config = hashlib.sha256(repr(a).encode()).hexdigest()[:8]
+    key = f"{origin}: logits {logits}, weights {fingerprint(model)[:16]}, config {config}"
     tp.meet("the split of a model", "the meeting before a split")  # one may load slower
     tp.agree(key, "the whole model each rank splits", _SAME_MODEL)
     with torch.device("meta"):
@@ -97,8 +100,9 @@ def shard_whole(model, tp, origin: str):
 
 
 _SAME_MODEL = ("every rank must split the same whole model, built with the same preset, "
-               "seed and dtype (build_model) or loaded from the same checkpoint: a share "
-               "of another model on each rank gives the logits of no model")
+               "seed and dtype (build_model) or loaded from the same checkpoint, with the "
+               "same config (its ModelArgs): a share of another model on each rank gives "
+               "the logits of no model")
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

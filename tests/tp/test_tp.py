@@ -165,8 +165,9 @@ def _other_models(rank: int) -> None:
     start = time.monotonic()
     # Another seed per rank: the shares of two models, which gave the logits of neither.
     with pytest.raises(RankError, match=r"rank 0: build_model\('tiny', seed=0, dtype="
-                       r"torch.float32\): logits all, weights \w+, rank 1: build_model\("
-                       r"'tiny', seed=1, .*every rank must split the same whole model"):
+                       r"torch.float32\): logits all, weights \w+, config \w+, rank 1: "
+                       r"build_model\('tiny', seed=1, .*every rank must split the same "
+                       r"whole model"):
         build_model("tiny", tp=tp, seed=rank)
     with pytest.raises(RankError, match=r"dtype=torch.float64"):  # another dtype
         build_model("tiny", tp=tp, dtype=torch.float64 if rank else torch.float32)
@@ -176,7 +177,19 @@ def _other_models(rank: int) -> None:
         with torch.no_grad():
             whole.blocks[1].mlp.down.weight[3, 5] += 1
     with pytest.raises(RankError, match=r"rank 0: shard_model: logits all, weights (\w+), "
-                       r"rank 1: shard_model: logits all, weights (?!\1)"):
+                       r"config \w+, rank 1: shard_model: logits all, weights (?!\1)"):
+        shard_model(whole, tp)
+    # The same weights, another config per rank (its rotary base): it was split without a
+    # word, each rank's share computing another model (logits 0.02 off rank 0's).
+    from dataclasses import replace
+
+    from graphcap.models.decoder import Decoder
+
+    torch.manual_seed(0)
+    whole = Decoder(replace(PRESETS["tiny"], rope_theta=500.0 if rank else 1e4)).eval()
+    with pytest.raises(RankError, match=r"rank 0: shard_model: logits all, weights (\w+), "
+                       r"config (\w+), rank 1: shard_model: logits all, weights \1, "
+                       r"config (?!\2).*the same config"):
         shard_model(whole, tp)
     assert time.monotonic() - start < PATIENT / 2 and tp.closed is None
     model = build_model("tiny", tp=tp, seed=3)  # in step: the share of the whole model
