@@ -27,10 +27,15 @@ def shard_tensor(t: torch.Tensor, dim: int, parts: list[int], rank: int,
                  size: int) -> torch.Tensor:
     """Rank ``rank``'s share of ``t`` whose ``dim`` is the concatenation of ``parts``
     (q, k and v rows; gate and up columns): the rank's ``1/size`` of each part, in
-    order, as a new contiguous tensor (the whole one can be freed)."""
+    order, as a new contiguous tensor (the whole one can be freed). A part ``size`` does
+    not divide is refused (``ValueError``), not cut."""
     if sum(parts) != t.shape[dim]:
         raise ValueError(f"parts {parts} do not add up to dim {dim} of shape "
                          f"{tuple(t.shape)}")
+    for i, n in enumerate(parts):
+        if n % size:
+            raise ValueError(f"part {i} of {parts} ({n} along dim {dim}) does not divide "
+                             f"into {size} equal shares")
     pieces = []
     for part in t.split(parts, dim=dim):
         step = part.shape[dim] // size

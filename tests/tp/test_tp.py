@@ -557,6 +557,11 @@ def test_a_tp_size_that_does_not_divide_the_heads_is_refused():
     t = torch.arange(12).reshape(6, 2)
     assert shard_tensor(t, 0, [4, 2], 1, 2).tolist() == [[4, 5], [6, 7], [10, 11]]
     assert shard_tensor(t, 1, [2], 0, 2).tolist() == [[0], [2], [4], [6], [8], [10]]
+    # A part the size does not divide: refused, not cut (it gave 1 row a rank of 3, the
+    # last one on no rank).
+    with pytest.raises(ValueError, match=r"part 0 of \[3, 3\] \(3 along dim 0\) does not "
+                       r"divide into 2"):
+        shard_tensor(t, 0, [3, 3], 0, 2)
 
 
 def test_only_the_feed_forward_a_model_has_must_divide_the_tp_size():
