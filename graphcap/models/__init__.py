@@ -76,10 +76,10 @@ def build_model(name: str, device="cpu", dtype=torch.float32, seed: int = 0,
     finally:
         torch.set_default_dtype(previous)
     model = model.to(dtype=dtype).eval()
-    if tp is None:
-        experts_to_operand_order(model)
-        return model
-    return shard_whole(model, tp, f"build_model({name!r}, seed={seed}, dtype={dtype})")
+    if tp is not None:  # the share in the kernel's order, as load_checkpoint(tp=) leaves it
+        model = shard_whole(model, tp, f"build_model({name!r}, seed={seed}, dtype={dtype})")
+    experts_to_operand_order(model)
+    return model
 
 
 __all__ = ["MLP", "PRESETS", "CheckpointError", "Decoder", "ModelArgs", "Yarn", "build_model",
