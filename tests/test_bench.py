@@ -657,6 +657,22 @@ def test_bench_prefill_tp_times_the_split_preset_beside_the_whole_in_one_job():
     assert any("breakable rank 1: build s" in t["target"] for t in model["targets"])
 
 
+def test_bench_prefill_tp_takes_results_larger_than_a_pipe_holds(monkeypatch):
+    import threading
+
+    from graphcap.bench import tp
+    from tests.support.bench_workers import large_result
+
+    # It joined the ranks before reading: rank 0 waited on a full pipe for ever.
+    monkeypatch.setattr(tp, "_worker", large_result)
+    got = []
+    thread = threading.Thread(target=lambda: got.append(
+        tp._spawn(1, {"bytes": 1 << 20})), daemon=True)
+    thread.start()
+    thread.join(60)
+    assert got and len(got[0][0]["model"]) == 1 << 20
+
+
 def test_the_split_breakable_share_is_judged_against_full_on_its_own_kernels():
     # As the unsplit targets: full-<attention>, not whichever full arm is listed first.
     from graphcap.bench.tp import tp_targets

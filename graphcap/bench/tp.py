@@ -71,9 +71,17 @@ def _spawn(size: int, job: dict) -> list[dict]:
     try:
         queue = mp.get_context("spawn").SimpleQueue()
         with tempfile.TemporaryDirectory() as folder:
-            mp.start_processes(_worker, args=(size, f"file://{folder}/init", job, queue),
-                               nprocs=size, join=True, start_method="spawn")
-        return queue.get()
+            ranks = mp.start_processes(_worker, args=(size, f"file://{folder}/init", job,
+                                                     queue),
+                                       nprocs=size, join=False, start_method="spawn")
+            # Read while the ranks run: rank 0 cannot exit before its results leave the
+            # pipe, which holds 64 KiB (joined first, a larger result hung the run).
+            results, done = None, False
+            while not done:
+                done = ranks.join(timeout=0.2)  # a rank that failed raises here
+                if results is None and not queue.empty():
+                    results = queue.get()
+        return results if results is not None else queue.get()
     finally:
         for name in unset:  # the caller's environment as it was
             del os.environ[name]
