@@ -137,8 +137,9 @@ def capture(model: torch.nn.Module, strategy: str = "breakable",
     with entry(model, "a capture", warm=True) as key:
         c, inputs, ladder, debug = _plan(model, strategy, config, options)
         if key is not None:  # a split model's
+            # The compiler too: the ranks' replicated norms and router must round alike.
             key.append(repr((strategy, ladder, inputs.kind, c.fallback, c.copy_outputs,
-                             c.on_change, c.max_requests, c.attention)))
+                             c.on_change, c.max_requests, c.attention, c.compiler or "eager")))
     run = RunnerConfig(ladder, c.fallback, c.copy_outputs, warmup=c.warmup,
                        on_change=c.on_change, ranks=group_of(model))
     how, called = STRATEGIES[strategy](model, ladder, {"debug": debug,
