@@ -27,8 +27,10 @@ methods only:
 - ``rows(bucket)`` and ``out_rows(batch)``: output rows of a shape and of a call;
 - ``fits(batch)``: why a batch cannot replay a graph (or None); ``limits()`` says what
   bounds it, beside the buckets;
-- ``eager(model, batch) -> run``: the model on the call's own tensors, without graphs,
-  prepared outside any mode (``run()`` runs it);
+- ``eager(model, batch) -> run``: the model on the call, without graphs, prepared
+  outside any mode (``run()`` runs it); graphcap's kinds pass a fallback copies of the
+  call's tensors (:func:`call_copies`), as a replay passes its buffers, and the eager
+  strategy the call's own;
 - ``commit(batch)``: after the call's replay or eager run returned, what it wrote is
   state now (a paged cache counts the tokens written); a call that raised commits nothing;
 - ``describe(batch)``: what the ranks of a split model agree on before a call;
@@ -167,6 +169,16 @@ class Inputs:
         torch._foreach_copy_(rows, list(batch.args[:len(rows)]), non_blocking=True)
         for buf in padding:
             buf.zero_()
+
+
+def call_copies(args, dtype: torch.dtype | None = None) -> tuple:
+    """A call's tensors as fresh contiguous copies (in ``dtype``, where given), anything
+    else as is: what a fallback passes the model in place of the caller's tensors, as a
+    replay passes copies in its static buffers. A forward that writes an input in place
+    then writes graphcap's copy on either path, never the caller's tensor, and sees the
+    same layout (and dtype) as a replay's."""
+    return tuple(a.to(dtype or a.dtype, copy=True, memory_format=torch.contiguous_format)
+                 if isinstance(a, torch.Tensor) else a for a in args)
 
 
 NO_ATTENTION = "ran no graphcap attention"  # check_packing's refusal (graphcap check)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from graphcap.core import checks
-from graphcap.core.inputs import Batch, Inputs
+from graphcap.core.inputs import Batch, Inputs, call_copies
 from graphcap.errors import BadBatch, CaptureError
 
 
@@ -71,7 +71,12 @@ class TensorInputs(Inputs):
         self.copy_in(batch, bucket)
 
     def eager(self, model, batch: Batch):
-        return lambda: model(*batch.args, **batch.kwargs)
+        if not self.strict:  # the eager strategy: the model itself, on the call's tensors
+            return lambda: model(*batch.args, **batch.kwargs)
+        # A fallback: copies, as a replay's buffers are (a forward that writes an input in
+        # place writes graphcap's copy on both paths, never the caller's tensor).
+        args = call_copies(batch.args)
+        return lambda: model(*args)
 
     def describe(self, batch: Batch) -> str:
         """Each argument's dtype and shape (another type: its name): ranks that pass

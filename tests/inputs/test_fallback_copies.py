@@ -1,0 +1,59 @@
+"""A fallback (a batch past the buckets) gives the model what a replay gives it: copies of
+the caller's tensors, never the tensors themselves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphcap
+from graphcap.api import GRAPHED
+from tests.support.runner_helpers import DEVICE
+
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+
+
+class AddsInPlace(torch.nn.Module):
+    """A forward that writes its input (a residual stream updated in place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.add_(1.0)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_a_forward_that_writes_its_input_never_writes_the_callers_tensor(strategy):
+    torch.manual_seed(0)
+    m = AddsInPlace().to(DEVICE)
+    r = graphcap.capture(m, strategy, buckets=[4, 8])
+    for n in (8, 6, 16):  # a bucket filled, one padded, and past the buckets: a fallback
+        x = torch.randn(n, 4, device=DEVICE)
+        mine = x.clone()
+        got = r(x)
+        assert torch.equal(x, mine), f"{n} rows: the caller's tensor was written"
+        with torch.no_grad():
+            torch.testing.assert_close(got, m(mine.clone()))
+    assert r.report()["fallbacks"] == {"too_many_tokens": 1}
+
+
+def test_the_eager_strategy_runs_the_model_itself_on_the_callers_tensor():
+    r = graphcap.capture(AddsInPlace().to(DEVICE), "eager", buckets=[4])
+    x = torch.zeros(6, 4, device=DEVICE)
+    r(x)
+    assert torch.equal(x, torch.ones_like(x))  # as the model called directly would
+
+
+def test_a_fallback_passes_a_strided_input_contiguous_as_a_replay_does():
+    class Views(torch.nn.Module):
+        def forward(self, x):
+            return x.view(-1).view(x.shape) * 2  # needs a contiguous tensor
+
+    r = graphcap.capture(Views(), "full", buckets=[4],
+                         example_inputs=(torch.zeros(4, 4, device=DEVICE),))
+    for n in (4, 6):  # a replay, a fallback
+        x = torch.randn(4, n, device=DEVICE).t()
+        torch.testing.assert_close(r(x), x * 2)
