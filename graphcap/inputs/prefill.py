@@ -7,7 +7,7 @@ import torch
 
 from graphcap.core import checks
 from graphcap.core.context import forward_context
-from graphcap.core.inputs import Batch, Inputs, check_packing
+from graphcap.core.inputs import Batch, Inputs, call_copies, check_packing
 from graphcap.errors import BadBatch
 from graphcap.opsdb.attention import check_serves
 
@@ -108,7 +108,13 @@ class PrefillInputs(Inputs):
         # Host work, and tensors made outside whatever mode the call then runs in (a
         # compiled forward traced with ordinary tensors would recompile for others).
         meta = self.attention.prepare(batch.lens, self.device)
-        args = (*batch.args, meta.last_token_rows()) if self.per_request else batch.args
+        # A fallback (buffers allocated: the runner captured) gets int64 copies, as a
+        # replay reads its buffers: a forward that writes its ids or positions writes
+        # neither the caller's, and int32 ones give what a replay gives. The eager
+        # strategy runs the model on the call's own.
+        args = call_copies(batch.args, torch.long) if self.buffers else batch.args
+        if self.per_request:
+            args = (*args, meta.last_token_rows())
 
         def run():
             with forward_context(attention=meta):

@@ -57,3 +57,31 @@ def test_a_fallback_passes_a_strided_input_contiguous_as_a_replay_does():
     for n in (4, 6):  # a replay, a fallback
         x = torch.randn(4, n, device=DEVICE).t()
         torch.testing.assert_close(r(x), x * 2)
+
+
+class ShiftsPositions(torch.nn.Module):
+    """A prefill forward that writes its positions, and returns them (an integer row)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 4)
+
+    def forward(self, input_ids, positions):
+        positions.add_(1)
+        return self.emb(input_ids) + positions[:, None], positions * 1
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_a_prefill_fallback_neither_writes_the_callers_ids_nor_keeps_their_int32(strategy):
+    m = ShiftsPositions().to(DEVICE)
+    r = graphcap.capture(m, strategy, inputs="prefill", buckets=[4, 8], max_requests=1)
+    for n in (8, 6, 12):  # a bucket filled, one padded, and past the buckets: a fallback
+        ids = torch.arange(n, device=DEVICE, dtype=torch.int32)
+        pos = torch.arange(n, device=DEVICE, dtype=torch.int32)
+        out, shifted = r(ids, pos, seq_lens=[n])
+        assert torch.equal(pos, ids), f"{n} tokens: the caller's positions were written"
+        assert shifted.dtype == torch.long, f"{n} tokens: {shifted.dtype}, not the buffers'"
+        assert torch.equal(shifted, pos.long() + 1)
+        with torch.no_grad():
+            torch.testing.assert_close(out, m(ids.long(), pos.long())[0])
+    assert r.report()["fallbacks"] == {"too_many_tokens": 1}
