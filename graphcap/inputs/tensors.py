@@ -37,8 +37,11 @@ class TensorInputs(Inputs):
         if kwargs:
             raise BadBatch(f"unexpected keyword arguments {sorted(kwargs)}: a model of "
                            "tensors is called as runner(*tensors)")
-        specs = self.specs or [(a.dtype, tuple(a.shape[1:])) for a in args
-                               if isinstance(a, torch.Tensor)]
+        for i, a in enumerate(args if not self.specs else ()):  # the shapes it will take
+            if not isinstance(a, torch.Tensor):
+                raise BadBatch(f"argument {i} must be a tensor, got {type(a).__name__}: a "
+                               "model of tensors is called as runner(*tensors)")
+        specs = self.specs or [(a.dtype, tuple(a.shape[1:])) for a in args]
         if not self.placed and any(isinstance(a, torch.Tensor) and a.device != self.device
                                    for a in args):
             raise BadBatch(f"the model has no parameters or buffers to say where it runs, "

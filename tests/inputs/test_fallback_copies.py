@@ -1,5 +1,6 @@
-"""A fallback (a batch past the buckets) gives the model what a replay gives it: copies of
-the caller's tensors, never the tensors themselves."""
+"""The paths of a model of tensors and of packed requests that a replay does not take: a
+fallback (a batch no graph holds) gives the model what a replay gives it, copies of the
+caller's tensors, never the tensors themselves; a first call names what is wrong."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 import graphcap
 from graphcap.api import GRAPHED
+from graphcap.errors import BadBatch
 from tests.support.runner_helpers import DEVICE
 
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
@@ -85,3 +87,18 @@ def test_a_prefill_fallback_neither_writes_the_callers_ids_nor_keeps_their_int32
         with torch.no_grad():
             torch.testing.assert_close(out, m(ids.long(), pos.long())[0])
     assert r.report()["fallbacks"] == {"too_many_tokens": 1}
+
+
+def test_a_first_call_with_an_argument_that_is_no_tensor_names_it():
+    class Lin(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x, *rest):
+            return self.lin(x)
+
+    r = graphcap.capture(Lin().to(DEVICE), "full", buckets=[4])
+    with pytest.raises(BadBatch, match="argument 1 must be a tensor, got int"):
+        r(torch.randn(4, 4, device=DEVICE), 3)  # was: 'expected 1 tensor arguments, got 2'
+    assert r(torch.randn(3, 4, device=DEVICE)).shape == (3, 4)  # shapes of this call
