@@ -24,6 +24,11 @@ is a new view of the same memory (``p.data = p.data.t()``), whose address is unc
 In-place updates (``p.copy_(new)``, ``load_state_dict`` without ``assign``) keep every
 slot and address, so replays see them, as eager does.
 
+Forward hooks and pre-hooks (the modules' and the global ones) run in a graph as at its
+capture: every hook registered anywhere takes a new ``RemovableHandle`` id, so after one
+the model's hooks are compared again; the hook dicts that held one at capture are counted
+on every call (a hook removed).
+
 It records autocast too (of the kinds of device the model's tensors are on): a graph
 computes in the dtypes of its capture, so a call under other autocast settings is a
 change like the others.
@@ -41,6 +46,8 @@ import operator
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module
+from torch.utils.hooks import RemovableHandle
 
 from graphcap import compat
 from graphcap.errors import UnsupportedModel
@@ -111,6 +118,16 @@ class _Containers:
                 out.append(f"{name}: {type(owner).__name__} edited ({len(keys)} entries, "
                            f"{size} at capture{'' if keys == order else ', reordered'})")
         return out
+
+
+def _hooks(model: nn.Module) -> dict[str, list]:
+    """The ids of the forward hooks and pre-hooks each module of ``model`` runs (the global
+    ones under ""): a graph runs those of its capture, eager those registered now."""
+    out = {name: [*m._forward_pre_hooks, *m._forward_hooks]
+           for name, m in model.named_modules(remove_duplicate=False)}
+    out[""] = [*out.get("", []), *_module._global_forward_pre_hooks,
+               *_module._global_forward_hooks]
+    return {name: ids for name, ids in out.items() if ids}
 
 
 def _names(model: nn.Module) -> tuple[list[str], ...]:
@@ -197,6 +214,13 @@ class ModelSnapshot:
         self._kinds = tuple(sorted({t.device.type for t in tensors} & {"cpu", "cuda"})) \
             or ("cpu", "cuda")
         self._autocast = autocast_state(self._kinds)
+        # Every hook registered anywhere takes the next handle id: the hooks are compared
+        # after one, and those of capture are counted on every call (one removed).
+        self._hook_id, self._hooks = RemovableHandle.next_id, _hooks(model)
+        self._hooked = [(d, len(d)) for m in model.modules()
+                        for d in (m._forward_pre_hooks, m._forward_hooks) if d] + \
+            [(d, len(d)) for d in (_module._global_forward_pre_hooks,
+                                   _module._global_forward_hooks)]
         self.model = model
 
     def current(self) -> bool:
@@ -211,6 +235,11 @@ class ModelSnapshot:
             self._registrations = _REGISTRATIONS[0]  # a registration elsewhere
         if not (self._params.same() and self._buffers.same() and self._containers.same()):
             return False
+        if RemovableHandle.next_id != self._hook_id or \
+                not all(len(d) == n for d, n in self._hooked):
+            if _hooks(self.model) != self._hooks:
+                return False
+            self._hook_id = RemovableHandle.next_id  # a hook elsewhere
         try:
             return ptrs_equal(self._stored, self._stored_ptrs)
         except (RuntimeError, TypeError, ValueError):  # a tensor that lost its storage
@@ -222,6 +251,12 @@ class ModelSnapshot:
         if (now := autocast_state(self._kinds)) != self._autocast:
             out.append(f"autocast on {', '.join(self._kinds)}: {now} (None: off); at "
                        f"capture {self._autocast}")
+        hooks = _hooks(self.model)
+        for name in sorted(hooks.keys() | self._hooks.keys()):
+            if (now := len(hooks.get(name, []))) != (then := len(self._hooks.get(name, []))) \
+                    or hooks.get(name) != self._hooks.get(name):
+                out.append(f"{name or 'global'} forward hooks and pre-hooks: {now} ({then} "
+                           "at capture; the graphs run those of capture)")
         for now, then in zip(_names(self.model), map(set, self._names), strict=True):
             out += [f"{name}: added" for name in now if name not in then]
         for d, k, name, held in zip(self._modules.dicts, self._modules.keys,
