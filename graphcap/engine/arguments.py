@@ -48,14 +48,11 @@ def max_len_of(max_len, bound: int, room: int, default: int) -> int:
     if max_len is None:
         return min(bound - room, default)
     max_len = positive_int(max_len, "max_len")
-    if max_len > bound:
-        raise ValueError(f"max_len {max_len} passes the model's max_position {bound}: "
-                         f"build the LLM with max_len at most {bound - room}")
     if max_len + room > bound:
-        raise ValueError(f"max_len {max_len} plus the proposer's k = {room} passes the "
-                         f"model's max_position {bound}: a verify step writes k tokens "
-                         f"past a request's last; build the LLM with max_len at most "
-                         f"{bound - room}")
+        k, why = (f" plus the proposer's k = {room}", "a verify step writes k tokens past "
+                  "a request's last; ") if room else ("", "")
+        raise ValueError(f"max_len {max_len}{k} passes the model's max_position {bound}: "
+                         f"{why}build the LLM with max_len at most {bound - room}")
     return max_len
 
 
