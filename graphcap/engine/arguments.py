@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import torch
 
-from graphcap.core.checks import boolean, positive_int, progress_option
+from graphcap.core.checks import boolean, progress_option
 from graphcap.errors import BadBatch
 from graphcap.inputs.sampling import Sampling
 
@@ -38,16 +38,16 @@ def check_options(strategy, tokenizer, stop_at_eos, long_prompts, progress) -> N
 
 
 def max_len_of(max_len, bound: int, room: int, default: int) -> int:
-    """``LLM``'s ``max_len`` (None: the model's ``bound``, its max_position, less the
-    ``room`` a proposer's ``k`` proposals take past a request's last token, at most
-    ``default``), checked against ``bound``; ValueError naming what fits."""
+    """``LLM``'s ``max_len`` (a positive int, checked by the caller; None: the model's
+    ``bound``, its max_position, less the ``room`` a proposer's ``k`` proposals take past
+    a request's last token, at most ``default``), checked against ``bound``; ValueError
+    naming what fits."""
     if room >= bound:
         raise ValueError(f"the proposer's k = {room} leaves no room under the model's "
                          f"max_position {bound} (a verify step writes k tokens past a "
                          "request's last): give it a smaller k")
     if max_len is None:
         return min(bound - room, default)
-    max_len = positive_int(max_len, "max_len")
     if max_len + room > bound:
         k, why = (f" plus the proposer's k = {room}", "a verify step writes k tokens past "
                   "a request's last; ") if room else ("", "")
