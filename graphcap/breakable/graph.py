@@ -65,20 +65,10 @@ def _given(leaves: list, seen: dict) -> set[int]:
     for leaf in leaves:
         if isinstance(leaf, torch.nn.Module):
             if id(leaf) not in seen:
-                held = [t for t in held_tensors(leaf) if _stored(t)]
+                held = held_tensors(leaf)
                 seen[id(leaf)] = (leaf, held, storages(held))
             given |= seen[id(leaf)][2]
     return given
-
-
-def _stored(t: torch.Tensor) -> bool:
-    """Whether ``t`` has memory of its own to be given (not a lazy module's uninitialised
-    parameter, nor a wrapper subclass, which a break may hold and never touch)."""
-    try:
-        t.untyped_storage()
-    except (RuntimeError, TypeError, ValueError):
-        return False
-    return True
 
 
 def _own(value, given: set[int]) -> tuple[Any, tuple[bool, ...]]:

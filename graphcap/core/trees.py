@@ -17,8 +17,16 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 def storages(value) -> set[int]:
-    """:func:`storage_key` of every tensor among the leaves of ``value`` that has memory."""
-    return {storage_key(t) for t in tensor_leaves(value) if t.untyped_storage().nbytes()}
+    """:func:`storage_key` of every tensor among the leaves of ``value`` that has memory
+    (none: an empty one, a lazy module's uninitialised parameter, a wrapper subclass)."""
+    return {storage_key(t) for t in tensor_leaves(value) if _has_memory(t)}
+
+
+def _has_memory(t: torch.Tensor) -> bool:
+    try:
+        return t.untyped_storage().nbytes() > 0
+    except (RuntimeError, TypeError, ValueError):  # no storage to read
+        return False
 
 
 def repeats_memory(t: torch.Tensor) -> bool:
