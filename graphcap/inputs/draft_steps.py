@@ -115,7 +115,7 @@ class DraftStepsInputs(PagedInputs):
         return states[0].context()
 
     def eager(self, model, batch: Batch):
-        ids, positions, token_slots = batch.args[:3]
+        ids, (positions, token_slots) = self.eager_ids(batch), batch.args[1:3]
         positions, token_slots = (t.to(self.device, non_blocking=True)
                                   for t in (positions, token_slots))
         moved = [positions + i for i in range(self.steps)]

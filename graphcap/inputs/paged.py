@@ -40,7 +40,7 @@ import torch
 
 from graphcap.core import checks
 from graphcap.core.context import forward_context
-from graphcap.core.inputs import Batch, Inputs, check_packing
+from graphcap.core.inputs import Batch, Inputs, call_copies, check_packing
 from graphcap.core.pinned import HOST_BUFFERS, HostRows
 from graphcap.errors import UnsupportedModel
 from graphcap.inputs.accept import greedy_accept, sampled_accept
@@ -350,8 +350,17 @@ class PagedInputs(Inputs):
         return f", {self.slots if self.step is None else self.cache.max_requests} " \
                "request slots"
 
+    def eager_ids(self, batch: Batch) -> torch.Tensor:
+        """The token ids an eager run passes the model: a fallback (buffers allocated: the
+        runner captured) an int64 copy, as a replay reads its buffer (a forward that writes
+        them writes neither the caller's, and int32 ones give what a replay gives); the
+        eager strategy the call's own."""
+        ids = batch.args[0]
+        return call_copies((ids,), torch.long)[0] if self.buffers else ids
+
     def eager(self, model, batch: Batch):
-        ids, positions, token_slots, *params = batch.args
+        _, positions, token_slots, *params = batch.args
+        ids = self.eager_ids(batch)
         positions, token_slots, *params = [t.to(self.device, non_blocking=True)
                                            for t in (positions, token_slots, *params)]
         if self.host_places is not None:  # the copies of the call's host buffer issued
