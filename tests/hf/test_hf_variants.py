@@ -204,11 +204,12 @@ def test_a_window_in_the_config_of_a_family_that_reads_none_is_not_applied(famil
     """Llama, Gemma and OLMo2 read no ``sliding_window`` (their modeling builds no window
     mask, their attention passes none): one a config carries (as converted checkpoints
     do) leaves transformers' logits as they are, and so graphcap's."""
-    ref = hf_model(family, sliding_window=8)
+    ref = hf_model(family, sliding_window=8).to(DEVICE)
     lm = PrefillLM(copy.deepcopy(ref), kernels=kernels)
     assert lm.graphcap_attention_options == ()
     assert set(lm.kv_windows.values()) == {0}
     ids, pos = packed_input()
     with torch.no_grad():
         got = lm(ids, pos, seq_lens=LENS)
-    torch.testing.assert_close(got, stock_logits(ref, ids), atol=1e-5, rtol=1e-5)
+    tol = 1e-4 if DEVICE == "cuda" else 1e-5  # as the packed-logits test above
+    torch.testing.assert_close(got, stock_logits(ref, ids), atol=tol, rtol=tol)
