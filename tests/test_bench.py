@@ -642,6 +642,41 @@ def test_the_gpt_fast_recipe_refuses_what_it_does_not_cover_by_name():
         StaticCacheDecoder(build_model("tiny-moe", device="cpu"), 1, 8)
 
 
+def test_each_gpt_fast_step_is_compiled_for_its_own_static_shapes(monkeypatch):
+    # gpt-fast compiles one batch size and cache length a process: static shapes. The bench
+    # compiles a step per arm, batch and context in one process, where Dynamo's automatic
+    # dynamic shapes made every step after a shape changed symbolic (batch 8 after 1).
+    from graphcap.bench.gptfast import compiled_step
+    from graphcap.models import Decoder, ModelArgs
+
+    symbolic, compile = [], torch.compile
+
+    def record(gm, inputs):  # in Inductor's place: whether the graph's shapes are symbols
+        values = [n.meta.get("example_value") for n in gm.graph.nodes
+                  if n.op == "placeholder"]
+        symbolic.append(any(isinstance(v, torch.SymInt) or isinstance(v, torch.Tensor)
+                            and any(isinstance(s, torch.SymInt) for s in v.shape)
+                            for v in values))
+        return gm.forward
+
+    def recorded(module, mode=None, **options):
+        assert mode == "reduce-overhead" and options["fullgraph"]
+        return compile(module, backend=record, **options)
+
+    monkeypatch.setattr(torch, "compile", recorded)
+    torch._dynamo.reset()
+    model = Decoder(ModelArgs()).eval()
+    try:
+        for batch, max_len, gqa in ((1, 13, False), (3, 13, False), (5, 13, True),
+                                    (3, 21, True)):
+            ids = torch.randint(1, model.args.vocab_size, (batch, 1))
+            compiled_step(model, ids, torch.tensor([max_len - 1]), max_len, gqa=gqa,
+                          math=not gqa, warmup=1)
+    finally:
+        torch._dynamo.reset()
+    assert symbolic == [False] * 4
+
+
 @pytest.mark.slow
 def test_bench_prefill_tp_times_the_split_preset_beside_the_whole_in_one_job():
     if torch.cuda.is_available():

@@ -15,6 +15,11 @@ step under SDPA's math backend (``math=True``; "better for Inductor to codegen a
 here"), or under SDPA's own choice of kernel (``math=False``). Dense presets only:
 windows, sinks, soft-capping and experts are not part of the recipe.
 
+gpt-fast compiles one batch size and cache length a process, so its shapes are static; the
+bench compiles a step per arm, batch size and context in one process, where Dynamo's
+automatic dynamic shapes would compile every step after a shape changed with symbolic
+sizes (batch 8's after batch 1's): each is compiled with ``dynamic=False``.
+
 Every layer's cache as a slice of one ``[layers, batch, ...]`` buffer made Inductor copy
 whole slices of it each step: qwen3-0.6b at batch 8 took 12.2 ms a step against 2.67 with
 a buffer per layer (1.64 with ``enable_gqa``;
@@ -129,7 +134,8 @@ def compiled_step(model: Decoder, ids: torch.Tensor, pos: torch.Tensor, max_len:
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), 64))
-    compiled = torch.compile(module, mode="reduce-overhead", fullgraph=True)
+    # Static shapes, as gpt-fast's one compile a process has them (see the module's notes).
+    compiled = torch.compile(module, mode="reduce-overhead", fullgraph=True, dynamic=False)
     backend = (lambda: sdpa_kernel(SDPBackend.MATH)) if math else contextlib.nullcontext
 
     def step(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
