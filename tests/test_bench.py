@@ -204,6 +204,23 @@ def test_strategies_are_judged_against_full_with_the_attention_they_ran():
     assert got["16 tokens: fastest arm (full-triton) ms"]["measured"] == 1.0
 
 
+def test_no_share_of_full_s_speed_up_is_taken_of_a_full_arm_on_other_kernels():
+    # The run's arms ran FlashInfer's prefill; full-flashinfer was not asked for. Against
+    # full-triton, breakable's 1.2 "share" would be Triton's kernels against FlashInfer's,
+    # not what its capture costs (and a failed full-flashinfer leaves the shares unjudged).
+    ms = {"eager": 10.0, "full-triton": 1.2, "breakable": 1.0, "tc_piecewise-inductor": 1.1}
+    result = {"model": "qwen3-0.6b", "attention": "flashinfer", "rows": [_row(16, **ms)]}
+    got = {t["target"]: t for t in prefill_targets(result)}
+    assert got["16 tokens: full (full-triton) speed-up over eager"]["met"]  # full's own claim
+    assert not [t for t in got if "speed-up / " in t]
+    why = "RuntimeError: FlashInfer failed"
+    got = prefill_targets({**result, "skipped": {"full-flashinfer": why}})
+    unjudged = [t for t in got if "not_judged" in t]
+    assert [t["target"] for t in unjudged] == [
+        "breakable and tc_piecewise-inductor speed-up / full-flashinfer's"]
+    assert why in unjudged[0]["not_judged"] and not unjudged[0]["met"]
+
+
 def test_top_kernels_rank_device_time_per_replay():
     from graphcap.bench.prefill import top_kernels
 
