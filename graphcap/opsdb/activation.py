@@ -15,6 +15,24 @@ def check_silu_and_mul(x):
             "[gate | up] halves")
 
 
+def flashinfer_accepts(x):
+    """FlashInfer's silu_and_mul is handed x's pointer and I only: it reads row t at
+    ``t * 2I`` (a strided x would be read from other rows, without a word), in 16-byte
+    vectors from the row's start and from I on (elsewhere misaligned addresses, which
+    poison the CUDA context; under 8 elements, a launch of no thread)."""
+    rows, width = x.shape
+    vec = 16 // x.element_size()
+    if rows > 1 and x.stride(0) != width:
+        return (f"FlashInfer's silu_and_mul reads packed rows (a row stride of {width}), "
+                f"not a row stride of {x.stride(0)}")
+    if width == 0 or width // 2 % vec:
+        return (f"FlashInfer's silu_and_mul takes I a multiple of {vec} (16 bytes), not "
+                f"{width // 2}")
+    if x.data_ptr() % 16:
+        return "FlashInfer's silu_and_mul takes x at a 16-byte-aligned address"
+    return None
+
+
 def silu_and_mul_inputs(device, dtype, max_tokens: int = 64):
     from hypothesis import strategies as st
 
@@ -36,7 +54,8 @@ SILU_AND_MUL = register_op(
         "triton": Kernel("graphcap.opsdb.triton.activation:silu_and_mul",
                          requires=("triton",)),
         "flashinfer": Kernel("graphcap.opsdb.flashinfer:silu_and_mul",
-                             requires=("flashinfer",), dtypes=HALF),
+                             requires=("flashinfer",), dtypes=HALF,
+                             accepts=flashinfer_accepts),
     },
     check=check_silu_and_mul, inputs=silu_and_mul_inputs,
     doc="x [T, 2I] -> silu(x[:, :I]) * x[:, I:]",

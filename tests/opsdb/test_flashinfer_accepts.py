@@ -37,3 +37,16 @@ def test_flashinfer_rope_is_never_given_a_key_of_another_dtype_or_strided_indice
     assert "contiguous" in declines((strided, q, q.clone(), table, 64))
     assert "contiguous" in declines((pos, q, q.clone(), torch.zeros(8, 128)[:, :64], 64))
     assert declines((pos, q, q.clone(), table, 64)) is None
+
+
+def test_flashinfer_silu_and_mul_is_never_given_rows_it_would_misread():
+    # Its kernel takes x's pointer and I only: row t read at t * 2I, in 16-byte vectors
+    # from the row's start and from I on.
+    declines = get_op("silu_and_mul").kernels["flashinfer"].declines
+    assert declines((torch.zeros(4, 128, dtype=BF16),)) is None
+    assert declines((torch.zeros(1, 136, dtype=BF16)[:, :128],)) is None  # one row
+    assert "packed rows" in declines((torch.zeros(4, 136, dtype=BF16)[:, :128],))
+    assert "multiple of 8" in declines((torch.zeros(4, 24, dtype=BF16),))  # I = 12
+    assert "multiple of 8" in declines((torch.zeros(4, 8, dtype=BF16),))  # I = 4
+    shifted = torch.zeros(4 * 128 + 4, dtype=BF16)[4:].view(4, 128)
+    assert "16-byte" in declines((shifted,))
