@@ -46,6 +46,15 @@ def writable(op: str, name: str, t: torch.Tensor) -> None:
                            "(.contiguous())")
 
 
+def vector_rows(t: torch.Tensor, vec: int) -> bool:
+    """Whether every row of ``t`` starts on a ``vec``-element vector: its pointer a
+    multiple of ``vec`` elements' bytes and its row stride of ``vec`` elements (what a
+    vendor kernel loading rows in such vectors, from the pointer and the stride alone,
+    needs; elsewhere it reads misaligned addresses, which poison the CUDA context)."""
+    return t.data_ptr() % (vec * t.element_size()) == 0 and (
+        t.dim() < 2 or t.shape[0] <= 1 or t.stride(0) % vec == 0)
+
+
 def rows_for(op: str, table: torch.Tensor, indices: torch.Tensor, refusal: str) -> None:
     """Refuse (``refusal``) a ``table`` of no rows where ``indices`` index it: a kernel
     would read outside it (its indices clamp into the rows there are)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from graphcap.opsdb import checks, reference
 from graphcap.opsdb.spec import HALF, Kernel, register_op
 
@@ -38,7 +40,7 @@ def flashinfer_rms_accepts(x, weight, eps):
     if weight.dtype != x.dtype:
         return (f"FlashInfer's RMSNorm reads the weight as x's dtype {x.dtype}, not "
                 f"{weight.dtype}")
-    return None
+    return _flashinfer_vectors("RMSNorm", x, ("x", x), ("weight", weight))
 
 
 def flashinfer_fused_add_accepts(x, residual, weight, eps):
@@ -47,6 +49,22 @@ def flashinfer_fused_add_accepts(x, residual, weight, eps):
         if t.dtype != x.dtype:
             return (f"FlashInfer's fused add RMSNorm reads the {name} as x's dtype "
                     f"{x.dtype}, not {t.dtype}")
+    return _flashinfer_vectors("fused add RMSNorm", x, ("x", x), ("residual", residual),
+                               ("weight", weight))
+
+
+def _flashinfer_vectors(kernel: str, x, *tensors) -> str | None:
+    """FlashInfer's norms load every row in vectors of gcd(16 bytes, H) elements from
+    its pointer and row stride (no thread at all for H 0)."""
+    hidden = x.shape[-1]
+    if hidden == 0:
+        return f"FlashInfer's {kernel} takes rows of at least one element"
+    vec = math.gcd(16 // x.element_size(), hidden)
+    for name, t in tensors:
+        if not checks.vector_rows(t, vec):
+            return (f"FlashInfer's {kernel} loads the rows of {name} in {vec}-element "
+                    f"vectors: it needs them {vec * x.element_size()}-byte aligned, not "
+                    f"at row stride {t.stride(0)} from address {t.data_ptr():#x}")
     return None
 
 

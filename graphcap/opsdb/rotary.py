@@ -49,6 +49,12 @@ def flashinfer_accepts(positions, query, key, cos_sin_cache, head_size):
                 f"{key.dtype}")
     if not (positions.is_contiguous() and cos_sin_cache.is_contiguous()):
         return "FlashInfer's rope takes contiguous positions and cos_sin_cache only"
+    # Each row in 16-byte vectors from the pointer and the row stride.
+    for name, t in (("query", query), ("key", key)):
+        if not checks.vector_rows(t, 16 // t.element_size()):
+            return (f"FlashInfer's rope loads the rows of {name} in 16-byte vectors: it "
+                    f"needs them 16-byte aligned, not at row stride {t.stride(0)} from "
+                    f"address {t.data_ptr():#x}")
     return None
 
 
