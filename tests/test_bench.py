@@ -1071,3 +1071,11 @@ def test_a_full_arm_only_the_split_run_has_is_not_compared_with_a_missing_one(mo
     targets = {t["target"]: t for t in result["models"][0]["targets"]}
     assert targets["16 tokens: full-triton TP=2 ms / TP=1 ms"]["measured"] == 0.6
     assert "not_judged" in targets["full-flashinfer: TP=2 against TP=1"]
+
+
+def test_only_an_h200_is_judged_against_the_h200_s_copy_rate():
+    """A GH200's memory is another: its rate is measured, as any other GPU's is."""
+    from graphcap.bench.decode_attention import is_h200
+
+    assert is_h200("NVIDIA H200") and is_h200("NVIDIA H200 NVL")
+    assert not is_h200("NVIDIA GH200 480GB") and not is_h200("NVIDIA H100 80GB HBM3")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import torch
 
@@ -22,6 +23,12 @@ from graphcap.kv import PagedKVCache
 
 PEAK_BYTES_PER_S = 4.3e12  # the H200's device-to-device copy rate, not its 4.8 TB/s spec
 COPY_BYTES = 1 << 30
+
+
+def is_h200(name: str) -> bool:
+    """An H200 by its device name ("NVIDIA H200", "NVIDIA H200 NVL"), not a GH200, whose
+    memory is another (its rate is measured as any other GPU's)."""
+    return re.search(r"\bH200\b", name) is not None
 
 
 @functools.cache
@@ -33,7 +40,7 @@ def peak_bytes_per_s(device=None) -> float:
     if not torch.cuda.is_available():
         return PEAK_BYTES_PER_S
     device = torch.device("cuda" if device is None else device)
-    if "H200" in torch.cuda.get_device_name(device):
+    if is_h200(torch.cuda.get_device_name(device)):
         return PEAK_BYTES_PER_S
     from graphcap.bench.timing import median_ms
 
