@@ -17,6 +17,7 @@ waits for the step in flight, releases and admits, and starts again.
 
 from __future__ import annotations
 
+import traceback
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -120,9 +121,14 @@ class LLM:
                                  chunked=long_prompts, attention=attention,
                                  decode_attention=decode_attention, progress=progress or None,
                                  speculative=speculative, vocab=self.shape.vocab_size)
-        except BaseException:  # a transformers model wrapped here goes back as it came
+        except BaseException as error:  # a transformers model wrapped here goes back as it came
             if model is not given and getattr(model, "first_wrapper", False):
                 model.release()
+            # The cache and graphs go now, not when the caller's except ends: a retry with
+            # smaller sizes inside it finds the memory free. (The traceback keeps its lines,
+            # its frames lose their locals.)
+            self.__dict__.clear()
+            traceback.clear_frames(error.__traceback__)
             raise
 
     # -- calls -----------------------------------------------------------------------
