@@ -38,6 +38,7 @@ from graphcap.piecewise.split import (
     builds_autograd_graph,
     device_of,
     held_args,
+    host_names,
     host_scalars,
     split_graph,
     split_op_names,
@@ -159,7 +160,7 @@ class PiecewiseCompiler:
         aliased = aliased_outputs(gm.graph)
         split, pieces = split_graph(gm, self.split_names)
         static = True  # every split op can be captured inside a graph
-        held = held_args(split)
+        held, names = held_args(split), host_names(split)
         for piece in pieces:
             self.stats["pieces"] += 1
             if piece.is_split:
@@ -168,15 +169,14 @@ class PiecewiseCompiler:
                 if check is not None:  # replayed as a graph while its state is static
                     setattr(split, piece.name, PieceGraphs(
                         self, piece.module, piece.module, static_state=check,
-                        held=held[piece.name]))
+                        held=held[piece.name], names=names[piece.name]))
                 static &= check is not None
                 continue
             self.stats["captured_pieces"] += 1
-            if self.compiler == "inductor":
-                graphs = PieceGraphs(self, compile_piece(piece.module), piece.module,
-                                     opaque=True, held=held[piece.name])
-            else:
-                graphs = PieceGraphs(self, piece.module, piece.module, held=held[piece.name])
+            inductor = self.compiler == "inductor"
+            graphs = PieceGraphs(self, compile_piece(piece.module) if inductor else
+                                 piece.module, piece.module, opaque=inductor,
+                                 held=held[piece.name], names=names[piece.name])
             setattr(split, piece.name, graphs)
         split.graphcap_split_pieces = sum(p.is_split for p in pieces)
         # Each piece frees what it uses last (PieceGraphs.forward); a split op run as
@@ -305,9 +305,9 @@ def counters() -> Counter:
     - ``split_captures``: split ops captured as graphs of their own (static metadata);
     - ``whole_captures``: shapes captured as one graph (under ``graphcap.capture``);
     - ``eager_runs``: pieces run eagerly at a size outside the capture sizes (or on
-      inputs the capture cannot take);
+      inputs the capture cannot take, or a Python number past its changes);
     - ``recaptures``: pieces captured again because a tensor they read in place (a
-      weight, a buffer) is another one now;
+      weight, a buffer) is another one now, or a Python number they baked changed;
     - ``grad_graphs``, ``grad_runs``: compiles traced with grad enabled and inputs that
       require grad, and their calls, which run eagerly (no graphs).
 

@@ -14,6 +14,7 @@ from graphcap.core.hostsync import RUNNING_NODE, traced_site
 from graphcap.core.trees import overlap, repeats_memory, storage_key
 from graphcap.errors import CaptureError
 from graphcap.piecewise import phase as phases
+from graphcap.piecewise.hostvalues import HostValues, same_value
 from graphcap.piecewise.inductor import OneOpPiece
 from graphcap.piecewise.phase import Phase
 from graphcap.piecewise.writes import mutated_inputs
@@ -62,7 +63,8 @@ class PieceGraphs(torch.nn.Module):
     so is a size whose earlier piece's output read in place is another static output now
     (that piece captured again), and one given another tensor there runs eagerly. An
     output that is a view of a copied argument is returned as the same view of the
-    caller's tensor, as eager returns it (a write through it reaches that tensor).
+    caller's tensor, as eager returns it (a write through it reaches that tensor). A
+    Python number baked at capture that changed: :mod:`~graphcap.piecewise.hostvalues`.
 
     ``opaque``: ``fn`` runs kernels the dispatcher never sees (Inductor's), so an emulated
     graph captures it as one op (:class:`~graphcap.piecewise.inductor.OneOpPiece`).
@@ -73,10 +75,12 @@ class PieceGraphs(torch.nn.Module):
     compiled model owns it, so every replay checks); otherwise the split op runs eagerly."""
 
     def __init__(self, owner, fn, module: torch.nn.Module, opaque: bool = False,
-                 static_state=None, held: frozenset[int] = frozenset()):
+                 static_state=None, held: frozenset[int] = frozenset(),
+                 names: dict[int, str] | None = None):
         super().__init__()
         self.owner, self.fn, self.opaque = owner, fn, opaque
         self.static_state, self.held = static_state, held
+        self.host = HostValues(names or {})  # the Python numbers its graphs bake
         self.moves: dict[int, int] = {}  # held argument -> the times it moved
         self.seen_at: dict[int, int] = {}  # held argument -> its last address seen
         self.writes = mutated_inputs(module)
@@ -203,7 +207,7 @@ class PieceGraphs(torch.nn.Module):
         return same
 
     def _replay(self, size: int, entry: PieceEntry, args):
-        owner, copied = self.owner, []
+        owner, copied, host = self.owner, [], None
         for i, (buf, a) in enumerate(zip(entry.static, args, strict=True)):
             if isinstance(buf, torch.Tensor):
                 if buf.shape != a.shape:  # e.g. more requests than captured: no replay
@@ -241,10 +245,14 @@ class PieceGraphs(torch.nn.Module):
                 else:
                     buf.copy_(a)
                 copied.append(i)
-            elif buf != a:  # a baked host value changed: this replay would be wrong
-                owner.ran_eagerly(f"host value {i} of a piece is {a!r}, captured as "
-                                  f"{buf!r}")
-                return self.fn(*args)
+            elif host is None and not same_value(buf, a):  # baked: captured again below
+                host = i  # once every tensor fits (another shape runs eagerly instead)
+        if host is not None:
+            if self.host.changed(host, args[host]):
+                return self._recapture(size, args)
+            owner.ran_eagerly(self.host.why(host, entry.static[host], args[host]),
+                              kind="host value")
+            return self.fn(*args)
         entry.graph.replay()
         for i in copied:
             # An expanded input: eager could not have written it (a write the analysis

@@ -5,6 +5,7 @@ it records autograd history; the inputs a piece writes: :mod:`graphcap.piecewise
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass
 
 import torch
@@ -127,7 +128,7 @@ def host_scalars(gm: torch.fx.GraphModule) -> set[int]:
     ``dynamic=True``, e.g. ``nn.Embedding.norm_type``); return their indices. Inside a
     captured piece that read would be baked at capture, and the emulator refuses it as a
     host sync; as an argument, the value is compared on every replay instead (a piece
-    runs eagerly when it changed)."""
+    is captured again when it changed: :mod:`graphcap.piecewise.hostvalues`)."""
     found = set()
     for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
         arg, users = node.meta.get("grapharg"), list(node.users)
@@ -215,3 +216,25 @@ def held_args(split: torch.fx.GraphModule) -> dict[str, frozenset[int]]:
                                 if isinstance(a, torch.fx.Node) and a.op == "placeholder"
                                 and is_held(a))
             for n in split.graph.nodes if n.op == "call_module"}
+
+
+def host_names(split: torch.fx.GraphModule) -> dict[str, dict[int, str]]:
+    """Per piece of ``split`` (its name): its arguments that are inputs of the traced graph,
+    by the name the forward reads them under (``self.scale``, ``k``; under
+    ``graphcap.capture``, ``model.scale``), for what a piece says of a host value."""
+    names = {}
+    for n in split.graph.nodes:
+        if n.op == "call_module":
+            names[n.target] = {i: name for i, a in enumerate(n.args)
+                               if isinstance(a, torch.fx.Node) and a.op == "placeholder"
+                               and (name := _source_name(a)) is not None}
+    return names
+
+
+def _source_name(node: torch.fx.Node) -> str | None:
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", None)
+    name = name() if callable(name) else name
+    if not isinstance(name, str):
+        return None
+    return re.sub(r"L\['(?:graphcap_)?(\w+)'\]", r"\1", name)

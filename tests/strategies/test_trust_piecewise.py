@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
+from collections import Counter
 
 import pytest
 import torch
@@ -668,3 +669,53 @@ def test_one_move_of_a_buffer_is_one_move_at_every_capture_size():
         assert round_of_calls() == 3  # the second move: every size, a copy from now on
         m.table = torch.randn(64, 4, device=DEVICE)
         assert round_of_calls() == 0
+
+
+class Weighted(Net):
+    """Reads a float attribute (``self.scale``) and a number it is given (``k``)."""
+
+    def forward(self, ids, k):
+        return super().forward(ids) * k
+
+
+def _host_calls(c, m, how: str, values, calls: int = 3) -> list[Counter]:
+    """Per value of the attribute or argument ``how``, the counters ``calls`` calls moved,
+    each call checked against eager."""
+    moved = []
+    with torch.no_grad():
+        for n, value in enumerate(values):
+            if how == "attribute":
+                m.scale = value
+            k = value if how != "attribute" else 2.0
+            before = counters()
+            for seed in range(calls):
+                x = ids(4, 10 * n + seed)
+                torch.testing.assert_close(c(x, k), m(x, k))
+            moved.append(counters() - before)
+    return moved
+
+
+@pytest.mark.parametrize("how", ["attribute", "float-argument", "int-argument"])
+def test_a_changed_host_value_gets_graphs_again_not_eager_runs_from_then_on(how):
+    # Dynamo guards on a Python number once and then passes it in (automatic dynamic):
+    # a piece that baked the old value captures the new one once, as for a moved weight.
+    torch.manual_seed(0)
+    m = Weighted().to(DEVICE)
+    c = compiled(m)
+    values = [1, 2, 3, 4, 5] if how == "int-argument" else [0.5, 2.0, 3.0, 4.0, 5.0]
+    moved = _host_calls(c, m, how, values)
+    assert all(not step.get("eager_runs") for step in moved), moved
+    assert moved[-1].get("recaptures"), moved  # a value no recompile saw: captured again
+
+
+def test_a_host_value_that_changes_on_every_call_runs_eagerly_naming_it(caplog):
+    torch.manual_seed(0)
+    m = Weighted().to(DEVICE)
+    c = compiled(m)
+    with caplog.at_level("WARNING", logger="graphcap"):
+        moved = _host_calls(c, m, "float-argument", [0.5 + i for i in range(16)], calls=1)
+    assert moved[-1].get("eager_runs") == 1 and not moved[-1].get("captures"), moved
+    told = [r.getMessage() for r in caplog.records if "host value k " in r.getMessage()]
+    assert told and "tensor" in told[0], caplog.text
+    settled = _host_calls(c, m, "float-argument", [15.5], calls=3)[0]  # the last one again
+    assert not settled.get("eager_runs") and settled["recaptures"] == 1, settled
