@@ -164,40 +164,55 @@ def mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype) -> torch.Tensor:
     return mxfp4_dequantize(blocks.to(torch.uint8).flatten(-2), scales).to(dtype)
 
 
-def _gpt_oss_experts(get, table, hf: str, ours: str, dtype) -> dict[str, torch.Tensor]:
+def _expert_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """gpt-oss's expert tensors as its checkpoints store them: each projection [E, in,
+    out], or in MXFP4 its blocks [E, out, in / 32, 16] and scales [E, out, in / 32]."""
+    e, h, i = a.experts, a.hidden, a.moe_intermediate
+    shapes = {"gate_up_proj_bias": (e, 2 * i), "down_proj_bias": (e, h)}
+    for name, rows, cols in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+        shapes[name] = (e, cols, rows)
+        shapes[name + "_blocks"] = (e, rows, cols // 32, 16)
+        shapes[name + "_scales"] = (e, rows, cols // 32)
+    return shapes
+
+
+def _gpt_oss_experts(get, table, hf: str, ours: str, dtype,
+                     shapes: dict) -> dict[str, torch.Tensor]:
     """gpt-oss's experts as ``moe_experts`` takes them: its interleaved gate/up columns
-    (gate at even, up at odd) as gate rows then up rows, each projection [E, out, in]."""
+    (gate at even, up at odd) as gate rows then up rows, each projection [E, out, in];
+    each tensor of the checkpoint checked against ``shapes`` (:func:`_expert_shapes`)."""
+    def read(name: str) -> torch.Tensor:
+        return get(hf + name, shapes[name])
+
     def weight(name: str) -> torch.Tensor:  # [E, out, in]
         if hf + name in table:  # stored [E, in, out]
-            return get(hf + name).transpose(1, 2)
+            return read(name).transpose(1, 2)
         if hf + name + "_blocks" not in table:
             get(hf + name)  # names the tensor that is missing
-        blocks, scales = get(hf + name + "_blocks"), get(hf + name + "_scales")
-        if blocks.dim() != 4 or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
-            raise CheckpointError(
-                f"{hf}{name}_blocks has shape {tuple(blocks.shape)} and {hf}{name}_scales "
-                f"{tuple(scales.shape)}: MXFP4 blocks are [experts, rows, groups, 16] bytes, "
-                "their scales [experts, rows, groups]")
-        return mxfp4(blocks, scales, dtype)
+        return mxfp4(read(name + "_blocks"), read(name + "_scales"), dtype)
 
-    gate_up, bias = weight("gate_up_proj"), get(hf + "gate_up_proj_bias")
+    gate_up, bias = weight("gate_up_proj"), read("gate_up_proj_bias")
     return {ours + "w13": torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), 1).contiguous(),
             ours + "b13": torch.cat((bias[:, 0::2], bias[:, 1::2]), 1).contiguous(),
             ours + "w2": weight("down_proj").contiguous()}
 
 
-def _gpt_oss_mxfp4_experts(get, table, hf: str, ours: str) -> dict[str, torch.Tensor]:
+def _gpt_oss_mxfp4_experts(get, table, hf: str, ours: str,
+                           shapes: dict) -> dict[str, torch.Tensor]:
     """gpt-oss's experts kept as published: each projection's MXFP4 blocks [E, out, G,
     16] as ``moe_experts`` takes them ([E, out, G * 16] bytes), their scales, and the
     biases, gate and up still interleaved (the model says so)."""
-    out = {ours + "b13": get(hf + "gate_up_proj_bias"), ours + "b2": get(hf + "down_proj_bias")}
+    def read(name: str) -> torch.Tensor:
+        return get(hf + name, shapes[name])
+
+    out = {ours + "b13": read("gate_up_proj_bias"), ours + "b2": read("down_proj_bias")}
     for name, weight in (("gate_up_proj", "w13"), ("down_proj", "w2")):
         if hf + name + "_blocks" not in table:
             raise CheckpointError(
                 f"{hf}{name} is stored unquantized, not as MXFP4 *_blocks and *_scales: "
                 "load this checkpoint with experts='dequantized'")
-        out[ours + weight] = get(hf + name + "_blocks").flatten(-2).contiguous()
-        out[ours + weight + "_scale"] = get(hf + name + "_scales").contiguous()
+        out[ours + weight] = read(name + "_blocks").flatten(-2).contiguous()
+        out[ours + weight + "_scale"] = read(name + "_scales").contiguous()
     return out
 
 
@@ -233,11 +248,14 @@ def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32,
 
     used = set()
 
-    def get(key: str) -> torch.Tensor:
+    def get(key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         if key not in table:
             raise CheckpointError(f"{folder}: tensor {key!r} is missing from the checkpoint")
         used.add(key)
         tensor = table[key][1].get_tensor(key)
+        if shape is not None and tuple(tensor.shape) != shape:
+            raise CheckpointError(f"{folder}/{table[key][0]}: {key} has shape "
+                                  f"{tuple(tensor.shape)}, expected {shape}")
         if not tensor.is_floating_point() and not key.endswith(("_blocks", "_scales")):
             raise CheckpointError(f"{folder}/{table[key][0]}: tensor {key!r} is "
                                   f"{tensor.dtype}; a weight is floating point")
@@ -251,13 +269,14 @@ def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32,
     for i in range(args.layers):
         names.update(_hf_names(args, i))
     state = {ours: _joined(folder, ours, keys, get, args) for ours, keys in names.items()}
+    shapes = _expert_shapes(args)
     for i in range(args.layers):
         if args.moe_mxfp4:
             state.update(_gpt_oss_mxfp4_experts(get, table, f"model.layers.{i}.mlp.experts.",
-                                                f"blocks.{i}.mlp."))
+                                                f"blocks.{i}.mlp.", shapes))
         elif args.moe_bias:
             state.update(_gpt_oss_experts(get, table, f"model.layers.{i}.mlp.experts.",
-                                          f"blocks.{i}.mlp.", dtype))
+                                          f"blocks.{i}.mlp.", dtype, shapes))
         elif args.experts:
             e = f"model.layers.{i}.mlp.experts."
             state[f"blocks.{i}.mlp.w13"] = _stacked(folder, [

@@ -489,3 +489,34 @@ def test_gpt_oss_clamped_glu_of_its_config_loads_as_transformers_computes_it(tmp
     config = CONFIGS["gpt_oss"]()
     config.swiglu_alpha, config.swiglu_limit = 1.0, 0.5
     assert_loads_as_transformers(tmp_path, saved(tmp_path, "gpt_oss", config))
+
+
+@pytest.mark.parametrize("key, shape", [
+    ("gate_up_proj", (8, 66, 64)), ("gate_up_proj", (8, 64, 66)), ("down_proj", (8, 64, 64)),
+    ("gate_up_proj_bias", (8, 66)), ("gate_up_proj_blocks", (8, 64, 2, 16)),
+    ("gate_up_proj_scales", (8, 192, 3)), ("down_proj_blocks", (8, 64, 2, 15))])
+def test_a_gpt_oss_experts_misshapen_tensor_is_named_with_both_shapes(tmp_path, key, shape):
+    # Named as the checkpoint stores it ([E, in, out], MXFP4 [E, out, in / 32, 16]), not
+    # as blocks.0.mlp.w13 in the shape it has once transposed and de-interleaved.
+    saved(tmp_path, "gpt_oss")
+    e = "model.layers.0.mlp.experts."
+    want = {"gate_up_proj": (8, 64, 192), "down_proj": (8, 96, 64),
+            "gate_up_proj_bias": (8, 192), "gate_up_proj_blocks": (8, 192, 2, 16),
+            "gate_up_proj_scales": (8, 192, 2), "down_proj_blocks": (8, 64, 3, 16)}[key]
+
+    def edit(t):
+        if key.endswith(("_blocks", "_scales")):  # the projection as published, in MXFP4
+            name = key.rsplit("_", 1)[0]
+            _, cols, rows = t.pop(e + name).shape  # [E, in, out]
+            t[e + name + "_blocks"] = torch.zeros(8, rows, cols // 32, 16, dtype=torch.uint8)
+            t[e + name + "_scales"] = torch.full((8, rows, cols // 32), 127,
+                                                 dtype=torch.uint8)
+        t[e + key] = torch.zeros(shape, dtype=t[e + key].dtype)
+
+    _rewrite(tmp_path, edit)
+    needle = re.escape(f"{e}{key} has shape {shape}, expected {want}")
+    with pytest.raises(CheckpointError, match=needle):
+        load_checkpoint(tmp_path)
+    if key.startswith("gate_up_proj_"):  # kept MXFP4: read before down_proj is
+        with pytest.raises(CheckpointError, match=needle):
+            load_checkpoint(tmp_path, experts="mxfp4")
