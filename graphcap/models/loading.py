@@ -216,6 +216,21 @@ def _gpt_oss_mxfp4_experts(get, table, hf: str, ours: str,
     return out
 
 
+def _device(device) -> torch.device:
+    """``device`` checked before a checkpoint is read: a name torch cannot parse raises as
+    torch does, a device this build or machine lacks ``ValueError`` (not after every
+    tensor is read, when the model moves there)."""
+    device = torch.device(device)
+    try:
+        if (device.type == "cuda" and device.index is not None and torch.cuda.is_available()
+                and device.index >= torch.cuda.device_count()):
+            raise RuntimeError(f"this machine has {torch.cuda.device_count()} CUDA devices")
+        torch.empty(0).to(device)  # as the model moves there
+    except (RuntimeError, AssertionError) as exc:  # torch asserts on a backend it lacks
+        raise ValueError(f"device={str(device)!r}: {exc}") from exc
+    return device
+
+
 def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32,
                     tp=None, experts: str = "dequantized") -> Decoder:
     """A reference decoder with the weights of a Hugging Face checkpoint folder; with
@@ -226,7 +241,7 @@ def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32,
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype={dtype!r}: give a torch floating-point dtype, e.g. "
                         "torch.bfloat16")
-    torch.device(device)  # a bad device fails here, not after the whole checkpoint is read
+    _device(device)  # a bad device fails here, not after the whole checkpoint is read
     folder = Path(folder)
     config_path = folder / "config.json"
     if not folder.is_dir():

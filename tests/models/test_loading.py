@@ -520,3 +520,15 @@ def test_a_gpt_oss_experts_misshapen_tensor_is_named_with_both_shapes(tmp_path, 
     if key.startswith("gate_up_proj_"):  # kept MXFP4: read before down_proj is
         with pytest.raises(CheckpointError, match=needle):
             load_checkpoint(tmp_path, experts="mxfp4")
+
+
+@pytest.mark.parametrize("device", ["cuda:99", "mps"])
+def test_a_device_the_machine_lacks_fails_before_the_checkpoint_is_read(tmp_path, monkeypatch,
+                                                                       device):
+    # Not after reading every tensor (minutes and the host's memory for a large model).
+    import graphcap.models.loading as loading
+
+    saved(tmp_path, "llama")
+    monkeypatch.setattr(loading, "_tensors", lambda folder: pytest.fail("checkpoint read"))
+    with pytest.raises(ValueError, match=f"device={device!r}: "):
+        load_checkpoint(tmp_path, device=device)
