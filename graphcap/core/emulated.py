@@ -20,10 +20,12 @@ Two details make capture itself behave as on CUDA, where capture launches nothin
 memory the region mutated that existed before capture is restored when capture ends, and
 memory allocated during capture is filled with 0xFF bytes (NaN in floats, -1 in ints;
 True in bools), since on CUDA it holds garbage until the first replay. Host
-synchronisations raise ``CaptureError`` (:mod:`graphcap.core.hostsync`), and a region that
-catches one fails at ``end()`` all the same, as CUDA invalidates the capture. Composite ops
-are recorded as the ops they are made of, under ``torch.inference_mode`` as under
-``no_grad`` (so ``int(t)`` is seen as the ``Tensor.item`` it is).
+synchronisations raise ``CaptureError`` (:mod:`graphcap.core.hostsync`; the calls that
+wait for the device, as ``torch.cuda.synchronize()``, are swapped for checked ones while a
+graph records), and a region that catches one fails at ``end()`` all the same, as CUDA
+invalidates the capture. Composite ops are recorded as the ops they are made of, under
+``torch.inference_mode`` as under ``no_grad`` (so ``int(t)`` is seen as the
+``Tensor.item`` it is).
 
 Differences from CUDA that stay: memory freed inside the region is not handed to later
 captures on the same pool (the emulator never reuses a block), and a custom op's Python
@@ -223,10 +225,25 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+def _recorder() -> _Recorder | None:
+    """The recorder of the emulated graph recording on this thread (on the dispatch mode
+    stack), or None."""
+    return next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, _Recorder)),
+                None)
+
+
 def recording() -> bool:
-    """Whether an emulated graph is recording on this thread (its recorder is on the
-    dispatch mode stack)."""
-    return any(isinstance(m, _Recorder) for m in _get_current_dispatch_mode_stack())
+    """Whether an emulated graph is recording on this thread."""
+    return _recorder() is not None
+
+
+def _check_wait(wait: hostsync.HostWait, args: tuple) -> None:
+    """Refuse a host wait (``torch.cuda.synchronize()``) on a thread that records, when it
+    waits for what the graph records; CUDA drops the capture too."""
+    recorder = _recorder()
+    if recorder is not None and wait.waits(recorder.graph.device, args):
+        with recorder.graph._refusing():
+            hostsync.refuse_wait(wait)
 
 
 class EmulatedGraph(Graph):
@@ -258,7 +275,8 @@ class EmulatedGraph(Graph):
             raise hostsync.CaptureError(
                 "this graph is captured already: reset() it or make a new one")
         imports.complete(imports.EMULATOR)  # what the modes import: whole before they run
-        self._modes = [_HostMethodGuard(self), _Recorder(self)]
+        self._modes = [hostsync.host_waits_checked(_check_wait), _HostMethodGuard(self),
+                       _Recorder(self)]
         for mode in self._modes:
             mode.__enter__()
 

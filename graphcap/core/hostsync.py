@@ -10,11 +10,15 @@ the CUDA graph translates the driver's failure (``translate_cuda_failure``). Bot
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import functools
 import os
 import re
+import threading
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 
@@ -66,6 +70,34 @@ HOST_METHODS = {
     torch.Tensor.__str__: ("Tensor.__str__", "printing a tensor"),
     torch.Tensor.__format__: ("Tensor.__format__", "formatting a tensor"),
 }
+
+
+class HostWait(NamedTuple):
+    """A host call that waits for the device without an aten op or a Tensor method, so
+    the emulator's modes never see it: it swaps the call for a checked one while it
+    records (:func:`host_waits_checked`)."""
+
+    owner: object  # the module or class that has it
+    name: str
+    op: str
+    what: str
+    waits: Callable[[torch.device, tuple], bool]  # does a call (its args) wait for the
+    # work a capture on the device records: CUDA refuses it then, and drops the capture
+
+
+HOST_WAITS = (
+    HostWait(torch.cuda, "synchronize", "torch.cuda.synchronize", "torch.cuda.synchronize()",
+             lambda device, args: True),
+    HostWait(torch.accelerator, "synchronize", "torch.accelerator.synchronize",
+             "torch.accelerator.synchronize()", lambda device, args: True),
+    # the CPU's own, as torch.get_device_module(x.device).synchronize() calls it for a CPU x
+    HostWait(torch.cpu, "synchronize", "torch.cpu.synchronize", "torch.cpu.synchronize()",
+             lambda device, args: device.type == "cpu"),
+    # the current stream is the one a capture records (another one may be waited for)
+    HostWait(torch.cuda.Stream, "synchronize", "Stream.synchronize",
+             "torch.cuda.current_stream().synchronize()",
+             lambda device, args: args[0] == torch.cuda.current_stream(args[0].device)),
+)
 
 _ADVICE = (
     "Move it out of the captured region (compute it before capture, or keep it on the "
@@ -186,6 +218,48 @@ def check_method(func, args, kwargs, device: torch.device) -> None:
         _raise(named[0], named[1], "reads device memory on the host")
 
 
+def refuse_wait(wait: HostWait) -> None:
+    """Raise CaptureError for a call of ``wait`` (one of :data:`HOST_WAITS`)."""
+    _raise(wait.op, wait.what, "waits on the host for the device's work")
+
+
+_SWAP_LOCK = threading.Lock()
+_swapped: dict[HostWait, Callable] = {}  # the originals, while any block is open
+_open_blocks = [0]
+
+
+@contextlib.contextmanager
+def host_waits_checked(check: Callable[[HostWait, tuple], None]):
+    """For the block, every call of a :data:`HOST_WAITS` function first runs ``check(wait,
+    args)``, which raises to refuse it. Blocks may overlap, on any threads: the functions
+    stay swapped until the last one ends, so ``check`` must be the same for all of them
+    and tell the calling thread's capture."""
+    with _SWAP_LOCK:
+        if not _open_blocks[0]:
+            for wait in HOST_WAITS:
+                original = _swapped[wait] = getattr(wait.owner, wait.name)
+                setattr(wait.owner, wait.name, _checked(original, check, wait))
+        _open_blocks[0] += 1
+    try:
+        yield
+    finally:
+        with _SWAP_LOCK:
+            _open_blocks[0] -= 1
+            if not _open_blocks[0]:
+                for wait, original in _swapped.items():
+                    setattr(wait.owner, wait.name, original)
+                _swapped.clear()
+
+
+def _checked(original: Callable, check: Callable, wait: HostWait) -> Callable:
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        check(wait, args)
+        return original(*args, **kwargs)
+
+    return call
+
+
 def _value_reads() -> list[str]:
     """The tensors whose values the torch.compile trace in progress read on the host:
     Dynamo turns ``int(t)`` of a 0-d integer tensor of the model into a number taken
@@ -240,7 +314,7 @@ def translate_cuda_failure(exc: BaseException) -> CaptureError:
     return CaptureError(
         f"CUDA graph capture failed at {where}: {first}. This is usually a host "
         f"synchronisation (.item(), .cpu(), .tolist(), nonzero, printing a tensor, "
-        f"torch.tensor(data, device=...)). {_ADVICE}",
+        f"torch.tensor(data, device=...), torch.cuda.synchronize()). {_ADVICE}",
         op=None,
         site=site,
     )

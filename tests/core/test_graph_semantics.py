@@ -246,6 +246,11 @@ HOST_SYNCS = {
     "allclose": ("host synchronisation", lambda t: torch.allclose(t, t + 1)),
     "histc": ("host synchronisation", lambda t: torch.histc(t, bins=4)),
     "linalg.inv": ("host synchronisation", lambda t: torch.linalg.inv(torch.diag(t[:2] + 1))),
+    # Host calls that wait for the device's work: no aten op, torch.cuda.synchronize()
+    # even where the model runs on the CPU (as CUDA does, where it runs).
+    "synchronize": ("synchronize", lambda t: torch.get_device_module(t.device).synchronize()),
+    "cuda.synchronize": ("synchronize", lambda t: torch.cuda.synchronize()),
+    "accelerator.synchronize": ("synchronize", lambda t: torch.accelerator.synchronize()),
 }
 # The runner captures under inference_mode, where a dispatch mode sees composite ops
 # (int(t) as aten.item) whole: each sync must be refused there as under no_grad.
@@ -278,7 +283,7 @@ def test_host_syncs_raise_capture_error_naming_the_op_and_leave_state_usable(poo
     assert torch.equal(y, x)
 
 
-@pytest.mark.parametrize("case", ["item", "nonzero", "print"])
+@pytest.mark.parametrize("case", ["item", "nonzero", "print", "cuda.synchronize"])
 def test_a_host_sync_the_region_catches_still_fails_the_capture(pool, case):
     # CUDA invalidates the capture itself (its next op fails: the error names that line),
     # the emulator names the sync the region caught
@@ -307,6 +312,29 @@ def test_a_host_sync_the_region_catches_still_fails_the_capture(pool, case):
     y = again.capture(lambda t: t + buf, x)
     again.replay()
     assert torch.equal(y, x)
+
+
+def test_waiting_for_the_stream_the_region_runs_on_is_refused(pool):
+    if pool.device.type != "cuda":
+        pytest.skip("streams are CUDA's")
+    x = torch.arange(8, device=pool.device, dtype=torch.float32)
+    with pytest.raises(CaptureError, match="synchroni"):
+        pool.graph().capture(lambda t: (torch.cuda.current_stream().synchronize(), t + 1), x)
+    y = pool.graph().capture(lambda t: t + 1, x)  # the pool stays usable
+    assert y.shape == x.shape
+
+
+def test_synchronising_outside_the_captured_region_is_allowed(pool):
+    x = full(pool, 4, 1.0)
+    region = Region(lambda t: t * 2)
+    graph = pool.graph()
+    torch.get_device_module(pool.device).synchronize()  # looked up at each call
+    y = graph.capture(region, x)
+    torch.get_device_module(pool.device).synchronize()
+    x.fill_(3.0)
+    graph.replay()
+    torch.get_device_module(pool.device).synchronize()
+    assert torch.equal(y, full(pool, 4, 6.0)) and region.calls == 1
 
 
 def test_random_ops_draw_fresh_values_on_every_replay(pool):
