@@ -14,6 +14,7 @@ region, with CUDA-graph semantics:
 - functional ops re-run and their results are copied into the recorded outputs, so outputs
   are the same objects every replay and are overwritten by the next one;
 - random ops draw fresh values on each replay (CUDA graphs advance the Philox offset);
+  one given a generator other than the device's default is refused, as CUDA refuses it;
 - ``empty``-style allocations launch nothing and are not re-run.
 
 Two details make capture itself behave as on CUDA, where capture launches nothing:
@@ -192,6 +193,8 @@ class _Recorder(TorchDispatchMode):
         graph = self.graph
         with graph._refusing():
             hostsync.check_op(func, args, kwargs, graph.device)
+        # CUDA refuses it before the op launches: a region that catches it captures well
+        hostsync.check_generator(func, args, kwargs, graph.device)
         kind = _kind(func)
         if torch.Tag.inplace_view in func.tags:
             graph._freeze(args[0])

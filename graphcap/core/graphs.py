@@ -14,7 +14,8 @@ Contract, the same for both kinds (``tests/core/test_graph_semantics.py`` pins i
   hold garbage until the first replay;
 - Python in the region (side effects, scalars, control flow) runs at capture only;
 - every tensor a graph uses must stay alive as long as the graph (the graph holds them);
-- random ops draw fresh values on each replay;
+- random ops draw fresh values on each replay (from the device's default generator: a
+  random op given another one raises :class:`graphcap.errors.CaptureError`);
 - host synchronisations in the region raise :class:`graphcap.errors.CaptureError`,
   and leave the tensors and the model as they were before the capture (a region that
   catches the error fails at ``end()``: the capture was invalidated).

@@ -143,11 +143,11 @@ RUNNING_NODE: contextvars.ContextVar = contextvars.ContextVar("graphcap_running_
                                                               default=None)
 
 
-def _raise(op: str, what: str, why: str) -> None:
+def _raise(op: str, what: str, why: str, kind: str = "host synchronisation") -> None:
     site = traced_site(RUNNING_NODE.get()) or user_site(traceback.extract_stack())
     where = f", at {site}" if site else ""
     raise CaptureError(
-        f"host synchronisation in a captured region: {what} ({op}{where}) {why}, which "
+        f"{kind} in a captured region: {what} ({op}{where}) {why}, which "
         f"a graph cannot capture. {_ADVICE}",
         op=op,
         site=site,
@@ -203,6 +203,29 @@ def check_op(func, args, kwargs, device: torch.device) -> None:
     if _moves_to_host(func, args, kwargs, device):
         _raise(str(func.overloadpacket), "a copy between host and device",
                "synchronises the host with the device")
+
+
+def _default_generator(device: torch.device) -> torch.Generator | None:
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    return None
+
+
+def check_generator(func, args, kwargs, device: torch.device) -> None:
+    """Raise CaptureError for a random op on ``device`` given a generator other than the
+    device's default: CUDA capture registers the default one alone (its draws move on at
+    each replay), and any other raises at its first draw, before the op launches."""
+    for gen in (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Generator)):
+        default = _default_generator(gen.device) if gen.device.type == device.type else None
+        mine = getattr(gen, "_cdata", None)  # the generator's own, under any Python object
+        if default is not None and mine is not None and mine != default._cdata:
+            _raise(str(func.overloadpacket), "a random op given a torch.Generator other "
+                   "than the device's default", "draws from a generator CUDA capture does "
+                   "not register (it registers the default one, whose draws move on at each "
+                   "replay: leave generator= out)", kind="a generator of its own")
 
 
 def check_method(func, args, kwargs, device: torch.device) -> None:

@@ -352,6 +352,51 @@ def test_random_ops_draw_fresh_values_on_every_replay(pool):
     assert region.calls == 1
 
 
+def _default_generator(device) -> torch.Generator:
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.default_generator
+    return torch.cuda.default_generators[device.index or 0]
+
+
+def test_a_random_op_given_a_generator_of_its_own_is_refused(pool):
+    # CUDA capture registers the device's default generator alone; another raises at its
+    # first draw (the error names "a CUDA generator"); the default's draws replay fresh
+    own = torch.Generator(device=pool.device).manual_seed(0)
+    x = full(pool, 8, 1.0)
+    with pytest.raises(CaptureError, match="generator"):
+        pool.graph().capture(lambda t: t + torch.rand(8, device=t.device, generator=own), x)
+
+    default = _default_generator(pool.device)
+    region = Region(lambda t: t + torch.rand(8, device=t.device, generator=default))
+    graph = pool.graph()
+    y = graph.capture(region, x)
+    graph.replay()
+    first = y.clone()
+    graph.replay()
+    assert not torch.equal(first, y) and region.calls == 1
+
+
+def test_a_refused_generator_the_region_catches_leaves_the_capture_valid(pool):
+    # CUDA refuses the draw before launching anything: the capture goes on
+    own = torch.Generator(device=pool.device).manual_seed(0)
+    x = full(pool, 8, 1.0)
+
+    def body(t):
+        try:
+            torch.rand(8, device=t.device, generator=own)
+        except Exception:  # graphcap's CaptureError, or CUDA's own error in capture
+            pass
+        return t + 1
+
+    region = Region(body)
+    graph = pool.graph()
+    y = graph.capture(region, x)
+    x.fill_(2.0)
+    graph.replay()
+    assert torch.equal(y, full(pool, 8, 3.0)) and region.calls == 1
+
+
 def test_a_captured_mlp_matches_eager_on_new_inputs(pool):
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(
