@@ -155,18 +155,27 @@ def _raise(op: str, what: str, why: str, kind: str = "host synchronisation") -> 
 
 
 def _moves_to_host(func, args, kwargs, device: torch.device) -> bool:
-    """A device-to-host copy, or a copy into the device from pageable host memory."""
+    """A device-to-host copy, or a copy into the device that waits for the host: from
+    pageable host memory, or blocking (CUDA syncs the stream after it), as ``.to(device)``
+    of a host tensor is."""
     if device.type == "cpu":
         return False
     if func is aten._to_copy.default:
-        target = kwargs.get("device")
-        to_host = target is not None and torch.device(target).type == "cpu"
-        return to_host and args[0].device == device
+        target, src = kwargs.get("device"), args[0]
+        if target is None:
+            return False
+        target = torch.device(target)
+        if target.type == "cpu":
+            return src.device == device
+        return target.type == device.type and target.index in (None, device.index) and \
+            src.device.type == "cpu" and not (kwargs.get("non_blocking") and src.is_pinned())
     if func is aten.copy_.default:
         dst, src = args[0], args[1]
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
         if dst.device.type == "cpu" and src.device == device:
             return True
-        return dst.device == device and src.device.type == "cpu" and not src.is_pinned()
+        return dst.device == device and src.device.type == "cpu" and \
+            not (non_blocking and src.is_pinned())
     return False
 
 

@@ -324,6 +324,21 @@ def test_waiting_for_the_stream_the_region_runs_on_is_refused(pool):
     assert y.shape == x.shape
 
 
+def test_a_copy_into_the_device_that_waits_for_the_host_is_refused(pool):
+    # A blocking copy from the host (.to(device) of a host tensor, copy_ of one without
+    # non_blocking=True, pinned or not) syncs the stream after it
+    if pool.device.type != "cuda":
+        pytest.skip("on the CPU the host is the device: there is no copy to make")
+    x = torch.arange(8, device=pool.device, dtype=torch.float32)
+    pageable, pinned = torch.ones(8), torch.ones(8).pin_memory()
+    for copy in (lambda t: t + pageable.to(t.device), lambda t: t + pinned.to(t.device),
+                 lambda t: torch.empty_like(t).copy_(pinned)):
+        with pytest.raises(CaptureError, match="host synchronisation"):
+            pool.graph().capture(copy, x)
+    y = pool.graph().capture(lambda t: t + 1, x)  # the pool stays usable
+    assert y.shape == x.shape
+
+
 def test_synchronising_outside_the_captured_region_is_allowed(pool):
     x = full(pool, 4, 1.0)
     region = Region(lambda t: t * 2)
