@@ -20,7 +20,8 @@ _WORD = 8  # bytes of a token id in the search
 
 class NgramProposer:
     """``propose(tokens)``: ``k`` proposed next tokens of a request whose tokens so far
-    (prompt and generated) are ``tokens``. Where no n-gram recurs, or fewer than ``k``
+    (prompt and generated) are ``tokens`` (a sequence of ids, or a 1-d numpy array or
+    tensor of them). Where no n-gram recurs, or fewer than ``k``
     tokens followed it, the proposal is padded by repeating its last token (the request's
     last token where nothing was found): a verify step takes exactly ``k``."""
 
@@ -36,7 +37,7 @@ class NgramProposer:
         recurring suffix (at most ``k``; empty where none recurs). The search is a bytes
         search over the tokens as 8-byte words (C speed: a step's lookup over thousands
         of tokens takes microseconds), a match counted only where it starts on a word."""
-        tokens = list(tokens)
+        tokens = _listed(tokens)
         end = len(tokens)
         data = array("q", tokens).tobytes()
         for n in range(min(self.max_ngram, end - 1), self.min_ngram - 1, -1):
@@ -50,11 +51,21 @@ class NgramProposer:
         return []
 
     def propose(self, tokens: Sequence[int]) -> list[int]:
+        tokens = _listed(tokens)
         if not tokens:
             raise ValueError("a request with no token has nothing to look up")
         found = self.find(tokens)
         pad = found[-1] if found else tokens[-1]
         return found + [pad] * (self.k - len(found))
+
+
+def _listed(tokens) -> list[int]:
+    """A request's tokens as a list (a list as it is: read only): a sequence of ids, or a
+    1-d numpy array or tensor (whose truth value, asked of several ids, raises), as its
+    ints."""
+    if isinstance(tokens, list):
+        return tokens
+    return tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
 
 
 __all__ = ["NgramProposer"]

@@ -6,6 +6,7 @@ graphed strategy."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -119,6 +120,14 @@ def test_the_ngram_proposer_looks_up_the_longest_recurring_suffix_most_recent_fi
     assert lookup.find([7, 8, 9]) == []
     with pytest.raises(ValueError, match="nothing to look up"):
         lookup.propose([])
+    # a request's ids as a numpy array or a 1-d tensor, as prompts may come: the same ids
+    # (their truth value raised, asked of several)
+    for ids in (np.array([4, 5, 6, 7, 4, 5, 9, 9, 1, 4, 5]),
+                torch.tensor([4, 5, 6, 7, 4, 5, 9, 9, 1, 4, 5])):
+        assert lookup.propose(ids) == [9, 9, 1] and lookup.find(ids) == [9, 9, 1]
+    assert lookup.propose(np.array([7])) == [7, 7, 7]
+    with pytest.raises(ValueError, match="nothing to look up"):
+        lookup.propose(np.array([], dtype=np.int64))
     with pytest.raises(ValueError, match="above max_ngram"):
         NgramProposer(2, max_ngram=1, min_ngram=2)
     with pytest.raises(ValueError, match="k must be a positive int"):
