@@ -278,6 +278,10 @@ def _layer(model, name: str, layer, hidden: int, cos_sin, sub: Substitution, sha
         return
     attention, attention_why = patterns.recognise_attention(layer, hidden, cos_sin)
     mlp, mlp_why = patterns.recognise_mlp(layer, hidden)
+    if why := patterns.skipped_calls(layer, "attention"):
+        attention, attention_why = None, why
+    if why := patterns.skipped_calls(layer, "mlp"):
+        mlp, mlp_why = None, why
     stock = LayerKernels(None, None)
     small = h * probe.BRANCH  # the halves' branches, not the residual, dominate
     # On h and, by its branches, on small: in half precision the residual hides a layer

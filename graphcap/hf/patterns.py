@@ -77,6 +77,34 @@ def stock_mlp(layer, h):
     return h + out[0]
 
 
+# The modules each half's kernels stand in for (with their submodules): none is called.
+HALVES = {"attention": ("input_layernorm", "self_attn"),
+          "mlp": ("post_attention_layernorm", "mlp")}
+# transformers' output-capturing hooks, put on modules for good by the first call asking
+# for hidden states, attentions or router logits: inert in graphcap's calls.
+_INERT_HOOKS = "transformers.utils.output_capturing"
+
+
+def hooks(module: nn.Module) -> tuple:
+    """The ids of ``module``'s forward pre-hooks and hooks, transformers' inert ones left out."""
+    return tuple(k for d in (module._forward_pre_hooks, module._forward_hooks)
+                 for k, h in d.items() if getattr(h, "__module__", None) != _INERT_HOOKS)
+
+
+def skipped_calls(layer, half: str) -> str | None:
+    """Why ``half`` of ``layer`` keeps its stock modules: one its kernels stand in for runs
+    more than its class's forward when called (a forward hook or pre-hook, a forward set
+    on the instance), which the kernels, reading its weights only, would skip."""
+    for root in HALVES[half]:
+        for name, m in getattr(layer, root).named_modules(prefix=root):
+            if hooks(m):
+                return f"{name} has forward hooks, which graphcap's kernels would not run"
+            if "forward" in m.__dict__:
+                return f"{name}'s forward is set on the instance, which graphcap's " \
+                       "kernels would not run"
+    return None
+
+
 def pre_norm_layer(layer) -> str | None:
     """Why ``layer`` is not made of the pre-norm layer's four modules only (or None)."""
     missing = [n for n in PRE_NORM if not isinstance(getattr(layer, n, None), nn.Module)]
@@ -346,16 +374,20 @@ def _recognise_gpt_oss_moe(layer, mlp, hidden: int, eps: float):
 
 
 def structure(model: nn.Module) -> tuple:
-    """What recognition read, by identity: every module, and the rotary embedding's
-    frequencies (the cos/sin cache is built from them; written in place too, by their
-    version counter); by value, the rotary embedding's ``attention_scaling`` (its stock
-    forward multiplies cos and sin by it on every call) and the config fields the stock
-    modules read per call (``changes.CALL_TIME_CONFIG``)."""
+    """What recognition read, by identity: every module and what calling it runs (its
+    class, a forward set on the instance, its hooks: :func:`skipped_calls`), and the
+    rotary embedding's frequencies (the cos/sin cache is built from them; written in
+    place too, by their version counter); by value, the rotary embedding's
+    ``attention_scaling`` (its stock forward multiplies cos and sin by it on every call)
+    and the config fields the stock modules read per call (``changes.CALL_TIME_CONFIG``)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     rotary = getattr(decoder, "rotary_emb", None)
     inv_freq = getattr(rotary, "inv_freq", None)
     scaling = getattr(rotary, "attention_scaling", None)
-    return (*map(id, model.modules()), id(inv_freq), _version(inv_freq),
+    calls = [(id(m), type(m), m.__dict__.get("forward"),
+              hooks(m) if m._forward_pre_hooks or m._forward_hooks else ())
+             for m in model.modules()]
+    return (*calls, id(inv_freq), _version(inv_freq),
             (id(scaling), _version(scaling)) if isinstance(scaling, torch.Tensor)
             else repr(scaling), call_time_config(model))
 

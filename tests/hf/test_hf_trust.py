@@ -290,3 +290,74 @@ def test_a_rotary_embedding_of_another_call_leaves_its_layers_stock_and_matches(
     with torch.no_grad():
         torch.testing.assert_close(lm(ids, torch.arange(9), seq_lens=[9]), want,
                                    atol=1e-4, rtol=1e-4)
+
+
+class Doubled(nn.Linear):
+    """An nn.Linear whose output is doubled: what a module's class swapped in place gives."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def _change(module, how: str, calls: list) -> None:
+    """Make calling ``module`` more than its weights: ``how`` it is changed."""
+    def record(*_):
+        calls.append(type(module).__name__)
+
+    if how == "a steering forward hook":
+        module.register_forward_hook(lambda m, args, out: out + 1.0)
+    elif how == "a pre-hook":
+        module.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    elif how == "a recording forward hook":
+        module.register_forward_hook(record)
+    elif how == "a forward set on the instance":
+        old = module.forward
+        module.forward = lambda x: (record(), old(x))[1]
+    else:
+        module.__class__ = Doubled
+
+
+# (A class swapped before wrapping is no nn.Linear, which recognition refuses already.)
+@pytest.mark.parametrize(("how", "when"), [
+    (how, when) for how in ("a steering forward hook", "a pre-hook",
+                            "a recording forward hook", "a forward set on the instance")
+    for when in ("before wrapping", "after wrapping")] + [
+    ("its class swapped", "after wrapping")])
+def test_a_module_inside_a_half_called_with_more_than_its_weights_keeps_the_half_stock(
+        how, when):
+    # graphcap's kernels read a half's weights and call none of its modules: a hook on
+    # q_proj or down_proj (steering, activation patching, recording) never ran, and one
+    # added after wrapping went unseen too.
+    ref = hf_model("llama")
+    hf = copy.deepcopy(ref)
+    lm = PrefillLM(hf) if when == "after wrapping" else None
+    calls = []
+    for model in (ref, hf):
+        _change(model.model.layers[0].self_attn.q_proj, how, calls)
+        _change(model.model.layers[1].mlp.down_proj, how, calls)
+    if lm is None:
+        lm = PrefillLM(hf)
+    with torch.no_grad():
+        lm(IDS, POS, seq_lens=LENS)  # recognised again (probes run the hooks too)
+        calls.clear()
+        got = lm(IDS, POS, seq_lens=LENS)
+    assert len(calls) == (2 if "record" in how or "instance" in how else 0)
+    assert_stock(got, ref)
+    for half in ("model.layers.0.self_attn", "model.layers.1.mlp"):
+        assert lm.kernels.table()[half].startswith("stock"), lm.kernels.table()
+    for half in ("model.layers.1.self_attn", "model.layers.0.mlp"):
+        assert lm.kernels.table()[half].startswith("graphcap"), lm.kernels.table()
+
+
+def test_transformers_output_capturing_hooks_leave_the_kernels_in():
+    # The first call asking for hidden states or attentions hooks every attention module
+    # for good; they capture nothing in graphcap's calls.
+    ref = hf_model("llama")
+    lm = PrefillLM(copy.deepcopy(ref))
+    with torch.no_grad(), graphcap.packed(LENS, "cpu"):
+        lm.hf_model(input_ids=IDS[None], position_ids=POS[None], use_cache=False,
+                    output_hidden_states=True, output_attentions=True)
+    assert lm.hf_model.model.layers[0].self_attn._forward_hooks
+    with torch.no_grad():
+        assert_stock(lm(IDS, POS, seq_lens=LENS), ref)
+    assert "0/" not in lm.kernels.summary(), lm.kernels.table()
