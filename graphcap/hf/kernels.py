@@ -379,7 +379,7 @@ def substitute(model: nn.Module, dtype: torch.dtype) -> Substitution:
 
 
 def _logits(model, ids, pos):
-    return model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    return model(input_ids=ids, position_ids=pos, **probe.call_options(model)).logits
 
 
 def _check_model(model, sub: Substitution, ids, pos, want) -> str | None:

@@ -377,6 +377,6 @@ class PrefillLM(nn.Module):
                                "seq_lens=[...] in an eager call)")
             keep = {"logits_to_keep": last_rows}
         out = self.hf_model(input_ids=input_ids[None], position_ids=positions[None],
-                            use_cache=False, **keep)
+                            **probe.call_options(self.hf_model), **keep)
         return out.logits[0]
 

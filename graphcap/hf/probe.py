@@ -24,6 +24,16 @@ KV_TOKENS = 8  # of the forward that finds each layer's K/V shape
 BRANCH = 1e-2  # the residual stream's scale under a half's branch, in a probe
 
 
+def call_options(model) -> dict:
+    """Keyword arguments of graphcap's every call of ``model``: no transformers KV cache,
+    and no router logits where its config asks for them (a MoE checkpoint trained with
+    the auxiliary loss): transformers collects them from the routers, which the MoE
+    kernels never call, to compute that loss (over none: an IndexError)."""
+    if getattr(model.config, "output_router_logits", None):
+        return {"use_cache": False, "output_router_logits": False}
+    return {"use_cache": False}
+
+
 def tolerance(dtype: torch.dtype) -> float:
     return 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2
 
@@ -165,7 +175,7 @@ def kv_layers(model, dtype: torch.dtype, options: tuple[str, ...]
     try:
         with torch.inference_mode(), packed([KV_TOKENS], device, dtype=dtype,
                                             options=options):
-            model(input_ids=ids[None], position_ids=pos[None], use_cache=False)
+            model(input_ids=ids[None], position_ids=pos[None], **call_options(model))
         seen = hf_attention.SEEN
     except UnsupportedModel as exc:
         raise UnsupportedModel(f"{type(model).__name__}: {exc}") from exc

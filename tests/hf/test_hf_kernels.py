@@ -369,3 +369,17 @@ def test_bf16_kernels_on_the_gpu_are_no_further_from_float32_than_stock_sdpa(fam
     # Within 10% of stock's distance: which attention kernel runs (Triton, or FlashInfer
     # and FlashAttention-4 where installed) moves graphcap's by a few per cent.
     assert ours_err <= stock_err * 1.10, (ours_err, stock_err)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_moe_config_asking_for_router_logits_wraps_and_gives_the_stock_logits(family):
+    # A checkpoint trained with the auxiliary loss may keep output_router_logits=True:
+    # transformers then computed that loss over the routers' logits, which the MoE
+    # kernels never produce (IndexError from inside transformers, when wrapping).
+    ref = hf_model(family, output_router_logits=True)
+    lm = PrefillLM(copy.deepcopy(ref))
+    assert ops_of(lm)["moe_experts"] == 2
+    runner = graphcap.capture(lm, "full", max_tokens=16, max_requests=2)
+    with torch.no_grad():
+        for got in (lm(IDS, POS, seq_lens=LENS), runner(IDS, POS, seq_lens=LENS)):
+            torch.testing.assert_close(got, stock_logits(ref), atol=1e-4, rtol=1e-4)
