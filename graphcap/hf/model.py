@@ -81,6 +81,17 @@ def _check_attention_features(model) -> None:
             "rope type (default, linear, llama3, yarn)")
 
 
+def _check_dtype(model) -> torch.dtype:
+    """The model's dtype (its LM head's), refused unless one graphcap.hf runs."""
+    dtype = model.get_output_embeddings().weight.dtype
+    if dtype not in DTYPES:
+        raise UnsupportedModel(
+            f"{type(model).__name__} is in {str(dtype).removeprefix('torch.')}; "
+            "graphcap.hf runs float32, float16 and bfloat16 models: convert it first "
+            "(hf_model.to(torch.float32))")
+    return dtype
+
+
 def _own_attention(model: PreTrainedModel) -> list[str]:
     """The model's attention module classes whose ``forward`` never looks up
     transformers' attention functions (``ALL_ATTENTION_FUNCTIONS``): they compute
@@ -198,12 +209,7 @@ class PrefillLM(nn.Module):
         self.output_rows = "tokens" if logits == "all" else "requests"
         _check_causal_lm(hf_model)
         _check_attention_features(hf_model)
-        dtype = hf_model.get_output_embeddings().weight.dtype
-        if dtype not in DTYPES:
-            raise UnsupportedModel(
-                f"{type(hf_model).__name__} is in {str(dtype).removeprefix('torch.')}; "
-                "graphcap.hf runs float32, float16 and bfloat16 models: convert it first "
-                "(hf_model.to(torch.float32))")
+        dtype = _check_dtype(hf_model)
         experts = _experts_for(hf_model, experts)  # checked before anything is switched
         self.hf_model = hf_model
         self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
@@ -284,10 +290,11 @@ class PrefillLM(nn.Module):
 
     def _check_switched(self, capture: bool = False) -> None:
         """Refuse a model whose attention implementation (for a capture, experts
-        implementation) is no longer PrefillLM's, or whose call-time config or vocabulary
-        changed (``graphcap.hf.changes``)."""
+        implementation) is no longer PrefillLM's, whose call-time config or vocabulary
+        changed (``graphcap.hf.changes``), or cast since to a dtype graphcap.hf does not run."""
         kind, config = type(self.hf_model).__name__, self.hf_model.config
         self.kernels  # noqa: B018 (refuses a released model, whatever it runs now)
+        _check_dtype(self.hf_model)
         if why := changes.refusal(self.hf_model, self._taken):
             raise UnsupportedModel(why)
         if (now := config._attn_implementation) != NAME:

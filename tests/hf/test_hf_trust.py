@@ -17,7 +17,7 @@ from torch import nn
 import graphcap
 
 transformers = pytest.importorskip("transformers")
-from graphcap.errors import BadBatch  # noqa: E402
+from graphcap.errors import BadBatch, GraphcapError  # noqa: E402
 from graphcap.hf import PrefillLM, UnsupportedModel  # noqa: E402  (needs transformers)
 from graphcap.hf.kernels import restore  # noqa: E402
 from tests.support.hf_families import VOCAB, hf_model  # noqa: E402
@@ -361,3 +361,19 @@ def test_transformers_output_capturing_hooks_leave_the_kernels_in():
     with torch.no_grad():
         assert_stock(lm(IDS, POS, seq_lens=LENS), ref)
     assert "0/" not in lm.kernels.summary(), lm.kernels.table()
+
+
+@pytest.mark.parametrize("kernels", ["graphcap", "stock"])
+def test_a_model_cast_to_a_dtype_graphcap_does_not_run_after_wrapping_is_refused(kernels):
+    # Refused when wrapped; cast after, a call failed inside an op ("attention: q has
+    # dtype torch.float64") or a backend's choice, not naming the model or the way back.
+    lm = PrefillLM(hf_model("llama"), kernels=kernels)
+    lm.hf_model.to(torch.float64)
+    with pytest.raises(UnsupportedModel, match=r"LlamaForCausalLM is in float64; .*"
+                       r"hf_model.to\(torch.float32\)"), torch.no_grad():
+        lm(IDS, POS, seq_lens=LENS)
+    with pytest.raises(GraphcapError, match="float64"):  # a backend's choice says so first
+        graphcap.capture(lm, "full", max_tokens=16, max_requests=2)
+    lm.hf_model.to(torch.float32)
+    with torch.no_grad():
+        assert lm(IDS, POS, seq_lens=LENS).dtype == torch.float32
