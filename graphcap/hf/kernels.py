@@ -161,9 +161,10 @@ class Substitution:
             return
         if self.structure != structure(self.model):
             self._outside_capture("its modules were replaced")
-            fresh = substitute(self.model, self.dtype)
-            self.parts, self.layers, self.structure = fresh.parts, fresh.layers, \
-                fresh.structure
+            # In the model's dtype now (a cast since?): its probes pick a backend for it.
+            fresh = substitute(self.model, self.model.get_output_embeddings().weight.dtype)
+            self.parts, self.layers, self.structure, self.dtype = fresh.parts, \
+                fresh.layers, fresh.structure, fresh.dtype
             log.info("graphcap.hf: modules of %s were replaced: recognised again (%s)",
                      type(self.model).__name__, self.summary())
             return

@@ -377,17 +377,18 @@ def structure(model: nn.Module) -> tuple:
     """What recognition read, by identity: every module and what calling it runs (its
     class, a forward set on the instance, its hooks: :func:`skipped_calls`), and the
     rotary embedding's frequencies (the cos/sin cache is built from them; written in
-    place too, by their version counter); by value, the rotary embedding's
-    ``attention_scaling`` (its stock forward multiplies cos and sin by it on every call)
-    and the config fields the stock modules read per call (``changes.CALL_TIME_CONFIG``)."""
+    place too, by their version counter); by value, the model's dtype (probed in it), the
+    rotary embedding's ``attention_scaling`` (its stock forward multiplies cos and sin by
+    it on every call) and the config fields the stock modules read per call
+    (``changes.CALL_TIME_CONFIG``)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     rotary = getattr(decoder, "rotary_emb", None)
     inv_freq = getattr(rotary, "inv_freq", None)
     scaling = getattr(rotary, "attention_scaling", None)
-    calls = [(id(m), type(m), m.__dict__.get("forward"),
-              hooks(m) if m._forward_pre_hooks or m._forward_hooks else ())
-             for m in model.modules()]
-    return (*calls, id(inv_freq), _version(inv_freq),
+    calls = [(id(m), type(m), m.__dict__.get("forward"), hooks(m) if m._forward_pre_hooks
+              or m._forward_hooks else ()) for m in model.modules()]
+    dtype = model.get_output_embeddings().weight.dtype
+    return (*calls, id(inv_freq), _version(inv_freq), dtype,
             (id(scaling), _version(scaling)) if isinstance(scaling, torch.Tensor)
             else repr(scaling), call_time_config(model))
 

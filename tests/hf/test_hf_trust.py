@@ -377,3 +377,20 @@ def test_a_model_cast_to_a_dtype_graphcap_does_not_run_after_wrapping_is_refused
     lm.hf_model.to(torch.float32)
     with torch.no_grad():
         assert lm(IDS, POS, seq_lens=LENS).dtype == torch.float32
+
+
+def test_a_model_cast_after_wrapping_is_probed_again_in_its_new_dtype():
+    # Probed in bf16 (2e-2) and cast to float32, its kernels were never held to float32's
+    # 1e-5 nor its logits to the stock model's; and a later recognition probed under an
+    # attention backend picked for bf16 (on a GPU, FlashAttention's: bf16 and fp16 only).
+    ref = hf_model("llama").to(torch.bfloat16)
+    lm = PrefillLM(copy.deepcopy(ref))
+    for model in (ref, lm.hf_model):
+        model.to(torch.float32)
+    with torch.no_grad():
+        assert_stock(lm(IDS, POS, seq_lens=LENS), ref)
+    assert lm.kernels.dtype == torch.float32
+    lm.hf_model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda *_: None)
+    with torch.no_grad():
+        lm(IDS, POS, seq_lens=LENS)  # recognised again: the hook
+    assert lm.kernels.dtype == torch.float32
