@@ -108,7 +108,7 @@ BENCH_READS = {"ops": set(), "decode": {"models", "arms", "batches", "context", 
 def _check_bench_args(args: argparse.Namespace) -> None:
     """The presets, arms and --tp given are ones the suite runs (checked before anything
     runs: a wrong name would otherwise surface after minutes of other arms, or need a GPU)."""
-    from graphcap.bench import decode, generate, ladder
+    from graphcap.bench import decode, generate, ladder, prefill
     from graphcap.bench.arms import ARMS
     from graphcap.bench.hf import HF_ARMS, unmirrored
     from graphcap.models import PRESETS
@@ -143,14 +143,9 @@ def _check_bench_args(args: argparse.Namespace) -> None:
     if args.speculative and (args.context is not None or args.window):
         raise GraphcapError("bench decode --speculative generates from prompts of its own "
                             "length: leave out --context and --window")
-    if args.suite == "decode" and not args.speculative:
-        context = max(map(int, (args.context or str(decode.CONTEXT)).split(",")))
-        for name in models or ["qwen3-0.6b"]:
-            if context >= PRESETS[name].max_position:
-                raise GraphcapError(
-                    f"--context {context}: {name} has {PRESETS[name].max_position} "
-                    f"positions, and a step after {context} tokens writes position "
-                    f"{context}; give contexts below {PRESETS[name].max_position}")
+    for name in models or (prefill.MODELS if args.suite == "prefill" else ["qwen3-0.6b"]):
+        preset = name.rpartition(":")[2]  # hf:PRESET: the stock model of its config
+        _check_positions(args, preset, PRESETS[preset].max_position)
     arms = {"decode": decode.ARMS, "prefill": ARMS + HF_ARMS, "build": ladder.BUILD_ARMS,
             "memory": ladder.MEMORY_ARMS, "generate": generate.STRATEGIES}[args.suite]
     if args.speculative:
@@ -164,6 +159,34 @@ def _check_bench_args(args: argparse.Namespace) -> None:
         if args.tp > 1 and arm in HF_ARMS:  # it would run unsplit only: nothing to compare
             raise GraphcapError(f"--arms {arm} with --tp {args.tp}: a stock transformers "
                                 "model is not split across ranks; leave its arms out")
+
+
+def _check_positions(args: argparse.Namespace, name: str, positions: int) -> None:
+    """The preset ``name`` has the ``positions`` the suite writes (a model past its last
+    one fails mid-run, after minutes of the other arms and models)."""
+    from graphcap.bench import decode, generate, prefill
+
+    if args.suite == "decode" and not args.speculative:
+        context = max(map(int, (args.context or str(decode.CONTEXT)).split(",")))
+        if context >= positions:
+            raise GraphcapError(
+                f"--context {context}: {name} has {positions} positions, and a step after "
+                f"{context} tokens writes position {context}; give contexts below {positions}")
+    if args.suite == "prefill":
+        longest = max(map(int, args.lengths.split(","))) if args.lengths else \
+            max(prefill.LENGTHS)
+        if longest > positions:
+            raise GraphcapError(
+                f"--lengths {longest}: {name} has {positions} positions, and a "
+                f"{longest}-token prompt writes positions 0 to {longest - 1}; give lengths "
+                f"of at most {positions}")
+    if args.suite == "generate":
+        needed = generate.LONG[0] + generate.LONG_NEW
+        if needed > positions:
+            raise GraphcapError(
+                f"--models {name}: {name} has {positions} positions, and bench generate "
+                f"prefills a {generate.LONG[0]}-token prompt and draws {generate.LONG_NEW} "
+                f"tokens after it ({needed} positions); choose presets of {needed} or more")
 
 
 def _no_cuda() -> str | None:

@@ -492,3 +492,18 @@ def test_check_of_a_model_left_in_training_mode_says_to_call_eval(capsys, user_m
     assert code == 1, out + err
     assert "nondeterministic" in out and "Its dropout drop is in training mode" in out, out
     assert "model.eval()" in out, out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["prefill", "--models", "tiny", "--lengths", "16,8192"],
+     "--lengths 8192: tiny has 4096 positions"),
+    (["prefill", "--lengths", "16,16384"], "--lengths 16384: qwen3-0.6b has 8192 positions"),
+    (["prefill", "--tp", "2", "--models", "tiny-moe", "--lengths", "5000"],
+     "--lengths 5000: tiny-moe has 4096 positions"),
+    (["generate", "--models", "qwen3-0.6b,tiny"], "tiny has 4096 positions")])
+def test_bench_refuses_prompts_past_a_preset_s_positions_before_it_runs(
+        capsys, monkeypatch, argv, needle):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # else: no GPU, first
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    err = refused(capsys, "bench", *argv)
+    assert err.startswith("graphcap bench: ") and needle in err, err

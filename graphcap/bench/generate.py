@@ -40,7 +40,9 @@ from graphcap.models import build_model
 
 STRATEGIES = ("full", "breakable")
 CASES = ((1, 128, 256), (64, 128, 256))  # prompts, prompt tokens, new tokens
-LONG = (8188, 2048)  # a long prompt (+ 4 new: 8192 positions), the largest prefill bucket
+# A long prompt and the largest prefill bucket; LONG_NEW tokens drawn after it: 8192 positions.
+LONG = (8188, 2048)
+LONG_NEW = 4
 BUILD_S = 3.0
 SHARE = {1: 0.9}  # of the decode step's floor, by prompts; others 0.85
 BATCH_SHARE = 0.85
@@ -111,9 +113,9 @@ def bench_model(name: str, strategies, cases, long, reps: int, device: str) -> d
             out.setdefault("gpu_idle", {})[strategy] = _gpu_idle(
                 llm, _prompts(prompts, length, vocab, 1), new)
         del llm
-        alone = LLM(model, strategy=strategy, max_batch=1, max_len=long[0] + 4,
+        alone = LLM(model, strategy=strategy, max_batch=1, max_len=long[0] + LONG_NEW,
                     prefill_tokens=prefill_tokens, progress=False)
-        alone.generate(_prompts(1, long[0], vocab, 2), 4)
+        alone.generate(_prompts(1, long[0], vocab, 2), LONG_NEW)
         report = alone.report()
         out["long_prompt"][strategy] = {
             "tokens": long[0], "prefill_tokens": prefill_tokens,
