@@ -110,6 +110,7 @@ def _check_bench_args(args: argparse.Namespace) -> None:
     runs: a wrong name would otherwise surface after minutes of other arms, or need a GPU)."""
     from graphcap.bench import decode, generate, ladder, prefill
     from graphcap.bench.arms import ARMS
+    from graphcap.bench.common import check_out
     from graphcap.bench.hf import HF_ARMS, unmirrored
     from graphcap.models import PRESETS
 
@@ -120,6 +121,7 @@ def _check_bench_args(args: argparse.Namespace) -> None:
     if unused:
         raise GraphcapError(f"bench {args.suite} does not take {', '.join(unused)}: leave "
                             f"{'it' if len(unused) == 1 else 'them'} out")
+    check_out(args.out)  # where the result goes, before the minutes that make it
     if args.suite == "ops":
         return
     ladders = args.suite in ("build", "memory")  # one model, perhaps a stock transformers one

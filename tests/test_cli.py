@@ -507,3 +507,19 @@ def test_bench_refuses_prompts_past_a_preset_s_positions_before_it_runs(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     err = refused(capsys, "bench", *argv)
     assert err.startswith("graphcap bench: ") and needle in err, err
+
+
+@pytest.mark.parametrize("out, needle", [
+    ("a_file/result.json", "--out a_file/result.json: a_file is a file, not a directory"),
+    ("a_file/more/result.json", "a_file is a file, not a directory"),
+    ("a_dir", "--out a_dir is a directory")])
+def test_bench_refuses_an_out_it_could_not_write_before_it_runs(
+        capsys, monkeypatch, tmp_path, out, needle):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("mine\n")
+    (tmp_path / "a_dir").mkdir()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # else: no GPU, first
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    err = refused(capsys, "bench", "ops", "--out", out)
+    assert err.startswith("graphcap bench: ") and needle in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_dir", "a_file"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from graphcap import env
+from graphcap.errors import GraphcapError
 
 
 def _version(dist: str) -> str | None:
@@ -186,6 +188,27 @@ def cuda_event_ms(fn: Callable[[], object]) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end)
+
+
+def check_out(out: str | None) -> None:
+    """Refuse, before a run, an ``--out`` that :func:`write_result` could not write after
+    it (the figures of minutes lost to a traceback): a directory, a path under a file, or
+    in a directory this process may not write into."""
+    if out is None:
+        return
+    path = Path(out)
+    if path.is_dir():
+        raise GraphcapError(f"--out {out} is a directory: give a file in it, such as "
+                            f"{path / 'result.json'}")
+    parent = path.parent
+    while not parent.exists():  # the directories write_result makes
+        parent = parent.parent
+    if not parent.is_dir():
+        raise GraphcapError(f"--out {out}: {parent} is a file, not a directory: give a "
+                            "path in a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise GraphcapError(f"--out {out}: this process may not write into {parent}: give "
+                            "a path in a directory it can write")
 
 
 def write_result(record: dict, out: str | None, default: str) -> Path:
