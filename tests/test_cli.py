@@ -523,3 +523,12 @@ def test_bench_refuses_an_out_it_could_not_write_before_it_runs(
     err = refused(capsys, "bench", "ops", "--out", out)
     assert err.startswith("graphcap bench: ") and needle in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_dir", "a_file"]
+
+
+@pytest.mark.parametrize("suite", ["prefill", "decode"])
+def test_bench_refuses_an_out_its_plot_would_write_over(capsys, monkeypatch, tmp_path, suite):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # else: no GPU, first
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    err = refused(capsys, "bench", suite, "--out", "run.png")
+    assert "--out run.png: " in err and "give run.json" in err, err

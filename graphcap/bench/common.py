@@ -193,10 +193,14 @@ def cuda_event_ms(fn: Callable[[], object]) -> float:
 def check_out(out: str | None) -> None:
     """Refuse, before a run, an ``--out`` that :func:`write_result` could not write after
     it (the figures of minutes lost to a traceback): a directory, a path under a file, or
-    in a directory this process may not write into."""
+    in a directory this process may not write into; a PNG's name, which the plot beside
+    the JSON would take."""
     if out is None:
         return
     path = Path(out)
+    if path.suffix.lower() == ".png":  # the plot's name: it would be written over the JSON
+        raise GraphcapError(f"--out {out}: --out names the JSON file, and a plot goes beside "
+                            f"it as .png, over it: give {path.with_suffix('.json')}")
     if path.is_dir():
         raise GraphcapError(f"--out {out} is a directory: give a file in it, such as "
                             f"{path / 'result.json'}")
