@@ -42,6 +42,12 @@ def load_factory(spec: str):
 def model_from(factory, spec: str):
     """What ``factory()`` returns. A factory that needs arguments is refused before it is
     called; one that raises or exits is a :class:`GraphcapError` saying so and where."""
+    if isinstance(factory, torch.nn.Module):  # callable, but calling it runs its forward
+        module, _, name = spec.partition(":")
+        raise GraphcapError(f"{spec!r} is a {type(factory).__name__} (a model), not a "
+                            "function that returns one: graphcap check builds the model "
+                            f"by calling MODULE:FUNCTION; add def build(): return {name} "
+                            f"to {module} and give {module}:build")
     needed = _required_parameters(factory)
     if needed:
         raise GraphcapError(f"the factory {spec!r} takes arguments {needed}; graphcap check "

@@ -532,3 +532,14 @@ def test_bench_refuses_an_out_its_plot_would_write_over(capsys, monkeypatch, tmp
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     err = refused(capsys, "bench", suite, "--out", "run.png")
     assert "--out run.png: " in err and "give run.json" in err, err
+
+
+def test_check_names_a_model_given_where_a_factory_is_expected(capsys, user_module):
+    user_module("model_instance", """
+        import torch
+        model = torch.nn.Linear(4, 4)
+    """)
+    err = refused(capsys, "check", "model_instance:model")
+    assert err.startswith("graphcap check: 'model_instance:model' is a Linear (a model), not "
+                          "a function that returns one"), err
+    assert "def" in err and "raised" not in err
