@@ -23,10 +23,14 @@ def load_factory(spec: str):
     if not sep or not module_name or not attr:
         raise GraphcapError(f"{spec!r}: give the factory as MODULE:FUNCTION, e.g. "
                             "mypkg.models:build")
+    if "/" in module_name or os.sep in module_name or module_name.startswith("."):
+        raise GraphcapError(_a_path(module_name, attr))  # import takes no path
     sys.path.insert(0, ".")  # a module in the working directory, like python -m
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
+        if module_name.endswith(".py"):  # a file's name, not a module "py" of a package
+            raise GraphcapError(_a_path(module_name, attr)) from exc
         raise GraphcapError(f"cannot import {module_name!r} (from {spec!r}): {exc}") from exc
     except (Exception, SystemExit) as exc:  # the user's module failed, not graphcap
         raise GraphcapError(f"importing {module_name!r} (from {spec!r}) {_failed(exc)}; "
@@ -37,6 +41,15 @@ def load_factory(spec: str):
     if not callable(factory):
         raise GraphcapError(f"{module_name!r} has no callable {attr!r} (from {spec!r})")
     return factory
+
+
+def _a_path(module_name: str, attr: str) -> str:
+    """What to give instead of a file's path: the module's dotted name."""
+    path = module_name.removesuffix(".py").replace(os.sep, "/")
+    parts = [p for p in path.split("/") if p.strip(".")]
+    dotted = parts[-1] if os.path.isabs(path) else ".".join(parts).lstrip(".")
+    return (f"{module_name!r} is a file's path, not a module's name: give {dotted}:{attr}, "
+            "from the directory it imports from (as python -m takes a module)")
 
 
 def model_from(factory, spec: str):

@@ -543,3 +543,15 @@ def test_check_names_a_model_given_where_a_factory_is_expected(capsys, user_modu
     assert err.startswith("graphcap check: 'model_instance:model' is a Linear (a model), not "
                           "a function that returns one"), err
     assert "def" in err and "raised" not in err
+
+
+@pytest.mark.parametrize("spec, name", [
+    ("path_factory.py:build", "path_factory:build"), ("./path_factory.py:build",
+                                                      "path_factory:build"),
+    ("sub/path_factory.py:build", "sub.path_factory:build"),
+    ("./path_factory:build", "path_factory:build")])
+def test_check_names_the_module_to_give_for_a_file_s_path(capsys, user_module, spec, name):
+    err = refused(capsys, "check", spec)
+    module = spec.partition(":")[0]
+    assert err.startswith(f"graphcap check: {module!r} is a file's path, not a module's "
+                          f"name: give {name}"), err
