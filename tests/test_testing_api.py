@@ -676,3 +676,9 @@ def test_a_forward_that_raises_on_some_calls_only_is_not_called_a_mismatch():
         assert_replay_equivalent(_RaisesOnce(), ("full",), buckets=[4, 8, 16],
                                  max_requests=1, examples=10, sequences=1)
     assert any("transient kernel failure" in str(e) for e in info.value.exceptions)
+
+
+def test_a_factory_that_returns_no_module_is_named_not_an_attribute_error():
+    with pytest.raises(TypeError, match=r"model_or_factory returned a tuple, not a "
+                                        r"torch.nn.Module"):
+        assert_replay_equivalent(lambda: (torch.nn.Linear(2, 2), "tokenizer"), ("full",))

@@ -164,6 +164,10 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
     same copy for each: ``graphcap check``)."""
     model = model_or_factory() if not isinstance(model_or_factory, torch.nn.Module) \
         else model_or_factory
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"assert_replay_equivalent: model_or_factory returned a "
+                        f"{type(model).__name__}, not a torch.nn.Module: give the model, or "
+                        "a function of no arguments that returns it")
     strategies = (strategies,) if isinstance(strategies, str) else tuple(strategies)
     if not strategies or "eager" in strategies:
         raise ValueError(f"strategies={strategies!r}: name one or more of {list(GRAPHED)} "
