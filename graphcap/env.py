@@ -10,8 +10,8 @@
   (``GRAPHCAP_RMS_NORM_KERNEL=flashinfer``).
 - ``GRAPHCAP_COMMIT``: the commit ``graphcap bench`` records where the tree is no git
   checkout of its own.
-- ``TRITON_INTERPRET=1`` (Triton's): Triton kernels run in its interpreter, on CPU
-  tensors too.
+- ``TRITON_INTERPRET=1`` (Triton's; ``true``, ``on``, ``yes`` too, as Triton reads it):
+  Triton kernels run in its interpreter, on CPU tensors too.
 - ``PYTORCH_CUDA_ALLOC_CONF`` (torch's): whether one free block of a graph pool splits.
 
 They are read when graphcap is imported, so that no op call reads the environment: after
@@ -25,6 +25,7 @@ import warnings
 from dataclasses import dataclass, field
 
 _OFF = ("0", "false", "off", "no")
+_TRITON_ON = ("1", "true", "on", "yes", "y")  # Triton's own reading, in any case
 _KERNEL = ("GRAPHCAP_", "_KERNEL")
 
 
@@ -48,7 +49,7 @@ def _read() -> Settings:
         graph=env.get("GRAPHCAP_GRAPH", "").strip().lower(),
         debug_cuda_graph=env.get("GRAPHCAP_DEBUG_CUDA_GRAPH") == "1",
         pdl=env.get("GRAPHCAP_PDL", "1").strip().lower() not in _OFF,
-        triton_interpret=env.get("TRITON_INTERPRET") == "1",
+        triton_interpret=env.get("TRITON_INTERPRET", "").lower() in _TRITON_ON,
         commit=env.get("GRAPHCAP_COMMIT", ""),
         alloc_conf=env.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + env.get(
             "PYTORCH_ALLOC_CONF", ""),

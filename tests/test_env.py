@@ -1,0 +1,27 @@
+"""``graphcap.env``: the variables of other tools read as those tools read them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphcap.env
+
+
+@pytest.mark.parametrize("value", ["1", "true", "True", "on", "yes", "y", "0", "false",
+                                   "off", "no", "t", "2", ""])
+def test_triton_s_interpreter_is_on_where_triton_reads_it_on(environ, value):
+    knobs = pytest.importorskip("triton.knobs")
+    environ.set("TRITON_INTERPRET", value)
+    assert graphcap.env.settings().triton_interpret == knobs.runtime.interpret, value
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter on CPU tensors")
+def test_check_op_compares_the_triton_kernels_under_any_spelling_triton_takes(environ):
+    pytest.importorskip("triton")
+    from graphcap.testing import check_op
+
+    environ.set("TRITON_INTERPRET", "true")
+    report = check_op("rms_norm", device="cpu", dtypes=(torch.float32,), examples=2,
+                      opcheck=False)
+    assert "triton" in report, str(report)  # not skipped as "runs on cuda tensors"
