@@ -682,3 +682,12 @@ def test_a_factory_that_returns_no_module_is_named_not_an_attribute_error():
     with pytest.raises(TypeError, match=r"model_or_factory returned a tuple, not a "
                                         r"torch.nn.Module"):
         assert_replay_equivalent(lambda: (torch.nn.Linear(2, 2), "tokenizer"), ("full",))
+
+
+def test_the_plugin_reads_the_variables_a_conftest_sets_after_graphcap_was_imported(
+        pytester, environ):
+    environ.set("GRAPHCAP_PDL", "1")  # the plugin imported graphcap, which read this
+    pytester.makeconftest("import os\nos.environ['GRAPHCAP_PDL'] = '0'\n")
+    pytester.makepyfile(test_pdl="import graphcap.env\n\ndef test_pdl_is_off():\n"
+                                 "    assert graphcap.env.settings().pdl is False\n")
+    pytester.runpytest().assert_outcomes(passed=1)  # a conftest setting TRITON_INTERPRET too
