@@ -112,6 +112,7 @@ def _check_bench_args(args: argparse.Namespace) -> None:
     from graphcap.bench.arms import ARMS
     from graphcap.bench.common import check_out
     from graphcap.bench.hf import HF_ARMS, unmirrored
+    from graphcap.bench.suites import check_preset
     from graphcap.models import PRESETS
 
     if args.tp > 1 and args.suite != "prefill":
@@ -146,8 +147,7 @@ def _check_bench_args(args: argparse.Namespace) -> None:
         raise GraphcapError("bench decode --speculative generates from prompts of its own "
                             "length: leave out --context and --window")
     for name in models or (prefill.MODELS if args.suite == "prefill" else ["qwen3-0.6b"]):
-        preset = name.rpartition(":")[2]  # hf:PRESET: the stock model of its config
-        _check_positions(args, preset, PRESETS[preset].max_position)
+        check_preset(args, name.rpartition(":")[2])  # hf:PRESET: the stock model of its config
     arms = {"decode": decode.ARMS, "prefill": ARMS + HF_ARMS, "build": ladder.BUILD_ARMS,
             "memory": ladder.MEMORY_ARMS, "generate": generate.STRATEGIES}[args.suite]
     if args.speculative:
@@ -161,34 +161,6 @@ def _check_bench_args(args: argparse.Namespace) -> None:
         if args.tp > 1 and arm in HF_ARMS:  # it would run unsplit only: nothing to compare
             raise GraphcapError(f"--arms {arm} with --tp {args.tp}: a stock transformers "
                                 "model is not split across ranks; leave its arms out")
-
-
-def _check_positions(args: argparse.Namespace, name: str, positions: int) -> None:
-    """The preset ``name`` has the ``positions`` the suite writes (a model past its last
-    one fails mid-run, after minutes of the other arms and models)."""
-    from graphcap.bench import decode, generate, prefill
-
-    if args.suite == "decode" and not args.speculative:
-        context = max(map(int, (args.context or str(decode.CONTEXT)).split(",")))
-        if context >= positions:
-            raise GraphcapError(
-                f"--context {context}: {name} has {positions} positions, and a step after "
-                f"{context} tokens writes position {context}; give contexts below {positions}")
-    if args.suite == "prefill":
-        longest = max(map(int, args.lengths.split(","))) if args.lengths else \
-            max(prefill.LENGTHS)
-        if longest > positions:
-            raise GraphcapError(
-                f"--lengths {longest}: {name} has {positions} positions, and a "
-                f"{longest}-token prompt writes positions 0 to {longest - 1}; give lengths "
-                f"of at most {positions}")
-    if args.suite == "generate":
-        needed = generate.LONG[0] + generate.LONG_NEW
-        if needed > positions:
-            raise GraphcapError(
-                f"--models {name}: {name} has {positions} positions, and bench generate "
-                f"prefills a {generate.LONG[0]}-token prompt and draws {generate.LONG_NEW} "
-                f"tokens after it ({needed} positions); choose presets of {needed} or more")
 
 
 def _no_cuda() -> str | None:

@@ -7,6 +7,38 @@ import argparse
 from pathlib import Path
 
 
+def check_preset(args: argparse.Namespace, name: str) -> None:
+    """The preset ``name`` runs as ``args`` ask, checked before anything runs (else it
+    fails mid-run, after minutes of the other arms and models): it has the positions the
+    suite writes."""
+    from graphcap.bench import decode, generate, prefill
+    from graphcap.errors import GraphcapError
+    from graphcap.models import PRESETS
+
+    positions = PRESETS[name].max_position
+    if args.suite == "decode" and not args.speculative:
+        context = max(map(int, (args.context or str(decode.CONTEXT)).split(",")))
+        if context >= positions:
+            raise GraphcapError(
+                f"--context {context}: {name} has {positions} positions, and a step after "
+                f"{context} tokens writes position {context}; give contexts below {positions}")
+    if args.suite == "prefill":
+        longest = max(map(int, args.lengths.split(","))) if args.lengths else \
+            max(prefill.LENGTHS)
+        if longest > positions:
+            raise GraphcapError(
+                f"--lengths {longest}: {name} has {positions} positions, and a "
+                f"{longest}-token prompt writes positions 0 to {longest - 1}; give lengths "
+                f"of at most {positions}")
+    if args.suite == "generate":
+        needed = generate.LONG[0] + generate.LONG_NEW
+        if needed > positions:
+            raise GraphcapError(
+                f"--models {name}: {name} has {positions} positions, and bench generate "
+                f"prefills a {generate.LONG[0]}-token prompt and draws {generate.LONG_NEW} "
+                f"tokens after it ({needed} positions); choose presets of {needed} or more")
+
+
 def _csv(text: str | None, default, convert=str) -> tuple:
     return tuple(convert(x) for x in text.split(",")) if text else tuple(default)
 
