@@ -555,3 +555,16 @@ def test_check_names_the_module_to_give_for_a_file_s_path(capsys, user_module, s
     module = spec.partition(":")[0]
     assert err.startswith(f"graphcap check: {module!r} is a file's path, not a module's "
                           f"name: give {name}"), err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--tp", "3"], "--tp 3 --models qwen3-0.6b: tensor parallelism over 3 ranks does not "
+                    "divide kv_heads 8"),
+    (["--tp", "4", "--models", "tiny"], "--tp 4 --models tiny: "),
+    (["--tp", "2", "--models", "gpt-oss-20b-mxfp4"], "does not split MXFP4 experts")])
+def test_bench_refuses_a_tp_size_a_preset_does_not_split_into_before_it_runs(
+        capsys, monkeypatch, argv, needle):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # else: no GPU, first
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    err = refused(capsys, "bench", "prefill", *argv)
+    assert err.startswith("graphcap bench: ") and needle in err, err

@@ -10,10 +10,11 @@ from pathlib import Path
 def check_preset(args: argparse.Namespace, name: str) -> None:
     """The preset ``name`` runs as ``args`` ask, checked before anything runs (else it
     fails mid-run, after minutes of the other arms and models): it has the positions the
-    suite writes."""
+    suite writes, and ``--tp`` splits it into whole heads and columns."""
     from graphcap.bench import decode, generate, prefill
     from graphcap.errors import GraphcapError
     from graphcap.models import PRESETS
+    from graphcap.models.decoder import shard_args
 
     positions = PRESETS[name].max_position
     if args.suite == "decode" and not args.speculative:
@@ -37,6 +38,11 @@ def check_preset(args: argparse.Namespace, name: str) -> None:
                 f"--models {name}: {name} has {positions} positions, and bench generate "
                 f"prefills a {generate.LONG[0]}-token prompt and draws {generate.LONG_NEW} "
                 f"tokens after it ({needed} positions); choose presets of {needed} or more")
+    if getattr(args, "tp", 1) > 1:  # the split run comes after the whole unsplit one
+        try:
+            shard_args(PRESETS[name], args.tp)
+        except GraphcapError as exc:
+            raise GraphcapError(f"--tp {args.tp} --models {name}: {exc}") from None
 
 
 def _csv(text: str | None, default, convert=str) -> tuple:
