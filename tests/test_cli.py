@@ -568,3 +568,16 @@ def test_bench_refuses_a_tp_size_a_preset_does_not_split_into_before_it_runs(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     err = refused(capsys, "bench", "prefill", *argv)
     assert err.startswith("graphcap bench: ") and needle in err, err
+
+
+def test_bench_without_out_refuses_a_working_directory_it_may_not_write_into(
+        capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # else: no GPU, first
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    access = os.access  # root may write anywhere: the directory as another user sees it
+    monkeypatch.setattr(os, "access", lambda p, mode: os.path.abspath(p) != str(tmp_path)
+                        and access(p, mode))
+    err = refused(capsys, "bench", "ops")
+    assert f"may not write into the working directory {tmp_path}" in err, err
+    assert "give --out a path" in err

@@ -194,8 +194,12 @@ def check_out(out: str | None) -> None:
     """Refuse, before a run, an ``--out`` that :func:`write_result` could not write after
     it (the figures of minutes lost to a traceback): a directory, a path under a file, or
     in a directory this process may not write into; a PNG's name, which the plot beside
-    the JSON would take."""
+    the JSON would take. No ``--out``: a dated name in the working directory."""
     if out is None:
+        if not os.access(Path.cwd(), os.W_OK | os.X_OK):
+            raise GraphcapError(f"this process may not write into the working directory "
+                                f"{Path.cwd()}, where the result goes without --out: give "
+                                "--out a path in a directory it can write")
         return
     path = Path(out)
     if path.suffix.lower() == ".png":  # the plot's name: it would be written over the JSON
