@@ -20,6 +20,20 @@ AGAIN = ("wrap the model again, PrefillLM(hf_model) (one given graphcap.accelera
          "graphcap.restore(hf_model), then accelerate it again)")
 
 
+def module_values(module: nn.Module) -> tuple:
+    """The Python numbers, flags and names a module holds (``variance_epsilon``,
+    ``scaling``, ``head_dim``, ``sliding_window``, ``top_k``): the kernels standing in for
+    it read them at recognition, so one set since is a change (not ``training``: a call
+    in train mode runs the stock forward)."""
+    if type(module).__module__.startswith("torch.nn"):  # torch's own: called, not stood in for
+        return ()
+    return tuple((k, v) for k, v in module.__dict__.items()
+                 if type(v) in _VALUES and k != "training")
+
+
+_VALUES = (bool, int, float, str, type(None))
+
+
 def call_time_config(model: nn.Module) -> tuple:
     """The values of ``CALL_TIME_CONFIG`` in ``model``'s config."""
     return tuple(repr(getattr(model.config, f, None)) for f in CALL_TIME_CONFIG)

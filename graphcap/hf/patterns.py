@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from graphcap.hf.changes import call_time_config
+from graphcap.hf.changes import call_time_config, module_values
 from graphcap.hf.fuse import Fused, check_fusable
 from graphcap.models.blocks import (
     AttentionLayer,
@@ -374,8 +374,8 @@ def _recognise_gpt_oss_moe(layer, mlp, hidden: int, eps: float):
 
 
 def structure(model: nn.Module) -> tuple:
-    """What recognition read, by identity: every module and what calling it runs (its
-    class, a forward set on the instance, its hooks: :func:`skipped_calls`), and the
+    """What recognition read, by identity: every module, its Python values and what calling
+    it runs (class, a forward set on the instance, hooks: :func:`skipped_calls`), and the
     rotary embedding's frequencies (the cos/sin cache is built from them; written in
     place too, by their version counter); by value, the model's dtype (probed in it), the
     rotary embedding's ``attention_scaling`` (its stock forward multiplies cos and sin by
@@ -385,8 +385,8 @@ def structure(model: nn.Module) -> tuple:
     rotary = getattr(decoder, "rotary_emb", None)
     inv_freq = getattr(rotary, "inv_freq", None)
     scaling = getattr(rotary, "attention_scaling", None)
-    calls = [(id(m), type(m), m.__dict__.get("forward"), hooks(m) if m._forward_pre_hooks
-              or m._forward_hooks else ()) for m in model.modules()]
+    calls = [(id(m), type(m), m.__dict__.get("forward"), module_values(m), hooks(m)
+              if m._forward_pre_hooks or m._forward_hooks else ()) for m in model.modules()]
     dtype = model.get_output_embeddings().weight.dtype
     return (*calls, id(inv_freq), _version(inv_freq), dtype,
             (id(scaling), _version(scaling)) if isinstance(scaling, torch.Tensor)

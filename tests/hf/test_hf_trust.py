@@ -143,6 +143,21 @@ def test_modules_replaced_after_wrapping_are_recognised_again(swap):
         assert lm.kernels.table()[f"model.layers.0.{half}"].startswith("stock")
 
 
+@pytest.mark.parametrize("attribute", ["input_layernorm.variance_epsilon",
+                                       "self_attn.scaling"])
+def test_a_modules_python_value_set_after_wrapping_is_recognised_again(attribute):
+    """The kernels standing in for a half read its Python values (an eps, a scale) at
+    recognition: one set since is a change, as a module replaced is."""
+    ref = hf_model("llama")
+    hf = copy.deepcopy(ref)
+    lm = PrefillLM(hf)
+    owner, name = attribute.split(".")
+    for model in (hf, ref):
+        setattr(getattr(model.model.layers[1], owner), name, 0.5)
+    for got in eager_and_full(lm):
+        assert_stock(got, ref)
+
+
 def test_the_model_switched_back_to_its_own_attention_runs_as_stock():
     ref = hf_model("llama")
     hf = copy.deepcopy(ref)
