@@ -201,6 +201,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _strategy(text: str) -> str:
+    """A strategy of ``check --strategies`` (the choices check it): a factory there (the
+    option takes every word after it) is named as the factory it is."""
+    if ":" in text:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is the factory, not a strategy: give it before --strategies "
+            f"(graphcap check {text} --strategies ...)")
+    return text
+
+
 def _positives(text: str) -> str:
     """Comma-separated positive whole numbers, each once, as the text bench's suites split."""
     values = [_positive(item) for item in text.split(",")]
@@ -271,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", formatter_class=defaults,
                            help="replay equivalence of your model under every strategy")
     check.add_argument("factory", help="MODULE:FUNCTION returning the model")
-    check.add_argument("--strategies", nargs="+", default=None, choices=GRAPHED,
+    check.add_argument("--strategies", nargs="+", default=None, choices=GRAPHED, type=_strategy,
                        help="the strategies to check (default: every one the attention "
                             "backend runs under)")
     check.add_argument("--examples", type=_positive, default=10, help="batches per strategy")

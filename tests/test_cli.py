@@ -581,3 +581,11 @@ def test_bench_without_out_refuses_a_working_directory_it_may_not_write_into(
     err = refused(capsys, "bench", "ops")
     assert f"may not write into the working directory {tmp_path}" in err, err
     assert "give --out a path" in err
+
+
+def test_a_factory_after_check_strategies_is_named_as_the_factory(capsys):
+    """--strategies takes every word after it: a factory given there is told as such."""
+    message = refused(capsys, "check", "--strategies", "full",
+                      "tests.support.check_models:good")
+    assert "'tests.support.check_models:good' is the factory, not a strategy: give it " \
+        "before --strategies" in message
