@@ -310,6 +310,9 @@ def test_results_are_never_overwritten_silently(tmp_path, monkeypatch):
     assert first.read_text().strip().endswith("}")
     given = write_result({"a": 3}, str(tmp_path / "r.json"), "unused.json")  # --out too
     assert given.name == "r-3.json" and '"a": 1' in first.read_text()
+    (tmp_path / "p.png").write_bytes(b"a plot of another run")  # its JSON gone
+    plotted = write_result({"a": 4}, "p.json", "unused.json", (".png",))
+    assert plotted.name == "p-2.json"  # whose plot, p-2.png, leaves p.png as it was
 
 
 def test_the_linear_cases_time_both_kernels_and_judge_only_where_dispatch_fuses(

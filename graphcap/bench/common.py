@@ -219,16 +219,21 @@ def check_out(out: str | None) -> None:
                             "a path in a directory it can write")
 
 
-def write_result(record: dict, out: str | None, default: str) -> Path:
+def write_result(record: dict, out: str | None, default: str,
+                 beside: tuple[str, ...] = ()) -> Path:
     """Write ``record`` as JSON to ``out`` (default: ``default`` in the working directory)
-    and return the path; never overwrites a file: where one is there, the next free
+    and return the path; never overwrites a file: where one is there, or one of the
+    ``beside`` suffixes the caller writes next (``.png``: its plot), the next free
     ``<stem>-2``, ``-3``, ... (the caller prints the path written)."""
     path = Path(out or default)
-    if path.exists():
-        stem, n = path.stem, 2
-        while path.exists():
-            path = path.with_name(f"{stem}-{n}{path.suffix}")
-            n += 1
+
+    def taken(p: Path) -> bool:
+        return p.exists() or any(p.with_suffix(s).exists() for s in beside)
+
+    stem, n = path.stem, 2
+    while taken(path):
+        path = path.with_name(f"{stem}-{n}{path.suffix}")
+        n += 1
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path

@@ -95,7 +95,7 @@ def run_suite(args: argparse.Namespace) -> int:
                             args.reps or 30,
                             window=args.window)
         show_decode(result)
-        path = write_result(result, args.out, f"{today()}-bench-decode.json")
+        path = write_result(result, args.out, f"{today()}-bench-decode.json", (".png",))
         plot = plot_decode(result, Path(path).with_suffix(".png"))
         print(f"wrote {path}" + (f" and {plot}" if plot else ""))
         return 0 if all(t["met"] for m in result["models"] for t in m["targets"]) else 1
@@ -122,7 +122,7 @@ def run_suite(args: argparse.Namespace) -> int:
             result = prefill.run(models, arms, lengths, args.reps or 30, progress=step,
                                  attention=args.attention)
         show_prefill(result)
-        path = write_result(result, args.out, f"{today()}-bench-prefill.json")
+        path = write_result(result, args.out, f"{today()}-bench-prefill.json", (".png",))
         plot = plot_prefill(result, Path(path).with_suffix(".png"))
     else:
         model = _csv(args.models, ["qwen3-0.6b"])[0]
