@@ -201,6 +201,11 @@ def _positive(text: str) -> int:
     return value
 
 
+def _window(text: str) -> int:
+    """A window of ``bench decode --window``: positive, or 0 for none (the default)."""
+    return 0 if text.strip() == "0" else _positive(text)
+
+
 def _strategy(text: str) -> str:
     """A strategy of ``check --strategies`` (the choices check it): a factory there (the
     option takes every word after it) is named as the factory it is."""
@@ -343,9 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--context", type=_positives, default=None,
                        help="decode: tokens in the cache of every request, comma-separated "
                             "for several contexts (default 128)")
-    bench.add_argument("--window", type=_positive, default=0,
+    bench.add_argument("--window", type=_window, default=0,
                        help="decode: a sliding window of this many tokens on every layer "
-                            "(its step reads only the window's K/V)")
+                            "(its step reads only the window's K/V; 0: none)")
     bench.add_argument("--speculative", type=_positive, default=0, metavar="K",
                        help="decode: speculative decoding with K proposals a step, each "
                             "proposer (target, random, ngram: --arms) beside plain decode, "

@@ -272,6 +272,8 @@ def test_bench_generate_runs_the_reps_given_and_three_where_none_is(
 def test_bench_without_cuda_says_it_needs_a_gpu(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert "needs a CUDA GPU" in refused(capsys, "bench", "decode")
+    # --window 0 is the default's no window, given: past the parser to the same refusal
+    assert "needs a CUDA GPU" in refused(capsys, "bench", "decode", "--window", "0")
 
 
 def test_bench_split_across_more_gpus_than_there_are_says_how_many(capsys, monkeypatch):
