@@ -101,9 +101,9 @@ class Runner:
     # -- calls ---------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         with self._serial.only("a call of the runner"):
+            self._serial.order()
             start = time.perf_counter()  # after the lock: another call's wait is not ours
-            stale = self.strategy.captures and self._snapshot is not None \
-                and not self._snapshot.current()
+            stale = self._snapshot is not None and not self._snapshot.current()  # None: uncaptured
             kept = self.inputs.forget() if stale and self.config.on_change == "recapture" \
                 else None  # a changed model of tensors may take other shapes
             try:
@@ -261,6 +261,7 @@ class Runner:
         if not self.strategy.captures:
             raise UnsupportedStrategy(f"{what}: strategy {self.strategy.name!r} captures "
                                       "nothing (every call runs the model eagerly)")
+        self._serial.order()
 
     def _capture_all(self, batch: Batch | None, progress) -> None:
         ranks = self.config.ranks
@@ -386,15 +387,14 @@ class Runner:
 
     # -- report --------------------------------------------------------------------
     def report(self) -> dict:
-        """The strategy (``debug``: its debug mode, which captures nothing); shapes; per
-        shape the graphs replayed (``segments``), the functions run eagerly between them
-        (``breaks``), the split ops captured in a graph (``splits_in_graph``); graph
-        memory, build seconds, counters; ``warmups``: eager warm-up forwards before
-        captures (a warm-up that made a parameter or buffer counts twice: it ran again),
-        ``warmup_retries``: shapes whose direct capture failed and were warmed up and
-        captured again; what the inputs report (prefill: ``attention``, the backend the
-        captured forward called, None if none); ``host_us_per_replay``: the mean host time
-        of a replayed call, from taking the lock to the graph's launch returning (checks,
+        """The strategy (``debug``: its debug mode, which captures nothing); shapes; per shape the
+        graphs replayed (``segments``), the functions run eagerly between them (``breaks``), the
+        split ops captured in a graph (``splits_in_graph``); graph memory, build seconds, counters;
+        ``warmups``: eager warm-up forwards before captures (a warm-up that made a parameter or
+        buffer counts twice: it ran again), ``warmup_retries``: shapes whose direct capture failed
+        and were warmed up and captured again; what the inputs report (prefill: ``attention``, the
+        backend the captured forward called, None if none); ``host_us_per_replay``: the mean host
+        time of a replayed call, from taking the lock to the graph's launch returning (checks,
         routing, staging; not the GPU's, nor a wait's)."""
-        with self._serial:
+        with self._serial.held():
             return report_of(self)

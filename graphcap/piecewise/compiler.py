@@ -188,7 +188,8 @@ class PiecewiseCompiler:
         def forward(*args):
             if scalars:  # host values, read outside any graph
                 args = tuple(a.item() if i in scalars else a for i, a in enumerate(args))
-            with self.serial:
+            with self.serial.held():
+                self.serial.order()
                 return run(*args)
 
         def run(*args):

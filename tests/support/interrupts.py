@@ -84,3 +84,31 @@ def code_of(function, *more) -> set:
         out.add(code)
         todo += [c for c in code.co_consts if isinstance(c, type(code))]
     return out
+
+
+def delivered(codes, n: int | None, call, *args):
+    """``call(*args)`` with KeyboardInterrupt raised at the ``n``-th point of the frames of
+    ``codes`` where CPython delivers a Ctrl-C that arrived before it (None: none raised):
+    where such a frame begins (a generator's, where it resumes) and where a C function
+    it called returns, as ``sys.setprofile`` sees them; returns the points counted and
+    what ``call`` returned or raised. (:func:`interrupted` raises before any instruction,
+    which is stricter than CPython: it delivers none between a ``with`` statement's block
+    and the lock's C ``__exit__``.)"""
+    codes, count = set(codes), 0
+
+    def profile(frame, event, arg):
+        nonlocal count
+        if event in ("call", "c_return") and frame.f_code in codes:
+            count += 1
+            if count == n:
+                raise KeyboardInterrupt(f"point {n}")
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        out = call(*args)
+    except BaseException as exc:  # the test looks at it
+        out = exc
+    finally:
+        sys.setprofile(previous)
+    return count, out
