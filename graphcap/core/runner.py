@@ -182,11 +182,11 @@ class Runner:
                     entry.replay()
             else:
                 entry.replay()
-        self.stats.replays[entry.bucket] += 1
         rows = self.inputs.out_rows(batch)
         # Copied outside inference mode (ordinary tensors); narrow_copy: a clone, one op.
         outs = [buf.narrow_copy(0, 0, rows) if self.config.copy_outputs else buf[:rows]
                 for buf in self._outputs]
+        self.stats.replays[entry.bucket] += 1  # once it returns (else a failure only)
         return tree_unflatten(outs, self._out_spec)
 
     def _eager(self, batch: Batch, reason: str):
@@ -199,10 +199,10 @@ class Runner:
         # would recompile under no_grad, capturing in fallbacks); outputs cloned outside it.
         with torch.inference_mode():
             out = run()
-        self.stats.fallbacks[reason] += 1  # once it ran (one that raised is a failure)
         flat, spec = tree_flatten(out)
-        return tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t
-                               for t in flat], spec)
+        outs = [t.clone() if isinstance(t, torch.Tensor) else t for t in flat]
+        self.stats.fallbacks[reason] += 1  # once it returns (one that raised is a failure)
+        return tree_unflatten(outs, spec)
 
     def _check_change(self) -> str:
         """The model is not the one captured: what changed, or ``ModelChanged`` where it

@@ -301,6 +301,26 @@ def test_a_fallback_that_raises_is_counted_as_a_failure_only():
     assert sum(r.report()["fallbacks"].values()) == 1
 
 
+@pytest.mark.parametrize("tokens", [3, 6], ids=["replay", "fallback"])
+def test_a_call_whose_outputs_cannot_be_copied_is_counted_as_a_failure_only(tokens,
+                                                                            monkeypatch):
+    m = torch.nn.Linear(8, 8).to(DEVICE)
+    r = graphcap.capture(m, "full", buckets=[4],
+                         example_inputs=(torch.randn(4, 8, device=DEVICE),))
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("no memory left for the outputs")
+
+    with monkeypatch.context() as patch:  # the copies a call returns, and nothing else
+        patch.setattr(torch.Tensor, "narrow_copy", out_of_memory)
+        patch.setattr(torch.Tensor, "clone", out_of_memory)
+        with pytest.raises(torch.OutOfMemoryError):
+            r(torch.randn(tokens, 8, device=DEVICE))
+    rep = r.report()
+    assert (rep["calls"], rep["failed"], sum(rep["replays"].values()),
+            sum(rep["fallbacks"].values())) == (1, 1, 0, 0)
+
+
 def test_a_batch_too_small_for_the_buckets_is_refused_naming_a_smaller_bucket():
     m = graphcap.models.build_model("tiny", device=DEVICE)
     r = graphcap.capture(m, "full", buckets=[8, 16], max_requests=2, attention=ATTN,
