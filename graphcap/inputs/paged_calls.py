@@ -169,14 +169,15 @@ def starts_of(given, requests: int) -> list[int]:
 def _starts(inputs: PagedInputs, given, slots: list[int], lens: list[int]) -> list[int]:
     """Each request's first position, checked against its slot's tokens (``BadBatch``)."""
     starts = starts_of(given, len(slots))
-    for slot, start in zip(slots, starts, strict=True):
+    for slot, start, length in zip(slots, starts, lens, strict=True):
         written = inputs.cache.written(slot)
         if not 0 <= start <= written:
             why = "a position is never negative" if start < 0 else "a request continues " \
                 "at most from its last written token"
             raise BadBatch(f"starts: request slot {slot} starts at {start}, but its "
                            f"pages hold {written} tokens; {why}")
-        inputs.cache.check_reach(slot, start)
+        if length:  # a request of no tokens reads no page
+            inputs.cache.check_reach(slot, start)
     ends = [b + n for b, n in zip(starts, lens, strict=True)]
     if inputs.max_position is not None and max(ends) > inputs.max_position:
         raise BadBatch(f"requests ending at positions {ends} reach past the model's "

@@ -6,6 +6,8 @@ continuations; a chunk may not start past its request's cached tokens."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -206,3 +208,29 @@ def test_the_prefill_attention_backend_may_be_given_by_its_name():
     ids, positions, lens, slots, _ = call_of(CHUNKS[0])
     runner(ids, positions, seq_lens=lens, slots=slots)
     assert cache.written(0) == 4
+
+
+def test_a_zero_length_request_beside_others_reads_nothing_and_is_no_refusal_in_a_window():
+    # Slot 0's first pages were freed behind the window: a chunk of it from position 0
+    # would attend to them, but a request of no tokens reads nothing at any start.
+    torch.manual_seed(0)
+    m = Decoder(dataclasses.replace(PRESETS["tiny"], window=8)).to(DEVICE).eval()
+    a = m.args
+    cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=2, max_len=32,
+                         page_size=4, device=DEVICE, window=8)
+    backend = get_backend(None, DEVICE, strategy="full", dtype=torch.float32)
+    runner = graphcap.capture(m, "full", buckets=[16],
+                              inputs=CachePrefillInputs(cache, backend, slots=2, extend=True))
+    cache.admit(0, 30)
+    cache.admit(1, 30)
+    runner(torch.arange(16, device=DEVICE), torch.arange(16, device=DEVICE),
+           seq_lens=[16, 0], slots=[0, 1])
+    assert cache.least_kept(0) > 0
+    with pytest.raises(BadBatch, match="position 0 of slot 0 is one of the tokens before 8"):
+        runner(torch.arange(3, device=DEVICE), torch.arange(3, device=DEVICE),
+               seq_lens=[3, 0], slots=[0, 1])
+    ids = torch.tensor([4, 5, 6], device=DEVICE)
+    got = runner(ids, torch.arange(3, device=DEVICE), seq_lens=[0, 3], slots=[0, 1])
+    want = prefill(m, cache, ids, [3], [1])  # slot 1 again, from its start
+    torch.testing.assert_close(got[-1], want[0], atol=1e-4, rtol=1e-4)
+    assert (cache.written(0), cache.written(1)) == (16, 3)
