@@ -226,10 +226,13 @@ class PagedKVCache:
     def unwrite(self, starts) -> None:
         """A forward that raised may have written each ``(slot, start)`` of ``starts``
         from ``start`` on: the request keeps only its tokens before ``start`` (fewer, if
-        it had fewer), and its next step goes on from there."""
+        it had fewer), and its next step goes on from there; where pages were freed
+        behind the window past ``start`` (a call that ran, cut short as :meth:`wrote` freed
+        them), the tokens a step after them needs (:meth:`least_kept`), which it wrote."""
         for slot, start in starts:
             if slot in self._written:
-                self._written[slot] = min(self._written[slot], start)
+                self._written[slot] = max(min(self._written[slot], start),
+                                          self.least_kept(slot))
 
     def rewind(self, slot: int, end: int) -> None:
         """Keep only tokens ``0 .. end - 1`` of request slot ``slot``'s (a verify step's

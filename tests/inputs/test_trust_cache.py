@@ -5,6 +5,8 @@ pages). Token ids out of the vocabulary are refused before anything runs, with
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -378,3 +380,41 @@ def test_prefill_attention_in_a_decode_forward_says_to_go_through_the_cache(stra
                        r"over a paged K/V cache.*attention_half"):
         runner = graphcap.capture(model, strategy, buckets=[1], inputs=DecodeInputs(cache))
         runner(tokens(1), positions=[0], slots=[0])
+
+
+def test_a_ctrl_c_in_the_commit_of_a_windowed_call_that_ran_leaves_its_request_to_go_on():
+    # Delivered once the commit freed pages behind the window: the call ran, and the
+    # request keeps at least the tokens a step after the freed pages needs, never fewer
+    # (every later step would be refused as reaching back to them, until a release).
+    from graphcap.inputs.paged import PagedInputs
+    from tests.support.interrupts import code_of, delivered
+
+    torch.manual_seed(0)
+    model = Decoder(dataclasses.replace(PRESETS["tiny"], window=8)).to(DEVICE).eval()
+    a = model.args
+    cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=1, max_len=32,
+                         page_size=4, device=DEVICE, window=8)
+    backend = get_backend(None, torch.device(DEVICE), strategy="full")
+    runner = graphcap.capture(model, "full", buckets=[16], inputs=CachePrefillInputs(
+        cache, backend, slots=1, extend=True))
+    ids, positions = torch.arange(1, 17, device=DEVICE), torch.arange(16, device=DEVICE)
+    codes = code_of(PagedInputs.commit, PagedKVCache.wrote, PagedKVCache._free_behind)
+
+    def call(start=0):
+        return runner(ids[start:], positions[start:], seq_lens=[16 - start], slots=[0],
+                      starts=[start])
+
+    def again(call):
+        cache.release(0)
+        cache.admit(0, 30)
+        return call()
+
+    cache.admit(0, 30)
+    want, count = call()[-1], delivered(codes, None, again, call)[0]
+    assert cache.least_kept(0) > 0 and count > 3
+    for n in range(1, count + 1):
+        _, out = delivered(codes, n, again, call)
+        assert isinstance(out, KeyboardInterrupt), (n, out)
+        kept = cache.written(0)
+        assert cache.least_kept(0) <= kept, n
+        torch.testing.assert_close(call(kept)[-1], want, atol=1e-4, rtol=1e-4)
