@@ -22,16 +22,15 @@ AGAIN = ("wrap the model again, PrefillLM(hf_model) (one given graphcap.accelera
 
 def module_values(module: nn.Module) -> tuple:
     """The Python numbers, flags and names a module holds (``variance_epsilon``,
-    ``scaling``, ``head_dim``, ``sliding_window``, ``top_k``): the kernels standing in for
-    it read them at recognition, so one set since is a change (not ``training``: a call
-    in train mode runs the stock forward)."""
-    if type(module).__module__.startswith("torch.nn"):  # torch's own: called, not stood in for
-        return ()
+    ``scaling``, ``head_dim``, ``sliding_window``, ``top_k``; torch's own modules' too: an
+    ``nn.Embedding``'s ``max_norm``, an ``nn.RMSNorm``'s ``eps``): the kernels standing in
+    for it read them at recognition, so one set since is a change (not ``training``: a
+    call in train mode runs the stock forward)."""
     return tuple((k, v) for k, v in module.__dict__.items()
                  if type(v) in _VALUES and k != "training")
 
 
-_VALUES = (bool, int, float, str, type(None))
+_VALUES = frozenset((bool, int, float, str, type(None)))
 
 
 def call_time_config(model: nn.Module) -> tuple:

@@ -158,6 +158,31 @@ def test_a_modules_python_value_set_after_wrapping_is_recognised_again(attribute
         assert_stock(got, ref)
 
 
+def _torch_rms_norm(model):
+    """The final norm as torch's own nn.RMSNorm, of the same weight and eps."""
+    stock = model.model.norm
+    model.model.norm = nn.RMSNorm(stock.weight.shape[0], eps=stock.variance_epsilon)
+    model.model.norm.weight = stock.weight
+
+
+@pytest.mark.parametrize("attribute", ["embed_tokens.max_norm", "norm.eps"])
+def test_a_torch_modules_python_value_set_after_wrapping_is_recognised_again(attribute):
+    """torch's own modules graphcap stands in for (nn.Embedding's gather, nn.RMSNorm's
+    rms_norm) read their values at recognition too: a max_norm or eps set since is a
+    change (the gather ignored a max_norm set after wrapping: logits 0.47 off)."""
+    ref = hf_model("llama")
+    if attribute == "norm.eps":
+        _torch_rms_norm(ref)
+    hf = copy.deepcopy(ref)
+    lm = PrefillLM(hf)
+    owner, name = attribute.split(".")
+    assert lm.kernels.table()[f"model.{owner}"].startswith("graphcap"), lm.kernels.table()
+    for model in (hf, ref):
+        setattr(getattr(model.model, owner), name, 0.01 if name == "max_norm" else 0.5)
+    for got in eager_and_full(lm):
+        assert_stock(got, ref)
+
+
 def test_the_model_switched_back_to_its_own_attention_runs_as_stock():
     ref = hf_model("llama")
     hf = copy.deepcopy(ref)
