@@ -248,11 +248,11 @@ class PieceGraphs(torch.nn.Module):
             elif host is None and not same_value(buf, a):  # baked: captured again below
                 host = i  # once every tensor fits (another shape runs eagerly instead)
         if host is not None:
-            if self.host.changed(host, args[host]):
+            if self.host.changed(host, args[host], size):
                 return self._recapture(size, args)
-            owner.ran_eagerly(self.host.why(host, entry.static[host], args[host]),
-                              kind="host value")
+            owner.ran_eagerly(self.host.why(host, entry.static, args), kind="host value")
             return self.fn(*args)
+        self.host.replayed(size)
         entry.graph.replay()
         for i in copied:
             # An expanded input: eager could not have written it (a write the analysis

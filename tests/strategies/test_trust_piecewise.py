@@ -719,3 +719,18 @@ def test_a_host_value_that_changes_on_every_call_runs_eagerly_naming_it(caplog):
     assert told and "tensor" in told[0], caplog.text
     settled = _host_calls(c, m, "float-argument", [15.5], calls=3)[0]  # the last one again
     assert not settled.get("eager_runs") and settled["recaptures"] == 1, settled
+
+
+def test_host_values_that_take_turns_past_the_changes_run_eagerly_not_captured_again():
+    # Two kinds of call passing two values in turn, one of them captured: the other came
+    # before, but never on two calls in a row, so its capture would be replaced by the
+    # next call's (a capture every few calls, without end); it runs eagerly instead.
+    torch.manual_seed(0)
+    m = Weighted().to(DEVICE)
+    c = compiled(m)
+    _host_calls(c, m, "float-argument", [0.5 + i for i in range(16)], calls=1)
+    settled = _host_calls(c, m, "float-argument", [2.25], calls=3)[0]  # captured once
+    assert settled["recaptures"] == 1, settled
+    turns = _host_calls(c, m, "float-argument", [1.25, 2.25] * 8, calls=1)
+    assert not any(step.get("captures") for step in turns), turns
+    assert [bool(step.get("eager_runs")) for step in turns] == [True, False] * 8, turns
