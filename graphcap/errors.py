@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import traceback
+
 import torch
 
 
@@ -87,3 +89,16 @@ class CacheTooLarge(GraphcapError, torch.OutOfMemoryError):
     def __init__(self, message: str, *, need: int, free: int | None, pages: int | None):
         super().__init__(message)
         self.need, self.free, self.pages = need, free, pages
+
+
+def clear_frames(error: BaseException, outside: BaseException | None = None) -> None:
+    """Clear the locals of the frames ``error`` and the errors it was raised from or
+    during (``__cause__``, ``__context__``, a group's) passed through, up to ``outside``
+    (one the caller was handling, whose frames are the caller's): what they held goes
+    now, while the tracebacks keep their lines."""
+    seen, todo = {id(outside)}, [error]
+    while todo:
+        if (e := todo.pop()) is not None and id(e) not in seen:
+            seen.add(id(e))
+            traceback.clear_frames(e.__traceback__)
+            todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]

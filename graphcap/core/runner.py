@@ -16,6 +16,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from graphcap.core.buckets import pick_bucket
 from graphcap.core.graphs import new_pool
 from graphcap.core.inputs import Batch, Inputs
 from graphcap.core.outputs import check_outputs
+from graphcap.core.runner_config import RunnerConfig
 from graphcap.core.serial import Serial
 from graphcap.core.snapshot import ModelSnapshot, held_tensors, settled
 from graphcap.core.stats import CountFailures, Stats, report_of
@@ -38,26 +40,6 @@ from graphcap.errors import (
 )
 
 log = logging.getLogger("graphcap")
-
-
-@dataclass
-class RunnerConfig:
-    buckets: list[int]
-    fallback: bool = True
-    copy_outputs: bool = True
-    max_pad_ratio: float = 2.0
-    # "first": an eager warm-up forward before the first (largest) shape's capture only;
-    # later shapes are captured directly, and one whose capture fails is warmed up and
-    # captured again. "every": a warm-up before every capture (a strategy whose warm-ups
-    # compile, tc_piecewise, warms every shape either way).
-    warmup: str = "first"
-    # A model changed since capture: "recapture" (every shape, at that call) or "error".
-    on_change: str = "recapture"
-    # A model split across ranks: its graphcap.tp.TPGroup. agree(key, what) returns when
-    # every rank passed the same key (a capture's shapes, a call's route and batch, a
-    # refusal; agree_change: a changed model), else raises on every rank; together(what)
-    # wraps the ranks' collectives, so that a rank raising there stops the others at once.
-    ranks: Any = None
 
 
 @dataclass
@@ -303,26 +285,28 @@ class Runner:
         self.inputs.reset()
 
     def _captured_fn(self, bucket: int, state):
-        rows = self.inputs.rows(bucket)
-        # The capture keeps fn (an eager re-run, a debug break): weakly, or the runner and
-        # its captures would form a cycle that only a gc pass frees, graphs and pool with it.
-        runner = weakref.ref(self)
+        # The capture keeps it (an eager re-run, a debug break): the runner weakly, or it
+        # and its captures would form a cycle only a gc pass frees, graphs and pool with it.
+        # A partial, not a closure: each frame of a failed capture's traceback keeps its
+        # function, and a closure its state (a cache), past clearing the frames' locals.
+        return partial(Runner._run_captured, weakref.ref(self), bucket, state)
 
-        def fn():
-            self = runner()
-            self.inputs.derive(state)
-            flat, spec = tree_flatten(self.inputs.forward(self.model, bucket, state))
-            check_outputs(flat, bucket, self.inputs, self._outputs)
-            if self._out_spec is not None and spec != self._out_spec:
-                raise UnsupportedStrategy(
-                    f"the model returned {spec} for {bucket} tokens but {self._out_spec} "
-                    "for the first shape: a captured model must return outputs of one "
-                    "structure for every shape")
-            self._out_spec = spec
-            for buf, out in zip(self._outputs, flat, strict=True):
-                buf[:rows].copy_(out)
-            return [buf[:rows] for buf in self._outputs]
-        return fn
+    @staticmethod
+    def _run_captured(runner: weakref.ref, bucket: int, state) -> list:
+        self = runner()
+        rows = self.inputs.rows(bucket)
+        self.inputs.derive(state)
+        flat, spec = tree_flatten(self.inputs.forward(self.model, bucket, state))
+        check_outputs(flat, bucket, self.inputs, self._outputs)
+        if self._out_spec is not None and spec != self._out_spec:
+            raise UnsupportedStrategy(
+                f"the model returned {spec} for {bucket} tokens but {self._out_spec} "
+                "for the first shape: a captured model must return outputs of one "
+                "structure for every shape")
+        self._out_spec = spec
+        for buf, out in zip(self._outputs, flat, strict=True):
+            buf[:rows].copy_(out)
+        return [buf[:rows] for buf in self._outputs]
 
     def _capture_one(self, bucket: int, first: bool) -> None:
         state = self.inputs.prepare(bucket)
@@ -356,7 +340,7 @@ class Runner:
         start = time.perf_counter()
         with self.pool.warmup(sizes=sizes), self.strategy.watch(bucket):
             out, runs = settled(self.source, f"the warm-up of {bucket} tokens",
-                                lambda: self.inputs.forward(self.model, bucket, state),
+                                partial(self.inputs.forward, self.model, bucket, state),
                                 self.config.ranks and self.config.ranks.gather)
             flat, _ = tree_flatten(out)
             check_outputs(flat, bucket, self.inputs, self._outputs)

@@ -17,7 +17,7 @@ waits for the step in flight, releases and admits, and starts again.
 
 from __future__ import annotations
 
-import traceback
+import sys
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,7 +40,7 @@ from graphcap.engine.detokenize import CONTEXT, Detokenizer, cut, text_of
 from graphcap.engine.engine import Engine, Request, cache_shape, llm_cache
 from graphcap.engine.loading import resolve
 from graphcap.engine.speculative import check_proposer, graph_calls
-from graphcap.errors import BadBatch, GraphcapError
+from graphcap.errors import BadBatch, GraphcapError, clear_frames
 from graphcap.tp.group import entry
 
 DEFAULT_MAX_LEN = 4096  # tokens per request when neither max_len nor the model bounds it
@@ -103,6 +103,7 @@ class LLM:
         page_size = positive_int(page_size, "page_size")
         max_len = max_len if max_len is None else positive_int(max_len, "max_len")
         given, (model, tokenizer) = model, resolve(model, tokenizer)
+        handling = sys.exc_info()[1]  # the caller's: not the build's
         try:
             self.model, self.tokenizer, self.strategy = model, tokenizer, strategy
             self.shape = cache_shape(model)
@@ -126,9 +127,9 @@ class LLM:
                 model.release()
             # The cache and graphs go now, not when the caller's except ends: a retry with
             # smaller sizes inside it finds the memory free. (The traceback keeps its lines,
-            # its frames lose their locals.)
+            # its frames, and those of the errors it was raised from, lose their locals.)
             self.__dict__.clear()
-            traceback.clear_frames(error.__traceback__)
+            clear_frames(error, handling)
             raise
 
     # -- calls -----------------------------------------------------------------------
