@@ -33,48 +33,22 @@ from graphcap.inputs.paged import PagedInputs
 from graphcap.kv import NULL_PAGE, PagedKVCache
 from graphcap.models import PRESETS, Decoder
 from graphcap.opsdb.attention import get_backend
+from tests.inputs.test_trust_cache import Interrupted, InterruptOnce
 from tests.support.runner_helpers import DEVICE
 
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 SLOTS, MAX_LEN, VERIFY = 3, 24, 3
 
 
-class Interrupted(KeyboardInterrupt):
+class Steps(InterruptOnce, DecodeInputs):
     pass
 
 
-class Interruptible:
-    """A kind of input whose next call, once ``armed``, is interrupted once staged (an
-    eager call: before it runs)."""
-
-    armed = False
-
-    def stage(self, batch, bucket, state):
-        super().stage(batch, bucket, state)
-        if self.armed:
-            self.armed = False
-            raise Interrupted
-
-    def eager(self, model, batch):
-        run = super().eager(model, batch)
-        if not self.armed:
-            return run
-        self.armed = False
-
-        def interrupted():
-            raise Interrupted
-        return interrupted
-
-
-class Steps(Interruptible, DecodeInputs):
+class Chunks(InterruptOnce, CachePrefillInputs):
     pass
 
 
-class Chunks(Interruptible, CachePrefillInputs):
-    pass
-
-
-class Verify(Interruptible, PagedInputs):
+class Verify(InterruptOnce, PagedInputs):
     pass
 
 
