@@ -2,8 +2,8 @@
 
 - ``GRAPHCAP_GRAPH``: ``emulated`` forces the CPU emulator on CUDA tensors (debugging),
   ``cuda`` insists on CUDA graphs.
-- ``GRAPHCAP_DEBUG_CUDA_GRAPH=1``: ``capture(..., strategy="breakable")`` runs the whole
-  forward as one eager break.
+- ``GRAPHCAP_DEBUG_CUDA_GRAPH=1`` (or ``true``, ``on``, ``yes``):
+  ``capture(..., strategy="breakable")`` runs the whole forward as one eager break.
 - ``GRAPHCAP_PDL=0`` (or ``false``, ``off``, ``no``): the project's Triton kernels launch
   without programmatic dependent launch.
 - ``GRAPHCAP_<OP>_KERNEL``: the kernel an op runs unless a call names one
@@ -25,6 +25,7 @@ import warnings
 from dataclasses import dataclass, field
 
 _OFF = ("0", "false", "off", "no")
+_ON = ("1", "true", "on", "yes")
 _TRITON_ON = ("1", "true", "on", "yes", "y")  # Triton's own reading, in any case
 _KERNEL = ("GRAPHCAP_", "_KERNEL")
 
@@ -47,7 +48,7 @@ def _read() -> Settings:
                if name.startswith(_KERNEL[0]) and name.endswith(_KERNEL[1]) and value}
     return Settings(
         graph=env.get("GRAPHCAP_GRAPH", "").strip().lower(),
-        debug_cuda_graph=env.get("GRAPHCAP_DEBUG_CUDA_GRAPH") == "1",
+        debug_cuda_graph=env.get("GRAPHCAP_DEBUG_CUDA_GRAPH", "").strip().lower() in _ON,
         pdl=env.get("GRAPHCAP_PDL", "1").strip().lower() not in _OFF,
         triton_interpret=env.get("TRITON_INTERPRET", "").lower() in _TRITON_ON,
         commit=env.get("GRAPHCAP_COMMIT", ""),

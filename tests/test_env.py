@@ -25,3 +25,12 @@ def test_check_op_compares_the_triton_kernels_under_any_spelling_triton_takes(en
     report = check_op("rms_norm", device="cpu", dtypes=(torch.float32,), examples=2,
                       opcheck=False)
     assert "triton" in report, str(report)  # not skipped as "runs on cuda tensors"
+
+
+@pytest.mark.parametrize(("value", "on"), [
+    ("1", True), ("true", True), ("On", True), ("yes", True), (" 1 ", True),
+    ("0", False), ("false", False), ("", False), ("2", False)])
+def test_graphcap_s_debug_flag_takes_the_spellings_its_pdl_flag_takes(environ, value, on):
+    """GRAPHCAP_DEBUG_CUDA_GRAPH is on as GRAPHCAP_PDL is off: under any usual spelling."""
+    environ.set("GRAPHCAP_DEBUG_CUDA_GRAPH", value)
+    assert graphcap.env.settings().debug_cuda_graph is on, value
