@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
+import re
 import sys
 
 import torch
@@ -70,6 +71,10 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         sampling = Sampling(temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
+    except ValueError as exc:  # named as the flag that gave it (Sampling.top_p: --top-p)
+        raise GraphcapError(re.sub(r"Sampling\.(\w+)", lambda m: "--" + m[1].replace(
+            "_", "-"), str(exc))) from exc
+    try:
         llm = LLM(args.checkpoint, strategy=args.strategy, max_batch=args.max_batch,
                   max_len=args.max_len, prefill_tokens=args.prefill_tokens,
                   progress=sys.stderr.isatty())

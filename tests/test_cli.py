@@ -591,3 +591,10 @@ def test_a_factory_after_check_strategies_is_named_as_the_factory(capsys):
                       "tests.support.check_models:good")
     assert "'tests.support.check_models:good' is the factory, not a strategy: give it " \
         "before --strategies" in message
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--temperature", "-1"), ("--top-p", "2")])
+def test_generate_names_the_sampling_flag_whose_value_is_refused(capsys, tmp_path, flag,
+                                                                  value):
+    message = refused(capsys, "generate", str(tmp_path), "--prompt", "hi", flag, value)
+    assert f"{flag} must be" in message and "Sampling." not in message
