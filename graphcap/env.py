@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 _OFF = ("0", "false", "off", "no")
 _ON = ("1", "true", "on", "yes")
-_TRITON_ON = ("1", "true", "on", "yes", "y")  # Triton's own reading, in any case
+_TRITON_ON = (*_ON, "y")  # Triton's own reading, in any case
 _KERNEL = ("GRAPHCAP_", "_KERNEL")
 
 
