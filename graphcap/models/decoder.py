@@ -296,6 +296,15 @@ class Decoder(nn.Module):
         self.cos_sin = rotary_cache(a.head_dim, a.max_position, a.rope_theta,
                                     a.rope_scaling).to(device)
 
+    def _apply(self, fn, recurse=True):
+        """A cast of the model (``.to(torch.bfloat16)``, ``.half()``) leaves the rotary
+        cache float32, computed again rather than rounded, as every way of building one
+        gives it."""
+        super()._apply(fn, recurse)
+        if self.cos_sin.dtype != torch.float32:
+            self.reset_rope(self.cos_sin.device)
+        return self
+
     graphcap_inputs = "prefill"
 
     @property

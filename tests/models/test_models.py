@@ -204,3 +204,20 @@ def test_a_block_given_another_forward_or_compiled_is_called_as_a_module(how):
     with torch.inference_mode():
         m(ids, positions, seq_lens=[9])
     assert called, "the block's call was bypassed"
+
+
+@pytest.mark.parametrize("cast", ["build", "to", "half"])
+def test_rotary_cache_stays_float32_through_a_cast(cast):
+    """The rotary cache is float32 however the model came to its dtype (built in bf16, cast
+    with .to() or .half()), with the bits of one computed in float32: a cast never rounds
+    it, so a built model and a loaded one rotate alike."""
+    exact = build_model("tiny").cos_sin
+    if cast == "build":
+        model = build_model("tiny", dtype=torch.bfloat16)
+    elif cast == "to":
+        model = build_model("tiny").to(torch.bfloat16)
+    else:
+        model = build_model("tiny").half()
+    assert model.cos_sin.dtype == torch.float32
+    assert torch.equal(model.cos_sin, exact)
+    assert next(model.parameters()).dtype != torch.float32
