@@ -32,6 +32,7 @@ from graphcap.hf import attention as hf_attention
 from graphcap.hf import patterns, probe
 from graphcap.hf.attention import NAME, attention_options, outside_graphcap, unwrapped_call
 from graphcap.hf.patterns import structure
+from graphcap.hf.rotary import rotary_cache
 from graphcap.opsdb.attention.packed import packed
 from graphcap.opsdb.norm import RMS_NORM
 
@@ -232,28 +233,6 @@ def restore(model: nn.Module) -> None:
     for module in model.modules():
         if _MARK in module.__dict__:
             _unpatch(module)
-
-
-def rotary_cache(model) -> torch.Tensor | None:
-    """The neox cos/sin cache [max_position, rotary dims] of the model's own rotary
-    embedding (float32; any static rope type, attention scaling included), or None."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    rotary = getattr(decoder, "rotary_emb", None)
-    top = getattr(model.config, "max_position_embeddings", None)
-    if rotary is None or not isinstance(top, int) or not hasattr(rotary, "inv_freq"):
-        return None
-    device = rotary.inv_freq.device
-    try:
-        with torch.inference_mode(False), torch.no_grad():  # a normal tensor, in any mode
-            x = torch.zeros(1, dtype=torch.float32, device=device)
-            cos, sin = rotary(x, torch.arange(top, device=device)[None])
-        cos, sin = cos.reshape(top, -1), sin.reshape(top, -1)
-    except (TypeError, ValueError, RuntimeError):  # another signature (per layer type, mrope)
-        return None
-    half = cos.shape[-1] // 2
-    if cos.shape[-1] % 2 or not torch.equal(cos[:, :half], cos[:, half:]):
-        return None  # not the neox layout (cos repeated over the two halves)
-    return torch.cat([cos[:, :half], sin[:, :half]], dim=-1).float().contiguous()
 
 
 def _probe_kwargs(model, h, pos):

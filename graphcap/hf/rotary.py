@@ -1,4 +1,5 @@
-"""Rotary embeddings whose forward copies host tensors to the device, made capturable.
+"""A model's rotary embedding as graphcap's kernels read it (:func:`rotary_cache`), and
+rotary embeddings whose forward copies host tensors to the device, made capturable.
 
 transformers' PhiMoE rotary embedding (``PhimoeRotaryEmbedding``) calls its
 ``rope_init_fn(config)`` in every forward: the inverse frequencies are computed again on
@@ -88,3 +89,37 @@ def unpatch(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(fn := module.__dict__.get("rope_init_fn"), Frequencies):
             module.rope_init_fn = fn.stock
+
+
+ROTARY_SPAN = 65536  # positions of the rotary table computed at once
+
+
+def rotary_cache(model) -> torch.Tensor | None:
+    """The neox cos/sin cache [max_position, rotary dims] of the model's own rotary
+    embedding (float32; any static rope type, attention scaling included), or None."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    rotary = getattr(decoder, "rotary_emb", None)
+    top = getattr(model.config, "max_position_embeddings", None)
+    if rotary is None or not isinstance(top, int) or not hasattr(rotary, "inv_freq"):
+        return None
+    device, table = rotary.inv_freq.device, None
+    # In spans of positions: cos and sin of a million at once would take 2 GB beside the
+    # table's 0.5 (head dim 128); a static rope type gives each position the same values
+    # in any call.
+    with torch.inference_mode(False), torch.no_grad():  # a normal tensor, in any mode
+        x = torch.zeros(1, dtype=torch.float32, device=device)
+        for start in range(0, top, ROTARY_SPAN):
+            try:
+                cos, sin = rotary(x, torch.arange(start, min(top, start + ROTARY_SPAN),
+                                                  device=device)[None])
+                cos, sin = cos.reshape(cos.shape[-2], -1), sin.reshape(sin.shape[-2], -1)
+            except (TypeError, ValueError, RuntimeError):  # another signature (mrope, ...)
+                return None
+            half = cos.shape[-1] // 2
+            if cos.shape[-1] % 2 or not torch.equal(cos[:, :half], cos[:, half:]):
+                return None  # not the neox layout (cos repeated over the two halves)
+            if table is None:
+                table = torch.empty(top, 2 * half, dtype=torch.float32, device=device)
+            table[start:start + cos.shape[0], :half] = cos[:, :half]
+            table[start:start + cos.shape[0], half:] = sin[:, :half]
+    return table

@@ -100,3 +100,24 @@ def test_the_frequencies_graphs_read_stay_the_same_tensors_capture_after_capture
     lm.graphcap_before_capture()
     assert module.rope_init_fn(model.config)[0] is read
     assert torch.equal(read, module.rope_init_fn.stock(model.config)[0].to(DEVICE))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_the_rotary_table_is_computed_in_spans_with_the_bits_of_one_call(family, monkeypatch):
+    """The table graphcap's kernels read is computed a span of positions at a time (a
+    million positions at once would take 2 GB beside it), with the bits of the model's
+    rotary embedding called on every position at once."""
+    model = hf_model(family, max_position_embeddings=100)
+    module = model.model.rotary_emb
+    x = torch.zeros(1, dtype=torch.float32)
+    cos, sin = module(x, torch.arange(100)[None])
+    half = cos.shape[-1] // 2
+    whole = torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1)
+    monkeypatch.setattr(rotary, "ROTARY_SPAN", 7)
+    spans, stock = [], module.forward
+    monkeypatch.setattr(module, "forward",
+                        lambda x, pos: spans.append(pos.shape[-1]) or stock(x, pos))
+    table = rotary.rotary_cache(model)
+    assert max(spans) == 7 and sum(spans) == 100
+    assert table.shape == (100, 2 * half) and table.dtype == torch.float32
+    assert torch.equal(table, whole)
