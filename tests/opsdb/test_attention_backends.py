@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -247,3 +248,59 @@ def test_an_option_name_no_backend_knows_is_refused_naming_those_there_are():
 
     with pytest.raises(ValueError, match=r"attention options \['sink'\], which are none of "):
         check_serves(BACKENDS["torch_masked"](), ("window", "sink"), device="cpu")
+
+
+FA2_OF_2_8_3 = '''
+from graphcap.opsdb.reference import attention_varlen
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), softcap=0.0):
+    window = window_size[0] + 1 if window_size[0] >= 0 else 0
+    return attention_varlen(q, k, v, cu_seqlens_q, softmax_scale, causal, window, softcap)
+'''
+
+
+@pytest.fixture
+def flash_attn_2_8_3(tmp_path, monkeypatch):
+    """flash-attn 2.8.3 as its wheel installs it: FA2's varlen function (here the
+    reference, with FA2's signature), and FA4's sources as flash_attn/cute, whose import
+    needs the CuTe DSL (cutlass, cuda.bindings) the wheel does not bring."""
+    from graphcap.opsdb.attention import flash_attn_backend
+
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "__init__.py").write_text(FA2_OF_2_8_3)
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text(
+        "import cuda.bindings.driver\nimport cutlass\n")
+    ours = {n: m for n, m in sys.modules.items() if n.split(".")[0] == "flash_attn"}
+    for name in ours:
+        del sys.modules[name]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(sys.modules, "cutlass", None)  # not installed, whatever is here
+    monkeypatch.setattr(flash_attn_backend.FlashAttention, "devices", ("cuda", "cpu"))
+    caches = [f for f in vars(flash_attn_backend).values() if hasattr(f, "cache_clear")]
+    for cached in caches:
+        cached.cache_clear()
+    yield
+    for name in [n for n in sys.modules if n.split(".")[0] == "flash_attn"]:
+        del sys.modules[name]
+    sys.modules.update(ours)
+    for cached in caches:
+        cached.cache_clear()
+
+
+def test_flash_attn_runs_fa2_where_flash_attn_cute_comes_without_its_dsl(flash_attn_2_8_3):
+    import graphcap
+    from graphcap.opsdb.attention.flash_attn_backend import FlashAttention
+
+    assert FlashAttention().options == {"window", "softcap"}  # FA2's: no sinks
+    lens, dtype = [5, 0, 3], torch.bfloat16
+    q, k, v = qkv(8, 8, 4, 2, 16, dtype, "cpu", poison=False)
+    with graphcap.packed(lens, "cpu", attention="flash_attn", dtype=dtype) as meta:
+        out = torch.empty_like(q)
+        torch.ops.graphcap.attention(q, k, v, out, 0.25, 3, 0.0, None)
+        with pytest.raises(OpInputError, match="does not compute attention sinks"):
+            torch.ops.graphcap.attention(q, k, v, out, 0.25, 0, 0.0, torch.zeros(4))
+    want = attention_varlen(q, k, v, meta.cu_seqlens_host, 0.25, True, 3)
+    torch.testing.assert_close(out, want)

@@ -10,6 +10,10 @@ The variant options: a window as FlashAttention's ``window_size=(window - 1, 0)`
 ``softcap``, and sinks as FA4's ``learnable_sink`` (FA2/3 have no sinks: where only they
 are installed the backend's options leave sinks out, so selection passes it over and a
 layer with sinks is refused there, naming the backends that compute them).
+
+FA4 runs where ``flash_attn.cute`` and the CuTe DSL it is written in (``cutlass`` and
+``cuda.bindings``, which nvidia-cutlass-dsl brings) are importable: flash-attn 2.8.3's
+wheel ships FA4's sources as ``flash_attn/cute`` without the DSL, and its FA2 runs there.
 """
 
 from __future__ import annotations
@@ -28,15 +32,28 @@ from graphcap.opsdb.attention.base import (
 from graphcap.opsdb.attention.variant import OPTIONS, PLAIN, Variant
 
 
+def _found(module: str) -> bool:
+    """Whether ``module`` can be found (its parent packages imported, not itself)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent package missing, or failing to import
+        return False
+
+
+@functools.cache
+def _fa4() -> bool:
+    """Whether FA4 can be imported: ``flash_attn.cute`` and its CuTe DSL (see above)."""
+    return all(map(_found, ("flash_attn.cute", "cutlass", "cuda.bindings")))
+
+
 @functools.cache
 def _fa2_or_fa3_only() -> bool:
-    """Whether FlashAttention is installed without FA4 (``flash_attn.cute``)."""
-    return (importlib.util.find_spec("flash_attn") is not None
-            and importlib.util.find_spec("flash_attn.cute") is None)
+    """Whether FlashAttention is installed without a FA4 that can be imported."""
+    return _found("flash_attn") and not _fa4()
 
 
 def _varlen_func():
-    if importlib.util.find_spec("flash_attn.cute") is not None:
+    if _fa4():
         from flash_attn.cute import flash_attn_varlen_func
 
         return flash_attn_varlen_func, True
