@@ -299,6 +299,21 @@ def test_flashinfer_prefill_refuses_a_layer_of_another_scale_than_it_planned_wit
         default.forward(q, k, v, torch.empty_like(q), planned, 0.125)
 
 
+def test_flashinfer_prefill_refuses_a_layer_of_other_heads_than_it_planned_for():
+    """FlashInfer's plan lists its work per query head and tile of the head dim it was
+    given: a layer of more heads would leave the others unwritten, never computed."""
+    from graphcap.opsdb.attention.flashinfer_backend import FlashInferAttention
+
+    backend = FlashInferAttention(heads=(2, 2, 16), dtype=torch.float16)
+    planned = SimpleNamespace(planned=(2, 2, 16, torch.float16))
+    for hq, hk, d in ((4, 2, 16), (2, 1, 16), (2, 2, 8)):
+        q, k, v = qkv(4, hq, hk, d)
+        with pytest.raises(OpInputError, match=rf"planned its kernels for \(query heads, "
+                           rf"key/value heads, head dim\) \(2, 2, 16\) and this layer has "
+                           rf"\({hq}, {hk}, {d}\)"):
+            backend.forward(q, k, v, torch.empty_like(q), planned, d ** -0.5)
+
+
 @pytest.mark.parametrize("window,seed", [(0, 1), (3, 2), (0, 3)])
 def test_sinks_folded_into_an_output_by_its_rows_log_sum_exp_are_the_references(window,
                                                                                 seed):

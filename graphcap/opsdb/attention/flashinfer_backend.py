@@ -108,6 +108,14 @@ class FlashInferAttention(AttentionBackend):
             self.configure(q.shape[1], k.shape[1], q.shape[2], q.dtype, scale)
             self.learn(variant)
             self.plan(meta)
+        heads = (q.shape[1], k.shape[1], q.shape[2])
+        if tuple(meta.planned[:3]) != heads:  # its work list is per planned head and tile
+            raise OpInputError(
+                f"attention backend {self.name!r} planned its kernels for (query heads, "
+                f"key/value heads, head dim) {tuple(meta.planned[:3])} and this layer has "
+                f"{heads}: FlashInfer fixes them when it plans (a head it did not plan is "
+                "never computed), so one backend serves layers of one shape; pick another "
+                "backend (triton, torch_masked) for a model whose layers differ")
         planned = self.scale if self.scale is not None else q.shape[2] ** -0.5
         if not math.isclose(scale, planned, rel_tol=1e-6):
             raise OpInputError(
