@@ -80,7 +80,8 @@ class LLM:
     :data:`graphcap.api.STRATEGIES`); ``max_batch`` requests decode together, each of up
     to ``max_len`` tokens (prompt and new ones; default the model's ``max_position``, less
     a proposer's ``k``, at most 4096); ``prefill_tokens`` bounds a prefill graph (a longer
-    prompt prefills in chunks of it); ``attention`` names the prefill attention backend and
+    prompt prefills in chunks of it; none past ``max_batch`` prompts of ``max_len``, which
+    no call passes); ``attention`` names the prefill attention backend and
     ``decode_attention`` the decode one (:class:`~graphcap.engine.engine.Engine`);
     ``progress`` shows the captures; ``stop_at_eos``: the model's and the tokenizer's
     end-of-sequence ids end every request; ``long_prompts``: prompts longer than
@@ -118,10 +119,14 @@ class LLM:
             self.cache = llm_cache(self.shape, max_batch, self.max_len, self.room, page_size,
                                    model_dtype(model), next(model.parameters()).device)
             self._serving: dict[str, object] = {}  # "call": the call being served
+            # A call prefills at most max_batch prompts of max_len - 1 tokens (a request
+            # draws one at least): no graph past that, no extend graph unless one is longer.
+            prefill_tokens = min(prefill_tokens, max(max_batch * (longest := self.max_len - 1), 1))
             self.engine = Engine(model, self.cache, strategy, self.max_batch, prefill_tokens,
-                                 chunked=long_prompts, attention=attention,
-                                 decode_attention=decode_attention, progress=progress or None,
-                                 speculative=speculative, vocab=self.shape.vocab_size)
+                                 chunked=long_prompts and longest > prefill_tokens,
+                                 attention=attention, decode_attention=decode_attention,
+                                 progress=progress or None, speculative=speculative,
+                                 vocab=self.shape.vocab_size)
         except BaseException as error:  # a transformers model wrapped here goes back as it came
             if model is not given and getattr(model, "first_wrapper", False):
                 model.release()

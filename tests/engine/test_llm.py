@@ -118,6 +118,26 @@ def test_a_prompt_longer_than_the_prefill_graphs_prefills_in_chunks_on_graphs():
         sum(before["extend"]["replays"].values()) + 1
 
 
+def test_no_prefill_graph_is_captured_past_what_a_call_may_prefill():
+    """One request of at most 32 tokens prefills 31 at most (it draws one at least): no
+    prefill graph past 31 tokens, no extend graph for a prompt of 8 tokens at most; the
+    longest prompt still prefills on a graph, and a longer call is refused."""
+    one = LLM(model(), max_batch=1, max_len=32, progress=False)  # prefill_tokens=512
+    assert one.report()["prefill"]["shapes"] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 31]
+    assert one.engine.report()["prefill_buckets"][-1] == 31 and "extend" not in one.report()
+    prompt = PROMPTS[2] * 3  # 33 tokens: 31 of them
+    assert one.generate([prompt[:31]], 1)[0].tokens == recomputed(model().cpu(), [prompt[:31]],
+                                                                  1)[0][0][31:]
+    assert not one.report()["prefill"]["fallbacks"]
+    with pytest.raises(ValueError, match="max_len 32"):
+        one.generate([prompt[:32]], 1)
+    short = LLM(model(), max_batch=2, max_len=9, prefill_tokens=8, progress=False)
+    assert "extend" not in short.report()  # its prompts: 8 tokens at most
+    assert short.report()["prefill"]["shapes"][-1] == 8
+    assert [c.tokens for c in short.generate([PROMPTS[2][:8], PROMPTS[0]], 1)] == \
+        [c.tokens for c in llm().generate([PROMPTS[2][:8], PROMPTS[0]], 1)]
+
+
 @pytest.mark.parametrize("strategy", GRAPHED)
 def test_every_strategy_draws_what_generate_draws_eagerly(strategy):
     m = model()
