@@ -121,7 +121,12 @@ def token_ids(values) -> list[int]:
 
 
 def _token_id(value) -> int:
-    """``value`` as an int; TypeError for a bool (no token id, though ``True == 1``)."""
+    """``value`` as an int; TypeError for a bool (no token id, though ``True == 1``) and
+    for a tensor that is not 0-d (a prompt's or several ids, as a numpy array is)."""
+    if isinstance(value, torch.Tensor):  # its value: a bool one is refused below
+        if value.dim() != 0:
+            raise TypeError(value)
+        value = value.item()
     if isinstance(value, bool):
         raise TypeError(value)
     return operator.index(value)
@@ -145,8 +150,7 @@ def stop_tokens_of(stop_tokens, vocab: int, name: str = "stop_tokens",
     elif isinstance(stop_tokens, (int, np.integer)):  # one id (a bool is refused below)
         stop_tokens = [stop_tokens]
     try:
-        stops = {_token_id(t.item() if isinstance(t, torch.Tensor) else t)
-                 for t in stop_tokens}
+        stops = {_token_id(t) for t in stop_tokens}
     except TypeError:
         raise ValueError(f"{name} must be {kinds}, got {given!r}") from None
     if any(not 0 <= t < vocab for t in stops):

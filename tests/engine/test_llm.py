@@ -20,7 +20,7 @@ import graphcap
 from graphcap import LLM
 from graphcap.api import GRAPHED
 from graphcap.engine.proposers import NgramProposer
-from graphcap.errors import CacheTooLarge, UnsupportedModel
+from graphcap.errors import BadBatch, CacheTooLarge, UnsupportedModel
 from graphcap.models import PRESETS, Decoder
 from tests.engine.test_decode_steps import recomputed
 from tests.engine.test_generate import NEW, PROMPTS, SAMPLINGS, model
@@ -438,6 +438,28 @@ def test_prompts_as_numpy_or_tensor_rows_are_the_same_prompts_as_lists():
         llm().generate(np.array(PROMPTS[0]), 3)
     with pytest.raises(ValueError, match="prompt 0 must be a non-empty list of token ids"):
         llm().generate([np.array(PROMPTS[0], dtype=np.float32)], 3)
+
+
+def test_token_ids_as_tensors_are_read_as_numpy_ones_are():
+    """A 1-d tensor of one token is a prompt, as a numpy array of one is (not a flat list
+    of ids); a 0-d bool tensor is no id, as True is not; a tensor of several ids among
+    the stops is refused naming stop, as an array of them is."""
+    import numpy as np
+
+    want = [c.tokens for c in llm().generate([[5], [6]], 2)]
+    assert [c.tokens for c in llm().generate([np.array([5]), np.array([6])], 2)] == want
+    assert [c.tokens for c in llm().generate([torch.tensor([5]), torch.tensor([6])], 2)] == \
+        want
+    assert [c.tokens for c in llm().generate([[torch.tensor(5)], [torch.tensor(6)]], 2)] \
+        == want
+    with pytest.raises(BadBatch, match="prompt 0 must be a non-empty list of token ids"):
+        llm().generate([[torch.tensor(True), 5]], 2)
+    for stop in ([torch.tensor([1, 2])], [np.array([1, 2])]):
+        with pytest.raises(ValueError, match="stop must be token ids"):
+            llm().generate([[5]], 2, stop=stop)
+    with pytest.raises(ValueError, match="stop_tokens must be token ids"):
+        graphcap.generate(model(), [[5]], 2, stop_tokens=[torch.tensor([1, 2])])
+    assert llm().generate([[5]], 2, stop=[torch.tensor(want[0][0])])[0].tokens == want[0][:1]
 
 
 @pytest.mark.parametrize("where", ["cache.admit", "cache.release"])
