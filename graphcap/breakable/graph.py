@@ -8,9 +8,11 @@ pool and stream. Replay walks the record: segment, break, segment, ...
 A break replays by calling its function again on the very argument tensors of capture
 (held strongly here: a weak reference let later captures reuse their memory and gave
 silent wrong output in the field; lists and dicts among them are rebuilt as they were
-at the call), and copying the fresh result
-into the buffers the capture gave the next segment: copies, made at capture, of what the
-function returned then, so a replay writes only memory graphcap allocated (never a
+at the call, and a tensor among them that the forward gave another shape or strides in
+place after the call, ``t_()``, ``unsqueeze_()``, as a view of its layout at the call), and
+copying the fresh result into the buffers the capture gave the next segment: copies, made
+at capture, of what the function returned then (the forward gets views of them, which it
+may reshape in place), so a replay writes only memory graphcap allocated (never a
 tensor the function returned that belongs to the model or the caller). A result on an
 argument's memory (the argument, a view of it, an ``out=`` it wrote, a tensor a module
 argument holds) is no copy: the next segment reads that memory, as eager code would, and
@@ -33,112 +35,19 @@ reads the state object the split op read at capture (the prepared metadata), lis
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from graphcap.breakable.results import _check_result, _given, _layout, _lies_on, _own, _shares
 from graphcap.core.breaks import break_handler
 from graphcap.core.graphs import GraphPool
-from graphcap.core.snapshot import held_tensors
 from graphcap.core.strategy import Captured, Strategy
-from graphcap.core.trees import repeats_memory, span, storage_key, storages, tensor_leaves
+from graphcap.core.trees import tensor_leaves
 from graphcap.errors import CaptureError, ReplayError
 from graphcap.tp.group import check_finished
-
-
-def _layout(value) -> tuple:
-    """A value's pytree structure and, per tensor leaf, its shape, dtype and device."""
-    leaves, spec = tree_flatten(value)
-    return spec, [(tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor)
-                  else type(t) for t in leaves]
-
-
-def _given(leaves: list, seen: dict) -> set[int]:
-    """The memory a break is given: its tensor arguments' storages, and those of every
-    tensor a module among its arguments holds (parameters, buffers, plain tensor
-    attributes: a cache it returns is the module's, which writes through it reach).
-    ``seen``: each module's tensors and their storages, found once per capture (a whole
-    model passed to every layer's break is walked once), held meanwhile."""
-    given = storages(leaves)
-    for leaf in leaves:
-        if isinstance(leaf, torch.nn.Module):
-            if id(leaf) not in seen:
-                held = held_tensors(leaf)
-                seen[id(leaf)] = (leaf, held, storages(held))
-            given |= seen[id(leaf)][2]
-    return given
-
-
-def _own(value, given: set[int]) -> tuple[Any, tuple[bool, ...]]:
-    """``value`` with every tensor leaf copied into a new tensor (of its strides), but
-    those on an argument's memory (``given``: the arguments' storages before the call;
-    the argument, a view of it, an ``out=`` it wrote): kept as they are, so that a write
-    through one reaches the other, as eagerly; and for each tensor leaf, whether it was
-    kept. Leaves sharing new memory (a tensor returned twice, a tensor and its view) are
-    views of one copy of the bytes they span, as they are of theirs; an expanded, empty,
-    conjugate or negative view among them is a copy of its own (a replay cannot write
-    it, or its flag would not follow)."""
-    leaves, spec = tree_flatten(value)
-    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-    kept = tuple(storage_key(t) in given for t in tensors)
-    groups: dict[int, list[torch.Tensor]] = {}
-    for t, k in zip(tensors, kept, strict=True):
-        if not k and _shareable(t):  # else a copy of its own
-            groups.setdefault(storage_key(t), []).append(t)
-    shared = {key: _span_copy(ts) for key, ts in groups.items() if len(ts) > 1}
-    flags = iter(kept)
-
-    def copy(t: torch.Tensor) -> torch.Tensor:
-        key = storage_key(t)
-        if key not in shared or not _shareable(t):
-            return t.clone()
-        storage, first = shared[key]
-        size = t.element_size()
-        return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-            storage, (t.storage_offset() * size - first) // size, t.shape, t.stride())
-
-    return tree_unflatten([t if not isinstance(t, torch.Tensor) or next(flags)
-                           else copy(t) for t in leaves], spec), kept
-
-
-def _shares(tensors: list[torch.Tensor], kept: tuple[bool, ...]) -> tuple:
-    """Per tensor leaf of a break's result: the earlier leaf whose new memory it shares
-    (``_own`` made the two views of one copy), its byte offset from it and both one's
-    strides, else None."""
-    first: dict[int, int] = {}
-    out = []
-    for i, (t, k) in enumerate(zip(tensors, kept, strict=True)):
-        j = i if k or not _shareable(t) else first.setdefault(storage_key(t), i)
-        out.append(None if j == i else (j, *_lies_on(t, tensors[j])))
-    return tuple(out)
-
-
-def _lies_on(t: torch.Tensor, first: torch.Tensor) -> tuple | None:
-    """How ``t`` lies on ``first``'s memory (both shareable, one storage): its byte offset
-    from ``first`` and both one's strides; else None."""
-    if not (_shareable(t) and _shareable(first) and storage_key(t) == storage_key(first)):
-        return None
-    return t.data_ptr() - first.data_ptr(), first.stride(), t.stride()
-
-
-def _shareable(t: torch.Tensor) -> bool:
-    """Whether ``t`` can be a plain view of a shared copy: not empty, not expanded, not a
-    conjugate or negative view (their flags would not follow)."""
-    return bool(t.numel()) and not (repeats_memory(t) or t.is_conj() or t.is_neg())
-
-
-def _span_copy(tensors: list[torch.Tensor]) -> tuple[torch.UntypedStorage, int]:
-    """A copy of the bytes ``tensors`` (views of one storage) span, from a byte offset
-    every one of their element sizes divides, and that offset."""
-    align = max(t.element_size() for t in tensors)
-    first = min(t.storage_offset() * t.element_size() for t in tensors) // align * align
-    end = max(t.storage_offset() * t.element_size() + span(t)[1] - t.data_ptr()
-              for t in tensors)
-    raw = torch.empty(0, dtype=torch.uint8, device=tensors[0].device).set_(
-        tensors[0].untyped_storage(), first, (end - first,), (1,))
-    return raw.clone().untyped_storage(), first
 
 
 @dataclass
@@ -155,13 +64,35 @@ class Break:
     # objects.
     at_call: tuple | None = None
     shares: tuple = ()  # _shares of the result at capture
+    called: list | None = None  # per leaf of at_call, a tensor's _alias at the call
+    moved: dict = field(default_factory=dict)  # at_call's index: _alias (see settle)
 
     def __post_init__(self):
         self.rebuild = self.at_call is not None and _holds_mutable(self.at_call[1])
+        # Where a result on an argument's memory lies at capture (the forward may reshape
+        # the tensor in place after the call: the replay's must lie where it did then).
+        leaves = tensor_leaves(self.output)
+        self.sites = [(t.data_ptr(), t.stride()) if on else None for t, on in
+                      zip(leaves, self.on_args or (False,) * len(leaves), strict=True)]
+
+    def settle(self) -> None:
+        """At the end of the capture: an argument the forward gave another shape, strides
+        or memory in place after the call is passed to replays as it was at the call."""
+        if self.called is None:
+            return
+        called, self.called = self.called, None
+        self.moved = {i: a for i, (t, a) in enumerate(zip(self.at_call[0], called, strict=True))
+                      if a is not None and _where(t) != _where(a)}
+        self.rebuild = self.rebuild or bool(self.moved)
 
     def replay(self) -> None:
-        args, kwargs = tree_unflatten(*self.at_call) if self.rebuild else \
-            (self.args, self.kwargs)
+        if self.rebuild:  # a fresh view of a moved one: the function may reshape it too
+            leaves = self.at_call[0] if not self.moved else \
+                [self.moved[i].detach() if i in self.moved else t
+                 for i, t in enumerate(self.at_call[0])]
+            args, kwargs = tree_unflatten(leaves, self.at_call[1])
+        else:
+            args, kwargs = self.args, self.kwargs
         fresh = self.fn(*args, **kwargs)
         if self.layout is not None and _layout(fresh) != self.layout:
             raise ReplayError(
@@ -179,11 +110,10 @@ class Break:
                     "view), and apart or as other views at replay: the graph after it "
                     "reads them from one buffer. Return results that share memory alike "
                     "on every call (or .clone() one of them)")
-        for buf, new, on_args in zip(kept, tensor_leaves(fresh),
-                                     self.on_args or (False,) * len(kept), strict=True):
-            if not on_args:  # graphcap's own buffer
+        for i, (buf, new) in enumerate(zip(kept, fresh_leaves, strict=True)):
+            if self.sites[i] is None:  # graphcap's own buffer
                 buf.copy_(new)
-            elif (new.data_ptr(), new.stride()) != (buf.data_ptr(), buf.stride()):
+            elif (new.data_ptr(), new.stride()) != self.sites[i]:
                 raise ReplayError(
                     f"eager break {self.name} returned a view of its arguments at capture "
                     "(an argument, a view of one, or a tensor a module argument holds), "
@@ -194,6 +124,21 @@ class Break:
     @property
     def name(self) -> str:
         return getattr(self.fn, "__qualname__", repr(self.fn))
+
+
+def _alias(t) -> torch.Tensor | None:
+    """A view of all of tensor ``t`` as it lies now, which a later ``t.t_()`` or
+    ``t.unsqueeze_()`` leaves as it is; None for no tensor (or one of no memory)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        return t.detach() if t.untyped_storage().nbytes() else None
+    except (RuntimeError, TypeError, ValueError):  # no storage to view
+        return None
+
+
+def _where(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.shape, t.stride()
 
 
 def _holds_mutable(spec) -> bool:
@@ -209,25 +154,6 @@ def _holds_mutable(spec) -> bool:
         return not node.is_leaf() and (not issubclass(node.type, tuple) or any(
             map(mutable, children(node))))
     return any(mutable(c) for part in children(spec) for c in children(part))
-
-
-def _check_result(name: str, output, device: torch.device) -> None:
-    """A break's result is tensors (or None) on the graph's device: CaptureError else."""
-    leaves = tree_flatten(output)[0]
-    if any(not isinstance(x, torch.Tensor) and x is not None for x in leaves):
-        raise CaptureError(
-            f"eager break {name} returned a host value ({[type(x).__name__ for x in leaves]}"
-            "): replay could only reuse the value of capture. Return tensors (e.g. "
-            "torch.tensor on the device, or write into an out= tensor) instead; a "
-            "dataclass or class of your own is a leaf to torch's pytree: return a tuple "
-            "or dict, or register it with torch.utils._pytree")
-    elsewhere = [t.device for t in leaves if isinstance(t, torch.Tensor)
-                 and t.device != device]
-    if elsewhere:
-        raise CaptureError(
-            f"eager break {name} returned a tensor on {elsewhere[0]}, not on the graph's "
-            f"{device}: a kernel reads a host scalar when it is launched, so the graph "
-            "would replay the value of capture. Return it on the device")
 
 
 def note_state(states: list, static_state: Callable[[], object], state: object) -> None:
@@ -283,6 +209,7 @@ class BreakableCapture:
         name = getattr(fn, "__qualname__", repr(fn))
         check_finished((args, kwargs), f"eager break {name!r}")
         at_call = tree_flatten((args, kwargs))
+        called = [_alias(t) for t in at_call[0]]  # its tensors as the break sees them
         what = f"the graph segment before eager break {name}"
         try:
             self._close()  # a capture invalidated earlier (a host sync caught) fails here
@@ -300,9 +227,13 @@ class BreakableCapture:
             self._open()
             raise
         self.items.append(Break(fn, args, kwargs, output, _layout(output), on_args,
-                                at_call, shares=shares))
+                                at_call, shares=shares, called=called))
         self._open()
-        return output
+        # The forward gets views of graphcap's buffers: one it reshapes in place (t_())
+        # leaves the buffer a replay copies into as it is.
+        flags = iter(on_args)
+        return tree_map(lambda t: t if not isinstance(t, torch.Tensor) or next(flags)
+                        else t.detach(), output)
 
     def run(self, fn: Callable[[], Any]) -> Any:
         """Capture ``fn()`` (once per capture) and return its outputs: as a graph's, the
@@ -326,6 +257,9 @@ class BreakableCapture:
         finally:
             self._modules.clear()  # their tensors, held no longer
         self._close()
+        for item in self.items:
+            if isinstance(item, Break):
+                item.settle()
         if self._raised is not None:
             what, exc = self._raised
             raise CaptureError(

@@ -334,16 +334,19 @@ class EmulatedGraph(Graph):
 
     def _freeze(self, t: torch.Tensor) -> None:
         """``t``'s shape is about to change in place (``t_``, ``unsqueeze_``): the steps
-        recorded so far keep reading and writing it as it is now, through a view of its
-        present shape in their place (a replay runs them on the recorded objects, which by
-        then have the last shape; CUDA's kernels keep the layout they were launched with)."""
+        recorded so far, this graph's and every other graph's of its pool (a breakable
+        capture's earlier segments), keep reading and writing it as it is now, through a
+        view of its present shape in their place (a replay runs them on the recorded
+        objects, which by then have the last shape; CUDA's kernels keep the layout they
+        were launched with)."""
         def frozen(x):
             return (t.as_strided(t.size(), t.stride(), t.storage_offset())
                     if x is t else x)
 
-        for step in self._steps:
-            step.args, step.kwargs = tree_map(frozen, (step.args, step.kwargs))
-            step.outs = [frozen(out) for out in step.outs]
+        for graph in self.pool.graphs():
+            for step in graph._steps:
+                step.args, step.kwargs = tree_map(frozen, (step.args, step.kwargs))
+                step.outs = [frozen(out) for out in step.outs]
 
     def _snapshot(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()

@@ -162,6 +162,10 @@ class GraphPool:
         self._graphs.add(graph)
         return graph
 
+    def graphs(self) -> list[Graph]:
+        """The graphs of this pool still alive."""
+        return list(self._graphs)
+
     @contextlib.contextmanager
     def warmup(self, sizes: bool = False):
         """Run eager warm-up on the capture stream (lazy init, autotuning, JIT).

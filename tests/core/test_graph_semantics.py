@@ -149,6 +149,22 @@ def test_a_tensor_reshaped_in_place_keeps_for_each_op_its_shape_of_the_time(pool
     assert region.calls == 1
 
 
+def test_a_tensor_reshaped_in_place_in_a_later_graph_keeps_its_shape_in_earlier_ones(pool):
+    """A tensor one graph of a pool made, transposed in place while another records (a
+    breakable capture's segments): the first graph still writes it as it made it."""
+    x = torch.arange(12, device=pool.device, dtype=torch.float32).view(3, 4)
+    made, reads = Region(lambda t: t[:, :3] * 2), Region(lambda s: s.t_() * 1)
+    first, second = pool.graph(), pool.graph()
+    square = first.capture(made, x)
+    out = second.capture(reads, square)
+    fresh = torch.randn(3, 4, device=pool.device)
+    x.copy_(fresh)
+    first.replay()
+    second.replay()
+    torch.testing.assert_close(out, (fresh[:, :3] * 2).t())
+    assert made.calls == reads.calls == 1
+
+
 def test_out_variant_ops_write_their_given_buffers_on_replay(pool):
     x = full(pool, 6, 1.0)
     given = torch.zeros(6, device=pool.device)

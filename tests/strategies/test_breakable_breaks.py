@@ -294,3 +294,47 @@ def test_a_list_a_break_appends_to_on_some_calls_only_is_given_afresh_at_every_r
     x = torch.full((4, 2), 1000.0, device=DEVICE)
     for _ in range(3):  # the capture's list, appended to at every replay, grew
         torch.testing.assert_close(r(x), m(x))
+
+
+@graphcap.eager_on_graph
+def first_row(h):
+    return h[0] * 1
+
+
+class TransposesAGivenTensor(torch.nn.Module):
+    def forward(self, x):
+        h = x * 1
+        row = first_row(h)
+        h.t_()  # in place, after the break was given it: eagerly it read rows
+        return h * 1 + row
+
+
+class TransposesAResult(torch.nn.Module):
+    def forward(self, x):
+        h = doubled(x * 1)
+        h.t_()  # graphcap's buffer of the result, were it handed out, would turn too
+        return h * 1
+
+
+@graphcap.eager_on_graph
+def itself(h):
+    return h
+
+
+class UnsqueezesAnArgumentReturned(torch.nn.Module):
+    def forward(self, x):
+        h = itself(x * 1)
+        h.unsqueeze_(1)  # the argument's own view: a replay's must lie as at the call
+        return (h * 2).squeeze(1)
+
+
+@pytest.mark.parametrize("model", [TransposesAGivenTensor, TransposesAResult,
+                                   UnsqueezesAnArgumentReturned])
+def test_a_tensor_reshaped_in_place_after_a_break_replays_as_eagerly(model):
+    m = model().to(DEVICE)
+    r = graphcap.capture(m, "breakable", buckets=[4],
+                         example_inputs=(torch.zeros(4, 4, device=DEVICE),))
+    for seed in range(3):
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+        with torch.no_grad():
+            torch.testing.assert_close(r(x), m(x))

@@ -1,0 +1,126 @@
+"""What an eager break of a breakable capture returns: which of its results are graphcap's
+copies and which lie on what it was given (:func:`_own`), how results sharing memory lie
+on one another (:func:`_shares`), and the checks of a result's kind and layout."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from graphcap.core.snapshot import held_tensors
+from graphcap.core.trees import repeats_memory, span, storage_key, storages
+from graphcap.errors import CaptureError
+
+
+def _layout(value) -> tuple:
+    """A value's pytree structure and, per tensor leaf, its shape, dtype and device."""
+    leaves, spec = tree_flatten(value)
+    return spec, [(tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor)
+                  else type(t) for t in leaves]
+
+
+def _given(leaves: list, seen: dict) -> set[int]:
+    """The memory a break is given: its tensor arguments' storages, and those of every
+    tensor a module among its arguments holds (parameters, buffers, plain tensor
+    attributes: a cache it returns is the module's, which writes through it reach).
+    ``seen``: each module's tensors and their storages, found once per capture (a whole
+    model passed to every layer's break is walked once), held meanwhile."""
+    given = storages(leaves)
+    for leaf in leaves:
+        if isinstance(leaf, torch.nn.Module):
+            if id(leaf) not in seen:
+                held = held_tensors(leaf)
+                seen[id(leaf)] = (leaf, held, storages(held))
+            given |= seen[id(leaf)][2]
+    return given
+
+
+def _own(value, given: set[int]) -> tuple[Any, tuple[bool, ...]]:
+    """``value`` with every tensor leaf copied into a new tensor (of its strides), but
+    those on an argument's memory (``given``: the arguments' storages before the call;
+    the argument, a view of it, an ``out=`` it wrote): kept as they are, so that a write
+    through one reaches the other, as eagerly; and for each tensor leaf, whether it was
+    kept. Leaves sharing new memory (a tensor returned twice, a tensor and its view) are
+    views of one copy of the bytes they span, as they are of theirs; an expanded, empty,
+    conjugate or negative view among them is a copy of its own (a replay cannot write
+    it, or its flag would not follow)."""
+    leaves, spec = tree_flatten(value)
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    kept = tuple(storage_key(t) in given for t in tensors)
+    groups: dict[int, list[torch.Tensor]] = {}
+    for t, k in zip(tensors, kept, strict=True):
+        if not k and _shareable(t):  # else a copy of its own
+            groups.setdefault(storage_key(t), []).append(t)
+    shared = {key: _span_copy(ts) for key, ts in groups.items() if len(ts) > 1}
+    flags = iter(kept)
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key not in shared or not _shareable(t):
+            return t.clone()
+        storage, first = shared[key]
+        size = t.element_size()
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            storage, (t.storage_offset() * size - first) // size, t.shape, t.stride())
+
+    return tree_unflatten([t if not isinstance(t, torch.Tensor) or next(flags)
+                           else copy(t) for t in leaves], spec), kept
+
+
+def _shares(tensors: list[torch.Tensor], kept: tuple[bool, ...]) -> tuple:
+    """Per tensor leaf of a break's result: the earlier leaf whose new memory it shares
+    (``_own`` made the two views of one copy), its byte offset from it and both one's
+    strides, else None."""
+    first: dict[int, int] = {}
+    out = []
+    for i, (t, k) in enumerate(zip(tensors, kept, strict=True)):
+        j = i if k or not _shareable(t) else first.setdefault(storage_key(t), i)
+        out.append(None if j == i else (j, *_lies_on(t, tensors[j])))
+    return tuple(out)
+
+
+def _lies_on(t: torch.Tensor, first: torch.Tensor) -> tuple | None:
+    """How ``t`` lies on ``first``'s memory (both shareable, one storage): its byte offset
+    from ``first`` and both one's strides; else None."""
+    if not (_shareable(t) and _shareable(first) and storage_key(t) == storage_key(first)):
+        return None
+    return t.data_ptr() - first.data_ptr(), first.stride(), t.stride()
+
+
+def _shareable(t: torch.Tensor) -> bool:
+    """Whether ``t`` can be a plain view of a shared copy: not empty, not expanded, not a
+    conjugate or negative view (their flags would not follow)."""
+    return bool(t.numel()) and not (repeats_memory(t) or t.is_conj() or t.is_neg())
+
+
+def _span_copy(tensors: list[torch.Tensor]) -> tuple[torch.UntypedStorage, int]:
+    """A copy of the bytes ``tensors`` (views of one storage) span, from a byte offset
+    every one of their element sizes divides, and that offset."""
+    align = max(t.element_size() for t in tensors)
+    first = min(t.storage_offset() * t.element_size() for t in tensors) // align * align
+    end = max(t.storage_offset() * t.element_size() + span(t)[1] - t.data_ptr()
+              for t in tensors)
+    raw = torch.empty(0, dtype=torch.uint8, device=tensors[0].device).set_(
+        tensors[0].untyped_storage(), first, (end - first,), (1,))
+    return raw.clone().untyped_storage(), first
+
+
+def _check_result(name: str, output, device: torch.device) -> None:
+    """A break's result is tensors (or None) on the graph's device: CaptureError else."""
+    leaves = tree_flatten(output)[0]
+    if any(not isinstance(x, torch.Tensor) and x is not None for x in leaves):
+        raise CaptureError(
+            f"eager break {name} returned a host value ({[type(x).__name__ for x in leaves]}"
+            "): replay could only reuse the value of capture. Return tensors (e.g. "
+            "torch.tensor on the device, or write into an out= tensor) instead; a "
+            "dataclass or class of your own is a leaf to torch's pytree: return a tuple "
+            "or dict, or register it with torch.utils._pytree")
+    elsewhere = [t.device for t in leaves if isinstance(t, torch.Tensor)
+                 and t.device != device]
+    if elsewhere:
+        raise CaptureError(
+            f"eager break {name} returned a tensor on {elsewhere[0]}, not on the graph's "
+            f"{device}: a kernel reads a host scalar when it is launched, so the graph "
+            "would replay the value of capture. Return it on the device")
