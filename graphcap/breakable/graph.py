@@ -248,12 +248,15 @@ class BreakableCapture:
             with break_handler(self._on_break):
                 out = fn()
         except BaseException as exc:
-            if self._segment is not None:
-                err = self._segment.abort(exc)
-                self._segment = None
+            self._raised = None  # see _caught
+            err = self._segment.abort(exc) if self._segment is not None else exc
+            self._segment = None
+            try:
                 if err is not exc:
                     raise err from exc
-            raise
+                raise
+            finally:
+                del err  # see _caught
         finally:
             self._modules.clear()  # their tensors, held no longer
         self._close()
@@ -261,13 +264,22 @@ class BreakableCapture:
             if isinstance(item, Break):
                 item.settle()
         if self._raised is not None:
-            what, exc = self._raised
-            raise CaptureError(
-                f"{what} raised {type(exc).__name__} ({exc}) at capture and the "
-                "forward caught it: the graphs would replay the path it took then on every "
-                "call. Decide before the break (or inside it) without raising") from exc
+            raise self._caught()
         self._outputs = out
         return out
+
+    def _caught(self) -> CaptureError:
+        """The refusal of an exception at a break that the forward caught. Held by neither
+        this capture nor a local of :meth:`run`, whose frame its traceback reaches: either
+        would make a cycle only gc frees, the segments' memory and the breaks' tensors
+        with it."""
+        (what, exc), self._raised = self._raised, None
+        error = CaptureError(
+            f"{what} raised {type(exc).__name__} ({exc}) at capture and the "
+            "forward caught it: the graphs would replay the path it took then on every "
+            "call. Decide before the break (or inside it) without raising")
+        error.__cause__ = exc
+        return error
 
     def current(self) -> bool:
         """True while every static state the segments read is the one they captured."""

@@ -325,15 +325,16 @@ class Runner:
                 # lazy set-up; a module load a driver refuses during capture): warm it up
                 # eagerly, and capture again. An error of the model recurs there: raised.
                 self.stats.warmup_retries += 1
-                direct_failure = exc
+                # Its words only: the error, whose traceback holds this frame, would make
+                # a cycle that keeps the failed capture's graphs until gc runs.
+                direct_failure = f"{type(exc).__name__}: {exc}"
         try:
             self._warm_up(bucket, state, sizes=first and self.strategy.sizes_pool)
             self._capture_timed(bucket, state)
         except Exception as exc:
             if direct_failure is not None:
                 exc.add_note(f"graphcap: the direct capture of {bucket} tokens before this "
-                             f"warm-up had failed with {type(direct_failure).__name__}: "
-                             f"{direct_failure}")
+                             f"warm-up had failed with {direct_failure}")
             raise
 
     def _warm_up(self, bucket: int, state, sizes: bool = False) -> None:

@@ -5,6 +5,9 @@ plain call. On the emulator in CI and on CUDA graphs on the GPU."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import pytest
 import torch
 
@@ -338,3 +341,77 @@ def test_a_tensor_reshaped_in_place_after_a_break_replays_as_eagerly(model):
         x = torch.randn(4, 4, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
         with torch.no_grad():
             torch.testing.assert_close(r(x), m(x))
+
+
+@contextlib.contextmanager
+def without_gc():
+    """No collection inside: what is left holding memory there is held by a cycle."""
+    graphcap.capture(torch.nn.Linear(2, 2), "breakable", buckets=[4])(torch.ones(4, 2))
+    gc.collect()  # the process's first capture's imports, and earlier tests' cycles
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+calls = [0]
+
+
+@graphcap.eager_on_graph
+def refuses_at_capture(h):
+    calls[0] += 1
+    if calls[0] == 2:  # the warm-up runs; the capture's call raises
+        raise KeyboardInterrupt
+    return h * 2
+
+
+class RaisesAtABreak(torch.nn.Module):
+    def forward(self, x):
+        return refuses_at_capture(x * 3) + 1
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the emulator's bytes are its live graphs'")
+@pytest.mark.parametrize("model, error", [(CatchesTheBreak, CaptureError),
+                                          (RaisesAtABreak, KeyboardInterrupt)])
+def test_a_capture_failing_at_a_break_lets_its_graphs_go_with_its_error(model, error):
+    calls[0] = 0
+    r = graphcap.capture(model().to(DEVICE), "breakable", buckets=[4])
+    with without_gc():
+        try:  # the segment before the break is captured, then the break fails
+            r(torch.zeros(4, 2, device=DEVICE))
+        except error:
+            pass
+        else:
+            raise AssertionError("the capture did not fail")
+        assert r.pool.bytes() == 0  # no cycle through the error's frames holds them
+
+
+class ReadsLazilyAfterABreak(torch.nn.Module):
+    """A break, then a host read on the first sight of each size: a shape's direct
+    capture fails after it closed a segment, and is warmed up and captured again."""
+
+    def __init__(self):
+        super().__init__()
+        self.scales: dict[int, float] = {}
+
+    def forward(self, x):
+        h = doubled(x + 1)
+        n = h.shape[0]
+        if n not in self.scales:
+            self.scales[n] = float(h.abs().sum()) + 1.0  # refused in a capture
+        return h * self.scales[n]
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the emulator's bytes are its live graphs'")
+def test_a_failed_direct_capture_lets_its_graphs_go_when_the_retry_builds():
+    with without_gc():
+        r = graphcap.capture(ReadsLazilyAfterABreak().to(DEVICE), "breakable",
+                             buckets=[4, 8],
+                             example_inputs=(torch.zeros(8, 2, device=DEVICE),))
+        assert r.report()["warmup_retries"] == 1
+        built = r.pool.bytes()
+    gc.collect()
+    assert r.pool.bytes() == built  # nothing of the failed capture was left to collect
