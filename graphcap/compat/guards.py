@@ -1,4 +1,13 @@
-"""Dynamo's diff guards, where cloning them leaks (torch 2.11).
+"""Dynamo's guards on graphcap's compiles: every tensor guarded, and no diff guards where
+cloning them leaks (torch 2.11).
+
+Where a module's parameter dict is unchanged (its keys and objects), Dynamo of torch 2.11
+skips the tensor guards of its parameters (``skip_tensor_guards_with_matching_dict_tags``,
+which torch 2.13 no longer reads). ``model.to(torch.float16)`` changes each parameter's
+dtype in place (``param.data = ...``) and leaves the dict as it was, so the next call ran
+the code traced at the old dtype (a ``dtype=h.dtype`` it baked: an attention output of the
+old dtype). :func:`tensor_guards` turns the skip off for graphcap's compiles: a changed
+dtype, device or shape compiles again.
 
 Every compile Dynamo finishes clones the root of its guard tree into a "diff guard"
 tree (the guards ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` still
@@ -19,10 +28,13 @@ they are.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import gc
 import weakref
+
+import torch
 
 from graphcap.errors import UnsupportedStrategy
 
@@ -102,3 +114,12 @@ def graphcap_compile(context: contextvars.Context) -> contextvars.Context:
             "stance, or use strategy='full' or 'breakable'")
     context.run(_OURS.set, True)
     return context
+
+
+def tensor_guards():
+    """A context in which Dynamo guards every tensor of a compile, parameters whose dict
+    is unchanged too (the module docstring); nothing where this torch has no such skip."""
+    config = torch._dynamo.config
+    if not hasattr(config, "skip_tensor_guards_with_matching_dict_tags"):
+        return contextlib.nullcontext()
+    return config.patch(skip_tensor_guards_with_matching_dict_tags=False)

@@ -119,7 +119,7 @@ class CompiledForward:
             # In a copy of the context: torch 2.13's config patches, a few per compile, each
             # leave a context variable in the context they ran in, for its life.
             context = guards.graphcap_compile(contextvars.copy_context())
-            out = context.run(self.compiled, self.model, *args, **(options or {}))
+            out = context.run(self._guarded, args, options or {})
             if self.compiler.stats["graphs"] != graphs:
                 compat.forget_finished_compiles()
             return out
@@ -152,6 +152,10 @@ class CompiledForward:
                 f"(fullgraph=True), and it could not: {cause}. Data-dependent Python "
                 "control flow and graph breaks cannot be compiled whole: use "
                 "strategy='breakable', which needs no compiler.") from exc
+
+    def _guarded(self, args: tuple, options: dict):
+        with guards.tensor_guards():  # every tensor guarded (graphcap.compat.guards)
+            return self.compiled(self.model, *args, **options)
 
     def _raise_the_models_own_error(self, args, options, exc: BaseException) -> None:
         """Dynamo reports an exception the forward raises itself as a failure to trace:

@@ -108,6 +108,30 @@ def test_a_model_changed_after_capture_is_recaptured_at_the_next_call(strategy, 
     assert r.report()["recaptures"] == 1 and sum(r.stats.replays.values()) == 3
 
 
+def test_tc_piecewise_compiles_with_every_tensor_guarded(monkeypatch):
+    """torch 2.11's Dynamo skips the tensor guards of parameters whose module dict is
+    unchanged, as ``model.to(dtype)`` leaves it: the next call ran the code traced at the
+    old dtype (an attention output of the old dtype, where no float buffer changed with
+    the parameters). graphcap's compiles run with that skip off; other compiles keep it."""
+    from graphcap.piecewise.compiler import PiecewiseCompiler
+
+    config, seen, stock = torch._dynamo.config, [], PiecewiseCompiler.__call__
+
+    def spy(self, gm, example_inputs):
+        seen.append(config.skip_tensor_guards_with_matching_dict_tags)
+        return stock(self, gm, example_inputs)
+
+    monkeypatch.setattr(PiecewiseCompiler, "__call__", spy)
+    before = config.skip_tensor_guards_with_matching_dict_tags
+    m = fresh_model()
+    r = capture(m, "tc_piecewise")
+    assert_matches_eager(r, m)
+    to_half(m)
+    assert_matches_eager(r, m, seed=1)
+    assert len(seen) >= 2 and not any(seen), seen  # compiled again at the new dtype
+    assert config.skip_tensor_guards_with_matching_dict_tags == before
+
+
 @pytest.mark.parametrize("strategy", GRAPHED)
 @pytest.mark.parametrize("change", sorted(CHANGES))
 def test_on_change_error_names_what_changed_and_recapture_clears_it(strategy, change):
