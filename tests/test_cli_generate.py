@@ -55,3 +55,14 @@ def test_bad_input_is_one_line_on_stderr_and_exit_status_2(checkpoint, capsys, a
     assert main(["generate", *args]) == 2
     last = capsys.readouterr().err.splitlines()[-1]  # after transformers' loading bar
     assert last.startswith("graphcap generate: ") and message in last
+
+
+def test_a_checkpoint_without_tokenizer_files_has_no_tokenizer(tmp_path, capsys):
+    # transformers 5 builds a Qwen3 config's tokenizer from nothing (an empty vocabulary
+    # whose eos id 0 would end every request drawing token 0): token ids only here.
+    hf_model("qwen3").save_pretrained(tmp_path)
+    llm = graphcap.LLM(str(tmp_path), max_batch=1, max_len=40, prefill_tokens=16,
+                       progress=False)
+    assert llm.tokenizer is None and llm.eos == set()
+    assert main(["generate", str(tmp_path), "--prompt", "x", *OPTIONS]) == 2
+    assert "has no tokenizer files" in capsys.readouterr().err.splitlines()[-1]

@@ -6,6 +6,13 @@ from __future__ import annotations
 
 import torch
 
+# Files a tokenizer is read from (transformers' names): a directory with none of them has
+# no tokenizer. transformers 5 builds one from the config alone for some families (Qwen2/3,
+# Gemma: an empty vocabulary whose end-of-sequence id, 0 or 1, would end requests).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt", "merges.txt", "spiece.model", "spm.model",
+                   "sentencepiece.bpe.model", "tokenizer.tiktoken")
+
 
 def resolve(model, tokenizer=None):
     """The model graphcap runs, and the tokenizer: a checkpoint directory loaded, a stock
@@ -32,7 +39,8 @@ def _load(path: str, tokenizer):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         path, local_files_only=True, dtype="auto").to(device).eval()
-    if tokenizer is None:
+    if tokenizer is None and any(os.path.isfile(os.path.join(path, name))
+                                 for name in TOKENIZER_FILES):
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError):
