@@ -128,12 +128,11 @@ class PieceGraphs(torch.nn.Module):
             if self.static_state is None:
                 owner.ran_eagerly(  # split ops run eagerly by design: not counted
                     f"a call of size {size} (dim 0 of the first tensor argument the "
-                    "forward reads: the batch of [batch, tokens] ids) is not one of the "
-                    "capture sizes "
-                    f"{_sizes(owner.capture_sizes)}: pad calls to a capture size, or give "
-                    "options={'capture_sizes': [...]}; a transformers model called with "
-                    "[batch, tokens] ids runs on graphs under graphcap.accelerate(model) or "
-                    "graphcap.LLM(model)")
+                    "forward reads, or its dynamic dim where dim 0 is static) is not one of "
+                    f"the capture sizes {_sizes(owner.capture_sizes)}: pad calls to a "
+                    "capture size, or give options={'capture_sizes': [...]}; a transformers "
+                    "model called with [batch, tokens] ids is read by its batch, and runs on "
+                    "graphs under graphcap.accelerate(model) or graphcap.LLM(model)")
             return self.fn(*args)
         entry = self.entries.get(size)
         if (why := self._aliased_write(args, entry)) is not None:

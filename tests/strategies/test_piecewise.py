@@ -157,6 +157,7 @@ def test_sizes_outside_the_capture_sizes_run_the_pieces_eagerly_and_are_counted(
     told = [r.getMessage() for r in caplog.records if "ran eagerly" in r.getMessage()]
     assert len(told) == 1, told  # once per compile, naming the size and the sizes
     assert "a call of size 5" in told[0] and "capture sizes [8]" in told[0]
+    assert "(dim 0 of the first tensor argument the forward reads, or" in told[0]
 
 
 class RopeTable(torch.nn.Module):
