@@ -27,7 +27,10 @@ ON_CHANGE = ("recapture", "error")
 class CaptureConfig:
     """The options of a capture (docs/strategies.md says what each does).
 
-    Shapes: ``buckets`` (default the ladder to ``max_tokens``, 2048). Prefill models:
+    Shapes: ``buckets`` (default the ladder to ``max_tokens``, 2048; without either, an
+    inputs object's own: over a paged cache, the shapes its calls can fill, ``k`` times
+    the decode batch ladder to the request slots for steps of ``k`` tokens per request,
+    the ladder to what its slots hold for prefill). Prefill models:
     ``max_requests`` slots (default ``max_tokens // 512``), ``attention`` backend,
     ``check_inputs`` (token ids and positions checked on every call). ``inputs``: what the
     model takes (default: its declaration, :func:`graphcap.api.inputs_of`), or an

@@ -36,6 +36,9 @@ methods only:
 - ``describe(batch)``: what the ranks of a split model agree on before a call;
 - ``captured(states)``, ``report()``: what a capture showed, for ``runner.report()``;
   ``forget()``: after a capture that failed, what it took from the call it came from.
+
+``graphcap.capture`` also asks it ``default_buckets()``: the shapes to capture where
+neither ``buckets`` nor ``max_tokens`` is given (None: the token ladder).
 """
 
 from __future__ import annotations
@@ -143,6 +146,12 @@ class Inputs:
     def limits(self) -> str:
         """What, beside the buckets, bounds a batch that replays (for messages)."""
         return ""
+
+    def default_buckets(self) -> list[int] | None:
+        """The shapes ``graphcap.capture`` captures where neither ``buckets`` nor
+        ``max_tokens`` is given: those its calls can fill (None: the token ladder to
+        2048)."""
+        return None
 
     def captured(self, states: list) -> None:
         pass

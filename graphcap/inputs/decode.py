@@ -5,7 +5,8 @@ request over a paged cache.
                               inputs=DecodeInputs(cache))
     logits = runner(tokens, positions=[17, 5], slots=[0, 3])   # [2, vocab]
 
-Buckets are batch sizes. Row ``b`` is token ``tokens[b]`` (a device tensor) at position
+Buckets are batch sizes (default: the decode batch ladder to the cache's request slots,
+1, 2, 3, 4, 6, 8, ...). Row ``b`` is token ``tokens[b]`` (a device tensor) at position
 ``positions[b]`` (host ints: the request's cached tokens before it) of the request in
 slot ``slots[b]``. Each shape's graph computes, from the static buffers of tokens,
 positions and request slots, each row's place in the cache, pages and length on the device

@@ -44,7 +44,7 @@ from graphcap.core.inputs import Batch, Inputs, call_copies, check_packing
 from graphcap.core.pinned import HOST_BUFFERS, HostRows
 from graphcap.errors import UnsupportedModel
 from graphcap.inputs.accept import greedy_accept, sampled_accept
-from graphcap.inputs.paged_calls import check_options, check_requests, check_steps
+from graphcap.inputs.paged_calls import check_options, check_requests, check_steps, default_ladder
 from graphcap.kv.batch import CacheBatch
 from graphcap.kv.paged import PagedKVCache
 from graphcap.opsdb.attention import DecodeBackend, check_serves, get_backend
@@ -349,6 +349,9 @@ class PagedInputs(Inputs):
     def limits(self) -> str:
         return f", {self.slots if self.step is None else self.cache.max_requests} " \
                "request slots"
+
+    def default_buckets(self) -> list[int]:
+        return default_ladder(self.step, self.slots, self.cache)
 
     def eager_ids(self, batch: Batch) -> torch.Tensor:
         """The token ids an eager run passes the model: a fallback (buffers allocated: the

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from graphcap.core import checks
+from graphcap.core.buckets import decode_ladder, prefill_ladder
 from graphcap.core.inputs import Batch, check_packing
 from graphcap.errors import BadBatch
 from graphcap.inputs.accept import ACCEPTS
@@ -56,6 +57,18 @@ def check_options(step: int | None, *, attention, slots, output_rows, extend: bo
         raise ValueError(f"output_rows={output_rows!r}: None (the model's), 'tokens' or "
                          "'requests' (one row per request)")
     return step
+
+
+def default_ladder(step: int | None, slots: int | None, cache) -> list[int]:
+    """The shapes a paged kind captures where neither ``buckets`` nor ``max_tokens`` is
+    given: those its calls can fill. Steps of ``step`` tokens a request: ``step`` times
+    the decode batch ladder to the cache's request slots, which bound a step's requests
+    (a step of one request replays a graph of its own); requests of any length in
+    ``slots`` request slots: the token ladder to 2048, or to as many tokens as they may
+    hold, ``slots`` times the cache's ``max_len``."""
+    if step is None:
+        return prefill_ladder(min(2048, slots * cache.max_len))
+    return [b * step for b in decode_ladder(cache.max_requests)]
 
 
 def check_steps(inputs: PagedInputs, args: tuple, kwargs: dict) -> Batch:

@@ -169,3 +169,27 @@ def test_a_replay_derives_places_rows_and_lengths_in_one_op_as_the_eager_path_do
     assert torch.equal(state.kv.block_table, want.block_table)
     assert torch.equal(state.kv.seq_lens, want.seq_lens)
     assert state.kv.seq_lens.tolist() == [2, 6, 0, 8]  # the pad attends to nothing
+
+
+def test_a_paged_kind_captured_without_buckets_takes_the_shapes_its_calls_can_fill():
+    # A step holds one request a slot at most: the token ladder (4 .. 2048) captured 42
+    # graphs no step of the 4 request slots could fill past 4, and ran every step of one
+    # request eagerly (its 4 rows pad it past twice over); a prefill into 2 request slots
+    # of 32 tokens brings 64 tokens at most.
+    from graphcap.inputs import CachePrefillInputs
+    from graphcap.inputs.draft_steps import DraftStepsInputs
+
+    m, cache = setup()
+    for inputs, want in ((DecodeInputs(cache), [1, 2, 3, 4]),
+                         (PagedInputs(cache, K), [3, 6, 9, 12]),
+                         (DraftStepsInputs(cache, 2), [1, 2, 3, 4])):
+        assert graphcap.capture(m, "full", inputs=inputs).report()["shapes"] == want
+    runner = graphcap.capture(m, "full", inputs=DecodeInputs(cache))
+    runner(torch.tensor([4], device=DEVICE), positions=[cache.written(2)], slots=[2])
+    assert runner.report()["replays"] == {1: 1} and not runner.report()["fallbacks"]
+    prefill = CachePrefillInputs(cache, get_backend(None, DEVICE, strategy="full"), 2)
+    assert graphcap.capture(m, "full", inputs=prefill).report()["shapes"] == [
+        4, 8, 12, 16, 20, 24, 28, 32, 48, 64]
+    # max_tokens given: the token ladder to it, as before
+    assert graphcap.capture(m, "full", max_tokens=8, inputs=DecodeInputs(cache)
+                            ).report()["shapes"] == [4, 8]
