@@ -128,13 +128,15 @@ class Break:
 
 def _alias(t) -> torch.Tensor | None:
     """A view of all of tensor ``t`` as it lies now, which a later ``t.t_()`` or
-    ``t.unsqueeze_()`` leaves as it is; None for no tensor (or one of no memory)."""
+    ``t.unsqueeze_()`` leaves as it is (an empty one too: its shape is what a break
+    reads); None for no tensor, or one without a storage or an address to view."""
     if not isinstance(t, torch.Tensor):
         return None
     try:
-        return t.detach() if t.untyped_storage().nbytes() else None
+        t.untyped_storage(), t.data_ptr()
     except (RuntimeError, TypeError, ValueError):  # no storage to view
         return None
+    return t.detach()
 
 
 def _where(t: torch.Tensor) -> tuple:

@@ -331,8 +331,22 @@ class UnsqueezesAnArgumentReturned(torch.nn.Module):
         return (h * 2).squeeze(1)
 
 
+@graphcap.eager_on_graph
+def rows_of(h):
+    return torch.full((4,), float(h.shape[0]), device=h.device)
+
+
+class TransposesAnEmptyTensorGiven(torch.nn.Module):
+    def forward(self, x):
+        empty = x[:, :0] * 1  # [4, 0]: no bytes, but a shape the break reads
+        rows = rows_of(empty)
+        empty.t_()
+        return x[:, 0] + rows + empty.sum()
+
+
 @pytest.mark.parametrize("model", [TransposesAGivenTensor, TransposesAResult,
-                                   UnsqueezesAnArgumentReturned])
+                                   UnsqueezesAnArgumentReturned,
+                                   TransposesAnEmptyTensorGiven])
 def test_a_tensor_reshaped_in_place_after_a_break_replays_as_eagerly(model):
     m = model().to(DEVICE)
     r = graphcap.capture(m, "breakable", buckets=[4],
