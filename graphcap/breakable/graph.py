@@ -221,6 +221,11 @@ class BreakableCapture:
             with self.pool.warmup(), break_handler(None):  # the capture stream, no capture
                 self.items[-1].replay()  # its inputs: real values, not capture garbage
                 raw = fn(*args, **kwargs)
+                if self.pool.emulated:  # an argument the break itself reshaped in place:
+                    # the emulated segments before it keep its layout, as CUDA's kernels do
+                    for t, was in zip(at_call[0], called, strict=True):
+                        if was is not None and _where(t) != _where(was):
+                            self.items[-1]._freeze(t, was)
                 output, on_args = _own(raw, given)
                 shares = _shares(tensor_leaves(raw), on_args)
             _check_result(name, output, self.pool.device)

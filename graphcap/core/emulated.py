@@ -332,15 +332,18 @@ class EmulatedGraph(Graph):
         for mode in reversed(modes):
             mode.__exit__(None, None, None)
 
-    def _freeze(self, t: torch.Tensor) -> None:
+    def _freeze(self, t: torch.Tensor, was: torch.Tensor | None = None) -> None:
         """``t``'s shape is about to change in place (``t_``, ``unsqueeze_``): the steps
         recorded so far, this graph's and every other graph's of its pool (a breakable
         capture's earlier segments), keep reading and writing it as it is now, through a
         view of its present shape in their place (a replay runs them on the recorded
         objects, which by then have the last shape; CUDA's kernels keep the layout they
-        were launched with)."""
+        were launched with). ``was``: a view of ``t`` as it lay before a change made
+        outside any recording (by an eager break), the layout they keep instead."""
+        was = t if was is None else was
+
         def frozen(x):
-            return (t.as_strided(t.size(), t.stride(), t.storage_offset())
+            return (was.as_strided(was.size(), was.stride(), was.storage_offset())
                     if x is t else x)
 
         for graph in self.pool.graphs():

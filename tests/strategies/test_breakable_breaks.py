@@ -344,9 +344,23 @@ class TransposesAnEmptyTensorGiven(torch.nn.Module):
         return x[:, 0] + rows + empty.sum()
 
 
+@graphcap.eager_on_graph
+def transposed_first_row(h):
+    h.t_()  # the break itself reshapes what it was given
+    return h[0] * 1
+
+
+class ABreakTransposesItsArgument(torch.nn.Module):
+    def forward(self, x):
+        h = x * 1  # the segment before the break writes it as it lies at the break's call
+        column = transposed_first_row(h)
+        return h * 1 + column
+
+
 @pytest.mark.parametrize("model", [TransposesAGivenTensor, TransposesAResult,
                                    UnsqueezesAnArgumentReturned,
-                                   TransposesAnEmptyTensorGiven])
+                                   TransposesAnEmptyTensorGiven,
+                                   ABreakTransposesItsArgument])
 def test_a_tensor_reshaped_in_place_after_a_break_replays_as_eagerly(model):
     m = model().to(DEVICE)
     r = graphcap.capture(m, "breakable", buckets=[4],
