@@ -66,3 +66,22 @@ def test_a_checkpoint_without_tokenizer_files_has_no_tokenizer(tmp_path, capsys)
     assert llm.tokenizer is None and llm.eos == set()
     assert main(["generate", str(tmp_path), "--prompt", "x", *OPTIONS]) == 2
     assert "has no tokenizer files" in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_a_checkpoint_with_only_mistrals_tekken_file_has_its_tokenizer(tmp_path):
+    # transformers 5 converts a tekken.json (a Mistral checkpoint's only tokenizer file)
+    import base64
+    import json
+
+    hf_model("mistral").save_pretrained(tmp_path)
+    vocab = [{"rank": i, "token_bytes": base64.b64encode(bytes([i])).decode(),
+              "token_str": None} for i in range(256)]
+    specials = [{"rank": i, "token_str": s, "is_control": True}
+                for i, s in enumerate(["<unk>", "<s>", "</s>"])]
+    (tmp_path / "tekken.json").write_text(json.dumps({
+        "config": {"pattern": r"\s+|\S+", "num_vocab_tokens": 256, "default_vocab_size": 259,
+                   "default_num_special_tokens": 3, "version": "v7"},
+        "vocab": vocab, "special_tokens": specials}))
+    llm = graphcap.LLM(str(tmp_path), max_batch=1, max_len=40, prefill_tokens=16,
+                       progress=False)
+    assert llm.tokenizer is not None and llm.tokenizer("ab").input_ids[-2:] == [100, 101]

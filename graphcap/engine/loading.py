@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import torch
 
-# Files a tokenizer is read from (transformers' names): a directory with none of them has
-# no tokenizer. transformers 5 builds one from the config alone for some families (Qwen2/3,
+# Files a tokenizer is read from (transformers' names; Mistral's tekken.json and
+# tiktoken.model, which transformers 5 converts): a directory with none of them has no
+# tokenizer. transformers 5 builds one from the config alone for some families (Qwen2/3,
 # Gemma: an empty vocabulary whose end-of-sequence id, 0 or 1, would end requests).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                    "vocab.txt", "merges.txt", "spiece.model", "spm.model",
-                   "sentencepiece.bpe.model", "tokenizer.tiktoken")
+                   "sentencepiece.bpe.model", "sentencepiece.model", "tokenizer.tiktoken",
+                   "tekken.json", "tiktoken.model")
 
 
 def resolve(model, tokenizer=None):
