@@ -299,9 +299,11 @@ class Decoder(nn.Module):
     def _apply(self, fn, recurse=True):
         """A cast of the model (``.to(torch.bfloat16)``, ``.half()``) leaves the rotary
         cache float32, computed again rather than rounded, as every way of building one
-        gives it."""
+        gives it; a model built on the meta device given memory (``.to_empty()``) has
+        its rotary cache computed, not left as the uninitialised memory it got."""
+        was_meta = self.cos_sin.is_meta
         super()._apply(fn, recurse)
-        if self.cos_sin.dtype != torch.float32:
+        if self.cos_sin.dtype != torch.float32 or (was_meta and not self.cos_sin.is_meta):
             self.reset_rope(self.cos_sin.device)
         return self
 

@@ -221,3 +221,10 @@ def test_rotary_cache_stays_float32_through_a_cast(cast):
     assert model.cos_sin.dtype == torch.float32
     assert torch.equal(model.cos_sin, exact)
     assert next(model.parameters()).dtype != torch.float32
+
+
+def test_a_model_built_on_the_meta_device_gets_its_rotary_cache_with_memory():
+    """to_empty() gives the parameters uninitialised memory (the weights are loaded next);
+    the rotary cache, derived and never loaded, is computed."""
+    model = build_model("tiny", device="meta").to_empty(device="cpu")
+    assert torch.equal(model.cos_sin, build_model("tiny").cos_sin)
