@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from graphcap import compat
 from graphcap.models.decoder import Decoder
 
 
@@ -129,11 +130,6 @@ def compiled_step(model: Decoder, ids: torch.Tensor, pos: torch.Tensor, max_len:
     compiles it, on ``ids`` and ``pos`` ``warmup`` times (compiling, recording the graph)
     before it is returned."""
     module = StaticCacheDecoder(model, ids.shape[0], max_len, gqa)
-    # One compiled module per batch size and context shares the forward's code: room for
-    # each (Dynamo otherwise runs it eagerly past its recompile limit, silently).
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), 64))
     # Static shapes, as gpt-fast's one compile a process has them (see the module's notes).
     compiled = torch.compile(module, mode="reduce-overhead", fullgraph=True, dynamic=False)
     backend = (lambda: sdpa_kernel(SDPBackend.MATH)) if math else contextlib.nullcontext
@@ -144,7 +140,11 @@ def compiled_step(model: Decoder, ids: torch.Tensor, pos: torch.Tensor, max_len:
             return compiled(ids, pos)
 
     # gpt-fast sets the tuning for its whole process; here only while the step compiles.
-    with torch._inductor.config.patch(coordinate_descent_tuning=True):
+    # One compiled module per batch size and context shares the forward's code: room for
+    # each (Dynamo otherwise runs it eagerly past its recompile limit, silently), for
+    # these compiles alone.
+    with torch._inductor.config.patch(coordinate_descent_tuning=True), \
+            compat.allow_recompiles(64):
         for _ in range(warmup):
             step(ids, pos)
     return step

@@ -304,13 +304,15 @@ def on_module_registrations(hook) -> bool:
     return True
 
 
-def allow_recompiles(count: int) -> None:
-    """Let Dynamo keep at least ``count`` compiles of one frame (a static-shape compile per
-    prompt length): ``recompile_limit``, called ``cache_size_limit`` in older torch."""
+def allow_recompiles(count: int):
+    """A context in which Dynamo keeps at least ``count`` compiles of one frame (a
+    static-shape compile per prompt length), for the compiles made in it:
+    ``recompile_limit``, called ``cache_size_limit`` in older torch. The process's own
+    limit is left as it was (a later compile of other code keeps it)."""
     import torch._dynamo.config as config
 
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), count))
+    return config.patch(**{name: max(getattr(config, name), count)})
 
 
 def default_store():

@@ -266,6 +266,9 @@ def test_each_gpt_fast_step_is_compiled_for_its_own_static_shapes(monkeypatch):
     monkeypatch.setattr(torch, "compile", recorded)
     torch._dynamo.reset()
     model = Decoder(ModelArgs()).eval()
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    before = getattr(config, limit)
     try:
         for batch, max_len, gqa in ((1, 13, False), (3, 13, False), (5, 13, True),
                                     (3, 21, True)):
@@ -275,6 +278,8 @@ def test_each_gpt_fast_step_is_compiled_for_its_own_static_shapes(monkeypatch):
     finally:
         torch._dynamo.reset()
     assert symbolic == [False] * 4
+    # room for its compiles while they were made; the process's limit left as it was
+    assert getattr(config, limit) == before
 
 
 def test_decode_targets_whose_every_graphcap_arm_failed_are_not_judged():

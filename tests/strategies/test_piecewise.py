@@ -535,8 +535,9 @@ class Counts(torch.nn.Linear):
 
 
 def test_python_state_that_changes_every_call_is_a_capture_error_naming_it():
-    with pytest.raises(CaptureError, match="compiled the forward again at every "
-                                                    "call until Dynamo's recompile limit"):
+    with torch._dynamo.config.patch(recompile_limit=8), \
+            pytest.raises(CaptureError, match="compiled the forward again at every "
+                                              "call until Dynamo's recompile limit"):
         r = graphcap.capture(Counts(4, 4), "tc_piecewise", buckets=list(range(1, 11)),
                              example_inputs=(torch.randn(4, 4),))
         for n in range(1, 12):
