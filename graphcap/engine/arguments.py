@@ -46,13 +46,19 @@ def max_len_of(max_len, bound: int, room: int, default: int) -> int:
         raise ValueError(f"the proposer's k = {room} leaves no room under the model's "
                          f"max_position {bound} (a verify step writes k tokens past a "
                          "request's last): give it a smaller k")
-    if max_len is None:
-        return min(bound - room, default)
-    if max_len + room > bound:
+    derived = max_len is None
+    if derived:
+        max_len = min(bound - room, default)
+    elif max_len + room > bound:
         k, why = (f" plus the proposer's k = {room}", "a verify step writes k tokens past "
                   "a request's last; ") if room else ("", "")
         raise ValueError(f"max_len {max_len}{k} passes the model's max_position {bound}: "
                          f"{why}build the LLM with max_len at most {bound - room}")
+    if max_len < 2:  # a request is a prompt token and a new one at least
+        raise ValueError(f"max_len {max_len} holds no request (a prompt token and a new "
+                         "token at least): build the LLM with max_len at least 2"
+                         + (f" (the model's max_position {bound} less the proposer's k = "
+                            f"{room} leaves {bound - room}: a smaller k)" if derived else ""))
     return max_len
 
 

@@ -105,3 +105,11 @@ def test_a_failed_build_keeps_the_locals_of_the_error_its_caller_handles(caches)
             LLM(model(), max_batch=2, max_len=32, attention="no-such-backend", progress=False)
         assert info.value.__context__ is handled and caches[0]() is None
         assert handled.__traceback__.tb_next.tb_frame.f_locals["kept"] == "the caller's"
+
+
+def test_an_llm_of_max_len_1_is_refused_as_it_holds_no_request():
+    """A request is a prompt token and a new token at least: an LLM of max_len 1 could
+    serve nothing (every call refused, advising prompts of fewer than 1 token)."""
+    with pytest.raises(ValueError, match="max_len 1 holds no request.*at least 2"):
+        LLM(model(), max_batch=2, max_len=1, progress=False)
+    assert LLM(model(), max_batch=1, max_len=2, progress=False).generate([[1]], 1)
