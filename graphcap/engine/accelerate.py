@@ -39,7 +39,8 @@ SERVED = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "
           "eos_token_id", "pad_token_id", "bos_token_id", "use_cache",
           "cache_implementation", "cache_config", "return_legacy_cache", "transformers_version",
           "_from_model_config", "decoder_start_token_id"}
-# Keyword arguments of generate() that change nothing when None (or False).
+# Keyword arguments of generate() that change nothing when None, False or an empty list
+# (no logits processors, no stopping criteria); any other value (a tensor too) is refused.
 INERT = {"streamer", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
          "synced_gpus", "assistant_model", "negative_prompt_ids",
          "negative_prompt_attention_mask", "use_model_defaults", "custom_generate",
@@ -183,12 +184,18 @@ def _refuse(config, unused: dict) -> None:
     """A ``ValueError`` naming what graphcap's generate does not serve."""
     odd = list(set_defaults(config, SERVED))
     odd += sorted(k for k, v in unused.items() if k not in odd and not (
-        (k in INERT and not v) or (k in INERT_NONE and v is None)))
+        (k in INERT and _unset(v)) or (k in INERT_NONE and v is None)))
     if odd:
         raise ValueError(
             f"graphcap's generate does not serve {', '.join(odd)}: it serves greedy and "
             "sampled decoding (temperature, top_k, top_p) to max_new_tokens or an "
             "eos_token_id; graphcap.restore(model) gives transformers' own generate back")
+
+
+def _unset(value) -> bool:
+    """An ``INERT`` argument's value that changes nothing: None, False, an empty list (a
+    tensor's truth is not asked: negative_prompt_ids of several ids has none)."""
+    return value is None or value is False or (isinstance(value, (list, tuple)) and not value)
 
 
 def _prompts(input_ids, attention_mask, pad, eos) -> list[list[int]]:

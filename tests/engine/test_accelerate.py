@@ -328,3 +328,16 @@ def test_an_empty_batch_is_refused_as_generate_refuses_it(llama):
     with pytest.raises(ValueError, match="non-empty"):
         fast.generate(torch.zeros(0, 4, dtype=torch.long, device=DEVICE), max_new_tokens=2,
                       do_sample=False, pad_token_id=0)
+
+
+def test_a_tensor_given_to_an_argument_it_does_not_serve_is_refused_by_name(llama):
+    # negative_prompt_ids of several ids has no truth value: it was asked for one, and
+    # torch's RuntimeError escaped instead of the refusal
+    _, fast = llama
+    ids = torch.tensor(IDS[:1], device=DEVICE)
+    args = dict(max_new_tokens=2, do_sample=False, pad_token_id=0)
+    for name in ("negative_prompt_ids", "negative_prompt_attention_mask"):
+        with pytest.raises(ValueError, match=f"does not serve {name}"):
+            fast.generate(ids, **args, **{name: torch.tensor([[1, 2]], device=DEVICE)})
+    empty = transformers.LogitsProcessorList()  # an empty list still changes nothing
+    assert fast.generate(ids, **args, logits_processor=empty).shape == (1, 7)
