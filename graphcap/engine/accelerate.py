@@ -10,7 +10,8 @@ mask), ``max_new_tokens`` or ``max_length`` (neither: 20 new tokens, as transfor
 within the ``max_len`` it was accelerated with), ``eos_token_id``, ``pad_token_id``, greedy
 and ``do_sample`` with ``temperature``, ``top_k`` and ``top_p`` (drawn with a seed taken
 from torch's generator, so ``torch.manual_seed`` makes them reproducible), the cache
-options (``use_cache``, ``cache_implementation``: graphcap keeps its own). The call's
+options (``use_cache``, ``cache_implementation``: graphcap keeps its own cache; ``"paged"``,
+transformers' continuous batching, and the lossy ``"quantized"`` are refused). The call's
 options are merged as transformers merges them (a ``generation_config`` given takes the
 model's fields it leaves unset, then transformers' defaults: ``top_k=50``), and the call
 ends at its own ``eos_token_id``, not at the model's or the tokenizer's. It returns
@@ -39,6 +40,10 @@ SERVED = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "
           "eos_token_id", "pad_token_id", "bos_token_id", "use_cache",
           "cache_implementation", "cache_config", "return_legacy_cache", "transformers_version",
           "_from_model_config", "decoder_start_token_id"}
+# Cache implementations that change what transformers' generate returns: "paged" switches it
+# to continuous batching (a [1, batch, tokens] tensor, the attention mask unread),
+# "quantized" keeps the keys and values in fewer bits (other logits).
+OTHER_CACHES = ("paged", "quantized")
 # Keyword arguments of generate() that change nothing when None, False or an empty list
 # (no logits processors, no stopping criteria); any other value (a tensor too) is refused.
 INERT = {"streamer", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
@@ -183,6 +188,8 @@ def _config(model, generation_config, kwargs: dict):
 def _refuse(config, unused: dict) -> None:
     """A ``ValueError`` naming what graphcap's generate does not serve."""
     odd = list(set_defaults(config, SERVED))
+    if config.cache_implementation in OTHER_CACHES:
+        odd.append(f"cache_implementation={config.cache_implementation!r}")
     odd += sorted(k for k, v in unused.items() if k not in odd and not (
         (k in INERT and _unset(v)) or (k in INERT_NONE and v is None)))
     if odd:

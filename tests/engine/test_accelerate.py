@@ -341,3 +341,20 @@ def test_a_tensor_given_to_an_argument_it_does_not_serve_is_refused_by_name(llam
             fast.generate(ids, **args, **{name: torch.tensor([[1, 2]], device=DEVICE)})
     empty = transformers.LogitsProcessorList()  # an empty list still changes nothing
     assert fast.generate(ids, **args, logits_processor=empty).shape == (1, 7)
+
+
+@pytest.mark.parametrize("cache", ["paged", "quantized"])
+def test_a_cache_implementation_that_changes_what_transformers_returns_is_refused(llama, cache):
+    # "paged": transformers' continuous batching, a [1, batch, tokens] tensor and the
+    # attention mask unread; "quantized": keys and values in fewer bits. Both were served
+    # as a plain generate, a [batch, tokens] tensor of other tokens
+    _, fast = llama
+    ids = torch.tensor(IDS, device=DEVICE)
+    args = dict(max_new_tokens=2, do_sample=False, pad_token_id=0)
+    with pytest.raises(ValueError, match=f"does not serve cache_implementation='{cache}'"):
+        fast.generate(ids, **args, cache_implementation=cache)
+    config = transformers.GenerationConfig(cache_implementation=cache, **args)
+    with pytest.raises(ValueError, match=f"cache_implementation='{cache}'"):
+        fast.generate(ids, generation_config=config)
+    for served in ("static", "dynamic", "offloaded"):  # the tokens are the same
+        assert fast.generate(ids, **args, cache_implementation=served).shape == (2, 7)
