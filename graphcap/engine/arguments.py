@@ -231,19 +231,27 @@ def _neutral_values(config) -> dict:
     return {k: (getattr(blank, k, None), fill.get(k)) for k in config.to_dict()}
 
 
-# Fields a 0 of which changes transformers' decoding (id 0 forced, no guidance, no time).
-ZERO_ACTS = {"forced_bos_token_id", "forced_eos_token_id", "guidance_scale", "max_time"}
+# Fields a 0 or an empty value of which transformers acts on, where the others are unset:
+# it changes the decoding (id 0 forced, no guidance, no time, assisted generation from
+# layer 0), or transformers refuses it (a penalty or typical_p of 0, no bad words, no stop
+# strings, an empty sequence bias, ...).
+ZERO_ACTS = {"forced_bos_token_id", "forced_eos_token_id", "guidance_scale", "max_time",
+             "repetition_penalty", "encoder_repetition_penalty", "typical_p", "top_h",
+             "bad_words_ids", "sequence_bias", "stop_strings",
+             "exponential_decay_length_penalty", "prompt_lookup_num_tokens",
+             "assistant_early_exit", "dola_layers", "constraints", "force_words_ids",
+             "watermarking_config"}
 
 
 def set_defaults(config, served: set[str]) -> dict:
     """The fields of a generation config outside ``served`` set to a value that changes
-    decoding, with their values: a 0 only where it acts (``ZERO_ACTS``); keys that are no
-    field of its class (``presence_penalty`` in some published configs) transformers
-    never reads."""
+    decoding, with their values: a 0 or an empty value only where it acts (``ZERO_ACTS``;
+    False never); keys that are no field of its class (``presence_penalty`` in some
+    published configs) transformers never reads."""
     neutral, fields = _neutral_values(config), set(type(config)().to_dict())
     return {k: v for k, v in sorted(config.to_diff_dict().items())
             if k in fields and k not in served and v not in neutral.get(k, (None,))
-            and (v or (k in ZERO_ACTS and v == 0 and v is not False))}
+            and (v or (k in ZERO_ACTS and v is not None and v is not False))}
 
 
 def _generation_config(model):

@@ -358,3 +358,19 @@ def test_a_cache_implementation_that_changes_what_transformers_returns_is_refuse
         fast.generate(ids, generation_config=config)
     for served in ("static", "dynamic", "offloaded"):  # the tokens are the same
         assert fast.generate(ids, **args, cache_implementation=served).shape == (2, 7)
+
+
+@pytest.mark.parametrize("option", [
+    {"repetition_penalty": 0.0}, {"typical_p": 0.0, "do_sample": True}, {"bad_words_ids": []},
+    {"sequence_bias": {}}, {"stop_strings": []}, {"top_h": 0.0, "do_sample": True},
+    {"prompt_lookup_num_tokens": 0}])
+def test_an_empty_or_zero_option_transformers_acts_on_is_refused_not_taken_as_unset(
+        llama, option):
+    # transformers applies these whenever they are set, and refuses these values (a
+    # penalty of 0, an empty list of bad words or stop strings, ...): graphcap decoded as
+    # if they were unset
+    _, fast = llama
+    name = next(k for k in option if k != "do_sample")
+    with pytest.raises(ValueError, match=f"does not serve {name}"):
+        fast.generate(torch.tensor(IDS[:1], device=DEVICE), max_new_tokens=2, pad_token_id=0,
+                      **option)
