@@ -195,3 +195,16 @@ def test_a_normed_projection_of_no_inputs_gives_the_references_values(mode, late
     assert not want.isnan().any()
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     torch.testing.assert_close(skinny, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("fn", [gemv.gemv_linear, kernel.skinny_linear],
+                         ids=["gemv", "few-row"])
+@pytest.mark.parametrize("extra", ["residual", "bias"])
+def test_swiglu_beside_a_residual_or_bias_is_refused_not_left_out(fn, extra):
+    """SwiGLU's epilogue adds neither a residual nor a bias: given one, the kernels
+    returned silu(gate) * up without it (a bias on the gate half only)."""
+    x, w = randn(2, 32, dtype=torch.float32, seed=0), randn(16, 32, dtype=torch.float32, seed=1)
+    given = {"residual": randn(2, 8, dtype=torch.float32, seed=2),
+             "bias": randn(16, dtype=torch.float32, seed=3)}[extra]
+    with pytest.raises(ValueError, match="swiglu=True takes no residual or bias"):
+        fn(x, w, swiglu=True, **{extra: given})

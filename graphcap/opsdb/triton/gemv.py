@@ -238,7 +238,7 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
     ``W_CACHE`` (".cg": weights loaded past L1), ``NORM_LATE`` and ``AHEAD`` (each
     program asks for its next weight slice before it multiplies the one it holds, so two
     are in flight; off: the next is asked for after the products)."""
-    y, (m, n, k) = new_output("gemv_linear", x, weight, swiglu, GEMV_ROWS)
+    y, (m, n, k) = new_output("gemv_linear", x, weight, swiglu, GEMV_ROWS, residual, bias)
     if m == 0 or n == 0:
         return y
     cfg = {"W_CACHE": "", "NORM_LATE": False, "AHEAD": False,

@@ -290,13 +290,18 @@ def fused_rows(weight: torch.Tensor, kind: str) -> int:
 
 
 def new_output(name: str, x: torch.Tensor, weight: torch.Tensor, swiglu: bool,
-               max_rows: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """A linear kernel's checks (at most ``max_rows`` rows, contiguous last dims) and its
-    new [M, N] output with (M, N, K)."""
+               max_rows: int, residual=None, bias=None
+               ) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """A linear kernel's checks (at most ``max_rows`` rows, contiguous last dims, no
+    residual or bias beside SwiGLU, whose epilogue has neither) and its new [M, N] output
+    with (M, N, K)."""
     m, k = x.shape
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     if m > max_rows:
         raise ValueError(f"{name} takes at most {max_rows} rows, got {m}")
+    if swiglu and (residual is not None or bias is not None):
+        raise ValueError(f"{name}: swiglu=True takes no residual or bias (its epilogue "
+                         "adds neither)")
     if (x.numel() and x.stride(1) != 1) or (weight.numel() and weight.stride(1) != 1):
         raise ValueError("x and weight need a contiguous last dim")
     return torch.empty(m, n, dtype=x.dtype, device=x.device), (m, n, k)
@@ -317,7 +322,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight=None,
     ``swiglu``). ``norm_weight``: RMSNorm x first; ``residual`` [M, N]: add it;
     ``swiglu``: silu(gate) * up over weight's two halves; ``tiles`` overrides
     :func:`config` (benchmarks and tests)."""
-    y, (m, n, k) = new_output("skinny_linear", x, weight, swiglu, MAX_ROWS)
+    y, (m, n, k) = new_output("skinny_linear", x, weight, swiglu, MAX_ROWS, residual, bias)
     if m == 0 or n == 0:
         return y
     cfg = {"NORM_LATE": False,
