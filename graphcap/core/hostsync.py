@@ -27,19 +27,6 @@ from graphcap.errors import CaptureError
 
 aten = torch.ops.aten
 
-# Ops that return a host value computed from device data.
-_SCALAR_READS = {
-    aten._local_scalar_dense.default:
-        "Tensor.item() (also int(t), float(t), bool(t), if t:, operator.index(t), x[:t], "
-        "range(t), math functions of t)",
-    aten.equal.default: "torch.equal",
-    aten.is_nonzero.default: "Tensor.is_nonzero / bool(t)",
-    aten.allclose.default: "torch.allclose",
-    aten._linalg_check_errors.default:
-        "the error check of a torch.linalg function (inv, cholesky, solve, lu_factor, "
-        "matrix_power of a negative power, torch.inverse; their *_ex forms, such as "
-        "torch.linalg.inv_ex, return the error codes on the device instead)",
-}
 
 def _overloads(names: dict[str, str]) -> dict:
     """The aten overloads named (``"packet.overload"``) that this torch has."""
@@ -52,17 +39,29 @@ def _overloads(names: dict[str, str]) -> dict:
     return found
 
 
-# Ops that read a device value on the host inside their kernel on CUDA (a check of the
-# data, or a tensor argument taken as a number), which the CPU's kernels of them do
-# without an op the emulator sees.
-_READS_INSIDE = _overloads({
-    **{f"normal.{o}": "torch.normal with a tensor std (CUDA checks std >= 0 on the host)"
-       for o in ("Tensor_Tensor", "float_Tensor", "Tensor_Tensor_out", "float_Tensor_out")},
-    **{f"{f}.{o}": f"torch.{f} with a tensor start or end (read as numbers on the host)"
-       for f in ("linspace", "logspace")
-       for o in ("Tensor_Tensor", "Tensor_Scalar", "Scalar_Tensor", "Tensor_Tensor_out",
-                 "Tensor_Scalar_out", "Scalar_Tensor_out")},
-})
+# Ops that return a host value computed from device data; and ops that read a device value
+# on the host inside their kernel on CUDA (a check of the data, or a tensor argument taken
+# as a number), which the CPU's kernels of them do without an op the emulator sees.
+_SCALAR_READS = {
+    aten._local_scalar_dense.default:
+        "Tensor.item() (also int(t), float(t), bool(t), if t:, operator.index(t), x[:t], "
+        "range(t), math functions of t)",
+    aten.equal.default: "torch.equal",
+    aten.is_nonzero.default: "Tensor.is_nonzero / bool(t)",
+    aten.allclose.default: "torch.allclose",
+    aten._linalg_check_errors.default:
+        "the error check of a torch.linalg function (inv, cholesky, solve, lu_factor, "
+        "matrix_power of a negative power, torch.inverse; their *_ex forms, such as "
+        "torch.linalg.inv_ex, return the error codes on the device instead)",
+    **_overloads({
+        **{f"normal.{o}": "torch.normal with a tensor std (CUDA checks std >= 0 on the host)"
+           for o in ("Tensor_Tensor", "float_Tensor", "Tensor_Tensor_out", "float_Tensor_out")},
+        **{f"{f}.{o}": f"torch.{f} with a tensor start or end (read as numbers on the host)"
+           for f in ("linspace", "logspace")
+           for o in ("Tensor_Tensor", "Tensor_Scalar", "Scalar_Tensor", "Tensor_Tensor_out",
+                     "Tensor_Scalar_out", "Scalar_Tensor_out")},
+    }),
+}
 # Ops whose output shape depends on the data: the host must read the device to size it.
 _DATA_DEPENDENT = {
     aten.nonzero.default: "torch.nonzero (also torch.where(cond), argwhere)",
@@ -220,9 +219,6 @@ def check_op(func, args, kwargs, device: torch.device) -> None:
     """Raise CaptureError if the aten op ``func`` would synchronise with the host."""
     if func in _SCALAR_READS:
         _raise(str(func.overloadpacket), _SCALAR_READS[func], "reads a device value on the host")
-    if func in _READS_INSIDE:
-        _raise(str(func.overloadpacket), _READS_INSIDE[func], "reads a device value on the "
-               "host")
     if func in _DATA_DEPENDENT or _bool_index(func, args):
         what = _DATA_DEPENDENT.get(func, "indexing with a boolean mask")
         _raise(str(func.overloadpacket), what, "has an output size that depends on the data")
