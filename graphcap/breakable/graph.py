@@ -81,8 +81,7 @@ class Break:
         if self.called is None:
             return
         called, self.called = self.called, None
-        self.moved = {i: a for i, (t, a) in enumerate(zip(self.at_call[0], called, strict=True))
-                      if a is not None and _where(t) != _where(a)}
+        self.moved = _moved(self.at_call[0], called)
         self.rebuild = self.rebuild or bool(self.moved)
 
     def replay(self) -> None:
@@ -137,6 +136,13 @@ def _alias(t) -> torch.Tensor | None:
     except (RuntimeError, TypeError, ValueError):  # no storage to view
         return None
     return t.detach()
+
+
+def _moved(leaves: list, called: list) -> dict:
+    """The tensors among ``leaves`` (an argument list's) whose memory, shape or strides
+    changed in place since ``called`` (their ``_alias`` at the call): index -> alias."""
+    return {i: a for i, (t, a) in enumerate(zip(leaves, called, strict=True))
+            if a is not None and _where(t) != _where(a)}
 
 
 def _where(t: torch.Tensor) -> tuple:
@@ -223,9 +229,8 @@ class BreakableCapture:
                 raw = fn(*args, **kwargs)
                 if self.pool.emulated:  # an argument the break itself reshaped in place:
                     # the emulated segments before it keep its layout, as CUDA's kernels do
-                    for t, was in zip(at_call[0], called, strict=True):
-                        if was is not None and _where(t) != _where(was):
-                            self.items[-1]._freeze(t, was)
+                    for i, was in _moved(at_call[0], called).items():
+                        self.items[-1]._freeze(at_call[0][i], was)
                 output, on_args = _own(raw, given)
                 shares = _shares(tensor_leaves(raw), on_args)
             _check_result(name, output, self.pool.device)
