@@ -121,7 +121,7 @@ class LLM:
             self._serving: dict[str, object] = {}  # "call": the call being served
             # A call prefills at most max_batch prompts of max_len - 1 tokens (a request
             # draws one at least): no graph past that, no extend graph unless one is longer.
-            prefill_tokens = min(prefill_tokens, max(max_batch * (longest := self.max_len - 1), 1))
+            prefill_tokens = min(prefill_tokens, max_batch * (longest := self.max_len - 1))
             self.engine = Engine(model, self.cache, strategy, self.max_batch, prefill_tokens,
                                  chunked=long_prompts and longest > prefill_tokens,
                                  attention=attention, decode_attention=decode_attention,

@@ -320,15 +320,13 @@ def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32,
             sources = names.get(name, [name])
             raise CheckpointError(f"{folder}: {', '.join(sources)} has shape "
                                   f"{tuple(tensor.shape)}, expected {want} for {name}")
-    model = model.to_empty(device="cpu")
+    model = model.to_empty(device="cpu")  # its rotary cache computed (Decoder._apply)
     model.load_state_dict(state, strict=False, assign=True)
-    model.reset_rope("cpu")
     if args.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     model = model.to(dtype=dtype).eval()
     if tp is not None:
         model = shard_model(model, tp)
     model = model.to(device=device)
-    model.reset_rope(device)
     experts_to_operand_order(model)
     return model
