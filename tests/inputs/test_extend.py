@@ -19,7 +19,7 @@ from graphcap.inputs.cache_prefill import CachePrefillInputs
 from graphcap.kv import PagedKVCache
 from graphcap.models import PRESETS, Decoder
 from graphcap.opsdb.attention import get_backend
-from tests.support.runner_helpers import DEVICE
+from tests.support.runner_helpers import DEVICE, windowed_extend
 
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 PROMPTS = {0: [5, 9, 2, 7, 1, 3, 3, 8, 6, 2, 4], 1: [3, 1, 4, 1, 5, 9, 2], 2: [8, 6]}
@@ -180,7 +180,6 @@ def test_each_token_runs_at_the_position_its_start_gives_and_other_positions_are
 
 
 def test_a_prompt_past_the_models_positions_is_refused_before_anything_runs():
-    import dataclasses
 
     torch.manual_seed(0)
     m = Decoder(dataclasses.replace(PRESETS["tiny"], max_position=16)).to(DEVICE).eval()
@@ -213,14 +212,7 @@ def test_the_prefill_attention_backend_may_be_given_by_its_name():
 def test_a_zero_length_request_beside_others_reads_nothing_and_is_no_refusal_in_a_window():
     # Slot 0's first pages were freed behind the window: a chunk of it from position 0
     # would attend to them, but a request of no tokens reads nothing at any start.
-    torch.manual_seed(0)
-    m = Decoder(dataclasses.replace(PRESETS["tiny"], window=8)).to(DEVICE).eval()
-    a = m.args
-    cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=2, max_len=32,
-                         page_size=4, device=DEVICE, window=8)
-    backend = get_backend(None, DEVICE, strategy="full", dtype=torch.float32)
-    runner = graphcap.capture(m, "full", buckets=[16],
-                              inputs=CachePrefillInputs(cache, backend, slots=2, extend=True))
+    m, cache, runner = windowed_extend(slots=2)
     cache.admit(0, 30)
     cache.admit(1, 30)
     runner(torch.arange(16, device=DEVICE), torch.arange(16, device=DEVICE),

@@ -5,8 +5,6 @@ pages). Token ids out of the vocabulary are refused before anything runs, with
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -18,7 +16,7 @@ from graphcap.inputs import CachePrefillInputs, DecodeInputs
 from graphcap.kv import PagedKVCache
 from graphcap.models import PRESETS, Decoder, build_model
 from graphcap.opsdb.attention import get_backend
-from tests.support.runner_helpers import DEVICE
+from tests.support.runner_helpers import DEVICE, windowed_extend
 
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
@@ -389,14 +387,7 @@ def test_a_ctrl_c_in_the_commit_of_a_windowed_call_that_ran_leaves_its_request_t
     from graphcap.inputs.paged import PagedInputs
     from tests.support.interrupts import code_of, delivered
 
-    torch.manual_seed(0)
-    model = Decoder(dataclasses.replace(PRESETS["tiny"], window=8)).to(DEVICE).eval()
-    a = model.args
-    cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=1, max_len=32,
-                         page_size=4, device=DEVICE, window=8)
-    backend = get_backend(None, torch.device(DEVICE), strategy="full")
-    runner = graphcap.capture(model, "full", buckets=[16], inputs=CachePrefillInputs(
-        cache, backend, slots=1, extend=True))
+    _, cache, runner = windowed_extend(slots=1)
     ids, positions = torch.arange(1, 17, device=DEVICE), torch.arange(16, device=DEVICE)
     codes = code_of(PagedInputs.commit, PagedKVCache.wrote, PagedKVCache._free_behind)
 

@@ -32,15 +32,28 @@ def interrupted(codes, n: int | None, call, *args):
         frame.f_trace_opcodes = True
         return local
 
-    previous = sys.gettrace()
-    sys.settrace(enter)
-    try:
-        out = call(*args)
-    except BaseException as exc:  # the test looks at it
-        out = exc
-    finally:
-        sys.settrace(previous)
+    out = _hooked(sys.gettrace, sys.settrace, enter, call, args)
     return count, out
+
+
+def _hooked(get, install, hook, call, args):
+    """What ``call(*args)`` returned or raised with ``hook`` installed (``sys.settrace``,
+    ``sys.setprofile``), the previous one after. (No context manager: a test may count
+    contextlib's frames among those it interrupts.)"""
+    previous = get()
+    install(hook)
+    try:
+        return _outcome(call, args)
+    finally:
+        install(previous)
+
+
+def _outcome(call, args):
+    """What ``call(*args)`` returned or raised (the test looks at it)."""
+    try:
+        return call(*args)
+    except BaseException as exc:
+        return exc
 
 
 def _monitored(codes, n, call, args):
@@ -59,9 +72,7 @@ def _monitored(codes, n, call, args):
     for code in codes:
         mon.set_local_events(tool, code, mon.events.INSTRUCTION)
     try:
-        out = call(*args)
-    except BaseException as exc:  # the test looks at it
-        out = exc
+        out = _outcome(call, args)
     finally:
         for code in codes:
             mon.set_local_events(tool, code, 0)
@@ -103,12 +114,5 @@ def delivered(codes, n: int | None, call, *args):
             if count == n:
                 raise KeyboardInterrupt(f"point {n}")
 
-    previous = sys.getprofile()
-    sys.setprofile(profile)
-    try:
-        out = call(*args)
-    except BaseException as exc:  # the test looks at it
-        out = exc
-    finally:
-        sys.setprofile(previous)
+    out = _hooked(sys.getprofile, sys.setprofile, profile, call, args)
     return count, out

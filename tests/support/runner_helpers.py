@@ -99,3 +99,22 @@ def prefilled_tiny(prompts: dict[int, list[int]], extra: int, *, logits: str = "
     ids = torch.tensor(sum((prompts[s] for s in slots), []), device=DEVICE)
     out = prefill(m, cache, ids, [len(prompts[s]) for s in slots], slots)
     return m, cache, out
+
+
+def windowed_extend(slots: int):
+    """The tiny decoder windowed to 8 tokens on ``DEVICE``, a paged cache of ``slots``
+    request slots (32 tokens each, pages of 4, freed behind the window) and a full runner
+    of 16-token chunks that extend its requests."""
+    from graphcap.inputs import CachePrefillInputs
+    from graphcap.kv import PagedKVCache
+    from graphcap.opsdb.attention import get_backend
+
+    torch.manual_seed(0)
+    m = Decoder(dataclasses.replace(PRESETS["tiny"], window=8)).to(DEVICE).eval()
+    a = m.args
+    cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=slots, max_len=32,
+                         page_size=4, device=DEVICE, window=8)
+    backend = get_backend(None, DEVICE, strategy="full", dtype=torch.float32)
+    runner = graphcap.capture(m, "full", buckets=[16], inputs=CachePrefillInputs(
+        cache, backend, slots=slots, extend=True))
+    return m, cache, runner
