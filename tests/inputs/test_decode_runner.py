@@ -297,15 +297,17 @@ def test_flashinfer_decode_says_where_it_cannot_run():
 @pytest.mark.skipif(DEVICE != "cuda" or importlib.util.find_spec("flashinfer") is None,
                     reason="FlashInfer on a CUDA device")
 @pytest.mark.parametrize("variant", [{}, dict(window=5, global_every=2, softcap=3.0),
-                                     dict(window=5, global_every=2, sinks=True)],
-                         ids=["plain", "windowed-soft-capped", "windowed-sinks"])
+                                     dict(window=5, global_every=2, sinks=True),
+                                     dict(heads=7, kv_heads=1)],
+                         ids=["plain", "windowed-soft-capped", "windowed-sinks", "group-7"])
 @pytest.mark.parametrize("strategy", GRAPHED)
 def test_flashinfer_decode_replays_the_eager_steps(strategy, variant):
     """bf16 (FlashInfer's dtypes): its plan before each replay, its kernel in the graph,
     against graphcap's own decode attention run eagerly; with alternating windowed and
     global layers and soft-capped scores, a plan per (window, softcap) pair, the windowed
     one over the pages of the window only (pages of 4 tokens, requests up to 16); with
-    sinks, folded in from the kernel's log-sum-exp."""
+    sinks, folded in from the kernel's log-sum-exp; with 7 query heads a key/value head,
+    a group its decode kernel is not built for, on its prefill kernel."""
     def bf16():
         m, cache = setup(head_dim=64, **variant)  # a head dim FlashInfer's kernels take
         a = m.args

@@ -43,6 +43,9 @@ from graphcap.opsdb.spec import unavailable
 NAME = "flashinfer"
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128, 256)
+# Query heads per key/value head that FlashInfer's decode kernel is built for; other
+# groups (Qwen2.5-7B's 7) run its prefill kernel with one query a row (tensor cores).
+DECODE_GROUPS = (1, 2, 3, 4, 8)
 WORKSPACE_BYTES = 128 << 20
 
 
@@ -127,8 +130,10 @@ class FlashInferPlan(DecodePlan):
         plans fewer pages)."""
         if pair not in self.wrappers:
             device, tokens = self.cache.device, self.tokens
+            group = self.backend.heads[0] // self.cache.kv_heads
             self.wrappers[pair] = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.backend.workspace, "NHD", use_cuda_graph=True,
+                use_tensor_cores=group not in DECODE_GROUPS,
                 paged_kv_indptr_buffer=torch.zeros(tokens + 1, dtype=torch.int32,
                                                    device=device),
                 paged_kv_indices_buffer=torch.zeros(
