@@ -85,3 +85,31 @@ def test_a_checkpoint_with_only_mistrals_tekken_file_has_its_tokenizer(tmp_path)
     llm = graphcap.LLM(str(tmp_path), max_batch=1, max_len=40, prefill_tokens=16,
                        progress=False)
     assert llm.tokenizer is not None and llm.tokenizer("ab").input_ids[-2:] == [100, 101]
+
+
+@pytest.mark.parametrize(("family", "cls"), [("gemma", "GemmaTokenizer"),
+                                             ("qwen3", "Qwen2Tokenizer"),
+                                             ("llama", "PreTrainedTokenizerFast")])
+def test_a_checkpoint_with_tokenizer_config_alone_has_no_tokenizer_and_says_so(
+        tmp_path, family, cls):
+    # transformers 5 builds Gemma's and Qwen2's tokenizers from the config alone: no
+    # vocabulary ("hello" was Gemma's unknown id, its text always empty; Qwen2's no ids)
+    import json
+
+    hf_model(family).save_pretrained(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": cls}))
+    with pytest.warns(UserWarning, match=r"holds tokenizer_config\.json but no file a "
+                      r"tokenizer's vocabulary is read from \(tokenizer\.json, "
+                      r"tokenizer\.model, .*tekken\.json.*\): the LLM has no tokenizer"):
+        llm = graphcap.LLM(str(tmp_path), max_batch=1, max_len=40, prefill_tokens=16,
+                           progress=False)
+    assert llm.tokenizer is None
+
+
+def test_a_checkpoint_whose_tokenizer_reads_no_vocabulary_file_has_its_tokenizer(tmp_path):
+    # ByT5's tokenizer is bytes: tokenizer_config.json is all it saves
+    hf_model("llama").save_pretrained(tmp_path)
+    transformers.ByT5Tokenizer().save_pretrained(tmp_path)
+    llm = graphcap.LLM(str(tmp_path), max_batch=1, max_len=40, prefill_tokens=16,
+                       progress=False)
+    assert isinstance(llm.tokenizer, transformers.ByT5Tokenizer)
