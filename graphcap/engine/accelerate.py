@@ -28,6 +28,7 @@ import copy
 import types
 import warnings
 
+import numpy as np
 import torch
 
 from graphcap.engine.arguments import DefaultsNotApplied, eos_ids, set_defaults
@@ -102,6 +103,13 @@ def _generate(self, inputs=None, generation_config=None, *, input_ids=None,
         getattr(c, "max_length", None) is None for c in (generation_config,
                                                           self.generation_config))
     config, unused = _config(self, generation_config, kwargs)
+    # a tensor or numpy array of ids, or a numpy int, as transformers' torch.tensor takes it
+    if isinstance(config.eos_token_id, (torch.Tensor, np.ndarray)):
+        config.eos_token_id = config.eos_token_id.reshape(-1).tolist()
+    elif isinstance(config.eos_token_id, np.integer):
+        config.eos_token_id = int(config.eos_token_id)
+    if isinstance(config.pad_token_id, (torch.Tensor, np.ndarray, np.integer)):
+        config.pad_token_id = int(config.pad_token_id)  # an int: compared with the eos ids
     _refuse(config, unused)
     if self.training:
         raise ValueError(f"{type(self).__name__} is in training mode: transformers' generate "
@@ -110,10 +118,6 @@ def _generate(self, inputs=None, generation_config=None, *, input_ids=None,
     if input_ids is None:
         raise ValueError("graphcap's generate needs input_ids (a [batch, tokens] tensor of "
                          "the prompts, as the tokenizer gives)")
-    if isinstance(config.eos_token_id, torch.Tensor):
-        config.eos_token_id = config.eos_token_id.reshape(-1).tolist()
-    if isinstance(config.pad_token_id, torch.Tensor):  # as an int: compared with the eos ids
-        config.pad_token_id = int(config.pad_token_id)
     prompts = _prompts(input_ids, attention_mask, config.pad_token_id, config.eos_token_id)
     eos = eos_ids(config.eos_token_id)
     new = _new_tokens(self, config, default_length, input_ids.shape[-1], prompts, llm.max_len)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -374,3 +375,16 @@ def test_an_empty_or_zero_option_transformers_acts_on_is_refused_not_taken_as_un
     with pytest.raises(ValueError, match=f"does not serve {name}"):
         fast.generate(torch.tensor(IDS[:1], device=DEVICE), max_new_tokens=2, pad_token_id=0,
                       **option)
+
+
+def test_eos_and_pad_ids_given_as_numpy_ints_or_arrays_are_the_ids_transformers_takes(llama):
+    # transformers makes a tensor of them; np.int64 was iterated ('not iterable') and an
+    # array of two asked for its truth
+    ref, fast = llama
+    ids = torch.tensor(IDS, device=DEVICE)
+    ends = int(ref.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)[0, -1])
+    for eos, pad in ((np.int64(ends), np.int64(0)), (np.array([ends, 1]), 0),
+                     (np.array(ends), np.array(0)), ([np.int32(ends)], None)):
+        args = dict(max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=pad,
+                    attention_mask=torch.ones_like(ids))
+        assert torch.equal(fast.generate(ids, **args), ref.generate(ids, **args)), eos
