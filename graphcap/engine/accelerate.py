@@ -9,7 +9,9 @@ What it serves of a ``generate`` call: ``input_ids`` ``[B, T]`` with an
 mask), ``max_new_tokens`` or ``max_length`` (neither: 20 new tokens, as transformers;
 within the ``max_len`` it was accelerated with), ``eos_token_id``, ``pad_token_id``, greedy
 and ``do_sample`` with ``temperature``, ``top_k`` and ``top_p`` (drawn with a seed taken
-from torch's generator, so ``torch.manual_seed`` makes them reproducible), the cache
+from torch's generator, so ``torch.manual_seed`` makes them reproducible; greedy, it
+leaves every sampling option unread, as transformers does: ``min_p``, ``typical_p``, ...),
+the cache
 options (``use_cache``, ``cache_implementation``: graphcap keeps its own cache; ``"paged"``,
 transformers' continuous batching, and the lossy ``"quantized"`` are refused). The call's
 options are merged as transformers merges them (a ``generation_config`` given takes the
@@ -41,6 +43,9 @@ SERVED = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "
           "eos_token_id", "pad_token_id", "bos_token_id", "use_cache",
           "cache_implementation", "cache_config", "return_legacy_cache", "transformers_version",
           "_from_model_config", "decoder_start_token_id"}
+# Fields transformers reads only to sample (its warpers, built under do_sample alone):
+# greedy decoding (do_sample=False) leaves them unread, whatever their values.
+SAMPLING_ONLY = {"min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h"}
 # Cache implementations that change what transformers' generate returns: "paged" switches it
 # to continuous batching (a [1, batch, tokens] tensor, the attention mask unread),
 # "quantized" keeps the keys and values in fewer bits (other logits).
@@ -191,7 +196,7 @@ def _config(model, generation_config, kwargs: dict):
 
 def _refuse(config, unused: dict) -> None:
     """A ``ValueError`` naming what graphcap's generate does not serve."""
-    odd = list(set_defaults(config, SERVED))
+    odd = list(set_defaults(config, SERVED if config.do_sample else SERVED | SAMPLING_ONLY))
     if config.cache_implementation in OTHER_CACHES:
         odd.append(f"cache_implementation={config.cache_implementation!r}")
     odd += sorted(k for k, v in unused.items() if k not in odd and not (

@@ -388,3 +388,19 @@ def test_eos_and_pad_ids_given_as_numpy_ints_or_arrays_are_the_ids_transformers_
         args = dict(max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=pad,
                     attention_mask=torch.ones_like(ids))
         assert torch.equal(fast.generate(ids, **args), ref.generate(ids, **args)), eos
+
+
+def test_sampling_options_are_unread_by_greedy_decoding_as_in_transformers(llama):
+    # transformers builds its warpers under do_sample alone (and warns of the flags):
+    # min_p, typical_p, ... were refused where greedy decoding never reads them
+    ref, fast = llama
+    ids = torch.tensor(IDS, device=DEVICE)
+    args = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    for extra in ({"temperature": 0.3, "top_k": 3, "top_p": 0.5}, {"temperature": 0.0},
+                  {"min_p": 0.2}, {"typical_p": 0.5}, {"typical_p": 0.0},
+                  {"epsilon_cutoff": 0.1}, {"eta_cutoff": 0.1}, {"top_h": 0.5},
+                  {"generation_config": transformers.GenerationConfig(min_p=0.2, top_k=3)}):
+        assert torch.equal(fast.generate(ids, **args, **extra),
+                           ref.generate(ids, **args, **extra)), extra
+    with pytest.raises(ValueError, match="does not serve min_p"):  # sampling: it acts
+        fast.generate(ids, max_new_tokens=4, do_sample=True, min_p=0.2)
