@@ -7,7 +7,8 @@ keep working, and :func:`restore` gives the model back as it came.
 What it serves of a ``generate`` call: ``input_ids`` ``[B, T]`` with an
 ``attention_mask`` (left or right padding: each row's prompt is its tokens under the
 mask), ``max_new_tokens`` or ``max_length`` (neither: 20 new tokens, as transformers;
-within the ``max_len`` it was accelerated with), ``eos_token_id``, ``pad_token_id``, greedy
+within the ``max_len`` it was accelerated with; ``min_length`` where it changes nothing,
+at most the input's width), ``eos_token_id``, ``pad_token_id``, greedy
 and ``do_sample`` with ``temperature``, ``top_k`` and ``top_p`` (drawn with a seed taken
 from torch's generator, so ``torch.manual_seed`` makes them reproducible; greedy, it
 leaves every sampling option unread, as transformers does: ``min_p``, ``typical_p``, ...),
@@ -40,7 +41,7 @@ from graphcap.inputs.sampling import Sampling
 _LLM = "_graphcap_llm"
 # A generation config's fields graphcap serves, or that change nothing here.
 SERVED = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p",
-          "eos_token_id", "pad_token_id", "bos_token_id", "use_cache",
+          "eos_token_id", "pad_token_id", "bos_token_id", "use_cache", "min_length",
           "cache_implementation", "cache_config", "return_legacy_cache", "transformers_version",
           "_from_model_config", "decoder_start_token_id"}
 # Fields transformers reads only to sample (its warpers, built under do_sample alone):
@@ -139,6 +140,7 @@ def _generate(self, inputs=None, generation_config=None, *, input_ids=None,
         sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     # an eos id outside the vocabulary is never drawn: transformers ends no row on it
     stop = sorted(t for t in eos if 0 <= t < llm.shape.vocab_size)
+    _min_length(config.min_length, input_ids.shape[-1], stop)
     done = llm.generate(prompts, new, sampling=sampling, stop=stop)
     first_eos = config.eos_token_id if isinstance(config.eos_token_id, int) else \
         next(iter(config.eos_token_id or []), None)
@@ -179,6 +181,18 @@ def _new_tokens(model, config, default_length: bool, length: int, prompts, max_l
             f"{fewer}graphcap.restore(model) and graphcap.accelerate(model, "
             f"max_len={longest + new}, ...)")
     return new
+
+
+def _min_length(min_length, width: int, stop) -> None:
+    """A ``ValueError`` where ``min_length`` acts: transformers keeps the eos ids (those in
+    the vocabulary, ``stop``) from every step whose rows, ``width`` input columns and the
+    new tokens, are shorter; at most ``width``, or with no eos id, it changes nothing."""
+    if stop and min_length is not None and min_length > width:
+        raise ValueError(
+            f"graphcap's generate does not serve min_length={min_length} past the {width} "
+            f"input columns: transformers keeps the eos ids {stop} from the first "
+            f"{min_length - width} new tokens; give a min_length of at most {width}, or "
+            "graphcap.restore(model) for transformers' own generate")
 
 
 def _config(model, generation_config, kwargs: dict):

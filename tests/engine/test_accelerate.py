@@ -404,3 +404,21 @@ def test_sampling_options_are_unread_by_greedy_decoding_as_in_transformers(llama
                            ref.generate(ids, **args, **extra)), extra
     with pytest.raises(ValueError, match="does not serve min_p"):  # sampling: it acts
         fast.generate(ids, max_new_tokens=4, do_sample=True, min_p=0.2)
+
+
+def test_a_min_length_that_changes_nothing_is_served_and_one_that_acts_is_refused(llama):
+    # transformers keeps the eos ids from the steps whose rows (the input's columns, then
+    # the new tokens) are shorter than min_length: at most the input's width, or with no
+    # eos id in the vocabulary, it keeps none. It was refused whatever its value
+    ref, fast = llama
+    ids = torch.tensor(IDS, device=DEVICE)
+    ends = int(ref.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)[0, -1])
+    args = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    for extra in ({"min_length": 5, "eos_token_id": ends}, {"min_length": 3},
+                  {"min_length": 12, "eos_token_id": [500]}):
+        assert torch.equal(fast.generate(ids, **args, **extra),
+                           ref.generate(ids, **args, **extra)), extra
+    with pytest.raises(ValueError, match=rf"does not serve min_length=12 past the 5 input "
+                                         rf"columns: transformers keeps the eos ids \[{ends}\] "
+                                         r"from the first 7 new tokens"):
+        fast.generate(ids, **args, min_length=12, eos_token_id=ends)
