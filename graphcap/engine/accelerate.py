@@ -8,16 +8,16 @@ What it serves of a ``generate`` call: ``input_ids`` ``[B, T]`` with an
 ``attention_mask`` (left or right padding: each row's prompt is its tokens under the
 mask), ``max_new_tokens`` or ``max_length`` (neither: 20 new tokens, as transformers;
 within the ``max_len`` it was accelerated with; ``min_length`` where it changes nothing,
-at most the input's width), ``eos_token_id``, ``pad_token_id``, greedy
-and ``do_sample`` with ``temperature``, ``top_k`` and ``top_p`` (drawn with a seed taken
-from torch's generator, so ``torch.manual_seed`` makes them reproducible; greedy, it
-leaves every sampling option unread, as transformers does: ``min_p``, ``typical_p``, ...),
-the cache
-options (``use_cache``, ``cache_implementation``: graphcap keeps its own cache; ``"paged"``,
-transformers' continuous batching, and the lossy ``"quantized"`` are refused). The call's
-options are merged as transformers merges them (a ``generation_config`` given takes the
-model's fields it leaves unset, then transformers' defaults: ``top_k=50``), and the call
-ends at its own ``eos_token_id``, not at the model's or the tokenizer's. It returns
+at most the input's width), ``eos_token_id``, ``pad_token_id``, greedy and ``do_sample``
+with ``temperature``, ``top_k`` and ``top_p`` (drawn with a seed taken from torch's
+generator, so ``torch.manual_seed`` makes them reproducible; greedy decoding leaves every
+sampling option unread, as transformers does: ``min_p``, ``typical_p``, ...), the cache
+options (``use_cache``, ``cache_implementation``, ``max_cache_len``, a static cache's
+least size: graphcap keeps its own cache; ``"paged"``, transformers' continuous batching,
+and the lossy ``"quantized"`` are refused). The call's options are merged as transformers
+merges them (a ``generation_config`` given takes the model's fields it leaves unset, then
+transformers' defaults: ``top_k=50``), and the call ends at its own ``eos_token_id``, not
+at the model's or the tokenizer's. It returns
 what transformers returns: the input rows followed by the new tokens (int64), rows that
 ended first padded with ``pad_token_id``. Anything else (beams, several sequences per prompt,
 logits processors, stopping criteria, streamers, assisted generation, scores, ...) is
@@ -42,7 +42,8 @@ _LLM = "_graphcap_llm"
 # A generation config's fields graphcap serves, or that change nothing here.
 SERVED = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p",
           "eos_token_id", "pad_token_id", "bos_token_id", "use_cache", "min_length",
-          "cache_implementation", "cache_config", "return_legacy_cache", "transformers_version",
+          "cache_implementation", "cache_config", "max_cache_len", "return_legacy_cache",
+          "transformers_version",
           "_from_model_config", "decoder_start_token_id"}
 # Fields transformers reads only to sample (its warpers, built under do_sample alone):
 # greedy decoding (do_sample=False) leaves them unread, whatever their values.

@@ -213,8 +213,8 @@ def sampling_of(sampling, count: int) -> list[Sampling]:
 # lengths (LLM.generate takes max_new_tokens), cache settings, bookkeeping.
 NOT_DECODING = {"max_new_tokens", "max_length", "eos_token_id", "pad_token_id",
                 "bos_token_id", "use_cache", "cache_implementation", "cache_config",
-                "return_legacy_cache", "transformers_version", "_from_model_config",
-                "decoder_start_token_id"}
+                "max_cache_len", "return_legacy_cache", "transformers_version",
+                "_from_model_config", "decoder_start_token_id"}
 
 
 class DefaultsNotApplied(UserWarning):

@@ -7,6 +7,7 @@ serve is refused by name; ``graphcap.restore`` gives the model back untouched.""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -422,3 +423,26 @@ def test_a_min_length_that_changes_nothing_is_served_and_one_that_acts_is_refuse
                                          rf"columns: transformers keeps the eos ids \[{ends}\] "
                                          r"from the first 7 new tokens"):
         fast.generate(ids, **args, min_length=12, eos_token_id=ends)
+
+
+def test_max_cache_len_sizes_transformers_static_cache_only_and_is_served(llama):
+    # at least the call's length (transformers takes the larger), and unread without a
+    # static cache: the tokens are the same. It was refused
+    ref, fast = llama
+    ids = torch.tensor(IDS, device=DEVICE)
+    args = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    for extra in ({"max_cache_len": 64}, {"max_cache_len": 6},
+                  {"max_cache_len": 64, "cache_implementation": "static"},
+                  {"max_cache_len": 6, "cache_implementation": "static"}):
+        assert torch.equal(fast.generate(ids, **args, **extra),
+                           ref.generate(ids, **args, **extra)), extra
+
+
+def test_an_llm_of_a_model_whose_generation_config_sizes_a_static_cache_is_quiet():
+    from graphcap.engine import DefaultsNotApplied
+
+    ref = hf_model("llama").to(DEVICE)
+    ref.generation_config.max_cache_len = 64  # no decoding choice: nothing unapplied
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DefaultsNotApplied)
+        graphcap.LLM(ref, **OPTIONS)
