@@ -17,12 +17,14 @@ least size: graphcap keeps its own cache; ``"paged"``, transformers' continuous 
 and the lossy ``"quantized"`` are refused). The call's options are merged as transformers
 merges them (a ``generation_config`` given takes the model's fields it leaves unset, then
 transformers' defaults: ``top_k=50``), and the call ends at its own ``eos_token_id``, not
-at the model's or the tokenizer's. It returns
-what transformers returns: the input rows followed by the new tokens (int64), rows that
-ended first padded with ``pad_token_id``. Anything else (beams, several sequences per prompt,
-logits processors, stopping criteria, streamers, assisted generation, scores, ...) is
-refused with a ``ValueError`` naming it, as is a model in training mode: ``restore(model)``
-first to run transformers' own.
+at the model's or the tokenizer's. It returns what transformers returns: the input rows
+followed by the new tokens (int64), rows that ended first padded with ``pad_token_id``
+(with ``return_dict_in_generate``, as the ``sequences`` of a ``GenerateDecoderOnlyOutput``
+whose ``cache`` is None, as transformers' without a cache: graphcap's cache is its own).
+Anything else (beams, several sequences per prompt, logits processors, stopping criteria,
+streamers, assisted generation, scores or logits returned, ...) is refused with a
+``ValueError`` naming it, as is a model in training mode: ``restore(model)`` first to run
+transformers' own.
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ SERVED = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "
           "eos_token_id", "pad_token_id", "bos_token_id", "use_cache", "min_length",
           "cache_implementation", "cache_config", "max_cache_len", "return_legacy_cache",
           "transformers_version",
-          "_from_model_config", "decoder_start_token_id"}
+          "_from_model_config", "decoder_start_token_id", "return_dict_in_generate"}
+# Fields transformers keeps only in the output return_dict_in_generate asks for: without it,
+# their tuples are never filled.
+DICT_ONLY = {"output_scores", "output_logits"}
 # Fields transformers reads only to sample (its warpers, built under do_sample alone):
 # greedy decoding (do_sample=False) leaves them unread, whatever their values.
 SAMPLING_ONLY = {"min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h"}
@@ -151,7 +156,12 @@ def _generate(self, inputs=None, generation_config=None, *, input_ids=None,
     rows = [c.tokens + [pad] * (width - len(c.tokens)) for c in done]
     # int64, as transformers' (its new tokens are; cat promotes int32 input rows to them)
     out = torch.tensor(rows, dtype=torch.int64, device=input_ids.device)
-    return torch.cat([input_ids, out], dim=-1)
+    sequences = torch.cat([input_ids, out], dim=-1)
+    if config.return_dict_in_generate:  # no cache: graphcap's is its own (cache=None)
+        from transformers.generation import GenerateDecoderOnlyOutput
+
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences
 
 
 def _new_tokens(model, config, default_length: bool, length: int, prompts, max_len: int
@@ -211,7 +221,9 @@ def _config(model, generation_config, kwargs: dict):
 
 def _refuse(config, unused: dict) -> None:
     """A ``ValueError`` naming what graphcap's generate does not serve."""
-    odd = list(set_defaults(config, SERVED if config.do_sample else SERVED | SAMPLING_ONLY))
+    served = SERVED | (set() if config.do_sample else SAMPLING_ONLY) | (
+        set() if config.return_dict_in_generate else DICT_ONLY)
+    odd = list(set_defaults(config, served))
     if config.cache_implementation in OTHER_CACHES:
         odd.append(f"cache_implementation={config.cache_implementation!r}")
     odd += sorted(k for k, v in unused.items() if k not in odd and not (

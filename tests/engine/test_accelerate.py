@@ -446,3 +446,26 @@ def test_an_llm_of_a_model_whose_generation_config_sizes_a_static_cache_is_quiet
     with warnings.catch_warnings():
         warnings.simplefilter("error", DefaultsNotApplied)
         graphcap.LLM(ref, **OPTIONS)
+
+
+def test_return_dict_in_generate_gives_transformers_output_of_the_sequences(llama):
+    # its sequences, and no cache (graphcap's is its own), as transformers' without one;
+    # output_scores and output_logits fill nothing without it. All three were refused
+    ref, fast = llama
+    ids = torch.tensor(IDS, device=DEVICE)
+    args = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    got = fast.generate(ids, **args, return_dict_in_generate=True)
+    want = ref.generate(ids, **args, return_dict_in_generate=True, use_cache=False)
+    assert type(got) is type(want) and list(got.keys()) == list(want.keys()) == ["sequences"]
+    assert torch.equal(got.sequences, want.sequences) and got.cache is None
+    assert torch.equal(got.sequences, ref.generate(ids, **args, return_dict_in_generate=True
+                                                   ).sequences)
+    sampled = fast.generate(ids, max_new_tokens=4, do_sample=True, return_dict_in_generate=True)
+    assert sampled.sequences.shape == (2, 9)
+    for extra in ({"output_scores": True}, {"output_logits": True},
+                  {"return_dict_in_generate": False}):
+        assert torch.equal(fast.generate(ids, **args, **extra),
+                           ref.generate(ids, **args, **extra)), extra
+    for name in ("output_scores", "output_logits"):  # asked for: not served
+        with pytest.raises(ValueError, match=f"does not serve {name}"):
+            fast.generate(ids, **args, return_dict_in_generate=True, **{name: True})
