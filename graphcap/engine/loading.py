@@ -46,8 +46,14 @@ def _load(path: str, tokenizer):
     if tokenizer is None and _has_tokenizer(path):
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError):
-            tokenizer = None  # a checkpoint without tokenizer files: token ids only
+        except (OSError, ValueError) as exc:  # a vocabulary file transformers cannot read
+            import warnings
+
+            warnings.warn(f"{path}: its tokenizer did not load ({type(exc).__name__}: "
+                          f"{str(exc)[:300]}): the LLM has no tokenizer (token ids only); "
+                          "repair or replace its tokenizer files, or pass LLM(path, "
+                          "tokenizer)", stacklevel=4)  # the caller's line
+            tokenizer = None
     from graphcap.hf import PrefillLM
 
     return PrefillLM(hf, logits="last"), tokenizer
