@@ -90,39 +90,48 @@ def builds_window_masks(module) -> bool:
     """Whether the code of ``module``'s model can apply a window through the mask it
     builds: a transformers model's modeling file imports
     ``create_sliding_window_causal_mask`` (Llama's does not: a ``sliding_window`` its
-    config carries is read by nothing); code from elsewhere is taken to."""
+    config carries is applied by no mask); code from elsewhere is taken to."""
     name = type(module).__module__
     if not name.startswith("transformers.models."):
         return True
     return hasattr(sys.modules.get(name), "create_sliding_window_causal_mask")
 
 
-def layer_window(module, config) -> int | None:
-    """The window of a layer whose attention call passes none: none where ``layer_types``
-    names the layer's kind and it is not windowed (EXAONE 4 keeps ``sliding_window`` on
-    its full-attention layers too); else its module's own (Qwen2-MoE sets it on sliding
-    layers), else the config's where every layer is windowed (no ``layer_types``:
-    PhiMoE) and the model builds window masks (:func:`builds_window_masks`). Those models
-    apply it through the mask transformers builds and graphcap does not, so graphcap's
-    ops take it instead."""
-    kinds, layer = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
-    if kinds and isinstance(layer, int) and 0 <= layer < len(kinds) \
-            and kinds[layer] not in WINDOWED:
+def layer_window(module, config, passed=None) -> int | None:
+    """The window transformers' eager attention applies to a layer, which is that of the
+    mask its model builds for the layer (the window its attention call passes,
+    ``passed``, is what FlashAttention reads instead). None where the layer's modeling
+    builds no window mask (:func:`builds_window_masks`): OLMoE's attention passes
+    ``config.sliding_window`` and its model builds a plain causal mask, and a window a
+    Llama's config carries is applied by no mask. Else the window the call passes; else,
+    where ``layer_types`` names the layer's kind, the config's size of that kind if it
+    is windowed (the module's own first: Qwen2-MoE sets it on sliding layers; SmolLM3
+    passes none where ``use_sliding_window`` is off and its mask still slides over the
+    sliding layers), none if not (EXAONE 4 keeps ``sliding_window`` on its
+    full-attention layers too); else the module's own, else the config's (PhiMoE: every
+    layer's mask, no ``layer_types``). graphcap builds no mask, so its ops take it."""
+    if not builds_window_masks(module):
         return None
+    if passed is not None:
+        return passed
+    kinds, layer = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
     window = getattr(module, "sliding_window", None)
-    if window is None and not getattr(config, "layer_types", None) and \
-            builds_window_masks(module):
+    if kinds and isinstance(layer, int) and 0 <= layer < len(kinds):
+        if kinds[layer] not in WINDOWED:
+            return None
+        return window if window is not None else getattr(config, WINDOWED[kinds[layer]],
+                                                         None)
+    if window is None and not kinds:
         window = getattr(config, "sliding_window", None)
     return window
 
 
 def variant_of(module, sliding_window, softcap, sinks) -> tuple[int, float, object]:
     """The (window, softcap, sinks) of graphcap's attention ops for one of transformers'
-    attention calls: a window only where it can bind (the layer's own where the call
-    passes none), soft-capping where given, the module's learned sinks (``s_aux``)."""
+    attention calls: the layer's window (:func:`layer_window`) only where it can bind,
+    soft-capping where given, the module's learned sinks (``s_aux``)."""
     config = getattr(module, "config", None)
-    if sliding_window is None:
-        sliding_window = layer_window(module, config)
+    sliding_window = layer_window(module, config, sliding_window)
     window = int(sliding_window) if window_binds(config, sliding_window) else 0
     return window, float(softcap or 0.0), sinks
 

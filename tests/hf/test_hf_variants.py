@@ -198,16 +198,33 @@ def test_accelerate_and_a_pipeline_give_transformers_tokens(family):
         "hello", **text) == want
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma", "olmo2"])
+@pytest.mark.parametrize("family", ["llama", "gemma", "olmo2", "olmoe"])
 @pytest.mark.parametrize("kernels", ["graphcap", "stock"])
 def test_a_window_in_the_config_of_a_family_that_reads_none_is_not_applied(family, kernels):
-    """Llama, Gemma and OLMo2 read no ``sliding_window`` (their modeling builds no window
-    mask, their attention passes none): one a config carries (as converted checkpoints
-    do) leaves transformers' logits as they are, and so graphcap's."""
+    """Llama, Gemma, OLMo2 and OLMoE build no window mask (OLMoE's attention passes
+    ``config.sliding_window`` on, which only FlashAttention reads): a ``sliding_window``
+    a config carries (as converted checkpoints do) leaves transformers' eager logits as
+    they are, and so graphcap's."""
     ref = hf_model(family, sliding_window=8).to(DEVICE)
     lm = PrefillLM(copy.deepcopy(ref), kernels=kernels)
     assert lm.graphcap_attention_options == ()
     assert set(lm.kv_windows.values()) == {0}
+    ids, pos = packed_input()
+    with torch.no_grad():
+        got = lm(ids, pos, seq_lens=LENS)
+    tol = 1e-4 if DEVICE == "cuda" else 1e-5  # as the packed-logits test above
+    torch.testing.assert_close(got, stock_logits(ref, ids), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kernels", ["graphcap", "stock"])
+def test_a_window_only_the_mask_applies_is_applied(kernels):
+    """SmolLM3 with ``use_sliding_window`` off and a sliding layer in ``layer_types``: its
+    attention passes no window, and the mask its model builds slides over that layer:
+    transformers' eager logits, windowed where the mask is."""
+    ref = hf_model("smollm3").to(DEVICE)
+    lm = PrefillLM(copy.deepcopy(ref), kernels=kernels)
+    assert lm.graphcap_attention_options == ("window",)
+    assert lm.kv_windows == {0: 8, 1: 0}
     ids, pos = packed_input()
     with torch.no_grad():
         got = lm(ids, pos, seq_lens=LENS)

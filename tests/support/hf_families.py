@@ -59,6 +59,14 @@ OTHER_FAMILIES = {
                                                 num_local_experts=4, num_experts_per_tok=2,
                                                 bos_token_id=1, eos_token_id=None,
                                                 pad_token_id=0),  # it draws 2 early
+    # OLMoE's attention passes config.sliding_window (none of its config's fields) and its
+    # model builds a plain causal mask; SmolLM3 with use_sliding_window off passes no
+    # window and its mask still slides over the layers layer_types names sliding.
+    "olmoe": lambda: transformers.OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2,
+                                              **TOKENS),
+    "smollm3": lambda: transformers.SmolLM3Config(
+        **COMMON, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        **TOKENS),
     # MLA: keys (and queries) of head dim qk_nope + qk_rope = 16 for every query head.
     # The checkpoints' layout: values of another head dim (v_head_dim).
     "deepseek_v3": lambda: transformers.DeepseekV3Config(
