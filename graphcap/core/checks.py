@@ -202,7 +202,8 @@ def check_last_tokens(lens) -> None:
 
 
 def check_ranges(input_ids, positions, vocab_size: int, max_position: int | None) -> None:
-    """The opt-in input check (``graphcap.capture(..., check_inputs=True)``): token ids in
+    """The input check of an eager call given ``seq_lens`` (``PrefillLM``, ``Decoder``)
+    and the opt-in one of a runner (``graphcap.capture(..., check_inputs=True)``): ids in
     ``[0, vocab_size)`` and positions in ``[0, max_position)``. It reads the extremes on
     the host: one synchronisation per call. Without it an id out of range is not caught:
     a negative one wraps around the embedding table, a large one faults on the device."""
@@ -212,7 +213,12 @@ def check_ranges(input_ids, positions, vocab_size: int, max_position: int | None
     _check_ids(lo_id, hi_id, vocab_size, "input_ids")
     if lo_pos < 0 or (max_position is not None and hi_pos >= max_position):
         bound = f"[0, {max_position})" if max_position is not None else "[0, ...)"
-        raise BadBatch(f"positions range over [{lo_pos}, {hi_pos}], outside {bound}")
+        what = ("each request's positions count from 0" if lo_pos < 0 else
+                f"position {hi_pos} reaches past the model's max_position {max_position} "
+                f"(the rows of its rotary table): give requests that end before position "
+                f"{max_position}, or a model built for more positions")
+        raise BadBatch(f"positions range over [{lo_pos}, {hi_pos}], outside {bound}: "
+                       f"{what}")
 
 
 def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str = "tokens") -> None:

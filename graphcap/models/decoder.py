@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from graphcap import compat
-from graphcap.core.checks import check_last_tokens
+from graphcap.core.checks import check_last_tokens, check_prefill, check_ranges
 from graphcap.errors import UnsupportedModel
 from graphcap.kv import longest_window
 from graphcap.models.blocks import (
@@ -341,6 +341,11 @@ class Decoder(nn.Module):
         ``hidden``: return ``(logits, h)``, ``h`` the last block's output of the same rows
         (the residual stream the final norm takes: what an EAGLE or MTP head reads)."""
         if seq_lens is not None:  # eager use: prepare this batch's attention metadata
+            # Checked on the host, as PrefillLM's eager call: a position past the rotary
+            # table (max_position rows) raised a bare IndexError, and a negative id wrapped
+            # around the embedding table.
+            check_prefill(input_ids, positions, seq_lens, input_ids.device)
+            check_ranges(input_ids, positions, self.args.vocab_size, self.args.max_position)
             with packed(seq_lens, input_ids.device, dtype=self.norm.dtype,
                         options=self.graphcap_attention_options) as meta:
                 if self.output_rows == "requests":

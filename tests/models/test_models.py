@@ -165,6 +165,24 @@ def test_an_eager_call_for_last_token_logits_refuses_an_empty_request_as_a_runne
     assert build_model("tiny")(ids, pos, seq_lens=[4, 0, 6]).shape[0] == 10
 
 
+def test_an_eager_call_refuses_positions_past_the_rotary_table_and_ids_past_the_vocabulary():
+    """As PrefillLM's eager call and a runner checking its inputs: a position at
+    max_position (the rotary table's rows) is refused naming it, the limit and what to
+    do, not a bare IndexError; a negative id does not wrap around the embedding table."""
+    from graphcap.errors import BadBatch
+
+    m = Decoder(dataclasses.replace(PRESETS["tiny"], max_position=16))
+    ids = torch.randint(0, 256, (6,))
+    with pytest.raises(BadBatch, match=r"positions range over \[0, 16\], outside \[0, 16\): "
+                       r"position 16 reaches past the model's max_position 16 .* end "
+                       "before position 16"):
+        m(ids, torch.cat([torch.arange(2), torch.arange(13, 17)]), seq_lens=[2, 4])
+    with pytest.raises(BadBatch, match=r"input_ids range over \[-1, .*outside the vocab"):
+        m(torch.tensor([-1, 3]), torch.arange(2), seq_lens=[2])
+    assert m(ids, torch.cat([torch.arange(2), torch.arange(12, 16)]),
+             seq_lens=[2, 4]).shape == (6, 256)
+
+
 def test_a_blocks_hooks_see_its_call_and_the_forward_is_the_same_without_them():
     """The decoder runs a block without hooks half by half (freeing its input after the
     attention half), one with hooks as a module call, so its hooks see every call."""
