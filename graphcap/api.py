@@ -146,13 +146,13 @@ def capture(model: torch.nn.Module, strategy: str = "breakable",
                                                        "compiler": c.compiler or "eager"})
     runner = Runner(called, how, run, inputs, source=model)
     if how.captures and (not inputs.needs_batch or c.example_inputs is not None):
-        if c.progress is True:
+        if callable(c.progress) or not c.progress:  # a callback, or none (None, False)
+            runner.capture_all(c.example_inputs, c.progress if c.progress else None)
+        else:
             from graphcap.progress import progress as bar
 
             with bar(len(ladder), f"capturing {type(model).__name__} ({strategy})") as step:
                 runner.capture_all(c.example_inputs, lambda done, total: step())
-        else:
-            runner.capture_all(c.example_inputs, c.progress)
     inputs.claim(runner)
     return runner
 

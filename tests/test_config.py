@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -69,6 +70,17 @@ def test_a_flag_takes_true_or_false_only(field, value):
 def test_progress_and_example_inputs_of_the_wrong_kind_are_refused(options, needle):
     with pytest.raises(ValueError, match=needle):
         CaptureConfig(**options)
+
+
+@pytest.mark.parametrize("progress", [False, np.False_, None, np.True_],
+                         ids=["False", "np.False_", "None", "np.True_"])
+def test_progress_false_captures_without_a_bar(progress, capsys):
+    """False (as None) shows no progress: the capture called it as a callback
+    ("'bool' object is not callable"); numpy's True shows the bar, as True does."""
+    runner = graphcap.capture(model(), "full", buckets=[4, 8], progress=progress)
+    assert runner.stats.capture_s > 0
+    shown = capsys.readouterr()
+    assert ("capturing" in shown.out + shown.err) == bool(progress)
 
 
 def test_capture_names_a_model_or_strategy_of_the_wrong_kind():
