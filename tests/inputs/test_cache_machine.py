@@ -1,9 +1,11 @@
-"""A stateful property over one paged cache shared by three runners (full): decode steps,
-prefill chunks that extend or rewrite a request from any position it holds, and verify
-steps of three tokens rewound to any kept length; requests admitted into few pages and
-released in any order (their pages reused, holding a released request's K/V), calls
-interrupted once staged, and a cache whose every layer is windowed (pages freed behind
-the window). After every call each request's logits are those of a fresh prefill of the
+"""A stateful property over one paged cache shared by four runners (full): decode steps,
+prefill chunks that extend or rewrite a request from any position it holds, verify
+steps of three tokens rewound to any kept length, and draft steps (two greedy decode
+steps in one replay); requests admitted into few pages and released in any order (their
+pages reused, holding a released request's K/V), calls interrupted once staged, calls
+refused before anything runs (a position skipped or past the slot's tokens, a free or
+repeated slot), and a cache whose every layer is windowed (pages freed behind the
+window). After every call each request's logits are those of a fresh prefill of the
 tokens it holds, and the cache counts exactly those tokens: no request ever reads K/V it
 did not write."""
 
@@ -27,8 +29,9 @@ from hypothesis.stateful import (
 
 import graphcap
 from graphcap.engine.eager import prefill
-from graphcap.errors import CacheFull
+from graphcap.errors import BadBatch, CacheFull
 from graphcap.inputs import CachePrefillInputs, DecodeInputs
+from graphcap.inputs.draft_steps import DraftStepsInputs
 from graphcap.inputs.paged import PagedInputs
 from graphcap.kv import NULL_PAGE, PagedKVCache
 from graphcap.models import PRESETS, Decoder
@@ -37,7 +40,7 @@ from tests.inputs.test_trust_cache import Interrupted, InterruptOnce
 from tests.support.runner_helpers import DEVICE
 
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
-SLOTS, MAX_LEN, VERIFY = 3, 24, 3
+SLOTS, MAX_LEN, VERIFY, DRAFT = 3, 24, 3, 2
 
 
 class Steps(InterruptOnce, DecodeInputs):
@@ -52,11 +55,15 @@ class Verify(InterruptOnce, PagedInputs):
     pass
 
 
+class Draft(InterruptOnce, DraftStepsInputs):
+    pass
+
+
 @functools.cache
 def world(window: int):
     """The model (every layer windowed to ``window``, or none) and, over one cache of 10
-    pages of 4, its decode, extend and verify runners, whose buckets pad every batch but
-    the largest (pads write only the null page)."""
+    pages of 4, its decode, extend, verify and draft-step runners, whose buckets pad
+    every batch but the largest (pads write only the null page)."""
     torch.manual_seed(0)
     args = dataclasses.replace(PRESETS["tiny"], window=window)
     model = Decoder(args).to(DEVICE).eval()
@@ -65,9 +72,9 @@ def world(window: int):
                          window=model.graphcap_kv_window)
     backend = get_backend(None, torch.device(DEVICE), strategy="full")
     inputs = (Steps(cache), Chunks(cache, backend, slots=2, extend=True),
-              Verify(cache, VERIFY))
+              Verify(cache, VERIFY), Draft(cache, DRAFT))
     runners = [graphcap.capture(model, "full", buckets=buckets, inputs=i)
-               for i, buckets in zip(inputs, ([2, 4], [4, 8], [6]), strict=True)]
+               for i, buckets in zip(inputs, ([2, 4], [4, 8], [6], [1, 2]), strict=True)]
     return model, cache, inputs, runners
 
 
@@ -188,6 +195,46 @@ class Requests(RuleBasedStateMachine):
                                          len(self.held[slot])), label="kept")
             self.cache.rewind(slot, keep)
             del self.held[slot][keep:]
+
+    @precondition(lambda self: any(self.held[s] for s in self.open(DRAFT)))
+    @rule(data=st.data(), interrupt=st.sampled_from([False, False, True]))
+    def draft(self, data, interrupt):
+        slots = data.draw(st.lists(st.sampled_from([s for s in self.open(DRAFT)
+                                                    if self.held[s]]),
+                                   min_size=1, max_size=SLOTS, unique=True), label="slots")
+        tokens = data.draw(st.lists(st.integers(0, 255), min_size=len(slots),
+                                    max_size=len(slots)), label="tokens")
+        out = self.call(3, interrupt, ids(tokens),
+                        positions=[len(self.held[s]) for s in slots], slots=slots)
+        if out is None:
+            return
+        for row, (slot, token) in enumerate(zip(slots, tokens, strict=True)):
+            self.held[slot].append(token)  # then each step's greedy token, the last uncached
+            for step in range(DRAFT):
+                assert int(out[row, step]) == int(truth(self.model, self.held[slot]).argmax())
+                if step < DRAFT - 1:
+                    self.held[slot].append(int(out[row, step]))
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data(), which=st.sampled_from(["skip", "past", "free", "repeat"]),
+          runner=st.sampled_from([0, 3]))
+    def refused(self, data, which, runner):
+        """A call refused before anything runs changes nothing (the invariant)."""
+        slot = data.draw(st.sampled_from(sorted(self.held)))
+        slots, positions = [slot], [len(self.held[slot])]
+        if which == "skip":  # past the tokens written
+            positions = [len(self.held[slot]) + 1]
+        elif which == "past":  # past what the slot was admitted for
+            positions = [self.room[slot]]
+        elif which == "free":
+            free = [s for s in range(SLOTS) if s not in self.held]
+            if not free:
+                return
+            slots, positions = free[:1], [0]
+        else:
+            slots, positions = [slot, slot], positions * 2
+        with pytest.raises(BadBatch):
+            self.runners[runner](ids([1] * len(slots)), positions=positions, slots=slots)
 
     @invariant()
     def each_page_is_one_requests_and_each_request_holds_its_tokens(self):
