@@ -336,3 +336,34 @@ def test_flashinfer_decode_replays_the_eager_steps(strategy, variant):
         torch.testing.assert_close(g.float(), w.float(), atol=0.05, rtol=0.05,
                                    msg=f"step {step}")
     assert sum(runner.report()["replays"].values()) == len(SCHEDULE)
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or importlib.util.find_spec("flashinfer") is None,
+                    reason="FlashInfer on a CUDA device")
+def test_flashinfer_decode_calls_queued_back_to_back_each_read_their_own_plan():
+    """Two calls of one shape queued with no wait between them, the GPU held busy: the
+    second's plan (FlashInfer's schedule, copied from one pinned host workspace) does not
+    reach the first's replay. Long requests, then short ones (their schedules differ)."""
+    m, _ = setup(head_dim=64)
+    m, a = m.to(torch.bfloat16), m.args
+    cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=4, max_len=1024,
+                         page_size=16, device=DEVICE, dtype=torch.bfloat16)
+    lens = {0: 700, 1: 650, 2: 9, 3: 14}
+    for slot, n in lens.items():
+        cache.admit(slot, n + 1)
+    ids = torch.randint(0, a.vocab_size, (sum(lens.values()),), device=DEVICE)
+    prefill(m, cache, ids, list(lens.values()), list(lens))
+    runner = graphcap.capture(m, "full", buckets=[2],
+                              inputs=DecodeInputs(cache, attention="flashinfer"))
+    tokens = torch.tensor([1, 2], device=DEVICE)
+
+    def step(slots):  # the same token at the same position: the same K/V written again
+        return runner(tokens, positions=[lens[s] for s in slots], slots=slots).clone()
+
+    want = {0: step([0, 1]), 2: step([2, 3])}
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # the GPU busy while both calls plan and queue
+    got = {0: step([0, 1]), 2: step([2, 3])}
+    torch.cuda.synchronize()
+    for first in want:
+        assert torch.equal(got[first], want[first]), f"slots from {first}"

@@ -124,6 +124,10 @@ class FlashInferPlan(DecodePlan):
         self._flashinfer = flashinfer
         self.wrappers: dict[tuple[int, float], object] = {}  # planned, per (window, softcap)
         self._step: tuple[list[int], list[int]] = ([], [])
+        # FlashInfer's plan writes its schedule into the wrapper's pinned host workspace and
+        # copies it to the device asynchronously: the next plan waits for that copy, or it
+        # would rewrite the schedule a queued replay is yet to receive (another batch's).
+        self._copied = torch.cuda.Event()
 
     def _wrapper(self, pair: tuple[int, float]):
         """The wrapper of ``pair``, over static page buffers of its own (a windowed pair
@@ -150,9 +154,12 @@ class FlashInferPlan(DecodePlan):
             self.replan()
 
     def replan(self) -> None:
-        """Plans every pair the backend knows for the last update's tokens."""
+        """Plans every pair the backend knows for the last update's tokens, once the last
+        plan's copies have left the host workspace."""
+        self._copied.synchronize()
         for pair in self.backend.variants:
             self._plan(pair)
+        self._copied.record()
 
     def _plan(self, pair: tuple[int, float]) -> None:
         cache, (positions, slots) = self.cache, self._step
