@@ -217,6 +217,11 @@ def _histc_from_data(args, kwargs) -> bool:
 
 def check_op(func, args, kwargs, device: torch.device) -> None:
     """Raise CaptureError if the aten op ``func`` would synchronise with the host."""
+    if _moves_to_host(func, args, kwargs, device):
+        _raise(str(func.overloadpacket), "a copy between host and device",
+               "synchronises the host with the device")
+    if not any(t.device == device for t in tensor_leaves((args, kwargs))):
+        return  # host tensors only, in a graph of another device's: none of its work
     if func in _SCALAR_READS:
         _raise(str(func.overloadpacket), _SCALAR_READS[func], "reads a device value on the host")
     if func in _DATA_DEPENDENT or _bool_index(func, args):
@@ -228,12 +233,9 @@ def check_op(func, args, kwargs, device: torch.device) -> None:
     if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
         _raise("aten.repeat_interleave", "torch.repeat_interleave without output_size",
                "has an output size that depends on the data")
-    if func in _HOST_DATA and any(t.device == device for t in tensor_leaves(args)) \
+    if func in _HOST_DATA \
             and not (SCALAR_ASSIGNMENT.get() and all(t.dim() == 0 for t in tensor_leaves(args))):
         _raise(str(func.overloadpacket), _HOST_DATA[func], "copies host data into the graph")
-    if _moves_to_host(func, args, kwargs, device):
-        _raise(str(func.overloadpacket), "a copy between host and device",
-               "synchronises the host with the device")
 
 
 def _default_generator(device: torch.device) -> torch.Generator | None:

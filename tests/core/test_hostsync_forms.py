@@ -211,3 +211,29 @@ def test_a_cpu_scalar_made_in_the_forward_is_captured_on_cuda_and_refused_on_the
         with torch.inference_mode():
             torch.testing.assert_close(runner(x), model(x))
     assert runner.report()["fallbacks"] == {}
+
+
+def test_host_work_on_host_tensors_is_no_sync_in_a_graph_of_another_device():
+    # A CUDA capture records its stream's work: .item(), nonzero, a boolean mask,
+    # linspace and normal of CPU tensors run on the host meanwhile. The emulator of
+    # another device (meta stands in for CUDA on any machine) agrees; the device's own
+    # tensors stay refused, and so does a copy of a host tensor to the device.
+    from graphcap.core import new_pool
+
+    pool = new_pool("meta", kind="emulated")
+    host, x = torch.arange(8, dtype=torch.float32), torch.zeros(8, device="meta")
+
+    def body(t):
+        n = int(host.sum()) + len(torch.nonzero(host > 2)) + len(host[host > 5])
+        torch.linspace(host[0], host[1], 8) + torch.normal(host, host.abs() + 1)
+        return t + n + torch.tensor([1.0]).item()
+
+    graph = pool.graph()
+    y = graph.capture(body, x)
+    graph.replay()
+    assert y.shape == (8,) and y.device.type == "meta"
+    for sync, needle in ((lambda t: t.sum().item(), "Tensor.item"),
+                         (lambda t: torch.nonzero(t), "nonzero"),
+                         (lambda t: t + host.to("meta"), "a copy between host and device")):
+        with pytest.raises(CaptureError, match=needle):
+            pool.graph().capture(sync, x)
