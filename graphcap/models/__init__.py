@@ -9,7 +9,7 @@ import torch
 from graphcap.models.decoder import MLP, Decoder, ModelArgs, experts_to_operand_order, shard_args
 from graphcap.models.loading import CheckpointError, load_checkpoint
 from graphcap.models.rope import Yarn
-from graphcap.models.shard import shard_model, shard_tensor, shard_whole
+from graphcap.models.shard import refused_together, shard_model, shard_tensor, shard_whole
 
 
 def _gpt_oss(layers: int, experts: int) -> ModelArgs:
@@ -63,19 +63,20 @@ def build_model(name: str, device="cpu", dtype=torch.float32, seed: int = 0,
     :class:`graphcap.tp.TPGroup`): this rank's share of the model split across the
     group (every rank builds the same weights from ``seed``, then keeps its share; ranks
     that built others, from another seed or dtype, all raise ``RankError``)."""
-    if name not in PRESETS:
-        raise KeyError(f"no model preset {name!r}; choose one of {sorted(PRESETS)}")
-    torch.manual_seed(seed)
-    # Built in its dtype: a float32 copy converted afterwards needs twice the memory and
-    # leaves the freed float32 blocks interleaved with the weights.
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = Decoder(PRESETS[name], logits=logits)
-    finally:
-        torch.set_default_dtype(previous)
-    model = model.to(dtype=dtype).eval()
+    with refused_together(tp):  # a rank that refuses: every rank raises
+        if name not in PRESETS:
+            raise KeyError(f"no model preset {name!r}; choose one of {sorted(PRESETS)}")
+        torch.manual_seed(seed)
+        # Built in its dtype: a float32 copy converted afterwards needs twice the memory and
+        # leaves the freed float32 blocks interleaved with the weights.
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = Decoder(PRESETS[name], logits=logits)
+        finally:
+            torch.set_default_dtype(previous)
+        model = model.to(dtype=dtype).eval()
     if tp is not None:  # the share in the kernel's order, as load_checkpoint(tp=) leaves it
         model = shard_whole(model, tp, f"build_model({name!r}, seed={seed}, dtype={dtype})")
     experts_to_operand_order(model)

@@ -19,7 +19,7 @@ import torch
 
 from graphcap.models.config import FAMILIES, CheckpointError, args_from_config
 from graphcap.models.decoder import Decoder, ModelArgs, experts_to_operand_order
-from graphcap.models.shard import shard_model
+from graphcap.models.shard import refused_together, shard_model
 from graphcap.opsdb.reference import mxfp4_dequantize
 
 __all__ = ["FAMILIES", "CheckpointError", "args_from_config", "load_checkpoint"]
@@ -237,7 +237,19 @@ def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32,
     ``tp`` (a :class:`graphcap.tp.TPGroup`) this rank's share of it (read on the host,
     split there, and only the share moved to ``device``). ``experts="mxfp4"``: a gpt-oss
     checkpoint's MXFP4 experts stay MXFP4 (``moe_experts`` reads them so: a quarter of
-    the memory); the default dequantizes them to ``dtype``."""
+    the memory); the default dequantizes them to ``dtype``. A rank of ``tp`` that cannot
+    read its checkpoint says so to the others, so every rank raises."""
+    with refused_together(tp):
+        model = _whole(folder, device, dtype, experts)
+    if tp is not None:
+        model = shard_model(model, tp)
+    model = model.to(device=device)
+    experts_to_operand_order(model)
+    return model
+
+
+def _whole(folder, device, dtype, experts) -> Decoder:
+    """The whole model of :func:`load_checkpoint`, on the host."""
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype={dtype!r}: give a torch floating-point dtype, e.g. "
                         "torch.bfloat16")
@@ -324,9 +336,4 @@ def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32,
     model.load_state_dict(state, strict=False, assign=True)
     if args.tie_embeddings:
         model.lm_head.weight = model.embed.weight
-    model = model.to(dtype=dtype).eval()
-    if tp is not None:
-        model = shard_model(model, tp)
-    model = model.to(device=device)
-    experts_to_operand_order(model)
-    return model
+    return model.to(dtype=dtype).eval()

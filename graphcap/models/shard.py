@@ -13,13 +13,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from graphcap.errors import UnsupportedModel
+from graphcap.errors import RankError, UnsupportedModel
 from graphcap.models.decoder import Decoder, shard_args
 
 
@@ -71,20 +72,21 @@ def shard_model(model, tp):
 def shard_whole(model, tp, origin: str):
     """:func:`shard_model`; ``origin``, how every rank made the whole model
     (``build_model``: its preset, seed and dtype), is part of what the ranks agree on."""
-    if not isinstance(model, Decoder) or model.tp is not None:
-        raise UnsupportedModel(
-            f"shard_model splits a whole graphcap reference decoder (build_model or "
-            f"load_checkpoint without tp=), not a {type(model).__name__}"
-            + (" split already" if isinstance(model, Decoder) else ""))
-    a = model.args
-    shard_args(a, tp.size)  # refuse a size that does not divide the model first
-    logits = "all" if model.output_rows == "tokens" else "last"
-    # The config too: the same weights with another rotary base, window or routing on
-    # some rank would split without a word, each share computing another model.
-    config = hashlib.sha256(repr(a).encode()).hexdigest()[:8]
-    key = f"{origin}: logits {logits}, weights {fingerprint(model)[:16]}, config {config}"
-    tp.meet("the split of a model", "the meeting before a split")  # one may load slower
-    tp.agree(key, "the whole model each rank splits", _SAME_MODEL)
+    with refused_together(tp):
+        if not isinstance(model, Decoder) or model.tp is not None:
+            raise UnsupportedModel(
+                f"shard_model splits a whole graphcap reference decoder (build_model or "
+                f"load_checkpoint without tp=), not a {type(model).__name__}"
+                + (" split already" if isinstance(model, Decoder) else ""))
+        a = model.args
+        shard_args(a, tp.size)  # refuse a size that does not divide the model first
+        logits = "all" if model.output_rows == "tokens" else "last"
+        # The config too: the same weights with another rotary base, window or routing on
+        # some rank would split without a word, each share computing another model.
+        config = hashlib.sha256(repr(a).encode()).hexdigest()[:8]
+        key = f"{origin}: logits {logits}, weights {fingerprint(model)[:16]}, config {config}"
+    tp.meet(_MEETING, "the meeting before a split")  # one may load slower
+    tp.agree(key, _WHOLE, _SAME_MODEL)
     with torch.device("meta"):
         split = Decoder(a, logits=logits, tp=tp)
     layouts = _layouts(a)
@@ -104,6 +106,28 @@ def shard_whole(model, tp, origin: str):
     return split.eval()
 
 
+@contextlib.contextmanager
+def refused_together(tp):
+    """What a rank does before its split (its build or load of the whole model, the
+    split's checks): where it raises, it meets the other ranks of ``tp`` (who may still
+    be loading) and says so at their agreement on the whole model, so every rank raises
+    (``RankError`` where the others did not refuse alike), instead of the others waiting
+    at the split's meeting until ``collective_timeout_s`` closes the group. Without
+    ``tp``: the block alone."""
+    if tp is None:
+        yield
+        return
+    try:
+        yield
+    except RankError:  # the group's own: its agreement failed, or it is closed
+        raise
+    except Exception as exc:
+        tp.meet(_MEETING, "the meeting before a split")
+        tp.agree(f"refused ({type(exc).__name__}: {exc})", _WHOLE, _SAME_MODEL)
+        raise
+
+
+_MEETING, _WHOLE = "the split of a model", "the whole model each rank splits"
 _SAME_MODEL = ("every rank must split the same whole model, built with the same preset, "
                "seed and dtype (build_model) or loaded from the same checkpoint, with the "
                "same config (its ModelArgs): a share of another model on each rank gives "

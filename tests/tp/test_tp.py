@@ -140,7 +140,12 @@ def test_greedy_generation_of_the_split_model_is_the_whole_model_s():
 def _checkpoint(rank: int, folder: str) -> None:
     from graphcap.models import load_checkpoint
 
-    tp = TPGroup(timeout_s=PATIENT)
+    tp = TPGroup(timeout_s=PATIENT, collective_timeout_s=2 * PATIENT)
+    start = time.monotonic()  # one rank's folder is not there: every rank raises, at once
+    with pytest.raises(RankError, match=r"rank 0: refused \(CheckpointError: .*no such "
+                       r"directory\), rank 1: shard_model: logits all"):
+        load_checkpoint(folder if rank else folder + "-gone", tp=tp)
+    assert time.monotonic() - start < PATIENT / 2 and tp.closed is None
     whole, mine = load_checkpoint(folder), load_checkpoint(folder, tp=tp)
     assert mine.local_args.heads == whole.args.heads // WORLD
     ids, pos = torch.arange(1, 12), torch.arange(11)
@@ -202,6 +207,40 @@ def _other_models(rank: int) -> None:
 
 def test_ranks_that_split_other_whole_models_all_raise():
     spawn(_other_models)
+
+
+def _refused_before_the_split(rank: int) -> None:
+    # The split's meeting waits collective_timeout_s: a rank that refused before it (its
+    # build, or the split's checks) left the other there until the group closed.
+    tp = TPGroup(timeout_s=PATIENT, collective_timeout_s=2 * PATIENT)
+    start = time.monotonic()
+    from dataclasses import replace
+
+    from graphcap.models.decoder import Decoder
+
+    # A config rank 0 cannot split two ways (3 key/value heads), rank 1's it can.
+    torch.manual_seed(0)
+    whole = Decoder(replace(PRESETS["tiny"], heads=6, kv_heads=3) if rank == 0
+                    else PRESETS["tiny"]).eval()
+    with pytest.raises(RankError, match=r"rank 0: refused \(UnsupportedModel: .*kv_heads 3.*"
+                       r"rank 1: shard_model: logits all, weights"):
+        shard_model(whole, tp)
+    with pytest.raises(RankError, match=r"rank 0: build_model\('tiny'.*rank 1: refused "
+                       r"\(KeyError: .*no model preset 'tiny-'"):
+        build_model("tiny" if rank == 0 else "tiny-", tp=tp)
+    with pytest.raises(KeyError, match="no model preset"):  # refused alike: its own error
+        build_model("tiny-", tp=tp)
+    assert time.monotonic() - start < PATIENT / 2 and tp.closed is None
+    model = build_model("tiny", tp=tp)  # in step
+    ids, pos = torch.arange(1, 12), torch.arange(11)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, pos, seq_lens=[11]),
+                                   build_model("tiny")(ids, pos, seq_lens=[11]),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_a_rank_that_refuses_before_the_split_stops_every_rank_at_once():
+    spawn(_refused_before_the_split)
 
 
 @pytest.mark.parametrize("device,dtype", [
