@@ -82,8 +82,8 @@ class TPGroup:
         self.collective_timeout_s = _seconds(collective_timeout_s, "collective_timeout_s")
         ranks = list(range(dist.get_world_size()))
         self.data = dist.new_group(ranks, timeout=timedelta(seconds=self.collective_timeout_s))
-        self.control = dist.new_group(ranks, backend="gloo",
-                                      timeout=timedelta(seconds=self.timeout_s))
+        self.control = _control_group(ranks, self.timeout_s, self.collective_timeout_s,
+                                      self.data)
         self.rank = dist.get_rank(self.data)
         self.size = dist.get_world_size(self.data)
         self.name = f"tp{next(_NUMBERS)}"
@@ -280,6 +280,30 @@ class TPGroup:
 
     def _key(self, rank: int) -> str:
         return f"graphcap/{self.name}/closed/{rank}"
+
+
+def _control_group(ranks: list[int], timeout_s: float, rendezvous_s: float, data):
+    """The gloo group of the agreements, whose collectives wait ``timeout_s``. Its
+    making waits for every rank up to ``rendezvous_s``: NCCL makes the data group
+    without meeting the ranks (its communicator comes at its first collective), so the
+    ranks come to this one as far apart as they came to ``TPGroup()`` (and a rank
+    seconds behind failed the others' with gloo's 'Wait timeout')."""
+    patient = max(timeout_s, rendezvous_s)
+    try:
+        control = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=patient))
+    except RuntimeError as exc:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(data)
+        raise RankError(f"a rank did not make its TPGroup within {patient:g} s of rank "
+                        f"{dist.get_rank()}: every rank makes the same TPGroups, in the "
+                        "same order") from exc
+    set_timeout = getattr(control, "set_timeout", None)
+    if set_timeout is not None:
+        set_timeout(timedelta(seconds=timeout_s))
+    elif patient != timeout_s:  # a torch without it: made again, bounded by timeout_s
+        dist.destroy_process_group(control)
+        control = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return control
 
 
 @atexit.register

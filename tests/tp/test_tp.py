@@ -353,6 +353,31 @@ def test_a_rank_that_does_not_come_closes_the_group_on_every_rank():
     spawn(_absence)
 
 
+def _late_to_the_group(rank: int) -> None:
+    from unittest import mock
+
+    made = dist.new_group
+
+    def late(*args, **kwargs):  # rank 1 comes to the control group 3 s after rank 0
+        if rank == 1 and kwargs.get("backend") == "gloo":
+            time.sleep(3.0)
+        return made(*args, **kwargs)
+
+    # NCCL makes the data group without meeting the ranks: they come to the control
+    # group as far apart as they come to TPGroup(). Its making waited timeout_s only.
+    with mock.patch.object(dist, "new_group", late):
+        tp = TPGroup(timeout_s=1.0)
+    tp.meet("a test", "a meeting")  # in step again (the data group waits longer)
+    if rank == 1:
+        time.sleep(3.0)  # the agreements still wait timeout_s
+    with pytest.raises(RankError, match="within 1 s|closed"):
+        tp.agree("here", "a test")
+
+
+def test_a_rank_that_comes_to_the_group_later_than_timeout_s_still_makes_it():
+    spawn(_late_to_the_group)
+
+
 def _release(rank: int) -> None:
     tp = TPGroup(timeout_s=PATIENT)
     runner = graphcap.capture(build_model("tiny", tp=tp), "full", buckets=[8],
