@@ -37,6 +37,12 @@ def check_options(strategy, tokenizer, stop_at_eos, long_prompts, progress) -> N
     progress_option(progress)
 
 
+def ends_on(token: int, made: int, stops: set[int], max_new: int) -> str | None:
+    """Why a request ends on ``token``, its ``made``-th new one: a stop token, its length,
+    or not (None)."""
+    return "stop" if token in stops else "length" if made == max_new else None
+
+
 def max_len_of(max_len, bound: int, room: int, default: int) -> int:
     """``LLM``'s ``max_len`` (a positive int, checked by the caller; None: the model's
     ``bound``, its max_position, less the ``room`` a proposer's ``k`` proposals take past

@@ -30,6 +30,7 @@ from graphcap.engine.arguments import (
     check_length,
     check_options,
     check_prompts,
+    ends_on,
     eos_of,
     max_len_of,
     sampling_of,
@@ -97,27 +98,32 @@ class LLM:
                  attention: str | None = None, decode_attention: str | None = None,
                  page_size: int = 16, progress=True,
                  stop_at_eos: bool = True, long_prompts: bool = True, speculative=None):
-        check_options(strategy, tokenizer, stop_at_eos, long_prompts, progress)
-        # The sizes too, before a checkpoint is loaded or a model wrapped for them.
-        max_batch = positive_int(max_batch, "max_batch")
-        prefill_tokens = positive_int(prefill_tokens, "prefill_tokens")
-        page_size = positive_int(page_size, "page_size")
-        max_len = max_len if max_len is None else positive_int(max_len, "max_len")
-        given, (model, tokenizer) = model, resolve(model, tokenizer)
-        handling = sys.exc_info()[1]  # the caller's: not the build's
-        try:
-            self.model, self.tokenizer, self.strategy = model, tokenizer, strategy
-            self.shape = cache_shape(model)
-            # End every request, as transformers' generate does (unless stop_at_eos=False).
-            self.eos = eos_of(model, tokenizer) if stop_at_eos else set()
-            warn_unapplied_defaults(model)
-            self.max_batch = max_batch
-            # A verify step writes its k proposals past a request's last token: room for them.
-            self.room = check_proposer(speculative) if speculative is not None else 0
-            self.max_len = max_len_of(max_len, self.shape.max_position, self.room,
-                                      DEFAULT_MAX_LEN)
-            self.cache = llm_cache(self.shape, max_batch, self.max_len, self.room, page_size,
-                                   model_dtype(model), next(model.parameters()).device)
+        given, handling = model, sys.exc_info()[1]  # the caller's: not the build's
+        try:  # a split model's ranks refuse together, else agree on the LLM they build
+            with entry(given, "the build of an LLM", warm=True) as key:
+                check_options(strategy, tokenizer, stop_at_eos, long_prompts, progress)
+                # The sizes too, before a checkpoint is loaded or a model wrapped for them.
+                max_batch = positive_int(max_batch, "max_batch")
+                prefill_tokens = positive_int(prefill_tokens, "prefill_tokens")
+                page_size = positive_int(page_size, "page_size")
+                max_len = max_len if max_len is None else positive_int(max_len, "max_len")
+                model, tokenizer = resolve(model, tokenizer)
+                self.model, self.tokenizer, self.strategy = model, tokenizer, strategy
+                self.shape = cache_shape(model)
+                # End every request, as transformers' generate does (unless stop_at_eos=False).
+                self.eos = eos_of(model, tokenizer) if stop_at_eos else set()
+                warn_unapplied_defaults(model)
+                self.max_batch = max_batch
+                # A verify step writes k proposals past a request's last token: room for them.
+                self.room = check_proposer(speculative) if speculative is not None else 0
+                self.max_len = max_len_of(max_len, self.shape.max_position, self.room,
+                                          DEFAULT_MAX_LEN)
+                self.cache = llm_cache(self.shape, max_batch, self.max_len, self.room,
+                                       page_size, model_dtype(model),
+                                       next(model.parameters()).device)
+                if key is not None:
+                    key.append(repr((strategy, max_batch, self.max_len, prefill_tokens,
+                                     page_size, attention, decode_attention, self.room)))
             self._serving: dict[str, object] = {}  # "call": the call being served
             # A call prefills at most max_batch prompts of max_len - 1 tokens (a request
             # draws one at least): no graph past that, no extend graph unless one is longer.
@@ -314,7 +320,7 @@ class LLM:
         taken, reason = [], None
         for token in tokens:
             taken.append(token)
-            reason = _ends(token, len(request.new) + len(taken), stops, max_new)
+            reason = ends_on(token, len(request.new) + len(taken), stops, max_new)
             if reason is not None:
                 break
         request.new.extend(taken)
@@ -340,7 +346,7 @@ class LLM:
         for slot, token in drawn:
             request = self.engine.live[slot]
             request.new.append(token)
-            reason = _ends(token, len(request.new), stops, max_new)
+            reason = ends_on(token, len(request.new), stops, max_new)
             text = None
             if texts is not None:
                 text, hit = texts[request.index].add([token], reason is not None)
@@ -373,12 +379,6 @@ class LLM:
     def _stops(self, stop) -> tuple[set[int], tuple[str, ...]]:
         ids, strings = stops_of(stop, self.tokenizer is not None, self.shape.vocab_size)
         return ids | self.eos, strings
-
-
-def _ends(token: int, made: int, stops: set[int], max_new: int) -> str | None:
-    """Why a request ends on ``token``, its ``made``-th new one: a stop token, its length,
-    or not (None)."""
-    return "stop" if token in stops else "length" if made == max_new else None
 
 
 class _Fetch:

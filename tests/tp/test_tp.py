@@ -137,6 +137,27 @@ def test_greedy_generation_of_the_split_model_is_the_whole_model_s():
     spawn(_generation)
 
 
+def _refused_llm(rank: int) -> None:
+    # The first capture's warm-up waits collective_timeout_s: an LLM one rank refused to
+    # build left the other there until the group closed.
+    tp = TPGroup(timeout_s=PATIENT, collective_timeout_s=2 * PATIENT)
+    model = build_model("tiny", tp=tp)
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 0: refused \(ValueError: max_len 100000 "
+                       r"passes the model's max_position.*on the build of an LLM"):
+        graphcap.LLM(model, max_len=100_000 if rank == 0 else 64, max_batch=2)
+    with pytest.raises(RankError, match="disagree"):  # another LLM per rank
+        graphcap.LLM(model, max_len=64 + 16 * rank, max_batch=2)
+    assert time.monotonic() - start < PATIENT / 2 and tp.closed is None
+    llm = graphcap.LLM(model, strategy="eager", max_len=64, max_batch=2)  # in step
+    want = graphcap.generate(build_model("tiny"), [[5, 9, 2]], 4, strategy="eager").tokens
+    assert [c.tokens for c in llm.generate([[5, 9, 2]], 4)] == want
+
+
+def test_an_llm_one_rank_refuses_to_build_is_refused_on_every_rank_at_once():
+    spawn(_refused_llm)
+
+
 def _checkpoint(rank: int, folder: str) -> None:
     from graphcap.models import load_checkpoint
 
