@@ -38,6 +38,7 @@ import hashlib
 import itertools
 import math
 import re
+import time
 from collections import Counter
 from datetime import timedelta
 
@@ -155,7 +156,7 @@ class TPGroup:
         does not come, or closed the group, as :meth:`agree`."""
         self._check_open(what)
         mine = _encode(key)
-        keys = [torch.empty_like(mine) for _ in range(self.size)]
+        keys, start = [torch.empty_like(mine) for _ in range(self.size)], time.monotonic()
         try:
             # Bounded by the control group's own timeout: the all-gather ends (completes or
             # fails) before this returns, so no collective is left pending behind us.
@@ -166,9 +167,9 @@ class TPGroup:
                 message = (f"the group was closed ({reasons}) while rank {self.rank} was "
                            f"at {key!r} ({what})")
             else:
-                message = (f"a rank did not come to {what} within {self.timeout_s:g} s "
-                           f"(rank {self.rank} was at {key!r}): every rank must make the "
-                           "same calls of a split model, in the same order")
+                message = (f"{_absent(start, self.timeout_s, what)} (rank {self.rank} was "
+                           f"at {key!r}): every rank must make the same calls of a split "
+                           "model, in the same order")
             self._close(f"rank {self.rank}: {message}")
             raise RankError(f"TP group {self.name}: {message}. {_CLOSED}") from exc
         return [_decode(k) for k in keys]
@@ -217,12 +218,13 @@ class TPGroup:
         """``run()``, a collective on the data group: a failure (a rank that closed the
         group, a timeout) raises ``RankError`` naming why, and closes the group here."""
         self._check_open(op)
+        start = time.monotonic()
         try:
             return run()
         except RuntimeError as exc:
             reasons = self._reasons()
-            why = (f"the group was closed ({reasons})" if reasons else f"a rank did not "
-                   f"come to it within {self.collective_timeout_s:g} s")
+            why = (f"the group was closed ({reasons})" if reasons else
+                   _absent(start, self.collective_timeout_s, "it"))
             self._close(f"rank {self.rank}: {op} failed: {why}")
             raise RankError(f"TP group {self.name}: {op} failed on rank {self.rank}: {why}. "
                             f"{_CLOSED}") from exc
@@ -282,12 +284,18 @@ class TPGroup:
         return f"graphcap/{self.name}/closed/{rank}"
 
 
+def _absent(start: float, bound: float, what: str) -> str:
+    """Why a collective begun at ``start`` failed, no rank having left a reason: a rank
+    that did not come within ``bound``, or sooner, one whose process ended."""
+    if time.monotonic() - start < 0.9 * bound:
+        return f"a rank left the group (its process ended?) instead of coming to {what}"
+    return f"a rank did not come to {what} within {bound:g} s"
+
+
 def _control_group(ranks: list[int], timeout_s: float, rendezvous_s: float, data):
-    """The gloo group of the agreements, whose collectives wait ``timeout_s``. Its
-    making waits for every rank up to ``rendezvous_s``: NCCL makes the data group
-    without meeting the ranks (its communicator comes at its first collective), so the
-    ranks come to this one as far apart as they came to ``TPGroup()`` (and a rank
-    seconds behind failed the others' with gloo's 'Wait timeout')."""
+    """The gloo group of the agreements, whose collectives wait ``timeout_s``; made
+    waiting up to ``rendezvous_s`` for every rank: NCCL makes the data group without
+    meeting the ranks, who come here as far apart as they came to ``TPGroup()``."""
     patient = max(timeout_s, rendezvous_s)
     try:
         control = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=patient))

@@ -374,6 +374,29 @@ def test_a_rank_that_does_not_come_closes_the_group_on_every_rank():
     spawn(_absence)
 
 
+def _departure(rank: int) -> None:
+    groups = [TPGroup(timeout_s=PATIENT, collective_timeout_s=2 * PATIENT) for _ in "ab"]
+    dist.barrier()
+    try:
+        if rank == 1:  # what a rank's exit does to its groups (release_all): no word left
+            for tp in groups:
+                tp.release(tell=False)
+            return
+        for use in (lambda: groups[0].agree("here", "a test"),  # both fail at once
+                    lambda: groups[1].meet("a test", "a meeting")):
+            start = time.monotonic()
+            with pytest.raises(RankError, match=r"a rank left the group \(its process "
+                               r"ended\?\) instead of coming to (a test|it)"):
+                use()
+            assert time.monotonic() - start < PATIENT / 2
+    finally:
+        dist.barrier()
+
+
+def test_a_rank_that_left_is_named_so_not_as_one_that_did_not_come_in_time():
+    spawn(_departure)
+
+
 def _late_to_the_group(rank: int) -> None:
     from unittest import mock
 
