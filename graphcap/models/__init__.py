@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import torch
 
-from graphcap.models.decoder import MLP, Decoder, ModelArgs, experts_to_operand_order, shard_args
+from graphcap.models.decoder import MLP, Decoder, ModelArgs, in_kernel_order, shard_args
 from graphcap.models.loading import CheckpointError, load_checkpoint
 from graphcap.models.rope import Yarn
 from graphcap.models.shard import refused_together, shard_model, shard_tensor, shard_whole
@@ -78,9 +78,9 @@ def build_model(name: str, device="cpu", dtype=torch.float32, seed: int = 0,
             torch.set_default_dtype(previous)
         model = model.to(dtype=dtype).eval()
     if tp is not None:  # the share in the kernel's order, as load_checkpoint(tp=) leaves it
-        model = shard_whole(model, tp, f"build_model({name!r}, seed={seed}, dtype={dtype})")
-    experts_to_operand_order(model)
-    return model
+        return shard_whole(model, tp, f"build_model({name!r}, seed={seed}, dtype={dtype})",
+                           in_kernel_order)
+    return in_kernel_order(model)
 
 
 __all__ = ["MLP", "PRESETS", "CheckpointError", "Decoder", "ModelArgs", "Yarn", "build_model",

@@ -222,6 +222,13 @@ def experts_to_operand_order(model: nn.Module) -> None:
             module.to_operand_order()
 
 
+def in_kernel_order(model: nn.Module) -> nn.Module:
+    """``model``, its MXFP4 experts put in the CUDA kernel's order
+    (:func:`experts_to_operand_order`)."""
+    experts_to_operand_order(model)
+    return model
+
+
 def _mxfp4_weight(experts: int, rows: int, cols: int) -> tuple[nn.Parameter, nn.Parameter]:
     """Random MXFP4 weights [experts, rows, cols // 2] and their scales [experts, rows,
     cols // 32] (uint8, not trained): uniform codes (values of RMS 2.9), scales about

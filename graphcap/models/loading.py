@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from graphcap.models.config import FAMILIES, CheckpointError, args_from_config
-from graphcap.models.decoder import Decoder, ModelArgs, experts_to_operand_order
-from graphcap.models.shard import refused_together, shard_model
+from graphcap.models.decoder import Decoder, ModelArgs, in_kernel_order
+from graphcap.models.shard import refused_together, shard_whole
 from graphcap.opsdb.reference import mxfp4_dequantize
 
 __all__ = ["FAMILIES", "CheckpointError", "args_from_config", "load_checkpoint"]
@@ -241,11 +241,11 @@ def load_checkpoint(folder: str | Path, device="cpu", dtype=torch.float32,
     read its checkpoint says so to the others, so every rank raises."""
     with refused_together(tp):
         model = _whole(folder, device, dtype, experts)
-    if tp is not None:
-        model = shard_model(model, tp)
-    model = model.to(device=device)
-    experts_to_operand_order(model)
-    return model
+
+    def placed(model: Decoder) -> Decoder:  # a share: before the ranks' agreement
+        return in_kernel_order(model.to(device=device))
+
+    return placed(model) if tp is None else shard_whole(model, tp, "shard_model", placed)
 
 
 def _whole(folder, device, dtype, experts) -> Decoder:

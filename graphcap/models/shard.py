@@ -69,9 +69,11 @@ def shard_model(model, tp):
     return shard_whole(model, tp, "shard_model")
 
 
-def shard_whole(model, tp, origin: str):
+def shard_whole(model, tp, origin: str, finish=None):
     """:func:`shard_model`; ``origin``, how every rank made the whole model
-    (``build_model``: its preset, seed and dtype), is part of what the ranks agree on."""
+    (``build_model``: its preset, seed and dtype), is part of what the ranks agree on;
+    ``finish(share)``, the share as the caller leaves it (moved to its device), is made
+    before the agreement too."""
     with refused_together(tp):
         if not isinstance(model, Decoder) or model.tp is not None:
             raise UnsupportedModel(
@@ -85,8 +87,17 @@ def shard_whole(model, tp, origin: str):
         # some rank would split without a word, each share computing another model.
         config = hashlib.sha256(repr(a).encode()).hexdigest()[:8]
         key = f"{origin}: logits {logits}, weights {fingerprint(model)[:16]}, config {config}"
+        # The share too, before the agreement: a rank failing to make it (out of memory)
+        # says so there, where the others would go on alone with theirs.
+        split = _share(model, a, logits, tp)
+        split = split if finish is None else finish(split)
     tp.meet(_MEETING, "the meeting before a split")  # one may load slower
     tp.agree(key, _WHOLE, _SAME_MODEL)
+    return split
+
+
+def _share(model, a, logits: str, tp):
+    """This rank's share of the whole ``model`` (its ``ModelArgs`` ``a``)."""
     with torch.device("meta"):
         split = Decoder(a, logits=logits, tp=tp)
     layouts = _layouts(a)

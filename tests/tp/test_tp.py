@@ -264,6 +264,37 @@ def test_a_rank_that_refuses_before_the_split_stops_every_rank_at_once():
     spawn(_refused_before_the_split)
 
 
+def _failure_in_a_split(rank: int) -> None:
+    from unittest import mock
+
+    from graphcap.models import shard
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory making rank 1's share")
+
+    # A rank that failed making its share (or moving it to its GPU) left the others going
+    # on alone with theirs, to wait at their first capture until collective_timeout_s.
+    tp = TPGroup(timeout_s=PATIENT, collective_timeout_s=2 * PATIENT)
+    start = time.monotonic()
+    with mock.patch.object(shard, "shard_tensor", out_of_memory if rank else
+                           shard.shard_tensor):
+        with pytest.raises(RankError, match=r"rank 1: refused \(OutOfMemoryError: out of "
+                           r"memory making rank 1's share\)"):
+            build_model("tiny", tp=tp)
+    assert time.monotonic() - start < PATIENT / 2 and tp.closed is None
+    model = build_model("tiny", tp=tp)  # in step
+    runner = graphcap.capture(model, "full", buckets=[8], max_requests=2)
+    ids, pos = torch.arange(1, 7), torch.arange(6)
+    with torch.no_grad():
+        torch.testing.assert_close(runner(ids, pos, seq_lens=[6]),
+                                   build_model("tiny")(ids, pos, seq_lens=[6]),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_a_rank_that_fails_making_its_share_stops_every_rank_at_once():
+    spawn(_failure_in_a_split)
+
+
 @pytest.mark.parametrize("device,dtype", [
     ("cpu", torch.float32),
     *(pytest.param("cuda", dtype, marks=[pytest.mark.gpu, pytest.mark.skipif(
