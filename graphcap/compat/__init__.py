@@ -23,6 +23,18 @@ def cuda_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
+def set_group_timeout(group, seconds: float) -> bool:
+    """Bound ``group``'s later collectives by ``seconds`` (``ProcessGroup.set_timeout``);
+    False where this torch cannot change a made group's timeout."""
+    set_timeout = getattr(group, "set_timeout", None)
+    if set_timeout is None:
+        return False
+    from datetime import timedelta
+
+    set_timeout(timedelta(seconds=seconds))
+    return True
+
+
 def new_mempool(device: torch.device):
     """A CUDA memory pool object that owns its pool (``torch.cuda.MemPool``), or a bare
     graph pool handle on a torch without it."""

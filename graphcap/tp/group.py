@@ -305,10 +305,8 @@ def _control_group(ranks: list[int], timeout_s: float, rendezvous_s: float, data
         raise RankError(f"a rank did not make its TPGroup within {patient:g} s of rank "
                         f"{dist.get_rank()}: every rank makes the same TPGroups, in the "
                         "same order") from exc
-    set_timeout = getattr(control, "set_timeout", None)
-    if set_timeout is not None:
-        set_timeout(timedelta(seconds=timeout_s))
-    elif patient != timeout_s:  # a torch without it: made again, bounded by timeout_s
+    if not compat.set_group_timeout(control, timeout_s) and patient != timeout_s:
+        # a torch that cannot: made again, bounded by timeout_s
         dist.destroy_process_group(control)
         control = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
     return control
