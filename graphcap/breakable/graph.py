@@ -18,7 +18,9 @@ argument's memory (the argument, a view of it, an ``out=`` it wrote, a tensor a 
 argument holds) is no copy: the next segment reads that memory, as eager code would, and
 a replay must return the same view of it. A fresh result of another structure, shape,
 dtype or device than at capture, or another view where an argument's was, or results
-apart that shared memory at capture, raises :class:`~graphcap.errors.ReplayError`.
+apart that shared memory at capture, raises :class:`~graphcap.errors.ReplayError`; so
+does a result new at capture that lies on an argument's memory, or another result's,
+at replay (a write through it would not reach the other: the graph reads a copy).
 
 At capture each break runs on real values: the segment before it is replayed once as soon
 as it is captured (a captured segment has run nothing yet), so the break sees what an
@@ -41,7 +43,14 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from graphcap.breakable.results import _check_result, _given, _layout, _lies_on, _own, _shares
+from graphcap.breakable.results import (
+    _check_aliasing,
+    _check_result,
+    _given,
+    _layout,
+    _own,
+    _shares,
+)
 from graphcap.core.breaks import break_handler
 from graphcap.core.graphs import GraphPool
 from graphcap.core.strategy import Captured, Strategy
@@ -66,6 +75,7 @@ class Break:
     shares: tuple = ()  # _shares of the result at capture
     called: list | None = None  # per leaf of at_call, a tensor's _alias at the call
     moved: dict = field(default_factory=dict)  # at_call's index: _alias (see settle)
+    given: frozenset = frozenset()  # _given at the call: the memory it was given
 
     def __post_init__(self):
         self.rebuild = self.at_call is not None and _holds_mutable(self.at_call[1])
@@ -100,15 +110,8 @@ class Break:
                 "capture's shapes and dtypes. Return tensors of the same shapes, dtypes and "
                 "devices on every call (or write into an out= tensor you are given)")
         kept, fresh_leaves = tensor_leaves(self.output), tensor_leaves(fresh)
-        for i, share in enumerate(self.shares):
-            if share is not None and \
-                    _lies_on(fresh_leaves[i], fresh_leaves[share[0]]) != share[1:]:
-                raise ReplayError(
-                    f"eager break {self.name} returned results {share[0]} and {i} on one "
-                    "memory at capture (a tensor returned twice, or a tensor and its "
-                    "view), and apart or as other views at replay: the graph after it "
-                    "reads them from one buffer. Return results that share memory alike "
-                    "on every call (or .clone() one of them)")
+        if self.layout is not None:
+            _check_aliasing(self, fresh_leaves)
         for i, (buf, new) in enumerate(zip(kept, fresh_leaves, strict=True)):
             if self.sites[i] is None:  # graphcap's own buffer
                 buf.copy_(new)
@@ -239,7 +242,8 @@ class BreakableCapture:
             self._open()
             raise
         self.items.append(Break(fn, args, kwargs, output, _layout(output), on_args,
-                                at_call, shares=shares, called=called))
+                                at_call, shares=shares, called=called,
+                                given=frozenset(given)))
         self._open()
         # The forward gets views of graphcap's buffers: one it reshapes in place (t_())
         # leaves the buffer a replay copies into as it is.

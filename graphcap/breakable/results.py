@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphcap.core.snapshot import held_tensors
 from graphcap.core.trees import repeats_memory, span, storage_key, storages
-from graphcap.errors import CaptureError
+from graphcap.errors import CaptureError, ReplayError
 
 
 def _layout(value) -> tuple:
@@ -79,6 +79,41 @@ def _shares(tensors: list[torch.Tensor], kept: tuple[bool, ...]) -> tuple:
         j = i if k or not _shareable(t) else first.setdefault(storage_key(t), i)
         out.append(None if j == i else (j, *_lies_on(t, tensors[j])))
     return tuple(out)
+
+
+def _check_aliasing(brk, fresh: list[torch.Tensor]) -> None:
+    """A replay's results (``fresh``, the tensor leaves of what ``brk``, a ``Break``,
+    returned) share memory, with one another and with what the break was given, as they
+    did at capture: else ``ReplayError``. Eagerly a write through one of two tensors on
+    one memory reaches the other; the graph after the break reads graphcap's copies
+    where they were apart at capture (a write through the copy of a result that is its
+    argument at replay would not reach the argument), and one copy where they shared."""
+    for i, (was, now) in enumerate(zip(brk.shares, _shares(fresh, brk.on_args),
+                                       strict=True)):
+        if was != now and was is not None:
+            raise ReplayError(
+                f"eager break {brk.name} returned results {was[0]} and {i} on one "
+                "memory at capture (a tensor returned twice, or a tensor and its "
+                "view), and apart or as other views at replay: the graph after it "
+                "reads them from one buffer. Return results that share memory alike "
+                "on every call (or .clone() one of them)")
+        if was != now:
+            raise ReplayError(
+                f"eager break {brk.name} returned results {now[0]} and {i} apart at "
+                "capture and on one memory at replay (a tensor returned twice, or a "
+                "tensor and its view): the graph after it reads copies of each, so a "
+                "write through one would not reach the other as eagerly. Return "
+                "results that share memory alike on every call (or .clone() one of them)")
+    for i, new in enumerate(fresh):
+        if brk.sites[i] is None and storages([new]) & brk.given and \
+                storages([new]) & _given(brk.at_call[0], {}):  # a module's: still there
+            raise ReplayError(
+                f"eager break {brk.name} returned a new tensor at capture (result {i}) and "
+                "a view of its arguments at replay (an argument, a view of one, or a "
+                "tensor a module argument holds): the graph after it reads graphcap's "
+                "copy of the capture's, so a write through either would not reach the "
+                "other as eagerly. Return the argument on every call, or a .clone() of "
+                "it where the forward only reads it")
 
 
 def _lies_on(t: torch.Tensor, first: torch.Tensor) -> tuple | None:
