@@ -105,8 +105,10 @@ def _check_aliasing(brk, fresh: list[torch.Tensor]) -> None:
                 "write through one would not reach the other as eagerly. Return "
                 "results that share memory alike on every call (or .clone() one of them)")
     for i, new in enumerate(fresh):
-        if brk.sites[i] is None and storages([new]) & brk.given and \
-                storages([new]) & _given(brk.at_call[0], {}):  # a module's: still there
+        if brk.sites[i] is not None:  # on an argument's memory at capture too
+            continue
+        memory = storages([new])
+        if memory & brk.given and memory & _given(brk.at_call[0], {}):  # a module's: still there
             raise ReplayError(
                 f"eager break {brk.name} returned a new tensor at capture (result {i}) and "
                 "a view of its arguments at replay (an argument, a view of one, or a "

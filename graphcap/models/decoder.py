@@ -348,9 +348,8 @@ class Decoder(nn.Module):
         ``hidden``: return ``(logits, h)``, ``h`` the last block's output of the same rows
         (the residual stream the final norm takes: what an EAGLE or MTP head reads)."""
         if seq_lens is not None:  # eager use: prepare this batch's attention metadata
-            # Checked on the host, as PrefillLM's eager call: a position past the rotary
-            # table (max_position rows) raised a bare IndexError, and a negative id wrapped
-            # around the embedding table.
+            # Checked on the host, as PrefillLM's eager call: positions inside the rotary
+            # table (max_position rows), ids inside the embedding table.
             check_prefill(input_ids, positions, seq_lens, input_ids.device)
             check_ranges(input_ids, positions, self.args.vocab_size, self.args.max_position)
             with packed(seq_lens, input_ids.device, dtype=self.norm.dtype,
