@@ -40,6 +40,10 @@ from graphcap.errors import (
 )
 
 log = logging.getLogger("graphcap")
+# What lets a batch that fell back replay instead, by the reason it fell back.
+_FIXES = {"padding": "add a smaller bucket (buckets=)",
+          "too_many_tokens": "enlarge max_tokens (an Engine's prefill_tokens, or chunked=True)",
+          "too_many_requests": "enlarge max_requests (an Engine's max_batch)"}
 
 
 @dataclass
@@ -147,13 +151,13 @@ class Runner:
         if bucket is not None:
             return self.entries[bucket], "replay"
         if not self.config.fallback:
-            fix = "add a smaller bucket (buckets=)" if reason == "padding" else \
-                "enlarge max_tokens (or max_requests)"
-            raise BadBatch(
-                f"this batch cannot replay a graph ({reason.replace('_', ' ')}: buckets "
-                f"up to {self.max_tokens} tokens{self.inputs.limits()}) and "
-                f"fallback=False; {fix} or allow the eager fallback")
+            raise BadBatch(f"{self._why_eager(reason)} and fallback=False; "
+                           f"{_FIXES[reason]} or allow the eager fallback")
         return None, reason  # a counted fallback
+
+    def _why_eager(self, reason: str) -> str:
+        return (f"this batch cannot replay a graph ({reason.replace('_', ' ')}: buckets up "
+                f"to {self.max_tokens} tokens{self.inputs.limits()})")
 
     def _replay(self, entry: ShapeEntry, batch: Batch):
         # Host time here is what the GPU waits for: one staged copy, the rest in the graph.
@@ -184,6 +188,10 @@ class Runner:
         flat, spec = tree_flatten(out)
         outs = [t.clone() if isinstance(t, torch.Tensor) else t for t in flat]
         self.stats.fallbacks[reason] += 1  # once it returns (one that raised is a failure)
+        if self.stats.fallbacks[reason] == 1:  # told once a reason, then only counted
+            log.warning("graphcap: a call ran eagerly: %s; later ones are only counted "
+                        "(report()['fallbacks']): %s to replay them",
+                        self._why_eager(reason), _FIXES[reason])
         return tree_unflatten(outs, spec)
 
     def _check_change(self) -> str:

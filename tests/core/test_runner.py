@@ -56,6 +56,20 @@ def test_too_many_tokens_without_fallback_is_an_error_naming_the_limits():
     torch.testing.assert_close(r(ids, pos, seq_lens=[6]), eager(ATTN, ids, pos, [6]))
 
 
+def test_the_first_fallback_of_each_reason_is_told_once_with_its_fix(caplog):
+    r = graphcap.capture(model(), STRATEGY, buckets=[8, 16], max_requests=1, attention=ATTN)
+    calls = [[20], [20], [3, 2], [30], [3, 2]]  # too many tokens twice, too many requests
+    with caplog.at_level("WARNING", logger="graphcap"):
+        for lens in calls:
+            ids, pos = batch(lens)
+            torch.testing.assert_close(r(ids, pos, seq_lens=lens), eager(ATTN, ids, pos, lens))
+    told = [rec.getMessage() for rec in caplog.records if "ran eagerly" in rec.getMessage()]
+    assert len(told) == 2, told
+    assert "too many tokens: buckets up to 16 tokens" in told[0] and "max_tokens" in told[0]
+    assert "too many requests" in told[1] and "max_requests" in told[1]
+    assert r.report()["fallbacks"] == {"too_many_tokens": 3, "too_many_requests": 2}
+
+
 def test_outputs_are_fresh_tensors_unless_zero_copy_is_asked_for():
     ids, pos = batch([6])
     first = runner(STRATEGY, ATTN)(ids, pos, seq_lens=[6])
