@@ -132,7 +132,10 @@ def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool
     weights = probs.gather(-1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids.to(torch.int32)  # both [T, k] contiguous, as the kernels give
+    # Both [T, k] contiguous, as the kernels give, whatever the logits' layout (the
+    # sort of column-major logits is column-major, and so were the ids cast from it).
+    return (weights.contiguous(),
+            ids.to(torch.int32, memory_format=torch.contiguous_format))
 
 
 # MXFP4's 4-bit values (E2M1), by code: the low 3 bits the magnitude, the high bit the sign.

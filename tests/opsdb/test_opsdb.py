@@ -441,3 +441,19 @@ def test_moe_routing_passes_opcheck_with_and_without_renormalizing(renormalize, 
     logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     torch.library.opcheck(torch.ops.graphcap.moe_topk_softmax.default,
                           (logits, 2, renormalize))
+
+
+@pytest.mark.parametrize("top_k", [2, 8])
+def test_moe_routing_of_column_major_logits_gives_contiguous_ids(top_k, environ):
+    # Router logits laid out [E, T] and transposed: the reference's ids (its fake) came
+    # out column-major, the sort's layout, where every kernel gives [T, k] contiguous;
+    # Inductor asserts the fake's strides on the kernel's output.
+    logits = torch.randn(8, 5, generator=torch.Generator().manual_seed(0)).t()
+    for renormalize in (True, False):
+        weights, ids = get_op("moe_topk_softmax").reference(logits, top_k, renormalize)
+        assert weights.is_contiguous() and ids.is_contiguous()
+    if get_op("moe_topk_softmax").available(DEVICE)["triton"] is not None:
+        return  # the Triton kernel: on a GPU or under Triton's interpreter
+    environ.set("GRAPHCAP_MOE_TOPK_SOFTMAX_KERNEL", "triton")
+    torch.library.opcheck(torch.ops.graphcap.moe_topk_softmax.default,
+                          (logits.to(DEVICE), top_k, True))
