@@ -257,6 +257,11 @@ from graphcap.opsdb.reference import attention_varlen
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0):
+    # FA2's one-query path: at max_seqlen_q 1, no window and grouped heads it folds the
+    # groups into one row per request, [batch, heads_k, groups, d] (mha_varlen_fwd).
+    if max_seqlen_q == 1 and q.shape[1] > k.shape[1] and window_size[0] < 0 \
+            and q.shape[-1] % 8 == 0:
+        q.reshape(len(cu_seqlens_q) - 1, k.shape[1], q.shape[1] // k.shape[1], q.shape[-1])
     window = window_size[0] + 1 if window_size[0] >= 0 else 0
     return attention_varlen(q, k, v, cu_seqlens_q, softmax_scale, causal, window, softcap)
 '''
@@ -304,3 +309,16 @@ def test_flash_attn_runs_fa2_where_flash_attn_cute_comes_without_its_dsl(flash_a
             torch.ops.graphcap.attention(q, k, v, out, 0.25, 0, 0.0, torch.zeros(4))
     want = attention_varlen(q, k, v, meta.cu_seqlens_host, 0.25, True, 3)
     torch.testing.assert_close(out, want)
+
+
+def test_flash_attn_fa2_serves_a_one_token_bucket_beside_empty_requests(flash_attn_2_8_3):
+    """A bucket of one token with request slots to spare (zero-length sentinels) must not
+    take FA2's one-query path, which reads one query row per request."""
+    import graphcap
+
+    lens, dtype = [1, 0, 0], torch.bfloat16
+    q, k, v = qkv(1, 1, 4, 2, 16, dtype, "cpu")
+    with graphcap.packed(lens, "cpu", attention="flash_attn", dtype=dtype) as meta:
+        out = torch.empty_like(q)
+        torch.ops.graphcap.attention(q, k, v, out, 0.25, 0, 0.0, None)
+    torch.testing.assert_close(out, attention_varlen(q, k, v, meta.cu_seqlens_host, 0.25, True))

@@ -88,7 +88,7 @@ class FlashAttention(AttentionBackend):
             kwargs["learnable_sink"] = variant.sinks
         if is_fa4:
             result = fn(q, k, v, max_seqlen_q=n, max_seqlen_k=n, num_splits=1, **kwargs)
-        else:
-            result = fn(q, k, v, max_seqlen_q=n, max_seqlen_k=n, **kwargs)
+        else:  # at max_seqlen_q 1, FA2 reads one query row a request (the sentinels' too)
+            result = fn(q, k, v, max_seqlen_q=max(n, 2), max_seqlen_k=n, **kwargs)
         out.copy_(result[0] if isinstance(result, tuple) else result)
         zero_padding_rows(out, meta)
