@@ -391,7 +391,7 @@ class _Fetch:
             self.host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
             self.host.copy_(device, non_blocking=True)
             self.done = torch.cuda.Event()
-            self.done.record()
+            self.done.record(torch.cuda.current_stream(device.device))  # the copy's GPU's
 
     def tokens(self) -> list[int]:
         if self.done is None:
