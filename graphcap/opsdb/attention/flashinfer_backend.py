@@ -92,7 +92,7 @@ class FlashInferAttention(AttentionBackend):
                 ind, ind, hq, hk, d, causal=True, window_left=window - 1,
                 logits_soft_cap=softcap, q_data_type=self.dtype, kv_data_type=self.dtype,
                 sm_scale=self.scale)
-        meta.plan_done.record()
+        meta.plan_done.record(torch.cuda.current_stream(meta.device))  # the copies'
         meta.planned = (hq, hk, d, self.dtype)
 
     def learn(self, variant: Variant) -> None:

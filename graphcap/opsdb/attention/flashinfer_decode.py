@@ -159,7 +159,7 @@ class FlashInferPlan(DecodePlan):
         self._copied.synchronize()
         for pair in self.backend.variants:
             self._plan(pair)
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(self.cache.device))  # the copies'
 
     def _plan(self, pair: tuple[int, float]) -> None:
         cache, (positions, slots) = self.cache, self._step
