@@ -47,6 +47,12 @@ class DraftModel:
         self.model, _ = resolve(model)
         self.shape = cache_shape(self.model)
         self.k = positive_int(k, "k")
+        if self.k > self.shape.max_position - 2:  # no LLM max_len (2 at least) fits
+            raise ValueError(f"k = {self.k} leaves no room under the draft model's "
+                             f"max_position {self.shape.max_position} (it caches a "
+                             "request's tokens, 2 at least, and the k proposals past "
+                             "them): give the DraftModel k at most "
+                             f"{self.shape.max_position - 2}")
         self.strategy = check_strategy(strategy, "the DraftModel's strategy")
         self.page_size = positive_int(page_size, "the DraftModel's page_size")
         self.prefill_tokens = positive_int(prefill_tokens, "prefill_tokens")

@@ -216,3 +216,14 @@ def test_a_draft_of_fewer_positions_names_the_max_len_that_leaves_its_proposals_
             speculative=draft)
     LLM(model(), strategy="eager", max_batch=1, max_len=24 - K, progress=False,
         speculative=draft)
+
+
+@pytest.mark.parametrize("k", [23, 30])
+def test_a_k_that_leaves_no_request_room_under_the_drafts_positions_is_refused_naming_k(k):
+    # No LLM max_len fits (max_len + k within the draft's 24 positions, max_len >= 2):
+    # refused where the draft is made, naming the k that fits, not a max_len <= 0.
+    with pytest.raises(ValueError, match=f"k = {k} leaves no room under the draft model's "
+                                         "max_position 24 .* k at most 22$"):
+        DraftModel(other_draft(max_position=24), k)
+    LLM(model(), strategy="eager", max_batch=1, max_len=2, progress=False,
+        speculative=DraftModel(other_draft(max_position=24), 22, strategy="eager"))
