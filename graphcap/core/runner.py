@@ -188,7 +188,7 @@ class Runner:
         flat, spec = tree_flatten(out)
         outs = [t.clone() if isinstance(t, torch.Tensor) else t for t in flat]
         self.stats.fallbacks[reason] += 1  # once it returns (one that raised is a failure)
-        if self.stats.fallbacks[reason] == 1:  # told once a reason, then only counted
+        if self.stats.fallbacks[reason] == 1 and self.config.tell_fallbacks:  # once a reason
             log.warning("graphcap: a call ran eagerly: %s; later ones are only counted "
                         "(report()['fallbacks']): %s to replay them",
                         self._why_eager(reason), _FIXES[reason])

@@ -25,3 +25,6 @@ class RunnerConfig:
     # refusal; agree_change: a changed model), else raises on every rank; together(what)
     # wraps the ranks' collectives, so that a rank raising there stops the others at once.
     ranks: Any = None
+    # The first fallback of each reason a warning naming what lets it replay; False where
+    # fallbacks are asked for (graphcap.testing's replay check draws them on purpose).
+    tell_fallbacks: bool = True

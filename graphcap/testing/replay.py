@@ -211,6 +211,14 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
     return reports
 
 
+def _quiet(runner):
+    """``runner``, its fallbacks counted and not told: the check draws them on purpose
+    (past the largest bucket, past the slots, padded more than twice over), and reports
+    them; a warning for each runner it makes would only interleave with its results."""
+    runner.config.tell_fallbacks = False
+    return runner
+
+
 def _check_strategy(model, strategy, kwargs, truth, batches, wide, full, tol, examples,
                     sequences, attention, draw, models) -> dict:
     from hypothesis import HealthCheck, given, settings
@@ -218,7 +226,7 @@ def _check_strategy(model, strategy, kwargs, truth, batches, wide, full, tol, ex
     from hypothesis.errors import Flaky
 
     start = time.perf_counter()
-    runner = graphcap.capture(model, strategy, **kwargs)
+    runner = _quiet(graphcap.capture(model, strategy, **kwargs))
     build_s = time.perf_counter() - start
     label = f"{strategy}/{attention}"
     worst = [0.0]
@@ -261,7 +269,7 @@ def _check_strategy(model, strategy, kwargs, truth, batches, wide, full, tol, ex
 
     def sequence(calls):
         # A fresh runner per sequence: a failure depends on this sequence alone.
-        fresh = graphcap.capture(model, strategy, **kwargs)
+        fresh = _quiet(graphcap.capture(model, strategy, **kwargs))
         for i, (ids, pos, lens) in enumerate(calls):
             call(fresh, ids, pos, lens, f"{label} call {i} of {[c[2] for c in calls]}")
         stats = fresh.stats
