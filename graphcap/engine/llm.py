@@ -118,9 +118,8 @@ class LLM:
                 self.room = check_proposer(speculative) if speculative is not None else 0
                 self.max_len = max_len_of(max_len, self.shape.max_position, self.room,
                                           DEFAULT_MAX_LEN)
-                self.cache = llm_cache(self.shape, max_batch, self.max_len, self.room,
-                                       page_size, model_dtype(model),
-                                       next(model.parameters()).device)
+                self.cache = llm_cache(self.shape, max_batch, self.max_len, self.room, page_size,
+                                       model_dtype(model), next(model.parameters()).device)
                 if key is not None:
                     key.append(repr((strategy, max_batch, self.max_len, prefill_tokens,
                                      page_size, attention, decode_attention, self.room)))
@@ -133,6 +132,7 @@ class LLM:
                                  attention=attention, decode_attention=decode_attention,
                                  progress=progress or None, speculative=speculative,
                                  vocab=self.shape.vocab_size)
+            self.engine.prefiller.config.tell_fallbacks = bool(long_prompts)  # eager: asked
         except BaseException as error:  # a transformers model wrapped here goes back as it came
             if model is not given and getattr(model, "first_wrapper", False):
                 model.release()

@@ -78,6 +78,20 @@ def test_a_prompt_past_the_prefill_graphs_prefills_in_chunks_on_graphs():
         graphcap.generate(m, PROMPTS, NEW, prefill_tokens=0)
 
 
+def test_long_prompts_false_prefills_them_eagerly_counted_without_a_warning(caplog):
+    # The eager prefill was asked for: no warning naming an Engine's options (chunked=True,
+    # which an LLM does not take) on the first one, as a runner's unasked fallbacks give.
+    m = model()
+    want = graphcap.generate(m, PROMPTS, NEW, strategy="eager", max_batch=2)
+    llm = graphcap.LLM(m, max_batch=2, max_len=32, prefill_tokens=8, long_prompts=False,
+                       progress=False)
+    with caplog.at_level("WARNING", logger="graphcap"):
+        got = llm.generate(PROMPTS, NEW)
+    assert [c.tokens for c in got] == want.tokens
+    assert llm.engine.report()["prefill_fallbacks"] == {"too_many_tokens": 1}  # the 11
+    assert not [r for r in caplog.records if "ran eagerly" in r.getMessage()]
+
+
 def test_a_stop_token_ends_its_request_and_is_kept():
     m = model()
     free = graphcap.generate(m, PROMPTS, NEW, max_batch=2).tokens
