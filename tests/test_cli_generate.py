@@ -115,11 +115,14 @@ def test_a_checkpoint_whose_tokenizer_reads_no_vocabulary_file_has_its_tokenizer
     assert isinstance(llm.tokenizer, transformers.ByT5Tokenizer)
 
 
-def test_a_checkpoint_whose_tokenizer_fails_to_load_says_why(tmp_path):
+@pytest.mark.parametrize("content", ["{not json", "{}", '{"added_tokens": [], "model": '
+                                     '{"type": "BPE", "vocab": 5}}'])
+def test_a_checkpoint_whose_tokenizer_fails_to_load_says_why(tmp_path, content):
     # a vocabulary file transformers cannot read: token ids only, and a warning naming
-    # transformers' error (not a silent LLM without its tokenizer)
+    # transformers' error (not a silent LLM without its tokenizer); JSON of another shape
+    # too, whose KeyError or TypeError (from transformers or tokenizers) failed the build
     hf_model("qwen3").save_pretrained(tmp_path)
-    (tmp_path / "tokenizer.json").write_text("{not json")
+    (tmp_path / "tokenizer.json").write_text(content)
     with pytest.warns(UserWarning, match=r"its tokenizer did not load \(.*Error: .*\): the "
                       r"LLM has no tokenizer \(token ids only\)") as seen:
         llm = graphcap.LLM(str(tmp_path), max_batch=1, max_len=40, prefill_tokens=16,

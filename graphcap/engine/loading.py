@@ -46,11 +46,13 @@ def _load(path: str, tokenizer):
     if tokenizer is None and _has_tokenizer(path):
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError) as exc:  # a vocabulary file transformers cannot read
+        except Exception as exc:  # a vocabulary file transformers cannot read: not JSON,
+            # or JSON of another shape (KeyError, TypeError, the tokenizers library's own)
             import warnings
 
+            said = " ".join(str(exc).split())[:300]  # one line (tokenizers' has several)
             warnings.warn(f"{path}: its tokenizer did not load ({type(exc).__name__}: "
-                          f"{str(exc)[:300]}): the LLM has no tokenizer (token ids only); "
+                          f"{said}): the LLM has no tokenizer (token ids only); "
                           "repair or replace its tokenizer files, or pass LLM(path, "
                           "tokenizer)", stacklevel=4)  # the caller's line
             tokenizer = None
