@@ -21,9 +21,12 @@ if not torch.cuda.is_available():
     graphcap.env.reload()
 
 # Under pytest-xdist the workers share the cores: one intra-op thread each, or their
-# OpenMP threads spin on each other's cores.
+# OpenMP threads spin on each other's cores. The processes a test starts (the README's
+# snippet, interrupted captures, bench ranks, the stand-in suite) share them too: they
+# read the variable when torch starts.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The suite's profiles draw the same examples on every run (a seed from each test's code):
 # a run fails only where the code or the test changed, never by the draw. "dev" draws
