@@ -17,10 +17,14 @@ from graphcap.opsdb.reference import attention_varlen
 from graphcap.testing import default_tolerance
 from tests.support.runner_helpers import DEVICE, batch, combos, model, runner, tolerance
 
-# A first request that ends inside a 128-row key tile, so kernels that load whole tiles
-# read the next request's first rows with its last ones; then the poisoned request.
-LENS = [200, 56, 20]
-POISONED = slice(200, 210)  # the second request's first rows
+# A first request that ends inside a key tile, so kernels that load whole tiles read the
+# next request's first rows with its last ones; then the poisoned request, ending on a
+# tile's edge, and a last one. The GPU's tiles are 128 rows; Triton's interpreter (the
+# CPU) takes 32-row query tiles and 16-row key blocks: the first request still ends
+# inside both, after whole ones, at a fraction of the interpreter's programs.
+LENS = [200, 56, 20] if DEVICE == "cuda" else [40, 24, 20]
+START, END = LENS[0], LENS[0] + LENS[1]  # the poisoned request's rows
+POISONED = slice(START, START + 10)  # its first rows
 
 
 def backends_here():
@@ -52,14 +56,14 @@ def test_a_non_finite_value_in_one_request_never_reaches_another(name, which, va
     poisoned = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
     poisoned[which][POISONED] = value
     out = attend(poisoned["q"], poisoned["k"], poisoned["v"])
-    first, last = slice(0, 200), slice(256, 276)
+    first, last = slice(0, START), slice(END, sum(LENS))
     for rows in (first, last):  # the neighbours: bit for bit what they were
         assert torch.equal(out[rows], clean[rows]), f"{name}: {which}={value} leaked"
-    assert not out[276:].any()  # padding rows: zero
-    assert not torch.isfinite(out[200:256]).all()  # the poisoned request still shows it
+    assert not out[sum(LENS):].any()  # padding rows: zero
+    assert not torch.isfinite(out[START:END]).all()  # the poisoned request still shows it
     tol = 2 * default_tolerance(dtype)
-    torch.testing.assert_close(clean[:276], attention_varlen(q, k, v, meta.cu_seqlens_host,
-                                                             scale)[:276], atol=tol, rtol=tol)
+    want = attention_varlen(q, k, v, meta.cu_seqlens_host, scale)
+    torch.testing.assert_close(clean[:sum(LENS)], want[:sum(LENS)], atol=tol, rtol=tol)
 
 
 def test_guarded_keys_and_values_zero_padding_and_move_a_bad_value_to_its_key():
