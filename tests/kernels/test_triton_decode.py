@@ -192,22 +192,43 @@ def test_a_kernel_too_large_for_the_gpus_shared_memory_is_refused_naming_what_se
 
 
 @pytest.mark.gpu if ROPE_DEVICE == "cuda" else (lambda test: test)
-def test_more_rows_than_a_split_launch_merges_run_in_one_split():
-    """Past 1025 (row, head block)s a launch cannot merge splits: the kernel's own choice is
-    one split there, on the GPU and under Triton's interpreter alike."""
+def test_more_rows_than_a_split_launch_merges_run_in_one_split(monkeypatch):
+    """Past ``counters.CAPACITY`` (1024) (row, head block)s a launch cannot merge splits:
+    the kernel's own choice is one split there, on the GPU and under Triton's interpreter
+    alike. The interpreter takes tens of ms a program: there 1025 rows' launch is
+    recorded, not run, and the kernel runs past a capacity of 8 instead."""
     import graphcap.env
-    from graphcap.opsdb.triton.decode import decode_attention
+    from graphcap.opsdb.triton import counters, decode
 
     if not torch.cuda.is_available() and not graphcap.env.settings().triton_interpret:
         pytest.skip("the Triton kernel on CPU tensors: Triton's interpreter only")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    rows, page = 1025, 16
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(rows, 1, 16, generator=g).to(dev)
-    caches = [torch.randn(3, page, 1, 16, generator=g).to(dev) for _ in range(2)]
-    table = torch.randint(1, 3, (rows, 2), generator=g, dtype=torch.int32).to(dev)
-    lens = torch.randint(1, 2 * page + 1, (rows,), generator=g, dtype=torch.int32).to(dev)
-    out, want = torch.empty_like(q), torch.empty_like(q)
-    decode_attention(q, *caches, table, lens, out, 0.25)
-    decode_attention_reference(q, *caches, table, lens, want, 0.25)
+    page = 16
+
+    def attend(rows):
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(rows, 1, 16, generator=g).to(dev)
+        caches = [torch.randn(3, page, 1, 16, generator=g).to(dev) for _ in range(2)]
+        table = torch.randint(1, 3, (rows, 2), generator=g, dtype=torch.int32).to(dev)
+        lens = torch.randint(1, 2 * page + 1, (rows,), generator=g, dtype=torch.int32).to(dev)
+        out, want = torch.empty_like(q), torch.empty_like(q)
+        decode.decode_attention(q, *caches, table, lens, out, 0.25)
+        decode_attention_reference(q, *caches, table, lens, want, 0.25)
+        return out, want
+
+    rows = counters.CAPACITY + 1
+    if dev == "cpu":
+        launches = []
+
+        class Recorded:  # the grid and split count the op launches, nothing run
+            def __getitem__(self, grid):
+                return lambda *args, **kwargs: launches.append((grid, kwargs["SPLITS"]))
+
+        with monkeypatch.context() as patch:
+            patch.setattr(decode, "_decode_kernel", Recorded())
+            attend(rows)
+        assert launches == [((rows, 1, 1), 1)]
+        monkeypatch.setattr(counters, "CAPACITY", 8)
+        rows = 9
+    out, want = attend(rows)
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
