@@ -4,6 +4,7 @@ proven on the H200 are compiled here for sm_90, down to a cubin, without a GPU."
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -42,19 +43,50 @@ COMPILE_QKV = textwrap.dedent('''
     print("compiled")
 ''')
 
-pytestmark = pytest.mark.slow  # each compile runs in a process of its own
+# The compiles run in a process of their own, one for the module (its imports of torch,
+# Triton and graphcap made once): slow, and on one worker, which starts it once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sm90-compiles")]
+
+# Runs each code string (a JSON object on stdin, name: code) in a namespace of its own;
+# prints, last, each one's error (None where it ran and printed 'compiled').
+RUN_EACH = textwrap.dedent('''
+    import contextlib, io, json, sys, traceback
+
+    errors = {}
+    for name, code in json.load(sys.stdin).items():
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed):
+                exec(compile(code, name, "exec"), {"__name__": "__main__"})
+        except BaseException:  # noqa: BLE001  the test of this code reports it
+            errors[name] = traceback.format_exc()[-3000:]
+        else:
+            errors[name] = None if "compiled" in printed.getvalue() else "printed no 'compiled'"
+    print("ERRORS " + json.dumps(errors))
+''')
 
 
-def compiles(code: str) -> None:
-    """Run ``code`` in a fresh process outside the interpreter; it prints 'compiled'."""
+@pytest.fixture(scope="module")
+def errors() -> dict:
+    """Every code string of the module (``COMPILE_*``) run outside the interpreter in one
+    fresh process: by name, None where it compiled, else its error."""
+    codes = {name: code for name, code in globals().items() if name.startswith("COMPILE_")}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    done = subprocess.run([sys.executable, "-c", RUN_EACH], input=json.dumps(codes), cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("ERRORS ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    return json.loads(lines[-1][len("ERRORS "):])
 
 
-def test_the_fused_qkv_kernel_compiles_for_sm90_in_every_dtype():
-    compiles(COMPILE_QKV)
+def compiles(errors: dict, name: str) -> None:
+    """The code string ``name`` ran outside the interpreter and printed 'compiled'."""
+    assert name in errors, f"{name} did not run"
+    assert errors[name] is None, errors[name]
+
+
+def test_the_fused_qkv_kernel_compiles_for_sm90_in_every_dtype(errors):
+    compiles(errors, "COMPILE_QKV")
 
 
 COMPILE_LINEAR = textwrap.dedent('''
@@ -105,8 +137,8 @@ COMPILE_LINEAR = textwrap.dedent('''
 ''')
 
 
-def test_the_fused_linear_kernel_compiles_for_sm90_in_every_mode():
-    compiles(COMPILE_LINEAR)
+def test_the_fused_linear_kernel_compiles_for_sm90_in_every_mode(errors):
+    compiles(errors, "COMPILE_LINEAR")
 
 
 COMPILE_GEMV = textwrap.dedent('''
@@ -161,8 +193,8 @@ COMPILE_GEMV = textwrap.dedent('''
 ''')
 
 
-def test_the_gemv_linear_kernel_compiles_for_sm90_reading_only_parameters_before_the_wait():
-    compiles(COMPILE_GEMV)
+def test_the_gemv_linear_kernel_compiles_for_sm90_reading_only_parameters_before_the_wait(errors):
+    compiles(errors, "COMPILE_GEMV")
 
 
 COMPILE_PDL_KERNELS = textwrap.dedent('''
@@ -227,10 +259,10 @@ COMPILE_PDL_KERNELS = textwrap.dedent('''
 ''')
 
 
-def test_the_kernels_on_the_pdl_path_compile_with_and_without_it():
+def test_the_kernels_on_the_pdl_path_compile_with_and_without_it(errors):
     """Each kernel a PDL launch may follow or precede: launched with it, it releases its
     successor and waits for its predecessor; launched without, it does neither."""
-    compiles(COMPILE_PDL_KERNELS)
+    compiles(errors, "COMPILE_PDL_KERNELS")
 
 
 # The build of a kernel for sm90 (cubin), for the code strings below.
@@ -292,8 +324,8 @@ COMPILE_DECODE = BUILD_SM90 + textwrap.dedent('''
 ''')
 
 
-def test_the_paged_cache_write_and_decode_attention_kernels_compile_for_sm90():
-    compiles(COMPILE_DECODE)
+def test_the_paged_cache_write_and_decode_attention_kernels_compile_for_sm90(errors):
+    compiles(errors, "COMPILE_DECODE")
 
 
 COMPILE_MOE = BUILD_SM90 + textwrap.dedent('''
@@ -338,8 +370,8 @@ COMPILE_MOE = BUILD_SM90 + textwrap.dedent('''
 ''')
 
 
-def test_the_moe_kernels_compile_for_sm90_with_and_without_gpt_oss_experts_and_mxfp4():
-    compiles(COMPILE_MOE)
+def test_the_moe_kernels_compile_for_sm90_with_and_without_gpt_oss_experts_and_mxfp4(errors):
+    compiles(errors, "COMPILE_MOE")
 
 
 # A GPU whose program may have 99 KB of shared memory (sm_86, sm_89): the tiles chosen
@@ -437,5 +469,5 @@ COMPILE_SMALL_GPU = textwrap.dedent('''
 ''')
 
 
-def test_the_few_row_linear_and_the_attention_kernels_fit_a_gpu_of_99_kb():
-    compiles(COMPILE_SMALL_GPU)
+def test_the_few_row_linear_and_the_attention_kernels_fit_a_gpu_of_99_kb(errors):
+    compiles(errors, "COMPILE_SMALL_GPU")
