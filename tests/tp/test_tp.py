@@ -223,6 +223,17 @@ def test_ranks_that_split_other_whole_models_all_raise():
     spawn(_other_models)
 
 
+def _still_in_step(tp, start, forward=lambda model: model) -> None:
+    """The group failed fast and stays usable: a rank built next matches the whole model."""
+    assert time.monotonic() - start < PATIENT / 2 and tp.closed is None
+    call = forward(build_model("tiny", tp=tp))
+    ids, pos = torch.arange(1, 7), torch.arange(6)
+    with torch.no_grad():
+        torch.testing.assert_close(call(ids, pos, seq_lens=[6]),
+                                   build_model("tiny")(ids, pos, seq_lens=[6]),
+                                   atol=1e-5, rtol=1e-5)
+
+
 def _refused_before_the_split(rank: int) -> None:
     # The split's meeting waits collective_timeout_s: a rank that refused before it (its
     # build, or the split's checks) left the other there until the group closed.
@@ -244,13 +255,7 @@ def _refused_before_the_split(rank: int) -> None:
         build_model("tiny" if rank == 0 else "tiny-", tp=tp)
     with pytest.raises(KeyError, match="no model preset"):  # refused alike: its own error
         build_model("tiny-", tp=tp)
-    assert time.monotonic() - start < PATIENT / 2 and tp.closed is None
-    model = build_model("tiny", tp=tp)  # in step
-    ids, pos = torch.arange(1, 12), torch.arange(11)
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids, pos, seq_lens=[11]),
-                                   build_model("tiny")(ids, pos, seq_lens=[11]),
-                                   atol=1e-5, rtol=1e-5)
+    _still_in_step(tp, start)
 
 
 def test_a_rank_that_refuses_before_the_split_stops_every_rank_at_once():
@@ -274,14 +279,8 @@ def _failure_in_a_split(rank: int) -> None:
         with pytest.raises(RankError, match=r"rank 1: refused \(OutOfMemoryError: out of "
                            r"memory making rank 1's share\)"):
             build_model("tiny", tp=tp)
-    assert time.monotonic() - start < PATIENT / 2 and tp.closed is None
-    model = build_model("tiny", tp=tp)  # in step
-    runner = graphcap.capture(model, "full", buckets=[8], max_requests=2)
-    ids, pos = torch.arange(1, 7), torch.arange(6)
-    with torch.no_grad():
-        torch.testing.assert_close(runner(ids, pos, seq_lens=[6]),
-                                   build_model("tiny")(ids, pos, seq_lens=[6]),
-                                   atol=1e-5, rtol=1e-5)
+    _still_in_step(tp, start, lambda model: graphcap.capture(
+        model, "full", buckets=[8], max_requests=2))
 
 
 def test_a_rank_that_fails_making_its_share_stops_every_rank_at_once():
