@@ -29,6 +29,12 @@ def test_an_op_without_an_input_strategy_says_how_to_add_one():
         op_inputs("graphcap_test::no_inputs")
 
 
+def test_op_inputs_names_the_keywords_an_op_takes_when_given_one_it_does_not():
+    with pytest.raises(TypeError, match=r"rms_norm's input strategy takes no keyword "
+                       r"'max_len'.*max_tokens"):
+        op_inputs("rms_norm", max_len=5)
+
+
 def _buggy_double(x):
     out = x * 2
     if x.shape[0] % 16:  # the planted bug: wrong whenever T is not a multiple of 16

@@ -15,7 +15,24 @@ def op_inputs(op: str | OpSpec, *, device="cpu", dtype=torch.float32, **constrai
     if spec.inputs is None:
         raise ValueError(f"{spec.qualname} has no input strategy: pass inputs= when "
                          "registering it")
+    _check_constraints(spec, constraints)
     return spec.inputs(torch.device(device), dtype, **constraints)
+
+
+def _check_constraints(spec: OpSpec, constraints: dict) -> None:
+    """A keyword the op's input function does not take is refused by name, with the
+    keywords it does take (rather than a bare ``TypeError`` from the call)."""
+    import inspect
+
+    params = inspect.signature(spec.inputs).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    takes = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+             ][2:]  # after (device, dtype)
+    for key in constraints:
+        if key not in takes:
+            raise TypeError(f"{spec.qualname}'s input strategy takes no keyword {key!r}; "
+                            f"it takes {', '.join(takes) or 'none'}")
 
 
 def _refuse_empty(what: str, max_tokens: int, max_requests: int, vocab: int,
