@@ -61,6 +61,11 @@ class DraftModel:
         self.held: dict[int, list[int]] = {}  # slot -> the tokens whose K/V it caches
         self.steps = self.caught_up = self.prefilled = 0
 
+    @property
+    def max_position(self) -> int:
+        """The draft model's positions: an LLM's default max_len leaves its k room in them."""
+        return self.shape.max_position
+
     def bind(self, max_batch: int, max_len: int, vocab: int, *, progress=None) -> None:
         """Capture the draft's graphs for ``max_batch`` requests of up to ``max_len``
         tokens each (their proposals included) of a target of ``vocab`` token ids."""

@@ -40,7 +40,7 @@ from graphcap.engine.arguments import (
 from graphcap.engine.detokenize import CONTEXT, Detokenizer, cut, text_of
 from graphcap.engine.engine import Engine, Request, cache_shape, llm_cache
 from graphcap.engine.loading import resolve
-from graphcap.engine.speculative import check_proposer, graph_calls
+from graphcap.engine.speculative import check_proposer, graph_calls, proposer_max_len
 from graphcap.errors import BadBatch, GraphcapError, clear_frames
 from graphcap.tp.group import entry
 
@@ -79,11 +79,11 @@ class LLM:
     nothing is downloaded), or a model of one's own that declares what it caches
     (docs/models.md, "Generate with your model"). ``strategy`` captures the graphs (any of
     :data:`graphcap.api.STRATEGIES`); ``max_batch`` requests decode together, each of up
-    to ``max_len`` tokens (prompt and new ones; default the model's ``max_position``, less
-    a proposer's ``k``, at most 4096); ``prefill_tokens`` bounds a prefill graph (a longer
-    prompt prefills in chunks of it; none past ``max_batch`` prompts of ``max_len``, which
-    no call passes); ``attention`` names the prefill attention backend and
-    ``decode_attention`` the decode one (:class:`~graphcap.engine.engine.Engine`);
+    to ``max_len`` tokens (prompt and new ones; default the model's ``max_position``, or a
+    draft's if fewer, less a proposer's ``k``, at most 4096); ``prefill_tokens`` bounds a
+    prefill graph (a longer prompt prefills in chunks of it; none past ``max_batch``
+    prompts of ``max_len``, which no call passes); ``attention``: the prefill attention
+    backend, ``decode_attention`` the decode one (:class:`~graphcap.engine.engine.Engine`);
     ``progress`` shows the captures; ``stop_at_eos``: the model's and the tokenizer's
     end-of-sequence ids end every request; ``long_prompts``: prompts longer than
     ``prefill_tokens`` prefill in chunks on graphs (extend graphs, captured here too;
@@ -117,7 +117,7 @@ class LLM:
                 # A verify step writes k proposals past a request's last token: room for them.
                 self.room = check_proposer(speculative) if speculative is not None else 0
                 self.max_len = max_len_of(max_len, self.shape.max_position, self.room,
-                                          DEFAULT_MAX_LEN)
+                                          proposer_max_len(speculative, DEFAULT_MAX_LEN))
                 self.cache = llm_cache(self.shape, max_batch, self.max_len, self.room, page_size,
                                        model_dtype(model), next(model.parameters()).device)
                 if key is not None:

@@ -57,6 +57,14 @@ def check_proposer(proposer) -> int:
     return positive_int(k, "the proposer's k")
 
 
+def proposer_max_len(proposer, default: int) -> int:
+    """``default``, at most what a proposer with positions of its own to cache (a
+    ``max_position``, as a DraftModel's model has) can serve: its max_position less its
+    ``k``, which a verify step writes past a request's last token."""
+    bound = getattr(proposer, "max_position", None)
+    return default if bound is None else min(default, bound - proposer.k)
+
+
 def graph_calls(reports) -> dict:
     """``replays`` and ``fallbacks`` summed over every runner report found in
     ``reports`` (dicts, nested: a proposer's report holds its runners')."""

@@ -218,6 +218,16 @@ def test_a_draft_of_fewer_positions_names_the_max_len_that_leaves_its_proposals_
         speculative=draft)
 
 
+
+def test_an_llm_without_max_len_takes_the_longest_its_draft_leaves_room_for():
+    # The default max_len is the target's max_position at most; a draft of fewer positions
+    # bounds it too (max_len + k within them), rather than refusing the default.
+    assert model().args.max_position > 24
+    llm = LLM(model(), strategy="eager", max_batch=1, progress=False,
+              speculative=DraftModel(other_draft(max_position=24), K, strategy="eager"))
+    assert llm.max_len == 24 - K
+    assert len(llm.generate([[1, 2, 3]], max_new_tokens=24 - K - 3)[0].tokens) == 24 - K - 3
+
 @pytest.mark.parametrize("k", [23, 30])
 def test_a_k_that_leaves_no_request_room_under_the_drafts_positions_is_refused_naming_k(k):
     # No LLM max_len fits (max_len + k within the draft's 24 positions, max_len >= 2):
