@@ -338,23 +338,29 @@ def test_flashinfer_decode_replays_the_eager_steps(strategy, variant):
     assert sum(runner.report()["replays"].values()) == len(SCHEDULE)
 
 
+def flashinfer_runner(lens: dict[int, int]):
+    """A bf16 model's decode runner on FlashInfer (batches of 2), the requests of ``lens``
+    (slot -> tokens) prefilled, pages of 16 tokens."""
+    m, _ = setup(head_dim=64)
+    m, a = m.to(torch.bfloat16), m.args
+    cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=4, max_len=1024,
+                         page_size=16, device=DEVICE, dtype=torch.bfloat16)
+    for slot, n in lens.items():
+        cache.admit(slot, n + 1)
+    ids = torch.randint(0, a.vocab_size, (sum(lens.values()),), device=DEVICE)
+    prefill(m, cache, ids, list(lens.values()), list(lens))
+    return graphcap.capture(m, "full", buckets=[2],
+                            inputs=DecodeInputs(cache, attention="flashinfer"))
+
+
 @pytest.mark.skipif(DEVICE != "cuda" or importlib.util.find_spec("flashinfer") is None,
                     reason="FlashInfer on a CUDA device")
 def test_flashinfer_decode_calls_queued_back_to_back_each_read_their_own_plan():
     """Two calls of one shape queued with no wait between them, the GPU held busy: the
     second's plan (FlashInfer's schedule, copied from one pinned host workspace) does not
     reach the first's replay. Long requests, then short ones (their schedules differ)."""
-    m, _ = setup(head_dim=64)
-    m, a = m.to(torch.bfloat16), m.args
-    cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=4, max_len=1024,
-                         page_size=16, device=DEVICE, dtype=torch.bfloat16)
     lens = {0: 700, 1: 650, 2: 9, 3: 14}
-    for slot, n in lens.items():
-        cache.admit(slot, n + 1)
-    ids = torch.randint(0, a.vocab_size, (sum(lens.values()),), device=DEVICE)
-    prefill(m, cache, ids, list(lens.values()), list(lens))
-    runner = graphcap.capture(m, "full", buckets=[2],
-                              inputs=DecodeInputs(cache, attention="flashinfer"))
+    runner = flashinfer_runner(lens)
     tokens = torch.tensor([1, 2], device=DEVICE)
 
     def step(slots):  # the same token at the same position: the same K/V written again
@@ -367,3 +373,22 @@ def test_flashinfer_decode_calls_queued_back_to_back_each_read_their_own_plan():
     torch.cuda.synchronize()
     for first in want:
         assert torch.equal(got[first], want[first]), f"slots from {first}"
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or importlib.util.find_spec("flashinfer") is None,
+                    reason="FlashInfer on a CUDA device")
+def test_a_flashinfer_decode_step_is_planned_and_queued_while_the_gpu_is_busy():
+    """A step's plan waits for no step queued before it (only for the previous plan's
+    copies): the host plans and queues the call while the GPU still runs earlier work."""
+    lens = {0: 700, 1: 650}
+    runner = flashinfer_runner(lens)
+    tokens = torch.tensor([1, 2], device=DEVICE)
+    runner(tokens, positions=[700, 650], slots=[0, 1])  # captures
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time
+    busy = torch.cuda.Event()
+    busy.record()
+    runner(tokens, positions=[700, 650], slots=[0, 1])
+    assert not busy.query(), "the step's plan waited for the GPU's earlier work"
+    torch.cuda.synchronize()
+    assert sum(runner.report()["replays"].values()) == 2

@@ -176,8 +176,11 @@ class FlashInferPlan(DecodePlan):
             last.append(1)
         hq, scale = self.backend.heads
         device = cache.device
+        # The pages go to the device first: FlashInfer copies host page indices into its
+        # buffer with a blocking copy, which waits for every step queued before this one.
+        pages = staged(indices, torch.int32, device).to(device, non_blocking=True)
         self._wrapper(pair).plan(
-            staged(indptr, torch.int32, device), staged(indices, torch.int32, device),
+            staged(indptr, torch.int32, device), pages,
             staged(last, torch.int32, device), hq, cache.kv_heads, cache.head_dim, size,
             window_left=window - 1, logits_soft_cap=softcap, q_data_type=cache.k.dtype,
             kv_data_type=cache.k.dtype, sm_scale=scale)
