@@ -7,9 +7,9 @@ writes, which may be a view of an input several ops away (``cache[:n].add_(y)``,
 ``cache.narrow(0, 0, n).copy_(y)``, ``x.T.mul_(-1)``), or is a functional call given
 ``inplace=True`` (``F.relu(x, inplace=True)``, as Dynamo keeps it). A node made from an
 input by an op that may return a view of it (or the input itself: ``x.float()`` of a
-float tensor), or whose example value shares its first argument's memory, counts as that
-input; a conversion to another dtype or device (Dynamo's example values say) is a new
-tensor.
+float tensor), or whose example value shares an input's memory (a view an op of several
+tensors returns, ``torch.broadcast_tensors(a, x)[1]``), counts as that input; a conversion
+to another dtype or device (Dynamo's example values say) is a new tensor.
 """
 
 from __future__ import annotations
@@ -98,14 +98,19 @@ def _same_kind(node: torch.fx.Node, source) -> bool:
 def _shares_memory(node: torch.fx.Node, source) -> bool:
     """Whether Dynamo's example values of ``node`` and ``source`` share one storage (a
     view, or the tensor itself: ``x.ravel()``, ``getattr(x, "mT")``)."""
-    new = node.meta.get("example_value")
-    old = source.meta.get("example_value") if isinstance(source, torch.fx.Node) else None
-    if not isinstance(new, torch.Tensor) or not isinstance(old, torch.Tensor):
-        return False
+    new = _storage(node)
+    return new is not None and isinstance(source, torch.fx.Node) and new == _storage(source)
+
+
+def _storage(node: torch.fx.Node) -> int | None:
+    """The storage of Dynamo's example value of ``node``, where it is a tensor with one."""
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.Tensor):
+        return None
     try:
-        return new.untyped_storage()._cdata == old.untyped_storage()._cdata
+        return value.untyped_storage()._cdata
     except (NotImplementedError, RuntimeError):  # a tensor subclass without a storage
-        return False
+        return None
 
 
 def _inplace_call(node: torch.fx.Node) -> bool:
@@ -156,13 +161,26 @@ def _written(node: torch.fx.Node) -> list:
 
 
 def _roots(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
-    """Each node that may be (a view of) an input -> that input's index."""
+    """Each node that may be (a view of) an input -> that input's index. A node whose
+    example value shares an input's storage is that input's, whatever its first argument
+    (``torch.broadcast_tensors(a, x)[1]``, ``torch.atleast_1d(a, x)[1]``: views of ``x``)."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     root = {n: i for i, n in enumerate(placeholders)}
+    inputs: dict[int, list[int]] = {}  # storage -> the inputs on it
+    for i, n in enumerate(placeholders):
+        if (storage := _storage(n)) is not None:
+            inputs.setdefault(storage, []).append(i)
     for node in graph.nodes:
-        first = _first(node) if node.op != "placeholder" else None
+        if node.op == "placeholder":
+            continue
+        first = _first(node)
         if isinstance(first, torch.fx.Node) and first in root and _may_alias(node):
             root[node] = root[first]
+        # As traced, whatever the op: the input whose memory its example value is on
+        # (of inputs sharing one storage, the one it was made from, if it was).
+        on = inputs.get(_storage(node), ())
+        if on and root.get(node) not in on:
+            root[node] = on[0]
     return root
 
 

@@ -83,3 +83,36 @@ def test_a_runner_whose_forward_writes_its_input_between_pieces_returns_eagers_o
         with torch.no_grad():
             want = m(x.clone())
         torch.testing.assert_close(r(x), want)
+
+
+class WritesAViewOfItsSecondTensor(nn.Module):
+    """Writes ``x`` through the view of it that an op of several tensors returns second."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, scale, x):
+        if self.how == "broadcast_tensors":  # same shapes: each a view of its tensor
+            _, view = torch.broadcast_tensors(scale, x)
+        elif self.how == "atleast_1d":  # tensors of a dim or more: each itself
+            _, view = torch.atleast_1d(scale, x)
+        view.mul_(2)
+        return self.lin(x) * scale
+
+
+@pytest.mark.parametrize("how", ["broadcast_tensors", "atleast_1d"])
+def test_a_write_through_the_view_of_another_argument_of_the_op_reaches_the_callers_tensor(
+        how):
+    torch.manual_seed(0)
+    m = WritesAViewOfItsSecondTensor(how).to(DEVICE)
+    c = torch.compile(m, backend=PiecewiseCompiler({"capture_sizes": [8]}), fullgraph=True)
+    with torch.no_grad():
+        for call in range(4):  # warm-up, capture, replays
+            g = torch.Generator().manual_seed(call)
+            scale, x = (torch.randn(8, 4, generator=g).to(DEVICE) for _ in range(2))
+            x_eager = x.clone()
+            torch.testing.assert_close(c(scale, x), m(scale, x_eager),
+                                       msg=lambda s, n=call: f"{n}: {s}")
+            torch.testing.assert_close(x, x_eager, msg=lambda s, n=call: f"{n}: x: {s}")
