@@ -48,6 +48,11 @@ def static_state_of(module: torch.fx.GraphModule, names: set[str]):
     return specs[0].static_state
 
 
+# What a split op's piece keeps of the nodes reading its outputs.
+_OF_OUTPUT = (operator.getitem, torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int,
+              torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default)
+
+
 @dataclass
 class Piece:
     name: str
@@ -66,9 +71,11 @@ def split_graph(gm: torch.fx.GraphModule, names: set[str]
             piece += 1
             ids[node] = piece
             piece += 1
-        elif node.op == "call_function" and node.target is operator.getitem and ids.get(
+        elif node.op == "call_function" and node.target in _OF_OUTPUT and ids.get(
                 node.args[0]) is not None and is_split_node(node.args[0], names):
-            ids[node] = ids[node.args[0]]  # keep getitem with its producer
+            # With its producer: an item of its outputs, or a size of one the data decides
+            # (split_module puts an unbacked size where the node reading it is).
+            ids[node] = ids[node.args[0]]
         else:
             ids[node] = piece
     used = sorted(set(ids.values()))

@@ -116,6 +116,37 @@ def test_split_ops_are_matched_as_packet_and_overload_and_sit_alone_in_order():
     torch.testing.assert_close(split(x, out.clone()), f(x, out.clone()))
 
 
+_LIB.define("kept_rows(Tensor x, Tensor keep) -> Tensor")  # as many rows as keep says
+_LIB.impl("kept_rows", lambda x, keep: x[keep], "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("graphcap_test::kept_rows")
+def _kept_rows_fake(x, keep):
+    return x.new_empty(torch.library.get_ctx().new_dynamic_size(), *x.shape[1:])
+
+
+def test_a_split_op_whose_output_size_the_data_decides_splits_and_runs_as_eager():
+    class KeepsRows(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x, keep):
+            return torch.ops.graphcap_test.kept_rows(self.lin(x), keep) * 2
+
+    torch.manual_seed(0)
+    m = KeepsRows()
+    compiler = PiecewiseCompiler({"capture_sizes": [8],
+                                  "split_ops": ["graphcap_test::kept_rows"]})
+    c = torch.compile(m, backend=compiler, fullgraph=True)
+    x = torch.randn(8, 4)
+    with torch.no_grad():
+        for kept in (3, 3, 3, 5, 8):  # warm-up, capture, replay, then other row counts
+            keep = torch.arange(8) < kept
+            torch.testing.assert_close(c(x, keep), m(x, keep))
+    assert compiler.stats["split_pieces"] == 1
+
+
 def test_a_conversion_to_another_dtype_is_a_new_tensor_not_a_write_of_the_input():
     # x.float() of a bf16 x is a copy: writing it leaves x alone (nothing to copy back);
     # y.float() of a float y is y itself, and so is a write of it, in every piece.
