@@ -13,6 +13,8 @@ import torch.fx
 from torch.fx.passes.split_module import split_module
 from torch.utils._pytree import tree_leaves
 
+from graphcap import compat
+
 
 def split_op_names(extra=()) -> set[str]:
     """Qualified names (``ns::op``) of the opsdb ops tagged ``split``, plus ``extra``."""
@@ -32,7 +34,20 @@ def _qualname(target) -> str | None:
 
 
 def is_split_node(node: torch.fx.Node, names: set[str]) -> bool:
-    return node.op == "call_function" and _qualname(node.target) in names
+    """A split op of ``names``, or an op a graph cannot hold (tagged
+    ``torch.Tag.cudagraph_unsafe``, as opsdb tags an op registered ``capturable=False``):
+    it runs eagerly between pieces, as Inductor's CUDA graphs leave it out."""
+    return node.op == "call_function" and (_qualname(node.target) in names
+                                           or _unsafe(node.target))
+
+
+def _unsafe(target) -> bool:
+    if not compat.HAS_CUDAGRAPH_UNSAFE_TAG:
+        return False
+    tag = torch.Tag.cudagraph_unsafe
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return any(tag in getattr(target, name).tags for name in target.overloads())
+    return isinstance(target, torch._ops.OpOverload) and tag in target.tags
 
 
 def static_state_of(module: torch.fx.GraphModule, names: set[str]):

@@ -147,6 +147,39 @@ def test_a_split_op_whose_output_size_the_data_decides_splits_and_runs_as_eager(
     assert compiler.stats["split_pieces"] == 1
 
 
+def _gather_rows(x, lengths):  # a host loop over lengths (docs/ops.md's example)
+    return torch.cat([x[i, : int(n)] for i, n in enumerate(lengths.tolist())])
+
+
+if "graphcap_test::gather_rows" not in graphcap.opsdb.REGISTRY:
+    graphcap.register_op(
+        "graphcap_test::gather_rows", "(Tensor x, Tensor lengths) -> Tensor",
+        reference=_gather_rows, capturable=False,
+        fake=lambda x, lengths: x.new_empty(torch.library.get_ctx().new_dynamic_size(),
+                                            *x.shape[2:]))
+
+
+def test_an_op_registered_not_capturable_runs_eagerly_between_pieces():
+    class GathersRows(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x, lengths):
+            return torch.ops.graphcap_test.gather_rows(self.lin(x), lengths) * 2
+
+    torch.manual_seed(0)
+    m = GathersRows()
+    compiler = PiecewiseCompiler({"capture_sizes": [4]})  # no split_ops: its tag splits
+    c = torch.compile(m, backend=compiler, fullgraph=True)
+    x = torch.randn(4, 3, 4)
+    with torch.no_grad():
+        for lengths in ([1, 2, 3, 2], [1, 2, 3, 2], [1, 2, 3, 2], [3, 3, 3, 3], [1, 1, 1, 1]):
+            lengths = torch.tensor(lengths)
+            torch.testing.assert_close(c(x, lengths), m(x, lengths))
+    assert compiler.stats["split_pieces"] == 1
+
+
 def test_a_conversion_to_another_dtype_is_a_new_tensor_not_a_write_of_the_input():
     # x.float() of a bf16 x is a copy: writing it leaves x alone (nothing to copy back);
     # y.float() of a float y is y itself, and so is a write of it, in every piece.
