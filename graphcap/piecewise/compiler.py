@@ -134,6 +134,23 @@ class PiecewiseCompiler:
             log.warning("sgl_piecewise: %s. It ran eagerly (counters()['eager_runs'] counts "
                         "every such run; told once per compile and kind of reason).", why)
 
+    def ran_outside(self, size: int | None) -> None:
+        """A piece ran eagerly at a call of ``size``, no capture size (None: of no size)."""
+        if size is None:
+            self.ran_eagerly(
+                "a call has no size to capture: the capture sizes count dim 0 of the first "
+                "tensor argument the forward reads (else a dynamic size, else a tensor "
+                "attribute's), and its graph reads no tensor with a dim; pass one it works "
+                "on as an argument", kind="no size")
+            return
+        self.ran_eagerly(
+            f"a call of size {size} (dim 0 of the first tensor argument the forward reads, "
+            "or its dynamic dim where dim 0 is static) is not one of the capture sizes "
+            f"{_sizes(self.capture_sizes)}: pad calls to a capture size, or give "
+            "options={'capture_sizes': [...]}; a transformers model called with [batch, "
+            "tokens] ids is read by its batch, and runs on graphs under "
+            "graphcap.accelerate(model) or graphcap.LLM(model)")
+
     def pool_for(self, args) -> GraphPool:
         if self.pool is None:
             self.pool = new_pool(device_of(args))
@@ -233,6 +250,12 @@ class PiecewiseCompiler:
             return gm(*args)
 
         return forward
+
+
+def _sizes(sizes) -> str:
+    ordered = sorted(sizes)
+    return str(ordered) if len(ordered) <= 8 else \
+        f"[{', '.join(map(str, ordered[:4]))}, ..., {', '.join(map(str, ordered[-2:]))}]"
 
 
 def _normal(device: torch.device) -> torch.device:

@@ -125,14 +125,8 @@ class PieceGraphs(torch.nn.Module):
             owner.ran_eagerly(self.uncapturable[size], kind="uncapturable")
             return self.fn(*args)
         if size not in owner.capture_sizes or size in self.eager_sizes:
-            if self.static_state is None:
-                owner.ran_eagerly(  # split ops run eagerly by design: not counted
-                    f"a call of size {size} (dim 0 of the first tensor argument the "
-                    "forward reads, or its dynamic dim where dim 0 is static) is not one of "
-                    f"the capture sizes {_sizes(owner.capture_sizes)}: pad calls to a "
-                    "capture size, or give options={'capture_sizes': [...]}; a transformers "
-                    "model called with [batch, tokens] ids is read by its batch, and runs on "
-                    "graphs under graphcap.accelerate(model) or graphcap.LLM(model)")
+            if self.static_state is None:  # split ops run eagerly by design: not counted
+                owner.ran_outside(size)
             return self.fn(*args)
         entry = self.entries.get(size)
         if (why := self._aliased_write(args, entry)) is not None:
@@ -392,8 +386,3 @@ class _Interpreter(torch.fx.Interpreter):
         finally:
             RUNNING_NODE.reset(running)
 
-
-def _sizes(sizes) -> str:
-    ordered = sorted(sizes)
-    return str(ordered) if len(ordered) <= 8 else \
-        f"[{', '.join(map(str, ordered[:4]))}, ..., {', '.join(map(str, ordered[-2:]))}]"

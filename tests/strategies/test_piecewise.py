@@ -224,6 +224,21 @@ def test_sizes_outside_the_capture_sizes_run_the_pieces_eagerly_and_are_counted(
     assert "(dim 0 of the first tensor argument the forward reads, or" in told[0]
 
 
+def _ramp(n):  # a forward of no tensor at all (n a constant of the trace)
+    return torch.arange(float(n)) * 2
+
+
+def test_a_forward_of_no_tensor_argument_runs_eagerly_saying_it_has_no_size(caplog):
+    compiler = PiecewiseCompiler({"capture_sizes": [4]})
+    compiled = torch.compile(_ramp, backend=compiler, fullgraph=True)
+    with torch.inference_mode(), caplog.at_level("WARNING", "graphcap"):
+        for _ in range(3):
+            torch.testing.assert_close(compiled(4), _ramp(4))
+    told = [r.getMessage() for r in caplog.records if "ran eagerly" in r.getMessage()]
+    assert len(told) == 1 and "no size to capture" in told[0], told
+    assert "size None" not in told[0]
+
+
 class RopeTable(torch.nn.Module):
     """A plain tensor attribute (gpt-fast's ``freqs_cis``), read before the tokens."""
 
