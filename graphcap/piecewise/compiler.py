@@ -46,7 +46,7 @@ from graphcap.piecewise.split import (
     token_arg,
 )
 from graphcap.piecewise.whole import Call
-from graphcap.piecewise.writes import aliased_outputs, views_of_inputs
+from graphcap.piecewise.writes import aliased_outputs, copies, views_of_inputs
 
 OPTIONS = ("capture_sizes", "max_tokens", "compiler", "split_ops", "copy_outputs", "pool")
 COMPILERS = ("eager", "inductor")
@@ -225,12 +225,12 @@ class PiecewiseCompiler:
             if not self.copy_outputs:
                 return out
             # The last piece's outputs are static and overwritten by the next call; views
-            # of the call's own tensors are returned as eager returns them.
+            # of the call's own tensors are returned as eager returns them, and outputs
+            # sharing memory share their copy.
             if not isinstance(out, (tuple, list)):
                 return out
-            views = views_of_inputs(out, args, aliased) if aliased else ()
-            return type(out)(o.clone() if isinstance(o, torch.Tensor) and k not in views
-                             else o for k, o in enumerate(out))
+            views = views_of_inputs(out, args, aliased) if aliased else set()
+            return type(out)(copies(out, views))
 
         return forward
 

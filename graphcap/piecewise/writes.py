@@ -20,7 +20,7 @@ import operator
 import torch
 import torch.fx
 
-from graphcap.core.trees import storage_key
+from graphcap.core.trees import overlap, storage_key
 
 # Tensor methods and torch functions that may return their first argument or a view of it.
 VIEWS = frozenset({
@@ -214,4 +214,36 @@ def views_of_inputs(out, args, aliased: dict[int, int]) -> set[int]:
             and storage_key(out[k]) == storage_key(args[i])}
 
 
-__all__ = ["aliased_outputs", "mutated_inputs", "views_of_inputs"]
+def copies(out, keep: set[int]) -> list:
+    """``out`` with each tensor cloned but those of ``keep`` (returned as they are).
+    Outputs whose memory overlaps (a tensor and a view of it) are views of one copy, as
+    eager returns them: a write through one reaches the other."""
+    flat = list(out)
+    groups: list[list[int]] = []  # outputs on overlapping memory, transitively
+    for k, o in enumerate(flat):
+        if not isinstance(o, torch.Tensor) or k in keep:
+            continue
+        near = [g for g in groups if any(_shared(o, flat[j]) for j in g)]
+        groups = [g for g in groups if g not in near] + [[i for g in near for i in g] + [k]]
+    for group in groups:
+        first = flat[group[0]]
+        if len(group) == 1 or any(flat[k].dtype != first.dtype or flat[k].is_conj()
+                                  or flat[k].is_neg() for k in group):
+            for k in group:
+                flat[k] = flat[k].clone()
+            continue
+        start = min(flat[k].storage_offset() for k in group)
+        end = max(flat[k].storage_offset() + sum((n - 1) * stride for n, stride in zip(
+            flat[k].shape, flat[k].stride(), strict=True)) + 1 for k in group)
+        base = first.as_strided((end - start,), (1,), start).clone()
+        for k in group:
+            o = flat[k]
+            flat[k] = base.as_strided(o.shape, o.stride(), o.storage_offset() - start)
+    return flat
+
+
+def _shared(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return storage_key(a) == storage_key(b) and overlap(a, b)
+
+
+__all__ = ["aliased_outputs", "copies", "mutated_inputs", "views_of_inputs"]

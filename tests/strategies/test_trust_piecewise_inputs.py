@@ -315,3 +315,27 @@ def test_tensors_written_through_a_list_are_written_on_every_replay(compiler):
 
     _calls(WritesAList, args_of, calls=5, compiler=compiler)
     torch.testing.assert_close(*held.values())  # the caller's tensor, as eager wrote it
+
+
+class ReturnsViewsOfOneTensor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y, y[1:], y.t(), y * 2
+
+
+def test_outputs_sharing_memory_are_returned_as_views_of_one_copy_as_eager_returns_them():
+    torch.manual_seed(0)
+    m = ReturnsViewsOfOneTensor().to(DEVICE)
+    c = torch.compile(m, backend=PiecewiseCompiler({"capture_sizes": [4]}), fullgraph=True)
+    with torch.no_grad():
+        for call in range(4):  # warm-up, capture, replays
+            x = torch.randn(4, 4, generator=torch.Generator().manual_seed(call)).to(DEVICE)
+            got, want = c(x), m(x)
+            torch.testing.assert_close(got, want)
+            got[0][1].fill_(7.0)  # through y: reaches y[1:] and y.t(), not y * 2
+            want[0][1].fill_(7.0)
+            torch.testing.assert_close(got, want, msg=lambda s, n=call: f"{n}: {s}")
