@@ -136,16 +136,25 @@ def _names(model: nn.Module) -> tuple[list[str], ...]:
 
 
 def _plain_tensors(model: nn.Module) -> list[torch.Tensor]:
-    """Tensors a module holds as plain attributes, directly or in a list, tuple or dict."""
-    out = []
+    """Tensors a module holds as plain attributes, directly or in lists, tuples and dicts,
+    nested (a cache of one ``(k, v)`` tuple per layer)."""
+    out: list[torch.Tensor] = []
     for module in model.modules():
         for key, value in vars(module).items():
-            if key in _MODULE_DICTS:
-                continue
-            values = value.values() if isinstance(value, dict) else \
-                value if isinstance(value, list | tuple) else (value,)
-            out += [v for v in values if isinstance(v, torch.Tensor)]
+            if key not in _MODULE_DICTS:
+                _tensors_in(value, out, set())
     return out
+
+
+def _tensors_in(value, out: list, seen: set[int]) -> None:
+    """Append the tensors in ``value`` and the lists, tuples and dicts it nests to ``out``
+    (``seen``: the containers walked, so that one holding itself ends)."""
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, list | tuple | dict) and id(value) not in seen:
+        seen.add(id(value))
+        for v in value.values() if isinstance(value, dict) else value:
+            _tensors_in(v, out, seen)
 
 
 def autocast_state(kinds: tuple[str, ...] = ("cpu", "cuda")) -> tuple:
@@ -156,7 +165,8 @@ def autocast_state(kinds: tuple[str, ...] = ("cpu", "cuda")) -> tuple:
 
 
 def held_tensors(model: nn.Module) -> list[torch.Tensor]:
-    """Every tensor ``model`` holds: parameters, buffers and plain tensor attributes."""
+    """Every tensor ``model`` holds: parameters, buffers and plain tensor attributes
+    (in lists, tuples and dicts too, nested)."""
     return [*model.parameters(), *model.buffers(), *_plain_tensors(model)]
 
 

@@ -232,6 +232,32 @@ def test_writes_through_a_modules_tensor_a_break_returned_reach_the_module():
 
 
 @graphcap.eager_on_graph
+def first_key_of(module):
+    return module.layers[0][0]  # a cache of one (k, v) tuple per layer, in a list
+
+
+class CountsInANestedCache(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = [(torch.zeros(4), torch.zeros(4))]  # plain attributes, nested
+
+    def forward(self, x):
+        first_key_of(self).add_(1)  # eagerly: the module's tensor, a count of calls
+        return x + self.layers[0][0]
+
+
+def test_writes_reach_a_modules_tensor_a_break_returned_from_nested_lists_and_tuples():
+    m = CountsInANestedCache().to(DEVICE)
+    r = graphcap.capture(m, "breakable", buckets=[4],
+                         example_inputs=(torch.zeros(4, 4, device=DEVICE),))
+    m.layers[0][0].zero_()
+    x = torch.zeros(4, 4, device=DEVICE)
+    got = [r(x)[0, 0].item() for _ in range(3)]
+    assert got == [1.0, 2.0, 3.0]
+    assert m.layers[0][0].tolist() == [3.0] * 4
+
+
+@graphcap.eager_on_graph
 def scaled_by(h, module):
     return h * module.scale
 
