@@ -50,6 +50,7 @@ from torch.nn.modules import module as _module
 from torch.utils.hooks import RemovableHandle
 
 from graphcap import compat
+from graphcap.core.trees import repeats_memory
 from graphcap.errors import UnsupportedModel
 
 _PTR = torch.Tensor.data_ptr
@@ -309,6 +310,9 @@ def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
             **dict(model.named_buffers(remove_duplicate=False))}
 
 
+_PERTURBABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
             and torch.equal(a, b))
@@ -336,11 +340,61 @@ def settled(model: nn.Module, what: str, run, gather=None) -> tuple[object, int]
     second = _named_tensors(model)
     moving = [n for n, t in second.items() if n in first and t is not first[n]
               and not _same_value(t, first[n])]
-    if not moving:
-        return out, 2
+    # Rebuilt alike: from constants, or from itself at a fixed point (every rank asks).
+    rebuilt = {} if moving else {n: t for n, t in second.items() if n in first
+                                 and t is not first[n] and t.is_floating_point()}
+    following, runs = _from_itself(model, rebuilt, run, gather, what)
+    if not moving and not following:
+        return out, runs
+    how = "run twice" if moving else "run again from other values of it"
+    moving = moving or following
     raise UnsupportedModel(
         f"{type(model).__name__}'s forward gives {', '.join(moving[:5])} another value on "
-        f"every call ({what}, run twice): a graph reads the tensor each slot held as its "
+        f"every call ({what}, {how}): a graph reads the tensor each slot held as its "
         "capture began, so every replay would read that one and assign nothing. Update "
         "such state in place (self.state.copy_(new)), or keep it outside the model and "
         "pass it in")
+
+
+def _from_itself(model: nn.Module, rebuilt: dict, run, gather, what: str) -> tuple:
+    """The slots among ``rebuilt`` (floating-point ones a forward replaced on both of two
+    calls, with the same value: a warm-up's zero inputs are a fixed point of an average,
+    ``self.ema * 0.5 + x.mean(0)``) whose new value follows what they held before, and
+    the forward's runs in all (2 or more). Each is given another value (``2 t + 1``) and
+    the forward runs again: one rebuilt from constants ignores it; one that follows it
+    must keep it when rebuilt once more (a view of itself, a clone), else every replay
+    would read the capture's tensor. Their values are put back after; a forward that
+    fails on the values given is taken as it was (one of a split model raises)."""
+    def together(needed: bool) -> bool:  # a split model's ranks run the forward together
+        return needed if gather is None else "run" in gather("run" if needed else "-", what)
+
+    rebuilt = {n: t for n, t in rebuilt.items() if t.dtype in _PERTURBABLE
+               and not repeats_memory(t)}  # not one an in-place write refuses
+    runs, moving, third = 2, [], {}
+    if not together(bool(rebuilt)):
+        return moving, runs
+    values = {n: t.detach().clone() for n, t in rebuilt.items()}
+    try:
+        with torch.no_grad():
+            for t in rebuilt.values():
+                t.mul_(2).add_(1)
+        runs += 1
+        run()
+        third = _named_tensors(model)
+        followed = [n for n in rebuilt if n in third and not _same_value(third[n], values[n])]
+        if together(bool(followed)):
+            runs += 1
+            run()
+            now = _named_tensors(model)
+            moving = [n for n in followed if n in now and not _same_value(now[n], third[n])]
+    except Exception:
+        if gather is not None:
+            raise
+    finally:
+        now = _named_tensors(model)
+        with torch.no_grad():
+            for n, value in values.items():
+                for t in (rebuilt[n], third.get(n), now.get(n)):
+                    if t is not None and (t.shape, t.dtype) == (value.shape, value.dtype):
+                        t.copy_(value)
+    return moving, runs

@@ -393,6 +393,55 @@ def test_a_forward_that_reassigns_its_buffer_on_every_call_is_refused(strategy):
         r(torch.randn(4, 4, device=DEVICE))
 
 
+class AveragesItsInputs(torch.nn.Module):
+    """A running average of its inputs, reassigned on every call: from zeros, as the
+    buffer starts, a warm-up's zero inputs leave it zeros, its value at every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        self.ema = self.ema * 0.5 + x.mean(0) * 0.5
+        return x - self.ema
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_a_forward_that_reassigns_its_buffer_from_itself_and_its_inputs_is_refused(strategy):
+    torch._dynamo.reset()
+    m = AveragesItsInputs().to(DEVICE)
+    r = graphcap.capture(m, strategy, buckets=[4])
+    with pytest.raises(UnsupportedModel, match=r"gives ema another value on every call.*"
+                       r"run again from other values of it.*in place"):
+        r(torch.randn(4, 4, device=DEVICE))
+
+
+class CopiesItsBuffer(torch.nn.Module):
+    """Reassigns its buffers on every call, to what they held: a copy, a view."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 3.0))
+        self.register_buffer("shift", torch.ones(8))
+
+    def forward(self, x):
+        self.scale, self.shift = self.scale.clone(), self.shift[:4]
+        return self.lin(x) * self.scale + self.shift
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_a_buffer_reassigned_to_a_copy_or_view_of_itself_is_captured_and_kept(strategy):
+    torch._dynamo.reset()
+    m = CopiesItsBuffer().to(DEVICE)
+    r = graphcap.capture(m, strategy, buckets=[4])
+    x = torch.randn(4, 4, device=DEVICE)
+    got = r(x)
+    assert m.scale.tolist() == [3.0] * 4 and m.shift.tolist() == [1.0] * 4
+    with torch.inference_mode():
+        close(got, m.lin(x) * 3 + 1)
+
+
 class LazyBufferMask(LazyMask):
     """LazyMask's mask as a registered buffer, replaced for each new size."""
 
