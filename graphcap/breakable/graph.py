@@ -103,12 +103,14 @@ class Break:
         else:
             args, kwargs = self.args, self.kwargs
         fresh = self.fn(*args, **kwargs)
-        if self.layout is not None and _layout(fresh) != self.layout:
+        if self.layout is not None and (now := _layout(fresh)) != self.layout:
+            part = 1 if now[1] != self.layout[1] else 0  # the tensors, else the structure
             raise ReplayError(
-                f"eager break {self.name} returned {_layout(fresh)[1]} at replay but "
-                f"{self.layout[1]} at capture: the graph after it reads buffers of the "
-                "capture's shapes and dtypes. Return tensors of the same shapes, dtypes and "
-                "devices on every call (or write into an out= tensor you are given)")
+                f"eager break {self.name} returned {now[part]} at replay but "
+                f"{self.layout[part]} at capture: the graph after it reads buffers of the "
+                "capture's structure, shapes and dtypes. Return tensors of the same "
+                "structure, shapes, dtypes and devices on every call (or write into an out= "
+                "tensor you are given)")
         kept, fresh_leaves = tensor_leaves(self.output), tensor_leaves(fresh)
         if self.layout is not None:
             _check_aliasing(self, fresh_leaves)

@@ -115,6 +115,21 @@ def test_a_break_returning_other_shapes_at_replay_is_an_error_and_the_runner_sta
     assert r.report()["failed"] == 2 and sum(r.stats.replays.values()) == 1
 
 
+class WithKeyedBreak(WithBreak):
+    def forward(self, x):
+        return self.lin(next(iter(self.brk(self.lin(x)).values())))
+
+
+def test_a_break_returning_another_structure_of_the_same_tensors_is_an_error_naming_both():
+    key = {"k": "gate"}
+    m = WithKeyedBreak(lambda h: {key["k"]: h * 2}).to(DEVICE)
+    x = torch.randn(4, 8, device=DEVICE)
+    r = graphcap.capture(m, "breakable", buckets=[4], example_inputs=(x,))
+    key["k"] = "up"  # the same tensor, under another key
+    with pytest.raises(ReplayError, match=r"\['up'\].* at replay but .*\['gate'\].* at capture"):
+        r(x)
+
+
 def test_a_break_sees_real_values_at_capture_not_graph_garbage():
     seen = []
 
