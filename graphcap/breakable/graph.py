@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from graphcap.breakable.results import (
     _check_aliasing,
+    _check_arguments,
     _check_result,
     _given,
     _layout,
@@ -227,6 +228,7 @@ class BreakableCapture:
         try:
             self._close()  # a capture invalidated earlier (a host sync caught) fails here
             what = f"eager break {name}"
+            _check_arguments(name, at_call[0])
             given = _given(at_call[0], self._modules)  # before the call: not what it makes
             # No handler inside a break: one calling another marked function runs it.
             with self.pool.warmup(), break_handler(None):  # the capture stream, no capture

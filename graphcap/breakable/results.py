@@ -4,6 +4,7 @@ on one another (:func:`_shares`), and the checks of a result's kind and layout."
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -142,6 +143,18 @@ def _span_copy(tensors: list[torch.Tensor]) -> tuple[torch.UntypedStorage, int]:
     raw = torch.empty(0, dtype=torch.uint8, device=tensors[0].device).set_(
         tensors[0].untyped_storage(), first, (end - first,), (1,))
     return raw.clone().untyped_storage(), first
+
+
+def _check_arguments(name: str, leaves: list) -> None:
+    """A break's arguments can be given again at replay: CaptureError for an iterator
+    among them (a generator), which the call at capture used up."""
+    used = [type(x).__name__ for x in leaves
+            if isinstance(x, Iterator) and not isinstance(x, torch.Tensor)]
+    if used:
+        raise CaptureError(
+            f"eager break {name} was given an iterator ({used[0]}): every replay calls it "
+            "again on the arguments of capture, where the iterator is used up (a sum over "
+            "it would be 0). Pass a list or tuple instead")
 
 
 def _check_result(name: str, output, device: torch.device) -> None:

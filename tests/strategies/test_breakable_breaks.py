@@ -77,6 +77,23 @@ def test_a_breaks_exception_the_forward_caught_at_capture_is_refused_by_name():
                          example_inputs=(torch.zeros(4, 2, device=DEVICE),))
 
 
+@graphcap.eager_on_graph
+def summed(h, parts):
+    return h + sum(parts)
+
+
+class PassesAGenerator(torch.nn.Module):
+    def forward(self, x):
+        return summed(x + 0, (p for p in (x * 2, x * 3)))
+
+
+def test_an_iterator_given_to_a_break_is_refused_at_capture_not_used_up_at_replay():
+    with pytest.raises(CaptureError, match=r"eager break summed was given an iterator "
+                                           r"\(generator\).*list or tuple"):
+        graphcap.capture(PassesAGenerator(), "breakable", buckets=[4],
+                         example_inputs=(torch.ones(4, 2, device=DEVICE),))
+
+
 def test_a_marked_function_is_a_plain_call_under_torch_compile():
     m = WritesThroughTheView()
     x = torch.randn(4, 2, device=DEVICE)
