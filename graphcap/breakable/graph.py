@@ -36,6 +36,7 @@ reads the state object the split op read at capture (the prepared metadata), lis
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,7 @@ from graphcap.breakable.results import (
 )
 from graphcap.core.breaks import break_handler
 from graphcap.core.graphs import GraphPool
+from graphcap.core.snapshot import autocast_state
 from graphcap.core.strategy import Captured, Strategy
 from graphcap.core.trees import tensor_leaves
 from graphcap.errors import CaptureError, ReplayError
@@ -77,6 +79,9 @@ class Break:
     called: list | None = None  # per leaf of at_call, a tensor's _alias at the call
     moved: dict = field(default_factory=dict)  # at_call's index: _alias (see settle)
     given: frozenset = frozenset()  # _given at the call: the memory it was given
+    # autocast_state() at the call, where the forward set another than its caller's (a
+    # replay runs none of the forward's Python, its ``with torch.autocast`` neither)
+    autocast: tuple | None = None
 
     def __post_init__(self):
         self.rebuild = self.at_call is not None and _holds_mutable(self.at_call[1])
@@ -103,7 +108,8 @@ class Break:
             args, kwargs = tree_unflatten(leaves, self.at_call[1])
         else:
             args, kwargs = self.args, self.kwargs
-        fresh = self.fn(*args, **kwargs)
+        with _autocast(self.autocast):
+            fresh = self.fn(*args, **kwargs)
         if self.layout is not None and (now := _layout(fresh)) != self.layout:
             part = 1 if now[1] != self.layout[1] else 0  # the tensors, else the structure
             raise ReplayError(
@@ -129,6 +135,17 @@ class Break:
     @property
     def name(self) -> str:
         return getattr(self.fn, "__qualname__", repr(self.fn))
+
+
+def _autocast(state: tuple | None):
+    """Autocast on the CPU and CUDA as ``state`` (their ``autocast_state()``) says; None:
+    as it is."""
+    if state is None:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for kind, dtype in zip(("cpu", "cuda"), state, strict=True):
+        stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=dtype is not None))
+    return stack
 
 
 def _alias(t) -> torch.Tensor | None:
@@ -203,6 +220,7 @@ class BreakableCapture:
         self._fn: Callable[[], Any] | None = None
         self._outputs: Any = None
         self._modules: dict = {}  # _given's modules of this capture
+        self._autocast: tuple | None = None  # autocast_state() as the forward began
 
     def _open(self) -> None:
         self._segment = self.pool.graph()
@@ -224,6 +242,7 @@ class BreakableCapture:
         check_finished((args, kwargs), f"eager break {name!r}")
         at_call = tree_flatten((args, kwargs))
         called = [_alias(t) for t in at_call[0]]  # its tensors as the break sees them
+        autocast = autocast_state()
         what = f"the graph segment before eager break {name}"
         try:
             self._close()  # a capture invalidated earlier (a host sync caught) fails here
@@ -247,7 +266,8 @@ class BreakableCapture:
             raise
         self.items.append(Break(fn, args, kwargs, output, _layout(output), on_args,
                                 at_call, shares=shares, called=called,
-                                given=frozenset(given)))
+                                given=frozenset(given),
+                                autocast=autocast if autocast != self._autocast else None))
         self._open()
         # The forward gets views of graphcap's buffers: one it reshapes in place (t_())
         # leaves the buffer a replay copies into as it is.
@@ -263,6 +283,7 @@ class BreakableCapture:
             raise CaptureError("this BreakableCapture has run already: make a new one")
         self._fn = fn
         self._raised = None
+        self._autocast = autocast_state()
         self._open()
         try:
             with break_handler(self._on_break):

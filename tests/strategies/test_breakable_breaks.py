@@ -94,6 +94,33 @@ def test_an_iterator_given_to_a_break_is_refused_at_capture_not_used_up_at_repla
                          example_inputs=(torch.ones(4, 2, device=DEVICE),))
 
 
+@graphcap.eager_on_graph
+def projected(h, w):
+    return h @ w
+
+
+class ProjectsUnderAutocast(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            h = projected(x, self.w)  # in bfloat16, at capture and eagerly
+        return h.float() + 1
+
+
+def test_a_break_called_under_the_forwards_autocast_replays_under_it():
+    m = ProjectsUnderAutocast().to(DEVICE)
+    r = graphcap.capture(m, "breakable", buckets=[4],
+                         example_inputs=(torch.zeros(4, 4, device=DEVICE),))
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    got = r(x)
+    assert not torch.is_autocast_enabled(DEVICE)  # the replay's autocast ended with it
+    with torch.no_grad():
+        torch.testing.assert_close(got, m(x))
+
+
 def test_a_marked_function_is_a_plain_call_under_torch_compile():
     m = WritesThroughTheView()
     x = torch.randn(4, 2, device=DEVICE)
