@@ -108,8 +108,16 @@ class Break:
             args, kwargs = tree_unflatten(leaves, self.at_call[1])
         else:
             args, kwargs = self.args, self.kwargs
-        with _autocast(self.autocast):
-            fresh = self.fn(*args, **kwargs)
+        try:
+            with _autocast(self.autocast):
+                fresh = self.fn(*args, **kwargs)
+        except Exception as exc:
+            exc.add_note(
+                f"graphcap: raised by eager break {self.name} at a replay, which runs none "
+                "of the forward's Python: a try/except around the call in the forward does "
+                "not catch it there as it does eagerly; decide inside the break (return a "
+                "flag tensor) rather than raise")
+            raise
         if self.layout is not None and (now := _layout(fresh)) != self.layout:
             part = 1 if now[1] != self.layout[1] else 0  # the tensors, else the structure
             raise ReplayError(

@@ -121,6 +121,32 @@ def test_a_break_called_under_the_forwards_autocast_replays_under_it():
         torch.testing.assert_close(got, m(x))
 
 
+@graphcap.eager_on_graph
+def bounded(h):
+    if (h > 100).any():  # not at capture (zeros)
+        raise ValueError("out of bounds")
+    return h * 2
+
+
+class CatchesOnSomeCalls(torch.nn.Module):
+    def forward(self, x):
+        try:
+            return bounded(x) + 1
+        except ValueError:
+            return x - 1
+
+
+def test_a_breaks_exception_at_replay_says_the_forward_cannot_catch_it_there():
+    r = graphcap.capture(CatchesOnSomeCalls(), "breakable", buckets=[4],
+                         example_inputs=(torch.ones(4, 2, device=DEVICE),))
+    with pytest.raises(ValueError, match="out of bounds") as caught:
+        r(torch.full((4, 2), 1000.0, device=DEVICE))  # eagerly caught: x - 1
+    assert any("eager break bounded at a replay" in note and "try/except" in note
+               for note in caught.value.__notes__)
+    torch.testing.assert_close(r(torch.ones(4, 2, device=DEVICE)),
+                               torch.full((4, 2), 3.0, device=DEVICE))
+
+
 def test_a_marked_function_is_a_plain_call_under_torch_compile():
     m = WritesThroughTheView()
     x = torch.randn(4, 2, device=DEVICE)
