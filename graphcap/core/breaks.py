@@ -11,6 +11,8 @@ import contextlib
 import contextvars
 from collections.abc import Callable
 
+from graphcap.errors import ModelChanged
+
 _HANDLER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
     "graphcap_break_handler", default=None)
 
@@ -42,3 +44,16 @@ def break_handler(handler: Callable | None):
         yield
     finally:
         _HANDLER.reset(token)
+
+
+def changed_by_a_break(snapshot, on_change: str) -> Exception:
+    """The refusal of a replay during which an eager break assigned a tensor to a slot of
+    the model (``snapshot``, a ``ModelSnapshot``, no longer current): the graphs after it
+    read the tensor of capture, so the call's result would be stale."""
+    changes = snapshot.changes()
+    return ModelChanged(
+        f"an eager break changed {type(snapshot.model).__name__} during this call "
+        f"({'; '.join(changes)}): the graphs after it read the tensors of capture, so its "
+        "result would be theirs. Write such state in place (copy_); " + (
+            "the next call captures again" if on_change == "recapture" else
+            "then call runner.recapture()"), changes)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from graphcap.core.breaks import changed_by_a_break
 from graphcap.core.buckets import pick_bucket
 from graphcap.core.graphs import new_pool
 from graphcap.core.inputs import Batch, Inputs
@@ -166,6 +167,8 @@ class Runner:
             if entry.breaks:  # Python runs between graphs: in the shape's forward context
                 with self.inputs.context(entry.state):
                     entry.replay()
+                if not (self.strategy.debug or self._snapshot.current()):
+                    raise changed_by_a_break(self._snapshot, self.config.on_change)
             else:
                 entry.replay()
         rows = self.inputs.out_rows(batch)

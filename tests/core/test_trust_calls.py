@@ -12,7 +12,7 @@ import torch
 
 import graphcap
 from graphcap.api import GRAPHED
-from graphcap.errors import BadBatch, ReplayError, UnsupportedModel
+from graphcap.errors import BadBatch, ModelChanged, ReplayError, UnsupportedModel
 from tests.support.check_models import SdpaDecoder  # its attention blind to request boundaries
 from tests.support.runner_helpers import DEVICE, batch, eager, model, runner, tolerance
 
@@ -128,6 +128,38 @@ def test_a_break_returning_another_structure_of_the_same_tensors_is_an_error_nam
     key["k"] = "up"  # the same tensor, under another key
     with pytest.raises(ReplayError, match=r"\['up'\].* at replay but .*\['gate'\].* at capture"):
         r(x)
+
+
+class GrowsItsTable(torch.nn.Module):
+    """A break that makes its buffer anew where a call needs more rows than it has."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.arange(4.0))
+        self.grow = graphcap.eager_on_graph(self._grow)
+
+    def _grow(self, h):
+        need = int(h.abs().sum().ceil())  # known on the host only
+        if need > self.table.shape[0]:
+            self.register_buffer("table", torch.arange(float(need), device=h.device))
+
+    def forward(self, x):
+        self.grow(x)
+        return x + self.table.sum()
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_call_whose_break_assigns_a_buffer_is_refused_not_answered_from_the_old_one(debug):
+    m = GrowsItsTable().to(DEVICE)
+    r = graphcap.capture(m, "breakable", buckets=[4], debug=debug,
+                         example_inputs=(torch.zeros(4, 4, device=DEVICE),))
+    x = torch.ones(4, 4, device=DEVICE)
+    if not debug:  # the graph after the break read the 4-row table
+        with pytest.raises(ModelChanged, match=r"an eager break changed GrowsItsTable during "
+                                               r"this call \(table: another tensor.*copy_"):
+            r(x)
+    close(r(x), x + 120)  # captured again (debug: eager, the table it made)
+    close(r(x), x + 120)
 
 
 def test_a_break_sees_real_values_at_capture_not_graph_garbage():
