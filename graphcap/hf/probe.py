@@ -21,6 +21,10 @@ from graphcap.opsdb.norm import RMS_NORM
 
 TOKENS = 16
 KV_TOKENS = 8  # of the forward that finds each layer's K/V shape
+# How far (relative) a request's logits may move when another is packed before it: only
+# rounding moves them in a model that numbers its tokens by position_ids (a model that
+# numbers the packed row itself, as BART's decoder does, moves them by ~1).
+PACKED = 5e-2
 BRANCH = 1e-2  # the residual stream's scale under a half's branch, in a probe
 
 
@@ -175,13 +179,42 @@ def kv_layers(model, dtype: torch.dtype, options: tuple[str, ...]
     try:
         with torch.inference_mode(), packed([KV_TOKENS], device, dtype=dtype,
                                             options=options):
-            model(input_ids=ids[None], position_ids=pos[None], **call_options(model))
-        seen = hf_attention.SEEN
+            alone = _logits(model, ids, pos)
+        seen, hf_attention.SEEN = hf_attention.SEEN, []  # the layers as written again
+        why = packing(model, ids, pos, alone, dtype, options)
     except UnsupportedModel as exc:
         raise UnsupportedModel(f"{type(model).__name__}: {exc}") from exc
     finally:
         hf_attention.SEEN = None
+    if why:
+        raise UnsupportedModel(why)
     layers = [(layer, k, variant[0]) for _, k, _, layer, variant in seen
               if isinstance(layer, int) and not isinstance(layer, bool)]
     return ({layer: tuple(k.shape[1:]) for layer, k, _ in layers},
             {layer: window for layer, _, window in layers})
+
+
+def _logits(model, ids, pos) -> torch.Tensor:
+    return model(input_ids=ids[None], position_ids=pos[None], **call_options(model)).logits[0]
+
+
+def packing(model, ids, pos, alone, dtype, options) -> str | None:
+    """Why ``model`` cannot run packed requests, or None: the logits of ``ids`` (at
+    ``pos``), ``alone``, must stay as they are with another request packed before them.
+    A model whose forward numbers the tokens of its row itself, not by ``position_ids``
+    (BART's, mBART's, Marian's, Pegasus', PLBart's, Blenderbot's decoders), gives a
+    request after another the positions that follow it."""
+    first = (ids * 7 + 3) % alone.shape[-1]
+    with torch.inference_mode(), packed([len(ids), len(ids)], ids.device, dtype=dtype,
+                                        options=options):
+        after = _logits(model, torch.cat([first, ids]), torch.cat([pos, pos]))[len(ids):]
+    err = error(after.float(), alone.float())
+    if err <= PACKED:
+        return None
+    return (f"{type(model).__name__}: a request's logits change when another request is "
+            f"packed before it (by {err:.2g}, relative): the model does not read its "
+            "positions from position_ids (its forward numbers the tokens of the packed "
+            "row itself, as BART's decoder does) or mixes tokens of different requests "
+            "outside attention, and graphcap.hf runs requests packed in one row and decode "
+            "steps at their own positions; run it with transformers' own attention (no "
+            "PrefillLM)")

@@ -134,6 +134,21 @@ def test_bloom_whose_attention_does_not_use_the_attention_interface_is_refused()
         PrefillLM(hf_model("bloom"))
 
 
+@pytest.mark.parametrize("kernels", ["graphcap", "stock"])
+def test_a_model_that_numbers_its_packed_row_itself_is_refused(kernels):
+    """BART's decoder (and mBART's, Marian's, Pegasus', PLBart's, Blenderbot's: their
+    causal LMs) reads no position_ids: its positions count along the row, so a request
+    packed after another would take the positions after it (its logits off by about
+    their own size) and every decode step position 0. Refused, and left as it came."""
+    model = hf_model("bart")
+    with pytest.raises(UnsupportedModel, match=r"^BartForCausalLM: a request's logits "
+                       r"change when another request is packed before it .*position_ids"):
+        PrefillLM(model, kernels=kernels)
+    assert model.config._attn_implementation == "eager"
+    torch.testing.assert_close(model(IDS[None]).logits[0, :5],
+                               stock_logits(model, IDS[:5], [5]))
+
+
 @pytest.mark.parametrize("family", ["mistral", "phi3", "mixtral"])
 @pytest.mark.parametrize("kernels", ["graphcap", "stock"])
 def test_windows_as_shipped_run_those_that_cannot_bind_at_no_cost(family, kernels):

@@ -79,6 +79,10 @@ OTHER_FAMILIES = {
     "falcon": lambda: transformers.FalconConfig(vocab_size=128, hidden_size=64,
                                                 num_hidden_layers=2, num_attention_heads=4,
                                                 **TOKENS),
+    # Its decoder numbers the tokens of its row itself (position_ids unread): refused.
+    "bart": lambda: transformers.BartConfig(vocab_size=128, d_model=64, decoder_layers=2,
+                                            decoder_attention_heads=4, decoder_ffn_dim=96,
+                                            max_position_embeddings=256, **TOKENS),
     "bloom": lambda: transformers.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2,
                                               n_head=4, **TOKENS),
 }
