@@ -86,6 +86,29 @@ def window_refusal(config, window: int | None = None) -> str:
             "own attention (no PrefillLM)")
 
 
+def position_scaled_queries(model) -> str | None:
+    """Why ``model``'s attention is refused for scaling queries by positions it counts
+    itself, or None: Llama 4's ``attn_temperature_tuning`` scales the queries of its NoPE
+    layers by the token's position taken from an arange along the row, not from
+    ``position_ids`` (a request packed after another would read the positions after it,
+    a decode step position 0)."""
+    layers = sorted({getattr(m, "layer_idx", None) for m in model.modules()
+                     if getattr(m, "attn_temperature_tuning", False)
+                     and not getattr(m, "use_rope", True)}, key=str)
+    if not layers:
+        return None
+    floor = getattr(model.config, "floor_scale", None)
+    return (f"{type(model).__name__}: attn_temperature_tuning scales the queries of its "
+            f"layers without rotary ({layers}) by each token's position, which they count "
+            "along the row rather than read from position_ids: requests packed together "
+            f"would change each other, and decode steps past {floor} tokens (floor_scale) "
+            "would take the scale of position 0. Load the model with it off, "
+            "AutoModelForCausalLM.from_pretrained(path, attn_temperature_tuning=False) (or "
+            "set config.attn_temperature_tuning = False before from_config): another model, "
+            f"the same on sequences under {floor} tokens; or run it with transformers' own "
+            "attention (no PrefillLM)")
+
+
 def builds_window_masks(module) -> bool:
     """Whether the code of ``module``'s model can apply a window through the mask it
     builds: a transformers model's modeling file imports

@@ -57,6 +57,8 @@ def _check_attention_features(model) -> None:
             f"{kind}: ALiBi (config.alibi=True) adds a bias per head and distance to the "
             "attention scores, through the mask graphcap does not build; graphcap::attention "
             "takes no bias: run it with transformers' own attention (no PrefillLM)")
+    if why := hf_attention.position_scaled_queries(model):
+        raise UnsupportedModel(why)
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if "chunked_attention" in kinds:
         raise UnsupportedModel(

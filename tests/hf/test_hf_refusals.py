@@ -134,6 +134,30 @@ def test_bloom_whose_attention_does_not_use_the_attention_interface_is_refused()
         PrefillLM(hf_model("bloom"))
 
 
+def test_queries_scaled_by_positions_counted_along_the_row_are_refused_and_turned_off_run(
+        tmp_path):
+    """Llama 4's attn_temperature_tuning scales its NoPE layers' queries by positions it
+    counts along the row, not position_ids: a request packed after another would take the
+    scale of the positions after it, and a decode step that of position 0. Refused; loaded
+    with it off as the refusal says, the model runs exactly (past floor_scale tokens)."""
+    model = hf_model("llama4")
+    with pytest.raises(UnsupportedModel, match=r"^Llama4ForCausalLM: attn_temperature_tuning "
+                       r"scales the queries of its layers without rotary \(\[1\]\)") as no:
+        PrefillLM(model)
+    assert model.config._attn_implementation == "eager"
+    model.save_pretrained(tmp_path)
+    off = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", **advised(str(no.value))).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", attn_temperature_tuning=False).eval()
+    lens = [9, 7]
+    ids = torch.randint(0, VOCAB, (16,), generator=torch.Generator().manual_seed(5))
+    pos = torch.cat([torch.arange(n) for n in lens])
+    with torch.no_grad():
+        torch.testing.assert_close(PrefillLM(off)(ids, pos, seq_lens=lens),
+                                   stock_logits(ref, ids, lens), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kernels", ["graphcap", "stock"])
 def test_a_model_that_numbers_its_packed_row_itself_is_refused(kernels):
     """BART's decoder (and mBART's, Marian's, Pegasus', PLBart's, Blenderbot's: their

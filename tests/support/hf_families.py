@@ -79,6 +79,12 @@ OTHER_FAMILIES = {
     "falcon": lambda: transformers.FalconConfig(vocab_size=128, hidden_size=64,
                                                 num_hidden_layers=2, num_attention_heads=4,
                                                 **TOKENS),
+    # Llama 4 with its chunks off: its NoPE layer's queries are scaled by positions past
+    # floor_scale tokens (4 here), counted along the row: refused.
+    "llama4": lambda: transformers.Llama4TextConfig(
+        **COMMON, head_dim=16, intermediate_size_mlp=96, num_local_experts=2,
+        num_experts_per_tok=1, no_rope_layers=[1, 0], layer_types=["full_attention"] * 2,
+        floor_scale=4, attn_scale=1.0, **TOKENS),
     # Its decoder numbers the tokens of its row itself (position_ids unread): refused.
     "bart": lambda: transformers.BartConfig(vocab_size=128, d_model=64, decoder_layers=2,
                                             decoder_attention_heads=4, decoder_ffn_dim=96,
