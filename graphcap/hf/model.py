@@ -213,6 +213,8 @@ class PrefillLM(nn.Module):
         _check_attention_features(hf_model)
         dtype = _check_dtype(hf_model)
         experts = _experts_for(hf_model, experts)  # checked before anything is switched
+        # A causal LM whose forward takes no logits_to_keep (Whisper's) gives every row.
+        self._keeps_rows = "logits_to_keep" in inspect.signature(hf_model.forward).parameters
         self.hf_model = hf_model
         self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
         # What its attention layers compute beyond causal attention (a backend must too).
@@ -385,7 +387,8 @@ class PrefillLM(nn.Module):
                 raise BadBatch("a PrefillLM built with logits='last' needs last_rows (or "
                                "seq_lens=[...] in an eager call)")
             keep = {"logits_to_keep": last_rows}
-        out = self.hf_model(input_ids=input_ids[None], position_ids=positions[None],
-                            **probe.call_options(self.hf_model), **keep)
-        return out.logits[0]
+        logits = self.hf_model(input_ids=input_ids[None], position_ids=positions[None],
+                               **probe.call_options(self.hf_model),
+                               **(keep if self._keeps_rows else {})).logits[0]
+        return logits if self._keeps_rows or not keep else logits[last_rows]
 

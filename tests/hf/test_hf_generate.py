@@ -157,3 +157,35 @@ def test_generate_leaves_a_model_another_wrapper_holds_as_that_wrapper_set_it():
     assert model.config._attn_implementation == "graphcap"
     assert lm.kernels.summary()  # still wrapped: the wrapper is usable
     graphcap.generate(lm, PROMPTS[:1], NEW, strategy="eager")
+
+
+def test_a_causal_lm_whose_forward_takes_no_logits_to_keep_gives_one_row_per_request():
+    """WhisperForCausalLM's forward takes no logits_to_keep (every token's row comes
+    back): logits='last' still gives each request's last row, eagerly and from a runner
+    (whose padded batch of 2 + 2 tokens has as many rows as request slots), and greedy
+    generation is its own forward's argmax, token for token (transformers' generate() of
+    the decoder alone fails on its cache)."""
+    ref = hf_model("whisper", init_std=0.3).to(DEVICE)
+    lm = PrefillLM(copy.deepcopy(ref), logits="last")
+    runner = graphcap.capture(lm, "full", max_tokens=16, max_requests=4)
+    for prompts in (PROMPTS[:2], [PROMPTS[0][:2], PROMPTS[1]]):
+        ids = torch.tensor(prompts[0] + prompts[1], device=DEVICE)
+        lens = [len(p) for p in prompts]
+        pos = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)
+        with torch.no_grad():
+            want = torch.stack([ref(torch.tensor([p], device=DEVICE),
+                                    use_cache=False).logits[0, -1] for p in prompts])
+            torch.testing.assert_close(lm(ids, pos, seq_lens=lens), want, atol=1e-5,
+                                       rtol=1e-5)
+            torch.testing.assert_close(runner(ids, pos, seq_lens=lens), want, atol=1e-5,
+                                       rtol=1e-5)
+    greedy = []
+    for prompt in PROMPTS:
+        tokens = list(prompt)
+        for _ in range(NEW):
+            with torch.no_grad():
+                logits = ref(torch.tensor([tokens], device=DEVICE), use_cache=False).logits
+            tokens.append(int(logits[0, -1].argmax()))
+        greedy.append(tokens[len(prompt):])
+    got = graphcap.generate(lm, PROMPTS, NEW, strategy="full", max_batch=2, prefill_tokens=16)
+    assert got.tokens == greedy

@@ -89,6 +89,12 @@ OTHER_FAMILIES = {
     "bart": lambda: transformers.BartConfig(vocab_size=128, d_model=64, decoder_layers=2,
                                             decoder_attention_heads=4, decoder_ffn_dim=96,
                                             max_position_embeddings=256, **TOKENS),
+    # WhisperForCausalLM (the decoder alone): its forward takes no logits_to_keep.
+    "whisper": lambda: transformers.WhisperConfig(
+        vocab_size=128, d_model=64, decoder_layers=2, decoder_attention_heads=4,
+        decoder_ffn_dim=96, encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=96,
+        max_target_positions=256, decoder_start_token_id=1, suppress_tokens=None,
+        begin_suppress_tokens=None, **TOKENS),
     "bloom": lambda: transformers.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2,
                                               n_head=4, **TOKENS),
 }
