@@ -235,7 +235,7 @@ class PrefillLM(nn.Module):
             # What the experts run once switched (or their own), None for a dense model.
             self.experts = experts and getattr(hf_model.config, "_experts_implementation",
                                                None)
-            self.kv_shapes, self.kv_windows = probe.kv_layers(
+            self.kv_shapes, self.kv_windows, self.kv_repeats = probe.kv_layers(
                 hf_model, dtype, self.graphcap_attention_options)
             self._substitute(kernels, dtype)
         except BaseException:  # the model goes back as it came to its first wrapper
@@ -330,6 +330,8 @@ class PrefillLM(nn.Module):
         its attention layers receive (``kv_shapes``, found when it was wrapped: MLA's keys
         have all query heads and a head dim no config field names alone), one shape for
         every layer, or ``UnsupportedModel``."""
+        if why := probe.repeated_calls(self.hf_model, self.kv_repeats):
+            raise UnsupportedModel(why)
         found = sorted(set(self.kv_shapes.values()))
         if len(found) != 1:
             raise UnsupportedModel(

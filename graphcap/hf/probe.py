@@ -9,6 +9,8 @@ over the model's range), it gives what the stock module gives: within 1e-5 relat
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn.functional as F
 
@@ -166,12 +168,14 @@ def moe(layer, kernels, h: torch.Tensor) -> str | None:
 
 
 def kv_layers(model, dtype: torch.dtype, options: tuple[str, ...]
-              ) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
-    """Each attention layer's keys and values, ``layer_idx -> (heads, head dim)``, and its
-    window (0: none that binds), as the attention function receives them on a short
-    forward (what a K/V cache of the model holds, whatever its config's fields say), on a
-    backend computing ``options`` (the model's, as its calls pick one). What the attention
-    function refuses on any layer is refused here, naming the model."""
+              ) -> tuple[dict[int, tuple[int, int]], dict[int, int], dict[int, int]]:
+    """Each attention layer's keys and values, ``layer_idx -> (heads, head dim)``, its
+    window (0: none that binds), and the layers that call the attention function more
+    than once a forward with how often (DiffLlama's: once per half of its values), as the
+    attention function receives them on a short forward (what a K/V cache of the model
+    holds, whatever its config's fields say), on a backend computing ``options`` (the
+    model's, as its calls pick one). What the attention function refuses on any layer is
+    refused here, naming the model."""
     device = next(model.parameters()).device
     pos = spread(span(model.config), KV_TOKENS, device)
     ids = pos % model.get_output_embeddings().weight.shape[0]
@@ -190,8 +194,26 @@ def kv_layers(model, dtype: torch.dtype, options: tuple[str, ...]
         raise UnsupportedModel(why)
     layers = [(layer, k, variant[0]) for _, k, _, layer, variant in seen
               if isinstance(layer, int) and not isinstance(layer, bool)]
+    calls = Counter(layer for layer, _, _ in layers)
     return ({layer: tuple(k.shape[1:]) for layer, k, _ in layers},
-            {layer: window for layer, _, window in layers})
+            {layer: window for layer, _, window in layers},
+            {layer: n for layer, n in sorted(calls.items()) if n > 1})
+
+
+def repeated_calls(model, repeats: dict[int, int]) -> str | None:
+    """Why graphcap's paged K/V cache cannot serve ``model``, whose layers ``repeats``
+    call the attention function more than once a forward, or None: each call writes the
+    layer's keys and values, the last over the others."""
+    if not repeats:
+        return None
+    layer, calls = next(iter(repeats.items()))
+    return (f"{type(model).__name__}: its attention layer {layer} calls the attention "
+            f"function {calls} times a forward (DiffLlama's differential attention: once "
+            "per half of its values), each with keys and values of its own, and graphcap's "
+            "paged K/V cache holds one set per layer, so decode steps would read the last "
+            "call's; prefill logits (PrefillLM) are exact, but generate with transformers "
+            "(its own attention: hf_model.set_attn_implementation('sdpa'), then "
+            "hf_model.generate())")
 
 
 def _logits(model, ids, pos) -> torch.Tensor:

@@ -134,6 +134,24 @@ def test_bloom_whose_attention_does_not_use_the_attention_interface_is_refused()
         PrefillLM(hf_model("bloom"))
 
 
+def test_a_layer_calling_attention_twice_prefills_exactly_and_its_generation_is_refused():
+    """DiffLlama's differential attention calls the attention function once per half of
+    its values, both under the layer's index: its prefill logits are exact, and
+    generation is refused (graphcap's paged cache holds one set of keys and values per
+    layer: decode steps would read the second call's values for both)."""
+    ref = hf_model("diffllama")
+    lm = PrefillLM(hf_model("diffllama"))
+    assert lm.kv_repeats == {0: 2, 1: 2}
+    with torch.no_grad():
+        torch.testing.assert_close(lm(IDS, POS, seq_lens=LENS), stock_logits(ref),
+                                   atol=1e-5, rtol=1e-5)
+    model = hf_model("diffllama")
+    with pytest.raises(UnsupportedModel, match=r"^DiffLlamaForCausalLM: its attention "
+                       r"layer 0 calls the attention function 2 times a forward"):
+        graphcap.generate(model, PROMPTS, 4, strategy="eager")
+    assert model.config._attn_implementation == "eager"  # given back as it came
+
+
 def test_queries_scaled_by_positions_counted_along_the_row_are_refused_and_turned_off_run(
         tmp_path):
     """Llama 4's attn_temperature_tuning scales its NoPE layers' queries by positions it

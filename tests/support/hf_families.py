@@ -89,6 +89,8 @@ OTHER_FAMILIES = {
     "bart": lambda: transformers.BartConfig(vocab_size=128, d_model=64, decoder_layers=2,
                                             decoder_attention_heads=4, decoder_ffn_dim=96,
                                             max_position_embeddings=256, **TOKENS),
+    # Differential attention: two calls of the attention function per layer.
+    "diffllama": lambda: transformers.DiffLlamaConfig(**COMMON, **TOKENS),
     # WhisperForCausalLM (the decoder alone): its forward takes no logits_to_keep.
     "whisper": lambda: transformers.WhisperConfig(
         vocab_size=128, d_model=64, decoder_layers=2, decoder_attention_heads=4,
