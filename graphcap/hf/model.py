@@ -322,7 +322,9 @@ class PrefillLM(nn.Module):
 
     @property
     def max_position(self) -> int | None:
-        return getattr(self.hf_model.config, "max_position_embeddings", None)
+        config = self.hf_model.config  # a decoder alone (Whisper's) names its own
+        return getattr(config, "max_position_embeddings", None) or \
+            getattr(config, "max_target_positions", None)
 
     @property
     def graphcap_kv(self) -> tuple[int, int, int]:

@@ -189,3 +189,13 @@ def test_a_causal_lm_whose_forward_takes_no_logits_to_keep_gives_one_row_per_req
         greedy.append(tokens[len(prompt):])
     got = graphcap.generate(lm, PROMPTS, NEW, strategy="full", max_batch=2, prefill_tokens=16)
     assert got.tokens == greedy
+
+
+def test_a_decoder_whose_config_names_its_positions_max_target_positions_is_held_to_them():
+    # Whisper's config has no max_position_embeddings: its decoder's learned positions
+    # are max_target_positions, past which its embedding has no row.
+    lm = PrefillLM(hf_model("whisper", max_target_positions=16).to(DEVICE), logits="last")
+    assert lm.max_position == 16
+    with pytest.raises(ValueError, match="pass the model's max_position 16"):
+        graphcap.generate(lm, [PROMPTS[0]], 12, strategy="eager")
+    assert graphcap.LLM(lm, max_batch=1, progress=False).max_len == 16
