@@ -307,9 +307,9 @@ def first_key_of(module):
 
 
 class CountsInANestedCache(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = [(torch.zeros(4), torch.zeros(4))]  # plain attributes, nested
+    def __init__(self, device):
+        super().__init__()  # plain attributes, nested (which .to() would not move)
+        self.layers = [(torch.zeros(4, device=device), torch.zeros(4, device=device))]
 
     def forward(self, x):
         first_key_of(self).add_(1)  # eagerly: the module's tensor, a count of calls
@@ -317,7 +317,7 @@ class CountsInANestedCache(torch.nn.Module):
 
 
 def test_writes_reach_a_modules_tensor_a_break_returned_from_nested_lists_and_tuples():
-    m = CountsInANestedCache().to(DEVICE)
+    m = CountsInANestedCache(DEVICE)
     r = graphcap.capture(m, "breakable", buckets=[4],
                          example_inputs=(torch.zeros(4, 4, device=DEVICE),))
     m.layers[0][0].zero_()
