@@ -31,6 +31,11 @@ def run_maybe_as_break(fn: Callable, args: tuple, kwargs: dict,
     return handler(fn, args, kwargs, static_state)
 
 
+def breakable_capture() -> bool:
+    """Whether a breakable capture's handler is installed here (calls become breaks)."""
+    return _HANDLER.get() is not None
+
+
 def clear_handler() -> None:
     """Remove the handler from the current context (for contexts copied to replay later)."""
     _HANDLER.set(None)

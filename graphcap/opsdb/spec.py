@@ -39,8 +39,8 @@ from graphcap.compat.library import (
     refuses_arguments,
     split_qualname,
 )
-from graphcap.core.breaks import run_maybe_as_break
-from graphcap.errors import GraphcapError, KernelUnavailable, OpInputError
+from graphcap.core.breaks import breakable_capture, run_maybe_as_break
+from graphcap.errors import CaptureError, GraphcapError, KernelUnavailable, OpInputError
 
 HALF = (torch.float16, torch.bfloat16)  # what most vendor kernels (FlashInfer) accept
 
@@ -199,17 +199,38 @@ class OpSpec:
     def __call__(self, *args, kernel: str | None = None):
         """Call the op (models built from opsdb call this). A split op becomes a break
         under breakable capture (replayed as its own graph when ``static_state()`` says its
-        state is static, else eagerly). ``kernel=`` calls one kernel directly (eager)."""
+        state is static, else eagerly), and so does an op registered ``capturable=False``
+        (always eagerly), which any other capture refuses. ``kernel=`` calls one kernel
+        directly (eager)."""
         if kernel is None:
-            if self.split and not torch.compiler.is_compiling():
-                static_state = self.static_state if self.capturable else None
-                return run_maybe_as_break(self.op, args, {}, static_state)
+            if torch.compiler.is_compiling():  # tc_piecewise: split by its tags
+                return self.op(*args)
+            if not self.capturable:
+                return self._uncaptured(args)
+            if self.split:
+                return run_maybe_as_break(self.op, args, {}, self.static_state)
             return self.op(*args)
         if len(args) != len(self.arguments):  # the rest at their schema defaults
             args = complete(self.arguments, args, {})
         if self.check is not None:
             self.check(*args)
         return self.kernel_for(device_of(args), kernel, dtype_of(args), args)(*args)
+
+
+    def _uncaptured(self, args):
+        """An op no graph may hold: an eager break under breakable capture (and at its
+        replays), a ``CaptureError`` inside any other capture, else a plain call."""
+        from graphcap.core.graphs import capturing
+
+        if breakable_capture():
+            return run_maybe_as_break(self.op, args, {}, None)
+        if capturing():
+            raise CaptureError(
+                f"{self.qualname} is registered capturable=False and was called inside a "
+                "graph capture, which would replay the result of capture: capture the "
+                "model with strategy='breakable' (the op runs eagerly between graph "
+                "segments) or 'tc_piecewise' (eagerly between pieces)", op=self.qualname)
+        return self.op(*args)
 
 
 def device_of(args) -> torch.device:
