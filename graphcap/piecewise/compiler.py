@@ -40,6 +40,7 @@ from graphcap.piecewise.split import (
     held_args,
     host_names,
     host_scalars,
+    qualname,
     split_graph,
     split_op_names,
     static_state_of,
@@ -106,6 +107,7 @@ class PiecewiseCompiler:
             raise GraphcapError(f"sgl_piecewise: compiler={self.compiler!r}; use one of "
                                 f"{COMPILERS}")
         self.split_names = split_op_names(_split_ops(opts.get("split_ops", ())))
+        self.unmet = set(opts.get("split_ops", ()))  # split_ops no graph has called yet
         self.copy_outputs = opts.get("copy_outputs", True)
         if not isinstance(self.copy_outputs, bool):
             raise GraphcapError(f"sgl_piecewise: copy_outputs={self.copy_outputs!r}; give "
@@ -151,6 +153,21 @@ class PiecewiseCompiler:
             "tokens] ids is read by its batch, and runs on graphs under "
             "graphcap.accelerate(model) or graphcap.LLM(model)")
 
+    def _meet(self, gm: torch.fx.GraphModule) -> None:
+        """Tell, once, of ``split_ops`` names the first graph traced never calls (a
+        module traced as another op than the one named: ``nn.Linear`` as
+        ``torch._C._nn.linear``, not ``aten::addmm``); a later graph calling one is
+        split at it as named."""
+        called = {qualname(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+        unmet, self.unmet = self.unmet - called, set()
+        if unmet:
+            log.warning("sgl_piecewise: split_ops names %s, which the traced forward never "
+                        "calls (Dynamo traces torch functions, nn.Linear as "
+                        "torch._C._nn.linear, and registered ops as named), so nothing is "
+                        "split there; the registered ops it calls: %s", ", ".join(
+                            map(repr, sorted(unmet))), ", ".join(sorted(
+                                c for c in called if c)) or "none")
+
     def pool_for(self, args) -> GraphPool:
         if self.pool is None:
             self.pool = new_pool(device_of(args))
@@ -176,6 +193,7 @@ class PiecewiseCompiler:
         token = token_arg(gm)
         aliased = aliased_outputs(gm.graph)
         split, pieces = split_graph(gm, self.split_names)
+        self._meet(gm)
         static = True  # every split op can be captured inside a graph
         held, names = held_args(split), host_names(split)
         for piece in pieces:

@@ -23,7 +23,7 @@ def split_op_names(extra=()) -> set[str]:
     return {q for q, spec in REGISTRY.items() if spec.split} | set(extra)
 
 
-def _qualname(target) -> str | None:
+def qualname(target) -> str | None:
     # A custom op in a fullgraph trace shows up as an OpOverloadPacket ("ns.op") or an
     # OpOverload ("ns.op.overload"); both name the same op.
     if isinstance(target, torch._ops.OpOverload):
@@ -37,7 +37,7 @@ def is_split_node(node: torch.fx.Node, names: set[str]) -> bool:
     """A split op of ``names``, or an op a graph cannot hold (tagged
     ``torch.Tag.cudagraph_unsafe``, as opsdb tags an op registered ``capturable=False``):
     it runs eagerly between pieces, as Inductor's CUDA graphs leave it out."""
-    return node.op == "call_function" and (_qualname(node.target) in names
+    return node.op == "call_function" and (qualname(node.target) in names
                                            or _unsafe(node.target))
 
 
@@ -56,7 +56,7 @@ def static_state_of(module: torch.fx.GraphModule, names: set[str]):
     ``static_state``, e.g. a user's split op)."""
     from graphcap.opsdb import REGISTRY
 
-    specs = [REGISTRY.get(_qualname(n.target)) for n in module.graph.nodes
+    specs = [REGISTRY.get(qualname(n.target)) for n in module.graph.nodes
              if is_split_node(n, names)]
     if len(specs) != 1 or specs[0] is None or not specs[0].capturable:
         return None

@@ -239,6 +239,22 @@ def test_a_forward_of_no_tensor_argument_runs_eagerly_saying_it_has_no_size(capl
     assert "size None" not in told[0]
 
 
+def test_split_ops_the_traced_forward_never_calls_are_told_once(caplog):
+    # nn.Linear is traced as torch._C._nn.linear: aten::addmm is never called, and
+    # nothing would be split there without a word.
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    compiler = PiecewiseCompiler({"capture_sizes": [4], "split_ops": ["aten::addmm"]})
+    compiled = torch.compile(m, backend=compiler, fullgraph=True)
+    x = torch.randn(4, 4)
+    with torch.inference_mode(), caplog.at_level("WARNING", "graphcap"):
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), m(x))
+    told = [r.getMessage() for r in caplog.records if "split_ops" in r.getMessage()]
+    assert len(told) == 1 and "'aten::addmm', which the traced forward never calls" in \
+        told[0] and "registered ops it calls: none" in told[0], told
+    assert compiler.stats["split_pieces"] == 0
+
 class RopeTable(torch.nn.Module):
     """A plain tensor attribute (gpt-fast's ``freqs_cis``), read before the tokens."""
 
