@@ -322,3 +322,21 @@ def test_flash_attn_fa2_serves_a_one_token_bucket_beside_empty_requests(flash_at
         out = torch.empty_like(q)
         torch.ops.graphcap.attention(q, k, v, out, 0.25, 0, 0.0, None)
     torch.testing.assert_close(out, attention_varlen(q, k, v, meta.cu_seqlens_host, 0.25, True))
+
+
+@pytest.mark.parametrize("case", ["head dim", "strided q", "strided out"])
+def test_the_triton_backend_refuses_what_its_kernel_cannot_take_as_the_op_refuses(case):
+    # The launcher's bare ValueError ("head dim 300 must be in 1..256") named no op.
+    if BACKENDS["triton"]().unavailable(DEVICE) is not None:
+        pytest.skip("the Triton kernel: on a GPU or under Triton's interpreter")
+    meta = get_backend("triton", DEVICE).metadata(4, 1, DEVICE).update([4])
+    d = 300 if case == "head dim" else 16
+    q, k, v = qkv(4, 4, 2, 1, d, torch.float32, DEVICE, poison=False)
+    out = torch.zeros_like(q)
+    if case == "strided q":
+        q = torch.randn(4, 2, 2 * d, device=DEVICE)[..., ::2]
+    if case == "strided out":
+        out = torch.zeros(4, 2, 2 * d, device=DEVICE)[..., ::2]
+    with forward_context(attention=meta), pytest.raises(
+            OpInputError, match="attention: backend 'triton' takes"):
+        torch.ops.graphcap.attention(q, k, v, out, 0.25)
