@@ -104,7 +104,7 @@ def check_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, scal
                 f"{OP}: the rotary takes positions and cos_sin_cache together, with a "
                 "decode step's k, v and cache_loc (the rows' own tokens); give all five, or "
                 "rotate q and k first (graphcap::qkv_norm_rope)")
-        check_rope(OP, q, positions, q_weight, k_weight, cos_sin_cache)
+        check_rope(OP, q, positions, q_weight, k_weight, cos_sin_cache, eps=eps)
     check_variant(OP, q, window, softcap, sinks)
     device = q.device
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):

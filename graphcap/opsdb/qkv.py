@@ -52,14 +52,15 @@ def check_qkv(qkv, positions, q_weight, k_weight, cos_sin_cache, num_heads, num_
     width = (num_heads + 2 * num_kv_heads) * head_size
     checks.same(OP, "the width", qkv.shape[1], width, "qkv",
                 f"(heads + 2 kv heads) * head_size = {width}")
-    check_rope(OP, qkv, positions, q_weight, k_weight, cos_sin_cache, head_size)
+    check_rope(OP, qkv, positions, q_weight, k_weight, cos_sin_cache, head_size, eps)
 
 
 def check_rope(op: str, q, positions, q_weight, k_weight, cos_sin_cache,
-               head_size: int | None = None) -> None:
+               head_size: int | None = None, eps: float = 1e-6) -> None:
     """The rotary's inputs of ``op`` (its qk-norm weights too) for the rows of ``q``:
     ``positions`` a row each, the weights both or neither, ``[head_size]`` (``q``'s last
-    dim by default), a cos/sin cache of an even width up to ``head_size``."""
+    dim by default), with an ``eps > 0`` (as ``rms_norm`` takes it), a cos/sin cache of an
+    even width up to ``head_size``."""
     head_size = q.shape[-1] if head_size is None else head_size
     device = q.device
     checks.tensor(op, "positions", positions, ndim=1, dtypes=(torch.int32, torch.int64),
@@ -76,6 +77,8 @@ def check_rope(op: str, q, positions, q_weight, k_weight, cos_sin_cache,
             checks.same(op, "the size", w.shape[0], head_size, name, "head_size")
     if q_weight is not None:
         checks.same(op, "the dtype", k_weight.dtype, q_weight.dtype, "k_weight", "q_weight")
+        if not eps > 0:  # a head of zeros would come out NaN (0 * rsqrt(0))
+            raise checks.OpInputError(f"{op}: eps must be > 0 with qk-norm weights, got {eps}")
     checks.rows_for(op, cos_sin_cache, positions,
                     "cos_sin_cache has no rows: no position to rotate by")
     rot = cos_sin_cache.shape[1]

@@ -116,6 +116,18 @@ BAD_CALLS = {
     "only one qk-norm weight": (lambda: torch.ops.graphcap.qkv_norm_rope(
         torch.ones(2, 64), torch.zeros(2, dtype=torch.long), torch.ones(16), None,
         torch.ones(8, 16), 2, 1, 16, 1e-6), "both q_weight and k_weight"),
+    # rms_norm refused eps 0; its per-head form normalised a head of zeros to NaN.
+    "qk-norm of eps 0": (lambda: torch.ops.graphcap.qkv_norm_rope(
+        torch.zeros(2, 64), torch.zeros(2, dtype=torch.long), torch.ones(16), torch.ones(16),
+        torch.ones(8, 16), 2, 1, 16, 0.0), "eps must be > 0"),
+    "decode attention's qk-norm of a negative eps": (
+        lambda: torch.ops.graphcap.decode_attention(
+            torch.ones(1, 2, 16), torch.ones(2, 4, 1, 16), torch.ones(2, 4, 1, 16),
+            torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+            torch.empty(1, 2, 16), 0.25, 0, 0.0, None, torch.ones(1, 1, 16),
+            torch.ones(1, 1, 16), torch.zeros(1, dtype=torch.long),
+            torch.zeros(1, dtype=torch.long), torch.ones(16), torch.ones(16),
+            torch.ones(8, 16), -1.0), "eps must be > 0"),
     "decode attention's K/V write without its places": (
         lambda: torch.ops.graphcap.decode_attention(
             torch.ones(1, 2, 16), torch.ones(2, 4, 1, 16), torch.ones(2, 4, 1, 16),
