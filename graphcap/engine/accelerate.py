@@ -180,6 +180,11 @@ def _new_tokens(model, config, default_length: bool, length: int, prompts, max_l
         new = config.max_length - length
         asked = (f"max_length={config.max_length} (the call's, or a generation config's) "
                  f"after {length} input tokens")
+    # transformers' 20 new tokens, cut at the model's positions
+    if new < 1 and config.max_new_tokens is None and default_length:
+        raise ValueError(f"nothing to generate: {length} input tokens fill the model's "
+                         f"max_position_embeddings {top}, within which transformers' "
+                         "default of 20 new tokens (no max_length or max_new_tokens) stays")
     if new < 1:
         raise ValueError(f"nothing to generate: max_length {config.max_length} leaves no new "
                          f"token after {length} input tokens; give max_new_tokens")

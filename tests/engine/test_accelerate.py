@@ -470,3 +470,15 @@ def test_return_dict_in_generate_gives_transformers_output_of_the_sequences(llam
     for name in ("output_scores", "output_logits"):  # asked for: not served
         with pytest.raises(ValueError, match=f"does not serve {name}"):
             fast.generate(ids, **args, return_dict_in_generate=True, **{name: True})
+
+
+def test_a_prompt_filling_the_positions_without_a_length_is_refused_naming_them():
+    # transformers' default 20 new tokens stop at max_position_embeddings (256 here): the
+    # refusal named a max_length of 20 nobody gave and asked for max_new_tokens
+    ref = hf_model("llama").to(DEVICE)
+    fast = graphcap.accelerate(copy.deepcopy(ref), max_batch=1, max_len=256,
+                               prefill_tokens=64)
+    ids = torch.arange(256, device=DEVICE)[None] % 100 + 3
+    with pytest.raises(ValueError, match="256 input tokens fill the model's "
+                                         "max_position_embeddings 256"):
+        fast.generate(ids, do_sample=False, pad_token_id=0)
