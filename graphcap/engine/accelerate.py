@@ -143,6 +143,7 @@ def _generate(self, inputs=None, generation_config=None, *, input_ids=None,
         top_k, top_p = config.top_k or 0, 1.0 if config.top_p is None else config.top_p
         if top_p == 0:  # transformers keeps the most likely token alone
             top_k, top_p = 1, 1.0
+        top_p = min(top_p, 1.0)  # past 1 transformers applies no top-p
         sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     # an eos id outside the vocabulary is never drawn: transformers ends no row on it
     stop = sorted(t for t in eos if 0 <= t < llm.shape.vocab_size)

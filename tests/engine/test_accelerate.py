@@ -77,6 +77,10 @@ def test_sampling_draws_with_the_given_parameters_and_torchs_seed():
     assert torch.equal(fast.generate(ids, max_new_tokens=8, do_sample=True,
                                      temperature=5.0, top_k=0), hot)
     assert not torch.equal(hot, greedy)
+    # top_p of 1 or more: transformers applies no top-p (its warper refuses past 1)
+    torch.manual_seed(3)
+    assert torch.equal(fast.generate(ids, max_new_tokens=8, do_sample=True,
+                                     temperature=5.0, top_k=0, top_p=1.5), hot)
 
 
 def test_options_spelled_out_at_values_that_change_nothing_are_served():
