@@ -132,14 +132,18 @@ def _check_bench_args(args: argparse.Namespace) -> None:
         return
     ladders = args.suite in ("build", "memory")  # one model, perhaps a stock transformers one
     kinds = ("", "hf", "hf-stock") if ladders else ("",)
-    models = args.models.split(",") if args.models else []
+    models = args.models.split(",") if args.models is not None else []
     for option, items in (("models", models), ("arms", (args.arms or "").split(","))):
+        if getattr(args, option) is not None and "" in items:  # '', 'a,', 'a,,b': not every
+            raise GraphcapError(f"--{option} {getattr(args, option)!r} names nothing between "
+                                f"its commas: give names, or leave --{option} out for the "
+                                "suite's default")
         if (twice := _repeated(items)) is not None:
             raise GraphcapError(f"--{option}: {twice!r} is given twice (its runs would "
                                 "overwrite each other's under one name); give each once")
     for name in models:
-        kind, _, preset = name.rpartition(":")
-        if kind not in kinds or preset not in PRESETS:
+        kind, colon, preset = name.rpartition(":")
+        if kind not in kinds or (colon and not kind) or preset not in PRESETS:
             forms = ", or hf:PRESET or hf-stock:PRESET" if ladders else ""
             raise GraphcapError(f"--models: no preset {name!r} for bench {args.suite}; choose "
                                 f"from {', '.join(sorted(PRESETS))}{forms}")

@@ -37,7 +37,12 @@ from tests.support.cli import refused
     (["prefill", "--models", "tiny,qwen3-0.6b,tiny"], "--models: 'tiny' is given twice"),
     (["decode", "--batches", "1,8,1"], "--batches: 1 is given twice"),
     (["prefill", "--lengths", "16,16"], "--lengths: 16 is given twice"),
-    (["decode", "--context", "256,0256"], "--context: 256 is given twice")])
+    (["decode", "--context", "256,0256"], "--context: 256 is given twice"),
+    (["prefill", "--models", ":qwen3-0.6b"], "no preset ':qwen3-0.6b'"),
+    (["memory", "--models", ":qwen3-0.6b"], "no preset ':qwen3-0.6b'"),
+    (["prefill", "--arms", ""], "--arms '' names nothing between its commas"),
+    (["decode", "--arms", ","], "--arms ',' names nothing between its commas"),
+    (["decode", "--models", "tiny,"], "--models 'tiny,' names nothing between its commas")])
 def test_bench_refuses_a_preset_or_arm_its_suite_lacks_before_it_needs_a_gpu(
         capsys, argv, needle):
     err = refused(capsys, "bench", *argv)
