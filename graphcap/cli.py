@@ -184,6 +184,9 @@ def _no_cuda() -> str | None:
 def _check(args: argparse.Namespace) -> int:
     from graphcap.check import run_check
 
+    if args.strategies and (twice := _repeated(args.strategies)) is not None:
+        raise GraphcapError(f"--strategies: {twice} is given twice (it would be checked "
+                            "twice, a row each); give each once")
     return run_check(args.factory, args.strategies, args.examples, args.sequences,
                      args.max_tokens, args.max_requests, args.attention)
 

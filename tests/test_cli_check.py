@@ -308,3 +308,9 @@ def test_a_factory_after_check_strategies_is_named_as_the_factory(capsys):
                       "tests.support.check_models:good")
     assert "'tests.support.check_models:good' is the factory, not a strategy: give it " \
         "before --strategies" in message
+
+
+def test_check_refuses_a_strategy_given_twice_before_it_builds_the_model(capsys):
+    message = refused(capsys, "check", "tests.support.check_models:good", "--strategies",
+                      "full", "breakable", "full")
+    assert message.startswith("graphcap check: --strategies: full is given twice"), message
