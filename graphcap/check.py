@@ -110,8 +110,7 @@ def checkable(model) -> tuple:
     from graphcap.api import inputs_of
 
     if not isinstance(model, torch.nn.Module):
-        raise GraphcapError(f"the factory returned a {type(model).__name__}, not a "
-                            "torch.nn.Module")
+        raise GraphcapError(f"the factory returned {_what_to_return(model)}")
     meta = next((n for n, t in [*model.named_parameters(), *model.named_buffers()]
                  if t.is_meta), None)
     if meta is not None:  # no values to run: every strategy would FAIL on the device
@@ -134,6 +133,21 @@ def checkable(model) -> tuple:
             "wraps. A module of tensors along dim 0 is checked with graphcap.capture(model, "
             "strategy, example_inputs=...) against its eager calls")
     return model, ""
+
+
+def _what_to_return(value) -> str:
+    """What a factory returned that is no model, and what it should return instead."""
+    if value is None:
+        return "None, not a torch.nn.Module: end it with return model"
+    kind = type(value).__name__
+    items = list(value.values()) if isinstance(value, dict) else value \
+        if isinstance(value, (tuple, list)) else []
+    inside = [type(v).__name__ for v in items if isinstance(v, torch.nn.Module)]
+    if inside:  # (model, tokenizer), say: the model alone
+        return (f"a {kind} holding a {inside[0]}, not a torch.nn.Module: return the "
+                f"{inside[0]} alone")
+    article = "an" if kind[0].lower() in "aeiou" else "a"
+    return f"{article} {kind}, not a torch.nn.Module: return the model"
 
 
 def _is_causal_lm(model) -> bool:

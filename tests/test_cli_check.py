@@ -314,3 +314,25 @@ def test_check_refuses_a_strategy_given_twice_before_it_builds_the_model(capsys)
     message = refused(capsys, "check", "tests.support.check_models:good", "--strategies",
                       "full", "breakable", "full")
     assert message.startswith("graphcap check: --strategies: full is given twice"), message
+
+
+@pytest.mark.parametrize("returns, told", [
+    ("Tagger(), 'tokenizer'", "a tuple holding a Tagger, not a torch.nn.Module: return the "
+                              "Tagger alone"),
+    ("{'model': Tagger()}", "a dict holding a Tagger, not a torch.nn.Module: return the "
+                            "Tagger alone"),
+    ("None", "None, not a torch.nn.Module: end it with return model"),
+    ("3", "an int, not a torch.nn.Module: return the model")])
+def test_a_factory_that_returns_no_model_is_told_what_to_return(capsys, user_module, returns,
+                                                                 told):
+    name = user_module("returns_no_model", f"""
+        import torch
+
+        class Tagger(torch.nn.Module):
+            pass
+
+        def build():
+            return {returns}
+        """)
+    message = refused(capsys, "check", f"{name}:build")
+    assert message.strip() == f"graphcap check: the factory returned {told}", message
