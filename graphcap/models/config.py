@@ -116,11 +116,13 @@ def _gpt_oss_args(config: dict, source: str) -> dict:
 def _window(config: dict, family: str, source: str) -> int:
     """The Qwen families: a sliding window on every layer, or none; a window
     on some layers only is refused. Without ``layer_types`` (configs written before
-    transformers 5), Qwen2's layers from ``max_window_layers`` on are windowed."""
-    windowed = config.get("use_sliding_window") and config.get("sliding_window")
+    transformers 5), Qwen2's layers from ``max_window_layers`` on are windowed. With
+    ``use_sliding_window`` off transformers nulls ``sliding_window`` (no layer has one),
+    and Qwen3-MoE reads no ``layer_types``."""
+    windowed = config.get("sliding_window") if config.get("use_sliding_window") else None
     if family == "qwen3_moe" and windowed:
         raise CheckpointError(f"{source}: use_sliding_window is not supported for qwen3_moe")
-    kinds = config.get("layer_types")
+    kinds = config.get("layer_types") if family != "qwen3_moe" else None
     if kinds is None and windowed:
         first = config.get("max_window_layers", 0)
         kinds = ["sliding_attention" if i >= first else "full_attention"
@@ -129,7 +131,7 @@ def _window(config: dict, family: str, source: str) -> int:
     if kinds <= {"full_attention"}:
         return 0
     if kinds == {"sliding_attention"}:
-        return config.get("sliding_window") or 0  # null: no window, as transformers has it
+        return windowed or 0  # null: no window, as transformers has it
     raise CheckpointError(f"{source}: sliding windows on some layers only (layer_types "
                           f"{sorted(kinds)}, max_window_layers) are not supported: every "
                           "layer windowed or none")

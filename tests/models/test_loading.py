@@ -260,6 +260,22 @@ def test_null_config_values_take_what_transformers_takes():
                           "num_experts": None})
 
 
+def test_a_window_use_sliding_window_leaves_off_is_no_window(tmp_path):
+    # transformers nulls sliding_window where use_sliding_window is off, and Qwen3-MoE
+    # reads no layer_types: its layers attend to every token before them, as ours do
+    saved(tmp_path, "qwen3_moe")
+    path = tmp_path / "config.json"
+    off = dict(use_sliding_window=False, sliding_window=8,
+               layer_types=["sliding_attention"] * 2)
+    path.write_text(json.dumps({**json.loads(path.read_text()), **off}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", use_cache=False).eval()  # (its cache
+    assert_loads_as_transformers(tmp_path, hf)  # builds a window layer of no size)
+    base = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    for family in ("qwen2", "qwen3"):
+        assert args_from_config({**base, **off, "model_type": family}).window == 0
+
+
 def test_a_missing_tensor_is_named(tmp_path):
     saved(tmp_path, "llama")
     _rewrite(tmp_path, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
