@@ -132,14 +132,15 @@ def _rows(a: ModelArgs, key: str) -> int | None:
     return None
 
 
-def _joined(folder, ours: str, keys: list[str], get, a: ModelArgs) -> torch.Tensor:
+def _joined(folder, ours: str, keys: list[str], get, a: ModelArgs,
+            tail: tuple[int, ...]) -> torch.Tensor:
     """The tensors of ``keys`` joined along dim 0, each checked first (its rows, and the
-    same trailing shape as the first): ``CheckpointError`` naming the key."""
+    trailing shape ``tail`` of what they make): ``CheckpointError`` naming the key."""
     parts = [get(k) for k in keys]
     for key, t in zip(keys, parts, strict=True):
         rows = _rows(a, key)
-        if t.shape[1:] != parts[0].shape[1:] or rows is not None and t.shape[0] != rows:
-            want = (rows if rows is not None else "?", *parts[0].shape[1:])
+        if tuple(t.shape[1:]) != tail or rows is not None and t.shape[0] != rows:
+            want = (rows if rows is not None else "?", *tail)
             raise CheckpointError(f"{folder}: {key} has shape {tuple(t.shape)}, expected "
                                   f"{want} (a part of {ours})")
     return torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -149,7 +150,8 @@ def _stacked(folder, experts: list[list[str]], get, a: ModelArgs,
              want: tuple[int, int]) -> torch.Tensor:
     """Each expert's tensors joined (:func:`_joined`), the experts stacked: each joined
     of shape ``want``, else ``CheckpointError`` naming its keys."""
-    parts = [_joined(folder, "an expert's projection", keys, get, a) for keys in experts]
+    parts = [_joined(folder, "an expert's projection", keys, get, a, want[1:])
+             for keys in experts]
     for keys, t in zip(experts, parts, strict=True):
         if tuple(t.shape) != want:
             raise CheckpointError(f"{folder}: {', '.join(keys)} joined have shape "
@@ -295,7 +297,9 @@ def _whole(folder, device, dtype, experts) -> Decoder:
         names["lm_head.weight"] = ["lm_head.weight"]
     for i in range(args.layers):
         names.update(_hf_names(args, i))
-    state = {ours: _joined(folder, ours, keys, get, args) for ours, keys in names.items()}
+    expected = dict(model.named_parameters())
+    state = {ours: _joined(folder, ours, keys, get, args, tuple(expected[ours].shape[1:]))
+             for ours, keys in names.items()}
     shapes = _expert_shapes(args)
     for i in range(args.layers):
         if args.moe_mxfp4:
@@ -325,7 +329,6 @@ def _whole(folder, device, dtype, experts) -> Decoder:
         raise CheckpointError(f"{folder}/{table[extra[0]][0]}: tensor {extra[0]!r} has no "
                               f"place in the model config.json describes ({len(extra)} "
                               "such tensors)")
-    expected = dict(model.named_parameters())
     for name, tensor in state.items():
         want = tuple(expected[name].shape)
         if tuple(tensor.shape) != want:

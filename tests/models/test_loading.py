@@ -311,6 +311,20 @@ def test_each_part_of_a_joined_projection_is_checked_by_name(tmp_path):
         load_checkpoint(tmp_path)
 
 
+@pytest.mark.parametrize("key, shape", [("self_attn.q_proj.weight", (64, 63)),
+                                        ("self_attn.q_proj.weight", (64, 64, 1)),
+                                        ("mlp.gate_proj.weight", (96,))])
+def test_the_first_part_of_a_joined_projection_misshapen_is_named_not_the_next(
+        tmp_path, key, shape):
+    # Each part is checked against the model's shape, not against the first part: the
+    # well-shaped k_proj or up_proj after it is not the one blamed.
+    saved(tmp_path, "llama")
+    key = "model.layers.1." + key
+    _rewrite(tmp_path, lambda t: t.update({key: torch.ones(shape)}))
+    with pytest.raises(CheckpointError, match=re.escape(f"{key} has shape {shape}")):
+        load_checkpoint(tmp_path)
+
+
 @pytest.mark.parametrize("part, shape", [("gate_proj", (32, 63)), ("down_proj", (64, 31))])
 def test_an_experts_misshapen_projection_is_named(tmp_path, part, shape):
     saved(tmp_path, "qwen3_moe")
