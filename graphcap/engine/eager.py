@@ -86,6 +86,9 @@ def decode_step(model, cache: PagedKVCache, input_ids: torch.Tensor, positions,
     (host ints, as a runner takes them, or a tensor) of the request in slot ``slots[b]``
     (its previous tokens in the cache). Writes the tokens' K/V and returns their logits
     ``[B, vocab]``."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
+        raise BadBatch(f"input_ids must be a 1-d tensor [B], one token per row, got "
+                       f"{_described(input_ids)}")
     if isinstance(positions, torch.Tensor):
         if positions.shape != input_ids.shape:
             raise BadBatch(f"input_ids {tuple(input_ids.shape)} and positions "

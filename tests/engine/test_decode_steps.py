@@ -108,6 +108,11 @@ def test_logits_last_models_decode_the_same():
      r"input_ids must be a 1-d tensor \[T\].*got a tensor of shape \(1, 3\)"),
     (lambda m, c: prefill(m, c, [1, 2, 3], [3], [0]),
      r"input_ids must be a 1-d tensor \[T\].*got list \[1, 2, 3\]"),
+    # the decode step names its ids as the prefill does, its positions a tensor or not
+    (lambda m, c: decode_step(m, c, [1], torch.tensor([0]), [0]),
+     r"input_ids must be a 1-d tensor \[B\].*got list \[1\]"),
+    (lambda m, c: decode_step(m, c, torch.tensor(1), torch.tensor(0), [0]),
+     r"input_ids must be a 1-d tensor \[B\].*got a tensor of shape \(\)"),
 ])
 def test_bad_steps_are_refused_before_anything_runs(call, match):
     m = model("tiny")
