@@ -214,3 +214,25 @@ def test_errors_name_the_kernel_and_what_differs():
 def test_a_batch_range_without_a_request_or_a_token_id_is_refused(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def _times_two_writing_beside(x):  # a wrong row stride: also writes the next columns
+    if x.shape[0] > 1:
+        x.as_strided((x.shape[0] - 1,), (x.stride(0),), x.storage_offset() + 8).fill_(7)
+    return x * 2
+
+
+def _times_two_writing_past_the_end(x):  # a missing mask: one element past x's last
+    x.as_strided((1,), (1,), x.storage_offset() + (x.shape[0] - 1) * x.stride(0) + 8).fill_(7)
+    return x * 2
+
+
+@pytest.mark.parametrize("kernel", [_times_two_writing_beside, _times_two_writing_past_the_end])
+def test_a_kernel_that_writes_beside_its_argument_s_view_fails(kernel):
+    name = _register(
+        f"graphcap_test::{kernel.__name__}", "(Tensor q) -> Tensor", reference=lambda q: q * 2,
+        inputs=_one(lambda t, device, dtype: torch.randn(t + 1, 24, dtype=dtype)[:, 8:16]
+                    if t > 1 else torch.randn(t, 8, dtype=dtype)),
+        kernels={"stray": Kernel(kernel, devices=CPU)})
+    with pytest.raises(AssertionError, match=r"\[stray\] wrote outside its argument 0 \(q\)"):
+        check_op(name, kernel="stray", dtypes=(torch.float32,), examples=5, opcheck=False)

@@ -20,6 +20,7 @@ from graphcap.opsdb.spec import REGISTRY, Kernel, OpSpec
 
 _TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-4, torch.float16: 1e-2,
               torch.bfloat16: 2e-2}
+_GUARD = 16  # elements past a copy's span (a Triton kernel's missing mask writes there)
 
 
 def default_tolerance(dtype: torch.dtype) -> float:
@@ -70,10 +71,20 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
     if t.layout != torch.strided or t.numel() == 0:
         return t.clone()
     reach = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
-    with torch.no_grad():
-        elements = t.as_strided((reach + 1,), (1,)).clone()  # the span the view reads
+    with torch.no_grad():  # the span the view reads, then a guard a stray write hits
+        elements = torch.cat([t.as_strided((reach + 1,), (1,)),
+                              t.new_full((_GUARD,), math.nan if t.is_floating_point() else 0)])
         copy = elements.as_strided(t.shape, t.stride())
     return copy.requires_grad_(t.requires_grad)
+
+
+def _beside(t: torch.Tensor) -> torch.Tensor:
+    """The bits of the memory of ``t``'s copy that its view does not cover (the rest of
+    the ``qkv`` it was sliced from, the guard past its end)."""
+    whole = t.new_empty(0).set_(t.untyped_storage())
+    keep = torch.ones(whole.shape, dtype=torch.bool, device=t.device)
+    keep.as_strided(t.shape, t.stride(), t.storage_offset()).fill_(False)
+    return _bits(whole)[keep]
 
 
 def _clone(args):
@@ -145,9 +156,14 @@ def _results(spec: OpSpec, name: str, fn, args) -> tuple[list, list[torch.Tensor
         raise
     written = _written(spec)
     for i, (now, then) in enumerate(zip(args, before, strict=True)):
-        if i in written:
-            continue
         for t, t0 in zip(tensor_leaves(now), tensor_leaves(then), strict=True):
+            assert t.layout != torch.strided or torch.equal(_beside(t), _beside(t0)), (
+                f"{spec.qualname}[{name}] wrote outside its argument {i} "
+                f"({_overload(spec)._schema.arguments[i].name}): memory beside the view "
+                f"(the rest of the tensor it was sliced from, or past its end) changed on "
+                f"inputs {describe(args)}: check the kernel's strides and masks")
+            if i in written:
+                continue
             same = t.shape == t0.shape and torch.equal(_bits(t), _bits(t0))
             assert same, (f"{spec.qualname}[{name}] wrote its argument {i} "
                           f"({_overload(spec)._schema.arguments[i].name}), which the "
