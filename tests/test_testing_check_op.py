@@ -236,3 +236,16 @@ def test_a_kernel_that_writes_beside_its_argument_s_view_fails(kernel):
         kernels={"stray": Kernel(kernel, devices=CPU)})
     with pytest.raises(AssertionError, match=r"\[stray\] wrote outside its argument 0 \(q\)"):
         check_op(name, kernel="stray", dtypes=(torch.float32,), examples=5, opcheck=False)
+
+
+@pytest.mark.parametrize("shape,arguments", [("short", lambda x: (x,)),
+                                             ("long", lambda x: (x, 2.0, 3))])
+def test_an_input_strategy_of_the_wrong_number_of_arguments_is_named_with_the_schema(
+        shape, arguments):
+    name = _register(f"graphcap_test::{shape}_args", "(Tensor x, float a) -> Tensor",
+                     reference=lambda x, a: x * a,
+                     inputs=lambda device, dtype: st.integers(1, 3).map(
+                         lambda t: arguments(torch.randn(t))))
+    with pytest.raises(TypeError, match=r"gave \(Tensor.*not a tuple of the op's arguments "
+                                        r"\(Tensor x, float a\)"):
+        check_op(name, dtypes=(torch.float32,), examples=3)

@@ -79,8 +79,7 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _beside(t: torch.Tensor) -> torch.Tensor:
-    """The bits of the memory of ``t``'s copy that its view does not cover (the rest of
-    the ``qkv`` it was sliced from, the guard past its end)."""
+    """The bits of ``t``'s copy's memory outside its view (the rest of a qkv, the guard)."""
     whole = t.new_empty(0).set_(t.untyped_storage())
     keep = torch.ones(whole.shape, dtype=torch.bool, device=t.device)
     keep.as_strided(t.shape, t.stride(), t.storage_offset()).fill_(False)
@@ -375,10 +374,12 @@ def _check_dtype(spec, strategy, names, examples, tolerance, opchecks, report):
               suppress_health_check=list(HealthCheck))
     @given(strategy)
     def run(args):
-        if not isinstance(args, (tuple, list)):
-            raise TypeError(f"{spec.qualname}: its input strategy gave a "
-                            f"{type(args).__name__}, not a tuple of the op's arguments: "
-                            f"give (x,) for one argument (strategy.map(lambda x: (x,)))")
+        schema = _overload(spec)._schema.arguments  # an argument with a default may be left
+        if not isinstance(args, (tuple, list)) or not sum(
+                not a.has_default_value() for a in schema) <= len(args) <= len(schema):
+            got = describe(args) if isinstance(args, (tuple, list)) else f"a {type(args).__name__}"
+            raise TypeError(f"{spec.qualname}: its input strategy gave {got}, not a tuple of "
+                            f"the op's arguments {spec.schema}: give (x,) for one (.map)")
         report.examples += 1
         want, _ = _results(spec, "torch", spec.reference, args)
         _check_fake(spec, args, want)
