@@ -50,6 +50,7 @@ from graphcap import compat
 from graphcap.errors import CaptureError, GraphcapError, RankError
 
 _GROUPS: dict[str, TPGroup] = {}
+_RELEASED: dict[str, str] = {}  # a released group's name -> why it closed
 _NUMBERS = itertools.count()
 _KEY_BYTES = 256  # what agree() compares: a key's UTF-8 bytes, long ones hashed
 
@@ -144,11 +145,10 @@ class TPGroup:
                             f"{advice or (_CHANGES if changed else _SAME_CALLS)}")
 
     def agree_change(self, model: str, what: str) -> None:
-        """A runner's call found this rank's model (``model``, its type) changed since
-        capture (``what``): return once every rank's changed alike (each captures its
-        share again), else :class:`RankError` on every rank naming each rank's change or,
-        on a rank whose model did not change, its call's route (the group stays
-        usable). Each rank's own GPU in ``what`` is not compared (:meth:`agree`)."""
+        """A runner's call found this rank's model (``model``, its type) changed since capture
+        (``what``): return once every rank's changed alike (each captures its share again), else
+        :class:`RankError` on every rank naming each rank's change or, on a rank whose model did
+        not change, its route (the group stays usable); each rank's GPU is not compared."""
         self.agree(f"{model}{_CHANGED}{what})", "a call of the runner")
 
     def gather(self, key: str, what: str) -> list[str]:
@@ -231,15 +231,15 @@ class TPGroup:
 
     # -- closing ---------------------------------------------------------------------
     def release(self, tell: bool = True) -> None:
-        """Done with the group: destroy its process groups now, their gloo threads
-        joined while the interpreter is whole (call it on every rank before
-        ``torch.distributed.destroy_process_group()``). The group cannot be used after.
-        ``tell``: leave the reason for the other ranks (whose next use fails at once)."""
+        """Done with the group: destroy its process groups now, their gloo threads joined while
+        the interpreter is whole (call it on every rank before ``destroy_process_group()``). Any
+        later use raises ``RankError``; ``tell``: leave the reason for the other ranks too."""
         if self.closed is None and tell:
             self._close(f"rank {self.rank} released the group")
         self.closed = self.closed or "released"
         self._drop()
         _GROUPS.pop(self.name, None)
+        _RELEASED[self.name] = self.closed  # what a later use of its name is told
 
     def _check_open(self, what: str) -> None:
         if self.closed is not None:
@@ -362,6 +362,8 @@ def group_named(name: str) -> TPGroup:
     try:
         return _GROUPS[name]
     except KeyError:
+        if name in _RELEASED:  # a split model called after its group's release
+            raise RankError(f"TP group {name} is closed ({_RELEASED[name]}). {_CLOSED}") from None
         raise GraphcapError(
             f"no TP group named {name!r} in this process (it has {sorted(_GROUPS)}): make "
             "a graphcap.tp.TPGroup() on every rank and pass its name") from None

@@ -166,15 +166,21 @@ def test_a_rank_that_comes_to_the_group_later_than_timeout_s_still_makes_it():
 
 def _release(rank: int) -> None:
     tp = TPGroup(timeout_s=PATIENT)
-    runner = graphcap.capture(build_model("tiny", tp=tp), "full", buckets=[8],
-                              max_requests=1)
+    model = build_model("tiny", tp=tp)
+    runner = graphcap.capture(model, "full", buckets=[8], max_requests=1)
     call(runner, [6])
     tp.release()
     assert tp.data is None and tp.control is None  # destroyed now, not at exit
     with pytest.raises(RankError, match=rf"closed \(rank {rank} released the group\)"):
         call(runner, [6])
-    with pytest.raises(GraphcapError, match="no TP group named"):
+    # Called directly, its collectives say so too (it was "no TP group named 'tp0'").
+    with pytest.raises(RankError, match=rf"closed \(rank {rank} released the group\)"), \
+            torch.no_grad():
+        model(torch.ones(6, dtype=torch.long), torch.arange(6), seq_lens=[6])
+    with pytest.raises(RankError, match=rf"{tp.name} is closed \(rank {rank} released"):
         group_named(tp.name)
+    with pytest.raises(GraphcapError, match="no TP group named 'tp-none'"):
+        group_named("tp-none")
     # One rank releasing: the other's next call says so, at once (no timeout blamed).
     tp = TPGroup(timeout_s=PATIENT)
     runner = graphcap.capture(build_model("tiny", tp=tp), "full", buckets=[8],
