@@ -30,18 +30,18 @@ def _count(g, op: str) -> None:
 
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     g = group_named(group)
-    _count(g, "all_reduce")
     out = x.clone()
     g.collective(lambda: dist.all_reduce(out, group=g.data), "all_reduce")
+    _count(g, "all_reduce")  # once it ran (a refused or failed one is not counted)
     return out
 
 
 def all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     g = group_named(group)
-    _count(g, "all_gather")
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(g.size)]
     g.collective(lambda: dist.all_gather(parts, x, group=g.data), "all_gather")
+    _count(g, "all_gather")
     return torch.cat(parts, dim=dim)
 
 

@@ -183,8 +183,8 @@ def _release(rank: int) -> None:
         group_named("tp-none")
     # One rank releasing: the other's next call says so, at once (no timeout blamed).
     tp = TPGroup(timeout_s=PATIENT)
-    runner = graphcap.capture(build_model("tiny", tp=tp), "full", buckets=[8],
-                              max_requests=1)
+    model = build_model("tiny", tp=tp)
+    runner = graphcap.capture(model, "full", buckets=[8], max_requests=1)
     dist.barrier()
     if rank == 1:
         tp.release()
@@ -194,6 +194,12 @@ def _release(rank: int) -> None:
         with pytest.raises(RankError, match="rank 1 released the group"):
             call(runner, [6])
         assert time.monotonic() - start < PATIENT / 2
+        # A collective refused (the group closed) is not counted: tp.collectives counts
+        # the collectives this rank ran.
+        ran = dict(tp.collectives)
+        with pytest.raises(RankError, match="is closed"), torch.no_grad():
+            model(torch.ones(6, dtype=torch.long), torch.arange(6), seq_lens=[6])
+        assert dict(tp.collectives) == ran
 
 
 def test_a_released_group_destroys_its_process_groups_and_refuses_every_later_use():
