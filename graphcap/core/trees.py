@@ -54,11 +54,15 @@ def repeats_memory(t: torch.Tensor) -> bool:
     return bool(offsets.unique().numel() < offsets.numel())
 
 
+def reach(t: torch.Tensor) -> int:
+    """How many elements past ``t``'s first its last lies, in memory (of a non-empty ``t``)."""
+    return sum((n - 1) * stride for n, stride in zip(t.shape, t.stride(), strict=True))
+
+
 def span(t: torch.Tensor) -> tuple[int, int]:
     """The bytes ``t``'s elements lie within: [first, past the last)."""
     start = t.data_ptr()
-    reach = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride(), strict=True))
-    return start, start + (reach + 1) * t.element_size()
+    return start, start + (reach(t) + 1) * t.element_size()
 
 
 def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from graphcap import env
+from graphcap import compat, env
 from graphcap.compat.library import (
     complete,
     define_op,
@@ -216,7 +216,6 @@ class OpSpec:
             self.check(*args)
         return self.kernel_for(device_of(args), kernel, dtype_of(args), args)(*args)
 
-
     def _uncaptured(self, args):
         """An op no graph may hold: an eager break under breakable capture (and at its
         replays), a ``CaptureError`` inside any other capture, else a plain call."""
@@ -342,7 +341,7 @@ def register_op(qualname: str, schema: str, *, reference: Callable,
         return spec.kernel_for(device_of(args), dtype=dtype_of(args), args=args)(*args)
 
     tags = (torch.Tag.cudagraph_unsafe,) if (
-        not capturable and hasattr(torch.Tag, "cudagraph_unsafe")) else ()
+        not capturable and compat.HAS_CUDAGRAPH_UNSAFE_TAG) else ()
     spec.op = define_op(qualname, schema, impl, fake or reference, tags)
     REGISTRY[qualname] = spec
     return spec

@@ -106,8 +106,9 @@ class PiecewiseCompiler:
         if self.compiler not in COMPILERS:
             raise GraphcapError(f"sgl_piecewise: compiler={self.compiler!r}; use one of "
                                 f"{COMPILERS}")
-        self.split_names = split_op_names(_split_ops(opts.get("split_ops", ())))
-        self.unmet = set(opts.get("split_ops", ()))  # split_ops no graph has called yet
+        named = _split_ops(opts.get("split_ops", ()))
+        self.split_names = split_op_names(named)
+        self.unmet = set(named)  # split_ops no graph has called yet
         self.copy_outputs = opts.get("copy_outputs", True)
         if not isinstance(self.copy_outputs, bool):
             raise GraphcapError(f"sgl_piecewise: copy_outputs={self.copy_outputs!r}; give "

@@ -20,7 +20,7 @@ import operator
 import torch
 import torch.fx
 
-from graphcap.core.trees import overlap, storage_key
+from graphcap.core.trees import overlap, reach, storage_key
 
 # Tensor methods and torch functions that may return their first argument or a view of it.
 VIEWS = frozenset({
@@ -233,8 +233,7 @@ def copies(out, keep: set[int]) -> list:
                 flat[k] = flat[k].clone()
             continue
         start = min(flat[k].storage_offset() for k in group)
-        end = max(flat[k].storage_offset() + sum((n - 1) * stride for n, stride in zip(
-            flat[k].shape, flat[k].stride(), strict=True)) + 1 for k in group)
+        end = max(flat[k].storage_offset() + reach(flat[k]) + 1 for k in group)
         base = first.as_strided((end - start,), (1,), start).clone()
         for k in group:
             o = flat[k]

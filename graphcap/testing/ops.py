@@ -15,7 +15,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._pytree import tree_flatten, tree_map
 
 from graphcap.compat.library import device_types_of, overload_of
-from graphcap.core.trees import tensor_leaves
+from graphcap.core.trees import reach, tensor_leaves
 from graphcap.opsdb.spec import REGISTRY, Kernel, OpSpec
 
 _TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-4, torch.float16: 1e-2,
@@ -70,9 +70,8 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
     contiguous, and a kernel that ignores strides would pass)."""
     if t.layout != torch.strided or t.numel() == 0:
         return t.clone()
-    reach = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
     with torch.no_grad():  # the span the view reads, then a guard a stray write hits
-        elements = torch.cat([t.as_strided((reach + 1,), (1,)),
+        elements = torch.cat([t.as_strided((reach(t) + 1,), (1,)),
                               t.new_full((_GUARD,), math.nan if t.is_floating_point() else 0)])
         copy = elements.as_strided(t.shape, t.stride())
     return copy.requires_grad_(t.requires_grad)
