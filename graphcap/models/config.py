@@ -153,6 +153,31 @@ def _experts(config: dict, source: str) -> int:
     return experts
 
 
+# Keys of sizes: each a positive integer where given (a missing required one is named by
+# the KeyError below; a null optional one takes transformers' default).
+SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "intermediate_size",
+                  "max_position_embeddings", "num_experts", "num_local_experts",
+                  "num_experts_per_tok", "moe_intermediate_size")
+
+
+def _check_sizes(config: dict, source: str) -> None:
+    """Refuse sizes no model is built of, naming the key, before any is used: a size that
+    is not a positive integer, query heads that do not share the key/value heads evenly,
+    more experts a token than the layer has."""
+    for key in (*SIZES, *OPTIONAL_SIZES):
+        value = config.get(key)
+        if key in config and (value is not None or key in SIZES) and (
+                isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise CheckpointError(f"{source}: {key} {value!r} is not a positive integer")
+    heads = config.get("num_attention_heads")
+    kv_heads = _given(config, "num_key_value_heads", heads)
+    if heads is not None and heads % kv_heads:
+        raise CheckpointError(f"{source}: num_attention_heads {heads} is not a multiple of "
+                              f"num_key_value_heads {kv_heads}: each key/value head serves "
+                              "a group of query heads of one size")
+
+
 def _refuse_unsupported(config: dict, family: str, source: str) -> None:
     if family == "qwen3_moe" and (config.get("mlp_only_layers") or
                                   config.get("decoder_sparse_step", 1) != 1):
@@ -183,6 +208,7 @@ def args_from_config(config: dict, source: str = "config.json") -> ModelArgs:
     aliased = {ours: config[theirs] for theirs, ours in ALIASES.get(family, {}).items()
                if theirs in config and ours not in config}
     config = {**DEFAULTS.get(family, {}), **config, **aliased}
+    _check_sizes(config, source)
     try:
         heads = config["num_attention_heads"]
         hidden = config["hidden_size"]
@@ -215,6 +241,9 @@ def args_from_config(config: dict, source: str = "config.json") -> ModelArgs:
             fields.update(_gpt_oss_args(config, source))
         else:  # transformers' Llama reads no window field
             fields["window"] = 0 if family == "llama" else _window(config, family, source)
+        if fields["top_k"] > fields["experts"]:
+            raise CheckpointError(f"{source}: num_experts_per_tok {fields['top_k']} is more "
+                                  f"than the {fields['experts']} experts of a layer")
         return ModelArgs(**fields)
     except KeyError as exc:
         raise CheckpointError(f"{source}: missing key {exc.args[0]!r}") from exc

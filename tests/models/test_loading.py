@@ -137,9 +137,12 @@ def test_a_config_naming_rope_scaling_and_rope_parameters_reads_rope_scaling():
      "quantization_config (quant_method 'bitsandbytes')"),
     # transformers clamps gpt-oss's GLU at a limit of 0 too, and gates by sigmoid(0 * gate)
     # at alpha 0: moe_experts would read them as no clamp and SwiGLU
-    ({"model_type": "gpt_oss", "swiglu_limit": 0.0}, "swiglu_limit 0.0"),
-    ({"model_type": "gpt_oss", "swiglu_alpha": 0.0}, "swiglu_alpha 0.0"),
-    ({"model_type": "gpt_oss", "swiglu_limit": -1.0}, "both > 0")])
+    ({"model_type": "gpt_oss", "num_attention_heads": 8, "swiglu_limit": 0.0},
+     "swiglu_limit 0.0"),
+    ({"model_type": "gpt_oss", "num_attention_heads": 8, "swiglu_alpha": 0.0},
+     "swiglu_alpha 0.0"),
+    ({"model_type": "gpt_oss", "num_attention_heads": 8, "swiglu_limit": -1.0},
+     "both > 0")])
 def test_config_fields_that_change_the_model_are_refused_not_ignored(change, needle):
     config = dict(model_type="llama", vocab_size=128, hidden_size=64, num_hidden_layers=2,
                   num_attention_heads=4)
@@ -147,8 +150,27 @@ def test_config_fields_that_change_the_model_are_refused_not_ignored(change, nee
         args_from_config({**config, **change})
 
 
+@pytest.mark.parametrize("change, needle", [
+    ({"num_key_value_heads": 3},
+     "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads 0 is not a positive integer"),
+    ({"num_attention_heads": "4"}, "num_attention_heads '4' is not a positive integer"),
+    ({"hidden_size": 64.0}, "hidden_size 64.0 is not a positive integer"),
+    ({"vocab_size": None}, "vocab_size None is not a positive integer"),
+    ({"num_hidden_layers": True}, "num_hidden_layers True is not a positive integer"),
+    ({"head_dim": -16}, "head_dim -16 is not a positive integer"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings 0"),
+    ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 8},
+     "num_experts_per_tok 8 is more than the 4 experts")])
+def test_a_config_whose_sizes_build_no_model_is_refused_naming_the_key(change, needle):
+    config = dict(model_type="llama", vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                  num_attention_heads=4)
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        args_from_config({**config, **change})
+
+
 def test_a_family_default_a_config_leaves_out_is_the_familys_not_graphcaps():
-    base = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    base = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                 intermediate_size=64, num_local_experts=8)
     assert not args_from_config({**base, "model_type": "qwen3_moe"}).norm_topk
@@ -460,7 +482,7 @@ def test_config_values_transformers_reads_as_unset_are_unset():
     # gpt-oss: num_experts is its config's name for num_local_experts; the keys a config
     # leaves out take GptOssConfig's defaults
     oss = dict(model_type="gpt_oss", vocab_size=128, hidden_size=64, num_hidden_layers=2,
-               num_attention_heads=4)
+               num_attention_heads=8)
     want = transformers.GptOssConfig()
     args = args_from_config(oss)
     assert (args.experts, args.top_k, args.moe_intermediate) == (
