@@ -43,14 +43,21 @@ OP = "cached_attention"
 QKV_OP = "qkv_cached_attention"
 
 
-def _layer_of(kv, layer: int, op: str, window: int):
+def _layer_of(kv, layer: int, op: str, window: int, k):
     """Layer ``layer``'s (k_cache, v_cache), noted as written. A layer that attends
     further back than the cache keeps pages for (full attention, or a longer window) is
-    refused: it would read freed pages as its request's."""
+    refused: it would read freed pages as its request's. So are keys ``k`` of another
+    dtype than the cache's, before any is written: a prefill would round them into the
+    cache and every later step over its pages fail."""
     if not 0 <= layer < kv.cache.layers:
         raise UnsupportedModel(
             f"{op}: layer {layer} of a K/V cache of {kv.cache.layers} layers; make the "
             "cache with as many layers as the model, and pass each attention its own index")
+    if k.dtype != kv.cache.dtype:
+        raise UnsupportedModel(
+            f"{op}: layer {layer}'s keys and values are {k.dtype}, but the K/V cache "
+            f"holds {kv.cache.dtype}: build the cache in the model's dtype "
+            f"(PagedKVCache(..., dtype={k.dtype}))")
     kept = kv.cache.window
     if kept and not 0 < window <= kept:
         reach = f"a window of {window}" if window else "full attention"
@@ -69,7 +76,7 @@ def _run(q, k, v, out, scale, layer, window, softcap, sinks, attention, kernel=N
     if kv is None:
         attention(q, k, v, out, scale, window, softcap, sinks)
         return
-    k_cache, v_cache = _layer_of(kv, layer, OP, window)
+    k_cache, v_cache = _layer_of(kv, layer, OP, window, k)
     variant = Variant(window, softcap, sinks)
     if kv.decode and backend_of(kv).writes_own:  # the write in the attention kernel
         attend_pages(q, k_cache, v_cache, kv, out, scale, kernel, variant, own=(k, v))
@@ -117,8 +124,8 @@ def _run_rows(qkv, positions, q_weight, k_weight, cos_sin_cache, out, num_heads,
               kernel=None) -> None:
     kv = current_kv()
     if kv is not None and kv.decode and backend_of(kv).rotates:  # one kernel
-        k_cache, v_cache = _layer_of(kv, layer, QKV_OP, window)
         q, k, v = heads_of(qkv, num_heads, num_kv_heads, head_size)
+        k_cache, v_cache = _layer_of(kv, layer, QKV_OP, window, k)
         attend_pages(q, k_cache, v_cache, kv, out, scale, kernel,
                      Variant(window, softcap, sinks), own=(k, v),
                      rope=(positions, q_weight, k_weight, cos_sin_cache, eps))

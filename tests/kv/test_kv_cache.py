@@ -527,3 +527,30 @@ def test_an_allocator_that_keeps_no_statistics_leaves_the_free_figure_unknown(mo
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, 1 << 34))
     monkeypatch.setattr(torch.cuda, "memory_reserved", unsupported)
     assert free_bytes(torch.device("cuda", 0)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_cache_of_another_dtype_than_the_models_is_refused_at_the_first_prefill(dtype):
+    """A float32 model's keys rounded into a half-precision cache would prefill, and every
+    step over the pages after fail on the dtypes: the first layer's write is refused
+    naming both, nothing counted written, and the slot prefills into a cache that fits."""
+    from graphcap.engine import prefill
+    from graphcap.errors import UnsupportedModel
+    from graphcap.models import PRESETS, Decoder
+
+    torch.manual_seed(0)
+    m = Decoder(PRESETS["tiny"]).eval()
+    a = m.args
+    c = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=1, max_len=8,
+                     page_size=4, dtype=dtype)
+    c.admit(0, 8)
+    with pytest.raises(UnsupportedModel, match=rf"layer 0's keys and values are "
+                                               rf"torch.float32, but the K/V cache holds "
+                                               rf"{dtype}: build the cache in the model's"):
+        prefill(m, c, torch.tensor([1, 2, 3]), [3], [0])
+    assert c.written(0) == 0 and not c.k.any()
+    fits = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=1, max_len=8,
+                        page_size=4)
+    fits.admit(0, 8)
+    prefill(m, fits, torch.tensor([1, 2, 3]), [3], [0])
+    assert fits.written(0) == 3
