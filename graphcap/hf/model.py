@@ -28,8 +28,6 @@ _SUBSTITUTION = "_graphcap_substitution"  # on the wrapped model: its Substituti
 _CAME_AS = "_graphcap_came_as"  # and how it came to its first wrapper
 _WRAPPERS = weakref.WeakKeyDictionary()  # model -> its live wrappers (kept off the model)
 log = logging.getLogger("graphcap")
-# Rotary scalings recomputed from max(position_ids) of the whole (packed) batch.
-DYNAMIC_ROPE = ("dynamic", "longrope")
 
 
 def _check_causal_lm(model) -> None:
@@ -72,15 +70,8 @@ def _check_attention_features(model) -> None:
             "full causal attention nor a sliding window, which is what graphcap::attention "
             "runs; they are the model's architecture, which no config field turns off: run "
             "it with transformers' own attention (no PrefillLM) or use another model")
-    rope = getattr(config, "rope_parameters", None) or {}
-    per_layer_type = [v for v in rope.values() if isinstance(v, dict)]
-    dynamic = {p.get("rope_type") for p in per_layer_type or [rope]} & set(DYNAMIC_ROPE)
-    if dynamic:
-        raise UnsupportedModel(
-            f"{kind} uses rope_type {sorted(dynamic)[0]!r}, which rescales the rotary "
-            "frequencies from the largest position in the batch: packed requests would "
-            "change each other (and the check reads the device on the host); use a static "
-            "rope type (default, linear, llama3, yarn)")
+    if why := rotary.refusal(config, kind):
+        raise UnsupportedModel(why)
 
 
 def _check_dtype(model) -> torch.dtype:
@@ -323,8 +314,9 @@ class PrefillLM(nn.Module):
     @property
     def max_position(self) -> int | None:
         config = self.hf_model.config  # a decoder alone (Whisper's) names its own
-        return getattr(config, "max_position_embeddings", None) or \
-            getattr(config, "max_target_positions", None)
+        return rotary.served_positions(config, getattr(
+            config, "max_position_embeddings", None) or getattr(
+                config, "max_target_positions", None))
 
     @property
     def graphcap_kv(self) -> tuple[int, int, int]:

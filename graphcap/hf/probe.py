@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from graphcap.errors import UnsupportedModel
 from graphcap.hf import attention as hf_attention
 from graphcap.hf import patterns
+from graphcap.hf.rotary import served_positions
 from graphcap.opsdb.attention.packed import packed
 from graphcap.opsdb.moe import MOE_EXPERTS, MOE_TOPK_SOFTMAX
 from graphcap.opsdb.norm import RMS_NORM
@@ -100,9 +101,9 @@ def hidden(size: int, like: torch.Tensor, seed: int, tokens: int = TOKENS) -> to
 
 def span(config) -> int:
     """The positions a probe may use, ``[0, span)``: ``config.max_position_embeddings``
-    (the rotary cache's length, and where calls' positions are checked to lie), else
-    ``TOKENS``."""
-    top = getattr(config, "max_position_embeddings", None)
+    (the rotary cache's length, and where calls' positions are checked to lie; LongRoPE's
+    short span), else ``TOKENS``."""
+    top = served_positions(config, getattr(config, "max_position_embeddings", None))
     return top if isinstance(top, int) and not isinstance(top, bool) and top > 0 else TOKENS
 
 

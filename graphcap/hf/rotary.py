@@ -1,5 +1,14 @@
 """A model's rotary embedding as graphcap's kernels read it (:func:`rotary_cache`), and
-rotary embeddings whose forward copies host tensors to the device, made capturable.
+rotary embeddings made capturable and the same for every request of a packed batch.
+
+LongRoPE (``rope_type`` ``"longrope"``: Phi-3-mini-128k, Phi-3.5-mini) takes its short
+factors while a batch's largest position stays below ``original_max_position_embeddings``
+and its long ones, for the whole batch, past it: a request's rotary would depend on what
+is packed beside it, and the choice reads the device on the host. Served below that
+limit (:func:`served_positions`, a model's ``max_position`` there), every request's
+rotary is the short factors whatever the batch, as transformers gives one request alone.
+While wrapped, :func:`patch` gives such a module the forward its ``dynamic_rope_update``
+decorates (no choice per call) over its short frequencies; :func:`unpatch` takes it away.
 
 transformers' PhiMoE rotary embedding (``PhimoeRotaryEmbedding``) calls its
 ``rope_init_fn(config)`` in every forward: the inverse frequencies are computed again on
@@ -20,6 +29,77 @@ from graphcap.errors import UnsupportedModel
 
 # Rotary embeddings that recompute their frequencies from the config in every forward.
 HOST_FREQUENCIES = ("PhimoeRotaryEmbedding",)
+# Rotary scalings recomputed from the largest position of the whole (packed) batch;
+# LongRoPE is served below the position where it would switch.
+DYNAMIC_ROPE = ("dynamic", "longrope")
+SHORT_LONG = "longrope"
+
+
+def refusal(config, kind: str) -> str | None:
+    """Why a model of ``config`` (``kind``, its class name) cannot be served for the rope
+    type its config names, or None."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    per_layer_type = [v for v in rope.values() if isinstance(v, dict)]
+    dynamic = {p.get("rope_type") for p in per_layer_type or [rope]} & set(DYNAMIC_ROPE)
+    if not dynamic or (not per_layer_type and served_positions(config, None) is not None):
+        return None
+    return (f"{kind} uses rope_type {sorted(dynamic)[0]!r}, which rescales the rotary "
+            "frequencies from the largest position in the batch: packed requests would "
+            "change each other (and the check reads the device on the host); use a static "
+            "rope type (default, linear, llama3, yarn)")
+
+
+def served_positions(config, top: int | None) -> int | None:
+    """The positions a model of ``config`` with ``top`` of them is served at: for
+    LongRoPE, none from ``original_max_position_embeddings`` on (its short factors'
+    span), else ``top``."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") != SHORT_LONG:
+        return top
+    short = rope.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", None)
+    if not isinstance(short, int) or isinstance(short, bool) or short <= 0:
+        return top
+    return short if top is None else min(top, short)
+
+
+class ShortFactors:
+    """A LongRoPE module's forward while wrapped: the undecorated forward of its class,
+    over the short frequencies :meth:`reset` writes into its ``inv_freq``."""
+
+    def __init__(self, module: nn.Module, undecorated):
+        self.module, self.undecorated = module, undecorated
+        self.reset()
+
+    def reset(self) -> None:
+        """The short frequencies in the module's ``inv_freq``, in place (graphs read it):
+        a long batch run before wrapping left the long ones there."""
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        held = self.module.inv_freq
+        short, _ = ROPE_INIT_FUNCTIONS[SHORT_LONG](self.module.config, held.device)
+        if short.shape != held.shape:
+            raise UnsupportedModel(
+                f"{type(self.module).__name__}: its LongRoPE frequencies have shape "
+                f"{tuple(held.shape)}, its config's short factors {tuple(short.shape)}")
+        if not torch.equal(held, short := short.to(held.dtype)):
+            with torch.inference_mode(), torch.no_grad():
+                held.copy_(short)
+
+    def __call__(self, x, position_ids, *args, **kwargs):
+        return self.undecorated(self.module, x, position_ids, *args, **kwargs)
+
+
+def _short_long(module: nn.Module) -> bool:
+    if getattr(module, "rope_type", None) != SHORT_LONG:
+        return False
+    if not isinstance(getattr(module, "inv_freq", None), torch.Tensor) or \
+            getattr(type(module).forward, "__wrapped__", None) is None:
+        raise UnsupportedModel(
+            f"{type(module).__name__} uses LongRoPE without the inv_freq buffer and "
+            "decorated forward of transformers' rotary embeddings: graphcap cannot keep "
+            "its short factors for every request")
+    return True
 
 
 class Frequencies:
@@ -67,11 +147,14 @@ def _recomputes(module: nn.Module) -> bool:
 
 def patch(model: nn.Module) -> None:
     """Every rotary module of ``model`` that recomputes its frequencies per forward reads
-    them from the device instead (idempotent); one that scales them by the batch's
-    largest position is refused."""
+    them from the device instead, every LongRoPE one keeps its short factors (both
+    idempotent); one that scales them by the batch's largest position is refused."""
     for module in model.modules():
         if _recomputes(module) and not isinstance(module.rope_init_fn, Frequencies):
             module.rope_init_fn = Frequencies(module, module.rope_init_fn)
+        if _short_long(module) and not isinstance(module.__dict__.get("forward"),
+                                                  ShortFactors):
+            module.forward = ShortFactors(module, type(module).forward.__wrapped__)
 
 
 def ensure(model: nn.Module) -> None:
@@ -82,13 +165,17 @@ def ensure(model: nn.Module) -> None:
         if isinstance(fn := module.__dict__.get("rope_init_fn"), Frequencies):
             fn.refresh()
             fn(module.config)
+        if isinstance(forward := module.__dict__.get("forward"), ShortFactors):
+            forward.reset()
 
 
 def unpatch(model: nn.Module) -> None:
-    """Every patched module back on its stock ``rope_init_fn``."""
+    """Every patched module back on its stock ``rope_init_fn`` and forward."""
     for module in model.modules():
         if isinstance(fn := module.__dict__.get("rope_init_fn"), Frequencies):
             module.rope_init_fn = fn.stock
+        if isinstance(module.__dict__.get("forward"), ShortFactors):
+            del module.forward
 
 
 ROTARY_SPAN = 65536  # positions of the rotary table computed at once
@@ -99,7 +186,8 @@ def rotary_cache(model) -> torch.Tensor | None:
     embedding (float32; any static rope type, attention scaling included), or None."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     rotary = getattr(decoder, "rotary_emb", None)
-    top = getattr(model.config, "max_position_embeddings", None)
+    top = served_positions(model.config, getattr(model.config, "max_position_embeddings",
+                                                 None))
     if rotary is None or not isinstance(top, int) or not hasattr(rotary, "inv_freq"):
         return None
     device, table = rotary.inv_freq.device, None
