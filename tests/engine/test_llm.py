@@ -20,7 +20,7 @@ import graphcap
 from graphcap import LLM
 from graphcap.api import GRAPHED
 from graphcap.engine.proposers import NgramProposer
-from graphcap.errors import BadBatch, CacheTooLarge, UnsupportedModel
+from graphcap.errors import BackendUnavailable, BadBatch, CacheTooLarge, UnsupportedModel
 from graphcap.models import PRESETS, Decoder
 from tests.engine.test_decode_steps import recomputed
 from tests.engine.test_generate import NEW, PROMPTS, SAMPLINGS, model
@@ -336,7 +336,8 @@ def test_a_long_prompt_prefills_its_chunks_beside_requests_that_end_every_other_
     ({"progress": 1}, ValueError, "progress must be True, False, None or a callable"),
     ({"strategy": ["full"]}, ValueError, "unknown strategy"),
     ({"decode_attention": "nope"}, ValueError, "decode_attention='nope'"),
-    ({"decode_attention": ["flashinfer"]}, ValueError, "decode_attention=['flashinfer']")])
+    ({"decode_attention": ["flashinfer"]}, ValueError, "decode_attention=['flashinfer']"),
+    ({"attention": ["triton"]}, BackendUnavailable, "no attention backend ['triton']")])
 def test_llm_options_of_the_wrong_kind_are_refused_by_name(options, error, needle):
     with pytest.raises(error, match=re.escape(needle)):
         LLM(model(), max_batch=1, max_len=16, **options)

@@ -56,7 +56,7 @@ def get_backend(name: str | None = None, device="cpu", strategy: str | None = No
         raise ValueError(f"get_backend(kind={kind!r}): 'prefill' or 'decode'")
     device = torch.device(device)
     if name is not None:
-        if name not in BACKENDS:
+        if not isinstance(name, str) or name not in BACKENDS:  # a list: no dict key
             raise BackendUnavailable(
                 f"no attention backend {name!r}; choose one of {sorted(BACKENDS)}")
         backend = BACKENDS[name]()
