@@ -37,6 +37,18 @@ def check_options(strategy, tokenizer, stop_at_eos, long_prompts, progress) -> N
     progress_option(progress)
 
 
+def check_encodes(tokenizer) -> None:
+    """A tokenizer text prompts may be given to: one there is, called to encode (a
+    ``tokenizers.Tokenizer`` decodes an LLM's results, but is not called so)."""
+    if tokenizer is None:
+        raise ValueError("text prompts need a tokenizer: LLM(model, tokenizer), or give "
+                         "lists of token ids")
+    if not callable(tokenizer):
+        raise TypeError(f"text prompts need a tokenizer that encodes, tokenizer(text)"
+                        f"['input_ids'] (transformers'); this {type(tokenizer).__name__} "
+                        "only decodes: give lists of token ids")
+
+
 def ends_on(token: int, made: int, stops: set[int], max_new: int) -> str | None:
     """Why a request ends on ``token``, its ``made``-th new one: a stop token, its length,
     or not (None)."""

@@ -27,6 +27,7 @@ import torch
 from graphcap.api import model_dtype
 from graphcap.core.checks import boolean, positive_int
 from graphcap.engine.arguments import (
+    check_encodes,
     check_length,
     check_options,
     check_prompts,
@@ -361,9 +362,7 @@ class LLM:
     def _prompts(self, prompts) -> list[list[int]]:
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and all(isinstance(p, str) for p in prompts)):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer: LLM(model, tokenizer), or "
-                                 "give lists of token ids")
+            check_encodes(self.tokenizer)
             texts = [prompts] if isinstance(prompts, str) else list(prompts)
             prompts = [self.tokenizer(t)["input_ids"] for t in texts]
             if (empty := next((i for i, p in enumerate(prompts) if not p), None)) is not None:

@@ -177,6 +177,17 @@ def test_text_in_and_text_out_through_a_tokenizer_ending_at_a_stop_string():
     assert (once.finish_reason, once.text) == ("stop_string", ended.text)
 
 
+def test_text_prompts_to_a_tokenizer_that_only_decodes_are_refused_naming_it():
+    # tokenizers' own Tokenizer decodes the results, but is not called to encode
+    raw = byte_tokenizer()._tokenizer
+    engine = LLM(model(), raw, max_batch=1, max_len=16, progress=False)
+    assert engine.generate([[5, 6]], 2)[0].text is not None
+    with pytest.raises(TypeError, match="text prompts need a tokenizer that encodes.*"
+                                        "this Tokenizer only decodes"):
+        engine.generate(["hi"], 2)
+    assert engine.cache.owned() == {}
+
+
 def test_a_stop_string_completed_by_the_last_allowed_token_is_why_the_request_ended():
     tok = byte_tokenizer()
     engine = LLM(model(), tok, max_batch=2, max_len=48, prefill_tokens=16, progress=False)
