@@ -80,10 +80,12 @@ def max_len_of(max_len, bound: int, room: int, default: int) -> int:
     return max_len
 
 
-def check_length(ids: list[list[int]], max_new: int, max_len: int, bound: int) -> None:
+def check_length(ids: list[list[int]], max_new: int, max_len: int, bound: int,
+                 whose: str = "the model's") -> None:
     """The longest of a call's prompts ``ids`` plus ``max_new`` new tokens within the
-    LLM's ``max_len`` (``bound``: the largest it may be built with); ValueError naming
-    the prompt, and what fits: fewer new tokens, or a larger ``max_len`` where one may be."""
+    LLM's ``max_len`` (``bound``: the largest it may be built with, set by ``whose``
+    max_position); ValueError naming the prompt, and what fits: fewer new tokens, or a
+    larger ``max_len`` where one may be."""
     index = max(range(len(ids)), key=lambda i: len(ids[i]))
     prompt = len(ids[index])
     if prompt + max_new <= max_len:
@@ -93,7 +95,7 @@ def check_length(ids: list[list[int]], max_new: int, max_len: int, bound: int) -
         f"give prompts of fewer than {max_len} tokens"
     at_most = f" (at most {bound})" if bound < 2**31 else ""  # 2**31: the model has no bound
     where = f"{fits}, or build it with a larger max_len{at_most}" if max_len < bound \
-        else f"{fits} (the model's max_position allows no larger max_len)"
+        else f"{fits} ({whose} max_position allows no larger max_len)"
     raise ValueError(f"prompt {index} of {prompt} tokens plus {max_new} new ones passes "
                      f"this LLM's max_len {max_len}: {where}")
 

@@ -41,7 +41,7 @@ from graphcap.engine.arguments import (
 from graphcap.engine.detokenize import CONTEXT, Detokenizer, cut, text_of
 from graphcap.engine.engine import Engine, Request, cache_shape, llm_cache
 from graphcap.engine.loading import resolve
-from graphcap.engine.speculative import check_proposer, graph_calls, proposer_max_len
+from graphcap.engine.speculative import check_proposer, graph_calls, max_len_bound, proposer_max_len
 from graphcap.errors import BadBatch, GraphcapError, clear_frames
 from graphcap.tp.group import entry
 
@@ -119,6 +119,7 @@ class LLM:
                 self.room = check_proposer(speculative) if speculative is not None else 0
                 self.max_len = max_len_of(max_len, self.shape.max_position, self.room,
                                           proposer_max_len(speculative, DEFAULT_MAX_LEN))
+                self.bound = max_len_bound(speculative, self.shape.max_position, self.room)
                 self.cache = llm_cache(self.shape, max_batch, self.max_len, self.room, page_size,
                                        model_dtype(model), next(model.parameters()).device)
                 if key is not None:
@@ -193,8 +194,7 @@ class LLM:
             params = sampling_of(sampling, len(ids))
             max_new_tokens = positive_int(max_new_tokens, "max_new_tokens")
             stops, strings = self._stops(stop)
-            check_length(ids, max_new_tokens, self.max_len,
-                         self.shape.max_position - self.room)
+            check_length(ids, max_new_tokens, self.max_len, *self.bound)
             if key is not None:  # a split model's
                 key.append(repr((ids, params, max_new_tokens, sorted(stops), strings,
                                  speculate)))

@@ -65,6 +65,15 @@ def proposer_max_len(proposer, default: int) -> int:
     return default if bound is None else min(default, bound - proposer.k)
 
 
+def max_len_bound(proposer, max_position: int, room: int) -> tuple[int, str]:
+    """The largest max_len an LLM of a model of ``max_position`` may be built with (a
+    proposer's ``k``, ``room``, past it), and whose positions bound it: the model's, or a
+    draft's where fewer (:func:`proposer_max_len`)."""
+    bound = max_position - room
+    drafted = proposer_max_len(proposer, bound)
+    return (drafted, "the draft's") if drafted < bound else (bound, "the model's")
+
+
 def graph_calls(reports) -> dict:
     """``replays`` and ``fallbacks`` summed over every runner report found in
     ``reports`` (dicts, nested: a proposer's report holds its runners')."""
@@ -246,4 +255,4 @@ class Verifier:
         return proposed
 
 
-__all__ = ["Counts", "Verifier", "check_proposer", "graph_calls"]
+__all__ = ["Counts", "Verifier", "check_proposer", "graph_calls", "max_len_bound"]

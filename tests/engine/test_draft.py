@@ -227,6 +227,10 @@ def test_an_llm_without_max_len_takes_the_longest_its_draft_leaves_room_for():
               speculative=DraftModel(other_draft(max_position=24), K, strategy="eager"))
     assert llm.max_len == 24 - K
     assert len(llm.generate([[1, 2, 3]], max_new_tokens=24 - K - 3)[0].tokens) == 24 - K - 3
+    # a call past it is not told to build a larger max_len, which the draft would refuse
+    with pytest.raises(ValueError, match=r"max_len 21: generate at most 1 new token \(the "
+                                         r"draft's max_position allows no larger max_len\)$"):
+        llm.generate([[1] * 20], 3)
 
 @pytest.mark.parametrize("k", [23, 30])
 def test_a_k_that_leaves_no_request_room_under_the_drafts_positions_is_refused_naming_k(k):
