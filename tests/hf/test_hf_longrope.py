@@ -113,3 +113,17 @@ def test_longrope_of_each_layer_type_is_refused():
     model.config.rope_parameters = {"full_attention": rope}
     with pytest.raises(UnsupportedModel, match="rope_type 'longrope'"):
         PrefillLM(model)
+
+
+def test_a_wrapped_model_saved_loads_and_generates_what_its_wrapper_does(tmp_path):
+    ref = phi3_longrope()
+    model = copy.deepcopy(ref)
+    lm = PrefillLM(model, logits="last")
+    torch.save(model, tmp_path / "model.pt")  # the short-factor forward pickles too
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert isinstance(loaded.model.rotary_emb.__dict__["forward"], rotary.ShortFactors)
+    want = graphcap.generate(lm, PROMPTS, NEW, strategy="eager", stop_tokens=[2]).tokens
+    assert graphcap.generate(loaded, PROMPTS, NEW, strategy="eager",
+                             stop_tokens=[2]).tokens == want
+    assert "forward" not in loaded.model.rotary_emb.__dict__  # given back
+    assert [transformers_greedy(loaded, p) for p in PROMPTS] == want
