@@ -132,7 +132,8 @@ def _generate(self, inputs=None, generation_config=None, *, input_ids=None,
                          "the prompts, as the tokenizer gives)")
     prompts = _prompts(input_ids, attention_mask, config.pad_token_id, config.eos_token_id)
     eos = eos_ids(config.eos_token_id)
-    new = _new_tokens(self, config, default_length, input_ids.shape[-1], prompts, llm.max_len)
+    new = _new_tokens(self, config, default_length, input_ids.shape[-1], prompts, llm.max_len,
+                      llm.bound)
     sampling = None
     if config.do_sample:
         temperature = 1.0 if config.temperature is None else config.temperature
@@ -165,12 +166,13 @@ def _generate(self, inputs=None, generation_config=None, *, input_ids=None,
     return sequences
 
 
-def _new_tokens(model, config, default_length: bool, length: int, prompts, max_len: int
-                ) -> int:
+def _new_tokens(model, config, default_length: bool, length: int, prompts, max_len: int,
+                bound: tuple[int, str]) -> int:
     """How many new tokens transformers' ``generate`` draws after ``length`` input tokens
     (``max_new_tokens``, else ``max_length`` less them, else 20 within the model's
     positions); a ValueError where none, or where the longest prompt and they pass the
-    accelerated model's ``max_len``, naming the option that asks for them."""
+    accelerated model's ``max_len``, naming the option that asks for them (and a larger
+    ``max_len`` only where the LLM's ``bound``, the largest it may have, allows one)."""
     if config.max_new_tokens is not None:
         new, asked = config.max_new_tokens, f"max_new_tokens={config.max_new_tokens}"
     elif default_length:
@@ -191,12 +193,16 @@ def _new_tokens(model, config, default_length: bool, length: int, prompts, max_l
                          f"token after {length} input tokens; give max_new_tokens")
     longest = max(map(len, prompts), default=0)  # none: refused by generate's check
     if longest + new > max_len:
-        fewer = f"max_new_tokens={max_len - longest} or fewer, or " if longest < max_len else ""
+        fewer = f"max_new_tokens={max_len - longest} or fewer" if longest < max_len else \
+            f"prompts of fewer than {max_len} tokens"
+        top, whose = bound
+        again = f", or graphcap.restore(model) and graphcap.accelerate(model, max_len=" \
+            f"{longest + new}, ...)" if longest + new <= top else \
+            f" ({whose} max_position {top} allows no larger max_len)"
         raise ValueError(
             f"{asked} asks {new} new tokens after a prompt of {longest}: {longest + new} "
             f"tokens pass the max_len {max_len} the model was accelerated with; give "
-            f"{fewer}graphcap.restore(model) and graphcap.accelerate(model, "
-            f"max_len={longest + new}, ...)")
+            f"{fewer}{again}")
     return new
 
 

@@ -127,3 +127,17 @@ def test_a_wrapped_model_saved_loads_and_generates_what_its_wrapper_does(tmp_pat
                              stop_tokens=[2]).tokens == want
     assert "forward" not in loaded.model.rotary_emb.__dict__  # given back
     assert [transformers_greedy(loaded, p) for p in PROMPTS] == want
+
+
+def test_accelerated_generation_past_the_short_span_names_it_not_a_larger_max_len():
+    ref = phi3_longrope()
+    fast = graphcap.accelerate(copy.deepcopy(ref), strategy="eager", max_batch=1)
+    ids = torch.tensor([PROMPTS[0]], device=DEVICE)
+    new = SHORT - ids.shape[1]  # prompt and new tokens fill the short span: served
+    args = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(fast.generate(ids, max_new_tokens=new, **args),
+                       ref.generate(ids, max_new_tokens=new, **args))
+    # accelerate(max_len=SHORT + 1) would be refused past max_position: not offered
+    with pytest.raises(ValueError, match=rf"give max_new_tokens={new} or fewer \(the model's "
+                                         rf"max_position {SHORT} allows no larger max_len\)"):
+        fast.generate(ids, max_new_tokens=new + 1, **args)
