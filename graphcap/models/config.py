@@ -154,20 +154,24 @@ def _experts(config: dict, source: str) -> int:
 
 
 # Keys of sizes: each a positive integer where given (a missing required one is named by
-# the KeyError below; a null optional one takes transformers' default).
+# the KeyError below); null, where transformers reads it as a default, takes that.
 SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "intermediate_size",
-                  "max_position_embeddings", "num_experts", "num_local_experts",
-                  "num_experts_per_tok", "moe_intermediate_size")
+NULL_READ = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+# The sizes a family's model is built of besides (transformers reads no null of them; a
+# qwen3_moe's null num_experts is named by _experts), and no key a family does not read.
+FAMILY_SIZES = {"qwen3_moe": ("num_experts_per_tok", "moe_intermediate_size"),
+                "gpt_oss": ("intermediate_size", "num_local_experts", "num_experts_per_tok")}
+DENSE_SIZES = ("intermediate_size",)
 
 
-def _check_sizes(config: dict, source: str) -> None:
+def _check_sizes(config: dict, family: str, source: str) -> None:
     """Refuse sizes no model is built of, naming the key, before any is used: a size that
     is not a positive integer, query heads that do not share the key/value heads evenly,
     more experts a token than the layer has."""
-    for key in (*SIZES, *OPTIONAL_SIZES):
+    nullable = (*NULL_READ, "num_experts") if family == "qwen3_moe" else NULL_READ
+    for key in (*SIZES, *nullable, *FAMILY_SIZES.get(family, DENSE_SIZES)):
         value = config.get(key)
-        if key in config and (value is not None or key in SIZES) and (
+        if key in config and (value is not None or key not in nullable) and (
                 isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise CheckpointError(f"{source}: {key} {value!r} is not a positive integer")
     heads = config.get("num_attention_heads")
@@ -208,7 +212,7 @@ def args_from_config(config: dict, source: str = "config.json") -> ModelArgs:
     aliased = {ours: config[theirs] for theirs, ours in ALIASES.get(family, {}).items()
                if theirs in config and ours not in config}
     config = {**DEFAULTS.get(family, {}), **config, **aliased}
-    _check_sizes(config, source)
+    _check_sizes(config, family, source)
     try:
         heads = config["num_attention_heads"]
         hidden = config["hidden_size"]

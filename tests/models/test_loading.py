@@ -161,12 +161,29 @@ def test_config_fields_that_change_the_model_are_refused_not_ignored(change, nee
     ({"head_dim": -16}, "head_dim -16 is not a positive integer"),
     ({"max_position_embeddings": 0}, "max_position_embeddings 0"),
     ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 8},
-     "num_experts_per_tok 8 is more than the 4 experts")])
+     "num_experts_per_tok 8 is more than the 4 experts"),
+    # null where transformers reads no default: its model is built of None
+    ({"model_type": "qwen3_moe", "num_experts_per_tok": None},
+     "num_experts_per_tok None is not a positive integer"),
+    ({"model_type": "gpt_oss", "num_attention_heads": 8, "num_local_experts": None},
+     "num_local_experts None is not a positive integer"),
+    ({"intermediate_size": None}, "intermediate_size None is not a positive integer")])
 def test_a_config_whose_sizes_build_no_model_is_refused_naming_the_key(change, needle):
     config = dict(model_type="llama", vocab_size=128, hidden_size=64, num_hidden_layers=2,
                   num_attention_heads=4)
     with pytest.raises(CheckpointError, match=re.escape(needle)):
         args_from_config({**config, **change})
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_sizes_a_dense_familys_config_does_not_read_are_not_refused(family):
+    # transformers' dense configs keep unknown keys and build nothing of them
+    config = dict(model_type=family, vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, intermediate_size=96, num_experts=0,
+                  num_experts_per_tok=0, moe_intermediate_size=None, num_local_experts=0)
+    args = args_from_config(config)
+    assert (args.experts, args.top_k, args.intermediate) == (0, 0, 96)
+    transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
 
 
 def test_a_family_default_a_config_leaves_out_is_the_familys_not_graphcaps():
