@@ -74,15 +74,17 @@ class ShortFactors:
     def reset(self) -> None:
         """The short frequencies in the module's ``inv_freq``, in place (graphs read it):
         a long batch run before wrapping left the long ones there."""
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
         held = self.module.inv_freq
-        short, _ = ROPE_INIT_FUNCTIONS[SHORT_LONG](self.module.config, held.device)
+        short = getattr(self.module, "original_inv_freq", None)  # the bits it was built with
+        if not isinstance(short, torch.Tensor) or short is held or short.shape != held.shape:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            short, _ = ROPE_INIT_FUNCTIONS[SHORT_LONG](self.module.config, held.device)
         if short.shape != held.shape:
             raise UnsupportedModel(
                 f"{type(self.module).__name__}: its LongRoPE frequencies have shape "
                 f"{tuple(held.shape)}, its config's short factors {tuple(short.shape)}")
-        if not torch.equal(held, short := short.to(held.dtype)):
+        if not torch.equal(held, short := short.to(held.device, held.dtype)):
             with torch.inference_mode(), torch.no_grad():
                 held.copy_(short)
 
@@ -96,14 +98,27 @@ class ShortFactors:
 
     def __setstate__(self, state: dict) -> None:
         self.module = state["module"]
-        self.undecorated = type(self.module).forward.__wrapped__
+        self.undecorated = undecorated(type(self.module))
+
+
+def undecorated(cls: type) -> object | None:
+    """``cls.forward`` without transformers' ``dynamic_rope_update`` (the wrapper whose
+    code lives in ``modeling_rope_utils``) and what decorates it (``torch.no_grad`` in
+    some versions), or None where no such wrapper is found."""
+    fn = cls.forward
+    while (inner := getattr(fn, "__wrapped__", None)) is not None:
+        code = getattr(fn, "__code__", None)
+        if code is not None and code.co_filename.endswith("modeling_rope_utils.py"):
+            return inner
+        fn = inner
+    return None
 
 
 def _short_long(module: nn.Module) -> bool:
     if getattr(module, "rope_type", None) != SHORT_LONG:
         return False
     if not isinstance(getattr(module, "inv_freq", None), torch.Tensor) or \
-            getattr(type(module).forward, "__wrapped__", None) is None:
+            undecorated(type(module)) is None:
         raise UnsupportedModel(
             f"{type(module).__name__} uses LongRoPE without the inv_freq buffer and "
             "decorated forward of transformers' rotary embeddings: graphcap cannot keep "
@@ -163,7 +178,7 @@ def patch(model: nn.Module) -> None:
             module.rope_init_fn = Frequencies(module, module.rope_init_fn)
         if _short_long(module) and not isinstance(module.__dict__.get("forward"),
                                                   ShortFactors):
-            module.forward = ShortFactors(module, type(module).forward.__wrapped__)
+            module.forward = ShortFactors(module, undecorated(type(module)))
 
 
 def ensure(model: nn.Module) -> None:

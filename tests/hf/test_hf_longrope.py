@@ -141,3 +141,15 @@ def test_accelerated_generation_past_the_short_span_names_it_not_a_larger_max_le
     with pytest.raises(ValueError, match=rf"give max_new_tokens={new} or fewer \(the model's "
                                          rf"max_position {SHORT} allows no larger max_len\)"):
         fast.generate(ids, max_new_tokens=new + 1, **args)
+
+
+def test_the_forward_served_is_found_under_any_decorator_above_the_per_batch_switch():
+    """Some transformers versions put ``torch.no_grad()`` above ``dynamic_rope_update``:
+    the forward served is the one under the switch, whatever decorates it."""
+    stock = type(phi3_longrope().model.rotary_emb)
+
+    class NoGradAbove(stock):
+        forward = torch.no_grad()(stock.forward)
+
+    raw = stock.forward.__wrapped__
+    assert rotary.undecorated(stock) is raw and rotary.undecorated(NoGradAbove) is raw
