@@ -172,6 +172,20 @@ def test_decode_targets_judge_the_fastest_graphcap_arm_and_the_strategies_shares
     assert targets({**model, "context": 128}) == []
 
 
+def test_a_decode_ratio_just_short_of_its_limit_is_a_miss_though_it_rounds_to_it():
+    from graphcap.bench.decode import targets
+
+    model = {"model": "qwen3-0.6b", "context": 1024, "window": 0, "rows": [
+        {"batch": 1, "ms": {"eager": 20.0, "full": 0.5, "breakable": 0.52633,
+                            "tc_piecewise": 0.5556},
+         "ms_back_to_back": {"full": 0.4, "gpt-fast": 1.1999}}]}  # 2.99975x, 0.94997, 0.89993
+    found = {t["target"]: t for t in targets(model)}
+    for what, shown in (("batch 1: gpt-fast ms / full ms, both fed back to back", 3.0),
+                        ("batch 1: breakable speed-up / full's", 0.95),
+                        ("batch 1: tc_piecewise speed-up / full's", 0.9)):
+        assert found[what]["measured"] == shown and not found[what]["met"], found[what]
+
+
 def test_a_target_whose_arm_did_not_run_is_not_judged_and_not_met(capsys):
     # The arm a target needs was asked for and failed: the verdict says so (the run's exit
     # status with it), it does not vanish from the targets.
