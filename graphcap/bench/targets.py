@@ -119,7 +119,9 @@ def prefill_targets(result: dict) -> list[dict]:
             out.append(verdict(f"16 tokens: fastest arm ({fastest[0]}) ms, the decode "
                                "issue's short prefill", fastest[1], 0.70, at_least=False))
     for key in ("runner_overhead", "runner_overhead_fastest"):
-        if key in result:
+        # The target is 16 tokens' (a run from longer prompts measures its shortest, where
+        # the replay is longer and the share smaller: no verdict on the 16-token limit).
+        if result.get(key, {}).get("tokens") == 16:
             o = result[key]
             out.append(verdict(f"{o['tokens']} tokens: runner overhead / replay "
                                f"({o.get('arm', 'full')})",

@@ -36,6 +36,15 @@ def test_prefill_targets_judge_ratios_within_one_run():
     assert f"16 tokens: {peer} (full-triton) ms" in got
 
 
+def test_runner_overhead_is_judged_at_16_tokens_only_the_length_its_target_names():
+    # A run from 512 tokens up measures its overhead at 512, where the replay is longer and
+    # the share smaller: that is no verdict on the 16-token limit.
+    result = {"model": "qwen3-0.6b", "attention": "triton",
+              "rows": [row(512, eager=20.0, **{"full-triton": 2.0})],
+              "runner_overhead": {"arm": "full-triton", "tokens": 512, "overhead_share": 0.05}}
+    assert not any("runner overhead" in t["target"] for t in prefill_targets(result))
+
+
 def test_the_torch_compile_peer_is_judged_against_graphcap_arms_on_its_own_kernels():
     # The peer ran FA4: full-triton's faster Triton attention is no runner's gain over it.
     result = {"model": "qwen3-0.6b", "attention": "flash_attn", "rows": [row(
