@@ -161,6 +161,7 @@ def _row(run: dict, prompts: int, plain_s: float | None = None) -> dict:
         row["ms_per_step"] = {name: round(ms, 4) for name, ms in per_step.items()}
     if plain_s is not None:
         row["speedup_over_plain"] = round(plain_s / run["s"], 3)
+        row["plain_over_this"] = plain_s / run["s"]  # unrounded: what the targets judge
     return row
 
 
@@ -250,24 +251,27 @@ def targets(model: dict) -> list[dict]:
 
     steps = model.get("steps", {}).get(1)
     gen = model.get("generate", {}).get(1) or {}
+    # Each ratio judged unrounded (1.3504 is no 1.35), given rounded.
     if steps:
-        ratio = steps["verify_over_decode"]
-        judge(f"verify step of 1 + {model['k']} tokens over a decode step, batch 1", ratio,
-              f"<= {VERIFY_OVER_DECODE}", ratio <= VERIFY_OVER_DECODE)
+        ratio = steps["verify_ms"] / steps["decode_ms"]
+        judge(f"verify step of 1 + {model['k']} tokens over a decode step, batch 1",
+              round(ratio, 3), f"<= {VERIFY_OVER_DECODE}", ratio <= VERIFY_OVER_DECODE)
     if "random" in gen:
-        slow = round(1 / gen["random"]["speedup_over_plain"], 3)
-        judge("zero acceptance (random proposals): slowdown over plain, batch 1", slow,
-              f"<= {ZERO_ACCEPTANCE_SLOWDOWN}", slow <= ZERO_ACCEPTANCE_SLOWDOWN)
+        slow = 1 / gen["random"]["plain_over_this"]
+        judge("zero acceptance (random proposals): slowdown over plain, batch 1",
+              round(slow, 3), f"<= {ZERO_ACCEPTANCE_SLOWDOWN}",
+              slow <= ZERO_ACCEPTANCE_SLOWDOWN)
     if "target" in gen:  # the target as its own draft: a control of acceptance, no gain
         length = gen["target"].get("mean_acceptance_length", 0)
         judge("the target as its own draft: acceptance length, batch 1", length, ">= 3",
               length >= 3)
     if "ngram" in gen:
         length, gain = gen["ngram"].get("mean_acceptance_length", 0), \
-            gen["ngram"]["speedup_over_plain"]
+            gen["ngram"]["plain_over_this"]
         if length >= 3:
             judge(f"n-gram proposals (acceptance length {length}): speed-up over plain, "
-                  "batch 1", gain, f">= {GAIN_AT_LENGTH_3}", gain >= GAIN_AT_LENGTH_3)
+                  "batch 1", round(gain, 3), f">= {GAIN_AT_LENGTH_3}",
+                  gain >= GAIN_AT_LENGTH_3)
     if "verify_fallbacks" in model:
         judge("every verify and draft step replayed a graph", model["verify_fallbacks"],
               "0 fallbacks",

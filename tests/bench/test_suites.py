@@ -262,3 +262,16 @@ def test_a_full_arm_only_the_split_run_has_is_not_compared_with_a_missing_one(mo
     targets = {t["target"]: t for t in result["models"][0]["targets"]}
     assert targets["16 tokens: full-triton TP=2 ms / TP=1 ms"]["measured"] == 0.6
     assert "not_judged" in targets["full-flashinfer: TP=2 against TP=1"]
+
+
+def test_a_speculative_ratio_just_past_its_limit_is_a_miss_judged_unrounded():
+    from graphcap.bench.speculative import targets
+
+    model = {"model": "tiny", "k": 4,
+             "steps": {1: {"decode_ms": 1.0, "verify_ms": 1.3004}},
+             "generate": {1: {"random": {"plain_over_this": 1 / 1.3504},
+                              "ngram": {"mean_acceptance_length": 3.5,
+                                        "plain_over_this": 1.9996}}}}
+    verdicts = {t["target"].split(":")[0].split(" (")[0]: t for t in targets(model)}
+    assert [t["met"] for t in verdicts.values()] == [False, False, False]
+    assert verdicts["zero acceptance"]["measured"] == 1.35  # given rounded
