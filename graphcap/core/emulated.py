@@ -15,7 +15,8 @@ region, with CUDA-graph semantics:
   are the same objects every replay and are overwritten by the next one;
 - random ops draw fresh values on each replay (CUDA graphs advance the Philox offset);
   one given a generator other than the device's default is refused, as CUDA refuses it;
-- ``empty``-style allocations launch nothing and are not re-run.
+- ``empty``-style allocations launch nothing and are not re-run;
+- in a graph of another device, an op of host tensors alone runs once, at capture.
 
 Two details make capture itself behave as on CUDA, where capture launches nothing:
 memory the region mutated that existed before capture is restored when capture ends, and
@@ -198,10 +199,13 @@ class _Recorder(TorchDispatchMode):
         kind = _kind(func)
         if torch.Tag.inplace_view in func.tags:
             graph._freeze(args[0])
-        if kind == "mutate":
-            for t in _written(func, args, kwargs):
+        if kind == "mutate":  # host memory (of a CUDA tensors' graph) it writes stays written
+            for t in (t for t in _written(func, args, kwargs) if t.device == graph.device):
                 graph._snapshot(t)
         out = func(*args, **kwargs)  # a custom op: one kernel, its insides unseen
+        if _is_builtin(func) and all(t.device != graph.device
+                                     for t in tensor_leaves((args, kwargs, out))):
+            return out  # host work in a graph of another device: done once, as on CUDA
         if kind == "view" and not _aliases_an_input(out, args, kwargs):
             kind = "functional"  # contiguous/reshape/to: an alias by schema, here a copy
         step = _Step(func, args, kwargs, kind,

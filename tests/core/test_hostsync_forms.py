@@ -237,3 +237,24 @@ def test_host_work_on_host_tensors_is_no_sync_in_a_graph_of_another_device():
                          (lambda t: t + host.to("meta"), "a copy between host and device")):
         with pytest.raises(CaptureError, match=needle):
             pool.graph().capture(sync, x)
+
+
+def test_host_work_in_a_graph_of_another_device_runs_at_capture_only():
+    # CUDA records the device's work: host work in the region runs once, at capture, and
+    # keeps its writes and its results; no replay runs it again. So does the emulator of
+    # another device (meta stands in for CUDA).
+    from graphcap.core import new_pool
+
+    pool = new_pool("meta", kind="emulated")
+    host, x = torch.zeros(3), torch.zeros(3, device="meta")
+
+    def body(t):
+        host.add_(1)
+        return t * 2, torch.arange(3.0)
+
+    graph = pool.graph()
+    _, made = graph.capture(body, x)
+    assert host.tolist() == [1.0, 1.0, 1.0] and made.tolist() == [0.0, 1.0, 2.0]
+    graph.replay()
+    graph.replay()
+    assert host.tolist() == [1.0, 1.0, 1.0] and made.tolist() == [0.0, 1.0, 2.0]
