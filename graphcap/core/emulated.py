@@ -19,9 +19,9 @@ region, with CUDA-graph semantics:
 - in a graph of another device, an op of host tensors alone runs once, at capture.
 
 Two details make capture itself behave as on CUDA, where capture launches nothing:
-memory the region mutated that existed before capture is restored when capture ends, and
-memory allocated during capture is filled with 0xFF bytes (NaN in floats, -1 in ints;
-True in bools), since on CUDA it holds garbage until the first replay. Host
+memory older than the capture that the region mutated, and the random generators, are
+restored when capture ends; memory allocated during capture is filled with 0xFF bytes
+(NaN in floats, -1 in ints; True in bools), as on CUDA it holds garbage until a replay. Host
 synchronisations raise ``CaptureError`` (:mod:`graphcap.core.hostsync`; the calls that
 wait for the device, as ``torch.cuda.synchronize()``, are swapped for checked ones while a
 graph records), and a region that catches one fails at ``end()`` all the same, as CUDA
@@ -163,13 +163,12 @@ class _HostMethodGuard(TorchFunctionMode):
     def __init__(self, graph: EmulatedGraph):
         super().__init__()
         self.graph = graph
-        self.device = graph.device
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         with self.graph._refusing():
-            hostsync.check_method(func, args, kwargs, self.device)
-        if func is torch.Tensor.__setitem__ and self.device.type == "cpu" and \
+            hostsync.check_method(func, args, kwargs, self.graph.device)
+        if func is torch.Tensor.__setitem__ and self.graph.device.type == "cpu" and \
                 isinstance(args[2] if len(args) > 2 else None, (int, float, bool)):
             token = hostsync.SCALAR_ASSIGNMENT.set(True)  # x[i] = 0.0: no host data
             try:
@@ -282,8 +281,9 @@ class EmulatedGraph(Graph):
             raise hostsync.CaptureError(
                 "this graph is captured already: reset() it or make a new one")
         imports.complete(imports.EMULATOR)  # what the modes import: whole before they run
-        self._modes = [hostsync.host_waits_checked(_check_wait), _HostMethodGuard(self),
-                       _Recorder(self)]
+        cuda = [self.device.index] if self.device.type == "cuda" else []
+        self._modes = [torch.random.fork_rng(cuda), hostsync.host_waits_checked(_check_wait),
+                       _HostMethodGuard(self), _Recorder(self)]
         for mode in self._modes:
             mode.__enter__()
 

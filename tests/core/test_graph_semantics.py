@@ -388,6 +388,18 @@ def test_random_ops_draw_fresh_values_on_every_replay(pool):
     assert region.calls == 1
 
 
+def test_a_capture_draws_nothing_from_the_generator_its_replays_draw_from(pool):
+    # CUDA's capture launches nothing: eager draws after it are those it would have made
+    torch.manual_seed(0)
+    eager = torch.rand(64, device=pool.device)
+    torch.manual_seed(0)
+    graph = pool.graph()
+    drawn = graph.capture(lambda: torch.rand(64, device=pool.device))
+    assert torch.equal(torch.rand(64, device=pool.device), eager)
+    graph.replay()  # and replays draw from it, moving it on
+    assert not torch.equal(torch.rand(64, device=pool.device), drawn)
+
+
 def _default_generator(device) -> torch.Generator:
     device = torch.device(device)
     if device.type == "cpu":
