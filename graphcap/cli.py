@@ -354,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--reps", type=_positive, default=None,
                        help="timed calls per arm and length, spread over the rounds of "
                             "the timing (a multiple of them, one a round at least; "
-                            "default 30, generate and decode --speculative 3)")
+                            "default 30, generate and decode --speculative 3); decode's "
+                            "back-to-back runs and host times keep their own counts")
     bench.add_argument("--batches", default=None, type=_positives,
                        help="decode: comma-separated batch sizes (default 1,8)")
     bench.add_argument("--context", type=_positives, default=None,

@@ -355,7 +355,7 @@ def run(models=("qwen3-0.6b",), arms=ARMS, batches=BATCHES, contexts=(CONTEXT,),
                     "cache filled to the context), CUDA-event wall time per call, "
                     "median of repetitions interleaved over batch sizes and arms",
             **environment(), "arms": list(arms), "batches": list(batches),
-            "contexts": list(contexts), "peak_bytes_per_s": peak_bytes_per_s(),
+            "contexts": list(contexts), "reps": reps, "peak_bytes_per_s": peak_bytes_per_s(),
             "launch_line": line,
             "models": [bench_model(m, arms, batches, c, reps, device, window, line)
                        for m in models for c in contexts]}

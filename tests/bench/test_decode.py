@@ -20,6 +20,7 @@ def test_bench_decode_times_every_arm_per_batch_and_context_and_says_what_did_no
 
     result = decode.run(("tiny",), batches=(1, 2), contexts=(8, 12), reps=2)
     assert [m["context"] for m in result["models"]] == [8, 12]
+    assert result["reps"] == 2  # the repetitions a call's time is the median of
     model = result["models"][0]
     assert [r["batch"] for r in model["rows"]] == [1, 2]
     for step in model["rows"]:
