@@ -157,8 +157,9 @@ class PagedKVCache:
                 for slot, position in zip(slots, positions, strict=True):
                     self.check_reach(slot, position)
             return
-        over = []
-        slots, positions = list(slots), list(positions)
+        if type(tokens) is not int or tokens < 1:
+            raise ValueError(f"check_step: tokens={tokens!r}, not a positive int")
+        over, slots, positions = [], list(slots), list(positions)
         if len(slots) != len(positions):
             raise BadBatch(f"{len(slots)} request slots and {len(positions)} positions: "
                            "give one position per request")
@@ -167,11 +168,10 @@ class PagedKVCache:
             position = as_int(position, f"a position (slot {slot})", BadBatch)
             capacity = capacities.get(slot, 0)
             if not 0 <= position < capacity:
-                raise BadBatch(
-                    f"position {position} of slot {slot} is outside the {capacity} tokens "
-                    "the slot was admitted for" + ("" if capacity else " (it holds no "
-                                                   "request)") + ": admit requests for "
-                    "their prompt plus new tokens")
+                held = "" if capacity else " (it holds no request)"
+                raise BadBatch(f"position {position} of slot {slot} is outside the {capacity} "
+                               f"tokens the slot was admitted for{held}: admit requests for "
+                               "their prompt plus new tokens")
             if position > written[slot]:
                 raise BadBatch(f"position {position} of slot {slot} skips past the "
                                f"{written[slot]} tokens written to its pages: step each "
@@ -180,9 +180,9 @@ class PagedKVCache:
                 over.append((slot, position + tokens))
             self.check_reach(slot, position)
         if over:  # tokens > 1: the last tokens of a step past what was admitted
-            raise BadBatch(f"steps of {tokens} tokens end past what their slots were "
-                           f"admitted for: (slot, end) {over}; admit requests for their "
-                           "prompt plus new tokens")
+            raise BadBatch(f"steps of {tokens} tokens end past what their slots were admitted "
+                           f"for: (slot, end) {over}; admit requests for their prompt plus "
+                           "new tokens")
 
     def _fits(self, slots: list[int], positions: list[int], tokens: int) -> bool:
         """Whether every admitted slot of ``slots`` may take ``tokens`` tokens from its
@@ -210,16 +210,16 @@ class PagedKVCache:
                 "again to start over, or build the cache with window=0 to keep every page")
 
     def wrote(self, ends, tokens: int = 1) -> None:
-        """A forward that ran wrote each ``(slot, end)`` of ``ends``: the request's
-        tokens ``0 .. end - 1`` are cached now (whatever its pages hold after them is
-        stale, and a later step may not read it). Called only once the forward has run:
-        a step that raised counts nothing. ``tokens``: what the call wrote a request (a
-        verify step's 1 + k, a draft's k steps), of which a :meth:`rewind` may keep only
-        the first: pages behind the window are freed as of that one."""
+        """A forward that ran wrote each ``(slot, end)`` of ``ends`` (every slot admitted, or
+        none counts): the request's tokens ``0 .. end - 1`` are cached now, what follows stale.
+        Called once the forward has run: a step that raised counts nothing. ``tokens``: what the
+        call wrote a request (a verify step's 1 + k, a draft's k steps), of which a
+        :meth:`rewind` may keep only the first: pages behind the window are freed as of it."""
+        ends, written = list(ends), self._written
+        if missing := [slot for slot, _ in ends if slot not in written]:
+            raise ValueError(f"request slot {missing[0]!r} holds no request")
         for slot, end in ends:  # slots a call's check took: a dict lookup each, per step
-            if slot not in self._written:
-                raise ValueError(f"request slot {slot!r} holds no request")
-            self._written[slot] = end
+            written[slot] = end
             if self.window:
                 self._free_behind(slot, end - tokens + 1)
 

@@ -501,6 +501,24 @@ def test_bad_numbers_given_to_the_cache_are_named_not_misreported():
         cache(dtype="float16")
 
 
+def test_a_written_list_naming_a_slot_without_a_request_counts_none_of_it():
+    c = cache()
+    c.admit(0, 10)
+    with pytest.raises(ValueError, match="request slot 3 holds no request"):
+        c.wrote([(0, 5), (3, 2)])
+    assert c.written(0) == 0  # slot 0's end was not counted either
+    c.wrote(iter([(0, 5)]))  # any iterable of (slot, end)
+    assert c.written(0) == 5
+
+
+@pytest.mark.parametrize("tokens", [0, -1, 1.0, True])
+def test_a_step_of_no_whole_positive_token_count_is_refused(tokens):
+    c = cache()
+    c.admit(0, 10)
+    with pytest.raises(ValueError, match=f"tokens={tokens!r}, not a positive int"):
+        c.check_step([0], [0], tokens)
+
+
 def test_a_cache_that_fails_past_a_free_figure_that_said_it_fit_names_no_size_to_retry(
         monkeypatch):
     # Free memory a graph pool holds counted as free: a figure of what fits now would
