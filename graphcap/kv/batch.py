@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from graphcap.errors import UnsupportedModel
-from graphcap.kv.paged import PagedKVCache, token_rows
+from graphcap.kv.paged import PagedKVCache
+from graphcap.kv.places import token_rows
 
 
 @dataclass

@@ -25,13 +25,13 @@ from __future__ import annotations
 import operator
 import warnings
 
+import numpy as np
 import torch
 
 from graphcap.core.checks import as_int, positive_int
 from graphcap.errors import BadBatch, CacheFull
+from graphcap.kv.places import NULL_PAGE, token_places
 from graphcap.kv.sizing import allocate, check_storage
-
-NULL_PAGE = 0
 
 
 def longest_window(windows) -> int:
@@ -78,6 +78,7 @@ class PagedKVCache:
         self.device = self.k.device  # "cuda" made "cuda:0": what tensors compare against
         self.block_table = torch.full((self.max_requests, self.max_pages), NULL_PAGE,
                                       dtype=torch.int32, device=self.device)
+        self._table = np.full(self.block_table.shape, NULL_PAGE, dtype=np.int32)  # its copy
         self._free = list(range(self.pages, NULL_PAGE, -1))  # pop() gives low pages first
         self._owned: dict[int, list[int]] = {}
         self._capacity: dict[int, int] = {}
@@ -107,9 +108,8 @@ class PagedKVCache:
                 f"hold the rest): {fix} the cache with more pages")
         try:  # the slot owns its pages last: interrupted before, it is admitted for none
             pages = [self._free.pop() for _ in range(need)]
-            row = torch.full((self.max_pages,), NULL_PAGE, dtype=torch.int32)
-            row[:need] = torch.tensor(pages, dtype=torch.int32)
-            self.block_table[slot].copy_(row)
+            self._table[slot, :need] = pages
+            self.block_table[slot].copy_(torch.from_numpy(self._table[slot]))
             self._capacity[slot], self._written[slot], self._dropped[slot] = tokens, 0, 0
             self._owned[slot] = pages
         except BaseException:  # a Ctrl-C, at any point
@@ -127,6 +127,7 @@ class PagedKVCache:
             pages = self._owned.pop(slot)
             self._free.extend(reversed(pages[self._dropped.pop(slot):]))
             del self._capacity[slot], self._written[slot]
+            self._table[slot] = NULL_PAGE
             self.block_table[slot].fill_(NULL_PAGE)
         except BaseException:
             self._settle()
@@ -269,6 +270,7 @@ class PagedKVCache:
         try:  # the pages are the slot's until its list says they are not
             self._free.extend(reversed(owned[dropped:behind]))
             owned[dropped:behind] = [NULL_PAGE] * (behind - dropped)
+            self._table[slot, dropped:behind] = NULL_PAGE
             self.block_table[slot, dropped:behind].fill_(NULL_PAGE)
             self._dropped[slot] = behind
         except BaseException:
@@ -285,11 +287,11 @@ class PagedKVCache:
                 del record[slot]
         held = {page for pages in owned.values() for page in pages}
         self._free = [p for p in range(self.pages, NULL_PAGE, -1) if p not in held]
-        table = torch.full(self.block_table.shape, NULL_PAGE, dtype=torch.int32)
+        self._table.fill(NULL_PAGE)
         for slot, pages in owned.items():
             self._dropped[slot] = pages.count(NULL_PAGE)  # its first pages, freed
-            table[slot, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        self.block_table.copy_(table)
+            self._table[slot, :len(pages)] = pages
+        self.block_table.copy_(torch.from_numpy(self._table))
 
     @property
     def free_pages(self) -> int:
@@ -299,6 +301,14 @@ class PagedKVCache:
         """The pages of the request in ``slot``, in order, a page freed behind the window
         as the null page (the list itself: read it)."""
         return self._owned.get(slot, [])
+
+    @property
+    def host_table(self) -> np.ndarray:
+        """The block table's host copy ``[max_requests, max_pages]`` int32, as
+        :meth:`pages_of` lists each slot's pages (read-only: a view)."""
+        view = self._table.view()
+        view.flags.writeable = False
+        return view
 
     def owned(self) -> dict[int, list[int]]:
         """Request slot -> its pages (as :meth:`pages_of`), for the slots that hold a
@@ -373,28 +383,3 @@ class PagedKVCache:
                 f", {self.max_requests} requests of up to {self.max_len} tokens, "
                 f"{len(self._free)} pages free)")
 
-
-def token_places(block_table: torch.Tensor, page_size: int, token_slots: torch.Tensor,
-                 positions: torch.Tensor) -> torch.Tensor:
-    """:meth:`PagedKVCache.cache_loc` over a block table ``[requests, max_pages]``: each
-    token's place (int64), the null page where its slot or position is out of range."""
-    requests, width = block_table.shape
-    token_slots, positions = token_slots.long(), positions.long()
-    index = positions // page_size
-    inside = (token_slots >= 0) & (token_slots < requests) & (positions >= 0) & \
-        (index < width)
-    page = block_table[token_slots.clamp(0, requests - 1), index.clamp(0, width - 1)]
-    page = torch.where(inside, page.long(), NULL_PAGE)
-    return page * page_size + positions % page_size
-
-
-def token_rows(block_table: torch.Tensor, token_slots: torch.Tensor,
-               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's request's block-table row ``[T, max_pages]`` and length ``[T]`` (its
-    position plus one), both int32; the null page and 0 for a slot out of range (a pad)."""
-    requests = block_table.shape[0]
-    token_slots, positions = token_slots.long(), positions.long()
-    live = (token_slots >= 0) & (token_slots < requests)
-    table = block_table[token_slots.clamp(0, requests - 1)]
-    table = torch.where(live[:, None], table, NULL_PAGE)
-    return table, torch.where(live, positions + 1, 0).to(torch.int32)

@@ -13,8 +13,8 @@ pages in order; at least one row and one page, else refused); token ``i`` is pos
   token's request's row (the null page for a pad) and ``position + 1`` (0 for a pad),
   what decode attention reads.
 
-The reference is :mod:`graphcap.kv`'s own torch ops (:func:`~graphcap.kv.paged.token_places`,
-:func:`~graphcap.kv.paged.token_rows`), some twenty small kernels; the Triton kernel is one
+The reference is :mod:`graphcap.kv`'s own torch ops (:func:`~graphcap.kv.places.token_places`,
+:func:`~graphcap.kv.places.token_rows`), some twenty small kernels; the Triton kernel is one
 launch. No host synchronisation.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from graphcap.kv.paged import token_places, token_rows
+from graphcap.kv.places import token_places, token_rows
 from graphcap.opsdb import checks
 from graphcap.opsdb.spec import Kernel, register_op
 

@@ -1,7 +1,7 @@
 """A Ctrl-C at any bytecode instruction of the cache's admission, release, freeing
 behind the window and rewinds leaves it whole: every page held by one slot or free, once;
-a slot holding no pages claims no tokens; each block-table row lists its slot's pages;
-and the same request is admitted again."""
+a slot holding no pages claims no tokens; each block-table row (and its host copy)
+lists its slot's pages; and the same request is admitted again."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def assert_whole(c: PagedKVCache) -> None:
     assert len(set(held)) == len(held) and len(held) + c.free_pages == c.pages, owned
     for slot in range(c.max_requests):
         pages = owned.get(slot, [])
-        assert c.block_table[slot].tolist() == pages + [NULL_PAGE] * (c.max_pages -
-                                                                       len(pages))
+        row = pages + [NULL_PAGE] * (c.max_pages - len(pages))
+        assert c.block_table[slot].tolist() == c.host_table[slot].tolist() == row
         if slot in owned:
             assert c.written(slot) <= c.capacity(slot) <= len(pages) * c.page_size
         else:
