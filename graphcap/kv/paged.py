@@ -31,7 +31,7 @@ import torch
 from graphcap.core.checks import as_int, positive_int
 from graphcap.errors import BadBatch, CacheFull
 from graphcap.kv.places import NULL_PAGE, token_places
-from graphcap.kv.sizing import allocate, check_storage
+from graphcap.kv.sizing import allocate, block_tables, check_storage
 
 
 def longest_window(windows) -> int:
@@ -74,11 +74,10 @@ class PagedKVCache:
                              "whose every layer is windowed, or 0 (keep every page)")
         self.dtype, self.device = check_storage(dtype, device)
         shape = (self.layers, self.pages + 1, self.page_size, self.kv_heads, self.head_dim)
+        self.block_table, self._table = block_tables(  # and its host copy
+            self.max_requests, self.max_pages, self.device, NULL_PAGE)
         self.k, self.v = allocate(shape, dtype, self.device)  # CacheTooLarge, or both
         self.device = self.k.device  # "cuda" made "cuda:0": what tensors compare against
-        self.block_table = torch.full((self.max_requests, self.max_pages), NULL_PAGE,
-                                      dtype=torch.int32, device=self.device)
-        self._table = np.full(self.block_table.shape, NULL_PAGE, dtype=np.int32)  # its copy
         self._free = list(range(self.pages, NULL_PAGE, -1))  # pop() gives low pages first
         self._owned: dict[int, list[int]] = {}
         self._capacity: dict[int, int] = {}

@@ -1,9 +1,11 @@
 """What a paged K/V cache is stored as: the dtypes and devices its keys and values may
 have (:func:`check_storage`), and their allocation, both or neither, a cache the device
-cannot hold refused naming the pages that fit (:func:`allocate`)."""
+cannot hold refused naming the pages that fit (:func:`allocate`), as is a block table
+of more request slots and pages than memory holds (:func:`block_tables`)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from graphcap.errors import CacheTooLarge
@@ -53,19 +55,55 @@ def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     anything is allocated where the device says what is free)."""
     layers, stored, page_size, kv_heads, head_dim = shape  # stored: the null page too
     page = 2 * layers * page_size * kv_heads * head_dim * dtype.itemsize  # K and V
-    need, free = stored * page, free_bytes(device)
+    need = stored * page
+
+    def both():  # one expression: a V that fails holds no K
+        return (torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device))
+
+    # Where what was free said it fit and the allocation failed (memory a graph pool
+    # holds, a process fraction), a figure of what fits now would name this size or more.
+    return _within(both, need, device, lambda free: _too_large(shape, dtype, device, need,
+                                                               free, page))
+
+
+def block_tables(requests: int, width: int, device: torch.device, null: int
+                 ) -> tuple[torch.Tensor, np.ndarray]:
+    """A cache's block table ``[requests, width]`` int32 on ``device`` and its host copy,
+    every entry ``null``: both, or :class:`CacheTooLarge` naming the request slots and
+    pages a row that make it too large."""
+    need = 2 * requests * width * 4 if device.type == "cpu" else requests * width * 4
+
+    def both():
+        return (torch.full((requests, width), null, dtype=torch.int32, device=device),
+                np.full((requests, width), null, dtype=np.int32))
+
+    def too_large(free):
+        has = f"{device} could not allocate it" if free is None else \
+            f"{device} has {size(free)} free"
+        return CacheTooLarge(
+            f"a K/V cache's block table of {requests} request slots of {width} pages each "
+            f"(max_len / page_size) needs {size(need)}; {has}: build the cache with fewer "
+            "max_requests, a smaller max_len or larger pages", need=need, free=free,
+            pages=None)
+
+    return _within(both, need, device, too_large)
+
+
+def _within(make, need: int, device: torch.device, too_large):
+    """``make()``, where ``need`` bytes fit what ``device`` has free (where it says), or
+    the error ``too_large(free)`` (``free`` None where unknown or where the allocation
+    failed past a free figure that said it fit)."""
+    free = free_bytes(device)
     try:
-        if free is None or need <= free:  # one expression: a V that fails holds no K
-            return (torch.zeros(shape, dtype=dtype, device=device),
-                    torch.zeros(shape, dtype=dtype, device=device))
-    except RuntimeError as error:  # torch.OutOfMemoryError, or the host's allocator's
-        if not isinstance(error, torch.OutOfMemoryError) and \
-                "can't allocate memory" not in str(error):
+        if free is None or need <= free:
+            return make()
+    except (RuntimeError, MemoryError) as error:  # torch's OOM, the host's, numpy's
+        if isinstance(error, RuntimeError) and not isinstance(
+                error, torch.OutOfMemoryError) and "can't allocate memory" not in str(error):
             raise
-        # What was free said it fit (memory a graph pool holds, a process fraction): a
-        # figure of what fits now would name this size or more
-        raise _too_large(shape, dtype, device, need, None, page) from error
-    raise _too_large(shape, dtype, device, need, free, page)
+        raise too_large(None) from error
+    raise too_large(free)
 
 
 def _too_large(shape, dtype, device, need: int, free: int | None, page: int

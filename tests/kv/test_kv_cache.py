@@ -223,6 +223,23 @@ def test_a_cache_the_host_cannot_allocate_is_refused_naming_its_size():
               max_len=1 << 13, page_size=1 << 13)
 
 
+def test_a_block_table_larger_than_memory_is_refused_naming_the_slots_and_pages(
+        monkeypatch):
+    with pytest.raises(CacheTooLarge, match=r"block table of 10000000 request slots of 62500 "
+                       r"pages each \(max_len / page_size\) needs 4656.61 GiB; cpu could not "
+                       r"allocate it: build the cache with fewer max_requests"):
+        cache(max_requests=10**7, max_len=10**6, page_size=16, pages=4)
+    # Where the device says what is free, nothing is allocated: the table is sized first.
+    monkeypatch.setattr("graphcap.kv.sizing.free_bytes", lambda device: 1 << 20)
+    monkeypatch.setattr(torch, "zeros", None)
+    monkeypatch.setattr(torch, "full", None)
+    with pytest.raises(CacheTooLarge, match=r"block table of 100000 request slots of 5 pages "
+                       r"each \(max_len / page_size\) needs 3.81 MiB; cpu has 1.00 MiB free: "
+                       r"build the cache with fewer max_requests") as info:
+        cache(max_requests=100_000, pages=4)  # the table and its host copy, int32 each
+    assert (info.value.need, info.value.free, info.value.pages) == (4_000_000, 1 << 20, None)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_cache_past_the_gpus_memory_is_refused_with_what_is_free_and_nothing_allocated():
