@@ -31,7 +31,7 @@ import torch
 from graphcap.core.checks import as_int, positive_int
 from graphcap.errors import BadBatch, CacheFull
 from graphcap.kv.places import NULL_PAGE, token_places
-from graphcap.kv.sizing import allocate, block_tables, check_storage
+from graphcap.kv.sizing import allocate, block_tables, check_room, check_storage
 
 
 def longest_window(windows) -> int:
@@ -74,6 +74,7 @@ class PagedKVCache:
                              "whose every layer is windowed, or 0 (keep every page)")
         self.dtype, self.device = check_storage(dtype, device)
         shape = (self.layers, self.pages + 1, self.page_size, self.kv_heads, self.head_dim)
+        check_room(shape, dtype, self.device)  # K and V first: the pages that fit
         self.block_table, self._table = block_tables(  # and its host copy
             self.max_requests, self.max_pages, self.device, NULL_PAGE)
         self.k, self.v = allocate(shape, dtype, self.device)  # CacheTooLarge, or both

@@ -1,7 +1,8 @@
 """What a paged K/V cache is stored as: the dtypes and devices its keys and values may
 have (:func:`check_storage`), and their allocation, both or neither, a cache the device
-cannot hold refused naming the pages that fit (:func:`allocate`), as is a block table
-of more request slots and pages than memory holds (:func:`block_tables`)."""
+cannot hold refused naming the pages that fit (:func:`check_room` first, then
+:func:`allocate`), as is a block table of more request slots and pages than memory holds
+(:func:`block_tables`)."""
 
 from __future__ import annotations
 
@@ -53,9 +54,7 @@ def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     """A cache's K and V, zeros of ``shape`` ``[layers, pages + 1, page_size, kv_heads,
     head_dim]`` each: both, or :class:`CacheTooLarge` and neither held (checked before
     anything is allocated where the device says what is free)."""
-    layers, stored, page_size, kv_heads, head_dim = shape  # stored: the null page too
-    page = 2 * layers * page_size * kv_heads * head_dim * dtype.itemsize  # K and V
-    need = stored * page
+    need, page = _bytes(shape, dtype)
 
     def both():  # one expression: a V that fails holds no K
         return (torch.zeros(shape, dtype=dtype, device=device),
@@ -65,6 +64,23 @@ def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     # holds, a process fraction), a figure of what fits now would name this size or more.
     return _within(both, need, device, lambda free: _too_large(shape, dtype, device, need,
                                                                free, page))
+
+
+def check_room(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse (:class:`CacheTooLarge`, naming the pages that fit) a cache whose K and V of
+    ``shape`` need more than ``device`` says it has free, before any of it (its block
+    table first) is allocated: a cache too large for both says what its pages need."""
+    need, page = _bytes(shape, dtype)
+    free = free_bytes(device)
+    if free is not None and need > free:
+        raise _too_large(shape, dtype, device, need, free, page)
+
+
+def _bytes(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int]:
+    """The bytes of K and V of ``shape``, and of one page of them."""
+    layers, stored, page_size, kv_heads, head_dim = shape  # stored: the null page too
+    page = 2 * layers * page_size * kv_heads * head_dim * dtype.itemsize  # K and V
+    return stored * page, page
 
 
 def block_tables(requests: int, width: int, device: torch.device, null: int

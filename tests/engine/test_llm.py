@@ -392,6 +392,12 @@ def test_an_llm_whose_cache_the_device_cannot_hold_names_the_max_len_and_batch_t
     monkeypatch.setattr("graphcap.kv.sizing.free_bytes", lambda device: page)
     with pytest.raises(CacheTooLarge, match="room for not one request"):
         LLM(model(), strategy="eager", max_batch=1, max_len=16, progress=False)
+    # A block table larger than what is free too: the pages are still what is named.
+    monkeypatch.setattr("graphcap.kv.sizing.free_bytes", lambda device: 10 * page)
+    with pytest.raises(CacheTooLarge, match=re.escape(
+            "11000 requests (max_batch) of 16 tokens (max_len) need a K/V cache of 85.95 MiB; "
+            f"{where} has 0.08 MiB free, room for max_batch=9 at max_len=16")):
+        LLM(model(), strategy="eager", max_batch=11000, max_len=16, progress=False)
 
 
 def test_a_capture_out_of_memory_says_what_the_cache_takes_and_what_leaves_more(

@@ -240,6 +240,20 @@ def test_a_block_table_larger_than_memory_is_refused_naming_the_slots_and_pages(
     assert (info.value.need, info.value.free, info.value.pages) == (4_000_000, 1 << 20, None)
 
 
+def test_a_cache_whose_pages_and_block_table_both_exceed_what_is_free_names_the_pages_that_fit(
+        monkeypatch):
+    # The table of 100000 slots of 5 pages takes 3.81 MiB; its pages' K and V 1.5 GiB. The
+    # pages are what to cut: an LLM reads the pages that fit to name the max_len that fits.
+    page = 2 * 2 * 8 * KV_HEADS * DIM * 4
+    monkeypatch.setattr("graphcap.kv.sizing.free_bytes", lambda device: 1 << 20)
+    monkeypatch.setattr(torch, "zeros", None)
+    monkeypatch.setattr(torch, "full", None)  # nothing allocated, the table neither
+    with pytest.raises(CacheTooLarge, match=r"a K/V cache of 500000 pages of 8 tokens .*; "
+                       r"cpu has 1.00 MiB free, room for 255 pages") as info:
+        cache(max_requests=100_000)
+    assert (info.value.need, info.value.pages) == (500_001 * page, 255)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_cache_past_the_gpus_memory_is_refused_with_what_is_free_and_nothing_allocated():
