@@ -9,8 +9,9 @@ what a graph captures and ``update()`` rewrites those buffers before each replay
 the graph, from the call's host positions and request slots and the block table's host
 copy (:func:`page_lists`; no device read). Every layer shares the call's plan. A padded
 row is planned as one token on the null page and its output zeroed in the graph (its
-length is 0 on the device), so NaN there reaches no row. What it supports: CUDA, float16 and bfloat16, head
-dims 64, 128 and 256, the cache's NHD layout ``[pages, page_size, kv_heads, head_dim]``.
+length is 0 on the device), so NaN there reaches no row. What it supports: CUDA, float16
+and bfloat16, head dims 64, 128 and 256, the cache's NHD layout ``[pages, page_size,
+kv_heads, head_dim]``.
 
 A sliding window and soft-capped scores are plan-time options of FlashInfer's kernels, so
 each (window, softcap) pair a model's layers use gets a wrapper of its own in every shape,
