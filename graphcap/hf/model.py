@@ -70,7 +70,7 @@ def _check_attention_features(model) -> None:
             "full causal attention nor a sliding window, which is what graphcap::attention "
             "runs; they are the model's architecture, which no config field turns off: run "
             "it with transformers' own attention (no PrefillLM) or use another model")
-    if why := rotary.refusal(config, kind):
+    if why := rotary.refusal(config, kind, model):
         raise UnsupportedModel(why)
 
 

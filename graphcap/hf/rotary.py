@@ -35,18 +35,32 @@ DYNAMIC_ROPE = ("dynamic", "longrope")
 SHORT_LONG = "longrope"
 
 
-def refusal(config, kind: str) -> str | None:
+def refusal(config, kind: str, model: nn.Module | None = None) -> str | None:
     """Why a model of ``config`` (``kind``, its class name) cannot be served for the rope
-    type its config names, or None."""
+    type its config names, or None: none where ``model``'s rotary embeddings run a static
+    type whatever the config names (HunYuan's label NTK-alpha scaling "dynamic" and, with
+    the checkpoints' fixed ``alpha``, run "ntk_alpha": transformers' ``dynamic_rope_update``
+    reads the module's ``rope_type``)."""
     rope = getattr(config, "rope_parameters", None) or {}
     per_layer_type = [v for v in rope.values() if isinstance(v, dict)]
     dynamic = {p.get("rope_type") for p in per_layer_type or [rope]} & set(DYNAMIC_ROPE)
     if not dynamic or (not per_layer_type and served_positions(config, None) is not None):
         return None
+    runs = [t for m in (model.modules() if model is not None else ())
+            if "Rotary" in type(m).__name__
+            for t in _types(getattr(m, "rope_type", None))]
+    if runs and not any("dynamic" in t or t in DYNAMIC_ROPE for t in runs):
+        return None
     return (f"{kind} uses rope_type {sorted(dynamic)[0]!r}, which rescales the rotary "
             "frequencies from the largest position in the batch: packed requests would "
             "change each other (and the check reads the device on the host); use a static "
             "rope type (default, linear, llama3, yarn)")
+
+
+def _types(rope_type) -> list[str]:
+    """A rotary module's ``rope_type``: one, or one per layer type (a dict)."""
+    kinds = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+    return [t for t in kinds if isinstance(t, str)]
 
 
 def served_positions(config, top: int | None) -> int | None:

@@ -157,6 +157,26 @@ def test_a_rotary_scaled_from_the_batch_s_largest_position_is_rejected():
         PrefillLM(model)
 
 
+def test_a_rotary_whose_config_says_dynamic_but_whose_frequencies_are_fixed_is_served():
+    # HunYuan's checkpoints label NTK-alpha scaling "dynamic"; with a fixed alpha its
+    # rotary embedding runs rope_type "ntk_alpha", which no position of the batch rescales.
+    config = transformers.HunYuanDenseV1Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256, rope_parameters={"rope_type": "dynamic", "alpha": 1000.0,
+                                                      "factor": 1.0, "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config,
+                                                        attn_implementation="eager").eval()
+    assert ref.model.rotary_emb.rope_type == "ntk_alpha"
+    lm = PrefillLM(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (15,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = torch.cat([ref(r[None]).logits[0] for r in ids.split([9, 6])])
+        got = lm(ids, torch.cat([torch.arange(9), torch.arange(6)]), seq_lens=[9, 6])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_a_model_whose_attention_cannot_be_switched_is_rejected():
     # Bloom's attention does not go through transformers' AttentionInterface.
     bloom = transformers.AutoModelForCausalLM.from_config(
