@@ -33,9 +33,14 @@ methods only:
   strategy the call's own;
 - ``commit(batch)``: after the call's replay or eager run returned, what it wrote is
   state now (a paged cache counts the tokens written); a call that raised commits nothing;
+- ``abandon(batch)``: a call that raised once staged or running (a replay, an eager run,
+  its commit): part of it may have run (a paged cache keeps each request's tokens before
+  the call's only);
 - ``describe(batch)``: what the ranks of a split model agree on before a call;
 - ``captured(states)``, ``report()``: what a capture showed, for ``runner.report()``;
-  ``forget()``: after a capture that failed, what it took from the call it came from.
+  ``reset()``: before a capture, no static buffers; ``forget()``: after a capture that
+  failed, or for a changed model, what it took from the call it came from, which
+  ``remember(kept)`` takes back where a call refused before a recapture.
 
 ``graphcap.capture`` also asks it ``default_buckets()``: the shapes to capture where
 neither ``buckets`` nor ``max_tokens`` is given (None: the token ladder).
