@@ -37,7 +37,7 @@ class CachePrefillInputs(PagedInputs):
     'requests' (the model takes each request's last row and returns one row each);
     ``hidden``: ``(logits, hidden)``, the hidden states of the same rows (a draft head's
     start); ``check_inputs``: token ids checked against the vocabulary and the positions
-    given against the requests' starts (one host sync a call)."""
+    given against the requests' starts (two host syncs a call, one each)."""
 
     def __init__(self, cache: PagedKVCache, attention, slots: int,
                  output_rows: str | None = None, name: str = "the model", extend: bool = False,

@@ -12,7 +12,10 @@ slot ``slots[b]``. Each shape's graph computes, from the static buffers of token
 positions and request slots, each row's place in the cache, pages and length on the device
 (:class:`~graphcap.kv.CacheBatch`), writes the rows' K/V and attends over the cache;
 padded rows have no request slot (``-1``): they write only the null page and come out
-zero. A replay stages three copies of at most the bucket's rows.
+zero. A replay stages two copies: the token ids (pad rows zeroed), and every row's
+position and request slot, pads included, in one copy from a round of pinned host buffers
+(with ``sample=True`` the call's rows of those and of the sampling parameters, one copy
+each, pad rows filled).
 
 The cache counts a row's token as written once the step has run (a step that raised
 counts nothing, so no later step reads a place it did not write). With

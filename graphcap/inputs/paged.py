@@ -91,9 +91,9 @@ class PagedInputs(Inputs):
     are of, ``(logits, hidden)`` (a model that declares ``graphcap_hidden``: its forward
     takes ``hidden=True``); ``decode_attention``: the backend of attention over
     the pages (a name for ``get_backend(kind="decode")``, a backend, or None: the
-    default); ``check_inputs``: token ids checked against the model's vocabulary, and for
-    requests of any length the positions given against their starts (one host sync a
-    call)."""
+    default); ``check_inputs``: token ids checked against the model's vocabulary (one
+    host sync a call), and for requests of any length the positions given against their
+    starts (a second)."""
 
     def __init__(self, cache: PagedKVCache, tokens_per_request: int | None = 1, *,
                  attention=None, slots: int | None = None, output_rows: str | None = None,
