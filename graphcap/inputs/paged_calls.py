@@ -76,11 +76,16 @@ def check_steps(inputs: PagedInputs, args: tuple, kwargs: dict) -> Batch:
     slots=[...])``."""
     known = {"positions", "slots"} | ({"sampling"} if inputs.draws else set())
     unknown = sorted(set(kwargs) - known)
+    tokens, k = args[0] if args else None, inputs.step
+    if "sampling" in unknown:  # greedy inputs: the call's parameters would go unread
+        raise BadBatch("sampling= draws tokens in the graph, which this runner does not: "
+                       "capture DecodeInputs(cache, sample=True) (one token per request) "
+                       "or, for a verify step, PagedInputs(cache, 1 + k, accept='sampled')")
     if len(args) != 1 or unknown or "positions" not in kwargs or "slots" not in kwargs:
-        raise BadBatch("a decode step is called as runner(tokens, positions=[...], "
+        step = "a decode step" if k == 1 else f"a step of {k} tokens per request"
+        raise BadBatch(f"{step} is called as runner(tokens, positions=[...], "
                        "slots=[...]" + (", sampling=[...]" if inputs.draws else "")
                        + f"); got {len(args)} arguments and keywords {sorted(kwargs)}")
-    tokens, k = args[0], inputs.step
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or \
             tokens.dtype not in _INTS or tokens.device != inputs.device:
         raise BadBatch(f"tokens must be a 1-D int64 (or int32) tensor on {inputs.device}, "

@@ -107,6 +107,19 @@ def test_a_bad_step_of_k_tokens_is_refused_and_the_cache_stays(tokens, kwargs, m
     assert cache.written(0) == 7
 
 
+@pytest.mark.parametrize("accept", [None, "greedy"])
+def test_sampling_given_to_a_step_that_draws_nothing_is_refused_naming_what_draws(accept):
+    m, cache = setup()
+    runner = graphcap.capture(m, "full", buckets=[K],
+                              inputs=PagedInputs(cache, tokens_per_request=K, accept=accept))
+    with pytest.raises(BadBatch, match=r"sample=True\).*accept='sampled'"):
+        runner(proposals([0], 0), positions=[5], slots=[0],
+               sampling=[graphcap.Sampling(temperature=0.7)])
+    assert cache.written(0) == 5
+    with pytest.raises(BadBatch, match=f"a step of {K} tokens per request is called as"):
+        runner(proposals([0], 0), positions=[5], slot=[0])
+
+
 def test_what_a_paged_kind_refuses_to_be_built_as():
     _, cache = setup()
     with pytest.raises(ValueError, match="sample=True draws one token per request"):
