@@ -34,6 +34,13 @@ def check_options(step: int | None, *, attention, slots, output_rows, extend: bo
                          "(tokens_per_request=None)")
     if step is not None:
         step = checks.positive_int(step, "tokens_per_request")
+        if attention is not None or slots is not None:
+            given = " and ".join(f"{name}=" for name, value in (
+                ("attention", attention), ("slots", slots)) if value is not None)
+            raise ValueError(f"{given} shape a prefill (tokens_per_request=None): a step of "
+                             f"{step} token{'s' * (step > 1)} a request attends over the "
+                             "cache's pages (decode_attention= picks how) and its buckets "
+                             "count the requests' tokens; drop it")
     elif attention is None or slots is None:
         raise ValueError("requests of any length (tokens_per_request=None) need the "
                          "prefill attention backend (attention=) and request slots "

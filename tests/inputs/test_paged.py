@@ -132,6 +132,11 @@ def test_what_a_paged_kind_refuses_to_be_built_as():
         PagedInputs(cache, tokens_per_request=0)
     with pytest.raises(ValueError, match="output_rows='request'"):  # its own, not the model's
         PagedInputs(cache, tokens_per_request=2, output_rows="request")
+    with pytest.raises(ValueError, match=r"attention= and slots= shape a prefill \(tokens_"
+                                         r"per_request=None\): a step of 3 tokens a request"):
+        PagedInputs(cache, 3, attention="torch_varlen", slots=2)  # was ignored
+    with pytest.raises(ValueError, match=r"^slots= shape a prefill .* a step of 1 token a "):
+        PagedInputs(cache, 1, slots=2)
 
 
 def test_decode_attention_is_picked_through_get_backend_as_prefills_is():
