@@ -43,8 +43,10 @@ from graphcap.errors import (
 log = logging.getLogger("graphcap")
 # What lets a batch that fell back replay instead, by the reason it fell back.
 _FIXES = {"padding": "add a smaller bucket (buckets=)",
-          "too_many_tokens": "enlarge max_tokens (an Engine's prefill_tokens, or chunked=True)",
-          "too_many_requests": "enlarge max_requests (an Engine's max_batch)"}
+          "too_many_tokens": "add a larger bucket (buckets= or max_tokens=; an Engine's "
+                             "prefill_tokens, or chunked=True)",
+          "too_many_requests": "capture more request slots (max_requests=, a "
+                               "CachePrefillInputs' slots=; an Engine's max_batch)"}
 
 
 @dataclass

@@ -409,3 +409,21 @@ def test_a_ctrl_c_in_the_commit_of_a_windowed_call_that_ran_leaves_its_request_t
         kept = cache.written(0)
         assert cache.least_kept(0) <= kept, n
         torch.testing.assert_close(call(kept)[-1], want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_prefill_of_more_requests_than_its_slots_without_fallback_is_told_slots():
+    model = build_model("tiny", device=DEVICE)
+    cache = PagedKVCache(model.args.layers, model.args.kv_heads, model.args.head_dim,
+                         max_requests=3, max_len=16, device=DEVICE)
+    for slot in range(3):
+        cache.admit(slot, 8)
+    backend = get_backend(None, DEVICE, strategy="full", dtype=torch.float32)
+    runner = graphcap.capture(model, "full", buckets=[8],
+                              inputs=CachePrefillInputs(cache, backend, slots=2),
+                              fallback=False)
+    positions = torch.tensor([0, 1, 0, 1, 0, 1], device=DEVICE)
+    with pytest.raises(BadBatch, match=r"too many requests: .*2 request slots\) and "
+                                       r"fallback=False; capture more request slots .*a "
+                                       r"CachePrefillInputs' slots="):
+        runner(tokens(1, 2, 3, 4, 5, 6), positions, seq_lens=[2, 2, 2], slots=[0, 1, 2])
+    assert [cache.written(s) for s in range(3)] == [0, 0, 0]
