@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 
@@ -210,6 +211,12 @@ def _plan(model, strategy, config, options):
         if kind == "prefill":  # by its forward's parameter names alone: refusals say so
             inputs.guessed = c.inputs is None and getattr(model, "graphcap_inputs", None) is None
     inputs.bind(model)
+    if inputs.most_tokens is not None and ladder[-1] > inputs.most_tokens:
+        logging.getLogger("graphcap").warning(
+            "graphcap: buckets %s are larger than any call of %s fills (at most %d tokens%s):"
+            " they are captured and never replayed; leave them out, or build the cache with "
+            "more max_requests", [b for b in ladder if b > inputs.most_tokens],
+            type(inputs).__name__, inputs.most_tokens, inputs.limits())
     if strategy != "eager" and inputs.needs_batch and c.example_inputs is None and \
             c.progress not in (None, False):
         raise UnsupportedStrategy(

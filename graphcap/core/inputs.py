@@ -43,7 +43,8 @@ methods only:
   ``remember(kept)`` takes back where a call refused before a recapture.
 
 ``graphcap.capture`` also asks it ``default_buckets()``: the shapes to capture where
-neither ``buckets`` nor ``max_tokens`` is given (None: the token ladder).
+neither ``buckets`` nor ``max_tokens`` is given (None: the token ladder), and warns of
+buckets larger than its ``most_tokens``, which no call fills.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class Inputs:
     needs_batch = False  # allocate() needs the first call's batch (its shapes)
     strategies: tuple[str, ...] | None = None  # the strategies it runs under (None: all)
     why_not = ""  # what the others lack, for the error
+    most_tokens: int | None = None  # the most tokens a call brings (None: no bound)
     _runner: weakref.ref | None = None  # the live runner graphcap.capture made of it
 
     def __init__(self, device: torch.device):

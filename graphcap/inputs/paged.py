@@ -108,6 +108,7 @@ class PagedInputs(Inputs):
         self.step = check_options(tokens_per_request, attention=attention, slots=slots,
                                   output_rows=output_rows, extend=extend, sample=sample,
                                   accept=accept, hidden=hidden)
+        self.most_tokens = self.step and self.step * cache.max_requests  # distinct slots
         self.kind = "decode" if self.step is not None else "prefill"
         if isinstance(attention, str):  # a prefill attention backend by its name
             attention = get_backend(attention, cache.device)
@@ -347,8 +348,7 @@ class PagedInputs(Inputs):
         return None
 
     def limits(self) -> str:
-        return f", {self.slots if self.step is None else self.cache.max_requests} " \
-               "request slots"
+        return f", {self.slots if self.step is None else self.cache.max_requests} request slots"
 
     def default_buckets(self) -> list[int]:
         return default_ladder(self.step, self.slots, self.cache)

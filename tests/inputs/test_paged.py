@@ -211,3 +211,22 @@ def test_a_paged_kind_captured_without_buckets_takes_the_shapes_its_calls_can_fi
     # max_tokens given: the token ladder to it, as before
     assert graphcap.capture(m, "full", max_tokens=8, inputs=DecodeInputs(cache)
                             ).report()["shapes"] == [4, 8]
+
+
+
+def test_buckets_larger_than_any_step_fills_are_named_at_capture(caplog):
+    # Each request brings K tokens from a distinct request slot: a step holds at most
+    # K x max_requests tokens, and a larger bucket is captured for no call.
+    m, cache = setup()
+    most = K * cache.max_requests
+    with caplog.at_level("WARNING", logger="graphcap"):
+        runner = graphcap.capture(m, "full", buckets=[K, most, 2 * most],
+                                  inputs=PagedInputs(cache, tokens_per_request=K))
+        graphcap.capture(m, "full", buckets=[1, cache.max_requests],
+                         inputs=DecodeInputs(cache))
+    told = [r.getMessage() for r in caplog.records if "never replayed" in r.getMessage()]
+    assert told == [f"graphcap: buckets [{2 * most}] are larger than any call of PagedInputs "
+                    f"fills (at most {most} tokens, {cache.max_requests} request slots): "
+                    "they are captured and never replayed; leave them out, or build the "
+                    "cache with more max_requests"]
+    assert sorted(runner.entries) == [K, most, 2 * most]
