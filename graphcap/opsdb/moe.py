@@ -64,6 +64,8 @@ def check_experts(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, alpha=0
                                   "leave limit 0")
     if two_i == 0:
         raise checks.OpInputError(f"{op}: experts of no intermediate rows (w13 {tuple(w13.shape)})")
+    if e == 0:  # the kernels tile the routing by expert (the Triton launcher divided by E)
+        raise checks.OpInputError(f"{op}: w13 {tuple(w13.shape)} holds no expert")
 
 
 def _check_operand_order(op, x, w13, w2, w13_scale, w2_scale) -> tuple[int, int, int]:

@@ -156,6 +156,11 @@ BAD_CALLS = {
         torch.ones(2, 8), torch.ones(4, 0, 8), torch.ones(4, 8, 0), torch.ones(2, 1),
         torch.zeros(2, 1, dtype=torch.int32), None, torch.ones(4, 8), 0.0, 0.0, False),
         "no intermediate rows"),
+    # The reference summed nothing; the Triton kernel raised ZeroDivisionError.
+    "moe experts of no expert": (lambda: torch.ops.graphcap.moe_experts(
+        torch.ones(2, 8), torch.ones(0, 8, 8), torch.ones(0, 8, 4), torch.ones(2, 1),
+        torch.zeros(2, 1, dtype=torch.int32), None, None, 0.0, 0.0, False),
+        r"w13 \(0, 8, 8\) holds no expert"),
     "moe experts with gate/up rows of another count": (lambda: torch.ops.graphcap.moe_experts(
         torch.ones(2, 8), torch.ones(4, 6, 8), torch.ones(4, 8, 4), torch.ones(2, 1),
         torch.zeros(2, 1, dtype=torch.int32), None, None, 0.0, 0.0, True), "expert shape"),
