@@ -30,9 +30,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 # The suite's profiles draw the same examples on every run (a seed from each test's code):
 # a run fails only where the code or the test changed, never by the draw. "dev" draws
-# new ones, many more of them: the search for what the fixed draw does not reach.
+# new ones, many more of them: the search for what the fixed draw does not reach. "ci"
+# draws 18 where a test sets no count (25 took the quiet CI run to 429 of its 480 s;
+# 18 saved about 30 s of the suite's 367).
 settings.register_profile(
-    "ci", max_examples=25, deadline=None, derandomize=True,
+    "ci", max_examples=18, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("gpu", max_examples=10, deadline=None, derandomize=True)
 settings.register_profile("dev", max_examples=100, deadline=None)
