@@ -123,7 +123,8 @@ class _Containers:
 
 def _hooks(model: nn.Module) -> dict[str, list]:
     """The ids of the forward hooks and pre-hooks each module of ``model`` runs (the global
-    ones under ""): a graph runs those of its capture, eager those registered now."""
+    ones with the model's own, under ""): a graph runs those of its capture, eager those
+    registered now."""
     out = {name: [*m._forward_pre_hooks, *m._forward_hooks]
            for name, m in model.named_modules(remove_duplicate=False)}
     out[""] = [*out.get("", []), *_module._global_forward_pre_hooks,
@@ -266,8 +267,9 @@ class ModelSnapshot:
         for name in sorted(hooks.keys() | self._hooks.keys()):
             if (now := len(hooks.get(name, []))) != (then := len(self._hooks.get(name, []))) \
                     or hooks.get(name) != self._hooks.get(name):
-                out.append(f"{name or 'global'} forward hooks and pre-hooks: {now} ({then} "
-                           "at capture; the graphs run those of capture)")
+                whose = name or "the model's own and global"
+                out.append(f"{whose} forward hooks and pre-hooks: {now} ({then} at capture; "
+                           "the graphs run those of capture)")
         for now, then in zip(_names(self.model), map(set, self._names), strict=True):
             out += [f"{name}: added" for name in now if name not in then]
         for d, k, name, held in zip(self._modules.dicts, self._modules.keys,

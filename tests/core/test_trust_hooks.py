@@ -76,3 +76,15 @@ def test_a_global_hook_is_a_change_and_a_hook_on_another_model_is_none(strategy)
         handle.remove()
     _matches_eager(r, m, x)
     assert r.report()["recaptures"] == 2
+
+
+@pytest.mark.parametrize("strategy", ["full"])
+def test_a_hook_on_the_model_itself_is_named_as_the_models(strategy):
+    m, x, _, strict = _model_and_runners(strategy)
+    handle = m.register_forward_pre_hook(lambda module, args: None)
+    try:
+        with pytest.raises(ModelChanged, match="model's own and global forward hooks and "
+                                               "pre-hooks: 1 .0 at"):
+            strict(x)
+    finally:
+        handle.remove()
