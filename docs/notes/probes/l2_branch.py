@@ -16,7 +16,8 @@ lane), PDL on and off. The weights a step reads, in order, are recorded from an 
 step by a dispatch mode (a parameter of at least 1 MiB that an op reads, the embedding
 lookup excepted); the same mode forks the branch during capture. Calls timed
 interleaved, alone and fed back to back; kernels and idle share from the profiler;
-logits against today's. JSON in $OUT/l2-branch.json."""
+logits against today's. JSON in $OUT/l2-branch-<preset>-<cap>mb.json
+(``L2_CAP_MB``: the cap, 16 by default)."""
 
 import json
 import os
@@ -37,7 +38,7 @@ from graphcap.opsdb.triton.common import prefetch_share_l2, programmatic_launch
 
 CONTEXT = 1024
 MIN_BYTES = 1 << 20
-CAP = 16 << 20
+CAP = int(os.environ.get("L2_CAP_MB", "16")) << 20  # the bytes of a weight asked for
 CHUNK = 16 << 10
 LINE_BYTES = 128
 # (name, primitive, DISTANCE, GRID, PDL)
@@ -223,7 +224,8 @@ def main(preset: str, batches: list[int]) -> None:
            **environment(), "preset": preset, "context": CONTEXT, "cap_bytes": CAP,
            "weights_a_step": len(order or []), "arms": [list(a) for a in ARMS],
            "errors": errors, "rows": rows}
-    with open(os.path.join(os.environ.get("OUT", "/tmp"), "l2-branch.json"), "w") as f:
+    name = f"l2-branch-{preset}-{CAP >> 20}mb.json"
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), name), "w") as f:
         json.dump(out, f, indent=1)
 
 
