@@ -12,9 +12,9 @@ fixed costs; the main chain never waits for the branch (it joins at the step's e
 
 Arms: today's runner, and branches that prefetch line by line (``prefetch.global.L2``
 from ``GRID`` programs) or in bulk (``cp.async.bulk.prefetch.L2``, one 16 KiB chunk a
-lane), PDL on and off. The weights a step reads, in order, are recorded from an eager
-step by a dispatch mode (a parameter of at least 1 MiB that an op reads, the embedding
-lookup excepted); the same mode forks the branch during capture. Calls timed
+lane), PDL on and off. The weights a step reads, in order, are recorded by a dispatch
+mode over a capture's forward (a parameter of at least 1 MiB that an op reads, the
+embedding lookup excepted); the same mode forks the branch during the arms' captures. Calls timed
 interleaved, alone and fed back to back; kernels and idle share from the profiler;
 logits against today's. JSON in $OUT/l2-branch-<preset>-<cap>mb.json
 (``L2_CAP_MB``: the cap, 16 by default)."""
