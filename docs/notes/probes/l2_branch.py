@@ -96,17 +96,22 @@ class Weights(TorchDispatchMode):
         self.order, self.launch, self.distance = order, launch, distance
         self.seen: list[int] = []
         self.fired = 0
+        self.quiet = False  # the branch's own launches are not the step's reads
 
     def start_step(self) -> None:
         self.seen = []
         self.fired = 0
         if self.launch is not None:
-            for key in self.order[:self.distance]:
-                self.launch(self.params[key])
+            self.quiet = True
+            try:
+                for key in self.order[:self.distance]:
+                    self.launch(self.params[key])
+            finally:
+                self.quiet = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if "embedding" not in str(func) and "index" not in str(func):
+        if not self.quiet and "embedding" not in str(func) and "index" not in str(func):
             for t in tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor) and _key(t) in self.params:
                     self._read(_key(t))
