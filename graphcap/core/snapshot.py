@@ -121,7 +121,7 @@ class _Containers:
         return out
 
 
-def _hooks(model: nn.Module) -> dict[str, list]:
+def forward_hooks(model: nn.Module) -> dict[str, list]:
     """The ids of the forward hooks and pre-hooks each module of ``model`` runs (the global
     ones with the model's own, under ""): a graph runs those of its capture, eager those
     registered now."""
@@ -228,7 +228,7 @@ class ModelSnapshot:
         self._autocast = autocast_state(self._kinds)
         # Every hook registered anywhere takes the next handle id: the hooks are compared
         # after one, and those of capture are counted on every call (one removed).
-        self._hook_id, self._hooks = RemovableHandle.next_id, _hooks(model)
+        self._hook_id, self._hooks = RemovableHandle.next_id, forward_hooks(model)
         self._hooked = [(d, len(d)) for m in model.modules()
                         for d in (m._forward_pre_hooks, m._forward_hooks) if d] + \
             [(d, len(d)) for d in (_module._global_forward_pre_hooks,
@@ -249,7 +249,7 @@ class ModelSnapshot:
             return False
         if RemovableHandle.next_id != self._hook_id or \
                 not all(len(d) == n for d, n in self._hooked):
-            if _hooks(self.model) != self._hooks:
+            if forward_hooks(self.model) != self._hooks:
                 return False
             self._hook_id = RemovableHandle.next_id  # a hook elsewhere
         try:
@@ -263,7 +263,7 @@ class ModelSnapshot:
         if (now := autocast_state(self._kinds)) != self._autocast:
             out.append(f"autocast on {', '.join(self._kinds)}: {now} (None: off); at "
                        f"capture {self._autocast}")
-        hooks = _hooks(self.model)
+        hooks = forward_hooks(self.model)
         for name in sorted(hooks.keys() | self._hooks.keys()):
             if (now := len(hooks.get(name, []))) != (then := len(self._hooks.get(name, []))) \
                     or hooks.get(name) != self._hooks.get(name):

@@ -12,6 +12,7 @@ import torch
 
 from graphcap import compat
 from graphcap.compat import guards
+from graphcap.core.snapshot import forward_hooks
 from graphcap.core.strategy import Captured, Strategy
 from graphcap.errors import CaptureError, GraphcapError
 from graphcap.piecewise import phase as phases
@@ -80,6 +81,8 @@ class CompiledForward:
         self.model, self.compiler = model, compiler
         entry = _fresh_entry()
         self.compiled = torch.compile(entry, backend=compiler, fullgraph=True)
+        self._code = entry.__code__
+        self._hooks: dict | None = None  # the model's forward hooks as it last compiled
         # Run when the compiled function dies with this object; holds neither it nor the
         # compiler (Dynamo holds the compiler until then).
         weakref.finalize(entry, _release, entry.__code__, weakref.ref(compiler),
@@ -98,6 +101,8 @@ class CompiledForward:
         if now is None:
             with phases.phase(Phase.EAGER):
                 return self._compiled(args, options)
+        if now is Phase.WARMUP:
+            self._compile_with_hooks_of_now()
         out = self._compiled(args, options)
         call = detail.call if now is Phase.WARMUP else None
         if call is not None and call.returns is None and args \
@@ -105,6 +110,17 @@ class CompiledForward:
             call.learn_returns(out, tokens=args[0].shape[0])
             call.learn_inputs(args)
         return out
+
+    def _compile_with_hooks_of_now(self) -> None:
+        """Before a warm-up (every capture's): where the model's forward hooks and
+        pre-hooks (its modules' and the global ones) are not those it last compiled with,
+        its compiled code is dropped, and the warm-up compiles the forward again with
+        them. Dynamo guards on no hook (``skip_nnmodule_hook_guards``): a recapture after a
+        hook was added or removed would otherwise replay the hooks of the first compile."""
+        hooks = forward_hooks(self.model)
+        if self._hooks is not None and hooks != self._hooks:
+            compat.forget_code(self._code)
+        self._hooks = hooks
 
     def _compiled(self, args, options=None):
         # Aliases without a view base: Dynamo guards a view on its base's size, which a

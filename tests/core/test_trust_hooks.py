@@ -39,14 +39,7 @@ def _matches_eager(r, m, x):
     torch.testing.assert_close(r(x), want, atol=atol, rtol=rtol)
 
 
-# tc_piecewise recaptures through the forward Dynamo compiled at capture, which guards on
-# no hook (torch._dynamo.config.skip_nnmodule_hook_guards): it replays without the hook.
-HOOKS_RECOMPILED = [pytest.param(s, marks=pytest.mark.xfail(
-    strict=True, reason="Dynamo's compiled forward keeps the hooks of its compile"))
-    if s == "tc_piecewise" else s for s in GRAPHED]
-
-
-@pytest.mark.parametrize("strategy", HOOKS_RECOMPILED)
+@pytest.mark.parametrize("strategy", GRAPHED)  # tc_piecewise: compiled again with it
 def test_a_hook_added_or_removed_after_capture_is_recaptured_or_refused(strategy):
     m, x, r, strict = _model_and_runners(strategy)
     handle = m[0].register_forward_hook(_doubled)
