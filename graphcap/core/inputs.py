@@ -17,6 +17,7 @@ methods only:
 - ``bind(model)``: the model the runner captures, once, before anything else (what a
   kind reads of it, e.g. its ``output_rows``);
 - ``check(args, kwargs) -> Batch``: validate a call (``BadBatch`` before anything runs);
+  ``check_example(args) -> Batch``: validate a capture's example, the shapes it takes its own;
 - ``allocate(max_tokens, batch)``: the static buffers, from the first call's batch when a
   kind needs one (``needs_batch``);
 - ``prepare(bucket) -> state``: a shape's own state (prefill: its attention metadata);
@@ -106,6 +107,17 @@ class Inputs:
 
     def remember(self, kept: Any) -> None:
         """Take back what :meth:`forget` returned, where nothing was learned since."""
+
+    def check_example(self, args: tuple) -> Batch:
+        """``check`` of the arguments of a call that a capture is to take its shapes from
+        (``capture_all(example)``), not those of the last capture: refused, it leaves
+        those, which the graphs of the last capture take."""
+        kept = self.forget()
+        try:
+            return self.check(args, {})
+        except BaseException:
+            self.remember(kept)
+            raise
 
     def prepare(self, bucket: int) -> Any:
         return None

@@ -214,7 +214,8 @@ class Runner:
         if self.config.on_change == "error":
             raise ModelChanged(
                 f"{name} changed since capture ({what}), and its graphs read the tensors of "
-                "capture: call runner.recapture() to capture the model as it is now, or "
+                "capture: call runner.recapture() to capture the model as it is now (one "
+                "that takes inputs of other dtypes now: runner.capture_all(example)), or "
                 "update weights in place (with torch.no_grad(): p.copy_(new)), which replays "
                 "see (or capture with on_change='recapture')", changes)
         return what
@@ -234,10 +235,11 @@ class Runner:
         """Capture every bucket, largest first (its memory is then reused by the rest);
         ``example``: arguments of a call, for inputs whose buffers take their shapes from
         one; ``progress(done, total)`` is called after each shape. Called again, it
-        captures every shape again from scratch (the first shape warmed up again)."""
+        captures every shape again from scratch (the first shape warmed up again), of
+        the dtypes and shapes of ``example`` where given (a model cast to another dtype)."""
         with self._serial.only("capture_all()"):
             self._captures("capture_all()")
-            batch = None if example is None else self._agreed(self.inputs.check, example, {})
+            batch = None if example is None else self._agreed(self.inputs.check_example, example)
             self._capture_all(batch, progress)
 
     def recapture(self) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import graphcap
-from graphcap.errors import BadBatch, CaptureError, UnsupportedStrategy
+from graphcap.errors import BadBatch, CaptureError, ModelChanged, UnsupportedStrategy
 from graphcap.models import MLP
 from graphcap.piecewise import counters
 from tests.support.runner_helpers import DEVICE, batch
@@ -72,6 +72,26 @@ def test_a_model_cast_to_another_dtype_is_recaptured_and_old_inputs_are_refused(
     with pytest.raises(BadBatch, match="dtype torch.float32.*captured torch.float64"):
         r(x)
     torch.testing.assert_close(r(x.double()), want)
+
+
+@pytest.mark.parametrize("strategy", ("full", "breakable"))
+def test_capture_all_with_an_example_captures_the_dtypes_and_shapes_of_that_example(strategy):
+    m = mlp()
+    r = graphcap.capture(m, strategy, buckets=[4, 8], example_inputs=(rows(4),),
+                         on_change="error")
+    m.double()
+    with pytest.raises(ModelChanged, match=r"other dtypes now: runner.capture_all\(example\)"):
+        r(rows())
+    r.capture_all((rows(4, torch.float64),))
+    x = rows(dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(r(x), m(x))
+    assert sum(r.stats.replays.values()) == 1
+    with pytest.raises(BadBatch, match="must be a tensor"):
+        r.capture_all(([1.0] * 64,))  # refused: the capture before stays
+    with torch.no_grad():
+        torch.testing.assert_close(r(x), m(x))
+    assert sum(r.stats.replays.values()) == 2
 
 
 def test_the_eager_strategy_has_nothing_to_capture_and_says_so():
