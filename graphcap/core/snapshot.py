@@ -29,9 +29,8 @@ capture: every hook registered anywhere takes a new ``RemovableHandle`` id, so a
 the model's hooks are compared again; the hook dicts that held one at capture are counted
 on every call (a hook removed).
 
-It records autocast too (of the kinds of device the model's tensors are on): a graph
-computes in the dtypes of its capture, so a call under other autocast settings is a
-change like the others.
+It records autocast too (on the model's kinds of device): a graph computes in the dtypes
+of its capture, so a call under other autocast settings is a change like the others.
 
 Python attributes (an ``eps``, a flag, ``training``, a plain tensor attribute that is no
 parameter or buffer) are not compared: they are baked into the graphs at capture, as in
@@ -123,8 +122,7 @@ class _Containers:
 
 def forward_hooks(model: nn.Module) -> dict[str, list]:
     """The ids of the forward hooks and pre-hooks each module of ``model`` runs (the global
-    ones with the model's own, under ""): a graph runs those of its capture, eager those
-    registered now."""
+    ones with the model's own, under ""): a graph runs its capture's, eager today's."""
     out = {name: [*m._forward_pre_hooks, *m._forward_hooks]
            for name, m in model.named_modules(remove_duplicate=False)}
     out[""] = [*out.get("", []), *_module._global_forward_pre_hooks,
@@ -265,8 +263,8 @@ class ModelSnapshot:
                        f"capture {self._autocast}")
         hooks = forward_hooks(self.model)
         for name in sorted(hooks.keys() | self._hooks.keys()):
-            if (now := len(hooks.get(name, []))) != (then := len(self._hooks.get(name, []))) \
-                    or hooks.get(name) != self._hooks.get(name):
+            if hooks.get(name) != self._hooks.get(name):
+                now, then = len(hooks.get(name, [])), len(self._hooks.get(name, []))
                 whose = name or "the model's own and global"
                 out.append(f"{whose} forward hooks and pre-hooks: {now} ({then} at capture; "
                            "the graphs run those of capture)")
