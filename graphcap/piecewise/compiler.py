@@ -34,12 +34,12 @@ from graphcap.piecewise.inductor import compile_piece
 from graphcap.piecewise.phase import Phase
 from graphcap.piecewise.pieces import PieceGraphs
 from graphcap.piecewise.split import (
-    box_piece_calls,
     builds_autograd_graph,
     device_of,
     held_args,
     host_names,
     host_scalars,
+    piece_calls,
     qualname,
     split_graph,
     split_op_names,
@@ -216,9 +216,10 @@ class PiecewiseCompiler:
             setattr(split, piece.name, graphs)
         split.graphcap_split_pieces = sum(p.is_split for p in pieces)
         # Each piece frees what it uses last (PieceGraphs.forward); a split op run as
-        # traced (no static state) is called as before.
-        box_piece_calls(split, {name for name, m in split.named_children()
-                                if isinstance(m, PieceGraphs)})
+        # traced (no static state) takes its arguments as before. Every piece is called
+        # past nn.Module.__call__ (its hooks).
+        piece_calls(split, {name for name, m in split.named_children()
+                            if isinstance(m, PieceGraphs)})
         self.traces.record(example_inputs, split)
 
         def forward(*args):
@@ -236,7 +237,7 @@ class PiecewiseCompiler:
                 watch.call = Call(split, args, static=static)
             sized = phases.enter_size(size)
             try:
-                out = split(*args)
+                out = split.forward(*args)  # past hooks: see split.piece_calls
             finally:
                 phases.exit_size(sized)
             if now is Phase.WARMUP:

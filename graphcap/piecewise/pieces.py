@@ -79,6 +79,10 @@ class PieceGraphs(torch.nn.Module):
                  names: dict[int, str] | None = None):
         super().__init__()
         self.owner, self.fn, self.opaque = owner, fn, opaque
+        # An FX piece's own forward, past nn.Module.__call__: a global module hook
+        # (register_module_forward_hook) runs on the model's modules, as in eager, not on
+        # graphcap's pieces too (the graphs would bake it in a second time).
+        self.call_fn = fn.forward if isinstance(fn, torch.nn.Module) else fn
         self.static_state, self.held = static_state, held
         self.host = HostValues(names or {})  # the Python numbers its graphs bake
         self.moves: dict[int, int] = {}  # held argument -> the times it moved
@@ -91,7 +95,7 @@ class PieceGraphs(torch.nn.Module):
 
     def forward(self, box: list):
         """``box``: the piece's arguments, in a list the split module built for this call
-        and holds no other reference to (``box_piece_calls``). A warm-up and a whole
+        and holds no other reference to (``piece_calls``). A warm-up and a whole
         capture empty it and free each argument after its last use in the piece (what
         the first shape's warm-up peaks at sizes the pool)."""
         now, detail = phases.current()
@@ -99,7 +103,7 @@ class PieceGraphs(torch.nn.Module):
             case Phase.CAPTURE_WHOLE:  # inline in the shape's one graph
                 return detail.run(self, box)
             case Phase.EAGER:  # a runner's fallback
-                return self.fn(*box)
+                return self.call_fn(*box)
             case Phase.WARMUP:  # the runner's warm-up of a shape: eager, the size seen
                 if self.static_state is not None and self.static_state() is None:
                     detail.call.static = False  # a split op on host state: no whole capture
@@ -123,28 +127,28 @@ class PieceGraphs(torch.nn.Module):
         owner, size = self.owner, self._size(args)
         if size in self.uncapturable:
             owner.ran_eagerly(self.uncapturable[size], kind="uncapturable")
-            return self.fn(*args)
+            return self.call_fn(*args)
         if size not in owner.capture_sizes or size in self.eager_sizes:
             if self.static_state is None:  # split ops run eagerly by design: not counted
                 owner.ran_outside(size)
-            return self.fn(*args)
+            return self.call_fn(*args)
         entry = self.entries.get(size)
         if (why := self._aliased_write(args, entry)) is not None:
             owner.ran_eagerly(f"{why} at size {size}: static copies of them would part "
                               "them, so a write through one would miss the other",
                               kind="aliased")
-            return self.fn(*args)
+            return self.call_fn(*args)
         if entry is None:
             if size not in self.seen:  # warm-up: lazy init and JIT outside any capture
-                out = self.fn(*args)
+                out = self.call_fn(*args)
                 self.seen.add(size)  # only once it ran: a raising warm-up warmed nothing
                 return out
             if self.static_state is not None and self.static_state() is None:
                 self.eager_sizes.add(size)
-                return self.fn(*args)
+                return self.call_fn(*args)
             return self._capture(size, args)
         if self.static_state is not None and not self._state_current(entry):
-            return self.fn(*args)  # the graph would read the captured state's buffers
+            return self.call_fn(*args)  # the graph would read the captured state's buffers
         return self._replay(size, entry, args)
 
     def _state_current(self, entry: PieceEntry) -> bool:
@@ -206,7 +210,7 @@ class PieceGraphs(torch.nn.Module):
                 if buf.shape != a.shape:  # e.g. more requests than captured: no replay
                     owner.ran_eagerly(f"input {i} of a piece is {tuple(a.shape)} at size "
                                       f"{size}, captured as {tuple(buf.shape)}")
-                    return self.fn(*args)
+                    return self.call_fn(*args)
                 if i in entry.foreign:  # the caller's, read in place
                     if a.data_ptr() != entry.foreign[i]:
                         self._moved(i, a)
@@ -220,20 +224,20 @@ class PieceGraphs(torch.nn.Module):
                     owner.ran_eagerly(f"input {i} of a piece at size {size} is not the "
                                       "static output of the piece before it that its "
                                       "capture read in place")
-                    return self.fn(*args)
+                    return self.call_fn(*args)
                 if buf is a or buf.data_ptr() == a.data_ptr():
                     continue
                 if i in entry.viewed and a.stride() != buf.stride():
                     owner.ran_eagerly(f"input {i} of a piece at size {size}, of which it "
                                       f"returns a view, has strides {a.stride()}, captured "
                                       f"as {buf.stride()}")
-                    return self.fn(*args)
+                    return self.call_fn(*args)
                 if i in entry.expanded:
                     if a.stride() != buf.stride():
                         owner.ran_eagerly(f"input {i} of a piece at size {size} has strides "
                                           f"{a.stride()}, captured expanded as "
                                           f"{buf.stride()}")
-                        return self.fn(*args)
+                        return self.call_fn(*args)
                     _distinct(buf).copy_(_distinct(a))
                 else:
                     buf.copy_(a)
@@ -244,7 +248,7 @@ class PieceGraphs(torch.nn.Module):
             if self.host.changed(host, args[host], size):
                 return self._recapture(size, args)
             owner.ran_eagerly(self.host.why(host, entry.static, args), kind="host value")
-            return self.fn(*args)
+            return self.call_fn(*args)
         self.host.replayed(size)
         entry.graph.replay()
         for i in copied:
@@ -275,7 +279,7 @@ class PieceGraphs(torch.nn.Module):
                   else self._copy(a) for i, a in enumerate(args)]
         graph = pool.graph()
         captured = OneOpPiece(self.fn, self.writes) if self.opaque and graph.emulated \
-            else self.fn
+            else self.call_fn
         try:
             outputs = graph.capture(captured, *static)
         except CaptureError as exc:

@@ -104,25 +104,40 @@ def split_graph(gm: torch.fx.GraphModule, names: set[str]
 
 
 def _box(*values) -> list:
-    """A piece's arguments as one list, which the piece empties (:func:`box_piece_calls`)."""
+    """A piece's arguments as one list, which the piece empties (:func:`piece_calls`)."""
     return list(values)
 
 
-def box_piece_calls(split: torch.fx.GraphModule, names: set[str]) -> None:
-    """Make the split module call each piece of ``names`` with one list of its arguments,
-    built just before the call: the split module frees an argument after its last use,
-    now the list, and the piece empties the list (``PieceGraphs``), so an argument it
-    uses last is freed at its last use inside the piece, as in the forward Dynamo traced.
-    Called with the arguments themselves, the split module's frame would hold each until
-    the piece returned: the attention's output and the residual stream through the MLP
-    after them, a larger warm-up peak and pool than the eager forward's."""
+def _forward(piece: torch.nn.Module, *args, **kwargs):
+    return piece.forward(*args, **kwargs)
+
+
+def piece_calls(split: torch.fx.GraphModule, boxed: set[str]) -> None:
+    """Rewrite the split module's calls of its pieces:
+
+    - each piece is called through its own ``forward``, past ``nn.Module.__call__``: a
+      global module hook (``register_module_forward_hook``) then runs on the model's
+      modules, where Dynamo traced it, and not on graphcap's pieces too (a capture would
+      bake it into the graphs a second time);
+    - each piece of ``boxed`` is called with one list of its arguments, built just before
+      the call: the split module frees an argument after its last use, now the list, and
+      the piece empties the list (``PieceGraphs``), so an argument it uses last is freed
+      at its last use inside the piece, as in the forward Dynamo traced. Called with the
+      arguments themselves, the split module's frame would hold each until the piece
+      returned: the attention's output and the residual stream through the MLP after
+      them, a larger warm-up peak and pool than the eager forward's."""
     graph = split.graph
     for node in list(graph.nodes):
-        if node.op != "call_module" or node.target not in names or node.kwargs:
+        if node.op != "call_module":
             continue
         with graph.inserting_before(node):
-            box = graph.call_function(_box, tuple(node.args))
-        node.args = (box,)
+            args = tuple(node.args)
+            if node.target in boxed and not node.kwargs:
+                args = (graph.call_function(_box, args),)
+            call = graph.call_function(_forward, (graph.get_attr(node.target), *args),
+                                       dict(node.kwargs))
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
     split.recompile()
 
 

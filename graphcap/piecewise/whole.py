@@ -86,7 +86,7 @@ class Call:
             for slot, a in zip(self.slots, args, strict=True):
                 if slot is not None:
                     graph_args[slot] = a
-        outs = self.module(*graph_args)
+        outs = self.module.forward(*graph_args)  # past hooks: see split.piece_calls
         outs = outs if isinstance(outs, tuple | list) else (outs,)
         where, leaves, spec = self.returns
         return tree_unflatten([leaf if i is None else outs[i]

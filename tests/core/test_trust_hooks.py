@@ -54,7 +54,7 @@ def test_a_hook_added_or_removed_after_capture_is_recaptured_or_refused(strategy
     assert r.report()["recaptures"] == 2
 
 
-@pytest.mark.parametrize("strategy", ["full"])
+@pytest.mark.parametrize("strategy", GRAPHED)
 def test_a_global_hook_is_a_change_and_a_hook_on_another_model_is_none(strategy):
     m, x, r, _ = _model_and_runners(strategy)
     other = torch.nn.Linear(8, 8)
@@ -79,5 +79,16 @@ def test_a_hook_on_the_model_itself_is_named_as_the_models(strategy):
         with pytest.raises(ModelChanged, match="model's own and global forward hooks and "
                                                "pre-hooks: 1 .0 at"):
             strict(x)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_a_global_hook_at_capture_runs_once_a_module_as_in_eager(strategy):
+    handle = torch.nn.modules.module.register_module_forward_hook(_doubled)
+    try:
+        m, x, r, _ = _model_and_runners(strategy)
+        _matches_eager(r, m, x)  # not on graphcap's own modules (tc_piecewise's pieces)
+        assert r.report()["recaptures"] == 0
     finally:
         handle.remove()
