@@ -25,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
+from linear_floor import LAUNCHES, per_launch_us
 
 from graphcap.bench.common import environment
 from graphcap.opsdb.triton.common import shared_memory
@@ -35,33 +36,8 @@ SHAPES = {  # name: (N, K, mode) with weight [N, K] ([2N, K] for swiglu)
     "qwen3-0.6b gate/up": (3072, 1024, "swiglu"), "qwen3-0.6b down": (1024, 3072, "residual"),
 }
 ROWS = (64,)
-LAUNCHES, REPS = 32, 15
 POOL_BYTES = 256 << 20  # weights cycled: far more than the 50 MB L2
 EPS = 1e-6
-
-
-def per_launch_us(launch, copies) -> float:
-    """Replay time of a graph of LAUNCHES launches (launch(i) uses copy i % copies), per
-    launch, median of REPS replays."""
-    for i in range(min(copies, 2)):
-        launch(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(LAUNCHES):
-            launch(i % copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / LAUNCHES)
-    del graph
-    return sorted(times)[len(times) // 2]
 
 
 def tiles(m: int, n: int, k: int, swiglu: bool, sms: int, shared: int) -> list[dict]:
