@@ -17,7 +17,8 @@ methods only:
 - ``bind(model)``: the model the runner captures, once, before anything else (what a
   kind reads of it, e.g. its ``output_rows``);
 - ``check(args, kwargs) -> Batch``: validate a call (``BadBatch`` before anything runs);
-  ``check_example(args) -> Batch``: validate a capture's example, the shapes it takes its own;
+  ``check_example(args) -> Batch``: validate a capture's example, whose dtypes and
+  shapes it then takes;
 - ``allocate(max_tokens, batch)``: the static buffers, from the first call's batch when a
   kind needs one (``needs_batch``);
 - ``prepare(bucket) -> state``: a shape's own state (prefill: its attention metadata);

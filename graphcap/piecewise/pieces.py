@@ -17,6 +17,7 @@ from graphcap.piecewise import phase as phases
 from graphcap.piecewise.hostvalues import HostValues, same_value
 from graphcap.piecewise.inductor import OneOpPiece
 from graphcap.piecewise.phase import Phase
+from graphcap.piecewise.split import past_hooks
 from graphcap.piecewise.writes import mutated_inputs
 
 
@@ -82,7 +83,7 @@ class PieceGraphs(torch.nn.Module):
         # An FX piece's own forward, past nn.Module.__call__: a global module hook
         # (register_module_forward_hook) runs on the model's modules, as in eager, not on
         # graphcap's pieces too (the graphs would bake it in a second time).
-        self.call_fn = fn.forward if isinstance(fn, torch.nn.Module) else fn
+        self.call_fn = past_hooks(fn)
         self.static_state, self.held = static_state, held
         self.host = HostValues(names or {})  # the Python numbers its graphs bake
         self.moves: dict[int, int] = {}  # held argument -> the times it moved

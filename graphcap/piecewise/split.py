@@ -4,6 +4,7 @@ it records autograd history; the inputs a piece writes: :mod:`graphcap.piecewise
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from dataclasses import dataclass
@@ -109,7 +110,12 @@ def _box(*values) -> list:
 
 
 def _forward(piece: torch.nn.Module, *args, **kwargs):
-    return piece.forward(*args, **kwargs)
+    return piece.forward(*args, **kwargs)  # looked up now: a recompile replaces it
+
+
+def past_hooks(fn):
+    """``fn``, a module called through its own ``forward`` (:func:`piece_calls`)."""
+    return functools.partial(_forward, fn) if isinstance(fn, torch.nn.Module) else fn
 
 
 def piece_calls(split: torch.fx.GraphModule, boxed: set[str]) -> None:
