@@ -54,6 +54,9 @@ COMPILERS = ("eager", "inductor")
 log = logging.getLogger("graphcap")
 _COMPILERS: weakref.WeakSet = weakref.WeakSet()  # every live compile, for counters()
 _ENDED: Counter = Counter()  # the counts of compiles that are gone, for counters()
+# split_ops names a graph of the process called: a forward with graph breaks is traced as
+# several graphs, each a compile of its own, and the op is called in one of them only.
+_MET: set[str] = set()
 
 
 class Traces:
@@ -157,10 +160,12 @@ class PiecewiseCompiler:
     def _meet(self, gm: torch.fx.GraphModule) -> None:
         """Tell, once, of ``split_ops`` names the first graph traced never calls (a
         module traced as another op than the one named: ``nn.Linear`` as
-        ``torch._C._nn.linear``, not ``aten::addmm``); a later graph calling one is
+        ``torch._C._nn.linear``, not ``aten::addmm``), unless a graph of the process
+        called them (the other side of a graph break); a later graph calling one is
         split at it as named."""
         called = {qualname(n.target) for n in gm.graph.nodes if n.op == "call_function"}
-        unmet, self.unmet = self.unmet - called, set()
+        _MET.update(self.unmet & called)
+        unmet, self.unmet = self.unmet - _MET, set()
         if unmet:
             log.warning("sgl_piecewise: split_ops names %s, which the traced forward never "
                         "calls (Dynamo traces torch functions, nn.Linear as "

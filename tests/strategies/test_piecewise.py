@@ -255,6 +255,32 @@ def test_split_ops_the_traced_forward_never_calls_are_told_once(caplog):
         told[0] and "registered ops it calls: none" in told[0], told
     assert compiler.stats["split_pieces"] == 0
 
+def test_a_split_op_called_before_a_graph_break_is_never_told_as_never_called(caplog):
+    # Dynamo hands the backend one graph per side of the break, each a compile of its
+    # own: the graph after the break (and its recompile for a new size) calls no split op.
+    class Broken(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            out = torch.empty_like(x)
+            torch.ops.graphcap_test.split_a(self.a(x), out)
+            torch._dynamo.graph_break()
+            return self.b(out)
+
+    torch.manual_seed(0)
+    m = Broken()
+    compiled = torch.compile(m, backend="sgl_piecewise", options={
+        "capture_sizes": [4, 8], "split_ops": ["graphcap_test::split_a"]})
+    with torch.inference_mode(), caplog.at_level("WARNING", "graphcap"):
+        for n in (4, 8, 4, 8):
+            x = torch.randn(n, 4)
+            torch.testing.assert_close(compiled(x), m(x))
+    told = [r.getMessage() for r in caplog.records if "never calls" in r.getMessage()]
+    assert told == []
+
+
 class RopeTable(torch.nn.Module):
     """A plain tensor attribute (gpt-fast's ``freqs_cis``), read before the tokens."""
 
