@@ -126,7 +126,9 @@ def check_tensors(args: Sequence, specs: Sequence[tuple[torch.dtype, tuple[int, 
             raise BadBatch(f"argument {i} is on {a.device}; the runner captured {device}: "
                            f"move it with .to({str(device)!r})")
         if a.dtype != dtype:
-            raise BadBatch(f"argument {i} has dtype {a.dtype}; the runner captured {dtype}")
+            raise BadBatch(f"argument {i} has dtype {a.dtype}; the runner captured {dtype}: "
+                           f"cast it with .to({dtype}), or capture the model for inputs "
+                           "of this dtype (runner.capture_all(example) of them)")
         if a.dim() == 0 or tuple(a.shape[1:]) != tail:
             raise BadBatch(f"argument {i} has shape {tuple(a.shape)}; expected (tokens, "
                            f"{', '.join(map(str, tail))})" if tail else

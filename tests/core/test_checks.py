@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphcap.core.checks import host_lengths, staged
+from graphcap.core.checks import check_tensors, host_lengths, staged
 from graphcap.errors import BadBatch
 
 INTS = st.integers(-2**31, 2**31 - 1)
@@ -63,3 +63,12 @@ def test_repeats_memory_is_whether_two_elements_share_a_place(dims):
     places = [sum(i * s for i, s in zip(index, strides, strict=True))
               for index in itertools.product(*map(range, sizes))]
     assert repeats_memory(t) == (len(set(places)) < len(places)), (sizes, strides)
+
+
+def test_an_argument_of_another_dtype_is_refused_naming_the_cast_and_the_capture():
+    specs = [(torch.float32, (8,))]
+    assert check_tensors([torch.zeros(3, 8)], specs, torch.device("cpu")) == 3
+    with pytest.raises(BadBatch, match=r"argument 0 has dtype torch.float64; the runner "
+                                       r"captured torch.float32: cast it with "
+                                       r"\.to\(torch.float32\).*capture_all\(example\)"):
+        check_tensors([torch.zeros(3, 8, dtype=torch.float64)], specs, torch.device("cpu"))
