@@ -215,17 +215,6 @@ def _histc_from_data(args, kwargs) -> bool:
     return low == high and args[0].numel() > 0
 
 
-_MULTINOMIAL = _overloads({"multinomial.default": "", "multinomial.out": ""})
-
-
-def _multinomial_checks(args, kwargs) -> bool:
-    """``torch.multinomial`` without replacement, or of one sample: its kernel first checks
-    the probabilities (finite, non-negative, a non-zero sum) by reading them on the host."""
-    samples = args[1] if len(args) > 1 else kwargs.get("num_samples")
-    replacement = args[2] if len(args) > 2 else kwargs.get("replacement", False)
-    return not replacement or samples == 1
-
-
 def check_op(func, args, kwargs, device: torch.device) -> None:
     """Raise CaptureError if the aten op ``func`` would synchronise with the host."""
     if _moves_to_host(func, args, kwargs, device):
@@ -241,9 +230,6 @@ def check_op(func, args, kwargs, device: torch.device) -> None:
     if func is aten.histc.default and _histc_from_data(args, kwargs):
         _raise("aten.histc", "torch.histc without min and max",
                "reads the data's minimum and maximum on the host")
-    if func in _MULTINOMIAL and _multinomial_checks(args, kwargs):
-        _raise("aten.multinomial", "torch.multinomial without replacement or of one sample",
-               "reads the probabilities on the host to check them")
     if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
         _raise("aten.repeat_interleave", "torch.repeat_interleave without output_size",
                "has an output size that depends on the data")

@@ -264,9 +264,6 @@ HOST_SYNCS = {
     "linalg.inv": ("host synchronisation", lambda t: torch.linalg.inv(torch.diag(t[:2] + 1))),
     "normal_std_tensor": ("host synchronisation", lambda t: torch.normal(t, t.abs() + 1)),
     "linspace_tensor_ends": ("host synchronisation", lambda t: torch.linspace(t[0], t[1], 4)),
-    "multinomial": ("host synchronisation", lambda t: torch.multinomial(t.abs() + 1, 1)),
-    "multinomial_without_replacement": (
-        "host synchronisation", lambda t: torch.multinomial(t.abs() + 1, 2, replacement=False)),
     # Host calls that wait for the device's work: no aten op, torch.cuda.synchronize()
     # even where the model runs on the CPU (as CUDA does, where it runs).
     "synchronize": ("synchronize", lambda t: torch.get_device_module(t.device).synchronize()),
