@@ -385,6 +385,26 @@ def test_random_ops_draw_fresh_values_on_every_replay(pool):
     assert region.calls == 1
 
 
+@pytest.mark.parametrize("samples,replacement", [(1, True), (1, False), (3, False), (3, True)])
+def test_sampling_with_multinomial_captures_and_draws_on_every_replay(pool, samples,
+                                                                       replacement):
+    # Its check of the probabilities is an asynchronous assert on the supported torch
+    # versions (2.11 on CUDA: no host read), so it is not refused.
+    probs = torch.zeros(64, 32, device=pool.device)
+    probs[:, :8] = 1.0  # only the first 8 categories can be drawn
+    graph = pool.graph()
+    drawn = graph.capture(lambda p: torch.multinomial(p, samples, replacement=replacement),
+                          probs)
+    seen = []
+    for _ in range(3):
+        graph.replay()
+        assert drawn.shape == (64, samples) and int(drawn.max()) < 8
+        if not replacement:  # distinct categories in each row
+            assert all(len(set(row)) == samples for row in drawn.tolist())
+        seen.append(drawn.clone())
+    assert not torch.equal(seen[0], seen[1]) or not torch.equal(seen[1], seen[2])
+
+
 def test_a_capture_draws_nothing_from_the_generator_its_replays_draw_from(pool):
     # CUDA's capture launches nothing: eager draws after it are those it would have made
     torch.manual_seed(0)
