@@ -29,15 +29,11 @@ capture: every hook registered anywhere takes a new ``RemovableHandle`` id, so a
 the model's hooks are compared again; the hook dicts that held one at capture are counted
 on every call (a hook removed).
 
-It records autocast too (on the model's kinds of device): a graph computes in the dtypes
-of its capture, so a call under other autocast settings is a change like the others.
-
-Python attributes (an ``eps``, a flag, ``training``, a plain tensor attribute that is no
-parameter or buffer) are not compared: they are baked into the graphs at capture, as in
-any CUDA graph; capture again after changing one. The plain tensor attributes the model
-held at capture are held here too, so that the graphs read them as they were, never
-freed memory.
-"""
+Autocast (on the model's kinds of device) and the model's ``training`` flag are compared
+too. Other Python attributes (an ``eps``, a flag, a submodule's ``training`` set alone, a
+plain tensor attribute that is no parameter or buffer) are baked into the graphs, as in
+any CUDA graph: capture again after changing one. The plain tensor attributes held at
+capture are held here, so that the graphs read them as they were, never freed memory."""
 
 from __future__ import annotations
 
@@ -223,7 +219,7 @@ class ModelSnapshot:
         # Autocast of the kinds of device the model's tensors are on (both: none).
         self._kinds = tuple(sorted({t.device.type for t in tensors} & {"cpu", "cuda"})) \
             or ("cpu", "cuda")
-        self._autocast = autocast_state(self._kinds)
+        self._autocast, self._training = autocast_state(self._kinds), model.training
         # Every hook registered anywhere takes the next handle id: the hooks are compared
         # after one, and those of capture are counted on every call (one removed).
         self._hook_id, self._hooks = RemovableHandle.next_id, forward_hooks(model)
@@ -236,7 +232,8 @@ class ModelSnapshot:
     def current(self) -> bool:
         """Whether every slot holds the tensor (or module) it held at capture, at the same
         address, and autocast as it was. Cheap enough for every call."""
-        if autocast_state(self._kinds) != self._autocast:
+        if autocast_state(self._kinds) != self._autocast or \
+                self.model.training != self._training:
             return False
         if self._registrations != _REGISTRATIONS[0] or not _HOOKED:
             if not (self._modules.same() and self._containers.same_order()
@@ -261,6 +258,9 @@ class ModelSnapshot:
         if (now := autocast_state(self._kinds)) != self._autocast:
             out.append(f"autocast on {', '.join(self._kinds)}: {now} (None: off); at "
                        f"capture {self._autocast}")
+        if self.model.training != self._training:
+            out.append(f"training: {self.model.training} ({self._training} at capture: "
+                       "model.train() or model.eval())")
         hooks = forward_hooks(self.model)
         for name in sorted(hooks.keys() | self._hooks.keys()):
             if hooks.get(name) != self._hooks.get(name):

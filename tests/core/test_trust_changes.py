@@ -93,7 +93,8 @@ CHANGES = {"reassigned parameter": (reassign, "lm_head.weight: another tensor"),
            "model.to(dtype)": (to_half, "its storage moved"),
            "replaced submodule": (replace_block, "blocks.1: another module"),
            "ModuleList.insert": (insert_block, r"blocks: ModuleList edited \(3 entries, 2"),
-           "del ModuleList[i]": (delete_block, r"blocks: ModuleList edited \(1 entries, 2")}
+           "del ModuleList[i]": (delete_block, r"blocks: ModuleList edited \(1 entries, 2"),
+           "model.train()": (lambda m: m.train(), r"training: True \(False at capture")}
 
 
 @pytest.mark.parametrize("strategy", GRAPHED)
@@ -283,6 +284,25 @@ def test_python_attributes_are_frozen_at_capture_until_recapture():
         assert torch.allclose(r(x), m(x) * 2.0 / 3.0, atol=1e-5)
         r.recapture()
         torch.testing.assert_close(r(x), m(x))
+
+
+@pytest.mark.parametrize("strategy", GRAPHED)
+def test_model_train_and_eval_after_capture_switch_the_replays_dropout(strategy):
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.5)).to(DEVICE).eval()
+    x = torch.randn(8, 64, device=DEVICE)
+    r = graphcap.capture(m, strategy, buckets=[8], example_inputs=(x,))
+    with torch.no_grad():
+        want = m(x)
+        torch.testing.assert_close(r(x), want)
+        m.train()  # eager drops half the outputs and doubles the rest: so must replays
+        dropped = r(x)
+        zeros = float((dropped == 0).float().mean())
+        assert 0.3 < zeros < 0.7, zeros  # 512 draws at p = 0.5
+        kept = dropped != 0
+        torch.testing.assert_close(dropped[kept], 2 * want[kept])
+        m.eval()
+        torch.testing.assert_close(r(x), want)
+    assert r.report()["recaptures"] == 2
 
 
 @pytest.mark.parametrize("strategy", GRAPHED)
