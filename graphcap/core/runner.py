@@ -154,13 +154,15 @@ class Runner:
         if bucket is not None:
             return self.entries[bucket], "replay"
         if not self.config.fallback:
-            raise BadBatch(f"{self._why_eager(reason)} and fallback=False; "
+            raise BadBatch(f"{self._why_eager(reason, batch)} and fallback=False; "
                            f"{_FIXES[reason]} or allow the eager fallback")
         return None, reason  # a counted fallback
 
-    def _why_eager(self, reason: str) -> str:
-        return (f"this batch cannot replay a graph ({reason.replace('_', ' ')}: buckets up "
-                f"to {self.max_tokens} tokens{self.inputs.limits()})")
+    def _why_eager(self, reason: str, batch: Batch) -> str:
+        pad = f"; its bucket is over {self.config.max_pad_ratio:g}x that" * (reason == "padding")
+        return (f"a batch of {batch.tokens} tokens cannot replay a graph ("
+                f"{reason.replace('_', ' ')}: buckets up to {self.max_tokens} tokens"
+                f"{self.inputs.limits()}{pad})")
 
     def _replay(self, entry: ShapeEntry, batch: Batch):
         # Host time here is what the GPU waits for: one staged copy, the rest in the graph.
@@ -196,7 +198,7 @@ class Runner:
         if self.stats.fallbacks[reason] == 1 and self.config.tell_fallbacks:  # once a reason
             log.warning("graphcap: a call ran eagerly: %s; later ones are only counted "
                         "(report()['fallbacks']): %s to replay them",
-                        self._why_eager(reason), _FIXES[reason])
+                        self._why_eager(reason, batch), _FIXES[reason])
         return tree_unflatten(outs, spec)
 
     def _check_change(self) -> str:
@@ -340,8 +342,7 @@ class Runner:
                 # lazy set-up; a module load a driver refuses during capture): warm it up
                 # eagerly, and capture again. An error of the model recurs there: raised.
                 self.stats.warmup_retries += 1
-                # Its words only: the error, whose traceback holds this frame, would make
-                # a cycle that keeps the failed capture's graphs until gc runs.
+                # Its words only: its traceback would keep the failed graphs until gc runs.
                 direct_failure = f"{type(exc).__name__}: {exc}"
         try:
             self._warm_up(bucket, state, sizes=first and self.strategy.sizes_pool)
@@ -394,7 +395,6 @@ class Runner:
         buffer counts twice: it ran again), ``warmup_retries``: shapes whose direct capture failed
         and were warmed up and captured again; what the inputs report (prefill: ``attention``, the
         backend the captured forward called, None if none); ``host_us_per_replay``: the mean host
-        time of a replayed call, from taking the lock to the graph's launch returning (checks,
-        routing, staging; not the GPU's, nor a wait's)."""
+        time of a replayed call, from the lock to the graph's launch."""
         with self._serial.held():
             return report_of(self)
