@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphcap.core.breaks import changed_by_a_break
 from graphcap.core.buckets import pick_bucket
+from graphcap.core.fixes import AGAIN, FIXES
 from graphcap.core.graphs import new_pool
 from graphcap.core.inputs import Batch, Inputs
 from graphcap.core.outputs import check_outputs
@@ -41,14 +42,6 @@ from graphcap.errors import (
 )
 
 log = logging.getLogger("graphcap")
-# What lets a batch that fell back replay instead, by the reason it fell back.
-_FIXES = {"padding": "add a smaller bucket (buckets=)",
-          "too_many_tokens": "add a larger bucket (buckets= or max_tokens=; an Engine's "
-                             "prefill_tokens, or chunked=True)",
-          "too_many_requests": "capture more request slots (max_requests=, a "
-                               "CachePrefillInputs' slots=; an Engine's max_batch)"}
-
-
 @dataclass
 class ShapeEntry:
     """One captured shape: its bucket, the inputs' state of it (prefill: its attention
@@ -155,7 +148,7 @@ class Runner:
             return self.entries[bucket], "replay"
         if not self.config.fallback:
             raise BadBatch(f"{self._why_eager(reason, batch)} and fallback=False; "
-                           f"{_FIXES[reason]} or allow the eager fallback")
+                           f"{FIXES[reason]} or allow the eager fallback")
         return None, reason  # a counted fallback
 
     def _why_eager(self, reason: str, batch: Batch) -> str:
@@ -198,7 +191,7 @@ class Runner:
         if self.stats.fallbacks[reason] == 1 and self.config.tell_fallbacks:  # once a reason
             log.warning("graphcap: a call ran eagerly: %s; later ones are only counted "
                         "(report()['fallbacks']): %s to replay them",
-                        self._why_eager(reason, batch), _FIXES[reason])
+                        self._why_eager(reason, batch), FIXES[reason])
         return tree_unflatten(outs, spec)
 
     def _check_change(self) -> str:
@@ -267,6 +260,7 @@ class Runner:
         if ranks is not None:  # the same shapes, from batches of the same shapes
             ranks.agree(f"capture {self.config.buckets}" + (
                 f": {self.inputs.describe(batch)}" if batch is not None else ""), "a capture")
+        again = self._snapshot is not None  # an earlier capture held: its inputs' shapes
         self._reset()
         # State derived from the parameters (fused weights) updated outside any graph.
         before = getattr(self.source, "graphcap_before_capture", None)
@@ -284,10 +278,12 @@ class Runner:
             self.pool.release_cache()  # what later warm-ups left outside the pool
             if ranks is not None:  # a rank that failed after its last collective says so
                 ranks.agree("captured", "the end of a capture")
-        except BaseException:
+        except BaseException as exc:
             # No half-built state, nor shapes of a call not captured: a later call starts over.
             self._reset()
             self.inputs.forget()
+            if again and batch is None and isinstance(exc, Exception):
+                exc.add_note(AGAIN)
             raise
         # The model as the graphs read it: after its warm-ups (lazy modules materialise,
         # a forward may replace a buffer on first sight of the largest shape).

@@ -82,6 +82,9 @@ def test_capture_all_with_an_example_captures_the_dtypes_and_shapes_of_that_exam
     m.double()
     with pytest.raises(ModelChanged, match=r"other dtypes now: runner.capture_all\(example\)"):
         r(rows())
+    with pytest.raises(RuntimeError) as info:  # the model's own error, on old dtypes
+        r.recapture()
+    assert "runner.capture_all(example)" in "".join(info.value.__notes__)
     r.capture_all((rows(4, torch.float64),))
     x = rows(dtype=torch.float64)
     with torch.no_grad():
