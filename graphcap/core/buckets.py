@@ -8,15 +8,16 @@ from graphcap.core.checks import as_int
 _RUNGS = ((4, 32, 4), (48, 256, 16), (288, 512, 32), (576, 1024, 64), (1280, 4096, 256))
 
 
-def prefill_ladder(max_tokens: int) -> list[int]:
-    """Token buckets up to ``max_tokens`` (which is always the last one), ascending.
+def prefill_ladder(max_tokens: int, name: str = "max_tokens") -> list[int]:
+    """Token buckets up to ``max_tokens`` (which is always the last one), ascending
+    (``name``: what the messages call it).
 
     4..32 step 4, 48..256 step 16, 288..512 step 32, 576..1024 step 64, 1280..4096 step
     256, then step 512: 42 shapes for 2048.
     """
-    max_tokens = as_int(max_tokens, "max_tokens")
+    max_tokens = as_int(max_tokens, name)
     if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        raise ValueError(f"{name} must be >= 1, got {max_tokens}")
     sizes = [n for start, stop, step in _RUNGS for n in range(start, stop + 1, step)]
     sizes += list(range(4096 + 512, max_tokens + 1, 512))
     ladder = [n for n in sizes if n < max_tokens]
@@ -28,7 +29,7 @@ def check_ladder(buckets, name: str = "buckets", item: str = "bucket") -> list[i
     rounded), returned sorted without duplicates."""
     if isinstance(buckets, (str, bytes)) or not hasattr(buckets, "__iter__"):
         raise ValueError(f"{name} must be a list of positive integers, got {buckets!r}")
-    ladder = sorted({as_int(b, f"every {item}") for b in buckets})
+    ladder = sorted({as_int(b, f"{name}: every {item}") for b in buckets})
     if not ladder or ladder[0] < 1:
         raise ValueError(f"{name} must be a non-empty list of positive integers, got "
                          f"{buckets!r}")

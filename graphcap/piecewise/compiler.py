@@ -104,7 +104,8 @@ class PiecewiseCompiler:
                                 "(max_tokens is the top of the default capture sizes)")
         self.capture_sizes = set(check_ladder(
             opts["capture_sizes"], "sgl_piecewise: capture_sizes", "capture size")
-            if "capture_sizes" in opts else prefill_ladder(opts.get("max_tokens", 2048)))
+            if "capture_sizes" in opts else
+            prefill_ladder(opts.get("max_tokens", 2048), "sgl_piecewise: max_tokens"))
         self.compiler = opts.get("compiler", "eager")
         if self.compiler not in COMPILERS:
             raise GraphcapError(f"sgl_piecewise: compiler={self.compiler!r}; use one of "

@@ -387,7 +387,10 @@ def test_options_are_checked():
     ({"pool": "mine"}, "pool='mine' is no graphcap GraphPool"),
     ({"capture_sizes": []}, "capture_sizes must be a non-empty list"),  # not the default
     ({"capture_sizes": [4], "max_tokens": 64}, "capture_sizes or max_tokens, not both"),
-    ({"capture_sizes": [4.0]}, "every capture size must be an integer")])
+    ({"capture_sizes": [4.0]}, "sgl_piecewise: capture_sizes: every capture size must be an "
+                               "integer, got 4.0"),
+    ({"max_tokens": 64.0}, "sgl_piecewise: max_tokens must be an integer, got 64.0"),
+    ({"max_tokens": 0}, "sgl_piecewise: max_tokens must be >= 1, got 0")])
 def test_an_option_of_the_wrong_kind_is_refused_naming_it(options, needle):
     with pytest.raises((graphcap.GraphcapError, ValueError), match=re.escape(needle)):
         PiecewiseCompiler(options)
