@@ -375,5 +375,7 @@ class DebugStrategy(Strategy):
     sizes_pool = False  # no graph is captured into the pool
 
     def capture(self, fn, key, pool: GraphPool) -> Captured:
-        brk = Break(fn, (), {}, fn())
-        return Captured(brk.replay, segments=0, breaks=1)
+        fn()  # it writes the runner's outputs itself, as every call of it does
+        # Not a Break: the forward's own Python runs, its try/except too, so an error of
+        # the model reaches the caller as eagerly, without a note on breaks' replays.
+        return Captured(fn, segments=0, breaks=1)

@@ -147,6 +147,23 @@ def test_a_breaks_exception_at_replay_says_the_forward_cannot_catch_it_there():
                                torch.full((4, 2), 3.0, device=DEVICE))
 
 
+class Bounded(torch.nn.Module):
+    def forward(self, x):
+        return bounded(x) + 1
+
+
+def test_an_error_of_the_model_under_debug_reaches_the_caller_without_a_note_on_breaks():
+    r = graphcap.capture(Bounded(), "breakable", buckets=[4], debug=True,
+                         example_inputs=(torch.ones(4, 2, device=DEVICE),))
+    with pytest.raises(ValueError, match="out of bounds") as caught:
+        r(torch.full((4, 2), 1000.0, device=DEVICE))  # the forward's Python ran: as eagerly
+    assert not getattr(caught.value, "__notes__", [])
+    r = graphcap.capture(CatchesOnSomeCalls(), "breakable", buckets=[4], debug=True,
+                         example_inputs=(torch.ones(4, 2, device=DEVICE),))
+    torch.testing.assert_close(r(torch.full((4, 2), 1000.0, device=DEVICE)),  # caught
+                               torch.full((4, 2), 999.0, device=DEVICE))
+
+
 def test_a_marked_function_is_a_plain_call_under_torch_compile():
     m = WritesThroughTheView()
     x = torch.randn(4, 2, device=DEVICE)
