@@ -229,6 +229,7 @@ class BreakableCapture:
         self._outputs: Any = None
         self._modules: dict = {}  # _given's modules of this capture
         self._autocast: tuple | None = None  # autocast_state() as the forward began
+        self._inference = False  # whether it ran in inference mode (its tensors: inference's)
 
     def _open(self) -> None:
         self._segment = self.pool.graph()
@@ -292,6 +293,7 @@ class BreakableCapture:
         self._fn = fn
         self._raised = None
         self._autocast = autocast_state()
+        self._inference = torch.is_inference_mode_enabled()
         self._open()
         try:
             with break_handler(self._on_break):
@@ -337,7 +339,11 @@ class BreakableCapture:
     def replay(self) -> None:
         """Segment, break, segment, ...; unless ``trusted_states``, under another state
         object than the captured one the function runs eagerly instead and its results
-        are copied into the captured outputs."""
+        are copied into the captured outputs. The breaks run in inference mode as at
+        capture (a copy into a buffer made in it must be), whatever the caller's is now."""
+        if torch.is_inference_mode_enabled() != self._inference:
+            with torch.inference_mode(self._inference):
+                return self.replay()
         if not self.trusted_states and not self.current():
             fresh = self._fn()
             for kept, new in zip(tensor_leaves(self._outputs), tensor_leaves(fresh),

@@ -182,6 +182,23 @@ def test_a_breakable_capture_runs_once():
         bcg.run(lambda: x + 1)
 
 
+@pytest.mark.parametrize("captured_in", [torch.inference_mode, torch.no_grad])
+def test_a_breakable_capture_replays_whatever_the_callers_grad_mode(captured_in):
+    from graphcap.breakable import BreakableCapture
+    from graphcap.core import new_pool
+
+    x, lin = torch.zeros(4, 4, device=DEVICE), torch.nn.Linear(4, 4, device=DEVICE)
+    bcg = BreakableCapture(new_pool(DEVICE))
+    with captured_in():
+        out = bcg.run(lambda: newest_doubled([lin(x)]) + 1)
+    for replayed_in in (torch.enable_grad, torch.no_grad, torch.inference_mode):
+        x.copy_(torch.randn(4, 4, device=DEVICE))
+        with replayed_in():
+            bcg.replay()
+        with torch.no_grad():
+            torch.testing.assert_close(out, lin(x) * 2 + 1)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="a graph on the GPU, a result on the host")
 def test_a_break_result_off_the_graphs_device_is_refused():
     host = graphcap.eager_on_graph(lambda h: h.abs().amax().cpu())
