@@ -125,6 +125,7 @@ def check_tensors(args: Sequence, specs: Sequence[tuple[torch.dtype, tuple[int, 
         if a.device != device:
             raise BadBatch(f"argument {i} is on {a.device}; the runner captured {device}: "
                            f"move it with .to({str(device)!r})")
+        check_strided(a, f"argument {i}")
         if a.dtype != dtype:
             raise BadBatch(f"argument {i} has dtype {a.dtype}; the runner captured {dtype}: "
                            f"cast it with .to({dtype}), or capture the model for inputs "
@@ -140,6 +141,14 @@ def check_tensors(args: Sequence, specs: Sequence[tuple[torch.dtype, tuple[int, 
     if not tokens:
         raise BadBatch("empty batch: at least one token is needed")
     return tokens
+
+
+def check_strided(t: torch.Tensor, what: str) -> None:
+    """A dense tensor: one of another layout (sparse, mkldnn) cannot be copied into a
+    static buffer, which would fail only once the call is under way."""
+    if t.layout != torch.strided:
+        raise BadBatch(f"{what} is a {str(t.layout).removeprefix('torch.')} tensor; the "
+                       "runner copies dense tensors into its buffers: pass t.to_dense()")
 
 
 def check_lengths(seq_lens, *, tokens: int | None = None, slots: int | None = None,
@@ -169,6 +178,7 @@ def check_prefill(input_ids, positions, seq_lens, device: torch.device) -> list[
             raise BadBatch(f"{name} has dtype {t.dtype}; use torch.int64 (or int32)")
         if t.device != device:
             raise BadBatch(f"{name} is on {t.device}; the runner captured {device}")
+        check_strided(t, name)
     if input_ids.shape != positions.shape:
         raise BadBatch(f"input_ids {tuple(input_ids.shape)} and positions "
                        f"{tuple(positions.shape)} must have the same length")

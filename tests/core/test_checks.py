@@ -72,3 +72,10 @@ def test_an_argument_of_another_dtype_is_refused_naming_the_cast_and_the_capture
                                        r"captured torch.float32: cast it with "
                                        r"\.to\(torch.float32\).*capture_all\(example\)"):
         check_tensors([torch.zeros(3, 8, dtype=torch.float64)], specs, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("layout", ["to_sparse", "to_sparse_csr"])
+def test_an_argument_of_another_layout_than_dense_is_refused_before_it_is_copied(layout):
+    specs = [(torch.float32, (8,))]
+    with pytest.raises(BadBatch, match=r"argument 0 is a sparse_\w+ tensor.*to_dense"):
+        check_tensors([getattr(torch.randn(3, 8), layout)()], specs, torch.device("cpu"))

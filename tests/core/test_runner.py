@@ -25,6 +25,7 @@ BAD = {
     "float ids": (lambda ids, pos: (ids.float(), pos, [5, 3]), "dtype"),
     "ids on another device": (lambda ids, pos: (ids.to("meta"), pos, [5, 3]), "meta"),
     "empty batch": (lambda ids, pos: (ids[:0], pos[:0], [0]), "empty"),
+    "sparse ids": (lambda ids, pos: (ids.to_sparse(), pos, [5, 3]), "sparse_coo.*to_dense"),
     "lengths do not sum": (lambda ids, pos: (ids, pos, [5, 2]), "sum to 7 but there are 8"),
     "negative length": (lambda ids, pos: (ids, pos, [9, -1]), "non-negative"),
     "no seq_lens": (lambda ids, pos: (ids, pos, None), "seq_lens"),
