@@ -3,6 +3,8 @@ host syncs fail capture with advice; eager breaks; debug mode; outputs and repor
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -437,6 +439,24 @@ def test_outputs_of_another_structure_for_another_shape_are_refused_at_capture()
     with pytest.raises(UnsupportedStrategy, match="outputs of one structure"):
         graphcap.capture(Reordered(), "full", buckets=[4, 8],
                          example_inputs=(torch.randn(8, 4),))
+
+
+def test_a_dataclass_of_outputs_is_refused_naming_the_containers_torch_looks_into():
+    @dataclasses.dataclass
+    class Output:
+        logits: torch.Tensor
+
+    class Wrapped(torch.nn.Module):
+        def forward(self, x):
+            return Output(x * 2)
+
+    with pytest.raises(UnsupportedStrategy, match="Output is a class torch's pytree does "
+                                                  "not look into.*register_dataclass"):
+        graphcap.capture(Wrapped(), "full", buckets=[4], example_inputs=(torch.randn(4, 4),))
+    torch.utils._pytree.register_dataclass(Output)
+    r = graphcap.capture(Wrapped(), "full", buckets=[4], example_inputs=(torch.randn(4, 4),))
+    x = torch.randn(3, 4)
+    assert torch.equal(r(x).logits, x * 2)
 
 
 def test_eager_on_graph_refuses_what_is_no_function_where_it_is_marked():
