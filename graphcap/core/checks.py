@@ -136,8 +136,10 @@ def check_tensors(args: Sequence, specs: Sequence[tuple[torch.dtype, tuple[int, 
                            f"argument {i} has shape {tuple(a.shape)}; expected (tokens,)")
         tokens = a.shape[0] if tokens is None else tokens
         if a.shape[0] != tokens:
-            raise BadBatch(f"arguments disagree on the token count (dim 0): {tokens} and "
-                           f"{a.shape[0]}")
+            raise BadBatch(f"argument {i} has {a.shape[0]} rows along dim 0 but argument 0 "
+                           f"has {tokens}: every argument of a model of tensors has the "
+                           "call's rows (tokens) along dim 0; pass a tensor of other rows "
+                           "as a parameter or buffer of the model")
     if not tokens:
         raise BadBatch("empty batch: at least one token is needed")
     return tokens

@@ -79,3 +79,11 @@ def test_an_argument_of_another_layout_than_dense_is_refused_before_it_is_copied
     specs = [(torch.float32, (8,))]
     with pytest.raises(BadBatch, match=r"argument 0 is a sparse_\w+ tensor.*to_dense"):
         check_tensors([getattr(torch.randn(3, 8), layout)()], specs, torch.device("cpu"))
+
+
+def test_arguments_of_other_row_counts_are_refused_naming_the_argument_and_both_counts():
+    specs = [(torch.float32, (8,)), (torch.int64, ())]
+    with pytest.raises(BadBatch, match="argument 1 has 4 rows along dim 0 but argument 0 "
+                                       "has 3"):
+        check_tensors([torch.zeros(3, 8), torch.zeros(4, dtype=torch.long)], specs,
+                      torch.device("cpu"))
