@@ -88,10 +88,12 @@ def inputs_of(model: torch.nn.Module, inputs: str | None = None) -> str:
     if declared is None:
         params = list(inspect.signature(model.forward).parameters)
         return "prefill" if params[:2] == ["input_ids", "positions"] else "tensors"
-    if declared not in INPUTS:
-        raise ValueError(f"inputs={declared!r}: a model takes 'prefill' (packed requests: "
-                         "forward(input_ids, positions), called with seq_lens) or 'tensors' "
-                         "(tensors along dim 0)")
+    if declared not in INPUTS:  # the model's own declaration named as such: not an argument
+        where = f"inputs={declared!r}" if inputs is not None else \
+            f"{type(model).__name__}.graphcap_inputs is {declared!r}"
+        raise UnsupportedModel(f"{where}: a model takes 'prefill' (packed requests: "
+                               "forward(input_ids, positions), called with seq_lens) or "
+                               "'tensors' (tensors along dim 0)")
     if declared == "prefill":
         params = list(inspect.signature(model.forward).parameters.values())
         if any(p.kind == p.VAR_POSITIONAL for p in params):  # a wrapper's: torch.compile's

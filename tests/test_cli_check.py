@@ -336,3 +336,22 @@ def test_a_factory_that_returns_no_model_is_told_what_to_return(capsys, user_mod
         """)
     message = refused(capsys, "check", f"{name}:build")
     assert message.strip() == f"graphcap check: the factory returned {told}", message
+
+
+def test_a_model_whose_graphcap_inputs_names_no_kind_is_refused_naming_the_attribute(
+        capsys, user_module):
+    name = user_module("misdeclared", """
+        import torch
+
+        class Tagger(torch.nn.Module):
+            graphcap_inputs = "prefil"
+
+            def forward(self, input_ids, positions):
+                return input_ids
+
+        def build():
+            return Tagger()
+        """)
+    message = refused(capsys, "check", f"{name}:build")
+    assert message.startswith("graphcap check: Tagger.graphcap_inputs is 'prefil': a model "
+                              "takes 'prefill'"), message
