@@ -315,10 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", required=True,
                      help="a prompt (repeat for several: decoded together)")
     gen.add_argument("--max-new-tokens", type=_positive, default=64, help="per prompt")
-    gen.add_argument("--strategy", default="full", choices=("eager",) + tuple(GRAPHED))
+    gen.add_argument("--strategy", default="full", choices=("eager",) + tuple(GRAPHED),
+                     help="how prefill and decode steps run (eager: no graphs)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0: every token")
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0, help="1: every token")
     gen.add_argument("--seed", type=int, default=0, help="of the draws")
     gen.add_argument("--stop", action="append", default=None,
                      help="a string that ends a prompt's text (repeat for several)")

@@ -132,7 +132,9 @@ def test_every_command_s_help_shows_its_defaults_and_choices(capsys):
                              "bench": ["default 30,",
                                        "{ops,prefill,decode,generate,build,memory}"],
                              "demo": ["(default: 5)", "{cuda,cpu}"],
-                             "ops": ["--json"]}.items():
+                             "ops": ["--json"],
+                             "generate": ["(default: full)", "(default: 1.0)",
+                                          "(default: 64)"]}.items():
         code, out, err = cli(capsys, command, "--help")
         assert code == 0, err
         for needle in needles:
