@@ -79,7 +79,7 @@ def _generate(args: argparse.Namespace) -> int:
                   max_len=args.max_len, prefill_tokens=args.prefill_tokens,
                   progress=sys.stderr.isatty())
     except (ValueError, OSError) as exc:  # the directory, its files, an option's value
-        raise GraphcapError(str(exc)) from exc
+        raise GraphcapError(_as_flags(str(exc))) from exc
     if llm.tokenizer is None:
         raise GraphcapError(f"{args.checkpoint} has no tokenizer files: graphcap generate "
                             "takes text prompts (graphcap.LLM takes token ids)")
@@ -93,8 +93,15 @@ def _generate(args: argparse.Namespace) -> int:
             for done in llm.generate(args.prompt, args.max_new_tokens, **options):
                 print(f"[{done.index}] {done.text}")
     except ValueError as exc:  # a prompt too long for --max-len, say
-        raise GraphcapError(str(exc)) from exc
+        raise GraphcapError(_as_flags(str(exc))) from exc
     return 0
+
+
+def _as_flags(message: str) -> str:
+    """An error of graphcap.LLM with its options named as generate's flags (max_len:
+    --max-len), which are what a user of the command changes."""
+    return re.sub(r"\b(max_len|max_batch|prefill_tokens)\b",
+                  lambda m: "--" + m[1].replace("_", "-"), message)
 
 
 # The options of bench, their defaults, and which each suite reads (another given is an

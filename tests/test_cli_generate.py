@@ -46,7 +46,8 @@ def test_several_prompts_give_a_line_each_and_sampling_options_are_taken(checkpo
 
 @pytest.mark.parametrize(("args", "message"), [
     (["/nonexistent/dir", "--prompt", "x"], "not a directory"),
-    (["CHECKPOINT", "--prompt", "x" * 50, *OPTIONS], "passes this LLM's max_len 40"),
+    (["CHECKPOINT", "--prompt", "x" * 50, *OPTIONS], "passes this LLM's --max-len 40"),
+    (["CHECKPOINT", "--prompt", "x", "--max-len", "100000"], "with --max-len at most 256"),
     (["CHECKPOINT", "--prompt", "x", "--top-p", "0"], "--top-p must be"),
 ])
 def test_bad_input_is_one_line_on_stderr_and_exit_status_2(checkpoint, capsys, args,
