@@ -58,6 +58,14 @@ def test_bad_input_is_one_line_on_stderr_and_exit_status_2(checkpoint, capsys, a
     assert last.startswith("graphcap generate: ") and message in last
 
 
+def test_a_directory_without_config_json_is_named_as_no_checkpoint(tmp_path, capsys):
+    assert main(["generate", str(tmp_path), "--prompt", "x"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"graphcap generate: LLM({str(tmp_path)!r}): the directory has no config.json; give "
+        "a local Hugging Face checkpoint directory (config.json, safetensors, tokenizer "
+        "files)")
+
+
 def test_a_checkpoint_without_tokenizer_files_has_no_tokenizer(tmp_path, capsys):
     # transformers 5 builds a Qwen3 config's tokenizer from nothing (an empty vocabulary
     # whose eos id 0 would end every request drawing token 0): token ids only here.

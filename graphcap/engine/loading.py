@@ -38,6 +38,11 @@ def _load(path: str, tokenizer):
     if not os.path.isdir(path):
         raise ValueError(f"LLM({path!r}): not a directory; give a local Hugging Face "
                          "checkpoint directory (config.json, safetensors, tokenizer files)")
+    if not os.path.isfile(os.path.join(path, "config.json")):  # else transformers asks
+        # for a model_type key in a config.json that is not there
+        raise ValueError(f"LLM({path!r}): the directory has no config.json; give a local "
+                         "Hugging Face checkpoint directory (config.json, safetensors, "
+                         "tokenizer files)")
     import transformers
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
