@@ -200,6 +200,13 @@ def run_check(spec: str, strategies=None, examples: int = 10, sequences: int = 3
                   f"{', '.join(left)} left out")
     from graphcap.api import _device_of
     from graphcap.core.graphs import graph_kind
+    from graphcap.testing.replay import request_room
+
+    try:  # a model of few positions: requests long enough to fill --max-tokens
+        request_room(model, max_tokens, max_requests)
+    except ValueError as exc:
+        raise GraphcapError(str(exc).replace("max_tokens", "--max-tokens").replace(
+            "max_requests", "--max-requests")) from None
 
     device = _device_of(model)  # where it runs, on which graphs: a CPU model, emulated ones
     print(f"graphcap check {spec}: {type(model).__name__}{wrapped} on {device} "

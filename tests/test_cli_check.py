@@ -355,3 +355,20 @@ def test_a_model_whose_graphcap_inputs_names_no_kind_is_refused_naming_the_attri
     message = refused(capsys, "check", f"{name}:build")
     assert message.startswith("graphcap check: Tagger.graphcap_inputs is 'prefil': a model "
                               "takes 'prefill'"), message
+
+
+def test_check_draws_no_request_past_the_model_s_positions(capsys):
+    # 64-token buckets, and batches past them of 128 tokens in 4 requests: requests of
+    # more than 40 tokens read past the rotary table (an IndexError's traceback).
+    code, out, err = cli(capsys, "check", "tests.support.check_models:short_positions",
+                         "--examples", "3", "--sequences", "1", "--strategies", "full")
+    assert code == 0, out + err
+
+
+def test_check_refuses_buckets_only_requests_past_the_model_s_positions_fill(capsys):
+    message = refused(capsys, "check", "tests.support.check_models:short_positions",
+                      "--max-requests", "1")
+    assert message.strip() == (
+        "graphcap check: --max-tokens 64 is filled only by requests longer than Decoder's "
+        "max_position 40 with --max-requests 1: give --max-requests of at least 2, or "
+        "--max-tokens of at most 40"), message

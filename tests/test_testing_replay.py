@@ -45,6 +45,20 @@ def test_the_full_batch_packs_as_many_unequal_requests_as_fit(max_tokens, max_re
         assert len(set(lens)) == want
 
 
+@settings(max_examples=10, deadline=None)
+@given(batch=prefill_batches(64, 3, 100, max_len=10))
+def test_drawn_requests_are_no_longer_than_max_len(batch):
+    _, _, lens = batch
+    assert max(lens) <= 10 and sum(lens) <= 30
+
+
+def test_the_full_batch_within_max_len_spreads_its_tokens_evenly():
+    _, _, lens = full_batch(64, 4, 100, max_len=20)
+    assert lens == [16, 16, 16, 16]
+    with pytest.raises(ValueError, match="need requests of more than max_len 10"):
+        full_batch(64, 4, 100, max_len=10)
+
+
 def test_a_full_batch_that_cannot_hold_one_request_is_refused():
     with pytest.raises(ValueError, match="max_tokens 4 holds no request of min_len 5"):
         full_batch(4, 2, 10, min_len=5)

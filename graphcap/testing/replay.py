@@ -184,18 +184,23 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
     # Sequences also draw batches past the largest bucket and the slots: fallbacks.
     # A model with a row per request (last-token logits) takes no empty requests.
     min_len = 1 if getattr(model, "output_rows", "tokens") == "requests" else 0
+    # No request past the model's positions; the largest bucket filled by the batches
+    # drawn (not by batches= of the caller's).
+    max_len = request_room(model, top if batches is None else None, max_requests)
 
     # More requests than slots only for a model that runs graphcap attention: one that
     # runs none takes one request a call (max_requests=1), eagerly too.
     def wide(extra):
         return prefill_batches(2 * top, max_requests + extra, vocab, device=device,
-                               min_len=min_len)
+                               min_len=min_len, max_len=max_len)
     # With the default batches, the fullest one, and a most padded and a full batch of
     # every bucket, are checked after those drawn, whatever is drawn.
     full = None
     if batches is None:
-        full = full_batch(top, max_requests, vocab, device=device, min_len=min_len)
-        batches = prefill_batches(top, max_requests, vocab, device=device, min_len=min_len)
+        full = full_batch(top, max_requests, vocab, device=device, min_len=min_len,
+                          max_len=max_len)
+        batches = prefill_batches(top, max_requests, vocab, device=device, min_len=min_len,
+                                  max_len=max_len)
     kwargs = dict(buckets=buckets, max_tokens=None if buckets else max_tokens,
                   max_requests=max_requests, attention=attention)
     reports = {}
@@ -207,8 +212,25 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
         opts = dict(kwargs, compiler=compiler) if strategy == "tc_piecewise" else kwargs
         reports[strategy] = _check_strategy(
             model, strategy, opts, truth, batches, wide, full, tol, examples, sequences,
-            attention, dict(vocab=vocab, device=device, min_len=min_len), models)
+            attention, dict(vocab=vocab, device=device, min_len=min_len, max_len=max_len),
+            models)
     return reports
+
+
+def request_room(model, max_tokens: int | None, max_requests: int) -> int | None:
+    """The most tokens a drawn request may take: the model's ``max_position`` (None where
+    it has none), whose positions a longer request would pass; a ValueError where
+    ``max_requests`` requests that long cannot fill ``max_tokens`` (None: none to fill)."""
+    positions = getattr(model, "max_position", None)
+    if not isinstance(positions, int) or isinstance(positions, bool) or positions < 1:
+        return None
+    if max_tokens is not None and max_requests * positions < max_tokens:
+        raise ValueError(
+            f"max_tokens {max_tokens} is filled only by requests longer than "
+            f"{type(model).__name__}'s max_position {positions} with max_requests "
+            f"{max_requests}: give max_requests of at least {-(-max_tokens // positions)}, "
+            f"or max_tokens of at most {max_requests * positions}")
+    return positions
 
 
 def _quiet(runner):
@@ -288,14 +310,18 @@ def _check_strategy(model, strategy, kwargs, truth, batches, wide, full, tol, ex
             ladder = runner.config.buckets
             for batch in [full, *bucket_batches(
                     ladder, kwargs["max_requests"], draw["vocab"], device=draw["device"],
-                    min_len=draw["min_len"], max_pad_ratio=runner.config.max_pad_ratio)]:
+                    min_len=draw["min_len"], max_pad_ratio=runner.config.max_pad_ratio,
+                    max_len=draw["max_len"])]:
                 check(batch)
             # Replays around every kind of fallback, whatever hypothesis draws: past the
             # largest bucket, past the slots (a model of graphcap attention), padded more
             # than twice over (where a bucket is that large).
             def make(tokens, requests):
+                if draw["max_len"]:  # requests within the model's positions: more of them
+                    requests = max(requests, -(-tokens // draw["max_len"]))
                 return full_batch(tokens, requests, draw["vocab"], device=draw["device"],
-                                  min_len=draw["min_len"], seed=tokens + requests)
+                                  min_len=draw["min_len"], seed=tokens + requests,
+                                  max_len=draw["max_len"])
             top, slots = ladder[-1], kwargs["max_requests"]
             calls = [full, make(2 * top, slots)]
             if attends and top >= slots + 1:

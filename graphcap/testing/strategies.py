@@ -48,26 +48,31 @@ def _refuse_empty(what: str, max_tokens: int, max_requests: int, vocab: int,
 
 
 def prefill_batches(max_tokens: int, max_requests: int, vocab: int, *, device="cpu",
-                    min_token_id: int = 1, min_len: int = 0):
+                    min_token_id: int = 1, min_len: int = 0, max_len: int | None = None):
     """Batches of packed prefill requests: ``(input_ids, positions, seq_lens)`` with 1 to
     ``max_requests`` requests, lengths from ``min_len`` (default 0, sentinel-like) up to
-    ``max_tokens`` in all, edge lengths (1, powers of two and their neighbours,
-    ``max_tokens``) favoured. ``min_len=1`` for models that return a row per request."""
+    ``max_len`` each (default: any; a model's positions) and ``max_tokens`` in all, edge
+    lengths (1, powers of two and their neighbours, ``max_tokens``) favoured.
+    ``min_len=1`` for models that return a row per request."""
     from hypothesis import strategies as st
 
     _refuse_empty("prefill_batches", max_tokens, max_requests, vocab, min_token_id)
     if min_len > max_tokens:
         raise ValueError(f"prefill_batches: min_len {min_len} exceeds max_tokens "
                          f"{max_tokens}: no request fits")
+    longest = max_tokens if max_len is None else min(max_tokens, max_len)
+    if longest < max(min_len, 1):
+        raise ValueError(f"prefill_batches: max_len {max_len} holds no request of min_len "
+                         f"{max(min_len, 1)}")
     if min_len:  # as many requests as fit min_len tokens each
         max_requests = min(max_requests, max_tokens // min_len)
-    edges = sorted({0, 1, 2, 3, 4, 7, 8, 15, 16, 31, 32, max_tokens} & set(
-        range(min_len, max_tokens + 1)))
+    edges = sorted({0, 1, 2, 3, 4, 7, 8, 15, 16, 31, 32, longest} & set(
+        range(min_len, longest + 1)))
 
     @st.composite
     def draw(d):
         n = d(st.integers(1, max_requests))
-        lens = [d(st.one_of(st.sampled_from(edges), st.integers(min_len, max_tokens)))
+        lens = [d(st.one_of(st.sampled_from(edges), st.integers(min_len, longest)))
                 for _ in range(n)]
         while sum(lens) > max_tokens:
             i = lens.index(max(lens))
@@ -84,11 +89,13 @@ def prefill_batches(max_tokens: int, max_requests: int, vocab: int, *, device="c
 
 
 def full_batch(max_tokens: int, max_requests: int, vocab: int, *, device="cpu",
-               min_token_id: int = 1, min_len: int = 0, seed: int = 0):
+               min_token_id: int = 1, min_len: int = 0, seed: int = 0,
+               max_len: int | None = None):
     """One batch of :func:`prefill_batches`' range that packs the most: as many requests
-    as fit (up to ``max_requests``, at least ``min_len`` and one token each), of unequal
-    lengths where there is room, ``max_tokens`` tokens in all. A check of few drawn
-    examples runs it too: hypothesis draws its simplest batch, one short request, first."""
+    as fit (up to ``max_requests``, at least ``min_len`` and one token each, at most
+    ``max_len``), of unequal lengths where there is room, ``max_tokens`` tokens in all. A
+    check of few drawn examples runs it too: hypothesis draws its simplest batch, one
+    short request, first."""
     _refuse_empty("full_batch", max_tokens, max_requests, vocab, min_token_id)
     if max_tokens < max(min_len, 1):
         raise ValueError(f"full_batch: max_tokens {max_tokens} holds no request of "
@@ -99,6 +106,11 @@ def full_batch(max_tokens: int, max_requests: int, vocab: int, *, device="cpu",
     weights = range(1, n + 1)  # the i-th request takes i parts of what is left
     lens = [base + spare * w // sum(weights) for w in weights]
     lens[-1] += max_tokens - sum(lens)
+    if max_len is not None and lens[-1] > max_len:  # even lengths, each within max_len
+        if n * max_len < max_tokens:
+            raise ValueError(f"full_batch: {max_tokens} tokens need requests of more than "
+                             f"max_len {max_len} tokens with {n} requests")
+        lens = [max_tokens // n + (i < max_tokens % n) for i in range(n)]
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(min_token_id, vocab, (max_tokens,), generator=gen)
     pos = torch.cat([torch.arange(k) for k in lens])
@@ -107,7 +119,7 @@ def full_batch(max_tokens: int, max_requests: int, vocab: int, *, device="cpu",
 
 def bucket_batches(buckets, max_requests: int, vocab: int, *, device="cpu",
                    min_token_id: int = 1, min_len: int = 0, max_pad_ratio: float = 2.0,
-                   seed: int = 0) -> list:
+                   seed: int = 0, max_len: int | None = None) -> list:
     """Per bucket (ascending), two batches of :func:`full_batch`'s packing that replay it:
     the most padded one (the fewest tokens it takes: one past the bucket below, and no
     more than ``max_pad_ratio`` times padded) and one that fills it. Hypothesis draws
@@ -122,5 +134,5 @@ def bucket_batches(buckets, max_requests: int, vocab: int, *, device="cpu",
             if tokens <= bucket:
                 out.append(full_batch(tokens, max_requests, vocab, device=device,
                                       min_token_id=min_token_id, min_len=min_len,
-                                      seed=seed + tokens))
+                                      seed=seed + tokens, max_len=max_len))
     return out

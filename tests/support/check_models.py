@@ -159,3 +159,14 @@ class TwoTensors(torch.nn.Module):
 def two_tensors():
     """Neither a model of packed requests nor a causal LM."""
     return TwoTensors()
+
+
+def short_positions():
+    """The tiny decoder with 40 positions: a longer request reads past its rotary table."""
+    import dataclasses
+
+    from graphcap.models import PRESETS
+    from graphcap.models.decoder import Decoder
+
+    torch.manual_seed(0)
+    return Decoder(dataclasses.replace(PRESETS["tiny"], max_position=40)).eval()
