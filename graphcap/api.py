@@ -107,6 +107,18 @@ def inputs_of(model: torch.nn.Module, inputs: str | None = None) -> str:
     return declared
 
 
+def output_rows(model: torch.nn.Module, kind: str) -> str:
+    """The rows the model returns (its ``output_rows``): ``"tokens"`` (the default) or,
+    for a prefill model, ``"requests"``; another value is refused naming both."""
+    rows = getattr(model, "output_rows", "tokens")
+    if rows not in ("tokens", "requests") or (rows == "requests" and kind != "prefill"):
+        raise UnsupportedStrategy(
+            f"{type(model).__name__}.output_rows is {rows!r}: use 'tokens' (a row per token) "
+            "or, for prefill models only, 'requests' (a row per request, e.g. last-token "
+            "logits)")
+    return rows
+
+
 def _input_bounds(model: torch.nn.Module) -> tuple[int, int | None]:
     vocab = getattr(model, "vocab_size", None)
     if vocab is None:
@@ -266,12 +278,7 @@ def _ladder(max_tokens, buckets, default: list[int] | None = None) -> list[int]:
 def _inputs(model, kind: str, strategy: str, attention, slots: int, check: bool,
             example=None) -> Inputs:
     device = _device_of(model, example)
-    rows = getattr(model, "output_rows", "tokens")
-    if rows not in ("tokens", "requests") or (rows == "requests" and kind != "prefill"):
-        raise UnsupportedStrategy(
-            f"{type(model).__name__}.output_rows is {rows!r}: use 'tokens' (a row per token) "
-            "or, for prefill models only, 'requests' (a row per request, e.g. last-token "
-            "logits)")
+    rows = output_rows(model, kind)
     if kind == "tensors":
         held = next(model.parameters(), None) is not None or \
             next(model.buffers(), None) is not None

@@ -107,7 +107,7 @@ def checkable(model) -> tuple:
     """The model ``check`` runs, and how it got it: a model of packed requests as it is,
     a stock transformers causal LM wrapped in :class:`graphcap.hf.PrefillLM`; anything
     else is refused, saying what a checkable model is."""
-    from graphcap.api import inputs_of
+    from graphcap.api import inputs_of, output_rows
 
     if not isinstance(model, torch.nn.Module):
         raise GraphcapError(f"the factory returned {_what_to_return(model)}")
@@ -132,6 +132,7 @@ def checkable(model) -> tuple:
             "first parameters input_ids, positions), or a transformers causal LM, which it "
             "wraps. A module of tensors along dim 0 is checked with graphcap.capture(model, "
             "strategy, example_inputs=...) against its eager calls")
+    output_rows(model, "prefill")  # a misdeclared one: an error, not a FAIL per strategy
     return model, ""
 
 

@@ -372,3 +372,23 @@ def test_check_refuses_buckets_only_requests_past_the_model_s_positions_fill(cap
         "graphcap check: --max-tokens 64 is filled only by requests longer than Decoder's "
         "max_position 40 with --max-requests 1: give --max-requests of at least 2, or "
         "--max-tokens of at most 40"), message
+
+
+def test_a_model_whose_output_rows_names_no_rows_is_refused_once_not_failed_per_strategy(
+        capsys, user_module):
+    name = user_module("misdeclared_rows", """
+        import torch
+
+        class Tagger(torch.nn.Module):
+            graphcap_inputs = "prefill"
+            output_rows = "request"
+
+            def forward(self, input_ids, positions):
+                return input_ids
+
+        def build():
+            return Tagger()
+        """)
+    message = refused(capsys, "check", f"{name}:build")
+    assert message.startswith("graphcap check: Tagger.output_rows is 'request': use "
+                              "'tokens'"), message
