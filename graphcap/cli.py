@@ -78,7 +78,8 @@ def _generate(args: argparse.Namespace) -> int:
         llm = LLM(args.checkpoint, strategy=args.strategy, max_batch=args.max_batch,
                   max_len=args.max_len, prefill_tokens=args.prefill_tokens,
                   progress=sys.stderr.isatty())
-    except (ValueError, OSError) as exc:  # the directory, its files, an option's value
+    except (ValueError, OSError, GraphcapError) as exc:  # the directory, its files, an
+        # option's value, a K/V cache past the device's memory (CacheTooLarge)
         raise GraphcapError(_as_flags(str(exc))) from exc
     if llm.tokenizer is None:
         raise GraphcapError(f"{args.checkpoint} has no tokenizer files: graphcap generate "

@@ -58,6 +58,21 @@ def test_bad_input_is_one_line_on_stderr_and_exit_status_2(checkpoint, capsys, a
     assert last.startswith("graphcap generate: ") and message in last
 
 
+def test_a_cache_past_the_device_s_memory_is_told_in_generate_s_flags(checkpoint, capsys,
+                                                                     monkeypatch):
+    from graphcap.engine import engine
+    from graphcap.errors import CacheTooLarge
+
+    def too_large(*args, **kwargs):
+        raise CacheTooLarge("too large", need=2**40, free=2**30, pages=64)
+
+    monkeypatch.setattr(engine, "PagedKVCache", too_large)
+    assert main(["generate", str(checkpoint), "--prompt", "x", *OPTIONS]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("graphcap generate: graphcap.LLM: 2 requests (--max-batch) of 40 "
+                           "tokens (--max-len)") and "smaller --max-len or --max-batch" in last
+
+
 def test_a_directory_without_config_json_is_named_as_no_checkpoint(tmp_path, capsys):
     assert main(["generate", str(tmp_path), "--prompt", "x"]) == 2
     assert capsys.readouterr().err.strip() == (
