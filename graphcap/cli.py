@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from graphcap import cli_types as arg
 from graphcap.errors import GraphcapError
 
 
@@ -146,7 +147,7 @@ def _check_bench_args(args: argparse.Namespace) -> None:
             raise GraphcapError(f"--{option} {getattr(args, option)!r} names nothing between "
                                 f"its commas: give names, or leave --{option} out for the "
                                 "suite's default")
-        if (twice := _repeated(items)) is not None:
+        if (twice := arg.repeated(items)) is not None:
             raise GraphcapError(f"--{option}: {twice!r} is given twice (its runs would "
                                 "overwrite each other's under one name); give each once")
     for name in models:
@@ -192,7 +193,7 @@ def _no_cuda() -> str | None:
 def _check(args: argparse.Namespace) -> int:
     from graphcap.check import run_check
 
-    if args.strategies and (twice := _repeated(args.strategies)) is not None:
+    if args.strategies and (twice := arg.repeated(args.strategies)) is not None:
         raise GraphcapError(f"--strategies: {twice} is given twice (it would be checked "
                             "twice, a row each); give each once")
     return run_check(args.factory, args.strategies, args.examples, args.sequences,
@@ -209,58 +210,6 @@ def version() -> str:
 
         ours = f"{graphcap.__version__} (source tree, not installed)"
     return f"graphcap {ours}, torch {torch.__version__}"
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
-    return value
-
-
-def _window(text: str) -> int:
-    """A window of ``bench decode --window``: positive, or 0 for none (the default)."""
-    return 0 if text.strip() == "0" else _positive(text)
-
-
-def _strategy(text: str) -> str:
-    """A strategy of ``check --strategies`` (the choices check it): a factory there (the
-    option takes every word after it) is named as the factory it is."""
-    if ":" in text:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is the factory, not a strategy: give it before --strategies "
-            f"(graphcap check {text} --strategies ...)")
-    return text
-
-
-def _positives(text: str) -> str:
-    """Comma-separated positive whole numbers, each once, as the text bench's suites split."""
-    values = [_positive(item) for item in text.split(",")]
-    if twice := _repeated(values):
-        raise argparse.ArgumentTypeError(f"{twice} is given twice: give each value once")
-    return ",".join(map(str, values))
-
-
-def _repeated(items: list):
-    """The first item that comes twice in ``items``, else None."""
-    seen = set()
-    for item in items:
-        if item in seen:
-            return item
-        seen.add(item)
-    return None
-
-
-def _device(text: str) -> str:
-    try:
-        torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is no torch device (cpu, cuda, cuda:1, "
-                                         "...)") from None
-    return text
 
 
 class _Parser(argparse.ArgumentParser):
@@ -293,26 +242,26 @@ def build_parser() -> argparse.ArgumentParser:
                           help="capture a small model, replay it, check it against eager")
     demo.add_argument("--device", default=None, choices=["cuda", "cpu"],
                       help="where to run (default: cuda if present)")
-    demo.add_argument("--steps", type=_positive, default=5,
+    demo.add_argument("--steps", type=arg.positive, default=5,
                       help="replays with fresh inputs (the strategies table checks up to 5 "
                            "batches each)")
     demo.set_defaults(func=_demo)
     ops = sub.add_parser("ops", formatter_class=defaults,
                          help="the op registry and the attention backends: what runs here")
-    ops.add_argument("--device", default=None, type=_device,
+    ops.add_argument("--device", default=None, type=arg.device,
                      help="device to check kernels for (default: cuda if present)")
     ops.add_argument("--json", action="store_true", help="machine-readable output")
     ops.set_defaults(func=_ops)
     check = sub.add_parser("check", formatter_class=defaults,
                            help="replay equivalence of your model under every strategy")
     check.add_argument("factory", help="MODULE:FUNCTION returning the model")
-    check.add_argument("--strategies", nargs="+", default=None, choices=GRAPHED, type=_strategy,
+    check.add_argument("--strategies", nargs="+", default=None, choices=GRAPHED, type=arg.strategy,
                        help="the strategies to check (default: every one the attention "
                             "backend runs under)")
-    check.add_argument("--examples", type=_positive, default=10, help="batches per strategy")
-    check.add_argument("--sequences", type=_positive, default=3, help="call sequences")
-    check.add_argument("--max-tokens", type=_positive, default=64, help="the largest bucket")
-    check.add_argument("--max-requests", type=_positive, default=4, help="request slots")
+    check.add_argument("--examples", type=arg.positive, default=10, help="batches per strategy")
+    check.add_argument("--sequences", type=arg.positive, default=3, help="call sequences")
+    check.add_argument("--max-tokens", type=arg.positive, default=64, help="the largest bucket")
+    check.add_argument("--max-requests", type=arg.positive, default=4, help="request slots")
     check.add_argument("--attention", default=None, choices=sorted(BACKENDS),
                        help="attention backend (default: the best for full capture here)")
     check.set_defaults(func=_check)
@@ -322,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "tokenizer files; nothing is downloaded)")
     gen.add_argument("--prompt", action="append", required=True,
                      help="a prompt (repeat for several: decoded together)")
-    gen.add_argument("--max-new-tokens", type=_positive, default=64, help="per prompt")
+    gen.add_argument("--max-new-tokens", type=arg.positive, default=64, help="per prompt")
     gen.add_argument("--strategy", default="full", choices=("eager",) + tuple(GRAPHED),
                      help="how prefill and decode steps run (eager: no graphs)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -331,11 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="of the draws")
     gen.add_argument("--stop", action="append", default=None,
                      help="a string that ends a prompt's text (repeat for several)")
-    gen.add_argument("--max-batch", type=_positive, default=8, help="prompts decoded together")
-    gen.add_argument("--max-len", type=_positive, default=None,
+    gen.add_argument("--max-batch", type=arg.positive, default=8, help="prompts decoded together")
+    gen.add_argument("--max-len", type=arg.positive, default=None,
                      help="tokens per prompt, its own and new (default: the model's, at "
                           "most 4096)")
-    gen.add_argument("--prefill-tokens", type=_positive, default=512,
+    gen.add_argument("--prefill-tokens", type=arg.positive, default=512,
                      help="the largest prefill graph (longer prompts: in chunks)")
     gen.set_defaults(func=_generate)
     bench = sub.add_parser("bench", formatter_class=defaults,
@@ -358,26 +307,26 @@ def build_parser() -> argparse.ArgumentParser:
                             "preset; hf-eager, hf-compile-reduce-overhead and "
                             "hf-{breakable,full,tc_piecewise}-{stock,graphcap} add the stock "
                             "transformers model of the preset's config)")
-    bench.add_argument("--lengths", default=None, type=_positives,
+    bench.add_argument("--lengths", default=None, type=arg.positives,
                        help="comma-separated prompt lengths (default 16..2048)")
-    bench.add_argument("--reps", type=_positive, default=None,
+    bench.add_argument("--reps", type=arg.positive, default=None,
                        help="timed calls per arm and length, spread over the rounds of "
                             "the timing (a multiple of them, one a round at least; "
                             "default 30, generate and decode --speculative 3); decode's "
                             "back-to-back runs and host times keep their own counts")
-    bench.add_argument("--batches", default=None, type=_positives,
+    bench.add_argument("--batches", default=None, type=arg.positives,
                        help="decode: comma-separated batch sizes (default 1,8)")
-    bench.add_argument("--context", type=_positives, default=None,
+    bench.add_argument("--context", type=arg.positives, default=None,
                        help="decode: tokens in the cache of every request, comma-separated "
                             "for several contexts (default 128)")
-    bench.add_argument("--window", type=_window, default=0,
+    bench.add_argument("--window", type=arg.window, default=0,
                        help="decode: a sliding window of this many tokens on every layer "
                             "(its step reads only the window's K/V; 0: none)")
-    bench.add_argument("--speculative", type=_positive, default=0, metavar="K",
+    bench.add_argument("--speculative", type=arg.positive, default=0, metavar="K",
                        help="decode: speculative decoding with K proposals a step, each "
                             "proposer (target, random, ngram: --arms) beside plain decode, "
                             "end to end (default batches 1,8,64)")
-    bench.add_argument("--tp", type=_positive, default=1,
+    bench.add_argument("--tp", type=arg.positive, default=1,
                        help="prefill: split each preset across this many GPUs (one process "
                             "each, NCCL) and time it beside the unsplit run")
     bench.add_argument("--attention", default=None, choices=sorted(BACKENDS),
