@@ -37,6 +37,7 @@ reads the state object the split op read at capture (the prepared metadata), lis
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -237,7 +238,10 @@ class BreakableCapture:
 
     def _close(self) -> None:
         segment, self._segment = self._segment, None
-        segment.end()
+        with warnings.catch_warnings():  # before a first break or between two: no ops,
+            # which torch tells as a graph "captured on wrong device or stream"
+            warnings.filterwarnings("ignore", "The CUDA Graph is empty")
+            segment.end()
         self.items.append(segment)
 
     def _on_break(self, fn, args, kwargs, static_state=None):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 
 import pytest
 import torch
@@ -570,3 +571,28 @@ def test_a_failed_direct_capture_lets_its_graphs_go_when_the_retry_builds():
         built = r.pool.bytes()
     gc.collect()
     assert r.pool.bytes() == built  # nothing of the failed capture was left to collect
+
+
+class BreaksFirst(torch.nn.Module):
+    """A forward that begins with two breaks in a row: its first two segments are empty."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(newest_doubled([newest_doubled([x])]))
+
+
+def test_segments_with_no_ops_before_and_between_breaks_replay_without_a_warning():
+    # torch warns of an empty CUDA graph as "captured on wrong device or stream".
+    m = BreaksFirst().to(DEVICE).eval()
+    x = torch.randn(4, 8, device=DEVICE)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        r = graphcap.capture(m, "breakable", buckets=[4], example_inputs=(x,))
+        with torch.no_grad():
+            torch.testing.assert_close(r(x), m(x))
+    assert not [w for w in seen if "CUDA Graph is empty" in str(w.message)]
+    assert r.report()["breaks"] == {4: 2}
