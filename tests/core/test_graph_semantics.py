@@ -392,9 +392,9 @@ def test_sampling_with_multinomial_captures_and_draws_on_every_replay(pool, samp
     # versions (2.11 on CUDA: no host read), so it is not refused.
     probs = torch.zeros(64, 32, device=pool.device)
     probs[:, :8] = 1.0  # only the first 8 categories can be drawn
+    region = Region(lambda p: torch.multinomial(p, samples, replacement=replacement))
     graph = pool.graph()
-    drawn = graph.capture(lambda p: torch.multinomial(p, samples, replacement=replacement),
-                          probs)
+    drawn = graph.capture(region, probs)
     seen = []
     for _ in range(3):
         graph.replay()
@@ -403,6 +403,7 @@ def test_sampling_with_multinomial_captures_and_draws_on_every_replay(pool, samp
             assert all(len(set(row)) == samples for row in drawn.tolist())
         seen.append(drawn.clone())
     assert not torch.equal(seen[0], seen[1]) or not torch.equal(seen[1], seen[2])
+    assert region.calls == 1  # drawn by the graph, not by its Python again
 
 
 def test_a_capture_draws_nothing_from_the_generator_its_replays_draw_from(pool):
