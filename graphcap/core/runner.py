@@ -42,6 +42,8 @@ from graphcap.errors import (
 )
 
 log = logging.getLogger("graphcap")
+
+
 @dataclass
 class ShapeEntry:
     """One captured shape: its bucket, the inputs' state of it (prefill: its attention

@@ -231,7 +231,7 @@ class ModelSnapshot:
 
     def current(self) -> bool:
         """Whether every slot holds the tensor (or module) it held at capture, at the same
-        address, and autocast as it was. Cheap enough for every call."""
+        address, and autocast and ``training`` as they were. Cheap enough for every call."""
         if autocast_state(self._kinds) != self._autocast or \
                 self.model.training != self._training:
             return False
