@@ -15,7 +15,8 @@
 - ``PYTORCH_CUDA_ALLOC_CONF`` (torch's): whether one free block of a graph pool splits.
 
 They are read when graphcap is imported, so that no op call reads the environment: after
-changing ``os.environ`` in a running process, call :func:`reload`.
+changing ``os.environ`` in a running process, call :func:`reload`. A switch of another
+value than those above is read as its default, with a warning naming it.
 """
 
 from __future__ import annotations
@@ -48,13 +49,26 @@ def _read() -> Settings:
                if name.startswith(_KERNEL[0]) and name.endswith(_KERNEL[1]) and value}
     return Settings(
         graph=env.get("GRAPHCAP_GRAPH", "").strip().lower(),
-        debug_cuda_graph=env.get("GRAPHCAP_DEBUG_CUDA_GRAPH", "").strip().lower() in _ON,
-        pdl=env.get("GRAPHCAP_PDL", "1").strip().lower() not in _OFF,
+        debug_cuda_graph=_flag(env, "GRAPHCAP_DEBUG_CUDA_GRAPH", False),
+        pdl=_flag(env, "GRAPHCAP_PDL", True),
         triton_interpret=env.get("TRITON_INTERPRET", "").lower() in _TRITON_ON,
         commit=env.get("GRAPHCAP_COMMIT", ""),
         alloc_conf=env.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + env.get(
             "PYTORCH_ALLOC_CONF", ""),
         kernels=kernels)
+
+
+def _flag(env, name: str, default: bool) -> bool:
+    """A switch: one of :data:`_ON` or :data:`_OFF` in any case, else its default, with a
+    warning naming the value (a typo is told, not silently read as the default)."""
+    value = env.get(name, "").strip().lower()
+    if value in _ON or value in _OFF:
+        return value in _ON
+    if value:
+        warnings.warn(f"{name}={env[name]!r} is neither on ({', '.join(_ON)}) nor off "
+                      f"({', '.join(_OFF)}): read as {'on' if default else 'off'}, its "
+                      "default", stacklevel=4)
+    return default
 
 
 def _renamed(env) -> None:

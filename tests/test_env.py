@@ -29,8 +29,19 @@ def test_check_op_compares_the_triton_kernels_under_any_spelling_triton_takes(en
 
 @pytest.mark.parametrize(("value", "on"), [
     ("1", True), ("true", True), ("On", True), ("yes", True), (" 1 ", True),
-    ("0", False), ("false", False), ("", False), ("2", False)])
+    ("0", False), ("false", False), ("", False)])
 def test_graphcap_s_debug_flag_takes_the_spellings_its_pdl_flag_takes(environ, value, on):
     """GRAPHCAP_DEBUG_CUDA_GRAPH is on as GRAPHCAP_PDL is off: under any usual spelling."""
     environ.set("GRAPHCAP_DEBUG_CUDA_GRAPH", value)
     assert graphcap.env.settings().debug_cuda_graph is on, value
+
+
+@pytest.mark.parametrize(("name", "value", "read"), [
+    ("GRAPHCAP_PDL", "maybe", "pdl"), ("GRAPHCAP_DEBUG_CUDA_GRAPH", "2", "debug_cuda_graph")])
+def test_a_switch_of_another_value_is_told_and_read_as_its_default(environ, name, value,
+                                                                    read):
+    default = getattr(graphcap.env.Settings(), read)
+    with pytest.warns(UserWarning, match=rf"{name}='{value}' is neither on .* nor off .*: "
+                                         rf"read as {'on' if default else 'off'}"):
+        environ.set(name, value)
+    assert getattr(graphcap.env.settings(), read) is default
