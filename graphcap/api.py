@@ -216,7 +216,7 @@ def _plan(model, strategy, config, options):
                 f"{option}= is an option of {what} {only!r} only, and this capture's "
                 f"{what} is {strategy if what == 'strategy' else kind!r}: leave it out")
     ladder = _ladder(c.max_tokens, c.buckets,
-                     inputs.default_buckets() if isinstance(inputs, Inputs) else None)
+                     inputs.default_buckets if isinstance(inputs, Inputs) else None)
     slots = (positive_int(c.max_requests, "max_requests") if c.max_requests is not None
              else max(ladder[-1] // 512, 1))
     if not isinstance(inputs, Inputs):
@@ -261,13 +261,13 @@ def _refuse_graphs_of_its_own(model: torch.nn.Module, strategy: str) -> None:
                 "capturing)")
 
 
-def _ladder(max_tokens, buckets, default: list[int] | None = None) -> list[int]:
-    """The buckets given, else ``default`` (an inputs object's own) where no max_tokens
-    is given either, else the token ladder to max_tokens (2048)."""
+def _ladder(max_tokens, buckets, default=None) -> list[int]:
+    """The buckets given, else ``default(max_tokens)`` (an inputs object's own ladder, up
+    to max_tokens where given), else the token ladder to max_tokens (2048)."""
     if buckets is None:
-        if default is not None and max_tokens is None:
-            return default
-        return prefill_ladder(max_tokens if max_tokens is not None else 2048)
+        own = default(max_tokens) if default is not None else None
+        return own if own is not None else \
+            prefill_ladder(max_tokens if max_tokens is not None else 2048)
     ladder = check_ladder(buckets)
     if max_tokens is not None and as_int(max_tokens, "max_tokens") != ladder[-1]:
         raise ValueError(f"max_tokens={max_tokens} differs from the largest bucket "

@@ -44,9 +44,9 @@ methods only:
   failed, or for a changed model, what it took from the call it came from, which
   ``remember(kept)`` takes back where a call refused before a recapture.
 
-``graphcap.capture`` also asks it ``default_buckets()``: the shapes to capture where
-neither ``buckets`` nor ``max_tokens`` is given (None: the token ladder), and warns of
-buckets larger than its ``most_tokens``, which no call fills.
+``graphcap.capture`` also asks it ``default_buckets(max_tokens)``: the shapes to capture
+where no ``buckets`` are given, up to ``max_tokens`` where given (None: the token ladder),
+and warns of buckets larger than its ``most_tokens``, which no call fills.
 """
 
 from __future__ import annotations
@@ -167,10 +167,10 @@ class Inputs:
         """What, beside the buckets, bounds a batch that replays (for messages)."""
         return ""
 
-    def default_buckets(self) -> list[int] | None:
-        """The shapes ``graphcap.capture`` captures where neither ``buckets`` nor
-        ``max_tokens`` is given: those its calls can fill (None: the token ladder to
-        2048)."""
+    def default_buckets(self, max_tokens: int | None = None) -> list[int] | None:
+        """The shapes ``graphcap.capture`` captures where no ``buckets`` are given: those
+        its calls can fill, up to ``max_tokens`` where given (None: the token ladder to
+        ``max_tokens``, else 2048)."""
         return None
 
     def captured(self, states: list) -> None:

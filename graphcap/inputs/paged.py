@@ -350,8 +350,8 @@ class PagedInputs(Inputs):
     def limits(self) -> str:
         return f", {self.slots if self.step is None else self.cache.max_requests} request slots"
 
-    def default_buckets(self) -> list[int]:
-        return default_ladder(self.step, self.slots, self.cache)
+    def default_buckets(self, max_tokens: int | None = None) -> list[int]:
+        return default_ladder(self.step, self.slots, self.cache, max_tokens)
 
     def eager_ids(self, batch: Batch) -> torch.Tensor:
         """The token ids an eager run passes the model: a fallback (buffers allocated: the

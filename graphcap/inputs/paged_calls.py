@@ -66,16 +66,23 @@ def check_options(step: int | None, *, attention, slots, output_rows, extend: bo
     return step
 
 
-def default_ladder(step: int | None, slots: int | None, cache) -> list[int]:
-    """The shapes a paged kind captures where neither ``buckets`` nor ``max_tokens`` is
-    given: those its calls can fill. Steps of ``step`` tokens a request: ``step`` times
-    the decode batch ladder to the cache's request slots, which bound a step's requests
-    (a step of one request replays a graph of its own); requests of any length in
-    ``slots`` request slots: the token ladder to 2048, or to as many tokens as they may
-    hold, ``slots`` times the cache's ``max_len``."""
+def default_ladder(step: int | None, slots: int | None, cache,
+                   max_tokens: int | None = None) -> list[int]:
+    """The shapes a paged kind captures where no ``buckets`` are given: those its calls
+    can fill. Steps of ``step`` tokens a request: ``step`` times the decode batch ladder
+    to the cache's request slots, which bound a step's requests (a step of one request
+    replays a graph of its own), or to ``max_tokens // step`` requests; requests of any
+    length in ``slots`` request slots: the token ladder to ``max_tokens``, else to 2048 or
+    as many tokens as they may hold, ``slots`` times the cache's ``max_len``."""
     if step is None:
-        return prefill_ladder(min(2048, slots * cache.max_len))
-    return [b * step for b in decode_ladder(cache.max_requests)]
+        return prefill_ladder(min(2048, slots * cache.max_len) if max_tokens is None
+                              else max_tokens)
+    if max_tokens is None:
+        return [b * step for b in decode_ladder(cache.max_requests)]
+    if checks.as_int(max_tokens, "max_tokens") < step:
+        raise ValueError(f"max_tokens={max_tokens} holds no step of {step} tokens a request: "
+                         f"give at least {step} (a step of one request)")
+    return [b * step for b in decode_ladder(max_tokens // step)]
 
 
 def check_steps(inputs: PagedInputs, args: tuple, kwargs: dict) -> Batch:

@@ -208,9 +208,17 @@ def test_a_paged_kind_captured_without_buckets_takes_the_shapes_its_calls_can_fi
     prefill = CachePrefillInputs(cache, get_backend(None, DEVICE, strategy="full"), 2)
     assert graphcap.capture(m, "full", inputs=prefill).report()["shapes"] == [
         4, 8, 12, 16, 20, 24, 28, 32, 48, 64]
-    # max_tokens given: the token ladder to it, as before
-    assert graphcap.capture(m, "full", max_tokens=8, inputs=DecodeInputs(cache)
+    # max_tokens given: the same ladders up to it (the token ladder captured [4] for 3,
+    # and a step of one or two requests ran eagerly)
+    assert graphcap.capture(m, "full", max_tokens=3, inputs=DecodeInputs(cache)
+                            ).report()["shapes"] == [1, 2, 3]
+    assert graphcap.capture(m, "full", max_tokens=7, inputs=PagedInputs(cache, K)
+                            ).report()["shapes"] == [3, 6]
+    assert graphcap.capture(m, "full", max_tokens=8, inputs=prefill
                             ).report()["shapes"] == [4, 8]
+    with pytest.raises(ValueError, match=f"max_tokens=2 holds no step of {K} tokens a "
+                                         f"request: give at least {K}"):
+        graphcap.capture(m, "full", max_tokens=2, inputs=PagedInputs(cache, K))
 
 
 
