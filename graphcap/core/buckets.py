@@ -6,6 +6,7 @@ from graphcap.core.checks import as_int
 
 # (start, stop, step) rungs of SGLang's prefill ladder; past 4096 the step is 512.
 _RUNGS = ((4, 32, 4), (48, 256, 16), (288, 512, 32), (576, 1024, 64), (1280, 4096, 256))
+_MOST = 4096 + 512 * 1024  # the largest max_tokens of a ladder: 1074 shapes
 
 
 def prefill_ladder(max_tokens: int, name: str = "max_tokens") -> list[int]:
@@ -18,6 +19,10 @@ def prefill_ladder(max_tokens: int, name: str = "max_tokens") -> list[int]:
     max_tokens = as_int(max_tokens, name)
     if max_tokens < 1:
         raise ValueError(f"{name} must be >= 1, got {max_tokens}")
+    if max_tokens > _MOST:  # a shape a graph each: not a list to build in memory
+        raise ValueError(f"{name}={max_tokens} would capture {(max_tokens - 4096) // 512 + 50}"
+                         f" shapes (the ladder steps by 512 past 4096 tokens; at most "
+                         f"{_MOST} tokens): give buckets= with the sizes to capture")
     sizes = [n for start, stop, step in _RUNGS for n in range(start, stop + 1, step)]
     sizes += list(range(4096 + 512, max_tokens + 1, 512))
     ladder = [n for n in sizes if n < max_tokens]

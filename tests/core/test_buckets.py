@@ -19,6 +19,13 @@ def test_the_ladder_ends_at_max_tokens_and_steps_by_512_past_4096():
     assert prefill_ladder(6000)[-4:] == [4608, 5120, 5632, 6000]
 
 
+def test_a_ladder_of_more_than_1074_shapes_is_refused_before_it_is_built():
+    assert len(prefill_ladder(4096 + 512 * 1024)) == 1074
+    with pytest.raises(ValueError, match=r"max_tokens=1099511627776 would capture "
+                                         r"2147483690 shapes .* give buckets="):
+        prefill_ladder(2**40)  # a list of two billion sizes: the process was killed
+
+
 def test_a_batch_takes_the_smallest_bucket_that_holds_it():
     assert pick_bucket(5, [4, 8, 16]) == (8, None)
     assert pick_bucket(16, [4, 8, 16]) == (16, None)
