@@ -155,8 +155,8 @@ class Runner:
 
     def _why_eager(self, reason: str, batch: Batch) -> str:
         pad = f"; its bucket is over {self.config.max_pad_ratio:g}x that" * (reason == "padding")
-        return (f"a batch of {batch.tokens} tokens cannot replay a graph ("
-                f"{reason.replace('_', ' ')}: buckets up to {self.max_tokens} tokens"
+        return (f"a batch of {batch.tokens} token{'s' * (batch.tokens != 1)} cannot replay a "
+                f"graph ({reason.replace('_', ' ')}: buckets up to {self.max_tokens} tokens"
                 f"{self.inputs.limits()}{pad})")
 
     def _replay(self, entry: ShapeEntry, batch: Batch):

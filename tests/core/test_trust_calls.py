@@ -373,7 +373,7 @@ def test_a_batch_too_small_for_the_buckets_is_refused_naming_a_smaller_bucket():
     r = graphcap.capture(m, "full", buckets=[8, 16], max_requests=2, attention=ATTN,
                          fallback=False)
     ids, pos = batch([1])  # padded 8x into the smallest bucket: past max_pad_ratio 2
-    with pytest.raises(BadBatch, match=r"a batch of 1 tokens .*padding: .*its bucket is over "
+    with pytest.raises(BadBatch, match=r"a batch of 1 token cannot .*padding: .*its bucket is over "
                                        r"2x that\) .* add a smaller bucket"):
         r(ids, pos, seq_lens=[1])
     ids, pos = batch([5])
