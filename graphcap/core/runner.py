@@ -224,8 +224,8 @@ class Runner:
             self.config.ranks.agree_change(type(self.source).__name__, what)
         log.warning("graphcap: %s changed since capture (%s); capturing its %d shapes again",
                     type(self.source).__name__, what, len(self.config.buckets))
+        self.stats.recaptures += 1  # one that fails too: the next call's capture is its own
         self._capture_all(batch, None)  # shapes taken from this call, where inputs take any
-        self.stats.recaptures += 1
 
     # -- capture -------------------------------------------------------------------
     def capture_all(self, example: tuple | None = None, progress=None) -> None:

@@ -74,6 +74,20 @@ def test_a_model_cast_to_another_dtype_is_recaptured_and_old_inputs_are_refused(
     torch.testing.assert_close(r(x.double()), want)
 
 
+def test_a_recapture_that_fails_is_counted_and_the_next_call_captures_the_model_once():
+    m = mlp()
+    r = graphcap.capture(m, "full", buckets=[4, 8], example_inputs=(rows(4),))
+    r(rows())
+    m.double()
+    with pytest.raises(RuntimeError):  # the model's own error: float32 rows, float64 weights
+        r(rows())
+    x = rows(dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(r(x), m(x))
+    report = r.report()
+    assert report["recaptures"] == 1 and report["failed"] == 1, report
+
+
 @pytest.mark.parametrize("strategy", ("full", "breakable"))
 def test_capture_all_with_an_example_captures_the_dtypes_and_shapes_of_that_example(strategy):
     m = mlp()
