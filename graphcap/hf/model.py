@@ -177,9 +177,10 @@ class PrefillLM(nn.Module):
 
     Construction switches the wrapped model to ``attn_implementation="graphcap"`` (and MoE
     experts to a capturable implementation, ``experts`` or by device: ``grouped_mm`` on
-    CUDA bf16, else ``batched_mm``) and puts it in eval mode; the model's code and weights
-    are untouched and shared, so the same ``hf_model`` now needs graphcap's forward
-    context (``hf_model.set_attn_implementation("sdpa")`` switches it back).
+    CUDA bf16, else ``batched_mm``) and puts it, and the wrapper, in eval mode; the model's
+    code and weights are untouched and shared, so the same ``hf_model`` now needs
+    graphcap's forward context (``hf_model.set_attn_implementation("sdpa")`` switches it
+    back).
     ``positions`` are per request (0..len-1) and drive the model's rotary embedding; no KV
     cache is kept. Called eagerly, give ``seq_lens=[...]``; through a runner, the runner
     prepares the metadata. Put the model on its device and dtype before wrapping it (the
@@ -222,7 +223,7 @@ class PrefillLM(nn.Module):
             rotary.patch(hf_model)
             if experts is not None:
                 hf_model.set_experts_implementation(experts)
-            hf_model.eval()
+            self.eval()  # the wrapper too: a runner compares its flag on every call
             # What the experts run once switched (or their own), None for a dense model.
             self.experts = experts and getattr(hf_model.config, "_experts_implementation",
                                                None)

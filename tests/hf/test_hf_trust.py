@@ -183,6 +183,19 @@ def test_a_torch_modules_python_value_set_after_wrapping_is_recognised_again(att
         assert_stock(got, ref)
 
 
+def test_the_wrapper_is_in_eval_mode_so_its_eval_after_capture_changes_nothing():
+    # A runner compares the captured model's train flag on every call: the wrapper's own,
+    # left in train mode, made lm.eval() a change (ModelChanged here, else a recapture).
+    lm = PrefillLM(hf_model("llama"))
+    assert not lm.training and not lm.hf_model.training
+    runner = graphcap.capture(lm, "full", buckets=[8, 16], max_requests=2,
+                              on_change="error")
+    want = runner(IDS, POS, seq_lens=LENS)
+    lm.eval()
+    torch.testing.assert_close(runner(IDS, POS, seq_lens=LENS), want)
+    assert runner.report()["recaptures"] == 0
+
+
 def test_the_model_switched_back_to_its_own_attention_runs_as_stock():
     ref = hf_model("llama")
     hf = copy.deepcopy(ref)
