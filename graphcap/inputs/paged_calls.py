@@ -104,6 +104,7 @@ def check_steps(inputs: PagedInputs, args: tuple, kwargs: dict) -> Batch:
             tokens.dtype not in _INTS or tokens.device != inputs.device:
         raise BadBatch(f"tokens must be a 1-D int64 (or int32) tensor on {inputs.device}, "
                        + ("one per request" if k == 1 else f"{k} per request"))
+    checks.check_strided(tokens, "tokens")
     if tokens.shape[0] % k:
         raise BadBatch(f"{tokens.shape[0]} tokens are not {k} per request")
     requests = tokens.shape[0] // k

@@ -90,6 +90,7 @@ def test_decode_past_the_largest_bucket_returns_a_row_per_request():
     (2, {"positions": [6], "slots": [0]}, "position 6 of slot 0 skips past the 5"),
     (2, {"positions": [1], "slots": [1]}, r"request slots \[1\] hold no request"),
     (4, {"positions": [1, 5], "slots": [2, 0]}, r"\(slot, end\) \[\(2, 3\)\]"),
+    ("sparse", {"positions": [5], "slots": [0]}, "tokens is a sparse_coo tensor.*to_dense"),
 ])
 def test_a_bad_step_of_k_tokens_is_refused_and_the_cache_stays(tokens, kwargs, match):
     m, cache = setup()
@@ -100,7 +101,9 @@ def test_a_bad_step_of_k_tokens_is_refused_and_the_cache_stays(tokens, kwargs, m
                               inputs=PagedInputs(cache, tokens_per_request=2))
     before = cache.k.clone()
     with pytest.raises(BadBatch, match=match):
-        runner(torch.arange(1, tokens + 1, device=DEVICE), **kwargs)
+        ids = torch.arange(1, 3, device=DEVICE).to_sparse() if tokens == "sparse" else \
+            torch.arange(1, tokens + 1, device=DEVICE)
+        runner(ids, **kwargs)
     torch.testing.assert_close(cache.k, before, equal_nan=True, atol=0, rtol=0)
     assert (cache.written(0), cache.written(2)) == (5, 1)
     runner(torch.tensor([1, 2], device=DEVICE), positions=[5], slots=[0])
