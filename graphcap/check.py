@@ -200,9 +200,15 @@ def run_check(spec: str, strategies=None, examples: int = 10, sequences: int = 3
             print(f"--attention {attention} runs under {', '.join(strategies)} only: "
                   f"{', '.join(left)} left out")
     from graphcap.api import _device_of
+    from graphcap.core.buckets import prefill_ladder
     from graphcap.core.graphs import graph_kind
     from graphcap.testing.replay import request_room
 
+    try:  # a ladder of too many shapes to build: in one line, as the other refusals
+        prefill_ladder(max_tokens, "--max-tokens")
+    except ValueError as exc:
+        raise GraphcapError(str(exc).partition(": give")[0] + ": give a smaller --max-tokens"
+                            ) from None
     try:  # a model of few positions: requests long enough to fill --max-tokens
         request_room(model, max_tokens, max_requests)
     except ValueError as exc:

@@ -378,3 +378,10 @@ def test_check_refuses_buckets_only_requests_past_the_model_s_positions_fill(cap
         "graphcap check: --max-tokens 64 is filled only by requests longer than Decoder's "
         "max_position 40 with --max-requests 1: give --max-requests of at least 2, or "
         "--max-tokens of at most 40"), message
+
+
+def test_check_refuses_a_max_tokens_past_the_ladder_in_one_line(capsys):
+    message = refused(capsys, "check", "tests.support.check_models:good", "--max-tokens",
+                      "600000")
+    assert message.startswith("graphcap check: --max-tokens=600000 would capture") and \
+        message.strip().endswith("give a smaller --max-tokens"), message
