@@ -9,8 +9,9 @@ FIXES = {"padding": "add a smaller bucket (buckets=)",
          "too_many_requests": "capture more request slots (max_requests=, a "
                               "CachePrefillInputs' slots=; an Engine's max_batch)"}
 
-# Added to the error of a capture again (``recapture()``, a change seen at a call), which
-# runs the model on inputs of the last capture's dtypes and shapes.
+# Added to the error of a capture again without a call's arguments (``recapture()``,
+# ``capture_all()``) of a model of tensors, which runs it on the last capture's inputs'
+# dtypes and shapes (a change seen at a call takes that call's).
 AGAIN = ("graphcap: this capture ran the model on inputs of the dtypes and shapes of the "
          "last one; a model that takes others now (cast with .to(dtype)) is captured with "
          "runner.capture_all(example), example the arguments of a call")

@@ -262,7 +262,8 @@ class Runner:
         if ranks is not None:  # the same shapes, from batches of the same shapes
             ranks.agree(f"capture {self.config.buckets}" + (
                 f": {self.inputs.describe(batch)}" if batch is not None else ""), "a capture")
-        again = self._snapshot is not None  # an earlier capture held: its inputs' shapes
+        # An earlier capture held, of inputs whose dtypes and shapes a call gave: its own.
+        again = self._snapshot is not None and self.inputs.needs_batch
         self._reset()
         # State derived from the parameters (fused weights) updated outside any graph.
         before = getattr(self.source, "graphcap_before_capture", None)

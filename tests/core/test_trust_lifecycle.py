@@ -10,7 +10,7 @@ import torch
 
 import graphcap
 from graphcap.errors import BadBatch, CaptureError, ModelChanged, UnsupportedStrategy
-from graphcap.models import MLP
+from graphcap.models import MLP, build_model
 from graphcap.piecewise import counters
 from tests.support.runner_helpers import DEVICE, batch
 
@@ -109,6 +109,17 @@ def test_capture_all_with_an_example_captures_the_dtypes_and_shapes_of_that_exam
     with torch.no_grad():
         torch.testing.assert_close(r(x), m(x))
     assert sum(r.stats.replays.values()) == 2
+
+
+def test_a_prefill_models_failed_recapture_names_no_capture_all_with_an_example():
+    # Prefill inputs are token ids and positions of fixed dtypes, and capture_all of a
+    # call's arguments refuses them (seq_lens is a keyword): no note points there.
+    m = build_model("tiny", device=DEVICE, dtype=torch.float32)
+    r = graphcap.capture(m, "full", buckets=[8], max_requests=2)
+    m.forward = lambda *args, **kwargs: 1 / 0
+    with pytest.raises(ZeroDivisionError) as info:
+        r.recapture()
+    assert not getattr(info.value, "__notes__", None)
 
 
 def test_the_eager_strategy_has_nothing_to_capture_and_says_so():
