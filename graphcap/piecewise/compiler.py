@@ -105,7 +105,8 @@ class PiecewiseCompiler:
         self.capture_sizes = set(check_ladder(
             opts["capture_sizes"], "sgl_piecewise: capture_sizes", "capture size")
             if "capture_sizes" in opts else
-            prefill_ladder(opts.get("max_tokens", 2048), "sgl_piecewise: max_tokens"))
+            prefill_ladder(opts.get("max_tokens", 2048), "sgl_piecewise: max_tokens",
+                           "capture_sizes"))
         self.compiler = opts.get("compiler", "eager")
         if self.compiler not in COMPILERS:
             raise GraphcapError(f"sgl_piecewise: compiler={self.compiler!r}; use one of "

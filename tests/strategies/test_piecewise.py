@@ -390,7 +390,8 @@ def test_options_are_checked():
     ({"capture_sizes": [4.0]}, "sgl_piecewise: capture_sizes: every capture size must be an "
                                "integer, got 4.0"),
     ({"max_tokens": 64.0}, "sgl_piecewise: max_tokens must be an integer, got 64.0"),
-    ({"max_tokens": 0}, "sgl_piecewise: max_tokens must be >= 1, got 0")])
+    ({"max_tokens": 0}, "sgl_piecewise: max_tokens must be >= 1, got 0"),
+    ({"max_tokens": 2**20}, "at most 528384 tokens): give capture_sizes with the sizes")])
 def test_an_option_of_the_wrong_kind_is_refused_naming_it(options, needle):
     with pytest.raises((graphcap.GraphcapError, ValueError), match=re.escape(needle)):
         PiecewiseCompiler(options)
