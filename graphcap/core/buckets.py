@@ -21,7 +21,7 @@ def prefill_ladder(max_tokens: int, name: str = "max_tokens",
     if max_tokens < 1:
         raise ValueError(f"{name} must be >= 1, got {max_tokens}")
     if max_tokens > _MOST:  # a shape a graph each: not a list to build in memory
-        raise ValueError(f"{name}={max_tokens} would capture {(max_tokens - 4096) // 512 + 50}"
+        raise ValueError(f"{name}={max_tokens} would capture {50 - (4096 - max_tokens) // 512}"
                          f" shapes (the ladder steps by 512 past 4096 tokens; at most "
                          f"{_MOST} tokens): give {instead} with the sizes to capture")
     sizes = [n for start, stop, step in _RUNGS for n in range(start, stop + 1, step)]

@@ -24,6 +24,8 @@ def test_a_ladder_of_more_than_1074_shapes_is_refused_before_it_is_built():
     with pytest.raises(ValueError, match=r"max_tokens=1099511627776 would capture "
                                          r"2147483690 shapes .* give buckets="):
         prefill_ladder(2**40)  # a list of two billion sizes: the process was killed
+    with pytest.raises(ValueError, match="would capture 1075 shapes"):  # and itself
+        prefill_ladder(4096 + 512 * 1024 + 1)
 
 
 def test_a_batch_takes_the_smallest_bucket_that_holds_it():
