@@ -27,10 +27,11 @@ ON_CHANGE = ("recapture", "error")
 class CaptureConfig:
     """The options of a capture (docs/strategies.md says what each does).
 
-    Shapes: ``buckets`` (default the ladder to ``max_tokens``, 2048; without either, an
-    inputs object's own: over a paged cache, the shapes its calls can fill, ``k`` times
-    the decode batch ladder to the request slots for steps of ``k`` tokens per request,
-    the ladder to what its slots hold for prefill). Prefill models:
+    Shapes: ``buckets`` (default the ladder to ``max_tokens``, 2048; for an inputs object
+    over a paged cache, the shapes its calls can fill: for steps of ``k`` tokens per
+    request ``k`` times the decode batch ladder to the request slots, or to ``max_tokens
+    // k`` requests where given; for prefill the ladder to ``max_tokens``, else to what
+    its slots hold, at most 2048). Prefill models:
     ``max_requests`` slots (default ``max_tokens // 512``), ``attention`` backend,
     ``check_inputs`` (token ids and positions checked on every call). ``inputs``: what the
     model takes (default: its declaration, :func:`graphcap.api.inputs_of`), or an
