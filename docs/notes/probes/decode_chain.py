@@ -1,0 +1,189 @@
+"""What a decode attention launch at batch 1 and 8 spends its time on (device side):
+
+    PYTHONPATH=. python3 docs/notes/probes/decode_chain.py [batches]
+
+At qwen3-0.6b's heads (16 q, 8 key/value heads of 128) and a 1024-token context, graphcap's
+Triton kernel takes about 9.7 us a layer at batch 1 in the step (8 us alone) for a 4 MB
+read that one streaming launch would finish in about 3.4 us (history items 95, 108). The
+launch-floor note puts the rest on its chain of dependent reads; item 95 removed one link
+(the row's length) and nothing moved. This probe times, each alone over cache layers cycled
+past L2 (``graphcap.bench.timing.cycled_ms``, as ``graphcap bench ops`` times the kernel),
+launches of the kernel's own grid that do less and less of its work, so the difference
+between two arms is what one link costs:
+
+- ``kernel``: ``graphcap::decode_attention``'s Triton kernel as a step runs it (its split
+  count and tiles from ``tiles_for``; PDL off, as every arm here);
+- ``kernel splits=S``: the same at other split counts;
+- ``read``: a kernel of the same grid that reads each program's keys and values through the
+  block table after the row's length, sums them and stores one number a program: the
+  kernel's reads without its products, its softmax or its merge;
+- ``read, merge``: ``read`` with the kernel's merge (each program stores a partial of a
+  head dim's floats, counts in with an atomic, and the last of a row and head reads them
+  all back from L2 and writes the sum);
+- ``read, no table``: ``read`` with each block's pages computed from the row (the pages one
+  after another) instead of loaded from the block table;
+- ``read, no table, no length``: that with the row's length a launch argument;
+- ``read, one block``: ``read`` in blocks of ``BLOCK_N`` tokens, all a program's tokens
+  asked for at once (``BLOCK_N`` = its split), the loop gone.
+
+The same bytes every arm (the split's tokens of keys and values), so every arm's time is
+fixed cost plus bytes at the rate its grid reaches. Printed per batch: us a launch of each
+arm. JSON in $OUT/decode-chain.json."""
+
+import functools
+import json
+import math
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from graphcap.bench.common import environment
+from graphcap.bench.timing import cycled_ms
+from graphcap.kv import PagedKVCache
+from graphcap.opsdb.triton.common import num_sms, programmatic_launch, shared_memory
+from graphcap.opsdb.triton.decode import decode_attention
+from graphcap.opsdb.triton.decode_grid import head_block, programs_of, tiles_for
+
+HQ, HK, D, CONTEXT = 16, 8, 128, 1024
+CYCLE_BYTES = 160 << 20  # past L2
+
+
+@triton.jit
+def _read_kernel(kc_ptr, vc_ptr, table_ptr, lens_ptr, out_ptr, mid_ptr, counts_ptr,
+                 width, table_stride, split_len, host_len,
+                 PAGE: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
+                 SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, TABLE: tl.constexpr,
+                 LENGTH: tl.constexpr, MERGE: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    d = tl.arange(0, D)
+    length = host_len
+    if LENGTH:
+        length = tl.minimum(tl.load(lens_ptr + b), width * PAGE)
+    start = s * split_len
+    end = tl.minimum(start + split_len, length)
+    total = tl.zeros([D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        t = n0 + tl.arange(0, BLOCK_N)
+        t_ok = t < end
+        if TABLE:
+            page = tl.load(table_ptr + b.to(tl.int64) * table_stride + t // PAGE, mask=t_ok,
+                           other=0).to(tl.int64)
+        else:
+            page = (b * width + t // PAGE).to(tl.int64) + 1  # the pages one after another
+        offs = (page * PAGE + t % PAGE)[:, None] * (HK * D) + kvh * D + d[None, :]
+        k = tl.load(kc_ptr + offs, mask=t_ok[:, None], other=0.0)
+        v = tl.load(vc_ptr + offs, mask=t_ok[:, None], other=0.0)
+        total += tl.sum(k.to(tl.float32) + v.to(tl.float32), axis=0)
+    block = b * HK + kvh
+    if MERGE:
+        tl.store(mid_ptr + (block * SPLITS + s) * D + d, total)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counts_ptr + block, 1)
+        if arrived == SPLITS - 1:
+            tl.atomic_xchg(counts_ptr + block, 0)
+            merged = tl.zeros([D], tl.float32)
+            for i in tl.static_range(SPLITS):
+                merged += tl.load(mid_ptr + (block * SPLITS + i) * D + d, cache_modifier=".cg")
+            tl.store(out_ptr + block * D + d, merged)
+    else:
+        tl.store(out_ptr + (block * SPLITS + s) * D + d, total)
+
+
+def _cache(batch: int):
+    per_layer = batch * CONTEXT * HK * D * 2 * 2
+    layers = max(2, -(-CYCLE_BYTES // per_layer))
+    cache = PagedKVCache(layers, HK, D, max_requests=batch, max_len=CONTEXT,
+                         dtype=torch.bfloat16, device="cuda")
+    for slot in range(batch):
+        cache.admit(slot, CONTEXT)
+    cache.k.normal_()
+    cache.v.normal_()
+    return cache
+
+
+def _read(cache, lens, splits: int, block_n: int, *, table=True, length=True, merge=False):
+    batch = lens.shape[0]
+    split_len = triton.cdiv(triton.cdiv(CONTEXT, splits), block_n) * block_n
+    out = torch.empty(batch * HK * splits * D, dtype=torch.float32, device="cuda")
+    mid = torch.empty_like(out)
+    counts = torch.zeros(batch * HK, dtype=torch.int32, device="cuda")
+    width = cache.block_table.shape[1]
+    if not table:  # the direct pages must lie inside the cache
+        assert batch * width + 1 <= cache.k.shape[1], "too few pages for direct addressing"
+
+    def call(kc, vc):
+        _read_kernel[(batch, HK, splits)](
+            kc, vc, cache.block_table, lens, out, mid, counts, width,
+            cache.block_table.stride(0), split_len, CONTEXT, PAGE=cache.page_size, HK=HK, D=D,
+            SPLITS=splits, BLOCK_N=block_n, TABLE=table, LENGTH=length, MERGE=merge,
+            num_warps=4, num_stages=3)
+    return [functools.partial(call, *cache.layer(i)) for i in range(cache.layers)]
+
+
+def batch_rows(batch: int) -> dict:
+    cache = _cache(batch)
+    dev = torch.device("cuda")
+    scale = 1 / math.sqrt(D)
+    q = torch.randn(batch, HQ, D, device=dev, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    lens = torch.full((batch,), CONTEXT, dtype=torch.int32, device=dev)
+    block_h = head_block(HQ // HK)
+    cfg, splits = tiles_for(programs_of(batch, HQ, HK), CONTEXT, num_sms(dev),
+                            shared_memory(dev), D * 2, block_h, D)
+    layers = [cache.layer(i) for i in range(cache.layers)]
+
+    def kernel(**extra):
+        return [functools.partial(decode_attention, q, kc, vc, cache.block_table, lens, out,
+                                  scale, **extra) for kc, vc in layers]
+
+    arms = {f"kernel (splits {splits}, {cfg})": kernel()}
+    for s in sorted({1, 2, 4, 8, 16, 32} - {splits}):
+        arms[f"kernel splits={s}"] = kernel(num_splits=s)
+    bn = cfg["BLOCK_N"]
+    arms["read"] = _read(cache, lens, splits, bn)
+    arms["read, merge"] = _read(cache, lens, splits, bn, merge=True)
+    arms["read, no table"] = _read(cache, lens, splits, bn, table=False)
+    arms["read, no table, no length"] = _read(cache, lens, splits, bn, table=False,
+                                              length=False)
+    arms["read, one block"] = _read(cache, lens, splits, triton.cdiv(CONTEXT, splits))
+    for s in (2 * splits, 4 * splits):
+        if s <= 64:
+            arms[f"read splits={s}"] = _read(cache, lens, s, min(bn, CONTEXT // s))
+    us, errors = {}, {}
+    with programmatic_launch(False):
+        for name, calls in arms.items():
+            try:
+                us[name] = round(cycled_ms(calls) * 1e3, 2)
+            except Exception as exc:  # a tile past the shared memory: told, the rest run
+                errors[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    nbytes = batch * CONTEXT * HK * D * 2 * 2
+    return {"batch": batch, "context": CONTEXT, "bytes": nbytes, "splits": splits,
+            "tiles": cfg, "us": us, "errors": errors}
+
+
+def main() -> None:
+    batches = [int(b) for b in (sys.argv[1] if len(sys.argv) > 1 else "1,8").split(",")]
+    rows = []
+    for batch in batches:
+        row = batch_rows(batch)
+        rows.append(row)
+        for name, us in row["us"].items():
+            print(f"b={batch:<3d} {name:60s} {us:7.2f} us")
+        for name, err in row["errors"].items():
+            print(f"b={batch:<3d} {name:60s} {err}")
+    result = {**environment(), "what": "decode attention's links, each arm alone over cache "
+              "layers cycled past L2, PDL off", "command": " ".join(sys.argv),
+              "heads": [HQ, HK, D], "rows": rows}
+    path = os.path.join(os.environ.get("OUT", "."), "decode-chain.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
