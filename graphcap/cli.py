@@ -3,7 +3,8 @@
 Exit status: 0 when the command did its job; 1 when a check ran and failed (demo's or
 check's replays differ from eager, a benchmark missed its targets); 2 for an error of the
 user's making (an argument, their module or factory, a device this machine lacks), told
-in one line on stderr. An unexpected exception inside graphcap keeps its traceback.
+in one line on stderr; 3 for an unexpected exception inside graphcap, its traceback on
+stderr (as pytest's internal error), so that a crash never reads as a failed check.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import importlib.metadata
 import os
 import re
 import sys
+import traceback
 
 import torch
 
@@ -348,6 +350,11 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the exit's flush does not raise again
         return 0
+    except Exception:  # a crash: its whole traceback, and not 1 (a check that failed)
+        traceback.print_exc()
+        print(f"graphcap {args.command}: an unexpected error inside graphcap (its traceback "
+              "is above): exit status 3", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

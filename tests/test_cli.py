@@ -115,15 +115,20 @@ def test_an_error_is_one_line_and_exit_2_in_a_real_process(tmp_path):
     assert proc.stderr.splitlines() == [proc.stderr.strip()] and "KeyError: 'gone'" in proc.stderr
 
 
-def test_an_unexpected_error_inside_graphcap_is_raised_not_hidden(capsys, monkeypatch):
+def test_an_unexpected_error_inside_graphcap_keeps_its_traceback_and_exits_3(capsys,
+                                                                            monkeypatch):
+    # 1 is a check that ran and failed: a crash must not read as one.
     import graphcap.check
 
     def bug(model):
         raise RuntimeError("a bug in graphcap")
 
     monkeypatch.setattr(graphcap.check, "checkable", bug)
-    with pytest.raises(RuntimeError, match="a bug in graphcap"):
-        main(["check", "tests.support.check_models:good"])
+    assert main(["check", "tests.support.check_models:good"]) == 3
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "in bug" in err, err
+    assert err.rstrip().endswith("an unexpected error inside graphcap (its traceback is "
+                                 "above): exit status 3"), err
 
 
 def test_every_command_s_help_shows_its_defaults_and_choices(capsys):
