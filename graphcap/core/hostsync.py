@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import torch
 
+from graphcap import compat
+from graphcap.core.breaks import breakable_capture
 from graphcap.core.trees import tensor_leaves
 from graphcap.errors import CaptureError
 
@@ -215,8 +217,23 @@ def _histc_from_data(args, kwargs) -> bool:
     return low == high and args[0].numel() > 0
 
 
+def uncapturable(op: str) -> CaptureError:
+    """The refusal of an op registered ``capturable=False`` inside a capture but
+    breakable's (which runs it as an eager break)."""
+    return CaptureError(
+        f"{op} is registered capturable=False and was called inside a graph capture, "
+        "which would replay the result of capture: capture the model with "
+        "strategy='breakable' (the op runs eagerly between graph segments) or "
+        "'tc_piecewise' (eagerly between pieces)", op=op)
+
+
 def check_op(func, args, kwargs, device: torch.device) -> None:
-    """Raise CaptureError if the aten op ``func`` would synchronise with the host."""
+    """Raise CaptureError if the aten op ``func`` would synchronise with the host, or if
+    ``func`` is tagged ``cudagraph_unsafe`` (an op registered ``capturable=False`` called
+    as ``torch.ops``) outside a breakable capture."""
+    if compat.HAS_CUDAGRAPH_UNSAFE_TAG and torch.Tag.cudagraph_unsafe in func.tags \
+            and not breakable_capture():
+        raise uncapturable(func.name())
     if _moves_to_host(func, args, kwargs, device):
         _raise(str(func.overloadpacket), "a copy between host and device",
                "synchronises the host with the device")

@@ -40,7 +40,8 @@ from graphcap.compat.library import (
     split_qualname,
 )
 from graphcap.core.breaks import breakable_capture, run_maybe_as_break
-from graphcap.errors import CaptureError, GraphcapError, KernelUnavailable, OpInputError
+from graphcap.core.hostsync import uncapturable
+from graphcap.errors import GraphcapError, KernelUnavailable, OpInputError
 
 HALF = (torch.float16, torch.bfloat16)  # what most vendor kernels (FlashInfer) accept
 
@@ -224,11 +225,7 @@ class OpSpec:
         if breakable_capture():
             return run_maybe_as_break(self.op, args, {}, None)
         if capturing():
-            raise CaptureError(
-                f"{self.qualname} is registered capturable=False and was called inside a "
-                "graph capture, which would replay the result of capture: capture the "
-                "model with strategy='breakable' (the op runs eagerly between graph "
-                "segments) or 'tc_piecewise' (eagerly between pieces)", op=self.qualname)
+            raise uncapturable(self.qualname)
         return self.op(*args)
 
 
@@ -334,6 +331,9 @@ def register_op(qualname: str, schema: str, *, reference: Callable,
     spec.arguments = tuple(parsed.arguments)
 
     def impl(*args):
+        if not capturable and torch.cuda.is_available() and not breakable_capture() \
+                and torch.cuda.is_current_stream_capturing():  # a torch.ops call
+            raise uncapturable(qualname)
         if spec.check is not None:
             spec.check(*args)
         if dispatch is not None:

@@ -1,6 +1,7 @@
 """An op registered ``capturable=False`` and called through opsdb: an eager break under
 breakable, run again at every replay; refused inside full's capture, naming the
-strategies that run it (tc_piecewise splits it out by its tag:
+strategies that run it, also where it is called as ``torch.ops`` (breakable captures
+such a call as any op's) (tc_piecewise splits it out by its tag:
 tests/strategies/test_piecewise.py)."""
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ class CountsItsCalls(torch.nn.Module):
         return COUNT_CALLS(self.lin(x)) * 2
 
 
+class CallsItThroughTorchOps(CountsItsCalls):
+    def forward(self, x):
+        return torch.ops.graphcap_test.count_calls(self.lin(x)) * 2
+
+
 def test_breakable_runs_an_uncapturable_op_eagerly_at_every_replay():
     torch.manual_seed(0)
     m = CountsItsCalls().to(DEVICE)
@@ -55,8 +61,9 @@ def test_breakable_runs_an_uncapturable_op_eagerly_at_every_replay():
     assert report["breaks"] == {4: 1} and sum(report["replays"].values()) == 4
 
 
-def test_full_refuses_an_uncapturable_op_naming_the_strategies_that_run_it():
-    m = CountsItsCalls().to(DEVICE)
+@pytest.mark.parametrize("model", [CountsItsCalls, CallsItThroughTorchOps])
+def test_full_refuses_an_uncapturable_op_naming_the_strategies_that_run_it(model):
+    m = model().to(DEVICE)
     r = graphcap.capture(m, "full", buckets=[4])
     with pytest.raises(CaptureError, match=r"graphcap_test::count_calls is registered "
                        r"capturable=False.*strategy='breakable'.*'tc_piecewise'"):
