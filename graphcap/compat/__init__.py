@@ -18,6 +18,18 @@ HAS_CUDAGRAPH_UNSAFE_TAG = hasattr(torch.Tag, "cudagraph_unsafe")
 HAS_TRITON_OP = hasattr(torch.library, "triton_op")
 
 
+def cudagraph_unsafe(op) -> bool:
+    """Whether ``op`` (an ``OpOverload``, or a packet: any of its overloads) is tagged
+    ``torch.Tag.cudagraph_unsafe`` (opsdb tags an op registered ``capturable=False``); False
+    for anything else, and on a torch without the tag."""
+    if not HAS_CUDAGRAPH_UNSAFE_TAG:
+        return False
+    tag = torch.Tag.cudagraph_unsafe
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return any(tag in getattr(op, name).tags for name in op.overloads())
+    return isinstance(op, torch._ops.OpOverload) and tag in op.tags
+
+
 def cuda_available() -> bool:
     """True when a CUDA device is usable (not merely compiled in)."""
     return torch.cuda.is_available() and torch.cuda.device_count() > 0

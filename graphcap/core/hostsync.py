@@ -231,8 +231,7 @@ def check_op(func, args, kwargs, device: torch.device) -> None:
     """Raise CaptureError if the aten op ``func`` would synchronise with the host, or if
     ``func`` is tagged ``cudagraph_unsafe`` (an op registered ``capturable=False`` called
     as ``torch.ops``) outside a breakable capture."""
-    if compat.HAS_CUDAGRAPH_UNSAFE_TAG and torch.Tag.cudagraph_unsafe in func.tags \
-            and not breakable_capture():
+    if compat.cudagraph_unsafe(func) and not breakable_capture():
         raise uncapturable(func.name())
     if _moves_to_host(func, args, kwargs, device):
         _raise(str(func.overloadpacket), "a copy between host and device",

@@ -39,16 +39,7 @@ def is_split_node(node: torch.fx.Node, names: set[str]) -> bool:
     ``torch.Tag.cudagraph_unsafe``, as opsdb tags an op registered ``capturable=False``):
     it runs eagerly between pieces, as Inductor's CUDA graphs leave it out."""
     return node.op == "call_function" and (qualname(node.target) in names
-                                           or _unsafe(node.target))
-
-
-def _unsafe(target) -> bool:
-    if not compat.HAS_CUDAGRAPH_UNSAFE_TAG:
-        return False
-    tag = torch.Tag.cudagraph_unsafe
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return any(tag in getattr(target, name).tags for name in target.overloads())
-    return isinstance(target, torch._ops.OpOverload) and tag in target.tags
+                                           or compat.cudagraph_unsafe(node.target))
 
 
 def static_state_of(module: torch.fx.GraphModule, names: set[str]):
