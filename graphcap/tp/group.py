@@ -82,10 +82,7 @@ class TPGroup:
                 "environment; one process per GPU)")
         self.timeout_s = _seconds(timeout_s, "timeout_s")
         self.collective_timeout_s = _seconds(collective_timeout_s, "collective_timeout_s")
-        ranks = list(range(dist.get_world_size()))
-        self.data = dist.new_group(ranks, timeout=timedelta(seconds=self.collective_timeout_s))
-        self.control = _control_group(ranks, self.timeout_s, self.collective_timeout_s,
-                                      self.data)
+        self.data, self.control = _groups(self.timeout_s, self.collective_timeout_s)
         self.rank = dist.get_rank(self.data)
         self.size = dist.get_world_size(self.data)
         self.name = f"tp{next(_NUMBERS)}"
@@ -292,24 +289,27 @@ def _absent(start: float, bound: float, what: str) -> str:
     return f"a rank did not come to {what} within {bound:g} s"
 
 
-def _control_group(ranks: list[int], timeout_s: float, rendezvous_s: float, data):
-    """The gloo group of the agreements, whose collectives wait ``timeout_s``; made
-    waiting up to ``rendezvous_s`` for every rank: NCCL makes the data group without
-    meeting the ranks, who come here as far apart as they came to ``TPGroup()``."""
-    patient = max(timeout_s, rendezvous_s)
+def _groups(timeout_s: float, collective_s: float) -> tuple:
+    """The data group (its collectives wait ``collective_s``) and the gloo group of the
+    agreements (``timeout_s``) of every rank, each made waiting up to the longer for every
+    rank: gloo meets them, NCCL makes the data group without meeting them (they come to the
+    control group as far apart as they came to ``TPGroup()``); else ``RankError``."""
+    ranks, patient, made = list(range(dist.get_world_size())), max(timeout_s, collective_s), []
     try:
-        control = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=patient))
+        made.append(dist.new_group(ranks, timeout=timedelta(seconds=collective_s)))
+        made.append(dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=patient)))
     except RuntimeError as exc:
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group(data)
-        raise RankError(f"a rank did not make its TPGroup within {patient:g} s of rank "
-                        f"{dist.get_rank()}: every rank makes the same TPGroups, in the "
-                        "same order") from exc
+        for group in made:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group)
+        raise RankError(f"a rank did not make its TPGroup within "
+                        f"{patient if made else collective_s:g} s of rank {dist.get_rank()}: "
+                        "every rank makes the same TPGroups, in the same order") from exc
+    data, control = made
     if not compat.set_group_timeout(control, timeout_s) and patient != timeout_s:
-        # a torch that cannot: made again, bounded by timeout_s
-        dist.destroy_process_group(control)
+        dist.destroy_process_group(control)  # a torch that cannot: made again, bounded
         control = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
-    return control
+    return data, control
 
 
 @atexit.register

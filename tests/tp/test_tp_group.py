@@ -164,6 +164,21 @@ def test_a_rank_that_comes_to_the_group_later_than_timeout_s_still_makes_it():
     spawn(_late_to_the_group)
 
 
+def _later_than_collective_timeout_s(rank: int) -> None:
+    # On gloo the data group meets the ranks too: one that comes later than the bound
+    # fails every rank's TPGroup() with RankError saying so (it was gloo's "Wait timeout").
+    if rank == 1:
+        time.sleep(3.0)
+    with pytest.raises(RankError, match=r"a rank did not make its TPGroup within 1\.5 s"):
+        TPGroup(timeout_s=1.0, collective_timeout_s=1.5)
+    dist.barrier()
+    TPGroup(timeout_s=PATIENT).agree("here", "a test")  # the ranks still make groups together
+
+
+def test_a_rank_later_to_the_group_than_collective_timeout_s_fails_it_with_rank_error():
+    spawn(_later_than_collective_timeout_s)
+
+
 def _release(rank: int) -> None:
     tp = TPGroup(timeout_s=PATIENT)
     model = build_model("tiny", tp=tp)
