@@ -155,8 +155,7 @@ class TPGroup:
         mine = _encode(key)
         keys, start = [torch.empty_like(mine) for _ in range(self.size)], time.monotonic()
         try:
-            # Bounded by the control group's own timeout: the all-gather ends (completes or
-            # fails) before this returns, so no collective is left pending behind us.
+            # Bounded by the control group's timeout: it ends before this returns, none pending.
             dist.all_gather(keys, mine, group=self.control)
         except RuntimeError as exc:
             reasons = self._reasons()
@@ -174,25 +173,24 @@ class TPGroup:
     @contextlib.contextmanager
     def entry(self, what: str, warm: bool = False):
         """The checks of ``what``, a public call of a split model (``generate()``,
-        ``LLM.stream``, ``capture``) that every rank makes: a rank refusing it (any
-        exception raised inside) says so, and the others raise
-        ``RankError`` (ranks all refusing alike raise their own errors); else the ranks
-        agree on the call's arguments, which the block appends to the list it gets (prompts
-        of the same lengths per rank would otherwise pass every runner's agreement and
-        each rank run another request's collectives). The group stays usable. ``warm``:
-        warm the group up first (a capture: its collective waits for ranks still
-        loading their model, longer than an agreement does)."""
+        ``LLM.stream``, ``capture``) that every rank makes: a rank refusing it (any exception
+        raised inside) says so, and the others raise ``RankError`` (ranks all refusing alike
+        raise their own errors); else the ranks agree on a hash of the call's arguments, which
+        the block appends to the list it gets (prompts of the same lengths per rank would
+        otherwise pass every runner's agreement and each rank run another request's
+        collectives). The group stays usable. ``warm``: warm the group up first (a capture: its
+        collective waits for ranks still loading their model, longer than an agreement does)."""
         key: list[str] = []
         try:
             yield key
         except Exception as exc:  # any refusal: the others must hear of it
             if warm:
                 self.warm_up()
-            self.agree(f"refused ({type(exc).__name__}: {exc})", what)
+            self.agree(f"refused ({type(exc).__name__}: {exc})", what, _SAME_ARGUMENTS)
             raise
         if warm:
             self.warm_up()
-        self.agree(hashlib.sha256(repr(key).encode()).hexdigest(), what)
+        self.agree(hashlib.sha256(repr(key).encode()).hexdigest()[:16], what, _SAME_ARGUMENTS)
 
     @contextlib.contextmanager
     def together(self, what: str):
@@ -340,6 +338,8 @@ _CHANGES = ("a split model must change alike on every rank (each rank's share of
             "unless on_change='error'), or call runner.recapture() on every rank")
 _SAME_CALLS = ("every rank must make the same calls with inputs of the same shapes, so that "
                "each replays the same graph or runs the same batch eagerly")
+_SAME_ARGUMENTS = ("every rank must make this call with the same arguments (each rank's hashed "
+                   "above: for generate() and an LLM the prompts' token ids, not only lengths)")
 _CLOSED = ("A closed group cannot be used again: restart the ranks (or make a new "
            "TPGroup on every rank, and build and capture the model again)")
 

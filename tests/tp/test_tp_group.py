@@ -60,10 +60,11 @@ def _disagreement(rank: int) -> None:
     out = call(runner, [6])  # the runner and the group are still usable
     assert out.shape == (6, model.args.vocab_size) and tp.closed is None
     # generate() with other prompts per rank, even of the same lengths: refused on both,
-    # never other tokens.
+    # never other tokens; the error says that the arguments differ, not their shapes.
     for other in ([[5, 9, 2, 7], [3]], [[7, 1, 8], [6]]):
         prompts = [[5, 9, 2], [3]] if rank == 0 else other
-        with pytest.raises(RankError, match="disagree"):
+        with pytest.raises(RankError, match=r"disagree \(rank 0: \w+, rank 1: \w+\) on .*: "
+                           r"every rank must make this call with the same arguments"):
             graphcap.generate(model, prompts, 3, strategy="full", max_batch=2,
                               prefill_tokens=8)
     # One rank refusing its arguments: every rank raises, and the next call is in step.
