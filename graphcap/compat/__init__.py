@@ -37,13 +37,17 @@ def cuda_available() -> bool:
 
 def set_group_timeout(group, seconds: float) -> bool:
     """Bound ``group``'s later collectives by ``seconds`` (``ProcessGroup.set_timeout``);
-    False where this torch cannot change a made group's timeout."""
+    False where this torch cannot change a made group's timeout: no such method, or one
+    its backend refuses (torch's ``Backend.setTimeout`` raises unless a backend has one)."""
     set_timeout = getattr(group, "set_timeout", None)
     if set_timeout is None:
         return False
     from datetime import timedelta
 
-    set_timeout(timedelta(seconds=seconds))
+    try:
+        set_timeout(timedelta(seconds=seconds))
+    except (RuntimeError, NotImplementedError):
+        return False
     return True
 
 

@@ -286,3 +286,15 @@ def _async_break(rank: int) -> None:
 
 def test_an_async_collective_waited_on_across_a_break_is_refused():
     spawn(_async_break)
+
+
+def test_a_group_whose_backend_refuses_a_new_timeout_is_one_whose_timeout_cannot_change():
+    # torch's Backend.setTimeout raises where a backend does not implement it: TPGroup()
+    # then makes its control group again, bounded by timeout_s, instead of failing.
+    from graphcap import compat
+
+    class Refusing:
+        def set_timeout(self, timeout):
+            raise RuntimeError("Backend fake does not support setting timeout")
+
+    assert compat.set_group_timeout(Refusing(), 1.0) is False
