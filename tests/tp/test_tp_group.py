@@ -180,6 +180,28 @@ def test_a_rank_later_to_the_group_than_collective_timeout_s_fails_it_with_rank_
     spawn(_later_than_collective_timeout_s)
 
 
+def _timeout_fixed_at_making(rank: int) -> None:
+    from unittest import mock
+
+    from graphcap import compat
+
+    # A torch that cannot change a made group's timeout: the control group is made again,
+    # bounded by timeout_s, so an agreement still waits timeout_s, not the making's bound.
+    with mock.patch.object(compat, "set_group_timeout", lambda group, seconds: False):
+        tp = TPGroup(timeout_s=1.0, collective_timeout_s=PATIENT)
+    tp.agree("here", "a test")
+    if rank == 1:
+        time.sleep(3.0)
+    start = time.monotonic()
+    with pytest.raises(RankError, match="within 1 s|closed"):
+        tp.agree("here", "a test")
+    assert time.monotonic() - start < PATIENT / 2
+
+
+def test_agreements_wait_timeout_s_on_a_torch_that_cannot_change_a_made_group_s_timeout():
+    spawn(_timeout_fixed_at_making)
+
+
 def _release(rank: int) -> None:
     tp = TPGroup(timeout_s=PATIENT)
     model = build_model("tiny", tp=tp)
