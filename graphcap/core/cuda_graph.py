@@ -73,21 +73,34 @@ def _blas_handles(pool: GraphPool) -> None:
 
 class _FrozenGC:
     """gc frozen and disabled during capture: a collection mid-capture can unload a
-    Triton module a captured kernel still uses."""
+    Triton module a captured kernel still uses. gc is the process's: captures of several
+    threads overlap, so the first to begin freezes it and the last to end gives it back
+    as it was (the first to end, alone, would enable it under the others)."""
+
+    _lock = threading.Lock()
+    _open = 0  # captures inside the guard, of every thread
+    _was_enabled = _froze = False
 
     def __enter__(self):
-        self.was_enabled = gc.isenabled()
-        # Freeze only if the application has not: unfreeze() would undo its own freeze.
-        self.froze = gc.get_freeze_count() == 0
-        if self.froze:
-            gc.freeze()
-        gc.disable()
+        with _FrozenGC._lock:
+            if _FrozenGC._open == 0:
+                _FrozenGC._was_enabled = gc.isenabled()
+                # Freeze only if the application has not: unfreeze() would undo its own.
+                _FrozenGC._froze = gc.get_freeze_count() == 0
+                if _FrozenGC._froze:
+                    gc.freeze()
+                gc.disable()
+            _FrozenGC._open += 1
 
     def __exit__(self, *exc):
-        if self.froze:
-            gc.unfreeze()
-        if self.was_enabled:
-            gc.enable()
+        with _FrozenGC._lock:
+            _FrozenGC._open -= 1
+            if _FrozenGC._open:
+                return
+            if _FrozenGC._froze:
+                gc.unfreeze()
+            if _FrozenGC._was_enabled:
+                gc.enable()
 
 
 class CudaGraph(Graph):

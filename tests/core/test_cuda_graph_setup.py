@@ -1,6 +1,7 @@
 """A CUDA graph whose capture set-up fails (out of memory making the pool's cuBLAS
-workspace) gives back what it took: the garbage collector and the current stream. The
-CUDA calls are replaced here so that the failure can be made on a machine without one."""
+workspace) gives back what it took: the garbage collector and the current stream; the
+garbage collector stays frozen while any thread's capture runs. The CUDA calls are
+replaced here so that the failure can be made on a machine without one."""
 
 from __future__ import annotations
 
@@ -44,3 +45,16 @@ def test_a_failed_set_up_leaves_the_garbage_collector_as_it_was(monkeypatch):
         graph.begin()
     assert (gc.isenabled(), gc.get_freeze_count()) == (enabled, frozen)
     assert not entered and not graph.capturing
+
+
+def test_the_garbage_collector_stays_frozen_until_the_last_of_overlapping_captures_ends():
+    # Two threads' captures overlap and the first to begin ends first: gc is the
+    # process's, so the other capture must not find it enabled under it.
+    enabled, frozen = gc.isenabled(), gc.get_freeze_count()
+    first, second = cuda_graph._FrozenGC(), cuda_graph._FrozenGC()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert not gc.isenabled() and gc.get_freeze_count() > 0
+    second.__exit__(None, None, None)
+    assert (gc.isenabled(), gc.get_freeze_count()) == (enabled, frozen)
