@@ -18,30 +18,30 @@ region, with CUDA-graph semantics:
 - ``empty``-style allocations launch nothing and are not re-run;
 - in a graph of another device, an op of host tensors alone runs once, at capture.
 
-Two details make capture itself behave as on CUDA, where capture launches nothing:
-memory older than the capture that the region mutated, and the random generators, are
-restored when capture ends; memory allocated during capture is filled with 0xFF bytes
-(NaN in floats, -1 in ints; True in bools), as on CUDA it holds garbage until a replay. Host
-synchronisations raise ``CaptureError`` (:mod:`graphcap.core.hostsync`; the calls that
-wait for the device, as ``torch.cuda.synchronize()``, are swapped for checked ones while a
-graph records), and a region that catches one fails at ``end()`` all the same, as CUDA
-invalidates the capture. Composite ops are recorded as the ops they are made of, under
-``torch.inference_mode`` as under ``no_grad`` (so ``int(t)`` is seen as the
-``Tensor.item`` it is).
+Two details make capture itself behave as on CUDA, where capture launches nothing: memory older
+than the capture that the region mutated, and the random generators, are restored when capture
+ends; memory allocated during capture is filled with 0xFF bytes (NaN in floats, -1 in ints; True
+in bools), as on CUDA it holds garbage until a replay. Host synchronisations raise
+``CaptureError`` (:mod:`graphcap.core.hostsync`; the calls that wait for the device, as
+``torch.cuda.synchronize()``, are swapped for checked ones while a graph records), and a region
+that catches one fails at ``end()`` all the same, as CUDA invalidates the capture. Composite ops
+are recorded as the ops they are made of, under ``torch.inference_mode`` as under ``no_grad``
+(so ``int(t)`` is seen as the ``Tensor.item`` it is).
 
-Differences from CUDA that stay: memory freed inside the region is not handed to later
-captures on the same pool (the emulator never reuses a block), and a custom op's Python
-implementation runs again on every replay (CUDA replays only the kernels it launched),
-inside the ``contextvars`` context of its capture (so it sees the forward context it saw
-then, whose buffers hold the current batch). A custom op is one kernel to the emulator: a
-host sync inside its implementation is not seen (its torch reference may read values on
-the CPU, where its CUDA kernel reads none), nor does a replay check its host reads.
+Differences from CUDA that stay: memory freed inside the region is not handed to later captures
+on the same pool (the emulator never reuses a block), and a custom op's Python implementation
+runs again on every replay (CUDA replays only the kernels it launched), inside the
+``contextvars`` context of its capture (so it sees the forward context it saw then, whose
+buffers hold the current batch). A custom op is one kernel to the emulator: a host sync inside
+its implementation is not seen (its torch reference may read values on the CPU, where its CUDA
+kernel reads none), nor does a replay check its host reads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +57,7 @@ from graphcap.core.trees import storage_key, storages, tensor_leaves
 from graphcap.tp.group import check_finished
 
 aten = torch.ops.aten
+_GRAPHS: weakref.WeakSet = weakref.WeakSet()  # every live EmulatedGraph, of every pool
 
 _NO_KERNEL = {
     aten.empty.memory_format,
@@ -232,8 +233,7 @@ class _Recorder(TorchDispatchMode):
 
 
 def _recorder() -> _Recorder | None:
-    """The recorder of the emulated graph recording on this thread (on the dispatch mode
-    stack), or None."""
+    """The recorder of the emulated graph recording on this thread (mode stack), or None."""
     return next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, _Recorder)),
                 None)
 
@@ -258,6 +258,7 @@ class EmulatedGraph(Graph):
     emulated = True
 
     def __init__(self, pool):
+        _GRAPHS.add(self)
         self.pool = pool
         self.device = pool.device
         self._steps: list[_Step] = []
@@ -338,19 +339,18 @@ class EmulatedGraph(Graph):
 
     def _freeze(self, t: torch.Tensor, was: torch.Tensor | None = None) -> None:
         """``t``'s shape is about to change in place (``t_``, ``unsqueeze_``): the steps
-        recorded so far, this graph's and every other graph's of its pool (a breakable
-        capture's earlier segments), keep reading and writing it as it is now, through a
-        view of its present shape in their place (a replay runs them on the recorded
-        objects, which by then have the last shape; CUDA's kernels keep the layout they
-        were launched with). ``was``: a view of ``t`` as it lay before a change made
-        outside any recording (by an eager break), the layout they keep instead."""
+        recorded so far, of every graph of every pool (a breakable capture's earlier segments,
+        other runners' graphs), keep reading and writing it as it is now, through a view of its
+        present shape (a replay runs them on the recorded objects, which by then have the last
+        shape; CUDA's kernels keep the layout they were launched with). ``was``: ``t`` as it lay
+        before a change made outside any recording (by an eager break), the layout they keep."""
         was = t if was is None else was
 
         def frozen(x):
             return (was.as_strided(was.size(), was.stride(), was.storage_offset())
                     if x is t else x)
 
-        for graph in self.pool.graphs():
+        for graph in list(_GRAPHS):
             for step in graph._steps:
                 step.args, step.kwargs = tree_map(frozen, (step.args, step.kwargs))
                 step.outs = [frozen(out) for out in step.outs]

@@ -32,6 +32,13 @@ def full(pool, n, value, dtype=torch.float32):
     return torch.full((n,), float(value), device=pool.device, dtype=dtype)
 
 
+def another_pool(pool):
+    """A second pool of ``pool``'s kind, on its device."""
+    if pool.kind == "rerun":  # the stand-in of tests/support/standins.py
+        return type(pool)(pool.device)
+    return type(pool)(pool.device, pool.kind)
+
+
 def test_replay_reads_new_contents_of_captured_inputs_but_not_new_tensor_objects(pool):
     x = full(pool, 8, 1.0)
     inputs = {"x": x}
@@ -155,6 +162,23 @@ def test_a_tensor_reshaped_in_place_in_a_later_graph_keeps_its_shape_in_earlier_
     x = torch.arange(12, device=pool.device, dtype=torch.float32).view(3, 4)
     made, reads = Region(lambda t: t[:, :3] * 2), Region(lambda s: s.t_() * 1)
     first, second = pool.graph(), pool.graph()
+    square = first.capture(made, x)
+    out = second.capture(reads, square)
+    fresh = torch.randn(3, 4, device=pool.device)
+    x.copy_(fresh)
+    first.replay()
+    second.replay()
+    torch.testing.assert_close(out, (fresh[:, :3] * 2).t())
+    assert made.calls == reads.calls == 1
+
+
+def test_a_tensor_reshaped_in_place_by_a_graph_of_another_pool_keeps_its_shape_in_earlier_ones(
+        pool):
+    """As above with the graphs on two pools (two runners of one model): CUDA's kernels
+    keep the layout they were launched with, whichever pool their graph is on."""
+    x = torch.arange(12, device=pool.device, dtype=torch.float32).view(3, 4)
+    made, reads = Region(lambda t: t[:, :3] * 2), Region(lambda s: s.t_() * 1)
+    first, second = pool.graph(), another_pool(pool).graph()
     square = first.capture(made, x)
     out = second.capture(reads, square)
     fresh = torch.randn(3, 4, device=pool.device)
