@@ -13,7 +13,12 @@ Contract, the same for both kinds (``tests/core/test_graph_semantics.py`` pins i
 - the outputs are the tensors returned at capture, overwritten by every replay, and
   hold garbage until the first replay;
 - Python in the region (side effects, scalars, control flow) runs at capture only;
-- every tensor a graph uses must stay alive as long as the graph (the graph holds them);
+- every tensor a graph uses must stay alive as long as the graph (the emulator holds
+  them; a CUDA graph does not: keep them);
+- graphs of one pool replay one at a time, in any order, but on CUDA share memory: a
+  later capture may put its outputs in blocks an earlier graph of the pool uses as
+  scratch, so read (or copy) a graph's outputs before another graph of the pool replays
+  (the emulator never reuses a block, so it cannot show this);
 - random ops draw fresh values on each replay (from the device's default generator: a
   random op given another one raises :class:`graphcap.errors.CaptureError`);
 - host synchronisations in the region raise :class:`graphcap.errors.CaptureError`,
@@ -88,8 +93,11 @@ class GraphPool:
     """One memory pool and one capture stream shared by a generation of graphs.
 
     Graphs of one pool may share memory (on CUDA, blocks a capture freed are reused by
-    later captures of the pool): replay them one at a time, and keep alive any tensor
-    you read after another graph's replay.
+    later captures of the pool, for their scratch and their outputs alike): replay them
+    one at a time, read a graph's outputs before another graph of the pool replays (an
+    earlier graph's replay may overwrite a later one's), and keep every output alive as
+    long as its graph (a dropped one's blocks go to later captures, which its replays
+    then overwrite).
     """
 
     def __init__(self, device: torch.device | str | None = None, kind: str | None = None):
