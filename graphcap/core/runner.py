@@ -363,7 +363,7 @@ class Runner:
             outs = [(o.shape[1:], o.dtype, o.device) for o in flat]
             # Freed before the warm-up ends: a sizing warm-up counts them as transient,
             # as the capture, which copies them into the static outputs, frees them.
-            del flat
+            del flat, out
         if not self._outputs:
             rows = self.inputs.rows(self.max_tokens)
             self._outputs = [torch.empty((rows, *tail), dtype=dtype, device=device)

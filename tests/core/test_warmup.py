@@ -6,10 +6,14 @@ Each test runs on the CPU emulator, and with ``-m gpu`` on real CUDA graphs."""
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+
 import pytest
 import torch
 
 import graphcap
+from graphcap.core.graphs import GraphPool
 from graphcap.errors import UnsupportedStrategy
 from graphcap.models import MLP
 from tests.conftest import requires_cuda
@@ -128,6 +132,39 @@ def test_capturing_again_starts_over_with_the_first_shape_warmed_up():
     r.capture_all((torch.randn(4, 16),))
     assert (r.report()["warmups"], r.report()["warmup_retries"]) == (2, 0)
     check_every_bucket(r, m, 16, "cpu")
+
+
+class RemembersOutputs(torch.nn.Module):
+    """An MLP keeping a weak reference to each output it returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp, self.outputs = MLP(16, depth=1), []
+
+    def forward(self, x):
+        out = self.mlp(x)
+        self.outputs.append(weakref.ref(out))
+        return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_warm_up_frees_its_outputs_before_it_ends(device, monkeypatch):
+    # A sizing warm-up reads the allocator as it ends: outputs still held there would
+    # count as kept, not transient, and the pool would be sized short of the capture,
+    # which makes them in the pool before copying them into the static outputs.
+    model, alive = RemembersOutputs().to(device), []
+    warmup = GraphPool.warmup
+
+    @contextlib.contextmanager
+    def watched(pool, sizes=False):
+        with warmup(pool, sizes):
+            yield
+            alive.extend(ref() is not None for ref in model.outputs)
+
+    monkeypatch.setattr(GraphPool, "warmup", watched)
+    graphcap.capture(model, "full", buckets=BUCKETS,
+                     example_inputs=(torch.randn(16, 16, device=device),))
+    assert alive == [False]
 
 
 class LazyConstant(torch.nn.Module):
