@@ -101,8 +101,7 @@ def _aliases_an_input(out, args, kwargs) -> bool:
 
 
 def _replay_context() -> contextvars.Context:
-    """The context a custom op replays in: the capture's, without a break handler (that
-    capture is over by replay time)."""
+    """The context a custom op replays in: the capture's, less its break handler (over)."""
     from graphcap.core.breaks import clear_handler
 
     ctx = contextvars.copy_context()
@@ -244,8 +243,7 @@ def recording() -> bool:
 
 
 def _check_wait(wait: hostsync.HostWait, args: tuple) -> None:
-    """Refuse a host wait (``torch.cuda.synchronize()``) on a thread that records, when it
-    waits for what the graph records; CUDA drops the capture too."""
+    """Refuse a host wait (``torch.cuda.synchronize()``) of what this thread records."""
     recorder = _recorder()
     if recorder is not None and wait.waits(recorder.graph.device, args):
         with recorder.graph._refusing():
@@ -302,16 +300,14 @@ class EmulatedGraph(Graph):
                 "after it. Let the error through, or decide before the capture",
                 op=refused.op, site=refused.site) from refused
         self._exit_modes()
-        self._restore_snapshots()
-        for storage, is_bool in self._internal.values():
-            # NaN in every float dtype, -1 in ints, True in bools: garbage until replay
-            storage.fill_(0x01 if is_bool else 0xFF)
+        self._as_cuda_leaves_it()
         self._segments += 1
 
     def abort(self, exc: BaseException) -> BaseException:
-        """End a capture that raised: restore memory, drop the record, return the error."""
+        """End a capture that raised: memory as CUDA leaves it (a tensor the region made
+        and kept holds garbage), drop the record, return the error."""
         self._exit_modes()
-        self._restore_snapshots()
+        self._as_cuda_leaves_it()
         self.reset()
         return exc
 
@@ -326,11 +322,15 @@ class EmulatedGraph(Graph):
                 self._refused = exc
             raise
 
-    def _restore_snapshots(self) -> None:
-        """Put back memory older than the capture that the region wrote."""
+    def _as_cuda_leaves_it(self) -> None:
+        """Memory as a CUDA capture, which runs nothing, leaves it: older memory the region
+        wrote put back, memory it made garbage (NaN in every float dtype, -1 in ints, True
+        in bools) until a replay."""
         for storage, saved in self._snapshots.values():
             storage.copy_(saved)
         self._snapshots.clear()
+        for storage, is_bool in self._internal.values():
+            storage.fill_(0x01 if is_bool else 0xFF)
 
     def _exit_modes(self) -> None:
         modes, self._modes = self._modes, []
