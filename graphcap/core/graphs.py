@@ -23,7 +23,8 @@ Contract, the same for both kinds (``tests/core/test_graph_semantics.py`` pins i
   random op given another one raises :class:`graphcap.errors.CaptureError`);
 - host synchronisations in the region raise :class:`graphcap.errors.CaptureError`,
   and leave the tensors and the model as they were before the capture (a region that
-  catches the error fails at ``end()``: the capture was invalidated).
+  catches the error fails at ``end()``: the capture was invalidated); a tensor the
+  region made and kept (on a module) holds garbage, as nothing of the capture ran.
 
 Example::
 
