@@ -12,10 +12,7 @@ import weakref
 
 import torch
 
-TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-
 HAS_CUDAGRAPH_UNSAFE_TAG = hasattr(torch.Tag, "cudagraph_unsafe")
-HAS_TRITON_OP = hasattr(torch.library, "triton_op")
 
 
 def cudagraph_unsafe(op) -> bool:
