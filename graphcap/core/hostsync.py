@@ -218,8 +218,15 @@ def _histc_from_data(args, kwargs) -> bool:
 
 
 def uncapturable(op: str) -> CaptureError:
-    """The refusal of an op registered ``capturable=False`` inside a capture but
-    breakable's (which runs it as an eager break)."""
+    """The refusal of an op registered ``capturable=False`` inside a capture: but
+    breakable's, which runs it as an eager break where it is called through opsdb (a
+    ``torch.ops`` call reaches no Python a break could be taken at)."""
+    if breakable_capture():
+        return CaptureError(
+            f"{op} is registered capturable=False and was called as torch.ops inside a "
+            "breakable capture, which would hold it in a graph segment: call it through "
+            f"opsdb (graphcap.opsdb.get_op({op!r})(...)), which breakable runs as an eager "
+            "break, or mark the function that calls it @graphcap.eager_on_graph", op=op)
     return CaptureError(
         f"{op} is registered capturable=False and was called inside a graph capture, "
         "which would replay the result of capture: capture the model with "
@@ -230,8 +237,8 @@ def uncapturable(op: str) -> CaptureError:
 def check_op(func, args, kwargs, device: torch.device) -> None:
     """Raise CaptureError if the aten op ``func`` would synchronise with the host, or if
     ``func`` is tagged ``cudagraph_unsafe`` (an op registered ``capturable=False`` called
-    as ``torch.ops``) outside a breakable capture."""
-    if compat.cudagraph_unsafe(func) and not breakable_capture():
+    as ``torch.ops``: through opsdb, breakable takes a break before it is recorded)."""
+    if compat.cudagraph_unsafe(func):
         raise uncapturable(func.name())
     if _moves_to_host(func, args, kwargs, device):
         _raise(str(func.overloadpacket), "a copy between host and device",

@@ -331,7 +331,7 @@ def register_op(qualname: str, schema: str, *, reference: Callable,
     spec.arguments = tuple(parsed.arguments)
 
     def impl(*args):
-        if not capturable and torch.cuda.is_available() and not breakable_capture() \
+        if not capturable and torch.cuda.is_available() \
                 and torch.cuda.is_current_stream_capturing():  # a torch.ops call
             raise uncapturable(qualname)
         if spec.check is not None:

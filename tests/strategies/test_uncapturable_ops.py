@@ -1,7 +1,8 @@
 """An op registered ``capturable=False`` and called through opsdb: an eager break under
 breakable, run again at every replay; refused inside full's capture, naming the
-strategies that run it, also where it is called as ``torch.ops`` (breakable captures
-such a call as any op's) (tc_piecewise splits it out by its tag:
+strategies that run it, also where it is called as ``torch.ops``; and refused inside
+breakable's as ``torch.ops``, which reaches no Python a break could be taken at, naming
+the call that breaks (tc_piecewise splits it out by its tag:
 tests/strategies/test_piecewise.py)."""
 
 from __future__ import annotations
@@ -68,3 +69,17 @@ def test_full_refuses_an_uncapturable_op_naming_the_strategies_that_run_it(model
     with pytest.raises(CaptureError, match=r"graphcap_test::count_calls is registered "
                        r"capturable=False.*strategy='breakable'.*'tc_piecewise'"):
         r(torch.randn(4, 4, device=DEVICE))
+
+
+def test_breakable_refuses_an_uncapturable_op_called_as_torch_ops_naming_the_call_that_breaks():
+    m = CallsItThroughTorchOps().to(DEVICE)
+    r = graphcap.capture(m, "breakable", buckets=[4])
+    x = torch.randn(4, 4, device=DEVICE)
+    with pytest.raises(CaptureError, match=r"graphcap_test::count_calls is registered "
+                       r"capturable=False and was called as torch.ops inside a breakable "
+                       r"capture.*get_op\('graphcap_test::count_calls'\).*eager_on_graph"):
+        r(x)
+    m.forward = CountsItsCalls.forward.__get__(m)  # through opsdb: the runner captures again
+    before = CALLS[0]
+    r(x)
+    assert CALLS[0] > before and r.report()["breaks"] == {4: 1}
