@@ -319,7 +319,8 @@ COMPILE_DECODE = BUILD_SM90 + textwrap.dedent('''
                        "SOFTCAP": variant, "SINKS": variant, "WRITE": pdl, "ROPE": rope,
                        "HAS_NORM": rope and group == 2, "IEEE": dt == "fp32",
                        "INTERPRET": False, "PDL": pdl, "EARLY_V": not pdl,
-                       "KEY_LATE": group == 2}, pdl=pdl)
+                       "KEY_LATE": group == 2, "SPLIT_OF_LENGTH": variant,
+                       "SPLIT_QUANTUM": 16 if variant else 0}, pdl=pdl)
     print("compiled")
 ''')
 

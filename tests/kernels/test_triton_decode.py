@@ -232,3 +232,34 @@ def test_more_rows_than_a_split_launch_merges_run_in_one_split(monkeypatch):
         rows = 9
     out, want = attend(rows)
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu if ROPE_DEVICE == "cuda" else (lambda test: test)
+@pytest.mark.parametrize("window,sinks", [(0, False), (5, True)])
+@pytest.mark.parametrize("tiles", [{"SPLIT_OF_LENGTH": True},
+                                   {"SPLIT_OF_LENGTH": True, "SPLIT_QUANTUM": 4}],
+                         ids=["in whole blocks", "in 4 tokens"])
+def test_splits_of_each_rows_own_length_give_the_splits_of_the_tables_width_result(
+        window, sinks, tiles):
+    """Rows far shorter than their table, each split an equal share of the row's own
+    tokens (of its window's) instead of the table's width over the splits: the same
+    output as the kernel's default, and the reference's, in a launch of four splits."""
+    from graphcap.opsdb.triton.decode import decode_attention
+
+    dev, page, width, B, hq, hk, d = ROPE_DEVICE, 16, 8, 5, 4, 2, 64
+    g = torch.Generator().manual_seed(window + len(tiles))
+    lens = torch.tensor([1, 7, 16, 23, 70], dtype=torch.int32).to(dev)  # of 128 a table
+    table = (torch.randperm(B * width, generator=g) + 1).view(B, width).to(torch.int32)
+    caches = [torch.randn(B * width + 1, page, hk, d, generator=g).to(dev)
+              for _ in range(2)]
+    q = torch.randn(B, hq, d, generator=g).to(dev)
+    sink = torch.randn(hq, generator=g).to(dev) if sinks else None
+    options = {"window": window, "sinks": sink}
+    table = table.to(dev)
+    want, out, ref = (torch.empty_like(q) for _ in range(3))
+    decode_attention(q, *caches, table, lens, want, d ** -0.5, num_splits=4, **options)
+    decode_attention(q, *caches, table, lens, out, d ** -0.5, num_splits=4, tiles=tiles,
+                     **options)
+    decode_attention_reference(q, *caches, table, lens, ref, d ** -0.5, **options)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -152,7 +152,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
                    WRITE: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
                    IEEE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
-                   EARLY_V: tl.constexpr = False, KEY_LATE: tl.constexpr = False):
+                   EARLY_V: tl.constexpr = False, KEY_LATE: tl.constexpr = False,
+                   SPLIT_OF_LENGTH: tl.constexpr = False, SPLIT_QUANTUM: tl.constexpr = 0):
     pdl_start(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)  # key/value head, then block of its query heads
@@ -169,6 +170,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
     lo = 0
     if WINDOW:  # the splits cover the window only: the read is bounded by it
         lo = tl.maximum(length - window, 0)
+    if SPLIT_OF_LENGTH:  # the row's own tokens shared among the splits
+        quantum = BLOCK_N if SPLIT_QUANTUM == 0 else SPLIT_QUANTUM
+        split_len = tl.cdiv(tl.cdiv(length - lo, SPLITS), quantum) * quantum
     start = lo + s * split_len
     end = tl.minimum(start + split_len, length)
     q_rows = q_ptr + b.to(tl.int64) * q_stride_b + heads[:, None] * q_stride_h
@@ -295,8 +299,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     the same launch (no write kernel before it); with ``positions`` and ``cos_sin_cache``
     too, ``q`` and ``k`` are normalised (``q_weight``, ``k_weight``) and rotated there
     first. ``tiles`` overrides ``BLOCK_N``, ``num_warps``, ``num_stages``, ``EARLY_V``
-    (each block's values loaded with its keys) and ``KEY_LATE`` (the own key's and value's
-    reads and write after the loop over the cache); benchmarks."""
+    (each block's values loaded with its keys), ``KEY_LATE`` (the own key's and value's
+    reads and write after the loop over the cache), ``SPLIT_OF_LENGTH`` (each split an
+    equal share of its row's tokens, in multiples of ``BLOCK_N``, or of ``SPLIT_QUANTUM``
+    tokens where given, instead of the table's width over the splits: a row shorter than
+    the table spread over every split); benchmarks."""
     B, Hq, D = q.shape
     _, page, Hk, _ = k_cache.shape
     if B == 0 or Hq == 0:
