@@ -112,9 +112,9 @@ def _as_flags(message: str) -> str:
 # error, not ignored).
 BENCH_DEFAULTS = {"models": None, "arms": None, "lengths": None, "reps": None,
                   "batches": None, "context": None, "window": 0, "attention": None,
-                  "speculative": 0}
+                  "speculative": 0, "max_len": None}
 BENCH_READS = {"ops": set(), "decode": {"models", "arms", "batches", "context", "window",
-                                        "reps", "speculative"},
+                                        "reps", "speculative", "max_len"},
                "prefill": {"models", "arms", "lengths", "reps", "attention"},
                "generate": {"models", "arms", "reps"},
                "build": {"models", "arms", "attention"}, "memory": {"models", "arms",
@@ -133,7 +133,7 @@ def _check_bench_args(args: argparse.Namespace) -> None:
 
     if args.tp > 1 and args.suite != "prefill":
         raise GraphcapError(f"--tp {args.tp}: only bench prefill splits a model across GPUs")
-    unused = [f"--{o}" for o, default in BENCH_DEFAULTS.items()
+    unused = [f"--{o.replace('_', '-')}" for o, default in BENCH_DEFAULTS.items()
               if getattr(args, o) != default and o not in BENCH_READS[args.suite]]
     if unused:
         raise GraphcapError(f"bench {args.suite} does not take {', '.join(unused)}: leave "
@@ -163,9 +163,9 @@ def _check_bench_args(args: argparse.Namespace) -> None:
     if ladders and len(models) > 1:
         raise GraphcapError(f"--models: bench {args.suite} runs one model, not {len(models)}; "
                             "run it once per model")
-    if args.speculative and (args.context is not None or args.window):
+    if args.speculative and (args.context is not None or args.window or args.max_len):
         raise GraphcapError("bench decode --speculative generates from prompts of its own "
-                            "length: leave out --context and --window")
+                            "length: leave out --context, --window and --max-len")
     for name in models or (prefill.MODELS if args.suite == "prefill" else ["qwen3-0.6b"]):
         check_preset(args, name.rpartition(":")[2])  # hf:PRESET: the stock model of its config
     arms = {"decode": decode.ARMS, "prefill": ARMS + HF_ARMS, "build": ladder.BUILD_ARMS,
@@ -324,6 +324,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--window", type=arg.window, default=0,
                        help="decode: a sliding window of this many tokens on every layer "
                             "(its step reads only the window's K/V; 0: none)")
+    bench.add_argument("--max-len", type=arg.positive, default=None,
+                       help="decode: the tokens a request's block table (and the gpt-fast "
+                            "peer's static cache) holds, as an engine's max_len (default: "
+                            "each context + 1)")
     bench.add_argument("--speculative", type=arg.positive, default=0, metavar="K",
                        help="decode: speculative decoding with K proposals a step, each "
                             "proposer (target, random, ngram: --arms) beside plain decode, "

@@ -27,6 +27,14 @@ from tests.support.cli import refused
     (["decode", "--speculative", "4", "--arms", "full"], "no arm 'full'"),
     (["decode", "--speculative", "4", "--context", "512"], "leave out --context"),
     (["decode", "--speculative", "4", "--context", "128"], "leave out --context"),
+    (["decode", "--speculative", "4", "--max-len", "4096"], "--window and --max-len"),
+    (["decode", "--context", "1024", "--max-len", "1024"],
+     "--max-len 1024: a request's table holds its context and the step's token (1025 for "
+     "--context 1024) and at most qwen3-0.6b's 8192 positions; give a --max-len from 1025 "
+     "to 8192"),
+    (["decode", "--context", "256,1024", "--max-len", "512"], "from 1025 to 8192"),
+    (["decode", "--max-len", "8193"], "from 129 to 8192"),
+    (["prefill", "--max-len", "4096"], "bench prefill does not take --max-len"),
     (["ops", "--reps", "30"], "bench ops does not take --reps"),
     (["decode", "--context", "1024,8192"], "qwen3-0.6b has 8192 positions"),
     (["decode", "--models", "tiny", "--context", "4096"], "tiny has 4096 positions"),

@@ -8,7 +8,7 @@ a context of ``context`` tokens), per context, batch size and arm, bf16 on CUDA:
   decode (``DecodeInputs(attention="flashinfer")``, planned on the host each call);
   ``full-no-pdl``: full captured without programmatic dependent launch;
 - ``gpt-fast`` (CUDA only): the peer to beat, the gpt-fast recipe on the same weights
-  (:mod:`graphcap.bench.gptfast`: a static K/V cache of ``context + 1`` positions rounded
+  (:mod:`graphcap.bench.gptfast`: a static K/V cache of ``max_len`` positions rounded
   up to a multiple of 8, SDPA's math backend with the key/value heads repeated,
   ``torch.compile(mode="reduce-overhead", fullgraph=True)`` with coordinate-descent
   tuning), one step per call; ``gpt-fast-gqa``: the same with SDPA's ``enable_gqa`` (no
@@ -16,12 +16,15 @@ a context of ``context`` tokens), per context, batch size and arm, bf16 on CUDA:
 - ``hf-static-compile`` (CUDA only): the stock transformers model of the preset's config
   with transformers' ``generate(cache_implementation="static")``, which compiles its
   forward itself: its step time is the time of generating ``1 + steps`` tokens less that
-  of one, over ``steps``.
+  of one, over ``steps`` (its cache sized by ``generate``, whatever ``max_len``).
 
 Every graphcap arm steps the same requests at the same positions, so each call does the
 same work (the step's K/V overwrite the same slots); the cache is filled to ``context``
-tokens by one prefill first. ``ms`` times each call alone (CUDA events around it, so its
-host work before the first launch counts, as in an engine that waits for every step);
+tokens by one prefill first. Each request's block table holds ``max_len`` tokens
+(``context + 1`` unless given: an engine's is its ``max_len``), the graphs captured for
+it; the targets are judged at ``context + 1`` only. ``ms`` times each call alone (CUDA
+events around it, so its host work before the first launch counts, as in an engine that
+waits for every step);
 ``ms_back_to_back`` times runs of 20 calls fed with no wait between them (the host running
 ahead, as in a generation loop that never waits), every arm but eager, interleaved and
 paced as ``ms`` is; ``host_us``, for each graphcap
@@ -168,7 +171,7 @@ def _capture(model, arm: str, cache, batches):
 
 
 def bench_model(name: str, arms, batches, context: int, reps: int, device: str,
-                window: int = 0, line: dict | None = None) -> dict:
+                window: int = 0, line: dict | None = None, max_len: int | None = None) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build_model(name, device=device, dtype=dtype)
     if window:  # every layer windowed: a step reads the last `window` tokens of each row
@@ -178,8 +181,12 @@ def bench_model(name: str, arms, batches, context: int, reps: int, device: str,
             block.attn.window = window
     a = model.args
     slots = max(batches)
+    max_len = max_len or context + 1
+    if max_len <= context:
+        raise ValueError(f"max_len {max_len}: a request's table holds its context and the "
+                         f"step's token, {context + 1} at context {context}")
     cache = PagedKVCache(a.layers, a.kv_heads, a.head_dim, max_requests=slots,
-                         max_len=context + 1, dtype=dtype, device=device)
+                         max_len=max_len, dtype=dtype, device=device)
     gen = torch.Generator().manual_seed(0)
     for slot in range(slots):
         cache.admit(slot, context + 1)
@@ -201,7 +208,7 @@ def bench_model(name: str, arms, batches, context: int, reps: int, device: str,
             try:
                 for b in batches:
                     ids, pos = tokens[:b, None].clone(), torch.tensor([context], device=device)
-                    step = compiled_step(model, ids, pos, context + 1, **PEERS[arm])
+                    step = compiled_step(model, ids, pos, max_len, **PEERS[arm])
                     peers[arm, b] = (lambda s=step, i=ids, p=pos: s(i, p))
             except Exception as exc:  # noqa: BLE001  (recorded, named)
                 skipped[arm] = f"{type(exc).__name__}: {exc}"[:500]
@@ -274,8 +281,8 @@ def bench_model(name: str, arms, batches, context: int, reps: int, device: str,
     for arm, runner in runners.items():
         build[arm] = {"build_s": build[arm],
                       "graph_pool_bytes": runner.report()["graph_pool_bytes"]}
-    result = {"model": name, "context": context, "window": window, "rows": out_rows,
-              "skipped": skipped, "build": build}
+    result = {"model": name, "context": context, "max_len": max_len, "window": window,
+              "rows": out_rows, "skipped": skipped, "build": build}
     result["targets"] = targets(result)
     return result
 
@@ -289,10 +296,11 @@ def _best_graphcap(ms: dict) -> tuple[str, float] | None:
 
 
 def targets(model: dict) -> list[dict]:
-    """The decode issue's targets that this model's rows can judge (a 1024-token context,
-    no window): ms per step, the fastest graphcap arm over the faster gpt-fast arm, and
-    breakable's and tc_piecewise's share of full's speed-up over eager."""
-    if model["context"] != 1024 or model["window"]:
+    """The decode issue's targets that this model's rows can judge (a 1024-token context
+    in tables of 1025 tokens, no window): ms per step, the fastest graphcap arm over the
+    faster gpt-fast arm, and breakable's and tc_piecewise's share of full's speed-up over
+    eager."""
+    if model["context"] != 1024 or model["window"] or model.get("max_len", 1025) != 1025:
         return []
     out = []
     for row in model["rows"]:
@@ -341,7 +349,8 @@ def _over_peer(row: dict, over: float) -> list[dict]:
 
 
 def run(models=("qwen3-0.6b",), arms=ARMS, batches=BATCHES, contexts=(CONTEXT,),
-        reps: int = 30, device: str | None = None, window: int = 0) -> dict:
+        reps: int = 30, device: str | None = None, window: int = 0,
+        max_len: int | None = None) -> dict:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if isinstance(contexts, int):
         contexts = (contexts,)
@@ -357,7 +366,7 @@ def run(models=("qwen3-0.6b",), arms=ARMS, batches=BATCHES, contexts=(CONTEXT,),
             **environment(), "arms": list(arms), "batches": list(batches),
             "contexts": list(contexts), "reps": reps, "peak_bytes_per_s": peak_bytes_per_s(),
             "launch_line": line,
-            "models": [bench_model(m, arms, batches, c, reps, device, window, line)
+            "models": [bench_model(m, arms, batches, c, reps, device, window, line, max_len)
                        for m in models for c in contexts]}
 
 

@@ -89,8 +89,10 @@ def show_decode(result: dict) -> None:
             rows.append([str(row["batch"]), *floors] + [
                 (f"{row['ms'][a]:.3f}" + (f" ({eager / row['ms'][a]:.1f}x)" if eager else ""))
                 if a in row["ms"] else "-" for a in arms])
+        table = model.get("max_len", model["context"] + 1)
         print_table(f"{model['model']}: ms per decode step at a {model['context']}-token "
-                    "context (speed-up over eager), beside the bandwidth floor"
+                    "context" + (f" in {table}-token tables" if table != model["context"] + 1
+                                 else "") + " (speed-up over eager), beside the bandwidth floor"
                     + (" and the floor of a launch per projection and attention"
                        if launch else ""),
                     ["batch", "floor", *(["launch floor"] if launch else []), *arms], rows)
@@ -206,7 +208,9 @@ def plot_decode(result: dict, path: Path) -> Path | None:
         ax.set_xticks(batches, [str(b) for b in batches])
         ax.set_xlabel("batch (requests)")
         ax.set_ylabel("ms per decode step")
-        ax.set_title(f"{model['model']}, context {model['context']}")
+        table = model.get("max_len", model["context"] + 1)
+        ax.set_title(f"{model['model']}, context {model['context']}"
+                     + (f", tables of {table}" if table != model["context"] + 1 else ""))
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"decode, {result['device']}, commit {result['commit']}")

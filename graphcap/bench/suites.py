@@ -23,6 +23,11 @@ def check_preset(args: argparse.Namespace, name: str) -> None:
             raise GraphcapError(
                 f"--context {context}: {name} has {positions} positions, and a step after "
                 f"{context} tokens writes position {context}; give contexts below {positions}")
+        if args.max_len is not None and not context < args.max_len <= positions:
+            raise GraphcapError(
+                f"--max-len {args.max_len}: a request's table holds its context and the "
+                f"step's token ({context + 1} for --context {context}) and at most {name}'s "
+                f"{positions} positions; give a --max-len from {context + 1} to {positions}")
     if args.suite == "prefill":
         longest = max(map(int, args.lengths.split(","))) if args.lengths else \
             max(prefill.LENGTHS)
@@ -92,8 +97,7 @@ def run_suite(args: argparse.Namespace) -> int:
         arms = _csv(args.arms, decode.ARMS)  # names checked by the command line
         batches = _csv(args.batches, decode.BATCHES, int)
         result = decode.run(models, arms, batches, _csv(args.context, [decode.CONTEXT], int),
-                            args.reps or 30,
-                            window=args.window)
+                            args.reps or 30, window=args.window, max_len=args.max_len)
         show_decode(result)
         path = write_result(result, args.out, f"{today()}-bench-decode.json", (".png",))
         plot = plot_decode(result, Path(path).with_suffix(".png"))

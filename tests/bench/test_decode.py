@@ -45,6 +45,33 @@ def test_bench_decode_times_every_arm_per_batch_and_context_and_says_what_did_no
     assert all("launch_floor_ms" not in step for step in model["rows"])
 
 
+def test_bench_decode_captures_for_tables_as_long_as_max_len_and_judges_no_target_there(
+        monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU form of the suite (the GPU runs it through the CLI)")
+    from graphcap.bench import decode
+    from graphcap.kv import PagedKVCache
+
+    widths = []
+    made = PagedKVCache.__init__
+
+    def recorded(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        widths.append(self.block_table.shape[1] * self.page_size)
+
+    monkeypatch.setattr(PagedKVCache, "__init__", recorded)
+    result = decode.run(("tiny",), arms=("eager", "full"), batches=(1,), contexts=(8,),
+                        reps=2, max_len=64)
+    model = result["models"][0]
+    assert model["max_len"] == 64 and widths == [64]  # an engine's table, not context + 1
+    assert model["rows"][0]["ms"]["full"] > 0
+    assert model["rows"][0]["bytes"] == decode.step_bytes(build_model("tiny"), 1, 9)
+    with pytest.raises(ValueError, match="max_len 8: a request's table holds its context"):
+        decode.run(("tiny",), arms=("eager",), batches=(1,), contexts=(8,), reps=2,
+                   max_len=8)
+    assert decode.targets({**model, "context": 1024, "max_len": 4096}) == []
+
+
 def test_a_bench_arm_never_times_an_eager_fallback_as_its_own():
     # A step its graphs do not hold raises: it is never timed under the arm's name.
     from graphcap.bench import decode
