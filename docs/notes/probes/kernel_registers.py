@@ -113,7 +113,8 @@ def decode_consts(block_n: int, **flags) -> dict:
     return {"PAGE": 16, "GROUP": 2, "BLOCK_H": 16, "SPLITS": 8, "BLOCK_N": block_n,
             "BLOCK_D": 128, "WINDOW": False, "SOFTCAP": False, "SINKS": False,
             "WRITE": True, "ROPE": False, "HAS_NORM": False, "IEEE": False,
-            "INTERPRET": False, "PDL": True, "EARLY_V": False, "KEY_LATE": False, **flags}
+            "INTERPRET": False, "PDL": True, "EARLY_V": False, "KEY_LATE": False,
+            "SPLIT_OF_LENGTH": False, "SPLIT_QUANTUM": 0, **flags}
 
 
 def decode_kernel() -> list:
