@@ -204,16 +204,12 @@ def run_check(spec: str, strategies=None, examples: int = 10, sequences: int = 3
     from graphcap.core.graphs import graph_kind
     from graphcap.testing.replay import request_room
 
-    try:  # a ladder of too many shapes to build: in one line, as the other refusals
-        prefill_ladder(max_tokens, "--max-tokens")
+    try:  # a ladder of too many shapes to build, a model of few positions (requests
+        # long enough to fill --max-tokens): in one line, as the other refusals
+        prefill_ladder(max_tokens, "--max-tokens", "a smaller --max-tokens")
+        request_room(model, max_tokens, max_requests, ("--max-tokens", "--max-requests"))
     except ValueError as exc:
-        raise GraphcapError(str(exc).partition(": give")[0] + ": give a smaller --max-tokens"
-                            ) from None
-    try:  # a model of few positions: requests long enough to fill --max-tokens
-        request_room(model, max_tokens, max_requests)
-    except ValueError as exc:
-        raise GraphcapError(str(exc).replace("max_tokens", "--max-tokens").replace(
-            "max_requests", "--max-requests")) from None
+        raise GraphcapError(str(exc)) from None
 
     device = _device_of(model)  # where it runs, on which graphs: a CPU model, emulated ones
     print(f"graphcap check {spec}: {type(model).__name__}{wrapped} on {device} "

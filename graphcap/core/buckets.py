@@ -10,9 +10,10 @@ _MOST = 4096 + 512 * 1024  # the largest max_tokens of a ladder: 1074 shapes
 
 
 def prefill_ladder(max_tokens: int, name: str = "max_tokens",
-                   instead: str = "buckets=") -> list[int]:
+                   instead: str = "buckets= with the sizes to capture") -> list[int]:
     """Token buckets up to ``max_tokens`` (which is always the last one), ascending
-    (``name``: what the messages call it; ``instead``: the option that lists the sizes).
+    (``name``: what the messages call it; ``instead``: what to give instead of a ladder
+    too long to build).
 
     4..32 step 4, 48..256 step 16, 288..512 step 32, 576..1024 step 64, 1280..4096 step
     256, then step 512: 42 shapes for 2048.
@@ -23,7 +24,7 @@ def prefill_ladder(max_tokens: int, name: str = "max_tokens",
     if max_tokens > _MOST:  # a shape a graph each: not a list to build in memory
         raise ValueError(f"{name}={max_tokens} would capture {50 - (4096 - max_tokens) // 512}"
                          f" shapes (the ladder steps by 512 past 4096 tokens; at most "
-                         f"{_MOST} tokens): give {instead} with the sizes to capture")
+                         f"{_MOST} tokens): give {instead}")
     sizes = [n for start, stop, step in _RUNGS for n in range(start, stop + 1, step)]
     sizes += list(range(4096 + 512, max_tokens + 1, 512))
     ladder = [n for n in sizes if n < max_tokens]

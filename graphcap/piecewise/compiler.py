@@ -106,7 +106,7 @@ class PiecewiseCompiler:
             opts["capture_sizes"], "sgl_piecewise: capture_sizes", "capture size")
             if "capture_sizes" in opts else
             prefill_ladder(opts.get("max_tokens", 2048), "sgl_piecewise: max_tokens",
-                           "capture_sizes"))
+                           "capture_sizes with the sizes to capture"))
         self.compiler = opts.get("compiler", "eager")
         if self.compiler not in COMPILERS:
             raise GraphcapError(f"sgl_piecewise: compiler={self.compiler!r}; use one of "

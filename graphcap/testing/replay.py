@@ -217,19 +217,22 @@ def assert_replay_equivalent(model_or_factory, strategies=GRAPHED, batches=None,
     return reports
 
 
-def request_room(model, max_tokens: int | None, max_requests: int) -> int | None:
+def request_room(model, max_tokens: int | None, max_requests: int,
+                 names: tuple[str, str] = ("max_tokens", "max_requests")) -> int | None:
     """The most tokens a drawn request may take: the model's ``max_position`` (None where
     it has none), whose positions a longer request would pass; a ValueError where
-    ``max_requests`` requests that long cannot fill ``max_tokens`` (None: none to fill)."""
+    ``max_requests`` requests that long cannot fill ``max_tokens`` (None: none to fill),
+    naming the two as ``names`` says."""
     positions = getattr(model, "max_position", None)
     if not isinstance(positions, int) or isinstance(positions, bool) or positions < 1:
         return None
     if max_tokens is not None and max_requests * positions < max_tokens:
+        tokens, requests = names
         raise ValueError(
-            f"max_tokens {max_tokens} is filled only by requests longer than "
-            f"{type(model).__name__}'s max_position {positions} with max_requests "
-            f"{max_requests}: give max_requests of at least {-(-max_tokens // positions)}, "
-            f"or max_tokens of at most {max_requests * positions}")
+            f"{tokens} {max_tokens} is filled only by requests longer than "
+            f"{type(model).__name__}'s max_position {positions} with {requests} "
+            f"{max_requests}: give {requests} of at least {-(-max_tokens // positions)}, "
+            f"or {tokens} of at most {max_requests * positions}")
     return positions
 
 
