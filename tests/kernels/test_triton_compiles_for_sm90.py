@@ -458,7 +458,7 @@ COMPILE_SMALL_GPU = textwrap.dedent('''
                   "BLOCK_N": cfg["BLOCK_N"], "BLOCK_D": d, "WINDOW": False,
                   "SOFTCAP": False, "SINKS": False, "WRITE": True, "ROPE": False,
                   "HAS_NORM": False, "IEEE": dt == "fp32", "INTERPRET": False, "PDL": False,
-                  "EARLY_V": False, "KEY_LATE": False, "SPLIT_OF_LENGTH": False,
+                  "EARLY_V": False, "KEY_LATE": False, "SPLIT_OF_LENGTH": True,
                   "SPLIT_QUANTUM": 0}
         sig = {**types, **{n: "constexpr" for n in consts}}
         sig = {n: sig[n] for n in _decode_kernel.arg_names}

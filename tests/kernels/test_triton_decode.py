@@ -236,14 +236,14 @@ def test_more_rows_than_a_split_launch_merges_run_in_one_split(monkeypatch):
 
 @pytest.mark.gpu if ROPE_DEVICE == "cuda" else (lambda test: test)
 @pytest.mark.parametrize("window,sinks", [(0, False), (5, True)])
-@pytest.mark.parametrize("tiles", [{"SPLIT_OF_LENGTH": True},
-                                   {"SPLIT_OF_LENGTH": True, "SPLIT_QUANTUM": 4}],
+@pytest.mark.parametrize("tiles", [{}, {"SPLIT_QUANTUM": 4}],
                          ids=["in whole blocks", "in 4 tokens"])
 def test_splits_of_each_rows_own_length_give_the_splits_of_the_tables_width_result(
         window, sinks, tiles):
     """Rows far shorter than their table, each split an equal share of the row's own
-    tokens (of its window's) instead of the table's width over the splits: the same
-    output as the kernel's default, and the reference's, in a launch of four splits."""
+    tokens (of its window's; the kernel's default) instead of the table's width over the
+    splits (``SPLIT_OF_LENGTH`` off): the same output, and the reference's, in a launch of
+    four splits."""
     from graphcap.opsdb.triton.decode import decode_attention
 
     dev, page, width, B, hq, hk, d = ROPE_DEVICE, 16, 8, 5, 4, 2, 64
@@ -257,7 +257,8 @@ def test_splits_of_each_rows_own_length_give_the_splits_of_the_tables_width_resu
     options = {"window": window, "sinks": sink}
     table = table.to(dev)
     want, out, ref = (torch.empty_like(q) for _ in range(3))
-    decode_attention(q, *caches, table, lens, want, d ** -0.5, num_splits=4, **options)
+    decode_attention(q, *caches, table, lens, want, d ** -0.5, num_splits=4,
+                     tiles={"SPLIT_OF_LENGTH": False}, **options)
     decode_attention(q, *caches, table, lens, out, d ** -0.5, num_splits=4, tiles=tiles,
                      **options)
     decode_attention_reference(q, *caches, table, lens, ref, d ** -0.5, **options)

@@ -7,17 +7,19 @@ The kernel's split count follows from host shapes (the table's width, the SMs), 
 graph captured for an engine's ``max_len`` (4096 by default) splits a 1024-token row as if
 it held 4096 tokens: at batch 1 on qwen3-0.6b's heads, 16 splits of 256 tokens, of which
 4 read anything (32 programs of 128 KB each, against 64 of 64 KB in a 1024-token table).
-With ``tiles={"SPLIT_OF_LENGTH": True}`` each split takes its share of the row's own
-tokens (rounded to ``BLOCK_N``, or to ``SPLIT_QUANTUM`` tokens), so every split reads
-whatever the row's length. Prediction: at batch 1, context 1024 in a 4096-token table,
-the kernel from about 11 us to the 8 it takes in a 1024-token table; in a 1024-token
-table nothing changes with ``BLOCK_N`` rounding (8 splits of 128 tokens either way);
-rounding to 16 tokens spreads the row over all 16 splits and may shave a us more.
+With ``SPLIT_OF_LENGTH`` (the kernel's default since this probe; history item 115) each
+split takes its share of the row's own tokens (rounded to ``BLOCK_N``, or to
+``SPLIT_QUANTUM`` tokens), so every split reads whatever the row's length.
+
+Measured on an H100 (``docs/results/2026-12-07-decode-splits-8eca117-h100.json``): batch
+1, context 1024 in a 4096-token table 11.69 us to 9.36 (8.94 in a 1024-token table);
+2048 in 8192 16.34 to 10.85; batch 8, 1024 in 4096 25.82 to 20.22; no change where the
+table is the row's length; rounding to 16 tokens and twice the splits slower everywhere.
 
 Arms, each alone over cache layers cycled past L2 (``graphcap.bench.timing.cycled_ms``),
-PDL off, per (batch, context, table width): ``fixed`` (the host's split length, the
-kernel's default), ``length``, ``length, quantum 16``, and the two length arms at twice
-the splits. JSON in $OUT/decode-splits.json."""
+PDL off, per (batch, context, table width): ``fixed`` (the host's split length,
+``SPLIT_OF_LENGTH`` off), ``length``, ``length, quantum 16``, and the two length arms at
+twice the splits. JSON in $OUT/decode-splits.json."""
 
 import functools
 import json
@@ -62,13 +64,14 @@ def case(batch: int, context: int, table: int) -> dict:
                                   lens, out, scale, **extra) for i in range(cache.layers)]
 
     length, quantum = {"SPLIT_OF_LENGTH": True}, {"SPLIT_OF_LENGTH": True, "SPLIT_QUANTUM": 16}
-    arms = {"fixed": arm(), "length": arm(tiles=length),
+    fixed = {"SPLIT_OF_LENGTH": False}
+    arms = {"fixed": arm(tiles=fixed), "length": arm(tiles=length),
             "length, quantum 16": arm(tiles=quantum)}
     if 2 * splits <= 64 and splits > 1:
         arms[f"length, splits {2 * splits}"] = arm(num_splits=2 * splits, tiles=length)
         arms[f"length, quantum 16, splits {2 * splits}"] = arm(num_splits=2 * splits,
                                                                tiles=quantum)
-    want = arm()[0]
+    want = arm(tiles=fixed)[0]
     want()
     ref = out.clone()
     us, errors, diffs = {}, {}, {}

@@ -114,7 +114,7 @@ def decode_consts(block_n: int, **flags) -> dict:
             "BLOCK_D": 128, "WINDOW": False, "SOFTCAP": False, "SINKS": False,
             "WRITE": True, "ROPE": False, "HAS_NORM": False, "IEEE": False,
             "INTERPRET": False, "PDL": True, "EARLY_V": False, "KEY_LATE": False,
-            "SPLIT_OF_LENGTH": False, "SPLIT_QUANTUM": 0, **flags}
+            "SPLIT_OF_LENGTH": True, "SPLIT_QUANTUM": 0, **flags}
 
 
 def decode_kernel() -> list:

@@ -153,7 +153,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
                    WRITE: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
                    IEEE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
                    EARLY_V: tl.constexpr = False, KEY_LATE: tl.constexpr = False,
-                   SPLIT_OF_LENGTH: tl.constexpr = False, SPLIT_QUANTUM: tl.constexpr = 0):
+                   SPLIT_OF_LENGTH: tl.constexpr = True, SPLIT_QUANTUM: tl.constexpr = 0):
     pdl_start(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)  # key/value head, then block of its query heads
@@ -300,10 +300,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     too, ``q`` and ``k`` are normalised (``q_weight``, ``k_weight``) and rotated there
     first. ``tiles`` overrides ``BLOCK_N``, ``num_warps``, ``num_stages``, ``EARLY_V``
     (each block's values loaded with its keys), ``KEY_LATE`` (the own key's and value's
-    reads and write after the loop over the cache), ``SPLIT_OF_LENGTH`` (each split an
-    equal share of its row's tokens, in multiples of ``BLOCK_N``, or of ``SPLIT_QUANTUM``
-    tokens where given, instead of the table's width over the splits: a row shorter than
-    the table spread over every split); benchmarks."""
+    reads and write after the loop over the cache), ``SPLIT_OF_LENGTH`` (on by default:
+    each split takes an equal share of its row's own tokens, in multiples of ``BLOCK_N``,
+    or of ``SPLIT_QUANTUM`` tokens where given, so that a row shorter than the table (an
+    engine's ``max_len``) is spread over the splits; off: the table's width over the
+    splits, the baseline of ``docs/notes/probes/decode_splits.py``); benchmarks."""
     B, Hq, D = q.shape
     _, page, Hk, _ = k_cache.shape
     if B == 0 or Hq == 0:
