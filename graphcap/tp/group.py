@@ -1,9 +1,8 @@
 """``TPGroup``: the ranks a model is split across, on torch.distributed.
 
 Two process groups over the same ranks: ``data`` carries the model's collectives on the
-world's backend (NCCL on GPUs, gloo on CPU), ``control`` (gloo, on the host) carries
-graphcap's own agreement between the ranks. No rank waits for ever, and no rank goes on
-alone:
+world's backend (NCCL on GPUs, gloo on CPU), ``control`` (gloo, on the host) carries graphcap's
+own agreement between the ranks. No rank waits for ever, and no rank goes on alone:
 
 - every call and every capture of a runner of a split model starts with an agreement
   (:meth:`TPGroup.agree`): every rank passes the same key (the route, the token count,
@@ -37,6 +36,7 @@ import gc
 import hashlib
 import itertools
 import math
+import numbers
 import re
 import time
 from collections import Counter
@@ -56,7 +56,7 @@ _KEY_BYTES = 256  # what agree() compares: a key's UTF-8 bytes, long ones hashed
 
 
 def _seconds(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) \
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
             or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name}={value!r}: give a positive number of seconds")
     return float(value)
@@ -75,13 +75,13 @@ class TPGroup:
     """
 
     def __init__(self, timeout_s: float = 5.0, collective_timeout_s: float = 600.0):
+        self.timeout_s = _seconds(timeout_s, "timeout_s")
+        self.collective_timeout_s = _seconds(collective_timeout_s, "collective_timeout_s")
         if not (dist.is_available() and dist.is_initialized()):
             raise GraphcapError(
                 "TPGroup needs torch.distributed: call torch.distributed."
                 "init_process_group(...) on every rank first (torchrun sets its "
                 "environment; one process per GPU)")
-        self.timeout_s = _seconds(timeout_s, "timeout_s")
-        self.collective_timeout_s = _seconds(collective_timeout_s, "collective_timeout_s")
         self.data, self.control = _groups(self.timeout_s, self.collective_timeout_s)
         self.rank = dist.get_rank(self.data)
         self.size = dist.get_world_size(self.data)

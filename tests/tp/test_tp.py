@@ -12,6 +12,7 @@ from __future__ import annotations
 import tempfile
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -377,6 +378,23 @@ def test_a_group_needs_torch_distributed_initialised():
         pytest.skip("a process group exists in this process")
     with pytest.raises(graphcap.errors.GraphcapError, match="init_process_group"):
         TPGroup()
+
+
+@pytest.mark.parametrize("seconds", [0, -1.0, float("nan"), float("inf"), True, "5", None,
+                                     np.int64(0), np.bool_(True)])
+def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_refused_by_name(seconds):
+    for name in ("timeout_s", "collective_timeout_s"):
+        with pytest.raises(ValueError, match=f"^{name}=.*positive number of seconds"):
+            TPGroup(**{name: seconds})
+
+
+def test_numpy_numbers_are_seconds_too():
+    """numpy's ints and floats (a config read with numpy) pass the timeouts' check: past it,
+    only torch.distributed is missing here."""
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    with pytest.raises(graphcap.errors.GraphcapError, match="init_process_group"):
+        TPGroup(timeout_s=np.int64(5), collective_timeout_s=np.float32(60.0))
 
 
 
