@@ -33,12 +33,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
-import hashlib
 import itertools
 import math
 import numbers
-import re
 import time
+import traceback
 from collections import Counter
 from datetime import timedelta
 
@@ -48,11 +47,11 @@ from torch.utils._pytree import tree_flatten
 
 from graphcap import compat
 from graphcap.errors import CaptureError, GraphcapError, RankError
+from graphcap.tp import keys
 
 _GROUPS: dict[str, TPGroup] = {}
 _RELEASED: dict[str, str] = {}  # a released group's name -> why it closed
 _NUMBERS = itertools.count()
-_KEY_BYTES = 256  # what agree() compares: a key's UTF-8 bytes, long ones hashed
 
 
 def _seconds(value, name: str) -> float:
@@ -133,11 +132,11 @@ class TPGroup:
         that does not come within ``timeout_s``, or that closed the group, closes it here
         too, and ``RankError`` says why. What differs from rank to rank whatever the
         ranks do (each rank's own GPU, ``cuda:1``; an object's address) is not compared."""
-        key = _rank_neutral(key)
-        keys, mine = self.gather(key, what), _decode(_encode(key))  # a long key: cut
-        if any(k != mine for k in keys):
-            seen = ", ".join(f"rank {r}: {k}" for r, k in enumerate(keys))
-            changed = any(_CHANGED in k for k in keys)  # a model changed on some ranks
+        key = keys.rank_neutral(key)
+        found, mine = self.gather(key, what), keys.decode(keys.encode(key))  # a long key: cut
+        if any(k != mine for k in found):
+            seen = ", ".join(f"rank {r}: {k}" for r, k in enumerate(found))
+            changed = any(_CHANGED in k for k in found)  # a model changed on some ranks
             raise RankError(f"TP group {self.name}: the ranks disagree ({seen}) on {what}: "
                             f"{advice or (_CHANGES if changed else _SAME_CALLS)}")
 
@@ -152,23 +151,24 @@ class TPGroup:
         """Every rank's ``key`` for ``what``, by rank (each rank passes one); a rank that
         does not come, or closed the group, as :meth:`agree`."""
         self._check_open(what)
-        mine = _encode(key)
-        keys, start = [torch.empty_like(mine) for _ in range(self.size)], time.monotonic()
+        mine = keys.encode(key)
+        found, start = [torch.empty_like(mine) for _ in range(self.size)], time.monotonic()
         try:
             # Bounded by the control group's timeout: it ends before this returns, none pending.
-            dist.all_gather(keys, mine, group=self.control)
+            dist.all_gather(found, mine, group=self.control)
         except RuntimeError as exc:
+            traceback.clear_frames(exc.__traceback__)  # their locals hold the group open
             reasons = self._reasons()
             if reasons:
                 message = (f"the group was closed ({reasons}) while rank {self.rank} was "
                            f"at {key!r} ({what})")
             else:
-                message = (f"{_absent(start, self.timeout_s, what)} (rank {self.rank} was "
-                           f"at {key!r}): every rank must make the same calls of a split "
+                message = (f"{_absent(start, self.timeout_s, what, exc)} (rank {self.rank} "
+                           f"was at {key!r}): every rank must make the same calls of a split "
                            "model, in the same order")
             self._close(f"rank {self.rank}: {message}")
             raise RankError(f"TP group {self.name}: {message}. {_CLOSED}") from exc
-        return [_decode(k) for k in keys]
+        return [keys.decode(k) for k in found]
 
     @contextlib.contextmanager
     def entry(self, what: str, warm: bool = False):
@@ -190,7 +190,7 @@ class TPGroup:
             raise
         if warm:
             self.warm_up()
-        self.agree(hashlib.sha256(repr(key).encode()).hexdigest()[:16], what, _SAME_ARGUMENTS)
+        self.agree(keys.digest(repr(key)), what, _SAME_ARGUMENTS)
 
     @contextlib.contextmanager
     def together(self, what: str):
@@ -217,9 +217,10 @@ class TPGroup:
         try:
             return run()
         except RuntimeError as exc:
+            traceback.clear_frames(exc.__traceback__)  # their locals hold the group open
             reasons = self._reasons()
             why = (f"the group was closed ({reasons})" if reasons else
-                   _absent(start, self.collective_timeout_s, "it"))
+                   _absent(start, self.collective_timeout_s, "it", exc))
             self._close(f"rank {self.rank}: {op} failed: {why}")
             raise RankError(f"TP group {self.name}: {op} failed on rank {self.rank}: {why}. "
                             f"{_CLOSED}") from exc
@@ -279,11 +280,14 @@ class TPGroup:
         return f"graphcap/{self.name}/closed/{rank}"
 
 
-def _absent(start: float, bound: float, what: str) -> str:
-    """Why a collective begun at ``start`` failed, no rank having left a reason: a rank
-    that did not come within ``bound``, or sooner, one whose process ended."""
+def _absent(start: float, bound: float, what: str, exc: BaseException) -> str:
+    """Why a collective begun at ``start`` failed with ``exc``, no rank having left a
+    reason: a rank that did not come within ``bound``; sooner, one whose process ended, or
+    this rank's own call refused (torch's words tell which)."""
     if time.monotonic() - start < 0.9 * bound:
-        return f"a rank left the group (its process ended?) instead of coming to {what}"
+        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return (f"a rank left the group (its process ended?) instead of coming to {what}, or "
+                f"this rank's call was refused (torch.distributed: {said})")
     return f"a rank did not come to {what} within {bound:g} s"
 
 
@@ -321,15 +325,7 @@ def release_all() -> None:
         group.release(tell=False)  # the world's store may be gone with its host rank
 
 
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # an object's repr: its address
 _CHANGED = " changed since capture ("  # a rank's key naming its changed model
-# "cuda:1": each rank's own GPU (a refusal, a change since capture naming a tensor's)
-_DEVICE_INDEX = re.compile(r"\b(cuda|xpu|hpu|mps|npu|privateuseone):\d+\b")
-
-
-def _rank_neutral(key: str) -> str:
-    """``key`` less what differs from rank to rank however alike the ranks' calls are."""
-    return _DEVICE_INDEX.sub(r"\1", _ADDRESS.sub("", key))
 
 
 _CHANGES = ("a split model must change alike on every rank (each rank's share of the same "
@@ -384,17 +380,3 @@ def check_finished(tree, where: str) -> None:
                 "on: a collective must finish inside the graph segment that launched it. "
                 "Wait first (torch.distributed._functional_collectives.wait_tensor) or use "
                 "graphcap::all_reduce, which finishes where it runs")
-
-
-def _encode(key: str) -> torch.Tensor:
-    raw = key.encode()
-    if len(raw) > _KEY_BYTES:
-        digest = hashlib.sha256(raw).hexdigest()[:16].encode()
-        raw = raw[:_KEY_BYTES - len(digest) - 3] + b"..." + digest
-    out = torch.zeros(_KEY_BYTES, dtype=torch.uint8)
-    out[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    return out
-
-
-def _decode(encoded: torch.Tensor) -> str:
-    return bytes(encoded.tolist()).rstrip(b"\0").decode(errors="replace")

@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU, the group's agreements: ranks that disagree on a call (its
 route, token count or request lengths) or refuse it raise ``RankError`` on every rank at
 once and stay usable; a rank that does not come closes the group after the timeout, one
-that left is named so; a released group refuses every later use; ranks calling a model
+that left is named so; one whose own collective torch refused says so in torch's words,
+and the others fail at once; a released group refuses every later use; ranks calling a model
 of tensors of other shapes all raise; an asynchronous collective waited on across an
 eager break is refused."""
 
@@ -138,6 +139,27 @@ def _departure(rank: int) -> None:
 
 def test_a_rank_that_left_is_named_so_not_as_one_that_did_not_come_in_time():
     spawn(_departure)
+
+
+def _refused_here(rank: int) -> None:
+    tp = TPGroup(timeout_s=PATIENT, collective_timeout_s=2 * PATIENT)  # fail-fast: never waited
+    dist.barrier()
+    x = torch.ones(2, dtype=torch.uint16 if rank == 0 else torch.float32)  # gloo: no uint16
+    start = time.monotonic()
+    with pytest.raises(RankError) as caught:
+        tp.collective(lambda: dist.all_reduce(x, group=tp.data), "all_reduce")
+    assert time.monotonic() - start < PATIENT / 2
+    message = str(caught.value)
+    if rank == 0:  # its own call was refused: torch's words say so
+        assert "or this rank's call was refused (torch.distributed: Invalid scalar type)" \
+            in message
+    else:  # rank 1 learns it from the group, at once, not at its collective timeout
+        assert "the group was closed (rank 0: all_reduce failed: " in message
+        assert "Invalid scalar type" in message
+
+
+def test_a_collective_refused_on_one_rank_says_why_in_torchs_words_on_every_rank():
+    spawn(_refused_here)
 
 
 def _late_to_the_group(rank: int) -> None:
