@@ -141,12 +141,12 @@ def test_a_model_changed_on_some_ranks_only_is_refused_on_every_rank_naming_the_
 
 
 def test_a_change_is_compared_without_each_rank_s_own_gpu():
-    from graphcap.tp.group import _rank_neutral
+    from graphcap.tp.keys import rank_neutral
 
     what = "norm: another tensor (bfloat16 (64,) on cuda:1; was bfloat16 (64,) on cuda:1)"
-    assert _rank_neutral(what) == \
+    assert rank_neutral(what) == \
         "norm: another tensor (bfloat16 (64,) on cuda; was bfloat16 (64,) on cuda)"
-    assert _rank_neutral("moved from ['cuda:1'] to ['cpu'] (<X object at 0x7f00>)") == \
+    assert rank_neutral("moved from ['cuda:1'] to ['cpu'] (<X object at 0x7f00>)") == \
         "moved from ['cuda'] to ['cpu'] (<X object>)"
 
 
