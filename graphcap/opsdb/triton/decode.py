@@ -252,11 +252,12 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
     if SPLITS == 1:
         _write_out(o, lse, has, sink, out_ptr, out_rows, d, h_ok, d_mask, SINKS, INTERPRET)
     else:
-        # Partials [rows, kv heads x head blocks, SPLITS, BLOCK_H (, BLOCK_D)] in float32.
+        # Partials [rows, kv heads x head blocks, SPLITS, BLOCK_H (, BLOCK_D)] in float32,
+        # of the block's query heads only (a GQA group of 2 fills 2 of its 16 rows).
         block = b * tl.num_programs(1) + g
         part = (block.to(tl.int64) * SPLITS + s) * BLOCK_H + tl.arange(0, BLOCK_H)
-        tl.store(mid_o_ptr + part[:, None] * BLOCK_D + d[None, :], o)
-        tl.store(mid_lse_ptr + part, tl.where(has, lse, float("-inf")))
+        tl.store(mid_o_ptr + part[:, None] * BLOCK_D + d[None, :], o, mask=h_ok[:, None])
+        tl.store(mid_lse_ptr + part, tl.where(has, lse, float("-inf")), mask=h_ok)
         tl.debug_barrier()  # every thread's partial is stored before the count says so
         arrived = tl.atomic_add(counts_ptr + block, 1)  # acq_rel, GPU scope
         if arrived == SPLITS - 1:  # the last program of this (row, head block) merges
@@ -265,17 +266,20 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
             top = tl.full([BLOCK_H], float("-inf"), tl.float32)
             seen = tl.zeros([BLOCK_H], tl.int1)  # a split read a token (NaN counts)
             for i in tl.static_range(SPLITS):  # .cg: from L2, never a stale L1 line
-                lse_i = tl.load(mid_lse_ptr + first + i * BLOCK_H, cache_modifier=".cg")
+                lse_i = tl.load(mid_lse_ptr + first + i * BLOCK_H, mask=h_ok,
+                                other=float("-inf"), cache_modifier=".cg")
                 top = tl.maximum(top, lse_i)
                 seen = seen | (lse_i != float("-inf"))
             top_safe = tl.where(top == float("-inf"), 0.0, top)
             total = tl.zeros([BLOCK_H], tl.float32)
             merged = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
             for i in tl.static_range(SPLITS):
-                lse_i = tl.load(mid_lse_ptr + first + i * BLOCK_H, cache_modifier=".cg")
+                lse_i = tl.load(mid_lse_ptr + first + i * BLOCK_H, mask=h_ok,
+                                other=float("-inf"), cache_modifier=".cg")
                 w = tl.where(lse_i == float("-inf"), 0.0, tl.exp(lse_i - top_safe))
                 o_i = tl.load(mid_o_ptr + (first + i * BLOCK_H)[:, None] * BLOCK_D
-                              + d[None, :], cache_modifier=".cg")
+                              + d[None, :], mask=h_ok[:, None], other=0.0,
+                              cache_modifier=".cg")
                 merged += w[:, None] * o_i  # NaN passes
                 total += w
             merged = merged / tl.where(total == 0, 1.0, total)[:, None]
