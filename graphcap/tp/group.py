@@ -1,8 +1,9 @@
 """``TPGroup``: the ranks a model is split across, on torch.distributed.
 
 Two process groups over the same ranks: ``data`` carries the model's collectives on the
-world's backend (NCCL on GPUs, gloo on CPU), ``control`` (gloo, on the host) carries graphcap's
-own agreement between the ranks. No rank waits for ever, and no rank goes on alone:
+world's backend (NCCL on GPUs, gloo on CPU), ``control`` (gloo, on the host) carries
+graphcap's own agreement between the ranks. No rank waits for ever, and no rank goes on
+alone:
 
 - every call and every capture of a runner of a split model starts with an agreement
   (:meth:`TPGroup.agree`): every rank passes the same key (the route, the token count,
