@@ -37,6 +37,7 @@ import gc
 import itertools
 import math
 import numbers
+import sys
 import time
 import traceback
 from collections import Counter
@@ -47,7 +48,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from graphcap import compat
-from graphcap.errors import CaptureError, GraphcapError, RankError
+from graphcap.errors import CaptureError, GraphcapError, RankError, clear_frames
 from graphcap.tp import keys
 
 _GROUPS: dict[str, TPGroup] = {}
@@ -199,11 +200,15 @@ class TPGroup:
         run): when it raises on this rank, the group closes (see the module docstring)
         and the error goes on, with a note of what happened to the group."""
         self._check_open(what)
+        handling = sys.exc_info()[1]  # the caller's: its frames are not ours to clear
         try:
             yield
         except BaseException as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             if not isinstance(exc, RankError):  # a peer's failure closed it already
+                # A torch.distributed call's frames (its group argument) would hold the
+                # data group open past its close: the others would wait to their timeout.
+                clear_frames(exc, handling)
                 self._close(f"rank {self.rank} raised {type(exc).__name__} in {what}"
                             + (f": {first}" if first else ""))
             exc.add_note(f"graphcap: TP group {self.name} is closed ({self.closed}). "

@@ -162,6 +162,33 @@ def test_a_collective_refused_on_one_rank_says_why_in_torchs_words_on_every_rank
     spawn(_refused_here)
 
 
+def _own_call_refused_in_a_step(rank: int) -> None:
+    tp = TPGroup(timeout_s=PATIENT, collective_timeout_s=2 * PATIENT)  # fail-fast: never waited
+    dist.barrier()
+    x, parts = torch.ones(2), [torch.empty(2) for _ in range(2)]
+    start, kept = time.monotonic(), None
+    try:
+        if rank == 0:  # a model's own torch.distributed call, which torch's checks refuse
+            with pytest.raises(ValueError, match="different dtypes") as kept, \
+                    tp.together("a step"):
+                dist.all_gather([p.double() for p in parts], x, group=tp.data)
+        else:  # waiting in the step's collective, rank 1 fails at once, naming rank 0's error
+            with pytest.raises(RankError, match=r"the group was closed \(rank 0 raised "
+                               r"ValueError in a step: Invalid usage of tensors with different "
+                               r"dtypes"), tp.together("a step"):
+                tp.collective(lambda: dist.all_gather(parts, x, group=tp.data), "all_gather")
+            assert time.monotonic() - start < PATIENT / 2
+    finally:
+        dist.barrier()  # rank 0 keeps its error (a caller reporting it later) until then
+    assert tp.closed is not None and (rank == 1 or kept.value is not None)
+
+
+def test_a_rank_whose_own_torch_distributed_call_raised_in_a_step_ends_the_others_wait_at_once():
+    """However long the error lives on: its frames (the call's ``group``) held the data
+    group open past its close, and the others waited to their collective timeout."""
+    spawn(_own_call_refused_in_a_step)
+
+
 def _late_to_the_group(rank: int) -> None:
     from unittest import mock
 
