@@ -217,12 +217,14 @@ class TPGroup:
 
     def collective(self, run, op: str):
         """``run()``, a collective on the data group: a failure (a rank that closed the
-        group, a timeout) raises ``RankError`` naming why, and closes the group here."""
+        group, a timeout, a call torch refused: its backend's RuntimeError, or its own
+        checks' ValueError or TypeError) raises ``RankError`` naming why, and closes the
+        group here."""
         self._check_open(op)
         start = time.monotonic()
         try:
             return run()
-        except RuntimeError as exc:
+        except Exception as exc:  # noqa: BLE001  the others wait in it: none goes on alone
             traceback.clear_frames(exc.__traceback__)  # their locals hold the group open
             reasons = self._reasons()
             why = (f"the group was closed ({reasons})" if reasons else

@@ -141,25 +141,36 @@ def test_a_rank_that_left_is_named_so_not_as_one_that_did_not_come_in_time():
     spawn(_departure)
 
 
-def _refused_here(rank: int) -> None:
+# A collective refused on rank 0 alone: by gloo (no uint16), or by torch's own checks before
+# the backend sees it (a ValueError: an output list of another dtype); the op, torch's words.
+REFUSALS = {"by gloo": ("all_reduce", "Invalid scalar type)"),
+            "by torch's checks": ("all_gather", "Invalid usage of tensors with different dtypes")}
+
+
+def _refused_here(rank: int, by: str) -> None:
     tp = TPGroup(timeout_s=PATIENT, collective_timeout_s=2 * PATIENT)  # fail-fast: never waited
     dist.barrier()
-    x = torch.ones(2, dtype=torch.uint16 if rank == 0 else torch.float32)  # gloo: no uint16
+    op, words = REFUSALS[by]
+    x = torch.ones(2, dtype=torch.uint16 if rank == 0 and op == "all_reduce" else torch.float32)
+    parts = [torch.empty(2, dtype=torch.float64 if rank == 0 else torch.float32)
+             for _ in range(2)]
+    run = {"all_reduce": lambda: dist.all_reduce(x, group=tp.data),
+           "all_gather": lambda: dist.all_gather(parts, x, group=tp.data)}[op]
     start = time.monotonic()
     with pytest.raises(RankError) as caught:
-        tp.collective(lambda: dist.all_reduce(x, group=tp.data), "all_reduce")
+        tp.collective(run, op)
     assert time.monotonic() - start < PATIENT / 2
     message = str(caught.value)
     if rank == 0:  # its own call was refused: torch's words say so
-        assert "or this rank's call was refused (torch.distributed: Invalid scalar type)" \
-            in message
+        assert f"or this rank's call was refused (torch.distributed: {words}" in message
     else:  # rank 1 learns it from the group, at once, not at its collective timeout
-        assert "the group was closed (rank 0: all_reduce failed: " in message
-        assert "Invalid scalar type" in message
+        assert f"the group was closed (rank 0: {op} failed: " in message
+        assert words in message
 
 
-def test_a_collective_refused_on_one_rank_says_why_in_torchs_words_on_every_rank():
-    spawn(_refused_here)
+@pytest.mark.parametrize("by", REFUSALS)
+def test_a_collective_refused_on_one_rank_says_why_in_torchs_words_on_every_rank(by):
+    spawn(_refused_here, by)
 
 
 def _own_call_refused_in_a_step(rank: int) -> None:
