@@ -8,8 +8,10 @@ graph captured for an engine's ``max_len`` (4096 by default) splits a 1024-token
 it held 4096 tokens: at batch 1 on qwen3-0.6b's heads, 16 splits of 256 tokens, of which
 4 read anything (32 programs of 128 KB each, against 64 of 64 KB in a 1024-token table).
 With ``SPLIT_OF_LENGTH`` (the kernel's default since this probe; history item 115) each
-split takes its share of the row's own tokens (rounded to ``BLOCK_N``, or to
-``SPLIT_QUANTUM`` tokens), so every split reads whatever the row's length.
+split takes its share of the row's own tokens (rounded up to ``BLOCK_N``, or to
+``SPLIT_QUANTUM`` tokens), so a short row reads in more splits than the table width's
+first few (1024 tokens of 16 splits: 8 of 128 tokens against 4 of 256; with 16-token
+rounding all 16).
 
 Measured on an H100 (``docs/results/2026-12-07-decode-splits-8eca117-h100.json``): batch
 1, context 1024 in a 4096-token table 11.69 us to 9.36 (8.94 in a 1024-token table);
