@@ -32,7 +32,8 @@ def encode(key: str) -> torch.Tensor:
         tail = digest(key).encode()
         raw = raw[:KEY_BYTES - len(tail) - 3] + b"..." + tail
     out = torch.zeros(KEY_BYTES, dtype=torch.uint8)
-    out[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    if raw:  # torch.frombuffer refuses an empty buffer
+        out[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     return out
 
 

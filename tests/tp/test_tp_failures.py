@@ -150,6 +150,17 @@ def test_a_change_is_compared_without_each_rank_s_own_gpu():
         "moved from ['cuda'] to ['cpu'] (<X object>)"
 
 
+def test_a_key_comes_back_as_it_went_empty_short_or_cut_with_its_digest():
+    from graphcap.tp.keys import KEY_BYTES, decode, digest, encode
+
+    for key in ("", "replay 8: 5 tokens, requests [5]", "naïve ✓"):
+        assert decode(encode(key)) == key
+    long = "x" * (2 * KEY_BYTES)
+    cut = decode(encode(long))
+    assert len(cut.encode()) == KEY_BYTES and cut.endswith("..." + digest(long))
+    assert decode(encode(long + "y")) != cut  # long keys that differ still differ
+
+
 def _refused_alike_on_each_gpu(rank: int) -> None:
     import graphcap.core.snapshot as snapshot
 
