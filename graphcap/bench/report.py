@@ -69,6 +69,14 @@ def show_prefill(result: dict) -> None:
         show_targets(model["targets"])
 
 
+def wider_table(model: dict) -> int | None:
+    """The tokens of a decode result's block tables where they are wider than its context
+    and the step's token (``bench decode --max-len``, as an engine's ``max_len``), else
+    None (and in results written before ``max_len`` was recorded)."""
+    table = model.get("max_len", model["context"] + 1)
+    return table if table != model["context"] + 1 else None
+
+
 def show_decode(result: dict) -> None:
     line = result.get("launch_line")
     if line and "failed" in line:
@@ -89,10 +97,10 @@ def show_decode(result: dict) -> None:
             rows.append([str(row["batch"]), *floors] + [
                 (f"{row['ms'][a]:.3f}" + (f" ({eager / row['ms'][a]:.1f}x)" if eager else ""))
                 if a in row["ms"] else "-" for a in arms])
-        table = model.get("max_len", model["context"] + 1)
+        table = wider_table(model)
         print_table(f"{model['model']}: ms per decode step at a {model['context']}-token "
-                    "context" + (f" in {table}-token tables" if table != model["context"] + 1
-                                 else "") + " (speed-up over eager), beside the bandwidth floor"
+                    "context" + (f" in {table}-token tables" if table else "")
+                    + " (speed-up over eager), beside the bandwidth floor"
                     + (" and the floor of a launch per projection and attention"
                        if launch else ""),
                     ["batch", "floor", *(["launch floor"] if launch else []), *arms], rows)
@@ -208,9 +216,9 @@ def plot_decode(result: dict, path: Path) -> Path | None:
         ax.set_xticks(batches, [str(b) for b in batches])
         ax.set_xlabel("batch (requests)")
         ax.set_ylabel("ms per decode step")
-        table = model.get("max_len", model["context"] + 1)
+        table = wider_table(model)
         ax.set_title(f"{model['model']}, context {model['context']}"
-                     + (f", tables of {table}" if table != model["context"] + 1 else ""))
+                     + (f", tables of {table}" if table else ""))
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"decode, {result['device']}, commit {result['commit']}")
