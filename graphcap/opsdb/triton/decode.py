@@ -307,8 +307,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     reads and write after the loop over the cache), ``SPLIT_OF_LENGTH`` (on by default:
     each split takes an equal share of its row's own tokens, in multiples of ``BLOCK_N``,
     or of ``SPLIT_QUANTUM`` tokens where given, so that a row shorter than the table (an
-    engine's ``max_len``) is spread over the splits; off: the table's width over the
-    splits, the baseline of ``docs/notes/probes/decode_splits.py``); benchmarks."""
+    engine's ``max_len``) reads in as many splits as its blocks fill, not the table
+    width's first few; off: the table's width over the splits, the baseline of
+    ``docs/notes/probes/decode_splits.py``); benchmarks."""
     B, Hq, D = q.shape
     _, page, Hk, _ = k_cache.shape
     if B == 0 or Hq == 0:
