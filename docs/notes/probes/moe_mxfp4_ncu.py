@@ -48,15 +48,10 @@ def target() -> None:
     torch.cuda.synchronize()
 
 
-def profile() -> dict:
-    ncu = os.environ.get("NCU", "/usr/local/cuda/bin/ncu")
-    command = [ncu, "-k", "regex:experts", "-s", "2", "-c", "2", "--csv",
-               *[a for s in SECTIONS for a in ("--section", s)], "--metrics",
-               "smsp__inst_executed.sum,dram__bytes_read.sum," + STALLS,
-               sys.executable, os.path.abspath(__file__)]
-    env = dict(os.environ, PROBE_TARGET="1")
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-    lines = done.stdout.splitlines()
+def parse(stdout: str) -> dict:
+    """ncu's CSV: per kernel (``"<ID> <name>"``, in launch order), its metrics and its
+    stall reasons as warps stalled per issued instruction, largest first."""
+    lines = stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
     kernels: dict[str, dict] = {}
     for row in csv.DictReader(io.StringIO("\n".join(lines[header:]))):
@@ -76,6 +71,18 @@ def profile() -> dict:
             metrics["metrics"][f"{metric} ({row['Metric Unit']})"] = number
     for entry in kernels.values():
         entry["stalls"] = dict(sorted(entry["stalls"].items(), key=lambda kv: -kv[1]))
+    return kernels
+
+
+def profile() -> dict:
+    ncu = os.environ.get("NCU", "/usr/local/cuda/bin/ncu")
+    command = [ncu, "-k", "regex:experts", "-s", "2", "-c", "2", "--csv",
+               *[a for s in SECTIONS for a in ("--section", s)], "--metrics",
+               "smsp__inst_executed.sum,dram__bytes_read.sum," + STALLS,
+               sys.executable, os.path.abspath(__file__)]
+    env = dict(os.environ, PROBE_TARGET="1")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    kernels = parse(done.stdout)
     return {"command": " ".join(command[:-2]) + " python3 moe_mxfp4_ncu.py",
             "tokens": int(os.environ.get("PROBE_TOKENS", "512")), "kernels": kernels}
 
