@@ -286,6 +286,21 @@ COMPILE_DECODE = BUILD_SM90 + textwrap.dedent('''
     from graphcap.opsdb.triton.decode import _decode_kernel
     from graphcap.opsdb.triton.kv import _kv_write_kernel
 
+    def DECODE_TYPES(dt):
+        return {"q_ptr": f"*{dt}", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}",
+                "table_ptr": "*i32", "lens_ptr": "*i32", "sinks_ptr": "*fp32",
+                "out_ptr": f"*{dt}", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
+                "counts_ptr": "*i32", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}",
+                "loc_ptr": "*i64", "pos_ptr": "*i64", "qw_ptr": f"*{dt}",
+                "kw_ptr": f"*{dt}", "cs_ptr": "*fp32", "scale": "fp32",
+                "softcap": "fp32", "eps": "fp32",
+                **{n: "i32" for n in (
+                    "q_stride_b", "q_stride_h", "out_stride_b", "out_stride_h",
+                    "k_stride_b", "k_stride_h", "v_stride_b", "v_stride_h",
+                    "table_stride", "pos_stride", "cs_stride", "width",
+                    "kv_heads", "head_dim", "split_len", "window", "half", "pages",
+                    "cs_rows")}}
+
     for dt in ("bf16", "fp16", "fp32"):
         build(_kv_write_kernel,
               {"k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}",
@@ -300,27 +315,22 @@ COMPILE_DECODE = BUILD_SM90 + textwrap.dedent('''
                 # a decode step's write (with PDL), its rotary where pages are 16 slots,
                 # the qk-norm at groups of 2 (qwen3-0.6b's)
                 rope = pdl and page == 16
-                build(_decode_kernel,
-                      {"q_ptr": f"*{dt}", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}",
-                       "table_ptr": "*i32", "lens_ptr": "*i32", "sinks_ptr": "*fp32",
-                       "out_ptr": f"*{dt}", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
-                       "counts_ptr": "*i32", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}",
-                       "loc_ptr": "*i64", "pos_ptr": "*i64", "qw_ptr": f"*{dt}",
-                       "kw_ptr": f"*{dt}", "cs_ptr": "*fp32", "scale": "fp32",
-                       "softcap": "fp32", "eps": "fp32",
-                       **{n: "i32" for n in (
-                           "q_stride_b", "q_stride_h", "out_stride_b", "out_stride_h",
-                           "k_stride_b", "k_stride_h", "v_stride_b", "v_stride_h",
-                           "table_stride", "pos_stride", "cs_stride", "width",
-                           "kv_heads", "head_dim", "split_len", "window", "half", "pages",
-                           "cs_rows")}},
+                build(_decode_kernel, DECODE_TYPES(dt),
                       {"PAGE": page, "GROUP": group, "BLOCK_H": 16, "SPLITS": splits,
                        "BLOCK_N": 64, "BLOCK_D": 128, "WINDOW": variant,
                        "SOFTCAP": variant, "SINKS": variant, "WRITE": pdl, "ROPE": rope,
                        "HAS_NORM": rope and group == 2, "IEEE": dt == "fp32",
                        "INTERPRET": False, "PDL": pdl, "EARLY_V": not pdl,
                        "KEY_LATE": group == 2, "SPLIT_OF_LENGTH": variant,
-                       "SPLIT_QUANTUM": 16 if variant else 0}, pdl=pdl)
+                       "SPLIT_QUANTUM": 16 if variant else 0,
+                       "CUDA_CORES": False}, pdl=pdl)
+        # the products in registers, for a group of 2 (two rows, not 16)
+        build(_decode_kernel, DECODE_TYPES(dt),
+              {"PAGE": 16, "GROUP": 2, "BLOCK_H": 2, "SPLITS": 8, "BLOCK_N": 32,
+               "BLOCK_D": 128, "WINDOW": True, "SOFTCAP": True, "SINKS": True,
+               "WRITE": True, "ROPE": True, "HAS_NORM": True, "IEEE": dt == "fp32",
+               "INTERPRET": False, "PDL": True, "EARLY_V": False, "KEY_LATE": True,
+               "SPLIT_OF_LENGTH": True, "SPLIT_QUANTUM": 0, "CUDA_CORES": True}, pdl=True)
     print("compiled")
 ''')
 
@@ -459,7 +469,7 @@ COMPILE_SMALL_GPU = textwrap.dedent('''
                   "SOFTCAP": False, "SINKS": False, "WRITE": True, "ROPE": False,
                   "HAS_NORM": False, "IEEE": dt == "fp32", "INTERPRET": False, "PDL": False,
                   "EARLY_V": False, "KEY_LATE": False, "SPLIT_OF_LENGTH": True,
-                  "SPLIT_QUANTUM": 0}
+                  "SPLIT_QUANTUM": 0, "CUDA_CORES": False}
         sig = {**types, **{n: "constexpr" for n in consts}}
         sig = {n: sig[n] for n in _decode_kernel.arg_names}
         out = triton.compile(ASTSource(_decode_kernel, sig, constexprs=consts),

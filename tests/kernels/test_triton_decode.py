@@ -264,3 +264,36 @@ def test_splits_of_each_rows_own_length_give_the_splits_of_the_tables_width_resu
     decode_attention_reference(q, *caches, table, lens, ref, d ** -0.5, **options)
     torch.testing.assert_close(out, want)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu if ROPE_DEVICE == "cuda" else (lambda test: test)
+@pytest.mark.parametrize("hq,hk", [(4, 4), (4, 2), (8, 2), (16, 2)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_products_on_cuda_cores_give_the_tensor_core_products_result(hq, hk, dtype):
+    """``CUDA_CORES``: scores and weighted values summed in registers for the group's
+    heads only (groups of 1 to 8 query heads a key/value head): the tensor-core kernel's
+    output, and the reference's, with a window, sinks and soft-capping, in one split and
+    in four."""
+    from graphcap.opsdb.triton.decode import decode_attention
+
+    dev, page, width, B, d = ROPE_DEVICE, 16, 6, 3, 64
+    g = torch.Generator().manual_seed(hq * 10 + hk)
+    lens = torch.tensor([1, 40, 96], dtype=torch.int32).to(dev)
+    table = (torch.randperm(B * width, generator=g) + 1).view(B, width).to(torch.int32)
+    caches = [torch.randn(B * width + 1, page, hk, d, generator=g).to(dev, dtype)
+              for _ in range(2)]
+    q = torch.randn(B, hq, d, generator=g).to(dev, dtype)
+    options = {"window": 50, "sinks": torch.randn(hq, generator=g).to(dev),
+               "softcap": 30.0}
+    table = table.to(dev)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    ref = torch.empty_like(q)
+    decode_attention_reference(q, *caches, table, lens, ref, d ** -0.5, **options)
+    for splits in (1, 4):
+        want, out = torch.empty_like(q), torch.empty_like(q)
+        decode_attention(q, *caches, table, lens, want, d ** -0.5, num_splits=splits,
+                         **options)
+        decode_attention(q, *caches, table, lens, out, d ** -0.5, num_splits=splits,
+                         tiles={"CUDA_CORES": True}, **options)
+        torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+        torch.testing.assert_close(out, ref, atol=tol, rtol=tol)

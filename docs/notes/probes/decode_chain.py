@@ -14,6 +14,8 @@ between two arms is what one link costs:
 - ``kernel``: ``graphcap::decode_attention``'s Triton kernel as a step runs it (its split
   count and tiles from ``tiles_for``; PDL off, as every arm here);
 - ``kernel splits=S``: the same at other split counts;
+- ``kernel cuda cores``: the same with its products in registers, of the group's heads
+  only (``CUDA_CORES``), at other blocks, warps and splits;
 - ``read``: a kernel of the same grid that reads each program's keys and values through the
   block table after the row's length, sums them and stores one number a program: the
   kernel's reads without its products, its softmax or its merge;
@@ -144,6 +146,11 @@ def batch_rows(batch: int) -> dict:
     arms = {f"kernel (splits {splits}, {cfg})": kernel()}
     for s in sorted({1, 2, 4, 8, 16, 32} - {splits}):
         arms[f"kernel splits={s}"] = kernel(num_splits=s)
+    for bn, warps in ((16, 4), (32, 4), (64, 4), (64, 8)):  # products in registers
+        for s in (splits, 2 * splits):
+            arms[f"kernel cuda cores BLOCK_N={bn} warps={warps} splits={s}"] = kernel(
+                num_splits=s, tiles={"CUDA_CORES": True, "BLOCK_N": bn, "num_warps": warps,
+                                     "num_stages": 2})
     bn = cfg["BLOCK_N"]
     arms["read"] = _read(cache, lens, splits, bn)
     arms["read, merge"] = _read(cache, lens, splits, bn, merge=True)

@@ -1,8 +1,9 @@
 """Where graphcap's decode attention kernel waits at batch 1 (qwen3-0.6b's heads, context
 1024): Nsight Compute's speed of light, launch statistics, occupancy and every issue-stall
 reason of ``graphcap::decode_attention``'s Triton kernel at the tiles the library picks,
-beside the read-only kernel of ``decode_chain.py`` on the same grid and an arm with each
-block's values loaded with its keys (``EARLY_V``):
+beside the read-only kernel of ``decode_chain.py`` on the same grid, an arm with each
+block's values loaded with its keys (``EARLY_V``) and one with its products in registers
+(``CUDA_CORES``, 32-token blocks):
 
     PYTHONPATH=. [PROBE_BATCH=1] python3 docs/notes/probes/decode_ncu.py
 
@@ -22,7 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moe_mxfp4_ncu import SECTIONS, STALLS, parse  # noqa: E402
 
-ARMS = ("kernel", "kernel EARLY_V", "read")
+ARMS = ("kernel", "kernel EARLY_V", "kernel CUDA_CORES", "read")
 
 
 def target() -> None:
@@ -51,6 +52,9 @@ def target() -> None:
             "kernel EARLY_V": lambda: decode_attention(q, kc, vc, cache.block_table, lens,
                                                        out, 1 / math.sqrt(D),
                                                        tiles={"EARLY_V": True}),
+            "kernel CUDA_CORES": lambda: decode_attention(
+                q, kc, vc, cache.block_table, lens, out, 1 / math.sqrt(D), num_splits=splits,
+                tiles={"CUDA_CORES": True, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}),
             "read": _read(cache, lens, splits, cfg["BLOCK_N"])[0]}
     with programmatic_launch(False):
         for name in ARMS:
@@ -61,7 +65,7 @@ def target() -> None:
 
 def profile() -> dict:
     ncu = os.environ.get("NCU", "/usr/local/cuda/bin/ncu")
-    # the kernels in ARMS' order, each's second call: launches 2, 4, 6 (1-based)
+    # the kernels in ARMS' order, each's second call
     command = [ncu, "-k", "regex:_decode_kernel|_read_kernel", "--csv",
                *[a for s in (*SECTIONS, "LaunchStats") for a in ("--section", s)],
                "--metrics", "smsp__inst_executed.sum,dram__bytes_read.sum," + STALLS,

@@ -114,7 +114,7 @@ def decode_consts(block_n: int, **flags) -> dict:
             "BLOCK_D": 128, "WINDOW": False, "SOFTCAP": False, "SINKS": False,
             "WRITE": True, "ROPE": False, "HAS_NORM": False, "IEEE": False,
             "INTERPRET": False, "PDL": True, "EARLY_V": False, "KEY_LATE": False,
-            "SPLIT_OF_LENGTH": True, "SPLIT_QUANTUM": 0, **flags}
+            "SPLIT_OF_LENGTH": True, "SPLIT_QUANTUM": 0, "CUDA_CORES": False, **flags}
 
 
 def decode_kernel() -> list:
@@ -129,6 +129,14 @@ def decode_kernel() -> list:
                        plain=DECODE_PLAIN)
         rows.append({"kernel": "decode", "BLOCK_N": block_n, "num_stages": stages,
                      "rope": rope, "key_late": late, "early_v": early, **got})
+        print(rows[-1], flush=True)
+    for block_n, warps in ((32, 4), (64, 8)):  # the products in registers, two rows
+        got = compiled(decode._decode_kernel, DECODE_SIG,
+                       decode_consts(block_n, BLOCK_H=2, CUDA_CORES=True),
+                       {"num_warps": warps, "num_stages": 2, "launch_pdl": True},
+                       plain=DECODE_PLAIN)
+        rows.append({"kernel": "decode", "BLOCK_N": block_n, "num_warps": warps,
+                     "cuda_cores": True, **got})
         print(rows[-1], flush=True)
     return rows
 

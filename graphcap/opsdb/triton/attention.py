@@ -45,7 +45,7 @@ from graphcap.opsdb.triton.common import (
     pdl_start,
     shared_memory,
 )
-from graphcap.opsdb.triton.decode import soft_cap
+from graphcap.opsdb.triton.decode_math import soft_cap
 
 _LOG2E = 1.4426950408889634
 _LOG2E_F = tl.constexpr(_LOG2E)

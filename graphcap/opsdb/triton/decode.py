@@ -4,8 +4,9 @@ One kernel, grid ``(rows, key/value heads x head blocks, splits)``. A program ta
 query heads that share one key/value head (up to ``BLOCK_H`` of them: a GQA group), so
 each K/V token is read from memory once for the whole group, and scores and the weighted
 values are tensor-core products (``BLOCK_H`` rows, at least 16; the rows past the group
-are masked). It walks its split of the row's tokens in blocks of ``BLOCK_N`` (each
-token's page from the block table) with an online softmax in float32; the probabilities
+are masked), or with ``CUDA_CORES`` products in registers of the group's heads only. It
+walks its split of the row's tokens in blocks of ``BLOCK_N`` (each token's page from the
+block table) with an online softmax in float32; the probabilities
 are rounded to the cache's dtype for the product with the values, as FlashAttention
 does. With one split the program writes the output; with several, each stores its
 partial output and log-sum-exp, and the last program of a (row, head block) to arrive (an
@@ -42,7 +43,6 @@ from graphcap.errors import KernelUnavailable
 from graphcap.opsdb.triton import counters
 from graphcap.opsdb.triton.common import (
     cast,
-    dot,
     in_table,
     interpreting,
     num_sms,
@@ -52,18 +52,8 @@ from graphcap.opsdb.triton.common import (
     table_row,
 )
 from graphcap.opsdb.triton.decode_grid import head_block, programs_of, splits_of_tiles, tiles_for
+from graphcap.opsdb.triton.decode_math import add_weighted, scores_of, soft_cap
 from graphcap.opsdb.triton.qkv import norm_rope, rope_at
-
-
-@triton.jit
-def soft_cap(scores, softcap):
-    """``softcap * tanh(scores / softcap)``: tanh from exp (+-1 where exp overflows), and
-    near zero from its series (``1 - 2 / (e^2x + 1)`` cancels there: where scores are
-    small against the cap, e^2x rounds to 1 and every score would become 0)."""
-    x = scores / softcap
-    x2 = x * x
-    series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
-    return softcap * tl.where(tl.abs(x) < 0.125, series, 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
 
 
 @triton.jit
@@ -153,7 +143,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
                    WRITE: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
                    IEEE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
                    EARLY_V: tl.constexpr = False, KEY_LATE: tl.constexpr = False,
-                   SPLIT_OF_LENGTH: tl.constexpr = True, SPLIT_QUANTUM: tl.constexpr = 0):
+                   SPLIT_OF_LENGTH: tl.constexpr = True, SPLIT_QUANTUM: tl.constexpr = 0,
+                   CUDA_CORES: tl.constexpr = False):
     pdl_start(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)  # key/value head, then block of its query heads
@@ -210,8 +201,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
         k = tl.load(kc_ptr + offs, mask=kv_mask, other=0.0)
         if EARLY_V:  # the values asked for with the keys, before the scores need them
             v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
-        scores = dot(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE,
-                     INTERPRET) * scale
+        scores = scores_of(q, k, IEEE, INTERPRET, CUDA_CORES) * scale
         if SOFTCAP:
             scores = soft_cap(scores, softcap)
         scores = tl.where(t_mask[None, :], scores, float("-inf"))
@@ -220,7 +210,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
         p = tl.exp(scores - m_new[:, None])
         if not EARLY_V:
             v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
-        acc = dot(cast(p, v.dtype, INTERPRET), v, acc * alpha[:, None], IEEE, INTERPRET)
+        acc = add_weighted(acc * alpha[:, None], p, v, IEEE, INTERPRET, CUDA_CORES)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     if WRITE:
@@ -309,7 +299,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     or of ``SPLIT_QUANTUM`` tokens where given, so that a row shorter than the table (an
     engine's ``max_len``) reads in as many splits as its blocks fill, not the table
     width's first few; off: the table's width over the splits, the baseline of
-    ``docs/notes/probes/decode_splits.py``); benchmarks."""
+    ``docs/notes/probes/decode_splits.py``), ``CUDA_CORES`` (the products in registers,
+of the group's heads only, not tensor-core products of 16 rows); benchmarks."""
     B, Hq, D = q.shape
     _, page, Hk, _ = k_cache.shape
     if B == 0 or Hq == 0:
@@ -329,6 +320,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         cfg, auto = tiles_for(programs, max_len, sms, shared_memory(q.device),
                               block_d * k_cache.element_size(), block_h, block_d)
     cfg.update(tiles or {})
+    if cfg.get("CUDA_CORES"):  # products in registers: the group's heads only
+        block_h = min(block_h, triton.next_power_of_2(group))
     if interpret:  # several splits of the block size given, so that the merge is exercised
         auto = max(1, min(triton.cdiv(max_len, cfg["BLOCK_N"]), 4)) \
             if programs <= counters.CAPACITY else 1
