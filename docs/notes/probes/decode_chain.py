@@ -15,7 +15,8 @@ between two arms is what one link costs:
   count and tiles from ``tiles_for``; PDL off, as every arm here);
 - ``kernel splits=S``: the same at other split counts;
 - ``kernel cuda cores``: the same with its products in registers, of the group's heads
-  only (``CUDA_CORES``), at other blocks, warps and splits;
+  only (``CUDA_CORES``), at other blocks, warps and splits, each block's values asked
+  for with its keys or not (``EARLY_V``);
 - ``read``: a kernel of the same grid that reads each program's keys and values through the
   block table after the row's length, sums them and stores one number a program: the
   kernel's reads without its products, its softmax or its merge;
@@ -30,12 +31,15 @@ between two arms is what one link costs:
 
 The same bytes every arm (the split's tokens of keys and values), so every arm's time is
 fixed cost plus bytes at the rate its grid reaches. Printed per batch: us a launch of each
-arm. JSON in $OUT/decode-chain.json."""
+arm (``PROBE_ARMS``, a regular expression: only the arms whose names it matches). JSON in
+$OUT/decode-chain.json."""
 
 import functools
+import itertools
 import json
 import math
 import os
+import re
 import sys
 
 import torch
@@ -146,11 +150,11 @@ def batch_rows(batch: int) -> dict:
     arms = {f"kernel (splits {splits}, {cfg})": kernel()}
     for s in sorted({1, 2, 4, 8, 16, 32} - {splits}):
         arms[f"kernel splits={s}"] = kernel(num_splits=s)
-    for bn, warps in ((16, 4), (32, 4), (64, 4), (64, 8)):  # products in registers
-        for s in (splits, 2 * splits):
-            arms[f"kernel cuda cores BLOCK_N={bn} warps={warps} splits={s}"] = kernel(
-                num_splits=s, tiles={"CUDA_CORES": True, "BLOCK_N": bn, "num_warps": warps,
-                                     "num_stages": 2})
+    for (bn, warps), s, early in itertools.product(  # products in registers
+            ((16, 4), (32, 4), (64, 4), (64, 8)), (splits, 2 * splits), (False, True)):
+        arms[f"kernel cuda cores BLOCK_N={bn} warps={warps} splits={s} early_v={early}"] = \
+            kernel(num_splits=s, tiles={"CUDA_CORES": True, "BLOCK_N": bn,
+                                        "num_warps": warps, "num_stages": 2, "EARLY_V": early})
     bn = cfg["BLOCK_N"]
     arms["read"] = _read(cache, lens, splits, bn)
     arms["read, merge"] = _read(cache, lens, splits, bn, merge=True)
@@ -161,6 +165,9 @@ def batch_rows(batch: int) -> dict:
     for s in (2 * splits, 4 * splits):
         if s <= 64:
             arms[f"read splits={s}"] = _read(cache, lens, s, min(bn, CONTEXT // s))
+    wanted = os.environ.get("PROBE_ARMS")  # a regex: the arms whose names it matches
+    arms = {name: calls for name, calls in arms.items()
+            if not wanted or re.match(wanted, name)}
     us, errors = {}, {}
     with programmatic_launch(False):
         for name, calls in arms.items():
