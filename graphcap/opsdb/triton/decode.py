@@ -52,7 +52,13 @@ from graphcap.opsdb.triton.common import (
     table_row,
 )
 from graphcap.opsdb.triton.decode_grid import head_block, programs_of, splits_of_tiles, tiles_for
-from graphcap.opsdb.triton.decode_math import add_weighted, scores_of, soft_cap
+from graphcap.opsdb.triton.decode_math import (
+    add_weighted,
+    attend_in_lanes,
+    kv_block,
+    scores_of,
+    soft_cap,
+)
 from graphcap.opsdb.triton.qkv import norm_rope, rope_at
 
 
@@ -190,29 +196,30 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
                                       head_dim, eps, k_stride_b, k_stride_h, v_stride_b,
                                       v_stride_h, slot_stride, pages * PAGE, ROPE,
                                       HAS_NORM, BLOCK_D, INTERPRET)
-    for n0 in range(start, read_end, BLOCK_N):
-        t = n0 + tl.arange(0, BLOCK_N)
-        t_mask = t < read_end
-        page = tl.load(table_ptr + b.to(tl.int64) * table_stride + t // PAGE, mask=t_mask,
-                       other=0).to(tl.int64)
-        page = table_row(page, pages)  # as the reference's k_cache[pages] reads it
-        offs = (page * PAGE + t % PAGE)[:, None] * slot_stride + kvh * head_dim + d[None, :]
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(kc_ptr + offs, mask=kv_mask, other=0.0)
-        if EARLY_V:  # the values asked for with the keys, before the scores need them
-            v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
-        scores = scores_of(q, k, IEEE, INTERPRET, CUDA_CORES) * scale
-        if SOFTCAP:
-            scores = soft_cap(scores, softcap)
-        scores = tl.where(t_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: a token is in the block
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        if not EARLY_V:
-            v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
-        acc = add_weighted(acc * alpha[:, None], p, v, IEEE, INTERPRET, CUDA_CORES)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+    table_row_ptr = table_ptr + b.to(tl.int64) * table_stride
+    if CUDA_CORES:
+        m_i, l_i, acc = attend_in_lanes(q, kc_ptr, vc_ptr, table_row_ptr, pages, start,
+                                        read_end, kvh * head_dim, slot_stride, d, d_mask,
+                                        scale, softcap, SOFTCAP, PAGE, BLOCK_N, EARLY_V)
+    else:
+        for n0 in range(start, read_end, BLOCK_N):
+            t_mask, offs, kv_mask, k = kv_block(kc_ptr, table_row_ptr, pages, n0, read_end,
+                                                kvh * head_dim, slot_stride, d, d_mask,
+                                                PAGE, BLOCK_N)
+            if EARLY_V:  # the values asked for with the keys, before the scores need them
+                v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
+            scores = scores_of(q, k, IEEE, INTERPRET) * scale
+            if SOFTCAP:
+                scores = soft_cap(scores, softcap)
+            scores = tl.where(t_mask[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: a token is in it
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            if not EARLY_V:
+                v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
+            acc = add_weighted(acc * alpha[:, None], p, v, IEEE, INTERPRET)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
     if WRITE:
         if KEY_LATE:  # the own key and value read (and written) only now
             k_own, v_own = _write_own(k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr, b, kvh, s, g,

@@ -1,12 +1,13 @@
-"""The attention kernels' score arithmetic: soft-capping, and decode attention's two
-products in either form (tensor cores, or CUDA cores for a GQA group of a few heads)."""
+"""The attention kernels' score arithmetic: soft-capping; decode attention's block of a
+row's keys and values, its two products on tensor cores, and its attention over a split
+on CUDA cores (for a GQA group of a few heads)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from graphcap.opsdb.triton.common import cast, dot
+from graphcap.opsdb.triton.common import cast, dot, table_row
 
 
 @triton.jit
@@ -21,26 +22,70 @@ def soft_cap(scores, softcap):
 
 
 @triton.jit
-def scores_of(q, k, IEEE: tl.constexpr, INTERPRET: tl.constexpr, CUDA_CORES: tl.constexpr):
-    """``q @ k.T`` in float32 for ``q`` [BLOCK_H, BLOCK_D] and ``k`` [BLOCK_N, BLOCK_D]:
-    a tensor-core product (``BLOCK_H`` at least 16), or with ``CUDA_CORES`` products
-    and sums in registers (any ``BLOCK_H``: a GQA group of 2 computes 2 rows, not 16)."""
-    if CUDA_CORES:
-        return tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-    else:
-        return dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], tl.float32), IEEE,
-                   INTERPRET)
+def kv_block(kc_ptr, table_row_ptr, pages, n0, read_end, head_off, slot_stride, d, d_mask,
+             PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tokens ``n0 .. n0 + BLOCK_N`` of a row (each token's page from its block table
+    row), before ``read_end``: their mask, the offsets of their keys and values in the
+    cache, the offsets' mask, and their keys."""
+    t = n0 + tl.arange(0, BLOCK_N)
+    t_mask = t < read_end
+    page = tl.load(table_row_ptr + t // PAGE, mask=t_mask, other=0).to(tl.int64)
+    page = table_row(page, pages)  # as the reference's k_cache[pages] reads it
+    offs = (page * PAGE + t % PAGE)[:, None] * slot_stride + head_off + d[None, :]
+    kv_mask = t_mask[:, None] & d_mask[None, :]
+    return t_mask, offs, kv_mask, tl.load(kc_ptr + offs, mask=kv_mask, other=0.0)
 
 
 @triton.jit
-def add_weighted(acc, p, v, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-                 CUDA_CORES: tl.constexpr):
+def attend_in_lanes(q, kc_ptr, vc_ptr, table_row_ptr, pages, start, read_end, head_off,
+                    slot_stride, d, d_mask, scale, softcap, SOFTCAP: tl.constexpr,
+                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, EARLY_V: tl.constexpr):
+    """Attention of heads ``q`` [BLOCK_H, BLOCK_D] over tokens ``start .. read_end`` of a
+    row with CUDA-core products: each of ``BLOCK_N`` lanes keeps its own online softmax
+    (maximum, sum, weighted values in float32) over the tokens it takes (one a block), so
+    the loop exchanges nothing between threads but the sums of the scores' products; the
+    lanes are merged once, after it. Returns the running maximum, the sum of the
+    probabilities against it, and the unnormalised output [BLOCK_H, BLOCK_D], as the
+    tensor-core loop leaves them. The probabilities stay float32 (not rounded to the
+    cache's dtype as the tensor-core products round them)."""
+    qf = q.to(tl.float32)[:, None, :]
+    m = tl.full([q.shape[0], BLOCK_N], float("-inf"), tl.float32)
+    l_sum = tl.zeros([q.shape[0], BLOCK_N], tl.float32)
+    acc = tl.zeros([q.shape[0], BLOCK_N, q.shape[1]], tl.float32)
+    for n0 in range(start, read_end, BLOCK_N):
+        t_mask, offs, kv_mask, k = kv_block(kc_ptr, table_row_ptr, pages, n0, read_end,
+                                            head_off, slot_stride, d, d_mask, PAGE, BLOCK_N)
+        if EARLY_V:  # the values asked for with the keys, before the scores need them
+            v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
+        scores = tl.sum(qf * k.to(tl.float32)[None, :, :], axis=2) * scale
+        if SOFTCAP:
+            scores = soft_cap(scores, softcap)
+        scores = tl.where(t_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, scores)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane with no token yet
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(scores - m_safe)
+        if not EARLY_V:
+            v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, :, None] + p[:, :, None] * v.to(tl.float32)[None, :, :]
+        l_sum = l_sum * alpha + p
+        m = m_new
+    top = tl.max(m, axis=1)
+    weight = tl.exp(m - tl.where(top == float("-inf"), 0.0, top)[:, None])
+    return top, tl.sum(l_sum * weight, axis=1), tl.sum(acc * weight[:, :, None], axis=1)
+
+
+@triton.jit
+def scores_of(q, k, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """``q @ k.T`` in float32 for ``q`` [BLOCK_H, BLOCK_D] and ``k`` [BLOCK_N, BLOCK_D], a
+    tensor-core product (``BLOCK_H`` at least 16)."""
+    return dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], tl.float32), IEEE,
+               INTERPRET)
+
+
+@triton.jit
+def add_weighted(acc, p, v, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
     """``acc + p @ v`` in float32 for probabilities ``p`` [BLOCK_H, BLOCK_N] and values
-    ``v`` [BLOCK_N, BLOCK_D], the probabilities rounded to the values' dtype first (as
-    FlashAttention does), in either form of :func:`scores_of`."""
-    p = cast(p, v.dtype, INTERPRET)
-    if CUDA_CORES:
-        return acc + tl.sum(p.to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :],
-                            axis=1)
-    else:
-        return dot(p, v, acc, IEEE, INTERPRET)
+    ``v`` [BLOCK_N, BLOCK_D], a tensor-core product of the probabilities rounded to the
+    values' dtype (as FlashAttention does)."""
+    return dot(cast(p, v.dtype, INTERPRET), v, acc, IEEE, INTERPRET)
