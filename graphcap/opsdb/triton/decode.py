@@ -6,9 +6,8 @@ each K/V token is read from memory once for the whole group, and scores and the 
 values are tensor-core products (``BLOCK_H`` rows, at least 16; the rows past the group
 are masked), or with ``CUDA_CORES`` products in registers of the group's heads only. It
 walks its split of the row's tokens in blocks of ``BLOCK_N`` (each token's page from the
-block table) with an online softmax in float32; the probabilities
-are rounded to the cache's dtype for the product with the values, as FlashAttention
-does. With one split the program writes the output; with several, each stores its
+block table) with an online softmax in float32; the probabilities are rounded to the
+cache's dtype for the tensor-core product with the values, as FlashAttention does. With one split the program writes the output; with several, each stores its
 partial output and log-sum-exp, and the last program of a (row, head block) to arrive (an
 atomic count, as the split linear's: :mod:`graphcap.opsdb.triton.counters`) merges them
 by their LSEs with the head's sink logit, which joins the softmax with no value, and
@@ -307,7 +306,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     engine's ``max_len``) reads in as many splits as its blocks fill, not the table
     width's first few; off: the table's width over the splits, the baseline of
     ``docs/notes/probes/decode_splits.py``), ``CUDA_CORES`` (the products in registers,
-of the group's heads only, not tensor-core products of 16 rows); benchmarks."""
+    of the group's heads only, not tensor-core products of 16 rows: each of ``BLOCK_N``
+    lanes keeps its own online softmax, merged after the loop, its probabilities in
+    float32); benchmarks."""
     B, Hq, D = q.shape
     _, page, Hk, _ = k_cache.shape
     if B == 0 or Hq == 0:
