@@ -7,10 +7,11 @@ values are tensor-core products (``BLOCK_H`` rows, at least 16; the rows past th
 are masked), or with ``CUDA_CORES`` products in registers of the group's heads only. It
 walks its split of the row's tokens in blocks of ``BLOCK_N`` (each token's page from the
 block table) with an online softmax in float32; the probabilities are rounded to the
-cache's dtype for the tensor-core product with the values, as FlashAttention does. With one split the program writes the output; with several, each stores its
-partial output and log-sum-exp, and the last program of a (row, head block) to arrive (an
-atomic count, as the split linear's: :mod:`graphcap.opsdb.triton.counters`) merges them
-by their LSEs with the head's sink logit, which joins the softmax with no value, and
+cache's dtype for the tensor-core product with the values, as FlashAttention does.
+With one split the program writes the output; with several, each stores its partial
+output and log-sum-exp, and the last program of a (row, head block) to arrive (an atomic
+count, as the split linear's: :mod:`graphcap.opsdb.triton.counters`) merges them by
+their LSEs with the head's sink logit, which joins the softmax with no value, and
 writes the output. A row with no token comes out zero, not 0/0; NaN in a row's own
 tokens stays NaN. With a window the splits cover only the row's last ``window`` tokens:
 the K/V read is bounded by the window, not the context; soft-capping applies to each
