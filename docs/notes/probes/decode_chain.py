@@ -150,8 +150,9 @@ def batch_rows(batch: int) -> dict:
     arms = {f"kernel (splits {splits}, {cfg})": kernel()}
     for s in sorted({1, 2, 4, 8, 16, 32} - {splits}):
         arms[f"kernel splits={s}"] = kernel(num_splits=s)
-    for (bn, warps), s, early in itertools.product(  # products in registers
-            ((16, 2), (32, 4), (64, 8)), (splits, 2 * splits), (False, True)):
+    lanes = [((bn, warps), s, True) for (bn, warps), s in itertools.product(
+        ((16, 2), (32, 4), (64, 8)), (splits, 2 * splits, 4 * splits)) if s <= 32]
+    for (bn, warps), s, early in [*lanes, ((32, 4), splits, False)]:  # products in registers
         arms[f"kernel cuda cores BLOCK_N={bn} warps={warps} splits={s} early_v={early}"] = \
             kernel(num_splits=s, tiles={"CUDA_CORES": True, "BLOCK_N": bn,
                                         "num_warps": warps, "num_stages": 2, "EARLY_V": early})

@@ -54,7 +54,8 @@ def target() -> None:
                                                        tiles={"EARLY_V": True}),
             "kernel CUDA_CORES": lambda: decode_attention(
                 q, kc, vc, cache.block_table, lens, out, 1 / math.sqrt(D), num_splits=splits,
-                tiles={"CUDA_CORES": True, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}),
+                tiles={"CUDA_CORES": True, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2,
+                       "EARLY_V": True}),
             "read": _read(cache, lens, splits, cfg["BLOCK_N"])[0]}
     with programmatic_launch(False):
         for name in ARMS:

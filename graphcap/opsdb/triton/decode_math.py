@@ -48,7 +48,10 @@ def attend_in_lanes(q, kc_ptr, vc_ptr, table_row_ptr, pages, start, read_end, he
     probabilities against it, and the unnormalised output [BLOCK_H, BLOCK_D], as the
     tensor-core loop leaves them. The probabilities stay float32 (not rounded to the
     cache's dtype as the tensor-core products round them)."""
-    qf = q.to(tl.float32)[:, None, :]
+    # Reshapes, not [None] indexing: Triton then keeps the loads' layout (a thread 8 of a
+    # head dim's elements, 16 threads a token) for the products, with no exchange through
+    # shared memory in the loop.
+    qf = tl.reshape(q.to(tl.float32), [q.shape[0], 1, q.shape[1]])
     m = tl.full([q.shape[0], BLOCK_N], float("-inf"), tl.float32)
     l_sum = tl.zeros([q.shape[0], BLOCK_N], tl.float32)
     acc = tl.zeros([q.shape[0], BLOCK_N, q.shape[1]], tl.float32)
@@ -57,7 +60,8 @@ def attend_in_lanes(q, kc_ptr, vc_ptr, table_row_ptr, pages, start, read_end, he
                                             head_off, slot_stride, d, d_mask, PAGE, BLOCK_N)
         if EARLY_V:  # the values asked for with the keys, before the scores need them
             v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
-        scores = tl.sum(qf * k.to(tl.float32)[None, :, :], axis=2) * scale
+        scores = tl.sum(qf * tl.reshape(k.to(tl.float32), [1, BLOCK_N, k.shape[1]]), axis=2)
+        scores = scores * scale
         if SOFTCAP:
             scores = soft_cap(scores, softcap)
         scores = tl.where(t_mask[None, :], scores, float("-inf"))
@@ -67,7 +71,8 @@ def attend_in_lanes(q, kc_ptr, vc_ptr, table_row_ptr, pages, start, read_end, he
         p = tl.exp(scores - m_safe)
         if not EARLY_V:
             v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, :, None] + p[:, :, None] * v.to(tl.float32)[None, :, :]
+        acc = acc * alpha[:, :, None] + p[:, :, None] * tl.reshape(
+            v.to(tl.float32), [1, BLOCK_N, v.shape[1]])
         l_sum = l_sum * alpha + p
         m = m_new
     top = tl.max(m, axis=1)
