@@ -323,14 +323,15 @@ COMPILE_DECODE = BUILD_SM90 + textwrap.dedent('''
                        "INTERPRET": False, "PDL": pdl, "EARLY_V": not pdl,
                        "KEY_LATE": group == 2, "SPLIT_OF_LENGTH": variant,
                        "SPLIT_QUANTUM": 16 if variant else 0,
-                       "CUDA_CORES": False}, pdl=pdl)
+                       "CUDA_CORES": False, "AHEAD": False}, pdl=pdl)
         # the products in registers, for a group of 2 (two rows, not 16)
         build(_decode_kernel, DECODE_TYPES(dt),
               {"PAGE": 16, "GROUP": 2, "BLOCK_H": 2, "SPLITS": 8, "BLOCK_N": 32,
                "BLOCK_D": 128, "WINDOW": True, "SOFTCAP": True, "SINKS": True,
                "WRITE": True, "ROPE": True, "HAS_NORM": True, "IEEE": dt == "fp32",
                "INTERPRET": False, "PDL": True, "EARLY_V": False, "KEY_LATE": True,
-               "SPLIT_OF_LENGTH": True, "SPLIT_QUANTUM": 0, "CUDA_CORES": True}, pdl=True)
+               "SPLIT_OF_LENGTH": True, "SPLIT_QUANTUM": 0, "CUDA_CORES": True,
+               "AHEAD": True}, pdl=True)
     print("compiled")
 ''')
 
@@ -469,7 +470,7 @@ COMPILE_SMALL_GPU = textwrap.dedent('''
                   "SOFTCAP": False, "SINKS": False, "WRITE": True, "ROPE": False,
                   "HAS_NORM": False, "IEEE": dt == "fp32", "INTERPRET": False, "PDL": False,
                   "EARLY_V": False, "KEY_LATE": False, "SPLIT_OF_LENGTH": True,
-                  "SPLIT_QUANTUM": 0, "CUDA_CORES": False}
+                  "SPLIT_QUANTUM": 0, "CUDA_CORES": False, "AHEAD": False}
         sig = {**types, **{n: "constexpr" for n in consts}}
         sig = {n: sig[n] for n in _decode_kernel.arg_names}
         out = triton.compile(ASTSource(_decode_kernel, sig, constexprs=consts),

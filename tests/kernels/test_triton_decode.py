@@ -273,7 +273,7 @@ def test_products_on_cuda_cores_give_the_tensor_core_products_result(hq, hk, dty
     """``CUDA_CORES``: scores and weighted values summed in registers for the group's
     heads only (groups of 1, 2 and 8 query heads a key/value head): the tensor-core kernel's
     output, and the reference's, with a window, sinks and soft-capping, in one split and
-    in four."""
+    in four, with the next block's keys and values asked for ahead (``AHEAD``) or not."""
     from graphcap.opsdb.triton.decode import decode_attention
 
     dev, page, width, B, d = ROPE_DEVICE, 16, 6, 3, 64
@@ -289,11 +289,11 @@ def test_products_on_cuda_cores_give_the_tensor_core_products_result(hq, hk, dty
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     ref = torch.empty_like(q)
     decode_attention_reference(q, *caches, table, lens, ref, d ** -0.5, **options)
-    for splits in (1, 4):
+    for splits, ahead in ((1, False), (4, False), (1, True), (4, True)):
         want, out = torch.empty_like(q), torch.empty_like(q)
         decode_attention(q, *caches, table, lens, want, d ** -0.5, num_splits=splits,
                          **options)
         decode_attention(q, *caches, table, lens, out, d ** -0.5, num_splits=splits,
-                         tiles={"CUDA_CORES": True}, **options)
+                         tiles={"CUDA_CORES": True, "AHEAD": ahead}, **options)
         torch.testing.assert_close(out, want, atol=tol, rtol=tol)
         torch.testing.assert_close(out, ref, atol=tol, rtol=tol)

@@ -15,8 +15,8 @@ between two arms is what one link costs:
   count and tiles from ``tiles_for``; PDL off, as every arm here);
 - ``kernel splits=S``: the same at other split counts;
 - ``kernel cuda cores``: the same with its products in registers, of the group's heads
-  only (``CUDA_CORES``), at other blocks, warps and splits, each block's values asked
-  for with its keys or not (``EARLY_V``);
+  only (``CUDA_CORES``), at other blocks, warps and splits, the next block asked for
+  before this block's products or not (``AHEAD``);
 - ``read``: a kernel of the same grid that reads each program's keys and values through the
   block table after the row's length, sums them and stores one number a program: the
   kernel's reads without its products, its softmax or its merge;
@@ -150,12 +150,13 @@ def batch_rows(batch: int) -> dict:
     arms = {f"kernel (splits {splits}, {cfg})": kernel()}
     for s in sorted({1, 2, 4, 8, 16, 32} - {splits}):
         arms[f"kernel splits={s}"] = kernel(num_splits=s)
-    lanes = [((bn, warps), s, True) for (bn, warps), s in itertools.product(
-        ((16, 2), (32, 4), (64, 8)), (splits, 2 * splits, 4 * splits)) if s <= 32]
-    for (bn, warps), s, early in [*lanes, ((32, 4), splits, False)]:  # products in registers
-        arms[f"kernel cuda cores BLOCK_N={bn} warps={warps} splits={s} early_v={early}"] = \
-            kernel(num_splits=s, tiles={"CUDA_CORES": True, "BLOCK_N": bn,
-                                        "num_warps": warps, "num_stages": 2, "EARLY_V": early})
+    for (bn, warps), s, ahead in itertools.product(  # products in registers
+            ((16, 2), (32, 4), (64, 8)), (splits, 2 * splits, 4 * splits), (False, True)):
+        if s <= 32:
+            arms[f"kernel cuda cores BLOCK_N={bn} warps={warps} splits={s} ahead={ahead}"] = \
+                kernel(num_splits=s, tiles={"CUDA_CORES": True, "BLOCK_N": bn,
+                                            "num_warps": warps, "num_stages": 1,
+                                            "AHEAD": ahead})
     bn = cfg["BLOCK_N"]
     arms["read"] = _read(cache, lens, splits, bn)
     arms["read, merge"] = _read(cache, lens, splits, bn, merge=True)

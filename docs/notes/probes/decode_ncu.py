@@ -3,7 +3,7 @@
 reason of ``graphcap::decode_attention``'s Triton kernel at the tiles the library picks,
 beside the read-only kernel of ``decode_chain.py`` on the same grid, an arm with each
 block's values loaded with its keys (``EARLY_V``) and one with its products in registers
-(``CUDA_CORES``, 32-token blocks):
+(``CUDA_CORES``, 32-token blocks, the next asked for ahead):
 
     PYTHONPATH=. [PROBE_BATCH=1] python3 docs/notes/probes/decode_ncu.py
 
@@ -54,8 +54,8 @@ def target() -> None:
                                                        tiles={"EARLY_V": True}),
             "kernel CUDA_CORES": lambda: decode_attention(
                 q, kc, vc, cache.block_table, lens, out, 1 / math.sqrt(D), num_splits=splits,
-                tiles={"CUDA_CORES": True, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2,
-                       "EARLY_V": True}),
+                tiles={"CUDA_CORES": True, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1,
+                       "AHEAD": True}),
             "read": _read(cache, lens, splits, cfg["BLOCK_N"])[0]}
     with programmatic_launch(False):
         for name in ARMS:

@@ -114,7 +114,8 @@ def decode_consts(block_n: int, **flags) -> dict:
             "BLOCK_D": 128, "WINDOW": False, "SOFTCAP": False, "SINKS": False,
             "WRITE": True, "ROPE": False, "HAS_NORM": False, "IEEE": False,
             "INTERPRET": False, "PDL": True, "EARLY_V": False, "KEY_LATE": False,
-            "SPLIT_OF_LENGTH": True, "SPLIT_QUANTUM": 0, "CUDA_CORES": False, **flags}
+            "SPLIT_OF_LENGTH": True, "SPLIT_QUANTUM": 0, "CUDA_CORES": False,
+            "AHEAD": False, **flags}
 
 
 def decode_kernel() -> list:

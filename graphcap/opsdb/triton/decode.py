@@ -150,7 +150,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
                    IEEE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
                    EARLY_V: tl.constexpr = False, KEY_LATE: tl.constexpr = False,
                    SPLIT_OF_LENGTH: tl.constexpr = True, SPLIT_QUANTUM: tl.constexpr = 0,
-                   CUDA_CORES: tl.constexpr = False):
+                   CUDA_CORES: tl.constexpr = False, AHEAD: tl.constexpr = False):
     pdl_start(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)  # key/value head, then block of its query heads
@@ -200,7 +200,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, sinks_ptr, out_pt
     if CUDA_CORES:
         m_i, l_i, acc = attend_in_lanes(q, kc_ptr, vc_ptr, table_row_ptr, pages, start,
                                         read_end, kvh * head_dim, slot_stride, d, d_mask,
-                                        scale, softcap, SOFTCAP, PAGE, BLOCK_N, EARLY_V)
+                                        scale, softcap, SOFTCAP, PAGE, BLOCK_N, AHEAD)
     else:
         for n0 in range(start, read_end, BLOCK_N):
             t_mask, offs, kv_mask, k = kv_block(kc_ptr, table_row_ptr, pages, n0, read_end,
@@ -309,7 +309,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``docs/notes/probes/decode_splits.py``), ``CUDA_CORES`` (the products in registers,
     of the group's heads only, not tensor-core products of 16 rows: each of ``BLOCK_N``
     lanes keeps its own online softmax, merged after the loop, its probabilities in
-    float32); benchmarks."""
+    float32; each block's values asked for with its keys), ``AHEAD`` (with ``CUDA_CORES``:
+    the next block's keys and values asked for before this block's products);
+    benchmarks."""
     B, Hq, D = q.shape
     _, page, Hk, _ = k_cache.shape
     if B == 0 or Hq == 0:

@@ -39,15 +39,16 @@ def kv_block(kc_ptr, table_row_ptr, pages, n0, read_end, head_off, slot_stride, 
 @triton.jit
 def attend_in_lanes(q, kc_ptr, vc_ptr, table_row_ptr, pages, start, read_end, head_off,
                     slot_stride, d, d_mask, scale, softcap, SOFTCAP: tl.constexpr,
-                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, EARLY_V: tl.constexpr):
+                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr):
     """Attention of heads ``q`` [BLOCK_H, BLOCK_D] over tokens ``start .. read_end`` of a
     row with CUDA-core products: each of ``BLOCK_N`` lanes keeps its own online softmax
     (maximum, sum, weighted values in float32) over the tokens it takes (one a block), so
     the loop exchanges nothing between threads but the sums of the scores' products; the
-    lanes are merged once, after it. Returns the running maximum, the sum of the
-    probabilities against it, and the unnormalised output [BLOCK_H, BLOCK_D], as the
-    tensor-core loop leaves them. The probabilities stay float32 (not rounded to the
-    cache's dtype as the tensor-core products round them)."""
+    lanes are merged once, after it. A block's values are asked for with its keys, and
+    with ``AHEAD`` the next block's keys and values before this block's products. Returns
+    the running maximum, the sum of the probabilities against it, and the unnormalised
+    output [BLOCK_H, BLOCK_D], as the tensor-core loop leaves them. The probabilities stay
+    float32 (not rounded to the cache's dtype as the tensor-core products round them)."""
     # Reshapes, not [None] indexing: Triton then keeps the loads' layout (a thread 8 of a
     # head dim's elements, 16 threads a token) for the products, with no exchange through
     # shared memory in the loop.
@@ -55,10 +56,20 @@ def attend_in_lanes(q, kc_ptr, vc_ptr, table_row_ptr, pages, start, read_end, he
     m = tl.full([q.shape[0], BLOCK_N], float("-inf"), tl.float32)
     l_sum = tl.zeros([q.shape[0], BLOCK_N], tl.float32)
     acc = tl.zeros([q.shape[0], BLOCK_N, q.shape[1]], tl.float32)
-    for n0 in range(start, read_end, BLOCK_N):
-        t_mask, offs, kv_mask, k = kv_block(kc_ptr, table_row_ptr, pages, n0, read_end,
+    if AHEAD:
+        t_mask, offs, kv_mask, k = kv_block(kc_ptr, table_row_ptr, pages, start, read_end,
                                             head_off, slot_stride, d, d_mask, PAGE, BLOCK_N)
-        if EARLY_V:  # the values asked for with the keys, before the scores need them
+        v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
+    for n0 in range(start, read_end, BLOCK_N):
+        if AHEAD:  # the next block's (past read_end: masked, nothing read)
+            t_next, offs, kv_mask, k_next = kv_block(kc_ptr, table_row_ptr, pages,
+                                                     n0 + BLOCK_N, read_end, head_off,
+                                                     slot_stride, d, d_mask, PAGE, BLOCK_N)
+            v_next = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
+        else:
+            t_mask, offs, kv_mask, k = kv_block(kc_ptr, table_row_ptr, pages, n0, read_end,
+                                                head_off, slot_stride, d, d_mask, PAGE,
+                                                BLOCK_N)
             v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
         scores = tl.sum(qf * tl.reshape(k.to(tl.float32), [1, BLOCK_N, k.shape[1]]), axis=2)
         scores = scores * scale
@@ -69,12 +80,12 @@ def attend_in_lanes(q, kc_ptr, vc_ptr, table_row_ptr, pages, start, read_end, he
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane with no token yet
         alpha = tl.exp(m - m_safe)
         p = tl.exp(scores - m_safe)
-        if not EARLY_V:
-            v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, :, None] + p[:, :, None] * tl.reshape(
             v.to(tl.float32), [1, BLOCK_N, v.shape[1]])
         l_sum = l_sum * alpha + p
         m = m_new
+        if AHEAD:
+            t_mask, k, v = t_next, k_next, v_next
     top = tl.max(m, axis=1)
     weight = tl.exp(m - tl.where(top == float("-inf"), 0.0, top)[:, None])
     return top, tl.sum(l_sum * weight, axis=1), tl.sum(acc * weight[:, :, None], axis=1)
