@@ -4,7 +4,7 @@ One kernel, grid ``(rows, key/value heads x head blocks, splits)``. A program ta
 query heads that share one key/value head (up to ``BLOCK_H`` of them: a GQA group), so
 each K/V token is read from memory once for the whole group, and scores and the weighted
 values are tensor-core products (``BLOCK_H`` rows, at least 16; the rows past the group
-are masked), or with ``CUDA_CORES`` products in registers of the group's heads only. It
+are masked), or with ``CUDA_CORES`` products in registers of the group's heads. It
 walks its split of the row's tokens in blocks of ``BLOCK_N`` (each token's page from the
 block table) with an online softmax in float32; the probabilities are rounded to the
 cache's dtype for the tensor-core product with the values, as FlashAttention does.
@@ -307,11 +307,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     engine's ``max_len``) reads in as many splits as its blocks fill, not the table
     width's first few; off: the table's width over the splits, the baseline of
     ``docs/notes/probes/decode_splits.py``), ``CUDA_CORES`` (the products in registers,
-    of the group's heads only, not tensor-core products of 16 rows: each of ``BLOCK_N``
-    lanes keeps its own online softmax, merged after the loop, its probabilities in
-    float32; each block's values asked for with its keys), ``AHEAD`` (with ``CUDA_CORES``:
-    the next block's keys and values asked for before this block's products);
-    benchmarks."""
+    of the group rounded up to a power of two, not tensor-core products of 16 rows: each
+    of ``BLOCK_N`` lanes keeps its own online softmax, merged after the loop, its
+    probabilities in float32; each block's values asked for with its keys; give
+    ``BLOCK_N`` and ``num_warps`` with it: the default tiles' 64- and 128-token blocks
+    spill, 16 tokens at 2 warps and 32 at 4 do not), ``AHEAD`` (with ``CUDA_CORES``: the
+    next block's keys and values asked for before this block's products); benchmarks."""
     B, Hq, D = q.shape
     _, page, Hk, _ = k_cache.shape
     if B == 0 or Hq == 0:
