@@ -39,7 +39,6 @@ import math
 import numbers
 import sys
 import time
-import traceback
 from collections import Counter
 from datetime import timedelta
 
@@ -155,11 +154,12 @@ class TPGroup:
         self._check_open(what)
         mine = keys.encode(key)
         found, start = [torch.empty_like(mine) for _ in range(self.size)], time.monotonic()
+        handling = sys.exc_info()[1]  # the caller's: its frames are not ours to clear
         try:
             # Bounded by the control group's timeout: it ends before this returns, none pending.
             dist.all_gather(found, mine, group=self.control)
         except RuntimeError as exc:
-            traceback.clear_frames(exc.__traceback__)  # their locals hold the group open
+            clear_frames(exc, handling)  # their locals hold the group open
             reasons = self._reasons()
             if reasons:
                 message = (f"the group was closed ({reasons}) while rank {self.rank} was "
@@ -221,11 +221,12 @@ class TPGroup:
         checks' ValueError or TypeError) raises ``RankError`` naming why, and closes the
         group here."""
         self._check_open(op)
-        start = time.monotonic()
+        start, handling = time.monotonic(), sys.exc_info()[1]  # the caller's, not ours
         try:
             return run()
         except Exception as exc:  # noqa: BLE001  the others wait in it: none goes on alone
-            traceback.clear_frames(exc.__traceback__)  # their locals hold the group open
+            # Their locals (and those of any error it was raised from) hold the group open.
+            clear_frames(exc, handling)
             reasons = self._reasons()
             why = (f"the group was closed ({reasons})" if reasons else
                    _absent(start, self.collective_timeout_s, "it", exc))

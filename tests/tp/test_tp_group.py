@@ -141,10 +141,21 @@ def test_a_rank_that_left_is_named_so_not_as_one_that_did_not_come_in_time():
     spawn(_departure)
 
 
-# A collective refused on rank 0 alone: by gloo (no uint16), or by torch's own checks before
-# the backend sees it (a ValueError: an output list of another dtype); the op, torch's words.
+# A collective refused on rank 0 alone: by gloo (no uint16), by torch's own checks before
+# the backend sees it (a ValueError: an output list of another dtype), or by gloo inside the
+# model's own error (raised from it: its frames hold the group too); the op, the words.
 REFUSALS = {"by gloo": ("all_reduce", "Invalid scalar type)"),
-            "by torch's checks": ("all_gather", "Invalid usage of tensors with different dtypes")}
+            "by torch's checks": ("all_gather", "Invalid usage of tensors with different dtypes"),
+            "under the model's error": ("all_reduce", "the model's all_reduce failed")}
+
+
+def _raised_from(run, words: str):
+    def wrapped():
+        try:
+            run()
+        except RuntimeError as exc:
+            raise ValueError(words) from exc
+    return wrapped
 
 
 def _refused_here(rank: int, by: str) -> None:
@@ -156,6 +167,8 @@ def _refused_here(rank: int, by: str) -> None:
              for _ in range(2)]
     run = {"all_reduce": lambda: dist.all_reduce(x, group=tp.data),
            "all_gather": lambda: dist.all_gather(parts, x, group=tp.data)}[op]
+    if by == "under the model's error":
+        run = _raised_from(run, words)
     start = time.monotonic()
     with pytest.raises(RankError) as caught:
         tp.collective(run, op)
