@@ -58,7 +58,7 @@ def flashinfer_accepts(positions, query, key, cos_sin_cache, head_size):
     return None
 
 
-def rotary_inputs(device, dtype, max_tokens: int = 64):
+def rotary_inputs(device, dtype, max_tokens: int = 24):  # a program a token
     from hypothesis import strategies as st
 
     from graphcap.opsdb.inputs import positions_and_rope_cache, rope_heads, tensors
