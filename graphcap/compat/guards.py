@@ -123,3 +123,18 @@ def tensor_guards():
     if not hasattr(config, "skip_tensor_guards_with_matching_dict_tags"):
         return contextlib.nullcontext()
     return config.patch(skip_tensor_guards_with_matching_dict_tags=False)
+
+
+def no_zero_one_specialisation():
+    """A context in which the dynamic sizes of a compile are not specialised on 0 and 1
+    (``torch.fx.experimental._config.backed_size_oblivious``, size-oblivious reasoning
+    for backed sizes): a forward traced at 8 tokens serves 1 token under the same code,
+    where Dynamo would otherwise guard ``2 <= tokens`` and compile the forward again at
+    the first one-token call (a decode step of one request). A branch of the forward's
+    own on a size still guards, and compiles again where it goes the other way; nothing
+    where this torch has no such option."""
+    from torch.fx.experimental import _config as config
+
+    if not hasattr(config, "backed_size_oblivious"):
+        return contextlib.nullcontext()
+    return config.patch(backed_size_oblivious=True)

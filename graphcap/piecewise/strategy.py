@@ -170,7 +170,9 @@ class CompiledForward:
                 "strategy='breakable', which needs no compiler.") from exc
 
     def _guarded(self, args: tuple, options: dict):
-        with guards.tensor_guards():  # every tensor guarded (graphcap.compat.guards)
+        # Every tensor guarded, and one compile for every token count, 1 included
+        # (graphcap.compat.guards).
+        with guards.tensor_guards(), guards.no_zero_one_specialisation():
             return self.compiled(self.model, *args, **options)
 
     def _raise_the_models_own_error(self, args, options, exc: BaseException) -> None:

@@ -91,6 +91,20 @@ def test_a_forward_whose_split_ops_read_static_metadata_is_one_graph_per_shape(l
     assert sum(r.stats.replays.values()) == 3
 
 
+@pytest.mark.parametrize("attention", ["torch_varlen", "torch_masked"])
+def test_one_compile_serves_every_bucket_one_token_included(attention):
+    # Dynamo specialises a dynamic size on 0 and 1: without
+    # graphcap.compat.guards.no_zero_one_specialisation, the first one-token call (a
+    # decode step of one request) compiled the forward again.
+    m = decoder(2)
+    r = graphcap.capture(m, "tc_piecewise", buckets=[1, 2, 8], max_requests=2,
+                         attention=attention)
+    stats = r.model.compiler.stats
+    assert stats["graphs"] == 1
+    _check_batches(m, r, batches=([1], [2], [3, 5], [1, 1]))
+    assert stats["graphs"] == 1 and r.stats.replays[1] == 1
+
+
 def test_a_fallback_at_a_size_captured_whole_runs_the_pieces_eagerly_and_captures_nothing():
     m = decoder(2)
     r = graphcap.capture(m, "tc_piecewise", buckets=[16], max_requests=2,
