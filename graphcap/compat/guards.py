@@ -138,3 +138,18 @@ def no_zero_one_specialisation():
     if not hasattr(config, "backed_size_oblivious"):
         return contextlib.nullcontext()
     return config.patch(backed_size_oblivious=True)
+
+
+def contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t.contiguous()`` inside a compile, without a guard on its sizes: ``t`` itself where
+    its layout is contiguous at every size of its dynamic dims, else a contiguous copy.
+    (``contiguous()`` asks whether the view already is, which Dynamo answers for a dynamic
+    token count T with a guard on T != 1, and compiles again at 1 token.) Under
+    :func:`no_zero_one_specialisation` the check adds no guard where this torch can tell
+    without one; elsewhere it guards as ``contiguous()`` does."""
+    from torch import _prims_common
+
+    provable = getattr(_prims_common, "is_contiguous_or_false", None)
+    if provable is not None and provable(t):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)

@@ -20,6 +20,7 @@ import sys
 import torch
 from transformers import AttentionInterface
 
+from graphcap.compat import guards
 from graphcap.core.context import attention_if_any, current_kv
 from graphcap.errors import UnsupportedModel
 from graphcap.opsdb.attention import ATTENTION
@@ -263,8 +264,10 @@ def graphcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
             "graphcap::attention and its paged K/V cache take one head dim for both, so "
             "graphcap.hf cannot run this model; run it with transformers' own attention "
             "(no PrefillLM)")
-    # [1, H, T, D] -> [T, H, D]: the split op's packed layout (contiguous for the kernels).
-    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+    # [1, H, T, D] -> [T, H, D]: the split op's packed layout (contiguous for the kernels;
+    # compiled, without a guard on the token count: graphcap.compat.guards.contiguous).
+    packed = guards.contiguous if torch.compiler.is_compiling() else torch.Tensor.contiguous
+    q, k, v = (packed(t[0].transpose(0, 1)) for t in (query, key, value))
     layer = getattr(module, "layer_idx", None)
     variant = variant_of(module, sliding_window, softcap, kwargs.get("s_aux"))
     if SEEN is not None:

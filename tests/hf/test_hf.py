@@ -78,6 +78,20 @@ def test_every_family_replays_like_eager_under_every_strategy(family, strategy):
     assert reports[strategy]["shapes"] == BUCKETS
 
 
+def test_one_tc_piecewise_compile_of_a_stock_model_serves_every_bucket_one_token_included():
+    # GPT-2's attention hands graphcap [1, H, T, D] views: made contiguous without a guard
+    # on T (graphcap.compat.guards.contiguous), else the one-token bucket compiled again.
+    ref, lm = pair("gpt2")
+    r = graphcap.capture(lm, "tc_piecewise", buckets=[1, 2, 8], max_requests=2)
+    for lens in ([1], [2], [3, 4]):
+        ids = torch.randint(1, VOCAB, (sum(lens),))
+        pos = torch.cat([torch.arange(n) for n in lens])
+        with torch.no_grad():
+            want = torch.cat([ref(request[None]).logits[0] for request in ids.split(lens)])
+        torch.testing.assert_close(r(ids, pos, seq_lens=lens), want, atol=1e-5, rtol=1e-5)
+    assert r.model.compiler.stats["graphs"] == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family_replays_like_eager_on_cuda_graphs(family):
