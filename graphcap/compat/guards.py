@@ -142,14 +142,14 @@ def no_zero_one_specialisation():
 
 def contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t.contiguous()`` inside a compile, without a guard on its sizes: ``t`` itself where
-    its layout is contiguous at every size of its dynamic dims, else a contiguous copy.
-    (``contiguous()`` asks whether the view already is, which Dynamo answers for a dynamic
-    token count T with a guard on T != 1, and compiles again at 1 token.) Under
-    :func:`no_zero_one_specialisation` the check adds no guard where this torch can tell
-    without one; elsewhere it guards as ``contiguous()`` does."""
-    from torch import _prims_common
-
-    provable = getattr(_prims_common, "is_contiguous_or_false", None)
-    if provable is not None and provable(t):
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
+    its strides are static and contiguous (a dynamic token count as its first dim), else
+    a contiguous copy. (``contiguous()`` asks whether the view already is, which Dynamo
+    answers for a dynamic token count T with a guard on T != 1, and compiles again at 1
+    token.) The strides are compared as plain ints only, inner dims first: the first dim's
+    size is never read."""
+    expected = 1
+    for size, stride in reversed(tuple(zip(t.shape, t.stride(), strict=True))):
+        if type(stride) is not int or type(expected) is not int or stride != expected:
+            return t.clone(memory_format=torch.contiguous_format)
+        expected = expected * size
+    return t

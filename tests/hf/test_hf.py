@@ -78,6 +78,17 @@ def test_every_family_replays_like_eager_under_every_strategy(family, strategy):
     assert reports[strategy]["shapes"] == BUCKETS
 
 
+def test_a_compiled_packed_view_is_copied_only_where_its_static_strides_are_not_contiguous():
+    from graphcap.compat.guards import contiguous
+
+    projected = torch.randn(1, 5, 4 * 8).view(1, 5, 4, 8).transpose(1, 2)  # [1, H, T, D]
+    rotated = torch.randn(1, 4, 5, 8)
+    kept, copied = contiguous(projected[0].transpose(0, 1)), contiguous(rotated[0].transpose(0, 1))
+    assert kept.data_ptr() == projected.data_ptr()
+    assert copied.is_contiguous() and copied.data_ptr() != rotated.data_ptr()
+    torch.testing.assert_close(copied, rotated[0].transpose(0, 1))
+
+
 def test_one_tc_piecewise_compile_of_a_stock_model_serves_every_bucket_one_token_included():
     # GPT-2's attention hands graphcap [1, H, T, D] views: made contiguous without a guard
     # on T (graphcap.compat.guards.contiguous), else the one-token bucket compiled again.
