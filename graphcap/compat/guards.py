@@ -1,5 +1,6 @@
-"""Dynamo's guards on graphcap's compiles: every tensor guarded, and no diff guards where
-cloning them leaks (torch 2.11).
+"""Dynamo's guards on graphcap's compiles: every tensor guarded, no diff guards where
+cloning them leaks (torch 2.11), and none on the token count being 0 or 1 (one compile
+serves every bucket: :func:`no_zero_one_specialisation`, :func:`contiguous`).
 
 Where a module's parameter dict is unchanged (its keys and objects), Dynamo of torch 2.11
 skips the tensor guards of its parameters (``skip_tensor_guards_with_matching_dict_tags``,
