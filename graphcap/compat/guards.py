@@ -126,6 +126,10 @@ def tensor_guards():
     return config.patch(skip_tensor_guards_with_matching_dict_tags=False)
 
 
+# Appended to the compile cache's key tag by no_zero_one_specialisation.
+CACHE_TAG = "+graphcap-size-oblivious"
+
+
 def no_zero_one_specialisation():
     """A context in which the dynamic sizes of a compile are not specialised on 0 and 1
     (``torch.fx.experimental._config.backed_size_oblivious``, size-oblivious reasoning
@@ -133,12 +137,24 @@ def no_zero_one_specialisation():
     where Dynamo would otherwise guard ``2 <= tokens`` and compile the forward again at
     the first one-token call (a decode step of one request). A branch of the forward's
     own on a size still guards, and compiles again where it goes the other way; nothing
-    where this torch has no such option."""
+    where this torch has no such option.
+
+    The option is not part of Inductor's and AOT autograd's cache keys: an entry saved by a
+    compile without it (a user's own ``torch.compile(backend="sgl_piecewise")``, an older
+    graphcap) carries its guard ``2 <= tokens``, and a hit on it compiled the pieces again
+    at one token. Inside the context the key's tag (``torch.compiler.config.cache_key_tag``,
+    where this torch has it) gets :data:`CACHE_TAG` appended, so such compiles keep
+    entries of their own."""
     from torch.fx.experimental import _config as config
 
     if not hasattr(config, "backed_size_oblivious"):
         return contextlib.nullcontext()
-    return config.patch(backed_size_oblivious=True)
+    stack = contextlib.ExitStack()
+    stack.enter_context(config.patch(backed_size_oblivious=True))
+    keys = getattr(torch.compiler, "config", None)
+    if hasattr(keys, "cache_key_tag"):
+        stack.enter_context(keys.patch(cache_key_tag=keys.cache_key_tag + CACHE_TAG))
+    return stack
 
 
 def contiguous(t: torch.Tensor) -> torch.Tensor:

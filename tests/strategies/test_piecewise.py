@@ -3,6 +3,7 @@ per shape), on its own and under graphcap.capture."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import importlib.metadata
@@ -18,6 +19,7 @@ from hypothesis import given, settings
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphcap
+from graphcap.compat import guards
 from graphcap.errors import CaptureError
 from graphcap.models import Decoder, ModelArgs
 from graphcap.piecewise import PiecewiseCompiler
@@ -103,6 +105,24 @@ def test_one_compile_serves_every_bucket_one_token_included(attention):
     assert stats["graphs"] == 1
     _check_batches(m, r, batches=([1], [2], [3, 5], [1, 1]))
     assert stats["graphs"] == 1 and r.stats.replays[1] == 1
+
+
+def test_inductor_pieces_compile_once_after_a_compile_that_specialised_one_token(monkeypatch):
+    # A compile without graphcap.compat.guards.no_zero_one_specialisation (a user's own
+    # torch.compile(backend="sgl_piecewise")) saves cache entries guarded 2 <= tokens;
+    # graphcap's compile must not hit them (it compiled its pieces again at one token).
+    def capture():
+        torch._dynamo.reset()  # each capture compiles, from the compile caches on disk
+        return graphcap.capture(decoder(1), "tc_piecewise", buckets=[1, 8], max_requests=2,
+                                attention="torch_masked", compiler="inductor")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(guards, "no_zero_one_specialisation", contextlib.nullcontext)
+        assert capture().model.compiler.stats["graphs"] == 2  # 2 <= tokens, then 1
+    r = capture()
+    assert r.model.compiler.stats["graphs"] == 1
+    _check_batches(decoder(1), r, batches=([1], [3, 5]))
+    assert r.model.compiler.stats["graphs"] == 1
 
 
 def test_a_fallback_at_a_size_captured_whole_runs_the_pieces_eagerly_and_captures_nothing():
