@@ -27,7 +27,12 @@ between two arms is what one link costs:
   after another) instead of loaded from the block table;
 - ``read, no table, no length``: that with the row's length a launch argument;
 - ``read, one block``: ``read`` in blocks of ``BLOCK_N`` tokens, all a program's tokens
-  asked for at once (``BLOCK_N`` = its split), the loop gone.
+  asked for at once (``BLOCK_N`` = its split), the loop gone;
+- ``read tokens``: the same bytes read in whole tokens, a program reading every key/value
+  head of its chunk of a row's tokens (each token's keys one contiguous run of 2 KB, where
+  ``read`` takes one head's 256 bytes of each token), as many programs as ``read`` has
+  and twice as many, at a few blocks, warps and stages: whether reading a row's cache in
+  head slices is what holds the grid below the bandwidth.
 
 The same bytes every arm (the split's tokens of keys and values), so every arm's time is
 fixed cost plus bytes at the rate its grid reaches. Printed per batch: us a launch of each
@@ -100,6 +105,46 @@ def _read_kernel(kc_ptr, vc_ptr, table_ptr, lens_ptr, out_ptr, mid_ptr, counts_p
         tl.store(out_ptr + (block * SPLITS + s) * D + d, total)
 
 
+@triton.jit
+def _read_tokens_kernel(kc_ptr, vc_ptr, table_ptr, out_ptr, table_stride, chunk_len, length,
+                        PAGE: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
+                        BLOCK_T: tl.constexpr):
+    """``read``'s bytes in whole tokens: a program reads every key/value head of its chunk
+    of a row's tokens (each token's keys one contiguous run of HK x D elements), where
+    ``read`` reads one head's D elements of every token of its split."""
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    e = tl.arange(0, HK * D)
+    start = c * chunk_len
+    end = tl.minimum(start + chunk_len, length)
+    total = tl.zeros([HK * D], tl.float32)
+    for n0 in range(start, end, BLOCK_T):
+        t = n0 + tl.arange(0, BLOCK_T)
+        t_ok = t < end
+        page = tl.load(table_ptr + b.to(tl.int64) * table_stride + t // PAGE, mask=t_ok,
+                       other=0).to(tl.int64)
+        offs = (page * PAGE + t % PAGE)[:, None] * (HK * D) + e[None, :]
+        k = tl.load(kc_ptr + offs, mask=t_ok[:, None], other=0.0)
+        v = tl.load(vc_ptr + offs, mask=t_ok[:, None], other=0.0)
+        total += tl.sum(k.to(tl.float32) + v.to(tl.float32), axis=0)
+    tl.store(out_ptr + (b * tl.num_programs(1) + c).to(tl.int64) * (HK * D) + e, total)
+
+
+def _read_tokens(cache, lens, chunks: int, block_t: int, warps: int, stages: int):
+    """``chunks`` programs a row, each reading every head of its share of the row's tokens
+    in blocks of ``block_t`` tokens."""
+    batch = lens.shape[0]
+    chunk_len = triton.cdiv(CONTEXT, chunks)
+    out = torch.empty(batch * chunks * HK * D, dtype=torch.float32, device="cuda")
+
+    def call(kc, vc):
+        _read_tokens_kernel[(batch, chunks)](
+            kc, vc, cache.block_table, out, cache.block_table.stride(0), chunk_len, CONTEXT,
+            PAGE=cache.page_size, HK=HK, D=D, BLOCK_T=block_t, num_warps=warps,
+            num_stages=stages)
+    return [functools.partial(call, *cache.layer(i)) for i in range(cache.layers)]
+
+
 def _cache(batch: int):
     per_layer = batch * CONTEXT * HK * D * 2 * 2
     layers = max(2, -(-CYCLE_BYTES // per_layer))
@@ -167,6 +212,10 @@ def batch_rows(batch: int) -> dict:
     for s in (2 * splits, 4 * splits):
         if s <= 64:
             arms[f"read splits={s}"] = _read(cache, lens, s, min(bn, CONTEXT // s))
+    for chunks, (bt, warps, stages) in itertools.product(  # the same bytes in whole tokens
+            (HK * splits, 2 * HK * splits), ((8, 4, 3), (8, 8, 3), (16, 8, 2), (4, 4, 4))):
+        arms[f"read tokens chunks={chunks} BLOCK_T={bt} warps={warps} stages={stages}"] = \
+            _read_tokens(cache, lens, chunks, bt, warps, stages)
     wanted = os.environ.get("PROBE_ARMS")  # a regex: the arms whose names it matches
     arms = {name: calls for name, calls in arms.items()
             if not wanted or re.match(wanted, name)}
