@@ -111,17 +111,18 @@ def test_inductor_pieces_compile_once_after_a_compile_that_specialised_one_token
     # A compile without graphcap.compat.guards.no_zero_one_specialisation (a user's own
     # torch.compile(backend="sgl_piecewise")) saves cache entries guarded 2 <= tokens;
     # graphcap's compile must not hit them (it compiled its pieces again at one token).
-    def capture():
+    def capture(m):
         torch._dynamo.reset()  # each capture compiles, from the compile caches on disk
-        return graphcap.capture(decoder(1), "tc_piecewise", buckets=[1, 8], max_requests=2,
+        return graphcap.capture(m, "tc_piecewise", buckets=[1, 8], max_requests=2,
                                 attention="torch_masked", compiler="inductor")
 
     with monkeypatch.context() as patched:
         patched.setattr(guards, "no_zero_one_specialisation", contextlib.nullcontext)
-        assert capture().model.compiler.stats["graphs"] == 2  # 2 <= tokens, then 1
-    r = capture()
+        assert capture(decoder(1)).model.compiler.stats["graphs"] == 2  # 2 <= tokens, 1
+    m = decoder(1)
+    r = capture(m)
     assert r.model.compiler.stats["graphs"] == 1
-    _check_batches(decoder(1), r, batches=([1], [3, 5]))
+    _check_batches(m, r, batches=([1], [3, 5]))
     assert r.model.compiler.stats["graphs"] == 1
 
 
