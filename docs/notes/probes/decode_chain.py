@@ -32,7 +32,12 @@ between two arms is what one link costs:
   head of its chunk of a row's tokens (each token's keys one contiguous run of 2 KB, where
   ``read`` takes one head's 256 bytes of each token), as many programs as ``read`` has
   and twice as many, at a few blocks, warps and stages: whether reading a row's cache in
-  head slices is what holds the grid below the bandwidth.
+  head slices is what holds the grid below the bandwidth;
+- ``tokens attention``: decode attention in whole tokens (``_tokens_attention_kernel``): a
+  program attends every query head of a row over its chunk of tokens, one product of all
+  query heads against every key/value head's rows of a block (those of other heads masked:
+  block-diagonal), partials merged by the row's last program to arrive; at 1 to 8 times
+  the kernel's split count as chunks a row, a few blocks and warps, and without the merge.
 
 The same bytes every arm (the split's tokens of keys and values), so every arm's time is
 fixed cost plus bytes at the rate its grid reaches. Printed per batch: us a launch of each
@@ -54,7 +59,14 @@ import triton.language as tl
 from graphcap.bench.common import environment
 from graphcap.bench.timing import cycled_ms
 from graphcap.kv import PagedKVCache
-from graphcap.opsdb.triton.common import num_sms, programmatic_launch, shared_memory
+from graphcap.opsdb.triton.common import (
+    cast,
+    dot,
+    interpreting,
+    num_sms,
+    programmatic_launch,
+    shared_memory,
+)
 from graphcap.opsdb.triton.decode import decode_attention
 from graphcap.opsdb.triton.decode_grid import head_block, programs_of, tiles_for
 
@@ -128,6 +140,98 @@ def _read_tokens_kernel(kc_ptr, vc_ptr, table_ptr, out_ptr, table_stride, chunk_
         v = tl.load(vc_ptr + offs, mask=t_ok[:, None], other=0.0)
         total += tl.sum(k.to(tl.float32) + v.to(tl.float32), axis=0)
     tl.store(out_ptr + (b * tl.num_programs(1) + c).to(tl.int64) * (HK * D) + e, total)
+
+
+@triton.jit
+def _tokens_attention_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, out_ptr, mid_o_ptr, mid_m_ptr,
+                             mid_l_ptr, counts_ptr, table_stride, chunk_len, length, scale,
+                             PAGE: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr,
+                             D: tl.constexpr, BLOCK_T: tl.constexpr, MERGE: tl.constexpr,
+                             INTERPRET: tl.constexpr):
+    """Decode attention in whole tokens: a program attends every query head of row ``b``
+    over its chunk of the row's tokens, each block's keys and values read as
+    ``BLOCK_T x HK`` rows of ``D`` (token-major: each token's heads one contiguous run).
+    Scores are one product of all ``HQ`` query heads against every row, the rows of
+    other key/value heads masked out (block-diagonal), so the values' product sums each
+    head's own rows only. Partials (unnormalised output, maximum, sum) per chunk; with
+    ``MERGE`` the last program of a row to arrive merges its chunks and writes the row."""
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    chunks = tl.num_programs(1)
+    R: tl.constexpr = BLOCK_T * HK
+    r = tl.arange(0, R)
+    h = tl.arange(0, HQ)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (b * HQ + h)[:, None] * D + d[None, :])
+    same = (h // (HQ // HK))[:, None] == (r % HK)[None, :]
+    m_i = tl.full([HQ], float("-inf"), tl.float32)
+    l_i = tl.zeros([HQ], tl.float32)
+    acc = tl.zeros([HQ, D], tl.float32)
+    start = c * chunk_len
+    end = tl.minimum(start + chunk_len, length)
+    for n0 in range(start, end, BLOCK_T):
+        t = n0 + r // HK
+        t_ok = t < end
+        page = tl.load(table_ptr + b.to(tl.int64) * table_stride + t // PAGE, mask=t_ok,
+                       other=0).to(tl.int64)
+        offs = ((page * PAGE + t % PAGE) * (HK * D) + (r % HK) * D)[:, None] + d[None, :]
+        k = tl.load(kc_ptr + offs, mask=t_ok[:, None], other=0.0)
+        v = tl.load(vc_ptr + offs, mask=t_ok[:, None], other=0.0)
+        s = dot(q, tl.trans(k), tl.zeros([HQ, R], tl.float32), False, INTERPRET) * scale
+        s = tl.where(same & t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: a block holds a token of each head
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = dot(cast(p, v.dtype, INTERPRET), v, acc * alpha[:, None], False, INTERPRET)
+        m_i = m_new
+    part = (b * chunks + c).to(tl.int64) * HQ + h
+    tl.store(mid_o_ptr + part[:, None] * D + d[None, :], acc)
+    tl.store(mid_m_ptr + part, m_i)
+    tl.store(mid_l_ptr + part, l_i)
+    if MERGE:
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counts_ptr + b, 1)
+        if arrived == chunks - 1:
+            tl.atomic_xchg(counts_ptr + b, 0)
+            top = tl.full([HQ], float("-inf"), tl.float32)
+            for i in range(0, chunks):
+                top = tl.maximum(top, tl.load(mid_m_ptr + (b * chunks + i) * HQ + h,
+                                              cache_modifier=".cg"))
+            total = tl.zeros([HQ], tl.float32)
+            o = tl.zeros([HQ, D], tl.float32)
+            for i in range(0, chunks):
+                row = (b * chunks + i).to(tl.int64) * HQ + h
+                w = tl.exp(tl.load(mid_m_ptr + row, cache_modifier=".cg") - top)
+                total += w * tl.load(mid_l_ptr + row, cache_modifier=".cg")
+                o += w[:, None] * tl.load(mid_o_ptr + row[:, None] * D + d[None, :],
+                                          cache_modifier=".cg")
+            o = o / total[:, None]
+            tl.store(out_ptr + (b * HQ + h)[:, None] * D + d[None, :],
+                     cast(o, out_ptr.dtype.element_ty, INTERPRET))
+
+
+def tokens_attention(q, cache, layer: int, out, scale: float, chunks: int, block_t: int,
+                     warps: int, stages: int, merge: bool = True, length: int = CONTEXT):
+    """A launch of ``_tokens_attention_kernel`` for every row of ``q`` [rows, HQ, D] over
+    ``length`` tokens of each row's pages in ``cache``'s layer ``layer`` (a callable)."""
+    rows, hq, d = q.shape
+    hk = cache.k.shape[-2]
+    mid_o = torch.empty(rows * chunks * hq * d, dtype=torch.float32, device=q.device)
+    mid_m = torch.empty(rows * chunks * hq, dtype=torch.float32, device=q.device)
+    mid_l = torch.empty_like(mid_m)
+    counts = torch.zeros(rows, dtype=torch.int32, device=q.device)
+    chunk_len = triton.cdiv(triton.cdiv(length, chunks), block_t) * block_t
+    kc, vc = cache.layer(layer)
+
+    def call():
+        _tokens_attention_kernel[(rows, chunks)](
+            q, kc, vc, cache.block_table, out, mid_o, mid_m, mid_l, counts,
+            cache.block_table.stride(0), chunk_len, length, scale, PAGE=cache.page_size,
+            HQ=hq, HK=hk, D=d, BLOCK_T=block_t, MERGE=merge, INTERPRET=interpreting(),
+            num_warps=warps,
+            num_stages=stages)
+    return call
 
 
 def _read_tokens(cache, lens, chunks: int, block_t: int, warps: int, stages: int):
@@ -216,6 +320,18 @@ def batch_rows(batch: int) -> dict:
             (HK * splits, 2 * HK * splits), ((8, 4, 3), (8, 8, 3), (16, 8, 2), (4, 4, 4))):
         arms[f"read tokens chunks={chunks} BLOCK_T={bt} warps={warps} stages={stages}"] = \
             _read_tokens(cache, lens, chunks, bt, warps, stages)
+    for chunks, (bt, warps, stages) in itertools.product(  # attention in whole tokens
+            (splits, 2 * splits, 4 * splits, 8 * splits), ((4, 4, 2), (8, 4, 2), (8, 8, 2),
+                                                            (16, 8, 2))):
+        if CONTEXT // chunks >= bt:
+            arms[f"tokens attention chunks={chunks} BLOCK_T={bt} warps={warps} "
+                 f"stages={stages}"] = [tokens_attention(q, cache, i, out, scale, chunks, bt,
+                                                         warps, stages)
+                                        for i in range(cache.layers)]
+    for chunks in (splits, 4 * splits):
+        arms[f"tokens attention, no merge chunks={chunks} BLOCK_T=8 warps=4 stages=2"] = [
+            tokens_attention(q, cache, i, out, scale, chunks, 8, 4, 2, merge=False)
+            for i in range(cache.layers)]
     wanted = os.environ.get("PROBE_ARMS")  # a regex: the arms whose names it matches
     arms = {name: calls for name, calls in arms.items()
             if not wanted or re.match(wanted, name)}
