@@ -28,6 +28,9 @@ between two arms is what one link costs:
 - ``read, no table, no length``: that with the row's length a launch argument;
 - ``read, one block``: ``read`` in blocks of ``BLOCK_N`` tokens, all a program's tokens
   asked for at once (``BLOCK_N`` = its split), the loop gone;
+- ``read, head-major pages``: ``read`` of pages laid out ``[heads, tokens, head dim]``
+  (FlashInfer's HND) where graphcap's are ``[tokens, heads, head dim]``: each program's
+  head of a page one contiguous run of 4 KB where today it is 256 bytes every 2 KB;
 - ``read tokens``: the same bytes read in whole tokens, a program reading every key/value
   head of its chunk of a row's tokens (each token's keys one contiguous run of 2 KB, where
   ``read`` takes one head's 256 bytes of each token), as many programs as ``read`` has
@@ -79,7 +82,7 @@ def _read_kernel(kc_ptr, vc_ptr, table_ptr, lens_ptr, out_ptr, mid_ptr, counts_p
                  width, table_stride, split_len, host_len,
                  PAGE: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                  SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, TABLE: tl.constexpr,
-                 LENGTH: tl.constexpr, MERGE: tl.constexpr):
+                 LENGTH: tl.constexpr, MERGE: tl.constexpr, HEAD_MAJOR: tl.constexpr = False):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -98,7 +101,10 @@ def _read_kernel(kc_ptr, vc_ptr, table_ptr, lens_ptr, out_ptr, mid_ptr, counts_p
                            other=0).to(tl.int64)
         else:
             page = (b * width + t // PAGE).to(tl.int64) + 1  # the pages one after another
-        offs = (page * PAGE + t % PAGE)[:, None] * (HK * D) + kvh * D + d[None, :]
+        if HEAD_MAJOR:  # pages laid out [heads, tokens, D]: a head's page one run
+            offs = ((page * HK + kvh) * PAGE + t % PAGE)[:, None] * D + d[None, :]
+        else:
+            offs = (page * PAGE + t % PAGE)[:, None] * (HK * D) + kvh * D + d[None, :]
         k = tl.load(kc_ptr + offs, mask=t_ok[:, None], other=0.0)
         v = tl.load(vc_ptr + offs, mask=t_ok[:, None], other=0.0)
         total += tl.sum(k.to(tl.float32) + v.to(tl.float32), axis=0)
@@ -261,7 +267,8 @@ def _cache(batch: int):
     return cache
 
 
-def _read(cache, lens, splits: int, block_n: int, *, table=True, length=True, merge=False):
+def _read(cache, lens, splits: int, block_n: int, *, table=True, length=True, merge=False,
+          head_major=False):
     batch = lens.shape[0]
     split_len = triton.cdiv(triton.cdiv(CONTEXT, splits), block_n) * block_n
     out = torch.empty(batch * HK * splits * D, dtype=torch.float32, device="cuda")
@@ -276,7 +283,7 @@ def _read(cache, lens, splits: int, block_n: int, *, table=True, length=True, me
             kc, vc, cache.block_table, lens, out, mid, counts, width,
             cache.block_table.stride(0), split_len, CONTEXT, PAGE=cache.page_size, HK=HK, D=D,
             SPLITS=splits, BLOCK_N=block_n, TABLE=table, LENGTH=length, MERGE=merge,
-            num_warps=4, num_stages=3)
+            HEAD_MAJOR=head_major, num_warps=4, num_stages=3)
     return [functools.partial(call, *cache.layer(i)) for i in range(cache.layers)]
 
 
@@ -313,9 +320,14 @@ def batch_rows(batch: int) -> dict:
     arms["read, no table, no length"] = _read(cache, lens, splits, bn, table=False,
                                               length=False)
     arms["read, one block"] = _read(cache, lens, splits, triton.cdiv(CONTEXT, splits))
+    arms["read, head-major pages"] = _read(cache, lens, splits, bn, head_major=True)
+    arms["read, head-major pages, merge"] = _read(cache, lens, splits, bn, merge=True,
+                                                  head_major=True)
     for s in (2 * splits, 4 * splits):
         if s <= 64:
             arms[f"read splits={s}"] = _read(cache, lens, s, min(bn, CONTEXT // s))
+            arms[f"read, head-major pages splits={s}"] = _read(
+                cache, lens, s, min(bn, CONTEXT // s), head_major=True)
     for chunks, (bt, warps, stages) in itertools.product(  # the same bytes in whole tokens
             (HK * splits, 2 * HK * splits), ((8, 4, 3), (8, 8, 3), (16, 8, 2), (4, 4, 4))):
         arms[f"read tokens chunks={chunks} BLOCK_T={bt} warps={warps} stages={stages}"] = \
