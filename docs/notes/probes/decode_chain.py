@@ -235,8 +235,7 @@ def tokens_attention(q, cache, layer: int, out, scale: float, chunks: int, block
             q, kc, vc, cache.block_table, out, mid_o, mid_m, mid_l, counts,
             cache.block_table.stride(0), chunk_len, length, scale, PAGE=cache.page_size,
             HQ=hq, HK=hk, D=d, BLOCK_T=block_t, MERGE=merge, INTERPRET=interpreting(),
-            num_warps=warps,
-            num_stages=stages)
+            num_warps=warps, num_stages=stages)
     return call
 
 
