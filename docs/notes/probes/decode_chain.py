@@ -217,26 +217,25 @@ def _tokens_attention_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, out_ptr, mid_o_pt
                      cast(o, out_ptr.dtype.element_ty, INTERPRET))
 
 
-def tokens_attention(q, cache, layer: int, out, scale: float, chunks: int, block_t: int,
-                     warps: int, stages: int, merge: bool = True, length: int = CONTEXT):
-    """A launch of ``_tokens_attention_kernel`` for every row of ``q`` [rows, HQ, D] over
-    ``length`` tokens of each row's pages in ``cache``'s layer ``layer`` (a callable)."""
+def _tokens_attention(cache, q, out, scale: float, chunks: int, block_t: int, warps: int,
+                      stages: int, merge: bool = True, length: int = CONTEXT):
+    """A launch of ``_tokens_attention_kernel`` a layer of ``cache``, for every row of
+    ``q`` [rows, HQ, D] over ``length`` tokens of each row's pages (the launches share
+    their partials and counts, as ``_read``'s do: the merging program zeroes its count)."""
     rows, hq, d = q.shape
-    hk = cache.k.shape[-2]
     mid_o = torch.empty(rows * chunks * hq * d, dtype=torch.float32, device=q.device)
     mid_m = torch.empty(rows * chunks * hq, dtype=torch.float32, device=q.device)
     mid_l = torch.empty_like(mid_m)
     counts = torch.zeros(rows, dtype=torch.int32, device=q.device)
     chunk_len = triton.cdiv(triton.cdiv(length, chunks), block_t) * block_t
-    kc, vc = cache.layer(layer)
 
-    def call():
+    def call(kc, vc):
         _tokens_attention_kernel[(rows, chunks)](
             q, kc, vc, cache.block_table, out, mid_o, mid_m, mid_l, counts,
             cache.block_table.stride(0), chunk_len, length, scale, PAGE=cache.page_size,
-            HQ=hq, HK=hk, D=d, BLOCK_T=block_t, MERGE=merge, INTERPRET=interpreting(),
-            num_warps=warps, num_stages=stages)
-    return call
+            HQ=hq, HK=cache.kv_heads, D=d, BLOCK_T=block_t, MERGE=merge,
+            INTERPRET=interpreting(), num_warps=warps, num_stages=stages)
+    return [functools.partial(call, *cache.layer(i)) for i in range(cache.layers)]
 
 
 def _read_tokens(cache, lens, chunks: int, block_t: int, warps: int, stages: int):
@@ -336,13 +335,11 @@ def batch_rows(batch: int) -> dict:
                                                             (16, 8, 2))):
         if CONTEXT // chunks >= bt:
             arms[f"tokens attention chunks={chunks} BLOCK_T={bt} warps={warps} "
-                 f"stages={stages}"] = [tokens_attention(q, cache, i, out, scale, chunks, bt,
+                 f"stages={stages}"] = _tokens_attention(cache, q, out, scale, chunks, bt,
                                                          warps, stages)
-                                        for i in range(cache.layers)]
     for chunks in (splits, 4 * splits):
-        arms[f"tokens attention, no merge chunks={chunks} BLOCK_T=8 warps=4 stages=2"] = [
-            tokens_attention(q, cache, i, out, scale, chunks, 8, 4, 2, merge=False)
-            for i in range(cache.layers)]
+        arms[f"tokens attention, no merge chunks={chunks} BLOCK_T=8 warps=4 stages=2"] = \
+            _tokens_attention(cache, q, out, scale, chunks, 8, 4, 2, merge=False)
     wanted = os.environ.get("PROBE_ARMS")  # a regex: the arms whose names it matches
     arms = {name: calls for name, calls in arms.items()
             if not wanted or re.match(wanted, name)}
