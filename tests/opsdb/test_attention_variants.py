@@ -283,6 +283,28 @@ def test_flashinfer_decode_refuses_a_layer_of_another_scale_than_it_planned_with
         backend.forward(q, None, None, SimpleNamespace(plan=None), torch.empty_like(q), 0.25)
 
 
+@settings(max_examples=20, deadline=None)
+@given(lens=st.lists(st.integers(0, 3), min_size=1, max_size=9),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       seed=st.integers(0, 2**16))
+def test_flashinfer_decode_zeroes_each_pad_rows_output_and_leaves_the_others_as_they_are(
+        lens, dtype, seed):
+    """A row of length 0 (a pad, planned over the null page) comes out all zeros whatever
+    FlashInfer wrote there, NaN included; every other row bit for bit as it was."""
+    from graphcap.opsdb.attention.flashinfer_decode import zero_pads
+
+    g = torch.Generator().manual_seed(seed)
+    out = torch.randn(len(lens), 3, 8, generator=g)
+    out[torch.rand(out.shape, generator=g) < 0.2] = float("nan")
+    out = out.to(DEVICE, dtype)
+    before = out.clone()
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    zero_pads(out, seq_lens)
+    pads = seq_lens == 0
+    assert torch.equal(out[pads], torch.zeros_like(out[pads]))
+    torch.testing.assert_close(out[~pads], before[~pads], rtol=0, atol=0, equal_nan=True)
+
+
 def test_flashinfer_prefill_refuses_a_layer_of_another_scale_than_it_planned_with():
     """FlashInfer fixes the softmax scale when it plans (from the first layer it runs):
     a layer asking for another is refused, never run at the planned one."""

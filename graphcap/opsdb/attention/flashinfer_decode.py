@@ -138,7 +138,13 @@ class FlashInferDecode(DecodeBackend):
         else:
             _, lse = plan.wrappers[pair].run(q, (k_cache, v_cache), out=out, return_lse=True)
             add_sinks(out, lse, variant.sinks)
-        out.copy_(torch.where((kv.seq_lens > 0)[:, None, None], out, 0.0))
+        zero_pads(out, kv.seq_lens)
+
+
+def zero_pads(out: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """Each row of ``out`` ``[rows, heads, head_dim]`` whose length is 0 (a pad) zeroed in
+    place, NaN included: two kernels a layer (the mask and the fill)."""
+    out.masked_fill_((seq_lens <= 0)[:, None, None], 0.0)
 
 
 class FlashInferPlan(DecodePlan):
